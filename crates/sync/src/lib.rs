@@ -1,0 +1,263 @@
+//! The one sync facade of blkq.
+//!
+//! Every crate of the workspace takes its atomics, locks, `Arc`, `UnsafeCell` and thread
+//! parking from here, never from `std::sync` directly. Built normally these are the `std`
+//! types; built with `RUSTFLAGS="--cfg blkq_loom"` they are loom's, so a loom model of an upper
+//! layer (raid1, blk) runs the real `sbitmap` and `waitq` code underneath it, not a mock.
+//! This is the shape of crossbeam's `primitive` module and tokio's `src/loom/`.
+//!
+//! Two things loom does not model are mapped deliberately:
+//! - **time**: [`park_until`] under loom does not sleep; it yields and reports the deadline as
+//!   passed, so a model explores "the timeout fired here" at every point a timed wait can
+//!   sleep. Woken-before-timeout is what the untimed models cover.
+//! - **thread slots** ([`thread_slot`]): a small per-thread number used to spread per-thread
+//!   hints over an array (the userspace stand-in for per-CPU data). Under loom every thread
+//!   gets slot 0: hints are only hints, and correctness must not depend on them.
+#![warn(missing_docs)]
+
+use core::ops::{Deref, DerefMut};
+
+#[cfg(not(blkq_loom))]
+mod imp {
+    pub use std::sync::Arc;
+
+    /// Atomics: `std::sync::atomic`, or loom's under `--cfg blkq_loom`.
+    pub mod atomic {
+        pub use std::sync::atomic::{
+            fence, AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        };
+    }
+
+    /// Threads: `std::thread`, or loom's under `--cfg blkq_loom`.
+    pub mod thread {
+        pub use std::thread::{current, park, spawn, yield_now, JoinHandle, Thread};
+    }
+
+    pub(crate) type RawMutex<T> = std::sync::Mutex<T>;
+    pub(crate) type RawGuard<'a, T> = std::sync::MutexGuard<'a, T>;
+
+    pub(crate) fn raw_lock<T>(m: &RawMutex<T>) -> RawGuard<'_, T> {
+        // A panic while holding one of our locks leaves state that every path re-validates
+        // (queues of waiters, counters); poisoning would only turn one panic into many.
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn raw_try_lock<T>(m: &RawMutex<T>) -> Option<RawGuard<'_, T>> {
+        match m.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// `std::cell::UnsafeCell` with loom's closure-based access API.
+    #[derive(Debug, Default)]
+    pub struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        /// Wraps `value`.
+        pub const fn new(value: T) -> Self {
+            Self(std::cell::UnsafeCell::new(value))
+        }
+        /// Runs `f` with a shared raw pointer to the value.
+        #[inline(always)]
+        pub fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0.get())
+        }
+        /// Runs `f` with a mutable raw pointer to the value.
+        #[inline(always)]
+        pub fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0.get())
+        }
+    }
+
+    pub fn park_until(deadline: std::time::Instant) -> bool {
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return true;
+        }
+        std::thread::park_timeout(deadline - now);
+        std::time::Instant::now() >= deadline
+    }
+
+    pub fn thread_slot() -> usize {
+        use std::cell::Cell;
+        // The id source is not modelled state: it only names threads.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        thread_local! {
+            static SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+        }
+        SLOT.with(|s| {
+            let v = s.get();
+            if v != usize::MAX {
+                return v;
+            }
+            let v = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            s.set(v);
+            v
+        })
+    }
+}
+
+#[cfg(blkq_loom)]
+mod imp {
+    pub use loom::sync::Arc;
+
+    /// Atomics: `std::sync::atomic`, or loom's under `--cfg blkq_loom`.
+    pub mod atomic {
+        pub use loom::sync::atomic::{
+            fence, AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering,
+        };
+    }
+
+    /// Threads: `std::thread`, or loom's under `--cfg blkq_loom`.
+    pub mod thread {
+        pub use loom::thread::{current, park, spawn, yield_now, JoinHandle, Thread};
+    }
+
+    pub(crate) type RawMutex<T> = loom::sync::Mutex<T>;
+    pub(crate) type RawGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+
+    pub(crate) fn raw_lock<T>(m: &RawMutex<T>) -> RawGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn raw_try_lock<T>(m: &RawMutex<T>) -> Option<RawGuard<'_, T>> {
+        match m.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    pub use loom::cell::UnsafeCell;
+
+    pub fn park_until(_deadline: std::time::Instant) -> bool {
+        loom::thread::yield_now();
+        true
+    }
+
+    pub fn thread_slot() -> usize {
+        0
+    }
+}
+
+pub use imp::{atomic, thread, Arc, UnsafeCell};
+
+/// Parks the current thread until it is unparked or `deadline` passes; returns whether the
+/// deadline has passed. Like `park`, it may return early for no reason: callers re-check.
+///
+/// Under loom it yields and always reports the deadline as passed (see the crate docs).
+#[inline]
+pub fn park_until(deadline: std::time::Instant) -> bool {
+    imp::park_until(deadline)
+}
+
+/// A small dense number naming the current thread, for indexing per-thread hint arrays.
+#[inline]
+pub fn thread_slot() -> usize {
+    imp::thread_slot()
+}
+
+/// A mutex that does not poison: the facade's `std::sync::Mutex` or loom's.
+#[derive(Debug, Default)]
+pub struct Mutex<T>(imp::RawMutex<T>);
+
+/// The guard of [`Mutex`].
+pub struct MutexGuard<'a, T>(imp::RawGuard<'a, T>);
+
+impl<T> Mutex<T> {
+    /// A new unlocked mutex holding `value`.
+    pub fn new(value: T) -> Self {
+        Self(imp::RawMutex::new(value))
+    }
+
+    /// Locks, blocking until the lock is free.
+    #[inline]
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        MutexGuard(imp::raw_lock(&self.0))
+    }
+
+    /// Locks if the lock is free right now.
+    #[inline]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        imp::raw_try_lock(&self.0).map(MutexGuard)
+    }
+}
+
+impl<T> Deref for MutexGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for MutexGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// Pads and aligns `T` to 128 bytes: one value per cache line (two 64-byte lines, since x86's
+/// adjacent-line prefetcher pulls pairs; crossbeam chooses the same).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub struct CachePadded<T>(pub T);
+
+impl<T> Deref for CachePadded<T> {
+    type Target = T;
+    #[inline(always)]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for CachePadded<T> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// Runs `f` as a loom model (explores interleavings) under `--cfg blkq_loom`, and once
+/// otherwise. Lets a model test double as a plain smoke test.
+pub fn model<F>(f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    #[cfg(blkq_loom)]
+    loom::model(f);
+    #[cfg(not(blkq_loom))]
+    f();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mutex_locks_and_try_lock_fails_while_held() {
+        let m = Mutex::new(1);
+        let mut g = m.lock();
+        *g += 1;
+        assert!(m.try_lock().is_none());
+        drop(g);
+        assert_eq!(*m.lock(), 2);
+    }
+
+    #[test]
+    fn cache_padded_is_aligned() {
+        assert_eq!(core::mem::align_of::<CachePadded<u8>>(), 128);
+    }
+
+    #[cfg(not(blkq_loom))]
+    #[test]
+    fn thread_slots_differ_between_threads() {
+        let a = thread_slot();
+        assert_eq!(a, thread_slot());
+        let b = std::thread::spawn(thread_slot).join().unwrap();
+        assert_ne!(a, b);
+    }
+}
