@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "blkq", version, about = "A userspace multi-queue block I/O stack served over NBD")]
+#[command(
+    name = "blkq",
+    version,
+    about = "A userspace multi-queue block I/O stack served over NBD"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,

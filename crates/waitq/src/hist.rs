@@ -101,7 +101,11 @@ impl HistogramSnapshot {
         for (i, c) in self.buckets.iter().enumerate() {
             seen += c;
             if seen >= want {
-                return if i == 0 { 0 } else { (1u64 << (i - 1)).saturating_mul(2) - 1 };
+                return if i == 0 {
+                    0
+                } else {
+                    (1u64 << (i - 1)).saturating_mul(2) - 1
+                };
             }
         }
         self.max
@@ -120,7 +124,13 @@ impl fmt::Display for HistogramSnapshot {
             let bar = "#".repeat(((c * 40).div_ceil(peak)) as usize);
             writeln!(f, "{lo:>12} ns .. : {c:>10} {bar}")?;
         }
-        write!(f, "count {} mean {} ns max {} ns", self.count(), self.mean(), self.max)
+        write!(
+            f,
+            "count {} mean {} ns max {} ns",
+            self.count(),
+            self.mean(),
+            self.max
+        )
     }
 }
 

@@ -33,7 +33,7 @@ impl Error {
     /// The errno a kernel wait would return for this.
     pub fn errno(self) -> i32 {
         match self {
-            Error::Cancelled => 4,   // EINTR
+            Error::Cancelled => 4,  // EINTR
             Error::TimedOut => 110, // ETIMEDOUT
         }
     }

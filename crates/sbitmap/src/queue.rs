@@ -1,0 +1,503 @@
+//! `SbitmapQueue`: a tag bitmap plus the wait queues its allocators sleep on, with batched
+//! wake-ups (seed 000).
+//!
+//! # State
+//!
+//! | field             | meaning                                                             |
+//! |-------------------|---------------------------------------------------------------------|
+//! | `ws[0..8]`        | eight wait queues; a sleeper picks one round-robin (`next_ws`)       |
+//! | `ws_active`       | number of allocators between "about to queue" and "left the queue"  |
+//! | `wake_batch`      | wake-ups are issued `wake_batch` waiters at a time                  |
+//! | `completion_cnt`  | frees counted while `ws_active != 0`; only ever increases (wraps)   |
+//! | `wakeup_cnt`      | `wake_batch` times the batches issued; only ever increases (wraps)  |
+//! | `wake_index`      | the queue the next batch starts from, round-robin                   |
+//! | `ws[i].wait_cnt`  | legacy algorithm only: frees left before queue `i` gets a batch     |
+//!
+//! # The counter algorithm (seed 000)
+//!
+//! A free adds to `completion_cnt`; then, while `completion_cnt - wakeup_cnt >= wake_batch`,
+//! it advances `wakeup_cnt` by `wake_batch` with a CAS and, if the CAS won, wakes up to
+//! `wake_batch` waiters across the queues from `wake_index`. Nothing is ever reset, so there
+//! is no two-step update for a nested or concurrent free to fall between: a free that loses
+//! the CAS simply re-reads both counters and either finds a batch still owed (and issues it)
+//! or finds that the winner's batch covered it. Invariant: `wakeup_cnt <= completion_cnt`
+//! (as real numbers; they wrap in `u32`, and differences are taken as signed).
+//!
+//! Ordering of the counters: the CAS on `wakeup_cnt` is AcqRel and its loads Acquire, so a
+//! free that reads a `wakeup_cnt` advanced by another free also sees (read-read coherence
+//! through happens-before) a `completion_cnt` at least as new as the one that free saw: the
+//! signed difference can then not go negative from stale reads. `completion_cnt` itself is
+//! Relaxed: it is a counter, and the CAS decides who wakes.
+//!
+//! # The legacy algorithm (before seed 000), behind [`WakeAlgo::Legacy`]
+//!
+//! Each queue has `wait_cnt`, decremented by every free; the free that brings it to zero
+//! wakes a batch on that queue, advances `wake_index`, and resets `wait_cnt` to `wake_batch`.
+//! Decrement and reset are two steps: a free that arrives in between (on another CPU, or
+//! nested on the same one, as a completion interrupting a completion) finds `wait_cnt <= 0`
+//! and must either spin until the reset (which never comes if it interrupted the resetter:
+//! the kernel's hang) or leave, trusting the pending reset's batch to cover it. We leave, as
+//! an early version did, and that loses its wake-up: the loom model and the nested test in
+//! `tests/` show a waiter left asleep while a tag is free. Kept only to be measured against.
+//!
+//! # No lost wake-up between a sleeper and a free
+//!
+//! A sleeper increments `ws_active`, queues (the wait queue's `prepare` ends in a SeqCst
+//! fence), then retries the allocation. A free clears its bit, then fences (SeqCst) and reads
+//! `ws_active`. The two fences pair: either the sleeper's retry sees the freed bit, or the
+//! free sees `ws_active != 0` and counts itself towards a wake-up. Once counted, every
+//! `wake_batch` frees issue `wake_batch` wake-ups, oldest sleepers of each queue first.
+//! A sleeper always has `depth` tags in flight ahead of it, and `wake_batch` is computed so
+//! that `depth >= 8 * wake_batch` wherever possible: enough frees are always coming.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use blkq_sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use blkq_sync::CachePadded;
+use waitq::{WaitKey, WaitQueue};
+
+use crate::{Error, Sbitmap, TagBatch};
+
+/// Number of wait queues. Under loom it is 2: the algorithms treat any number of queues
+/// alike, and each extra queue only multiplies the states a model must explore.
+pub const SBQ_WAIT_QUEUES: usize = if cfg!(blkq_loom) { 2 } else { 8 };
+/// The largest wake batch.
+pub const SBQ_WAKE_BATCH: u32 = 8;
+
+/// Which wake-up algorithm a queue runs (switchable at run time, for comparison).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WakeAlgo {
+    /// Ever-increasing completion and wake-up counters (seed 000). The default.
+    #[default]
+    Counter,
+    /// A per-queue `wait_cnt` decremented and reset (the algorithm seed 000 replaced).
+    Legacy,
+}
+
+impl std::str::FromStr for WakeAlgo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "counter" => Ok(WakeAlgo::Counter),
+            "legacy" => Ok(WakeAlgo::Legacy),
+            _ => Err(Error::UnknownAlgo(s.to_string())),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct WaitState {
+    wq: WaitQueue,
+    /// Legacy algorithm only.
+    wait_cnt: AtomicI32,
+}
+
+/// Computes the wake batch: small enough that the bitmap's usable depth (each word limited
+/// to `min_shallow_depth` bits) holds a batch for each of the eight queues, at most
+/// [`SBQ_WAKE_BATCH`], at least 1.
+pub fn calc_wake_batch(depth: u32, shift: u32, min_shallow_depth: u32) -> u32 {
+    let bpw = 1u32 << shift;
+    let per_word = bpw.min(min_shallow_depth);
+    let usable = (depth >> shift) * per_word + (depth & (bpw - 1)).min(per_word);
+    (usable / SBQ_WAIT_QUEUES as u32).clamp(1, SBQ_WAKE_BATCH)
+}
+
+/// A tag bitmap whose allocators may sleep until a tag is freed.
+#[derive(Debug)]
+pub struct SbitmapQueue {
+    sb: Sbitmap,
+    wake_batch: AtomicU32,
+    min_shallow_depth: AtomicU32,
+    ws_active: CachePadded<AtomicU32>,
+    wake_index: AtomicUsize,
+    next_ws: AtomicUsize,
+    completion_cnt: CachePadded<AtomicU32>,
+    wakeup_cnt: CachePadded<AtomicU32>,
+    legacy: AtomicBool,
+    ws: Box<[CachePadded<WaitState>]>,
+}
+
+impl SbitmapQueue {
+    /// A queue over a new [`Sbitmap`] of `depth` tags (`shift`, `round_robin`: see there).
+    pub fn new(
+        depth: u32,
+        shift: Option<u32>,
+        round_robin: bool,
+        algo: WakeAlgo,
+    ) -> Result<Self, Error> {
+        let sb = Sbitmap::new(depth, shift, round_robin)?;
+        let wake_batch = calc_wake_batch(depth, sb.shift(), u32::MAX);
+        let ws: Box<[CachePadded<WaitState>]> = (0..SBQ_WAIT_QUEUES)
+            .map(|_| {
+                CachePadded(WaitState {
+                    wq: WaitQueue::new(),
+                    wait_cnt: AtomicI32::new(wake_batch as i32),
+                })
+            })
+            .collect();
+        Ok(Self {
+            sb,
+            wake_batch: AtomicU32::new(wake_batch),
+            min_shallow_depth: AtomicU32::new(u32::MAX),
+            ws_active: CachePadded(AtomicU32::new(0)),
+            wake_index: AtomicUsize::new(0),
+            next_ws: AtomicUsize::new(0),
+            completion_cnt: CachePadded(AtomicU32::new(0)),
+            wakeup_cnt: CachePadded(AtomicU32::new(0)),
+            legacy: AtomicBool::new(algo == WakeAlgo::Legacy),
+            ws,
+        })
+    }
+
+    /// The bitmap.
+    pub fn bitmap(&self) -> &Sbitmap {
+        &self.sb
+    }
+
+    /// The wake-up algorithm in use.
+    pub fn algo(&self) -> WakeAlgo {
+        if self.legacy.load(Ordering::Relaxed) {
+            WakeAlgo::Legacy
+        } else {
+            WakeAlgo::Counter
+        }
+    }
+
+    /// Switches the wake-up algorithm. Meant for use between runs; switching under load is
+    /// safe (every sleeper re-checks the bitmap) but may delay a batch.
+    pub fn set_algo(&self, algo: WakeAlgo) {
+        self.legacy
+            .store(algo == WakeAlgo::Legacy, Ordering::Relaxed);
+        self.wake_all();
+    }
+
+    /// The current wake batch.
+    pub fn wake_batch(&self) -> u32 {
+        self.wake_batch.load(Ordering::Relaxed)
+    }
+
+    /// Number of allocators currently waiting (or about to).
+    pub fn ws_active(&self) -> u32 {
+        self.ws_active.load(Ordering::Relaxed)
+    }
+
+    /// `(completion_cnt, wakeup_cnt)`, for tests and statistics.
+    pub fn counters(&self) -> (u32, u32) {
+        (
+            self.completion_cnt.load(Ordering::Relaxed),
+            self.wakeup_cnt.load(Ordering::Relaxed),
+        )
+    }
+
+    fn update_wake_batch(&self) {
+        let b = calc_wake_batch(
+            self.sb.depth(),
+            self.sb.shift(),
+            self.min_shallow_depth.load(Ordering::Relaxed),
+        );
+        if self.wake_batch.swap(b, Ordering::Relaxed) != b {
+            // Legacy: let every queue pick the new batch up at its next reset.
+            for ws in self.ws.iter() {
+                ws.wait_cnt.store(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Tells the queue the smallest shallow depth its users will pass to
+    /// [`SbitmapQueue::get_shallow`], so the wake batch stays reachable.
+    pub fn set_min_shallow_depth(&self, depth: u32) {
+        self.min_shallow_depth.store(depth, Ordering::Relaxed);
+        self.update_wake_batch();
+    }
+
+    /// Resizes the bitmap (up to its capacity) and recomputes the wake batch.
+    pub fn resize(&self, depth: u32) -> Result<(), Error> {
+        self.sb.resize(depth)?;
+        self.update_wake_batch();
+        // Sleepers may now fit: let them look.
+        self.wake_all();
+        Ok(())
+    }
+
+    /// Allocates a tag without sleeping.
+    #[inline]
+    pub fn get(&self) -> Option<u32> {
+        self.sb.get()
+    }
+
+    /// Allocates a tag within `shallow_depth` bits per word, without sleeping.
+    #[inline]
+    pub fn get_shallow(&self, shallow_depth: u32) -> Option<u32> {
+        self.sb.get_shallow(shallow_depth)
+    }
+
+    /// Allocates up to `n` tags from one word, without sleeping.
+    #[inline]
+    pub fn get_batch(&self, n: u32) -> Option<TagBatch> {
+        self.sb.get_batch(n)
+    }
+
+    fn pick_ws(&self) -> &WaitState {
+        &self.ws[self.next_ws.fetch_add(1, Ordering::Relaxed) % SBQ_WAIT_QUEUES]
+    }
+
+    /// Allocates a tag, sleeping until one is freed if the bitmap is full.
+    pub fn get_or_wait(&self) -> u32 {
+        self.get_or_wait_with(|sb| sb.get())
+    }
+
+    /// Like [`SbitmapQueue::get_or_wait`] with a custom allocation (e.g. shallow).
+    pub fn get_or_wait_with(&self, mut f: impl FnMut(&Sbitmap) -> Option<u32>) -> u32 {
+        if let Some(t) = f(&self.sb) {
+            return t;
+        }
+        loop {
+            let ws = self.pick_ws();
+            // Counted before queuing; the fence at the end of `prepare` orders this increment
+            // (and the queue entry) before our retry below. Pairs with the fence in
+            // `wake_up`.
+            self.ws_active.fetch_add(1, Ordering::Relaxed);
+            let w = ws.wq.prepare();
+            if let Some(t) = f(&self.sb) {
+                let chosen = w.finish();
+                self.ws_active.fetch_sub(1, Ordering::Relaxed);
+                if chosen {
+                    // A free chose us while our own retry found a tag it had not counted
+                    // (it came before we raised `ws_active`): the wake-up is spare and
+                    // another sleeper may need it, so pass it on.
+                    self.wake_waiters(1);
+                }
+                return t;
+            }
+            w.sleep();
+            w.finish();
+            self.ws_active.fetch_sub(1, Ordering::Relaxed);
+            if let Some(t) = f(&self.sb) {
+                return t;
+            }
+            // Chosen, but someone took the tag first: queue again (the tag was used, so the
+            // wake-up was not wasted).
+        }
+    }
+
+    /// Allocates a tag from an async task, waiting if the bitmap is full.
+    pub fn get_async(&self) -> GetTag<'_> {
+        GetTag {
+            sbq: self,
+            queued: None,
+        }
+    }
+
+    /// Frees a tag and issues the wake-ups it completes. Returns `false` if `tag` was not
+    /// owned (nothing changes then).
+    #[inline]
+    pub fn put(&self, tag: u32) -> bool {
+        if !self.sb.put(tag) {
+            return false;
+        }
+        self.wake_up(1, &mut None);
+        true
+    }
+
+    /// [`SbitmapQueue::put`], running `interrupt` exactly once: at the point of the wake-up
+    /// path where an interrupt is most harmful (between the two steps of the legacy algorithm;
+    /// between reading and advancing the counters of the counter algorithm) if the path gets
+    /// there, else at its end. It models a completion that runs nested inside another
+    /// completion on the same CPU; tests and models use it.
+    pub fn put_nested(&self, tag: u32, interrupt: &mut dyn FnMut()) -> bool {
+        if !self.sb.put(tag) {
+            return false;
+        }
+        let mut slot = Some(interrupt);
+        self.wake_up(1, &mut slot);
+        // Not reached (nobody waits, or no batch due): the nested free still happens, last.
+        if let Some(f) = slot.take() {
+            f();
+        }
+        true
+    }
+
+    /// Frees several tags (one RMW per word) and issues their wake-ups.
+    pub fn put_batch(&self, tags: &[u32]) -> u32 {
+        let n = self.sb.put_batch(tags);
+        if n > 0 {
+            self.wake_up(n, &mut None);
+        }
+        n
+    }
+
+    /// Wakes every sleeper (e.g. after a resize); they re-check and sleep again if need be.
+    pub fn wake_all(&self) {
+        for ws in self.ws.iter() {
+            ws.wq.wake_all();
+        }
+    }
+
+    #[inline]
+    fn wake_up(&self, nr: u32, interrupt: &mut Option<&mut dyn FnMut()>) {
+        // We must order our free (the bitmap RMW) before the load of `ws_active`, pairing with
+        // the SeqCst fence a sleeper executes after raising `ws_active` and queuing (at the end
+        // of `WaitQueue::prepare`): either it sees our free, or we see it active.
+        fence(Ordering::SeqCst);
+        if self.ws_active.load(Ordering::Relaxed) == 0 {
+            return; // nobody waits: no counting, no atomics written
+        }
+        if self.legacy.load(Ordering::Relaxed) {
+            for _ in 0..nr {
+                self.legacy_wake(interrupt);
+            }
+        } else {
+            self.counter_wake(nr, interrupt);
+        }
+    }
+
+    #[cold]
+    fn counter_wake(&self, nr: u32, interrupt: &mut Option<&mut dyn FnMut()>) {
+        let batch = self.wake_batch.load(Ordering::Relaxed);
+        self.completion_cnt.fetch_add(nr, Ordering::Relaxed);
+        // Acquire: see the module docs (a newer wakeup_cnt implies a new-enough completion_cnt).
+        let mut wakeups = self.wakeup_cnt.load(Ordering::Acquire);
+        loop {
+            let completions = self.completion_cnt.load(Ordering::Relaxed);
+            if (completions.wrapping_sub(wakeups) as i32) < batch as i32 {
+                return;
+            }
+            if let Some(f) = interrupt.take() {
+                f();
+            }
+            match self.wakeup_cnt.compare_exchange_weak(
+                wakeups,
+                wakeups.wrapping_add(batch),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    self.wake_waiters(batch as usize);
+                    wakeups = wakeups.wrapping_add(batch);
+                    // Loop: batched frees (put_batch) may owe more than one batch.
+                }
+                Err(now) => wakeups = now,
+            }
+        }
+    }
+
+    /// Wakes up to `n` sleepers across the queues, round-robin from `wake_index`.
+    fn wake_waiters(&self, mut n: usize) {
+        let start = self.wake_index.load(Ordering::Relaxed);
+        let mut index = start;
+        for _ in 0..SBQ_WAIT_QUEUES {
+            let ws = &self.ws[index % SBQ_WAIT_QUEUES];
+            // Advance first, so a queue need not be emptied before the next gets its turn.
+            index = (index + 1) % SBQ_WAIT_QUEUES;
+            if ws.wq.waiters() > 0 {
+                n -= ws.wq.wake_n(n);
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        if index != start {
+            self.wake_index.store(index, Ordering::Relaxed);
+        }
+    }
+
+    /// The first queue with sleepers, from `wake_index` (legacy).
+    fn legacy_wake_ptr(&self) -> Option<&WaitState> {
+        let start = self.wake_index.load(Ordering::Relaxed);
+        for i in 0..SBQ_WAIT_QUEUES {
+            let index = (start + i) % SBQ_WAIT_QUEUES;
+            let ws = &self.ws[index];
+            if ws.wq.waiters() > 0 {
+                if index != start {
+                    self.wake_index.store(index, Ordering::Relaxed);
+                }
+                return Some(ws);
+            }
+        }
+        None
+    }
+
+    #[cold]
+    fn legacy_wake(&self, interrupt: &mut Option<&mut dyn FnMut()>) {
+        let Some(ws) = self.legacy_wake_ptr() else {
+            return;
+        };
+        let left = ws.wait_cnt.fetch_sub(1, Ordering::AcqRel) - 1;
+        if left != 0 {
+            // > 0: not a batch yet. < 0: another free is between our two steps and its reset
+            // is trusted to cover this free: this is where the legacy algorithm loses it.
+            return;
+        }
+        if let Some(f) = interrupt.take() {
+            f();
+        }
+        let batch = self.wake_batch.load(Ordering::Relaxed);
+        self.wake_index.store(
+            (self.wake_index.load(Ordering::Relaxed) + 1) % SBQ_WAIT_QUEUES,
+            Ordering::Relaxed,
+        );
+        ws.wait_cnt.store(batch as i32, Ordering::Release);
+        ws.wq.wake_n(batch as usize);
+    }
+}
+
+/// The future of [`SbitmapQueue::get_async`]: resolves to a tag.
+#[derive(Debug)]
+pub struct GetTag<'a> {
+    sbq: &'a SbitmapQueue,
+    queued: Option<(usize, WaitKey)>,
+}
+
+impl GetTag<'_> {
+    fn leave(&mut self) -> bool {
+        match self.queued.take() {
+            Some((i, key)) => {
+                let chosen = self.sbq.ws[i].wq.finish_async(key);
+                self.sbq.ws_active.fetch_sub(1, Ordering::Relaxed);
+                chosen
+            }
+            None => false,
+        }
+    }
+}
+
+impl Future for GetTag<'_> {
+    type Output = u32;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<u32> {
+        let this = self.get_mut();
+        if let Some(t) = this.sbq.sb.get() {
+            this.leave();
+            return Poll::Ready(t);
+        }
+        if let Some((i, key)) = this.queued {
+            if this.sbq.ws[i].wq.update_waker(key, cx.waker()) {
+                return Poll::Pending;
+            }
+            this.leave(); // chosen, but the tag went to someone else: queue again
+        }
+        let i = this.sbq.next_ws.fetch_add(1, Ordering::Relaxed) % SBQ_WAIT_QUEUES;
+        // As in `get_or_wait_with`: count, queue (fence), retry.
+        this.sbq.ws_active.fetch_add(1, Ordering::Relaxed);
+        let key = this.sbq.ws[i].wq.prepare_async(cx.waker());
+        this.queued = Some((i, key));
+        if let Some(t) = this.sbq.sb.get() {
+            if this.leave() {
+                this.sbq.wake_waiters(1); // a spare wake-up: see `get_or_wait_with`
+            }
+            return Poll::Ready(t);
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for GetTag<'_> {
+    fn drop(&mut self) {
+        if self.leave() {
+            // An exclusive wake-up was spent on us and we will not allocate: pass it on.
+            self.sbq.wake_waiters(1);
+        }
+    }
+}
