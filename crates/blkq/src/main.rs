@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "blkq",
@@ -10,22 +12,24 @@ use clap::{Parser, Subcommand};
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Option<Command>,
+    command: Command,
 }
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Print the version and the layers this build contains.
+    /// Drive a device in-process, like fio: IOPS, latency, tag waits, context switches.
+    Bench(Box<bench::BenchArgs>),
+    /// Print the version.
     Version,
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Version) | None => {
+        Command::Bench(a) => bench::run(*a),
+        Command::Version => {
             println!("blkq {}", env!("CARGO_PKG_VERSION"));
-            println!("layers: waitq, sbitmap");
+            Ok(())
         }
     }
-    Ok(())
 }

@@ -36,7 +36,11 @@
 //!   after the lock is dropped) or by its own waiter in `finish` (then it is not woken by us).
 //!   `finish` therefore tells a waiter whether it was *chosen* by a waker, which matters for
 //!   exclusive wake-ups: a chosen waiter that gives up (timeout, cancel) must pass the wake-up
-//!   on, as the kernel's `abort_exclusive_wait` does, or a wake-up is lost.
+//!   on, as the kernel's `abort_exclusive_wait` does, or a wake-up is lost. So must a waiter
+//!   chosen *after* its condition check had already succeeded: that wake-up may be for a
+//!   second resource it will not take (its check took the first, which a waker had meant
+//!   for an older waiter that then found nothing and went back to sleep). Only a check made
+//!   after learning it was chosen uses the wake-up.
 //! - Keys increase; a `wake_all` wakes only entries with keys below the `next_key` it saw, so
 //!   it terminates even while new waiters keep arriving.
 //!
@@ -327,7 +331,11 @@ impl WaitQueue {
             }
             let w = self.prepare();
             if let Some(v) = f() {
-                w.finish();
+                if w.finish() {
+                    // Chosen after our re-check succeeded: the wake-up may be for a resource
+                    // we did not take. Pass it on (see "chosen" in the module docs).
+                    self.wake_one();
+                }
                 return v;
             }
             w.sleep();
@@ -347,7 +355,9 @@ impl WaitQueue {
             }
             let w = self.prepare();
             if let Some(v) = f() {
-                w.finish();
+                if w.finish() {
+                    self.wake_one(); // chosen after the re-check succeeded: pass it on
+                }
                 return Some(v);
             }
             let timed_out = w.sleep_until(deadline);
@@ -383,7 +393,9 @@ impl WaitQueue {
             let c = token.queue().prepare();
             if let Some(v) = f() {
                 c.finish();
-                w.finish();
+                if w.finish() {
+                    self.wake_one(); // chosen after the re-check succeeded: pass it on
+                }
                 return Ok(v);
             }
             if !token.is_cancelled() {
@@ -479,28 +491,36 @@ pub struct WaitFor<'a, F> {
 impl<T, F: FnMut() -> Option<T> + Unpin> std::future::Future for WaitFor<'_, F> {
     type Output = T;
 
-    fn poll(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<T> {
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<T> {
         let this = self.get_mut();
-        if let Some(v) = (this.f)() {
-            if let Some(key) = this.key.take() {
-                this.wq.finish_async(key);
-            }
-            return std::task::Poll::Ready(v);
-        }
-        // Still queued: keep our place, refresh the waker.
+        // Learn whether a waker chose us *before* looking at the condition: a chosen waiter
+        // that then finds what it waits for has used its wake-up, but one that found it before
+        // being chosen may have been chosen for something it did not take, and must pass the
+        // wake-up on.
         if let Some(key) = this.key {
             if this.wq.update_waker(key, cx.waker()) {
+                // Still queued: keep our place (with the fresh waker) unless we are done.
+                if let Some(v) = (this.f)() {
+                    this.key = None;
+                    if this.wq.finish_async(key) {
+                        this.wq.wake_one(); // chosen after we looked: pass it on
+                    }
+                    return std::task::Poll::Ready(v);
+                }
                 return std::task::Poll::Pending;
             }
-            // Chosen, but someone else took what we were woken for: queue again.
+            // Chosen: the check below comes after the choice.
             this.key = None;
         }
+        if let Some(v) = (this.f)() {
+            return std::task::Poll::Ready(v);
+        }
+        // Not queued, or chosen but someone else took what we were woken for: queue again.
         let key = this.wq.prepare_async(cx.waker());
         if let Some(v) = (this.f)() {
-            this.wq.finish_async(key);
+            if this.wq.finish_async(key) {
+                this.wq.wake_one(); // chosen after the re-check succeeded: pass it on
+            }
             return std::task::Poll::Ready(v);
         }
         this.key = Some(key);

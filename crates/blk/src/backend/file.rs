@@ -1,0 +1,673 @@
+//! The `file` driver's store: a regular file or a block device.
+//!
+//! - **I/O** is `pread`/`pwrite` in loops that resume after short transfers and `EINTR`.
+//! - **O_DIRECT**: with [`FileOptions::direct`] a second descriptor is opened with `O_DIRECT`
+//!   (when the file system accepts it) and used only when the offset, the length and the
+//!   buffer address are all multiples of [`DIRECT_ALIGN`]; everything else goes through the
+//!   buffered descriptor. The kernel keeps the two coherent (a direct transfer writes back and
+//!   invalidates the page cache over its range). If a direct transfer fails with `EINVAL` (a
+//!   file system that opens but cannot do it), direct I/O is switched off and the transfer
+//!   retried buffered.
+//! - **FUA**: `pwritev2(.., RWF_DSYNC)`, which makes just that write durable (a FUA write or a
+//!   write plus cache flush at the device); where the kernel refuses the flag (`EOPNOTSUPP`,
+//!   `ENOSYS`: before Linux 4.7) it is remembered and the write is followed by `fdatasync`.
+//! - **flush**: `fdatasync`.
+//! - **discard**: `fallocate(PUNCH_HOLE | KEEP_SIZE)`, falling back to writing zeros.
+//! - **write_zeroes**: `fallocate(ZERO_RANGE | KEEP_SIZE)`; where unsupported (tmpfs), with
+//!   `may_unmap` `PUNCH_HOLE`, without it `PUNCH_HOLE` then a plain `fallocate` to allocate
+//!   the range again; last, writing zeros.
+//! - **block devices**: size from `BLKGETSIZE64`; discard is `fallocate(PUNCH_HOLE)` (the
+//!   kernel turns it into a write-zeroes-with-unmap, which reads back as zeros), falling back
+//!   to `ZERO_RANGE` and then to `BLKZEROOUT`/writing zeros. `BLKDISCARD` is *not* used: a
+//!   discarded range of a device may read back as anything, and [`Backend::discard`] promises
+//!   zeros. Unaligned edges (to the logical block size) are written as zeros.
+//! - **extents**: `lseek(SEEK_DATA / SEEK_HOLE)`; a file system or device without it reports
+//!   everything allocated.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
+
+use super::{check_range, with_context, Backend, Extent, ExtentBuilder};
+
+/// Alignment of offset, length and buffer address for the `O_DIRECT` descriptor to be used.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// How to open a [`FileBackend`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FileOptions {
+    /// Open read-only; writes, discards and zeroing fail with `EROFS`.
+    pub read_only: bool,
+    /// Also open an `O_DIRECT` descriptor (if the file system allows it) for aligned I/O.
+    pub direct: bool,
+    /// Create the file if it does not exist, and extend a regular file shorter than this (as
+    /// a hole, never shrinking it). Not allowed with `read_only`.
+    pub create_size: Option<u64>,
+}
+
+/// The descriptors of one file and what was learnt about them at run time; shared by the
+/// synchronous [`FileBackend`] and the asynchronous engines (see [`super::uring`]).
+#[derive(Debug)]
+pub(crate) struct FileIo {
+    pub(crate) buffered: File,
+    pub(crate) direct: Option<File>,
+    /// Cleared when a direct transfer failed with `EINVAL`.
+    pub(crate) direct_ok: AtomicBool,
+    /// Cleared when `pwritev2(RWF_DSYNC)` is refused.
+    pub(crate) dsync_ok: AtomicBool,
+}
+
+fn is_aligned(v: u64) -> bool {
+    v & (DIRECT_ALIGN as u64 - 1) == 0
+}
+
+fn to_off(offset: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(offset).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("offset {offset} does not fit in off_t"),
+        )
+    })
+}
+
+/// `Err(last_os_error)` for a negative syscall return, else the value.
+fn cvt(r: isize) -> io::Result<usize> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+fn cvt_int(r: libc::c_int) -> io::Result<()> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+pub(crate) fn fdatasync(fd: RawFd) -> io::Result<()> {
+    loop {
+        // SAFETY: fdatasync takes a plain descriptor and no memory.
+        match cvt_int(unsafe { libc::fdatasync(fd) }) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+fn fallocate(fd: RawFd, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+    let off = to_off(offset)?;
+    let len = to_off(len)?;
+    loop {
+        // SAFETY: fallocate takes a descriptor and integers, no memory.
+        match cvt_int(unsafe { libc::fallocate(fd, mode, off, len) }) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+/// Whether `e` says "this operation or flag is not supported here".
+fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::ENOTTY)
+    )
+}
+
+impl FileIo {
+    /// The descriptor for a transfer of `len` bytes at `offset` from/to address `addr`, and
+    /// whether it is the direct one.
+    #[inline]
+    pub(crate) fn pick(&self, offset: u64, addr: usize, len: usize) -> (RawFd, bool) {
+        if let Some(d) = &self.direct {
+            if len > 0
+                && is_aligned(offset)
+                && is_aligned(addr as u64)
+                && is_aligned(len as u64)
+                && self.direct_ok.load(Ordering::Relaxed)
+            {
+                return (d.as_raw_fd(), true);
+            }
+        }
+        (self.buffered.as_raw_fd(), false)
+    }
+
+    /// Reads all of `buf` at `offset`; end of file before that is `UnexpectedEof`.
+    pub(crate) fn read(&self, mut buf: &mut [u8], mut offset: u64) -> io::Result<()> {
+        while !buf.is_empty() {
+            let (fd, direct) = self.pick(offset, buf.as_ptr() as usize, buf.len());
+            let off = to_off(offset)?;
+            // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes for the whole call.
+            let r = cvt(unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), off) });
+            match r {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("end of file at {offset}, {} bytes short", buf.len()),
+                    ))
+                }
+                Ok(n) => {
+                    let rest = std::mem::take(&mut buf);
+                    let n = n.min(rest.len());
+                    buf = &mut rest[n..];
+                    offset += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `buf` at `offset`; with `fua`, durable before returning.
+    pub(crate) fn write(&self, mut buf: &[u8], mut offset: u64, fua: bool) -> io::Result<()> {
+        let mut need_sync = false;
+        while !buf.is_empty() {
+            let (fd, direct) = self.pick(offset, buf.as_ptr() as usize, buf.len());
+            let off = to_off(offset)?;
+            let dsync = fua && self.dsync_ok.load(Ordering::Relaxed);
+            let r = if dsync {
+                let iov = libc::iovec {
+                    iov_base: buf.as_ptr() as *mut libc::c_void,
+                    iov_len: buf.len(),
+                };
+                // SAFETY: `iov` describes `buf`, live and readable for the whole call; the
+                // kernel only reads through it.
+                cvt(unsafe { libc::pwritev2(fd, &iov, 1, off, libc::RWF_DSYNC) })
+            } else {
+                need_sync |= fua;
+                // SAFETY: `buf` is a live, readable slice of `buf.len()` bytes for the call.
+                cvt(unsafe { libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), off) })
+            };
+            match r {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        format!("write at {offset} wrote nothing, {} bytes left", buf.len()),
+                    ))
+                }
+                Ok(n) => {
+                    buf = &buf[n.min(buf.len())..];
+                    offset += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if dsync && unsupported(&e) => {
+                    self.dsync_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if need_sync {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    /// `fdatasync`: durable data (and the metadata needed to read it back).
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        fdatasync(self.buffered.as_raw_fd())
+    }
+
+    /// New descriptors for the same open files (`dup`), for an engine.
+    pub(crate) fn try_clone(&self) -> io::Result<FileIo> {
+        Ok(FileIo {
+            buffered: self.buffered.try_clone()?,
+            direct: match &self.direct {
+                Some(d) => Some(d.try_clone()?),
+                None => None,
+            },
+            direct_ok: AtomicBool::new(self.direct_ok.load(Ordering::Relaxed)),
+            dsync_ok: AtomicBool::new(self.dsync_ok.load(Ordering::Relaxed)),
+        })
+    }
+}
+
+/// What the path is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Regular,
+    BlockDevice {
+        /// Logical block size: the alignment `fallocate` needs on a device.
+        lbs: u64,
+    },
+}
+
+/// A [`Backend`] over a regular file or a block device. See the [module docs](self).
+pub struct FileBackend {
+    path: PathBuf,
+    io: FileIo,
+    size: u64,
+    read_only: bool,
+    kind: Kind,
+    /// `fallocate(PUNCH_HOLE)` works (probed at open; cleared on `EOPNOTSUPP`).
+    punch_ok: AtomicBool,
+    /// `fallocate(ZERO_RANGE)` works (cleared on `EOPNOTSUPP`).
+    zero_range_ok: AtomicBool,
+    /// `fallocate` mode 0 (allocate) works (cleared on `EOPNOTSUPP`).
+    alloc_ok: AtomicBool,
+    /// `lseek(SEEK_DATA)` works (cleared on `EINVAL`).
+    seek_data_ok: AtomicBool,
+    /// Block devices: the device zeroes without writing (from sysfs).
+    device_fast_zero: bool,
+}
+
+impl std::fmt::Debug for FileBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileBackend")
+            .field("path", &self.path)
+            .field("size", &self.size)
+            .field("read_only", &self.read_only)
+            .field("direct", &self.is_direct())
+            .field("kind", &self.kind)
+            .field("fast_zero", &self.fast_zero())
+            .finish()
+    }
+}
+
+// BLKGETSIZE64 is _IOR(0x12, 114, size_t); BLKSSZGET _IO(0x12, 104); BLKZEROOUT _IO(0x12, 127).
+const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<usize>(0x12, 114);
+const BLKSSZGET: libc::Ioctl = libc::_IO(0x12, 104);
+const BLKZEROOUT: libc::Ioctl = libc::_IO(0x12, 127);
+
+fn blk_size(fd: RawFd) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 through the pointer, which is valid and aligned.
+    cvt_int(unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut size as *mut u64) })?;
+    Ok(size)
+}
+
+fn blk_logical_block_size(fd: RawFd) -> u64 {
+    let mut lbs: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which is valid and aligned.
+    let r = unsafe { libc::ioctl(fd, BLKSSZGET, &mut lbs as *mut libc::c_int) };
+    if r < 0 || lbs <= 0 {
+        512
+    } else {
+        lbs as u64
+    }
+}
+
+/// Whether the block device `rdev` advertises write-zeroes (sysfs `write_zeroes_max_bytes`).
+fn blk_write_zeroes_supported(rdev: u64) -> bool {
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    // A partition's directory has no queue/; its parent disk's does.
+    ["queue", "../queue"].iter().any(|q| {
+        std::fs::read_to_string(format!(
+            "/sys/dev/block/{major}:{minor}/{q}/write_zeroes_max_bytes"
+        ))
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .is_some_and(|v| v > 0)
+    })
+}
+
+fn erofs(what: &str, path: &Path) -> io::Error {
+    with_context(
+        io::Error::from_raw_os_error(libc::EROFS),
+        format!("{what} {}: opened read-only", path.display()),
+    )
+}
+
+impl FileBackend {
+    /// Opens `path` (a regular file or a block device) as a backend.
+    pub fn open(path: impl AsRef<Path>, options: FileOptions) -> io::Result<FileBackend> {
+        let path = path.as_ref().to_path_buf();
+        let shown = path.display().to_string();
+        if options.read_only && options.create_size.is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("open {shown}: create_size with read_only"),
+            ));
+        }
+        let mut oo = OpenOptions::new();
+        oo.read(true)
+            .write(!options.read_only)
+            .create(options.create_size.is_some());
+        let buffered = oo
+            .open(&path)
+            .map_err(|e| with_context(e, format!("open {shown}")))?;
+        let meta = buffered
+            .metadata()
+            .map_err(|e| with_context(e, format!("stat {shown}")))?;
+        let ft = meta.file_type();
+        let (kind, size, device_fast_zero) = if ft.is_block_device() {
+            let fd = buffered.as_raw_fd();
+            let size =
+                blk_size(fd).map_err(|e| with_context(e, format!("BLKGETSIZE64 {shown}")))?;
+            let lbs = blk_logical_block_size(fd);
+            (
+                Kind::BlockDevice { lbs },
+                size,
+                blk_write_zeroes_supported(meta.rdev()),
+            )
+        } else if ft.is_file() {
+            let mut size = meta.len();
+            if let Some(want) = options.create_size {
+                if size < want {
+                    buffered
+                        .set_len(want)
+                        .map_err(|e| with_context(e, format!("extend {shown} to {want}")))?;
+                    size = want;
+                }
+            }
+            (Kind::Regular, size, false)
+        } else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("open {shown}: neither a regular file nor a block device"),
+            ));
+        };
+        let direct = if options.direct {
+            let mut od = OpenOptions::new();
+            od.read(true)
+                .write(!options.read_only)
+                .custom_flags(libc::O_DIRECT);
+            // A file system without O_DIRECT refuses the open (EINVAL): stay buffered.
+            od.open(&path).ok()
+        } else {
+            None
+        };
+        let fd = buffered.as_raw_fd();
+        // Probe hole punching where it changes nothing: past the end of a regular file.
+        let punch_ok = !options.read_only
+            && match kind {
+                Kind::Regular => fallocate(
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    size.max(1).next_multiple_of(DIRECT_ALIGN as u64),
+                    DIRECT_ALIGN as u64,
+                )
+                .is_ok(),
+                Kind::BlockDevice { .. } => true,
+            };
+        Ok(FileBackend {
+            path,
+            io: FileIo {
+                buffered,
+                direct,
+                direct_ok: AtomicBool::new(true),
+                dsync_ok: AtomicBool::new(true),
+            },
+            size,
+            read_only: options.read_only,
+            kind,
+            punch_ok: AtomicBool::new(punch_ok),
+            zero_range_ok: AtomicBool::new(!options.read_only),
+            alloc_ok: AtomicBool::new(!options.read_only),
+            seek_data_ok: AtomicBool::new(kind == Kind::Regular),
+            device_fast_zero,
+        })
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether aligned I/O goes through an `O_DIRECT` descriptor (requested, accepted by the
+    /// file system, and not switched off after an `EINVAL`).
+    pub fn is_direct(&self) -> bool {
+        self.io.direct.is_some() && self.io.direct_ok.load(Ordering::Relaxed)
+    }
+
+    /// Whether the path is a block device.
+    pub fn is_block_device(&self) -> bool {
+        matches!(self.kind, Kind::BlockDevice { .. })
+    }
+
+    /// Whether it was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Duplicated descriptors of this file for an asynchronous engine
+    /// ([`super::uring::FileEngine`]), which then does not borrow the backend.
+    pub fn engine_files(&self) -> io::Result<super::uring::EngineFiles> {
+        let io = self
+            .io
+            .try_clone()
+            .map_err(|e| with_context(e, format!("dup {}", self.path.display())))?;
+        Ok(super::uring::EngineFiles::from_io(io))
+    }
+
+    fn ctx(&self, e: io::Error, what: &str, offset: u64, len: u64) -> io::Error {
+        with_context(
+            e,
+            format!("{what} {} at {offset}+{len}", self.path.display()),
+        )
+    }
+
+    fn writable(&self, what: &str) -> io::Result<()> {
+        if self.read_only {
+            Err(erofs(what, &self.path))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Tries `fallocate(mode)`; `Ok(false)` (and remembers it in `flag`) when unsupported.
+    fn try_fallocate(
+        &self,
+        flag: &AtomicBool,
+        mode: libc::c_int,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<bool> {
+        if !flag.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        match fallocate(self.io.buffered.as_raw_fd(), mode, offset, len) {
+            Ok(()) => Ok(true),
+            Err(e) if unsupported(&e) => {
+                flag.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            Err(e) => Err(self.ctx(e, "fallocate", offset, len)),
+        }
+    }
+
+    /// Zeroes by writing zeros (the last resort).
+    fn write_zero_bytes(&self, offset: u64, len: u64) -> io::Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        let zeros = vec![0u8; len.min(CHUNK) as usize];
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let n = (end - pos).min(CHUNK) as usize;
+            self.io
+                .write(&zeros[..n], pos, false)
+                .map_err(|e| self.ctx(e, "write zeros", pos, n as u64))?;
+            pos += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Zeroes `[offset, offset + len)` of a regular file; with `unmap` preferring holes.
+    fn zero_file(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        const KEEP: libc::c_int = libc::FALLOC_FL_KEEP_SIZE;
+        const PUNCH: libc::c_int = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        const ZERO: libc::c_int = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        if unmap {
+            if self.try_fallocate(&self.punch_ok, PUNCH, offset, len)? {
+                return Ok(());
+            }
+        } else {
+            if self.try_fallocate(&self.zero_range_ok, ZERO, offset, len)? {
+                return Ok(());
+            }
+            // tmpfs has no ZERO_RANGE: punch, then allocate the range again.
+            // (If the allocation fails the range is zeroed but a hole; writing zeros below
+            // allocates it again.)
+            if self.try_fallocate(&self.punch_ok, PUNCH, offset, len)?
+                && self.try_fallocate(&self.alloc_ok, KEEP, offset, len)?
+            {
+                return Ok(());
+            }
+        }
+        self.write_zero_bytes(offset, len)
+    }
+
+    /// Zeroes `[offset, offset + len)` of a block device; with `unmap` allowing the device
+    /// to deallocate. Edges not aligned to the logical block size are written.
+    fn zero_device(&self, lbs: u64, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        let end = offset + len;
+        let a_start = offset.next_multiple_of(lbs);
+        let a_end = end / lbs * lbs;
+        if a_start >= a_end {
+            return self.write_zero_bytes(offset, len);
+        }
+        if a_start > offset {
+            self.write_zero_bytes(offset, a_start - offset)?;
+        }
+        if end > a_end {
+            self.write_zero_bytes(a_end, end - a_end)?;
+        }
+        let (off, n) = (a_start, a_end - a_start);
+        const PUNCH: libc::c_int = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        const ZERO: libc::c_int = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+        if unmap && self.try_fallocate(&self.punch_ok, PUNCH, off, n)? {
+            return Ok(());
+        }
+        if self.try_fallocate(&self.zero_range_ok, ZERO, off, n)? {
+            return Ok(());
+        }
+        // Before Linux 4.9 block devices have no fallocate: BLKZEROOUT.
+        let range: [u64; 2] = [off, n];
+        // SAFETY: BLKZEROOUT reads two u64s (start, length) through the pointer, which is
+        // valid and aligned for the call.
+        let r = unsafe { libc::ioctl(self.io.buffered.as_raw_fd(), BLKZEROOUT, range.as_ptr()) };
+        if r == 0 {
+            return Ok(());
+        }
+        self.write_zero_bytes(off, n)
+    }
+
+    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        self.writable(what)?;
+        check_range(what, offset, len, self.size)?;
+        if len == 0 {
+            return Ok(());
+        }
+        match self.kind {
+            Kind::Regular => self.zero_file(offset, len, unmap),
+            Kind::BlockDevice { lbs } => self.zero_device(lbs, offset, len, unmap),
+        }
+    }
+
+    fn seek(&self, offset: u64, whence: libc::c_int) -> io::Result<u64> {
+        let off = to_off(offset)?;
+        // SAFETY: lseek takes a descriptor and integers, no memory. It moves the shared file
+        // position, which nothing here uses (all transfers are positional).
+        let r = unsafe { libc::lseek(self.io.buffered.as_raw_fd(), off, whence) };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as u64)
+        }
+    }
+}
+
+impl Backend for FileBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        check_range("read", offset, buf.len() as u64, self.size)?;
+        let len = buf.len() as u64;
+        self.io
+            .read(buf, offset)
+            .map_err(|e| self.ctx(e, "read", offset, len))
+    }
+
+    fn write_at(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()> {
+        self.writable("write")?;
+        check_range("write", offset, buf.len() as u64, self.size)?;
+        self.io
+            .write(buf, offset, fua)
+            .map_err(|e| self.ctx(e, "write", offset, buf.len() as u64))
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.io
+            .sync()
+            .map_err(|e| with_context(e, format!("fdatasync {}", self.path.display())))
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero("discard", offset, len, true)
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+        self.zero("write_zeroes", offset, len, may_unmap)
+    }
+
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        check_range("extents", offset, len, self.size)?;
+        let end = offset + len;
+        let mut b = ExtentBuilder::new(offset, end, max_extents);
+        if len == 0 || max_extents == 0 {
+            return Ok(b.out);
+        }
+        let mut pos = offset;
+        while pos < end {
+            if !self.seek_data_ok.load(Ordering::Relaxed) {
+                b.add(pos, end, true);
+                break;
+            }
+            let data = match self.seek(pos, libc::SEEK_DATA) {
+                Ok(d) => d,
+                // No data at or after `pos` (also: the file shrank under us).
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => end,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL)) || unsupported(&e) => {
+                    self.seek_data_ok.store(false, Ordering::Relaxed);
+                    continue;
+                }
+                Err(e) => return Err(self.ctx(e, "lseek(SEEK_DATA)", pos, end - pos)),
+            };
+            if data > pos && !b.add(pos, data, false) {
+                break;
+            }
+            if data >= end {
+                break;
+            }
+            let hole = match self.seek(data, libc::SEEK_HOLE) {
+                Ok(h) if h > data => h,
+                Ok(_) => end,
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => end,
+                Err(e) => return Err(self.ctx(e, "lseek(SEEK_HOLE)", data, end - data)),
+            };
+            if !b.add(data, hole, true) {
+                break;
+            }
+            pos = hole;
+        }
+        Ok(b.out)
+    }
+
+    fn fast_zero(&self) -> bool {
+        if self.read_only {
+            return false;
+        }
+        match self.kind {
+            Kind::Regular => self.punch_ok.load(Ordering::Relaxed),
+            Kind::BlockDevice { .. } => self.device_fast_zero,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Storage backends: where the bytes of the `mem` and `file` drivers live.
+//!
+//! A backend is synchronous and thread-safe: the driver decides on which thread (the
+//! submitter's, a completion thread, io_uring's reaper) each operation runs. Offsets and
+//! lengths are in bytes; callers have validated them against [`Backend::size`].
+
+use std::io;
+
+pub mod file;
+pub mod mem;
+pub mod uring;
+
+pub use file::{FileBackend, FileOptions};
+pub use mem::MemBackend;
+pub use uring::{
+    Callback, EngineFiles, EngineKind, FileEngine, PoolEngine, SubmitError, UringEngine, UringOp,
+    UringOpKind,
+};
+
+/// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Start, bytes.
+    pub offset: u64,
+    /// Length, bytes.
+    pub len: u64,
+    /// `false`: never written, or discarded (reads as zeros).
+    pub allocated: bool,
+}
+
+/// A byte-addressed store.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+    /// Reads `buf.len()` bytes at `offset`.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Writes `buf` at `offset`; with `fua`, durable before returning.
+    fn write_at(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Discards a range: it reads as zeros afterwards and may free space.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Zeroes a range; with `may_unmap` it may become a hole (NBD's WRITE_ZEROES without
+    /// NO_HOLE), else it stays allocated.
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()>;
+    /// The allocation map of `[offset, offset + len)`, in order, covering the range, merged
+    /// where neighbours agree; at most `max_extents` entries (the last may stop short).
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>>;
+    /// Whether zeroing is fast (no data written), for NBD's FAST_ZERO.
+    fn fast_zero(&self) -> bool;
+}
+
+/// An [`io::Error`] with a line of context in front, keeping the original's kind and, through
+/// `source`, its errno (see [`os_error_code`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+struct Context {
+    context: String,
+    #[source]
+    source: io::Error,
+}
+
+/// Wraps `err` with `context` ("pread /dev/sdb at 4096"), keeping its kind and errno.
+pub(crate) fn with_context(err: io::Error, context: impl Into<String>) -> io::Error {
+    io::Error::new(
+        err.kind(),
+        Context {
+            context: context.into(),
+            source: err,
+        },
+    )
+}
+
+/// The errno behind `err`, looking through the context this module's backends add, for
+/// drivers that report errnos (NBD's error field).
+pub fn os_error_code(err: &io::Error) -> Option<i32> {
+    if let Some(code) = err.raw_os_error() {
+        return Some(code);
+    }
+    err.get_ref()
+        .and_then(|inner| inner.downcast_ref::<Context>())
+        .and_then(|c| os_error_code(&c.source))
+}
+
+/// Checks `[offset, offset + len)` against `size`, for backends' "no panic on any input".
+pub(crate) fn check_range(what: &str, offset: u64, len: u64, size: u64) -> io::Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{what}: range {offset}+{len} is outside the backend's {size} bytes"),
+        )),
+    }
+}
+
+/// Accumulates an allocation map clipped to `[start, end)`, merging neighbours that agree,
+/// stopping at `max` extents.
+pub(crate) struct ExtentBuilder {
+    pub(crate) out: Vec<Extent>,
+    max: usize,
+    start: u64,
+    end: u64,
+}
+
+impl ExtentBuilder {
+    /// An empty map of `[start, end)`, at most `max` extents.
+    pub(crate) fn new(start: u64, end: u64, max: usize) -> Self {
+        ExtentBuilder {
+            out: Vec::new(),
+            max,
+            start,
+            end,
+        }
+    }
+
+    /// Adds `[from, to)` (clipped); returns `false` once a new extent would exceed `max`.
+    pub(crate) fn add(&mut self, from: u64, to: u64, allocated: bool) -> bool {
+        let from = from.max(self.start);
+        let to = to.min(self.end);
+        if from >= to {
+            return true;
+        }
+        if let Some(last) = self.out.last_mut() {
+            if last.allocated == allocated && last.offset + last.len == from {
+                last.len += to - from;
+                return true;
+            }
+        }
+        if self.out.len() >= self.max {
+            return false;
+        }
+        self.out.push(Extent {
+            offset: from,
+            len: to - from,
+            allocated,
+        });
+        true
+    }
+}

@@ -1,0 +1,95 @@
+//! `blk`: blkq's block layer. Bios, tag sets with preallocated requests, per-submitter
+//! plugging, the pool-full policy (steal, FIFO hand-off, batch ownership), and drivers (`null`,
+//! `mem`, `file`), on top of `sbitmap`'s tags and `waitq`'s wait queues.
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod bio;
+pub mod drivers;
+pub mod queue;
+pub mod spec;
+pub mod stats;
+pub mod tags;
+
+pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
+pub use queue::{Device, Driver, Limits, Plug, Queue, QueueConfig, QueueCore, Request, RqRef};
+pub use tags::{PoolPolicy, TagPool};
+
+/// Errors of the block layer. Each maps to an errno ([`Error::errno`]), which the NBD layer
+/// turns into its error replies.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The range is not inside the device.
+    #[error("range {offset}+{len} is outside the device ({capacity} bytes)")]
+    OutOfRange {
+        /// Start, bytes.
+        offset: u64,
+        /// Length, bytes.
+        len: u64,
+        /// Device size, bytes.
+        capacity: u64,
+    },
+    /// Offset or length is not a multiple of the logical block size (or the length is zero).
+    #[error("range {offset}+{len} is not aligned to the {block}-byte block size")]
+    Misaligned {
+        /// Start, bytes.
+        offset: u64,
+        /// Length, bytes.
+        len: u64,
+        /// Logical block size.
+        block: u32,
+    },
+    /// A read or write longer than the device's maximum.
+    #[error("I/O of {len} bytes is larger than the maximum {max}")]
+    TooLarge {
+        /// Length asked for.
+        len: u64,
+        /// The limit.
+        max: u32,
+    },
+    /// The bio's buffer is shorter than its length.
+    #[error("buffer of {buf} bytes is shorter than the I/O ({len} bytes)")]
+    BufferTooSmall {
+        /// Length of the I/O.
+        len: u64,
+        /// Length of the buffer.
+        buf: u64,
+    },
+    /// A read or write without a buffer on a device that moves data.
+    #[error("read or write without a data buffer")]
+    NoBuffer,
+    /// The device cannot do this (e.g. a fast zero that would not be fast).
+    #[error("not supported: {0}")]
+    NotSupported(&'static str),
+    /// Writing to a read-only device.
+    #[error("device is read-only")]
+    ReadOnly,
+    /// The backend failed.
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    /// A bad configuration or device spec.
+    #[error("{0}")]
+    Config(String),
+    /// The tag bitmap refused the configuration.
+    #[error("tags: {0}")]
+    Tags(#[from] sbitmap::Error),
+}
+
+impl Error {
+    /// The errno for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Error::OutOfRange { .. }
+            | Error::Misaligned { .. }
+            | Error::BufferTooSmall { .. }
+            | Error::NoBuffer
+            | Error::Config(_)
+            | Error::Tags(_) => libc::EINVAL,
+            Error::TooLarge { .. } => libc::EOVERFLOW,
+            Error::NotSupported(_) => libc::ENOTSUP,
+            Error::ReadOnly => libc::EPERM,
+            Error::Io(e) => backend::os_error_code(e).unwrap_or(libc::EIO),
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! The request queue: bio -> tag -> preallocated request -> driver -> completion.
+//!
+//! ```text
+//!  submit(bio) -- validate --> tag (TagPool: may sleep per policy)
+//!     -> request slot of that tag (preallocated; no allocation per I/O)
+//!     -> [plug: collect up to plug_limit] -> driver.queue_rq(rq) ... driver.commit()
+//!  driver ... complete(rq, status) -> stats -> tag freed (batched wake-ups) -> end_io(bio)
+//! ```
+//!
+//! # Ownership of a request slot
+//!
+//! Slot `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
+//! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
+//! the previous owner's. Inside blk, ownership travels as an [`RqRef`]: a non-`Clone` token
+//! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
+//! of the token can reach the slot, so the `UnsafeCell` access is exclusive.
+//!
+//! # Completion order
+//!
+//! `complete` takes the bio out of the slot, frees the tag, then calls `end_io`. Freeing
+//! first means an `end_io` that submits again (or that runs inline, nested inside `submit`)
+//! never waits for the tag its own request still holds.
+
+use std::fmt;
+
+use std::sync::Arc;
+
+use blkq_sync::{CachePadded, UnsafeCell};
+use sbitmap::WakeAlgo;
+
+use crate::backend::Extent;
+use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
+use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
+use crate::tags::{PoolPolicy, TagPool};
+use crate::Error;
+
+/// Limits a device advertises and the queue enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Size in bytes.
+    pub capacity: u64,
+    /// Smallest addressable unit, bytes (a power of two, >= 512).
+    pub logical_block_size: u32,
+    /// Largest read or write, bytes.
+    pub max_io_bytes: u32,
+}
+
+impl Limits {
+    /// Checks a bio against the limits.
+    pub fn validate(&self, bio: &Bio) -> Result<(), Error> {
+        if bio.op == Op::Flush {
+            return Ok(());
+        }
+        let lbs = u64::from(self.logical_block_size);
+        let off = bio
+            .sector
+            .checked_mul(1 << SECTOR_SHIFT)
+            .ok_or(Error::OutOfRange {
+                offset: u64::MAX,
+                len: u64::from(bio.len),
+                capacity: self.capacity,
+            })?;
+        let len = u64::from(bio.len);
+        if len == 0 || off % lbs != 0 || len % lbs != 0 {
+            return Err(Error::Misaligned {
+                offset: off,
+                len,
+                block: self.logical_block_size,
+            });
+        }
+        if off.checked_add(len).is_none_or(|end| end > self.capacity) {
+            return Err(Error::OutOfRange {
+                offset: off,
+                len,
+                capacity: self.capacity,
+            });
+        }
+        if bio.op.has_data() {
+            if bio.len > self.max_io_bytes {
+                return Err(Error::TooLarge {
+                    len,
+                    max: self.max_io_bytes,
+                });
+            }
+            if let Some(b) = &bio.buf {
+                if b.len() < bio.len as usize {
+                    return Err(Error::BufferTooSmall {
+                        len,
+                        buf: b.len() as u64,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How to build a queue.
+#[derive(Debug, Clone)]
+pub struct QueueConfig {
+    /// Hardware contexts (submission queues).
+    pub nr_hw_queues: u16,
+    /// Tags per hardware context (or in all, with `shared_tags`).
+    pub queue_depth: u32,
+    /// One tag bitmap shared by every hardware context (seed 000's second experiment).
+    pub shared_tags: bool,
+    /// Wake-up algorithm of the tag bitmaps.
+    pub wake: WakeAlgo,
+    /// Pool-full policy.
+    pub policy: PoolPolicy,
+    /// Requests a plug collects before it flushes to the driver.
+    pub plug_limit: usize,
+    /// Device limits.
+    pub limits: Limits,
+}
+
+impl QueueConfig {
+    /// Defaults for a device of `capacity` bytes: one hardware queue of depth 64.
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            nr_hw_queues: 1,
+            queue_depth: 64,
+            shared_tags: false,
+            wake: WakeAlgo::Counter,
+            policy: PoolPolicy::Steal,
+            plug_limit: 32,
+            limits: Limits {
+                capacity,
+                logical_block_size: 512,
+                max_io_bytes: 1 << 20,
+            },
+        }
+    }
+}
+
+/// A request: a bio in flight, in the preallocated slot of its tag.
+#[derive(Default)]
+pub struct Request {
+    /// The bio.
+    pub bio: Option<Bio>,
+    end: Option<Arc<dyn EndIo>>,
+    /// Coarse start time, ns.
+    pub start_ns: u64,
+    /// Hardware context.
+    pub hctx: u16,
+    /// Tag within its pool.
+    pub tag: u32,
+}
+
+impl fmt::Debug for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request")
+            .field("bio", &self.bio)
+            .field("hctx", &self.hctx)
+            .field("tag", &self.tag)
+            .finish()
+    }
+}
+
+/// The right to use one request slot, from tag allocation to completion (module docs).
+#[derive(Debug)]
+pub struct RqRef {
+    idx: u32,
+}
+
+impl RqRef {
+    /// The slot index (unique among requests in flight on this queue).
+    pub fn index(&self) -> u32 {
+        self.idx
+    }
+}
+
+/// A block driver: executes requests and reports their completion.
+pub trait Driver: Send + Sync {
+    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
+    /// until [`Driver::stop`]).
+    fn start(&self, _q: &Arc<QueueCore>) {}
+    /// Takes a request; the driver completes it later (or right away) with
+    /// [`QueueCore::complete`].
+    fn queue_rq(&self, q: &QueueCore, rq: RqRef);
+    /// The end of a batch of `queue_rq` calls (ring the doorbell).
+    fn commit(&self, _q: &QueueCore) {}
+    /// Stops completion threads; called when the queue is dropped.
+    fn stop(&self) {}
+    /// The allocation map, for devices that know it (default: everything allocated).
+    fn extents(&self, offset: u64, len: u64, _max: usize) -> Result<Vec<Extent>, Error> {
+        Ok(vec![Extent {
+            offset,
+            len,
+            allocated: true,
+        }])
+    }
+    /// One line describing the driver and its options.
+    fn describe(&self) -> String;
+}
+
+/// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
+pub trait Device: Send + Sync {
+    /// Submits a bio; `end.end_io` is called exactly once with its status (possibly before
+    /// this returns, possibly on another thread).
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>);
+    /// Submits several bios as one batch (drivers see them together).
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
+        for b in bios {
+            self.submit(b, end);
+        }
+    }
+    /// The device's limits.
+    fn limits(&self) -> Limits;
+    /// The allocation map of a range.
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
+}
+
+struct Slot(UnsafeCell<Request>);
+
+// SAFETY: a slot is only accessed by the holder of its RqRef, and ownership passes between
+// threads through the tag bitmap's Release/Acquire (module docs).
+unsafe impl Sync for Slot {}
+// SAFETY: as above; the contents (Bio, Arc<dyn EndIo>) are Send.
+unsafe impl Send for Slot {}
+
+/// The shared part of a queue, which drivers see.
+pub struct QueueCore {
+    limits: Limits,
+    depth: u32,
+    shared: bool,
+    pools: Box<[Arc<TagPool>]>,
+    slots: Box<[CachePadded<Slot>]>,
+    driver: Box<dyn Driver>,
+    stats: DiskCounters,
+    plug_limit: usize,
+}
+
+impl fmt::Debug for QueueCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueueCore")
+            .field("limits", &self.limits)
+            .field("depth", &self.depth)
+            .field("hw_queues", &self.pools.len())
+            .field("shared", &self.shared)
+            .field("driver", &self.driver.describe())
+            .finish()
+    }
+}
+
+impl QueueCore {
+    #[inline]
+    fn pool(&self, hctx: u16) -> &TagPool {
+        if self.shared {
+            &self.pools[0]
+        } else {
+            &self.pools[hctx as usize]
+        }
+    }
+
+    #[inline]
+    fn slot_index(&self, hctx: u16, tag: u32) -> u32 {
+        if self.shared {
+            tag
+        } else {
+            u32::from(hctx) * self.depth + tag
+        }
+    }
+
+    /// Read access to a request.
+    #[inline]
+    pub fn rq(&self, r: &RqRef) -> &Request {
+        // SAFETY: the holder of `r` owns the slot (module docs); the shared borrow is tied to
+        // `&r`, so no `&mut` from `rq_mut` can coexist with it.
+        self.slots[r.idx as usize].0 .0.with(|p| unsafe { &*p })
+    }
+
+    /// Write access to a request.
+    #[inline]
+    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RqRef`, the ownership token
+    pub fn rq_mut(&self, r: &mut RqRef) -> &mut Request {
+        // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive.
+        self.slots[r.idx as usize]
+            .0
+             .0
+            .with_mut(|p| unsafe { &mut *p })
+    }
+
+    /// The queue's limits.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Completes a request with `res`: frees its tag, then hands the bio back to its submitter.
+    #[inline]
+    pub fn complete(&self, mut r: RqRef, res: Result<(), Error>) {
+        let now = coarse_ns();
+        let rq = self.rq_mut(&mut r);
+        let bio = rq.bio.take();
+        let end = rq.end.take();
+        let (hctx, tag, start) = (rq.hctx, rq.tag, rq.start_ns);
+        let RqRef { .. } = r; // the token ends here: the slot is not touched again
+        if let Some(b) = &bio {
+            let sectors = if b.op.has_data() {
+                u64::from(b.len) >> SECTOR_SHIFT
+            } else {
+                0
+            };
+            self.stats
+                .completed(b.op.dir(), sectors, start, now, res.is_ok());
+        }
+        self.pool(hctx).put(tag);
+        if let (Some(b), Some(e)) = (bio, end) {
+            e.end_io(b, res);
+        }
+    }
+
+    fn flush(&self, plug: &mut Plug) {
+        if plug.rqs.is_empty() {
+            return;
+        }
+        for r in plug.rqs.drain(..) {
+            self.driver.queue_rq(self, r);
+        }
+        self.driver.commit(self);
+    }
+
+    fn hctx_for_thread(&self) -> u16 {
+        (blkq_sync::thread_slot() % self.pools.len().max(1)) as u16
+    }
+
+    /// Validates, allocates a tag (may sleep) and fills the request. On a validation error
+    /// the bio is completed at once with it. Before sleeping for a tag it flushes `plug`:
+    /// the tags held by plugged requests may be the ones it would wait for (blk-mq flushes
+    /// the plug on schedule for the same reason).
+    #[inline]
+    fn prepare(&self, bio: Bio, end: &Arc<dyn EndIo>, plug: Option<&mut Plug>) -> Option<RqRef> {
+        if let Err(e) = self.limits.validate(&bio) {
+            end.end_io(bio, Err(e));
+            return None;
+        }
+        let hctx = if self.shared {
+            0
+        } else {
+            self.hctx_for_thread()
+        };
+        let dir = bio.op.dir();
+        let pool = self.pool(hctx);
+        let tag = match pool.get_nowait(dir) {
+            Some(t) => t,
+            None => {
+                if let Some(p) = plug {
+                    self.flush(p);
+                }
+                pool.get(dir)
+            }
+        };
+        let mut r = RqRef {
+            idx: self.slot_index(hctx, tag),
+        };
+        self.stats.submitted(dir);
+        let rq = self.rq_mut(&mut r);
+        rq.bio = Some(bio);
+        rq.end = Some(end.clone());
+        rq.start_ns = coarse_ns();
+        rq.hctx = hctx;
+        rq.tag = tag;
+        Some(r)
+    }
+}
+
+/// A request queue.
+///
+/// Dropping it stops the driver (joining its completion threads); drop it only once every
+/// submitted bio has completed.
+#[derive(Debug)]
+pub struct Queue {
+    core: Arc<QueueCore>,
+}
+
+impl Queue {
+    /// A queue in front of `driver`.
+    pub fn new(cfg: QueueConfig, driver: Box<dyn Driver>) -> Result<Self, Error> {
+        if cfg.nr_hw_queues == 0 || cfg.queue_depth == 0 {
+            return Err(Error::Config(
+                "hw_queues and queue_depth must be at least 1".into(),
+            ));
+        }
+        let lbs = cfg.limits.logical_block_size;
+        if !lbs.is_power_of_two() || lbs < 512 {
+            return Err(Error::Config(format!(
+                "logical block size {lbs} is not a power of two >= 512"
+            )));
+        }
+        let npools = if cfg.shared_tags {
+            1
+        } else {
+            cfg.nr_hw_queues as usize
+        };
+        let pools = (0..npools)
+            .map(|_| TagPool::new(cfg.queue_depth, cfg.wake, cfg.policy).map(Arc::new))
+            .collect::<Result<Box<[_]>, _>>()?;
+        let nslots = npools * cfg.queue_depth as usize;
+        let slots = (0..nslots)
+            .map(|_| CachePadded(Slot(UnsafeCell::new(Request::default()))))
+            .collect();
+        let core = Arc::new(QueueCore {
+            limits: cfg.limits,
+            depth: cfg.queue_depth,
+            shared: cfg.shared_tags,
+            pools,
+            slots,
+            driver,
+            stats: DiskCounters::new(),
+            plug_limit: cfg.plug_limit.max(1),
+        });
+        core.driver.start(&core);
+        Ok(Self { core })
+    }
+
+    /// The shared core (what drivers see).
+    pub fn core(&self) -> &Arc<QueueCore> {
+        &self.core
+    }
+
+    /// Submits one bio and dispatches it at once.
+    #[inline]
+    pub fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        if let Some(r) = self.core.prepare(bio, end, None) {
+            self.core.driver.queue_rq(&self.core, r);
+            self.core.driver.commit(&self.core);
+        }
+    }
+
+    /// Submits a bio under `plug`: it is dispatched when the plug fills or is flushed.
+    #[inline]
+    pub fn submit_plugged(&self, plug: &mut Plug, bio: Bio, end: &Arc<dyn EndIo>) {
+        if let Some(r) = self.core.prepare(bio, end, Some(plug)) {
+            plug.rqs.push(r);
+            if plug.rqs.len() >= self.core.plug_limit {
+                self.flush_plug(plug);
+            }
+        }
+    }
+
+    /// Dispatches everything `plug` holds, as one batch.
+    pub fn flush_plug(&self, plug: &mut Plug) {
+        self.core.flush(plug);
+    }
+
+    /// Disk statistics.
+    pub fn stats(&self) -> DiskStats {
+        self.core.stats.snapshot()
+    }
+
+    /// Tag-wait statistics of hardware context `hctx` (0 with shared tags).
+    pub fn wait_stats(&self, hctx: usize) -> Option<WaitSnapshot> {
+        self.core.pools.get(hctx).map(|p| p.wait_stats())
+    }
+
+    /// The tag pools (one, or one per hardware context).
+    pub fn pools(&self) -> &[Arc<TagPool>] {
+        &self.core.pools
+    }
+
+    /// Switches every pool's policy.
+    pub fn set_policy(&self, p: PoolPolicy) {
+        for pool in self.core.pools.iter() {
+            pool.set_policy(p);
+        }
+    }
+
+    /// Switches every pool's wake-up algorithm.
+    pub fn set_wake(&self, w: WakeAlgo) {
+        for pool in self.core.pools.iter() {
+            pool.sbq().set_algo(w);
+        }
+    }
+
+    /// The driver's description.
+    pub fn describe(&self) -> String {
+        self.core.driver.describe()
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.core.driver.stop();
+    }
+}
+
+impl Device for Queue {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        Queue::submit(self, bio, end)
+    }
+
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
+        let mut plug = Plug::new(self.core.plug_limit);
+        for b in bios {
+            self.submit_plugged(&mut plug, b, end);
+        }
+        self.flush_plug(&mut plug);
+    }
+
+    fn limits(&self) -> Limits {
+        self.core.limits
+    }
+
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+        self.core.driver.extents(offset, len, max)
+    }
+}
+
+/// A per-submitter plug: requests collected before they reach the driver as one batch.
+/// Keep one per submitter and reuse it: its vector is allocated once.
+#[derive(Debug)]
+pub struct Plug {
+    rqs: Vec<RqRef>,
+}
+
+impl Plug {
+    /// A plug holding up to `cap` requests without reallocating.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            rqs: Vec::with_capacity(cap),
+        }
+    }
+
+    /// Requests waiting in the plug.
+    pub fn len(&self) -> usize {
+        self.rqs.len()
+    }
+
+    /// Whether the plug is empty.
+    pub fn is_empty(&self) -> bool {
+        self.rqs.is_empty()
+    }
+}
+
+impl Drop for Plug {
+    fn drop(&mut self) {
+        // A plug must be flushed before it is dropped; requests left in it would hold their
+        // tags forever. We cannot reach the queue from here, so this is a caller bug.
+        debug_assert!(self.rqs.is_empty(), "plug dropped with requests in it");
+    }
+}

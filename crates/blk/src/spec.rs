@@ -1,0 +1,235 @@
+//! Device specs, as given on the command line: `null:SIZE`, `mem:SIZE`, `file:PATH`, each
+//! optionally followed by `,key=value` options, e.g.
+//! `null:1G,completion=thread,completion_nsec=10000,hw_queue_depth=64`.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use sbitmap::WakeAlgo;
+use std::sync::Arc;
+
+use crate::backend::file::{FileBackend, FileOptions};
+use crate::backend::mem::MemBackend;
+use crate::backend::Backend;
+use crate::drivers::{BackendDriver, NullConfig, NullDriver};
+use crate::queue::{Driver, Queue, QueueConfig};
+use crate::tags::PoolPolicy;
+use crate::Error;
+
+/// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix (powers of 1024;
+/// an optional trailing `B` or `iB` is accepted).
+pub fn parse_size(s: &str) -> Result<u64, Error> {
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (num, mult) = match t.chars().last() {
+        Some(c @ ('k' | 'K' | 'm' | 'M' | 'g' | 'G' | 't' | 'T')) => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                _ => 40,
+            };
+            (&t[..t.len() - 1], 1u64 << shift)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| Error::Config(format!("bad size {s:?} (expected e.g. 512M, 4G)")))
+}
+
+/// What kind of device a spec names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    /// `null:SIZE`.
+    Null(u64),
+    /// `mem:SIZE`.
+    Mem(u64),
+    /// `file:PATH`.
+    File(PathBuf),
+}
+
+/// A parsed device spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// The kind and its argument.
+    pub kind: Kind,
+    /// `key=value` options, in order.
+    pub options: Vec<(String, String)>,
+}
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let (head, rest) = match s.split_once(',') {
+            Some((h, r)) => (h, Some(r)),
+            None => (s, None),
+        };
+        let (kind, arg) = head.split_once(':').ok_or_else(|| {
+            Error::Config(format!(
+                "bad device spec {s:?}: expected null:SIZE, mem:SIZE or file:PATH"
+            ))
+        })?;
+        let kind = match kind {
+            "null" => Kind::Null(parse_size(arg)?),
+            "mem" => Kind::Mem(parse_size(arg)?),
+            "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
+            _ => {
+                return Err(Error::Config(format!(
+                    "bad device spec {s:?}: expected null:SIZE, mem:SIZE or file:PATH"
+                )))
+            }
+        };
+        let mut options = vec![];
+        for kv in rest
+            .into_iter()
+            .flat_map(|r| r.split(','))
+            .filter(|x| !x.is_empty())
+        {
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                Error::Config(format!("bad option {kv:?} in {s:?}: expected key=value"))
+            })?;
+            options.push((k.trim().to_string(), v.trim().to_string()));
+        }
+        Ok(Self { kind, options })
+    }
+}
+
+fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
+    match v {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(Error::Config(format!("option {k}: bad boolean {v:?}"))),
+    }
+}
+
+fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
+    v.parse()
+        .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
+}
+
+/// Queue settings that a command line may force over a spec's own options.
+#[derive(Debug, Clone, Default)]
+pub struct QueueOverrides {
+    /// `--hw-queues`.
+    pub hw_queues: Option<u16>,
+    /// `--queue-depth`.
+    pub queue_depth: Option<u32>,
+    /// `--shared-tags`.
+    pub shared_tags: Option<bool>,
+    /// `--wake`.
+    pub wake: Option<WakeAlgo>,
+    /// `--policy`.
+    pub policy: Option<PoolPolicy>,
+    /// `--read-only` (file devices open read-only).
+    pub read_only: bool,
+}
+
+impl DeviceSpec {
+    /// Builds the device's queue and driver.
+    pub fn build(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
+        let mut null = NullConfig::default();
+        let mut memory_backed = false;
+        let mut file_opts = FileOptions {
+            read_only: ov.read_only,
+            ..FileOptions::default()
+        };
+        let mut cfg = QueueConfig::new(0);
+        for (k, v) in &self.options {
+            let k = k.as_str();
+            match (k, &self.kind) {
+                ("hw_queue_depth" | "queue_depth", _) => cfg.queue_depth = parse_num(k, v)?,
+                ("submit_queues" | "hw_queues", _) => cfg.nr_hw_queues = parse_num(k, v)?,
+                ("shared_tags", _) => cfg.shared_tags = parse_bool(k, v)?,
+                ("wake", _) => cfg.wake = v.parse()?,
+                ("policy", _) => cfg.policy = v.parse()?,
+                ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
+                ("max_io", _) => cfg.limits.max_io_bytes = parse_size(v)? as u32,
+                ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
+                ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
+                ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
+                ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
+                ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown option {k:?} for a {} device",
+                        match self.kind {
+                            Kind::Null(_) => "null",
+                            Kind::Mem(_) => "mem",
+                            Kind::File(_) => "file",
+                        }
+                    )))
+                }
+            }
+        }
+        if let Some(h) = ov.hw_queues {
+            cfg.nr_hw_queues = h;
+        }
+        if let Some(d) = ov.queue_depth {
+            cfg.queue_depth = d;
+        }
+        if let Some(s) = ov.shared_tags {
+            cfg.shared_tags = s;
+        }
+        if let Some(w) = ov.wake {
+            cfg.wake = w;
+        }
+        if let Some(p) = ov.policy {
+            cfg.policy = p;
+        }
+        let driver: Box<dyn Driver> = match &self.kind {
+            Kind::Null(size) => {
+                cfg.limits.capacity = *size;
+                if memory_backed {
+                    null.memory = Some(Arc::new(MemBackend::new(*size)));
+                }
+                Box::new(NullDriver::new(null))
+            }
+            Kind::Mem(size) => {
+                cfg.limits.capacity = *size;
+                Box::new(BackendDriver::new("mem", Arc::new(MemBackend::new(*size))))
+            }
+            Kind::File(path) => {
+                let be = FileBackend::open(path, file_opts)?;
+                cfg.limits.capacity = be.size();
+                Box::new(BackendDriver::new("file", Arc::new(be)))
+            }
+        };
+        Queue::new(cfg, driver)
+    }
+}
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn specs() {
+        let s: DeviceSpec = "null:1G,completion=thread,completion_nsec=10000,hw_queue_depth=64"
+            .parse()
+            .unwrap();
+        assert_eq!(s.kind, Kind::Null(1 << 30));
+        assert_eq!(s.options.len(), 3);
+        let f: DeviceSpec = "file:/tmp/x.img".parse().unwrap();
+        assert_eq!(f.kind, Kind::File("/tmp/x.img".into()));
+        assert!("disk:1G".parse::<DeviceSpec>().is_err());
+        assert!("null:1G,bogus".parse::<DeviceSpec>().is_err());
+        let bad: DeviceSpec = "mem:1M,completion=thread".parse().unwrap();
+        assert!(bad.build(&QueueOverrides::default()).is_err());
+    }
+}

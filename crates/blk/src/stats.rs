@@ -1,0 +1,219 @@
+//! Queue statistics: `/sys/block/*/stat`-style disk counters, and tag-wait statistics.
+//!
+//! Disk counters are sharded by thread slot (one cache line per shard), incremented with
+//! `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
+//! see a snapshot torn between shards, which is fine for statistics. Times use the coarse
+//! monotonic clock (a few ns to read, ~1-4 ms resolution, like the kernel's jiffies-based
+//! `io_ticks`), because a precise clock costs ~33 ns per read on these machines.
+
+use std::time::Instant;
+
+use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::CachePadded;
+use waitq::{HistogramSnapshot, LatencyHistogram};
+
+/// Coarse monotonic time in ns (CLOCK_MONOTONIC_COARSE).
+#[inline]
+pub fn coarse_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[derive(Debug, Default)]
+struct Shard {
+    ios: [AtomicU64; 2],
+    merges: [AtomicU64; 2],
+    sectors: [AtomicU64; 2],
+    ticks_ns: [AtomicU64; 2],
+    submitted: [AtomicU64; 2],
+    errors: AtomicU64,
+}
+
+/// A snapshot of the disk counters, the fields of `/sys/block/*/stat` (index 0 read, 1 write).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiskStats {
+    /// Completed I/Os.
+    pub ios: [u64; 2],
+    /// Bios merged into an existing request.
+    pub merges: [u64; 2],
+    /// Sectors moved.
+    pub sectors: [u64; 2],
+    /// Time spent by completed I/Os, from allocation to completion, ns (coarse clock).
+    pub ticks_ns: [u64; 2],
+    /// Requests submitted but not completed.
+    pub in_flight: [u64; 2],
+    /// Time with at least one I/O in flight, ns.
+    pub io_ticks_ns: u64,
+    /// Sum over time of the number of I/Os in flight (ns x I/Os).
+    pub time_in_queue_ns: u64,
+    /// Completed I/Os whose status was an error.
+    pub errors: u64,
+}
+
+/// Sharded disk counters.
+#[derive(Debug)]
+pub struct DiskCounters {
+    shards: Box<[CachePadded<Shard>]>,
+    /// io_ticks accounting: the last time in-flight went non-zero is folded in on completion.
+    io_ticks: AtomicU64,
+    last_ts: AtomicU64,
+}
+
+impl Default for DiskCounters {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl DiskCounters {
+    /// Zeroed counters.
+    pub fn new() -> Self {
+        let n = if cfg!(blkq_loom) {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(4, |n| n.get())
+                .next_power_of_two()
+                .min(64)
+        };
+        Self {
+            shards: (0..n).map(|_| CachePadded(Shard::default())).collect(),
+            io_ticks: AtomicU64::new(0),
+            last_ts: AtomicU64::new(coarse_ns()),
+        }
+    }
+
+    #[inline]
+    fn shard(&self) -> &Shard {
+        &self.shards[blkq_sync::thread_slot() & (self.shards.len() - 1)]
+    }
+
+    /// Counts a submission.
+    #[inline]
+    pub fn submitted(&self, dir: usize) {
+        self.shard().submitted[dir].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a merge.
+    #[inline]
+    pub fn merged(&self, dir: usize) {
+        self.shard().merges[dir].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a completion of `sectors` that started at `start_ns` (coarse clock).
+    #[inline]
+    pub fn completed(&self, dir: usize, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
+        let s = self.shard();
+        s.ios[dir].fetch_add(1, Ordering::Relaxed);
+        s.sectors[dir].fetch_add(sectors, Ordering::Relaxed);
+        s.ticks_ns[dir].fetch_add(now_ns.saturating_sub(start_ns), Ordering::Relaxed);
+        if !ok {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        // io_ticks: advance a shared timestamp at most once per clock tick (the coarse clock
+        // changes every few ms), so this shared line is written rarely.
+        let last = self.last_ts.load(Ordering::Relaxed);
+        if now_ns > last
+            && self
+                .last_ts
+                .compare_exchange(last, now_ns, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.io_ticks.fetch_add(now_ns - last, Ordering::Relaxed);
+        }
+    }
+
+    /// A snapshot.
+    #[allow(clippy::needless_range_loop)] // four parallel arrays indexed by direction
+    pub fn snapshot(&self) -> DiskStats {
+        let mut d = DiskStats::default();
+        let mut submitted = [0u64; 2];
+        for s in self.shards.iter() {
+            for dir in 0..2 {
+                d.ios[dir] += s.ios[dir].load(Ordering::Relaxed);
+                d.merges[dir] += s.merges[dir].load(Ordering::Relaxed);
+                d.sectors[dir] += s.sectors[dir].load(Ordering::Relaxed);
+                d.ticks_ns[dir] += s.ticks_ns[dir].load(Ordering::Relaxed);
+                submitted[dir] += s.submitted[dir].load(Ordering::Relaxed);
+            }
+            d.errors += s.errors.load(Ordering::Relaxed);
+        }
+        for dir in 0..2 {
+            d.in_flight[dir] = submitted[dir].saturating_sub(d.ios[dir]);
+        }
+        d.io_ticks_ns = self.io_ticks.load(Ordering::Relaxed);
+        d.time_in_queue_ns = d.ticks_ns[0] + d.ticks_ns[1];
+        d
+    }
+}
+
+/// Tag-wait statistics: how often submitters slept for a tag, and for how long.
+#[derive(Debug, Default)]
+pub struct WaitStats {
+    hist: LatencyHistogram,
+    min: AtomicU64,
+}
+
+/// A snapshot of [`WaitStats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitSnapshot {
+    /// Number of waits.
+    pub count: u64,
+    /// Shortest wait, ns (0 if none).
+    pub min_ns: u64,
+    /// Mean wait, ns.
+    pub mean_ns: u64,
+    /// Longest wait, ns.
+    pub max_ns: u64,
+    /// Upper bound of the 99th percentile, ns (log2 buckets).
+    pub p99_ns: u64,
+    /// The log2 histogram.
+    pub hist: HistogramSnapshot,
+}
+
+impl WaitStats {
+    /// No waits yet.
+    pub fn new() -> Self {
+        Self {
+            hist: LatencyHistogram::new(),
+            min: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Starts timing a wait.
+    #[inline]
+    pub fn start(&self) -> Instant {
+        Instant::now()
+    }
+
+    /// Records a wait that started at `t0`.
+    #[inline]
+    pub fn record(&self, t0: Instant) {
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.hist.record(ns);
+        self.min.fetch_min(ns, Ordering::Relaxed);
+    }
+
+    /// A snapshot.
+    pub fn snapshot(&self) -> WaitSnapshot {
+        let hist = self.hist.snapshot();
+        let count = hist.count();
+        WaitSnapshot {
+            count,
+            min_ns: if count == 0 {
+                0
+            } else {
+                self.min.load(Ordering::Relaxed)
+            },
+            mean_ns: hist.mean(),
+            max_ns: hist.max,
+            p99_ns: hist.quantile_upper(0.99),
+            hist,
+        }
+    }
+}

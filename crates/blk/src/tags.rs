@@ -1,0 +1,442 @@
+//! Tag pools and the pool-full policy (seed 001: who gets the next free request).
+//!
+//! A [`TagPool`] is an [`SbitmapQueue`] plus a policy for the moment it runs dry:
+//!
+//! - [`PoolPolicy::Steal`] (today's kernel): a sleeper is woken by the batched wake-ups of
+//!   the tag bitmap, and anyone, newcomer or sleeper, may take a freed tag.
+//! - [`PoolPolicy::Fifo`]: strict hand-off. While anyone waits, newcomers queue behind them,
+//!   and a freed tag is given to the oldest waiter directly (it does not race for it).
+//! - [`PoolPolicy::Batch`]: FIFO, plus batch ownership: a waiter that was handed a tag becomes
+//!   the *batcher* for its direction (read or write) and may take up to `batch_requests` tags
+//!   within `batch_time` without queueing, as long as tags are free. Throughput for whoever
+//!   streams; bounded latency for the rest.
+//!
+//! # The hand-off gate (Fifo, Batch)
+//!
+//! | field     | meaning                                                             |
+//! |-----------|---------------------------------------------------------------------|
+//! | `queue`   | waiters, oldest first, each with a slot on its own stack for a tag   |
+//! | `waiting` | `queue.len()`, written under the lock, read without it               |
+//!
+//! A waiter queues under the lock, publishes `waiting`, then (still under the lock) refills:
+//! it moves free tags from the bitmap to the oldest waiters. A free puts its tag back in the
+//! bitmap, then fences and reads `waiting`; if non-zero it takes the lock and refills. The
+//! store of `waiting` and the bitmap RMW of the free are ordered against each other's loads
+//! by SeqCst fences on both sides (a store-buffer pattern, like the wait queue's), so either
+//! the waiter's refill sees the freed bit or the free sees the waiter and refills for it.
+//!
+//! A hand-off writes the tag into the waiter's stack slot (Release) after removing the waiter
+//! from the queue, under the lock; that store is the waker's last access to the slot. The
+//! waiter returns only after reading the slot (Acquire), so the slot outlives every access.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use blkq_sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use blkq_sync::thread::{self, Thread};
+use blkq_sync::Mutex;
+use sbitmap::{SbitmapQueue, WakeAlgo};
+
+use crate::stats::{WaitSnapshot, WaitStats};
+use crate::Error;
+
+/// Who gets the next free tag when the pool is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolPolicy {
+    /// Anyone may take a freed tag (batched wake-ups from the bitmap).
+    #[default]
+    Steal,
+    /// Strict FIFO hand-off.
+    Fifo,
+    /// FIFO with batch ownership.
+    Batch,
+}
+
+impl PoolPolicy {
+    fn to_u32(self) -> u32 {
+        match self {
+            PoolPolicy::Steal => 0,
+            PoolPolicy::Fifo => 1,
+            PoolPolicy::Batch => 2,
+        }
+    }
+
+    fn from_u32(v: u32) -> Self {
+        match v {
+            1 => PoolPolicy::Fifo,
+            2 => PoolPolicy::Batch,
+            _ => PoolPolicy::Steal,
+        }
+    }
+}
+
+impl std::str::FromStr for PoolPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "steal" => Ok(PoolPolicy::Steal),
+            "fifo" => Ok(PoolPolicy::Fifo),
+            "batch" => Ok(PoolPolicy::Batch),
+            _ => Err(Error::Config(format!(
+                "unknown policy {s:?} (expected steal, fifo or batch)"
+            ))),
+        }
+    }
+}
+
+const NO_TAG: u32 = u32::MAX;
+
+struct GateWaiter {
+    thread: Thread,
+    /// Points to an `AtomicU32` on the waiter's stack (see the module docs).
+    slot: *const AtomicU32,
+}
+
+// SAFETY: the slot pointer is only dereferenced under the gate lock while the waiter is queued,
+// and the waiter cannot return (and free its stack slot) before it reads a tag from it.
+unsafe impl Send for GateWaiter {}
+
+/// Threads handed a tag, to unpark after the gate lock is dropped.
+#[derive(Default)]
+struct Handed {
+    threads: [Option<Thread>; 16],
+    n: usize,
+    more: bool,
+}
+
+#[derive(Debug, Default)]
+struct BatchOwner {
+    slot: Option<usize>,
+    left: u32,
+    until: Option<Instant>,
+}
+
+/// A tag pool with its pool-full policy and wait statistics.
+#[derive(Debug)]
+pub struct TagPool {
+    sbq: SbitmapQueue,
+    policy: AtomicU32,
+    waiting: AtomicUsize,
+    queue: Mutex<VecDeque<GateWaiter>>,
+    owners: [Mutex<BatchOwner>; 2],
+    batch_requests: AtomicU32,
+    batch_time_ns: AtomicU64,
+    /// Soft limit on tags in use (`max_in_flight`), `NO_LIMIT` when off; only a batch owner
+    /// may go past it (up to the bitmap's depth), as seed 001's batching processes could go
+    /// past `nr_requests`.
+    soft_limit: AtomicU32,
+    /// Tags in use, counted only while a soft limit is set.
+    in_use: AtomicU32,
+    waits: WaitStats,
+}
+
+const NO_LIMIT: u32 = u32::MAX;
+
+impl std::fmt::Debug for GateWaiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GateWaiter").finish_non_exhaustive()
+    }
+}
+
+impl TagPool {
+    /// A pool of `depth` tags.
+    pub fn new(depth: u32, algo: WakeAlgo, policy: PoolPolicy) -> Result<Self, Error> {
+        Ok(Self {
+            sbq: SbitmapQueue::new(depth, None, false, algo)?,
+            policy: AtomicU32::new(policy.to_u32()),
+            waiting: AtomicUsize::new(0),
+            queue: Mutex::new(VecDeque::new()),
+            owners: [
+                Mutex::new(BatchOwner::default()),
+                Mutex::new(BatchOwner::default()),
+            ],
+            batch_requests: AtomicU32::new(32),
+            batch_time_ns: AtomicU64::new(10_000_000),
+            soft_limit: AtomicU32::new(NO_LIMIT),
+            in_use: AtomicU32::new(0),
+            waits: WaitStats::new(),
+        })
+    }
+
+    /// The underlying tag bitmap queue.
+    pub fn sbq(&self) -> &SbitmapQueue {
+        &self.sbq
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> PoolPolicy {
+        PoolPolicy::from_u32(self.policy.load(Ordering::Relaxed))
+    }
+
+    /// Switches the policy at run time. Waiters already queued at the gate are served first.
+    pub fn set_policy(&self, p: PoolPolicy) {
+        self.policy.store(p.to_u32(), Ordering::Relaxed);
+        // Let every kind of sleeper look again under the new rules.
+        self.sbq.wake_all();
+        self.refill();
+    }
+
+    /// Batch ownership limits (`Batch` policy): tags per batch and its time window.
+    pub fn set_batch(&self, requests: u32, time: Duration) {
+        self.batch_requests
+            .store(requests.max(1), Ordering::Relaxed);
+        self.batch_time_ns
+            .store(time.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Sets the soft limit on tags in use (`max_in_flight`; `None` or the depth: off). Only
+    /// a batch owner may allocate past it. Meant to be set while the pool is idle: the in-use
+    /// count starts from the bitmap's weight at this moment.
+    pub fn set_max_in_flight(&self, n: Option<u32>) {
+        let depth = self.sbq.bitmap().depth();
+        match n {
+            Some(n) if n < depth => {
+                self.in_use
+                    .store(self.sbq.bitmap().weight(), Ordering::Relaxed);
+                self.soft_limit.store(n.max(1), Ordering::Relaxed);
+            }
+            _ => self.soft_limit.store(NO_LIMIT, Ordering::Relaxed),
+        }
+        self.sbq.wake_all();
+        self.refill();
+    }
+
+    /// Takes a tag within the soft limit.
+    #[inline]
+    fn take(&self) -> Option<u32> {
+        let limit = self.soft_limit.load(Ordering::Relaxed);
+        if limit == NO_LIMIT {
+            return self.sbq.get();
+        }
+        // Reserve room under the limit first, then a bit; give the room back on failure.
+        // Relaxed: the count is a limit, not a publication; the bitmap orders the data.
+        let mut cur = self.in_use.load(Ordering::Relaxed);
+        loop {
+            if cur >= limit {
+                return None;
+            }
+            match self.in_use.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
+        }
+        let t = self.sbq.get();
+        if t.is_none() {
+            self.in_use.fetch_sub(1, Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// Takes a tag past the soft limit (batch owners).
+    fn take_unlimited(&self) -> Option<u32> {
+        let limited = self.soft_limit.load(Ordering::Relaxed) != NO_LIMIT;
+        if limited {
+            self.in_use.fetch_add(1, Ordering::Relaxed);
+        }
+        let t = self.sbq.get();
+        if t.is_none() && limited {
+            self.in_use.fetch_sub(1, Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// Tag-wait statistics.
+    pub fn wait_stats(&self) -> WaitSnapshot {
+        self.waits.snapshot()
+    }
+
+    /// Number of submitters queued at the hand-off gate.
+    pub fn gate_waiters(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Allocates a tag without sleeping (within the soft limit).
+    #[inline]
+    pub fn try_get(&self) -> Option<u32> {
+        self.take()
+    }
+
+    /// Allocates a tag for direction `dir` if the policy lets this thread have one without
+    /// waiting (a batch owner's allowance, or a free tag with nobody queued at the gate).
+    #[inline]
+    pub fn get_nowait(&self, dir: usize) -> Option<u32> {
+        match self.policy() {
+            PoolPolicy::Steal => self.take(),
+            _ => {
+                if self.may_batch(dir) {
+                    if let Some(t) = self.take_unlimited() {
+                        return Some(t);
+                    }
+                }
+                if self.waiting.load(Ordering::Relaxed) == 0 {
+                    return self.take();
+                }
+                None
+            }
+        }
+    }
+
+    /// Allocates a tag for direction `dir` (0 read, 1 write), sleeping per the policy if the
+    /// pool is full.
+    #[inline]
+    pub fn get(&self, dir: usize) -> u32 {
+        match self.policy() {
+            PoolPolicy::Steal => {
+                if let Some(t) = self.take() {
+                    return t;
+                }
+                let t0 = self.waits.start();
+                let t = self.sbq.get_or_wait_with(|_| self.take());
+                self.waits.record(t0);
+                t
+            }
+            p => {
+                if self.may_batch(dir) {
+                    if let Some(t) = self.take_unlimited() {
+                        return t;
+                    }
+                }
+                if self.waiting.load(Ordering::Relaxed) == 0 {
+                    if let Some(t) = self.take() {
+                        return t;
+                    }
+                }
+                self.get_gate(dir, p)
+            }
+        }
+    }
+
+    /// Whether the current thread owns an unexpired batch for `dir`; consumes one from it.
+    fn may_batch(&self, dir: usize) -> bool {
+        if self.policy() != PoolPolicy::Batch {
+            return false;
+        }
+        let me = blkq_sync::thread_slot();
+        let mut o = self.owners[dir & 1].lock();
+        if o.slot != Some(me) || o.left == 0 || o.until.is_none_or(|u| Instant::now() >= u) {
+            return false;
+        }
+        o.left -= 1;
+        true
+    }
+
+    #[cold]
+    fn get_gate(&self, dir: usize, policy: PoolPolicy) -> u32 {
+        let t0 = self.waits.start();
+        let slot = AtomicU32::new(NO_TAG);
+        {
+            let mut q = self.queue.lock();
+            if q.is_empty() {
+                if let Some(t) = self.take() {
+                    return t;
+                }
+            }
+            q.push_back(GateWaiter {
+                thread: thread::current(),
+                slot: &slot,
+            });
+            self.waiting.store(q.len(), Ordering::Relaxed);
+            // We must order the `waiting` store before the refill's bitmap reads, pairing with
+            // the fence in `put` after the free's bitmap RMW (module docs).
+            fence(Ordering::SeqCst);
+            let handed = self.refill_locked(&mut q);
+            drop(q);
+            self.unpark_all(handed);
+        }
+        let tag = loop {
+            // Acquire: pairs with the Release store of the hand-off.
+            let t = slot.load(Ordering::Acquire);
+            if t != NO_TAG {
+                break t;
+            }
+            thread::park();
+        };
+        self.waits.record(t0);
+        if policy == PoolPolicy::Batch {
+            let mut o = self.owners[dir & 1].lock();
+            o.slot = Some(blkq_sync::thread_slot());
+            o.left = self
+                .batch_requests
+                .load(Ordering::Relaxed)
+                .saturating_sub(1);
+            o.until = Some(
+                Instant::now() + Duration::from_nanos(self.batch_time_ns.load(Ordering::Relaxed)),
+            );
+        }
+        tag
+    }
+
+    /// Hands free tags to the oldest waiters, with the gate lock held; returns whom to
+    /// unpark once the lock is dropped (wake outside the lock), and whether more may be due.
+    fn refill_locked(&self, q: &mut VecDeque<GateWaiter>) -> Handed {
+        let mut h = Handed::default();
+        while !q.is_empty() && h.n < h.threads.len() {
+            if q.is_empty() {
+                break;
+            }
+            let Some(t) = self.take() else {
+                break;
+            };
+            let Some(w) = q.pop_front() else {
+                break;
+            };
+            // SAFETY: `w` was queued until the line above, so its owner is still parked in
+            // `get_gate` and its stack slot is alive; this store is our last access to it.
+            unsafe { (*w.slot).store(t, Ordering::Release) };
+            h.threads[h.n] = Some(w.thread);
+            h.n += 1;
+        }
+        h.more = h.n == h.threads.len() && !q.is_empty();
+        self.waiting.store(q.len(), Ordering::Relaxed);
+        h
+    }
+
+    fn unpark_all(&self, mut h: Handed) {
+        for t in h.threads.iter_mut().take(h.n) {
+            if let Some(t) = t.take() {
+                t.unpark();
+            }
+        }
+        if h.more {
+            self.refill();
+        }
+    }
+
+    fn refill(&self) {
+        let h = {
+            let mut q = self.queue.lock();
+            self.refill_locked(&mut q)
+        };
+        self.unpark_all(h);
+    }
+
+    /// Frees a tag. Returns `false` if it was not allocated.
+    #[inline]
+    pub fn put(&self, tag: u32) -> bool {
+        if !self.sbq.put(tag) {
+            return false;
+        }
+        if self.soft_limit.load(Ordering::Relaxed) != NO_LIMIT {
+            // Saturating: a tag taken before the limit was set may be freed after.
+            let _ = self
+                .in_use
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(1))
+                });
+        }
+        if self.policy() != PoolPolicy::Steal || self.waiting.load(Ordering::Relaxed) != 0 {
+            // We must order our free before the load of `waiting`, pairing with the fence in
+            // `get_gate` (module docs).
+            fence(Ordering::SeqCst);
+            if self.waiting.load(Ordering::Relaxed) != 0 {
+                self.refill();
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,298 @@
+//! The request queue: validation errors, data round trips, completion modes, and the promise
+//! of each pool-full policy.
+#![cfg(not(blkq_loom))]
+
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use blk::spec::{DeviceSpec, QueueOverrides};
+use blk::{Bio, BioFlags, Buffer, EndIo, Error, Op, PoolPolicy, Queue, TagPool};
+use sbitmap::WakeAlgo;
+use std::sync::Arc;
+
+/// Collects completions.
+#[derive(Default)]
+struct Collect(Mutex<Vec<(Bio, Result<(), Error>)>>);
+
+impl EndIo for Collect {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        self.0.lock().unwrap().push((bio, res));
+    }
+}
+
+impl Collect {
+    fn wait_for(&self, n: usize) -> Vec<(Bio, Result<(), Error>)> {
+        let t0 = Instant::now();
+        loop {
+            {
+                let mut v = self.0.lock().unwrap();
+                if v.len() >= n {
+                    return std::mem::take(&mut *v);
+                }
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "completions missing"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn queue(spec: &str) -> Queue {
+    spec.parse::<DeviceSpec>()
+        .unwrap()
+        .build(&QueueOverrides::default())
+        .unwrap()
+}
+
+fn submit_one(q: &Queue, bio: Bio) -> (Bio, Result<(), Error>) {
+    let c = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = c.clone();
+    q.submit(bio, &end);
+    c.wait_for(1).pop().unwrap()
+}
+
+#[test]
+fn bad_bios_complete_with_errors_and_never_panic() {
+    let q = queue("mem:4M");
+    let cases: Vec<(Bio, i32)> = vec![
+        (
+            Bio::with_buf(Op::Read, 8192, Buffer::new(512)),
+            libc::EINVAL,
+        ), // past the end
+        (
+            Bio::with_buf(Op::Write, 8191, Buffer::new(1024)),
+            libc::EINVAL,
+        ), // straddles it
+        (Bio::new(Op::Read, 0, 100), libc::EINVAL), // misaligned length
+        (Bio::new(Op::Discard, 0, 0), libc::EINVAL), // empty
+        (Bio::new(Op::Read, u64::MAX, 512), libc::EINVAL), // sector overflow
+        (Bio::new(Op::Read, 0, 2 << 20), libc::EOVERFLOW), // over max_io
+        (Bio::new(Op::Read, 0, 512), libc::EINVAL), // no buffer
+    ];
+    for (bio, errno) in cases {
+        let desc = format!("{bio:?}");
+        let (_, res) = submit_one(&q, bio);
+        let e = res.expect_err(&desc);
+        assert_eq!(e.errno(), errno, "{desc}: {e}");
+    }
+    let mut short = Bio::with_buf(Op::Read, 0, Buffer::new(512));
+    short.len = 1024;
+    let (_, res) = submit_one(&q, short);
+    assert!(matches!(res, Err(Error::BufferTooSmall { .. })));
+    // The queue still works afterwards.
+    let (_, res) = submit_one(&q, Bio::new(Op::Flush, 0, 0));
+    res.unwrap();
+    assert_eq!(q.stats().in_flight, [0, 0]);
+}
+
+#[test]
+fn mem_device_round_trip_and_zeroes() {
+    let q = queue("mem:4M");
+    let mut w = Buffer::new(8192);
+    for (i, b) in w.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    submit_one(&q, Bio::with_buf(Op::Write, 7, w)).1.unwrap();
+    let (r, res) = submit_one(&q, Bio::with_buf(Op::Read, 7, Buffer::new(8192)));
+    res.unwrap();
+    let r = r.buf.unwrap();
+    assert!(r
+        .as_slice()
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == (i % 251) as u8));
+    submit_one(&q, Bio::new(Op::WriteZeroes, 8, 1024))
+        .1
+        .unwrap();
+    let (r, _) = submit_one(&q, Bio::with_buf(Op::Read, 8, Buffer::new(1024)));
+    assert!(r.buf.unwrap().as_slice().iter().all(|&b| b == 0));
+    let mut fz = Bio::new(Op::WriteZeroes, 0, 512);
+    fz.flags = BioFlags::FAST_ZERO | BioFlags::NO_HOLE;
+    submit_one(&q, fz).1.unwrap();
+    let s = q.stats();
+    assert_eq!(s.ios, [2, 3]);
+    assert_eq!(s.sectors[1], 16);
+}
+
+fn pump(spec: &str, n: usize) {
+    let q = queue(spec);
+    let c = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = c.clone();
+    let mut plug = blk::Plug::new(16);
+    for i in 0..n {
+        q.submit_plugged(
+            &mut plug,
+            Bio::new(Op::Read, (i as u64 * 8) % 2048, 4096),
+            &end,
+        );
+    }
+    q.flush_plug(&mut plug);
+    let done = c.wait_for(n);
+    assert_eq!(done.len(), n);
+    assert!(done.iter().all(|(_, r)| r.is_ok()));
+    assert_eq!(q.stats().ios[0], n as u64);
+}
+
+#[test]
+fn null_completion_modes() {
+    pump("null:1M", 1000);
+    pump("null:1M,completion=thread,hw_queue_depth=8", 1000);
+    pump(
+        "null:1M,completion=timer,completion_nsec=20000,hw_queue_depth=16",
+        200,
+    );
+    pump(
+        "null:1M,submit_queues=3,shared_tags=1,hw_queue_depth=4",
+        100,
+    );
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "timed out waiting: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// FIFO: a newcomer may not overtake a waiter, and freed tags go oldest-first.
+#[test]
+fn fifo_hands_off_in_order_and_newcomers_queue() {
+    let pool = Arc::new(TagPool::new(1, WakeAlgo::Counter, PoolPolicy::Fifo).unwrap());
+    let t = pool.get(0);
+    let (tx, rx) = mpsc::channel();
+    let spawn = |name: &'static str| {
+        let (pool, tx) = (pool.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let t = pool.get(0);
+            tx.send(name).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            pool.put(t);
+        })
+    };
+    let a = spawn("a");
+    wait_until("a queued", || pool.gate_waiters() == 1);
+    let b = spawn("b");
+    wait_until("b queued", || pool.gate_waiters() == 2);
+    pool.put(t);
+    // A newcomer now must not take the tag while a and b wait.
+    let newcomer = spawn("newcomer");
+    let order: Vec<_> = (0..3).map(|_| rx.recv().unwrap()).collect();
+    assert_eq!(&order[..2], &["a", "b"]);
+    for h in [a, b, newcomer] {
+        h.join().unwrap();
+    }
+    assert_eq!(pool.wait_stats().count, 3);
+}
+
+/// Batch: a waiter handed a tag becomes the batch owner and takes more tags past the soft
+/// limit without queueing, while an older... later waiter keeps waiting.
+#[test]
+fn batch_owner_gets_its_batch() {
+    let pool = Arc::new(TagPool::new(4, WakeAlgo::Counter, PoolPolicy::Batch).unwrap());
+    pool.set_batch(3, Duration::from_secs(60));
+    pool.set_max_in_flight(Some(2));
+    let held = [pool.get(1), pool.get(1)];
+    assert_eq!(pool.try_get(), None, "soft limit reached");
+    let (tx, rx) = mpsc::channel();
+    let p = pool.clone();
+    let owner = std::thread::spawn(move || {
+        let first = p.get(0);
+        // Now the batch owner: two more, past the soft limit, without queueing.
+        let more = [p.get(0), p.get(0)];
+        tx.send(()).unwrap();
+        [first, more[0], more[1]]
+    });
+    wait_until("owner queued", || pool.gate_waiters() == 1);
+    let p = pool.clone();
+    let late = std::thread::spawn(move || p.get(0));
+    wait_until("late queued", || pool.gate_waiters() == 2);
+    pool.put(held[0]);
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("batch owner got its batch");
+    let got = owner.join().unwrap();
+    assert_eq!(pool.gate_waiters(), 1, "the late waiter still waits");
+    for t in got {
+        pool.put(t);
+    }
+    let t = late.join().unwrap();
+    pool.put(t);
+    pool.put(held[1]);
+}
+
+/// Without batching (FIFO) the same thread queues behind the later waiter.
+#[test]
+fn fifo_has_no_batch_owner() {
+    let pool = Arc::new(TagPool::new(4, WakeAlgo::Counter, PoolPolicy::Fifo).unwrap());
+    pool.set_max_in_flight(Some(2));
+    let held = [pool.get(1), pool.get(1)];
+    let p = pool.clone();
+    let first = std::thread::spawn(move || p.get(0));
+    wait_until("first queued", || pool.gate_waiters() == 1);
+    pool.put(held[0]);
+    let t = first.join().unwrap();
+    // Soft limit reached again: a second get from anyone must queue.
+    let p = pool.clone();
+    let second = std::thread::spawn(move || p.get(0));
+    wait_until("second queued", || pool.gate_waiters() == 1);
+    pool.put(t);
+    let t2 = second.join().unwrap();
+    pool.put(t2);
+    pool.put(held[1]);
+}
+
+#[test]
+fn steal_policy_with_sleepers_completes() {
+    for wake in [WakeAlgo::Counter] {
+        let q = Arc::new(
+            "null:1M,hw_queue_depth=2,completion=thread"
+                .parse::<DeviceSpec>()
+                .unwrap()
+                .build(&QueueOverrides {
+                    wake: Some(wake),
+                    ..Default::default()
+                })
+                .unwrap(),
+        );
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                let q = q.clone();
+                std::thread::spawn(move || pump_on(&q, 500))
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        assert_eq!(q.stats().ios[0], 2000);
+        assert!(
+            q.wait_stats(0).unwrap().count > 0,
+            "submitters should have slept"
+        );
+    }
+}
+
+fn pump_on(q: &Queue, n: usize) {
+    let c = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = c.clone();
+    for i in 0..n {
+        q.submit(Bio::new(Op::Read, (i as u64 * 8) % 2048, 4096), &end);
+    }
+    c.wait_for(n);
+}
+
+#[test]
+fn policies_switch_at_run_time() {
+    let q = queue("null:1M,completion=thread,hw_queue_depth=4");
+    for p in [PoolPolicy::Fifo, PoolPolicy::Batch, PoolPolicy::Steal] {
+        q.set_policy(p);
+        pump_on(&q, 200);
+    }
+    q.set_wake(WakeAlgo::Legacy);
+    pump_on(&q, 50);
+}
