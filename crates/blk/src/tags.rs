@@ -431,7 +431,10 @@ impl TagPool {
         }
         if self.policy() != PoolPolicy::Steal || self.waiting.load(Ordering::Relaxed) != 0 {
             // We must order our free before the load of `waiting`, pairing with the fence in
-            // `get_gate` (module docs).
+            // `get_gate` (module docs). `SbitmapQueue::put` already ran a SeqCst fence after
+            // the bitmap RMW (its own `ws_active` check), which is why the loom model still
+            // passes without this one; we keep ours so this argument does not depend on
+            // sbitmap's internals. It costs one fence per free, in fifo/batch mode only.
             fence(Ordering::SeqCst);
             if self.waiting.load(Ordering::Relaxed) != 0 {
                 self.refill();
