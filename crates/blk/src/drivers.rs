@@ -1,5 +1,6 @@
-//! Drivers: `null` (the small reference driver, modelled on null_blk) and the backend driver
-//! behind `mem` and `file` (each request executed on a [`Backend`]).
+//! Drivers: `null` (the small reference driver, modelled on null_blk), the backend driver
+//! behind `mem` (each request executed on a [`Backend`]), and the [`FileDriver`] behind `file`
+//! (io_uring, a thread pool, or synchronous; see [`file`]).
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,10 @@ use crate::backend::{Backend, Extent};
 use crate::bio::{Bio, BioFlags, Op};
 use crate::queue::{Driver, QueueCore, RqRef};
 use crate::Error;
+
+pub mod file;
+
+pub use file::{FileDriver, FileDriverConfig, FileEngineChoice};
 
 /// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
 pub fn exec_on_backend(be: &dyn Backend, bio: &mut Bio) -> Result<(), Error> {
@@ -250,7 +255,7 @@ impl Driver for NullDriver {
 }
 
 /// A driver that executes each request synchronously on a [`Backend`] in `queue_rq`
-/// (`mem:` devices, and `file:` devices with `engine=sync`).
+/// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`FileDriver`]).
 #[derive(Debug)]
 pub struct BackendDriver {
     name: &'static str,

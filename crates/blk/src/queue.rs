@@ -168,6 +168,19 @@ impl RqRef {
     pub fn index(&self) -> u32 {
         self.idx
     }
+
+    /// Rebuilds the token of slot `idx`, for a driver that carried a request through an
+    /// asynchronous engine as its bare [`RqRef::index`] (the engine's `user_data`).
+    ///
+    /// # Safety
+    ///
+    /// `idx` must be the index of a request in flight on the queue it will be used with, whose
+    /// token the caller owns: one given up by whoever held it (handed to an engine as its
+    /// index) and rebuilt at most once. A second live token for the same slot would alias the
+    /// `&mut Request` of [`QueueCore::rq_mut`].
+    pub(crate) unsafe fn from_index(idx: u32) -> RqRef {
+        RqRef { idx }
+    }
 }
 
 /// A block driver: executes requests and reports their completion.

@@ -1,6 +1,12 @@
 //! Device specs, as given on the command line: `null:SIZE`, `mem:SIZE`, `file:PATH`, each
 //! optionally followed by `,key=value` options, e.g.
 //! `null:1G,completion=thread,completion_nsec=10000,hw_queue_depth=64`.
+//!
+//! Options of `file:` devices: `engine=auto|uring|pool|sync` (default `auto`: io_uring where it
+//! works, else the thread pool), `direct=0|1` (`O_DIRECT` for 4096-aligned transfers),
+//! `ro=0|1`, `workers=N` (pool threads, default
+//! [`DEFAULT_WORKERS`](crate::drivers::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
+//! submission entries, default: the queue's tag count, so the ring never fills).
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -11,7 +17,8 @@ use std::sync::Arc;
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::mem::MemBackend;
 use crate::backend::Backend;
-use crate::drivers::{BackendDriver, NullConfig, NullDriver};
+use crate::drivers::file::MAX_ENTRIES;
+use crate::drivers::{BackendDriver, FileDriver, FileDriverConfig, NullConfig, NullDriver};
 use crate::queue::{Driver, Queue, QueueConfig};
 use crate::tags::PoolPolicy;
 use crate::Error;
@@ -138,6 +145,8 @@ impl DeviceSpec {
             read_only: ov.read_only,
             ..FileOptions::default()
         };
+        let mut file_cfg = FileDriverConfig::default();
+        let mut entries: Option<u32> = None;
         let mut cfg = QueueConfig::new(0);
         for (k, v) in &self.options {
             let k = k.as_str();
@@ -154,6 +163,9 @@ impl DeviceSpec {
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
                 ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
                 ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
+                ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
+                ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
+                ("entries", Kind::File(_)) => entries = Some(parse_num(k, v)?),
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option {k:?} for a {} device",
@@ -196,7 +208,15 @@ impl DeviceSpec {
             Kind::File(path) => {
                 let be = FileBackend::open(path, file_opts)?;
                 cfg.limits.capacity = be.size();
-                Box::new(BackendDriver::new("file", Arc::new(be)))
+                // Default: one entry per tag, so the ring never fills (drivers::file docs).
+                let pools = if cfg.shared_tags {
+                    1
+                } else {
+                    u32::from(cfg.nr_hw_queues)
+                };
+                file_cfg.entries = entries
+                    .unwrap_or_else(|| pools.saturating_mul(cfg.queue_depth).clamp(2, MAX_ENTRIES));
+                Box::new(FileDriver::new(be, file_cfg)?)
             }
         };
         Queue::new(cfg, driver)

@@ -1,0 +1,480 @@
+//! The `file` driver: a regular file or a block device, through an asynchronous engine
+//! (io_uring, or a thread pool where io_uring is unavailable or not wanted), or synchronously.
+//!
+//! # Data path (engines `uring` and `pool`)
+//!
+//! - `queue_rq` turns the request's bio into a [`UringOp`] (read, write with FUA, or
+//!   `fdatasync` for a flush) whose `user_data` is the request's [`RqRef::index`], and appends
+//!   it to the driver's pending batch. The `RqRef` itself is given up there: the op carries
+//!   the ownership of the slot from then on.
+//! - `commit` takes the whole pending batch (whatever every submitter queued since the last
+//!   commit) and hands it to the engine at once: one `io_uring_enter` for a plug's worth of
+//!   requests. The batch lock is not held while submitting, so a submitter that waits for
+//!   room in the ring never blocks the others' `queue_rq`, nor a completion callback that
+//!   submits again.
+//! - The engine's completion callback (registered once, at construction) rebuilds the
+//!   `RqRef` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue through
+//!   a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down (which
+//!   waits for every op in flight) and so drops the callback and, with it, the queue.
+//! - Discards and write-zeroes run synchronously on the [`FileBackend`] in `queue_rq` (via
+//!   [`exec_on_backend`]): the backend's `fallocate` fallbacks (punch, zero range, plain
+//!   writes, `BLKZEROOUT`) would each need an op of their own, and io_uring's fallocate is
+//!   an optional opcode. So are writes and flushes on a read-only device (they fail with
+//!   `EROFS`, or succeed trivially, exactly as with `engine=sync`) and bios without a
+//!   buffer.
+//!
+//! # The ring never fills
+//!
+//! Every op belongs to a request, which holds a tag, so at most "tags of the queue" ops are
+//! in flight. The spec builder sizes the ring to that by default (`entries=`), so a
+//! submission never waits for room. With a smaller ring, submitters wait for room; but a
+//! completion callback that submits again runs on the io_uring reaper, which cannot wait for
+//! itself, and the engine refuses it with `WouldBlock`. The ops it could not place are
+//! *deferred*: kept aside, and submitted by the next completion callbacks on the reaper.
+//! There always is a next one: the ring was full, so every one of its slots belonged to an
+//! op whose callback had not run yet. (Running them synchronously instead would recurse
+//! without bound through callbacks that keep submitting, and stall the reaper.)
+//!
+//! # Engine `sync`
+//!
+//! Every request runs in `queue_rq` on the submitter's thread, as [`super::BackendDriver`]
+//! does.
+
+use std::fmt;
+use std::io;
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::{Arc, Mutex};
+
+use super::exec_on_backend;
+use crate::backend::file::FileBackend;
+use crate::backend::uring::{Callback, EngineKind, FileEngine, UringOp};
+use crate::backend::{os_error_code, with_context, Backend, Extent};
+use crate::bio::{BioFlags, Op};
+use crate::queue::{Driver, QueueCore, RqRef};
+use crate::Error;
+
+/// Worker threads of the pool engine when `workers=` is not given.
+pub const DEFAULT_WORKERS: usize = 4;
+/// The largest io_uring submission queue (`IORING_MAX_ENTRIES`).
+pub const MAX_ENTRIES: u32 = 32768;
+/// The most pool workers a spec may ask for.
+pub const MAX_WORKERS: usize = 1024;
+
+/// Which engine a file device runs on (spec option `engine=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FileEngineChoice {
+    /// io_uring when it works here, else the thread pool.
+    #[default]
+    Auto,
+    /// io_uring, or fail to build.
+    Uring,
+    /// The thread pool (`pread`/`pwrite` on worker threads).
+    Pool,
+    /// Synchronous `pread`/`pwrite` in `queue_rq`, on the submitter's thread.
+    Sync,
+}
+
+impl FileEngineChoice {
+    /// The spec spelling: `auto`, `uring`, `pool` or `sync`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Uring => "uring",
+            Self::Pool => "pool",
+            Self::Sync => "sync",
+        }
+    }
+}
+
+impl FromStr for FileEngineChoice {
+    type Err = Error;
+
+    /// `auto`, `uring` (or `io_uring`), `pool`, `sync`.
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "uring" | "io_uring" => Ok(Self::Uring),
+            "pool" => Ok(Self::Pool),
+            "sync" => Ok(Self::Sync),
+            _ => Err(Error::Config(format!(
+                "option engine: unknown engine {s:?} (expected auto, uring, pool or sync)"
+            ))),
+        }
+    }
+}
+
+/// Options of the [`FileDriver`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileDriverConfig {
+    /// The engine.
+    pub engine: FileEngineChoice,
+    /// io_uring submission entries (the kernel rounds up to a power of two): the most ops in
+    /// flight. Size it to the queue's tags (what the spec builder does) so that submissions
+    /// never wait for room.
+    pub entries: u32,
+    /// Worker threads of the pool engine.
+    pub workers: usize,
+}
+
+impl Default for FileDriverConfig {
+    fn default() -> Self {
+        Self {
+            engine: FileEngineChoice::Auto,
+            entries: 64,
+            workers: DEFAULT_WORKERS,
+        }
+    }
+}
+
+/// An op for the engine, and the `user_data` (request index) it carries.
+type PendingOp = (UringOp, u64);
+
+/// The submission side, under one lock.
+struct State {
+    /// Ops queued by `queue_rq` since the last `commit`.
+    pending: Vec<PendingOp>,
+    /// Ops a completion callback could not place in a full ring (`WouldBlock`); submitted
+    /// again by the next completion callbacks (module docs).
+    deferred: Vec<PendingOp>,
+    /// Emptied batches, reused so that steady state allocates nothing.
+    spare: Vec<Vec<PendingOp>>,
+    /// `None` once stopped. Cloned for the length of one submission (outside the lock).
+    engine: Option<Arc<FileEngine>>,
+}
+
+/// What the driver and the completion callback share.
+struct Shared {
+    state: Mutex<State>,
+    /// `deferred` is not empty (checked by every completion without taking the lock).
+    has_deferred: AtomicBool,
+}
+
+/// What the completion callback holds: the queue (filled in [`Driver::start`]) and the
+/// submission side.
+struct Completer {
+    core: OnceLock<std::sync::Arc<QueueCore>>,
+    shared: Arc<Shared>,
+}
+
+struct AsyncEngine {
+    shared: Arc<Shared>,
+    /// Taken by `start`, which fills it in; held by the callback from then on.
+    completer: Mutex<Option<Arc<Completer>>>,
+    name: &'static str,
+    /// Ring entries (uring) or worker threads (pool).
+    size: usize,
+}
+
+enum Mode {
+    Sync,
+    Async(AsyncEngine),
+}
+
+/// The `file` driver. See the [module docs](self).
+pub struct FileDriver {
+    backend: FileBackend,
+    mode: Mode,
+}
+
+impl fmt::Debug for FileDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileDriver")
+            .field("backend", &self.backend)
+            .field("engine", &self.engine_name())
+            .finish()
+    }
+}
+
+/// Maps an engine result to the block layer's.
+#[inline]
+fn to_result(r: io::Result<u32>) -> Result<(), Error> {
+    r.map(drop).map_err(Error::Io)
+}
+
+/// A copy of `e` (which `io::Error` cannot clone), errno kept, for each op it failed.
+fn copy_error(e: &io::Error) -> io::Error {
+    match os_error_code(e) {
+        Some(code) => with_context(io::Error::from_raw_os_error(code), e.to_string()),
+        None => io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+/// Completes ops that will never reach the engine with `err`.
+fn fail(q: &QueueCore, ops: &[PendingOp], err: &io::Error) {
+    for &(_, user_data) in ops {
+        // SAFETY: `user_data` is the index of a request whose token `queue_rq` gave up to
+        // this op; the engine did not accept the op, so it will never call back for it, and
+        // the op is dropped here: this is the only rebuild.
+        let r = unsafe { RqRef::from_index(user_data as u32) };
+        q.complete(r, Err(Error::Io(copy_error(err))));
+    }
+}
+
+impl Shared {
+    /// Hands `batch` to `engine`. Ops refused because the ring is full (only ever on the
+    /// io_uring reaper, which cannot wait for itself) are deferred to the next completion;
+    /// ops refused for any other reason fail.
+    fn submit(&self, q: &QueueCore, engine: Option<Arc<FileEngine>>, batch: &[PendingOp]) {
+        let Some(engine) = engine else {
+            return fail(q, batch, &io::Error::other("file driver is stopped"));
+        };
+        let Err(e) = engine.submit_batch(batch) else {
+            return;
+        };
+        let rest = &batch[e.accepted.min(batch.len())..];
+        if e.error.kind() == io::ErrorKind::WouldBlock {
+            let mut st = self.state.lock();
+            st.deferred.extend_from_slice(rest);
+            self.has_deferred.store(true, Ordering::Release);
+        } else {
+            fail(q, rest, &e.error);
+        }
+    }
+
+    /// Takes `pending` (or `deferred`) as a batch, with the engine to submit it to.
+    fn take(&self, deferred: bool) -> Option<(Vec<PendingOp>, Option<Arc<FileEngine>>)> {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let from = if deferred {
+            self.has_deferred.store(false, Ordering::Relaxed);
+            &mut st.deferred
+        } else {
+            &mut st.pending
+        };
+        if from.is_empty() {
+            return None;
+        }
+        let mut batch = st.spare.pop().unwrap_or_default();
+        std::mem::swap(&mut batch, from);
+        Some((batch, st.engine.clone()))
+    }
+
+    /// Takes a batch, submits it, and keeps the emptied vector for reuse.
+    fn flush(&self, q: &QueueCore, deferred: bool) {
+        let Some((mut batch, engine)) = self.take(deferred) else {
+            return;
+        };
+        self.submit(q, engine, &batch);
+        batch.clear();
+        self.state.lock().spare.push(batch);
+    }
+}
+
+impl FileDriver {
+    /// A driver over `backend` with the engine `cfg` asks for. Fails with the reason when
+    /// `engine=uring` is asked for where io_uring does not work, or an engine cannot be set
+    /// up (threads, descriptors); `Auto` falls back to the pool instead.
+    pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
+        let kind = match cfg.engine {
+            FileEngineChoice::Sync => {
+                return Ok(Self {
+                    backend,
+                    mode: Mode::Sync,
+                })
+            }
+            FileEngineChoice::Auto => EngineKind::Auto,
+            FileEngineChoice::Uring => EngineKind::Uring,
+            FileEngineChoice::Pool => EngineKind::Pool,
+        };
+        if cfg.entries == 0 || cfg.entries > MAX_ENTRIES {
+            return Err(Error::Config(format!(
+                "option entries: {} is not in 1..={MAX_ENTRIES}",
+                cfg.entries
+            )));
+        }
+        if cfg.workers == 0 || cfg.workers > MAX_WORKERS {
+            return Err(Error::Config(format!(
+                "option workers: {} is not in 1..={MAX_WORKERS}",
+                cfg.workers
+            )));
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                pending: Vec::with_capacity(64),
+                deferred: Vec::new(),
+                spare: Vec::new(),
+                engine: None,
+            }),
+            has_deferred: AtomicBool::new(false),
+        });
+        let completer = Arc::new(Completer {
+            core: OnceLock::new(),
+            shared: Arc::clone(&shared),
+        });
+        let cb_completer = Arc::clone(&completer);
+        let callback: Callback = Box::new(move |user_data, res| {
+            let Some(core) = cb_completer.core.get() else {
+                // No op is submitted before `start` fills this in.
+                debug_assert!(false, "file driver completion before start");
+                return;
+            };
+            let Ok(idx) = u32::try_from(user_data) else {
+                debug_assert!(false, "file driver op with a bad user_data {user_data}");
+                return;
+            };
+            // SAFETY: every op this driver gives its engine carries as `user_data` the index
+            // of a request whose `RqRef` `queue_rq` gave up for it (the request stays in
+            // flight until completed here), and the engine calls back exactly once per
+            // accepted op: this is the only token for that slot.
+            let r = unsafe { RqRef::from_index(idx) };
+            core.complete(r, to_result(res));
+            // This op's slot in the ring is free now: place what a full ring refused.
+            if cb_completer.shared.has_deferred.load(Ordering::Acquire) {
+                cb_completer.shared.flush(core, true);
+            }
+        });
+        let files = backend.engine_files().map_err(Error::Io)?;
+        let engine =
+            FileEngine::new(files, kind, cfg.entries, cfg.workers, callback).map_err(|e| {
+                Error::Io(with_context(
+                    e,
+                    format!(
+                        "engine={} for {}",
+                        cfg.engine.name(),
+                        backend.path().display()
+                    ),
+                ))
+            })?;
+        let size = match &engine {
+            FileEngine::Uring(u) => u.capacity() as usize,
+            FileEngine::Pool(p) => p.threads(),
+        };
+        let name = engine.name();
+        shared.state.lock().engine = Some(Arc::new(engine));
+        Ok(Self {
+            backend,
+            mode: Mode::Async(AsyncEngine {
+                shared,
+                completer: Mutex::new(Some(completer)),
+                name,
+                size,
+            }),
+        })
+    }
+
+    /// The engine that runs: `"uring"`, `"pool"` or `"sync"`.
+    pub fn engine_name(&self) -> &'static str {
+        match &self.mode {
+            Mode::Sync => "sync",
+            Mode::Async(a) => a.name,
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &FileBackend {
+        &self.backend
+    }
+
+    /// Runs the request synchronously on the backend and completes it.
+    fn run_sync(&self, q: &QueueCore, mut r: RqRef) {
+        let res = match q.rq_mut(&mut r).bio.as_mut() {
+            Some(bio) => exec_on_backend(&self.backend, bio),
+            None => Ok(()),
+        };
+        q.complete(r, res);
+    }
+
+    /// The engine op for the request, or `None` if it runs synchronously.
+    #[inline]
+    fn op_for(&self, q: &QueueCore, r: &mut RqRef) -> Option<UringOp> {
+        let writable = !self.backend.is_read_only();
+        let bio = q.rq_mut(r).bio.as_mut()?;
+        let (off, len) = (bio.offset(), bio.len);
+        match bio.op {
+            Op::Read => {
+                let buf = bio.buf.as_mut().filter(|b| b.len() >= len as usize)?;
+                let ptr = buf.as_mut_slice().as_mut_ptr();
+                // SAFETY: the buffer has at least `len` bytes (checked just above; also by
+                // `Limits::validate`). It lives in the bio, inside the request slot, which
+                // belongs to the request until `QueueCore::complete` takes the bio out. The
+                // slot's `RqRef` is given up to this op (`queue_rq`), so nobody reaches the slot
+                // until the engine's completion callback rebuilds the token, and the engine
+                // is done with the memory before it calls back: only then, inside the
+                // callback, does `complete` hand the bytes to the bio's submitter. The heap
+                // allocation does not move when the bio does.
+                Some(unsafe { UringOp::read(off, ptr, len) })
+            }
+            Op::Write if writable => {
+                let fua = bio.flags.contains(BioFlags::FUA);
+                let buf = bio.buf.as_ref().filter(|b| b.len() >= len as usize)?;
+                let ptr = buf.as_slice().as_ptr();
+                // SAFETY: as for reads: at least `len` bytes, in the slot that the op owns and
+                // nobody touches until its completion callback calls `complete`.
+                Some(unsafe { UringOp::write(off, ptr, len, fua) })
+            }
+            Op::Flush if writable => Some(UringOp::fsync()),
+            _ => None,
+        }
+    }
+}
+
+impl Driver for FileDriver {
+    fn start(&self, q: &std::sync::Arc<QueueCore>) {
+        if let Mode::Async(a) = &self.mode {
+            if let Some(c) = a.completer.lock().take() {
+                let _ = c.core.set(q.clone());
+            }
+        }
+    }
+
+    #[inline]
+    fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
+        let Mode::Async(a) = &self.mode else {
+            return self.run_sync(q, r);
+        };
+        let Some(op) = self.op_for(q, &mut r) else {
+            return self.run_sync(q, r);
+        };
+        let user_data = u64::from(r.index());
+        // The token `r` ends here (it has no destructor): the op carries the slot's ownership,
+        // by index, until its completion callback (or `fail`) rebuilds it.
+        a.shared.state.lock().pending.push((op, user_data));
+    }
+
+    fn commit(&self, q: &QueueCore) {
+        if let Mode::Async(a) = &self.mode {
+            a.shared.flush(q, false);
+        }
+    }
+
+    fn stop(&self) {
+        if let Mode::Async(a) = &self.mode {
+            let engine = a.shared.state.lock().engine.take();
+            // Dropping the engine waits for every op in flight (their callbacks complete
+            // them), joins its threads, and drops the callback, which holds the queue: the
+            // `Arc` cycle queue -> driver -> engine -> callback -> queue ends here. (A
+            // `commit` still running elsewhere, which the queue's contract rules out, would
+            // hold the last clone and shut the engine down itself.)
+            drop(engine);
+            // If `start` never ran.
+            a.completer.lock().take();
+        }
+    }
+
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+        Ok(self.backend.extents(offset, len, max)?)
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!(
+            "file path={} size={} engine={} direct={}",
+            self.backend.path().display(),
+            self.backend.size(),
+            self.engine_name(),
+            u8::from(self.backend.is_direct()),
+        );
+        if let Mode::Async(a) = &self.mode {
+            match a.name {
+                "uring" => s.push_str(&format!(" entries={}", a.size)),
+                _ => s.push_str(&format!(" workers={}", a.size)),
+            }
+        }
+        if self.backend.is_read_only() {
+            s.push_str(" ro=1");
+        }
+        s
+    }
+}
