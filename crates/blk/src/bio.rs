@@ -62,6 +62,8 @@ impl BioFlags {
     pub const FAST_ZERO: Self = Self(4);
     /// Synchronous I/O (a hint for schedulers).
     pub const SYNC: Self = Self(8);
+    /// Allocate from the queue's reserved tags (internal commands).
+    pub const RESERVED: Self = Self(16);
 
     /// Whether every flag of `other` is set.
     #[inline]

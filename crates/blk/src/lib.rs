@@ -12,7 +12,9 @@ pub mod stats;
 pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
-pub use queue::{Device, Driver, Limits, Plug, Queue, QueueConfig, QueueCore, Request, RqRef};
+pub use queue::{
+    Device, Driver, Limits, Plug, Queue, QueueConfig, QueueCore, Request, RqRef, Scheduler,
+};
 pub use tags::{PoolPolicy, TagPool};
 
 /// Errors of the block layer. Each maps to an errno ([`Error::errno`]), which the NBD layer

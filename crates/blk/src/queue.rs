@@ -104,6 +104,9 @@ pub struct QueueConfig {
     pub queue_depth: u32,
     /// One tag bitmap shared by every hardware context (seed 000's second experiment).
     pub shared_tags: bool,
+    /// Extra tags per pool kept for bios flagged [`crate::BioFlags::RESERVED`] (internal
+    /// commands that must not wait behind ordinary I/O), as blk-mq's reserved tags.
+    pub reserved_tags: u32,
     /// Wake-up algorithm of the tag bitmaps.
     pub wake: WakeAlgo,
     /// Pool-full policy.
@@ -121,6 +124,7 @@ impl QueueConfig {
             nr_hw_queues: 1,
             queue_depth: 64,
             shared_tags: false,
+            reserved_tags: 0,
             wake: WakeAlgo::Counter,
             policy: PoolPolicy::Steal,
             plug_limit: 32,
@@ -145,6 +149,8 @@ pub struct Request {
     pub hctx: u16,
     /// Tag within its pool.
     pub tag: u32,
+    /// Whether the tag is from the reserved pool.
+    pub reserved: bool,
 }
 
 impl fmt::Debug for Request {
@@ -207,6 +213,18 @@ pub trait Driver: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
+/// go straight to the driver). mq-deadline implements this.
+pub trait Scheduler: Send + Sync {
+    /// The scheduler's name (`--sched`).
+    fn name(&self) -> &'static str;
+    /// Takes one request of a batch being flushed.
+    fn insert(&self, q: &QueueCore, rq: RqRef);
+    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
+    /// every batch of inserts, until it hands out nothing.
+    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RqRef)) -> usize;
+}
+
 /// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
 pub trait Device: Send + Sync {
     /// Submits a bio; `end.end_io` is called exactly once with its status (possibly before
@@ -238,8 +256,12 @@ pub struct QueueCore {
     depth: u32,
     shared: bool,
     pools: Box<[Arc<TagPool>]>,
+    /// Reserved pools, one per entry of `pools` (empty without reserved tags).
+    reserved: Box<[Arc<TagPool>]>,
+    reserved_depth: u32,
     slots: Box<[CachePadded<Slot>]>,
     driver: Box<dyn Driver>,
+    sched: Option<Box<dyn Scheduler>>,
     stats: DiskCounters,
     plug_limit: usize,
 }
@@ -258,20 +280,32 @@ impl fmt::Debug for QueueCore {
 
 impl QueueCore {
     #[inline]
-    fn pool(&self, hctx: u16) -> &TagPool {
+    fn pool_index(&self, hctx: u16) -> usize {
         if self.shared {
-            &self.pools[0]
+            0
         } else {
-            &self.pools[hctx as usize]
+            hctx as usize
+        }
+    }
+
+    /// Slots: every ordinary tag of every pool first, then every reserved tag.
+    #[inline]
+    fn slot_index(&self, hctx: u16, tag: u32, reserved: bool) -> u32 {
+        let p = self.pool_index(hctx) as u32;
+        if reserved {
+            self.pools.len() as u32 * self.depth + p * self.reserved_depth + tag
+        } else {
+            p * self.depth + tag
         }
     }
 
     #[inline]
-    fn slot_index(&self, hctx: u16, tag: u32) -> u32 {
-        if self.shared {
-            tag
+    fn pool_of(&self, hctx: u16, reserved: bool) -> &TagPool {
+        let p = self.pool_index(hctx);
+        if reserved {
+            &self.reserved[p]
         } else {
-            u32::from(hctx) * self.depth + tag
+            &self.pools[p]
         }
     }
 
@@ -306,7 +340,7 @@ impl QueueCore {
         let rq = self.rq_mut(&mut r);
         let bio = rq.bio.take();
         let end = rq.end.take();
-        let (hctx, tag, start) = (rq.hctx, rq.tag, rq.start_ns);
+        let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
         let RqRef { .. } = r; // the token ends here: the slot is not touched again
         if let Some(b) = &bio {
             let sectors = if b.op.has_data() {
@@ -317,7 +351,7 @@ impl QueueCore {
             self.stats
                 .completed(b.op.dir(), sectors, start, now, res.is_ok());
         }
-        self.pool(hctx).put(tag);
+        self.pool_of(hctx, reserved).put(tag);
         if let (Some(b), Some(e)) = (bio, end) {
             e.end_io(b, res);
         }
@@ -327,10 +361,30 @@ impl QueueCore {
         if plug.rqs.is_empty() {
             return;
         }
-        for r in plug.rqs.drain(..) {
-            self.driver.queue_rq(self, r);
+        match &self.sched {
+            None => {
+                for r in plug.rqs.drain(..) {
+                    self.driver.queue_rq(self, r);
+                }
+                self.driver.commit(self);
+            }
+            Some(s) => {
+                for r in plug.rqs.drain(..) {
+                    s.insert(self, r);
+                }
+                self.run_dispatch(s.as_ref());
+            }
         }
-        self.driver.commit(self);
+    }
+
+    fn run_dispatch(&self, s: &dyn Scheduler) {
+        loop {
+            let n = s.dispatch(self, 32, &mut |r| self.driver.queue_rq(self, r));
+            if n == 0 {
+                return;
+            }
+            self.driver.commit(self);
+        }
     }
 
     fn hctx_for_thread(&self) -> u16 {
@@ -353,7 +407,8 @@ impl QueueCore {
             self.hctx_for_thread()
         };
         let dir = bio.op.dir();
-        let pool = self.pool(hctx);
+        let reserved = bio.flags.contains(crate::BioFlags::RESERVED) && !self.reserved.is_empty();
+        let pool = self.pool_of(hctx, reserved);
         let tag = match pool.get_nowait(dir) {
             Some(t) => t,
             None => {
@@ -364,7 +419,7 @@ impl QueueCore {
             }
         };
         let mut r = RqRef {
-            idx: self.slot_index(hctx, tag),
+            idx: self.slot_index(hctx, tag, reserved),
         };
         self.stats.submitted(dir);
         let rq = self.rq_mut(&mut r);
@@ -373,6 +428,7 @@ impl QueueCore {
         rq.start_ns = coarse_ns();
         rq.hctx = hctx;
         rq.tag = tag;
+        rq.reserved = reserved;
         Some(r)
     }
 }
@@ -387,8 +443,17 @@ pub struct Queue {
 }
 
 impl Queue {
-    /// A queue in front of `driver`.
+    /// A queue in front of `driver`, without a scheduler.
     pub fn new(cfg: QueueConfig, driver: Box<dyn Driver>) -> Result<Self, Error> {
+        Self::with_scheduler(cfg, driver, None)
+    }
+
+    /// A queue in front of `driver`, with an I/O scheduler (`None`: `none`).
+    pub fn with_scheduler(
+        cfg: QueueConfig,
+        driver: Box<dyn Driver>,
+        sched: Option<Box<dyn Scheduler>>,
+    ) -> Result<Self, Error> {
         if cfg.nr_hw_queues == 0 || cfg.queue_depth == 0 {
             return Err(Error::Config(
                 "hw_queues and queue_depth must be at least 1".into(),
@@ -408,7 +473,10 @@ impl Queue {
         let pools = (0..npools)
             .map(|_| TagPool::new(cfg.queue_depth, cfg.wake, cfg.policy).map(Arc::new))
             .collect::<Result<Box<[_]>, _>>()?;
-        let nslots = npools * cfg.queue_depth as usize;
+        let reserved = (0..if cfg.reserved_tags > 0 { npools } else { 0 })
+            .map(|_| TagPool::new(cfg.reserved_tags, cfg.wake, PoolPolicy::Fifo).map(Arc::new))
+            .collect::<Result<Box<[_]>, _>>()?;
+        let nslots = npools * (cfg.queue_depth + cfg.reserved_tags) as usize;
         let slots = (0..nslots)
             .map(|_| CachePadded(Slot(UnsafeCell::new(Request::default()))))
             .collect();
@@ -417,8 +485,11 @@ impl Queue {
             depth: cfg.queue_depth,
             shared: cfg.shared_tags,
             pools,
+            reserved,
+            reserved_depth: cfg.reserved_tags,
             slots,
             driver,
+            sched,
             stats: DiskCounters::new(),
             plug_limit: cfg.plug_limit.max(1),
         });

@@ -154,6 +154,7 @@ impl DeviceSpec {
                 ("hw_queue_depth" | "queue_depth", _) => cfg.queue_depth = parse_num(k, v)?,
                 ("submit_queues" | "hw_queues", _) => cfg.nr_hw_queues = parse_num(k, v)?,
                 ("shared_tags", _) => cfg.shared_tags = parse_bool(k, v)?,
+                ("reserved_tags", _) => cfg.reserved_tags = parse_num(k, v)?,
                 ("wake", _) => cfg.wake = v.parse()?,
                 ("policy", _) => cfg.policy = v.parse()?,
                 ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
