@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite of blkq, as CI runs it (.ci/run calls exactly this).
-# Installs what the tests need, then: fmt, clippy, unit + property + integration tests,
-# and the loom models in release with bounded preemptions.
+# Installs what the tests need, then: fmt, clippy, unit + property + integration tests, real
+# NBD clients (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdsh, fio) against `blkq serve`, and the
+# loom models in release with bounded preemptions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +10,25 @@ step() { printf '\n==> %s\n' "$*"; }
 
 step "toolchain components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+step "NBD client tools for scripts/client-tests.sh"
+# qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh (+ libnbd's Python binding), fio, nbdkit. Installed
+# only when missing, and only where we can (root with apt-get).
+need_tools=0
+for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio nbdkit; do
+  command -v "$tool" >/dev/null 2>&1 || need_tools=1
+done
+/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need_tools=1
+if [[ $need_tools == 1 ]]; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends \
+      qemu-utils libnbd-bin python3-libnbd fio nbdkit >/dev/null
+  else
+    echo "missing NBD client tools and cannot install them (need root and apt-get)" >&2
+  fi
+fi
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -18,6 +38,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "unit, property and integration tests"
 cargo test --workspace
+
+step "real NBD clients against blkq serve (scripts/client-tests.sh)"
+scripts/client-tests.sh
 
 step "loom models (release, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
 # A separate target dir: the cfg changes every crate's build, and would otherwise evict the

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod serve;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -17,6 +18,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Export block devices over NBD: with no arguments, a 1 GiB memory disk on ./blkq.sock
+    /// and 127.0.0.1:10809.
+    Serve(Box<serve::ServeArgs>),
     /// Drive a device in-process, like fio: IOPS, latency, tag waits, context switches.
     Bench(Box<bench::BenchArgs>),
     /// Print the version.
@@ -26,6 +30,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(a) => serve::run(*a),
         Command::Bench(a) => bench::run(*a),
         Command::Version => {
             println!("blkq {}", env!("CARGO_PKG_VERSION"));

@@ -1,6 +1,7 @@
-//! `nbd`: the NBD (Network Block Device) protocol's types and a codec that does no I/O.
+//! `nbd`: the NBD (Network Block Device) protocol's types, a codec that does no I/O, and a
+//! server and a client built on it.
 //!
-//! Everything here is a pure function over byte slices: decoders take `&[u8]` and say how many
+//! Everything in the codec is a pure function over byte slices: decoders take `&[u8]` and say how many
 //! bytes they used or how many they still need ([`Decoded`]); encoders append to a `Vec<u8>` or
 //! write into a caller's `&mut [u8]`. Servers and clients own their sockets and buffers and
 //! call into this crate, which makes the codec easy to test, fuzz and embed in any I/O model.
@@ -17,15 +18,23 @@
 //!   ([`ReplyChunk`] to encode, [`Chunk`] decoded).
 //! - [`harness`]: drivers that push arbitrary bytes through every decoder, for the fuzz
 //!   targets and the corpus test.
+//! - [`server`]: the NBD server (TCP and Unix listeners, a thread per connection, batched
+//!   submission to a [`blk::Device`], coalesced replies).
+//! - [`client`]: a small blocking client (tests; later a remote RAID leg).
 //!
 //! Decoders never panic and never allocate more than the input they were given justifies.
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+// Only `sys` (one `sendmsg` call) opts back in.
+#![deny(unsafe_code)]
 
+pub mod client;
 mod error;
 pub mod handshake;
 pub mod harness;
 pub mod proto;
+pub mod server;
+pub mod stream;
+mod sys;
 pub mod transmission;
 mod wire;
 

@@ -1,0 +1,304 @@
+//! `blkq serve`: export block devices over NBD (a Unix socket and loopback TCP by default).
+//!
+//! Signals: SIGINT and SIGTERM are blocked in every thread (the mask is set before any thread
+//! exists, and threads inherit it) and taken synchronously by one thread with `sigwait(2)`:
+//! no signal handler runs, so nothing has to be async-signal-safe. The first signal starts a
+//! graceful shutdown (stop accepting, finish in-flight requests, flush the devices, remove the
+//! socket, exit 0); a second one exits at once with status 130.
+
+use std::io::IsTerminal;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use blk::spec::{DeviceSpec, QueueOverrides};
+use blk::{Device, PoolPolicy, Queue};
+use clap::Args;
+use nbd::server::{Export, Server, ServerConfig, Stopper};
+
+/// `blkq serve` options.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Device to export (repeatable): null:SIZE, mem:SIZE or file:PATH, with ,key=value
+    /// options. Default: mem:1G.
+    #[arg(long = "device", value_name = "SPEC")]
+    pub devices: Vec<String>,
+    /// Export name of the --device in the same position (a single --device without --export
+    /// is the default export "").
+    #[arg(long = "export", value_name = "NAME")]
+    pub exports: Vec<String>,
+    /// Unix socket to listen on.
+    #[arg(long, value_name = "PATH", default_value = nbd::server::DEFAULT_UNIX_PATH)]
+    pub socket: PathBuf,
+    /// TCP address to listen on. Loopback by default; another address is used only when
+    /// given here.
+    #[arg(long, value_name = "ADDR:PORT", default_value = nbd::server::DEFAULT_TCP_ADDR)]
+    pub listen: String,
+    /// Do not listen on TCP.
+    #[arg(long)]
+    pub no_tcp: bool,
+    /// Do not listen on a Unix socket.
+    #[arg(long)]
+    pub no_unix: bool,
+    /// Export every device read-only.
+    #[arg(long)]
+    pub read_only: bool,
+    /// Tags per hardware queue.
+    #[arg(long)]
+    pub queue_depth: Option<u32>,
+    /// Hardware queues.
+    #[arg(long)]
+    pub hw_queues: Option<u16>,
+    /// Pool-full policy: steal, fifo or batch.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// I/O scheduler: none.
+    #[arg(long, default_value = "none")]
+    pub sched: String,
+}
+
+/// Pairs devices with export names.
+fn pairs(a: &ServeArgs) -> Result<Vec<(String, String)>> {
+    let devices = if a.devices.is_empty() {
+        vec!["mem:1G".to_string()]
+    } else {
+        a.devices.clone()
+    };
+    let names = if a.exports.is_empty() && devices.len() == 1 {
+        vec![String::new()]
+    } else {
+        a.exports.clone()
+    };
+    if names.len() != devices.len() {
+        bail!(
+            "--export must be given once per --device ({} devices, {} export names)",
+            devices.len(),
+            names.len()
+        );
+    }
+    Ok(names.into_iter().zip(devices).collect())
+}
+
+fn listen_addr(s: &str) -> Result<SocketAddr> {
+    s.to_socket_addrs()
+        .with_context(|| format!("bad --listen address {s:?} (expected ADDR:PORT)"))?
+        .next()
+        .with_context(|| format!("--listen {s:?} resolves to no address"))
+}
+
+/// `nbd://` and `nbd+unix://` URIs of an export.
+fn uris(name: &str, tcp: Option<SocketAddr>, unix: Option<&std::path::Path>) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(p) = unix {
+        v.push(format!("nbd+unix:///{name}?socket={}", p.display()));
+    }
+    if let Some(a) = tcp {
+        let a = match a {
+            SocketAddr::V4(x) if x.ip().is_unspecified() => {
+                SocketAddr::from(([127, 0, 0, 1], x.port()))
+            }
+            other => other,
+        };
+        if name.is_empty() {
+            v.push(format!("nbd://{a}"));
+        } else {
+            v.push(format!("nbd://{a}/{name}"));
+        }
+    }
+    v
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns later).
+fn block_signals() -> Result<libc::sigset_t> {
+    // SAFETY: an all-zero `sigset_t` is a valid (if unspecified) value; `sigemptyset`
+    // initialises it properly before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, exclusively borrowed sigset_t for each call; the signal
+    // numbers are valid; `pthread_sigmask` reads `set` and does not keep the pointer.
+    let rc = unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        bail!(
+            "blocking SIGINT/SIGTERM: {}",
+            std::io::Error::from_raw_os_error(rc)
+        );
+    }
+    Ok(set)
+}
+
+/// Waits for SIGINT/SIGTERM on a thread of its own; the first stops the server.
+fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
+    std::thread::spawn(move || {
+        let mut first = true;
+        loop {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is an initialised sigset_t owned by this closure and `sig` a valid
+            // out-pointer; both outlive the call.
+            let rc = unsafe { libc::sigwait(&set, &mut sig) };
+            if rc != 0 {
+                continue;
+            }
+            if first {
+                tracing::info!(
+                    "signal {sig} received: finishing in-flight requests (again to force)"
+                );
+                stopper.stop();
+                first = false;
+            } else {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Runs `blkq serve`.
+pub fn run(a: ServeArgs) -> Result<()> {
+    // Before any thread exists (see the module docs).
+    let sigset = block_signals()?;
+    init_logging();
+    if a.sched != "none" {
+        bail!("--sched {:?}: only \"none\" is available", a.sched);
+    }
+    if a.no_tcp && a.no_unix {
+        bail!("--no-tcp and --no-unix together leave nothing to listen on");
+    }
+    let policy: Option<PoolPolicy> = a
+        .policy
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .context("--policy")?;
+    let ov = QueueOverrides {
+        hw_queues: a.hw_queues,
+        queue_depth: a.queue_depth,
+        policy,
+        read_only: a.read_only,
+        ..QueueOverrides::default()
+    };
+    let mut exports = Vec::new();
+    for (name, spec) in pairs(&a)? {
+        let parsed: DeviceSpec = spec
+            .parse()
+            .with_context(|| format!("device spec {spec:?}"))?;
+        let q: Queue = parsed
+            .build(&ov)
+            .with_context(|| format!("building device {spec:?}"))?;
+        let describe = q.describe();
+        let dev: Arc<dyn Device> = Arc::new(q);
+        exports.push(
+            Export::new(name, dev)
+                .description(format!("{spec} ({describe})"))
+                .read_only(a.read_only),
+        );
+    }
+    let mut cfg = ServerConfig::new(exports.clone());
+    if !a.no_tcp {
+        let addr = listen_addr(&a.listen)?;
+        if !addr.ip().is_loopback() {
+            tracing::warn!("listening on {addr}, which is not a loopback address");
+        }
+        cfg.tcp = Some(addr);
+    }
+    if !a.no_unix {
+        cfg.unix = Some(a.socket.clone());
+    }
+    let server = Server::start(cfg)?;
+    watch_signals(sigset, server.stopper());
+
+    println!("blkq serve: {} export(s)", exports.len());
+    for e in &exports {
+        let lim = e.device.limits();
+        println!(
+            "  export {:?}: {} bytes{}, {}",
+            e.name,
+            lim.capacity,
+            if e.read_only { ", read-only" } else { "" },
+            e.description
+        );
+        for u in uris(&e.name, server.tcp_addr(), server.unix_path()) {
+            println!("    {u}");
+        }
+    }
+    let first = &exports[0].name;
+    let example = uris(first, server.tcp_addr(), server.unix_path());
+    if let Some(u) = example.last() {
+        println!("try:");
+        println!("  qemu-img info {u}");
+        println!("  nbdinfo '{}'", example[0]);
+    }
+    println!("Ctrl-C stops the server (in-flight requests finish first).");
+    server.wait();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(devices: &[&str], exports: &[&str]) -> ServeArgs {
+        ServeArgs {
+            devices: devices.iter().map(|s| s.to_string()).collect(),
+            exports: exports.iter().map(|s| s.to_string()).collect(),
+            socket: "./blkq.sock".into(),
+            listen: "127.0.0.1:10809".into(),
+            no_tcp: false,
+            no_unix: false,
+            read_only: false,
+            queue_depth: None,
+            hw_queues: None,
+            policy: None,
+            sched: "none".into(),
+        }
+    }
+
+    #[test]
+    fn devices_pair_with_exports() {
+        assert_eq!(
+            pairs(&args(&[], &[])).unwrap(),
+            vec![(String::new(), "mem:1G".to_string())]
+        );
+        assert_eq!(
+            pairs(&args(&["null:1G"], &[])).unwrap(),
+            vec![(String::new(), "null:1G".to_string())]
+        );
+        assert_eq!(
+            pairs(&args(&["mem:1M", "null:1G"], &["a", "b"])).unwrap(),
+            vec![
+                ("a".to_string(), "mem:1M".to_string()),
+                ("b".to_string(), "null:1G".to_string())
+            ]
+        );
+        assert!(pairs(&args(&["mem:1M", "null:1G"], &["a"])).is_err());
+        assert!(pairs(&args(&["mem:1M", "null:1G"], &[])).is_err());
+    }
+
+    #[test]
+    fn uris_look_right() {
+        let tcp: SocketAddr = "127.0.0.1:10809".parse().unwrap();
+        let u = uris("", Some(tcp), Some(std::path::Path::new("./blkq.sock")));
+        assert_eq!(
+            u,
+            vec!["nbd+unix:///?socket=./blkq.sock", "nbd://127.0.0.1:10809"]
+        );
+        let u = uris("disk", Some(tcp), None);
+        assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
+        assert!(listen_addr("nonsense").is_err());
+        assert_eq!(listen_addr("127.0.0.1:1").unwrap().port(), 1);
+    }
+}

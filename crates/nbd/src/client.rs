@@ -1,0 +1,767 @@
+//! A small blocking NBD client on top of the codec.
+//!
+//! [`Handshake`] drives option haggling one option at a time (so tests can send anything,
+//! including options a real client would not); [`Client`] is the transmission phase, with
+//! pipelining ([`Client::send`] many requests, then [`Client::recv`] their replies in any order)
+//! and blocking helpers ([`Client::read`], [`Client::write`], ...). It is meant for tests and
+//! tools now, and as the transport of a remote RAID leg later.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+
+use crate::handshake::{
+    decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
+    encode_client_flags, parse_option_reply, BlockSize, ClientOption, ExportRequest, Info,
+    MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_REPLY_LEN,
+};
+use crate::proto::{
+    ClientFlags, CmdFlags, Command, HandshakeFlags, InfoType, TransmissionFlags, TransmissionMode,
+    NBD_OPT_ABORT, OPTION_REPLY_HEADER_LEN,
+};
+use crate::stream::Stream;
+use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
+use crate::Decoded;
+
+/// Largest reply chunk payload the client accepts.
+const MAX_CHUNK_PAYLOAD: u64 = 64 << 20;
+
+/// Where a server listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A TCP address.
+    Tcp(SocketAddr),
+    /// A Unix socket path.
+    Unix(PathBuf),
+}
+
+impl Endpoint {
+    /// Connects to the endpoint.
+    pub fn connect(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Endpoint::Tcp(a) => {
+                let s = TcpStream::connect(a)?;
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+            Endpoint::Unix(p) => Stream::Unix(UnixStream::connect(p)?),
+        })
+    }
+}
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The socket failed (or the server closed it).
+    #[error("I/O error: {0}")]
+    Io(#[from] io::Error),
+    /// The server sent something the codec rejects.
+    #[error("protocol error: {0}")]
+    Protocol(#[from] crate::Error),
+    /// An option was answered with an error reply.
+    #[error("option {option} refused with reply type {reply_type:#x}: {message}")]
+    OptionRefused {
+        /// The option.
+        option: u32,
+        /// The raw error reply type (`NBD_REP_ERR_*`).
+        reply_type: u32,
+        /// The server's message.
+        message: String,
+    },
+    /// A request was answered with an error.
+    #[error("the server answered error {0}")]
+    Request(u32),
+    /// The server did something this client does not expect.
+    #[error("unexpected reply: {0}")]
+    Unexpected(String),
+}
+
+impl ClientError {
+    /// The NBD error value of a failed request, if that is what this is.
+    pub fn nbd_error(&self) -> Option<u32> {
+        match self {
+            ClientError::Request(e) => Some(*e),
+            _ => None,
+        }
+    }
+
+    /// The option error reply type, if an option was refused.
+    pub fn option_error(&self) -> Option<u32> {
+        match self {
+            ClientError::OptionRefused { reply_type, .. } => Some(*reply_type),
+            _ => None,
+        }
+    }
+}
+
+/// One option reply, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptionReplyMsg {
+    /// The option it answers.
+    pub option: u32,
+    /// The raw reply type.
+    pub reply_type: u32,
+    /// The reply data.
+    pub data: Vec<u8>,
+}
+
+/// What `NBD_OPT_INFO` / `NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME` said about an export.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportDetails {
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags.
+    pub flags: TransmissionFlags,
+    /// Block size constraints, if sent.
+    pub block_size: Option<BlockSize>,
+    /// Canonical name, if sent.
+    pub name: Option<String>,
+    /// Description, if sent.
+    pub description: Option<String>,
+}
+
+/// Option haggling, client side.
+pub struct Handshake {
+    stream: Stream,
+    server_flags: HandshakeFlags,
+    no_zeroes: bool,
+    mode: TransmissionMode,
+    meta_id: Option<u32>,
+    buf: Vec<u8>,
+}
+
+impl Handshake {
+    /// Reads the greeting and answers with client flags (fixed newstyle, and no zeroes when
+    /// offered).
+    pub fn start(mut stream: Stream) -> Result<Self, ClientError> {
+        let mut g = [0u8; crate::proto::SERVER_GREETING_LEN];
+        stream.read_exact(&mut g)?;
+        let server_flags = match decode_server_greeting(&g)? {
+            Decoded::Complete { value, .. } => value,
+            Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short greeting".into())),
+        };
+        let no_zeroes = server_flags.contains(HandshakeFlags::NO_ZEROES);
+        let mut flags = ClientFlags::FIXED_NEWSTYLE;
+        if no_zeroes {
+            flags |= ClientFlags::NO_ZEROES;
+        }
+        let mut out = Vec::new();
+        encode_client_flags(flags, &mut out);
+        stream.write_all(&out)?;
+        Ok(Self {
+            stream,
+            server_flags,
+            no_zeroes,
+            mode: TransmissionMode::Simple,
+            meta_id: None,
+            buf: Vec::new(),
+        })
+    }
+
+    /// The server's handshake flags.
+    pub fn server_flags(&self) -> HandshakeFlags {
+        self.server_flags
+    }
+
+    /// The socket (to send raw bytes in tests).
+    pub fn stream(&mut self) -> &mut Stream {
+        &mut self.stream
+    }
+
+    /// Sends one option.
+    pub fn send_option(&mut self, opt: &ClientOption<'_>) -> Result<(), ClientError> {
+        self.buf.clear();
+        opt.encode(&mut self.buf)?;
+        self.stream.write_all(&self.buf)?;
+        Ok(())
+    }
+
+    /// Reads one option reply.
+    pub fn read_reply(&mut self) -> Result<OptionReplyMsg, ClientError> {
+        let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+        self.stream.read_exact(&mut h)?;
+        let header = match decode_option_reply_header(&h, DEFAULT_MAX_OPTION_REPLY_LEN)? {
+            Decoded::Complete { value, .. } => value,
+            Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
+        };
+        let mut data = vec![0u8; header.length as usize];
+        self.stream.read_exact(&mut data)?;
+        Ok(OptionReplyMsg {
+            option: header.option,
+            reply_type: header.reply_type,
+            data,
+        })
+    }
+
+    /// Sends an option and reads replies up to the final one (an ACK or an error); an error
+    /// reply becomes [`ClientError::OptionRefused`].
+    pub fn option(&mut self, opt: &ClientOption<'_>) -> Result<Vec<OptionReplyMsg>, ClientError> {
+        self.send_option(opt)?;
+        let mut out = Vec::new();
+        loop {
+            let r = self.read_reply()?;
+            if r.option != opt.option() {
+                return Err(ClientError::Unexpected(format!(
+                    "reply to option {} while waiting for {}",
+                    r.option,
+                    opt.option()
+                )));
+            }
+            if crate::proto::is_option_error(r.reply_type) {
+                return Err(ClientError::OptionRefused {
+                    option: r.option,
+                    reply_type: r.reply_type,
+                    message: String::from_utf8_lossy(&r.data).into_owned(),
+                });
+            }
+            if r.reply_type == crate::proto::NBD_REP_ACK {
+                return Ok(out);
+            }
+            out.push(r);
+        }
+    }
+
+    /// `NBD_OPT_LIST`: (name, description) of every export.
+    pub fn list(&mut self) -> Result<Vec<(String, String)>, ClientError> {
+        let replies = self.option(&ClientOption::List)?;
+        let mut out = Vec::new();
+        for r in replies {
+            match parse_option_reply(r.reply_type, &r.data)? {
+                OptionReply::Server { name, details } => {
+                    out.push((name.to_string(), details.to_string()))
+                }
+                other => return Err(ClientError::Unexpected(format!("{other:?} in a list"))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// `NBD_OPT_STRUCTURED_REPLY`.
+    pub fn structured_replies(&mut self) -> Result<(), ClientError> {
+        self.option(&ClientOption::StructuredReply)?;
+        if self.mode == TransmissionMode::Simple {
+            self.mode = TransmissionMode::Structured;
+        }
+        Ok(())
+    }
+
+    /// `NBD_OPT_EXTENDED_HEADERS`.
+    pub fn extended_headers(&mut self) -> Result<(), ClientError> {
+        self.option(&ClientOption::ExtendedHeaders)?;
+        self.mode = TransmissionMode::Extended;
+        Ok(())
+    }
+
+    /// `NBD_OPT_SET_META_CONTEXT` (or LIST with `set == false`): the (id, name) pairs replied.
+    pub fn meta_context(
+        &mut self,
+        export: &str,
+        queries: &[&str],
+        set: bool,
+    ) -> Result<Vec<(u32, String)>, ClientError> {
+        let req = MetaContextRequest {
+            name: export,
+            queries: queries.to_vec(),
+        };
+        let opt = if set {
+            ClientOption::SetMetaContext(req)
+        } else {
+            ClientOption::ListMetaContext(req)
+        };
+        let replies = self.option(&opt)?;
+        let mut out = Vec::new();
+        for r in replies {
+            match parse_option_reply(r.reply_type, &r.data)? {
+                OptionReply::MetaContext { id, name } => out.push((id, name.to_string())),
+                other => return Err(ClientError::Unexpected(format!("{other:?} for a context"))),
+            }
+        }
+        if set {
+            self.meta_id = out
+                .iter()
+                .find(|(_, n)| n == "base:allocation")
+                .map(|(id, _)| *id);
+        }
+        Ok(out)
+    }
+
+    fn info_or_go(&mut self, name: &str, go: bool) -> Result<ExportDetails, ClientError> {
+        let req = ExportRequest::new(
+            name,
+            &[InfoType::Name, InfoType::Description, InfoType::BlockSize],
+        );
+        let opt = if go {
+            ClientOption::Go(req)
+        } else {
+            ClientOption::Info(req)
+        };
+        let replies = self.option(&opt)?;
+        let mut d = ExportDetails::default();
+        let mut have_export = false;
+        for r in replies {
+            if let OptionReply::Info(i) = parse_option_reply(r.reply_type, &r.data)? {
+                match i {
+                    Info::Export(e) => {
+                        d.size = e.size;
+                        d.flags = e.flags;
+                        have_export = true;
+                    }
+                    Info::Name(n) => d.name = Some(n.to_string()),
+                    Info::Description(s) => d.description = Some(s.to_string()),
+                    Info::BlockSize(b) => d.block_size = Some(b),
+                    _ => {}
+                }
+            }
+        }
+        if !have_export {
+            return Err(ClientError::Unexpected("no NBD_INFO_EXPORT".into()));
+        }
+        Ok(d)
+    }
+
+    /// `NBD_OPT_INFO`.
+    pub fn info(&mut self, name: &str) -> Result<ExportDetails, ClientError> {
+        self.info_or_go(name, false)
+    }
+
+    /// `NBD_OPT_GO`. On success the transmission phase has begun: turn the handshake into a
+    /// [`Client`] with [`into_client`](Self::into_client). On an error reply the handshake goes
+    /// on.
+    pub fn go(&mut self, name: &str) -> Result<ExportDetails, ClientError> {
+        self.info_or_go(name, true)
+    }
+
+    /// The transmission phase, after a successful [`go`](Self::go).
+    pub fn into_client(self, details: ExportDetails) -> Result<Client, ClientError> {
+        Client::new(self.stream, self.mode, details, self.meta_id)
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: enters transmission (the server closes the connection if the
+    /// export does not exist).
+    pub fn export_name(mut self, name: &str) -> Result<Client, ClientError> {
+        self.send_option(&ClientOption::ExportName(name))?;
+        let want = if self.no_zeroes {
+            crate::proto::EXPORT_NAME_REPLY_SHORT_LEN
+        } else {
+            crate::proto::EXPORT_NAME_REPLY_LEN
+        };
+        let mut b = vec![0u8; want];
+        self.stream.read_exact(&mut b)?;
+        let info = match decode_export_name_reply(&b, self.no_zeroes)? {
+            Decoded::Complete { value, .. } => value,
+            Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
+        };
+        let d = ExportDetails {
+            size: info.size,
+            flags: info.flags,
+            ..ExportDetails::default()
+        };
+        Client::new(self.stream, self.mode, d, self.meta_id)
+    }
+
+    /// `NBD_OPT_ABORT`, then closes.
+    pub fn abort(mut self) -> Result<(), ClientError> {
+        self.send_option(&ClientOption::Other {
+            option: NBD_OPT_ABORT,
+            data: &[],
+        })?;
+        // The reply is optional; a closed socket is fine too.
+        let _ = self.read_reply();
+        Ok(())
+    }
+}
+
+/// Options of [`Client::connect`].
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// The export name.
+    pub export: String,
+    /// Negotiate structured replies.
+    pub structured: bool,
+    /// Negotiate extended headers (implies chunked replies).
+    pub extended: bool,
+    /// Select `base:allocation` (needs structured or extended).
+    pub base_allocation: bool,
+    /// Enter transmission with `NBD_OPT_EXPORT_NAME` instead of `NBD_OPT_GO`.
+    pub export_name: bool,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            export: String::new(),
+            structured: true,
+            extended: false,
+            base_allocation: true,
+            export_name: false,
+        }
+    }
+}
+
+/// A whole reply, as [`Client::recv`] returns it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reply {
+    /// The request's cookie.
+    pub cookie: u64,
+    /// 0 for success, else the (first) NBD error value.
+    pub error: u32,
+    /// Read data (holes as zeros), the request's length.
+    pub data: Vec<u8>,
+    /// Block status descriptors: (length, flags).
+    pub extents: Vec<(u64, u64)>,
+    /// Data chunks (`OFFSET_DATA`) received.
+    pub data_chunks: u32,
+    /// Hole chunks (`OFFSET_HOLE`) received.
+    pub hole_chunks: u32,
+}
+
+struct Pending {
+    cmd: Command,
+    offset: u64,
+    length: u64,
+    reply: Reply,
+}
+
+/// The transmission phase.
+pub struct Client {
+    reader: BufReader<Stream>,
+    writer: Stream,
+    mode: TransmissionMode,
+    details: ExportDetails,
+    meta_id: Option<u32>,
+    next_cookie: u64,
+    pending: HashMap<u64, Pending>,
+    out: Vec<u8>,
+}
+
+impl Client {
+    fn new(
+        stream: Stream,
+        mode: TransmissionMode,
+        details: ExportDetails,
+        meta_id: Option<u32>,
+    ) -> Result<Self, ClientError> {
+        let writer = stream.try_clone()?;
+        Ok(Self {
+            reader: BufReader::with_capacity(256 << 10, stream),
+            writer,
+            mode,
+            details,
+            meta_id,
+            next_cookie: 1,
+            pending: HashMap::new(),
+            out: Vec::new(),
+        })
+    }
+
+    /// Connects and negotiates as `opts` says.
+    pub fn connect(ep: &Endpoint, opts: &ClientOptions) -> Result<Self, ClientError> {
+        let mut h = Handshake::start(ep.connect()?)?;
+        if opts.extended {
+            h.extended_headers()?;
+        } else if opts.structured {
+            h.structured_replies()?;
+        }
+        if opts.base_allocation && (opts.extended || opts.structured) {
+            h.meta_context(&opts.export, &["base:allocation"], true)?;
+        }
+        if opts.export_name {
+            h.export_name(&opts.export)
+        } else {
+            let d = h.go(&opts.export)?;
+            h.into_client(d)
+        }
+    }
+
+    /// The export's size.
+    pub fn size(&self) -> u64 {
+        self.details.size
+    }
+
+    /// What the handshake said about the export.
+    pub fn details(&self) -> &ExportDetails {
+        &self.details
+    }
+
+    /// The negotiated transmission mode.
+    pub fn mode(&self) -> TransmissionMode {
+        self.mode
+    }
+
+    /// Requests sent and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Sends raw bytes (tests: malformed requests).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        self.writer.write_all(bytes)?;
+        Ok(())
+    }
+
+    /// Sends a request (its cookie is chosen here and returned) with `payload` after it (the
+    /// data of a write). Does not wait for the reply.
+    pub fn send(&mut self, mut req: Request, payload: &[u8]) -> Result<u64, ClientError> {
+        req.cookie = self.next_cookie;
+        self.next_cookie += 1;
+        if self.mode.extended_headers() && req.kind == Command::Write {
+            req.flags |= CmdFlags::PAYLOAD_LEN;
+        }
+        self.out.clear();
+        req.encode(self.mode, &mut self.out)?;
+        if payload.len() <= 64 << 10 {
+            self.out.extend_from_slice(payload);
+            self.writer.write_all(&self.out)?;
+        } else {
+            self.writer.write_all(&self.out)?;
+            self.writer.write_all(payload)?;
+        }
+        if req.kind != Command::Disc {
+            self.pending.insert(
+                req.cookie,
+                Pending {
+                    cmd: req.kind,
+                    offset: req.offset,
+                    length: req.length,
+                    reply: Reply {
+                        cookie: req.cookie,
+                        ..Reply::default()
+                    },
+                },
+            );
+        }
+        Ok(req.cookie)
+    }
+
+    /// Sends a request header with any command number (tests: unknown commands), without
+    /// payload; its reply is expected like a flush's (no data).
+    pub fn send_raw_request(
+        &mut self,
+        command: u16,
+        flags: CmdFlags,
+        offset: u64,
+        length: u64,
+    ) -> Result<u64, ClientError> {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
+        self.out.clear();
+        if self.mode.extended_headers() {
+            self.out
+                .extend_from_slice(&crate::proto::NBD_EXTENDED_REQUEST_MAGIC.to_be_bytes());
+        } else {
+            self.out
+                .extend_from_slice(&crate::proto::NBD_REQUEST_MAGIC.to_be_bytes());
+        }
+        self.out.extend_from_slice(&flags.bits().to_be_bytes());
+        self.out.extend_from_slice(&command.to_be_bytes());
+        self.out.extend_from_slice(&cookie.to_be_bytes());
+        self.out.extend_from_slice(&offset.to_be_bytes());
+        if self.mode.extended_headers() {
+            self.out.extend_from_slice(&length.to_be_bytes());
+        } else {
+            self.out.extend_from_slice(&(length as u32).to_be_bytes());
+        }
+        self.writer.write_all(&self.out)?;
+        self.pending.insert(
+            cookie,
+            Pending {
+                cmd: Command::Flush,
+                offset,
+                length,
+                reply: Reply {
+                    cookie,
+                    ..Reply::default()
+                },
+            },
+        );
+        Ok(cookie)
+    }
+
+    fn read_exact(&mut self, n: usize) -> Result<Vec<u8>, ClientError> {
+        let mut v = vec![0u8; n];
+        self.reader.read_exact(&mut v)?;
+        Ok(v)
+    }
+
+    /// Reads replies until one request is completely answered, and returns it.
+    pub fn recv(&mut self) -> Result<Reply, ClientError> {
+        loop {
+            let min = match self.mode {
+                TransmissionMode::Extended => 32,
+                _ => 16,
+            };
+            let mut hdr = self.read_exact(min)?;
+            let header = loop {
+                match decode_reply_header(&hdr, self.mode)? {
+                    Decoded::Complete { value, .. } => break value,
+                    Decoded::Incomplete(n) => {
+                        let more = self.read_exact(n.saturating_sub(hdr.len()).max(1))?;
+                        hdr.extend_from_slice(&more);
+                    }
+                }
+            };
+            match header {
+                ReplyHeader::Simple(r) => {
+                    let Some(mut p) = self.pending.remove(&r.cookie) else {
+                        return Err(ClientError::Unexpected(format!(
+                            "reply for unknown cookie {}",
+                            r.cookie
+                        )));
+                    };
+                    p.reply.error = r.error;
+                    if p.cmd == Command::Read && r.error == 0 {
+                        if self.mode != TransmissionMode::Simple {
+                            return Err(ClientError::Unexpected(
+                                "simple reply with data to a structured read".into(),
+                            ));
+                        }
+                        p.reply.data = self.read_exact(p.length as usize)?;
+                    }
+                    return Ok(p.reply);
+                }
+                ReplyHeader::Chunk(h) => {
+                    if h.length > MAX_CHUNK_PAYLOAD {
+                        return Err(ClientError::Unexpected(format!(
+                            "chunk of {} bytes",
+                            h.length
+                        )));
+                    }
+                    let payload = self.read_exact(h.length as usize)?;
+                    let chunk = parse_chunk(&h, &payload)?;
+                    let Some(p) = self.pending.get_mut(&h.cookie) else {
+                        return Err(ClientError::Unexpected(format!(
+                            "chunk for unknown cookie {}",
+                            h.cookie
+                        )));
+                    };
+                    if p.cmd == Command::Read && p.reply.data.is_empty() {
+                        p.reply.data = vec![0u8; p.length as usize];
+                    }
+                    Self::apply(p, chunk)?;
+                    if h.is_done() {
+                        if let Some(p) = self.pending.remove(&h.cookie) {
+                            return Ok(p.reply);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply(p: &mut Pending, chunk: Chunk<'_>) -> Result<(), ClientError> {
+        let place = |p: &mut Pending, offset: u64, len: u64| -> Result<usize, ClientError> {
+            let end = offset.checked_add(len);
+            if offset < p.offset || end.is_none_or(|e| e > p.offset + p.length) {
+                return Err(ClientError::Unexpected(format!(
+                    "chunk {offset}+{len} outside the request {}+{}",
+                    p.offset, p.length
+                )));
+            }
+            Ok((offset - p.offset) as usize)
+        };
+        match chunk {
+            Chunk::None => {}
+            Chunk::OffsetData { offset, data } => {
+                let at = place(p, offset, data.len() as u64)?;
+                p.reply.data[at..at + data.len()].copy_from_slice(data);
+                p.reply.data_chunks += 1;
+            }
+            Chunk::OffsetHole { offset, size } => {
+                let at = place(p, offset, u64::from(size))?;
+                p.reply.data[at..at + size as usize].fill(0);
+                p.reply.hole_chunks += 1;
+            }
+            Chunk::BlockStatus { extents, .. } => {
+                p.reply.extents = extents
+                    .iter()
+                    .map(|e| (u64::from(e.length), u64::from(e.flags)))
+                    .collect();
+            }
+            Chunk::BlockStatusExt { extents, .. } => {
+                p.reply.extents = extents.iter().map(|e| (e.length, e.flags)).collect();
+            }
+            Chunk::Error { error, .. }
+            | Chunk::ErrorOffset { error, .. }
+            | Chunk::OtherError { error, .. } => {
+                if p.reply.error == 0 {
+                    p.reply.error = error;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one request and waits for its reply (other replies must not be pending).
+    pub fn request(&mut self, req: Request, payload: &[u8]) -> Result<Reply, ClientError> {
+        let cookie = self.send(req, payload)?;
+        let r = self.recv()?;
+        if r.cookie != cookie {
+            return Err(ClientError::Unexpected("reply to another request".into()));
+        }
+        if r.error != 0 {
+            return Err(ClientError::Request(r.error));
+        }
+        Ok(r)
+    }
+
+    /// Reads `len` bytes at `offset`.
+    pub fn read(&mut self, offset: u64, len: u64) -> Result<Vec<u8>, ClientError> {
+        Ok(self
+            .request(Request::new(Command::Read, 0, offset, len), &[])?
+            .data)
+    }
+
+    /// Writes `data` at `offset`.
+    pub fn write(&mut self, offset: u64, data: &[u8], flags: CmdFlags) -> Result<(), ClientError> {
+        let req = Request::new(Command::Write, 0, offset, data.len() as u64).with_flags(flags);
+        self.request(req, data).map(drop)
+    }
+
+    /// Flushes.
+    pub fn flush(&mut self) -> Result<(), ClientError> {
+        self.request(Request::new(Command::Flush, 0, 0, 0), &[])
+            .map(drop)
+    }
+
+    /// Trims a range.
+    pub fn trim(&mut self, offset: u64, len: u64) -> Result<(), ClientError> {
+        self.request(Request::new(Command::Trim, 0, offset, len), &[])
+            .map(drop)
+    }
+
+    /// Zeroes a range.
+    pub fn write_zeroes(
+        &mut self,
+        offset: u64,
+        len: u64,
+        flags: CmdFlags,
+    ) -> Result<(), ClientError> {
+        let req = Request::new(Command::WriteZeroes, 0, offset, len).with_flags(flags);
+        self.request(req, &[]).map(drop)
+    }
+
+    /// Block status of `base:allocation`: (length, flags) descriptors.
+    pub fn block_status(
+        &mut self,
+        offset: u64,
+        len: u64,
+        flags: CmdFlags,
+    ) -> Result<Vec<(u64, u64)>, ClientError> {
+        if self.meta_id.is_none() {
+            return Err(ClientError::Unexpected(
+                "base:allocation was not negotiated".into(),
+            ));
+        }
+        let req = Request::new(Command::BlockStatus, 0, offset, len).with_flags(flags);
+        Ok(self.request(req, &[])?.extents)
+    }
+
+    /// Sends `NBD_CMD_DISC` and closes.
+    pub fn disconnect(mut self) -> Result<(), ClientError> {
+        self.send(Request::new(Command::Disc, 0, 0, 0), &[])?;
+        Ok(())
+    }
+}

@@ -1,0 +1,436 @@
+//! Option haggling, server side: fixed newstyle with `NO_ZEROES`.
+//!
+//! Blocking and simple: one option is read whole (header, then its data), answered with one
+//! `write_all`, and the next is read. The client must wait for the final reply of each option,
+//! so nothing is ever read past the option that ends the handshake.
+
+use std::io::{self, Read, Write};
+
+use tracing::debug;
+
+use super::{ExportState, Shared};
+use crate::handshake::{
+    decode_client_flags, decode_option_header, encode_export_name_reply, encode_option_reply,
+    encode_server_greeting, parse_option, BlockSize, ClientOption, ExportInfo, ExportRequest, Info,
+    MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_LEN,
+};
+use crate::proto::{
+    ClientFlags, HandshakeFlags, InfoType, OptionError, TransmissionFlags, TransmissionMode,
+    OPTION_HEADER_LEN,
+};
+use crate::stream::Stream;
+use crate::{Decoded, Error};
+
+/// The id of `base:allocation`, the only metadata context served.
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+/// Its name.
+pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
+/// An option announcing more data than this is not skipped: the connection is closed.
+const MAX_SKIPPED_OPTION: u32 = 16 << 20;
+
+/// What the handshake agreed on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Negotiated {
+    /// Index of the export in [`Shared::exports`].
+    pub(crate) export: usize,
+    /// Simple, structured or extended.
+    pub(crate) mode: TransmissionMode,
+    /// `base:allocation` was selected for this export (`NBD_CMD_BLOCK_STATUS` allowed).
+    pub(crate) base_allocation: bool,
+    /// The option that entered transmission: `"go"` or `"export-name"`.
+    pub(crate) via: &'static str,
+}
+
+/// Why a handshake ended without entering transmission.
+#[derive(Debug)]
+pub(crate) enum Ended {
+    /// The client aborted (`NBD_OPT_ABORT`) or hung up between options.
+    Client(&'static str),
+    /// The client broke the protocol: the connection is closed, and the reason logged.
+    Protocol(String),
+    /// The socket failed.
+    Io(io::Error),
+}
+
+impl From<io::Error> for Ended {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            Ended::Client("hung up during the handshake")
+        } else {
+            Ended::Io(e)
+        }
+    }
+}
+
+/// The transmission flags of export `e` in `mode`.
+pub(crate) fn transmission_flags(e: &ExportState, mode: TransmissionMode) -> TransmissionFlags {
+    let mut f = TransmissionFlags::HAS_FLAGS
+        | TransmissionFlags::SEND_FLUSH
+        | TransmissionFlags::SEND_FUA
+        | TransmissionFlags::SEND_TRIM
+        | TransmissionFlags::SEND_WRITE_ZEROES
+        | TransmissionFlags::SEND_FAST_ZERO
+        | TransmissionFlags::SEND_CACHE
+        | TransmissionFlags::CAN_MULTI_CONN;
+    if mode.chunked_replies() {
+        // DF only means something with chunked replies, and must be clear without them.
+        f |= TransmissionFlags::SEND_DF;
+    }
+    if e.cfg.read_only {
+        f |= TransmissionFlags::READ_ONLY;
+    }
+    f
+}
+
+/// The block size constraints advertised for export `e`.
+pub(crate) fn block_size(e: &ExportState, max_block: u32) -> BlockSize {
+    let min = e.min_block;
+    BlockSize {
+        min,
+        preferred: min.max(4096),
+        max: max_block / min * min,
+    }
+}
+
+struct Haggler<'a> {
+    stream: &'a mut Stream,
+    shared: &'a Shared,
+    mode: TransmissionMode,
+    /// The export named by the last `NBD_OPT_SET_META_CONTEXT`, and whether it selected
+    /// `base:allocation`.
+    meta: Option<(String, bool)>,
+    no_zeroes: bool,
+    out: Vec<u8>,
+    data: Vec<u8>,
+}
+
+/// Runs the handshake on a fresh connection.
+pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiated, Ended> {
+    let offered = HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES;
+    let mut out = Vec::with_capacity(256);
+    encode_server_greeting(offered, &mut out);
+    stream.write_all(&out)?;
+    let mut flags = [0u8; 4];
+    stream.read_exact(&mut flags)?;
+    let client = match decode_client_flags(&flags, offered) {
+        Ok(Decoded::Complete { value, .. }) => value,
+        Ok(Decoded::Incomplete(_)) => return Err(Ended::Protocol("short client flags".into())),
+        Err(e) => return Err(Ended::Protocol(format!("client flags: {e}"))),
+    };
+    let mut h = Haggler {
+        stream,
+        shared,
+        mode: TransmissionMode::Simple,
+        meta: None,
+        no_zeroes: client.contains(ClientFlags::NO_ZEROES),
+        out,
+        data: Vec::new(),
+    };
+    loop {
+        if let Some(n) = h.option()? {
+            return Ok(n);
+        }
+    }
+}
+
+impl Haggler<'_> {
+    /// Reads and answers one option; `Some` when it entered transmission.
+    fn option(&mut self) -> Result<Option<Negotiated>, Ended> {
+        let mut hdr = [0u8; OPTION_HEADER_LEN];
+        if let Err(e) = self.stream.read_exact(&mut hdr) {
+            return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
+                Ended::Client("hung up during option haggling")
+            } else {
+                Ended::Io(e)
+            });
+        }
+        let header = match decode_option_header(&hdr, DEFAULT_MAX_OPTION_LEN) {
+            Ok(Decoded::Complete { value, .. }) => value,
+            Ok(Decoded::Incomplete(_)) => return Err(Ended::Protocol("short option".into())),
+            Err(Error::OptionTooLong { option, length, .. }) if length <= MAX_SKIPPED_OPTION => {
+                io::copy(
+                    &mut (&mut *self.stream).take(u64::from(length)),
+                    &mut io::sink(),
+                )?;
+                self.reply(
+                    option,
+                    &OptionReply::Error {
+                        error: OptionError::TooBig,
+                        message: "option data too long",
+                    },
+                )?;
+                return Ok(None);
+            }
+            Err(e) => return Err(Ended::Protocol(format!("option header: {e}"))),
+        };
+        self.data.clear();
+        self.data.resize(header.length as usize, 0);
+        self.stream.read_exact(&mut self.data)?;
+        let data = std::mem::take(&mut self.data);
+        let res = self.answer(header.option, &data);
+        self.data = data;
+        res
+    }
+
+    fn answer(&mut self, option: u32, data: &[u8]) -> Result<Option<Negotiated>, Ended> {
+        let parsed = match parse_option(option, data) {
+            Ok(p) => p,
+            Err(e) => {
+                if option == crate::proto::NBD_OPT_EXPORT_NAME {
+                    // NBD_OPT_EXPORT_NAME cannot be answered with an error.
+                    return Err(Ended::Protocol(format!("NBD_OPT_EXPORT_NAME: {e}")));
+                }
+                let error = e.option_error().unwrap_or(OptionError::Invalid);
+                let msg = e.to_string();
+                self.reply(
+                    option,
+                    &OptionReply::Error {
+                        error,
+                        message: &msg,
+                    },
+                )?;
+                return Ok(None);
+            }
+        };
+        if self.shared.stopping() && !matches!(parsed, ClientOption::Abort) {
+            if matches!(parsed, ClientOption::ExportName(_)) {
+                return Err(Ended::Client("server shutting down"));
+            }
+            self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::Shutdown,
+                    message: "server shutting down",
+                },
+            )?;
+            return Ok(None);
+        }
+        match parsed {
+            ClientOption::ExportName(name) => self.export_name(name).map(Some),
+            ClientOption::Abort => {
+                // The client may already have closed: a failed ACK is not an error.
+                let _ = self.reply(option, &OptionReply::Ack);
+                Err(Ended::Client("aborted the handshake"))
+            }
+            ClientOption::List => {
+                self.out.clear();
+                for e in &self.shared.exports {
+                    let r = OptionReply::Server {
+                        name: &e.cfg.name,
+                        details: &e.cfg.description,
+                    };
+                    encode(option, &r, &mut self.out)?;
+                }
+                encode(option, &OptionReply::Ack, &mut self.out)?;
+                self.stream.write_all(&self.out)?;
+                Ok(None)
+            }
+            ClientOption::StartTls => {
+                self.reply(
+                    option,
+                    &OptionReply::Error {
+                        error: OptionError::Policy,
+                        message: "TLS is not supported by this server",
+                    },
+                )?;
+                Ok(None)
+            }
+            ClientOption::Info(req) => {
+                self.info(option, &req)?;
+                Ok(None)
+            }
+            ClientOption::Go(req) => match self.info(option, &req)? {
+                Some(export) => Ok(Some(self.enter(export, req.name, "go"))),
+                None => Ok(None),
+            },
+            ClientOption::StructuredReply => {
+                let r = if self.mode == TransmissionMode::Extended {
+                    OptionReply::Error {
+                        error: OptionError::ExtHeaderReqd,
+                        message: "extended headers already negotiated",
+                    }
+                } else {
+                    self.mode = TransmissionMode::Structured;
+                    OptionReply::Ack
+                };
+                self.reply(option, &r)?;
+                Ok(None)
+            }
+            ClientOption::ExtendedHeaders => {
+                self.mode = TransmissionMode::Extended;
+                self.reply(option, &OptionReply::Ack)?;
+                Ok(None)
+            }
+            ClientOption::ListMetaContext(req) => {
+                self.meta_context(option, &req, false)?;
+                Ok(None)
+            }
+            ClientOption::SetMetaContext(req) => {
+                self.meta_context(option, &req, true)?;
+                Ok(None)
+            }
+            other => {
+                let msg = format!("option {} is not supported", other.option());
+                self.reply(
+                    option,
+                    &OptionReply::Error {
+                        error: OptionError::Unsup,
+                        message: &msg,
+                    },
+                )?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn export_name(&mut self, name: &str) -> Result<Negotiated, Ended> {
+        if self.mode == TransmissionMode::Extended {
+            return Err(Ended::Protocol(
+                "NBD_OPT_EXPORT_NAME after extended headers were negotiated".into(),
+            ));
+        }
+        let Some(idx) = self.shared.find(name) else {
+            return Err(Ended::Protocol(format!(
+                "NBD_OPT_EXPORT_NAME for unknown export {name:?}"
+            )));
+        };
+        let e = &self.shared.exports[idx];
+        let info = ExportInfo {
+            size: e.size,
+            flags: transmission_flags(e, self.mode),
+        };
+        self.out.clear();
+        encode_export_name_reply(info, self.no_zeroes, &mut self.out);
+        self.stream.write_all(&self.out)?;
+        Ok(self.enter(idx, name, "export-name"))
+    }
+
+    fn enter(&self, export: usize, name: &str, via: &'static str) -> Negotiated {
+        let base_allocation = matches!(&self.meta, Some((n, true)) if n == name);
+        Negotiated {
+            export,
+            mode: self.mode,
+            base_allocation,
+            via,
+        }
+    }
+
+    /// Answers `NBD_OPT_INFO` / `NBD_OPT_GO`; `Some(export)` on success.
+    fn info(&mut self, option: u32, req: &ExportRequest<'_>) -> Result<Option<usize>, Ended> {
+        let Some(idx) = self.shared.find(req.name) else {
+            let msg = no_such_export(req.name);
+            self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::Unknown,
+                    message: &msg,
+                },
+            )?;
+            return Ok(None);
+        };
+        let e = &self.shared.exports[idx];
+        self.out.clear();
+        let export = Info::Export(ExportInfo {
+            size: e.size,
+            flags: transmission_flags(e, self.mode),
+        });
+        encode(option, &OptionReply::Info(export), &mut self.out)?;
+        if req.requests(InfoType::Name) {
+            encode(
+                option,
+                &OptionReply::Info(Info::Name(&e.cfg.name)),
+                &mut self.out,
+            )?;
+        }
+        if req.requests(InfoType::Description) && !e.cfg.description.is_empty() {
+            let d = Info::Description(&e.cfg.description);
+            encode(option, &OptionReply::Info(d), &mut self.out)?;
+        }
+        // Always sent: the constraints are not the defaults (minimum 512, not 1).
+        let bs = Info::BlockSize(block_size(e, self.shared.tuning.max_block));
+        encode(option, &OptionReply::Info(bs), &mut self.out)?;
+        encode(option, &OptionReply::Ack, &mut self.out)?;
+        self.stream.write_all(&self.out)?;
+        Ok(Some(idx))
+    }
+
+    fn meta_context(
+        &mut self,
+        option: u32,
+        req: &MetaContextRequest<'_>,
+        set: bool,
+    ) -> Result<(), Ended> {
+        if set {
+            // A SET replaces the previous selection, even when it fails.
+            self.meta = None;
+            if !self.mode.chunked_replies() {
+                self.reply(
+                    option,
+                    &OptionReply::Error {
+                        error: OptionError::Invalid,
+                        message: "negotiate structured replies or extended headers first",
+                    },
+                )?;
+                return Ok(());
+            }
+        }
+        if self.shared.find(req.name).is_none() {
+            let msg = no_such_export(req.name);
+            self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::Unknown,
+                    message: &msg,
+                },
+            )?;
+            return Ok(());
+        }
+        let selected = if set {
+            // `base:` alone must be ignored by SET; unknown namespaces and leaves too.
+            req.queries.contains(&BASE_ALLOCATION)
+        } else {
+            req.queries.is_empty()
+                || req
+                    .queries
+                    .iter()
+                    .any(|q| *q == BASE_ALLOCATION || *q == "base:")
+        };
+        self.out.clear();
+        if selected {
+            let id = if set { BASE_ALLOCATION_ID } else { 0 };
+            let r = OptionReply::MetaContext {
+                id,
+                name: BASE_ALLOCATION,
+            };
+            encode(option, &r, &mut self.out)?;
+        }
+        encode(option, &OptionReply::Ack, &mut self.out)?;
+        self.stream.write_all(&self.out)?;
+        if set {
+            self.meta = Some((req.name.to_string(), selected));
+        }
+        debug!(set, selected, export = req.name, "meta context");
+        Ok(())
+    }
+
+    fn reply(&mut self, option: u32, r: &OptionReply<'_>) -> Result<(), Ended> {
+        self.out.clear();
+        encode(option, r, &mut self.out)?;
+        self.stream.write_all(&self.out)?;
+        Ok(())
+    }
+}
+
+/// "no export named ..." for an error message, short enough for the protocol's 4096 bytes.
+fn no_such_export(name: &str) -> String {
+    let mut end = name.len().min(256);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("no export named {:?}", &name[..end])
+}
+
+fn encode(option: u32, r: &OptionReply<'_>, out: &mut Vec<u8>) -> Result<(), Ended> {
+    encode_option_reply(option, r, out)
+        .map_err(|e| Ended::Protocol(format!("encoding a reply to option {option}: {e}")))
+}

@@ -1,0 +1,562 @@
+//! The NBD server: exports [`blk::Device`]s over TCP and Unix sockets.
+//!
+//! ```text
+//!  acceptor (one thread per listener) --accept--> connection thread (one per client)
+//!     connection thread: handshake (blocking, handshake.rs), then it is the *reader*:
+//!        recv (1 MiB buffer) -> decode every whole request in it -> stage bios
+//!        -> one lock: assign slots of the in-flight table -> Device::submit_batch (one plug)
+//!        -> flush replies (combining writer: one sendmsg for everything completed)
+//!     completion threads of the device (if any): end_io -> reply list -> flush if writer idle
+//!     flusher thread (one per connection, parked): finishes a write that would have blocked
+//! ```
+//!
+//! See `conn.rs` for the data path (slots, the combining writer and its hand-off), and
+//! `handshake.rs` for option haggling.
+//!
+//! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]): stop accepting,
+//! shut the read side of every connection (requests already received are answered; anything
+//! decoded after the stop gets `NBD_ESHUTDOWN`), wait for in-flight requests and their
+//! replies, flush every device, remove the Unix socket.
+
+mod conn;
+mod handshake;
+
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blk::{Bio, Device, EndIo, Op};
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::thread::{self, Thread};
+use blkq_sync::Mutex;
+use tracing::{debug, info, warn};
+
+use crate::stream::Stream;
+
+/// The default TCP address: loopback only, on the IANA NBD port.
+pub const DEFAULT_TCP_ADDR: &str = "127.0.0.1:10809";
+/// The default Unix socket path (relative to the working directory).
+pub const DEFAULT_UNIX_PATH: &str = "./blkq.sock";
+
+/// One exported device.
+#[derive(Clone)]
+pub struct Export {
+    /// The export name clients ask for (`""` is the default export).
+    pub name: String,
+    /// A description for humans (`NBD_INFO_DESCRIPTION`, `NBD_OPT_LIST`).
+    pub description: String,
+    /// The device.
+    pub device: Arc<dyn Device>,
+    /// Refuse writes, trims and zeroes (`NBD_FLAG_READ_ONLY`, `NBD_EPERM`).
+    pub read_only: bool,
+    /// With structured replies, ask the device for its allocation map on each read and send
+    /// holes as `OFFSET_HOLE` chunks without reading them (one `extents()` call per read).
+    pub sparse_reads: bool,
+}
+
+impl Export {
+    /// An export of `device` named `name`, writable, with sparse reads.
+    pub fn new(name: impl Into<String>, device: Arc<dyn Device>) -> Self {
+        Self {
+            name: name.into(),
+            description: String::new(),
+            device,
+            read_only: false,
+            sparse_reads: true,
+        }
+    }
+
+    /// With a description.
+    pub fn description(mut self, d: impl Into<String>) -> Self {
+        self.description = d.into();
+        self
+    }
+
+    /// Read-only or not.
+    pub fn read_only(mut self, ro: bool) -> Self {
+        self.read_only = ro;
+        self
+    }
+}
+
+impl std::fmt::Debug for Export {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Export")
+            .field("name", &self.name)
+            .field("description", &self.description)
+            .field("limits", &self.device.limits())
+            .field("read_only", &self.read_only)
+            .finish()
+    }
+}
+
+/// Knobs of the data path. The defaults suit the CLI; tests shrink them.
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// Bytes of each connection's receive buffer (requests are decoded from it in batches).
+    pub recv_buf: usize,
+    /// Requests a connection may have in flight (submitted or waiting for their reply to be
+    /// written); the reader stops reading when they are all taken.
+    pub slots: usize,
+    /// Data bytes (read and write payloads) a connection may have in flight.
+    pub max_bytes_in_flight: u64,
+    /// The maximum block size advertised (largest read or write), bytes.
+    pub max_block: u32,
+    /// A write payload the server refuses (too long, out of range, read-only) is read and
+    /// discarded up to this many bytes; a longer one closes the connection instead.
+    pub discard_limit: u64,
+    /// At shutdown, how long connections get to finish their in-flight requests before their
+    /// sockets are shut down in both directions.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            recv_buf: 1 << 20,
+            slots: 1024,
+            max_bytes_in_flight: 256 << 20,
+            max_block: 32 << 20,
+            discard_limit: 1 << 30,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What to serve and where.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The exports (names must be distinct).
+    pub exports: Vec<Export>,
+    /// TCP address to listen on (`None`: no TCP listener).
+    pub tcp: Option<SocketAddr>,
+    /// Unix socket path to listen on (`None`: no Unix listener). A stale socket file there is
+    /// removed at start; the file is removed at shutdown.
+    pub unix: Option<PathBuf>,
+    /// Data path knobs.
+    pub tuning: Tuning,
+}
+
+impl ServerConfig {
+    /// A configuration serving `exports` with no listener yet.
+    pub fn new(exports: Vec<Export>) -> Self {
+        Self {
+            exports,
+            tcp: None,
+            unix: None,
+            tuning: Tuning::default(),
+        }
+    }
+}
+
+/// Errors of starting a server.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// A listener could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address or path.
+        addr: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The configuration has no exports.
+    #[error("no exports configured")]
+    NoExports,
+    /// Two exports share a name.
+    #[error("two exports are named {0:?}")]
+    DuplicateExport(String),
+    /// An export name is not a valid protocol string.
+    #[error("export name {0:?} is not a valid NBD string (at most 4096 bytes, no NUL)")]
+    BadExportName(String),
+    /// Neither a TCP address nor a Unix socket was given.
+    #[error("no listener configured (give a TCP address or a Unix socket path)")]
+    NoListener,
+    /// Any other I/O error (spawning threads).
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// An export as the connections see it: the configuration plus what the handshake sends.
+pub(crate) struct ExportState {
+    pub(crate) cfg: Export,
+    /// Export size: the device capacity rounded down to the minimum block size.
+    pub(crate) size: u64,
+    /// Minimum block size (the device's logical block size, at least 512).
+    pub(crate) min_block: u32,
+}
+
+/// State shared by the acceptors and every connection.
+pub(crate) struct Shared {
+    pub(crate) exports: Vec<ExportState>,
+    pub(crate) tuning: Tuning,
+    pub(crate) stopping: AtomicBool,
+    conns: Mutex<Registry>,
+}
+
+impl Shared {
+    pub(crate) fn find(&self, name: &str) -> Option<usize> {
+        self.exports.iter().position(|e| e.cfg.name == name)
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+}
+
+#[derive(Default)]
+struct Registry {
+    next_id: u64,
+    /// Live connections: id and a handle on the socket, to shut it down at stop.
+    live: Vec<(u64, Stream)>,
+    /// Connection threads (finished ones are pruned on accept). Plain OS threads: they hold
+    /// no modelled state of their own (the facade's threads cannot say `is_finished`).
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Shared {
+    /// Removes connection `id` from the registry (called by its thread when it ends).
+    pub(crate) fn unregister(&self, id: u64) {
+        let mut r = self.conns.lock();
+        if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
+            r.live.swap_remove(i);
+        }
+    }
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
+            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+        }
+    }
+}
+
+/// A running server.
+pub struct Server {
+    shared: Arc<Shared>,
+    acceptors: Vec<std::thread::JoinHandle<()>>,
+    tcp_addr: Option<SocketAddr>,
+    unix_path: Option<PathBuf>,
+    stop: Arc<StopState>,
+}
+
+#[derive(Default)]
+struct StopState {
+    requested: AtomicBool,
+    waiter: Mutex<Option<Thread>>,
+}
+
+/// A handle that asks a server to stop (from a signal-watching thread, say). Cheap to clone.
+#[derive(Clone)]
+pub struct Stopper(Arc<StopState>);
+
+impl Stopper {
+    /// Asks the server to stop; [`Server::wait`] then shuts it down and returns.
+    pub fn stop(&self) {
+        self.0.requested.store(true, Ordering::SeqCst);
+        // Pairs with `wait`: it registers under this lock, then reads `requested`; whichever
+        // takes the lock second sees the other's write.
+        if let Some(t) = self.0.waiter.lock().as_ref() {
+            t.unpark();
+        }
+    }
+}
+
+impl Server {
+    /// Binds the listeners and starts accepting connections.
+    pub fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
+        if cfg.exports.is_empty() {
+            return Err(ServerError::NoExports);
+        }
+        if cfg.tcp.is_none() && cfg.unix.is_none() {
+            return Err(ServerError::NoListener);
+        }
+        let mut exports: Vec<ExportState> = Vec::with_capacity(cfg.exports.len());
+        for e in cfg.exports {
+            if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
+                return Err(ServerError::BadExportName(e.name));
+            }
+            if exports.iter().any(|x| x.cfg.name == e.name) {
+                return Err(ServerError::DuplicateExport(e.name));
+            }
+            let lim = e.device.limits();
+            let min_block = lim.logical_block_size.clamp(512, 65536);
+            let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
+            exports.push(ExportState {
+                cfg: e,
+                size,
+                min_block,
+            });
+        }
+        let mut tuning = cfg.tuning;
+        tuning.recv_buf = tuning.recv_buf.max(64 << 10);
+        tuning.slots = tuning.slots.clamp(1, 1 << 20);
+        tuning.max_block = tuning.max_block.max(65536);
+
+        let mut listeners = Vec::new();
+        let mut tcp_addr = None;
+        if let Some(addr) = cfg.tcp {
+            let l = TcpListener::bind(addr).map_err(|source| ServerError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+            tcp_addr = Some(l.local_addr()?);
+            listeners.push(Listener::Tcp(l));
+        }
+        let mut unix_path = None;
+        if let Some(path) = &cfg.unix {
+            let bind_err = |source| ServerError::Bind {
+                addr: path.display().to_string(),
+                source,
+            };
+            remove_stale_socket(path).map_err(bind_err)?;
+            let l = UnixListener::bind(path).map_err(bind_err)?;
+            unix_path = Some(path.clone());
+            listeners.push(Listener::Unix(l));
+        }
+
+        let shared = Arc::new(Shared {
+            exports,
+            tuning,
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(Registry::default()),
+        });
+        let mut acceptors = Vec::new();
+        for l in listeners {
+            let sh = shared.clone();
+            acceptors.push(
+                std::thread::Builder::new()
+                    .name("nbd-accept".into())
+                    .spawn(move || accept_loop(l, sh))?,
+            );
+        }
+        Ok(Server {
+            shared,
+            acceptors,
+            tcp_addr,
+            unix_path,
+            stop: Arc::new(StopState::default()),
+        })
+    }
+
+    /// The bound TCP address (with the real port when port 0 was asked for).
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp_addr
+    }
+
+    /// The Unix socket path.
+    pub fn unix_path(&self) -> Option<&Path> {
+        self.unix_path.as_deref()
+    }
+
+    /// Connections currently open (handshake or transmission).
+    pub fn connections(&self) -> usize {
+        self.shared.conns.lock().live.len()
+    }
+
+    /// A handle to ask [`wait`](Self::wait) to return.
+    pub fn stopper(&self) -> Stopper {
+        Stopper(self.stop.clone())
+    }
+
+    /// Blocks until a [`Stopper`] asks the server to stop, then shuts it down.
+    pub fn wait(self) {
+        *self.stop.waiter.lock() = Some(thread::current());
+        while !self.stop.requested.load(Ordering::SeqCst) {
+            thread::park();
+        }
+        self.shutdown();
+    }
+
+    /// Stops accepting, lets every connection finish its in-flight requests, flushes every
+    /// device and removes the Unix socket.
+    pub fn shutdown(mut self) {
+        self.do_shutdown();
+    }
+
+    fn do_shutdown(&mut self) {
+        if self.shared.stopping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        info!("shutting down: no new connections; finishing in-flight requests");
+        // Wake the acceptors with a connection of our own; they see `stopping` and return.
+        if let Some(a) = self.tcp_addr {
+            let _ = TcpStream::connect_timeout(&loopback_of(a), Duration::from_secs(1));
+        }
+        if let Some(p) = &self.unix_path {
+            let _ = UnixStream::connect(p);
+        }
+        for h in self.acceptors.drain(..) {
+            let _ = h.join();
+        }
+        // Shut the read side: each reader sees end-of-file after what it already received,
+        // answers it, waits for its in-flight requests and closes.
+        let threads = {
+            let mut r = self.shared.conns.lock();
+            for (_, s) in &r.live {
+                let _ = s.shutdown(Shutdown::Read);
+            }
+            std::mem::take(&mut r.threads)
+        };
+        let deadline = Instant::now() + self.shared.tuning.drain_timeout;
+        let mut forced = false;
+        while threads.iter().any(|t| !t.is_finished()) {
+            if !forced && Instant::now() >= deadline {
+                warn!("connections still busy after the drain timeout; closing their sockets");
+                for (_, s) in &self.shared.conns.lock().live {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                forced = true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        // Flush each device once.
+        let mut flushed: Vec<&Arc<dyn Device>> = Vec::new();
+        for e in &self.shared.exports {
+            let dev = &e.cfg.device;
+            if flushed.iter().any(|d| Arc::ptr_eq(d, dev)) {
+                continue;
+            }
+            flushed.push(dev);
+            if !e.cfg.read_only {
+                if let Err(err) = submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)) {
+                    warn!(export = %e.cfg.name, "flush at shutdown failed: {err}");
+                }
+            }
+        }
+        if let Some(p) = &self.unix_path {
+            let _ = std::fs::remove_file(p);
+        }
+        info!("server stopped");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.do_shutdown();
+    }
+}
+
+/// A wildcard address (0.0.0.0, ::) is connected to through loopback.
+fn loopback_of(a: SocketAddr) -> SocketAddr {
+    let mut a = a;
+    if a.ip().is_unspecified() {
+        a.set_ip(match a {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    a
+}
+
+/// Removes a socket file left by a server that is gone; refuses to touch anything else, and a
+/// socket some live server still answers on.
+fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket",
+        ));
+    }
+    if UnixStream::connect(path).is_ok() {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            "another server is listening on this socket",
+        ));
+    }
+    debug!(path = %path.display(), "removing stale socket");
+    std::fs::remove_file(path)
+}
+
+fn accept_loop(l: Listener, shared: Arc<Shared>) {
+    loop {
+        let res = l.accept();
+        if shared.stopping() {
+            return;
+        }
+        let stream = match res {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let handle = match stream.try_clone() {
+            Ok(h) => h,
+            Err(e) => {
+                warn!("dropping a connection: {e}");
+                continue;
+            }
+        };
+        let mut r = shared.conns.lock();
+        r.threads.retain(|t| !t.is_finished());
+        let id = r.next_id;
+        r.next_id += 1;
+        r.live.push((id, handle));
+        let sh = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nbd-conn-{id}"))
+            .spawn(move || conn::serve(stream, sh, id));
+        match spawned {
+            Ok(t) => r.threads.push(t),
+            Err(e) => {
+                warn!("dropping a connection: cannot spawn its thread: {e}");
+                if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
+                    r.live.swap_remove(i);
+                }
+            }
+        }
+    }
+}
+
+/// Completion of one synchronous bio.
+struct SyncEnd {
+    res: Mutex<Option<Result<(), blk::Error>>>,
+    thread: Thread,
+}
+
+impl EndIo for SyncEnd {
+    fn end_io(&self, _bio: Bio, res: Result<(), blk::Error>) {
+        *self.res.lock() = Some(res);
+        self.thread.unpark();
+    }
+}
+
+/// Submits one bio and waits for it (flushes at shutdown; tests).
+pub fn submit_sync(dev: &dyn Device, bio: Bio) -> Result<(), blk::Error> {
+    let end = Arc::new(SyncEnd {
+        res: Mutex::new(None),
+        thread: thread::current(),
+    });
+    let e: Arc<dyn EndIo> = end.clone();
+    dev.submit(bio, &e);
+    loop {
+        if let Some(r) = end.res.lock().take() {
+            return r;
+        }
+        thread::park();
+    }
+}

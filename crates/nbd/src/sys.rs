@@ -1,0 +1,103 @@
+//! The system calls std does not offer in the form the server needs: `sendmsg(2)` over
+//! several buffers with per-call flags (`MSG_DONTWAIT` for the completion threads that must
+//! never block on a slow client, `MSG_NOSIGNAL` so a vanished client is an `EPIPE`, not a
+//! `SIGPIPE` that kills the process), and `SO_SNDBUF`. This is the only module of the crate
+//! with `unsafe`.
+#![allow(unsafe_code)]
+
+use std::io::{self, IoSlice};
+use std::os::fd::RawFd;
+
+/// Sends `bufs` with one `sendmsg(2)` and returns the bytes sent (possibly fewer than asked).
+///
+/// With `dontwait`, a socket whose send buffer is full gives `ErrorKind::WouldBlock` instead of
+/// blocking. `EINTR` is retried.
+pub(crate) fn sendmsg(fd: RawFd, bufs: &[IoSlice<'_>], dontwait: bool) -> io::Result<usize> {
+    // SAFETY: `msghdr` is a plain C struct for which all-zero bytes are a valid value (no name,
+    // no control data, no iovecs); the fields we use are set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is guaranteed to be ABI compatible with `iovec` on Unix; sendmsg only reads
+    // through these pointers, so the `*mut` is never used to write.
+    msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = bufs.len() as _;
+    let mut flags = libc::MSG_NOSIGNAL;
+    if dontwait {
+        flags |= libc::MSG_DONTWAIT;
+    }
+    loop {
+        // SAFETY: `msg` points to `bufs.len()` valid iovecs that borrow live, readable slices
+        // for the whole call (`bufs` outlives it); no name or control buffer is given; `fd` is
+        // only used as a number (a closed or wrong fd gives EBADF/ENOTSOCK, not UB).
+        let n = unsafe { libc::sendmsg(fd, &msg, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Asks for a send buffer of `bytes` (`SO_SNDBUF`; the kernel caps it at `wmem_max` and
+/// doubles it for bookkeeping). Replies that fit are written without blocking, so the combining
+/// writer hands fewer of them to the flusher thread.
+pub(crate) fn set_send_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
+    let v: libc::c_int = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: `v` is a live c_int and the length passed is its size; setsockopt only reads it.
+    // A bad `fd` gives EBADF/ENOTSOCK.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn sends_several_slices_and_reports_would_block() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let n = sendmsg(
+            a.as_raw_fd(),
+            &[IoSlice::new(b"ab"), IoSlice::new(b""), IoSlice::new(b"cde")],
+            false,
+        )
+        .unwrap();
+        assert_eq!(n, 5);
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"abcde");
+        // Fill the socket: a non-blocking send must eventually say WouldBlock.
+        let big = vec![0u8; 1 << 20];
+        let mut saw_would_block = false;
+        for _ in 0..64 {
+            match sendmsg(a.as_raw_fd(), &[IoSlice::new(&big)], true) {
+                Ok(_) => {}
+                Err(e) => {
+                    assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+                    saw_would_block = true;
+                    break;
+                }
+            }
+        }
+        assert!(saw_would_block);
+        drop(b);
+        let e = sendmsg(a.as_raw_fd(), &[IoSlice::new(b"x")], false).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+    }
+}

@@ -1,0 +1,276 @@
+#!/usr/bin/env bash
+# Real-client tests of `blkq serve`: clients nobody here wrote (qemu-img, qemu-io, nbdinfo,
+# nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary.
+#
+# Needs: qemu-utils libnbd-bin python3-libnbd fio (scripts/test.sh installs them as root).
+# Each step prints what it checks; the first failure exits non-zero; the servers are always
+# killed on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n--> %s\n' "$*"; }
+ok() { printf '    ok: %s\n' "$*"; }
+fail() {
+  printf '    FAILED: %s\n' "$*" >&2
+  exit 1
+}
+
+# libnbd's Python binding is installed for the system interpreter, not for whatever python3
+# comes first on PATH.
+PY=/usr/bin/python3
+for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio sha256sum "$PY"; do
+  command -v "$tool" >/dev/null || fail "missing $tool (apt-get install qemu-utils libnbd-bin python3-libnbd fio)"
+done
+"$PY" -c 'import nbd' || fail "python3-libnbd is not installed for $PY"
+
+step "build the release binary"
+cargo build --release -p blkq
+BIN=$PWD/target/release/blkq
+
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+  local rc=$?
+  for pid in "${PIDS[@]}"; do
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  if [[ $rc -ne 0 ]]; then
+    for log in "$TMP"/*.log; do
+      [[ -f $log ]] || continue
+      echo "=== $log (last 30 lines)" >&2
+      tail -n 30 "$log" >&2
+    done
+  fi
+  rm -rf "$TMP"
+  exit $rc
+}
+trap cleanup EXIT
+
+free_port() {
+  "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# start_server NAME SOCKET PORT ARGS...: starts `blkq serve` (its pid in SERVER_PID; not run
+# in a subshell, so that the server is this shell's child), waits until both listeners answer.
+start_server() {
+  local name=$1 sock=$2 port=$3
+  shift 3
+  "$BIN" serve --socket "$sock" --listen "127.0.0.1:$port" "$@" \
+    >"$TMP/$name.out" 2>"$TMP/$name.log" &
+  local pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 1 100); do
+    if [[ -S $sock ]] && nbdinfo --size "nbd://127.0.0.1:$port" >/dev/null 2>&1; then
+      SERVER_PID=$pid
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || fail "server $name exited at start: $(cat "$TMP/$name.log")"
+    sleep 0.1
+  done
+  fail "server $name did not start"
+}
+
+SOCK=$TMP/blkq.sock
+PORT=$(free_port)
+start_server main "$SOCK" "$PORT" \
+  --device mem:256M --export "" \
+  --device mem:64M --export img \
+  --device mem:64M --export copy
+PID=$SERVER_PID
+TCP="nbd://127.0.0.1:$PORT"
+UNIX="nbd+unix:///?socket=$SOCK"
+echo "server pid $PID on $UNIX and $TCP"
+
+step "blkq serve printed its URIs and an example command"
+grep -q "nbd+unix:///?socket=$SOCK" "$TMP/main.out" || fail "no unix URI in: $(cat "$TMP/main.out")"
+grep -q "nbd://127.0.0.1:$PORT" "$TMP/main.out" || fail "no TCP URI"
+grep -q "qemu-img info nbd://127.0.0.1:$PORT" "$TMP/main.out" || fail "no example command"
+ok "URIs and example printed"
+
+step "qemu-img info: size of the default export over TCP and Unix"
+qemu-img info "$TCP" | tee "$TMP/info.txt" | grep -q "virtual size: 256 MiB" || fail "$(cat "$TMP/info.txt")"
+qemu-img info "$UNIX" | grep -q "virtual size: 256 MiB" || fail "unix info"
+qemu-img info "$TCP/img" | grep -q "virtual size: 64 MiB" || fail "img info"
+ok "256 MiB and 64 MiB"
+
+step "qemu-img convert a generated raw image into the export and back, qemu-img compare"
+SRC=$TMP/src.img
+# 64 MiB: random data with zero runs in between (sparse source regions exercise zeroing).
+truncate -s 64M "$SRC"
+for off in 0 5 9 20 33 40 63; do
+  head -c 1M /dev/urandom | dd of="$SRC" bs=1M seek=$off conv=notrunc status=none
+done
+qemu-img convert -n -f raw -O raw "$SRC" "$TCP/img"
+qemu-img convert -f raw -O raw "$TCP/img" "$TMP/back.img"
+cmp "$SRC" "$TMP/back.img" || fail "converted image differs"
+qemu-img compare -f raw -F raw "$SRC" "$TCP/img" || fail "qemu-img compare"
+ok "round trip identical"
+
+step "qemu-io: write -P 0xab / read -P 0xab, aio_write at many offsets"
+qemu-io -f raw -c 'write -P 0xab 1M 64k' "$UNIX" | grep -q "wrote 65536/65536" || fail "write"
+qemu-io -f raw -c 'read -P 0xab 1M 64k' "$UNIX" | grep -q "read 65536/65536" || fail "read -P 0xab"
+qemu-io -f raw -c 'read -P 0xcd 1M 64k' "$UNIX" >"$TMP/wrong.txt" 2>&1 || true
+if grep -q "Pattern verification failed" "$TMP/wrong.txt"; then
+  ok "a wrong pattern is detected"
+else
+  fail "read -P 0xcd should have failed"
+fi
+AIO=()
+for i in $(seq 0 63); do AIO+=(-c "aio_write -P 0x5a $((i * 3))M 4k"); done
+qemu-io -f raw "${AIO[@]}" -c aio_flush "$TCP" >/dev/null
+READS=()
+for i in $(seq 0 63); do READS+=(-c "read -P 0x5a $((i * 3))M 4k"); done
+qemu-io -f raw "${READS[@]}" "$TCP" >"$TMP/qemu-io.txt"
+[[ $(grep -c "read 4096/4096" "$TMP/qemu-io.txt") == 64 ]] || fail "aio reads: $(head "$TMP/qemu-io.txt")"
+! grep -q "Pattern verification failed" "$TMP/qemu-io.txt" || fail "aio pattern"
+ok "64 aio writes read back"
+
+step "nbdinfo --list and --map"
+nbdinfo --list "$TCP" >"$TMP/list.txt"
+for e in 'export=""' 'export="img"' 'export="copy"'; do
+  grep -qF "$e" "$TMP/list.txt" || fail "$e missing from: $(cat "$TMP/list.txt")"
+done
+ok "three exports listed"
+# Trim the zero runs of the image export so the map has holes, then check it has both.
+"$PY" - "$SOCK" <<'EOF'
+import nbd, sys
+h = nbd.NBD()
+h.set_export_name("img")
+h.connect_unix(sys.argv[1])
+h.trim(4 << 20, 1 << 20)
+h.flush()
+h.shutdown()
+EOF
+nbdinfo --map "nbd+unix:///img?socket=$SOCK" >"$TMP/map.txt"
+grep -q "data" "$TMP/map.txt" || fail "no data extent: $(cat "$TMP/map.txt")"
+grep -q "hole" "$TMP/map.txt" || fail "no hole extent: $(cat "$TMP/map.txt")"
+ok "map: $(wc -l <"$TMP/map.txt") extents, data and holes"
+
+step "nbdcopy --connections 4 --requests 64: a file in and out, compared by sha256sum"
+head -c 48M /dev/urandom >"$TMP/copy.bin"
+truncate -s 64M "$TMP/copy.bin"
+nbdcopy --connections 4 --requests 64 "$TMP/copy.bin" "nbd+unix:///copy?socket=$SOCK"
+nbdcopy --connections 4 --requests 64 "nbd://127.0.0.1:$PORT/copy" "$TMP/copy.out"
+A=$(sha256sum <"$TMP/copy.bin" | cut -d' ' -f1)
+B=$(sha256sum <"$TMP/copy.out" | cut -d' ' -f1)
+[[ $A == "$B" ]] || fail "sha256 $A != $B"
+ok "sha256 $A"
+
+step "nbdsh / libnbd: error replies, each followed by a successful request; multi-conn"
+"$PY" - "$UNIX" "$TCP" <<'EOF'
+import errno, sys
+import nbd
+
+unix, tcp = sys.argv[1], sys.argv[2]
+
+def conn(uri):
+    h = nbd.NBD()
+    # Send what a careful client would refuse to, so that the server is the one checking.
+    h.set_strict_mode(0)
+    h.add_meta_context(nbd.CONTEXT_BASE_ALLOCATION)
+    h.connect_uri(uri)
+    return h
+
+def expect(what, want, fn):
+    try:
+        fn()
+    except nbd.Error as e:
+        # The binding gives the errno as its symbolic name ("EINVAL").
+        got = getattr(errno, e.errno, e.errno) if isinstance(e.errno, str) else e.errno
+        if got != want:
+            sys.exit(f"    FAILED: {what}: errno {e.errno} ({e.string}), wanted {want}")
+        print(f"    ok: {what} -> {errno.errorcode[want]}")
+        return
+    sys.exit(f"    FAILED: {what}: no error")
+
+h = conn(unix)
+size = h.get_size()
+def works():
+    h.pwrite(b"\x42" * 4096, 8192)
+    assert h.pread(4096, 8192) == b"\x42" * 4096
+
+expect("read past the end", errno.EINVAL, lambda: h.pread(4096, size))
+works()
+expect("read across the end", errno.EINVAL, lambda: h.pread(8192, size - 4096))
+works()
+expect("misaligned read", errno.EINVAL, lambda: h.pread(512, 100))
+works()
+expect("write past the end", errno.ENOSPC, lambda: h.pwrite(b"x" * 4096, size))
+works()
+expect("zeroes past the end", errno.ENOSPC, lambda: h.zero(4096, size))
+works()
+expect("trim past the end", errno.EINVAL, lambda: h.trim(4096, size))
+works()
+expect("read over the 32 MiB maximum", errno.EINVAL, lambda: h.pread((32 << 20) + 512, 0))
+works()
+# ENOTSUP for a fast zero needs a backend that cannot zero fast; mem (the only backend here)
+# always can, so it must succeed. The ENOTSUP reply itself is covered by the Rust tests
+# (crates/nbd/tests/server.rs, a device that refuses fast zeroes).
+assert h.can_fast_zero()
+h.zero(65536, 0, nbd.CMD_FLAG_FAST_ZERO)
+assert h.pread(65536, 0) == bytes(65536)
+print("    ok: fast zero on mem succeeds (ENOTSUP case: see the comment)")
+works()
+# Block status through libnbd.
+seen = []
+h.block_status(1 << 20, 0, lambda meta, off, ents, err: seen.append((meta, ents)))
+assert seen and seen[0][0] == nbd.CONTEXT_BASE_ALLOCATION, seen
+print(f"    ok: block status {seen[0][1][:4]}...")
+
+# Multi-conn: write on one connection (TCP), flush, read on another (Unix).
+a = conn(tcp)
+assert a.can_multi_conn()
+data = bytes(range(256)) * 256
+a.pwrite(data, 100 << 20)
+a.flush()
+assert h.pread(len(data), 100 << 20) == data
+print("    ok: multi-conn: a write flushed on one connection is read on another")
+a.shutdown()
+h.shutdown()
+EOF
+
+step "a --read-only server: reads work, writes/trims/zeroes get EPERM"
+ROSOCK=$TMP/ro.sock
+ROPORT=$(free_port)
+start_server ro "$ROSOCK" "$ROPORT" --read-only --device mem:16M
+ROPID=$SERVER_PID
+"$PY" - "nbd+unix:///?socket=$ROSOCK" <<'EOF'
+import errno, sys
+import nbd
+h = nbd.NBD()
+h.set_strict_mode(0)
+h.connect_uri(sys.argv[1])
+assert h.is_read_only()
+for what, fn in [("write", lambda: h.pwrite(b"x" * 512, 0)),
+                 ("trim", lambda: h.trim(4096, 0)),
+                 ("zero", lambda: h.zero(4096, 0))]:
+    try:
+        fn()
+        sys.exit(f"    FAILED: read-only {what} succeeded")
+    except nbd.Error as e:
+        got = getattr(errno, e.errno, e.errno) if isinstance(e.errno, str) else e.errno
+        assert got == errno.EPERM, (what, e.errno)
+        print(f"    ok: read-only {what} -> EPERM")
+    assert h.pread(512, 0) == bytes(512)
+h.shutdown()
+EOF
+kill -INT "$ROPID"
+wait "$ROPID" || fail "read-only server exited with $?"
+ok "read-only server stopped cleanly"
+
+step "fio --ioengine=nbd: random writes with crc32c verification"
+# In $TMP, and without a verify state file: fio must leave nothing in the work tree.
+(cd "$TMP" && fio --name=blkq-verify --ioengine=nbd --uri="$UNIX" --rw=randwrite --bs=4k \
+  --iodepth=32 --size=32m --verify=crc32c --do_verify=1 --verify_state_save=0 \
+  --output="$TMP/fio.txt") || fail "fio: $(cat "$TMP/fio.txt")"
+grep -q "err= 0" "$TMP/fio.txt" || fail "fio reported errors: $(cat "$TMP/fio.txt")"
+ok "fio verified 32 MiB of random writes"
+
+step "SIGINT: the server finishes, exits 0 and removes its socket"
+kill -INT "$PID"
+wait "$PID" || fail "server exited with $?"
+[[ ! -e $SOCK ]] || fail "socket file left behind"
+grep -q "server stopped" "$TMP/main.log" || fail "no shutdown log line"
+ok "clean exit"
+
+printf '\nclient tests: all passed\n'
