@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces the blk-layer tables of docs/bench.md: seed 000 (IOPS against hardware queue
-# depth, counter vs legacy wake-ups), seed 001 (pool-full policies), and the per-core ceiling.
+# depth, counter vs legacy wake-ups), seed 001 (pool-full policies), the per-core ceiling, and
+# seed 002 (mq-deadline: locked vs serialized lock, and its cost over none).
 #   bench/tables.sh [BLKQ_BINARY]          (default: target/release/blkq)
 # Env: JOBS (default "4"; e.g. "16 32" on a 16-core machine), REPEAT (5), RUNTIME (1),
+#      SCHED_JOBS_EXTRA (e.g. ",16": more job counts for the seed-002 sweep),
 #      HWQ_SHARED (4: hardware queues sharing one bitmap in the second table).
 set -euo pipefail
 BIN=${1:-target/release/blkq}
@@ -34,3 +36,11 @@ echo
 echo "## per-core ceiling: null inline, 4K randread, iodepth 64, one job, pinned to one CPU"
 taskset -c 0 $BIN bench --device null:1G --rw randread --iodepth 64 --jobs 1 \
   --runtime $((RUNTIME * 3)) --repeat "$REPEAT"
+echo
+echo "## seed 002: mq-deadline, locked vs serialized scheduler lock (null inline, 4K randread, iodepth 32)"
+$BIN bench --device null:1G --sched mq-deadline --sched-lock locked,serialized \
+  --sweep jobs=1,2,4,8${SCHED_JOBS_EXTRA:-} --repeat "$REPEAT" --runtime $((RUNTIME * 2))
+echo
+echo "## seed 002: the cost of mq-deadline over none, one job"
+$BIN bench --device null:1G --sched none,mq-deadline --sched-lock locked,serialized --jobs 1 \
+  --repeat "$REPEAT" --runtime $((RUNTIME * 2))

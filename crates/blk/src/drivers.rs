@@ -192,9 +192,8 @@ impl Driver for NullDriver {
     fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
         let mut res = Ok(());
         if let Some(mem) = &self.cfg.memory {
-            if let Some(bio) = q.rq_mut(&mut r).bio.as_mut() {
-                res = exec_on_backend(mem.as_ref(), bio);
-            }
+            // Every bio of a merge chain, in sector order.
+            res = q.for_each_bio(&mut r, |bio| exec_on_backend(mem.as_ref(), bio));
         }
         match self.cfg.completion {
             CompletionMode::Inline => q.complete(r, res),
@@ -244,6 +243,10 @@ impl Driver for NullDriver {
         }
     }
 
+    fn max_merge(&self) -> u32 {
+        u32::MAX
+    }
+
     fn describe(&self) -> String {
         format!(
             "null completion={:?} completion_nsec={} memory_backed={}",
@@ -272,11 +275,14 @@ impl BackendDriver {
 impl Driver for BackendDriver {
     #[inline]
     fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
-        let res = match q.rq_mut(&mut r).bio.as_mut() {
-            Some(bio) => exec_on_backend(self.backend.as_ref(), bio),
-            None => Ok(()),
-        };
+        // Every bio of a merge chain, in sector order; the chain completes with the first
+        // error, if any.
+        let res = q.for_each_bio(&mut r, |bio| exec_on_backend(self.backend.as_ref(), bio));
         q.complete(r, res);
+    }
+
+    fn max_merge(&self) -> u32 {
+        u32::MAX
     }
 
     fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {

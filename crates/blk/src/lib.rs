@@ -1,5 +1,6 @@
 //! `blk`: blkq's block layer. Bios, tag sets with preallocated requests, per-submitter
-//! plugging, the pool-full policy (steal, FIFO hand-off, batch ownership), and drivers (`null`,
+//! plugging, the pool-full policy (steal, FIFO hand-off, batch ownership), I/O schedulers
+//! (`none`, `mq-deadline` with its `locked`/`serialized` lock: [`sched`]), and drivers (`null`,
 //! `mem`, `file`), on top of `sbitmap`'s tags and `waitq`'s wait queues.
 #![warn(missing_docs)]
 
@@ -7,6 +8,7 @@ pub mod backend;
 pub mod bio;
 pub mod drivers;
 pub mod queue;
+pub mod sched;
 pub mod spec;
 pub mod stats;
 pub mod tags;
@@ -79,6 +81,47 @@ pub enum Error {
 }
 
 impl Error {
+    /// A copy of the error (what `Clone` would give; `std::io::Error` has none): the errno
+    /// and message of an I/O error are kept. Used to complete every request of a merge chain
+    /// with the same status.
+    pub fn duplicate(&self) -> Error {
+        match self {
+            Error::OutOfRange {
+                offset,
+                len,
+                capacity,
+            } => Error::OutOfRange {
+                offset: *offset,
+                len: *len,
+                capacity: *capacity,
+            },
+            Error::Misaligned { offset, len, block } => Error::Misaligned {
+                offset: *offset,
+                len: *len,
+                block: *block,
+            },
+            Error::TooLarge { len, max } => Error::TooLarge {
+                len: *len,
+                max: *max,
+            },
+            Error::BufferTooSmall { len, buf } => Error::BufferTooSmall {
+                len: *len,
+                buf: *buf,
+            },
+            Error::NoBuffer => Error::NoBuffer,
+            Error::NotSupported(s) => Error::NotSupported(s),
+            Error::ReadOnly => Error::ReadOnly,
+            Error::Io(e) => Error::Io(match backend::os_error_code(e) {
+                Some(code) => {
+                    backend::with_context(std::io::Error::from_raw_os_error(code), e.to_string())
+                }
+                None => std::io::Error::new(e.kind(), e.to_string()),
+            }),
+            Error::Config(s) => Error::Config(s.clone()),
+            Error::Tags(e) => Error::Tags(e.clone()),
+        }
+    }
+
     /// The errno for this error.
     pub fn errno(&self) -> i32 {
         match self {

@@ -20,6 +20,23 @@
 //! `complete` takes the bio out of the slot, frees the tag, then calls `end_io`. Freeing
 //! first means an `end_io` that submits again (or that runs inline, nested inside `submit`)
 //! never waits for the tag its own request still holds.
+//!
+//! # Merged requests
+//!
+//! A scheduler may merge requests whose bios are contiguous (mq-deadline does, at insert). The
+//! queue splits nothing and joins no buffers: each bio keeps its own request, tag and buffer,
+//! and the requests are linked in sector order through [`Request::merged`], which holds the
+//! *token* of the next request of the chain. Whoever holds the first token therefore owns the
+//! whole chain; the driver gets the first request only and executes every bio of the chain
+//! ([`QueueCore::for_each_bio`]); `complete` of the first completes every request of the chain,
+//! in chain order, with the same status. The link lives in the preallocated slot, so merging
+//! allocates nothing and has no length bound other than the scheduler's (the queue's
+//! `max_io_bytes` for the chain, and [`Driver::max_merge`] bios).
+//!
+//! A driver that cannot execute a chain (the `file` driver's asynchronous engines, which give
+//! each request one engine op) says so with `max_merge() == 1`, the default: a driver that
+//! does not know about chains must never receive one, since `complete` would report the bios
+//! it did not execute as done.
 
 use std::fmt;
 
@@ -30,6 +47,7 @@ use sbitmap::WakeAlgo;
 
 use crate::backend::Extent;
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
+use crate::sched::LockStats;
 use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
@@ -151,6 +169,10 @@ pub struct Request {
     pub tag: u32,
     /// Whether the tag is from the reserved pool.
     pub reserved: bool,
+    /// The next request of this request's merge chain (module docs), `None` for a request that
+    /// carries one bio. Set by the scheduler at dispatch; the driver reads it (through
+    /// [`QueueCore::for_each_bio`]) and `complete` consumes it.
+    pub merged: Option<RqRef>,
 }
 
 impl fmt::Debug for Request {
@@ -159,6 +181,7 @@ impl fmt::Debug for Request {
             .field("bio", &self.bio)
             .field("hctx", &self.hctx)
             .field("tag", &self.tag)
+            .field("merged", &self.merged)
             .finish()
     }
 }
@@ -211,18 +234,61 @@ pub trait Driver: Send + Sync {
     }
     /// One line describing the driver and its options.
     fn describe(&self) -> String;
+    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
+    /// means the driver executes exactly one bio per request and the queue must not merge.
+    fn max_merge(&self) -> u32 {
+        1
+    }
+    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
+    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
+    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
+    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
+    /// queue does not ask. Default: no limit.
+    fn can_queue(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
-/// go straight to the driver). mq-deadline implements this.
+/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
+///
+/// # Contract
+///
+/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
+/// [`Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
+/// room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only
+/// if another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
+/// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
+/// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
+/// complete inline and the completion may submit again.
 pub trait Scheduler: Send + Sync {
     /// The scheduler's name (`--sched`).
     fn name(&self) -> &'static str;
+    /// Called once, when the queue that owns the scheduler is built: size per-request state
+    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
+    fn attach(&self, _q: &QueueCore) {}
     /// Takes one request of a batch being flushed.
     fn insert(&self, q: &QueueCore, rq: RqRef);
+    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
+    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RqRef>) {
+        for r in rqs {
+            self.insert(q, r);
+        }
+    }
     /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
     /// every batch of inserts, until it hands out nothing.
     fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RqRef)) -> usize;
+    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
+    /// merge chain), before its bio is handed back. Must not block.
+    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
+    /// Acquisitions of the scheduler's lock, and how many found it taken.
+    fn lock_stats(&self) -> LockStats {
+        LockStats::default()
+    }
+    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
@@ -264,6 +330,8 @@ pub struct QueueCore {
     sched: Option<Box<dyn Scheduler>>,
     stats: DiskCounters,
     plug_limit: usize,
+    /// `driver.max_merge()`, read once.
+    max_merge: u32,
 }
 
 impl fmt::Debug for QueueCore {
@@ -311,7 +379,7 @@ impl QueueCore {
 
     /// Read access to a request.
     #[inline]
-    pub fn rq(&self, r: &RqRef) -> &Request {
+    pub fn rq<'a>(&'a self, r: &'a RqRef) -> &'a Request {
         // SAFETY: the holder of `r` owns the slot (module docs); the shared borrow is tied to
         // `&r`, so no `&mut` from `rq_mut` can coexist with it.
         self.slots[r.idx as usize].0 .0.with(|p| unsafe { &*p })
@@ -320,12 +388,34 @@ impl QueueCore {
     /// Write access to a request.
     #[inline]
     #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RqRef`, the ownership token
-    pub fn rq_mut(&self, r: &mut RqRef) -> &mut Request {
-        // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive.
+    pub fn rq_mut<'a>(&'a self, r: &'a mut RqRef) -> &'a mut Request {
+        // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive for as long as it lives.
         self.slots[r.idx as usize]
             .0
              .0
             .with_mut(|p| unsafe { &mut *p })
+    }
+
+    /// Runs `f` on the bio of every request of `r`'s merge chain, in chain (sector) order,
+    /// stopping at the first error, which it returns. What drivers that execute bios one by
+    /// one call to honour merges (module docs).
+    #[inline]
+    pub fn for_each_bio(
+        &self,
+        r: &mut RqRef,
+        mut f: impl FnMut(&mut Bio) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let mut cur = r;
+        loop {
+            let rq = self.rq_mut(cur);
+            if let Some(b) = rq.bio.as_mut() {
+                f(b)?;
+            }
+            match rq.merged.as_mut() {
+                Some(next) => cur = next,
+                None => return Ok(()),
+            }
+        }
     }
 
     /// The queue's limits.
@@ -333,27 +423,72 @@ impl QueueCore {
         self.limits
     }
 
-    /// Completes a request with `res`: frees its tag, then hands the bio back to its submitter.
+    /// Request slots of the queue (every tag of every pool, reserved ones included):
+    /// [`RqRef::index`] is below this.
+    pub fn nr_requests(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The most bios one request may carry ([`Driver::max_merge`]).
+    pub fn max_merge(&self) -> u32 {
+        self.max_merge
+    }
+
+    /// Counts a bio merged into another request (the `merges` column of the disk stats).
     #[inline]
-    pub fn complete(&self, mut r: RqRef, res: Result<(), Error>) {
-        let now = coarse_ns();
-        let rq = self.rq_mut(&mut r);
-        let bio = rq.bio.take();
-        let end = rq.end.take();
-        let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
-        let RqRef { .. } = r; // the token ends here: the slot is not touched again
-        if let Some(b) = &bio {
-            let sectors = if b.op.has_data() {
-                u64::from(b.len) >> SECTOR_SHIFT
-            } else {
-                0
-            };
-            self.stats
-                .completed(b.op.dir(), sectors, start, now, res.is_ok());
+    pub fn account_merge(&self, dir: usize) {
+        self.stats.merged(dir);
+    }
+
+    /// Runs the scheduler's dispatch (no-op without one): what a driver whose
+    /// [`Driver::can_queue`] went to 0 calls once it has room again.
+    pub fn run_queue(&self) {
+        if let Some(s) = &self.sched {
+            self.run_dispatch(s.as_ref());
         }
-        self.pool_of(hctx, reserved).put(tag);
-        if let (Some(b), Some(e)) = (bio, end) {
-            e.end_io(b, res);
+    }
+
+    /// Completes a request with `res`: frees its tag, then hands the bio back to its submitter.
+    /// Then the same for every request of its merge chain, in chain order, with the same
+    /// status (module docs). The link to the next request is read out before the tag is freed.
+    #[inline]
+    pub fn complete(&self, r: RqRef, mut res: Result<(), Error>) {
+        let now = coarse_ns();
+        let mut cur = r;
+        loop {
+            let mut r = cur;
+            let rq = self.rq_mut(&mut r);
+            if let Some(s) = &self.sched {
+                s.completed(self, rq);
+            }
+            let bio = rq.bio.take();
+            let end = rq.end.take();
+            let next = rq.merged.take();
+            let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
+            let RqRef { .. } = r; // the token ends here: the slot is not touched again
+                                  // The last request of the chain takes `res` itself; the others get copies.
+            let this = match (&next, &res) {
+                (Some(_), Ok(())) => Ok(()),
+                (Some(_), Err(e)) => Err(e.duplicate()),
+                (None, _) => std::mem::replace(&mut res, Ok(())),
+            };
+            if let Some(b) = &bio {
+                let sectors = if b.op.has_data() {
+                    u64::from(b.len) >> SECTOR_SHIFT
+                } else {
+                    0
+                };
+                self.stats
+                    .completed(b.op.dir(), sectors, start, now, this.is_ok());
+            }
+            self.pool_of(hctx, reserved).put(tag);
+            if let (Some(b), Some(e)) = (bio, end) {
+                e.end_io(b, this);
+            }
+            match next {
+                Some(n) => cur = n,
+                None => return,
+            }
         }
     }
 
@@ -369,9 +504,7 @@ impl QueueCore {
                 self.driver.commit(self);
             }
             Some(s) => {
-                for r in plug.rqs.drain(..) {
-                    s.insert(self, r);
-                }
+                s.insert_batch(self, &mut plug.rqs.drain(..));
                 self.run_dispatch(s.as_ref());
             }
         }
@@ -379,7 +512,11 @@ impl QueueCore {
 
     fn run_dispatch(&self, s: &dyn Scheduler) {
         loop {
-            let n = s.dispatch(self, 32, &mut |r| self.driver.queue_rq(self, r));
+            let room = self.driver.can_queue();
+            if room == 0 {
+                return;
+            }
+            let n = s.dispatch(self, room.min(32), &mut |r| self.driver.queue_rq(self, r));
             if n == 0 {
                 return;
             }
@@ -480,6 +617,7 @@ impl Queue {
         let slots = (0..nslots)
             .map(|_| CachePadded(Slot(UnsafeCell::new(Request::default()))))
             .collect();
+        let max_merge = driver.max_merge().max(1);
         let core = Arc::new(QueueCore {
             limits: cfg.limits,
             depth: cfg.queue_depth,
@@ -492,7 +630,11 @@ impl Queue {
             sched,
             stats: DiskCounters::new(),
             plug_limit: cfg.plug_limit.max(1),
+            max_merge,
         });
+        if let Some(s) = &core.sched {
+            s.attach(&core);
+        }
         core.driver.start(&core);
         Ok(Self { core })
     }
@@ -502,12 +644,20 @@ impl Queue {
         &self.core
     }
 
-    /// Submits one bio and dispatches it at once.
+    /// Submits one bio and dispatches it at once (through the scheduler, if there is one).
     #[inline]
     pub fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
         if let Some(r) = self.core.prepare(bio, end, None) {
-            self.core.driver.queue_rq(&self.core, r);
-            self.core.driver.commit(&self.core);
+            match &self.core.sched {
+                None => {
+                    self.core.driver.queue_rq(&self.core, r);
+                    self.core.driver.commit(&self.core);
+                }
+                Some(s) => {
+                    s.insert_batch(&self.core, &mut std::iter::once(r));
+                    self.core.run_dispatch(s.as_ref());
+                }
+            }
         }
     }
 
@@ -554,6 +704,11 @@ impl Queue {
         for pool in self.core.pools.iter() {
             pool.sbq().set_algo(w);
         }
+    }
+
+    /// The I/O scheduler (`None`: `none`).
+    pub fn scheduler(&self) -> Option<&dyn Scheduler> {
+        self.core.sched.as_deref()
     }
 
     /// The driver's description.

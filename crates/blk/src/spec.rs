@@ -7,6 +7,13 @@
 //! `ro=0|1`, `workers=N` (pool threads, default
 //! [`DEFAULT_WORKERS`](crate::drivers::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
+//!
+//! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
+//! `reserved_tags`, `wake`, `policy`, `block_size`, `max_io`) and its I/O scheduler:
+//! `sched=none|mq-deadline` (default `none`), `sched_lock=locked|serialized` (default
+//! `serialized`), and mq-deadline's tunables by their sysfs names, expiries in ms
+//! (`read_expire`, `write_expire`, `writes_starved`, `fifo_batch`, `front_merges`,
+//! `prio_aging_expire`, `async_depth`), e.g. `null:1G,sched=mq-deadline,fifo_batch=8`.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -19,7 +26,8 @@ use crate::backend::mem::MemBackend;
 use crate::backend::Backend;
 use crate::drivers::file::MAX_ENTRIES;
 use crate::drivers::{BackendDriver, FileDriver, FileDriverConfig, NullConfig, NullDriver};
-use crate::queue::{Driver, Queue, QueueConfig};
+use crate::queue::{Driver, Queue, QueueConfig, Scheduler};
+use crate::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
 use crate::tags::PoolPolicy;
 use crate::Error;
 
@@ -134,6 +142,10 @@ pub struct QueueOverrides {
     pub policy: Option<PoolPolicy>,
     /// `--read-only` (file devices open read-only).
     pub read_only: bool,
+    /// `--sched`.
+    pub sched: Option<SchedChoice>,
+    /// `--sched-lock`.
+    pub sched_lock: Option<LockMode>,
 }
 
 impl DeviceSpec {
@@ -148,9 +160,19 @@ impl DeviceSpec {
         let mut file_cfg = FileDriverConfig::default();
         let mut entries: Option<u32> = None;
         let mut cfg = QueueConfig::new(0);
+        let mut sched = SchedChoice::None;
+        let mut sched_lock = LockMode::default();
+        let tunables = DeadlineTunables::default();
+        let mut tuned = false;
         for (k, v) in &self.options {
             let k = k.as_str();
             match (k, &self.kind) {
+                ("sched" | "scheduler", _) => sched = v.parse()?,
+                ("sched_lock", _) => sched_lock = v.parse()?,
+                (k, _) if DeadlineTunables::NAMES.contains(&k) => {
+                    tunables.set(k, v)?;
+                    tuned = true;
+                }
                 ("hw_queue_depth" | "queue_depth", _) => cfg.queue_depth = parse_num(k, v)?,
                 ("submit_queues" | "hw_queues", _) => cfg.nr_hw_queues = parse_num(k, v)?,
                 ("shared_tags", _) => cfg.shared_tags = parse_bool(k, v)?,
@@ -194,6 +216,23 @@ impl DeviceSpec {
         if let Some(p) = ov.policy {
             cfg.policy = p;
         }
+        if let Some(s) = ov.sched {
+            sched = s;
+        }
+        if let Some(l) = ov.sched_lock {
+            sched_lock = l;
+        }
+        let sched: Option<Box<dyn Scheduler>> = match sched {
+            SchedChoice::None if tuned => {
+                return Err(Error::Config(
+                    "mq-deadline tunables given without sched=mq-deadline".into(),
+                ))
+            }
+            SchedChoice::None => None,
+            SchedChoice::MqDeadline => Some(Box::new(
+                Deadline::new(sched_lock).with_tunables(Arc::new(tunables)),
+            )),
+        };
         let driver: Box<dyn Driver> = match &self.kind {
             Kind::Null(size) => {
                 cfg.limits.capacity = *size;
@@ -220,7 +259,7 @@ impl DeviceSpec {
                 Box::new(FileDriver::new(be, file_cfg)?)
             }
         };
-        Queue::new(cfg, driver)
+        Queue::with_scheduler(cfg, driver, sched)
     }
 }
 
@@ -252,5 +291,49 @@ mod tests {
         assert!("null:1G,bogus".parse::<DeviceSpec>().is_err());
         let bad: DeviceSpec = "mem:1M,completion=thread".parse().unwrap();
         assert!(bad.build(&QueueOverrides::default()).is_err());
+    }
+
+    #[test]
+    fn scheduler_options() {
+        let ov = QueueOverrides::default();
+        let q = "null:1M,sched=mq-deadline,sched_lock=locked,fifo_batch=4,read_expire=20"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&ov)
+            .unwrap();
+        let s = q.scheduler().unwrap();
+        assert_eq!(s.name(), "mq-deadline");
+        let d = s.as_any().unwrap().downcast_ref::<Deadline>().unwrap();
+        assert_eq!(d.lock_mode(), LockMode::Locked);
+        assert_eq!(d.tunables().fifo_batch(), 4);
+        assert_eq!(
+            d.tunables().read_expire(),
+            std::time::Duration::from_millis(20)
+        );
+        let q = "null:1M".parse::<DeviceSpec>().unwrap().build(&ov).unwrap();
+        assert!(q.scheduler().is_none());
+        let ov2 = QueueOverrides {
+            sched: Some(SchedChoice::MqDeadline),
+            ..QueueOverrides::default()
+        };
+        let q = "null:1M"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&ov2)
+            .unwrap();
+        let d = q.scheduler().unwrap().as_any().unwrap();
+        assert_eq!(
+            d.downcast_ref::<Deadline>().unwrap().lock_mode(),
+            LockMode::Serialized
+        );
+        for bad in [
+            "null:1M,sched=cfq",
+            "null:1M,sched=mq-deadline,sched_lock=spin",
+            "null:1M,sched=mq-deadline,fifo_batch=x",
+            "null:1M,fifo_batch=4",
+        ] {
+            let spec: DeviceSpec = bad.parse().unwrap();
+            assert!(spec.build(&ov).is_err(), "{bad}");
+        }
     }
 }

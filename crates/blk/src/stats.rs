@@ -13,6 +13,18 @@ use blkq_sync::CachePadded;
 use waitq::{HistogramSnapshot, LatencyHistogram};
 
 /// Coarse monotonic time in ns (CLOCK_MONOTONIC_COARSE).
+///
+/// Under loom it is always 0: loom does not model time, and a clock read that decides
+/// whether an atomic operation happens (the `io_ticks` CAS below, a scheduler's expiries)
+/// would make a model's executions differ from run to run, which loom cannot explore.
+#[cfg(blkq_loom)]
+#[inline]
+pub fn coarse_ns() -> u64 {
+    0
+}
+
+/// Coarse monotonic time in ns (CLOCK_MONOTONIC_COARSE).
+#[cfg(not(blkq_loom))]
 #[inline]
 pub fn coarse_ns() -> u64 {
     let mut ts = libc::timespec {

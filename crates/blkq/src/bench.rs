@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use blk::sched::{LockMode, SchedChoice};
 use blk::spec::{parse_size, DeviceSpec, QueueOverrides};
 use blk::{Bio, Buffer, EndIo, Op, PoolPolicy, Queue};
 use clap::Args;
@@ -91,9 +92,12 @@ pub struct BenchArgs {
     /// Pool-full policy(ies): steal, fifo, batch, or a comma list.
     #[arg(long, default_value = "steal")]
     pub policy: String,
-    /// Scheduler: none.
+    /// I/O scheduler(s): none, mq-deadline, or both as "none,mq-deadline".
     #[arg(long, default_value = "none")]
     pub sched: String,
+    /// mq-deadline's lock design(s): locked, serialized, or both as "locked,serialized".
+    #[arg(long, default_value = "serialized")]
+    pub sched_lock: String,
     /// Cap on tags in use (batch/fifo experiments).
     #[arg(long)]
     pub max_in_flight: Option<u32>,
@@ -138,6 +142,8 @@ struct RunCfg {
     shared_tags: bool,
     wake: WakeAlgo,
     policy: PoolPolicy,
+    sched: SchedChoice,
+    sched_lock: LockMode,
     max_in_flight: Option<u32>,
     batch_requests: u32,
     batch_time: Duration,
@@ -159,6 +165,18 @@ pub struct RunResult {
     pub tag_wait_max_ns: u64,
     pub tag_wait_p99_ns: u64,
     pub ctx_switches: u64,
+    /// Bios merged by the scheduler.
+    pub merges: u64,
+    /// The scheduler lock's acquisitions and contended ones.
+    pub lock_attempts: u64,
+    pub lock_contended: u64,
+}
+
+impl RunResult {
+    /// Contended scheduler-lock acquisitions per completed I/O.
+    fn contended_per_io(&self) -> f64 {
+        self.lock_contended as f64 / self.ios.max(1) as f64
+    }
 }
 
 /// Latency summary, ns.
@@ -447,6 +465,8 @@ fn build_queue(cfg: &RunCfg) -> Result<Queue> {
         wake: Some(cfg.wake),
         policy: Some(cfg.policy),
         read_only: false,
+        sched: Some(cfg.sched),
+        sched_lock: Some(cfg.sched_lock),
     };
     let q = spec
         .build(&ov)
@@ -522,6 +542,13 @@ fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
         res.tag_wait_p99_ns = res.tag_wait_p99_ns.max(w.p99_ns);
     }
     res.tag_wait_mean_ns = wait_sum.checked_div(res.tag_wait_count).unwrap_or(0);
+    let ds = q.stats();
+    res.merges = ds.merges[0] + ds.merges[1];
+    if let Some(s) = q.scheduler() {
+        let ls = s.lock_stats();
+        res.lock_attempts = ls.attempts;
+        res.lock_contended = ls.contended;
+    }
     if let Some(e) = first_error {
         eprintln!("warning: {} I/O errors; first: {e}", res.errors);
     }
@@ -565,12 +592,15 @@ fn to_json(cfg: &RunCfg, r: &RunResult, repeat: usize) -> String {
         concat!(
             "{{\"device\":{},\"rw\":\"{}\",\"bs\":{},\"iodepth\":{},\"jobs\":{},",
             "\"runtime_s\":{:.3},\"hw_queues\":{},\"queue_depth\":{},\"shared_tags\":{},",
-            "\"wake\":\"{}\",\"policy\":\"{}\",\"sched\":\"none\",\"max_in_flight\":{},",
+            "\"wake\":\"{}\",\"policy\":\"{}\",\"sched\":\"{}\",\"sched_lock\":{},",
+            "\"max_in_flight\":{},",
             "\"repeat\":{},\"ios\":{},\"errors\":{},\"iops\":{:.0},\"bw_bytes\":{:.0},",
             "\"lat_ns\":{{\"mean\":{},\"p50\":{},\"p99\":{},\"p999\":{},\"max\":{},",
             "\"samples\":{},\"sampled_every\":{}}},",
             "\"tag_wait\":{{\"count\":{},\"mean_ns\":{},\"max_ns\":{},\"p99_ns\":{}}},",
-            "\"ctx_switches\":{},\"ctx_switches_per_io\":{:.4}}}"
+            "\"ctx_switches\":{},\"ctx_switches_per_io\":{:.4},\"merges\":{},",
+            "\"sched_lock_attempts\":{},\"sched_lock_contended\":{},",
+            "\"contended_per_io\":{:.4}}}"
         ),
         json_str(&cfg.device),
         cfg.rw.name(),
@@ -583,6 +613,11 @@ fn to_json(cfg: &RunCfg, r: &RunResult, repeat: usize) -> String {
         cfg.shared_tags,
         wake_name(cfg.wake),
         policy_name(cfg.policy),
+        cfg.sched.name(),
+        match cfg.sched {
+            SchedChoice::None => "null".to_string(),
+            _ => format!("\"{}\"", cfg.sched_lock.name()),
+        },
         cfg.max_in_flight.map_or("null".into(), |v| v.to_string()),
         repeat,
         r.ios,
@@ -602,6 +637,10 @@ fn to_json(cfg: &RunCfg, r: &RunResult, repeat: usize) -> String {
         r.tag_wait_p99_ns,
         r.ctx_switches,
         r.ctx_switches as f64 / r.ios.max(1) as f64,
+        r.merges,
+        r.lock_attempts,
+        r.lock_contended,
+        r.contended_per_io(),
     )
 }
 
@@ -733,14 +772,21 @@ fn verify(cfg: &RunCfg) -> Result<()> {
 
 /// Runs `blkq bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
-    if a.sched != "none" {
-        bail!("unknown --sched {:?} (only none for now)", a.sched);
-    }
     if a.iodepth == 0 || a.jobs == 0 || a.repeat == 0 || a.lat_sample == 0 {
         bail!("--iodepth, --jobs, --repeat and --lat-sample must be at least 1");
     }
     let wakes: Vec<WakeAlgo> = list(&a.wake, "--wake")?;
     let policies: Vec<PoolPolicy> = list(&a.policy, "--policy")?;
+    let scheds: Vec<SchedChoice> = list(&a.sched, "--sched")?;
+    let locks: Vec<LockMode> = list(&a.sched_lock, "--sched-lock")?;
+    // Rows of schedulers: `none` once, mq-deadline once per lock design.
+    let mut sched_rows: Vec<(SchedChoice, LockMode)> = vec![];
+    for &s in &scheds {
+        match s {
+            SchedChoice::None => sched_rows.push((s, locks[0])),
+            _ => sched_rows.extend(locks.iter().map(|&l| (s, l))),
+        }
+    }
     let base = RunCfg {
         device: a.device.clone(),
         rw: a.rw.parse()?,
@@ -754,6 +800,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         shared_tags: a.shared_tags,
         wake: wakes[0],
         policy: policies[0],
+        sched: sched_rows[0].0,
+        sched_lock: sched_rows[0].1,
         max_in_flight: a.max_in_flight,
         batch_requests: a.batch_requests,
         batch_time: Duration::from_micros(a.batch_time_us),
@@ -773,50 +821,80 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         None => (None, vec![String::new()]),
     };
-    // rows: (wake, policy); columns: sweep values; cells: iops per repeat
+    // rows: (wake, policy, scheduler); columns: sweep values; cells: iops per repeat
     let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    // the same rows, cells: contended scheduler-lock acquisitions per I/O
+    let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
     let progress = !a.json && a.repeat == 1 && sweep_key.is_none();
     for &w in &wakes {
         for &p in &policies {
-            let mut row = vec![];
-            for v in &sweep_vals {
-                let mut cfg = base.clone();
-                cfg.wake = w;
-                cfg.policy = p;
-                if let Some(k) = &sweep_key {
-                    apply(&mut cfg, k, v)?;
-                }
-                let mut iops = vec![];
-                for rep in 0..a.repeat {
-                    let r = run_once(&cfg, progress)?;
-                    if a.json {
-                        println!("{}", to_json(&cfg, &r, rep));
-                    } else if sweep_key.is_none() && a.repeat == 1 {
-                        print_human(&cfg, &r);
+            for &(sc, lk) in &sched_rows {
+                let mut row = vec![];
+                let mut crow = vec![];
+                for v in &sweep_vals {
+                    let mut cfg = base.clone();
+                    cfg.wake = w;
+                    cfg.policy = p;
+                    cfg.sched = sc;
+                    cfg.sched_lock = lk;
+                    if let Some(k) = &sweep_key {
+                        apply(&mut cfg, k, v)?;
                     }
-                    iops.push(r.iops);
+                    let mut iops = vec![];
+                    let mut cont = vec![];
+                    for rep in 0..a.repeat {
+                        let r = run_once(&cfg, progress)?;
+                        if a.json {
+                            println!("{}", to_json(&cfg, &r, rep));
+                        } else if sweep_key.is_none() && a.repeat == 1 {
+                            print_human(&cfg, &r);
+                        }
+                        iops.push(r.iops);
+                        cont.push(r.contended_per_io());
+                    }
+                    row.push(mean_sd(&iops));
+                    crow.push(mean_sd(&cont));
                 }
-                row.push(mean_sd(&iops));
+                let mut name = format!("{}/{}", wake_name(w), policy_name(p));
+                if sched_rows.len() > 1 || sc != SchedChoice::None {
+                    name = match sc {
+                        SchedChoice::None => format!("{name}/none"),
+                        _ => format!("{name}/{}/{}", sc.name(), lk.name()),
+                    };
+                }
+                if sc != SchedChoice::None {
+                    contention.push((name.clone(), crow));
+                }
+                table.push((name, row));
             }
-            table.push((format!("{}/{}", wake_name(w), policy_name(p)), row));
         }
     }
     if !a.json && (sweep_key.is_some() || a.repeat > 1 || table.len() > 1) {
-        print_table(sweep_key.as_deref().unwrap_or("-"), &sweep_vals, &table);
+        let key = sweep_key.as_deref().unwrap_or("-");
+        print_table(key, &sweep_vals, &table, &kfmt);
+        if !contention.is_empty() {
+            println!("\ncontended scheduler-lock acquisitions per I/O (mean (sd)):");
+            print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));
+        }
     }
     Ok(())
 }
 
 fn print_human(cfg: &RunCfg, r: &RunResult) {
     println!(
-        "{} {} bs={} iodepth={} jobs={} wake={} policy={}",
+        "{} {} bs={} iodepth={} jobs={} wake={} policy={} sched={}{}",
         cfg.device,
         cfg.rw.name(),
         cfg.bs,
         cfg.iodepth,
         cfg.jobs,
         wake_name(cfg.wake),
-        policy_name(cfg.policy)
+        policy_name(cfg.policy),
+        cfg.sched.name(),
+        match cfg.sched {
+            SchedChoice::None => String::new(),
+            _ => format!(" sched_lock={}", cfg.sched_lock.name()),
+        }
     );
     println!(
         "  iops={} bw={:.1}MiB/s ios={} errors={} ({:.2}s)",
@@ -839,31 +917,56 @@ fn print_human(cfg: &RunCfg, r: &RunResult) {
         r.ctx_switches,
         r.ctx_switches as f64 / r.ios.max(1) as f64
     );
+    if cfg.sched != SchedChoice::None {
+        println!(
+            "  sched: merges={} lock acquisitions={} contended={} ({:.4}/io)",
+            r.merges,
+            r.lock_attempts,
+            r.lock_contended,
+            r.contended_per_io()
+        );
+    }
 }
 
-fn print_table(key: &str, vals: &[String], table: &[(String, Vec<(f64, f64)>)]) {
+fn print_table(
+    key: &str,
+    vals: &[String],
+    table: &[(String, Vec<(f64, f64)>)],
+    fmt: &dyn Fn(f64) -> String,
+) {
+    let w = table
+        .iter()
+        .map(|(n, _)| n.len())
+        .chain([key.len(), 16])
+        .max()
+        .unwrap_or(16);
     let mut out = String::new();
-    let _ = write!(out, "| {key:<16} |");
+    let _ = write!(out, "| {key:<w$} |");
     for v in vals {
         let _ = write!(out, " {v:>17} |");
     }
     out.push('\n');
-    let _ = write!(out, "|{}|", "-".repeat(18));
+    let _ = write!(out, "|{}|", "-".repeat(w + 2));
     for _ in vals {
         let _ = write!(out, "{}|", "-".repeat(19));
     }
     out.push('\n');
     for (name, row) in table {
-        let _ = write!(out, "| {name:<16} |");
+        let _ = write!(out, "| {name:<w$} |");
         for (m, sd) in row {
-            let _ = write!(out, " {:>17} |", format!("{} ({})", kfmt(*m), kfmt(*sd)));
+            let _ = write!(out, " {:>17} |", format!("{} ({})", fmt(*m), fmt(*sd)));
         }
         out.push('\n');
     }
     if table.len() == 2 {
-        let _ = write!(out, "| {:<16} |", "ratio row1/row2");
+        let _ = write!(out, "| {:<w$} |", "ratio row1/row2");
         for (a, b) in table[0].1.iter().zip(&table[1].1) {
-            let _ = write!(out, " {:>17} |", format!("{:.3}", a.0 / b.0.max(1.0)));
+            let r = if b.0 > 0.0 {
+                format!("{:.3}", a.0 / b.0)
+            } else {
+                "-".to_string()
+            };
+            let _ = write!(out, " {r:>17} |");
         }
         out.push('\n');
     }

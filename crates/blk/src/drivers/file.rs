@@ -39,6 +39,16 @@
 //!
 //! Every request runs in `queue_rq` on the submitter's thread, as [`super::BackendDriver`]
 //! does.
+//!
+//! # Merges
+//!
+//! With `engine=sync` the driver runs a scheduler's merge chains (every bio in turn), so
+//! [`Driver::max_merge`] is unlimited. With `uring` and `pool` it is 1: each request is one
+//! engine op whose `user_data` is the request's index, and completing a chain would need one
+//! op per bio and a count of the ops still out. Merging for these engines belongs in one
+//! vectored op per chain (`readv`/`writev` over the chain's buffers), which is where a merge
+//! would save system calls; until then the queue does not merge for them. Should a chain
+//! arrive anyway, it runs synchronously.
 
 use std::fmt;
 use std::io;
@@ -368,12 +378,10 @@ impl FileDriver {
         &self.backend
     }
 
-    /// Runs the request synchronously on the backend and completes it.
+    /// Runs the request (every bio of its merge chain) synchronously on the backend and
+    /// completes it.
     fn run_sync(&self, q: &QueueCore, mut r: RqRef) {
-        let res = match q.rq_mut(&mut r).bio.as_mut() {
-            Some(bio) => exec_on_backend(&self.backend, bio),
-            None => Ok(()),
-        };
+        let res = q.for_each_bio(&mut r, |bio| exec_on_backend(&self.backend, bio));
         q.complete(r, res);
     }
 
@@ -381,7 +389,11 @@ impl FileDriver {
     #[inline]
     fn op_for(&self, q: &QueueCore, r: &mut RqRef) -> Option<UringOp> {
         let writable = !self.backend.is_read_only();
-        let bio = q.rq_mut(r).bio.as_mut()?;
+        let rq = q.rq_mut(r);
+        if rq.merged.is_some() {
+            return None; // a merge chain: run synchronously (module docs)
+        }
+        let bio = rq.bio.as_mut()?;
         let (off, len) = (bio.offset(), bio.len);
         match bio.op {
             Op::Read => {
@@ -456,6 +468,13 @@ impl Driver for FileDriver {
 
     fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
         Ok(self.backend.extents(offset, len, max)?)
+    }
+
+    fn max_merge(&self) -> u32 {
+        match self.mode {
+            Mode::Sync => u32::MAX,
+            Mode::Async(_) => 1,
+        }
     }
 
     fn describe(&self) -> String {

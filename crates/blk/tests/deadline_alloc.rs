@@ -1,0 +1,146 @@
+//! mq-deadline allocates nothing per I/O in the steady state, in both lock designs, with
+//! merges, and with threads contending (so that `serialized` punts to its buckets): a counting
+//! global allocator watches a window of I/O after a warm-up.
+#![cfg(not(blkq_loom))]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+
+use blk::sched::{Deadline, LockMode};
+use blk::spec::{DeviceSpec, QueueOverrides};
+use blk::{Bio, EndIo, Error, Op, Plug, Queue};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's contract is `GlobalAlloc::alloc`'s, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: `p` came from `alloc` above, i.e. from `System`, with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: as for `dealloc`; `n` is the caller's new size.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Gives completed bios back to their submitter (a vector with room for all of them).
+struct Back(Mutex<Vec<Bio>>);
+
+impl EndIo for Back {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        assert!(res.is_ok());
+        self.0.lock().unwrap().push(bio);
+    }
+}
+
+/// One submitter: 32 bios per plug, in runs of 4 contiguous ones (merges), random elsewhere.
+fn job(q: &Queue, t: u64, rounds: u64, go: &Barrier, window: &Barrier) {
+    let back = Arc::new(Back(Mutex::new(Vec::with_capacity(64))));
+    let end: Arc<dyn EndIo> = back.clone();
+    let mut free: Vec<Bio> = (0..32).map(|_| Bio::new(Op::Read, 0, 4096)).collect();
+    let mut plug = Plug::new(32);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ t;
+    go.wait();
+    for round in 0..2 * rounds {
+        if round == rounds {
+            window.wait(); // warm-up over: the main thread starts counting
+        }
+        let mut i = 0u64;
+        while let Some(mut b) = free.pop() {
+            if i.is_multiple_of(4) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+            }
+            b.op = if round % 2 == 0 { Op::Read } else { Op::Write };
+            b.sector = ((x % 4096) * 4 + i % 4) * 8;
+            q.submit_plugged(&mut plug, b, &end);
+            i += 1;
+        }
+        q.flush_plug(&mut plug);
+        // Completions are inline, but in `serialized` mode on whichever thread dispatched:
+        // wait for ours.
+        loop {
+            {
+                let mut g = back.0.lock().unwrap();
+                if g.len() == 32 {
+                    std::mem::swap(&mut *g, &mut free);
+                    break;
+                }
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[test]
+fn steady_state_allocates_nothing() {
+    for mode in [LockMode::Locked, LockMode::Serialized] {
+        let q = Arc::new(
+            "null:64M,sched=mq-deadline,hw_queue_depth=128"
+                .parse::<DeviceSpec>()
+                .unwrap()
+                .build(&QueueOverrides {
+                    sched_lock: Some(mode),
+                    ..Default::default()
+                })
+                .unwrap(),
+        );
+        let threads = 3;
+        let go = Arc::new(Barrier::new(threads));
+        let window = Arc::new(Barrier::new(threads + 1));
+        let hs: Vec<_> = (0..threads as u64)
+            .map(|t| {
+                let (q, go, window) = (q.clone(), go.clone(), window.clone());
+                std::thread::spawn(move || job(&q, t, 2000, &go, &window))
+            })
+            .collect();
+        window.wait();
+        ALLOCS.store(0, Ordering::Relaxed);
+        COUNTING.store(true, Ordering::Relaxed);
+        for h in hs {
+            // Joining allocates nothing until the threads end.
+            h.join().unwrap();
+        }
+        COUNTING.store(false, Ordering::Relaxed);
+        let allocs = ALLOCS.load(Ordering::Relaxed);
+        let d = q
+            .scheduler()
+            .unwrap()
+            .as_any()
+            .unwrap()
+            .downcast_ref::<Deadline>()
+            .unwrap();
+        let st = d.stats();
+        let merged: u64 = st.prio.iter().map(|p| p.merged).sum();
+        assert!(merged > 0, "{st:?}");
+        assert!(
+            allocs == 0,
+            "{mode:?}: {allocs} allocations in {} I/Os; {st:?}",
+            threads * 2000 * 32
+        );
+        eprintln!(
+            "{mode:?}: {allocs} allocations over {} I/Os; lock {:?}",
+            threads * 2000 * 32,
+            st.lock
+        );
+    }
+}
