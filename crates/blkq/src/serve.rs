@@ -53,9 +53,12 @@ pub struct ServeArgs {
     /// Pool-full policy: steal, fifo or batch.
     #[arg(long)]
     pub policy: Option<String>,
-    /// I/O scheduler: none.
+    /// I/O scheduler: none or mq-deadline.
     #[arg(long, default_value = "none")]
     pub sched: String,
+    /// mq-deadline's locking: locked or serialized.
+    #[arg(long)]
+    pub sched_lock: Option<String>,
 }
 
 /// Pairs devices with export names.
@@ -172,9 +175,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
     init_logging();
-    if a.sched != "none" {
-        bail!("--sched {:?}: only \"none\" is available", a.sched);
-    }
+    let sched: blk::sched::SchedChoice = a.sched.parse().context("--sched")?;
+    let sched_lock: Option<blk::sched::LockMode> = a
+        .sched_lock
+        .as_deref()
+        .map(str::parse)
+        .transpose()
+        .context("--sched-lock")?;
     if a.no_tcp && a.no_unix {
         bail!("--no-tcp and --no-unix together leave nothing to listen on");
     }
@@ -189,6 +196,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         queue_depth: a.queue_depth,
         policy,
         read_only: a.read_only,
+        sched: Some(sched),
+        sched_lock,
         ..QueueOverrides::default()
     };
     let mut exports = Vec::new();
@@ -264,6 +273,7 @@ mod tests {
             hw_queues: None,
             policy: None,
             sched: "none".into(),
+            sched_lock: None,
         }
     }
 
