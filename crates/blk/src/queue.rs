@@ -492,7 +492,65 @@ impl QueueCore {
         }
     }
 
+    /// Back-merges `r` into the last plugged request when there is no scheduler (a scheduler
+    /// merges at insert instead) and the driver takes chains: same op, flags and priority,
+    /// contiguous, within `max_io_bytes` and `max_merge` bios. Otherwise records `r` as the
+    /// new tail and gives it back to be plugged on its own.
+    fn plug_merge(&self, plug: &mut Plug, r: RqRef) -> Result<(), RqRef> {
+        let Some(b) = self.rq(&r).bio.as_ref() else {
+            plug.tail = None;
+            return Err(r);
+        };
+        let (op, flags, prio, sector, len) = (b.op, b.flags, b.prio, b.sector, u64::from(b.len));
+        let end_sector = sector + (len >> SECTOR_SHIFT);
+        let mergeable = self.sched.is_none()
+            && self.max_merge > 1
+            && op.has_data()
+            && plug.tail.is_some_and(|t| {
+                t.op == op
+                    && t.flags == flags
+                    && t.prio == prio
+                    && t.end_sector == sector
+                    && t.bytes + len <= u64::from(self.limits.max_io_bytes)
+                    && t.bios < self.max_merge
+            });
+        let last = match plug.rqs.last_mut() {
+            Some(last) if mergeable => last,
+            _ => {
+                plug.tail = Some(PlugTail {
+                    op,
+                    flags,
+                    prio,
+                    end_sector,
+                    bytes: len,
+                    bios: 1,
+                });
+                return Err(r);
+            }
+        };
+        // Append to the end of the last request's chain (chains in a plug are short).
+        let mut cur = last;
+        loop {
+            let rq = self.rq_mut(cur);
+            match rq.merged {
+                Some(ref mut next) => cur = next,
+                None => {
+                    rq.merged = Some(r);
+                    break;
+                }
+            }
+        }
+        if let Some(t) = plug.tail.as_mut() {
+            t.end_sector = end_sector;
+            t.bytes += len;
+            t.bios += 1;
+        }
+        self.account_merge(op.dir());
+        Ok(())
+    }
+
     fn flush(&self, plug: &mut Plug) {
+        plug.tail = None;
         if plug.rqs.is_empty() {
             return;
         }
@@ -665,9 +723,11 @@ impl Queue {
     #[inline]
     pub fn submit_plugged(&self, plug: &mut Plug, bio: Bio, end: &Arc<dyn EndIo>) {
         if let Some(r) = self.core.prepare(bio, end, Some(plug)) {
-            plug.rqs.push(r);
-            if plug.rqs.len() >= self.core.plug_limit {
-                self.flush_plug(plug);
+            if let Err(r) = self.core.plug_merge(plug, r) {
+                plug.rqs.push(r);
+                if plug.rqs.len() >= self.core.plug_limit {
+                    self.flush_plug(plug);
+                }
             }
         }
     }
@@ -750,6 +810,19 @@ impl Device for Queue {
 #[derive(Debug)]
 pub struct Plug {
     rqs: Vec<RqRef>,
+    /// The merge chain ending the last plugged request, for back merges (no scheduler).
+    tail: Option<PlugTail>,
+}
+
+/// What a plug knows of its last request's merge chain.
+#[derive(Debug, Clone, Copy)]
+struct PlugTail {
+    op: Op,
+    flags: crate::BioFlags,
+    prio: crate::IoPrio,
+    end_sector: u64,
+    bytes: u64,
+    bios: u32,
 }
 
 impl Plug {
@@ -757,6 +830,7 @@ impl Plug {
     pub fn new(cap: usize) -> Self {
         Self {
             rqs: Vec::with_capacity(cap),
+            tail: None,
         }
     }
 
