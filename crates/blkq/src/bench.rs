@@ -2,9 +2,9 @@
 //! against one queue built from a device spec, submitting under a plug and reaping whatever
 //! completed, until the runtime is over.
 
+use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::fmt::Write as _;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -583,7 +583,7 @@ mod tests {
 
     #[test]
     fn threads_never_share_a_tag() {
-        use std::sync::atomic::AtomicBool as StdBool;
+        use blkq_sync::atomic::AtomicBool as StdBool;
         let sb = std::sync::Arc::new(Sbitmap::new(32, None, false).unwrap());
         let owned: std::sync::Arc<Vec<StdBool>> =
             std::sync::Arc::new((0..32).map(|_| StdBool::new(false)).collect());

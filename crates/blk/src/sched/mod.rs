@@ -117,8 +117,8 @@ pub(crate) struct Sharded<const N: usize> {
     shards: Box<[CachePadded<[StatU64; N]>]>,
 }
 
-/// Not modelled by loom (see [`Sharded`]).
-type StatU64 = std::sync::atomic::AtomicU64;
+// Not modelled by loom (see `Sharded` and `blkq_sync::stat`).
+use blkq_sync::stat::StatU64;
 
 impl<const N: usize> Sharded<N> {
     pub(crate) fn new() -> Self {
@@ -141,7 +141,7 @@ impl<const N: usize> Sharded<N> {
     pub(crate) fn add(&self, i: usize, v: u64) {
         let s = &self.shards[blkq_sync::thread_slot() & (self.shards.len() - 1)];
         if let Some(c) = s.get(i) {
-            c.fetch_add(v, std::sync::atomic::Ordering::Relaxed);
+            c.fetch_add(v, blkq_sync::stat::Ordering::Relaxed);
         }
     }
 
@@ -150,7 +150,7 @@ impl<const N: usize> Sharded<N> {
             .iter()
             .map(|s| {
                 s.get(i)
-                    .map_or(0, |c| c.load(std::sync::atomic::Ordering::Relaxed))
+                    .map_or(0, |c| c.load(blkq_sync::stat::Ordering::Relaxed))
             })
             .sum()
     }
