@@ -33,7 +33,10 @@
 //! table, and the bio's `cookie` carries the slot's index to the inner device and back (blk
 //! never reads cookies). On completion the slot is emptied, the cookie restored and the slot
 //! index pushed on a free list. The table and free list grow only when more I/Os are in
-//! flight than ever before, so in the steady state no I/O allocates. Slots, the stall list and
+//! flight than ever before, so in the steady state no I/O allocates. (A per-submitter cache
+//! of ends was the alternative: it saves the `Arc` clone, but needs a way to name submitters
+//! and still per-I/O room for the cookie, the delay and the crash bookkeeping, which the
+//! table gives in one place.) Slots, the stall list and
 //! the timer queue are plain vectors under locks of the facade: this is a test device, and
 //! exactness matters more here than the last nanosecond.
 //!
@@ -765,7 +768,12 @@ impl Shared {
             return;
         }
         bump(&self.counters.delayed);
-        let due = Instant::now() + ack.delay;
+        // Absurd delays (a `Duration::MAX` rule) are clamped, never a panic.
+        let now = Instant::now();
+        let due = now
+            .checked_add(ack.delay)
+            .or_else(|| now.checked_add(Duration::from_secs(1 << 32)))
+            .unwrap_or(now);
         let mut q = self.timer.lock();
         if q.stop {
             drop(q);

@@ -239,6 +239,19 @@ fn latency_is_on_the_timer_thread_not_the_submitter() {
 }
 
 #[test]
+fn absurd_latency_does_not_panic() {
+    let (dev, _, h) = fault(FaultConfig::default());
+    h.add(Rule::delay(OpSet::READ, Duration::MAX, Duration::MAX));
+    h.add(Rule::delay(OpSet::READ, Duration::MAX, Duration::ZERO));
+    let c = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = c.clone();
+    dev.submit(Bio::with_buf(Op::Read, 0, Buffer::new(4096)), &end);
+    assert_eq!(c.len(), 0);
+    drop(dev);
+    c.wait_for(1).pop().unwrap().1.unwrap();
+}
+
+#[test]
 fn small_latency_with_jitter_completes_everything() {
     let cfg = FaultConfig::parse("seed=3,latency_us=50,jitter_us=200").unwrap();
     let (dev, _, h) = fault(cfg);
