@@ -635,6 +635,9 @@ struct Shared {
     state: Mutex<State>,
     stalled: Mutex<Vec<Held>>,
     timer: Mutex<TimerQ>,
+    /// Held by `crash` from start to end, and by `restart`: a restart never ends a crash
+    /// whose roll back is still running.
+    crash_lock: Mutex<()>,
     counters: Counters,
 }
 
@@ -1105,8 +1108,10 @@ impl FaultHandle {
 
     /// Crashes the device: every write not yet durable is rolled back on the inner device
     /// (module docs, "The crash model"), and every I/O fails with `EIO` until
-    /// [`restart`](Self::restart). Waits for the I/Os in flight in the inner device. Needs
-    /// [`FaultConfig::volatile_cache`]; crashing a crashed device does nothing.
+    /// [`restart`](Self::restart). Waits for the I/Os in flight in the inner device (an inner
+    /// device that never completes them hangs it). Needs [`FaultConfig::volatile_cache`];
+    /// crashing a crashed device does nothing. If a roll back write fails, the first error is
+    /// returned after every other entry has been tried.
     pub fn crash(&self) -> Result<CrashReport, Error> {
         let sh = &self.sh;
         if !sh.volatile {
@@ -1114,6 +1119,7 @@ impl FaultHandle {
                 "crash needs a fault device with volatile_cache",
             ));
         }
+        let _crashing = sh.crash_lock.lock();
         {
             let mut st = sh.state.lock();
             if st.crashed {
@@ -1171,6 +1177,7 @@ impl FaultHandle {
 
     /// Ends a crash: I/O works again, against the rolled-back contents.
     pub fn restart(&self) {
+        let _crashing = self.sh.crash_lock.lock();
         self.sh.state.lock().crashed = false;
     }
 }
@@ -1210,6 +1217,7 @@ impl FaultDevice {
                 items: Vec::with_capacity(256),
                 ..TimerQ::default()
             }),
+            crash_lock: Mutex::new(()),
             counters: Counters::default(),
         });
         let completer: Arc<dyn EndIo> = Arc::new(Completer(sh.clone()));
