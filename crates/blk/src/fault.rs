@@ -634,6 +634,8 @@ struct Shared {
     slots: Mutex<Slots>,
     state: Mutex<State>,
     stalled: Mutex<Vec<Held>>,
+    /// An empty list with the stall list's capacity (see `release`).
+    stalled_spare: Mutex<Vec<Held>>,
     timer: Mutex<TimerQ>,
     /// Held by `crash` from start to end, and by `restart`: a restart never ends a crash
     /// whose roll back is still running.
@@ -1077,11 +1079,15 @@ impl FaultHandle {
 
     /// Forwards every stalled I/O (in submission order), on this thread; returns how many.
     pub fn release(&self) -> usize {
-        let held = std::mem::take(&mut *self.sh.stalled.lock());
+        // The stall list and a spare of the same capacity swap places, so stalling and
+        // releasing stay allocation-free after warm-up.
+        let mut held = std::mem::take(&mut *self.sh.stalled_spare.lock());
+        std::mem::swap(&mut *self.sh.stalled.lock(), &mut held);
         let n = held.len();
-        for h in held {
+        for h in held.drain(..) {
             self.sh.dispatch(h.bio, &h.end, h.v, &self.completer);
         }
+        *self.sh.stalled_spare.lock() = held;
         n
     }
 
@@ -1213,6 +1219,7 @@ impl FaultDevice {
             }),
             state: Mutex::new(State::default()),
             stalled: Mutex::new(Vec::with_capacity(64)),
+            stalled_spare: Mutex::new(Vec::with_capacity(64)),
             timer: Mutex::new(TimerQ {
                 items: Vec::with_capacity(256),
                 ..TimerQ::default()

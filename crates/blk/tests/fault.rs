@@ -666,3 +666,117 @@ fn fault_devices_stack() {
     assert_eq!(b.cookie, 78);
     assert_eq!(lh.counters().seen, [2, 1, 0, 0]);
 }
+
+// A counting allocator for `steady_state_allocates_nothing`. Counting is per thread (the other
+// tests of this file run on other threads at the same time).
+struct Counting;
+
+thread_local! {
+    static COUNT_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+static ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn note_alloc() {
+    if COUNT_HERE.try_with(|c| c.get()).unwrap_or(false) {
+        ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        note_alloc();
+        // SAFETY: the caller's contract is `GlobalAlloc::alloc`'s, passed on.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: `p` came from `alloc` above, i.e. from `System`, with layout `l`.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        note_alloc();
+        // SAFETY: as for `dealloc`; `n` is the caller's new size.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Gives completed bios back (a vector with room for all of them).
+struct Back(Mutex<Vec<Bio>>);
+
+impl EndIo for Back {
+    fn end_io(&self, bio: Bio, _res: Result<(), Error>) {
+        self.0.lock().unwrap().push(bio);
+    }
+}
+
+/// Hides the queue's own `submit_batch` (which makes a plug per call) behind the trait's
+/// default, so that the count below is the fault device's alone.
+struct OneByOne(blk::Queue);
+
+impl Device for OneByOne {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        self.0.submit(bio, end)
+    }
+    fn limits(&self) -> blk::Limits {
+        Device::limits(&self.0)
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+    ) -> Result<Vec<blk::backend::Extent>, Error> {
+        self.0.extents(offset, len, max)
+    }
+}
+
+#[test]
+fn steady_state_allocates_nothing() {
+    let inner: Arc<dyn Device> = Arc::new(OneByOne(
+        "null:64M"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap(),
+    ));
+    let f = FaultDevice::new(
+        inner,
+        FaultConfig::parse("seed=5,fail_read_prob=0.1,fail_write_after=100,fail_discard=0+1M")
+            .unwrap(),
+    );
+    let h = f.handle();
+    h.add(Rule::stall(OpSet::FLUSH));
+    let back = Arc::new(Back(Mutex::new(Vec::with_capacity(64))));
+    let end: Arc<dyn EndIo> = back.clone();
+    let mut free: Vec<Bio> = (0..32).map(|_| Bio::new(Op::Read, 0, 4096)).collect();
+    let ops = [Op::Read, Op::Write, Op::Flush, Op::Discard];
+    let rounds = 400;
+    for round in 0..2 * rounds {
+        if round == rounds {
+            ALLOCS.store(0, std::sync::atomic::Ordering::Relaxed);
+            COUNT_HERE.with(|c| c.set(true));
+        }
+        for (i, b) in free.iter_mut().enumerate() {
+            b.op = ops[(i + round) % 4];
+            b.sector = ((i * 7 + round * 13) % 4096) as u64 * 8;
+        }
+        if round % 2 == 0 {
+            for b in free.drain(..) {
+                f.submit(b, &end);
+            }
+        } else {
+            f.submit_batch(&mut free.drain(..), &end);
+        }
+        assert_eq!(h.release(), 8);
+        let mut g = back.0.lock().unwrap();
+        assert_eq!(g.len(), 32, "inline completions");
+        std::mem::swap(&mut *g, &mut free);
+    }
+    COUNT_HERE.with(|c| c.set(false));
+    let allocs = ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(allocs, 0, "allocations in {} I/Os", rounds * 32);
+    assert!(h.counters().failed[0] > 0);
+}
