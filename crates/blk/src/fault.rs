@@ -17,10 +17,25 @@
 //!   not made durable (by a completed FLUSH, or FUA) is lost; see "The crash model".
 //! - counters of what it saw and did ([`FaultHandle::counters`]).
 //!
+//! ```no_run
+//! use std::sync::Arc;
+//! use blk::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+//! use blk::Device;
+//! # fn inner() -> Arc<dyn Device> { unimplemented!() }
+//! let cfg: FaultConfig = "seed=7,fail_write=0+1M,volatile_cache=on".parse().unwrap();
+//! let dev = FaultDevice::new(inner(), cfg);
+//! let faults = dev.handle();
+//! let dev: Arc<dyn Device> = Arc::new(dev);
+//! faults.add(Rule::fail(OpSet::READ).nth(3).errno(libc::ENOSPC));
+//! // ... I/O through `dev` ...
+//! faults.crash().unwrap(); // the unflushed writes are gone from the inner device
+//! faults.restart();
+//! ```
+//!
 //! # Determinism
 //!
 //! Every I/O submitted gets a sequence number (`seq`, in submission order, counted under the
-//! rule lock). Probabilities and jitter are a pure hash (SplitMix64) of `(seed, rule id, seq)`,
+//! rule lock; I/Os refused because the device is crashed get none). Probabilities and jitter are a pure hash (SplitMix64) of `(seed, rule id, seq)`,
 //! so the same seed, the same rules and the same sequence of I/Os give the same faults, and a
 //! failing test replays from its seed. Rule ids are given in the order rules are added.
 //!
@@ -1105,6 +1120,12 @@ impl FaultHandle {
             crashes: l(&c.crashes),
             writes_lost: l(&c.writes_lost),
         }
+    }
+
+    /// Writes (and discards, write-zeroes) in the undo log: not yet durable, lost by a crash
+    /// now. Always 0 without the volatile cache.
+    pub fn unflushed_writes(&self) -> usize {
+        self.sh.state.lock().undo.len()
     }
 
     /// Whether the device is crashed.

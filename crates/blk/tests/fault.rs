@@ -331,8 +331,10 @@ fn crash_loses_exactly_the_unflushed_writes() {
     assert_eq!(read(d, K4, K4).unwrap(), vec![0xB2; 4096]);
     assert_eq!(read(d, 32 * K4, K4).unwrap(), vec![0; 4096]);
 
+    assert_eq!(h.unflushed_writes(), 8);
     let rep = h.crash().unwrap();
     assert_eq!(rep.writes_lost, 8);
+    assert_eq!(h.unflushed_writes(), 0);
     assert!(h.is_crashed());
     // Everything fails until restart, without reaching the inner device.
     assert_eq!(errno(write(d, 0, 1, K4)), libc::EIO);
