@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod bio;
 pub mod drivers;
+pub mod fault;
 pub mod queue;
 pub mod sched;
 pub mod spec;
