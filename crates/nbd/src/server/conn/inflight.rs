@@ -240,3 +240,50 @@ impl EndIo for ConnCore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cookies_carry_slot_and_part() {
+        let c = bio_cookie(7, 3);
+        assert_eq!(split_cookie(c), (7, 3));
+        assert_eq!(
+            split_cookie(bio_cookie(0, 5) | bio_cookie(u32::MAX, 0)),
+            (u32::MAX as usize, 5)
+        );
+    }
+
+    #[test]
+    fn runs_on_compares_threads_not_cpu_slots() {
+        let me = thread::current();
+        assert!(runs_on(&me));
+        let other = std::thread::spawn(move || runs_on(&me)).join().unwrap();
+        assert!(!other);
+    }
+
+    #[test]
+    fn first_error_wins_and_start_resets() {
+        let mut e = InFlight::default();
+        e.fail(Errno::Io);
+        e.fail(Errno::Inval);
+        assert_eq!(e.error, Some(Errno::Io));
+        e.parts.push(Part::default());
+        e.extents.push(ExtentExt {
+            length: 1,
+            flags: 0,
+        });
+        e.begin(1, 2, 3, None, CmdFlags::empty());
+        assert_eq!(e.error, None);
+        assert!(e.parts.is_empty() && e.extents.is_empty());
+        assert!(!e.is_read());
+    }
+
+    #[test]
+    fn a_fresh_table_is_idle() {
+        let locked = Locked::new(4);
+        assert!(locked.idle());
+        assert_eq!(locked.free_slots.last(), Some(&0));
+    }
+}

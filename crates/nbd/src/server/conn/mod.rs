@@ -47,6 +47,7 @@ mod writer;
 use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
+// `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use std::sync::Arc;
 
 use blk::{Bio, EndIo};

@@ -308,3 +308,96 @@ impl Output {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::inflight::Part;
+    use super::*;
+    use crate::proto::{NBD_SIMPLE_REPLY_MAGIC, NBD_STATE_HOLE};
+
+    fn entry(command: Option<Command>, length: u64) -> InFlight {
+        let mut e = InFlight::default();
+        e.begin(0xc0ffee, 0, length, command, CmdFlags::empty());
+        e
+    }
+
+    #[test]
+    fn structured_errors_are_simple_except_for_reads() {
+        let mut out = Output::default();
+        let mut write = entry(Some(Command::Write), 512);
+        write.fail(Errno::NoSpc);
+        out.shape(&mut write, TransmissionMode::Structured, 512);
+        assert_eq!(out.headers.len(), 16);
+        assert_eq!(out.headers[..4], NBD_SIMPLE_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(out.headers[4..8], Errno::NoSpc.as_u32().to_be_bytes());
+        let before = out.headers.len();
+        let mut read = entry(Some(Command::Read), 512);
+        read.fail(Errno::Io);
+        out.shape(&mut read, TransmissionMode::Structured, 512);
+        // An error chunk: 20-byte chunk header, 4-byte error, 2-byte message length.
+        assert_eq!(out.headers.len() - before, 26);
+        // Adjacent headers merge into one segment.
+        assert_eq!(out.segments.len(), 1);
+    }
+
+    #[test]
+    fn read_parts_become_data_segments_and_holes() {
+        let mut out = Output::default();
+        let mut read = entry(Some(Command::Read), 3 * 512);
+        read.parts.push(Part {
+            offset: 0,
+            len: 512,
+            hole: false,
+            buf: Some(Buffer::new(512)),
+        });
+        read.parts.push(Part {
+            offset: 512,
+            len: 1024,
+            hole: true,
+            buf: None,
+        });
+        out.shape(&mut read, TransmissionMode::Structured, 512);
+        assert!(read.error.is_none());
+        assert_eq!(out.buffers.len(), 1);
+        assert!(matches!(
+            out.segments[..],
+            [
+                Segment::Headers { .. },
+                Segment::Data { index: 0, len: 512 },
+                Segment::Headers { .. }
+            ]
+        ));
+    }
+
+    #[test]
+    fn a_read_missing_its_buffer_is_answered_eio() {
+        let mut out = Output::default();
+        let mut read = entry(Some(Command::Read), 512);
+        read.parts.push(Part {
+            offset: 0,
+            len: 512,
+            hole: false,
+            buf: None,
+        });
+        out.shape(&mut read, TransmissionMode::Simple, 512);
+        assert_eq!(read.error, Some(Errno::Io));
+        assert_eq!(out.headers[4..8], Errno::Io.as_u32().to_be_bytes());
+    }
+
+    #[test]
+    fn compact_block_status_cuts_long_extents() {
+        let mut out = Output::default();
+        let mut status = entry(Some(Command::BlockStatus), 8 << 30);
+        status.extents.push(ExtentExt {
+            length: 8 << 30,
+            flags: u64::from(NBD_STATE_HOLE),
+        });
+        out.shape(&mut status, TransmissionMode::Structured, 4096);
+        assert_eq!(out.extents32.len(), 1);
+        assert_eq!(
+            u64::from(out.extents32[0].length),
+            u64::from(u32::MAX / 4096 * 4096)
+        );
+        assert_eq!(out.extents32[0].flags, NBD_STATE_HOLE);
+    }
+}
