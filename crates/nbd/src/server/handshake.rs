@@ -15,8 +15,8 @@ use crate::handshake::{
     MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_LEN,
 };
 use crate::proto::{
-    ClientFlags, HandshakeFlags, InfoType, OptionError, TransmissionFlags, TransmissionMode,
-    OPTION_HEADER_LEN,
+    ClientFlags, HandshakeFlags, InfoType, OptionCode, OptionError, TransmissionFlags,
+    TransmissionMode, OPTION_HEADER_LEN,
 };
 use crate::stream::Stream;
 use crate::{Decoded, Error};
@@ -176,7 +176,7 @@ impl Haggler<'_> {
         let parsed = match parse_option(option, data) {
             Ok(p) => p,
             Err(e) => {
-                if option == crate::proto::NBD_OPT_EXPORT_NAME {
+                if OptionCode::from_u32(option) == Some(OptionCode::ExportName) {
                     // NBD_OPT_EXPORT_NAME cannot be answered with an error.
                     return Err(Ended::Protocol(format!("NBD_OPT_EXPORT_NAME: {e}")));
                 }

@@ -5,7 +5,7 @@
 //! |---------------|---------------------------------------------------------|--------------------|
 //! | `mod.rs`      | `serve`, [`Connection`]: setup, the reader loop, waiting for slots, teardown | reader |
 //! | `reader.rs`   | recv, decode, validate, stage, commit + submit           | reader             |
-//! | `inflight.rs` | the in-flight table ([`InFlight`](inflight::InFlight) per slot), `end_io` | reader, completion threads, writers |
+//! | `inflight.rs` | the in-flight table (one `InFlight` per slot), `end_io` | reader, completion threads, writers |
 //! | `reply.rs`    | reply shaping: an entry's reply as headers + data segments | the writer       |
 //! | `writer.rs`   | the combining writer (token, `sendmsg`) and its flusher  | reader, completion threads, flusher |
 //!
@@ -18,7 +18,7 @@
 //!
 //! - The **reader** (the connection's own thread) reads into a receive buffer, decodes every
 //!   whole request in it, stages them, takes the connection lock once to give each a slot of
-//!   the in-flight table, submits all the bios with one [`Device::submit_batch`] (one plug),
+//!   the in-flight table, submits all the bios with one [`Device::submit_batch`](blk::Device::submit_batch) (one plug),
 //!   then flushes replies.
 //! - Device **completion threads** (when the driver has them) run `end_io`: the bio's status
 //!   and read buffer go into its slot; when the request's last bio is done the slot goes on the

@@ -27,7 +27,7 @@ pub(super) enum Segment {
 /// The writer's output (it travels with the writer token): replies shaped and not yet sent,
 /// and how far sending got.
 #[derive(Default)]
-pub(crate) struct Output {
+pub(super) struct Output {
     /// Encoded reply headers and chunk headers, back to back.
     pub(super) headers: Vec<u8>,
     /// What to send, in order.
