@@ -103,7 +103,7 @@ impl InFlight {
         self.extents.clear();
     }
 
-    /// Whether this is a read that succeeded so far.
+    /// Whether this is a read (whose reply carries data, or is an error chunk).
     pub(super) fn is_read(&self) -> bool {
         self.command == Some(Command::Read)
     }

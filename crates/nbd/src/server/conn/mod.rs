@@ -266,7 +266,7 @@ impl<'a> Connection<'a> {
             let left = budget.saturating_sub(locked.bytes_in_flight);
             (free > 0 && (left > 0 || !nothing_staged)).then_some((free, left))
         };
-        self.reader_wait(|locked| room(locked))
+        self.reader_wait(room)
     }
 
     /// The reader's one way to wait for the table: returns `check`'s value once it is `Some`.
@@ -279,32 +279,36 @@ impl<'a> Connection<'a> {
     /// frees slots and takes `reader_waiting` under that lock, then wakes. So either the
     /// re-check sees the freed slots, or the writer sees the flag (and the reader queued).
     fn reader_wait<T>(&self, mut check: impl FnMut(&Locked) -> Option<T>) -> T {
+        // Replies are ready and nobody is writing: the reader can free slots itself.
+        let can_write =
+            |locked: &Locked| !locked.ready_slots.is_empty() && locked.writer_token.is_some();
         loop {
-            {
-                let locked = self.core.locked.lock();
-                if let Some(v) = check(&locked) {
-                    return v;
-                }
-                if locked.ready_slots.is_empty() || locked.writer_token.is_none() {
-                    drop(locked);
-                    let waiter = self.core.reader_wake.prepare();
-                    let mut locked = self.core.locked.lock();
-                    if let Some(v) = check(&locked) {
-                        drop(locked);
-                        waiter.finish();
-                        return v;
-                    }
-                    let can_write = !locked.ready_slots.is_empty() && locked.writer_token.is_some();
-                    if !can_write {
-                        locked.reader_waiting = true;
-                        drop(locked);
-                        waiter.sleep();
-                    }
-                    waiter.finish();
-                    continue;
-                }
+            let locked = self.core.locked.lock();
+            if let Some(v) = check(&locked) {
+                return v;
             }
-            self.core.flush();
+            if can_write(&locked) {
+                drop(locked);
+                self.core.flush();
+                continue;
+            }
+            drop(locked);
+            let waiter = self.core.reader_wake.prepare();
+            let mut locked = self.core.locked.lock();
+            if let Some(v) = check(&locked) {
+                drop(locked);
+                waiter.finish();
+                return v;
+            }
+            if can_write(&locked) {
+                // Go round and write.
+                drop(locked);
+            } else {
+                locked.reader_waiting = true;
+                drop(locked);
+                waiter.sleep();
+            }
+            waiter.finish();
         }
     }
 
