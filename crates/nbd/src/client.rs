@@ -690,6 +690,13 @@ impl Client {
                     p.reply.error = error;
                 }
             }
+            // `Chunk` is non-exhaustive: a chunk kind added to the codec later is not one this
+            // client asked for.
+            _ => {
+                return Err(ClientError::Unexpected(
+                    "a reply chunk of a kind this client does not handle".into(),
+                ))
+            }
         }
         Ok(())
     }

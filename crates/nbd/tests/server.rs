@@ -800,3 +800,29 @@ fn info_request_list_is_honoured() {
     assert!(types.contains(&NBD_INFO_EXPORT));
     assert!(!types.contains(&NBD_INFO_NAME));
 }
+
+#[test]
+fn submit_sync_returns_each_bio_status() {
+    let dev = device("mem:1M");
+    nbd::server::submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).unwrap();
+    let picky = Picky {
+        inner: dev,
+        eio_at: 0,
+    };
+    let mut zeroes = Bio::new(Op::WriteZeroes, 0, 4096);
+    zeroes.flags = BioFlags::FAST_ZERO;
+    let err = nbd::server::submit_sync(&picky, zeroes).unwrap_err();
+    assert_eq!(err.errno(), libc::ENOTSUP);
+    assert_eq!(Errno::from_errno(err.errno()), Errno::NotSup);
+}
+
+#[test]
+fn stop_before_wait_returns_at_once() {
+    let mut t = default_server();
+    let server = t.server.take().unwrap();
+    let stopper = server.stopper();
+    stopper.stop();
+    // A second stop is harmless; `wait` must not sleep for a stop that already happened.
+    stopper.stop();
+    server.wait();
+}

@@ -15,8 +15,8 @@ use crate::handshake::{
     MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_LEN,
 };
 use crate::proto::{
-    ClientFlags, HandshakeFlags, InfoType, OptionError, TransmissionFlags, TransmissionMode,
-    OPTION_HEADER_LEN,
+    ClientFlags, HandshakeFlags, InfoType, OptionCode, OptionError, TransmissionFlags,
+    TransmissionMode, OPTION_HEADER_LEN,
 };
 use crate::stream::Stream;
 use crate::{Decoded, Error};
@@ -62,9 +62,9 @@ impl From<io::Error> for Ended {
     }
 }
 
-/// The transmission flags of export `e` in `mode`.
-pub(crate) fn transmission_flags(e: &ExportState, mode: TransmissionMode) -> TransmissionFlags {
-    let mut f = TransmissionFlags::HAS_FLAGS
+/// The transmission flags of export `state` in `mode`.
+pub(crate) fn transmission_flags(state: &ExportState, mode: TransmissionMode) -> TransmissionFlags {
+    let mut flags = TransmissionFlags::HAS_FLAGS
         | TransmissionFlags::SEND_FLUSH
         | TransmissionFlags::SEND_FUA
         | TransmissionFlags::SEND_TRIM
@@ -74,17 +74,17 @@ pub(crate) fn transmission_flags(e: &ExportState, mode: TransmissionMode) -> Tra
         | TransmissionFlags::CAN_MULTI_CONN;
     if mode.chunked_replies() {
         // DF only means something with chunked replies, and must be clear without them.
-        f |= TransmissionFlags::SEND_DF;
+        flags |= TransmissionFlags::SEND_DF;
     }
-    if e.cfg.read_only {
-        f |= TransmissionFlags::READ_ONLY;
+    if state.export.read_only {
+        flags |= TransmissionFlags::READ_ONLY;
     }
-    f
+    flags
 }
 
-/// The block size constraints advertised for export `e`.
-pub(crate) fn block_size(e: &ExportState, max_block: u32) -> BlockSize {
-    let min = e.min_block;
+/// The block size constraints advertised for export `state`.
+pub(crate) fn block_size(state: &ExportState, max_block: u32) -> BlockSize {
+    let min = state.min_block;
     BlockSize {
         min,
         preferred: min.max(4096),
@@ -117,7 +117,7 @@ pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiat
         Ok(Decoded::Incomplete(_)) => return Err(Ended::Protocol("short client flags".into())),
         Err(e) => return Err(Ended::Protocol(format!("client flags: {e}"))),
     };
-    let mut h = Haggler {
+    let mut haggler = Haggler {
         stream,
         shared,
         mode: TransmissionMode::Simple,
@@ -127,8 +127,8 @@ pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiat
         data: Vec::new(),
     };
     loop {
-        if let Some(n) = h.option()? {
-            return Ok(n);
+        if let Some(negotiated) = haggler.option()? {
+            return Ok(negotiated);
         }
     }
 }
@@ -176,7 +176,7 @@ impl Haggler<'_> {
         let parsed = match parse_option(option, data) {
             Ok(p) => p,
             Err(e) => {
-                if option == crate::proto::NBD_OPT_EXPORT_NAME {
+                if OptionCode::from_u32(option) == Some(OptionCode::ExportName) {
                     // NBD_OPT_EXPORT_NAME cannot be answered with an error.
                     return Err(Ended::Protocol(format!("NBD_OPT_EXPORT_NAME: {e}")));
                 }
@@ -216,8 +216,8 @@ impl Haggler<'_> {
                 self.out.clear();
                 for e in &self.shared.exports {
                     let r = OptionReply::Server {
-                        name: &e.cfg.name,
-                        details: &e.cfg.description,
+                        name: &e.export.name,
+                        details: &e.export.description,
                     };
                     encode(option, &r, &mut self.out)?;
                 }
@@ -294,10 +294,10 @@ impl Haggler<'_> {
                 "NBD_OPT_EXPORT_NAME for unknown export {name:?}"
             )));
         };
-        let e = &self.shared.exports[idx];
+        let state = &self.shared.exports[idx];
         let info = ExportInfo {
-            size: e.size,
-            flags: transmission_flags(e, self.mode),
+            size: state.size,
+            flags: transmission_flags(state, self.mode),
         };
         self.out.clear();
         encode_export_name_reply(info, self.no_zeroes, &mut self.out);
@@ -328,27 +328,27 @@ impl Haggler<'_> {
             )?;
             return Ok(None);
         };
-        let e = &self.shared.exports[idx];
+        let state = &self.shared.exports[idx];
         self.out.clear();
         let export = Info::Export(ExportInfo {
-            size: e.size,
-            flags: transmission_flags(e, self.mode),
+            size: state.size,
+            flags: transmission_flags(state, self.mode),
         });
         encode(option, &OptionReply::Info(export), &mut self.out)?;
         if req.requests(InfoType::Name) {
             encode(
                 option,
-                &OptionReply::Info(Info::Name(&e.cfg.name)),
+                &OptionReply::Info(Info::Name(&state.export.name)),
                 &mut self.out,
             )?;
         }
-        if req.requests(InfoType::Description) && !e.cfg.description.is_empty() {
-            let d = Info::Description(&e.cfg.description);
-            encode(option, &OptionReply::Info(d), &mut self.out)?;
+        if req.requests(InfoType::Description) && !state.export.description.is_empty() {
+            let description = Info::Description(&state.export.description);
+            encode(option, &OptionReply::Info(description), &mut self.out)?;
         }
         // Always sent: the constraints are not the defaults (minimum 512, not 1).
-        let bs = Info::BlockSize(block_size(e, self.shared.tuning.max_block));
-        encode(option, &OptionReply::Info(bs), &mut self.out)?;
+        let block_size_info = Info::BlockSize(block_size(state, self.shared.tuning.max_block));
+        encode(option, &OptionReply::Info(block_size_info), &mut self.out)?;
         encode(option, &OptionReply::Ack, &mut self.out)?;
         self.stream.write_all(&self.out)?;
         Ok(Some(idx))

@@ -4,19 +4,23 @@
 //!  acceptor (one thread per listener) --accept--> connection thread (one per client)
 //!     connection thread: handshake (blocking, handshake.rs), then it is the *reader*:
 //!        recv (1 MiB buffer) -> decode every whole request in it -> stage bios
-//!        -> one lock: assign slots of the in-flight table -> Device::submit_batch (one plug)
+//!        -> one lock: give each request a slot of the in-flight table
+//!        -> Device::submit_batch (one plug)
 //!        -> flush replies (combining writer: one sendmsg for everything completed)
-//!     completion threads of the device (if any): end_io -> reply list -> flush if writer idle
-//!     flusher thread (one per connection, parked): finishes a write that would have blocked
+//!     completion threads of the device (if any): end_io -> ready list -> flush if nobody writes
+//!     flusher thread (one per connection, asleep on a wait queue): finishes a write that
+//!        would have blocked
 //! ```
 //!
-//! See `conn.rs` for the data path (slots, the combining writer and its hand-off), and
-//! `handshake.rs` for option haggling.
+//! See `conn/` for the data path (`conn/mod.rs` lists its rooms: reader, in-flight table,
+//! reply shaping, the combining writer and its flusher), and `handshake.rs` for option
+//! haggling.
 //!
 //! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]): stop accepting,
 //! shut the read side of every connection (requests already received are answered; anything
 //! decoded after the stop gets `NBD_ESHUTDOWN`), wait for in-flight requests and their
-//! replies, flush every device, remove the Unix socket.
+//! replies, flush every device, remove the Unix socket. Waiting for a stop, and for a bio in
+//! [`submit_sync`], goes through a [`waitq::Completion`].
 
 mod conn;
 mod handshake;
@@ -26,14 +30,15 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+// `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, Device, EndIo, Op};
 use blkq_sync::atomic::{AtomicBool, Ordering};
-use blkq_sync::thread::{self, Thread};
 use blkq_sync::Mutex;
 use tracing::{debug, info, warn};
+use waitq::Completion;
 
 use crate::stream::Stream;
 
@@ -185,7 +190,8 @@ pub enum ServerError {
 
 /// An export as the connections see it: the configuration plus what the handshake sends.
 pub(crate) struct ExportState {
-    pub(crate) cfg: Export,
+    /// The export as configured.
+    pub(crate) export: Export,
     /// Export size: the device capacity rounded down to the minimum block size.
     pub(crate) size: u64,
     /// Minimum block size (the device's logical block size, at least 512).
@@ -202,7 +208,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn find(&self, name: &str) -> Option<usize> {
-        self.exports.iter().position(|e| e.cfg.name == name)
+        self.exports.iter().position(|e| e.export.name == name)
     }
 
     pub(crate) fn stopping(&self) -> bool {
@@ -223,9 +229,9 @@ struct Registry {
 impl Shared {
     /// Removes connection `id` from the registry (called by its thread when it ends).
     pub(crate) fn unregister(&self, id: u64) {
-        let mut r = self.conns.lock();
-        if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
-            r.live.swap_remove(i);
+        let mut registry = self.conns.lock();
+        if let Some(i) = registry.live.iter().position(|(conn, _)| *conn == id) {
+            registry.live.swap_remove(i);
         }
     }
 }
@@ -250,28 +256,22 @@ pub struct Server {
     acceptors: Vec<std::thread::JoinHandle<()>>,
     tcp_addr: Option<SocketAddr>,
     unix_path: Option<PathBuf>,
-    stop: Arc<StopState>,
-}
-
-#[derive(Default)]
-struct StopState {
-    requested: AtomicBool,
-    waiter: Mutex<Option<Thread>>,
+    /// Completed (for everyone) when a [`Stopper`] asks the server to stop.
+    stop_requested: Arc<Completion>,
 }
 
 /// A handle that asks a server to stop (from a signal-watching thread, say). Cheap to clone.
 #[derive(Clone)]
-pub struct Stopper(Arc<StopState>);
+pub struct Stopper(Arc<Completion>);
 
 impl Stopper {
-    /// Asks the server to stop; [`Server::wait`] then shuts it down and returns.
+    /// Asks the server to stop; [`Server::wait`] then shuts it down and returns. Asking twice
+    /// is harmless.
     pub fn stop(&self) {
-        self.0.requested.store(true, Ordering::SeqCst);
-        // Pairs with `wait`: it registers under this lock, then reads `requested`; whichever
-        // takes the lock second sees the other's write.
-        if let Some(t) = self.0.waiter.lock().as_ref() {
-            t.unpark();
-        }
+        // `complete_all` wakes whoever waits in `Server::wait` now and lets any later wait
+        // return at once; the completion's wait queue orders the wake against the waiter's
+        // check, so no stop is lost.
+        self.0.complete_all();
     }
 }
 
@@ -289,14 +289,14 @@ impl Server {
             if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
                 return Err(ServerError::BadExportName(e.name));
             }
-            if exports.iter().any(|x| x.cfg.name == e.name) {
+            if exports.iter().any(|x| x.export.name == e.name) {
                 return Err(ServerError::DuplicateExport(e.name));
             }
             let lim = e.device.limits();
             let min_block = lim.logical_block_size.clamp(512, 65536);
             let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
             exports.push(ExportState {
-                cfg: e,
+                export: e,
                 size,
                 min_block,
             });
@@ -348,7 +348,7 @@ impl Server {
             acceptors,
             tcp_addr,
             unix_path,
-            stop: Arc::new(StopState::default()),
+            stop_requested: Arc::new(Completion::new()),
         })
     }
 
@@ -369,15 +369,12 @@ impl Server {
 
     /// A handle to ask [`wait`](Self::wait) to return.
     pub fn stopper(&self) -> Stopper {
-        Stopper(self.stop.clone())
+        Stopper(self.stop_requested.clone())
     }
 
     /// Blocks until a [`Stopper`] asks the server to stop, then shuts it down.
     pub fn wait(self) {
-        *self.stop.waiter.lock() = Some(thread::current());
-        while !self.stop.requested.load(Ordering::SeqCst) {
-            thread::park();
-        }
+        self.stop_requested.wait();
         self.shutdown();
     }
 
@@ -429,14 +426,14 @@ impl Server {
         // Flush each device once.
         let mut flushed: Vec<&Arc<dyn Device>> = Vec::new();
         for e in &self.shared.exports {
-            let dev = &e.cfg.device;
+            let dev = &e.export.device;
             if flushed.iter().any(|d| Arc::ptr_eq(d, dev)) {
                 continue;
             }
             flushed.push(dev);
-            if !e.cfg.read_only {
+            if !e.export.read_only {
                 if let Err(err) = submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)) {
-                    warn!(export = %e.cfg.name, "flush at shutdown failed: {err}");
+                    warn!(export = %e.export.name, "flush at shutdown failed: {err}");
                 }
             }
         }
@@ -532,31 +529,33 @@ fn accept_loop(l: Listener, shared: Arc<Shared>) {
     }
 }
 
-/// Completion of one synchronous bio.
+/// Completion of one synchronous bio: its status, then the [`Completion`] that wakes the
+/// submitter.
+#[derive(Default)]
 struct SyncEnd {
-    res: Mutex<Option<Result<(), blk::Error>>>,
-    thread: Thread,
+    status: Mutex<Option<Result<(), blk::Error>>>,
+    done: Completion,
 }
 
 impl EndIo for SyncEnd {
     fn end_io(&self, _bio: Bio, res: Result<(), blk::Error>) {
-        *self.res.lock() = Some(res);
-        self.thread.unpark();
+        // The status is stored (and its lock released) before `complete`, so the waiter, which
+        // reads it only after `wait` returns, always finds it.
+        *self.status.lock() = Some(res);
+        self.done.complete();
     }
 }
 
 /// Submits one bio and waits for it (flushes at shutdown; tests).
 pub fn submit_sync(dev: &dyn Device, bio: Bio) -> Result<(), blk::Error> {
-    let end = Arc::new(SyncEnd {
-        res: Mutex::new(None),
-        thread: thread::current(),
-    });
+    let end = Arc::new(SyncEnd::default());
     let e: Arc<dyn EndIo> = end.clone();
     dev.submit(bio, &e);
-    loop {
-        if let Some(r) = end.res.lock().take() {
-            return r;
-        }
-        thread::park();
-    }
+    end.done.wait();
+    let status = end.status.lock().take();
+    status.unwrap_or_else(|| {
+        Err(blk::Error::from(io::Error::other(
+            "bio completed without a status",
+        )))
+    })
 }

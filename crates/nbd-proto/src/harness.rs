@@ -1,7 +1,7 @@
 //! Drivers that push arbitrary bytes through every decoder of the crate, as a peer's byte
 //! stream would, and check on the way that whatever decodes re-encodes to the same bytes.
 //!
-//! They are what the fuzz targets (`crates/nbd/fuzz`) run, and what `tests/corpus.rs` runs
+//! They are what the fuzz targets (`crates/nbd-proto/fuzz`) run, and what `tests/corpus.rs` runs
 //! on the seed corpus. The first input byte selects what the rest is (see [`handshake`] and
 //! [`request`]); an empty input does nothing.
 //!

@@ -723,6 +723,33 @@ wire_enum! {
 }
 
 impl Errno {
+    /// The NBD error for an operating-system error number (`errno`, as `io::Error::raw_os_error`
+    /// or the block layer reports it). This is the one place that maps libc errors to the wire:
+    /// the specification's list is short, so everything it does not name reads as `NBD_EIO`.
+    ///
+    /// | errno                         | NBD error       |
+    /// |-------------------------------|-----------------|
+    /// | `EPERM`, `EROFS`, `EACCES`    | `NBD_EPERM`     |
+    /// | `EINVAL`                      | `NBD_EINVAL`    |
+    /// | `ENOSPC`, `EDQUOT`, `EFBIG`   | `NBD_ENOSPC`    |
+    /// | `EOVERFLOW`                   | `NBD_EOVERFLOW` |
+    /// | `ENOTSUP` (`EOPNOTSUPP`)      | `NBD_ENOTSUP`   |
+    /// | `ENOMEM`                      | `NBD_ENOMEM`    |
+    /// | `ESHUTDOWN`                   | `NBD_ESHUTDOWN` |
+    /// | anything else                 | `NBD_EIO`       |
+    pub const fn from_errno(errno: i32) -> Self {
+        match errno {
+            libc::EPERM | libc::EROFS | libc::EACCES => Self::Perm,
+            libc::EINVAL => Self::Inval,
+            libc::ENOSPC | libc::EDQUOT | libc::EFBIG => Self::NoSpc,
+            libc::EOVERFLOW => Self::Overflow,
+            libc::ENOTSUP => Self::NotSup,
+            libc::ENOMEM => Self::NoMem,
+            libc::ESHUTDOWN => Self::Shutdown,
+            _ => Self::Io,
+        }
+    }
+
     /// The error a client should assume for a raw nonzero value: unknown values read as
     /// `NBD_EINVAL`, as the specification asks. Zero (success) gives `None`.
     pub const fn from_u32_lossy(raw: u32) -> Option<Self> {
@@ -850,6 +877,12 @@ mod tests {
         assert_eq!(Errno::from_u32_lossy(0), None);
         assert_eq!(Errno::from_u32_lossy(5), Some(Errno::Io));
         assert_eq!(Errno::from_u32_lossy(4242), Some(Errno::Inval));
+        assert_eq!(Errno::from_errno(libc::EROFS), Errno::Perm);
+        assert_eq!(Errno::from_errno(libc::EDQUOT), Errno::NoSpc);
+        assert_eq!(Errno::from_errno(libc::EOVERFLOW), Errno::Overflow);
+        assert_eq!(Errno::from_errno(libc::ESHUTDOWN), Errno::Shutdown);
+        assert_eq!(Errno::from_errno(libc::EBADF), Errno::Io);
+        assert_eq!(Errno::from_errno(0), Errno::Io);
     }
 
     #[test]

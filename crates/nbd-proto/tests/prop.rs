@@ -2,14 +2,14 @@
 //! bytes never panic.
 #![cfg(not(blkq_loom))]
 
-use nbd::handshake::{
+use nbd_proto::handshake::{
     decode_client_flags, decode_export_name_reply, decode_option_header,
     decode_option_reply_header, decode_server_greeting, encode_export_name_reply,
     encode_option_reply, parse_option, parse_option_reply, BlockSize, ClientOption, ExportInfo,
     ExportRequest, Info, MetaContextRequest, OptionReply,
 };
-use nbd::proto::{OPTION_HEADER_LEN, OPTION_REPLY_HEADER_LEN};
-use nbd::{
+use nbd_proto::proto::{OPTION_HEADER_LEN, OPTION_REPLY_HEADER_LEN};
+use nbd_proto::{
     decode_reply_header, decode_request, harness, parse_chunk, Chunk, ChunkHeader, CmdFlags,
     Command, Decoded, Error, Extent, ExtentExt, HandshakeFlags, OptionError, ReplyChunk,
     ReplyFlags, ReplyHeader, ReplyTo, Request, SimpleReply, TransmissionFlags, TransmissionMode,
@@ -513,7 +513,7 @@ proptest! {
     ) {
         // Selector 1: client side, a greeting then option replies.
         let mut stream = vec![1u8];
-        nbd::handshake::encode_server_greeting(HandshakeFlags::KNOWN, &mut stream);
+        nbd_proto::handshake::encode_server_greeting(HandshakeFlags::KNOWN, &mut stream);
         for (option, r) in &replies {
             encode_option_reply(*option, &r.borrow(), &mut stream).unwrap();
         }

@@ -1,34 +1,34 @@
 //! The fuzz seed corpus (`fuzz/corpus/<target>/`): every file in it goes through the same
-//! drivers as the fuzz targets ([`nbd::harness`]), in a plain `cargo test`.
+//! drivers as the fuzz targets ([`nbd_proto::harness`]), in a plain `cargo test`.
 //!
 //! Seeds are built here with the crate's own encoders. Files named `valid-*` must decode
 //! cleanly and `bad-*` must not; any other file (a fuzzer adds its finds to the corpus) only
 //! has to go through without a panic.
 //!
 //! To (re)write the seed files after changing [`seeds`]:
-//! `NBD_WRITE_CORPUS=1 cargo test -p nbd --test corpus`.
+//! `NBD_WRITE_CORPUS=1 cargo test -p nbd-proto --test corpus`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
-use nbd::handshake::{
+use nbd_proto::handshake::{
     encode_client_flags, encode_export_name_reply, encode_option_reply, encode_server_greeting,
     BlockSize, ClientOption, ExportInfo, ExportRequest, Info, MetaContextRequest, OptionHeader,
     OptionReply,
 };
-use nbd::proto::{
+use nbd_proto::proto::{
     NBD_CLISERV_MAGIC, NBD_EINVAL, NBD_EIO, NBD_OPT_GO, NBD_OPT_INFO, NBD_OPT_LIST,
     NBD_OPT_SET_META_CONTEXT, NBD_REPLY_TYPE_BLOCK_STATUS, NBD_REPLY_TYPE_NONE, NBD_REP_ACK,
     NBD_STATE_HOLE, NBD_STATE_ZERO,
 };
-use nbd::{
+use nbd_proto::{
     harness, ChunkHeader, ClientFlags, CmdFlags, Command, Extent, ExtentExt, HandshakeFlags,
     InfoType, OptionError, ReplyChunk, ReplyFlags, ReplyTo, Request, SimpleReply,
     TransmissionFlags, TransmissionMode,
 };
 
-/// Selector bytes of the drivers (see `nbd::harness`).
+/// Selector bytes of the drivers (see `nbd_proto::harness`).
 const HS_SERVER: u8 = 0;
 const HS_CLIENT: u8 = 1;
 const HS_EXPORT_NAME_ZEROES: u8 = 3;
@@ -369,7 +369,7 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             "bad-client-ack-with-data",
             with(HS_CLIENT, |v| {
                 greeting(v);
-                v.extend_from_slice(&nbd::proto::NBD_REP_MAGIC.to_be_bytes());
+                v.extend_from_slice(&nbd_proto::proto::NBD_REP_MAGIC.to_be_bytes());
                 v.extend_from_slice(&NBD_OPT_GO.to_be_bytes());
                 v.extend_from_slice(&NBD_REP_ACK.to_be_bytes());
                 v.extend_from_slice(&[0, 0, 0, 1, 0]);
@@ -687,7 +687,7 @@ fn seed_files_are_up_to_date() {
     }
     assert!(
         stale.is_empty(),
-        "seed corpus files missing or stale (run `NBD_WRITE_CORPUS=1 cargo test -p nbd --test corpus`): {stale:?}"
+        "seed corpus files missing or stale (run `NBD_WRITE_CORPUS=1 cargo test -p nbd-proto --test corpus`): {stale:?}"
     );
 }
 
@@ -748,11 +748,11 @@ fn bad_seeds_fail_the_expected_way() {
     };
     assert!(matches!(
         by_name("bad-client-flags").fatal,
-        Some(nbd::Error::UnsupportedClientFlags { .. })
+        Some(nbd_proto::Error::UnsupportedClientFlags { .. })
     ));
     assert!(matches!(
         by_name("bad-option-magic").fatal,
-        Some(nbd::Error::BadMagic { .. })
+        Some(nbd_proto::Error::BadMagic { .. })
     ));
     let too_long = by_name("bad-option-too-long");
     assert!(too_long.incomplete && too_long.fatal.is_none());
@@ -772,15 +772,15 @@ fn bad_seeds_fail_the_expected_way() {
     assert!(by_name("bad-truncated-go").incomplete);
     assert_eq!(
         by_name("bad-client-oldstyle").fatal,
-        Some(nbd::Error::OldstyleNegotiation)
+        Some(nbd_proto::Error::OldstyleNegotiation)
     );
     assert!(matches!(
         by_name("bad-client-ack-with-data").fatal,
-        Some(nbd::Error::MalformedReply { .. })
+        Some(nbd_proto::Error::MalformedReply { .. })
     ));
     assert!(matches!(
         by_name("bad-compact-magic").fatal,
-        Some(nbd::Error::BadMagic { .. })
+        Some(nbd_proto::Error::BadMagic { .. })
     ));
     let unknown = by_name("bad-unknown-command");
     assert_eq!(
@@ -790,18 +790,18 @@ fn bad_seeds_fail_the_expected_way() {
     assert!(by_name("bad-truncated-write").incomplete);
     assert!(matches!(
         by_name("bad-none-without-done").fatal,
-        Some(nbd::Error::MalformedReply { .. })
+        Some(nbd_proto::Error::MalformedReply { .. })
     ));
     assert_eq!(
         by_name("bad-unknown-reply-type").fatal,
-        Some(nbd::Error::UnknownReplyType { reply_type: 0x42 })
+        Some(nbd_proto::Error::UnknownReplyType { reply_type: 0x42 })
     );
     assert!(matches!(
         by_name("bad-structured-chunk-in-extended-mode").fatal,
-        Some(nbd::Error::BadMagic { .. })
+        Some(nbd_proto::Error::BadMagic { .. })
     ));
     assert!(matches!(
         by_name("bad-block-status-misaligned").fatal,
-        Some(nbd::Error::MalformedReply { .. })
+        Some(nbd_proto::Error::MalformedReply { .. })
     ));
 }

@@ -1,0 +1,336 @@
+//! One connection: the handshake, then the transmission data path. This file owns the
+//! [`Connection`] (what the reader thread holds) and says who runs what; the rooms:
+//!
+//! | file          | owns                                                    | run by             |
+//! |---------------|---------------------------------------------------------|--------------------|
+//! | `mod.rs`      | `serve`, [`Connection`]: setup, the reader loop, waiting for slots, teardown | reader |
+//! | `reader.rs`   | recv, decode, validate, stage, commit + submit           | reader             |
+//! | `inflight.rs` | the in-flight table (one `InFlight` per slot), `end_io` | reader, completion threads, writers |
+//! | `reply.rs`    | reply shaping: an entry's reply as headers + data segments | the writer       |
+//! | `writer.rs`   | the combining writer (token, `sendmsg`) and its flusher  | reader, completion threads, flusher |
+//!
+//! A READ, top to bottom: [`Connection::run`] → `reader.rs` (`recv`, `parse`, `stage_read`,
+//! `commit`: slot + `submit_batch`) → `inflight.rs` (`end_io`: the buffer into its part, the
+//! slot onto the ready list) → `writer.rs` (`flush`, `run_writer`: shape with `reply.rs`,
+//! `sendmsg`, free the slot).
+//!
+//! # Threads
+//!
+//! - The **reader** (the connection's own thread) reads into a receive buffer, decodes every
+//!   whole request in it, stages them, takes the connection lock once to give each a slot of
+//!   the in-flight table, submits all the bios with one [`Device::submit_batch`](blk::Device::submit_batch) (one plug),
+//!   then flushes replies.
+//! - Device **completion threads** (when the driver has them) run `end_io`: the bio's status
+//!   and read buffer go into its slot; when the request's last bio is done the slot goes on the
+//!   ready list, and the completing thread flushes if nobody is writing, without blocking.
+//! - The **flusher** (one sleeping thread per connection) takes over a write that would have
+//!   blocked, so that neither the reader nor a driver's completion thread ever waits on a slow
+//!   client.
+//!
+//! Every wait goes through a [`waitq::WaitQueue`] of the connection's `ConnCore`: the reader
+//! on `reader_wake` (for a slot, or at teardown for the table to drain), the flusher on
+//! `flusher_wake`.
+//!
+//! # Allocation
+//!
+//! The table is preallocated (`Tuning::slots` entries) and staging recycles the entries it
+//! swaps out of the table; buffers come from per-connection pools by size class; vectors are
+//! reused. After warm-up the data path allocates nothing, except the `Vec` that
+//! `Device::extents` returns (one per structured read when the export has sparse reads, and
+//! per `NBD_CMD_BLOCK_STATUS`) and the plug `Queue::submit_batch` allocates per batch.
+
+mod inflight;
+mod reader;
+mod reply;
+mod writer;
+
+use std::io;
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
+// `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
+use std::sync::Arc;
+
+use blk::{Bio, EndIo};
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::thread::{self, JoinHandle};
+use blkq_sync::Mutex;
+use tracing::{debug, info, warn};
+use waitq::WaitQueue;
+
+use self::inflight::{ConnCore, InFlight, Locked};
+use self::reader::{BufferPools, ParseStop, PartialWrite};
+use super::handshake::{self, Ended, Negotiated};
+use super::{ExportState, Shared};
+use crate::proto::TransmissionMode;
+use crate::stream::Stream;
+
+/// Largest piece of a read or write: one bio, one pooled buffer.
+const MAX_BIO_BYTES: usize = 1 << 20;
+/// `SO_SNDBUF` asked for each connection (capped by the kernel's `wmem_max`).
+const SEND_BUFFER: usize = 4 << 20;
+
+/// Runs a connection to its end: handshake, transmission, teardown.
+pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
+    let peer = stream.peer();
+    let _ = stream.set_nodelay();
+    let negotiated = match handshake::negotiate(&mut stream, &server) {
+        Ok(n) => n,
+        Err(Ended::Client(why)) => {
+            info!(conn = id, %peer, "connection closed in the handshake: client {why}");
+            server.unregister(id);
+            return;
+        }
+        Err(Ended::Protocol(why)) => {
+            warn!(conn = id, %peer, "closing connection during the handshake: {why}");
+            server.unregister(id);
+            return;
+        }
+        Err(Ended::Io(e)) => {
+            debug!(conn = id, %peer, "handshake ended: {e}");
+            server.unregister(id);
+            return;
+        }
+    };
+    let export = &server.exports[negotiated.export];
+    let replies = match negotiated.mode {
+        TransmissionMode::Simple => "simple",
+        TransmissionMode::Structured => "structured",
+        TransmissionMode::Extended => "extended",
+    };
+    info!(
+        conn = id,
+        %peer,
+        export = %export.export.name,
+        replies,
+        base_allocation = negotiated.base_allocation,
+        via = negotiated.via,
+        "connection open"
+    );
+    let (reason, stats) = match Connection::new(stream, &server, export, negotiated) {
+        Ok(mut conn) => {
+            let reason = conn.run();
+            conn.teardown(&reason);
+            (reason, conn.stats)
+        }
+        Err(e) => (format!("could not start: {e}"), Stats::default()),
+    };
+    info!(
+        conn = id,
+        %peer,
+        export = %export.export.name,
+        requests = stats.requests,
+        errors = stats.errors,
+        "connection closed: {reason}"
+    );
+    server.unregister(id);
+}
+
+/// Per-connection counters for the close log line.
+#[derive(Debug, Default, Clone, Copy)]
+struct Stats {
+    requests: u64,
+    errors: u64,
+}
+
+/// What the reader thread holds: the receive side, staging, and a handle on the shared core.
+struct Connection<'a> {
+    /// What the reader shares with completions, writers and the flusher.
+    core: Arc<ConnCore>,
+    /// `core` as the `EndIo` of every bio.
+    end_io: Arc<dyn EndIo>,
+    flusher: Option<JoinHandle<()>>,
+    /// The socket, read by the reader (writers send on their own handle, `core.send_sock`).
+    stream: Stream,
+    server: &'a Shared,
+    export: &'a ExportState,
+    mode: TransmissionMode,
+    base_allocation: bool,
+    min_block: u64,
+    max_block: u64,
+    /// Largest bio (and pooled buffer), a multiple of the block size.
+    max_bio_bytes: usize,
+    buffers: BufferPools,
+    recv_buf: Vec<u8>,
+    /// Decoded up to here; `recv_buf[recv_pos..recv_len]` is waiting.
+    recv_pos: usize,
+    recv_len: usize,
+    /// Payload bytes still to skip (of a refused request).
+    discard_left: u64,
+    /// Requests decoded and checked, waiting for a slot (in order).
+    staged: Vec<InFlight>,
+    /// Budget bytes of `staged`.
+    staged_bytes: u64,
+    /// Empty entries to stage into: what `commit` swapped out of the table.
+    spare_entries: Vec<InFlight>,
+    /// Bios of the staged entries, in order.
+    bios: Vec<Bio>,
+    /// Bios of the write being read (`partial_write`), or being staged.
+    write_bios: Vec<Bio>,
+    partial_write: Option<PartialWrite>,
+    stats: Stats,
+}
+
+impl<'a> Connection<'a> {
+    fn new(
+        stream: Stream,
+        server: &'a Shared,
+        export: &'a ExportState,
+        negotiated: Negotiated,
+    ) -> io::Result<Self> {
+        let tuning = &server.tuning;
+        let limits = export.export.device.limits();
+        let min_block = export.min_block;
+        let max_bio_bytes = (limits.max_io_bytes as usize).clamp(min_block as usize, MAX_BIO_BYTES);
+        let max_bio_bytes = max_bio_bytes / min_block as usize * min_block as usize;
+        let send_sock = stream.try_clone()?;
+        let send_fd = send_sock.as_raw_fd();
+        // Best effort: a bigger send buffer means fewer replies handed to the flusher.
+        let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
+        let core = Arc::new(ConnCore {
+            send_sock,
+            send_fd,
+            mode: negotiated.mode,
+            min_block,
+            reader_thread: thread::current(),
+            client_gone: AtomicBool::new(false),
+            reader_wake: WaitQueue::new(),
+            flusher_wake: WaitQueue::new(),
+            locked: Mutex::new(Locked::new(tuning.slots)),
+        });
+        let flusher_core = core.clone();
+        let flusher = thread::spawn(move || flusher_core.flusher_main());
+        let end_io: Arc<dyn EndIo> = core.clone();
+        Ok(Self {
+            core,
+            end_io,
+            flusher: Some(flusher),
+            stream,
+            server,
+            export,
+            mode: negotiated.mode,
+            base_allocation: negotiated.base_allocation,
+            min_block: u64::from(min_block),
+            max_block: u64::from(handshake::block_size(export, tuning.max_block).max),
+            max_bio_bytes,
+            buffers: BufferPools::new(max_bio_bytes),
+            recv_buf: vec![0; tuning.recv_buf],
+            recv_pos: 0,
+            recv_len: 0,
+            discard_left: 0,
+            staged: Vec::with_capacity(tuning.slots),
+            staged_bytes: 0,
+            spare_entries: Vec::with_capacity(tuning.slots),
+            bios: Vec::with_capacity(tuning.slots),
+            write_bios: Vec::new(),
+            partial_write: None,
+            stats: Stats::default(),
+        })
+    }
+
+    /// The reader loop; returns why it ended.
+    fn run(&mut self) -> String {
+        loop {
+            if self.partial_write.is_some() {
+                if let Err(reason) = self.fill_partial_write() {
+                    return reason;
+                }
+            }
+            let (free_slots, budget_left) = self.wait_for_room();
+            let stop = self.parse(free_slots, budget_left);
+            self.commit();
+            match stop {
+                ParseStop::NeedMore => {
+                    if let Err(reason) = self.recv() {
+                        return reason;
+                    }
+                }
+                ParseStop::Full | ParseStop::PartialWrite => {}
+                ParseStop::Disconnect => return "client disconnected (NBD_CMD_DISC)".into(),
+                ParseStop::Fatal(reason) => {
+                    warn!(peer = %self.stream, "closing connection: {reason}");
+                    self.core.client_gone.store(true, Ordering::Relaxed);
+                    let _ = self.stream.shutdown(Shutdown::Both);
+                    return reason;
+                }
+            }
+        }
+    }
+
+    /// Waits until staging can make progress: a free slot, and either room in the byte
+    /// budget or something already staged. Returns the free slots and the budget left.
+    fn wait_for_room(&mut self) -> (usize, u64) {
+        let budget = self.server.tuning.max_bytes_in_flight;
+        let nothing_staged = self.staged.is_empty();
+        let room = |locked: &Locked| {
+            let free = locked.free_slots.len();
+            let left = budget.saturating_sub(locked.bytes_in_flight);
+            (free > 0 && (left > 0 || !nothing_staged)).then_some((free, left))
+        };
+        self.reader_wait(room)
+    }
+
+    /// The reader's one way to wait for the table: returns `check`'s value once it is `Some`.
+    /// When it is `None` and replies are ready with nobody writing, the reader writes them
+    /// itself (that frees slots); otherwise it sleeps on `reader_wake` with `reader_waiting`
+    /// set, until whoever frees slots wakes it (`writer.rs`).
+    ///
+    /// The protocol is the wait queue's prepare / re-check / sleep / finish: the reader queues
+    /// itself, then re-checks and sets `reader_waiting` under the connection lock; a writer
+    /// frees slots and takes `reader_waiting` under that lock, then wakes. So either the
+    /// re-check sees the freed slots, or the writer sees the flag (and the reader queued).
+    fn reader_wait<T>(&self, mut check: impl FnMut(&Locked) -> Option<T>) -> T {
+        // Replies are ready and nobody is writing: the reader can free slots itself.
+        let can_write =
+            |locked: &Locked| !locked.ready_slots.is_empty() && locked.writer_token.is_some();
+        loop {
+            let locked = self.core.locked.lock();
+            if let Some(v) = check(&locked) {
+                return v;
+            }
+            if can_write(&locked) {
+                drop(locked);
+                self.core.flush();
+                continue;
+            }
+            drop(locked);
+            let waiter = self.core.reader_wake.prepare();
+            let mut locked = self.core.locked.lock();
+            if let Some(v) = check(&locked) {
+                drop(locked);
+                waiter.finish();
+                return v;
+            }
+            if can_write(&locked) {
+                // Go round and write.
+                drop(locked);
+            } else {
+                locked.reader_waiting = true;
+                drop(locked);
+                waiter.sleep();
+            }
+            waiter.finish();
+        }
+    }
+
+    /// Waits for every in-flight request to be answered (or dropped, if the client is gone),
+    /// then stops the flusher.
+    fn teardown(&mut self, reason: &str) {
+        debug!(peer = %self.stream, "tearing down: {reason}");
+        // A write still arriving, or staged requests that never got a slot, are dropped.
+        self.partial_write = None;
+        self.write_bios.clear();
+        if !self.staged.is_empty() {
+            // Only possible if slots ran out at the very end; answer nothing for them.
+            self.staged.clear();
+            self.bios.clear();
+        }
+        self.core.flush();
+        self.reader_wait(|locked| locked.idle().then_some(()));
+        self.core.locked.lock().stop_flusher = true;
+        self.core.flusher_wake.wake_one();
+        if let Some(f) = self.flusher.take() {
+            let _ = f.join();
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}

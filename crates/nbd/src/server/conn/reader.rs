@@ -1,0 +1,535 @@
+//! The reader: `recv` into the receive buffer, decode every whole request in it, validate
+//! each, *stage* it (bios, and an [`InFlight`] entry taken from the spares), then `commit`:
+//! one lock to move the staged entries into free slots, one [`Device::submit_batch`] (one
+//! plug) for all their bios, and a flush of whatever replies are ready.
+//!
+//! Threads: only the connection's own thread (the reader) runs this file. It blocks only in
+//! `recv`, in the device's tag wait (backpressure from a full queue), or asleep on
+//! `ConnCore::reader_wake` when every slot (or the in-flight byte budget) is taken.
+
+use std::io::{self, IoSliceMut, Read};
+
+use blk::backend::Extent as DevExtent;
+use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
+
+use super::inflight::{bio_cookie, InFlight, Part};
+use super::Connection;
+use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE, NBD_STATE_ZERO};
+use crate::transmission::{decode_request, ExtentExt, Request};
+use crate::{Decoded, Error};
+
+/// Extents asked of the device per structured read (more fragmented reads send the rest as
+/// data).
+const MAX_READ_EXTENTS: usize = 64;
+/// Extents per `NBD_CMD_BLOCK_STATUS` reply.
+const MAX_STATUS_EXTENTS: usize = 1024;
+/// Trim and write-zeroes are split into bios of at most this many bytes (`Bio::len` is 32
+/// bits).
+const MAX_RANGE_BIO: u64 = 1 << 30;
+
+/// The codec's view of one of the device's extents (`base:allocation`: an unallocated range
+/// reads as zeros, so it is a hole that reads zero). The one place where `blk`'s extents
+/// become NBD's.
+fn nbd_extent(e: &DevExtent) -> ExtentExt {
+    ExtentExt {
+        length: e.len,
+        flags: if e.allocated {
+            0
+        } else {
+            u64::from(NBD_STATE_HOLE | NBD_STATE_ZERO)
+        },
+    }
+}
+
+/// Buffer pools by size class, per connection.
+pub(super) struct BufferPools {
+    sizes: Vec<usize>,
+    pools: Vec<BufferPool>,
+}
+
+impl BufferPools {
+    /// Size classes of 4, 16, 64 and 256 KiB below `max_bio_bytes`, and `max_bio_bytes`.
+    pub(super) fn new(max_bio_bytes: usize) -> Self {
+        let mut sizes = Vec::new();
+        let mut pools = Vec::new();
+        for (size, keep) in [
+            (4 << 10, 256),
+            (16 << 10, 128),
+            (64 << 10, 64),
+            (256 << 10, 32),
+        ] {
+            if size < max_bio_bytes {
+                sizes.push(size);
+                pools.push(BufferPool::new(size, 0, keep));
+            }
+        }
+        sizes.push(max_bio_bytes);
+        pools.push(BufferPool::new(max_bio_bytes, 0, 32));
+        Self { sizes, pools }
+    }
+
+    fn get(&self, len: usize) -> Buffer {
+        for (size, pool) in self.sizes.iter().zip(&self.pools) {
+            if len <= *size {
+                if let Some(b) = pool.get(len) {
+                    return b;
+                }
+            }
+        }
+        Buffer::new(len)
+    }
+}
+
+/// A write whose payload is still arriving: its bios are in `Connection::write_bios`, its
+/// entry here.
+#[derive(Debug)]
+pub(super) struct PartialWrite {
+    entry: InFlight,
+    /// The bio being filled, and bytes of its buffer already filled.
+    bio: usize,
+    filled: usize,
+    /// Payload bytes still to read.
+    remaining: u64,
+}
+
+/// Why a parse pass stopped.
+pub(super) enum ParseStop {
+    /// The buffer holds no whole request: read more.
+    NeedMore,
+    /// The slots or the byte budget are taken: submit, wait, go on.
+    Full,
+    /// A write payload continues past the buffer: read it straight into its buffers.
+    PartialWrite,
+    /// `NBD_CMD_DISC`.
+    Disconnect,
+    /// The stream is out of step or the client broke a hard rule: close.
+    Fatal(String),
+}
+
+impl<'a> Connection<'a> {
+    /// Reads more bytes into the receive buffer (blocking).
+    pub(super) fn recv(&mut self) -> Result<(), String> {
+        if self.recv_pos > 0 {
+            self.recv_buf.copy_within(self.recv_pos..self.recv_len, 0);
+            self.recv_len -= self.recv_pos;
+            self.recv_pos = 0;
+        }
+        if self.recv_len == self.recv_buf.len() {
+            return Err("receive buffer full without a whole request".into());
+        }
+        loop {
+            match self.stream.read(&mut self.recv_buf[self.recv_len..]) {
+                Ok(0) => {
+                    return Err(if self.server.stopping() {
+                        "server shutting down".into()
+                    } else if self.recv_len > 0 {
+                        "client closed the connection in the middle of a request".into()
+                    } else {
+                        "client closed the connection".into()
+                    });
+                }
+                Ok(n) => {
+                    self.recv_len += n;
+                    return Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("read error: {e}")),
+            }
+        }
+    }
+
+    /// Decodes and stages requests from the buffer, up to the free slots and budget given.
+    pub(super) fn parse(&mut self, free_slots: usize, budget_left: u64) -> ParseStop {
+        let stopping = self.server.stopping();
+        loop {
+            if self.staged.len() >= free_slots || self.staged_bytes >= budget_left {
+                return ParseStop::Full;
+            }
+            if self.discard_left > 0 {
+                let buffered = self.recv_len - self.recv_pos;
+                let n = buffered.min(self.discard_left.min(usize::MAX as u64) as usize);
+                self.recv_pos += n;
+                self.discard_left -= n as u64;
+                if self.discard_left > 0 {
+                    return ParseStop::NeedMore;
+                }
+            }
+            let buffered = &self.recv_buf[self.recv_pos..self.recv_len];
+            match decode_request(buffered, self.mode) {
+                Ok(Decoded::Incomplete(_)) => return ParseStop::NeedMore,
+                Ok(Decoded::Complete { value, consumed }) => {
+                    self.recv_pos += consumed;
+                    if let Some(stop) = self.stage(value, stopping) {
+                        return stop;
+                    }
+                }
+                Err(Error::UnknownCommand(u)) => {
+                    self.recv_pos += u.header_len;
+                    self.stats.requests += 1;
+                    self.stats.errors += 1;
+                    let mut entry = self.spare_entry();
+                    entry.begin(u.cookie, u.offset, u.length, None, u.flags);
+                    entry.fail(Errno::Inval);
+                    self.staged.push(entry);
+                    if let Some(stop) = self.discard(u.payload_len) {
+                        return stop;
+                    }
+                }
+                Err(e) => return ParseStop::Fatal(format!("bad request: {e}")),
+            }
+        }
+    }
+
+    /// An empty entry to stage into (recycled from a previous commit when there is one).
+    fn spare_entry(&mut self) -> InFlight {
+        self.spare_entries.pop().unwrap_or_default()
+    }
+
+    /// Arranges for a refused request's payload to be skipped.
+    fn discard(&mut self, payload: u64) -> Option<ParseStop> {
+        let limit = self.server.tuning.discard_limit;
+        if payload > limit {
+            return Some(ParseStop::Fatal(format!(
+                "refused a request with a {payload}-byte payload (more than the {limit} bytes \
+                 the server discards)"
+            )));
+        }
+        self.discard_left = payload;
+        None
+    }
+
+    /// The NBD error a request gets before it reaches the device, if any.
+    fn validate(&self, r: &Request) -> Option<Errno> {
+        let mut allowed = CmdFlags::FUA;
+        match r.kind {
+            Command::Read if self.mode.chunked_replies() => allowed |= CmdFlags::DF,
+            Command::Write if self.mode.extended_headers() => allowed |= CmdFlags::PAYLOAD_LEN,
+            Command::WriteZeroes => allowed |= CmdFlags::NO_HOLE | CmdFlags::FAST_ZERO,
+            Command::BlockStatus => allowed |= CmdFlags::REQ_ONE,
+            _ => {}
+        }
+        if !r.flags.difference(allowed).is_empty() {
+            return Some(Errno::Inval);
+        }
+        let writes = matches!(
+            r.kind,
+            Command::Write | Command::Trim | Command::WriteZeroes
+        );
+        if writes && self.export.export.read_only {
+            return Some(Errno::Perm);
+        }
+        match r.kind {
+            Command::Flush => return None,
+            Command::Read
+            | Command::Write
+            | Command::Trim
+            | Command::WriteZeroes
+            | Command::Cache
+            | Command::BlockStatus => {}
+            _ => return Some(Errno::Inval),
+        }
+        if r.kind == Command::BlockStatus && !self.base_allocation {
+            return Some(Errno::Inval);
+        }
+        let (off, len) = (r.offset, r.length);
+        if len == 0 || off % self.min_block != 0 || len % self.min_block != 0 {
+            return Some(Errno::Inval);
+        }
+        if off
+            .checked_add(len)
+            .is_none_or(|end| end > self.export.size)
+        {
+            return Some(match r.kind {
+                Command::Write | Command::WriteZeroes => Errno::NoSpc,
+                _ => Errno::Inval,
+            });
+        }
+        if len > self.max_block {
+            match r.kind {
+                Command::Read if r.flags.contains(CmdFlags::DF) => return Some(Errno::Overflow),
+                Command::Read | Command::Write => return Some(Errno::Inval),
+                _ => {}
+            }
+        }
+        None
+    }
+
+    /// Stages one decoded request; `Some` stops the parse pass.
+    fn stage(&mut self, r: Request, stopping: bool) -> Option<ParseStop> {
+        self.stats.requests += 1;
+        if r.kind == Command::Disc {
+            return Some(ParseStop::Disconnect);
+        }
+        let mut entry = self.spare_entry();
+        entry.start(&r);
+        let refused = if stopping {
+            Some(Errno::Shutdown)
+        } else {
+            self.validate(&r)
+        };
+        if let Some(error) = refused {
+            self.stats.errors += 1;
+            entry.fail(error);
+            self.staged.push(entry);
+            return self.discard(r.payload_len(self.mode));
+        }
+        match r.kind {
+            Command::Read => self.stage_read(&r, entry),
+            Command::Write => return self.stage_write(&r, entry),
+            Command::Flush => {
+                self.bios.push(Bio::new(Op::Flush, 0, 0));
+                entry.bios_pending = 1;
+                self.staged.push(entry);
+            }
+            Command::Trim => self.stage_range(&r, Op::Discard, entry),
+            Command::WriteZeroes => self.stage_range(&r, Op::WriteZeroes, entry),
+            Command::BlockStatus => {
+                let max = if r.flags.contains(CmdFlags::REQ_ONE) {
+                    1
+                } else {
+                    MAX_STATUS_EXTENTS
+                };
+                match self.device().extents(r.offset, r.length, max) {
+                    Ok(v) => entry.extents.extend(v.iter().map(nbd_extent)),
+                    Err(e) => entry.fail(Errno::from_errno(e.errno())),
+                }
+                self.staged.push(entry);
+            }
+            // Cache: nothing to prefetch in a block layer without a page cache.
+            _ => self.staged.push(entry),
+        }
+        None
+    }
+
+    fn bio_flags(r: &Request) -> BioFlags {
+        let mut f = BioFlags::NONE;
+        if r.flags.contains(CmdFlags::FUA) {
+            f = f | BioFlags::FUA;
+        }
+        if r.flags.contains(CmdFlags::NO_HOLE) {
+            f = f | BioFlags::NO_HOLE;
+        }
+        if r.flags.contains(CmdFlags::FAST_ZERO) {
+            f = f | BioFlags::FAST_ZERO;
+        }
+        f
+    }
+
+    /// Trim or write-zeroes: bios of at most [`MAX_RANGE_BIO`] bytes.
+    fn stage_range(&mut self, r: &Request, op: Op, mut entry: InFlight) {
+        let flags = Self::bio_flags(r);
+        let piece = MAX_RANGE_BIO / self.min_block * self.min_block;
+        let (mut at, end) = (r.offset, r.offset + r.length);
+        while at < end {
+            let len = (end - at).min(piece);
+            let mut b = Bio::new(op, at >> SECTOR_SHIFT, len as u32);
+            b.flags = flags;
+            self.bios.push(b);
+            entry.bios_pending += 1;
+            at += len;
+        }
+        self.staged.push(entry);
+    }
+
+    /// Data parts of a read from `at`, one bio (and buffer) of at most `max_bio_bytes` each.
+    fn add_read_data(&mut self, entry: &mut InFlight, mut at: u64, len: u64) {
+        let end = at + len;
+        while at < end {
+            let n = (end - at).min(self.max_bio_bytes as u64);
+            let buf = self.buffers.get(n as usize);
+            let mut b = Bio::with_buf(Op::Read, at >> SECTOR_SHIFT, buf);
+            // The slot is added when the entry gets one (`commit`).
+            b.cookie = bio_cookie(0, entry.parts.len() as u32);
+            self.bios.push(b);
+            entry.bios_pending += 1;
+            entry.parts.push(Part {
+                offset: at,
+                len: n,
+                hole: false,
+                buf: None,
+            });
+            at += n;
+        }
+    }
+
+    /// A read: data parts, and (structured replies, sparse reads on, `DF` not set) holes where
+    /// the device says nothing is allocated.
+    fn stage_read(&mut self, r: &Request, mut entry: InFlight) {
+        let end = r.offset + r.length;
+        let sparse = self.mode.chunked_replies()
+            && !r.flags.contains(CmdFlags::DF)
+            && self.export.export.sparse_reads;
+        let mut at = r.offset;
+        if sparse {
+            if let Ok(extents) = self.device().extents(r.offset, r.length, MAX_READ_EXTENTS) {
+                for e in &extents {
+                    if e.offset != at || e.len == 0 {
+                        break;
+                    }
+                    let e_end = e.offset.saturating_add(e.len).min(end);
+                    let hole = nbd_extent(e).flags & u64::from(NBD_STATE_HOLE) != 0;
+                    if !hole || e_end - at < self.min_block {
+                        self.add_read_data(&mut entry, at, e_end - at);
+                    } else {
+                        entry.parts.push(Part {
+                            offset: at,
+                            len: e_end - at,
+                            hole: true,
+                            buf: None,
+                        });
+                    }
+                    at = e_end;
+                    if at >= end {
+                        break;
+                    }
+                }
+            }
+        }
+        if at < end {
+            self.add_read_data(&mut entry, at, end - at);
+        }
+        entry.budget_bytes = r.length;
+        self.staged_bytes += r.length;
+        self.staged.push(entry);
+    }
+
+    /// A write: its payload goes into pooled buffers, from the receive buffer and then, if it
+    /// continues past it, straight from the socket ([`Self::fill_partial_write`]).
+    fn stage_write(&mut self, r: &Request, mut entry: InFlight) -> Option<ParseStop> {
+        let flags = Self::bio_flags(r);
+        let (mut at, end) = (r.offset, r.offset + r.length);
+        self.write_bios.clear();
+        while at < end {
+            let n = (end - at).min(self.max_bio_bytes as u64);
+            let buf = self.buffers.get(n as usize);
+            let mut b = Bio::with_buf(Op::Write, at >> SECTOR_SHIFT, buf);
+            b.flags = flags;
+            self.write_bios.push(b);
+            at += n;
+        }
+        entry.bios_pending = self.write_bios.len() as u32;
+        entry.budget_bytes = r.length;
+        self.staged_bytes += r.length;
+        let mut remaining = r.length;
+        let (mut bio, mut filled) = (0usize, 0usize);
+        while remaining > 0 && self.recv_pos < self.recv_len {
+            let Some(buf) = self.write_bios.get_mut(bio).and_then(|b| b.buf.as_mut()) else {
+                break;
+            };
+            let dst = &mut buf.as_mut_slice()[filled..];
+            let n = dst.len().min(self.recv_len - self.recv_pos);
+            dst[..n].copy_from_slice(&self.recv_buf[self.recv_pos..self.recv_pos + n]);
+            self.recv_pos += n;
+            filled += n;
+            remaining -= n as u64;
+            if n == dst.len() {
+                bio += 1;
+                filled = 0;
+            }
+        }
+        if remaining == 0 {
+            self.bios.append(&mut self.write_bios);
+            self.staged.push(entry);
+            return None;
+        }
+        self.partial_write = Some(PartialWrite {
+            entry,
+            bio,
+            filled,
+            remaining,
+        });
+        Some(ParseStop::PartialWrite)
+    }
+
+    /// Reads the rest of a write's payload straight into its buffers; the bytes that follow
+    /// it (the next requests) land in the receive buffer with the same `readv`.
+    pub(super) fn fill_partial_write(&mut self) -> Result<(), String> {
+        let Some(mut p) = self.partial_write.take() else {
+            return Ok(());
+        };
+        // Everything buffered was consumed into the payload.
+        self.recv_pos = 0;
+        self.recv_len = 0;
+        let nbios = self.write_bios.len();
+        while p.remaining > 0 {
+            let Some(buf) = self.write_bios.get_mut(p.bio).and_then(|b| b.buf.as_mut()) else {
+                return Err("internal error: write buffer missing".into());
+            };
+            let full = buf.len();
+            let dst = &mut buf.as_mut_slice()[p.filled..];
+            let dst_len = dst.len();
+            let last = p.bio + 1 == nbios;
+            let res = if last {
+                let mut iov = [
+                    IoSliceMut::new(dst),
+                    IoSliceMut::new(&mut self.recv_buf[self.recv_len..]),
+                ];
+                self.stream.read_vectored(&mut iov)
+            } else {
+                self.stream.read(dst)
+            };
+            let n = match res {
+                Ok(0) => return Err("client closed the connection in the middle of a write".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("read error: {e}")),
+            };
+            let into_payload = n.min(dst_len);
+            p.remaining -= into_payload as u64;
+            p.filled += into_payload;
+            self.recv_len += n - into_payload;
+            if p.filled == full {
+                p.bio += 1;
+                p.filled = 0;
+            }
+        }
+        self.bios.append(&mut self.write_bios);
+        self.staged.push(p.entry);
+        Ok(())
+    }
+
+    /// Moves the staged entries into free slots (one lock), then submits their bios as one
+    /// batch and flushes ready replies.
+    pub(super) fn commit(&mut self) {
+        if self.staged.is_empty() {
+            self.core.flush();
+            return;
+        }
+        let (mut committed, mut bios_done) = (0usize, 0usize);
+        {
+            let mut guard = self.core.locked.lock();
+            let locked = &mut *guard;
+            for staged in &mut self.staged {
+                let Some(slot) = locked.free_slots.pop() else {
+                    break;
+                };
+                let Some(entry) = locked.table.get_mut(slot as usize) else {
+                    break;
+                };
+                // The emptied entry that was in the slot comes back as a spare (below).
+                std::mem::swap(entry, staged);
+                let nbios = entry.bios_pending as usize;
+                for b in &mut self.bios[bios_done..bios_done + nbios] {
+                    b.cookie |= bio_cookie(slot, 0);
+                }
+                locked.bytes_in_flight += entry.budget_bytes;
+                if nbios == 0 {
+                    locked.ready_slots.push(slot);
+                }
+                self.staged_bytes -= entry.budget_bytes;
+                bios_done += nbios;
+                committed += 1;
+            }
+        }
+        self.spare_entries.extend(self.staged.drain(..committed));
+        if bios_done > 0 {
+            let device = self.device();
+            device.submit_batch(&mut self.bios.drain(..bios_done), &self.end_io);
+        }
+        self.core.flush();
+    }
+
+    pub(super) fn device(&self) -> &'a dyn Device {
+        self.export.export.device.as_ref()
+    }
+}

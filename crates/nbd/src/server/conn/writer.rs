@@ -1,0 +1,236 @@
+//! The combining writer and its flusher: who may write to the socket, and the `sendmsg` loop.
+//!
+//! The right to write is a token: `Locked::writer_token` holds the writer's [`Output`] while
+//! nobody writes; whoever takes it out under the lock is the writer. The writer shapes every
+//! ready slot's reply into the output (`reply.rs`), drops the lock, sends everything with
+//! `sendmsg` over up to [`IOV_WINDOW`] iovecs at a time, then retakes the lock, frees the sent
+//! slots and looks again. It puts the token back only when nothing is ready, under the same
+//! lock that producers push under, so no reply is ever left behind: a producer either pushes
+//! before the writer's last look, or finds the token back in place and writes itself.
+//!
+//! Threads: any of the reader (after submitting), a device completion thread (`end_io`) or the
+//! flusher may be the writer. The first two never block on the socket (`MSG_DONTWAIT`): a send
+//! that would block, or a writer that has gone [`MAX_NONBLOCKING_ROUNDS`] rounds, moves the
+//! token (with the half-sent output) to `Locked::handed_off` and wakes the **flusher** (one
+//! thread per connection, asleep on `ConnCore::flusher_wake`), which finishes with blocking
+//! sends and goes on as the writer. So neither the reader nor a driver's completion thread
+//! ever waits on a slow client.
+
+use std::io::{self, IoSlice};
+use std::net::Shutdown;
+use std::os::fd::RawFd;
+
+use blkq_sync::atomic::Ordering;
+use tracing::debug;
+
+use super::inflight::{ConnCore, Locked};
+use super::reply::{Output, Segment};
+
+/// iovecs per `sendmsg`.
+const IOV_WINDOW: usize = 128;
+/// A non-blocking writer (reader, completion thread) writes at most this many rounds before it
+/// hands the token to the flusher, so that a busy connection cannot keep a driver's completion
+/// thread away from its other work.
+const MAX_NONBLOCKING_ROUNDS: u32 = 8;
+
+impl ConnCore {
+    /// Writes ready replies if nobody else is writing. Never blocks on the socket.
+    pub(super) fn flush(&self) {
+        let output = {
+            let mut locked = self.locked.lock();
+            if locked.ready_slots.is_empty() {
+                return;
+            }
+            match locked.writer_token.take() {
+                Some(output) => output,
+                None => return,
+            }
+        };
+        self.run_writer(output, false);
+    }
+
+    /// The writer loop; the caller holds the token (`output`). See the module docs.
+    fn run_writer(&self, mut output: Box<Output>, blocking: bool) {
+        let mut rounds = 0u32;
+        loop {
+            if output.unsent() {
+                if !self.client_gone.load(Ordering::Relaxed) {
+                    match output.send(self.send_fd, !blocking) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            self.hand_off(output);
+                            return;
+                        }
+                        Err(e) => self.client_is_gone(&e),
+                    }
+                }
+                output.reset();
+            }
+            let gone = self.client_gone.load(Ordering::Relaxed);
+            let mut locked = self.locked.lock();
+            let wake_reader = output.free_sent(&mut locked);
+            output.shape_ready(&mut locked, self, gone);
+            if output.shaped_slots.is_empty() {
+                locked.writer_token = Some(output);
+                drop(locked);
+                self.wake_reader_if(wake_reader);
+                return;
+            }
+            rounds += 1;
+            if !blocking && rounds >= MAX_NONBLOCKING_ROUNDS {
+                locked.handed_off = Some(output);
+                drop(locked);
+                self.wake_reader_if(wake_reader);
+                self.flusher_wake.wake_one();
+                return;
+            }
+            drop(locked);
+            self.wake_reader_if(wake_reader);
+        }
+    }
+
+    /// Wakes the reader (it set `reader_waiting`, which the caller took, under the lock after
+    /// queueing itself on `reader_wake`: so it is queued, or re-checks and sees the freed
+    /// slots).
+    fn wake_reader_if(&self, reader_waiting: bool) {
+        if reader_waiting {
+            self.reader_wake.wake_one();
+        }
+    }
+
+    /// Gives the token and the half-sent output to the flusher.
+    fn hand_off(&self, output: Box<Output>) {
+        self.locked.lock().handed_off = Some(output);
+        self.flusher_wake.wake_one();
+    }
+
+    /// The client is gone (a send failed): drop replies from now on.
+    fn client_is_gone(&self, e: &io::Error) {
+        if !self.client_gone.swap(true, Ordering::Relaxed) {
+            debug!("send failed, dropping replies: {e}");
+            let _ = self.send_sock.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The flusher thread: sleeps until an output is handed off (then writes with blocking
+    /// sends, as the writer) or the connection tells it to stop.
+    pub(super) fn flusher_main(&self) {
+        loop {
+            let handed_off = self.flusher_wake.wait_for(|| {
+                let mut locked = self.locked.lock();
+                match locked.handed_off.take() {
+                    Some(output) => Some(Some(output)),
+                    None if locked.stop_flusher => Some(None),
+                    None => None,
+                }
+            });
+            match handed_off {
+                Some(output) => self.run_writer(output, true),
+                None => return,
+            }
+        }
+    }
+}
+
+impl Output {
+    fn unsent(&self) -> bool {
+        self.next_segment < self.segments.len()
+    }
+
+    fn segment_bytes(&self, s: Segment) -> Option<&[u8]> {
+        match s {
+            Segment::Headers { start, end } => self.headers.get(start..end),
+            Segment::Data { index, len } => self
+                .buffers
+                .get(index)
+                .and_then(|b| b.as_slice().get(..len)),
+        }
+    }
+
+    /// Sends what is left; `Ok(false)` if the socket would block (non-blocking mode).
+    fn send(&mut self, fd: RawFd, dontwait: bool) -> io::Result<bool> {
+        let bad = || io::Error::other("reply segment out of bounds");
+        while self.next_segment < self.segments.len() {
+            let mut iov = [IoSlice::new(&[]); IOV_WINDOW];
+            let mut k = 0;
+            let window = self.segments[self.next_segment..].iter().take(IOV_WINDOW);
+            for (i, &s) in window.enumerate() {
+                let mut bytes = self.segment_bytes(s).ok_or_else(bad)?;
+                if i == 0 {
+                    bytes = bytes.get(self.sent_of_segment..).ok_or_else(bad)?;
+                }
+                iov[k] = IoSlice::new(bytes);
+                k += 1;
+            }
+            let n = match crate::sys::sendmsg(fd, &iov[..k], dontwait) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            };
+            self.advance(n);
+        }
+        Ok(true)
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 && self.next_segment < self.segments.len() {
+            let left = self
+                .segment_bytes(self.segments[self.next_segment])
+                .map_or(0, |b| b.len())
+                .saturating_sub(self.sent_of_segment);
+            if n >= left {
+                n -= left;
+                self.next_segment += 1;
+                self.sent_of_segment = 0;
+            } else {
+                self.sent_of_segment += n;
+                n = 0;
+            }
+        }
+    }
+
+    /// Forgets the sent output (buffers go back to their pools).
+    fn reset(&mut self) {
+        self.headers.clear();
+        self.segments.clear();
+        self.buffers.clear();
+        self.next_segment = 0;
+        self.sent_of_segment = 0;
+    }
+
+    /// Frees the slots whose replies were sent; returns whether the reader was waiting (the
+    /// caller wakes it after dropping the lock).
+    fn free_sent(&mut self, locked: &mut Locked) -> bool {
+        if self.shaped_slots.is_empty() {
+            return false;
+        }
+        for &slot in &self.shaped_slots {
+            if let Some(entry) = locked.table.get_mut(slot as usize) {
+                locked.bytes_in_flight = locked.bytes_in_flight.saturating_sub(entry.budget_bytes);
+                entry.clear_data();
+                locked.free_slots.push(slot);
+            }
+        }
+        self.shaped_slots.clear();
+        std::mem::take(&mut locked.reader_waiting)
+    }
+
+    /// Shapes every ready reply into the output (or, once the client is gone, just marks the
+    /// slots for freeing).
+    fn shape_ready(&mut self, locked: &mut Locked, core: &ConnCore, client_gone: bool) {
+        let Locked {
+            table, ready_slots, ..
+        } = locked;
+        for &slot in ready_slots.iter() {
+            let Some(entry) = table.get_mut(slot as usize) else {
+                continue;
+            };
+            self.shaped_slots.push(slot);
+            if !client_gone {
+                self.shape(entry, core.mode, core.min_block);
+            }
+        }
+        ready_slots.clear();
+    }
+}
