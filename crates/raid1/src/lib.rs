@@ -7,3 +7,4 @@
 pub mod barrier;
 
 pub use barrier::{BarrierError, BarrierMode, Barriers};
+pub mod superblock;
