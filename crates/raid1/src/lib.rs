@@ -8,3 +8,4 @@ pub mod barrier;
 
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub mod superblock;
+pub mod bitmap;
