@@ -193,7 +193,9 @@ impl Barriers {
         Self {
             mode,
             skip_pending_fence,
-            buckets: (0..BARRIER_BUCKETS).map(|_| CachePadded::default()).collect(),
+            buckets: (0..BARRIER_BUCKETS)
+                .map(|_| CachePadded::default())
+                .collect(),
             array_frozen: AtomicUsize::new(0),
             total_barriers: AtomicUsize::new(0),
             resync_lock: Mutex::new(()),
@@ -467,7 +469,13 @@ mod tests {
 
     #[test]
     fn buckets_are_in_range_and_units_share_a_bucket() {
-        for s in [0u64, 1, BARRIER_UNIT_SECTORS - 1, BARRIER_UNIT_SECTORS, u64::MAX] {
+        for s in [
+            0u64,
+            1,
+            BARRIER_UNIT_SECTORS - 1,
+            BARRIER_UNIT_SECTORS,
+            u64::MAX,
+        ] {
             assert!(bucket_of(s) < BARRIER_BUCKETS);
         }
         assert_eq!(bucket_of(0), bucket_of(BARRIER_UNIT_SECTORS - 1));

@@ -153,7 +153,9 @@ impl WriteIntentBitmap {
 
     /// The chunks covering a byte range.
     pub fn chunks_of(&self, offset: u64, len: u64) -> Result<ChunkSet, BitmapError> {
-        let end = offset.checked_add(len).filter(|&e| e <= self.size && len > 0);
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.size && len > 0);
         let Some(end) = end else {
             return Err(BitmapError::OutOfRange {
                 offset,
@@ -365,7 +367,8 @@ impl WriteIntentBitmap {
         }
         let mut crc = [0u8; 4];
         crc.copy_from_slice(&b[HEADER_SIZE - 4..HEADER_SIZE]);
-        let computed = crc32c::crc32c_append(crc32c::crc32c(&b[..HEADER_SIZE - 4]), &b[HEADER_SIZE..]);
+        let computed =
+            crc32c::crc32c_append(crc32c::crc32c(&b[..HEADER_SIZE - 4]), &b[HEADER_SIZE..]);
         if u32::from_le_bytes(crc) != computed {
             return Err(BitmapError::BadDisk("checksum mismatch"));
         }

@@ -7,5 +7,8 @@
 pub mod barrier;
 
 pub use barrier::{BarrierError, BarrierMode, Barriers};
-pub mod superblock;
 pub mod bitmap;
+mod device;
+pub mod superblock;
+
+pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};

@@ -154,7 +154,10 @@ pub struct Superblock {
 
 /// The layout of a leg of `leg_size` bytes with a bitmap of `chunk_size` bytes per bit:
 /// (bitmap location, data offset, data size). Errors if the leg is too small.
-pub fn layout(leg_size: u64, chunk_size: u64) -> Result<(BitmapLocation, u64, u64), SuperblockError> {
+pub fn layout(
+    leg_size: u64,
+    chunk_size: u64,
+) -> Result<(BitmapLocation, u64, u64), SuperblockError> {
     if chunk_size == 0 || !chunk_size.is_power_of_two() || chunk_size < 4096 {
         return Err(SuperblockError::Invalid("bitmap chunk size"));
     }
@@ -425,13 +428,15 @@ mod tests {
             any::<bool>(),
             proptest::option::of(any::<u64>()),
         )
-            .prop_map(|(u, in_sync, faulty, write_mostly, recovery_offset)| LegInfo {
-                uuid: Uuid::from_u128(u),
-                in_sync,
-                faulty,
-                write_mostly,
-                recovery_offset,
-            })
+            .prop_map(
+                |(u, in_sync, faulty, write_mostly, recovery_offset)| LegInfo {
+                    uuid: Uuid::from_u128(u),
+                    in_sync,
+                    faulty,
+                    write_mostly,
+                    recovery_offset,
+                },
+            )
     }
 
     fn arb_sb() -> impl Strategy<Value = Superblock> {
@@ -442,8 +447,8 @@ mod tests {
             any::<(u64, u64, u64)>(),
             any::<(u64, u64, u64)>(),
         )
-            .prop_map(|(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc))| {
-                Superblock {
+            .prop_map(
+                |(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc))| Superblock {
                     array_uuid: Uuid::from_u128(a),
                     leg_uuid: Uuid::from_u128(l),
                     role: if spare {
@@ -465,8 +470,8 @@ mod tests {
                         chunk_size: bc,
                     },
                     legs,
-                }
-            })
+                },
+            )
     }
 
     proptest! {

@@ -1,0 +1,307 @@
+//! The `Raid1` device over `mem` legs and a fake failing leg: mirrored writes, degradation
+//! without losing acknowledged writes, read-error repair, read balancing, leg management.
+#![cfg(not(blkq_loom))]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use blk::spec::{DeviceSpec, QueueOverrides};
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use raid1::barrier::BarrierMode;
+use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
+use raid1::{Raid1, Raid1Config};
+
+fn mem(size: &str) -> Arc<dyn Device> {
+    Arc::new(
+        format!("mem:{size}")
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap(),
+    )
+}
+
+/// Waits for one completion.
+#[derive(Default)]
+struct One(Mutex<Option<(Bio, Result<(), Error>)>>, std::sync::Condvar);
+
+impl EndIo for One {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.0.lock().unwrap() = Some((bio, res));
+        self.1.notify_all();
+    }
+}
+
+fn io(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
+    let one = Arc::new(One::default());
+    let end: Arc<dyn EndIo> = one.clone();
+    dev.submit(bio, &end);
+    let mut g = one.0.lock().unwrap();
+    loop {
+        if let Some(r) = g.take() {
+            return r;
+        }
+        let (ng, to) = one.1.wait_timeout(g, Duration::from_secs(20)).unwrap();
+        assert!(!to.timed_out(), "I/O never completed");
+        g = ng;
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
+        .collect()
+}
+
+fn write(dev: &dyn Device, sector: u64, data: &[u8]) -> Result<(), Error> {
+    let mut b = Buffer::new(data.len());
+    b.as_mut_slice().copy_from_slice(data);
+    io(dev, Bio::with_buf(Op::Write, sector, b)).1
+}
+
+fn read(dev: &dyn Device, sector: u64, len: usize) -> Result<Vec<u8>, Error> {
+    let (b, r) = io(dev, Bio::with_buf(Op::Read, sector, Buffer::new(len)));
+    r.map(|()| b.buf.unwrap().as_slice().to_vec())
+}
+
+/// A leg that fails chosen ranges (in leg sectors) of reads or writes, or everything.
+struct Flaky {
+    inner: Arc<dyn Device>,
+    bad_reads: Mutex<Vec<(u64, u64)>>,
+    dead: AtomicBool,
+}
+
+impl Flaky {
+    fn new(inner: Arc<dyn Device>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            bad_reads: Mutex::new(Vec::new()),
+            dead: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Device for Flaky {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        let bad_read = bio.op == Op::Read
+            && self
+                .bad_reads
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|&(s, e)| bio.sector < e && bio.end_sector() > s);
+        if self.dead.load(Ordering::SeqCst) || bad_read {
+            end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
+        } else {
+            self.inner.submit(bio, end);
+        }
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+    ) -> Result<Vec<blk::backend::Extent>, Error> {
+        self.inner.extents(offset, len, max)
+    }
+}
+
+fn cfg(mode: BarrierMode) -> Raid1Config {
+    Raid1Config {
+        barrier: mode,
+        bitmap_chunk: 1 << 20,
+        bitmap_quiet: Duration::from_millis(10),
+        tick: Duration::from_millis(20),
+        depth: 16,
+        ..Raid1Config::default()
+    }
+}
+
+#[test]
+fn mirror_writes_land_on_every_leg_in_both_barrier_modes() {
+    for mode in [BarrierMode::Lockless, BarrierMode::Locked] {
+        let legs = [mem("16M"), mem("16M")];
+        let r = Raid1::create(legs.to_vec(), cfg(mode)).unwrap();
+        let doff = r.data_offset() >> SECTOR_SHIFT;
+        assert!(r.limits().capacity > 8 << 20);
+        let data = pattern(7, 64 << 10);
+        write(&r, 100, &data).unwrap();
+        assert_eq!(read(&r, 100, data.len()).unwrap(), data);
+        for leg in &legs {
+            assert_eq!(read(leg.as_ref(), doff + 100, data.len()).unwrap(), data);
+        }
+        // FUA write and FLUSH go through.
+        let mut b = Buffer::new(4096);
+        b.as_mut_slice().fill(9);
+        let mut bio = Bio::with_buf(Op::Write, 8, b);
+        bio.flags = BioFlags::FUA;
+        io(&r, bio).1.unwrap();
+        io(&r, Bio::new(Op::Flush, 0, 0)).1.unwrap();
+        for leg in &legs {
+            assert!(read(leg.as_ref(), doff + 8, 4096)
+                .unwrap()
+                .iter()
+                .all(|&x| x == 9));
+        }
+        // Bad bios are refused, never panic.
+        assert!(io(&r, Bio::with_buf(Op::Write, 1, Buffer::new(100)))
+            .1
+            .is_err());
+        assert!(io(&r, Bio::new(Op::Read, 0, 4096)).1.is_err());
+        assert!(write(&r, r.limits().capacity >> SECTOR_SHIFT, &[0; 4096]).is_err());
+        // The write's chunk is dirty in the bitmap until quiet, completed and flushed.
+        assert!(!r.is_degraded());
+        // Superblocks are on every leg, same array, own leg UUID.
+        let sbs: Vec<Superblock> = legs
+            .iter()
+            .map(|l| {
+                Superblock::decode(&read(l.as_ref(), SB_OFFSET >> SECTOR_SHIFT, SB_SIZE).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(sbs[0].array_uuid, sbs[1].array_uuid);
+        assert_ne!(sbs[0].leg_uuid, sbs[1].leg_uuid);
+        assert_eq!(sbs[0].data_offset, r.data_offset());
+    }
+}
+
+#[test]
+fn failed_leg_degrades_without_losing_acknowledged_writes() {
+    let bad = Flaky::new(mem("16M"));
+    let good = mem("16M");
+    let r = Raid1::create(
+        vec![bad.clone() as Arc<dyn Device>, good.clone()],
+        cfg(BarrierMode::Lockless),
+    )
+    .unwrap();
+    let a = pattern(1, 8192);
+    write(&r, 0, &a).unwrap();
+    bad.dead.store(true, Ordering::SeqCst);
+    let b = pattern(2, 8192);
+    let sector_b = 3 << 11; // 3 MiB: chunk 3
+    write(&r, sector_b, &b).unwrap();
+    let st = r.leg_status(0).unwrap();
+    assert!(st.faulty);
+    assert!(r.is_degraded());
+    assert_eq!(read(&r, 0, a.len()).unwrap(), a);
+    assert_eq!(read(&r, sector_b, b.len()).unwrap(), b);
+    // The last in-sync leg is never failed: its errors reach the caller.
+    assert!(r.fail_leg(1).is_err());
+    // While degraded the written chunk stays dirty, so a returning leg copies it.
+    std::thread::sleep(Duration::from_millis(100));
+    let bm = r.bitmap().unwrap();
+    assert!(bm.is_dirty(3));
+    // The survivor's superblock records the failure (eventually written by raid1d).
+    r.sync_superblocks().unwrap();
+    let sb = Superblock::decode(&read(good.as_ref(), SB_OFFSET >> SECTOR_SHIFT, SB_SIZE).unwrap())
+        .unwrap();
+    assert!(sb.legs[0].faulty);
+    assert_eq!(sb.array_state, raid1::superblock::ArrayState::Degraded);
+}
+
+#[test]
+fn read_errors_retry_another_leg_and_are_repaired() {
+    let under = mem("16M");
+    let flaky = Flaky::new(under.clone());
+    let r = Raid1::create(
+        vec![flaky.clone() as Arc<dyn Device>, mem("16M")],
+        cfg(BarrierMode::Lockless),
+    )
+    .unwrap();
+    let doff = r.data_offset() >> SECTOR_SHIFT;
+    let data = pattern(3, 16384);
+    write(&r, 64, &data).unwrap();
+    // Corrupt leg 0 underneath and make its reads of the range fail (a media error).
+    write(under.as_ref(), doff + 64, &vec![0xEE; data.len()]).unwrap();
+    flaky
+        .bad_reads
+        .lock()
+        .unwrap()
+        .push((doff + 64, doff + 64 + 32));
+    // With no requests in flight, leg 0 is chosen first.
+    assert_eq!(read(&r, 64, data.len()).unwrap(), data);
+    // The range was rewritten on leg 0 from the good leg.
+    assert_eq!(read(under.as_ref(), doff + 64, data.len()).unwrap(), data);
+    let st = r.leg_status(0).unwrap();
+    assert_eq!(st.read_errors, 1);
+    assert!(!st.faulty);
+}
+
+#[test]
+fn read_error_limit_fails_the_leg_and_total_failure_is_an_error() {
+    let f0 = Flaky::new(mem("16M"));
+    let f1 = Flaky::new(mem("16M"));
+    let mut c = cfg(BarrierMode::Locked);
+    c.read_error_limit = 0;
+    let r = Raid1::create(vec![f0.clone() as Arc<dyn Device>, f1.clone()], c).unwrap();
+    write(&r, 0, &pattern(4, 4096)).unwrap();
+    f0.bad_reads.lock().unwrap().push((0, u64::MAX));
+    assert_eq!(read(&r, 0, 4096).unwrap(), pattern(4, 4096));
+    assert!(r.leg_status(0).unwrap().faulty);
+    f1.bad_reads.lock().unwrap().push((0, u64::MAX));
+    assert!(read(&r, 0, 4096).is_err());
+}
+
+#[test]
+fn write_mostly_leg_is_read_only_when_nothing_else_can() {
+    let f0 = Flaky::new(mem("16M"));
+    let r = Raid1::create(
+        vec![f0.clone() as Arc<dyn Device>, mem("16M")],
+        cfg(BarrierMode::Lockless),
+    )
+    .unwrap();
+    write(&r, 0, &pattern(5, 4096)).unwrap();
+    r.set_write_mostly(0, true).unwrap();
+    f0.bad_reads.lock().unwrap().push((0, u64::MAX));
+    for _ in 0..4 {
+        assert_eq!(read(&r, 0, 4096).unwrap(), pattern(5, 4096));
+    }
+    assert_eq!(r.leg_status(0).unwrap().read_errors, 0);
+}
+
+#[test]
+fn legs_can_be_failed_removed_and_added() {
+    let r = Raid1::create(vec![mem("16M"), mem("16M")], cfg(BarrierMode::Lockless)).unwrap();
+    let doff = r.data_offset() >> SECTOR_SHIFT;
+    assert!(r.remove_leg(1).is_err()); // in sync
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert!(!r.leg_status(1).unwrap().present);
+    let fresh = mem("16M");
+    let slot = r.add_leg(fresh.clone()).unwrap();
+    let st = r.leg_status(slot).unwrap();
+    assert!(st.present && !st.in_sync && !st.faulty);
+    // New writes reach the recovering leg; reads do not use it yet.
+    let d = pattern(6, 4096);
+    write(&r, 16, &d).unwrap();
+    assert_eq!(read(fresh.as_ref(), doff + 16, 4096).unwrap(), d);
+    assert_eq!(read(&r, 16, 4096).unwrap(), d);
+    r.set_in_sync(slot).unwrap();
+    assert!(!r.is_degraded());
+}
+
+#[test]
+fn concurrent_writers_and_readers() {
+    let r =
+        Arc::new(Raid1::create(vec![mem("16M"), mem("16M")], cfg(BarrierMode::Lockless)).unwrap());
+    let ts: Vec<_> = (0..4u64)
+        .map(|t| {
+            let r = r.clone();
+            std::thread::spawn(move || {
+                for n in 0..50u64 {
+                    let sector = (t * 50 + n) * 8;
+                    let d = pattern((t * 50 + n) as u8, 4096);
+                    write(r.as_ref(), sector, &d).unwrap();
+                    assert_eq!(read(r.as_ref(), sector, 4096).unwrap(), d);
+                }
+            })
+        })
+        .collect();
+    for t in ts {
+        t.join().unwrap();
+    }
+}
