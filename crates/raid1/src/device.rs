@@ -767,7 +767,7 @@ impl Inner {
         let id = self.get_slot();
         // Copies for the extra legs first, then the original buffer goes to the primary.
         let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
-        for i in 0..self.legs.len() {
+        for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
             if mask & (1 << i) == 0 || i == primary {
                 continue;
             }
@@ -782,7 +782,7 @@ impl Inner {
                 }
                 _ => None,
             };
-            bios[i] = Some(self.leg_bio(&bio, copy, id));
+            *slot = Some(self.leg_bio(&bio, copy, id));
         }
         let buf = bio.buf.take();
         bios[primary] = Some(self.leg_bio(&bio, buf, id));
