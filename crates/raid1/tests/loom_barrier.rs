@@ -63,6 +63,43 @@ fn loom_write_and_resync_exclude_locked() {
     blkq_sync::model(|| write_vs_resync(Barriers::new(BarrierMode::Locked)));
 }
 
+/// Three parties: a write and a read against a resync window. The read is never held by the
+/// barrier (only the write is excluded), and every sleeper is woken (the model terminates).
+fn write_read_vs_resync(b: Barriers) {
+    let s = shared(b);
+    let w = {
+        let s = s.clone();
+        thread::spawn(move || {
+            s.b.wait_barrier(0);
+            critical(&s, 1);
+            s.b.allow_barrier(0).unwrap();
+        })
+    };
+    let r = {
+        let s = s.clone();
+        thread::spawn(move || {
+            s.b.wait_read_barrier(0);
+            s.b.allow_barrier(0).unwrap();
+        })
+    };
+    s.b.raise_barrier(0);
+    critical(&s, 2);
+    s.b.lower_barrier(0).unwrap();
+    w.join().unwrap();
+    r.join().unwrap();
+    assert_eq!(s.b.snapshot(0), Default::default());
+}
+
+#[test]
+fn loom_write_read_and_resync_lockless() {
+    blkq_sync::model(|| write_read_vs_resync(Barriers::new(BarrierMode::Lockless)));
+}
+
+#[test]
+fn loom_write_read_and_resync_locked() {
+    blkq_sync::model(|| write_read_vs_resync(Barriers::new(BarrierMode::Locked)));
+}
+
 /// A read passes a raised barrier, but not a freeze; a freeze waits for active I/O.
 fn freeze_waits_for_active_io(mode: BarrierMode, read: bool) {
     let s = shared(Barriers::new(mode));
