@@ -201,6 +201,7 @@ struct Inner {
     stop: AtomicBool,
     sb_dirty: AtomicBool,
     meta: Mutex<ArrayMeta>,
+    fail_lock: Mutex<()>,
     pool: BufferPool,
     origin: Instant,
 }
@@ -326,6 +327,7 @@ impl Raid1 {
                 events: 1,
                 state: ArrayState::Clean,
             }),
+            fail_lock: Mutex::new(()),
             pool,
             origin: Instant::now(),
             cfg,
@@ -586,6 +588,8 @@ impl Inner {
 
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.
     fn fail_leg(&self, i: usize) -> bool {
+        // Serialised, so two legs failing at once cannot both see the other as the survivor.
+        let _g = self.fail_lock.lock();
         let l = &self.legs[i];
         let others = self
             .legs
