@@ -175,6 +175,29 @@ impl EndIo for LegEnd {
     }
 }
 
+/// A leg placed in a slot at start-up.
+struct Placed {
+    slot: usize,
+    dev: StdArc<dyn Device>,
+    uuid: Uuid,
+    state: u32,
+    recovery_offset: u64,
+}
+
+/// What `launch` needs.
+struct Launch {
+    nr_slots: usize,
+    placed: Vec<Placed>,
+    array_uuid: Uuid,
+    events: u64,
+    data_offset: u64,
+    capacity: u64,
+    lbs: u32,
+    max_io: u32,
+    bitmap: Option<WriteIntentBitmap>,
+    cfg: Raid1Config,
+}
+
 struct ArrayMeta {
     array_uuid: Uuid,
     events: u64,
@@ -295,12 +318,171 @@ impl Raid1 {
         } else {
             Some(WriteIntentBitmap::new(capacity, chunk)?.with_quiet_time(cfg.bitmap_quiet))
         };
-        let array_uuid = sb0.array_uuid;
-        let nr_legs = legs.len();
-        let pool = BufferPool::new(max_io as usize, 4, cfg.depth.min(64));
+        let placed = legs
+            .into_iter()
+            .enumerate()
+            .map(|(i, dev)| Placed {
+                slot: i,
+                dev,
+                uuid: sbs[i].leg_uuid,
+                state: PRESENT | IN_SYNC,
+                recovery_offset: 0,
+            })
+            .collect();
+        Self::launch(Launch {
+            nr_slots,
+            placed,
+            array_uuid: sb0.array_uuid,
+            events: 1,
+            data_offset,
+            capacity,
+            lbs,
+            max_io,
+            bitmap,
+            cfg,
+        })
+    }
+
+    /// Assembles an existing array from its legs' superblocks (any order). The newest
+    /// superblock (highest `events`) decides the slot table; a leg whose own superblock is
+    /// older is put back as recovering (recovery offset 0): a resync must bring it up to date,
+    /// copying the dirty chunks of the bitmap (loaded from every leg, as a union) or everything.
+    /// Legs the newest superblock marks faulty come back faulty.
+    pub fn assemble(legs: Vec<StdArc<dyn Device>>, cfg: Raid1Config) -> Result<Self, Raid1Error> {
+        if legs.is_empty() {
+            return Err(Raid1Error::Config("no legs".into()));
+        }
+        if cfg.depth == 0 || cfg.depth > u32::MAX as usize {
+            return Err(Raid1Error::Config("depth".into()));
+        }
+        let mut found = Vec::with_capacity(legs.len());
+        for (i, dev) in legs.into_iter().enumerate() {
+            let b = Bio::with_buf(
+                Op::Read,
+                SB_OFFSET >> SECTOR_SHIFT,
+                Buffer::new(crate::superblock::SB_SIZE),
+            );
+            let (back, r) = sync_io(dev.as_ref(), b);
+            r.map_err(|e| Raid1Error::Leg { leg: i, source: e })?;
+            let buf = back
+                .and_then(|b| b.buf)
+                .ok_or(Raid1Error::Slot(i, "no data"))?;
+            let sb = Superblock::decode(buf.as_slice())?;
+            found.push((dev, sb));
+        }
+        let newest = found
+            .iter()
+            .max_by_key(|(_, sb)| sb.events)
+            .map(|(_, sb)| sb.clone())
+            .ok_or(Raid1Error::Config("no legs".into()))?;
+        let nr_slots = newest.legs.len();
+        let lims: Vec<Limits> = found.iter().map(|(d, _)| d.limits()).collect();
+        let lbs = lims
+            .iter()
+            .map(|l| l.logical_block_size)
+            .max()
+            .unwrap_or(512);
+        let max_io = lims
+            .iter()
+            .map(|l| l.max_io_bytes)
+            .chain([cfg.max_io_bytes])
+            .min()
+            .unwrap_or(cfg.max_io_bytes);
+        let mut placed: Vec<Placed> = Vec::new();
+        for (i, (dev, sb)) in found.into_iter().enumerate() {
+            if sb.array_uuid != newest.array_uuid {
+                return Err(Raid1Error::Slot(i, "leg belongs to another array"));
+            }
+            if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
+                return Err(Raid1Error::Slot(i, "leg smaller than the array"));
+            }
+            let Role::Slot(n) = sb.role else {
+                continue; // spares are added later with add_leg
+            };
+            let n = n as usize;
+            let Some(info) = newest.legs.get(n).filter(|l| l.uuid == sb.leg_uuid) else {
+                continue; // replaced in its slot since: not part of the array any more
+            };
+            if placed.iter().any(|p| p.slot == n) {
+                return Err(Raid1Error::Slot(i, "two legs claim the same slot"));
+            }
+            let mut state = PRESENT;
+            if info.faulty {
+                state |= FAULTY;
+            }
+            if info.write_mostly {
+                state |= WRITE_MOSTLY;
+            }
+            let current = sb.events == newest.events;
+            if info.in_sync && current {
+                state |= IN_SYNC;
+            }
+            placed.push(Placed {
+                slot: n,
+                dev,
+                uuid: sb.leg_uuid,
+                state,
+                recovery_offset: if current {
+                    info.recovery_offset.unwrap_or(0)
+                } else {
+                    0
+                },
+            });
+        }
+        if !placed
+            .iter()
+            .any(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
+        {
+            return Err(Raid1Error::Config("no in-sync leg: cannot assemble".into()));
+        }
+        let capacity = newest.data_size;
+        let bitmap = if newest.bitmap.chunk_size == 0 {
+            None
+        } else {
+            let bm = WriteIntentBitmap::new(capacity, newest.bitmap.chunk_size)?
+                .with_quiet_time(cfg.bitmap_quiet);
+            let mut loaded = false;
+            for p in placed.iter().filter(|p| p.state & FAULTY == 0) {
+                let len = bm.disk_len();
+                let b = Bio::with_buf(
+                    Op::Read,
+                    newest.bitmap.offset >> SECTOR_SHIFT,
+                    Buffer::new(len),
+                );
+                let (back, r) = sync_io(p.dev.as_ref(), b);
+                if let (Ok(()), Some(buf)) = (r, back.and_then(|b| b.buf)) {
+                    loaded |= bm.load(buf.as_slice()).is_ok();
+                }
+            }
+            if !loaded {
+                // No readable bitmap: everything may differ.
+                bm.set_dirty(crate::bitmap::ChunkSet {
+                    first: 0,
+                    end: bm.nr_chunks(),
+                });
+            }
+            Some(bm)
+        };
+        Self::launch(Launch {
+            nr_slots,
+            placed,
+            array_uuid: newest.array_uuid,
+            events: newest.events,
+            data_offset: newest.data_offset,
+            capacity,
+            lbs,
+            max_io,
+            bitmap,
+            cfg,
+        })
+    }
+
+    fn launch(a: Launch) -> Result<Self, Raid1Error> {
+        let cfg = a.cfg;
+        let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
-            legs: (0..nr_slots).map(|_| Leg::empty()).collect(),
-            ends: (0..nr_slots)
+            legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
+            ends: (0..a.nr_slots)
                 .map(|leg| {
                     StdArc::new(LegEnd {
                         inner: weak.clone(),
@@ -308,12 +490,12 @@ impl Raid1 {
                     }) as StdArc<dyn EndIo>
                 })
                 .collect(),
-            data_offset,
-            capacity,
-            logical_block_size: lbs,
-            max_io,
+            data_offset: a.data_offset,
+            capacity: a.capacity,
+            logical_block_size: a.lbs,
+            max_io: a.max_io,
             barriers: Barriers::new(cfg.barrier),
-            bitmap,
+            bitmap: a.bitmap,
             persist: Mutex::new(()),
             ios: (0..cfg.depth).map(|_| Mutex::new(Io::default())).collect(),
             free: Mutex::new((0..cfg.depth as u32).rev().collect()),
@@ -323,25 +505,26 @@ impl Raid1 {
             stop: AtomicBool::new(false),
             sb_dirty: AtomicBool::new(false),
             meta: Mutex::new(ArrayMeta {
-                array_uuid,
-                events: 1,
-                state: ArrayState::Clean,
+                array_uuid: a.array_uuid,
+                events: a.events,
+                state: ArrayState::Active,
             }),
             fail_lock: Mutex::new(()),
             pool,
             origin: Instant::now(),
             cfg,
         });
-        for (i, dev) in legs.into_iter().enumerate() {
-            let l = &inner.legs[i];
-            *l.dev.lock() = Some(dev);
-            *l.uuid.lock() = sbs[i].leg_uuid;
-            l.state.store(PRESENT | IN_SYNC, Ordering::Release);
+        for p in a.placed {
+            let l = &inner.legs[p.slot];
+            *l.dev.lock() = Some(p.dev);
+            *l.uuid.lock() = p.uuid;
+            l.recovery_offset
+                .store(p.recovery_offset, Ordering::Release);
+            l.state.store(p.state, Ordering::Release);
         }
-        for (i, sb) in sbs.iter().enumerate().skip(nr_legs) {
-            *inner.legs[i].uuid.lock() = sb.leg_uuid;
+        if let Some(bm) = &inner.bitmap {
+            bm.set_degraded(inner.is_degraded());
         }
-        inner.meta.lock().state = ArrayState::Active;
         inner.write_superblocks()?;
         inner.persist_bitmap()?;
         let daemon = {
@@ -1046,10 +1229,10 @@ impl Inner {
                 }
             })
             .collect();
-        let state = if meta.state == ArrayState::Clean {
-            ArrayState::Clean
-        } else if self.is_degraded() {
+        let state = if self.is_degraded() {
             ArrayState::Degraded
+        } else if meta.state == ArrayState::Clean {
+            ArrayState::Clean
         } else {
             ArrayState::Active
         };

@@ -49,8 +49,10 @@
 //! recovering legs, under a freeze), [`Raid1::add_leg`] (into an empty slot, as recovering),
 //! [`Raid1::set_recovery_offset`], [`Raid1::set_in_sync`], [`Raid1::set_write_mostly`].
 //!
-//! Not here yet: assembling an existing array from its superblocks (only [`Raid1::create`]),
-//! resync/recovery/check/repair threads, the `blkq raid` tools, the control socket.
+//! Start-up: [`Raid1::create`] formats new legs; [`Raid1::assemble`] restarts an array from its
+//! legs' superblocks (newest `events` wins; stale legs come back recovering, faulty ones faulty).
+//!
+//! Not here yet: resync/recovery/check/repair threads, the `blkq raid` tools, the control socket.
 #![warn(missing_docs)]
 
 pub mod barrier;
