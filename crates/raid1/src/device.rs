@@ -225,6 +225,9 @@ struct Inner {
     sb_dirty: AtomicBool,
     meta: Mutex<ArrayMeta>,
     fail_lock: Mutex<()>,
+    /// Array byte offset up to which a running resync has made the legs agree (u64::MAX: no
+    /// resync running).
+    resync_point: AtomicU64,
     pool: BufferPool,
     origin: Instant,
 }
@@ -510,6 +513,7 @@ impl Raid1 {
                 state: ArrayState::Active,
             }),
             fail_lock: Mutex::new(()),
+            resync_point: AtomicU64::new(u64::MAX),
             pool,
             origin: Instant::now(),
             cfg,
@@ -675,6 +679,14 @@ impl Raid1 {
         Ok(())
     }
 
+    /// For a resync thread: legs agree below array byte `offset`; reads reaching past it go to
+    /// the first usable leg (the resync's source). `None` when the resync is done.
+    pub fn set_resync_point(&self, offset: Option<u64>) {
+        self.inner
+            .resync_point
+            .store(offset.unwrap_or(u64::MAX), Ordering::Release);
+    }
+
     /// Sets or clears write-mostly on slot `i`.
     pub fn set_write_mostly(&self, i: usize, on: bool) -> Result<(), Raid1Error> {
         let l = self
@@ -800,6 +812,9 @@ impl Inner {
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
     fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
+        // During a resync, a read at or past the resync point goes to the first usable leg
+        // (the resync's source), as md's `choose_first`, so it reads what the resync copies.
+        let choose_first = end_byte > self.resync_point.load(Ordering::Acquire);
         let mut best: Option<(usize, usize)> = None;
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
@@ -809,6 +824,9 @@ impl Inner {
             }
             if st & IN_SYNC == 0 && end_byte > l.recovery_offset.load(Ordering::Acquire) {
                 continue;
+            }
+            if choose_first {
+                return Some(i);
             }
             if st & WRITE_MOSTLY != 0 {
                 mostly.get_or_insert(i);

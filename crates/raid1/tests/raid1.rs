@@ -354,3 +354,25 @@ fn arrays_reassemble_from_their_superblocks() {
         ))
     ));
 }
+
+#[test]
+fn reads_past_the_resync_point_go_to_the_first_leg() {
+    let f0 = Flaky::new(mem("16M"));
+    let f1 = Flaky::new(mem("16M"));
+    let r = Raid1::create(
+        vec![f0.clone() as Arc<dyn Device>, f1.clone()],
+        cfg(BarrierMode::Lockless),
+    )
+    .unwrap();
+    write(&r, 0, &pattern(10, 4096)).unwrap();
+    // Leg 0 is write-mostly, so reads would go to leg 1, which fails every read: with the
+    // resync point at 0 they go to the first leg instead and leg 1 is never tried.
+    r.set_write_mostly(0, true).unwrap();
+    f1.bad_reads.lock().unwrap().push((0, u64::MAX));
+    r.set_resync_point(Some(0));
+    for _ in 0..4 {
+        assert_eq!(read(&r, 0, 4096).unwrap(), pattern(10, 4096));
+    }
+    assert_eq!(r.leg_status(1).unwrap().read_errors, 0);
+    r.set_resync_point(None);
+}
