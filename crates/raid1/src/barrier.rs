@@ -271,15 +271,18 @@ impl Barriers {
             }
             BarrierMode::Locked => {
                 let mut g = self.resync_lock.lock();
-                if !clear() {
+                let waited = !clear();
+                if waited {
                     b.nr_waiting.fetch_add(1, Ordering::Relaxed);
                     g = self.wait_locked(g, clear);
                     b.nr_waiting.fetch_sub(1, Ordering::Release);
                 }
                 b.nr_pending.fetch_add(1, Ordering::AcqRel);
                 drop(g);
-                // Rule 3: the nr_waiting decrement is what a raiser's first wait waits for.
-                self.wq.wake_all();
+                if waited {
+                    // Rule 3: the nr_waiting decrement is what a raiser's first wait waits for.
+                    self.wq.wake_all();
+                }
             }
         }
     }
@@ -311,14 +314,17 @@ impl Barriers {
             BarrierMode::Locked => Some(self.resync_lock.lock()),
             BarrierMode::Lockless => None,
         };
-        // Release (rule 5): our I/O happens before a raiser that reads the smaller count.
-        let r = b
-            .nr_pending
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| v.checked_sub(1));
+        // Release (rule 5): our I/O happens before a raiser that reads the smaller count. One
+        // fetch_sub, not a CAS loop, on this hot counter; an unpaired call is undone below.
+        let prev = b.nr_pending.fetch_sub(1, Ordering::AcqRel);
+        if prev == 0 {
+            b.nr_pending.fetch_add(1, Ordering::Relaxed);
+            return Err(BarrierError::NotPending(sector));
+        }
         drop(g);
         // Rule 3: the decrement comes before the wake-up.
         self.wq.wake_all();
-        r.map(|_| ()).map_err(|_| BarrierError::NotPending(sector))
+        Ok(())
     }
 
     /// Raises a resync window on `sector`'s bucket: waits for sleeping regular I/O to go

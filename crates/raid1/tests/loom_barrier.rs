@@ -133,6 +133,11 @@ fn loom_freeze_excludes_read_lockless() {
 }
 
 #[test]
+fn loom_freeze_excludes_read_locked() {
+    blkq_sync::model(|| freeze_waits_for_active_io(BarrierMode::Locked, true));
+}
+
+#[test]
 fn loom_freeze_excludes_write_locked() {
     blkq_sync::model(|| freeze_waits_for_active_io(BarrierMode::Locked, false));
 }
