@@ -376,3 +376,85 @@ fn reads_past_the_resync_point_go_to_the_first_leg() {
     assert_eq!(r.leg_status(1).unwrap().read_errors, 0);
     r.set_resync_point(None);
 }
+
+/// A leg that records the (op, sector) of every bio it is given.
+struct Recorder {
+    inner: Arc<dyn Device>,
+    log: Mutex<Vec<(Op, u64)>>,
+}
+
+impl Device for Recorder {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        self.log.lock().unwrap().push((bio.op, bio.sector));
+        self.inner.submit(bio, end);
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+    ) -> Result<Vec<blk::backend::Extent>, Error> {
+        self.inner.extents(offset, len, max)
+    }
+}
+
+#[test]
+fn bitmap_bit_is_durable_on_every_leg_before_the_first_write_and_clears_when_quiet() {
+    let legs: Vec<Arc<Recorder>> = (0..2)
+        .map(|_| {
+            Arc::new(Recorder {
+                inner: mem("16M"),
+                log: Mutex::new(Vec::new()),
+            })
+        })
+        .collect();
+    let r = Raid1::create(
+        legs.iter().map(|l| l.clone() as Arc<dyn Device>).collect(),
+        cfg(BarrierMode::Lockless),
+    )
+    .unwrap();
+    let doff = r.data_offset() >> SECTOR_SHIFT;
+    let bitmap_sector = raid1::superblock::BITMAP_OFFSET >> SECTOR_SHIFT;
+    for l in &legs {
+        l.log.lock().unwrap().clear();
+    }
+    write(&r, 2048, &pattern(11, 4096)).unwrap(); // chunk 1
+    for l in &legs {
+        let log = l.log.lock().unwrap().clone();
+        let data = log
+            .iter()
+            .position(|&(op, s)| op == Op::Write && s == doff + 2048)
+            .expect("data write reached the leg");
+        let bm = log[..data]
+            .iter()
+            .position(|&(op, s)| op == Op::Write && s == bitmap_sector)
+            .expect("bitmap written before the data");
+        assert!(
+            log[bm..data].iter().any(|&(op, _)| op == Op::Flush),
+            "no flush between the bitmap write and the data write: {log:?}"
+        );
+    }
+    // A second write into the same chunk needs no bitmap write.
+    for l in &legs {
+        l.log.lock().unwrap().clear();
+    }
+    write(&r, 2056, &pattern(12, 4096)).unwrap();
+    for l in &legs {
+        assert!(!l
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|&(_, s)| s == bitmap_sector));
+    }
+    // Quiet, completed, flushed: raid1d clears the bit (polled, generous deadline).
+    let bm = r.bitmap().unwrap();
+    let t0 = std::time::Instant::now();
+    while bm.is_dirty(1) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "bit never cleared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
