@@ -458,3 +458,38 @@ fn bitmap_bit_is_durable_on_every_leg_before_the_first_write_and_clears_when_qui
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+#[test]
+fn read_repairs_under_concurrent_io_do_not_deadlock() {
+    for mode in [BarrierMode::Lockless, BarrierMode::Locked] {
+        let f0 = Flaky::new(mem("16M"));
+        let mut c = cfg(mode);
+        c.read_error_limit = u32::MAX;
+        c.depth = 4; // few slots: submitters also wait for slots
+        let r =
+            Arc::new(Raid1::create(vec![f0.clone() as Arc<dyn Device>, mem("16M")], c).unwrap());
+        let doff = r.data_offset() >> SECTOR_SHIFT;
+        // Every read of leg 0's first 512 KiB of data fails.
+        f0.bad_reads.lock().unwrap().push((doff, doff + 1024));
+        let ts: Vec<_> = (0..4u64)
+            .map(|t| {
+                let r = r.clone();
+                std::thread::spawn(move || {
+                    for n in 0..40u64 {
+                        let sector = ((t * 40 + n) % 128) * 8;
+                        let d = pattern((t + n) as u8, 4096);
+                        if t % 2 == 0 {
+                            write(r.as_ref(), sector + 1024 * (t / 2 + 1), &d).unwrap();
+                        }
+                        // Reads of the failing range go through retry + repair.
+                        read(r.as_ref(), sector, 4096).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in ts {
+            t.join().unwrap();
+        }
+        assert!(!r.leg_status(0).unwrap().faulty);
+    }
+}
