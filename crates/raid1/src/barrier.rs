@@ -10,7 +10,10 @@
 //! | `nr_queued`  | admitted I/O parked on a retry list (counted in `nr_pending` too)     |
 //! | `barrier`    | resync windows raised in the bucket                                   |
 //!
-//! plus the array-wide `array_frozen` (a count of freezers) and `total_barriers`.
+//! plus the array-wide `array_frozen` (a count of freezers), `total_barriers` (raised, waiting or
+//! not) and `nr_sync_pending` (windows that passed `raise_barrier`, at most [`RESYNC_DEPTH`];
+//! counting the passed ones rather than the raised ones, as later md does, means raisers that
+//! have not passed can never hold each other up).
 //!
 //! What each operation waits for:
 //!
@@ -18,7 +21,7 @@
 //! |------------------------|-----------------------------------------------------------------|
 //! | `wait_barrier`         | bucket `barrier == 0` and not frozen                            |
 //! | `wait_read_barrier`    | not frozen (reads never race resync: read balance avoids stale) |
-//! | `raise_barrier`        | first `nr_waiting == 0`; then, with its barrier raised: not frozen, bucket `nr_pending == 0`, `total_barriers <= RESYNC_DEPTH` |
+//! | `raise_barrier`        | first `nr_waiting == 0`; then, with its barrier raised: not frozen, bucket `nr_pending == 0`, `nr_sync_pending < RESYNC_DEPTH` |
 //! | `freeze_array(extra)`  | sum over buckets of `nr_pending - nr_queued == extra`           |
 //! | `allow_barrier`, `lower_barrier`, `unfreeze_array`, `queue_io`, `unqueue_io` | never wait |
 //!
@@ -164,6 +167,9 @@ pub struct Barriers {
     /// Number of active freezers (0: not frozen).
     array_frozen: AtomicUsize,
     total_barriers: AtomicUsize,
+    /// Windows that passed `raise_barrier` and are not lowered yet (changed under the resync
+    /// lock when raised; decremented before the wake-up when lowered, rule 3).
+    nr_sync_pending: AtomicUsize,
     resync_lock: Mutex<()>,
     wq: WaitQueue,
 }
@@ -198,6 +204,7 @@ impl Barriers {
                 .collect(),
             array_frozen: AtomicUsize::new(0),
             total_barriers: AtomicUsize::new(0),
+            nr_sync_pending: AtomicUsize::new(0),
             resync_lock: Mutex::new(()),
             wq: WaitQueue::new(),
         }
@@ -344,9 +351,10 @@ impl Barriers {
         let g = self.wait_locked(g, || {
             self.array_frozen.load(Ordering::Acquire) == 0
                 && b.nr_pending.load(Ordering::Acquire) == 0
-                && self.total_barriers.load(Ordering::Acquire) <= RESYNC_DEPTH
+                && self.nr_sync_pending.load(Ordering::Acquire) < RESYNC_DEPTH
         });
         b.nr_pending.fetch_add(1, Ordering::AcqRel);
+        self.nr_sync_pending.fetch_add(1, Ordering::AcqRel);
         drop(g);
     }
 
@@ -363,6 +371,7 @@ impl Barriers {
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| v.checked_sub(1));
         if r.is_ok() {
             self.total_barriers.fetch_sub(1, Ordering::AcqRel);
+            self.nr_sync_pending.fetch_sub(1, Ordering::AcqRel);
             b.nr_pending.fetch_sub(1, Ordering::AcqRel);
         }
         drop(g);
@@ -561,6 +570,48 @@ mod tests {
             b.allow_barrier(5).unwrap();
             t.join().unwrap();
             assert!(raised.load(std::sync::atomic::Ordering::SeqCst));
+        }
+    }
+
+    #[test]
+    fn at_most_resync_depth_windows_pass() {
+        for m in both() {
+            let b = Arc::new(Barriers::new(m));
+            // RESYNC_DEPTH + 1 units in distinct buckets.
+            let mut units: Vec<u64> = Vec::new();
+            let mut u = 0u64;
+            while units.len() <= RESYNC_DEPTH {
+                let s = u * BARRIER_UNIT_SECTORS;
+                if units.iter().all(|&x| bucket_of(x) != bucket_of(s)) {
+                    units.push(s);
+                }
+                u += 1;
+            }
+            for &s in &units[..RESYNC_DEPTH] {
+                b.raise_barrier(s);
+            }
+            let last = units[RESYNC_DEPTH];
+            let passed = Arc::new(AtomicBool::new(false));
+            let t = {
+                let (b, passed) = (b.clone(), passed.clone());
+                std::thread::spawn(move || {
+                    b.raise_barrier(last);
+                    passed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    b.lower_barrier(last).unwrap();
+                })
+            };
+            while b.total_barriers() <= RESYNC_DEPTH {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            assert!(!passed.load(std::sync::atomic::Ordering::SeqCst));
+            b.lower_barrier(units[0]).unwrap();
+            t.join().unwrap();
+            assert!(passed.load(std::sync::atomic::Ordering::SeqCst));
+            for &s in &units[1..RESYNC_DEPTH] {
+                b.lower_barrier(s).unwrap();
+            }
+            assert_eq!(b.total_barriers(), 0);
         }
     }
 
