@@ -90,6 +90,53 @@ impl Default for Raid1Config {
     }
 }
 
+fn parse_size(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (num, shift) = match v.chars().last()? {
+        'k' | 'K' => (&v[..v.len() - 1], 10),
+        'm' | 'M' => (&v[..v.len() - 1], 20),
+        'g' | 'G' => (&v[..v.len() - 1], 30),
+        _ => (v, 0),
+    };
+    num.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+impl Raid1Config {
+    /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
+    /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
+    /// `read_errors=N`, `spare_slots=N`.
+    pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
+        let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
+        match key {
+            "barrier" => {
+                self.barrier = value
+                    .parse()
+                    .map_err(|e: crate::barrier::BarrierError| Raid1Error::Config(e.to_string()))?
+            }
+            "bitmap_chunk" => {
+                self.bitmap_chunk = if value == "none" {
+                    0
+                } else {
+                    parse_size(value).ok_or_else(bad)?
+                }
+            }
+            "bitmap_quiet_ms" => {
+                self.bitmap_quiet = Duration::from_millis(value.parse().map_err(|_| bad())?)
+            }
+            "depth" => self.depth = value.parse().map_err(|_| bad())?,
+            "max_io" => {
+                self.max_io_bytes = parse_size(value)
+                    .and_then(|v| u32::try_from(v).ok())
+                    .ok_or_else(bad)?
+            }
+            "read_errors" => self.read_error_limit = value.parse().map_err(|_| bad())?,
+            "spare_slots" => self.spare_slots = value.parse().map_err(|_| bad())?,
+            _ => return Err(Raid1Error::Config(format!("raid1: unknown option {key}"))),
+        }
+        Ok(())
+    }
+}
+
 /// The run-time state of one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LegStatus {

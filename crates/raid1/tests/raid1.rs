@@ -493,3 +493,33 @@ fn read_repairs_under_concurrent_io_do_not_deadlock() {
         assert!(!r.leg_status(0).unwrap().faulty);
     }
 }
+
+#[test]
+fn config_options_parse() {
+    let mut c = Raid1Config::default();
+    c.set_option("barrier", "locked").unwrap();
+    c.set_option("bitmap_chunk", "4M").unwrap();
+    c.set_option("depth", "32").unwrap();
+    c.set_option("max_io", "256K").unwrap();
+    assert_eq!(c.barrier, BarrierMode::Locked);
+    assert_eq!(c.bitmap_chunk, 4 << 20);
+    assert_eq!(c.depth, 32);
+    assert_eq!(c.max_io_bytes, 256 << 10);
+    c.set_option("bitmap_chunk", "none").unwrap();
+    assert_eq!(c.bitmap_chunk, 0);
+    assert!(c.set_option("barrier", "maybe").is_err());
+    assert!(c.set_option("depth", "x").is_err());
+    assert!(c.set_option("nope", "1").is_err());
+    // An array without a bitmap works too.
+    let r = Raid1::create(
+        vec![mem("16M"), mem("16M")],
+        Raid1Config {
+            bitmap_chunk: 0,
+            ..cfg(BarrierMode::Locked)
+        },
+    )
+    .unwrap();
+    assert!(r.bitmap().is_none());
+    write(&r, 0, &pattern(13, 4096)).unwrap();
+    assert_eq!(read(&r, 0, 4096).unwrap(), pattern(13, 4096));
+}
