@@ -175,6 +175,12 @@ mod imp {
 
 pub use imp::{atomic, thread, Arc, UnsafeCell};
 
+/// `std::sync::Arc`, under loom too: the handle for shared **trait objects** (`Arc<dyn
+/// Device>`, `Arc<dyn EndIo>`). Loom's `Arc` cannot hold an unsized value, and a reference count
+/// only decides when a value is freed, never what another thread sees of it, so nothing a model
+/// must explore goes through it. Use [`Arc`] for everything else.
+pub type DynArc<T> = std::sync::Arc<T>;
+
 /// Statistics counters: always `std` atomics, also under loom. Nothing may decide anything on
 /// them (they are read only for reports), so they carry no ordering worth modelling, and as
 /// loom atomics they multiplied model run times. The one sanctioned exception to "every atomic
