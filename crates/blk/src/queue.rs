@@ -11,7 +11,7 @@
 //!
 //! Slot `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
 //! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
-//! the previous owner's. Inside blk, ownership travels as an [`RqRef`]: a non-`Clone` token
+//! the previous owner's. Inside blk, ownership travels as an [`RequestToken`]: a non-`Clone` token
 //! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
 //! of the token can reach the slot, so the `UnsafeCell` access is exclusive.
 //!
@@ -45,73 +45,11 @@ use std::sync::Arc;
 use blkq_sync::{CachePadded, UnsafeCell};
 use sbitmap::WakeAlgo;
 
-use crate::backend::Extent;
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::sched::LockStats;
+use crate::device::{Device, Driver, Extent, Limits, Scheduler};
 use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
-
-/// Limits a device advertises and the queue enforces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Size in bytes.
-    pub capacity: u64,
-    /// Smallest addressable unit, bytes (a power of two, >= 512).
-    pub logical_block_size: u32,
-    /// Largest read or write, bytes.
-    pub max_io_bytes: u32,
-}
-
-impl Limits {
-    /// Checks a bio against the limits.
-    pub fn validate(&self, bio: &Bio) -> Result<(), Error> {
-        if bio.op == Op::Flush {
-            return Ok(());
-        }
-        let lbs = u64::from(self.logical_block_size);
-        let off = bio
-            .sector
-            .checked_mul(1 << SECTOR_SHIFT)
-            .ok_or(Error::OutOfRange {
-                offset: u64::MAX,
-                len: u64::from(bio.len),
-                capacity: self.capacity,
-            })?;
-        let len = u64::from(bio.len);
-        if len == 0 || off % lbs != 0 || len % lbs != 0 {
-            return Err(Error::Misaligned {
-                offset: off,
-                len,
-                block: self.logical_block_size,
-            });
-        }
-        if off.checked_add(len).is_none_or(|end| end > self.capacity) {
-            return Err(Error::OutOfRange {
-                offset: off,
-                len,
-                capacity: self.capacity,
-            });
-        }
-        if bio.op.has_data() {
-            if bio.len > self.max_io_bytes {
-                return Err(Error::TooLarge {
-                    len,
-                    max: self.max_io_bytes,
-                });
-            }
-            if let Some(b) = &bio.buf {
-                if b.len() < bio.len as usize {
-                    return Err(Error::BufferTooSmall {
-                        len,
-                        buf: b.len() as u64,
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-}
 
 /// How to build a queue.
 #[derive(Debug, Clone)]
@@ -172,7 +110,7 @@ pub struct Request {
     /// The next request of this request's merge chain (module docs), `None` for a request that
     /// carries one bio. Set by the scheduler at dispatch; the driver reads it (through
     /// [`QueueCore::for_each_bio`]) and `complete` consumes it.
-    pub merged: Option<RqRef>,
+    pub merged: Option<RequestToken>,
 }
 
 impl fmt::Debug for Request {
@@ -188,18 +126,18 @@ impl fmt::Debug for Request {
 
 /// The right to use one request slot, from tag allocation to completion (module docs).
 #[derive(Debug)]
-pub struct RqRef {
+pub struct RequestToken {
     idx: u32,
 }
 
-impl RqRef {
+impl RequestToken {
     /// The slot index (unique among requests in flight on this queue).
     pub fn index(&self) -> u32 {
         self.idx
     }
 
     /// Rebuilds the token of slot `idx`, for a driver that carried a request through an
-    /// asynchronous engine as its bare [`RqRef::index`] (the engine's `user_data`).
+    /// asynchronous engine as its bare [`RequestToken::index`] (the engine's `user_data`).
     ///
     /// # Safety
     ///
@@ -207,110 +145,14 @@ impl RqRef {
     /// token the caller owns: one given up by whoever held it (handed to an engine as its
     /// index) and rebuilt at most once. A second live token for the same slot would alias the
     /// `&mut Request` of [`QueueCore::rq_mut`].
-    pub(crate) unsafe fn from_index(idx: u32) -> RqRef {
-        RqRef { idx }
+    pub unsafe fn from_index(idx: u32) -> RequestToken {
+        RequestToken { idx }
     }
-}
-
-/// A block driver: executes requests and reports their completion.
-pub trait Driver: Send + Sync {
-    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
-    /// until [`Driver::stop`]).
-    fn start(&self, _q: &Arc<QueueCore>) {}
-    /// Takes a request; the driver completes it later (or right away) with
-    /// [`QueueCore::complete`].
-    fn queue_rq(&self, q: &QueueCore, rq: RqRef);
-    /// The end of a batch of `queue_rq` calls (ring the doorbell).
-    fn commit(&self, _q: &QueueCore) {}
-    /// Stops completion threads; called when the queue is dropped.
-    fn stop(&self) {}
-    /// The allocation map, for devices that know it (default: everything allocated).
-    fn extents(&self, offset: u64, len: u64, _max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(vec![Extent {
-            offset,
-            len,
-            allocated: true,
-        }])
-    }
-    /// One line describing the driver and its options.
-    fn describe(&self) -> String;
-    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
-    /// means the driver executes exactly one bio per request and the queue must not merge.
-    fn max_merge(&self) -> u32 {
-        1
-    }
-    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
-    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
-    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
-    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
-    /// queue does not ask. Default: no limit.
-    fn can_queue(&self) -> usize {
-        usize::MAX
-    }
-}
-
-/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
-/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
-///
-/// # Contract
-///
-/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
-/// [`Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
-/// room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only
-/// if another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
-/// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
-/// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
-/// complete inline and the completion may submit again.
-pub trait Scheduler: Send + Sync {
-    /// The scheduler's name (`--sched`).
-    fn name(&self) -> &'static str;
-    /// Called once, when the queue that owns the scheduler is built: size per-request state
-    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
-    fn attach(&self, _q: &QueueCore) {}
-    /// Takes one request of a batch being flushed.
-    fn insert(&self, q: &QueueCore, rq: RqRef);
-    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RqRef>) {
-        for r in rqs {
-            self.insert(q, r);
-        }
-    }
-    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
-    /// every batch of inserts, until it hands out nothing.
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RqRef)) -> usize;
-    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
-    /// merge chain), before its bio is handed back. Must not block.
-    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
-    /// Acquisitions of the scheduler's lock, and how many found it taken.
-    fn lock_stats(&self) -> LockStats {
-        LockStats::default()
-    }
-    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
-}
-
-/// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
-pub trait Device: Send + Sync {
-    /// Submits a bio; `end.end_io` is called exactly once with its status (possibly before
-    /// this returns, possibly on another thread).
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>);
-    /// Submits several bios as one batch (drivers see them together).
-    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
-        for b in bios {
-            self.submit(b, end);
-        }
-    }
-    /// The device's limits.
-    fn limits(&self) -> Limits;
-    /// The allocation map of a range.
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
 }
 
 struct Slot(UnsafeCell<Request>);
 
-// SAFETY: a slot is only accessed by the holder of its RqRef, and ownership passes between
+// SAFETY: a slot is only accessed by the holder of its RequestToken, and ownership passes between
 // threads through the tag bitmap's Release/Acquire (module docs).
 unsafe impl Sync for Slot {}
 // SAFETY: as above; the contents (Bio, Arc<dyn EndIo>) are Send.
@@ -379,7 +221,7 @@ impl QueueCore {
 
     /// Read access to a request.
     #[inline]
-    pub fn rq<'a>(&'a self, r: &'a RqRef) -> &'a Request {
+    pub fn rq<'a>(&'a self, r: &'a RequestToken) -> &'a Request {
         // SAFETY: the holder of `r` owns the slot (module docs); the shared borrow is tied to
         // `&r`, so no `&mut` from `rq_mut` can coexist with it.
         self.slots[r.idx as usize].0 .0.with(|p| unsafe { &*p })
@@ -387,8 +229,8 @@ impl QueueCore {
 
     /// Write access to a request.
     #[inline]
-    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RqRef`, the ownership token
-    pub fn rq_mut<'a>(&'a self, r: &'a mut RqRef) -> &'a mut Request {
+    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RequestToken`, the ownership token
+    pub fn rq_mut<'a>(&'a self, r: &'a mut RequestToken) -> &'a mut Request {
         // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive for as long as it lives.
         self.slots[r.idx as usize]
             .0
@@ -402,7 +244,7 @@ impl QueueCore {
     #[inline]
     pub fn for_each_bio(
         &self,
-        r: &mut RqRef,
+        r: &mut RequestToken,
         mut f: impl FnMut(&mut Bio) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let mut cur = r;
@@ -424,7 +266,7 @@ impl QueueCore {
     }
 
     /// Request slots of the queue (every tag of every pool, reserved ones included):
-    /// [`RqRef::index`] is below this.
+    /// [`RequestToken::index`] is below this.
     pub fn nr_requests(&self) -> usize {
         self.slots.len()
     }
@@ -452,7 +294,7 @@ impl QueueCore {
     /// Then the same for every request of its merge chain, in chain order, with the same
     /// status (module docs). The link to the next request is read out before the tag is freed.
     #[inline]
-    pub fn complete(&self, r: RqRef, mut res: Result<(), Error>) {
+    pub fn complete(&self, r: RequestToken, mut res: Result<(), Error>) {
         let now = coarse_ns();
         let mut cur = r;
         loop {
@@ -465,8 +307,8 @@ impl QueueCore {
             let end = rq.end.take();
             let next = rq.merged.take();
             let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
-            let RqRef { .. } = r; // the token ends here: the slot is not touched again
-                                  // The last request of the chain takes `res` itself; the others get copies.
+            let RequestToken { .. } = r; // the token ends here: the slot is not touched again
+                                         // The last request of the chain takes `res` itself; the others get copies.
             let this = match (&next, &res) {
                 (Some(_), Ok(())) => Ok(()),
                 (Some(_), Err(e)) => Err(e.duplicate()),
@@ -496,7 +338,7 @@ impl QueueCore {
     /// merges at insert instead) and the driver takes chains: same op, flags and priority,
     /// contiguous, within `max_io_bytes` and `max_merge` bios. Otherwise records `r` as the
     /// new tail and gives it back to be plugged on its own.
-    fn plug_merge(&self, plug: &mut Plug, r: RqRef) -> Result<(), RqRef> {
+    fn plug_merge(&self, plug: &mut Plug, r: RequestToken) -> Result<(), RequestToken> {
         let Some(b) = self.rq(&r).bio.as_ref() else {
             plug.tail = None;
             return Err(r);
@@ -591,7 +433,12 @@ impl QueueCore {
     /// the tags held by plugged requests may be the ones it would wait for (blk-mq flushes
     /// the plug on schedule for the same reason).
     #[inline]
-    fn prepare(&self, bio: Bio, end: &Arc<dyn EndIo>, plug: Option<&mut Plug>) -> Option<RqRef> {
+    fn prepare(
+        &self,
+        bio: Bio,
+        end: &Arc<dyn EndIo>,
+        plug: Option<&mut Plug>,
+    ) -> Option<RequestToken> {
         if let Err(e) = self.limits.validate(&bio) {
             end.end_io(bio, Err(e));
             return None;
@@ -613,7 +460,7 @@ impl QueueCore {
                 pool.get(dir)
             }
         };
-        let mut r = RqRef {
+        let mut r = RequestToken {
             idx: self.slot_index(hctx, tag, reserved),
         };
         self.stats.submitted(dir);
@@ -809,7 +656,7 @@ impl Device for Queue {
 /// Keep one per submitter and reuse it: its vector is allocated once.
 #[derive(Debug)]
 pub struct Plug {
-    rqs: Vec<RqRef>,
+    rqs: Vec<RequestToken>,
     /// The merge chain ending the last plugged request, for back merges (no scheduler).
     tail: Option<PlugTail>,
 }

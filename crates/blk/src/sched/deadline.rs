@@ -93,7 +93,8 @@ use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use super::lock::{LockMode, LockStats, SchedLock};
 use super::{Clock, MonotonicClock, Sharded};
 use crate::bio::{BioFlags, IoPrio, Op, SECTOR_SHIFT};
-use crate::queue::{QueueCore, Request, RqRef, Scheduler};
+use crate::device::Scheduler;
+use crate::queue::{QueueCore, Request, RequestToken};
 use crate::Error;
 
 /// The most requests one dispatch call hands out (they are collected under the lock and
@@ -361,7 +362,7 @@ impl Fifo {
 struct State {
     meta: Vec<Meta>,
     /// The token of every queued request and chain member, by slot.
-    tokens: Vec<Option<RqRef>>,
+    tokens: Vec<Option<RequestToken>>,
     sort: [Vec<Key>; NLISTS],
     /// The lists' FIFOs, then the direct FIFO.
     fifo: [Fifo; NLISTS + 1],
@@ -497,7 +498,7 @@ impl State {
     #[allow(clippy::too_many_arguments)]
     fn merge_bio(
         &mut self,
-        r: RqRef,
+        r: RequestToken,
         l: usize,
         start: u64,
         end: u64,
@@ -505,7 +506,7 @@ impl State {
         op: Op,
         flags: BioFlags,
         cx: &Cx,
-    ) -> Result<bool, RqRef> {
+    ) -> Result<bool, RequestToken> {
         let slot = r.index();
         // Back merge: the request starting last before `start`, if it ends at `start`.
         let i = self.sort[l].partition_point(|k| k.start < start);
@@ -676,7 +677,7 @@ impl State {
 
     /// Takes queued request `h` out of its lists and returns the token of its chain's first
     /// request, with the chain linked through [`Request::merged`].
-    fn take(&mut self, q: &QueueCore, h: u32) -> Option<RqRef> {
+    fn take(&mut self, q: &QueueCore, h: u32) -> Option<RequestToken> {
         let m = *self.m(h);
         let l = usize::from(m.list);
         if l < NLISTS {
@@ -696,7 +697,7 @@ impl State {
         self.mm(h).list = NOT_QUEUED;
         self.counts[usize::from(m.prio)][DISPATCHED] += 1;
         // Link the chain back to front: each request's `merged` is the next one's token.
-        let mut next: Option<RqRef> = None;
+        let mut next: Option<RequestToken> = None;
         let mut s = m.last;
         loop {
             let Some(mut tok) = self.tokens.get_mut(s as usize).and_then(Option::take) else {
@@ -747,7 +748,7 @@ pub struct DeadlineStats {
 
 /// The mq-deadline scheduler. See the [module docs](self).
 pub struct Deadline {
-    lock: SchedLock<State, RqRef>,
+    lock: SchedLock<State, RequestToken>,
     tun: Arc<DeadlineTunables>,
     clock: Arc<dyn Clock>,
     completed: Sharded<NPRIO>,
@@ -851,7 +852,7 @@ impl Deadline {
     }
 
     /// Puts one request into the state: merged into a queued one, or queued itself.
-    fn insert_one(st: &mut State, q: &QueueCore, r: RqRef, cx: &Cx) {
+    fn insert_one(st: &mut State, q: &QueueCore, r: RequestToken, cx: &Cx) {
         let slot = r.index();
         if slot as usize >= st.meta.len() {
             // Only if the queue did not call `attach` (cold).
@@ -926,23 +927,23 @@ impl Scheduler for Deadline {
         self.lock.reserve(n);
     }
 
-    fn insert(&self, q: &QueueCore, rq: RqRef) {
+    fn insert(&self, q: &QueueCore, rq: RequestToken) {
         self.insert_batch(q, &mut std::iter::once(rq));
     }
 
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RqRef>) {
+    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
         let cx = self.cx(q);
         self.lock
             .insert(rqs, |st, r| Self::insert_one(st, q, r, &cx));
     }
 
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RqRef)) -> usize {
+    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize {
         let max = max.min(DISPATCH_BATCH);
         if max == 0 {
             return 0;
         }
         let cx = self.cx(q);
-        let mut buf: [Option<RqRef>; DISPATCH_BATCH] = [const { None }; DISPATCH_BATCH];
+        let mut buf: [Option<RequestToken>; DISPATCH_BATCH] = [const { None }; DISPATCH_BATCH];
         let mut n = 0;
         self.lock.dispatch(
             |st, r| Self::insert_one(st, q, r, &cx),

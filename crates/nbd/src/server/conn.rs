@@ -44,7 +44,7 @@ use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
-use blk::backend::Extent as DevExtent;
+use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, EndIo, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::thread::{self, JoinHandle, Thread};

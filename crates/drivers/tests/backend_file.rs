@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use blk::backend::{
+use blk_drivers::backend::{
     os_error_code, Backend, EngineKind, Extent, FileBackend, FileEngine, FileOptions, PoolEngine,
     UringEngine, UringOp,
 };
@@ -281,7 +281,7 @@ fn extents_via_seek_hole_and_discard_semantics() {
 
 type Done = mpsc::Receiver<(u64, io::Result<u32>)>;
 
-fn callback() -> (blk::backend::Callback, Done) {
+fn callback() -> (blk_drivers::backend::Callback, Done) {
     let (tx, rx) = mpsc::channel();
     (
         Box::new(move |ud, r| {
