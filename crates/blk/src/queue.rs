@@ -2,22 +2,22 @@
 //!
 //! ```text
 //!  submit(bio) -- validate --> tag (TagPool: may sleep per policy)
-//!     -> request slot of that tag (preallocated; no allocation per I/O)
+//!     -> request cell of that tag (preallocated; no allocation per I/O)
 //!     -> [plug: collect up to plug_limit] -> driver.queue_rq(rq) ... driver.commit()
 //!  driver ... complete(rq, status) -> stats -> tag freed (batched wake-ups) -> end_io(bio)
 //! ```
 //!
-//! # Ownership of a request slot
+//! # Ownership of a request cell
 //!
-//! Slot `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
+//! Request cell `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
 //! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
 //! the previous owner's. Inside blk, ownership travels as an [`RequestToken`]: a non-`Clone` token
 //! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
-//! of the token can reach the slot, so the `UnsafeCell` access is exclusive.
+//! of the token can reach the cell, so the `UnsafeCell` access is exclusive.
 //!
 //! # Completion order
 //!
-//! `complete` takes the bio out of the slot, frees the tag, then calls `end_io`. Freeing
+//! `complete` takes the bio out of the cell, frees the tag, then calls `end_io`. Freeing
 //! first means an `end_io` that submits again (or that runs inline, nested inside `submit`)
 //! never waits for the tag its own request still holds.
 //!
@@ -29,7 +29,7 @@
 //! *token* of the next request of the chain. Whoever holds the first token therefore owns the
 //! whole chain; the driver gets the first request only and executes every bio of the chain
 //! ([`QueueCore::for_each_bio`]); `complete` of the first completes every request of the chain,
-//! in chain order, with the same status. The link lives in the preallocated slot, so merging
+//! in chain order, with the same status. The link lives in the preallocated cell, so merging
 //! allocates nothing and has no length bound other than the scheduler's (the queue's
 //! `max_io_bytes` for the chain, and [`Driver::max_merge`] bios).
 //!
@@ -93,24 +93,89 @@ impl QueueConfig {
     }
 }
 
-/// A request: a bio in flight, in the preallocated slot of its tag.
+/// A request: a bio in flight, in the preallocated request cell of its tag.
+///
+/// Its fields are private: what identifies the request (tag, pool, hardware context) is set
+/// by the queue when the tag is allocated and read back by [`QueueCore::complete`] to free
+/// that tag, so nobody else may write it (a driver that could rewrite `tag` could make
+/// `complete` free a tag another request holds, and two owners would share one cell).
+/// Drivers and schedulers read it through accessors; the bio can be borrowed, taken out and
+/// put back.
 #[derive(Default)]
 pub struct Request {
-    /// The bio.
-    pub bio: Option<Bio>,
+    bio: Option<Bio>,
     end: Option<Arc<dyn EndIo>>,
-    /// Coarse start time, ns.
-    pub start_ns: u64,
-    /// Hardware context.
-    pub hctx: u16,
-    /// Tag within its pool.
-    pub tag: u32,
+    start_ns: u64,
+    hctx: u16,
+    tag: u32,
+    reserved: bool,
+    merged: Option<RequestToken>,
+}
+
+impl Request {
+    /// The bio (`None` only while a driver has taken it out with [`Request::take_bio`]).
+    #[inline]
+    pub fn bio(&self) -> Option<&Bio> {
+        self.bio.as_ref()
+    }
+
+    /// The bio, mutably (a read fills its buffer).
+    #[inline]
+    pub fn bio_mut(&mut self) -> Option<&mut Bio> {
+        self.bio.as_mut()
+    }
+
+    /// Takes the bio out, e.g. to hand its buffer to an engine; put it back with
+    /// [`Request::put_bio`] before completing, or the submitter never gets it back.
+    #[inline]
+    pub fn take_bio(&mut self) -> Option<Bio> {
+        self.bio.take()
+    }
+
+    /// Puts a bio (back) into the request; returns the one it replaces, if any.
+    #[inline]
+    pub fn put_bio(&mut self, bio: Bio) -> Option<Bio> {
+        self.bio.replace(bio)
+    }
+
+    /// Coarse submission time, ns (the clock of the disk statistics).
+    #[inline]
+    pub fn start_ns(&self) -> u64 {
+        self.start_ns
+    }
+
+    /// The hardware context the request was submitted on.
+    #[inline]
+    pub fn hctx(&self) -> u16 {
+        self.hctx
+    }
+
+    /// The tag within its pool.
+    #[inline]
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+
     /// Whether the tag is from the reserved pool.
-    pub reserved: bool,
+    #[inline]
+    pub fn reserved(&self) -> bool {
+        self.reserved
+    }
+
     /// The next request of this request's merge chain (module docs), `None` for a request that
-    /// carries one bio. Set by the scheduler at dispatch; the driver reads it (through
-    /// [`QueueCore::for_each_bio`]) and `complete` consumes it.
-    pub merged: Option<RequestToken>,
+    /// carries one bio.
+    #[inline]
+    pub fn merged(&self) -> Option<&RequestToken> {
+        self.merged.as_ref()
+    }
+
+    /// Links `next` (the token of a request of the same queue) as this request's successor in
+    /// its merge chain, returning the previous link. What a merging scheduler calls at
+    /// dispatch; the chain's head token then owns the whole chain.
+    #[inline]
+    pub fn set_merged(&mut self, next: Option<RequestToken>) -> Option<RequestToken> {
+        std::mem::replace(&mut self.merged, next)
+    }
 }
 
 impl fmt::Debug for Request {
@@ -124,39 +189,39 @@ impl fmt::Debug for Request {
     }
 }
 
-/// The right to use one request slot, from tag allocation to completion (module docs).
+/// The right to use one request cell, from tag allocation to completion (module docs): an
+/// owning, non-`Clone` token. [`QueueCore::complete`] consumes it.
+///
+/// In debug builds the token also names the queue it belongs to, and every use on another
+/// queue fails a debug assertion: a token is an index into one queue's table.
 #[derive(Debug)]
 pub struct RequestToken {
     idx: u32,
+    /// The identity of the owning queue ([`QueueCore::id`]), checked on every use.
+    #[cfg(debug_assertions)]
+    queue: usize,
 }
 
 impl RequestToken {
-    /// The slot index (unique among requests in flight on this queue).
+    /// The request's index in its queue's table (unique among requests in flight on this
+    /// queue, below [`QueueCore::nr_requests`]).
+    #[inline]
     pub fn index(&self) -> u32 {
         self.idx
     }
-
-    /// Rebuilds the token of slot `idx`, for a driver that carried a request through an
-    /// asynchronous engine as its bare [`RequestToken::index`] (the engine's `user_data`).
-    ///
-    /// # Safety
-    ///
-    /// `idx` must be the index of a request in flight on the queue it will be used with, whose
-    /// token the caller owns: one given up by whoever held it (handed to an engine as its
-    /// index) and rebuilt at most once. A second live token for the same slot would alias the
-    /// `&mut Request` of [`QueueCore::rq_mut`].
-    pub unsafe fn from_index(idx: u32) -> RequestToken {
-        RequestToken { idx }
-    }
 }
 
-struct Slot(UnsafeCell<Request>);
+/// The preallocated cell of one request.
+struct RequestCell(UnsafeCell<Request>);
 
-// SAFETY: a slot is only accessed by the holder of its RequestToken, and ownership passes between
-// threads through the tag bitmap's Release/Acquire (module docs).
-unsafe impl Sync for Slot {}
+// SAFETY: a cell is only accessed by the holder of its RequestToken (one token per cell, only
+// made by `prepare` from a tag it allocated, and by the unsafe `token_from_index`), and
+// ownership passes between threads through the tag bitmap's Release/Acquire (module docs).
+// The fields that name the tag are private and written only by `prepare`, so `complete`
+// frees exactly the tag that made the token.
+unsafe impl Sync for RequestCell {}
 // SAFETY: as above; the contents (Bio, Arc<dyn EndIo>) are Send.
-unsafe impl Send for Slot {}
+unsafe impl Send for RequestCell {}
 
 /// The shared part of a queue, which drivers see.
 pub struct QueueCore {
@@ -167,7 +232,7 @@ pub struct QueueCore {
     /// Reserved pools, one per entry of `pools` (empty without reserved tags).
     reserved: Box<[Arc<TagPool>]>,
     reserved_depth: u32,
-    slots: Box<[CachePadded<Slot>]>,
+    requests: Box<[CachePadded<RequestCell>]>,
     driver: Box<dyn Driver>,
     sched: Option<Box<dyn Scheduler>>,
     stats: DiskCounters,
@@ -198,9 +263,9 @@ impl QueueCore {
         }
     }
 
-    /// Slots: every ordinary tag of every pool first, then every reserved tag.
+    /// Request cells: every ordinary tag of every pool first, then every reserved tag.
     #[inline]
-    fn slot_index(&self, hctx: u16, tag: u32, reserved: bool) -> u32 {
+    fn request_index(&self, hctx: u16, tag: u32, reserved: bool) -> u32 {
         let p = self.pool_index(hctx) as u32;
         if reserved {
             self.pools.len() as u32 * self.depth + p * self.reserved_depth + tag
@@ -219,20 +284,73 @@ impl QueueCore {
         }
     }
 
+    /// This queue's identity, as debug builds record it in every [`RequestToken`]: the
+    /// address of its request table, unique among live queues.
+    #[inline]
+    fn id(&self) -> usize {
+        self.requests.as_ptr() as usize
+    }
+
+    /// Makes the token of request `idx` (the one place besides [`QueueCore::token_from_index`]
+    /// where tokens are born).
+    #[inline]
+    fn make_token(&self, idx: u32) -> RequestToken {
+        RequestToken {
+            idx,
+            #[cfg(debug_assertions)]
+            queue: self.id(),
+        }
+    }
+
+    /// Debug builds: `r` belongs to this queue.
+    #[inline]
+    fn check_token(&self, r: &RequestToken) {
+        #[cfg(debug_assertions)]
+        assert_eq!(
+            r.queue,
+            self.id(),
+            "RequestToken {} used on a queue it does not belong to",
+            r.idx
+        );
+        let _ = r;
+    }
+
+    /// Rebuilds the token of request `idx`, for a driver that carried a request through an
+    /// asynchronous engine as its bare [`RequestToken::index`] (an io_uring `user_data`):
+    /// the driver gives the token up when it hands the index to the engine (dropping or
+    /// forgetting it), and rebuilds it once, in the engine's completion.
+    ///
+    /// # Safety
+    ///
+    /// `idx` must be the index of a request in flight on *this* queue whose token the caller
+    /// owns: one given up by whoever held it and rebuilt at most once. A second live token
+    /// for the same request would alias the `&mut Request` of [`QueueCore::rq_mut`], and
+    /// completing both would free one tag twice.
+    #[inline]
+    pub unsafe fn token_from_index(&self, idx: u32) -> RequestToken {
+        debug_assert!(
+            (idx as usize) < self.requests.len(),
+            "request index {idx} out of range"
+        );
+        self.make_token(idx)
+    }
+
     /// Read access to a request.
     #[inline]
     pub fn rq<'a>(&'a self, r: &'a RequestToken) -> &'a Request {
-        // SAFETY: the holder of `r` owns the slot (module docs); the shared borrow is tied to
+        self.check_token(r);
+        // SAFETY: the holder of `r` owns the cell (module docs); the shared borrow is tied to
         // `&r`, so no `&mut` from `rq_mut` can coexist with it.
-        self.slots[r.idx as usize].0 .0.with(|p| unsafe { &*p })
+        self.requests[r.idx as usize].0 .0.with(|p| unsafe { &*p })
     }
 
-    /// Write access to a request.
+    /// Write access to a request (its fields stay private: see [`Request`]).
     #[inline]
     #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RequestToken`, the ownership token
     pub fn rq_mut<'a>(&'a self, r: &'a mut RequestToken) -> &'a mut Request {
+        self.check_token(r);
         // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive for as long as it lives.
-        self.slots[r.idx as usize]
+        self.requests[r.idx as usize]
             .0
              .0
             .with_mut(|p| unsafe { &mut *p })
@@ -265,10 +383,10 @@ impl QueueCore {
         self.limits
     }
 
-    /// Request slots of the queue (every tag of every pool, reserved ones included):
+    /// Requests of the queue (every tag of every pool, reserved ones included):
     /// [`RequestToken::index`] is below this.
     pub fn nr_requests(&self) -> usize {
-        self.slots.len()
+        self.requests.len()
     }
 
     /// The most bios one request may carry ([`Driver::max_merge`]).
@@ -307,8 +425,12 @@ impl QueueCore {
             let end = rq.end.take();
             let next = rq.merged.take();
             let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
-            let RequestToken { .. } = r; // the token ends here: the slot is not touched again
-                                         // The last request of the chain takes `res` itself; the others get copies.
+            // INVARIANT: ownership of the cell ends here. The token is consumed and the cell is
+            // not touched again; `put` below frees the tag `prepare` stored (the fields are
+            // private, so it is the tag this token was made from), and its Release hands the
+            // cell to the next owner.
+            let RequestToken { .. } = r;
+            // The last request of the chain takes `res` itself; the others get copies.
             let this = match (&next, &res) {
                 (Some(_), Ok(())) => Ok(()),
                 (Some(_), Err(e)) => Err(e.duplicate()),
@@ -460,9 +582,10 @@ impl QueueCore {
                 pool.get(dir)
             }
         };
-        let mut r = RequestToken {
-            idx: self.slot_index(hctx, tag, reserved),
-        };
+        // INVARIANT: ownership of the cell begins here. We hold `tag` (allocated by the
+        // Acquire RMW above), and cell `request_index(hctx, tag, reserved)` belongs to that
+        // tag alone, so this is the only token for it until `complete` frees the tag.
+        let mut r = self.make_token(self.request_index(hctx, tag, reserved));
         self.stats.submitted(dir);
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
@@ -518,9 +641,9 @@ impl Queue {
         let reserved = (0..if cfg.reserved_tags > 0 { npools } else { 0 })
             .map(|_| TagPool::new(cfg.reserved_tags, cfg.wake, PoolPolicy::Fifo).map(Arc::new))
             .collect::<Result<Box<[_]>, _>>()?;
-        let nslots = npools * (cfg.queue_depth + cfg.reserved_tags) as usize;
-        let slots = (0..nslots)
-            .map(|_| CachePadded(Slot(UnsafeCell::new(Request::default()))))
+        let nrequests = npools * (cfg.queue_depth + cfg.reserved_tags) as usize;
+        let requests = (0..nrequests)
+            .map(|_| CachePadded(RequestCell(UnsafeCell::new(Request::default()))))
             .collect();
         let max_merge = driver.max_merge().max(1);
         let core = Arc::new(QueueCore {
@@ -530,7 +653,7 @@ impl Queue {
             pools,
             reserved,
             reserved_depth: cfg.reserved_tags,
-            slots,
+            requests,
             driver,
             sched,
             stats: DiskCounters::new(),

@@ -242,7 +242,7 @@ fn loom_deadline_in_a_queue() {
     struct Rec(Arc<Mutex<Vec<u64>>>);
     impl blk::Driver for Rec {
         fn queue_rq(&self, q: &QueueCore, r: RequestToken) {
-            let s = q.rq(&r).bio.as_ref().map_or(u64::MAX, |b| b.sector);
+            let s = q.rq(&r).bio().map_or(u64::MAX, |b| b.sector);
             self.0.lock().push(s);
             q.complete(r, Ok(()));
         }

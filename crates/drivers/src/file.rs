@@ -173,7 +173,7 @@ fn fail(q: &QueueCore, ops: &[PendingOp], err: &io::Error) {
         // SAFETY: `user_data` is the index of a request whose token `queue_rq` gave up to
         // this op; the engine did not accept the op, so it will never call back for it, and
         // the op is dropped here: this is the only rebuild.
-        let r = unsafe { RequestToken::from_index(user_data as u32) };
+        let r = unsafe { q.token_from_index(user_data as u32) };
         q.complete(r, Err(Error::Io(copy_error(err))));
     }
 }
@@ -281,8 +281,9 @@ impl FileDriver {
             // SAFETY: every op this driver gives its engine carries as `user_data` the index
             // of a request whose `RequestToken` `queue_rq` gave up for it (the request stays in
             // flight until completed here), and the engine calls back exactly once per
-            // accepted op: this is the only token for that slot.
-            let r = unsafe { RequestToken::from_index(idx) };
+            // accepted op: this is the only token for that request, and `core` is the queue
+            // the request was submitted on (the one `start` gave this driver).
+            let r = unsafe { core.token_from_index(idx) };
             core.complete(r, to_result(res));
             // This op's slot in the ring is free now: place what a full ring refused.
             if cb_completer.shared.has_deferred.load(Ordering::Acquire) {
@@ -343,10 +344,10 @@ impl FileDriver {
     fn op_for(&self, q: &QueueCore, r: &mut RequestToken) -> Option<UringOp> {
         let writable = !self.backend.is_read_only();
         let rq = q.rq_mut(r);
-        if rq.merged.is_some() {
+        if rq.merged().is_some() {
             return None; // a merge chain: run synchronously (module docs)
         }
-        let bio = rq.bio.as_mut()?;
+        let bio = rq.bio_mut()?;
         let (off, len) = (bio.offset(), bio.len);
         match bio.op {
             Op::Read => {

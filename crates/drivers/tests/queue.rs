@@ -317,7 +317,7 @@ impl std::ops::Deref for HoldDriver {
 
 impl blk::Driver for HoldDriver {
     fn queue_rq(&self, q: &blk::QueueCore, rq: blk::RequestToken) {
-        let sector = q.rq(&rq).bio.as_ref().map_or(0, |b| b.sector);
+        let sector = q.rq(&rq).bio().map_or(0, |b| b.sector);
         self.order.lock().unwrap().push(sector);
         self.held.lock().unwrap().push(rq);
     }

@@ -704,7 +704,7 @@ impl State {
                 debug_assert!(false, "mq-deadline: no token for slot {s}");
                 break;
             };
-            q.rq_mut(&mut tok).merged = next;
+            q.rq_mut(&mut tok).set_merged(next);
             next = Some(tok);
             if s == m.first {
                 break;
@@ -858,7 +858,7 @@ impl Deadline {
             // Only if the queue did not call `attach` (cold).
             st.ensure(slot as usize + 1);
         }
-        let (op, flags, prio, start, len) = match q.rq(&r).bio.as_ref() {
+        let (op, flags, prio, start, len) = match q.rq(&r).bio() {
             Some(b) => (b.op, b.flags, b.prio, b.sector, u64::from(b.len)),
             None => (Op::Flush, BioFlags::NONE, IoPrio::Be, 0, 0),
         };
@@ -971,7 +971,7 @@ impl Scheduler for Deadline {
     }
 
     fn completed(&self, _q: &QueueCore, rq: &Request) {
-        let p = rq.bio.as_ref().map_or(IoPrio::Be, |b| b.prio) as usize;
+        let p = rq.bio().map_or(IoPrio::Be, |b| b.prio) as usize;
         self.completed.add(p, 1);
     }
 
