@@ -58,7 +58,8 @@ pub struct QueueConfig {
     pub nr_hw_queues: u16,
     /// Tags per hardware context (or in all, with `shared_tags`).
     pub queue_depth: u32,
-    /// One tag bitmap shared by every hardware context (seed 000's second experiment).
+    /// One tag bitmap shared by every hardware context (the shared-tag-set experiment: many
+    /// hardware queues on one bitmap).
     pub shared_tags: bool,
     /// Extra tags per pool kept for bios flagged [`crate::BioFlags::RESERVED`] (internal
     /// commands that must not wait behind ordinary I/O), as blk-mq's reserved tags.

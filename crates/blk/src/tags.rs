@@ -1,4 +1,5 @@
-//! Tag pools and the pool-full policy (seed 001: who gets the next free request).
+//! Tag pools and the pool-full policy ("io stalls": who gets the next free request when the
+//! pool is full, FIFO hand-off against batch ownership).
 //!
 //! A [`TagPool`] is an [`SbitmapQueue`] plus a policy for the moment it runs dry:
 //!
@@ -33,7 +34,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use blkq_sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use blkq_sync::thread::{self, Thread};
+use blkq_sync::thread::{self, Thread, ThreadId};
 use blkq_sync::Mutex;
 use sbitmap::{SbitmapQueue, WakeAlgo};
 
@@ -104,9 +105,13 @@ struct Handed {
     more: bool,
 }
 
+/// The batch owner of one direction (`Batch` policy).
 #[derive(Debug, Default)]
 struct BatchOwner {
-    slot: Option<usize>,
+    /// The owning thread. A `ThreadId`, never `thread_slot()`: the slot is a hint that may be
+    /// shared (it is 0 for every thread under loom), and ownership decides who may skip the
+    /// gate.
+    thread: Option<ThreadId>,
     left: u32,
     until: Option<Instant>,
 }
@@ -122,8 +127,8 @@ pub struct TagPool {
     batch_requests: AtomicU32,
     batch_time_ns: AtomicU64,
     /// Soft limit on tags in use (`max_in_flight`), `NO_LIMIT` when off; only a batch owner
-    /// may go past it (up to the bitmap's depth), as seed 001's batching processes could go
-    /// past `nr_requests`.
+    /// may go past it (up to the bitmap's depth), as batch owners in the classic request
+    /// allocator could go past `nr_requests`.
     soft_limit: AtomicU32,
     /// Tags in use, counted only while a soft limit is set.
     in_use: AtomicU32,
@@ -316,9 +321,9 @@ impl TagPool {
         if self.policy() != PoolPolicy::Batch {
             return false;
         }
-        let me = blkq_sync::thread_slot();
+        let me = thread::current().id();
         let mut o = self.owners[dir & 1].lock();
-        if o.slot != Some(me) || o.left == 0 || o.until.is_none_or(|u| Instant::now() >= u) {
+        if o.thread != Some(me) || o.left == 0 || o.until.is_none_or(|u| Instant::now() >= u) {
             return false;
         }
         o.left -= 1;
@@ -359,7 +364,7 @@ impl TagPool {
         self.waits.record(t0);
         if policy == PoolPolicy::Batch {
             let mut o = self.owners[dir & 1].lock();
-            o.slot = Some(blkq_sync::thread_slot());
+            o.thread = Some(thread::current().id());
             o.left = self
                 .batch_requests
                 .load(Ordering::Relaxed)

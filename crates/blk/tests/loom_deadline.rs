@@ -1,4 +1,4 @@
-//! Loom models of the `serialized` scheduler lock (seed 002): inserters that find the state
+//! Loom models of the `serialized` scheduler lock (serialized dispatch with inserter hand-off): inserters that find the state
 //! owned punt to buckets, dispatchers that find it owned leave, and the owner re-checks after
 //! giving up. Checks, over every interleaving (bounded by `LOOM_MAX_PREEMPTIONS`):
 //!

@@ -81,7 +81,7 @@
 //!
 //! # Locking
 //!
-//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (seed 002), switchable
+//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (serialized dispatch with inserter hand-off), switchable
 //! at run time ([`Deadline::set_lock_mode`]). Requests drained from a bucket get their
 //! deadline when drained, at most one owner's round after they were punted. Completion
 //! counters are sharded atomics, outside the lock.
@@ -91,11 +91,12 @@ use std::sync::Arc;
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use super::lock::{LockMode, LockStats, SchedLock};
-use super::{Clock, MonotonicClock, Sharded};
+use super::{Clock, MonotonicClock};
 use crate::bio::{BioFlags, IoPrio, Op, SECTOR_SHIFT};
 use crate::device::Scheduler;
 use crate::queue::{QueueCore, Request, RequestToken};
 use crate::Error;
+use blkq_sync::stat::ShardedCounters;
 
 /// The most requests one dispatch call hands out (they are collected under the lock and
 /// handed to the driver after it).
@@ -751,7 +752,7 @@ pub struct Deadline {
     lock: SchedLock<State, RequestToken>,
     tun: Arc<DeadlineTunables>,
     clock: Arc<dyn Clock>,
-    completed: Sharded<NPRIO>,
+    completed: ShardedCounters<NPRIO>,
 }
 
 impl std::fmt::Debug for Deadline {
@@ -763,12 +764,13 @@ impl std::fmt::Debug for Deadline {
     }
 }
 
-/// Default insert buckets: one per CPU (a power of two, at most 32); 2 under loom.
+/// Default insert buckets: one per shard of the per-thread arrays (a power of two; the lock
+/// keeps at most 32); 2 under loom, so the models see a punt land in another bucket.
 fn default_buckets() -> usize {
     if cfg!(blkq_loom) {
         2
     } else {
-        std::thread::available_parallelism().map_or(4, |n| n.get())
+        blkq_sync::stat::shard_count()
     }
 }
 
@@ -779,7 +781,7 @@ impl Deadline {
             lock: SchedLock::new(State::new(), mode, default_buckets()),
             tun: Arc::new(DeadlineTunables::default()),
             clock: Arc::new(MonotonicClock),
-            completed: Sharded::new(),
+            completed: ShardedCounters::new(),
         }
     }
 
