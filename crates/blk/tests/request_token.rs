@@ -52,7 +52,7 @@ fn a_token_completes_on_its_own_queue() {
     submit_one(&q, &end);
     let tok = hold.0.lock().unwrap().pop().unwrap();
     let rq = q.core().rq(&tok);
-    assert_eq!(rq.tag(), 0);
+    assert!(rq.tag() < 64, "a tag of the 64-deep pool");
     assert_eq!(rq.hctx(), 0);
     assert!(!rq.reserved());
     assert!(rq.merged().is_none());
