@@ -140,9 +140,7 @@ impl DiskCounters {
             ..DiskStats::default()
         };
         let submitted = pair(SUBMITTED);
-        for dir in 0..2 {
-            d.in_flight[dir] = submitted[dir].saturating_sub(d.ios[dir]);
-        }
+        d.in_flight = [0, 1].map(|dir| submitted[dir].saturating_sub(d.ios[dir]));
         d.io_ticks_ns = self.io_ticks.load(Ordering::Relaxed);
         d.time_in_queue_ns = d.ticks_ns[0] + d.ticks_ns[1];
         d
