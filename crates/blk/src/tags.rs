@@ -328,9 +328,10 @@ impl TagPool {
         if self.policy() != PoolPolicy::Batch {
             return false;
         }
-        let me = thread::current().id();
         let mut o = self.owners[dir & 1].lock();
-        if o.thread != Some(me) || o.left == 0 || o.until.is_none_or(|u| Instant::now() >= u) {
+        // The thread's identity is read only when there is an allowance left to spend.
+        let mine = o.left > 0 && o.thread.is_some_and(|t| t == thread::current().id());
+        if !mine || o.until.is_none_or(|u| Instant::now() >= u) {
             return false;
         }
         o.left -= 1;
