@@ -125,7 +125,7 @@ pub trait Driver: Send + Sync {
 /// # Contract
 ///
 /// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
-/// [`Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
+/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
 /// room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only
 /// if another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
 /// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while

@@ -32,7 +32,7 @@
 //! every access.
 //!
 //! The gate is a *targeted* hand-off: each freed tag goes to one chosen thread, with the tag as
-//! payload. That is why it keeps its own queue and wakes through [`HandedOff`] rather than a
+//! payload. That is why it keeps its own queue and wakes through its `HandedOff` list rather than a
 //! `waitq::WaitQueue`, whose wake-ups go to its own oldest entries and carry nothing; the
 //! sleep itself is the wait queue protocol's shape (publish, fence, re-check, park, re-check).
 

@@ -3,7 +3,7 @@
 //! - [`null`]: the reference driver (null_blk's model): no data, completions inline, on a
 //!   thread, or after a timer. Read it first.
 //! - [`mem`]: requests executed on a sparse in-memory [`backend::MemBackend`].
-//! - [`file`]: a regular file or block device through one of the engines of [`engine`]
+//! - [`file`](mod@file): a regular file or block device through one of the engines of [`engine`]
 //!   (io_uring, a thread pool, or synchronous; one [`EngineKind`] picks).
 //! - [`backend`]: where the bytes live (memory, file), synchronous and thread-safe.
 //! - [`spec`]: the device-spec parser (`null:1G,completion=thread`, `file:/path,engine=pool`)

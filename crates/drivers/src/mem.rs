@@ -9,7 +9,7 @@ use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 use crate::backend::{exec_on_backend, Backend};
 
 /// A driver that executes each request synchronously on a [`Backend`] in `queue_rq`
-/// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`FileDriver`]).
+/// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`crate::FileDriver`]).
 #[derive(Debug)]
 pub struct BackendDriver {
     name: &'static str,

@@ -5,7 +5,7 @@
 //! Options of `file:` devices: `engine=auto|uring|pool|sync` (default `auto`: io_uring where it
 //! works, else the thread pool), `direct=0|1` (`O_DIRECT` for 4096-aligned transfers),
 //! `ro=0|1`, `workers=N` (pool threads, default
-//! [`DEFAULT_WORKERS`](crate::drivers::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
+//! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
 //!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,

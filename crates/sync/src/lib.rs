@@ -149,8 +149,8 @@ pub use imp::{atomic, thread, Arc, UnsafeCell};
 /// loom atomics they multiplied model run times. The one sanctioned exception to "every atomic
 /// from the facade is loom's under `--cfg blkq_loom`".
 ///
-/// Also the one sharded-counter type of the workspace ([`ShardedCounters`]) and the one
-/// function that sizes per-thread shard arrays ([`shard_count`]).
+/// Also the one sharded-counter type of the workspace ([`stat::ShardedCounters`]) and the one
+/// function that sizes per-thread shard arrays ([`stat::shard_count`]).
 pub mod stat {
     pub use std::sync::atomic::{AtomicU64 as StatU64, Ordering};
 

@@ -434,7 +434,7 @@ impl FileBackend {
     }
 
     /// Duplicated descriptors of this file for an asynchronous engine
-    /// ([`super::uring::FileEngine`]), which then does not borrow the backend.
+    /// ([`crate::engine::FileEngine`]), which then does not borrow the backend.
     pub fn engine_files(&self) -> io::Result<crate::engine::EngineFiles> {
         let io = self
             .io
