@@ -11,7 +11,7 @@
 //!
 //! Request cell `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
 //! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
-//! the previous owner's. Inside blk, ownership travels as an [`RequestToken`]: a non-`Clone` token
+//! the previous owner's. Inside blk, ownership travels as a [`RequestToken`]: a non-`Clone` token
 //! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
 //! of the token can reach the cell, so the `UnsafeCell` access is exclusive.
 //!
