@@ -287,6 +287,7 @@ impl QueueCore {
 
     /// This queue's identity, as debug builds record it in every [`RequestToken`]: the
     /// address of its request table, unique among live queues.
+    #[cfg(debug_assertions)]
     #[inline]
     fn id(&self) -> usize {
         self.requests.as_ptr() as usize
