@@ -125,9 +125,9 @@ pub trait Driver: Send + Sync {
 /// # Contract
 ///
 /// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
-/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
-/// room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only
-/// if another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
+/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has
+/// no room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only if
+/// another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
 /// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
 /// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
 /// complete inline and the completion may submit again.

@@ -348,7 +348,7 @@ impl QueueCore {
 
     /// Write access to a request (its fields stay private: see [`Request`]).
     #[inline]
-    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RequestToken`, the ownership token
+    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RequestToken`, the owning token
     pub fn rq_mut<'a>(&'a self, r: &'a mut RequestToken) -> &'a mut Request {
         self.check_token(r);
         // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive for as long as it lives.

@@ -1,10 +1,10 @@
 //! Queue statistics: `/sys/block/*/stat`-style disk counters, and tag-wait statistics.
 //!
-//! Disk counters are sharded by thread slot ([`blkq_sync::stat::ShardedCounters`]), incremented with
-//! `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
-//! see a snapshot torn between shards, which is fine for statistics. Times use the coarse
-//! monotonic clock (a few ns to read, ~1-4 ms resolution, like the kernel's jiffies-based
-//! `io_ticks`), because a precise clock costs ~33 ns per read on these machines.
+//! Disk counters are sharded by thread slot ([`blkq_sync::stat::ShardedCounters`]), incremented
+//! with `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
+//! see a snapshot torn between shards, which is fine for statistics. Times use the coarse monotonic
+//! clock (a few ns to read, ~1-4 ms resolution, like the kernel's jiffies-based `io_ticks`),
+//! because a precise clock costs ~33 ns per read on these machines.
 
 use std::time::Instant;
 

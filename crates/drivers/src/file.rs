@@ -3,19 +3,19 @@
 //!
 //! # Data path (engines `uring` and `pool`)
 //!
-//! - `queue_rq` turns the request's bio into a [`UringOp`] (read, write with FUA, or
-//!   `fdatasync` for a flush) whose `user_data` is the request's [`RequestToken::index`], and appends
-//!   it to the driver's pending batch. The `RequestToken` itself is given up there: the op carries
-//!   the ownership of the slot from then on.
+//! - `queue_rq` turns the request's bio into a [`UringOp`] (read, write with FUA, or `fdatasync`
+//!   for a flush) whose `user_data` is the request's [`RequestToken::index`], and appends it to the
+//!   driver's pending batch. The `RequestToken` itself is given up there: the op carries the
+//!   ownership of the request from then on.
 //! - `commit` takes the whole pending batch (whatever every submitter queued since the last
 //!   commit) and hands it to the engine at once: one `io_uring_enter` for a plug's worth of
 //!   requests. The batch lock is not held while submitting, so a submitter that waits for
 //!   room in the ring never blocks the others' `queue_rq`, nor a completion callback that
 //!   submits again.
 //! - The engine's completion callback (registered once, at construction) rebuilds the
-//!   `RequestToken` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue through
-//!   a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down (which
-//!   waits for every op in flight) and so drops the callback and, with it, the queue.
+//!   `RequestToken` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue
+//!   through a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down
+//!   (which waits for every op in flight) and so drops the callback and, with it, the queue.
 //! - Discards and write-zeroes run synchronously on the [`FileBackend`] in `queue_rq` (via
 //!   [`exec_on_backend`]): the backend's `fallocate` fallbacks (punch, zero range, plain
 //!   writes, `BLKZEROOUT`) would each need an op of their own, and io_uring's fallocate is
@@ -354,11 +354,11 @@ impl FileDriver {
                 let buf = bio.buf.as_mut().filter(|b| b.len() >= len as usize)?;
                 let ptr = buf.as_mut_slice().as_mut_ptr();
                 // SAFETY: the buffer has at least `len` bytes (checked just above; also by
-                // `Limits::validate`). It lives in the bio, inside the request slot, which
+                // `Limits::validate`). It lives in the bio, inside the request's cell, which
                 // belongs to the request until `QueueCore::complete` takes the bio out. The
-                // slot's `RequestToken` is given up to this op (`queue_rq`), so nobody reaches the slot
-                // until the engine's completion callback rebuilds the token, and the engine
-                // is done with the memory before it calls back: only then, inside the
+                // request's `RequestToken` is given up to this op (`queue_rq`), so nobody reaches
+                // the request until the engine's completion callback rebuilds the token, and the
+                // engine is done with the memory before it calls back: only then, inside the
                 // callback, does `complete` hand the bytes to the bio's submitter. The heap
                 // allocation does not move when the bio does.
                 Some(unsafe { UringOp::read(off, ptr, len) })
@@ -367,7 +367,7 @@ impl FileDriver {
                 let fua = bio.flags.contains(BioFlags::FUA);
                 let buf = bio.buf.as_ref().filter(|b| b.len() >= len as usize)?;
                 let ptr = buf.as_slice().as_ptr();
-                // SAFETY: as for reads: at least `len` bytes, in the slot that the op owns and
+                // SAFETY: as for reads: at least `len` bytes, in the request that the op owns and
                 // nobody touches until its completion callback calls `complete`.
                 Some(unsafe { UringOp::write(off, ptr, len, fua) })
             }
@@ -395,7 +395,7 @@ impl Driver for FileDriver {
             return self.run_sync(q, r);
         };
         let user_data = u64::from(r.index());
-        // The token `r` ends here (it has no destructor): the op carries the slot's ownership,
+        // The token `r` ends here (it has no destructor): the op carries the request's ownership,
         // by index, until its completion callback (or `fail`) rebuilds it.
         a.shared.state.lock().pending.push((op, user_data));
     }

@@ -3,8 +3,8 @@
 //!
 //! # `locked`
 //!
-//! One mutex around all of the state, taken by every insert and every dispatch: what
-//! mq-deadline did before dispatch was serialized, and where 70% of the CPU went with four submitters.
+//! One mutex around all of the state, taken by every insert and every dispatch: what mq-deadline
+//! did before dispatch was serialized, and where 70% of the CPU went with four submitters.
 //!
 //! # `serialized`
 //!

@@ -1,8 +1,8 @@
-//! I/O schedulers: `none` (no scheduler: requests go straight to the driver) and
-//! `mq-deadline` ([`Deadline`]), with the lock around a scheduler's state in two designs
-//! ([`SchedLock`], serialized dispatch with inserter hand-off): `locked` (one mutex for insert and dispatch) and `serialized`
-//! (one owner at a time; inserters that find it taken leave their requests in per-thread
-//! buckets, dispatchers that find it taken leave).
+//! I/O schedulers: `none` (no scheduler: requests go straight to the driver) and `mq-deadline`
+//! ([`Deadline`]), with the lock around a scheduler's state in two designs ([`SchedLock`],
+//! serialized dispatch with inserter hand-off): `locked` (one mutex for insert and dispatch) and
+//! `serialized` (one owner at a time; inserters that find it taken leave their requests in
+//! per-thread buckets, dispatchers that find it taken leave).
 
 use std::str::FromStr;
 

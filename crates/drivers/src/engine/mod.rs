@@ -5,16 +5,16 @@
 //! `callback(user_data, Ok(bytes))` (`bytes` is the op's full length for reads and writes, 0
 //! for fsync and nop) or `callback(user_data, Err(e))`.
 //!
-//! - [`UringEngine`]: one ring; submitters serialize on a mutex around the submission queue
-//!   and make one `io_uring_enter` per batch; a reaper thread waits for completions and runs
-//!   the callback. Short reads and writes are **resubmitted** for the remainder (the caller
-//!   only ever sees whole transfers or an error); a read reaching end of file reports
-//!   `UnexpectedEof`. FUA writes carry `RWF_DSYNC` (falling back to write + `fdatasync` if the
-//!   kernel refuses the flag). Aligned transfers use the `O_DIRECT` descriptor, as in
-//!   [`crate::backend::FileBackend`]. At most `sq_entries` ops are in flight (the completion queue is
-//!   twice that, so it never overflows); [`UringEngine::submit_batch`] waits for room.
-//!   Registered buffers and files are not used: the driver's buffers come and go per request,
-//!   so registering them would cost more than the page pinning it saves.
+//! - [`UringEngine`]: one ring; submitters serialize on a mutex around the submission queue and
+//!   make one `io_uring_enter` per batch; a reaper thread waits for completions and runs the
+//!   callback. Short reads and writes are **resubmitted** for the remainder (the caller only ever
+//!   sees whole transfers or an error); a read reaching end of file reports `UnexpectedEof`. FUA
+//!   writes carry `RWF_DSYNC` (falling back to write + `fdatasync` if the kernel refuses the flag).
+//!   Aligned transfers use the `O_DIRECT` descriptor, as in [`crate::backend::FileBackend`]. At
+//!   most `sq_entries` ops are in flight (the completion queue is twice that, so it never
+//!   overflows); [`UringEngine::submit_batch`] waits for room. Registered buffers and files are not
+//!   used: the driver's buffers come and go per request, so registering them would cost more than
+//!   the page pinning it saves.
 //! - [`PoolEngine`]: N worker threads doing `pread`/`pwrite` (the same loops as the
 //!   synchronous backend), for kernels or containers without io_uring.
 //! - [`FileEngine`]: picks one ([`EngineKind`]: `uring`, `pool`, `auto`; `sync` is the

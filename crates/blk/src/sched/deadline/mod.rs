@@ -42,8 +42,8 @@
 //! merged as well (request-request merge, within the same limits). The survivor is the lower
 //! one; it takes the FIFO place and deadline of the other if that one was older.
 //!
-//! While queued, every request's token (merged ones too) sits in `tokens`, indexed by request index;
-//! the chain is linked through [`Request::merged`] when it is dispatched (one pass over the
+//! While queued, every request's token (merged ones too) sits in `tokens`, indexed by request
+//! index; the chain is linked through [`Request::merged`] when it is dispatched (one pass over the
 //! chain), so a merge is O(log n) and allocates nothing.
 //!
 //! # Why sorted vectors, not a `BTreeMap`
@@ -81,10 +81,10 @@
 //!
 //! # Locking
 //!
-//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (serialized dispatch with inserter hand-off), switchable
-//! at run time ([`Deadline::set_lock_mode`]). Requests drained from a bucket get their
-//! deadline when drained, at most one owner's round after they were punted. Completion
-//! counters are sharded atomics, outside the lock.
+//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (serialized dispatch with
+//! inserter hand-off), switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
+//! a bucket get their deadline when drained, at most one owner's round after they were punted.
+//! Completion counters are sharded atomics, outside the lock.
 
 use std::sync::Arc;
 

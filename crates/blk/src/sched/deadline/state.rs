@@ -15,8 +15,9 @@ pub(super) struct BatchContext {
     pub(super) max_merge: u32,
 }
 
-/// Per-request metadata, by request index ([`RequestToken::index`]). The first group describes a queued request (`list != NOT_QUEUED`) and
-/// its whole merge chain; the chain links are valid for every member of a queued chain.
+/// Per-request metadata, by request index ([`RequestToken::index`]). The first group describes a
+/// queued request (`list != NOT_QUEUED`) and its whole merge chain; the chain links are valid for
+/// every member of a queued chain.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Meta {
     pub(super) start: u64,
