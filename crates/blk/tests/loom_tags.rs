@@ -1,5 +1,5 @@
 //! Loom model of the FIFO hand-off gate of the tag pool: a freed tag is moved to the oldest
-//! waiter's stack slot under the gate lock. Checks that no hand-off is lost (every waiter
+//! waiter's hand-off cell under the gate lock. Checks that no hand-off is lost (every waiter
 //! finishes: loom reports a deadlock otherwise) and that a tag never has two owners (an
 //! `UnsafeCell` per tag: loom reports unordered accesses). Runs once without loom.
 
@@ -57,7 +57,9 @@ fn batch_owner_is_a_thread() {
     let p = pool.clone();
     let owner = thread::spawn(move || {
         let first = p.get(0); // the soft limit is reached: queue at the gate
-        let second = p.get_nowait(0).expect("the batch owner goes past the soft limit");
+        let second = p
+            .get_nowait(0)
+            .expect("the batch owner goes past the soft limit");
         [first, second]
     });
     while pool.gate_waiters() != 1 {
@@ -65,7 +67,11 @@ fn batch_owner_is_a_thread() {
     }
     assert!(pool.put(held));
     let tags = owner.join().unwrap();
-    assert_eq!(pool.get_nowait(0), None, "not the batch owner: the soft limit holds");
+    assert_eq!(
+        pool.get_nowait(0),
+        None,
+        "not the batch owner: the soft limit holds"
+    );
     for t in tags {
         assert!(pool.put(t));
     }
