@@ -2,22 +2,22 @@
 //!
 //! ```text
 //!  submit(bio) -- validate --> tag (TagPool: may sleep per policy)
-//!     -> request slot of that tag (preallocated; no allocation per I/O)
+//!     -> request cell of that tag (preallocated; no allocation per I/O)
 //!     -> [plug: collect up to plug_limit] -> driver.queue_rq(rq) ... driver.commit()
 //!  driver ... complete(rq, status) -> stats -> tag freed (batched wake-ups) -> end_io(bio)
 //! ```
 //!
-//! # Ownership of a request slot
+//! # Ownership of a request cell
 //!
-//! Slot `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
+//! Request cell `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
 //! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
-//! the previous owner's. Inside blk, ownership travels as an [`RqRef`]: a non-`Clone` token
+//! the previous owner's. Inside blk, ownership travels as a [`RequestToken`]: a non-`Clone` token
 //! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
-//! of the token can reach the slot, so the `UnsafeCell` access is exclusive.
+//! of the token can reach the cell, so the `UnsafeCell` access is exclusive.
 //!
 //! # Completion order
 //!
-//! `complete` takes the bio out of the slot, frees the tag, then calls `end_io`. Freeing
+//! `complete` takes the bio out of the cell, frees the tag, then calls `end_io`. Freeing
 //! first means an `end_io` that submits again (or that runs inline, nested inside `submit`)
 //! never waits for the tag its own request still holds.
 //!
@@ -29,7 +29,7 @@
 //! *token* of the next request of the chain. Whoever holds the first token therefore owns the
 //! whole chain; the driver gets the first request only and executes every bio of the chain
 //! ([`QueueCore::for_each_bio`]); `complete` of the first completes every request of the chain,
-//! in chain order, with the same status. The link lives in the preallocated slot, so merging
+//! in chain order, with the same status. The link lives in the preallocated cell, so merging
 //! allocates nothing and has no length bound other than the scheduler's (the queue's
 //! `max_io_bytes` for the chain, and [`Driver::max_merge`] bios).
 //!
@@ -45,73 +45,11 @@ use std::sync::Arc;
 use blkq_sync::{CachePadded, UnsafeCell};
 use sbitmap::WakeAlgo;
 
-use crate::backend::Extent;
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::sched::LockStats;
+use crate::device::{Device, Driver, Extent, Limits, Scheduler};
 use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
-
-/// Limits a device advertises and the queue enforces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Size in bytes.
-    pub capacity: u64,
-    /// Smallest addressable unit, bytes (a power of two, >= 512).
-    pub logical_block_size: u32,
-    /// Largest read or write, bytes.
-    pub max_io_bytes: u32,
-}
-
-impl Limits {
-    /// Checks a bio against the limits.
-    pub fn validate(&self, bio: &Bio) -> Result<(), Error> {
-        if bio.op == Op::Flush {
-            return Ok(());
-        }
-        let lbs = u64::from(self.logical_block_size);
-        let off = bio
-            .sector
-            .checked_mul(1 << SECTOR_SHIFT)
-            .ok_or(Error::OutOfRange {
-                offset: u64::MAX,
-                len: u64::from(bio.len),
-                capacity: self.capacity,
-            })?;
-        let len = u64::from(bio.len);
-        if len == 0 || off % lbs != 0 || len % lbs != 0 {
-            return Err(Error::Misaligned {
-                offset: off,
-                len,
-                block: self.logical_block_size,
-            });
-        }
-        if off.checked_add(len).is_none_or(|end| end > self.capacity) {
-            return Err(Error::OutOfRange {
-                offset: off,
-                len,
-                capacity: self.capacity,
-            });
-        }
-        if bio.op.has_data() {
-            if bio.len > self.max_io_bytes {
-                return Err(Error::TooLarge {
-                    len,
-                    max: self.max_io_bytes,
-                });
-            }
-            if let Some(b) = &bio.buf {
-                if b.len() < bio.len as usize {
-                    return Err(Error::BufferTooSmall {
-                        len,
-                        buf: b.len() as u64,
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-}
 
 /// How to build a queue.
 #[derive(Debug, Clone)]
@@ -120,7 +58,8 @@ pub struct QueueConfig {
     pub nr_hw_queues: u16,
     /// Tags per hardware context (or in all, with `shared_tags`).
     pub queue_depth: u32,
-    /// One tag bitmap shared by every hardware context (seed 000's second experiment).
+    /// One tag bitmap shared by every hardware context (the shared-tag-set experiment: many
+    /// hardware queues on one bitmap).
     pub shared_tags: bool,
     /// Extra tags per pool kept for bios flagged [`crate::BioFlags::RESERVED`] (internal
     /// commands that must not wait behind ordinary I/O), as blk-mq's reserved tags.
@@ -155,24 +94,89 @@ impl QueueConfig {
     }
 }
 
-/// A request: a bio in flight, in the preallocated slot of its tag.
+/// A request: a bio in flight, in the preallocated request cell of its tag.
+///
+/// Its fields are private: what identifies the request (tag, pool, hardware context) is set
+/// by the queue when the tag is allocated and read back by [`QueueCore::complete`] to free
+/// that tag, so nobody else may write it (a driver that could rewrite `tag` could make
+/// `complete` free a tag another request holds, and two owners would share one cell).
+/// Drivers and schedulers read it through accessors; the bio can be borrowed, taken out and
+/// put back.
 #[derive(Default)]
 pub struct Request {
-    /// The bio.
-    pub bio: Option<Bio>,
+    bio: Option<Bio>,
     end: Option<Arc<dyn EndIo>>,
-    /// Coarse start time, ns.
-    pub start_ns: u64,
-    /// Hardware context.
-    pub hctx: u16,
-    /// Tag within its pool.
-    pub tag: u32,
+    start_ns: u64,
+    hctx: u16,
+    tag: u32,
+    reserved: bool,
+    merged: Option<RequestToken>,
+}
+
+impl Request {
+    /// The bio (`None` only while a driver has taken it out with [`Request::take_bio`]).
+    #[inline]
+    pub fn bio(&self) -> Option<&Bio> {
+        self.bio.as_ref()
+    }
+
+    /// The bio, mutably (a read fills its buffer).
+    #[inline]
+    pub fn bio_mut(&mut self) -> Option<&mut Bio> {
+        self.bio.as_mut()
+    }
+
+    /// Takes the bio out, e.g. to hand its buffer to an engine; put it back with
+    /// [`Request::put_bio`] before completing, or the submitter never gets it back.
+    #[inline]
+    pub fn take_bio(&mut self) -> Option<Bio> {
+        self.bio.take()
+    }
+
+    /// Puts a bio (back) into the request; returns the one it replaces, if any.
+    #[inline]
+    pub fn put_bio(&mut self, bio: Bio) -> Option<Bio> {
+        self.bio.replace(bio)
+    }
+
+    /// Coarse submission time, ns (the clock of the disk statistics).
+    #[inline]
+    pub fn start_ns(&self) -> u64 {
+        self.start_ns
+    }
+
+    /// The hardware context the request was submitted on.
+    #[inline]
+    pub fn hctx(&self) -> u16 {
+        self.hctx
+    }
+
+    /// The tag within its pool.
+    #[inline]
+    pub fn tag(&self) -> u32 {
+        self.tag
+    }
+
     /// Whether the tag is from the reserved pool.
-    pub reserved: bool,
+    #[inline]
+    pub fn reserved(&self) -> bool {
+        self.reserved
+    }
+
     /// The next request of this request's merge chain (module docs), `None` for a request that
-    /// carries one bio. Set by the scheduler at dispatch; the driver reads it (through
-    /// [`QueueCore::for_each_bio`]) and `complete` consumes it.
-    pub merged: Option<RqRef>,
+    /// carries one bio.
+    #[inline]
+    pub fn merged(&self) -> Option<&RequestToken> {
+        self.merged.as_ref()
+    }
+
+    /// Links `next` (the token of a request of the same queue) as this request's successor in
+    /// its merge chain, returning the previous link. What a merging scheduler calls at
+    /// dispatch; the chain's head token then owns the whole chain.
+    #[inline]
+    pub fn set_merged(&mut self, next: Option<RequestToken>) -> Option<RequestToken> {
+        std::mem::replace(&mut self.merged, next)
+    }
 }
 
 impl fmt::Debug for Request {
@@ -186,135 +190,39 @@ impl fmt::Debug for Request {
     }
 }
 
-/// The right to use one request slot, from tag allocation to completion (module docs).
+/// The right to use one request cell, from tag allocation to completion (module docs): an
+/// owning, non-`Clone` token. [`QueueCore::complete`] consumes it.
+///
+/// In debug builds the token also names the queue it belongs to, and every use on another
+/// queue fails a debug assertion: a token is an index into one queue's table.
 #[derive(Debug)]
-pub struct RqRef {
+pub struct RequestToken {
     idx: u32,
+    /// The identity of the owning queue ([`QueueCore::id`]), checked on every use.
+    #[cfg(debug_assertions)]
+    queue: usize,
 }
 
-impl RqRef {
-    /// The slot index (unique among requests in flight on this queue).
+impl RequestToken {
+    /// The request's index in its queue's table (unique among requests in flight on this
+    /// queue, below [`QueueCore::nr_requests`]).
+    #[inline]
     pub fn index(&self) -> u32 {
         self.idx
     }
-
-    /// Rebuilds the token of slot `idx`, for a driver that carried a request through an
-    /// asynchronous engine as its bare [`RqRef::index`] (the engine's `user_data`).
-    ///
-    /// # Safety
-    ///
-    /// `idx` must be the index of a request in flight on the queue it will be used with, whose
-    /// token the caller owns: one given up by whoever held it (handed to an engine as its
-    /// index) and rebuilt at most once. A second live token for the same slot would alias the
-    /// `&mut Request` of [`QueueCore::rq_mut`].
-    pub(crate) unsafe fn from_index(idx: u32) -> RqRef {
-        RqRef { idx }
-    }
 }
 
-/// A block driver: executes requests and reports their completion.
-pub trait Driver: Send + Sync {
-    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
-    /// until [`Driver::stop`]).
-    fn start(&self, _q: &Arc<QueueCore>) {}
-    /// Takes a request; the driver completes it later (or right away) with
-    /// [`QueueCore::complete`].
-    fn queue_rq(&self, q: &QueueCore, rq: RqRef);
-    /// The end of a batch of `queue_rq` calls (ring the doorbell).
-    fn commit(&self, _q: &QueueCore) {}
-    /// Stops completion threads; called when the queue is dropped.
-    fn stop(&self) {}
-    /// The allocation map, for devices that know it (default: everything allocated).
-    fn extents(&self, offset: u64, len: u64, _max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(vec![Extent {
-            offset,
-            len,
-            allocated: true,
-        }])
-    }
-    /// One line describing the driver and its options.
-    fn describe(&self) -> String;
-    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
-    /// means the driver executes exactly one bio per request and the queue must not merge.
-    fn max_merge(&self) -> u32 {
-        1
-    }
-    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
-    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
-    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
-    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
-    /// queue does not ask. Default: no limit.
-    fn can_queue(&self) -> usize {
-        usize::MAX
-    }
-}
+/// The preallocated cell of one request.
+struct RequestCell(UnsafeCell<Request>);
 
-/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
-/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
-///
-/// # Contract
-///
-/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
-/// [`Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has no
-/// room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only
-/// if another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
-/// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
-/// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
-/// complete inline and the completion may submit again.
-pub trait Scheduler: Send + Sync {
-    /// The scheduler's name (`--sched`).
-    fn name(&self) -> &'static str;
-    /// Called once, when the queue that owns the scheduler is built: size per-request state
-    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
-    fn attach(&self, _q: &QueueCore) {}
-    /// Takes one request of a batch being flushed.
-    fn insert(&self, q: &QueueCore, rq: RqRef);
-    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RqRef>) {
-        for r in rqs {
-            self.insert(q, r);
-        }
-    }
-    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
-    /// every batch of inserts, until it hands out nothing.
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RqRef)) -> usize;
-    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
-    /// merge chain), before its bio is handed back. Must not block.
-    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
-    /// Acquisitions of the scheduler's lock, and how many found it taken.
-    fn lock_stats(&self) -> LockStats {
-        LockStats::default()
-    }
-    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
-}
-
-/// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
-pub trait Device: Send + Sync {
-    /// Submits a bio; `end.end_io` is called exactly once with its status (possibly before
-    /// this returns, possibly on another thread).
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>);
-    /// Submits several bios as one batch (drivers see them together).
-    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
-        for b in bios {
-            self.submit(b, end);
-        }
-    }
-    /// The device's limits.
-    fn limits(&self) -> Limits;
-    /// The allocation map of a range.
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
-}
-
-struct Slot(UnsafeCell<Request>);
-
-// SAFETY: a slot is only accessed by the holder of its RqRef, and ownership passes between
-// threads through the tag bitmap's Release/Acquire (module docs).
-unsafe impl Sync for Slot {}
+// SAFETY: a cell is only accessed by the holder of its RequestToken (one token per cell, only
+// made by `prepare` from a tag it allocated, and by the unsafe `token_from_index`), and
+// ownership passes between threads through the tag bitmap's Release/Acquire (module docs).
+// The fields that name the tag are private and written only by `prepare`, so `complete`
+// frees exactly the tag that made the token.
+unsafe impl Sync for RequestCell {}
 // SAFETY: as above; the contents (Bio, Arc<dyn EndIo>) are Send.
-unsafe impl Send for Slot {}
+unsafe impl Send for RequestCell {}
 
 /// The shared part of a queue, which drivers see.
 pub struct QueueCore {
@@ -325,7 +233,7 @@ pub struct QueueCore {
     /// Reserved pools, one per entry of `pools` (empty without reserved tags).
     reserved: Box<[Arc<TagPool>]>,
     reserved_depth: u32,
-    slots: Box<[CachePadded<Slot>]>,
+    requests: Box<[CachePadded<RequestCell>]>,
     driver: Box<dyn Driver>,
     sched: Option<Box<dyn Scheduler>>,
     stats: DiskCounters,
@@ -356,9 +264,9 @@ impl QueueCore {
         }
     }
 
-    /// Slots: every ordinary tag of every pool first, then every reserved tag.
+    /// Request cells: every ordinary tag of every pool first, then every reserved tag.
     #[inline]
-    fn slot_index(&self, hctx: u16, tag: u32, reserved: bool) -> u32 {
+    fn request_index(&self, hctx: u16, tag: u32, reserved: bool) -> u32 {
         let p = self.pool_index(hctx) as u32;
         if reserved {
             self.pools.len() as u32 * self.depth + p * self.reserved_depth + tag
@@ -377,20 +285,74 @@ impl QueueCore {
         }
     }
 
-    /// Read access to a request.
+    /// This queue's identity, as debug builds record it in every [`RequestToken`]: the
+    /// address of its request table, unique among live queues.
+    #[cfg(debug_assertions)]
     #[inline]
-    pub fn rq<'a>(&'a self, r: &'a RqRef) -> &'a Request {
-        // SAFETY: the holder of `r` owns the slot (module docs); the shared borrow is tied to
-        // `&r`, so no `&mut` from `rq_mut` can coexist with it.
-        self.slots[r.idx as usize].0 .0.with(|p| unsafe { &*p })
+    fn id(&self) -> usize {
+        self.requests.as_ptr() as usize
     }
 
-    /// Write access to a request.
+    /// Makes the token of request `idx` (the one place besides [`QueueCore::token_from_index`]
+    /// where tokens are born).
     #[inline]
-    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RqRef`, the ownership token
-    pub fn rq_mut<'a>(&'a self, r: &'a mut RqRef) -> &'a mut Request {
+    fn make_token(&self, idx: u32) -> RequestToken {
+        RequestToken {
+            idx,
+            #[cfg(debug_assertions)]
+            queue: self.id(),
+        }
+    }
+
+    /// Debug builds: `r` belongs to this queue.
+    #[inline]
+    fn check_token(&self, r: &RequestToken) {
+        #[cfg(debug_assertions)]
+        assert_eq!(
+            r.queue,
+            self.id(),
+            "RequestToken {} used on a queue it does not belong to",
+            r.idx
+        );
+        let _ = r;
+    }
+
+    /// Rebuilds the token of request `idx`, for a driver that carried a request through an
+    /// asynchronous engine as its bare [`RequestToken::index`] (an io_uring `user_data`):
+    /// the driver gives the token up when it hands the index to the engine (dropping or
+    /// forgetting it), and rebuilds it once, in the engine's completion.
+    ///
+    /// # Safety
+    ///
+    /// `idx` must be the index of a request in flight on *this* queue whose token the caller
+    /// owns: one given up by whoever held it and rebuilt at most once. A second live token
+    /// for the same request would alias the `&mut Request` of [`QueueCore::rq_mut`], and
+    /// completing both would free one tag twice.
+    #[inline]
+    pub unsafe fn token_from_index(&self, idx: u32) -> RequestToken {
+        debug_assert!(
+            (idx as usize) < self.requests.len(),
+            "request index {idx} out of range"
+        );
+        self.make_token(idx)
+    }
+
+    /// Read access to a request.
+    #[inline]
+    pub fn rq<'a>(&'a self, r: &'a RequestToken) -> &'a Request {
+        self.check_token(r);
+        // SAFETY: the holder of `r` owns the cell (module docs); the shared borrow is tied to
+        // `&r`, so no `&mut` from `rq_mut` can coexist with it.
+        self.requests[r.idx as usize].0 .0.with(|p| unsafe { &*p })
+    }
+
+    /// Write access to a request (its fields stay private: see [`Request`]).
+    #[inline]
+    #[allow(clippy::mut_from_ref)] // exclusivity comes from `&mut RequestToken`, the owning token
+    pub fn rq_mut<'a>(&'a self, r: &'a mut RequestToken) -> &'a mut Request {
+        self.check_token(r);
         // SAFETY: as in `rq`; `&mut r` makes this borrow exclusive for as long as it lives.
-        self.slots[r.idx as usize]
+        self.requests[r.idx as usize]
             .0
              .0
             .with_mut(|p| unsafe { &mut *p })
@@ -402,7 +364,7 @@ impl QueueCore {
     #[inline]
     pub fn for_each_bio(
         &self,
-        r: &mut RqRef,
+        r: &mut RequestToken,
         mut f: impl FnMut(&mut Bio) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let mut cur = r;
@@ -423,10 +385,10 @@ impl QueueCore {
         self.limits
     }
 
-    /// Request slots of the queue (every tag of every pool, reserved ones included):
-    /// [`RqRef::index`] is below this.
+    /// Requests of the queue (every tag of every pool, reserved ones included):
+    /// [`RequestToken::index`] is below this.
     pub fn nr_requests(&self) -> usize {
-        self.slots.len()
+        self.requests.len()
     }
 
     /// The most bios one request may carry ([`Driver::max_merge`]).
@@ -452,7 +414,7 @@ impl QueueCore {
     /// Then the same for every request of its merge chain, in chain order, with the same
     /// status (module docs). The link to the next request is read out before the tag is freed.
     #[inline]
-    pub fn complete(&self, r: RqRef, mut res: Result<(), Error>) {
+    pub fn complete(&self, r: RequestToken, mut res: Result<(), Error>) {
         let now = coarse_ns();
         let mut cur = r;
         loop {
@@ -465,8 +427,12 @@ impl QueueCore {
             let end = rq.end.take();
             let next = rq.merged.take();
             let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
-            let RqRef { .. } = r; // the token ends here: the slot is not touched again
-                                  // The last request of the chain takes `res` itself; the others get copies.
+            // INVARIANT: ownership of the cell ends here. The token is consumed and the cell is
+            // not touched again; `put` below frees the tag `prepare` stored (the fields are
+            // private, so it is the tag this token was made from), and its Release hands the
+            // cell to the next owner.
+            let RequestToken { .. } = r;
+            // The last request of the chain takes `res` itself; the others get copies.
             let this = match (&next, &res) {
                 (Some(_), Ok(())) => Ok(()),
                 (Some(_), Err(e)) => Err(e.duplicate()),
@@ -496,7 +462,7 @@ impl QueueCore {
     /// merges at insert instead) and the driver takes chains: same op, flags and priority,
     /// contiguous, within `max_io_bytes` and `max_merge` bios. Otherwise records `r` as the
     /// new tail and gives it back to be plugged on its own.
-    fn plug_merge(&self, plug: &mut Plug, r: RqRef) -> Result<(), RqRef> {
+    fn plug_merge(&self, plug: &mut Plug, r: RequestToken) -> Result<(), RequestToken> {
         let Some(b) = self.rq(&r).bio.as_ref() else {
             plug.tail = None;
             return Err(r);
@@ -591,7 +557,12 @@ impl QueueCore {
     /// the tags held by plugged requests may be the ones it would wait for (blk-mq flushes
     /// the plug on schedule for the same reason).
     #[inline]
-    fn prepare(&self, bio: Bio, end: &Arc<dyn EndIo>, plug: Option<&mut Plug>) -> Option<RqRef> {
+    fn prepare(
+        &self,
+        bio: Bio,
+        end: &Arc<dyn EndIo>,
+        plug: Option<&mut Plug>,
+    ) -> Option<RequestToken> {
         if let Err(e) = self.limits.validate(&bio) {
             end.end_io(bio, Err(e));
             return None;
@@ -613,9 +584,10 @@ impl QueueCore {
                 pool.get(dir)
             }
         };
-        let mut r = RqRef {
-            idx: self.slot_index(hctx, tag, reserved),
-        };
+        // INVARIANT: ownership of the cell begins here. We hold `tag` (allocated by the
+        // Acquire RMW above), and cell `request_index(hctx, tag, reserved)` belongs to that
+        // tag alone, so this is the only token for it until `complete` frees the tag.
+        let mut r = self.make_token(self.request_index(hctx, tag, reserved));
         self.stats.submitted(dir);
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
@@ -671,9 +643,9 @@ impl Queue {
         let reserved = (0..if cfg.reserved_tags > 0 { npools } else { 0 })
             .map(|_| TagPool::new(cfg.reserved_tags, cfg.wake, PoolPolicy::Fifo).map(Arc::new))
             .collect::<Result<Box<[_]>, _>>()?;
-        let nslots = npools * (cfg.queue_depth + cfg.reserved_tags) as usize;
-        let slots = (0..nslots)
-            .map(|_| CachePadded(Slot(UnsafeCell::new(Request::default()))))
+        let nrequests = npools * (cfg.queue_depth + cfg.reserved_tags) as usize;
+        let requests = (0..nrequests)
+            .map(|_| CachePadded(RequestCell(UnsafeCell::new(Request::default()))))
             .collect();
         let max_merge = driver.max_merge().max(1);
         let core = Arc::new(QueueCore {
@@ -683,7 +655,7 @@ impl Queue {
             pools,
             reserved,
             reserved_depth: cfg.reserved_tags,
-            slots,
+            requests,
             driver,
             sched,
             stats: DiskCounters::new(),
@@ -809,7 +781,7 @@ impl Device for Queue {
 /// Keep one per submitter and reuse it: its vector is allocated once.
 #[derive(Debug)]
 pub struct Plug {
-    rqs: Vec<RqRef>,
+    rqs: Vec<RequestToken>,
     /// The merge chain ending the last plugged request, for back merges (no scheduler).
     tail: Option<PlugTail>,
 }

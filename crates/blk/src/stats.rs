@@ -1,15 +1,15 @@
 //! Queue statistics: `/sys/block/*/stat`-style disk counters, and tag-wait statistics.
 //!
-//! Disk counters are sharded by thread slot (one cache line per shard), incremented with
-//! `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
-//! see a snapshot torn between shards, which is fine for statistics. Times use the coarse
-//! monotonic clock (a few ns to read, ~1-4 ms resolution, like the kernel's jiffies-based
-//! `io_ticks`), because a precise clock costs ~33 ns per read on these machines.
+//! Disk counters are sharded by thread slot ([`blkq_sync::stat::ShardedCounters`]), incremented
+//! with `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
+//! see a snapshot torn between shards, which is fine for statistics. Times use the coarse monotonic
+//! clock (a few ns to read, ~1-4 ms resolution, like the kernel's jiffies-based `io_ticks`),
+//! because a precise clock costs ~33 ns per read on these machines.
 
 use std::time::Instant;
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
-use blkq_sync::CachePadded;
+use blkq_sync::stat::{Ordering as StatOrdering, ShardedCounters};
 use waitq::{HistogramSnapshot, LatencyHistogram};
 
 /// Coarse monotonic time in ns (CLOCK_MONOTONIC_COARSE).
@@ -36,15 +36,14 @@ pub fn coarse_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-#[derive(Debug, Default)]
-struct Shard {
-    ios: [AtomicU64; 2],
-    merges: [AtomicU64; 2],
-    sectors: [AtomicU64; 2],
-    ticks_ns: [AtomicU64; 2],
-    submitted: [AtomicU64; 2],
-    errors: AtomicU64,
-}
+/// Counter indices in [`DiskCounters`]' shards: five per-direction pairs, then errors.
+const IOS: usize = 0;
+const MERGES: usize = 2;
+const SECTORS: usize = 4;
+const TICKS_NS: usize = 6;
+const SUBMITTED: usize = 8;
+const ERRORS: usize = 10;
+const NCOUNTERS: usize = 11;
 
 /// A snapshot of the disk counters, the fields of `/sys/block/*/stat` (index 0 read, 1 write).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -70,7 +69,7 @@ pub struct DiskStats {
 /// Sharded disk counters.
 #[derive(Debug)]
 pub struct DiskCounters {
-    shards: Box<[CachePadded<Shard>]>,
+    counters: ShardedCounters<NCOUNTERS>,
     /// io_ticks accounting: the last time in-flight went non-zero is folded in on completion.
     io_ticks: AtomicU64,
     last_ts: AtomicU64,
@@ -85,47 +84,35 @@ impl Default for DiskCounters {
 impl DiskCounters {
     /// Zeroed counters.
     pub fn new() -> Self {
-        let n = if cfg!(blkq_loom) {
-            1
-        } else {
-            std::thread::available_parallelism()
-                .map_or(4, |n| n.get())
-                .next_power_of_two()
-                .min(64)
-        };
         Self {
-            shards: (0..n).map(|_| CachePadded(Shard::default())).collect(),
+            counters: ShardedCounters::new(),
             io_ticks: AtomicU64::new(0),
             last_ts: AtomicU64::new(coarse_ns()),
         }
     }
 
-    #[inline]
-    fn shard(&self) -> &Shard {
-        &self.shards[blkq_sync::thread_slot() & (self.shards.len() - 1)]
-    }
-
     /// Counts a submission.
     #[inline]
     pub fn submitted(&self, dir: usize) {
-        self.shard().submitted[dir].fetch_add(1, Ordering::Relaxed);
+        self.counters.add(SUBMITTED + (dir & 1), 1);
     }
 
     /// Counts a merge.
     #[inline]
     pub fn merged(&self, dir: usize) {
-        self.shard().merges[dir].fetch_add(1, Ordering::Relaxed);
+        self.counters.add(MERGES + (dir & 1), 1);
     }
 
     /// Counts a completion of `sectors` that started at `start_ns` (coarse clock).
     #[inline]
     pub fn completed(&self, dir: usize, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
-        let s = self.shard();
-        s.ios[dir].fetch_add(1, Ordering::Relaxed);
-        s.sectors[dir].fetch_add(sectors, Ordering::Relaxed);
-        s.ticks_ns[dir].fetch_add(now_ns.saturating_sub(start_ns), Ordering::Relaxed);
+        let s = self.counters.local();
+        let dir = dir & 1;
+        s[IOS + dir].fetch_add(1, StatOrdering::Relaxed);
+        s[SECTORS + dir].fetch_add(sectors, StatOrdering::Relaxed);
+        s[TICKS_NS + dir].fetch_add(now_ns.saturating_sub(start_ns), StatOrdering::Relaxed);
         if !ok {
-            s.errors.fetch_add(1, Ordering::Relaxed);
+            s[ERRORS].fetch_add(1, StatOrdering::Relaxed);
         }
         // io_ticks: advance a shared timestamp at most once per clock tick (the coarse clock
         // changes every few ms), so this shared line is written rarely.
@@ -141,23 +128,19 @@ impl DiskCounters {
     }
 
     /// A snapshot.
-    #[allow(clippy::needless_range_loop)] // four parallel arrays indexed by direction
     pub fn snapshot(&self) -> DiskStats {
-        let mut d = DiskStats::default();
-        let mut submitted = [0u64; 2];
-        for s in self.shards.iter() {
-            for dir in 0..2 {
-                d.ios[dir] += s.ios[dir].load(Ordering::Relaxed);
-                d.merges[dir] += s.merges[dir].load(Ordering::Relaxed);
-                d.sectors[dir] += s.sectors[dir].load(Ordering::Relaxed);
-                d.ticks_ns[dir] += s.ticks_ns[dir].load(Ordering::Relaxed);
-                submitted[dir] += s.submitted[dir].load(Ordering::Relaxed);
-            }
-            d.errors += s.errors.load(Ordering::Relaxed);
-        }
-        for dir in 0..2 {
-            d.in_flight[dir] = submitted[dir].saturating_sub(d.ios[dir]);
-        }
+        let c = &self.counters;
+        let pair = |i: usize| [c.sum(i), c.sum(i + 1)];
+        let mut d = DiskStats {
+            ios: pair(IOS),
+            merges: pair(MERGES),
+            sectors: pair(SECTORS),
+            ticks_ns: pair(TICKS_NS),
+            errors: c.sum(ERRORS),
+            ..DiskStats::default()
+        };
+        let submitted = pair(SUBMITTED);
+        d.in_flight = [0, 1].map(|dir| submitted[dir].saturating_sub(d.ios[dir]));
         d.io_ticks_ns = self.io_ticks.load(Ordering::Relaxed);
         d.time_in_queue_ns = d.ticks_ns[0] + d.ticks_ns[1];
         d

@@ -1,4 +1,5 @@
-//! Tag pools and the pool-full policy (seed 001: who gets the next free request).
+//! Tag pools and the pool-full policy ("io stalls": who gets the next free request when the
+//! pool is full, FIFO hand-off against batch ownership).
 //!
 //! A [`TagPool`] is an [`SbitmapQueue`] plus a policy for the moment it runs dry:
 //!
@@ -15,7 +16,7 @@
 //!
 //! | field     | meaning                                                             |
 //! |-----------|---------------------------------------------------------------------|
-//! | `queue`   | waiters, oldest first, each with a slot on its own stack for a tag   |
+//! | `queue`   | waiters, oldest first, each with a hand-off cell on its own stack     |
 //! | `waiting` | `queue.len()`, written under the lock, read without it               |
 //!
 //! A waiter queues under the lock, publishes `waiting`, then (still under the lock) refills:
@@ -25,15 +26,21 @@
 //! by SeqCst fences on both sides (a store-buffer pattern, like the wait queue's), so either
 //! the waiter's refill sees the freed bit or the free sees the waiter and refills for it.
 //!
-//! A hand-off writes the tag into the waiter's stack slot (Release) after removing the waiter
-//! from the queue, under the lock; that store is the waker's last access to the slot. The
-//! waiter returns only after reading the slot (Acquire), so the slot outlives every access.
+//! A hand-off writes the tag into the waiter's hand-off cell on its stack (Release) after
+//! removing the waiter from the queue, under the lock; that store is the waker's last access to
+//! the cell. The waiter returns only after reading the cell (Acquire), so the cell outlives
+//! every access.
+//!
+//! The gate is a *targeted* hand-off: each freed tag goes to one chosen thread, with the tag as
+//! payload. That is why it keeps its own queue and wakes through its `HandedOff` list rather than a
+//! `waitq::WaitQueue`, whose wake-ups go to its own oldest entries and carry nothing; the
+//! sleep itself is the wait queue protocol's shape (publish, fence, re-check, park, re-check).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use blkq_sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use blkq_sync::thread::{self, Thread};
+use blkq_sync::thread::{self, Thread, ThreadId};
 use blkq_sync::Mutex;
 use sbitmap::{SbitmapQueue, WakeAlgo};
 
@@ -88,25 +95,30 @@ const NO_TAG: u32 = u32::MAX;
 
 struct GateWaiter {
     thread: Thread,
-    /// Points to an `AtomicU32` on the waiter's stack (see the module docs).
-    slot: *const AtomicU32,
+    /// The waiter's hand-off cell: an `AtomicU32` on its stack (see the module docs).
+    handoff: *const AtomicU32,
 }
 
-// SAFETY: the slot pointer is only dereferenced under the gate lock while the waiter is queued,
-// and the waiter cannot return (and free its stack slot) before it reads a tag from it.
+// SAFETY: the hand-off pointer is only dereferenced under the gate lock while the waiter is
+// queued, and the waiter cannot return (and free its stack cell) before it reads a tag from it.
 unsafe impl Send for GateWaiter {}
 
-/// Threads handed a tag, to unpark after the gate lock is dropped.
+/// Threads handed a tag, to unpark after the gate lock is dropped (the gate's wake list:
+/// on the stack, bounded, so a refill allocates nothing).
 #[derive(Default)]
-struct Handed {
+struct HandedOff {
     threads: [Option<Thread>; 16],
     n: usize,
     more: bool,
 }
 
+/// The batch owner of one direction (`Batch` policy).
 #[derive(Debug, Default)]
 struct BatchOwner {
-    slot: Option<usize>,
+    /// The owning thread. A `ThreadId`, never `thread_slot()`: the slot is a hint that may be
+    /// shared (it is 0 for every thread under loom), and ownership decides who may skip the
+    /// gate.
+    thread: Option<ThreadId>,
     left: u32,
     until: Option<Instant>,
 }
@@ -122,8 +134,8 @@ pub struct TagPool {
     batch_requests: AtomicU32,
     batch_time_ns: AtomicU64,
     /// Soft limit on tags in use (`max_in_flight`), `NO_LIMIT` when off; only a batch owner
-    /// may go past it (up to the bitmap's depth), as seed 001's batching processes could go
-    /// past `nr_requests`.
+    /// may go past it (up to the bitmap's depth), as batch owners in the classic request
+    /// allocator could go past `nr_requests`.
     soft_limit: AtomicU32,
     /// Tags in use, counted only while a soft limit is set.
     in_use: AtomicU32,
@@ -316,9 +328,10 @@ impl TagPool {
         if self.policy() != PoolPolicy::Batch {
             return false;
         }
-        let me = blkq_sync::thread_slot();
         let mut o = self.owners[dir & 1].lock();
-        if o.slot != Some(me) || o.left == 0 || o.until.is_none_or(|u| Instant::now() >= u) {
+        // The thread's identity is read only when there is an allowance left to spend.
+        let mine = o.left > 0 && o.thread.is_some_and(|t| t == thread::current().id());
+        if !mine || o.until.is_none_or(|u| Instant::now() >= u) {
             return false;
         }
         o.left -= 1;
@@ -328,7 +341,7 @@ impl TagPool {
     #[cold]
     fn get_gate(&self, dir: usize, policy: PoolPolicy) -> u32 {
         let t0 = self.waits.start();
-        let slot = AtomicU32::new(NO_TAG);
+        let handoff = AtomicU32::new(NO_TAG);
         {
             let mut q = self.queue.lock();
             if q.is_empty() {
@@ -338,7 +351,7 @@ impl TagPool {
             }
             q.push_back(GateWaiter {
                 thread: thread::current(),
-                slot: &slot,
+                handoff: &handoff,
             });
             self.waiting.store(q.len(), Ordering::Relaxed);
             // We must order the `waiting` store before the refill's bitmap reads, pairing with
@@ -350,7 +363,7 @@ impl TagPool {
         }
         let tag = loop {
             // Acquire: pairs with the Release store of the hand-off.
-            let t = slot.load(Ordering::Acquire);
+            let t = handoff.load(Ordering::Acquire);
             if t != NO_TAG {
                 break t;
             }
@@ -359,7 +372,7 @@ impl TagPool {
         self.waits.record(t0);
         if policy == PoolPolicy::Batch {
             let mut o = self.owners[dir & 1].lock();
-            o.slot = Some(blkq_sync::thread_slot());
+            o.thread = Some(thread::current().id());
             o.left = self
                 .batch_requests
                 .load(Ordering::Relaxed)
@@ -373,8 +386,8 @@ impl TagPool {
 
     /// Hands free tags to the oldest waiters, with the gate lock held; returns whom to
     /// unpark once the lock is dropped (wake outside the lock), and whether more may be due.
-    fn refill_locked(&self, q: &mut VecDeque<GateWaiter>) -> Handed {
-        let mut h = Handed::default();
+    fn refill_locked(&self, q: &mut VecDeque<GateWaiter>) -> HandedOff {
+        let mut h = HandedOff::default();
         while !q.is_empty() && h.n < h.threads.len() {
             if q.is_empty() {
                 break;
@@ -386,8 +399,8 @@ impl TagPool {
                 break;
             };
             // SAFETY: `w` was queued until the line above, so its owner is still parked in
-            // `get_gate` and its stack slot is alive; this store is our last access to it.
-            unsafe { (*w.slot).store(t, Ordering::Release) };
+            // `get_gate` and its hand-off cell is alive; this store is our last access to it.
+            unsafe { (*w.handoff).store(t, Ordering::Release) };
             h.threads[h.n] = Some(w.thread);
             h.n += 1;
         }
@@ -396,7 +409,7 @@ impl TagPool {
         h
     }
 
-    fn unpark_all(&self, mut h: Handed) {
+    fn unpark_all(&self, mut h: HandedOff) {
         for t in h.threads.iter_mut().take(h.n) {
             if let Some(t) = t.take() {
                 t.unpark();

@@ -1,4 +1,4 @@
-//! Loom models of the `serialized` scheduler lock (seed 002): inserters that find the state
+//! Loom models of the `serialized` scheduler lock (serialized dispatch with inserter hand-off): inserters that find the state
 //! owned punt to buckets, dispatchers that find it owned leave, and the owner re-checks after
 //! giving up. Checks, over every interleaving (bounded by `LOOM_MAX_PREEMPTIONS`):
 //!
@@ -236,13 +236,13 @@ fn loom_without_the_recheck_a_request_is_lost() {
 #[test]
 fn loom_deadline_in_a_queue() {
     use blk::sched::Deadline;
-    use blk::{Bio, EndIo, Error, Op, Queue, QueueConfig, QueueCore, RqRef};
+    use blk::{Bio, EndIo, Error, Op, Queue, QueueConfig, QueueCore, RequestToken};
 
     #[derive(Clone)]
     struct Rec(Arc<Mutex<Vec<u64>>>);
     impl blk::Driver for Rec {
-        fn queue_rq(&self, q: &QueueCore, r: RqRef) {
-            let s = q.rq(&r).bio.as_ref().map_or(u64::MAX, |b| b.sector);
+        fn queue_rq(&self, q: &QueueCore, r: RequestToken) {
+            let s = q.rq(&r).bio().map_or(u64::MAX, |b| b.sector);
             self.0.lock().push(s);
             q.complete(r, Ok(()));
         }

@@ -1,5 +1,5 @@
 //! Loom model of the FIFO hand-off gate of the tag pool: a freed tag is moved to the oldest
-//! waiter's stack slot under the gate lock. Checks that no hand-off is lost (every waiter
+//! waiter's hand-off cell under the gate lock. Checks that no hand-off is lost (every waiter
 //! finishes: loom reports a deadlock otherwise) and that a tag never has two owners (an
 //! `UnsafeCell` per tag: loom reports unordered accesses). Runs once without loom.
 
@@ -43,4 +43,41 @@ fn handoff(policy: PoolPolicy) {
 #[test]
 fn loom_fifo_handoff_loses_nothing() {
     blkq_sync::model(|| handoff(PoolPolicy::Fifo));
+}
+
+/// Batch ownership belongs to a thread, named by its `ThreadId`: under loom every thread has
+/// `thread_slot()` 0, so an owner recorded by slot would let any thread spend the allowance.
+/// A waiter handed a tag at the gate becomes the owner and may go past the soft limit; another
+/// thread (here the main one) may not.
+fn batch_owner_is_a_thread() {
+    let pool = Arc::new(TagPool::new(4, WakeAlgo::Counter, PoolPolicy::Batch).unwrap());
+    pool.set_batch(8, std::time::Duration::from_secs(3600));
+    pool.set_max_in_flight(Some(1));
+    let held = pool.get(1);
+    let p = pool.clone();
+    let owner = thread::spawn(move || {
+        let first = p.get(0); // the soft limit is reached: queue at the gate
+        let second = p
+            .get_nowait(0)
+            .expect("the batch owner goes past the soft limit");
+        [first, second]
+    });
+    while pool.gate_waiters() != 1 {
+        thread::yield_now();
+    }
+    assert!(pool.put(held));
+    let tags = owner.join().unwrap();
+    assert_eq!(
+        pool.get_nowait(0),
+        None,
+        "not the batch owner: the soft limit holds"
+    );
+    for t in tags {
+        assert!(pool.put(t));
+    }
+}
+
+#[test]
+fn loom_batch_owner_is_a_thread() {
+    blkq_sync::model(batch_owner_is_a_thread);
 }

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use blk::sched::{LockMode, SchedChoice};
-use blk::spec::{parse_size, DeviceSpec, QueueOverrides};
 use blk::{Bio, Buffer, EndIo, Op, PoolPolicy, Queue};
+use blk_drivers::spec::{parse_size, DeviceSpec, QueueOverrides};
 use clap::Args;
 use sbitmap::WakeAlgo;
 use waitq::WaitQueue;

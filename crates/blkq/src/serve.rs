@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Device, PoolPolicy, Queue};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use clap::Args;
 use nbd::server::{Export, Server, ServerConfig, Stopper};
 

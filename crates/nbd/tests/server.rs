@@ -5,8 +5,8 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Device, EndIo, Limits, Op};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
@@ -46,12 +46,7 @@ impl Device for Picky {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-    ) -> Result<Vec<blk::backend::Extent>, blk::Error> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, blk::Error> {
         self.inner.extents(offset, len, max)
     }
 }

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc as StdArc, Weak};
 use std::time::{Duration, Instant};
 
-use blk::backend::Extent;
+use blk::Extent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use blkq_sync::{thread, Mutex};

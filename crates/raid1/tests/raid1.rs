@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use raid1::barrier::BarrierMode;
 use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
 use raid1::{Raid1, Raid1Config};
@@ -100,12 +100,7 @@ impl Device for Flaky {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-    ) -> Result<Vec<blk::backend::Extent>, Error> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
         self.inner.extents(offset, len, max)
     }
 }
@@ -391,12 +386,7 @@ impl Device for Recorder {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-    ) -> Result<Vec<blk::backend::Extent>, Error> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
         self.inner.extents(offset, len, max)
     }
 }

@@ -55,7 +55,7 @@ mod imp {
 
     /// Threads: `std::thread`, or loom's under `--cfg blkq_loom`.
     pub mod thread {
-        pub use std::thread::{current, spawn, yield_now, JoinHandle, Thread};
+        pub use std::thread::{current, spawn, yield_now, JoinHandle, Thread, ThreadId};
 
         /// `std::thread::park`, or loom's.
         #[inline]
@@ -143,7 +143,7 @@ mod imp {
 
     /// Threads: `std::thread`, or loom's under `--cfg blkq_loom`.
     pub mod thread {
-        pub use loom::thread::{current, park, spawn, yield_now, JoinHandle, Thread};
+        pub use loom::thread::{current, park, spawn, yield_now, JoinHandle, Thread, ThreadId};
     }
 
     pub(crate) type RawMutex<T> = loom::sync::Mutex<T>;
@@ -185,11 +185,78 @@ pub type DynArc<T> = std::sync::Arc<T>;
 /// them (they are read only for reports), so they carry no ordering worth modelling, and as
 /// loom atomics they multiplied model run times. The one sanctioned exception to "every atomic
 /// from the facade is loom's under `--cfg blkq_loom`".
+///
+/// Also the one sharded-counter type of the workspace ([`stat::ShardedCounters`]) and the one
+/// function that sizes per-thread shard arrays ([`stat::shard_count`]).
 pub mod stat {
     pub use std::sync::atomic::Ordering;
 
     /// A statistics counter (`std::sync::atomic::AtomicU64`, under loom too).
     pub type StatU64 = std::sync::atomic::AtomicU64;
+
+    use crate::CachePadded;
+
+    /// How many shards a per-thread sharded array gets: the machine's parallelism rounded up
+    /// to a power of two (so a shard is picked with a mask), at most 64; 1 under loom, where
+    /// every thread has slot 0 anyway. Index with `thread_slot() & (shard_count() - 1)`.
+    pub fn shard_count() -> usize {
+        if cfg!(blkq_loom) {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(4, |n| n.get())
+                .next_power_of_two()
+                .min(64)
+        }
+    }
+
+    /// `N` statistics counters, sharded by thread slot (one cache-line pair per shard) so that
+    /// counting adds no shared line per I/O. `Relaxed` adds, summed on read: a snapshot may be
+    /// torn between shards, which is fine for statistics.
+    #[derive(Debug)]
+    pub struct ShardedCounters<const N: usize> {
+        shards: Box<[CachePadded<[StatU64; N]>]>,
+    }
+
+    impl<const N: usize> Default for ShardedCounters<N> {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    impl<const N: usize> ShardedCounters<N> {
+        /// Zeroed counters, [`shard_count`] shards.
+        pub fn new() -> Self {
+            Self {
+                shards: (0..shard_count())
+                    .map(|_| CachePadded(std::array::from_fn(|_| StatU64::new(0))))
+                    .collect(),
+            }
+        }
+
+        /// The current thread's shard, for several adds in a row (the thread slot is a hint:
+        /// any shard is correct, a thread's own is merely uncontended).
+        #[inline]
+        pub fn local(&self) -> &[StatU64; N] {
+            &self.shards[crate::thread_slot() & (self.shards.len() - 1)]
+        }
+
+        /// Adds `v` to counter `i` (no-op for `i >= N`).
+        #[inline]
+        pub fn add(&self, i: usize, v: u64) {
+            if let Some(c) = self.local().get(i) {
+                c.fetch_add(v, Ordering::Relaxed);
+            }
+        }
+
+        /// The sum of counter `i` over every shard (0 for `i >= N`).
+        pub fn sum(&self, i: usize) -> u64 {
+            self.shards
+                .iter()
+                .map(|s| s.get(i).map_or(0, |c| c.load(Ordering::Relaxed)))
+                .sum()
+        }
+    }
 }
 
 /// Parks the current thread until it is unparked or `deadline` passes; returns whether the
@@ -298,6 +365,20 @@ mod tests {
     #[test]
     fn cache_padded_is_aligned() {
         assert_eq!(core::mem::align_of::<CachePadded<u8>>(), 128);
+    }
+
+    #[cfg(not(blkq_loom))]
+    #[test]
+    fn sharded_counters_sum_over_threads() {
+        let c = Arc::new(stat::ShardedCounters::<2>::new());
+        c.add(0, 2);
+        c.add(5, 1); // out of range: ignored
+        let c2 = Arc::clone(&c);
+        std::thread::spawn(move || c2.add(0, 3)).join().unwrap();
+        assert_eq!(c.sum(0), 5);
+        assert_eq!(c.sum(1), 0);
+        assert_eq!(c.sum(9), 0);
+        assert!(stat::shard_count().is_power_of_two());
     }
 
     #[cfg(not(blkq_loom))]

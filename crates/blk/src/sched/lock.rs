@@ -1,9 +1,10 @@
-//! The lock around a scheduler's state, in two designs switchable at run time (seed 002).
+//! The lock around a scheduler's state, in two designs switchable at run time (the
+//! "serialized dispatch, contended inserters hand off to the holder" idea).
 //!
 //! # `locked`
 //!
-//! One mutex around all of the state, taken by every insert and every dispatch: what
-//! mq-deadline did before seed 002, and where 70% of the CPU went with four submitters.
+//! One mutex around all of the state, taken by every insert and every dispatch: what mq-deadline
+//! did before dispatch was serialized, and where 70% of the CPU went with four submitters.
 //!
 //! # `serialized`
 //!
@@ -106,8 +107,8 @@ use std::str::FromStr;
 use blkq_sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{CachePadded, Mutex, MutexGuard};
 
-use super::Sharded;
 use crate::Error;
+use blkq_sync::stat::ShardedCounters;
 
 /// Bit of `pending` that asks the owner for one more dispatch round.
 const RERUN: u64 = 1 << 63;
@@ -125,9 +126,10 @@ const OWNER_WAITED: usize = 5;
 /// Which design guards a scheduler's state (`--sched-lock`, spec option `sched_lock=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LockMode {
-    /// One mutex for insert and dispatch (before seed 002).
+    /// One mutex for insert and dispatch (the classic design).
     Locked,
-    /// One owner at a time; inserters punt to buckets, dispatchers leave (seed 002).
+    /// One owner at a time; inserters punt to buckets, dispatchers leave (serialized dispatch
+    /// with inserter hand-off).
     #[default]
     Serialized,
 }
@@ -155,7 +157,7 @@ impl FromStr for LockMode {
     }
 }
 
-/// Counters of a [`SchedLock`] (sums over threads; the figures of seed 002).
+/// Counters of a [`SchedLock`] (sums over threads; the figures that judge lock contention).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LockStats {
     /// Inserts and dispatches: each wants the state once.
@@ -190,7 +192,7 @@ pub struct SchedLock<S, T> {
     pending: CachePadded<AtomicU64>,
     buckets: Box<[CachePadded<Mutex<Vec<T>>>]>,
     inner: Mutex<Inner<S, T>>,
-    stats: Sharded<6>,
+    stats: ShardedCounters<6>,
     /// The owner's re-check after giving up (always on; off only to show, in the loom test,
     /// that the model catches the lost request without it).
     recheck: bool,
@@ -222,7 +224,7 @@ impl<S, T> SchedLock<S, T> {
                 state,
                 spare: Vec::new(),
             }),
-            stats: Sharded::new(),
+            stats: ShardedCounters::new(),
             recheck: true,
         };
         lock.set_mode(mode);

@@ -1,13 +1,12 @@
-//! I/O schedulers: `none` (no scheduler: requests go straight to the driver) and
-//! `mq-deadline` ([`Deadline`]), with the lock around a scheduler's state in two designs
-//! ([`SchedLock`], seed 002): `locked` (one mutex for insert and dispatch) and `serialized`
-//! (one owner at a time; inserters that find it taken leave their requests in per-thread
-//! buckets, dispatchers that find it taken leave).
+//! I/O schedulers: `none` (no scheduler: requests go straight to the driver) and `mq-deadline`
+//! ([`Deadline`]), with the lock around a scheduler's state in two designs ([`SchedLock`],
+//! serialized dispatch with inserter hand-off): `locked` (one mutex for insert and dispatch) and
+//! `serialized` (one owner at a time; inserters that find it taken leave their requests in
+//! per-thread buckets, dispatchers that find it taken leave).
 
 use std::str::FromStr;
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
-use blkq_sync::CachePadded;
 
 use crate::Error;
 
@@ -99,59 +98,5 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.ns.load(Ordering::Relaxed)
-    }
-}
-
-/// Statistics counters sharded by thread slot (one cache line pair per shard), `N` counters
-/// per shard. `Relaxed` adds, summed on read: a snapshot may be torn between shards, which is
-/// fine for statistics. Used where a counter is bumped outside the scheduler's lock (on
-/// completion, on a contended acquisition), so that counting adds no shared line per I/O.
-///
-/// These are `std` atomics even under loom, the one deliberate exception to the facade rule:
-/// no code decides anything on them (only tests and reports read them), and as loom atomics
-/// each add would be one more interleaving point on every insert and dispatch, which made the
-/// three-thread model of the scheduler lock run 3x longer without exploring anything of the
-/// protocol.
-#[derive(Debug)]
-pub(crate) struct Sharded<const N: usize> {
-    shards: Box<[CachePadded<[StatU64; N]>]>,
-}
-
-// Not modelled by loom (see `Sharded` and `blkq_sync::stat`).
-use blkq_sync::stat::StatU64;
-
-impl<const N: usize> Sharded<N> {
-    pub(crate) fn new() -> Self {
-        let n = if cfg!(blkq_loom) {
-            1
-        } else {
-            std::thread::available_parallelism()
-                .map_or(4, |n| n.get())
-                .next_power_of_two()
-                .min(64)
-        };
-        Self {
-            shards: (0..n)
-                .map(|_| CachePadded(std::array::from_fn(|_| StatU64::new(0))))
-                .collect(),
-        }
-    }
-
-    #[inline]
-    pub(crate) fn add(&self, i: usize, v: u64) {
-        let s = &self.shards[blkq_sync::thread_slot() & (self.shards.len() - 1)];
-        if let Some(c) = s.get(i) {
-            c.fetch_add(v, blkq_sync::stat::Ordering::Relaxed);
-        }
-    }
-
-    pub(crate) fn sum(&self, i: usize) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| {
-                s.get(i)
-                    .map_or(0, |c| c.load(blkq_sync::stat::Ordering::Relaxed))
-            })
-            .sum()
     }
 }

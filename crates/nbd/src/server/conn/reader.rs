@@ -9,7 +9,7 @@
 
 use std::io::{self, IoSliceMut, Read};
 
-use blk::backend::Extent as DevExtent;
+use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
 
 use super::inflight::{bio_cookie, InFlight, Part};

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use blk::backend::{
+use blk_drivers::backend::{
     os_error_code, Backend, EngineKind, Extent, FileBackend, FileEngine, FileOptions, PoolEngine,
     UringEngine, UringOp,
 };
@@ -281,7 +281,7 @@ fn extents_via_seek_hole_and_discard_semantics() {
 
 type Done = mpsc::Receiver<(u64, io::Result<u32>)>;
 
-fn callback() -> (blk::backend::Callback, Done) {
+fn callback() -> (blk_drivers::backend::Callback, Done) {
     let (tx, rx) = mpsc::channel();
     (
         Box::new(move |ud, r| {
@@ -453,7 +453,26 @@ fn engine_kind_parses() {
     assert_eq!("auto".parse::<EngineKind>().unwrap(), EngineKind::Auto);
     assert_eq!("uring".parse::<EngineKind>().unwrap(), EngineKind::Uring);
     assert_eq!("pool".parse::<EngineKind>().unwrap(), EngineKind::Pool);
+    assert_eq!("sync".parse::<EngineKind>().unwrap(), EngineKind::Sync);
+    assert_eq!("io_uring".parse::<EngineKind>().unwrap(), EngineKind::Uring);
     assert!("aio".parse::<EngineKind>().is_err());
+    for k in [
+        EngineKind::Auto,
+        EngineKind::Uring,
+        EngineKind::Pool,
+        EngineKind::Sync,
+    ] {
+        assert_eq!(k.name().parse::<EngineKind>().unwrap(), k);
+    }
+}
+
+#[test]
+fn the_sync_engine_kind_has_no_asynchronous_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = engine_file(dir.path(), "sync.img");
+    let (cb, _rx) = callback();
+    let e = FileEngine::new(f.engine_files().unwrap(), EngineKind::Sync, 8, 2, cb).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
 }
 
 #[test]

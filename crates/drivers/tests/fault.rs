@@ -6,9 +6,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blk::fault::{Action, FaultConfig, FaultDevice, FaultHandle, OpSet, Rule, When};
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op};
+use blk_drivers::fault::{Action, FaultConfig, FaultDevice, FaultHandle, OpSet, Rule, When};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
 const K4: u64 = 4096;
 
@@ -725,12 +725,7 @@ impl Device for OneByOne {
     fn limits(&self) -> blk::Limits {
         Device::limits(&self.0)
     }
-    fn extents(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-    ) -> Result<Vec<blk::backend::Extent>, Error> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
         self.0.extents(offset, len, max)
     }
 }

@@ -19,7 +19,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use blk::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+//! use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
 //! use blk::Device;
 //! # fn inner() -> Arc<dyn Device> { unimplemented!() }
 //! let cfg: FaultConfig = "seed=7,fail_write=0+1M,volatile_cache=on".parse().unwrap();
@@ -88,10 +88,7 @@ use blkq_sync::stat::{Ordering, StatU64};
 use blkq_sync::thread::{self, Thread};
 use blkq_sync::Mutex;
 
-use crate::backend::Extent;
-use crate::bio::{Bio, BioFlags, Buffer, EndIo, Op, SECTOR_SHIFT};
-use crate::queue::{Device, Limits};
-use crate::Error;
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
 
 /// A set of operations a rule applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

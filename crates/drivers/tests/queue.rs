@@ -6,8 +6,8 @@ use std::sync::mpsc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Buffer, EndIo, Error, Op, PoolPolicy, Queue, TagPool};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use sbitmap::WakeAlgo;
 use std::sync::Arc;
 
@@ -300,7 +300,7 @@ fn policies_switch_at_run_time() {
 /// What the hold driver holds.
 #[derive(Default)]
 struct Held {
-    held: Mutex<Vec<blk::RqRef>>,
+    held: Mutex<Vec<blk::RequestToken>>,
     order: Mutex<Vec<u64>>,
 }
 
@@ -316,8 +316,8 @@ impl std::ops::Deref for HoldDriver {
 }
 
 impl blk::Driver for HoldDriver {
-    fn queue_rq(&self, q: &blk::QueueCore, rq: blk::RqRef) {
-        let sector = q.rq(&rq).bio.as_ref().map_or(0, |b| b.sector);
+    fn queue_rq(&self, q: &blk::QueueCore, rq: blk::RequestToken) {
+        let sector = q.rq(&rq).bio().map_or(0, |b| b.sector);
         self.order.lock().unwrap().push(sector);
         self.held.lock().unwrap().push(rq);
     }
@@ -363,16 +363,21 @@ fn reserved_tags_do_not_wait_behind_ordinary_io() {
 
 /// A scheduler that dispatches in reverse order: proves requests go through it.
 #[derive(Default)]
-struct Lifo(Mutex<Vec<blk::RqRef>>);
+struct Lifo(Mutex<Vec<blk::RequestToken>>);
 
 impl blk::Scheduler for Lifo {
     fn name(&self) -> &'static str {
         "lifo"
     }
-    fn insert(&self, _q: &blk::QueueCore, rq: blk::RqRef) {
+    fn insert(&self, _q: &blk::QueueCore, rq: blk::RequestToken) {
         self.0.lock().unwrap().push(rq);
     }
-    fn dispatch(&self, _q: &blk::QueueCore, max: usize, sink: &mut dyn FnMut(blk::RqRef)) -> usize {
+    fn dispatch(
+        &self,
+        _q: &blk::QueueCore,
+        max: usize,
+        sink: &mut dyn FnMut(blk::RequestToken),
+    ) -> usize {
         let mut n = 0;
         while n < max {
             let Some(r) = self.0.lock().unwrap().pop() else {

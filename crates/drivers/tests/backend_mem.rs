@@ -2,7 +2,7 @@
 //! concurrency, and a randomized comparison against a flat `Vec<u8>` model.
 #![cfg(not(blkq_loom))]
 
-use blk::backend::{Backend, Extent, MemBackend};
+use blk_drivers::backend::{Backend, Extent, MemBackend};
 
 const PAGE: u64 = 4096;
 

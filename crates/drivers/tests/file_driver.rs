@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use blk::backend::UringEngine;
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, Queue, SECTOR_SHIFT};
+use blk_drivers::backend::UringEngine;
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
 const DEV_SIZE: u64 = 8 << 20;
 

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 
 use blk::sched::{Deadline, LockMode};
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, EndIo, Error, Op, Plug, Queue};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
 struct Counting;
 

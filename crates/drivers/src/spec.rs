@@ -5,7 +5,7 @@
 //! Options of `file:` devices: `engine=auto|uring|pool|sync` (default `auto`: io_uring where it
 //! works, else the thread pool), `direct=0|1` (`O_DIRECT` for 4096-aligned transfers),
 //! `ro=0|1`, `workers=N` (pool threads, default
-//! [`DEFAULT_WORKERS`](crate::drivers::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
+//! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
 //!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
@@ -21,15 +21,15 @@ use std::str::FromStr;
 use sbitmap::WakeAlgo;
 use std::sync::Arc;
 
+use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
+use blk::{Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
+
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::mem::MemBackend;
 use crate::backend::Backend;
-use crate::drivers::file::MAX_ENTRIES;
-use crate::drivers::{BackendDriver, FileDriver, FileDriverConfig, NullConfig, NullDriver};
-use crate::queue::{Driver, Queue, QueueConfig, Scheduler};
-use crate::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
-use crate::tags::PoolPolicy;
-use crate::Error;
+use crate::file::{FileDriver, FileDriverConfig, MAX_ENTRIES};
+use crate::mem::BackendDriver;
+use crate::null::{NullConfig, NullDriver};
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix (powers of 1024;
 /// an optional trailing `B` or `iB` is accepted).

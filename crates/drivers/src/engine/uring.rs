@@ -1,34 +1,5 @@
-//! Asynchronous engines for the `file` driver: io_uring, and a thread pool fallback.
-//!
-//! Both take [`UringOp`]s tagged with a caller's `user_data` and report each one, exactly
-//! once, through the completion callback given at construction:
-//! `callback(user_data, Ok(bytes))` (`bytes` is the op's full length for reads and writes, 0
-//! for fsync and nop) or `callback(user_data, Err(e))`.
-//!
-//! - [`UringEngine`]: one ring; submitters serialize on a mutex around the submission queue
-//!   and make one `io_uring_enter` per batch; a reaper thread waits for completions and runs
-//!   the callback. Short reads and writes are **resubmitted** for the remainder (the caller
-//!   only ever sees whole transfers or an error); a read reaching end of file reports
-//!   `UnexpectedEof`. FUA writes carry `RWF_DSYNC` (falling back to write + `fdatasync` if the
-//!   kernel refuses the flag). Aligned transfers use the `O_DIRECT` descriptor, as in
-//!   [`super::FileBackend`]. At most `sq_entries` ops are in flight (the completion queue is
-//!   twice that, so it never overflows); [`UringEngine::submit_batch`] waits for room.
-//!   Registered buffers and files are not used: the driver's buffers come and go per request,
-//!   so registering them would cost more than the page pinning it saves.
-//! - [`PoolEngine`]: N worker threads doing `pread`/`pwrite` (the same loops as the
-//!   synchronous backend), for kernels or containers without io_uring.
-//! - [`FileEngine`]: picks one ([`EngineKind`]: `uring`, `pool`, `auto`).
-//!
-//! The kernel cancels (`ECANCELED`) the in-flight requests of a thread that exits; the
-//! io_uring engine resubmits those from its reaper (positional transfers and fsync are
-//! idempotent), so submitting threads may come and go.
-//!
-//! Callbacks run on the reaper or a worker thread; they must not panic, and should be quick.
-//! They may submit more ops; from the io_uring reaper, a submission that would have to wait
-//! for room fails with `WouldBlock` instead (the reaper is what makes room).
+//! The io_uring engine ([`UringEngine`]; see the [engine docs](super)).
 
-use std::collections::VecDeque;
-use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::thread::{JoinHandle, ThreadId};
@@ -38,198 +9,9 @@ use blkq_sync::{Arc, Mutex};
 use io_uring::{opcode, squeue, types, IoUring};
 use waitq::WaitQueue;
 
-use super::file::FileIo;
-
-/// The completion callback: `(user_data, result)`, once per op.
-pub type Callback = Box<dyn Fn(u64, io::Result<u32>) + Send + Sync>;
-
-/// What an op does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UringOpKind {
-    /// Read `len` bytes at `offset` into the buffer.
-    Read,
-    /// Write `len` bytes of the buffer at `offset` (durably with `fua`).
-    Write,
-    /// `fdatasync` the file.
-    Fsync,
-    /// Nothing: completes with `Ok(0)`.
-    Nop,
-}
-
-/// One asynchronous operation. Reads and writes are built with the `unsafe` constructors,
-/// whose contract keeps the buffer alive until the op's callback has run.
-#[derive(Debug, Clone, Copy)]
-pub struct UringOp {
-    kind: UringOpKind,
-    offset: u64,
-    ptr: *mut u8,
-    len: u32,
-    fua: bool,
-}
-
-// SAFETY: an op is an address and a length; the `unsafe` constructors' contract makes the
-// buffer usable from any thread (the engines' reaper or workers) until the callback runs.
-unsafe impl Send for UringOp {}
-// SAFETY: as for `Send`: shared references to an op only read its plain fields.
-unsafe impl Sync for UringOp {}
-
-impl UringOp {
-    /// A read of `len` bytes at `offset` into `ptr`.
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for writes of `len` bytes, and not be read or written by anyone
-    /// else, from the submission until the op's completion callback has returned.
-    pub unsafe fn read(offset: u64, ptr: *mut u8, len: u32) -> UringOp {
-        UringOp {
-            kind: UringOpKind::Read,
-            offset,
-            ptr,
-            len,
-            fua: false,
-        }
-    }
-
-    /// A write of `len` bytes from `ptr` at `offset`; with `fua`, durable before completion.
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads of `len` bytes, and not be written by anyone, from the
-    /// submission until the op's completion callback has returned.
-    pub unsafe fn write(offset: u64, ptr: *const u8, len: u32, fua: bool) -> UringOp {
-        UringOp {
-            kind: UringOpKind::Write,
-            offset,
-            ptr: ptr.cast_mut(),
-            len,
-            fua,
-        }
-    }
-
-    /// `fdatasync` of the file: completes once every write completed before it is durable.
-    pub fn fsync() -> UringOp {
-        UringOp {
-            kind: UringOpKind::Fsync,
-            offset: 0,
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            fua: false,
-        }
-    }
-
-    /// An op that does nothing (completes with `Ok(0)`).
-    pub fn nop() -> UringOp {
-        UringOp {
-            kind: UringOpKind::Nop,
-            offset: 0,
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            fua: false,
-        }
-    }
-
-    /// What it does.
-    pub fn kind(&self) -> UringOpKind {
-        self.kind
-    }
-
-    /// File offset, bytes.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
-    /// Length, bytes.
-    pub fn len(&self) -> u32 {
-        self.len
-    }
-
-    /// Whether it transfers nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether a write is FUA.
-    pub fn fua(&self) -> bool {
-        self.fua
-    }
-}
-
-/// The descriptors an engine works on: a buffered one and, optionally, an `O_DIRECT` one
-/// used for 4096-aligned transfers (see [`super::file`]). Made by
-/// [`super::FileBackend::engine_files`] or [`EngineFiles::new`].
-#[derive(Debug)]
-pub struct EngineFiles {
-    io: FileIo,
-}
-
-impl EngineFiles {
-    /// From open files; `direct`, if any, must be the same file opened with `O_DIRECT`.
-    pub fn new(buffered: File, direct: Option<File>) -> EngineFiles {
-        EngineFiles {
-            io: FileIo {
-                buffered,
-                direct,
-                direct_ok: AtomicBool::new(true),
-                dsync_ok: AtomicBool::new(true),
-            },
-        }
-    }
-
-    pub(crate) fn from_io(io: FileIo) -> EngineFiles {
-        EngineFiles { io }
-    }
-}
-
-/// A failed [`UringEngine::submit_batch`] / [`FileEngine::submit_batch`]: the first
-/// `accepted` ops were taken (each will be called back), the rest were not.
-#[derive(Debug, thiserror::Error)]
-#[error("submitted {accepted} ops, then: {error}")]
-pub struct SubmitError {
-    /// How many ops, from the start of the batch, were accepted.
-    pub accepted: usize,
-    /// Why the next one was not.
-    #[source]
-    pub error: io::Error,
-}
-
-impl From<SubmitError> for io::Error {
-    fn from(e: SubmitError) -> io::Error {
-        e.error
-    }
-}
-
-/// Which engine [`FileEngine::new`] builds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum EngineKind {
-    /// io_uring if it works here, else the thread pool.
-    #[default]
-    Auto,
-    /// io_uring, or fail.
-    Uring,
-    /// The thread pool.
-    Pool,
-}
-
-impl std::str::FromStr for EngineKind {
-    type Err = io::Error;
-
-    /// `auto`, `uring` (or `io_uring`), `pool`.
-    fn from_str(s: &str) -> io::Result<EngineKind> {
-        match s {
-            "auto" => Ok(EngineKind::Auto),
-            "uring" | "io_uring" => Ok(EngineKind::Uring),
-            "pool" => Ok(EngineKind::Pool),
-            _ => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("engine={s}: expected uring, pool or auto"),
-            )),
-        }
-    }
-}
-
-// --------------------------------------------------------------------------------------------
-// io_uring
-// --------------------------------------------------------------------------------------------
+use super::{Callback, EngineFiles, SubmitError, UringOp, UringOpKind};
+use crate::backend::file::FileIo;
+use blk::error::with_context;
 
 /// `user_data` of the NOP that wakes the reaper at shutdown.
 const WAKE: u64 = u64::MAX;
@@ -317,12 +99,11 @@ fn errno(e: i32) -> io::Error {
 
 /// Whether io_uring works here: a real ring, the opcodes used, and a NOP round trip.
 fn probe_ring(entries: u32) -> io::Result<IoUring> {
-    let ring =
-        IoUring::new(entries.max(2)).map_err(|e| super::with_context(e, "io_uring_setup"))?;
+    let ring = IoUring::new(entries.max(2)).map_err(|e| with_context(e, "io_uring_setup"))?;
     let mut probe = io_uring::Probe::new();
     ring.submitter()
         .register_probe(&mut probe)
-        .map_err(|e| super::with_context(e, "io_uring probe (kernel before 5.6?)"))?;
+        .map_err(|e| with_context(e, "io_uring probe (kernel before 5.6?)"))?;
     for (name, code) in [
         ("READ", opcode::Read::CODE),
         ("WRITE", opcode::Write::CODE),
@@ -348,17 +129,14 @@ fn probe_ring(entries: u32) -> io::Result<IoUring> {
         match ring.submit_and_wait(1) {
             Ok(_) => break,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(super::with_context(e, "io_uring_enter (probe NOP)")),
+            Err(e) => return Err(with_context(e, "io_uring_enter (probe NOP)")),
         }
     }
     // SAFETY: the ring is not shared yet; this is the only completion queue handle.
     let cqe = unsafe { ring.completion_shared() }.next();
     match cqe {
         Some(c) if c.user_data() == PROBE && c.result() >= 0 => Ok(ring),
-        Some(c) if c.result() < 0 => Err(super::with_context(
-            errno(-c.result()),
-            "io_uring probe NOP",
-        )),
+        Some(c) if c.result() < 0 => Err(with_context(errno(-c.result()), "io_uring probe NOP")),
         _ => Err(io::Error::other("io_uring: probe NOP did not complete")),
     }
 }
@@ -381,7 +159,7 @@ impl UringEngine {
     }
 
     /// [`UringEngine::new`] that hands back what it was given when io_uring is unavailable.
-    fn try_new(
+    pub(super) fn try_new(
         files: EngineFiles,
         entries: u32,
         callback: Callback,
@@ -410,7 +188,7 @@ impl UringEngine {
         let handle = std::thread::Builder::new()
             .name("blkq-uring-reaper".into())
             .spawn(move || reap(&s2))
-            .map_err(|e| TryNew::Failed(super::with_context(e, "spawn io_uring reaper")))?;
+            .map_err(|e| TryNew::Failed(with_context(e, "spawn io_uring reaper")))?;
         *shared.reaper.lock() = Some(handle.thread().id());
         Ok(UringEngine {
             shared,
@@ -512,7 +290,7 @@ impl UringEngine {
 }
 
 /// Why [`UringEngine::try_new`] failed.
-enum TryNew {
+pub(super) enum TryNew {
     /// io_uring cannot be used here; what it was given, to build something else.
     Unavailable(io::Error, EngineFiles, Callback),
     /// io_uring works but the engine could not be set up.
@@ -599,7 +377,7 @@ impl UShared {
                 }
                 Err(e) => {
                     self.broken.store(true, Ordering::Release);
-                    return Err((submitted, super::with_context(e, "io_uring_enter")));
+                    return Err((submitted, with_context(e, "io_uring_enter")));
                 }
             }
             if busy >= BUSY_RETRIES {
@@ -699,7 +477,7 @@ impl UShared {
                 return None;
             }
             Ok(Some(n)) => Ok(n),
-            Err(e) => Err(super::with_context(
+            Err(e) => Err(with_context(
                 e,
                 format!(
                     "io_uring {:?} at {}+{}",
@@ -816,197 +594,6 @@ impl Drop for UringEngine {
             if woken && !on_reaper {
                 let _ = h.join();
             }
-        }
-    }
-}
-
-// --------------------------------------------------------------------------------------------
-// Thread pool
-// --------------------------------------------------------------------------------------------
-
-struct PShared {
-    files: FileIo,
-    callback: Callback,
-    queue: Mutex<VecDeque<(UringOp, u64)>>,
-    /// Idle workers.
-    work: WaitQueue,
-    shutdown: AtomicBool,
-}
-
-/// The thread-pool engine: `threads` workers doing positional reads and writes, with the
-/// same loops (short transfers, `EINTR`, `O_DIRECT` choice, `RWF_DSYNC`) as
-/// [`super::FileBackend`]. The queue is unbounded: submission never waits.
-pub struct PoolEngine {
-    shared: Arc<PShared>,
-    workers: Vec<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for PoolEngine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolEngine")
-            .field("threads", &self.workers.len())
-            .field("queued", &self.shared.queue.lock().len())
-            .finish()
-    }
-}
-
-/// Runs one op synchronously.
-fn execute(files: &FileIo, op: &UringOp) -> io::Result<u32> {
-    let len = op.len as usize;
-    match op.kind {
-        UringOpKind::Nop => Ok(0),
-        UringOpKind::Fsync => files.sync().map(|()| 0),
-        _ if len == 0 => Ok(0),
-        UringOpKind::Read => {
-            // SAFETY: `UringOp::read`'s contract: `ptr` is valid for writes of `len` bytes and
-            // used by no one else until this op's callback, which runs after this returns.
-            let buf = unsafe { std::slice::from_raw_parts_mut(op.ptr, len) };
-            files.read(buf, op.offset).map(|()| op.len)
-        }
-        UringOpKind::Write => {
-            // SAFETY: `UringOp::write`'s contract: `ptr` is valid for reads of `len` bytes and
-            // written by no one until this op's callback, which runs after this returns.
-            let buf = unsafe { std::slice::from_raw_parts(op.ptr.cast_const(), len) };
-            files.write(buf, op.offset, op.fua).map(|()| op.len)
-        }
-    }
-}
-
-fn work(sh: &PShared) {
-    loop {
-        let job = sh.work.wait_for(|| {
-            let mut q = sh.queue.lock();
-            match q.pop_front() {
-                Some(job) => Some(Some(job)),
-                // Drain the queue before leaving: every accepted op is called back.
-                None if sh.shutdown.load(Ordering::Acquire) => Some(None),
-                None => None,
-            }
-        });
-        let Some((op, user_data)) = job else { return };
-        let r = execute(&sh.files, &op).map_err(|e| {
-            super::with_context(e, format!("{:?} at {}+{}", op.kind, op.offset, op.len))
-        });
-        (sh.callback)(user_data, r);
-    }
-}
-
-impl PoolEngine {
-    /// A pool of `threads` (at least 1) workers over `files`, calling `callback` for each
-    /// completed op.
-    pub fn new(files: EngineFiles, threads: usize, callback: Callback) -> io::Result<PoolEngine> {
-        let shared = Arc::new(PShared {
-            files: files.io,
-            callback,
-            queue: Mutex::new(VecDeque::new()),
-            work: WaitQueue::new(),
-            shutdown: AtomicBool::new(false),
-        });
-        let mut engine = PoolEngine {
-            shared,
-            workers: Vec::new(),
-        };
-        for i in 0..threads.max(1) {
-            let sh = Arc::clone(&engine.shared);
-            let h = std::thread::Builder::new()
-                .name(format!("blkq-pool-{i}"))
-                .spawn(move || work(&sh))
-                .map_err(|e| super::with_context(e, "spawn file engine worker"))?;
-            engine.workers.push(h);
-        }
-        Ok(engine)
-    }
-
-    /// Queues one op.
-    pub fn submit(&self, op: UringOp, user_data: u64) -> io::Result<()> {
-        self.submit_batch(&[(op, user_data)]).map_err(|e| e.error)
-    }
-
-    /// Queues `ops` under one lock and wakes as many workers. Never fails.
-    pub fn submit_batch(&self, ops: &[(UringOp, u64)]) -> Result<(), SubmitError> {
-        self.shared.queue.lock().extend(ops.iter().copied());
-        self.shared.work.wake_n(ops.len());
-        Ok(())
-    }
-
-    /// Number of worker threads.
-    pub fn threads(&self) -> usize {
-        self.workers.len()
-    }
-}
-
-impl Drop for PoolEngine {
-    /// Lets the workers finish every queued op, then joins them (not from a worker itself,
-    /// which would deadlock: a callback that drops the engine detaches the pool instead).
-    fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.work.wake_all();
-        let me = std::thread::current().id();
-        for h in self.workers.drain(..) {
-            if h.thread().id() != me {
-                let _ = h.join();
-            }
-        }
-    }
-}
-
-// --------------------------------------------------------------------------------------------
-// Choice
-// --------------------------------------------------------------------------------------------
-
-/// The file driver's asynchronous engine: io_uring or the thread pool.
-#[derive(Debug)]
-pub enum FileEngine {
-    /// io_uring.
-    Uring(UringEngine),
-    /// The thread pool.
-    Pool(PoolEngine),
-}
-
-impl FileEngine {
-    /// Builds the engine `kind` asks for: with [`EngineKind::Auto`], io_uring (a ring of
-    /// `depth` entries) when it works here, else a pool of `threads` workers.
-    pub fn new(
-        files: EngineFiles,
-        kind: EngineKind,
-        depth: u32,
-        threads: usize,
-        callback: Callback,
-    ) -> io::Result<FileEngine> {
-        match kind {
-            EngineKind::Pool => PoolEngine::new(files, threads, callback).map(FileEngine::Pool),
-            EngineKind::Uring => UringEngine::new(files, depth, callback).map(FileEngine::Uring),
-            EngineKind::Auto => match UringEngine::try_new(files, depth, callback) {
-                Ok(u) => Ok(FileEngine::Uring(u)),
-                Err(TryNew::Unavailable(_, files, callback)) => {
-                    PoolEngine::new(files, threads, callback).map(FileEngine::Pool)
-                }
-                Err(TryNew::Failed(e)) => Err(e),
-            },
-        }
-    }
-
-    /// `"uring"` or `"pool"`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            FileEngine::Uring(_) => "uring",
-            FileEngine::Pool(_) => "pool",
-        }
-    }
-
-    /// Submits one op.
-    pub fn submit(&self, op: UringOp, user_data: u64) -> io::Result<()> {
-        match self {
-            FileEngine::Uring(u) => u.submit(op, user_data),
-            FileEngine::Pool(p) => p.submit(op, user_data),
-        }
-    }
-
-    /// Submits a batch (see [`UringEngine::submit_batch`]).
-    pub fn submit_batch(&self, ops: &[(UringOp, u64)]) -> Result<(), SubmitError> {
-        match self {
-            FileEngine::Uring(u) => u.submit_batch(ops),
-            FileEngine::Pool(p) => p.submit_batch(ops),
         }
     }
 }

@@ -434,13 +434,13 @@ impl FileBackend {
     }
 
     /// Duplicated descriptors of this file for an asynchronous engine
-    /// ([`super::uring::FileEngine`]), which then does not borrow the backend.
-    pub fn engine_files(&self) -> io::Result<super::uring::EngineFiles> {
+    /// ([`crate::engine::FileEngine`]), which then does not borrow the backend.
+    pub fn engine_files(&self) -> io::Result<crate::engine::EngineFiles> {
         let io = self
             .io
             .try_clone()
             .map_err(|e| with_context(e, format!("dup {}", self.path.display())))?;
-        Ok(super::uring::EngineFiles::from_io(io))
+        Ok(crate::engine::EngineFiles::from_io(io))
     }
 
     fn ctx(&self, e: io::Error, what: &str, offset: u64, len: u64) -> io::Error {

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use blk::backend::mem::MemBackend;
-use blk::drivers::exec_on_backend;
 use blk::sched::{Deadline, DeadlineTunables, LockMode, ManualClock};
-use blk::spec::{DeviceSpec, QueueOverrides};
 use blk::{Bio, BioFlags, Buffer, EndIo, Error, IoPrio, Op, Plug, Queue, QueueConfig, QueueCore};
+use blk_drivers::backend::mem::MemBackend;
+use blk_drivers::exec_on_backend;
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
 /// One dispatched request: the sectors of its chain's bios, in chain order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,7 +38,7 @@ struct GateInner {
 struct Gate(Arc<GateInner>);
 
 impl blk::Driver for Gate {
-    fn queue_rq(&self, q: &QueueCore, mut r: blk::RqRef) {
+    fn queue_rq(&self, q: &QueueCore, mut r: blk::RequestToken) {
         let _ = self
             .0
             .room

@@ -3,19 +3,19 @@
 //!
 //! # Data path (engines `uring` and `pool`)
 //!
-//! - `queue_rq` turns the request's bio into a [`UringOp`] (read, write with FUA, or
-//!   `fdatasync` for a flush) whose `user_data` is the request's [`RqRef::index`], and appends
-//!   it to the driver's pending batch. The `RqRef` itself is given up there: the op carries
-//!   the ownership of the slot from then on.
+//! - `queue_rq` turns the request's bio into a [`UringOp`] (read, write with FUA, or `fdatasync`
+//!   for a flush) whose `user_data` is the request's [`RequestToken::index`], and appends it to the
+//!   driver's pending batch. The `RequestToken` itself is given up there: the op carries the
+//!   ownership of the request from then on.
 //! - `commit` takes the whole pending batch (whatever every submitter queued since the last
 //!   commit) and hands it to the engine at once: one `io_uring_enter` for a plug's worth of
 //!   requests. The batch lock is not held while submitting, so a submitter that waits for
 //!   room in the ring never blocks the others' `queue_rq`, nor a completion callback that
 //!   submits again.
 //! - The engine's completion callback (registered once, at construction) rebuilds the
-//!   `RqRef` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue through
-//!   a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down (which
-//!   waits for every op in flight) and so drops the callback and, with it, the queue.
+//!   `RequestToken` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue
+//!   through a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down
+//!   (which waits for every op in flight) and so drops the callback and, with it, the queue.
 //! - Discards and write-zeroes run synchronously on the [`FileBackend`] in `queue_rq` (via
 //!   [`exec_on_backend`]): the backend's `fallocate` fallbacks (punch, zero range, plain
 //!   writes, `BLKZEROOUT`) would each need an op of their own, and io_uring's fallocate is
@@ -37,7 +37,7 @@
 //!
 //! # Engine `sync`
 //!
-//! Every request runs in `queue_rq` on the submitter's thread, as [`super::BackendDriver`]
+//! Every request runs in `queue_rq` on the submitter's thread, as [`crate::mem::BackendDriver`]
 //! does.
 //!
 //! # Merges
@@ -52,19 +52,17 @@
 
 use std::fmt;
 use std::io;
-use std::str::FromStr;
 use std::sync::OnceLock;
 
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{Arc, Mutex};
 
-use super::exec_on_backend;
+use blk::error::{os_error_code, with_context};
+use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
+
 use crate::backend::file::FileBackend;
-use crate::backend::uring::{Callback, EngineKind, FileEngine, UringOp};
-use crate::backend::{os_error_code, with_context, Backend, Extent};
-use crate::bio::{BioFlags, Op};
-use crate::queue::{Driver, QueueCore, RqRef};
-use crate::Error;
+use crate::backend::{exec_on_backend, Backend};
+use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
 
 /// Worker threads of the pool engine when `workers=` is not given.
 pub const DEFAULT_WORKERS: usize = 4;
@@ -73,54 +71,11 @@ pub const MAX_ENTRIES: u32 = 32768;
 /// The most pool workers a spec may ask for.
 pub const MAX_WORKERS: usize = 1024;
 
-/// Which engine a file device runs on (spec option `engine=`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FileEngineChoice {
-    /// io_uring when it works here, else the thread pool.
-    #[default]
-    Auto,
-    /// io_uring, or fail to build.
-    Uring,
-    /// The thread pool (`pread`/`pwrite` on worker threads).
-    Pool,
-    /// Synchronous `pread`/`pwrite` in `queue_rq`, on the submitter's thread.
-    Sync,
-}
-
-impl FileEngineChoice {
-    /// The spec spelling: `auto`, `uring`, `pool` or `sync`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Uring => "uring",
-            Self::Pool => "pool",
-            Self::Sync => "sync",
-        }
-    }
-}
-
-impl FromStr for FileEngineChoice {
-    type Err = Error;
-
-    /// `auto`, `uring` (or `io_uring`), `pool`, `sync`.
-    fn from_str(s: &str) -> Result<Self, Error> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "uring" | "io_uring" => Ok(Self::Uring),
-            "pool" => Ok(Self::Pool),
-            "sync" => Ok(Self::Sync),
-            _ => Err(Error::Config(format!(
-                "option engine: unknown engine {s:?} (expected auto, uring, pool or sync)"
-            ))),
-        }
-    }
-}
-
 /// Options of the [`FileDriver`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileDriverConfig {
     /// The engine.
-    pub engine: FileEngineChoice,
+    pub engine: EngineKind,
     /// io_uring submission entries (the kernel rounds up to a power of two): the most ops in
     /// flight. Size it to the queue's tags (what the spec builder does) so that submissions
     /// never wait for room.
@@ -132,7 +87,7 @@ pub struct FileDriverConfig {
 impl Default for FileDriverConfig {
     fn default() -> Self {
         Self {
-            engine: FileEngineChoice::Auto,
+            engine: EngineKind::Auto,
             entries: 64,
             workers: DEFAULT_WORKERS,
         }
@@ -218,7 +173,7 @@ fn fail(q: &QueueCore, ops: &[PendingOp], err: &io::Error) {
         // SAFETY: `user_data` is the index of a request whose token `queue_rq` gave up to
         // this op; the engine did not accept the op, so it will never call back for it, and
         // the op is dropped here: this is the only rebuild.
-        let r = unsafe { RqRef::from_index(user_data as u32) };
+        let r = unsafe { q.token_from_index(user_data as u32) };
         q.complete(r, Err(Error::Io(copy_error(err))));
     }
 }
@@ -279,15 +234,13 @@ impl FileDriver {
     /// up (threads, descriptors); `Auto` falls back to the pool instead.
     pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
         let kind = match cfg.engine {
-            FileEngineChoice::Sync => {
+            EngineKind::Sync => {
                 return Ok(Self {
                     backend,
                     mode: Mode::Sync,
                 })
             }
-            FileEngineChoice::Auto => EngineKind::Auto,
-            FileEngineChoice::Uring => EngineKind::Uring,
-            FileEngineChoice::Pool => EngineKind::Pool,
+            kind => kind,
         };
         if cfg.entries == 0 || cfg.entries > MAX_ENTRIES {
             return Err(Error::Config(format!(
@@ -326,10 +279,11 @@ impl FileDriver {
                 return;
             };
             // SAFETY: every op this driver gives its engine carries as `user_data` the index
-            // of a request whose `RqRef` `queue_rq` gave up for it (the request stays in
+            // of a request whose `RequestToken` `queue_rq` gave up for it (the request stays in
             // flight until completed here), and the engine calls back exactly once per
-            // accepted op: this is the only token for that slot.
-            let r = unsafe { RqRef::from_index(idx) };
+            // accepted op: this is the only token for that request, and `core` is the queue
+            // the request was submitted on (the one `start` gave this driver).
+            let r = unsafe { core.token_from_index(idx) };
             core.complete(r, to_result(res));
             // This op's slot in the ring is free now: place what a full ring refused.
             if cb_completer.shared.has_deferred.load(Ordering::Acquire) {
@@ -380,31 +334,31 @@ impl FileDriver {
 
     /// Runs the request (every bio of its merge chain) synchronously on the backend and
     /// completes it.
-    fn run_sync(&self, q: &QueueCore, mut r: RqRef) {
+    fn run_sync(&self, q: &QueueCore, mut r: RequestToken) {
         let res = q.for_each_bio(&mut r, |bio| exec_on_backend(&self.backend, bio));
         q.complete(r, res);
     }
 
     /// The engine op for the request, or `None` if it runs synchronously.
     #[inline]
-    fn op_for(&self, q: &QueueCore, r: &mut RqRef) -> Option<UringOp> {
+    fn op_for(&self, q: &QueueCore, r: &mut RequestToken) -> Option<UringOp> {
         let writable = !self.backend.is_read_only();
         let rq = q.rq_mut(r);
-        if rq.merged.is_some() {
+        if rq.merged().is_some() {
             return None; // a merge chain: run synchronously (module docs)
         }
-        let bio = rq.bio.as_mut()?;
+        let bio = rq.bio_mut()?;
         let (off, len) = (bio.offset(), bio.len);
         match bio.op {
             Op::Read => {
                 let buf = bio.buf.as_mut().filter(|b| b.len() >= len as usize)?;
                 let ptr = buf.as_mut_slice().as_mut_ptr();
                 // SAFETY: the buffer has at least `len` bytes (checked just above; also by
-                // `Limits::validate`). It lives in the bio, inside the request slot, which
+                // `Limits::validate`). It lives in the bio, inside the request's cell, which
                 // belongs to the request until `QueueCore::complete` takes the bio out. The
-                // slot's `RqRef` is given up to this op (`queue_rq`), so nobody reaches the slot
-                // until the engine's completion callback rebuilds the token, and the engine
-                // is done with the memory before it calls back: only then, inside the
+                // request's `RequestToken` is given up to this op (`queue_rq`), so nobody reaches
+                // the request until the engine's completion callback rebuilds the token, and the
+                // engine is done with the memory before it calls back: only then, inside the
                 // callback, does `complete` hand the bytes to the bio's submitter. The heap
                 // allocation does not move when the bio does.
                 Some(unsafe { UringOp::read(off, ptr, len) })
@@ -413,7 +367,7 @@ impl FileDriver {
                 let fua = bio.flags.contains(BioFlags::FUA);
                 let buf = bio.buf.as_ref().filter(|b| b.len() >= len as usize)?;
                 let ptr = buf.as_slice().as_ptr();
-                // SAFETY: as for reads: at least `len` bytes, in the slot that the op owns and
+                // SAFETY: as for reads: at least `len` bytes, in the request that the op owns and
                 // nobody touches until its completion callback calls `complete`.
                 Some(unsafe { UringOp::write(off, ptr, len, fua) })
             }
@@ -433,7 +387,7 @@ impl Driver for FileDriver {
     }
 
     #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
+    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
         let Mode::Async(a) = &self.mode else {
             return self.run_sync(q, r);
         };
@@ -441,7 +395,7 @@ impl Driver for FileDriver {
             return self.run_sync(q, r);
         };
         let user_data = u64::from(r.index());
-        // The token `r` ends here (it has no destructor): the op carries the slot's ownership,
+        // The token `r` ends here (it has no destructor): the op carries the request's ownership,
         // by index, until its completion callback (or `fail`) rebuilds it.
         a.shared.state.lock().pending.push((op, user_data));
     }

@@ -1,52 +1,19 @@
-//! Drivers: `null` (the small reference driver, modelled on null_blk), the backend driver
-//! behind `mem` (each request executed on a [`Backend`]), and the [`FileDriver`] behind `file`
-//! (io_uring, a thread pool, or synchronous; see [`file`]).
+//! The `null` driver, modelled on null_blk: the reference driver, small enough to read in one
+//! sitting. It moves no data (unless memory-backed) and completes each request inline, on a
+//! completion thread, or after a timer.
 
 use std::time::{Duration, Instant};
 
-use blkq_sync::atomic::{fence, AtomicBool, AtomicUsize, Ordering};
-use blkq_sync::thread::{self, JoinHandle, Thread};
+use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use blkq_sync::thread::{self, JoinHandle};
+use blkq_sync::Mutex;
 use std::sync::Arc;
 
-use blkq_sync::Mutex;
+use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 
-use crate::backend::{Backend, Extent};
-use crate::bio::{Bio, BioFlags, Op};
-use crate::queue::{Driver, QueueCore, RqRef};
-use crate::Error;
+use waitq::WaitQueue;
 
-pub mod file;
-
-pub use file::{FileDriver, FileDriverConfig, FileEngineChoice};
-
-/// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
-pub fn exec_on_backend(be: &dyn Backend, bio: &mut Bio) -> Result<(), Error> {
-    let off = bio.offset();
-    let len = bio.len as usize;
-    match bio.op {
-        Op::Read => {
-            let buf = bio.buf.as_mut().ok_or(Error::NoBuffer)?;
-            be.read_at(off, &mut buf.as_mut_slice()[..len])?;
-        }
-        Op::Write => {
-            let buf = bio.buf.as_ref().ok_or(Error::NoBuffer)?;
-            be.write_at(
-                off,
-                &buf.as_slice()[..len],
-                bio.flags.contains(BioFlags::FUA),
-            )?;
-        }
-        Op::Flush => be.flush()?,
-        Op::Discard => be.discard(off, len as u64)?,
-        Op::WriteZeroes => {
-            if bio.flags.contains(BioFlags::FAST_ZERO) && !be.fast_zero() {
-                return Err(Error::NotSupported("fast zero"));
-            }
-            be.write_zeroes(off, len as u64, !bio.flags.contains(BioFlags::NO_HOLE))?;
-        }
-    }
-    Ok(())
-}
+use crate::backend::{exec_on_backend, Backend};
 
 /// When the `null` driver completes a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -87,22 +54,25 @@ pub struct NullConfig {
 
 /// The completion ring of the thread/timer modes.
 ///
-/// | field      | meaning                                                                   |
-/// |------------|---------------------------------------------------------------------------|
-/// | `pending`  | requests pushed and not yet taken by the completion thread (under `q`)     |
-/// | `sleeping` | the completion thread is parked or about to park                          |
+/// | field     | meaning                                                                    |
+/// |-----------|----------------------------------------------------------------------------|
+/// | `q`       | requests pushed by `queue_rq`, not yet taken by the completion thread       |
+/// | `pending` | `q.len()`, written under `q`'s lock, read without it by the thread's check |
+/// | `stop`    | the driver is stopping: the thread drains `q` and exits                    |
+/// | `idle`    | where the completion thread sleeps while `pending` is 0                    |
 ///
-/// Submitter: push under the lock (raising `pending`), then in `commit` fence (SeqCst) and
-/// unpark only if `sleeping`. Completion thread: store `sleeping`, fence (SeqCst), re-check
-/// `pending`, park. The fences pair: either the thread sees the push, or the submitter sees
-/// it sleeping. One unpark per batch, not per request: waking a thread costs ~24 us here.
+/// The sleep is the wait queue's protocol (`waitq`): the thread checks `pending` (and `stop`),
+/// prepares, re-checks, sleeps. The submitter pushes under the lock (raising `pending`) and in
+/// `commit` wakes the queue, whose SeqCst fence pairs with the one the thread's prepare
+/// issues: either the re-check sees the push, or the waker sees the thread queued. An idle
+/// queue costs the waker a fence and a load, no lock. One wake-up per batch, not per request:
+/// waking a thread costs ~24 us here.
 #[derive(Debug)]
 struct Ring {
-    q: Mutex<Vec<(RqRef, Option<Instant>)>>,
+    q: Mutex<Vec<(RequestToken, Option<Instant>)>>,
     pending: AtomicUsize,
-    sleeping: AtomicBool,
     stop: AtomicBool,
-    thread: Mutex<Option<Thread>>,
+    idle: WaitQueue,
 }
 
 /// The `null` driver: no data (unless memory-backed), completions inline, on a thread, or
@@ -122,34 +92,33 @@ impl NullDriver {
             ring: Arc::new(Ring {
                 q: Mutex::new(Vec::with_capacity(1024)),
                 pending: AtomicUsize::new(0),
-                sleeping: AtomicBool::new(false),
                 stop: AtomicBool::new(false),
-                thread: Mutex::new(None),
+                idle: WaitQueue::new(),
             }),
             worker: Mutex::new(None),
         }
     }
 
     fn run_completions(ring: Arc<Ring>, q: Arc<QueueCore>) {
-        let mut local: Vec<(RqRef, Option<Instant>)> = Vec::with_capacity(1024);
+        let mut local: Vec<(RequestToken, Option<Instant>)> = Vec::with_capacity(1024);
         loop {
+            // Sleep until there is work or the driver stops (see `Ring`).
+            let stop = ring.idle.wait_for(|| {
+                if ring.pending.load(Ordering::Relaxed) > 0 {
+                    Some(false)
+                } else if ring.stop.load(Ordering::Relaxed) {
+                    Some(true)
+                } else {
+                    None
+                }
+            });
             {
                 let mut g = ring.q.lock();
                 std::mem::swap(&mut *g, &mut local);
                 ring.pending.store(0, Ordering::Relaxed);
             }
-            if local.is_empty() {
-                if ring.stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                ring.sleeping.store(true, Ordering::Relaxed);
-                // Pairs with the fence in `commit` (see `Ring`).
-                fence(Ordering::SeqCst);
-                if ring.pending.load(Ordering::Relaxed) == 0 && !ring.stop.load(Ordering::Relaxed) {
-                    thread::park();
-                }
-                ring.sleeping.store(false, Ordering::Relaxed);
-                continue;
+            if stop && local.is_empty() {
+                return;
             }
             for (r, due) in local.drain(..) {
                 if let Some(due) = due {
@@ -184,12 +153,11 @@ impl Driver for NullDriver {
         }
         let (ring, q) = (self.ring.clone(), q.clone());
         let h = thread::spawn(move || Self::run_completions(ring, q));
-        *self.ring.thread.lock() = Some(h.thread().clone());
         *self.worker.lock() = Some(h);
     }
 
     #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
+    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
         let mut res = Ok(());
         if let Some(mem) = &self.cfg.memory {
             // Every bio of a merge chain, in sector order.
@@ -213,20 +181,13 @@ impl Driver for NullDriver {
         if self.cfg.completion == CompletionMode::Inline {
             return;
         }
-        // Pairs with the fence of the completion thread before it parks (see `Ring`).
-        fence(Ordering::SeqCst);
-        if self.ring.sleeping.load(Ordering::Relaxed) {
-            if let Some(t) = self.ring.thread.lock().as_ref() {
-                t.unpark();
-            }
-        }
+        // The wait queue's fence pairs with the completion thread's prepare (see `Ring`).
+        self.ring.idle.wake_one();
     }
 
     fn stop(&self) {
         self.ring.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.ring.thread.lock().as_ref() {
-            t.unpark();
-        }
+        self.ring.idle.wake_all();
         if let Some(h) = self.worker.lock().take() {
             let _ = h.join();
         }
@@ -254,42 +215,5 @@ impl Driver for NullDriver {
             self.cfg.completion_nsec,
             self.cfg.memory.is_some()
         )
-    }
-}
-
-/// A driver that executes each request synchronously on a [`Backend`] in `queue_rq`
-/// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`FileDriver`]).
-#[derive(Debug)]
-pub struct BackendDriver {
-    name: &'static str,
-    backend: Arc<dyn Backend>,
-}
-
-impl BackendDriver {
-    /// A driver over `backend`, described as `name`.
-    pub fn new(name: &'static str, backend: Arc<dyn Backend>) -> Self {
-        Self { name, backend }
-    }
-}
-
-impl Driver for BackendDriver {
-    #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RqRef) {
-        // Every bio of a merge chain, in sector order; the chain completes with the first
-        // error, if any.
-        let res = q.for_each_bio(&mut r, |bio| exec_on_backend(self.backend.as_ref(), bio));
-        q.complete(r, res);
-    }
-
-    fn max_merge(&self) -> u32 {
-        u32::MAX
-    }
-
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(self.backend.extents(offset, len, max)?)
-    }
-
-    fn describe(&self) -> String {
-        format!("{} size={}", self.name, self.backend.size())
     }
 }

@@ -8,24 +8,48 @@ use std::io;
 
 pub mod file;
 pub mod mem;
-pub mod uring;
 
 pub use file::{FileBackend, FileOptions};
 pub use mem::MemBackend;
-pub use uring::{
+
+pub use blk::error::os_error_code;
+pub(crate) use blk::error::with_context;
+pub use blk::Extent;
+use blk::{Bio, BioFlags, Error, Op};
+
+// Kept where backends and their tests have always found them.
+pub use crate::engine::{
     Callback, EngineFiles, EngineKind, FileEngine, PoolEngine, SubmitError, UringEngine, UringOp,
     UringOpKind,
 };
 
-/// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Extent {
-    /// Start, bytes.
-    pub offset: u64,
-    /// Length, bytes.
-    pub len: u64,
-    /// `false`: never written, or discarded (reads as zeros).
-    pub allocated: bool,
+/// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
+pub fn exec_on_backend(be: &dyn Backend, bio: &mut Bio) -> Result<(), Error> {
+    let off = bio.offset();
+    let len = bio.len as usize;
+    match bio.op {
+        Op::Read => {
+            let buf = bio.buf.as_mut().ok_or(Error::NoBuffer)?;
+            be.read_at(off, &mut buf.as_mut_slice()[..len])?;
+        }
+        Op::Write => {
+            let buf = bio.buf.as_ref().ok_or(Error::NoBuffer)?;
+            be.write_at(
+                off,
+                &buf.as_slice()[..len],
+                bio.flags.contains(BioFlags::FUA),
+            )?;
+        }
+        Op::Flush => be.flush()?,
+        Op::Discard => be.discard(off, len as u64)?,
+        Op::WriteZeroes => {
+            if bio.flags.contains(BioFlags::FAST_ZERO) && !be.fast_zero() {
+                return Err(Error::NotSupported("fast zero"));
+            }
+            be.write_zeroes(off, len as u64, !bio.flags.contains(BioFlags::NO_HOLE))?;
+        }
+    }
+    Ok(())
 }
 
 /// A byte-addressed store.
@@ -48,38 +72,6 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>>;
     /// Whether zeroing is fast (no data written), for NBD's FAST_ZERO.
     fn fast_zero(&self) -> bool;
-}
-
-/// An [`io::Error`] with a line of context in front, keeping the original's kind and, through
-/// `source`, its errno (see [`os_error_code`]).
-#[derive(Debug, thiserror::Error)]
-#[error("{context}: {source}")]
-struct Context {
-    context: String,
-    #[source]
-    source: io::Error,
-}
-
-/// Wraps `err` with `context` ("pread /dev/sdb at 4096"), keeping its kind and errno.
-pub(crate) fn with_context(err: io::Error, context: impl Into<String>) -> io::Error {
-    io::Error::new(
-        err.kind(),
-        Context {
-            context: context.into(),
-            source: err,
-        },
-    )
-}
-
-/// The errno behind `err`, looking through the context this module's backends add, for
-/// drivers that report errnos (NBD's error field).
-pub fn os_error_code(err: &io::Error) -> Option<i32> {
-    if let Some(code) = err.raw_os_error() {
-        return Some(code);
-    }
-    err.get_ref()
-        .and_then(|inner| inner.downcast_ref::<Context>())
-        .and_then(|c| os_error_code(&c.source))
 }
 
 /// Checks `[offset, offset + len)` against `size`, for backends' "no panic on any input".

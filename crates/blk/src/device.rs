@@ -1,0 +1,179 @@
+//! The seams of the block layer: what a device offers ([`Device`], its [`Limits`] and
+//! [`Extent`] map), what a driver implements ([`Driver`]) and what an I/O scheduler implements
+//! ([`Scheduler`]). The queue ([`crate::queue`]) sits between them; the drivers themselves live
+//! in the `blk-drivers` crate.
+
+use std::sync::Arc;
+
+use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
+use crate::queue::{QueueCore, Request, RequestToken};
+use crate::sched::LockStats;
+use crate::Error;
+
+/// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Start, bytes.
+    pub offset: u64,
+    /// Length, bytes.
+    pub len: u64,
+    /// `false`: never written, or discarded (reads as zeros).
+    pub allocated: bool,
+}
+
+/// Limits a device advertises and the queue enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Size in bytes.
+    pub capacity: u64,
+    /// Smallest addressable unit, bytes (a power of two, >= 512).
+    pub logical_block_size: u32,
+    /// Largest read or write, bytes.
+    pub max_io_bytes: u32,
+}
+
+impl Limits {
+    /// Checks a bio against the limits.
+    pub fn validate(&self, bio: &Bio) -> Result<(), Error> {
+        if bio.op == Op::Flush {
+            return Ok(());
+        }
+        let lbs = u64::from(self.logical_block_size);
+        let off = bio
+            .sector
+            .checked_mul(1 << SECTOR_SHIFT)
+            .ok_or(Error::OutOfRange {
+                offset: u64::MAX,
+                len: u64::from(bio.len),
+                capacity: self.capacity,
+            })?;
+        let len = u64::from(bio.len);
+        if len == 0 || off % lbs != 0 || len % lbs != 0 {
+            return Err(Error::Misaligned {
+                offset: off,
+                len,
+                block: self.logical_block_size,
+            });
+        }
+        if off.checked_add(len).is_none_or(|end| end > self.capacity) {
+            return Err(Error::OutOfRange {
+                offset: off,
+                len,
+                capacity: self.capacity,
+            });
+        }
+        if bio.op.has_data() {
+            if bio.len > self.max_io_bytes {
+                return Err(Error::TooLarge {
+                    len,
+                    max: self.max_io_bytes,
+                });
+            }
+            if let Some(b) = &bio.buf {
+                if b.len() < bio.len as usize {
+                    return Err(Error::BufferTooSmall {
+                        len,
+                        buf: b.len() as u64,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A block driver: executes requests and reports their completion.
+pub trait Driver: Send + Sync {
+    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
+    /// until [`Driver::stop`]).
+    fn start(&self, _q: &Arc<QueueCore>) {}
+    /// Takes a request; the driver completes it later (or right away) with
+    /// [`QueueCore::complete`].
+    fn queue_rq(&self, q: &QueueCore, rq: RequestToken);
+    /// The end of a batch of `queue_rq` calls (ring the doorbell).
+    fn commit(&self, _q: &QueueCore) {}
+    /// Stops completion threads; called when the queue is dropped.
+    fn stop(&self) {}
+    /// The allocation map, for devices that know it (default: everything allocated).
+    fn extents(&self, offset: u64, len: u64, _max: usize) -> Result<Vec<Extent>, Error> {
+        Ok(vec![Extent {
+            offset,
+            len,
+            allocated: true,
+        }])
+    }
+    /// One line describing the driver and its options.
+    fn describe(&self) -> String;
+    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
+    /// means the driver executes exactly one bio per request and the queue must not merge.
+    fn max_merge(&self) -> u32 {
+        1
+    }
+    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
+    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
+    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
+    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
+    /// queue does not ask. Default: no limit.
+    fn can_queue(&self) -> usize {
+        usize::MAX
+    }
+}
+
+/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
+/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
+///
+/// # Contract
+///
+/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
+/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has
+/// no room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only if
+/// another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
+/// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
+/// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
+/// complete inline and the completion may submit again.
+pub trait Scheduler: Send + Sync {
+    /// The scheduler's name (`--sched`).
+    fn name(&self) -> &'static str;
+    /// Called once, when the queue that owns the scheduler is built: size per-request state
+    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
+    fn attach(&self, _q: &QueueCore) {}
+    /// Takes one request of a batch being flushed.
+    fn insert(&self, q: &QueueCore, rq: RequestToken);
+    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
+    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
+        for r in rqs {
+            self.insert(q, r);
+        }
+    }
+    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
+    /// every batch of inserts, until it hands out nothing.
+    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
+    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
+    /// merge chain), before its bio is handed back. Must not block.
+    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
+    /// Acquisitions of the scheduler's lock, and how many found it taken.
+    fn lock_stats(&self) -> LockStats {
+        LockStats::default()
+    }
+    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+}
+
+/// A bio-level block device: what the NBD server exports and what RAID1 stacks on.
+pub trait Device: Send + Sync {
+    /// Submits a bio; `end.end_io` is called exactly once with its status (possibly before
+    /// this returns, possibly on another thread).
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>);
+    /// Submits several bios as one batch (drivers see them together).
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
+        for b in bios {
+            self.submit(b, end);
+        }
+    }
+    /// The device's limits.
+    fn limits(&self) -> Limits;
+    /// The allocation map of a range.
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
+}

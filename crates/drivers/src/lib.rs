@@ -1,0 +1,30 @@
+//! `blk-drivers`: the block drivers of blkq, on top of the `blk` core.
+//!
+//! - [`null`]: the reference driver (null_blk's model): no data, completions inline, on a
+//!   thread, or after a timer. Read it first.
+//! - [`mem`]: requests executed on a sparse in-memory [`backend::MemBackend`].
+//! - [`file`](mod@file): a regular file or block device through one of the engines of [`engine`]
+//!   (io_uring, a thread pool, or synchronous; one [`EngineKind`] picks).
+//! - [`backend`]: where the bytes live (memory, file), synchronous and thread-safe.
+//! - [`spec`]: the device-spec parser (`null:1G,completion=thread`, `file:/path,engine=pool`)
+//!   that builds a queue with one of these drivers.
+//!
+//! Drivers use only `blk`'s public API ([`blk::Driver`], [`blk::QueueCore`],
+//! [`blk::RequestToken`]); nothing here reaches into the core's internals.
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod engine;
+pub mod fault;
+pub mod file;
+pub mod mem;
+pub mod null;
+pub mod spec;
+
+pub use backend::{exec_on_backend, Backend, FileBackend, FileOptions, MemBackend};
+pub use engine::{EngineKind, FileEngine, PoolEngine, UringEngine};
+pub use fault::{FaultConfig, FaultDevice, FaultHandle};
+pub use file::{FileDriver, FileDriverConfig};
+pub use mem::BackendDriver;
+pub use null::{CompletionMode, NullConfig, NullDriver};
+pub use spec::{parse_size, DeviceSpec, QueueOverrides};
