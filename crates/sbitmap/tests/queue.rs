@@ -183,7 +183,10 @@ fn async_waiter_whose_check_succeeded_first_passes_its_wakeup_on() {
         let got = sb.get();
         if got.is_some() && armed.replace(false) {
             // The window between B's successful allocation and B leaving the queue.
-            assert!(poll(&mut *a.borrow_mut(), &wa).is_pending(), "A finds nothing");
+            assert!(
+                poll(&mut *a.borrow_mut(), &wa).is_pending(),
+                "A finds nothing"
+            );
             assert!(q.put(t1));
         }
         got

@@ -14,6 +14,7 @@ use std::task::{Context, Poll};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use testkit::wait_until;
 use waitq::{CancelToken, Completion, Error, WaitQueue};
 
 /// How long a test waits for something that should happen promptly.
@@ -65,15 +66,6 @@ impl<T> Bounded<T> {
     /// Whether the thread has produced its result by now (without waiting).
     fn try_result(&self) -> Option<T> {
         self.rx.try_recv().ok()
-    }
-}
-
-/// Polls `cond` until it holds, failing the test after [`PROMPT`].
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PROMPT;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        thread::sleep(Duration::from_millis(1));
     }
 }
 
