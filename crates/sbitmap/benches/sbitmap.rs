@@ -11,8 +11,8 @@
 //!    is the inverse of the aggregate throughput). See `bench_two_threads` on why
 //!    the second thread is not spawned anew for each sample.
 //! 3. `sbq_sleep_d2_4t/*`: `SbitmapQueue::get_or_wait`/`put` at depth 2 with four threads:
-//!    the counter algorithm (counter-based batched wake-ups) against the legacy `wait_cnt` one, plus a `Mutex` +
-//!    `Condvar` tag pool for scale. Time per op is wall time over the operations of all four
+//!    the counter algorithm (counter-based batched wake-ups) against the legacy `wait_cnt`
+//!    one, plus a `Mutex` + `Condvar` tag pool for scale. Time per op is wall time over the operations of all four
 //!    threads. On a machine with fewer than four free cores a tight get+put loop seldom finds
 //!    both tags taken (a tag is held for a few nanoseconds, and at most one thread per core
 //!    runs), so `sbq_sleep_d2_4t_yield/*` repeats it with each worker yielding the CPU while it

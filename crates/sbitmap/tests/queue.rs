@@ -1,5 +1,6 @@
 //! SbitmapQueue: deterministic tests of the wake-up algorithms, including a free nested inside
-//! another free's wake-up path (the failure case that counter-based batched wake-ups fix), and a threaded stress test.
+//! another free's wake-up path (the failure case that counter-based batched wake-ups fix),
+//! the pass-on rule for async waiters, and a threaded stress test.
 #![cfg(not(blkq_loom))]
 
 use std::future::Future;
