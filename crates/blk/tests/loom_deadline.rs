@@ -204,25 +204,10 @@ fn loom_locked_loses_nothing() {
 #[cfg(blkq_loom)]
 #[test]
 fn loom_without_the_recheck_a_request_is_lost() {
-    const CHILD: &str = "BLKQ_LOOM_DEADLINE_CHILD";
-    if std::env::var_os(CHILD).is_some() {
-        blkq_sync::model(|| run(2, 1, false));
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "loom_without_the_recheck_a_request_is_lost",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the model passed without the re-check: it does not test the race"
+    let stderr = testkit::loom_child::expect_model_failure(
+        "loom_without_the_recheck_a_request_is_lost",
+        "the model passed without the re-check: it does not test the race",
+        || run(2, 1, false),
     );
     assert!(
         stderr.contains("lost or duplicated request") || stderr.contains("left in a bucket"),

@@ -13,20 +13,9 @@ use blk_drivers::backend::{
     os_error_code, Backend, EngineKind, Extent, FileBackend, FileEngine, FileOptions, PoolEngine,
     UringEngine, UringOp,
 };
+use testkit::pattern;
 
 const K: u64 = 1024;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8 | 1
-        })
-        .collect()
-}
 
 /// A zeroed buffer of `len` bytes at a 4096-aligned address (inside an over-sized `Vec`).
 struct Aligned {

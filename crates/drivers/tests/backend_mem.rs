@@ -3,20 +3,9 @@
 #![cfg(not(blkq_loom))]
 
 use blk_drivers::backend::{Backend, Extent, MemBackend};
+use testkit::pattern;
 
 const PAGE: u64 = 4096;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8 | 1 // never zero, so "allocated" and "zero" stay distinguishable
-        })
-        .collect()
-}
 
 fn ext(offset: u64, len: u64, allocated: bool) -> Extent {
     Extent {

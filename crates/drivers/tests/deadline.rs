@@ -12,6 +12,7 @@ use blk::{Bio, BioFlags, Buffer, EndIo, Error, IoPrio, Op, Plug, Queue, QueueCon
 use blk_drivers::backend::mem::MemBackend;
 use blk_drivers::exec_on_backend;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use testkit::Collect;
 
 /// One dispatched request: the sectors of its chain's bios, in chain order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,16 +74,6 @@ impl blk::Driver for Gate {
     }
     fn can_queue(&self) -> usize {
         self.0.room.load(Ordering::Relaxed)
-    }
-}
-
-/// Collects completions.
-#[derive(Default)]
-struct Collect(Mutex<Vec<(Bio, Result<(), Error>)>>);
-
-impl EndIo for Collect {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        self.0.lock().unwrap().push((bio, res));
     }
 }
 
@@ -165,7 +156,7 @@ impl Rig {
         }
         self.gate.0.room.store(0, Ordering::Relaxed);
         // The ordering tests expect every bio to be valid and to succeed.
-        for (b, res) in self.done.0.lock().unwrap().iter() {
+        for (b, res) in self.done.lock().iter() {
             assert!(res.is_ok(), "{b:?}: {res:?}");
         }
         self.gate.0.seen.lock().unwrap()[before..].to_vec()
@@ -420,7 +411,7 @@ fn merges_build_the_right_chains_and_every_bio_completes_with_its_data() {
             }
             expect.sort();
             assert_eq!(chains, expect, "{mode:?} front_merges={front}");
-            let done = std::mem::take(&mut *r.done.0.lock().unwrap());
+            let done = r.done.take_all();
             assert_eq!(done.len(), 18);
             assert!(done.iter().all(|(_, res)| res.is_ok()));
             let merged = 18 - expect.len() as u64;
@@ -440,7 +431,7 @@ fn merges_build_the_right_chains_and_every_bio_completes_with_its_data() {
             let mut rb: Vec<Bio> = sectors.iter().map(|&s| rbio(s, k4)).collect();
             rb.push(rbio(508, 1024));
             r.submit(rb);
-            let done = std::mem::take(&mut *r.done.0.lock().unwrap());
+            let done = r.done.take_all();
             assert_eq!(done.len(), 18);
             for (b, res) in &done {
                 assert!(res.is_ok(), "{b:?}: {res:?}");
@@ -461,7 +452,7 @@ fn a_failed_chain_fails_every_merged_bio() {
             wbio(16, 4096, BioFlags::NONE),
             wbio(64, 4096, BioFlags::NONE),
         ]);
-        let done = std::mem::take(&mut *r.done.0.lock().unwrap());
+        let done = r.done.take_all();
         assert_eq!(done.len(), 4);
         for (b, res) in &done {
             if b.sector < 64 {
@@ -549,12 +540,8 @@ fn threads_in_both_lock_designs_complete_everything() {
                         }
                         q.flush_plug(&mut plug);
                     }
-                    let t0 = std::time::Instant::now();
-                    while done.0.lock().unwrap().len() < n {
-                        assert!(t0.elapsed() < Duration::from_secs(20), "lost requests");
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    assert!(done.0.lock().unwrap().iter().all(|(_, r)| r.is_ok()));
+                    let all = done.wait_for(n); // fails the test if requests are lost
+                    assert!(all.iter().all(|(_, r)| r.is_ok()));
                     total.fetch_add(n, Ordering::Relaxed);
                 })
             })

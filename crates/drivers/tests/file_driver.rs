@@ -11,6 +11,7 @@ use std::time::Duration;
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, Queue, SECTOR_SHIFT};
 use blk_drivers::backend::UringEngine;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use testkit::{pattern, Collect};
 
 const DEV_SIZE: u64 = 8 << 20;
 
@@ -22,18 +23,6 @@ fn engines() -> Vec<&'static str> {
         Err(e) => eprintln!("note: io_uring unavailable here ({e}); testing pool and sync only"),
     }
     v
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8 | 1
-        })
-        .collect()
 }
 
 fn image(dir: &Path, name: &str, size: u64) -> PathBuf {
@@ -51,33 +40,6 @@ fn build(spec: &str) -> Result<Queue, Error> {
 fn queue(path: &Path, opts: &str) -> Queue {
     let spec = format!("file:{}{opts}", path.display());
     build(&spec).unwrap_or_else(|e| panic!("{spec}: {e}"))
-}
-
-/// Completions, with a condition variable to wait on.
-#[derive(Default)]
-struct Collect {
-    done: Mutex<Vec<(Bio, Result<(), Error>)>>,
-    cv: Condvar,
-}
-
-impl EndIo for Collect {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        self.done.lock().unwrap().push((bio, res));
-        self.cv.notify_all();
-    }
-}
-
-impl Collect {
-    /// Waits for at least one completion and takes them all.
-    fn take(&self) -> Vec<(Bio, Result<(), Error>)> {
-        let g = self.done.lock().unwrap();
-        let (mut g, t) = self
-            .cv
-            .wait_timeout_while(g, Duration::from_secs(30), |v| v.is_empty())
-            .unwrap();
-        assert!(!t.timed_out(), "completions missing");
-        std::mem::take(&mut *g)
-    }
 }
 
 /// Runs one bio to completion.

@@ -4,41 +4,13 @@
 
 use std::sync::mpsc;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, EndIo, Error, Op, PoolPolicy, Queue, TagPool};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use sbitmap::WakeAlgo;
 use std::sync::Arc;
-
-/// Collects completions.
-#[derive(Default)]
-struct Collect(Mutex<Vec<(Bio, Result<(), Error>)>>);
-
-impl EndIo for Collect {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        self.0.lock().unwrap().push((bio, res));
-    }
-}
-
-impl Collect {
-    fn wait_for(&self, n: usize) -> Vec<(Bio, Result<(), Error>)> {
-        let t0 = Instant::now();
-        loop {
-            {
-                let mut v = self.0.lock().unwrap();
-                if v.len() >= n {
-                    return std::mem::take(&mut *v);
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "completions missing"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
+use testkit::{wait_until, Collect};
 
 fn queue(spec: &str) -> Queue {
     spec.parse::<DeviceSpec>()
@@ -148,17 +120,6 @@ fn null_completion_modes() {
         "null:1M,submit_queues=3,shared_tags=1,hw_queue_depth=4",
         100,
     );
-}
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "timed out waiting: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// FIFO: a newcomer may not overtake a waiter, and freed tags go oldest-first.

@@ -13,6 +13,7 @@ use nbd::proto::*;
 use nbd::server::{Export, Server, ServerConfig, Tuning};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
+use testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 
@@ -140,18 +141,6 @@ fn modes() -> Vec<(&'static str, ClientOptions)> {
             },
         ),
     ]
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn expect_err(r: Result<impl std::fmt::Debug, ClientError>, want: u32, what: &str) {

@@ -11,8 +11,8 @@
 //!    is the inverse of the aggregate throughput). See `bench_two_threads` on why
 //!    the second thread is not spawned anew for each sample.
 //! 3. `sbq_sleep_d2_4t/*`: `SbitmapQueue::get_or_wait`/`put` at depth 2 with four threads:
-//!    the counter algorithm (seed 000) against the legacy `wait_cnt` one, plus a `Mutex` +
-//!    `Condvar` tag pool for scale. Time per op is wall time over the operations of all four
+//!    the counter algorithm (counter-based batched wake-ups) against the legacy `wait_cnt`
+//!    one, plus a `Mutex` + `Condvar` tag pool for scale. Time per op is wall time over the operations of all four
 //!    threads. On a machine with fewer than four free cores a tight get+put loop seldom finds
 //!    both tags taken (a tag is held for a few nanoseconds, and at most one thread per core
 //!    runs), so `sbq_sleep_d2_4t_yield/*` repeats it with each worker yielding the CPU while it
@@ -34,7 +34,7 @@ mod benches {
     use std::cell::Cell;
     use std::hint::black_box;
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-    use std::sync::{mpsc, Barrier, Condvar, Mutex};
+    use std::sync::{mpsc, Barrier};
     use std::thread;
     use std::time::{Duration, Instant};
 
@@ -42,6 +42,7 @@ mod benches {
     use criterion::{criterion_group, BenchmarkGroup, Criterion, Throughput};
     use crossbeam_queue::ArrayQueue;
     use sbitmap::{Sbitmap, SbitmapQueue, WakeAlgo};
+    use testkit::baseline::{criterion_config, CondvarPool, MutexPool};
 
     const DEPTH: u32 = 128;
 
@@ -104,23 +105,15 @@ mod benches {
         }
     }
 
-    /// The textbook free list.
-    struct MutexPool(Mutex<Vec<u32>>);
-
-    impl MutexPool {
-        fn new(depth: u32) -> Self {
-            Self(Mutex::new((0..depth).collect()))
-        }
-    }
-
+    /// The textbook free list (shared baseline).
     impl Pool for MutexPool {
         #[inline]
         fn take(&self) -> u32 {
-            self.0.lock().unwrap().pop().expect("a free tag")
+            MutexPool::take(self)
         }
         #[inline]
         fn give(&self, tag: u32) {
-            self.0.lock().unwrap().push(tag);
+            MutexPool::give(self, tag)
         }
     }
 
@@ -148,35 +141,13 @@ mod benches {
         }
     }
 
-    /// A sleeping tag pool on `Mutex` + `Condvar` (baseline for the sleeping benchmark).
-    struct CondvarPool {
-        free: Mutex<Vec<u32>>,
-        cv: Condvar,
-    }
-
-    impl CondvarPool {
-        fn new(depth: u32) -> Self {
-            Self {
-                free: Mutex::new((0..depth).collect()),
-                cv: Condvar::new(),
-            }
-        }
-    }
-
+    /// A sleeping tag pool on `Mutex` + `Condvar` (shared baseline for the sleeping benchmark).
     impl Pool for CondvarPool {
         fn take(&self) -> u32 {
-            let mut free = self.free.lock().unwrap();
-            loop {
-                if let Some(t) = free.pop() {
-                    return t;
-                }
-                count_waits(1);
-                free = self.cv.wait(free).unwrap();
-            }
+            CondvarPool::take(self, || count_waits(1))
         }
         fn give(&self, tag: u32) {
-            self.free.lock().unwrap().push(tag);
-            self.cv.notify_one();
+            CondvarPool::give(self, tag)
         }
     }
 
@@ -353,14 +324,7 @@ mod benches {
             let stats = Stats::default();
             g.bench_function("mutex_condvar", |b| {
                 b.iter_custom(|n| {
-                    sleeping(
-                        &cv,
-                        THREADS,
-                        n,
-                        yield_holding,
-                        || cv.cv.notify_all(),
-                        &stats,
-                    )
+                    sleeping(&cv, THREADS, n, yield_holding, || cv.wake_all(), &stats)
                 })
             });
             report.push((format!("{group}/mutex_condvar"), stats));
@@ -377,16 +341,9 @@ mod benches {
         }
     }
 
-    fn config() -> Criterion {
-        Criterion::default()
-            .warm_up_time(Duration::from_secs(1))
-            .measurement_time(Duration::from_secs(2))
-            .sample_size(20)
-    }
-
     criterion_group! {
         name = all;
-        config = config();
+        config = criterion_config();
         targets = bench_uncontended, bench_contended, bench_sleeping
     }
 

@@ -1,4 +1,5 @@
-//! `sbitmap`: the scalable tag bitmap of blk-mq and its wait queues (seed 000).
+//! `sbitmap`: the scalable tag bitmap of blk-mq and its wait queues (counter-based batched
+//! wake-ups).
 //!
 //! - [`Sbitmap`]: a cache line per word, per-thread allocation hints, deferred clearing,
 //!   shallow and batch allocation, resize, round-robin mode.

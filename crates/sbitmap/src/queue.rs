@@ -1,5 +1,5 @@
 //! `SbitmapQueue`: a tag bitmap plus the wait queues its allocators sleep on, with batched
-//! wake-ups (seed 000).
+//! wake-ups (counter-based batched wake-ups).
 //!
 //! # State
 //!
@@ -13,7 +13,7 @@
 //! | `wake_index`      | the queue the next batch starts from, round-robin                   |
 //! | `ws[i].wait_cnt`  | legacy algorithm only: frees left before queue `i` gets a batch     |
 //!
-//! # The counter algorithm (seed 000)
+//! # The counter algorithm (counter-based batched wake-ups)
 //!
 //! A free adds to `completion_cnt`; then, while `completion_cnt - wakeup_cnt >= wake_batch`,
 //! it advances `wakeup_cnt` by `wake_batch` with a CAS and, if the CAS won, wakes up to
@@ -29,7 +29,7 @@
 //! signed difference can then not go negative from stale reads. `completion_cnt` itself is
 //! Relaxed: it is a counter, and the CAS decides who wakes.
 //!
-//! # The legacy algorithm (before seed 000), behind [`WakeAlgo::Legacy`]
+//! # The legacy algorithm (before counter-based batched wake-ups), behind [`WakeAlgo::Legacy`]
 //!
 //! Each queue has `wait_cnt`, decremented by every free; the free that brings it to zero
 //! wakes a batch on that queue, advances `wake_index`, and resets `wait_cnt` to `wake_batch`.
@@ -47,6 +47,15 @@
 //! `ws_active`. The two fences pair: either the sleeper's retry sees the freed bit, or the
 //! free sees `ws_active != 0` and counts itself towards a wake-up. Once counted, every
 //! `wake_batch` frees issue `wake_batch` wake-ups, oldest sleepers of each queue first.
+//!
+//! # Spare wake-ups are passed on
+//!
+//! A sleeper obeys the wait queue's pass-on rule (`waitq`'s "The pass-on rule"): leaving for
+//! good while chosen, without a check made after learning it was chosen (its retry after
+//! queuing found a tag, an async poll found one while still queued, or a future is dropped),
+//! it passes the wake-up on through [`waitq::Waiter::finish_and_pass_on`] /
+//! [`WaitQueue::finish_async_and_pass_on`], to the next sleeper on *any* of the queues
+//! (`wake_waiters(1)`), since the free that chose it woke across all of them.
 //! A sleeper always has `depth` tags in flight ahead of it, and `wake_batch` is computed so
 //! that `depth >= 8 * wake_batch` wherever possible: enough frees are always coming.
 
@@ -69,10 +78,11 @@ pub const SBQ_WAKE_BATCH: u32 = 8;
 /// Which wake-up algorithm a queue runs (switchable at run time, for comparison).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WakeAlgo {
-    /// Ever-increasing completion and wake-up counters (seed 000). The default.
+    /// Ever-increasing completion and wake-up counters (counter-based batched wake-ups). The
+    /// default.
     #[default]
     Counter,
-    /// A per-queue `wait_cnt` decremented and reset (the algorithm seed 000 replaced).
+    /// A per-queue `wait_cnt` decremented and reset (the algorithm the counters replaced).
     Legacy,
 }
 
@@ -261,18 +271,14 @@ impl SbitmapQueue {
             self.ws_active.fetch_add(1, Ordering::Relaxed);
             let w = ws.wq.prepare();
             if let Some(t) = f(&self.sb) {
-                let chosen = w.finish();
+                // Our retry found a tag before we could know whether a free chose us: a
+                // wake-up spent on us is spare and another sleeper may need it.
+                w.finish_and_pass_on(|| self.wake_waiters(1));
                 self.ws_active.fetch_sub(1, Ordering::Relaxed);
-                if chosen {
-                    // A free chose us while our own retry found a tag it had not counted
-                    // (it came before we raised `ws_active`): the wake-up is spare and
-                    // another sleeper may need it, so pass it on.
-                    self.wake_waiters(1);
-                }
                 return t;
             }
             w.sleep();
-            w.finish();
+            w.finish(); // keeps the wake-up: we retry next, then take or queue again
             self.ws_active.fetch_sub(1, Ordering::Relaxed);
             if let Some(t) = f(&self.sb) {
                 return t;
@@ -284,8 +290,15 @@ impl SbitmapQueue {
 
     /// Allocates a tag from an async task, waiting if the bitmap is full.
     pub fn get_async(&self) -> GetTag<'_> {
+        self.get_async_with(Sbitmap::get)
+    }
+
+    /// Like [`SbitmapQueue::get_async`] with a custom allocation (e.g. shallow), as
+    /// [`SbitmapQueue::get_or_wait_with`] is to [`SbitmapQueue::get_or_wait`].
+    pub fn get_async_with<F: FnMut(&Sbitmap) -> Option<u32> + Unpin>(&self, f: F) -> GetTag<'_, F> {
         GetTag {
             sbq: self,
+            f,
             queued: None,
         }
     }
@@ -443,61 +456,85 @@ impl SbitmapQueue {
     }
 }
 
-/// The future of [`SbitmapQueue::get_async`]: resolves to a tag.
-#[derive(Debug)]
-pub struct GetTag<'a> {
+/// The future of [`SbitmapQueue::get_async`] (and [`SbitmapQueue::get_async_with`]):
+/// resolves to a tag.
+///
+/// Dropped while queued, it leaves and passes an unused wake-up on.
+pub struct GetTag<'a, F = fn(&Sbitmap) -> Option<u32>> {
     sbq: &'a SbitmapQueue,
+    f: F,
     queued: Option<(usize, WaitKey)>,
 }
 
-impl GetTag<'_> {
-    fn leave(&mut self) -> bool {
-        match self.queued.take() {
-            Some((i, key)) => {
-                let chosen = self.sbq.ws[i].wq.finish_async(key);
-                self.sbq.ws_active.fetch_sub(1, Ordering::Relaxed);
-                chosen
-            }
-            None => false,
+impl<F> std::fmt::Debug for GetTag<'_, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GetTag")
+            .field("queued", &self.queued)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F> GetTag<'_, F> {
+    /// Leaves the queue to check next (then take a tag or queue again): keeps the wake-up.
+    fn leave_to_check(&mut self) {
+        if let Some((i, key)) = self.queued.take() {
+            self.sbq.ws[i].wq.finish_async(key);
+            self.sbq.ws_active.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Leaves the queue for good without a check made after learning whether a free chose
+    /// us: the pass-on rule (module docs).
+    fn leave_for_good(&mut self) {
+        if let Some((i, key)) = self.queued.take() {
+            let sbq = self.sbq;
+            sbq.ws[i]
+                .wq
+                .finish_async_and_pass_on(key, || sbq.wake_waiters(1));
+            sbq.ws_active.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
 
-impl Future for GetTag<'_> {
+impl<F: FnMut(&Sbitmap) -> Option<u32> + Unpin> Future for GetTag<'_, F> {
     type Output = u32;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<u32> {
         let this = self.get_mut();
-        if let Some(t) = this.sbq.sb.get() {
-            this.leave();
-            return Poll::Ready(t);
-        }
+        // Learn whether a free chose us *before* looking at the bitmap (as `waitq::WaitFor`
+        // does): only a tag found after learning it was chosen uses the wake-up.
         if let Some((i, key)) = this.queued {
             if this.sbq.ws[i].wq.update_waker(key, cx.waker()) {
+                // Still queued (a spurious poll): keep our place unless a tag is free.
+                if let Some(t) = (this.f)(&this.sbq.sb) {
+                    this.leave_for_good();
+                    return Poll::Ready(t);
+                }
                 return Poll::Pending;
             }
-            this.leave(); // chosen, but the tag went to someone else: queue again
+            // Chosen: the look below comes after the choice.
+            this.leave_to_check();
         }
+        if let Some(t) = (this.f)(&this.sbq.sb) {
+            return Poll::Ready(t);
+        }
+        // Not queued, or chosen but the tag went to someone else: queue again.
         let i = this.sbq.next_ws.fetch_add(1, Ordering::Relaxed) % SBQ_WAIT_QUEUES;
         // As in `get_or_wait_with`: count, queue (fence), retry.
         this.sbq.ws_active.fetch_add(1, Ordering::Relaxed);
         let key = this.sbq.ws[i].wq.prepare_async(cx.waker());
         this.queued = Some((i, key));
-        if let Some(t) = this.sbq.sb.get() {
-            if this.leave() {
-                this.sbq.wake_waiters(1); // a spare wake-up: see `get_or_wait_with`
-            }
+        if let Some(t) = (this.f)(&this.sbq.sb) {
+            this.leave_for_good(); // found before we could know whether we were chosen
             return Poll::Ready(t);
         }
         Poll::Pending
     }
 }
 
-impl Drop for GetTag<'_> {
+impl<F> Drop for GetTag<'_, F> {
     fn drop(&mut self) {
-        if self.leave() {
-            // An exclusive wake-up was spent on us and we will not allocate: pass it on.
-            self.sbq.wake_waiters(1);
-        }
+        // Giving up: an exclusive wake-up spent on us goes on to the next sleeper.
+        self.leave_for_good();
     }
 }

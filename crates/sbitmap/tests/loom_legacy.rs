@@ -7,28 +7,12 @@
 
 mod common;
 
-const CHILD: &str = "BLKQ_LOOM_LEGACY_CHILD";
-
 #[test]
 fn loom_legacy_nested_free_loses_a_wakeup() {
-    if std::env::var_os(CHILD).is_some() {
-        blkq_sync::model(|| common::two_sleepers_two_frees(sbitmap::WakeAlgo::Legacy, true));
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "loom_legacy_nested_free_loses_a_wakeup",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the legacy algorithm passed the model"
+    let stderr = testkit::loom_child::expect_model_failure(
+        "loom_legacy_nested_free_loses_a_wakeup",
+        "the legacy algorithm passed the model",
+        || common::two_sleepers_two_frees(sbitmap::WakeAlgo::Legacy, true),
     );
     assert!(
         stderr.contains("deadlock"),

@@ -1,5 +1,6 @@
 //! SbitmapQueue: deterministic tests of the wake-up algorithms, including a free nested inside
-//! another free's wake-up path (seed 000's failure case), and a threaded stress test.
+//! another free's wake-up path (the failure case that counter-based batched wake-ups fix),
+//! the pass-on rule for async waiters, and a threaded stress test.
 #![cfg(not(blkq_loom))]
 
 use std::future::Future;
@@ -154,6 +155,62 @@ fn dropped_async_waiter_passes_its_wakeup_on() {
     let (mut f, w, c) = second;
     assert_eq!(c.0.load(Ordering::SeqCst), 1, "the wake-up was passed on");
     assert_eq!(poll(&mut f, &w), Poll::Ready(t));
+}
+
+/// The pass-on rule for async tag waiters, driven by hand (no threads, no timing).
+///
+/// A and B sleep on a full bitmap of two tags. The free of tag 0 chooses A. Before A runs,
+/// B is polled (spuriously, still queued) and its allocation takes tag 0; in the window between
+/// that allocation and B leaving the queue (a window other threads fill in a real run; here
+/// B's allocation closure fills it), A runs, finds nothing and queues again, and tag 1 is
+/// freed, which chooses B, still queued. B's wake-up is then spare: unless B passes it on, A
+/// sleeps while tag 1 is free.
+#[test]
+fn async_waiter_whose_check_succeeded_first_passes_its_wakeup_on() {
+    use std::cell::{Cell, RefCell};
+
+    let q = SbitmapQueue::new(2, None, false, WakeAlgo::Counter).unwrap();
+    assert_eq!(q.wake_batch(), 1);
+    let t0 = q.get().unwrap();
+    let t1 = q.get().unwrap();
+    let (wa, ca) = counting_waker();
+    let (wb, cb) = counting_waker();
+
+    let a = RefCell::new(q.get_async());
+    assert!(poll(&mut *a.borrow_mut(), &wa).is_pending());
+
+    let armed = Cell::new(false);
+    let mut b = q.get_async_with(|sb| {
+        let got = sb.get();
+        if got.is_some() && armed.replace(false) {
+            // The window between B's successful allocation and B leaving the queue.
+            assert!(
+                poll(&mut *a.borrow_mut(), &wa).is_pending(),
+                "A finds nothing"
+            );
+            assert!(q.put(t1));
+        }
+        got
+    });
+    assert!(poll(&mut b, &wb).is_pending());
+    assert_eq!(q.ws_active(), 2);
+
+    assert!(q.put(t0));
+    assert_eq!(ca.0.load(Ordering::SeqCst), 1, "the free of tag 0 chose A");
+    assert_eq!(cb.0.load(Ordering::SeqCst), 0);
+
+    armed.set(true);
+    assert_eq!(poll(&mut b, &wb), Poll::Ready(t0), "B takes tag 0");
+    assert_eq!(cb.0.load(Ordering::SeqCst), 1, "the free of tag 1 chose B");
+    assert_eq!(q.bitmap().weight(), 1, "tag 1 is free");
+    assert_eq!(q.ws_active(), 1, "A sleeps");
+    assert_eq!(
+        ca.0.load(Ordering::SeqCst),
+        2,
+        "B passed its spare wake-up on to A, asleep behind the free tag 1"
+    );
+    assert_eq!(poll(&mut *a.borrow_mut(), &wa), Poll::Ready(t1));
+    assert_eq!(q.ws_active(), 0);
 }
 
 fn stress(algo: WakeAlgo, depth: u32, threads: usize, iters: usize) {

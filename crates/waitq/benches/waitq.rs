@@ -14,35 +14,12 @@
 mod benches {
     use std::hint::black_box;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::{Arc, Condvar};
     use std::thread;
-    use std::time::Duration;
 
     use criterion::{criterion_group, Criterion};
+    use testkit::baseline::{criterion_config, CondvarCompletion};
     use waitq::{Completion, WaitQueue};
-
-    /// The baseline: a completion on `Mutex<bool>` + `Condvar`, the textbook way. `wait`
-    /// consumes the flag; every bench here waits once per `complete`, so a flag is enough.
-    #[derive(Default)]
-    struct CondvarCompletion {
-        done: Mutex<bool>,
-        cv: Condvar,
-    }
-
-    impl CondvarCompletion {
-        fn complete(&self) {
-            *self.done.lock().unwrap() = true;
-            self.cv.notify_one();
-        }
-
-        fn wait(&self) {
-            let mut done = self.done.lock().unwrap();
-            while !*done {
-                done = self.cv.wait(done).unwrap();
-            }
-            *done = false;
-        }
-    }
 
     /// The bench-facing interface both completions share.
     trait Signal: Default + Send + Sync + 'static {
@@ -127,16 +104,9 @@ mod benches {
         });
     }
 
-    fn config() -> Criterion {
-        Criterion::default()
-            .warm_up_time(Duration::from_secs(1))
-            .measurement_time(Duration::from_secs(2))
-            .sample_size(20)
-    }
-
     criterion_group! {
         name = all;
-        config = config();
+        config = criterion_config();
         targets = bench_ping_pong, bench_uncontended, bench_wake_no_waiters
     }
 

@@ -1,4 +1,5 @@
-//! `Completion`: the kernel's completion on top of the swait-style [`WaitQueue`] (seed 003).
+//! `Completion`: the kernel's completion on top of the swait-style [`WaitQueue`] (the
+//! "swait completions" design: completions built on simple wait queues).
 //!
 //! # State of `done`
 //!
@@ -10,7 +11,7 @@
 //!
 //! A wait consumes one count with a CAS (`try_wait`); `DONE_ALL` is never consumed, only reset
 //! by `reinit`. Counting saturates at `DONE_ALL - 1` (the kernel's `UINT_MAX` trick, here with
-//! the full 32 bits rather than seed 003's halved field).
+//! the full 32 bits rather than the halved field of the swait-completions design).
 //!
 //! # Ordering
 //!

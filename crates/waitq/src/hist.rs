@@ -1,5 +1,5 @@
-//! A log2 latency histogram, as the wake-up latency histograms of seed 003 (swait-based
-//! completions) were read: bucket `i` counts samples in `[2^(i-1), 2^i)` nanoseconds.
+//! A log2 latency histogram, as the wake-up latency histograms of the swait-completions
+//! design were read: bucket `i` counts samples in `[2^(i-1), 2^i)` nanoseconds.
 //!
 //! Counters are independent `Relaxed` atomics: a snapshot taken while samples are being
 //! recorded may be torn between buckets, which is fine for statistics.

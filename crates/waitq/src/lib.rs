@@ -1,5 +1,5 @@
 //! `waitq`: an swait-style wait queue and the kernel's `Completion`, for threads and async
-//! tasks (seed 003: completions built on simple wait queues).
+//! tasks (swait completions: completions built on simple wait queues).
 //!
 //! - [`WaitQueue`]: a FIFO of waiters with exclusive, oldest-first wake-ups (`wake_one`,
 //!   `wake_n`, `wake_all`), a prepare / re-check / sleep / finish protocol that cannot lose a

@@ -35,14 +35,34 @@
 //! - An entry is removed from `waiters` exactly once: by a waker (then its target is woken,
 //!   after the lock is dropped) or by its own waiter in `finish` (then it is not woken by us).
 //!   `finish` therefore tells a waiter whether it was *chosen* by a waker, which matters for
-//!   exclusive wake-ups: a chosen waiter that gives up (timeout, cancel) must pass the wake-up
-//!   on, as the kernel's `abort_exclusive_wait` does, or a wake-up is lost. So must a waiter
-//!   chosen *after* its condition check had already succeeded: that wake-up may be for a
-//!   second resource it will not take (its check took the first, which a waker had meant
-//!   for an older waiter that then found nothing and went back to sleep). Only a check made
-//!   after learning it was chosen uses the wake-up.
+//!   exclusive wake-ups; see "The pass-on rule" below.
 //! - Keys increase; a `wake_all` wakes only entries with keys below the `next_key` it saw, so
 //!   it terminates even while new waiters keep arriving.
+//!
+//! # The pass-on rule
+//!
+//! An exclusive wake-up is meant for one resource (a tag, a slot, a completion count). A
+//! waiter that a waker *chose* uses that wake-up only if it checks its condition *after*
+//! learning it was chosen and the check succeeds. Every other way of leaving the queue while
+//! chosen must pass the wake-up on to the next waiter, or a sleeper can be left behind a free
+//! resource:
+//!
+//! - the waiter gives up (timeout, cancellation, a dropped future), as the kernel's
+//!   `abort_exclusive_wait` does;
+//! - the waiter's own check had already succeeded when it was chosen (the re-check after
+//!   `prepare`, or a poll that found the condition while still queued). The wake-up may then
+//!   be for a *second* resource it will not take: its check took the first, which a waker
+//!   had meant for an older waiter that then found nothing and queued again.
+//!
+//! A waiter that was chosen, looked afterwards and found nothing queues again without passing
+//! anything on: someone else took what it was woken for, so the wake-up was not wasted.
+//!
+//! The rule is implemented once, in [`Waiter::finish_and_pass_on`] and
+//! [`WaitQueue::finish_async_and_pass_on`] (both go through `WaitQueue::leave_for_good`);
+//! plain [`Waiter::finish`] / [`WaitQueue::finish_async`] are for the one case that keeps the
+//! wake-up: leaving after a sleep in order to check, then either take or queue again. The
+//! pass-on action is a closure because a user of several queues (an `SbitmapQueue`) must
+//! pass the wake-up on across all of them, not only to the queue it slept on.
 //!
 //! # Memory ordering: why no wake-up is lost
 //!
@@ -257,8 +277,31 @@ impl WaitQueue {
     }
 
     /// Dequeues an async waiter; returns whether a waker had chosen it (see [`Waiter::finish`]).
+    /// Only for a waiter that will check its condition next and then either take what it waits
+    /// for or queue again; any other exit uses [`WaitQueue::finish_async_and_pass_on`].
     pub fn finish_async(&self, key: WaitKey) -> bool {
         self.dequeue(key.0)
+    }
+
+    /// Dequeues an async waiter that leaves for good without using a wake-up it may have been
+    /// chosen for, and passes such a wake-up on by calling `pass_on` (usually
+    /// `|| wq.wake_one()`). Use it when the future's check succeeded while it was still queued,
+    /// or when it gives up (dropped, cancelled). Returns whether it was chosen. See "The
+    /// pass-on rule" in the module docs.
+    pub fn finish_async_and_pass_on(&self, key: WaitKey, pass_on: impl FnOnce()) -> bool {
+        self.leave_for_good(key.0, pass_on)
+    }
+
+    /// The pass-on rule, written once (see the module docs): a waiter leaving the queue for
+    /// good has no check left that could use an exclusive wake-up spent on it, so if a waker
+    /// chose it, the wake-up goes to `pass_on`, or the resource it was meant for may sit free
+    /// behind a sleeping waiter.
+    fn leave_for_good(&self, key: u64, pass_on: impl FnOnce()) -> bool {
+        let chosen = self.dequeue(key);
+        if chosen {
+            pass_on();
+        }
+        chosen
     }
 
     /// Wakes the oldest waiter, if any. Returns whether one was woken.
@@ -331,15 +374,14 @@ impl WaitQueue {
             }
             let w = self.prepare();
             if let Some(v) = f() {
-                if w.finish() {
-                    // Chosen after our re-check succeeded: the wake-up may be for a resource
-                    // we did not take. Pass it on (see "chosen" in the module docs).
+                // Our re-check succeeded before we could know whether we were chosen.
+                w.finish_and_pass_on(|| {
                     self.wake_one();
-                }
+                });
                 return v;
             }
             w.sleep();
-            w.finish();
+            w.finish(); // keeps the wake-up: we check next, then take or queue again
         }
     }
 
@@ -355,22 +397,21 @@ impl WaitQueue {
             }
             let w = self.prepare();
             if let Some(v) = f() {
-                if w.finish() {
-                    self.wake_one(); // chosen after the re-check succeeded: pass it on
-                }
+                w.finish_and_pass_on(|| {
+                    self.wake_one();
+                });
                 return Some(v);
             }
-            let timed_out = w.sleep_until(deadline);
-            let chosen = w.finish();
-            if timed_out {
-                // One last look: a wake-up may have raced with the timeout.
+            if w.sleep_until(deadline) {
+                // One last look (a wake-up may have raced with the timeout), then leave for
+                // good: found or not, the look came before learning whether we were chosen.
                 let v = f();
-                if v.is_none() && chosen {
-                    // We were chosen for an exclusive wake-up we will not use: pass it on.
+                w.finish_and_pass_on(|| {
                     self.wake_one();
-                }
+                });
                 return v;
             }
+            w.finish();
         }
     }
 
@@ -393,25 +434,24 @@ impl WaitQueue {
             let c = token.queue().prepare();
             if let Some(v) = f() {
                 c.finish();
-                if w.finish() {
-                    self.wake_one(); // chosen after the re-check succeeded: pass it on
-                }
+                w.finish_and_pass_on(|| {
+                    self.wake_one();
+                });
                 return Ok(v);
             }
             if !token.is_cancelled() {
                 w.sleep();
             }
             c.finish();
-            let chosen = w.finish();
             if token.is_cancelled() {
-                if let Some(v) = f() {
-                    return Ok(v);
-                }
-                if chosen {
-                    self.wake_one(); // pass the unused exclusive wake-up on
-                }
-                return Err(crate::Error::Cancelled);
+                // Last look, then leave for good (the pass-on rule: the look came first).
+                let v = f();
+                w.finish_and_pass_on(|| {
+                    self.wake_one();
+                });
+                return v.ok_or(crate::Error::Cancelled);
             }
+            w.finish();
         }
     }
 
@@ -448,11 +488,25 @@ impl Waiter<'_> {
     }
 
     /// Leaves the queue. Returns `true` if a waker chose this waiter (an exclusive wake-up was
-    /// spent on it): a caller that then gives up without taking what it waited for must pass
-    /// the wake-up on with `wake_one`.
+    /// spent on it). Only for a waiter that checks its condition next and then either takes
+    /// what it waits for or queues again; every other exit uses
+    /// [`Waiter::finish_and_pass_on`] (see "The pass-on rule" in the module docs).
     pub fn finish(mut self) -> bool {
         self.finished = true;
         let chosen = self.wq.dequeue(self.key);
+        if chosen {
+            self.record_latency();
+        }
+        chosen
+    }
+
+    /// Leaves the queue for good, passing an exclusive wake-up spent on this waiter on by
+    /// calling `pass_on` (usually `|| wq.wake_one()`). Use it when the caller's check
+    /// succeeded while it was still queued (its re-check after [`WaitQueue::prepare`]), or when
+    /// it gives up (timeout, cancel). Returns whether it was chosen.
+    pub fn finish_and_pass_on(mut self, pass_on: impl FnOnce()) -> bool {
+        self.finished = true;
+        let chosen = self.wq.leave_for_good(self.key, pass_on);
         if chosen {
             self.record_latency();
         }
@@ -472,8 +526,11 @@ impl Waiter<'_> {
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
-        if !self.finished && self.wq.dequeue(self.key) {
-            self.wq.wake_one();
+        if !self.finished {
+            // Giving up (e.g. unwinding): the pass-on rule.
+            self.wq.leave_for_good(self.key, || {
+                self.wq.wake_one();
+            });
         }
     }
 }
@@ -502,9 +559,10 @@ impl<T, F: FnMut() -> Option<T> + Unpin> std::future::Future for WaitFor<'_, F> 
                 // Still queued: keep our place (with the fresh waker) unless we are done.
                 if let Some(v) = (this.f)() {
                     this.key = None;
-                    if this.wq.finish_async(key) {
-                        this.wq.wake_one(); // chosen after we looked: pass it on
-                    }
+                    // We looked before learning whether we were chosen: the pass-on rule.
+                    this.wq.finish_async_and_pass_on(key, || {
+                        this.wq.wake_one();
+                    });
                     return std::task::Poll::Ready(v);
                 }
                 return std::task::Poll::Pending;
@@ -518,9 +576,10 @@ impl<T, F: FnMut() -> Option<T> + Unpin> std::future::Future for WaitFor<'_, F> 
         // Not queued, or chosen but someone else took what we were woken for: queue again.
         let key = this.wq.prepare_async(cx.waker());
         if let Some(v) = (this.f)() {
-            if this.wq.finish_async(key) {
-                this.wq.wake_one(); // chosen after the re-check succeeded: pass it on
-            }
+            // The re-check succeeded before we could know whether we were chosen.
+            this.wq.finish_async_and_pass_on(key, || {
+                this.wq.wake_one();
+            });
             return std::task::Poll::Ready(v);
         }
         this.key = Some(key);
@@ -531,9 +590,10 @@ impl<T, F: FnMut() -> Option<T> + Unpin> std::future::Future for WaitFor<'_, F> 
 impl<F> Drop for WaitFor<'_, F> {
     fn drop(&mut self) {
         if let Some(key) = self.key.take() {
-            if self.wq.finish_async(key) {
+            // Giving up: the pass-on rule.
+            self.wq.finish_async_and_pass_on(key, || {
                 self.wq.wake_one();
-            }
+            });
         }
     }
 }

@@ -14,6 +14,7 @@ use std::task::{Context, Poll};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use testkit::wait_until;
 use waitq::{CancelToken, Completion, Error, WaitQueue};
 
 /// How long a test waits for something that should happen promptly.
@@ -65,15 +66,6 @@ impl<T> Bounded<T> {
     /// Whether the thread has produced its result by now (without waiting).
     fn try_result(&self) -> Option<T> {
         self.rx.try_recv().ok()
-    }
-}
-
-/// Polls `cond` until it holds, failing the test after [`PROMPT`].
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PROMPT;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -257,6 +249,37 @@ fn prepare_recheck_finish_without_sleep() {
     assert_eq!(wq.waiters(), 0);
     w.sleep(); // the unpark is already pending: returns at once
     assert!(w.finish());
+}
+
+/// The pass-on rule, written once: `finish_and_pass_on` / `finish_async_and_pass_on` call the
+/// pass-on action exactly when a waker chose the waiter, and never otherwise.
+#[test]
+fn finish_and_pass_on_passes_only_a_spent_wake_up() {
+    let wq = WaitQueue::new();
+    let passed = std::cell::Cell::new(0);
+
+    let w = wq.prepare();
+    assert!(!w.finish_and_pass_on(|| passed.set(passed.get() + 1)));
+    assert_eq!(
+        (passed.get(), wq.waiters()),
+        (0, 0),
+        "not chosen: nothing to pass on"
+    );
+
+    let w = wq.prepare();
+    assert!(wq.wake_one());
+    w.sleep(); // the unpark is already pending: returns at once
+    assert!(w.finish_and_pass_on(|| passed.set(passed.get() + 1)));
+    assert_eq!(passed.get(), 1, "chosen: passed on");
+
+    let waker = futures::task::noop_waker();
+    let k = wq.prepare_async(&waker);
+    assert!(!wq.finish_async_and_pass_on(k, || passed.set(passed.get() + 1)));
+    assert_eq!(passed.get(), 1);
+    let k = wq.prepare_async(&waker);
+    assert!(wq.wake_one());
+    assert!(wq.finish_async_and_pass_on(k, || passed.set(passed.get() + 1)));
+    assert_eq!((passed.get(), wq.waiters()), (2, 0));
 }
 
 #[test]

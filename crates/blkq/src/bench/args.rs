@@ -1,0 +1,176 @@
+//! Options of `blkq bench`: the command line (`BenchArgs`), one run's configuration
+//! (`RunCfg`) and the sweep values applied to it.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use blk::sched::{LockMode, SchedChoice};
+use blk::PoolPolicy;
+use blk_drivers::spec::parse_size;
+use clap::Args;
+use sbitmap::WakeAlgo;
+
+/// Access pattern.
+#[allow(clippy::enum_variant_names)] // fio's names
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rw {
+    Read,
+    Write,
+    RandRead,
+    RandWrite,
+    RandRw,
+}
+
+impl FromStr for Rw {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "read" => Rw::Read,
+            "write" => Rw::Write,
+            "randread" => Rw::RandRead,
+            "randwrite" => Rw::RandWrite,
+            "randrw" => Rw::RandRw,
+            _ => bail!("unknown --rw {s:?} (read, write, randread, randwrite, randrw)"),
+        })
+    }
+}
+
+impl Rw {
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Rw::Read => "read",
+            Rw::Write => "write",
+            Rw::RandRead => "randread",
+            Rw::RandWrite => "randwrite",
+            Rw::RandRw => "randrw",
+        }
+    }
+}
+
+/// `blkq bench` options.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Device spec: null:SIZE, mem:SIZE or file:PATH, with ,key=value options.
+    #[arg(long, default_value = "null:1G")]
+    pub device: String,
+    /// read, write, randread, randwrite or randrw.
+    #[arg(long, default_value = "randread")]
+    pub rw: String,
+    /// Percentage of reads for randrw.
+    #[arg(long, default_value_t = 50)]
+    pub rwmixread: u32,
+    /// Block size (e.g. 4K).
+    #[arg(long, default_value = "4K")]
+    pub bs: String,
+    /// Bios in flight per job.
+    #[arg(long, default_value_t = 32)]
+    pub iodepth: usize,
+    /// Jobs (submitting threads).
+    #[arg(long, default_value_t = 1)]
+    pub jobs: usize,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 5.0)]
+    pub runtime: f64,
+    /// Hardware queues.
+    #[arg(long)]
+    pub hw_queues: Option<u16>,
+    /// Tags per hardware queue (or in all, with --shared-tags).
+    #[arg(long)]
+    pub queue_depth: Option<u32>,
+    /// One tag bitmap shared by all hardware queues.
+    #[arg(long)]
+    pub shared_tags: bool,
+    /// Wake-up algorithm(s): counter, legacy, or both as "counter,legacy".
+    #[arg(long, default_value = "counter")]
+    pub wake: String,
+    /// Pool-full policy(ies): steal, fifo, batch, or a comma list.
+    #[arg(long, default_value = "steal")]
+    pub policy: String,
+    /// I/O scheduler(s): none, mq-deadline, or both as "none,mq-deadline".
+    #[arg(long, default_value = "none")]
+    pub sched: String,
+    /// mq-deadline's lock design(s): locked, serialized, or both as "locked,serialized".
+    #[arg(long, default_value = "serialized")]
+    pub sched_lock: String,
+    /// Cap on tags in use (batch/fifo experiments).
+    #[arg(long)]
+    pub max_in_flight: Option<u32>,
+    /// Batch policy: tags a batch owner may take.
+    #[arg(long, default_value_t = 32)]
+    pub batch_requests: u32,
+    /// Batch policy: how long a batch lasts, microseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub batch_time_us: u64,
+    /// Write a pattern over the region, read it back and check it.
+    #[arg(long)]
+    pub verify: bool,
+    /// Bytes of the device to use (default: all, capped at 1G for --verify).
+    #[arg(long)]
+    pub size: Option<String>,
+    /// One JSON object per run on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Runs per configuration (mean and stddev are reported).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Sweep one parameter: queue-depth=2,4,8 | iodepth=.. | jobs=.. | hw-queues=.. | bs=..
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Time one I/O in N for latency (the clock costs ~33 ns a read here).
+    #[arg(long, default_value_t = 8)]
+    pub lat_sample: u64,
+}
+
+/// One run's configuration.
+#[derive(Debug, Clone)]
+pub(super) struct RunCfg {
+    pub(super) device: String,
+    pub(super) rw: Rw,
+    pub(super) rwmixread: u32,
+    pub(super) bs: u32,
+    pub(super) iodepth: usize,
+    pub(super) jobs: usize,
+    pub(super) runtime: Duration,
+    pub(super) hw_queues: Option<u16>,
+    pub(super) queue_depth: Option<u32>,
+    pub(super) shared_tags: bool,
+    pub(super) wake: WakeAlgo,
+    pub(super) policy: PoolPolicy,
+    pub(super) sched: SchedChoice,
+    pub(super) sched_lock: LockMode,
+    pub(super) max_in_flight: Option<u32>,
+    pub(super) batch_requests: u32,
+    pub(super) batch_time: Duration,
+    pub(super) size: Option<u64>,
+    pub(super) lat_sample: u64,
+}
+
+pub(super) fn list<T: FromStr>(s: &str, what: &str) -> Result<Vec<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<T>()
+                .map_err(|e| anyhow::anyhow!("bad {what} {x:?}: {e}"))
+        })
+        .collect()
+}
+
+/// Applies one sweep value to a config.
+pub(super) fn apply(cfg: &mut RunCfg, key: &str, val: &str) -> Result<()> {
+    match key {
+        "queue-depth" | "queue_depth" => cfg.queue_depth = Some(val.parse()?),
+        "iodepth" => cfg.iodepth = val.parse()?,
+        "jobs" => cfg.jobs = val.parse()?,
+        "hw-queues" | "hw_queues" => cfg.hw_queues = Some(val.parse()?),
+        "bs" => cfg.bs = parse_size(val)? as u32,
+        "max-in-flight" | "max_in_flight" => cfg.max_in_flight = Some(val.parse()?),
+        _ => {
+            bail!("cannot sweep {key:?} (queue-depth, iodepth, jobs, hw-queues, bs, max-in-flight)")
+        }
+    }
+    Ok(())
+}

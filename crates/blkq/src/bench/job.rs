@@ -1,0 +1,406 @@
+//! The job loop of `blkq bench`: building the queue, running the jobs (threads keeping
+//! `iodepth` bios in flight), gathering one run's results, and the verify pass.
+
+use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use blk::{Bio, Buffer, EndIo, Op, Queue};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use waitq::WaitQueue;
+
+use super::args::{RunCfg, Rw};
+use super::hist::{LatHist, LatSummary};
+
+/// One run's results.
+#[derive(Debug, Clone, Default)]
+pub struct RunResult {
+    pub ios: u64,
+    pub errors: u64,
+    pub secs: f64,
+    pub iops: f64,
+    pub bw_bytes: f64,
+    pub lat: LatSummary,
+    pub tag_wait_count: u64,
+    pub tag_wait_mean_ns: u64,
+    pub tag_wait_max_ns: u64,
+    pub tag_wait_p99_ns: u64,
+    pub ctx_switches: u64,
+    /// Bios merged by the scheduler.
+    pub merges: u64,
+    /// The scheduler lock's acquisitions and contended ones.
+    pub lock_attempts: u64,
+    pub lock_contended: u64,
+}
+
+impl RunResult {
+    /// Contended scheduler-lock acquisitions per completed I/O.
+    pub(super) fn contended_per_io(&self) -> f64 {
+        self.lock_contended as f64 / self.ios.max(1) as f64
+    }
+}
+
+/// What a job's completions hand back.
+pub(super) struct Returned {
+    pub(super) bios: Vec<Bio>,
+    pub(super) hist: LatHist,
+    pub(super) errors: u64,
+    pub(super) first_error: Option<String>,
+}
+
+/// A job's completion side (registered once as its `EndIo`).
+pub(super) struct JobEnd {
+    pub(super) base: Instant,
+    pub(super) ret: Mutex<Returned>,
+    pub(super) wq: WaitQueue,
+}
+
+impl EndIo for JobEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
+        // cookie: 0 = not timed, else ns since `base` + 1 at submission.
+        let lat = (bio.cookie != 0)
+            .then(|| (self.base.elapsed().as_nanos() as u64).saturating_sub(bio.cookie - 1));
+        {
+            let mut r = self.ret.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(e) = res {
+                r.errors += 1;
+                if r.first_error.is_none() {
+                    r.first_error = Some(e.to_string());
+                }
+            }
+            if let Some(l) = lat {
+                r.hist.record(l);
+            }
+            r.bios.push(bio);
+        }
+        self.wq.wake_one();
+    }
+}
+
+pub(super) fn thread_ctx_switches() -> u64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `ru` is valid writable storage for one rusage; RUSAGE_THREAD is a valid `who`.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    // SAFETY: getrusage succeeded and filled the struct (it was zeroed before anyway).
+    let ru = unsafe { ru.assume_init() };
+    (ru.ru_nvcsw + ru.ru_nivcsw) as u64
+}
+
+pub(super) struct Rng(u64);
+
+impl Rng {
+    pub(super) fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+pub(super) struct JobOut {
+    pub(super) ios: u64,
+    pub(super) hist: LatHist,
+    pub(super) errors: u64,
+    pub(super) first_error: Option<String>,
+    pub(super) ctx: u64,
+}
+
+pub(super) fn run_job(
+    q: Arc<Queue>,
+    cfg: RunCfg,
+    job: usize,
+    region: u64,
+    stop: Arc<AtomicBool>,
+    done: Arc<AtomicU64>,
+) -> JobOut {
+    let needs_data = !cfg.device.starts_with("null") || cfg.device.contains("memory_backed=1");
+    let end = Arc::new(JobEnd {
+        base: Instant::now(),
+        ret: Mutex::new(Returned {
+            bios: Vec::with_capacity(cfg.iodepth),
+            hist: LatHist::new(),
+            errors: 0,
+            first_error: None,
+        }),
+        wq: WaitQueue::new(),
+    });
+    let end_dyn: Arc<dyn EndIo> = end.clone();
+    let mut free: Vec<Bio> = (0..cfg.iodepth)
+        .map(|_| {
+            let mut b = Bio::new(Op::Read, 0, cfg.bs);
+            if needs_data {
+                b.buf = Some(Buffer::new(cfg.bs as usize));
+            }
+            b
+        })
+        .collect();
+    let blocks = (region / u64::from(cfg.bs)).max(1);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((job as u64 + 1) << 32));
+    let mut seq = (blocks / cfg.jobs as u64) * job as u64;
+    let mut plug = blk::Plug::new(cfg.iodepth);
+    let mut ios = 0u64;
+    let mut n = 0u64;
+    let ctx0 = thread_ctx_switches();
+    while !stop.load(Ordering::Relaxed) {
+        while let Some(mut bio) = free.pop() {
+            let (op, block) = match cfg.rw {
+                Rw::Read | Rw::Write => {
+                    let b = seq % blocks;
+                    seq += 1;
+                    (
+                        if cfg.rw == Rw::Read {
+                            Op::Read
+                        } else {
+                            Op::Write
+                        },
+                        b,
+                    )
+                }
+                Rw::RandRead => (Op::Read, rng.next() % blocks),
+                Rw::RandWrite => (Op::Write, rng.next() % blocks),
+                Rw::RandRw => {
+                    let r = rng.next();
+                    let op = if (r >> 40) % 100 < u64::from(cfg.rwmixread) {
+                        Op::Read
+                    } else {
+                        Op::Write
+                    };
+                    (op, r % blocks)
+                }
+            };
+            bio.op = op;
+            bio.len = cfg.bs;
+            bio.sector = (block * u64::from(cfg.bs)) >> blk::SECTOR_SHIFT;
+            n += 1;
+            bio.cookie = if n.is_multiple_of(cfg.lat_sample) {
+                end.base.elapsed().as_nanos() as u64 + 1
+            } else {
+                0
+            };
+            q.submit_plugged(&mut plug, bio, &end_dyn);
+        }
+        q.flush_plug(&mut plug);
+        // Reap: whatever has completed; sleep only when nothing has.
+        loop {
+            let got = {
+                let mut r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                std::mem::swap(&mut r.bios, &mut free);
+                free.len()
+            };
+            if got > 0 {
+                ios += got as u64;
+                done.fetch_add(got as u64, Ordering::Relaxed);
+                break;
+            }
+            end.wq.wait_for(|| {
+                let r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                (!r.bios.is_empty()).then_some(())
+            });
+        }
+    }
+    // Drain what is still in flight before the queue can go away.
+    while free.len() < cfg.iodepth {
+        end.wq
+            .wait_for(|| {
+                let mut r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                (!r.bios.is_empty()).then(|| std::mem::take(&mut r.bios))
+            })
+            .into_iter()
+            .for_each(|b| free.push(b));
+    }
+    let ctx = thread_ctx_switches().saturating_sub(ctx0);
+    let r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+    JobOut {
+        ios,
+        hist: r.hist.clone(),
+        errors: r.errors,
+        first_error: r.first_error.clone(),
+        ctx,
+    }
+}
+
+pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
+    let spec: DeviceSpec = cfg.device.parse()?;
+    let ov = QueueOverrides {
+        hw_queues: cfg.hw_queues,
+        queue_depth: cfg.queue_depth,
+        shared_tags: cfg.shared_tags.then_some(true),
+        wake: Some(cfg.wake),
+        policy: Some(cfg.policy),
+        read_only: false,
+        sched: Some(cfg.sched),
+        sched_lock: Some(cfg.sched_lock),
+    };
+    let q = spec
+        .build(&ov)
+        .with_context(|| format!("building device {}", cfg.device))?;
+    for p in q.pools() {
+        p.set_batch(cfg.batch_requests, cfg.batch_time);
+        p.set_max_in_flight(cfg.max_in_flight);
+    }
+    Ok(q)
+}
+
+pub(super) fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
+    let q = Arc::new(build_queue(cfg)?);
+    let cap = q.core().limits().capacity;
+    let region = cfg.size.unwrap_or(cap).min(cap);
+    if region < u64::from(cfg.bs) {
+        bail!(
+            "device region ({region} bytes) is smaller than one block ({})",
+            cfg.bs
+        );
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..cfg.jobs)
+        .map(|j| {
+            let (q, cfg, stop, done) = (q.clone(), cfg.clone(), stop.clone(), done.clone());
+            std::thread::Builder::new()
+                .name(format!("bench-job{j}"))
+                .spawn(move || run_job(q, cfg, j, region, stop, done))
+        })
+        .collect::<std::io::Result<_>>()?;
+    let mut last = (t0, 0u64);
+    while t0.elapsed() < cfg.runtime {
+        let left = cfg.runtime.saturating_sub(t0.elapsed());
+        std::thread::sleep(left.min(Duration::from_secs(1)));
+        if progress && cfg.runtime > Duration::from_secs(3) && t0.elapsed() < cfg.runtime {
+            let now = (Instant::now(), done.load(Ordering::Relaxed));
+            let rate = (now.1 - last.1) as f64 / (now.0 - last.0).as_secs_f64();
+            eprintln!(
+                "  [{:>4.1}s/{:.0}s] {:.0} IOPS",
+                t0.elapsed().as_secs_f64(),
+                cfg.runtime.as_secs_f64(),
+                rate
+            );
+            last = now;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut hist = LatHist::new();
+    let mut res = RunResult::default();
+    let mut first_error = None;
+    for h in handles {
+        let o = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("a bench job panicked"))?;
+        res.ios += o.ios;
+        res.errors += o.errors;
+        res.ctx_switches += o.ctx;
+        hist.merge(&o.hist);
+        first_error = first_error.or(o.first_error);
+    }
+    res.secs = t0.elapsed().as_secs_f64();
+    res.iops = res.ios as f64 / res.secs;
+    res.bw_bytes = res.iops * f64::from(cfg.bs);
+    res.lat = hist.summary();
+    let mut wait_sum = 0u64;
+    for p in q.pools() {
+        let w = p.wait_stats();
+        res.tag_wait_count += w.count;
+        wait_sum += w.mean_ns * w.count;
+        res.tag_wait_max_ns = res.tag_wait_max_ns.max(w.max_ns);
+        res.tag_wait_p99_ns = res.tag_wait_p99_ns.max(w.p99_ns);
+    }
+    res.tag_wait_mean_ns = wait_sum.checked_div(res.tag_wait_count).unwrap_or(0);
+    let ds = q.stats();
+    res.merges = ds.merges[0] + ds.merges[1];
+    if let Some(s) = q.scheduler() {
+        let ls = s.lock_stats();
+        res.lock_attempts = ls.attempts;
+        res.lock_contended = ls.contended;
+    }
+    if let Some(e) = first_error {
+        eprintln!("warning: {} I/O errors; first: {e}", res.errors);
+    }
+    Ok(res)
+}
+
+/// Writes a pattern over the region and reads it back.
+pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
+    let q = build_queue(cfg)?;
+    let cap = q.core().limits().capacity;
+    let region = cfg.size.unwrap_or(cap.min(1 << 30)).min(cap);
+    let bs = u64::from(cfg.bs);
+    let blocks = region / bs;
+    let pattern = |block: u64, i: usize| -> u8 {
+        (block.wrapping_mul(0x9e37_79b9).wrapping_add(i as u64 * 31) >> 3) as u8
+    };
+    struct Done(Mutex<Vec<(Bio, Option<String>)>>, WaitQueue);
+    impl EndIo for Done {
+        fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((bio, res.err().map(|e| e.to_string())));
+            self.1.wake_one();
+        }
+    }
+    let done = Arc::new(Done(Mutex::new(vec![]), WaitQueue::new()));
+    let end: Arc<dyn EndIo> = done.clone();
+    let mut bad = 0u64;
+    for op in [Op::Write, Op::Read] {
+        let mut next = 0u64;
+        let mut free: Vec<Bio> = (0..cfg.iodepth)
+            .map(|_| Bio::with_buf(op, 0, Buffer::new(cfg.bs as usize)))
+            .collect();
+        let mut in_flight = 0usize;
+        while next < blocks || in_flight > 0 {
+            while next < blocks {
+                let Some(mut bio) = free.pop() else { break };
+                bio.op = op;
+                bio.sector = (next * bs) >> blk::SECTOR_SHIFT;
+                bio.cookie = next;
+                if op == Op::Write {
+                    if let Some(b) = bio.buf.as_mut() {
+                        for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
+                            *x = pattern(next, i);
+                        }
+                    }
+                } else if let Some(b) = bio.buf.as_mut() {
+                    b.as_mut_slice().fill(0xAA);
+                }
+                q.submit(bio, &end);
+                in_flight += 1;
+                next += 1;
+            }
+            let got = done.1.wait_for(|| {
+                let mut v = done.0.lock().unwrap_or_else(|e| e.into_inner());
+                (!v.is_empty()).then(|| std::mem::take(&mut *v))
+            });
+            for (bio, err) in got {
+                in_flight -= 1;
+                if let Some(e) = err {
+                    bail!("{op:?} of block {} failed: {e}", bio.cookie);
+                }
+                if op == Op::Read {
+                    if let Some(b) = &bio.buf {
+                        if b.as_slice()
+                            .iter()
+                            .enumerate()
+                            .any(|(i, &x)| x != pattern(bio.cookie, i))
+                        {
+                            bad += 1;
+                        }
+                    }
+                }
+                free.push(bio);
+            }
+        }
+    }
+    if bad > 0 {
+        bail!("verify: {bad} of {blocks} blocks read back wrong");
+    }
+    eprintln!(
+        "verify: {blocks} blocks of {} bytes written and read back correctly",
+        cfg.bs
+    );
+    Ok(())
+}

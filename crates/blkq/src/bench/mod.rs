@@ -1,0 +1,134 @@
+//! `blkq bench`: an in-process fio. Jobs are threads; each keeps `iodepth` bios in flight
+//! against one queue built from a device spec, submitting under a plug and reaping whatever
+//! completed, until the runtime is over.
+//!
+//! This file is the sweep/repeat driver (`run`); the options, the job loop, the latency
+//! statistics and the output live in the files beside it.
+
+mod args;
+mod hist;
+mod job;
+mod report;
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use blk::sched::{LockMode, SchedChoice};
+use blk::PoolPolicy;
+use blk_drivers::spec::parse_size;
+use sbitmap::WakeAlgo;
+
+pub use args::BenchArgs;
+use args::{apply, list, RunCfg};
+use job::{run_once, verify};
+use report::{kfmt, mean_sd, policy_name, print_human, print_table, to_json, wake_name};
+
+/// Runs `blkq bench`.
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.iodepth == 0 || a.jobs == 0 || a.repeat == 0 || a.lat_sample == 0 {
+        bail!("--iodepth, --jobs, --repeat and --lat-sample must be at least 1");
+    }
+    let wakes: Vec<WakeAlgo> = list(&a.wake, "--wake")?;
+    let policies: Vec<PoolPolicy> = list(&a.policy, "--policy")?;
+    let scheds: Vec<SchedChoice> = list(&a.sched, "--sched")?;
+    let locks: Vec<LockMode> = list(&a.sched_lock, "--sched-lock")?;
+    // Rows of schedulers: `none` once, mq-deadline once per lock design.
+    let mut sched_rows: Vec<(SchedChoice, LockMode)> = vec![];
+    for &s in &scheds {
+        match s {
+            SchedChoice::None => sched_rows.push((s, locks[0])),
+            _ => sched_rows.extend(locks.iter().map(|&l| (s, l))),
+        }
+    }
+    let base = RunCfg {
+        device: a.device.clone(),
+        rw: a.rw.parse()?,
+        rwmixread: a.rwmixread.min(100),
+        bs: u32::try_from(parse_size(&a.bs)?).context("--bs too large")?,
+        iodepth: a.iodepth,
+        jobs: a.jobs,
+        runtime: Duration::from_secs_f64(a.runtime.max(0.1)),
+        hw_queues: a.hw_queues,
+        queue_depth: a.queue_depth,
+        shared_tags: a.shared_tags,
+        wake: wakes[0],
+        policy: policies[0],
+        sched: sched_rows[0].0,
+        sched_lock: sched_rows[0].1,
+        max_in_flight: a.max_in_flight,
+        batch_requests: a.batch_requests,
+        batch_time: Duration::from_micros(a.batch_time_us),
+        size: a.size.as_deref().map(parse_size).transpose()?,
+        lat_sample: a.lat_sample,
+    };
+    if a.verify {
+        return verify(&base);
+    }
+    let (sweep_key, sweep_vals): (Option<String>, Vec<String>) = match &a.sweep {
+        Some(s) => {
+            let (k, v) = s.split_once('=').context("--sweep expects key=v1,v2,...")?;
+            (
+                Some(k.to_string()),
+                v.split(',').map(str::to_string).collect(),
+            )
+        }
+        None => (None, vec![String::new()]),
+    };
+    // rows: (wake, policy, scheduler); columns: sweep values; cells: iops per repeat
+    let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    // the same rows, cells: contended scheduler-lock acquisitions per I/O
+    let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    let progress = !a.json && a.repeat == 1 && sweep_key.is_none();
+    for &w in &wakes {
+        for &p in &policies {
+            for &(sc, lk) in &sched_rows {
+                let mut row = vec![];
+                let mut crow = vec![];
+                for v in &sweep_vals {
+                    let mut cfg = base.clone();
+                    cfg.wake = w;
+                    cfg.policy = p;
+                    cfg.sched = sc;
+                    cfg.sched_lock = lk;
+                    if let Some(k) = &sweep_key {
+                        apply(&mut cfg, k, v)?;
+                    }
+                    let mut iops = vec![];
+                    let mut cont = vec![];
+                    for rep in 0..a.repeat {
+                        let r = run_once(&cfg, progress)?;
+                        if a.json {
+                            println!("{}", to_json(&cfg, &r, rep));
+                        } else if sweep_key.is_none() && a.repeat == 1 {
+                            print_human(&cfg, &r);
+                        }
+                        iops.push(r.iops);
+                        cont.push(r.contended_per_io());
+                    }
+                    row.push(mean_sd(&iops));
+                    crow.push(mean_sd(&cont));
+                }
+                let mut name = format!("{}/{}", wake_name(w), policy_name(p));
+                if sched_rows.len() > 1 || sc != SchedChoice::None {
+                    name = match sc {
+                        SchedChoice::None => format!("{name}/none"),
+                        _ => format!("{name}/{}/{}", sc.name(), lk.name()),
+                    };
+                }
+                if sc != SchedChoice::None {
+                    contention.push((name.clone(), crow));
+                }
+                table.push((name, row));
+            }
+        }
+    }
+    if !a.json && (sweep_key.is_some() || a.repeat > 1 || table.len() > 1) {
+        let key = sweep_key.as_deref().unwrap_or("-");
+        print_table(key, &sweep_vals, &table, &kfmt);
+        if !contention.is_empty() {
+            println!("\ncontended scheduler-lock acquisitions per I/O (mean (sd)):");
+            print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! The `Mutex` + `Condvar` baselines the criterion benches (waitq's, sbitmap's) measure
+//! against, and the criterion configuration they share.
+
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+use criterion::Criterion;
+
+/// The criterion configuration of the workspace's benches: short, for a shared machine.
+pub fn criterion_config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(20)
+}
+
+/// A completion on `Mutex<bool>` + `Condvar`, the textbook way. `wait` consumes the flag;
+/// every bench waits once per `complete`, so a flag is enough.
+#[derive(Debug, Default)]
+pub struct CondvarCompletion {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl CondvarCompletion {
+    /// Sets the flag and wakes one waiter.
+    pub fn complete(&self) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.cv.notify_one();
+    }
+
+    /// Waits for the flag and consumes it.
+    pub fn wait(&self) {
+        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        while !*done {
+            done = self.cv.wait(done).unwrap_or_else(|e| e.into_inner());
+        }
+        *done = false;
+    }
+}
+
+/// The textbook free list of tags behind a `Mutex` (never sleeps: taking from an empty pool
+/// panics).
+#[derive(Debug)]
+pub struct MutexPool(Mutex<Vec<u32>>);
+
+impl MutexPool {
+    /// A pool of the tags `0..depth`.
+    pub fn new(depth: u32) -> Self {
+        Self(Mutex::new((0..depth).collect()))
+    }
+
+    /// Takes a tag; panics if none is free.
+    #[inline]
+    pub fn take(&self) -> u32 {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .expect("a free tag")
+    }
+
+    /// Returns a tag.
+    #[inline]
+    pub fn give(&self, tag: u32) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(tag);
+    }
+}
+
+/// A sleeping tag pool on `Mutex` + `Condvar`.
+#[derive(Debug)]
+pub struct CondvarPool {
+    free: Mutex<Vec<u32>>,
+    cv: Condvar,
+}
+
+impl CondvarPool {
+    /// A pool of the tags `0..depth`.
+    pub fn new(depth: u32) -> Self {
+        Self {
+            free: Mutex::new((0..depth).collect()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Takes a tag, sleeping until one is free; calls `on_wait` before each sleep.
+    pub fn take(&self, mut on_wait: impl FnMut()) -> u32 {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(t) = free.pop() {
+                return t;
+            }
+            on_wait();
+            free = self.cv.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Returns a tag and wakes one sleeper.
+    pub fn give(&self, tag: u32) {
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(tag);
+        self.cv.notify_one();
+    }
+
+    /// Wakes every sleeper (they re-check and sleep again if need be).
+    pub fn wake_all(&self) {
+        self.cv.notify_all();
+    }
+}
