@@ -3,7 +3,7 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use blkq_sync::Mutex;
 

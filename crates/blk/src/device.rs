@@ -3,7 +3,7 @@
 //! ([`Scheduler`]). The queue ([`crate::queue`]) sits between them; the drivers themselves live
 //! in the `blk-drivers` crate.
 
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
 use crate::queue::{QueueCore, Request, RequestToken};

@@ -40,7 +40,7 @@
 
 use std::fmt;
 
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use blkq_sync::{CachePadded, UnsafeCell};
 use sbitmap::WakeAlgo;

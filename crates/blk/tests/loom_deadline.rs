@@ -244,7 +244,7 @@ fn loom_deadline_in_a_queue() {
         let rec = Rec(Arc::new(Mutex::new(Vec::new())));
         let mut cfg = QueueConfig::new(1 << 20);
         cfg.queue_depth = 2;
-        let q = std::sync::Arc::new(
+        let q = blkq_sync::DynArc::new(
             Queue::with_scheduler(
                 cfg,
                 Box::new(rec.clone()),
@@ -252,7 +252,7 @@ fn loom_deadline_in_a_queue() {
             )
             .unwrap(),
         );
-        let end: std::sync::Arc<dyn EndIo> = std::sync::Arc::new(Nop);
+        let end: blkq_sync::DynArc<dyn EndIo> = blkq_sync::DynArc::new(Nop);
         let h = {
             let (q, end) = (q.clone(), end.clone());
             thread::spawn(move || q.submit(Bio::new(Op::Read, 8, 512), &end))

@@ -1,5 +1,8 @@
 //! A `RequestToken` belongs to one queue: using it on another is refused (a debug assertion),
 //! and its request's identity (tag, pool) is read-only to drivers.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
 use std::sync::{Arc, Mutex};
 

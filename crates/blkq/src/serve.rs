@@ -6,10 +6,10 @@
 //! graceful shutdown (stop accepting, finish in-flight requests, flush the devices, remove the
 //! socket, exit 0); a second one exits at once with status 130.
 
+use blkq_sync::DynArc as Arc;
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use blk::{Device, PoolPolicy, Queue};

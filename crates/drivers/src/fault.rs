@@ -18,7 +18,7 @@
 //! - counters of what it saw and did ([`FaultHandle::counters`]).
 //!
 //! ```no_run
-//! use std::sync::Arc;
+//! use blkq_sync::DynArc as Arc;
 //! use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
 //! use blk::Device;
 //! # fn inner() -> Arc<dyn Device> { unimplemented!() }
@@ -80,8 +80,8 @@
 //! submitted. Writes the inner device failed keep their entry (their outcome is undefined, and
 //! the roll back restores the old data). A discard is modelled as zeroing for FUA patches.
 
+use blkq_sync::DynArc as Arc;
 use std::fmt;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkq_sync::stat::{Ordering, StatU64};

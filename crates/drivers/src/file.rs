@@ -120,7 +120,7 @@ struct Shared {
 /// What the completion callback holds: the queue (filled in [`Driver::start`]) and the
 /// submission side.
 struct Completer {
-    core: OnceLock<std::sync::Arc<QueueCore>>,
+    core: OnceLock<blkq_sync::DynArc<QueueCore>>,
     shared: Arc<Shared>,
 }
 
@@ -378,7 +378,7 @@ impl FileDriver {
 }
 
 impl Driver for FileDriver {
-    fn start(&self, q: &std::sync::Arc<QueueCore>) {
+    fn start(&self, q: &blkq_sync::DynArc<QueueCore>) {
         if let Mode::Async(a) = &self.mode {
             if let Some(c) = a.completer.lock().take() {
                 let _ = c.core.set(q.clone());

@@ -2,7 +2,7 @@
 //! (`mem:` devices; `file:` devices with `engine=sync` do the same in
 //! [`crate::FileDriver`]).
 
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::thread::{self, JoinHandle};
+use blkq_sync::DynArc as Arc;
 use blkq_sync::Mutex;
-use std::sync::Arc;
 
 use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 

@@ -18,8 +18,8 @@
 use std::path::PathBuf;
 use std::str::FromStr;
 
+use blkq_sync::DynArc as Arc;
 use sbitmap::WakeAlgo;
-use std::sync::Arc;
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
 use blk::{Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};

@@ -1,5 +1,8 @@
 //! `MemBackend`: data round trips, holes, discard / write-zeroes semantics, allocation maps,
 //! concurrency, and a randomized comparison against a flat `Vec<u8>` model.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use blk_drivers::backend::{Backend, Extent, MemBackend};

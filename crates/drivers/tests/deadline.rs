@@ -1,6 +1,9 @@
 //! mq-deadline with a manual clock: deadline order once requests expire, no write starvation
 //! past `writes_starved`, batches of `fifo_batch`, priority classes and aging, merges (sectors,
 //! data and status of every merged bio), and both lock designs under threads.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::sync::atomic::{AtomicUsize, Ordering};

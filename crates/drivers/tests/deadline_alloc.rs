@@ -1,6 +1,9 @@
 //! mq-deadline allocates nothing per I/O in the steady state, in both lock designs, with
 //! merges, and with threads contending (so that `serialized` punts to its buckets): a counting
 //! global allocator watches a window of I/O after a warm-up.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::alloc::{GlobalAlloc, Layout, System};

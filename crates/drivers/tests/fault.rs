@@ -1,6 +1,9 @@
 //! The fault-injection device over a `mem` device: every rule kind, seeded determinism, the
 //! crash model (exactly the unflushed writes are lost), stalls, and no panic on any config.
 //! Deterministic: no timing assertions.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::sync::{Arc, Mutex};

@@ -2,6 +2,9 @@
 //! kernel and container allow it), the thread pool, and synchronous. Data round trips from
 //! several threads with many bios in flight, FUA, flush, discard and write-zeroes, errors
 //! (out of range, read-only, end of file), and the spec options.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,8 @@
 //! Property tests: encode -> decode round trips for random messages, and decoders fed random
 //! bytes never panic.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use nbd_proto::handshake::{

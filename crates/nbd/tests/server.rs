@@ -1,4 +1,7 @@
 //! The NBD server, in-process on a temporary Unix socket, driven by `nbd::client`.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::io::{Read, Write};

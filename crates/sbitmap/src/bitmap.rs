@@ -584,9 +584,9 @@ mod tests {
     #[test]
     fn threads_never_share_a_tag() {
         use blkq_sync::atomic::AtomicBool as StdBool;
-        let sb = std::sync::Arc::new(Sbitmap::new(32, None, false).unwrap());
-        let owned: std::sync::Arc<Vec<StdBool>> =
-            std::sync::Arc::new((0..32).map(|_| StdBool::new(false)).collect());
+        let sb = blkq_sync::DynArc::new(Sbitmap::new(32, None, false).unwrap());
+        let owned: blkq_sync::DynArc<Vec<StdBool>> =
+            blkq_sync::DynArc::new((0..32).map(|_| StdBool::new(false)).collect());
         let hs: Vec<_> = (0..4)
             .map(|_| {
                 let (sb, owned) = (sb.clone(), owned.clone());

@@ -7,6 +7,9 @@
 //! free tag it was allowed to take (deferred clears are folded on demand, so a free tag is
 //! always found). Frees of tags not owned (never allocated, already freed, out of range) are
 //! refused and change nothing.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::collections::BTreeSet;

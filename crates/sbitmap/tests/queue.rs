@@ -1,6 +1,9 @@
 //! SbitmapQueue: deterministic tests of the wake-up algorithms, including a free nested inside
 //! another free's wake-up path (the failure case that counter-based batched wake-ups fix),
 //! the pass-on rule for async waiters, and a threaded stress test.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::future::Future;

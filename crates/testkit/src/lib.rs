@@ -13,6 +13,7 @@
 //! primitives, so this crate uses `std::sync` (`Mutex`, `Condvar`) directly rather than the
 //! `blkq-sync` facade: these helpers never run inside a loom model, and loom's types would
 //! panic outside one.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)] // test support, never inside a loom model (crate docs)
 #![warn(missing_docs)]
 
 #[cfg(not(blkq_loom))]

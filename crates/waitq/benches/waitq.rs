@@ -9,6 +9,9 @@
 //!
 //! Everything is behind `cfg(not(blkq_loom))`: under loom the facade's types only work inside
 //! a loom model.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
 #[cfg(not(blkq_loom))]
 mod benches {

@@ -3,6 +3,9 @@
 //! Every blocking step is bounded: threads under test report back over an `mpsc` channel that
 //! the test reads with `recv_timeout`, and "wait until k waiters are queued" polls with a
 //! deadline. A lost wake-up therefore fails a test instead of hanging it.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::future::Future;

@@ -2,7 +2,7 @@
 //! `iodepth` bios in flight), gathering one run's results, and the verify pass.
 
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use blkq_sync::{DynArc as Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -62,7 +62,7 @@ impl EndIo for JobEnd {
         let lat = (bio.cookie != 0)
             .then(|| (self.base.elapsed().as_nanos() as u64).saturating_sub(bio.cookie - 1));
         {
-            let mut r = self.ret.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self.ret.lock();
             if let Err(e) = res {
                 r.errors += 1;
                 if r.first_error.is_none() {
@@ -188,7 +188,7 @@ pub(super) fn run_job(
         // Reap: whatever has completed; sleep only when nothing has.
         loop {
             let got = {
-                let mut r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                let mut r = end.ret.lock();
                 std::mem::swap(&mut r.bios, &mut free);
                 free.len()
             };
@@ -198,7 +198,7 @@ pub(super) fn run_job(
                 break;
             }
             end.wq.wait_for(|| {
-                let r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                let r = end.ret.lock();
                 (!r.bios.is_empty()).then_some(())
             });
         }
@@ -207,14 +207,14 @@ pub(super) fn run_job(
     while free.len() < cfg.iodepth {
         end.wq
             .wait_for(|| {
-                let mut r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+                let mut r = end.ret.lock();
                 (!r.bios.is_empty()).then(|| std::mem::take(&mut r.bios))
             })
             .into_iter()
             .for_each(|b| free.push(b));
     }
     let ctx = thread_ctx_switches().saturating_sub(ctx0);
-    let r = end.ret.lock().unwrap_or_else(|e| e.into_inner());
+    let r = end.ret.lock();
     JobOut {
         ios,
         hist: r.hist.clone(),
@@ -336,10 +336,7 @@ pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
     struct Done(Mutex<Vec<(Bio, Option<String>)>>, WaitQueue);
     impl EndIo for Done {
         fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
-            self.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((bio, res.err().map(|e| e.to_string())));
+            self.0.lock().push((bio, res.err().map(|e| e.to_string())));
             self.1.wake_one();
         }
     }
@@ -372,7 +369,7 @@ pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
                 next += 1;
             }
             let got = done.1.wait_for(|| {
-                let mut v = done.0.lock().unwrap_or_else(|e| e.into_inner());
+                let mut v = done.0.lock();
                 (!v.is_empty()).then(|| std::mem::take(&mut *v))
             });
             for (bio, err) in got {

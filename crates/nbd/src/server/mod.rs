@@ -31,7 +31,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, Device, EndIo, Op};

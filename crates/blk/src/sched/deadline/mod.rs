@@ -86,7 +86,7 @@
 //! a bucket get their deadline when drained, at most one owner's round after they were punted.
 //! Completion counters are sharded atomics, outside the lock.
 
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use super::lock::{LockMode, LockStats, SchedLock};
 use super::{Clock, MonotonicClock};

@@ -48,7 +48,7 @@ use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
-use std::sync::Arc;
+use blkq_sync::DynArc as Arc;
 
 use blk::{Bio, EndIo};
 use blkq_sync::atomic::{AtomicBool, Ordering};
