@@ -32,7 +32,8 @@
 //! every access.
 //!
 //! The gate is a *targeted* hand-off: each freed tag goes to one chosen thread, with the tag as
-//! payload. That is why it keeps its own queue and wakes through its `HandedOff` list rather than a
+//! payload. That is why it keeps its own queue of waiters and wakes the chosen threads through a
+//! `waitq::WakeList` (the wait queue's own bounded on-stack list, woken outside the lock) rather than a
 //! `waitq::WaitQueue`, whose wake-ups go to its own oldest entries and carry nothing; the
 //! sleep itself is the wait queue protocol's shape (publish, fence, re-check, park, re-check).
 
@@ -43,6 +44,7 @@ use blkq_sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use blkq_sync::thread::{self, Thread, ThreadId};
 use blkq_sync::Mutex;
 use sbitmap::{SbitmapQueue, WakeAlgo};
+use waitq::WakeList;
 
 use crate::stats::{WaitSnapshot, WaitStats};
 use crate::Error;
@@ -103,12 +105,11 @@ struct GateWaiter {
 // queued, and the waiter cannot return (and free its stack cell) before it reads a tag from it.
 unsafe impl Send for GateWaiter {}
 
-/// Threads handed a tag, to unpark after the gate lock is dropped (the gate's wake list:
-/// on the stack, bounded, so a refill allocates nothing).
-#[derive(Default)]
+/// Threads handed a tag, to wake after the gate lock is dropped: the wait queue's bounded
+/// on-stack [`WakeList`] (so a refill allocates nothing), and whether more waiters and tags may
+/// remain once it is woken (the list was full).
 struct HandedOff {
-    threads: [Option<Thread>; 16],
-    n: usize,
+    threads: WakeList,
     more: bool,
 }
 
@@ -387,8 +388,11 @@ impl TagPool {
     /// Hands free tags to the oldest waiters, with the gate lock held; returns whom to
     /// unpark once the lock is dropped (wake outside the lock), and whether more may be due.
     fn refill_locked(&self, q: &mut VecDeque<GateWaiter>) -> HandedOff {
-        let mut h = HandedOff::default();
-        while !q.is_empty() && h.n < h.threads.len() {
+        let mut h = HandedOff {
+            threads: WakeList::new(),
+            more: false,
+        };
+        while !q.is_empty() && !h.threads.is_full() {
             if q.is_empty() {
                 break;
             }
@@ -401,20 +405,15 @@ impl TagPool {
             // SAFETY: `w` was queued until the line above, so its owner is still parked in
             // `get_gate` and its hand-off cell is alive; this store is our last access to it.
             unsafe { (*w.handoff).store(t, Ordering::Release) };
-            h.threads[h.n] = Some(w.thread);
-            h.n += 1;
+            h.threads.push_thread(w.thread);
         }
-        h.more = h.n == h.threads.len() && !q.is_empty();
+        h.more = h.threads.is_full() && !q.is_empty();
         self.waiting.store(q.len(), Ordering::Relaxed);
         h
     }
 
     fn unpark_all(&self, mut h: HandedOff) {
-        for t in h.threads.iter_mut().take(h.n) {
-            if let Some(t) = t.take() {
-                t.unpark();
-            }
-        }
+        h.threads.wake();
         if h.more {
             self.refill();
         }

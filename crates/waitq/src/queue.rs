@@ -122,28 +122,79 @@ struct Inner {
     waiters: VecDeque<Entry>,
 }
 
-/// A bounded on-stack list of targets to wake once the lock is dropped.
-struct WakeList {
+/// A bounded on-stack list of threads and tasks to wake once a lock is dropped: *wake outside
+/// the lock*. A waker collects its targets under its lock (never allocating: the list holds at
+/// most [`WAKE_LIST_CAP`]), drops the lock, then calls [`WakeList::wake_all`]. The wait queue
+/// uses it for its own wake-ups; a structure that must choose its own targets (the tag pool's
+/// FIFO hand-off gate, which hands each freed tag to one chosen thread) pushes them with
+/// [`WakeList::push_thread`] / [`WakeList::push_task`].
+pub struct WakeList {
     items: [Option<(Target, Option<Arc<AtomicU64>>)>; WAKE_LIST_CAP],
     len: usize,
 }
 
+impl Default for WakeList {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for WakeList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WakeList").field("len", &self.len).finish()
+    }
+}
+
 impl WakeList {
-    fn new() -> Self {
+    /// An empty list.
+    pub fn new() -> Self {
         Self {
             items: std::array::from_fn(|_| None),
             len: 0,
         }
     }
 
-    fn is_full(&self) -> bool {
+    /// Whether the list holds [`WAKE_LIST_CAP`] targets (push no more: wake these, then go on).
+    pub fn is_full(&self) -> bool {
         self.len == WAKE_LIST_CAP
     }
 
-    fn push(&mut self, e: Entry) {
-        debug_assert!(!self.is_full());
-        self.items[self.len] = Some((e.target, e.stamp));
+    /// How many targets the list holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push_target(&mut self, target: Target, stamp: Option<Arc<AtomicU64>>) {
+        assert!(
+            !self.is_full(),
+            "WakeList is full: wake it before pushing more"
+        );
+        self.items[self.len] = Some((target, stamp));
         self.len += 1;
+    }
+
+    fn push(&mut self, e: Entry) {
+        self.push_target(e.target, e.stamp);
+    }
+
+    /// Adds a thread to unpark. Panics if the list is full (check [`WakeList::is_full`]).
+    pub fn push_thread(&mut self, t: Thread) {
+        self.push_target(Target::Thread(t), None);
+    }
+
+    /// Adds a task to wake. Panics if the list is full (check [`WakeList::is_full`]).
+    pub fn push_task(&mut self, w: Waker) {
+        self.push_target(Target::Task(w), None);
+    }
+
+    /// Wakes every target (call it with no lock held) and empties the list.
+    pub fn wake(&mut self) {
+        self.wake_all(None);
     }
 
     fn wake_all(&mut self, hist: Option<&LatencyHistogram>) {
