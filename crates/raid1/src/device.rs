@@ -23,10 +23,10 @@ use crate::superblock::{
 };
 
 /// Leg state bits.
-const PRESENT: u32 = 1;
-const IN_SYNC: u32 = 2;
-const FAULTY: u32 = 4;
-const WRITE_MOSTLY: u32 = 8;
+pub(crate) const PRESENT: u32 = 1;
+pub(crate) const IN_SYNC: u32 = 2;
+pub(crate) const FAULTY: u32 = 4;
+pub(crate) const WRITE_MOSTLY: u32 = 8;
 
 /// Errors building or managing a [`Raid1`].
 #[derive(Debug, thiserror::Error)]
@@ -154,16 +154,16 @@ pub struct LegStatus {
     pub read_errors: u32,
 }
 
-struct Leg {
-    dev: Mutex<Option<StdArc<dyn Device>>>,
-    uuid: Mutex<Uuid>,
-    state: AtomicU32,
+pub(crate) struct Leg {
+    pub(crate) dev: Mutex<Option<StdArc<dyn Device>>>,
+    pub(crate) uuid: Mutex<Uuid>,
+    pub(crate) state: AtomicU32,
     /// Requests in flight (read balancing hint).
-    pending: AtomicUsize,
+    pub(crate) pending: AtomicUsize,
     /// End sector of the last read sent here (sequential-stream detection).
-    head: AtomicU64,
-    read_errors: AtomicU32,
-    recovery_offset: AtomicU64,
+    pub(crate) head: AtomicU64,
+    pub(crate) read_errors: AtomicU32,
+    pub(crate) recovery_offset: AtomicU64,
 }
 
 impl Leg {
@@ -185,7 +185,7 @@ impl Leg {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-enum Kind {
+pub(crate) enum Kind {
     #[default]
     Free,
     Read,
@@ -195,7 +195,7 @@ enum Kind {
 
 /// Per-I/O state, preallocated (md's r1bio).
 #[derive(Default)]
-struct Io {
+pub(crate) struct Io {
     kind: Kind,
     orig: Option<Bio>,
     end: Option<StdArc<dyn EndIo>>,
@@ -245,44 +245,48 @@ struct Launch {
     cfg: Raid1Config,
 }
 
-struct ArrayMeta {
+pub(crate) struct ArrayMeta {
     array_uuid: Uuid,
     events: u64,
     state: ArrayState,
 }
 
-struct Inner {
-    cfg: Raid1Config,
-    legs: Box<[Leg]>,
-    ends: Box<[StdArc<dyn EndIo>]>,
-    data_offset: u64,
-    capacity: u64,
-    logical_block_size: u32,
-    max_io: u32,
-    barriers: Barriers,
-    bitmap: Option<WriteIntentBitmap>,
+pub(crate) struct Inner {
+    pub(crate) cfg: Raid1Config,
+    pub(crate) legs: Box<[Leg]>,
+    pub(crate) ends: Box<[StdArc<dyn EndIo>]>,
+    pub(crate) data_offset: u64,
+    pub(crate) capacity: u64,
+    pub(crate) logical_block_size: u32,
+    pub(crate) max_io: u32,
+    pub(crate) barriers: Barriers,
+    pub(crate) bitmap: Option<WriteIntentBitmap>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
-    persist: Mutex<()>,
-    ios: Box<[Mutex<Io>]>,
-    free: Mutex<Vec<u32>>,
-    free_wq: WaitQueue,
-    retry: Mutex<VecDeque<u32>>,
-    daemon_wq: WaitQueue,
-    stop: AtomicBool,
-    sb_dirty: AtomicBool,
-    meta: Mutex<ArrayMeta>,
-    fail_lock: Mutex<()>,
+    pub(crate) persist: Mutex<()>,
+    pub(crate) ios: Box<[Mutex<Io>]>,
+    pub(crate) free: Mutex<Vec<u32>>,
+    pub(crate) free_wq: WaitQueue,
+    pub(crate) retry: Mutex<VecDeque<u32>>,
+    pub(crate) daemon_wq: WaitQueue,
+    pub(crate) stop: AtomicBool,
+    pub(crate) sb_dirty: AtomicBool,
+    pub(crate) meta: Mutex<ArrayMeta>,
+    pub(crate) fail_lock: Mutex<()>,
     /// Array byte offset up to which a running resync has made the legs agree (u64::MAX: no
     /// resync running).
-    resync_point: AtomicU64,
-    pool: BufferPool,
-    origin: Instant,
+    pub(crate) resync_point: AtomicU64,
+    pub(crate) pool: BufferPool,
+    pub(crate) origin: Instant,
+    /// The sync thread's state (see `sync`).
+    pub(crate) sync: crate::sync::SyncState,
 }
 
 /// A RAID1 array over two or more legs. See the crate docs.
 pub struct Raid1 {
-    inner: StdArc<Inner>,
+    pub(crate) inner: StdArc<Inner>,
     daemon: Option<thread::JoinHandle<()>>,
+    #[allow(dead_code)] // joined in Drop once the engine lands
+    pub(crate) syncer: Option<thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Raid1 {
@@ -312,7 +316,7 @@ impl EndIo for SyncEnd {
 }
 
 /// Submits `bio` to `dev` and waits for it (allocates: slow paths only).
-fn sync_io(dev: &dyn Device, bio: Bio) -> (Option<Bio>, Result<(), Error>) {
+pub(crate) fn sync_io(dev: &dyn Device, bio: Bio) -> (Option<Bio>, Result<(), Error>) {
     let se = StdArc::new(SyncEnd {
         done: Completion::new(),
         out: Mutex::new(None),
@@ -563,6 +567,7 @@ impl Raid1 {
             resync_point: AtomicU64::new(u64::MAX),
             pool,
             origin: Instant::now(),
+            sync: crate::sync::SyncState::new(),
             cfg,
         });
         for p in a.placed {
@@ -585,6 +590,7 @@ impl Raid1 {
         Ok(Self {
             inner,
             daemon: Some(daemon),
+            syncer: None,
         })
     }
 

@@ -59,7 +59,9 @@ pub mod barrier;
 pub mod bitmap;
 mod device;
 pub mod superblock;
+pub mod sync;
 
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{ChunkSet, WriteIntentBitmap};
 pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};
+pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

