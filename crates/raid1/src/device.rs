@@ -52,6 +52,9 @@ pub enum Raid1Error {
     /// No such slot, or the slot is in the wrong state for the operation.
     #[error("slot {0}: {1}")]
     Slot(usize, &'static str),
+    /// The sync thread cannot take the request now.
+    #[error("sync busy: {0}")]
+    Busy(&'static str),
 }
 
 /// Configuration of a [`Raid1`].
@@ -164,10 +167,12 @@ pub(crate) struct Leg {
     pub(crate) head: AtomicU64,
     pub(crate) read_errors: AtomicU32,
     pub(crate) recovery_offset: AtomicU64,
+    /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
+    pub(crate) bitmap_recovery: AtomicBool,
 }
 
 impl Leg {
-    fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         Self {
             dev: Mutex::new(None),
             uuid: Mutex::new(Uuid::nil()),
@@ -176,10 +181,11 @@ impl Leg {
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
             recovery_offset: AtomicU64::new(0),
+            bitmap_recovery: AtomicBool::new(false),
         }
     }
 
-    fn dev(&self) -> Option<StdArc<dyn Device>> {
+    pub(crate) fn dev(&self) -> Option<StdArc<dyn Device>> {
         self.dev.lock().clone()
     }
 }
@@ -223,16 +229,21 @@ impl EndIo for LegEnd {
 }
 
 /// A leg placed in a slot at start-up.
-struct Placed {
+pub(crate) struct Placed {
     slot: usize,
     dev: StdArc<dyn Device>,
     uuid: Uuid,
     state: u32,
     recovery_offset: u64,
+    /// Its own superblock's `events` and in-sync flag (a stale leg that was in sync may get
+    /// a bitmap recovery).
+    sb_events: u64,
+    was_in_sync: bool,
+    readd: bool,
 }
 
 /// What `launch` needs.
-struct Launch {
+pub(crate) struct Launch {
     nr_slots: usize,
     placed: Vec<Placed>,
     array_uuid: Uuid,
@@ -243,12 +254,14 @@ struct Launch {
     max_io: u32,
     bitmap: Option<WriteIntentBitmap>,
     cfg: Raid1Config,
+    /// The array was not stopped cleanly: resync.
+    resync: bool,
 }
 
 pub(crate) struct ArrayMeta {
-    array_uuid: Uuid,
-    events: u64,
-    state: ArrayState,
+    pub(crate) array_uuid: Uuid,
+    pub(crate) events: u64,
+    pub(crate) state: ArrayState,
 }
 
 pub(crate) struct Inner {
@@ -285,8 +298,9 @@ pub(crate) struct Inner {
 pub struct Raid1 {
     pub(crate) inner: StdArc<Inner>,
     daemon: Option<thread::JoinHandle<()>>,
-    #[allow(dead_code)] // joined in Drop once the engine lands
     pub(crate) syncer: Option<thread::JoinHandle<()>>,
+    /// `crash_for_test`: stop without writing clean superblocks.
+    crashed: bool,
 }
 
 impl std::fmt::Debug for Raid1 {
@@ -381,6 +395,9 @@ impl Raid1 {
                 uuid: sbs[i].leg_uuid,
                 state: PRESENT | IN_SYNC,
                 recovery_offset: 0,
+                sb_events: 1,
+                was_in_sync: true,
+                readd: false,
             })
             .collect();
         Self::launch(Launch {
@@ -394,6 +411,7 @@ impl Raid1 {
             max_io,
             bitmap,
             cfg,
+            resync: false,
         })
     }
 
@@ -481,6 +499,9 @@ impl Raid1 {
                 } else {
                     0
                 },
+                sb_events: sb.events,
+                was_in_sync: sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty),
+                readd: false,
             });
         }
         if !placed
@@ -515,6 +536,16 @@ impl Raid1 {
                     end: bm.nr_chunks(),
                 });
             }
+            // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
+            // recovery (md's re-add); any other recovering leg recovers fully.
+            let cleared = bm.events_cleared();
+            for p in placed.iter_mut() {
+                p.readd = loaded
+                    && p.state & (IN_SYNC | FAULTY) == 0
+                    && p.recovery_offset == 0
+                    && p.was_in_sync
+                    && p.sb_events >= cleared;
+            }
             Some(bm)
         };
         Self::launch(Launch {
@@ -528,10 +559,11 @@ impl Raid1 {
             max_io,
             bitmap,
             cfg,
+            resync: newest.array_state != ArrayState::Clean,
         })
     }
 
-    fn launch(a: Launch) -> Result<Self, Raid1Error> {
+    pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
         let cfg = a.cfg;
         let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
@@ -576,21 +608,28 @@ impl Raid1 {
             *l.uuid.lock() = p.uuid;
             l.recovery_offset
                 .store(p.recovery_offset, Ordering::Release);
+            l.bitmap_recovery.store(p.readd, Ordering::Release);
             l.state.store(p.state, Ordering::Release);
         }
         if let Some(bm) = &inner.bitmap {
             bm.set_degraded(inner.is_degraded());
         }
+        inner.sync.ctl.lock().resync_needed = a.resync;
         inner.write_superblocks()?;
         inner.persist_bitmap()?;
         let daemon = {
             let inner = inner.clone();
             thread::spawn(move || inner.daemon())
         };
+        let syncer = {
+            let inner = inner.clone();
+            thread::spawn(move || inner.sync_thread())
+        };
         Ok(Self {
             inner,
             daemon: Some(daemon),
-            syncer: None,
+            syncer: Some(syncer),
+            crashed: false,
         })
     }
 
@@ -675,29 +714,66 @@ impl Raid1 {
     }
 
     /// Puts `dev` into an empty slot as a recovering leg (recovery offset 0: written, not
-    /// read); a resync thread copies the data and then calls [`Raid1::set_recovery_offset`]
-    /// and finally [`Raid1::set_in_sync`]. Returns the slot. Writes its superblock and bitmap.
+    /// read) and wakes the sync thread, which recovers it. Returns the slot. Writes its
+    /// superblock and bitmap.
+    ///
+    /// A re-add (md's `--re-add`): when `dev`'s own superblock says it held slot `n` of this
+    /// array, slot `n` is empty and still names it, it was in sync when it left, and the
+    /// bitmap's `events_cleared` is not past its events, it goes back into slot `n` and
+    /// recovers only the bitmap's dirty chunks. Any other leg gets a fresh UUID and a full
+    /// recovery.
     pub fn add_leg(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
         let inner = &self.inner;
         if dev.limits().capacity < inner.data_offset + inner.capacity {
             return Err(Raid1Error::Config("new leg is too small".into()));
         }
+        let old_sb = {
+            let b = Bio::with_buf(
+                Op::Read,
+                SB_OFFSET >> SECTOR_SHIFT,
+                Buffer::new(crate::superblock::SB_SIZE),
+            );
+            match sync_io(dev.as_ref(), b) {
+                (Some(back), Ok(())) => back
+                    .buf
+                    .and_then(|buf| Superblock::decode(buf.as_slice()).ok()),
+                _ => None,
+            }
+        };
+        let array_uuid = inner.meta.lock().array_uuid;
+        let readd_slot = old_sb.as_ref().and_then(|sb| {
+            let bm = inner.bitmap.as_ref()?;
+            let Role::Slot(n) = sb.role else { return None };
+            let n = n as usize;
+            let l = inner.legs.get(n)?;
+            let ok = sb.array_uuid == array_uuid
+                && *l.uuid.lock() == sb.leg_uuid
+                && sb.legs.get(n).is_some_and(|i| i.in_sync && !i.faulty)
+                && sb.events >= bm.events_cleared();
+            ok.then_some(n)
+        });
         inner.barriers.freeze_array(0);
-        let slot = inner
-            .legs
-            .iter()
-            .position(|l| l.state.load(Ordering::Acquire) & PRESENT == 0);
+        let free = |i: usize| inner.legs[i].state.load(Ordering::Acquire) & PRESENT == 0;
+        let (slot, readd) = match readd_slot.filter(|&n| free(n)) {
+            Some(n) => (Some(n), true),
+            None => ((0..inner.legs.len()).find(|&i| free(i)), false),
+        };
         if let Some(i) = slot {
             let l = &inner.legs[i];
             *l.dev.lock() = Some(dev);
-            *l.uuid.lock() = Uuid::new_v4();
+            if !readd {
+                *l.uuid.lock() = Uuid::new_v4();
+            }
             l.recovery_offset.store(0, Ordering::Release);
+            l.bitmap_recovery.store(readd, Ordering::Release);
             l.read_errors.store(0, Ordering::Relaxed);
             l.head.store(u64::MAX, Ordering::Relaxed);
             l.state.store(PRESENT, Ordering::Release);
         }
         let _ = inner.barriers.unfreeze_array();
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
+        inner.sync.ctl.lock().recovery_blocked = false;
+        inner.state_changed();
         inner.write_superblocks()?;
         inner.persist_bitmap()?;
         Ok(i)
@@ -767,8 +843,20 @@ impl Raid1 {
     }
 }
 
+impl Raid1 {
+    /// For tests: stops the array like a crash (power cut after the last completed I/O):
+    /// in-flight I/O drains and the threads stop, but the superblocks are not marked clean,
+    /// so the next [`Raid1::assemble`] resyncs.
+    pub fn crash_for_test(mut self) {
+        self.crashed = true;
+    }
+}
+
 impl Drop for Raid1 {
     fn drop(&mut self) {
+        // The sync thread first: it may hold a raised window, which a freeze would wait for,
+        // and it waits for the freeze to end before raising another.
+        self.stop_sync_thread();
         // Drain: wait for in-flight I/O (queued retries are finished by raid1d on its way
         // out), then stop the thread.
         self.inner.barriers.freeze_array(0);
@@ -778,7 +866,16 @@ impl Drop for Raid1 {
             let _ = t.join();
         }
         let _ = self.inner.barriers.unfreeze_array();
-        let _ = self.inner.write_superblocks_state(ArrayState::Clean);
+        if !self.crashed {
+            // md marks the array clean only when no resync is left to do.
+            let resync_left = self.inner.sync.ctl.lock().resync_needed;
+            let state = if resync_left {
+                ArrayState::Active
+            } else {
+                ArrayState::Clean
+            };
+            let _ = self.inner.write_superblocks_state(state);
+        }
     }
 }
 
@@ -810,7 +907,7 @@ impl Device for Raid1 {
 }
 
 impl Inner {
-    fn is_degraded(&self) -> bool {
+    pub(crate) fn is_degraded(&self) -> bool {
         self.legs.iter().any(|l| {
             let st = l.state.load(Ordering::Acquire);
             st & PRESENT != 0 && (st & FAULTY != 0 || st & IN_SYNC == 0)
@@ -825,17 +922,19 @@ impl Inner {
             < 2
     }
 
-    fn state_changed(&self) {
+    pub(crate) fn state_changed(&self) {
         let degraded = self.is_degraded();
         if let Some(bm) = &self.bitmap {
             bm.set_degraded(degraded);
         }
         self.sb_dirty.store(true, Ordering::Release);
         self.daemon_wq.wake_all();
+        // A leg to recover, or a target gone.
+        self.sync.wq.wake_all();
     }
 
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.
-    fn fail_leg(&self, i: usize) -> bool {
+    pub(crate) fn fail_leg(&self, i: usize) -> bool {
         // Serialised, so two legs failing at once cannot both see the other as the survivor.
         let _g = self.fail_lock.lock();
         let l = &self.legs[i];
@@ -858,13 +957,13 @@ impl Inner {
         true
     }
 
-    fn writable(st: u32) -> bool {
+    pub(crate) fn writable(st: u32) -> bool {
         st & PRESENT != 0 && st & FAULTY == 0
     }
 
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
-    fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
+    pub(crate) fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
         // During a resync, a read at or past the resync point goes to the first usable leg
         // (the resync's source), as md's `choose_first`, so it reads what the resync copies.
         let choose_first = end_byte > self.resync_point.load(Ordering::Acquire);
@@ -896,7 +995,7 @@ impl Inner {
         best.map(|(i, _)| i).or(mostly)
     }
 
-    fn leg_bio(&self, orig: &Bio, buf: Option<Buffer>, slot: u32) -> Bio {
+    pub(crate) fn leg_bio(&self, orig: &Bio, buf: Option<Buffer>, slot: u32) -> Bio {
         let mut b = Bio::new(
             orig.op,
             orig.sector + (self.data_offset >> SECTOR_SHIFT),
@@ -909,16 +1008,16 @@ impl Inner {
         b
     }
 
-    fn get_slot(&self) -> u32 {
+    pub(crate) fn get_slot(&self) -> u32 {
         self.free_wq.wait_for(|| self.free.lock().pop())
     }
 
-    fn put_slot(&self, id: u32) {
+    pub(crate) fn put_slot(&self, id: u32) {
         self.free.lock().push(id);
         self.free_wq.wake_one();
     }
 
-    fn submit(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
+    pub(crate) fn submit(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
         let lim = Limits {
             capacity: self.capacity,
             logical_block_size: self.logical_block_size,
@@ -948,7 +1047,7 @@ impl Inner {
         }
     }
 
-    fn submit_read(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
+    pub(crate) fn submit_read(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
         let sector = bio.sector;
         self.barriers.wait_read_barrier(sector);
         let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0) else {
@@ -985,7 +1084,7 @@ impl Inner {
         dev.submit(lb, &self.ends[leg]);
     }
 
-    fn submit_write(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
+    pub(crate) fn submit_write(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
         let sector = bio.sector;
         let (off, len) = (bio.offset(), u64::from(bio.len));
         self.barriers.wait_barrier(sector);
@@ -1063,7 +1162,7 @@ impl Inner {
         }
     }
 
-    fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
+    pub(crate) fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
         let mut mask = 0u32;
         let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
@@ -1100,7 +1199,7 @@ impl Inner {
         }
     }
 
-    fn write_finished(&self, off: u64, len: u64, sector: u64) {
+    pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
         if let Some(bm) = &self.bitmap {
             let _ = bm.end_write(off, len, self.origin.elapsed());
         }
@@ -1108,7 +1207,7 @@ impl Inner {
     }
 
     /// A leg bio completed.
-    fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
+    pub(crate) fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
         self.legs[leg].pending.fetch_sub(1, Ordering::Relaxed);
         let Some(slot) = self.ios.get(bio.cookie as usize) else {
             return; // not ours: cannot happen, and nothing to complete
@@ -1186,7 +1285,7 @@ impl Inner {
     }
 
     /// Ends a regular read or write: bitmap, barrier, slot, caller.
-    fn finish_regular(
+    pub(crate) fn finish_regular(
         &self,
         id: u32,
         orig: Option<Bio>,
@@ -1208,7 +1307,7 @@ impl Inner {
     /// raid1d's handling of a failed read: with the array frozen, read the range from another
     /// leg, rewrite it on the legs that failed (failing a leg whose rewrite fails or whose
     /// error count passes the limit), and complete the read.
-    fn fix_read(&self, id: u32) {
+    pub(crate) fn fix_read(&self, id: u32) {
         let (mut orig, end, mut tried, err) = {
             let mut io = self.ios[id as usize].lock();
             let t = (io.orig.take(), io.end.take(), io.tried, io.err.take());
@@ -1270,14 +1369,14 @@ impl Inner {
         }
     }
 
-    fn note_read_error(&self, leg: usize) {
+    pub(crate) fn note_read_error(&self, leg: usize) {
         let n = self.legs[leg].read_errors.fetch_add(1, Ordering::AcqRel) + 1;
         if n > self.cfg.read_error_limit {
             self.fail_leg(leg);
         }
     }
 
-    fn superblock_for(&self, i: usize) -> Superblock {
+    pub(crate) fn superblock_for(&self, i: usize) -> Superblock {
         let meta = self.meta.lock();
         let bitmap = crate::superblock::BitmapLocation {
             offset: crate::superblock::BITMAP_OFFSET,
@@ -1320,13 +1419,13 @@ impl Inner {
         }
     }
 
-    fn write_superblocks_state(&self, state: ArrayState) -> Result<(), Raid1Error> {
+    pub(crate) fn write_superblocks_state(&self, state: ArrayState) -> Result<(), Raid1Error> {
         self.meta.lock().state = state;
         self.write_superblocks()
     }
 
     /// Bumps `events` and writes every present, non-faulty leg's superblock, then flushes.
-    fn write_superblocks(&self) -> Result<(), Raid1Error> {
+    pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
         self.sb_dirty.store(false, Ordering::Release);
         self.meta.lock().events += 1;
@@ -1361,7 +1460,7 @@ impl Inner {
 
     /// Writes the bitmap to every writable leg and flushes them. Under `persist`, so a later
     /// snapshot always lands after an earlier one.
-    fn persist_bitmap(&self) -> Result<(), Raid1Error> {
+    pub(crate) fn persist_bitmap(&self) -> Result<(), Raid1Error> {
         let Some(bm) = &self.bitmap else {
             return Ok(());
         };
@@ -1399,7 +1498,7 @@ impl Inner {
     }
 
     /// Flushes every writable leg (a bitmap flush epoch).
-    fn flush_legs(&self) -> bool {
+    pub(crate) fn flush_legs(&self) -> bool {
         let mut all = true;
         for l in self.legs.iter() {
             if !Self::writable(l.state.load(Ordering::Acquire)) {
@@ -1414,7 +1513,7 @@ impl Inner {
 
     /// The background thread (md's raid1d): read retries, superblock updates, lazy bitmap
     /// clearing.
-    fn daemon(&self) {
+    pub(crate) fn daemon(&self) {
         let mut next_tick = Instant::now() + self.cfg.tick;
         loop {
             let stop = self.stop.load(Ordering::Acquire);
@@ -1438,6 +1537,7 @@ impl Inner {
                             bm.flush_done(e);
                         }
                         if bm.clear_quiet(self.origin.elapsed()) > 0 {
+                            bm.set_events_cleared(self.meta.lock().events);
                             let _ = self.persist_bitmap();
                         }
                     }
