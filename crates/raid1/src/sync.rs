@@ -341,9 +341,11 @@ impl Raid1 {
         inner.sync.idle_wq.wait_for(|| {
             let l = &inner.legs[slot];
             let st = l.state.load(Ordering::Acquire);
+            let c = inner.sync.ctl.lock();
             let done = st & IN_SYNC != 0
                 || st & (PRESENT | FAULTY) != PRESENT
-                || inner.sync.ctl.lock().stop;
+                || c.stop
+                || c.recovery_blocked;
             done.then_some(())
         });
         let st = inner.legs[slot].state.load(Ordering::Acquire);
