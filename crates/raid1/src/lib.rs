@@ -55,9 +55,12 @@
 //! Not here yet: resync/recovery/check/repair threads, the `blkq raid` tools, the control socket.
 #![warn(missing_docs)]
 
+mod assemble;
 pub mod barrier;
 pub mod bitmap;
+mod daemon;
 mod device;
+mod io;
 pub mod superblock;
 pub mod sync;
 

@@ -674,7 +674,7 @@ impl Inner {
             windows += 1;
             pos = wend;
             self.advance(job, pos);
-            if matches!(job, Job::Recover(_)) && windows % 64 == 0 {
+            if matches!(job, Job::Recover(_)) && windows.is_multiple_of(64) {
                 // Persist the recovery offset now and then (resume after a stop).
                 let _ = self.write_superblocks();
             }
@@ -787,13 +787,13 @@ impl Inner {
                     }
                 }
             };
-            if write && job != Job::Check {
-                if self
+            if write
+                && job != Job::Check
+                && self
                     .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
                     .is_err()
-                {
-                    self.fail_leg(i);
-                }
+            {
+                self.fail_leg(i);
             }
         }
         true
