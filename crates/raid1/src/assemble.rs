@@ -79,6 +79,7 @@ impl Raid1 {
         Self::launch(Launch {
             nr_slots,
             placed,
+            slot_uuids: Vec::new(),
             array_uuid: sb0.array_uuid,
             events: 1,
             data_offset,
@@ -227,6 +228,7 @@ impl Raid1 {
         Self::launch(Launch {
             nr_slots,
             placed,
+            slot_uuids: newest.legs.iter().map(|l| l.uuid).collect(),
             array_uuid: newest.array_uuid,
             events: newest.events,
             data_offset: newest.data_offset,
@@ -278,6 +280,11 @@ impl Raid1 {
             sync: crate::sync::SyncState::new(),
             cfg,
         });
+        // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
+        // come back with `add_leg` as a re-add.
+        for (l, u) in inner.legs.iter().zip(a.slot_uuids.iter()) {
+            *l.uuid.lock() = *u;
+        }
         for p in a.placed {
             let l = &inner.legs[p.slot];
             *l.dev.lock() = Some(p.dev);

@@ -250,6 +250,8 @@ pub(crate) struct Placed {
 pub(crate) struct Launch {
     pub(crate) nr_slots: usize,
     pub(crate) placed: Vec<Placed>,
+    /// The UUID each slot names in the newest superblock (empty for a new array).
+    pub(crate) slot_uuids: Vec<Uuid>,
     pub(crate) array_uuid: Uuid,
     pub(crate) events: u64,
     pub(crate) data_offset: u64,
