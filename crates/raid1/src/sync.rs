@@ -261,7 +261,10 @@ impl Raid1 {
     }
 
     /// Replaces the leg in slot `old`: adds `new` into a free slot, recovers it fully, then
-    /// fails and removes the old leg. Blocks until done; returns the new leg's slot.
+    /// fails and removes the old leg. Blocks until done (a frozen array holds it; a recovery
+    /// that fails, or a new leg that fails or is removed meanwhile, ends it with an error and
+    /// leaves `old` in place); returns the new leg's slot. Needs a free slot
+    /// (`spare_slots`).
     pub fn replace_leg(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
         self.replace(old, new)
     }
@@ -697,6 +700,10 @@ impl Inner {
     fn advance(&self, job: Job, pos: u64) {
         self.sync.done_bytes.store(pos, Ordering::Relaxed);
         match job {
+            // Release, after the window's writes completed (sync_io waited for them); the
+            // Acquire load in `choose_read_leg` then admits reads below `pos` to this leg, and
+            // any read submitted after that load reaches the leg after those writes. Regular
+            // writes above `pos` already go to the leg, so nothing below `pos` goes stale.
             Job::Recover(t) => self.legs[t].recovery_offset.store(pos, Ordering::Release),
             Job::Resync => {
                 self.sync.ctl.lock().resync_offset = pos;
