@@ -474,8 +474,8 @@ impl Barriers {
 #[cfg(all(test, not(blkq_loom)))]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicBool;
-    use std::sync::Arc;
+    use blkq_sync::atomic::AtomicBool;
+    use blkq_sync::Arc;
     use std::time::Duration;
 
     fn both() -> [BarrierMode; 2] {
@@ -532,7 +532,7 @@ mod tests {
                 let (b, done) = (b.clone(), done.clone());
                 std::thread::spawn(move || {
                     b.wait_barrier(0);
-                    done.store(true, std::sync::atomic::Ordering::SeqCst);
+                    done.store(true, blkq_sync::atomic::Ordering::SeqCst);
                     b.allow_barrier(0).unwrap();
                 })
             };
@@ -540,10 +540,10 @@ mod tests {
             while !b.has_waiters(0) {
                 std::thread::yield_now();
             }
-            assert!(!done.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(!done.load(blkq_sync::atomic::Ordering::SeqCst));
             b.lower_barrier(0).unwrap();
             t.join().unwrap();
-            assert!(done.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(done.load(blkq_sync::atomic::Ordering::SeqCst));
             assert_eq!(b.snapshot(0), BucketSnapshot::default());
         }
     }
@@ -558,7 +558,7 @@ mod tests {
                 let (b, raised) = (b.clone(), raised.clone());
                 std::thread::spawn(move || {
                     b.raise_barrier(5);
-                    raised.store(true, std::sync::atomic::Ordering::SeqCst);
+                    raised.store(true, blkq_sync::atomic::Ordering::SeqCst);
                     b.lower_barrier(5).unwrap();
                 })
             };
@@ -566,10 +566,10 @@ mod tests {
                 std::thread::yield_now();
             }
             std::thread::sleep(Duration::from_millis(10));
-            assert!(!raised.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(!raised.load(blkq_sync::atomic::Ordering::SeqCst));
             b.allow_barrier(5).unwrap();
             t.join().unwrap();
-            assert!(raised.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(raised.load(blkq_sync::atomic::Ordering::SeqCst));
         }
     }
 
@@ -596,7 +596,7 @@ mod tests {
                 let (b, passed) = (b.clone(), passed.clone());
                 std::thread::spawn(move || {
                     b.raise_barrier(last);
-                    passed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    passed.store(true, blkq_sync::atomic::Ordering::SeqCst);
                     b.lower_barrier(last).unwrap();
                 })
             };
@@ -604,10 +604,10 @@ mod tests {
                 std::thread::yield_now();
             }
             std::thread::sleep(Duration::from_millis(10));
-            assert!(!passed.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(!passed.load(blkq_sync::atomic::Ordering::SeqCst));
             b.lower_barrier(units[0]).unwrap();
             t.join().unwrap();
-            assert!(passed.load(std::sync::atomic::Ordering::SeqCst));
+            assert!(passed.load(blkq_sync::atomic::Ordering::SeqCst));
             for &s in &units[1..RESYNC_DEPTH] {
                 b.lower_barrier(s).unwrap();
             }
@@ -637,13 +637,13 @@ mod tests {
     fn stress_regular_and_resync_exclude_each_other() {
         for m in both() {
             let b = Arc::new(Barriers::new(m));
-            let regular = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            let resync = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let regular = Arc::new(blkq_sync::atomic::AtomicUsize::new(0));
+            let resync = Arc::new(blkq_sync::atomic::AtomicUsize::new(0));
             let mut ts = Vec::new();
             for i in 0..3u64 {
                 let (b, regular, resync) = (b.clone(), regular.clone(), resync.clone());
                 ts.push(std::thread::spawn(move || {
-                    use std::sync::atomic::Ordering::SeqCst;
+                    use blkq_sync::atomic::Ordering::SeqCst;
                     for n in 0..2000u64 {
                         let s = (n + i) % 3 * BARRIER_UNIT_SECTORS;
                         if n % 2 == 0 {
@@ -663,7 +663,7 @@ mod tests {
             {
                 let (b, regular, resync) = (b.clone(), regular.clone(), resync.clone());
                 ts.push(std::thread::spawn(move || {
-                    use std::sync::atomic::Ordering::SeqCst;
+                    use blkq_sync::atomic::Ordering::SeqCst;
                     for _ in 0..500 {
                         // All three units hash somewhere; hold one window on unit 0's bucket
                         // and check no regular write of that bucket is inside.

@@ -1,5 +1,8 @@
 //! The `Raid1` device over `mem` legs and a fake failing leg: mirrored writes, degradation
 //! without losing acknowledged writes, read-error repair, read balancing, leg management.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,0 +1,816 @@
+//! The sync thread: resync, recovery, check and repair (md's `md_do_sync` +
+//! `raid1_sync_request`), and its control surface (`sync_action`, speed limits, progress).
+//!
+//! Owns [`SyncAction`], [`SyncProgress`] and the per-array `SyncState`; the `Raid1` methods
+//! here are called from any thread (the control socket, tests). The engine runs on the
+//! array's sync thread (`raid1-sync`), one per array, started by `Raid1::launch`; it sleeps on
+//! `SyncState::wq` when there is nothing to do (no polling).
+
+use blkq_sync::DynArc as StdArc;
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
+use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::Mutex;
+use waitq::WaitQueue;
+
+use crate::device::{sync_io, Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+use crate::superblock::MAX_LEGS;
+
+/// md's `sync_speed_min` default, KiB/s.
+pub const DEFAULT_SPEED_MIN: u64 = 1000;
+/// md's `sync_speed_max` default, KiB/s.
+pub const DEFAULT_SPEED_MAX: u64 = 200_000;
+
+/// What the sync thread does (md's `sync_action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SyncAction {
+    /// Nothing.
+    Idle,
+    /// Making the in-sync legs agree after an unclean stop.
+    Resync,
+    /// Copying data to a returning, new or replacement leg.
+    Recover,
+    /// Comparing the legs, counting mismatches.
+    Check,
+    /// Comparing the legs and rewriting mismatches from the first in-sync leg.
+    Repair,
+    /// Paused: nothing runs until another action is set.
+    Frozen,
+}
+
+impl SyncAction {
+    /// md's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Idle => "idle",
+            Self::Resync => "resync",
+            Self::Recover => "recover",
+            Self::Check => "check",
+            Self::Repair => "repair",
+            Self::Frozen => "frozen",
+        }
+    }
+
+    pub(crate) fn to_u64(self) -> u64 {
+        match self {
+            Self::Idle => 0,
+            Self::Resync => 1,
+            Self::Recover => 2,
+            Self::Check => 3,
+            Self::Repair => 4,
+            Self::Frozen => 5,
+        }
+    }
+
+    pub(crate) fn from_u64(v: u64) -> Self {
+        match v {
+            1 => Self::Resync,
+            2 => Self::Recover,
+            3 => Self::Check,
+            4 => Self::Repair,
+            5 => Self::Frozen,
+            _ => Self::Idle,
+        }
+    }
+}
+
+impl fmt::Display for SyncAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unknown `sync_action` name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown sync action {0:?} (idle, resync, recover, check, repair, frozen)")]
+pub struct ParseSyncActionError(pub String);
+
+impl FromStr for SyncAction {
+    type Err = ParseSyncActionError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s.trim() {
+            "idle" => Self::Idle,
+            "resync" => Self::Resync,
+            "recover" => Self::Recover,
+            "check" => Self::Check,
+            "repair" => Self::Repair,
+            "frozen" => Self::Frozen,
+            other => return Err(ParseSyncActionError(other.to_string())),
+        })
+    }
+}
+
+/// A snapshot of the sync thread's progress (md's `sync_completed`, `sync_speed`,
+/// `mismatch_cnt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyncProgress {
+    /// What runs now.
+    pub action: SyncAction,
+    /// Bytes of the array walked by the current (or last) run.
+    pub done_bytes: u64,
+    /// Bytes the current (or last) run walks.
+    pub total_bytes: u64,
+    /// Average speed of the current (or last) run, KiB/s.
+    pub speed_kib_s: u64,
+    /// Estimated seconds left (None when idle or unknown).
+    pub eta_secs: Option<u64>,
+    /// Sectors (512 bytes) found different by the last check or repair.
+    pub mismatch_cnt: u64,
+    /// Bitmap chunks (windows without a bitmap) copied by resync/recovery since start.
+    pub chunks_copied: u64,
+}
+
+/// The sync thread's shared state. Counters are independent statistics: Relaxed is enough
+/// for them (no other data is published through them); `action` and `cancel` are read with
+/// Acquire and written with Release so a reader that sees a new value also sees the state
+/// written before it.
+pub(crate) struct SyncState {
+    /// Current `SyncAction` (as `to_u64`).
+    pub(crate) action: AtomicU64,
+    /// Requests from `set_sync_action`, read by the sync thread.
+    pub(crate) ctl: Mutex<Ctl>,
+    /// Wakes the sync thread (requests, state changes, stop) and its throttle sleeps.
+    pub(crate) wq: WaitQueue,
+    /// Wakes `wait_sync_idle` callers when a run ends.
+    pub(crate) idle_wq: WaitQueue,
+    pub(crate) done_bytes: AtomicU64,
+    pub(crate) total_bytes: AtomicU64,
+    pub(crate) speed_kib_s: AtomicU64,
+    /// u64::MAX: none.
+    pub(crate) eta_secs: AtomicU64,
+    pub(crate) mismatch_cnt: AtomicU64,
+    pub(crate) chunks_copied: AtomicU64,
+    pub(crate) speed_min: AtomicU64,
+    pub(crate) speed_max: AtomicU64,
+}
+
+/// Control requests (under `SyncState::ctl`).
+#[derive(Debug, Default)]
+pub(crate) struct Ctl {
+    /// A check/repair/resync/recover asked for.
+    pub(crate) requested: Option<SyncAction>,
+    /// `frozen`: nothing runs.
+    pub(crate) frozen: bool,
+    /// Ask the running pass to stop (idle, frozen, array stop).
+    pub(crate) interrupt: bool,
+    /// The array needs a resync (unclean stop); cleared when one completes.
+    pub(crate) resync_needed: bool,
+    /// Where an interrupted resync goes on (array bytes; in memory only: after a restart a
+    /// resync starts over, from the bitmap).
+    pub(crate) resync_offset: u64,
+    /// A recovery failed for lack of a readable source: not retried until a leg is added or
+    /// `recover` is requested (no busy loop).
+    pub(crate) recovery_blocked: bool,
+    /// The sync thread must exit.
+    pub(crate) stop: bool,
+}
+
+impl SyncState {
+    pub(crate) fn new() -> Self {
+        Self {
+            action: AtomicU64::new(SyncAction::Idle.to_u64()),
+            ctl: Mutex::new(Ctl::default()),
+            wq: WaitQueue::new(),
+            idle_wq: WaitQueue::new(),
+            done_bytes: AtomicU64::new(0),
+            total_bytes: AtomicU64::new(0),
+            speed_kib_s: AtomicU64::new(0),
+            eta_secs: AtomicU64::new(u64::MAX),
+            mismatch_cnt: AtomicU64::new(0),
+            chunks_copied: AtomicU64::new(0),
+            speed_min: AtomicU64::new(DEFAULT_SPEED_MIN),
+            speed_max: AtomicU64::new(DEFAULT_SPEED_MAX),
+        }
+    }
+
+    pub(crate) fn action(&self) -> SyncAction {
+        SyncAction::from_u64(self.action.load(Ordering::Acquire))
+    }
+}
+
+impl Raid1 {
+    /// What the sync thread does now (md's `sync_action` read).
+    pub fn sync_action(&self) -> SyncAction {
+        let s = self.sync_state();
+        let a = s.action();
+        if a == SyncAction::Idle && s.ctl.lock().frozen {
+            SyncAction::Frozen
+        } else {
+            a
+        }
+    }
+
+    /// md's `sync_action` write: `idle` stops a running check/repair (and unfreezes),
+    /// `frozen` pauses whatever runs (a resync/recovery resumes where it stopped when
+    /// unfrozen), `check`/`repair` start one (refused while a resync/recovery is needed or
+    /// runs), `resync`/`recover` ask for one (the array starts them itself when needed).
+    pub fn set_sync_action(&self, action: SyncAction) -> Result<(), Raid1Error> {
+        self.request_sync_action(action)
+    }
+
+    /// A snapshot of the sync progress.
+    pub fn sync_progress(&self) -> SyncProgress {
+        let s = self.sync_state();
+        let eta = s.eta_secs.load(Ordering::Relaxed);
+        SyncProgress {
+            action: self.sync_action(),
+            done_bytes: s.done_bytes.load(Ordering::Relaxed),
+            total_bytes: s.total_bytes.load(Ordering::Relaxed),
+            speed_kib_s: s.speed_kib_s.load(Ordering::Relaxed),
+            eta_secs: (eta != u64::MAX).then_some(eta),
+            mismatch_cnt: s.mismatch_cnt.load(Ordering::Relaxed),
+            chunks_copied: s.chunks_copied.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets md's `sync_speed_min` / `sync_speed_max`, KiB/s (0 keeps the current value; the
+    /// max is raised to the min if below it).
+    pub fn set_speed_limits(&self, min_kib_s: u64, max_kib_s: u64) {
+        let s = self.sync_state();
+        if min_kib_s != 0 {
+            s.speed_min.store(min_kib_s, Ordering::Relaxed);
+        }
+        if max_kib_s != 0 {
+            s.speed_max.store(max_kib_s, Ordering::Relaxed);
+        }
+        let min = s.speed_min.load(Ordering::Relaxed);
+        if s.speed_max.load(Ordering::Relaxed) < min {
+            s.speed_max.store(min, Ordering::Relaxed);
+        }
+        // A throttled pass re-reads the limit.
+        s.wq.wake_all();
+    }
+
+    /// `(sync_speed_min, sync_speed_max)`, KiB/s (md's defaults 1000 and 200000).
+    pub fn speed_limits(&self) -> (u64, u64) {
+        let s = self.sync_state();
+        (
+            s.speed_min.load(Ordering::Relaxed),
+            s.speed_max.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Waits until the sync thread is idle (or frozen) with nothing left to do; false on
+    /// timeout.
+    pub fn wait_sync_idle(&self, timeout: Duration) -> bool {
+        self.wait_idle(timeout)
+    }
+
+    /// Replaces the leg in slot `old`: adds `new` into a free slot, recovers it fully, then
+    /// fails and removes the old leg. Blocks until done (a frozen array holds it; a recovery
+    /// that fails, or a new leg that fails or is removed meanwhile, ends it with an error and
+    /// leaves `old` in place); returns the new leg's slot. Needs a free slot
+    /// (`spare_slots`).
+    pub fn replace_leg(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.replace(old, new)
+    }
+}
+
+impl Raid1 {
+    pub(crate) fn sync_state(&self) -> &SyncState {
+        &self.inner.sync
+    }
+
+    fn request_sync_action(&self, action: SyncAction) -> Result<(), Raid1Error> {
+        let s = self.sync_state();
+        let mut c = s.ctl.lock();
+        match action {
+            SyncAction::Idle => {
+                c.frozen = false;
+                if matches!(s.action(), SyncAction::Check | SyncAction::Repair) {
+                    c.interrupt = true;
+                }
+                if matches!(c.requested, Some(SyncAction::Check | SyncAction::Repair)) {
+                    c.requested = None;
+                }
+            }
+            SyncAction::Frozen => {
+                c.frozen = true;
+                c.interrupt = true;
+            }
+            SyncAction::Check | SyncAction::Repair => {
+                let busy = matches!(s.action(), SyncAction::Resync | SyncAction::Recover)
+                    || c.resync_needed
+                    || self.inner.recovering_leg().is_some();
+                if busy {
+                    return Err(Raid1Error::Busy("a resync or recovery is pending"));
+                }
+                c.frozen = false;
+                c.requested = Some(action);
+            }
+            SyncAction::Resync => {
+                c.frozen = false;
+                c.resync_needed = true;
+            }
+            SyncAction::Recover => {
+                c.frozen = false;
+                c.recovery_blocked = false;
+            }
+        }
+        drop(c);
+        s.wq.wake_all();
+        Ok(())
+    }
+
+    fn wait_idle(&self, timeout: Duration) -> bool {
+        let s = self.sync_state();
+        let inner = &self.inner;
+        s.idle_wq
+            .wait_for_until(
+                || {
+                    let c = s.ctl.lock();
+                    let idle = s.action() == SyncAction::Idle
+                        && (c.frozen || c.stop || inner.next_job(&c).is_none());
+                    idle.then_some(())
+                },
+                Instant::now() + timeout,
+            )
+            .is_some()
+    }
+
+    fn replace(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        let st = self
+            .leg_status(old)
+            .ok_or(Raid1Error::Slot(old, "no such slot"))?;
+        if !st.present || st.faulty {
+            return Err(Raid1Error::Slot(old, "not a working leg"));
+        }
+        let slot = self.add_leg(new)?;
+        let inner = &self.inner;
+        // Wait for its recovery; give up if it failed or was taken out.
+        inner.sync.idle_wq.wait_for(|| {
+            let l = &inner.legs[slot];
+            let st = l.state.load(Ordering::Acquire);
+            let c = inner.sync.ctl.lock();
+            let done = st & IN_SYNC != 0
+                || st & (PRESENT | FAULTY) != PRESENT
+                || c.stop
+                || c.recovery_blocked;
+            done.then_some(())
+        });
+        let st = inner.legs[slot].state.load(Ordering::Acquire);
+        if st & (PRESENT | IN_SYNC | FAULTY) != PRESENT | IN_SYNC {
+            return Err(Raid1Error::Slot(slot, "replacement did not recover"));
+        }
+        self.fail_leg(old)?;
+        self.remove_leg(old)?;
+        Ok(slot)
+    }
+
+    /// Stops the sync thread (array stop): interrupts a running pass (a recovery keeps its
+    /// offset in the superblocks) and joins.
+    pub(crate) fn stop_sync_thread(&mut self) {
+        {
+            let mut c = self.inner.sync.ctl.lock();
+            c.stop = true;
+            c.interrupt = true;
+        }
+        self.inner.sync.wq.wake_all();
+        self.inner.sync.idle_wq.wake_all();
+        if let Some(t) = self.syncer.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One pass of the sync thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Job {
+    Resync,
+    /// Recover the leg in this slot.
+    Recover(usize),
+    Check,
+    Repair,
+}
+
+/// How a pass ended.
+enum PassEnd {
+    Done,
+    /// Interrupted (idle, frozen, stop, target gone): resumable.
+    Interrupted,
+    /// No source could be read.
+    Failed,
+}
+
+fn good(st: u32) -> bool {
+    st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
+}
+
+impl Inner {
+    /// The lowest slot holding a present, non-faulty leg that is not in sync.
+    pub(crate) fn recovering_leg(&self) -> Option<usize> {
+        self.legs
+            .iter()
+            .position(|l| l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT)
+    }
+
+    fn in_sync_count(&self) -> usize {
+        self.legs
+            .iter()
+            .filter(|l| good(l.state.load(Ordering::Acquire)))
+            .count()
+    }
+
+    /// What the sync thread should do next, by md's priority: resync, then recovery, then a
+    /// requested check/repair. Pure (no side effects): called from wait conditions.
+    pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
+        if c.resync_needed && self.in_sync_count() >= 2 {
+            return Some(Job::Resync);
+        }
+        if !c.recovery_blocked {
+            if let Some(i) = self.recovering_leg() {
+                return Some(Job::Recover(i));
+            }
+        }
+        match c.requested {
+            Some(SyncAction::Check) => Some(Job::Check),
+            Some(SyncAction::Repair) => Some(Job::Repair),
+            _ => None,
+        }
+    }
+
+    /// The sync thread (`raid1-sync`): sleeps on `sync.wq` until there is a job and the
+    /// array is not frozen, runs it, and goes back to sleep.
+    pub(crate) fn sync_thread(&self) {
+        let s = &self.sync;
+        loop {
+            let job = s.wq.wait_for(|| {
+                let mut c = s.ctl.lock();
+                if c.stop {
+                    return Some(None);
+                }
+                if c.frozen {
+                    return None;
+                }
+                if c.resync_needed && self.in_sync_count() < 2 {
+                    // Nothing to make agree: the recovery of the other legs copies it all.
+                    c.resync_needed = false;
+                    c.resync_offset = 0;
+                }
+                let job = self.next_job(&c)?;
+                c.interrupt = false;
+                if matches!(job, Job::Check | Job::Repair) {
+                    c.requested = None;
+                }
+                let action = match job {
+                    Job::Resync => SyncAction::Resync,
+                    Job::Recover(_) => SyncAction::Recover,
+                    Job::Check => SyncAction::Check,
+                    Job::Repair => SyncAction::Repair,
+                };
+                s.action.store(action.to_u64(), Ordering::Release);
+                Some(Some(job))
+            });
+            let Some(job) = job else { return };
+            self.run_job(job);
+            s.action.store(SyncAction::Idle.to_u64(), Ordering::Release);
+            s.eta_secs.store(u64::MAX, Ordering::Relaxed);
+            s.idle_wq.wake_all();
+        }
+    }
+
+    fn run_job(&self, job: Job) {
+        let s = &self.sync;
+        match job {
+            Job::Resync => {
+                let start = s.ctl.lock().resync_offset;
+                self.set_resync_point_inner(Some(start));
+                let end = self.pass(job, start);
+                self.set_resync_point_inner(None);
+                match end {
+                    PassEnd::Done => {
+                        {
+                            let mut c = s.ctl.lock();
+                            c.resync_needed = false;
+                            c.resync_offset = 0;
+                        }
+                        self.clear_synced_bits();
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Interrupted => {}
+                    PassEnd::Failed => {
+                        // Not retried until asked for again.
+                        let mut c = s.ctl.lock();
+                        c.resync_needed = false;
+                        c.resync_offset = 0;
+                    }
+                }
+            }
+            Job::Recover(t) => {
+                let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
+                match self.pass(job, start) {
+                    PassEnd::Done => {
+                        let l = &self.legs[t];
+                        if l.state.load(Ordering::Acquire) & (PRESENT | FAULTY) == PRESENT {
+                            l.bitmap_recovery.store(false, Ordering::Release);
+                            l.recovery_offset.store(0, Ordering::Release);
+                            l.state.fetch_or(IN_SYNC, Ordering::AcqRel);
+                            self.state_changed();
+                            self.clear_synced_bits();
+                        }
+                        // events bumped, new state on every leg.
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Interrupted => {
+                        // Keep the offset: an interrupted recovery resumes there.
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Failed => {
+                        s.ctl.lock().recovery_blocked = true;
+                        let _ = self.write_superblocks();
+                    }
+                }
+            }
+            Job::Check | Job::Repair => {
+                s.mismatch_cnt.store(0, Ordering::Relaxed);
+                let _ = self.pass(job, 0);
+            }
+        }
+    }
+
+    fn set_resync_point_inner(&self, offset: Option<u64>) {
+        self.resync_point
+            .store(offset.unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// After a successful resync/recovery: flush every leg (a bitmap flush epoch) and clear
+    /// the bits of chunks with no write in flight (never while degraded), then persist.
+    fn clear_synced_bits(&self) {
+        let Some(bm) = &self.bitmap else { return };
+        if self.is_degraded() {
+            return;
+        }
+        let e = bm.begin_flush();
+        if !self.flush_legs() {
+            return;
+        }
+        bm.flush_done(e);
+        if bm.clear_synced() > 0 {
+            bm.set_events_cleared(self.meta.lock().events);
+            let _ = self.persist_bitmap();
+        }
+    }
+
+    /// The first in-sync leg (the source), skipping `tried`.
+    fn source_leg(&self, tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
+        self.legs.iter().enumerate().find_map(|(i, l)| {
+            (tried & (1 << i) == 0 && good(l.state.load(Ordering::Acquire)))
+                .then(|| l.dev().map(|d| (i, d)))
+                .flatten()
+        })
+    }
+
+    /// Synchronous leg I/O of `len` bytes at array byte `pos` with `buf` (reused).
+    fn leg_rw(
+        &self,
+        dev: &dyn Device,
+        op: Op,
+        pos: u64,
+        len: u32,
+        buf: &mut Option<Buffer>,
+    ) -> Result<(), blk::Error> {
+        let mut b = Bio::new(op, (pos + self.data_offset) >> SECTOR_SHIFT, len);
+        b.buf = buf.take();
+        let (back, r) = sync_io(dev, b);
+        *buf = back.and_then(|b| b.buf);
+        if buf.is_none() {
+            *buf = Some(Buffer::new(len as usize));
+        }
+        r
+    }
+
+    fn interrupted(&self) -> bool {
+        let c = self.sync.ctl.lock();
+        c.interrupt || c.stop
+    }
+
+    /// Walks the array from `start` in windows. See the crate docs.
+    fn pass(&self, job: Job, start: u64) -> PassEnd {
+        let s = &self.sync;
+        let cap = self.capacity;
+        // Windows: a power of two (so none crosses a barrier unit), at most 1 MiB and the
+        // largest leg I/O, and within one bitmap chunk.
+        let mut win = (1u64 << 20).min(u64::from(self.max_io));
+        win = 1 << (63 - win.max(4096).leading_zeros());
+        let chunk = self.bitmap.as_ref().map(|b| b.chunk_size());
+        if let Some(c) = chunk {
+            win = win.min(c);
+        }
+        // What needs copying: a snapshot of the dirty chunks (chunks dirtied later are
+        // written to every leg by the writes themselves).
+        let only_dirty = match job {
+            Job::Resync => true,
+            Job::Recover(t) => self.legs[t].bitmap_recovery.load(Ordering::Acquire),
+            Job::Check | Job::Repair => false,
+        };
+        let dirty: Option<Vec<bool>> = match (&self.bitmap, only_dirty) {
+            (Some(bm), true) => Some((0..bm.nr_chunks()).map(|i| bm.is_dirty(i)).collect()),
+            _ => None,
+        };
+        let target = match job {
+            Job::Recover(t) => self.legs[t].dev().map(|d| (t, d)),
+            _ => None,
+        };
+        if matches!(job, Job::Recover(_)) && target.is_none() {
+            return PassEnd::Interrupted;
+        }
+        s.total_bytes.store(cap, Ordering::Relaxed);
+        s.done_bytes.store(start, Ordering::Relaxed);
+        s.speed_kib_s.store(0, Ordering::Relaxed);
+        s.eta_secs.store(u64::MAX, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let mut io_bytes = 0u64;
+        let mut last_chunk = u64::MAX;
+        let mut windows = 0u64;
+        let mut src_buf = Some(Buffer::new(win as usize));
+        let mut cmp_buf = Some(Buffer::new(win as usize));
+        let mut pos = start;
+        while pos < cap {
+            if self.interrupted() {
+                return PassEnd::Interrupted;
+            }
+            let wend = ((pos / win + 1) * win).min(cap);
+            let len = (wend - pos) as u32;
+            // Skip chunks the bitmap says agree.
+            if let (Some(d), Some(c)) = (&dirty, chunk) {
+                let idx = pos / c;
+                if !d.get(idx as usize).copied().unwrap_or(true) {
+                    pos = ((idx + 1) * c).min(cap);
+                    self.advance(job, pos);
+                    continue;
+                }
+            }
+            if let Some((t, d)) = &target {
+                let l = &self.legs[*t];
+                let same = l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d));
+                if !same
+                    || l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) != PRESENT
+                {
+                    return PassEnd::Interrupted; // failed, removed or replaced meanwhile
+                }
+            }
+            let sector = pos >> SECTOR_SHIFT;
+            self.barriers.raise_barrier(sector);
+            let r = self.window(job, pos, len, target.as_ref(), &mut src_buf, &mut cmp_buf);
+            let _ = self.barriers.lower_barrier(sector);
+            if !r {
+                return PassEnd::Failed;
+            }
+            if matches!(job, Job::Resync | Job::Recover(_)) {
+                let counted = match chunk {
+                    Some(c) => {
+                        let idx = pos / c;
+                        let new = idx != last_chunk;
+                        last_chunk = idx;
+                        new
+                    }
+                    None => true,
+                };
+                if counted {
+                    s.chunks_copied.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            io_bytes += u64::from(len);
+            windows += 1;
+            pos = wend;
+            self.advance(job, pos);
+            if matches!(job, Job::Recover(_)) && windows.is_multiple_of(64) {
+                // Persist the recovery offset now and then (resume after a stop).
+                let _ = self.write_superblocks();
+            }
+            // Progress.
+            let el = t0.elapsed().as_secs_f64().max(1e-6);
+            let speed = (io_bytes as f64 / 1024.0 / el) as u64;
+            s.speed_kib_s.store(speed, Ordering::Relaxed);
+            let rate = (pos - start) as f64 / el;
+            if rate > 0.0 {
+                s.eta_secs
+                    .store(((cap - pos) as f64 / rate) as u64, Ordering::Relaxed);
+            }
+            self.throttle(t0, io_bytes);
+        }
+        PassEnd::Done
+    }
+
+    /// Records that array bytes below `pos` are done.
+    fn advance(&self, job: Job, pos: u64) {
+        self.sync.done_bytes.store(pos, Ordering::Relaxed);
+        match job {
+            // Release, after the window's writes completed (sync_io waited for them); the
+            // Acquire load in `choose_read_leg` then admits reads below `pos` to this leg, and
+            // any read submitted after that load reaches the leg after those writes. Regular
+            // writes above `pos` already go to the leg, so nothing below `pos` goes stale.
+            Job::Recover(t) => self.legs[t].recovery_offset.store(pos, Ordering::Release),
+            Job::Resync => {
+                self.sync.ctl.lock().resync_offset = pos;
+                self.set_resync_point_inner(Some(pos));
+            }
+            Job::Check | Job::Repair => {}
+        }
+    }
+
+    /// Sleeps so the pass stays under `sync_speed_max` (woken early by an interrupt, a stop,
+    /// or a new limit). The simple policy: throttle only to the max; the min is documented
+    /// as the floor because this thread never yields to regular I/O beyond the barrier.
+    fn throttle(&self, t0: Instant, io_bytes: u64) {
+        let s = &self.sync;
+        loop {
+            let max = s.speed_max.load(Ordering::Relaxed).max(1);
+            // At most a day per sleep computation (no overflow on absurd limits).
+            let secs = (io_bytes as f64 / 1024.0 / max as f64).min(86_400.0);
+            let Some(due) = t0.checked_add(Duration::from_secs_f64(secs)) else {
+                return;
+            };
+            if Instant::now() >= due {
+                return;
+            }
+            let r = s.wq.wait_for_until(
+                || {
+                    (self.interrupted() || s.speed_max.load(Ordering::Relaxed).max(1) != max)
+                        .then_some(())
+                },
+                due,
+            );
+            if r.is_none() || self.interrupted() {
+                return;
+            }
+        }
+    }
+
+    /// One window, with its barrier raised: read the source, then write (resync/recover) or
+    /// compare (check/repair) the others. False when no source could be read.
+    fn window(
+        &self,
+        job: Job,
+        pos: u64,
+        len: u32,
+        target: Option<&(usize, StdArc<dyn Device>)>,
+        src_buf: &mut Option<Buffer>,
+        cmp_buf: &mut Option<Buffer>,
+    ) -> bool {
+        let mut tried = 0u32;
+        let src = loop {
+            let Some((i, d)) = self.source_leg(tried) else {
+                return false;
+            };
+            tried |= 1 << i;
+            if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
+                break i;
+            }
+            self.note_read_error(i);
+        };
+        // The legs to write or compare (no allocation: one slot per leg).
+        let mut others: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
+        match (job, target) {
+            (Job::Recover(_), Some((t, d))) => others[*t] = Some(d.clone()),
+            _ => {
+                for (i, l) in self.legs.iter().enumerate() {
+                    if i != src && good(l.state.load(Ordering::Acquire)) {
+                        others[i] = l.dev();
+                    }
+                }
+            }
+        }
+        for (i, d) in others.iter().enumerate() {
+            let Some(d) = d else { continue };
+            let write = match job {
+                Job::Resync | Job::Recover(_) => true,
+                Job::Check | Job::Repair => {
+                    if self
+                        .leg_rw(d.as_ref(), Op::Read, pos, len, cmp_buf)
+                        .is_err()
+                    {
+                        // md rewrites unreadable blocks during check/repair too.
+                        self.note_read_error(i);
+                        true
+                    } else {
+                        let (Some(a), Some(b)) = (src_buf.as_ref(), cmp_buf.as_ref()) else {
+                            continue;
+                        };
+                        let n = len as usize;
+                        let diff = a.as_slice()[..n]
+                            .chunks(512)
+                            .zip(b.as_slice()[..n].chunks(512))
+                            .filter(|(x, y)| x != y)
+                            .count() as u64;
+                        self.sync.mismatch_cnt.fetch_add(diff, Ordering::Relaxed);
+                        diff > 0 && job == Job::Repair
+                    }
+                }
+            };
+            if write
+                && job != Job::Check
+                && self
+                    .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
+                    .is_err()
+            {
+                self.fail_leg(i);
+            }
+        }
+        true
+    }
+}
