@@ -320,6 +320,11 @@ fn serve_one(ctl: &Control, s: UnixStream) {
     let mut w = &s;
     let _ = writeln!(w, "{reply}");
     let _ = w.flush();
+    // Then drain what the client still sends (bounded), so that closing with unread data
+    // does not reset the connection before the client has read the reply.
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = std::io::copy(&mut (&s).take(64 << 10), &mut std::io::sink());
 }
 
 impl ControlServer {

@@ -335,7 +335,7 @@ impl ArrayReport {
             o.push_str(&format!("      Mismatch Cnt : {}\n", s.mismatch_cnt));
         }
         o.push_str(
-            "\n    Slot  State       Events  WM  Leg UUID                              Device\n",
+            "\n    Slot  State           Events  WM  Leg UUID                              Device\n",
         );
         for l in &self.legs {
             let mut state = l.state.clone();
@@ -345,7 +345,7 @@ impl ArrayReport {
                 }
             }
             o.push_str(&format!(
-                "    {:>4}  {:<10}  {:>6}  {:<2}  {:<36}  {}\n",
+                "    {:>4}  {:<14}  {:>6}  {:<2}  {:<36}  {}\n",
                 l.slot,
                 state,
                 l.events.map_or("-".to_string(), |e| e.to_string()),
@@ -734,7 +734,7 @@ fn bitmap_chunk(s: &str) -> Result<u64> {
     if s == "none" || s == "0" {
         return Ok(0);
     }
-    Ok(parse_size(s).with_context(|| format!("--bitmap-chunk {s:?}"))?)
+    parse_size(s).with_context(|| format!("--bitmap-chunk {s:?}"))
 }
 
 fn create(a: CreateArgs) -> Result<()> {
