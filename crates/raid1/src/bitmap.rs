@@ -96,6 +96,10 @@ struct Inner {
     flushed: u64,
     /// Bumped when a bit changes (for persistence decisions).
     events: u64,
+    /// The array's superblock `events` when bits were last cleared (md's `events_cleared`):
+    /// a leg whose superblock events are at least this saw every write whose bit was cleared,
+    /// so a bitmap recovery (re-add) is enough for it.
+    events_cleared: u64,
 }
 
 /// The write-intent bitmap of one array. See the module docs.
@@ -126,6 +130,7 @@ impl WriteIntentBitmap {
                 epoch: 0,
                 flushed: 0,
                 events: 0,
+                events_cleared: 0,
             }),
         })
     }
@@ -278,6 +283,42 @@ impl WriteIntentBitmap {
         n
     }
 
+    /// Clears (in memory) the bits of completed and flushed chunks regardless of how long they
+    /// have been quiet (after a successful resync or recovery: the legs agree there); returns
+    /// how many. Never while degraded. Persist the bitmap afterwards when this is not zero.
+    pub fn clear_synced(&self) -> u64 {
+        let mut g = self.inner.lock();
+        if g.degraded {
+            return 0;
+        }
+        let flushed = g.flushed;
+        let mut n = 0;
+        for c in g.chunks.iter_mut() {
+            if c.dirty && c.pending == 0 && c.end_epoch < flushed {
+                c.dirty = false;
+                c.durable = false;
+                n += 1;
+            }
+        }
+        if n > 0 {
+            g.events += 1;
+        }
+        n
+    }
+
+    /// Records the array events at which bits were cleared (md's `events_cleared`, persisted
+    /// in the header); never moves back.
+    pub fn set_events_cleared(&self, events: u64) {
+        let mut g = self.inner.lock();
+        g.events_cleared = g.events_cleared.max(events);
+    }
+
+    /// The array events at the last clear (see [`WriteIntentBitmap::set_events_cleared`]):
+    /// a leg whose superblock events are below this may have missed writes whose bits are gone.
+    pub fn events_cleared(&self) -> u64 {
+        self.inner.lock().events_cleared
+    }
+
     /// Marks whole chunks dirty without a write (e.g. a leg failed mid-resync). They are
     /// cleared by [`WriteIntentBitmap::clear_quiet`] as usual.
     pub fn set_dirty(&self, set: ChunkSet) {
@@ -335,20 +376,21 @@ impl WriteIntentBitmap {
     /// The on-disk form (header + bits) of the current bits.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; self.disk_len()];
-        let events = {
+        let (events, cleared) = {
             let g = self.inner.lock();
             for (i, c) in g.chunks.iter().enumerate() {
                 if c.dirty {
                     b[HEADER_SIZE + i / 8] |= 1 << (i % 8);
                 }
             }
-            g.events
+            (g.events, g.events_cleared)
         };
         b[0..8].copy_from_slice(&BITMAP_MAGIC);
         b[8..12].copy_from_slice(&1u32.to_le_bytes());
         b[16..24].copy_from_slice(&self.chunk_size().to_le_bytes());
         b[24..32].copy_from_slice(&self.nr_chunks.to_le_bytes());
         b[32..40].copy_from_slice(&events.to_le_bytes());
+        b[40..48].copy_from_slice(&cleared.to_le_bytes());
         let crc = crc32c::crc32c_append(crc32c::crc32c(&b[..HEADER_SIZE - 4]), &b[HEADER_SIZE..]);
         b[HEADER_SIZE - 4..HEADER_SIZE].copy_from_slice(&crc.to_le_bytes());
         b
@@ -381,7 +423,10 @@ impl WriteIntentBitmap {
         if u64::from_le_bytes(u) != self.nr_chunks {
             return Err(BitmapError::BadDisk("number of chunks differs"));
         }
+        u.copy_from_slice(&b[40..48]);
+        let cleared = u64::from_le_bytes(u);
         let mut g = self.inner.lock();
+        g.events_cleared = g.events_cleared.max(cleared);
         for (i, c) in g.chunks.iter_mut().enumerate() {
             if b[HEADER_SIZE + i / 8] & (1 << (i % 8)) != 0 {
                 c.dirty = true;

@@ -39,25 +39,60 @@
 //! - **The array thread** (`raid1d`) also writes superblocks after state changes (`events`
 //!   bumped each time) and clears quiet bitmap bits every `tick` after a flush of every leg.
 //!
-//! # For the resync thread and the control socket (built on top)
+//! # The sync thread ([`sync`])
 //!
-//! Resync of a window: `barriers().raise_barrier(sector)`; read from a good leg and write the
-//! others with [`Raid1::leg_device`] (leg offsets = array offsets + [`Raid1::data_offset`]);
-//! `barriers().lower_barrier(sector)`; one window per bucket at a time. What to copy after a
-//! leg returns: [`bitmap::WriteIntentBitmap::dirty_chunks`] (a fresh leg needs everything).
-//! Leg management at run time: [`Raid1::fail_leg`], [`Raid1::remove_leg`] (faulty or
-//! recovering legs, under a freeze), [`Raid1::add_leg`] (into an empty slot, as recovering),
+//! One per array (`raid1-sync`), started by `launch`, asleep on a `WaitQueue` when there is
+//! nothing to do. Controlled as md's sysfs: [`Raid1::sync_action`] /
+//! [`Raid1::set_sync_action`] ([`SyncAction`]: "idle" stops a check/repair and unfreezes,
+//! "frozen" pauses, "check"/"repair" start one, "resync"/"recover" ask for one),
+//! [`Raid1::set_speed_limits`] (`sync_speed_min`/`max`, defaults 1000/200000 KiB/s),
+//! [`Raid1::sync_progress`] ([`SyncProgress`]: done/total, speed, ETA, `mismatch_cnt`,
+//! `chunks_copied`), [`Raid1::wait_sync_idle`], [`Raid1::replace_leg`].
+//!
+//! Priority: resync, then recovery, then a requested check/repair. A pass walks the array
+//! from its start offset in windows (a power of two of at most 1 MiB and the leg I/O limit,
+//! within one bitmap chunk: never across a barrier unit). Per window:
+//! `barriers().raise_barrier(sector)`, read the first in-sync leg (falling back to another
+//! in-sync leg), write the targets (resync: the other in-sync legs; recovery: the recovering
+//! leg) or compare them (check/repair: count differing 512-byte sectors into `mismatch_cnt`;
+//! repair rewrites the window), `lower_barrier`, update progress, sleep if over the max speed.
+//! Regular I/O keeps flowing: only the window's bucket waits, and for one window.
+//!
+//! - **Resync** after an unclean stop (the newest superblock is not `Clean` at assemble):
+//!   the bitmap's dirty chunks (a snapshot at the start of the pass), everything without a
+//!   bitmap. Reads at or past the resync point go to the source leg meanwhile.
+//! - **Recovery** of a present, non-faulty leg that is not in sync: a re-add (its own
+//!   superblock names this array and slot, it was in sync, and its events are not behind the
+//!   bitmap's `events_cleared`, md's rule) copies only the dirty chunks; any other leg copies
+//!   everything from its `recovery_offset`, which advances per window and is persisted in the
+//!   superblocks every 64 windows and when interrupted, so a later `assemble` resumes it.
+//!   When done: in sync, `events` bumped, superblocks written.
+//! - After a successful resync/recovery the bitmap bits are cleared at once (after a flush of
+//!   every leg; never while degraded) and the bitmap persisted with `events_cleared`.
+//! - Speed: only the max is enforced (sleeps between windows, woken by a new limit or an
+//!   interrupt); the min is reported only: the thread never yields to regular I/O beyond the
+//!   barrier, so it is never slowed below it by throttling.
+//!
+//! Lower-level pieces stay public for tools: [`Raid1::leg_device`] (leg offsets = array
+//! offsets + [`Raid1::data_offset`]), [`Raid1::fail_leg`], [`Raid1::remove_leg`],
+//! [`Raid1::add_leg`] (re-add or new leg; the sync thread recovers it),
 //! [`Raid1::set_recovery_offset`], [`Raid1::set_in_sync`], [`Raid1::set_write_mostly`].
 //!
 //! Start-up: [`Raid1::create`] formats new legs; [`Raid1::assemble`] restarts an array from its
-//! legs' superblocks (newest `events` wins; stale legs come back recovering, faulty ones faulty).
+//! legs' superblocks (newest `events` wins; stale legs come back recovering, faulty ones faulty;
+//! a resync starts if it was not stopped cleanly). [`Raid1::crash_for_test`] stops an array
+//! without marking it clean.
 //!
-//! Not here yet: resync/recovery/check/repair threads, the `blkq raid` tools, the control socket.
+//! Source files: `device.rs` (types, leg management, `Drop`), `assemble.rs` (start-up),
+//! `io.rs` (the I/O path), `daemon.rs` (raid1d), `sync.rs` (the sync thread).
 #![warn(missing_docs)]
 
+mod assemble;
 pub mod barrier;
 pub mod bitmap;
+mod daemon;
 mod device;
+mod io;
 pub mod superblock;
 pub mod sync;
 

@@ -9,14 +9,14 @@
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc as StdArc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use blk::Device;
+use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-use crate::device::{Raid1, Raid1Error};
+use crate::device::{sync_io, Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT};
 
 /// md's `sync_speed_min` default, KiB/s.
 pub const DEFAULT_SPEED_MIN: u64 = 1000;
@@ -157,8 +157,15 @@ pub(crate) struct Ctl {
     /// Ask the running pass to stop (idle, frozen, array stop).
     pub(crate) interrupt: bool,
     /// The array needs a resync (unclean stop); cleared when one completes.
-    #[allow(dead_code)]
     pub(crate) resync_needed: bool,
+    /// Where an interrupted resync goes on (array bytes; in memory only: after a restart a
+    /// resync starts over, from the bitmap).
+    pub(crate) resync_offset: u64,
+    /// A recovery failed for lack of a readable source: not retried until a leg is added or
+    /// `recover` is requested (no busy loop).
+    pub(crate) recovery_blocked: bool,
+    /// The sync thread must exit.
+    pub(crate) stop: bool,
 }
 
 impl SyncState {
@@ -273,15 +280,31 @@ impl Raid1 {
                 if matches!(s.action(), SyncAction::Check | SyncAction::Repair) {
                     c.interrupt = true;
                 }
-                c.requested = None;
+                if matches!(c.requested, Some(SyncAction::Check | SyncAction::Repair)) {
+                    c.requested = None;
+                }
             }
             SyncAction::Frozen => {
                 c.frozen = true;
                 c.interrupt = true;
             }
-            a => {
+            SyncAction::Check | SyncAction::Repair => {
+                let busy = matches!(s.action(), SyncAction::Resync | SyncAction::Recover)
+                    || c.resync_needed
+                    || self.inner.recovering_leg().is_some();
+                if busy {
+                    return Err(Raid1Error::Busy("a resync or recovery is pending"));
+                }
                 c.frozen = false;
-                c.requested = Some(a);
+                c.requested = Some(action);
+            }
+            SyncAction::Resync => {
+                c.frozen = false;
+                c.resync_needed = true;
+            }
+            SyncAction::Recover => {
+                c.frozen = false;
+                c.recovery_blocked = false;
             }
         }
         drop(c);
@@ -291,15 +314,488 @@ impl Raid1 {
 
     fn wait_idle(&self, timeout: Duration) -> bool {
         let s = self.sync_state();
+        let inner = &self.inner;
         s.idle_wq
             .wait_for_until(
-                || (s.action() == SyncAction::Idle).then_some(()),
-                std::time::Instant::now() + timeout,
+                || {
+                    let c = s.ctl.lock();
+                    let idle = s.action() == SyncAction::Idle
+                        && (c.frozen || c.stop || inner.next_job(&c).is_none());
+                    idle.then_some(())
+                },
+                Instant::now() + timeout,
             )
             .is_some()
     }
 
-    fn replace(&self, _old: usize, _new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
-        Err(Raid1Error::Config("replace: not implemented yet".into()))
+    fn replace(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        let st = self
+            .leg_status(old)
+            .ok_or(Raid1Error::Slot(old, "no such slot"))?;
+        if !st.present || st.faulty {
+            return Err(Raid1Error::Slot(old, "not a working leg"));
+        }
+        let slot = self.add_leg(new)?;
+        let inner = &self.inner;
+        // Wait for its recovery; give up if it failed or was taken out.
+        inner.sync.idle_wq.wait_for(|| {
+            let l = &inner.legs[slot];
+            let st = l.state.load(Ordering::Acquire);
+            let c = inner.sync.ctl.lock();
+            let done = st & IN_SYNC != 0
+                || st & (PRESENT | FAULTY) != PRESENT
+                || c.stop
+                || c.recovery_blocked;
+            done.then_some(())
+        });
+        let st = inner.legs[slot].state.load(Ordering::Acquire);
+        if st & (PRESENT | IN_SYNC | FAULTY) != PRESENT | IN_SYNC {
+            return Err(Raid1Error::Slot(slot, "replacement did not recover"));
+        }
+        self.fail_leg(old)?;
+        self.remove_leg(old)?;
+        Ok(slot)
+    }
+
+    /// Stops the sync thread (array stop): interrupts a running pass (a recovery keeps its
+    /// offset in the superblocks) and joins.
+    pub(crate) fn stop_sync_thread(&mut self) {
+        {
+            let mut c = self.inner.sync.ctl.lock();
+            c.stop = true;
+            c.interrupt = true;
+        }
+        self.inner.sync.wq.wake_all();
+        self.inner.sync.idle_wq.wake_all();
+        if let Some(t) = self.syncer.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One pass of the sync thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Job {
+    Resync,
+    /// Recover the leg in this slot.
+    Recover(usize),
+    Check,
+    Repair,
+}
+
+/// How a pass ended.
+enum PassEnd {
+    Done,
+    /// Interrupted (idle, frozen, stop, target gone): resumable.
+    Interrupted,
+    /// No source could be read.
+    Failed,
+}
+
+fn good(st: u32) -> bool {
+    st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
+}
+
+impl Inner {
+    /// The lowest slot holding a present, non-faulty leg that is not in sync.
+    pub(crate) fn recovering_leg(&self) -> Option<usize> {
+        self.legs
+            .iter()
+            .position(|l| l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT)
+    }
+
+    fn in_sync_count(&self) -> usize {
+        self.legs
+            .iter()
+            .filter(|l| good(l.state.load(Ordering::Acquire)))
+            .count()
+    }
+
+    /// What the sync thread should do next, by md's priority: resync, then recovery, then a
+    /// requested check/repair. Pure (no side effects): called from wait conditions.
+    pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
+        if c.resync_needed && self.in_sync_count() >= 2 {
+            return Some(Job::Resync);
+        }
+        if !c.recovery_blocked {
+            if let Some(i) = self.recovering_leg() {
+                return Some(Job::Recover(i));
+            }
+        }
+        match c.requested {
+            Some(SyncAction::Check) => Some(Job::Check),
+            Some(SyncAction::Repair) => Some(Job::Repair),
+            _ => None,
+        }
+    }
+
+    /// The sync thread (`raid1-sync`): sleeps on `sync.wq` until there is a job and the
+    /// array is not frozen, runs it, and goes back to sleep.
+    pub(crate) fn sync_thread(&self) {
+        let s = &self.sync;
+        loop {
+            let job = s.wq.wait_for(|| {
+                let mut c = s.ctl.lock();
+                if c.stop {
+                    return Some(None);
+                }
+                if c.frozen {
+                    return None;
+                }
+                if c.resync_needed && self.in_sync_count() < 2 {
+                    // Nothing to make agree: the recovery of the other legs copies it all.
+                    c.resync_needed = false;
+                    c.resync_offset = 0;
+                }
+                let job = self.next_job(&c)?;
+                c.interrupt = false;
+                if matches!(job, Job::Check | Job::Repair) {
+                    c.requested = None;
+                }
+                let action = match job {
+                    Job::Resync => SyncAction::Resync,
+                    Job::Recover(_) => SyncAction::Recover,
+                    Job::Check => SyncAction::Check,
+                    Job::Repair => SyncAction::Repair,
+                };
+                s.action.store(action.to_u64(), Ordering::Release);
+                Some(Some(job))
+            });
+            let Some(job) = job else { return };
+            self.run_job(job);
+            s.action.store(SyncAction::Idle.to_u64(), Ordering::Release);
+            s.eta_secs.store(u64::MAX, Ordering::Relaxed);
+            s.idle_wq.wake_all();
+        }
+    }
+
+    fn run_job(&self, job: Job) {
+        let s = &self.sync;
+        match job {
+            Job::Resync => {
+                let start = s.ctl.lock().resync_offset;
+                self.set_resync_point_inner(Some(start));
+                let end = self.pass(job, start);
+                self.set_resync_point_inner(None);
+                match end {
+                    PassEnd::Done => {
+                        {
+                            let mut c = s.ctl.lock();
+                            c.resync_needed = false;
+                            c.resync_offset = 0;
+                        }
+                        self.clear_synced_bits();
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Interrupted => {}
+                    PassEnd::Failed => {
+                        // Not retried until asked for again.
+                        let mut c = s.ctl.lock();
+                        c.resync_needed = false;
+                        c.resync_offset = 0;
+                    }
+                }
+            }
+            Job::Recover(t) => {
+                let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
+                match self.pass(job, start) {
+                    PassEnd::Done => {
+                        let l = &self.legs[t];
+                        if l.state.load(Ordering::Acquire) & (PRESENT | FAULTY) == PRESENT {
+                            l.bitmap_recovery.store(false, Ordering::Release);
+                            l.recovery_offset.store(0, Ordering::Release);
+                            l.state.fetch_or(IN_SYNC, Ordering::AcqRel);
+                            self.state_changed();
+                            self.clear_synced_bits();
+                        }
+                        // events bumped, new state on every leg.
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Interrupted => {
+                        // Keep the offset: an interrupted recovery resumes there.
+                        let _ = self.write_superblocks();
+                    }
+                    PassEnd::Failed => {
+                        s.ctl.lock().recovery_blocked = true;
+                        let _ = self.write_superblocks();
+                    }
+                }
+            }
+            Job::Check | Job::Repair => {
+                s.mismatch_cnt.store(0, Ordering::Relaxed);
+                let _ = self.pass(job, 0);
+            }
+        }
+    }
+
+    fn set_resync_point_inner(&self, offset: Option<u64>) {
+        self.resync_point
+            .store(offset.unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// After a successful resync/recovery: flush every leg (a bitmap flush epoch) and clear
+    /// the bits of chunks with no write in flight (never while degraded), then persist.
+    fn clear_synced_bits(&self) {
+        let Some(bm) = &self.bitmap else { return };
+        if self.is_degraded() {
+            return;
+        }
+        let e = bm.begin_flush();
+        if !self.flush_legs() {
+            return;
+        }
+        bm.flush_done(e);
+        if bm.clear_synced() > 0 {
+            bm.set_events_cleared(self.meta.lock().events);
+            let _ = self.persist_bitmap();
+        }
+    }
+
+    /// The first in-sync leg (the source), skipping `tried`.
+    fn source_leg(&self, tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
+        self.legs.iter().enumerate().find_map(|(i, l)| {
+            (tried & (1 << i) == 0 && good(l.state.load(Ordering::Acquire)))
+                .then(|| l.dev().map(|d| (i, d)))
+                .flatten()
+        })
+    }
+
+    /// Synchronous leg I/O of `len` bytes at array byte `pos` with `buf` (reused).
+    fn leg_rw(
+        &self,
+        dev: &dyn Device,
+        op: Op,
+        pos: u64,
+        len: u32,
+        buf: &mut Option<Buffer>,
+    ) -> Result<(), blk::Error> {
+        let mut b = Bio::new(op, (pos + self.data_offset) >> SECTOR_SHIFT, len);
+        b.buf = buf.take();
+        let (back, r) = sync_io(dev, b);
+        *buf = back.and_then(|b| b.buf);
+        if buf.is_none() {
+            *buf = Some(Buffer::new(len as usize));
+        }
+        r
+    }
+
+    fn interrupted(&self) -> bool {
+        let c = self.sync.ctl.lock();
+        c.interrupt || c.stop
+    }
+
+    /// Walks the array from `start` in windows. See the crate docs.
+    fn pass(&self, job: Job, start: u64) -> PassEnd {
+        let s = &self.sync;
+        let cap = self.capacity;
+        // Windows: a power of two (so none crosses a barrier unit), at most 1 MiB and the
+        // largest leg I/O, and within one bitmap chunk.
+        let mut win = (1u64 << 20).min(u64::from(self.max_io));
+        win = 1 << (63 - win.max(4096).leading_zeros());
+        let chunk = self.bitmap.as_ref().map(|b| b.chunk_size());
+        if let Some(c) = chunk {
+            win = win.min(c);
+        }
+        // What needs copying: a snapshot of the dirty chunks (chunks dirtied later are
+        // written to every leg by the writes themselves).
+        let only_dirty = match job {
+            Job::Resync => true,
+            Job::Recover(t) => self.legs[t].bitmap_recovery.load(Ordering::Acquire),
+            Job::Check | Job::Repair => false,
+        };
+        let dirty: Option<Vec<bool>> = match (&self.bitmap, only_dirty) {
+            (Some(bm), true) => Some((0..bm.nr_chunks()).map(|i| bm.is_dirty(i)).collect()),
+            _ => None,
+        };
+        let target = match job {
+            Job::Recover(t) => self.legs[t].dev().map(|d| (t, d)),
+            _ => None,
+        };
+        if matches!(job, Job::Recover(_)) && target.is_none() {
+            return PassEnd::Interrupted;
+        }
+        s.total_bytes.store(cap, Ordering::Relaxed);
+        s.done_bytes.store(start, Ordering::Relaxed);
+        s.speed_kib_s.store(0, Ordering::Relaxed);
+        s.eta_secs.store(u64::MAX, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let mut io_bytes = 0u64;
+        let mut last_chunk = u64::MAX;
+        let mut windows = 0u64;
+        let mut src_buf = Some(Buffer::new(win as usize));
+        let mut cmp_buf = Some(Buffer::new(win as usize));
+        let mut pos = start;
+        while pos < cap {
+            if self.interrupted() {
+                return PassEnd::Interrupted;
+            }
+            let wend = ((pos / win + 1) * win).min(cap);
+            let len = (wend - pos) as u32;
+            // Skip chunks the bitmap says agree.
+            if let (Some(d), Some(c)) = (&dirty, chunk) {
+                let idx = pos / c;
+                if !d.get(idx as usize).copied().unwrap_or(true) {
+                    pos = ((idx + 1) * c).min(cap);
+                    self.advance(job, pos);
+                    continue;
+                }
+            }
+            if let Some((t, d)) = &target {
+                let l = &self.legs[*t];
+                let same = l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d));
+                if !same
+                    || l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) != PRESENT
+                {
+                    return PassEnd::Interrupted; // failed, removed or replaced meanwhile
+                }
+            }
+            let sector = pos >> SECTOR_SHIFT;
+            self.barriers.raise_barrier(sector);
+            let r = self.window(job, pos, len, target.as_ref(), &mut src_buf, &mut cmp_buf);
+            let _ = self.barriers.lower_barrier(sector);
+            if !r {
+                return PassEnd::Failed;
+            }
+            if matches!(job, Job::Resync | Job::Recover(_)) {
+                let counted = match chunk {
+                    Some(c) => {
+                        let idx = pos / c;
+                        let new = idx != last_chunk;
+                        last_chunk = idx;
+                        new
+                    }
+                    None => true,
+                };
+                if counted {
+                    s.chunks_copied.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            io_bytes += u64::from(len);
+            windows += 1;
+            pos = wend;
+            self.advance(job, pos);
+            if matches!(job, Job::Recover(_)) && windows.is_multiple_of(64) {
+                // Persist the recovery offset now and then (resume after a stop).
+                let _ = self.write_superblocks();
+            }
+            // Progress.
+            let el = t0.elapsed().as_secs_f64().max(1e-6);
+            let speed = (io_bytes as f64 / 1024.0 / el) as u64;
+            s.speed_kib_s.store(speed, Ordering::Relaxed);
+            let rate = (pos - start) as f64 / el;
+            if rate > 0.0 {
+                s.eta_secs
+                    .store(((cap - pos) as f64 / rate) as u64, Ordering::Relaxed);
+            }
+            self.throttle(t0, io_bytes);
+        }
+        PassEnd::Done
+    }
+
+    /// Records that array bytes below `pos` are done.
+    fn advance(&self, job: Job, pos: u64) {
+        self.sync.done_bytes.store(pos, Ordering::Relaxed);
+        match job {
+            Job::Recover(t) => self.legs[t].recovery_offset.store(pos, Ordering::Release),
+            Job::Resync => {
+                self.sync.ctl.lock().resync_offset = pos;
+                self.set_resync_point_inner(Some(pos));
+            }
+            Job::Check | Job::Repair => {}
+        }
+    }
+
+    /// Sleeps so the pass stays under `sync_speed_max` (woken early by an interrupt, a stop,
+    /// or a new limit). The simple policy: throttle only to the max; the min is documented
+    /// as the floor because this thread never yields to regular I/O beyond the barrier.
+    fn throttle(&self, t0: Instant, io_bytes: u64) {
+        let s = &self.sync;
+        loop {
+            let max = s.speed_max.load(Ordering::Relaxed).max(1);
+            let due = t0 + Duration::from_secs_f64(io_bytes as f64 / 1024.0 / max as f64);
+            if Instant::now() >= due {
+                return;
+            }
+            let r = s.wq.wait_for_until(
+                || {
+                    (self.interrupted() || s.speed_max.load(Ordering::Relaxed).max(1) != max)
+                        .then_some(())
+                },
+                due,
+            );
+            if r.is_none() || self.interrupted() {
+                return;
+            }
+        }
+    }
+
+    /// One window, with its barrier raised: read the source, then write (resync/recover) or
+    /// compare (check/repair) the others. False when no source could be read.
+    fn window(
+        &self,
+        job: Job,
+        pos: u64,
+        len: u32,
+        target: Option<&(usize, StdArc<dyn Device>)>,
+        src_buf: &mut Option<Buffer>,
+        cmp_buf: &mut Option<Buffer>,
+    ) -> bool {
+        let mut tried = 0u32;
+        let src = loop {
+            let Some((i, d)) = self.source_leg(tried) else {
+                return false;
+            };
+            tried |= 1 << i;
+            if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
+                break i;
+            }
+            self.note_read_error(i);
+        };
+        let others: Vec<(usize, StdArc<dyn Device>)> = match (job, target) {
+            (Job::Recover(_), Some((t, d))) => vec![(*t, d.clone())],
+            _ => self
+                .legs
+                .iter()
+                .enumerate()
+                .filter(|&(i, l)| i != src && good(l.state.load(Ordering::Acquire)))
+                .filter_map(|(i, l)| l.dev().map(|d| (i, d)))
+                .collect(),
+        };
+        for (i, d) in others {
+            let write = match job {
+                Job::Resync | Job::Recover(_) => true,
+                Job::Check | Job::Repair => {
+                    if self
+                        .leg_rw(d.as_ref(), Op::Read, pos, len, cmp_buf)
+                        .is_err()
+                    {
+                        // md rewrites unreadable blocks during check/repair too.
+                        self.note_read_error(i);
+                        true
+                    } else {
+                        let (Some(a), Some(b)) = (src_buf.as_ref(), cmp_buf.as_ref()) else {
+                            continue;
+                        };
+                        let n = len as usize;
+                        let diff = a.as_slice()[..n]
+                            .chunks(512)
+                            .zip(b.as_slice()[..n].chunks(512))
+                            .filter(|(x, y)| x != y)
+                            .count() as u64;
+                        self.sync.mismatch_cnt.fetch_add(diff, Ordering::Relaxed);
+                        diff > 0 && job == Job::Repair
+                    }
+                }
+            };
+            if write
+                && job != Job::Check
+                && self
+                    .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
+                    .is_err()
+            {
+                self.fail_leg(i);
+            }
+        }
+        true
     }
 }

@@ -1,0 +1,318 @@
+//! Start-up: [`Raid1::create`] (format new legs), [`Raid1::assemble`] (restart from the legs'
+//! superblocks: slot table from the newest, stale legs recovering, bitmap union, unclean stop
+//! detection) and `launch` (build the shared state, start raid1d and the sync thread).
+//!
+//! Runs on the caller's thread, before any other thread of the array exists.
+
+use std::sync::{Arc as StdArc, Weak};
+use std::time::Instant;
+
+use blk::{Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
+use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use blkq_sync::{thread, Mutex};
+use std::collections::VecDeque;
+use waitq::WaitQueue;
+
+use crate::barrier::Barriers;
+use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
+use crate::device::{
+    sync_io, ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error,
+    FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY,
+};
+use crate::superblock::{ArrayState, Role, Superblock, MAX_LEGS, SB_OFFSET};
+
+impl Raid1 {
+    /// Creates a new array over `legs` (at least 2): writes fresh superblocks and empty
+    /// bitmaps to every leg and starts the array's background thread.
+    pub fn create(legs: Vec<StdArc<dyn Device>>, cfg: Raid1Config) -> Result<Self, Raid1Error> {
+        if legs.len() < 2 {
+            return Err(Raid1Error::Config("raid1 needs at least 2 legs".into()));
+        }
+        let nr_slots = legs.len() + cfg.spare_slots;
+        if nr_slots > MAX_LEGS {
+            return Err(Raid1Error::Config(format!("at most {MAX_LEGS} slots")));
+        }
+        if cfg.depth == 0 || cfg.depth > u32::MAX as usize {
+            return Err(Raid1Error::Config("depth".into()));
+        }
+        let lims: Vec<Limits> = legs.iter().map(|l| l.limits()).collect();
+        let leg_size = lims.iter().map(|l| l.capacity).min().unwrap_or(0);
+        let lbs = lims
+            .iter()
+            .map(|l| l.logical_block_size)
+            .max()
+            .unwrap_or(512);
+        let max_io = lims
+            .iter()
+            .map(|l| l.max_io_bytes)
+            .chain([cfg.max_io_bytes])
+            .min()
+            .unwrap_or(cfg.max_io_bytes);
+        let chunk = if cfg.bitmap_chunk == 0 {
+            DEFAULT_CHUNK_SIZE
+        } else {
+            cfg.bitmap_chunk
+        };
+        let sbs = Superblock::new_array(nr_slots, leg_size, chunk)?;
+        let sb0 = &sbs[0];
+        let data_offset = sb0.data_offset;
+        let capacity = sb0.data_size / u64::from(lbs) * u64::from(lbs);
+        let bitmap = if cfg.bitmap_chunk == 0 {
+            None
+        } else {
+            Some(WriteIntentBitmap::new(capacity, chunk)?.with_quiet_time(cfg.bitmap_quiet))
+        };
+        let placed = legs
+            .into_iter()
+            .enumerate()
+            .map(|(i, dev)| Placed {
+                slot: i,
+                dev,
+                uuid: sbs[i].leg_uuid,
+                state: PRESENT | IN_SYNC,
+                recovery_offset: 0,
+                sb_events: 1,
+                was_in_sync: true,
+                readd: false,
+            })
+            .collect();
+        Self::launch(Launch {
+            nr_slots,
+            placed,
+            slot_uuids: Vec::new(),
+            array_uuid: sb0.array_uuid,
+            events: 1,
+            data_offset,
+            capacity,
+            lbs,
+            max_io,
+            bitmap,
+            cfg,
+            resync: false,
+        })
+    }
+
+    /// Assembles an existing array from its legs' superblocks (any order). The newest
+    /// superblock (highest `events`) decides the slot table; a leg whose own superblock is
+    /// older is put back as recovering (recovery offset 0): a resync must bring it up to date,
+    /// copying the dirty chunks of the bitmap (loaded from every leg, as a union) or everything.
+    /// Legs the newest superblock marks faulty come back faulty.
+    pub fn assemble(legs: Vec<StdArc<dyn Device>>, cfg: Raid1Config) -> Result<Self, Raid1Error> {
+        if legs.is_empty() {
+            return Err(Raid1Error::Config("no legs".into()));
+        }
+        if cfg.depth == 0 || cfg.depth > u32::MAX as usize {
+            return Err(Raid1Error::Config("depth".into()));
+        }
+        let mut found = Vec::with_capacity(legs.len());
+        for (i, dev) in legs.into_iter().enumerate() {
+            let b = Bio::with_buf(
+                Op::Read,
+                SB_OFFSET >> SECTOR_SHIFT,
+                Buffer::new(crate::superblock::SB_SIZE),
+            );
+            let (back, r) = sync_io(dev.as_ref(), b);
+            r.map_err(|e| Raid1Error::Leg { leg: i, source: e })?;
+            let buf = back
+                .and_then(|b| b.buf)
+                .ok_or(Raid1Error::Slot(i, "no data"))?;
+            let sb = Superblock::decode(buf.as_slice())?;
+            found.push((dev, sb));
+        }
+        let newest = found
+            .iter()
+            .max_by_key(|(_, sb)| sb.events)
+            .map(|(_, sb)| sb.clone())
+            .ok_or(Raid1Error::Config("no legs".into()))?;
+        let nr_slots = newest.legs.len();
+        let lims: Vec<Limits> = found.iter().map(|(d, _)| d.limits()).collect();
+        let lbs = lims
+            .iter()
+            .map(|l| l.logical_block_size)
+            .max()
+            .unwrap_or(512);
+        let max_io = lims
+            .iter()
+            .map(|l| l.max_io_bytes)
+            .chain([cfg.max_io_bytes])
+            .min()
+            .unwrap_or(cfg.max_io_bytes);
+        let mut placed: Vec<Placed> = Vec::new();
+        for (i, (dev, sb)) in found.into_iter().enumerate() {
+            if sb.array_uuid != newest.array_uuid {
+                return Err(Raid1Error::Slot(i, "leg belongs to another array"));
+            }
+            if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
+                return Err(Raid1Error::Slot(i, "leg smaller than the array"));
+            }
+            let Role::Slot(n) = sb.role else {
+                continue; // spares are added later with add_leg
+            };
+            let n = n as usize;
+            let Some(info) = newest.legs.get(n).filter(|l| l.uuid == sb.leg_uuid) else {
+                continue; // replaced in its slot since: not part of the array any more
+            };
+            if placed.iter().any(|p| p.slot == n) {
+                return Err(Raid1Error::Slot(i, "two legs claim the same slot"));
+            }
+            let mut state = PRESENT;
+            if info.faulty {
+                state |= FAULTY;
+            }
+            if info.write_mostly {
+                state |= WRITE_MOSTLY;
+            }
+            let current = sb.events == newest.events;
+            if info.in_sync && current {
+                state |= IN_SYNC;
+            }
+            placed.push(Placed {
+                slot: n,
+                dev,
+                uuid: sb.leg_uuid,
+                state,
+                recovery_offset: if current {
+                    info.recovery_offset.unwrap_or(0)
+                } else {
+                    0
+                },
+                sb_events: sb.events,
+                was_in_sync: sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty),
+                readd: false,
+            });
+        }
+        if !placed
+            .iter()
+            .any(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
+        {
+            return Err(Raid1Error::Config("no in-sync leg: cannot assemble".into()));
+        }
+        let capacity = newest.data_size;
+        let bitmap = if newest.bitmap.chunk_size == 0 {
+            None
+        } else {
+            let bm = WriteIntentBitmap::new(capacity, newest.bitmap.chunk_size)?
+                .with_quiet_time(cfg.bitmap_quiet);
+            let mut loaded = false;
+            for p in placed.iter().filter(|p| p.state & FAULTY == 0) {
+                let len = bm.disk_len();
+                let b = Bio::with_buf(
+                    Op::Read,
+                    newest.bitmap.offset >> SECTOR_SHIFT,
+                    Buffer::new(len),
+                );
+                let (back, r) = sync_io(p.dev.as_ref(), b);
+                if let (Ok(()), Some(buf)) = (r, back.and_then(|b| b.buf)) {
+                    loaded |= bm.load(buf.as_slice()).is_ok();
+                }
+            }
+            if !loaded {
+                // No readable bitmap: everything may differ.
+                bm.set_dirty(crate::bitmap::ChunkSet {
+                    first: 0,
+                    end: bm.nr_chunks(),
+                });
+            }
+            // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
+            // recovery (md's re-add); any other recovering leg recovers fully.
+            let cleared = bm.events_cleared();
+            for p in placed.iter_mut() {
+                p.readd = loaded
+                    && p.state & (IN_SYNC | FAULTY) == 0
+                    && p.recovery_offset == 0
+                    && p.was_in_sync
+                    && p.sb_events >= cleared;
+            }
+            Some(bm)
+        };
+        Self::launch(Launch {
+            nr_slots,
+            placed,
+            slot_uuids: newest.legs.iter().map(|l| l.uuid).collect(),
+            array_uuid: newest.array_uuid,
+            events: newest.events,
+            data_offset: newest.data_offset,
+            capacity,
+            lbs,
+            max_io,
+            bitmap,
+            cfg,
+            resync: newest.array_state != ArrayState::Clean,
+        })
+    }
+
+    pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
+        let cfg = a.cfg;
+        let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
+        let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
+            legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
+            ends: (0..a.nr_slots)
+                .map(|leg| {
+                    StdArc::new(LegEnd {
+                        inner: weak.clone(),
+                        leg,
+                    }) as StdArc<dyn EndIo>
+                })
+                .collect(),
+            data_offset: a.data_offset,
+            capacity: a.capacity,
+            logical_block_size: a.lbs,
+            max_io: a.max_io,
+            barriers: Barriers::new(cfg.barrier),
+            bitmap: a.bitmap,
+            persist: Mutex::new(()),
+            ios: (0..cfg.depth).map(|_| Mutex::new(Io::default())).collect(),
+            free: Mutex::new((0..cfg.depth as u32).rev().collect()),
+            free_wq: WaitQueue::new(),
+            retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+            daemon_wq: WaitQueue::new(),
+            stop: AtomicBool::new(false),
+            sb_dirty: AtomicBool::new(false),
+            meta: Mutex::new(ArrayMeta {
+                array_uuid: a.array_uuid,
+                events: a.events,
+                state: ArrayState::Active,
+            }),
+            fail_lock: Mutex::new(()),
+            resync_point: AtomicU64::new(u64::MAX),
+            pool,
+            origin: Instant::now(),
+            sync: crate::sync::SyncState::new(),
+            cfg,
+        });
+        // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
+        // come back with `add_leg` as a re-add.
+        for (l, u) in inner.legs.iter().zip(a.slot_uuids.iter()) {
+            *l.uuid.lock() = *u;
+        }
+        for p in a.placed {
+            let l = &inner.legs[p.slot];
+            *l.dev.lock() = Some(p.dev);
+            *l.uuid.lock() = p.uuid;
+            l.recovery_offset
+                .store(p.recovery_offset, Ordering::Release);
+            l.bitmap_recovery.store(p.readd, Ordering::Release);
+            l.state.store(p.state, Ordering::Release);
+        }
+        if let Some(bm) = &inner.bitmap {
+            bm.set_degraded(inner.is_degraded());
+        }
+        inner.sync.ctl.lock().resync_needed = a.resync;
+        inner.write_superblocks()?;
+        inner.persist_bitmap()?;
+        let daemon = {
+            let inner = inner.clone();
+            thread::spawn(move || inner.daemon())
+        };
+        let syncer = {
+            let inner = inner.clone();
+            thread::spawn(move || inner.sync_thread())
+        };
+        Ok(Self {
+            inner,
+            daemon: Some(daemon),
+            syncer: Some(syncer),
+            crashed: false,
+        })
+    }
+}

@@ -1,0 +1,269 @@
+//! The array thread (md's raid1d): read-error repair (`fix_read`, with the array frozen),
+//! superblock writes after state changes, bitmap persistence and the lazy clearing of quiet
+//! bitmap bits.
+//!
+//! `daemon` runs on the `raid1d` thread. `write_superblocks`, `persist_bitmap` and
+//! `flush_legs` are slow paths also called from the caller's thread (start-up, leg
+//! management) and from the sync thread; `persist` serialises them.
+
+use std::time::Instant;
+
+use blk::{Bio, BioFlags, Buffer, Op, SECTOR_SHIFT};
+use blkq_sync::atomic::Ordering;
+use uuid::Uuid;
+
+use crate::device::{eio, sync_io, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
+
+impl Inner {
+    /// raid1d's handling of a failed read: with the array frozen, read the range from another
+    /// leg, rewrite it on the legs that failed (failing a leg whose rewrite fails or whose
+    /// error count passes the limit), and complete the read.
+    pub(crate) fn fix_read(&self, id: u32) {
+        let (mut orig, end, mut tried, err) = {
+            let mut io = self.ios[id as usize].lock();
+            let t = (io.orig.take(), io.end.take(), io.tried, io.err.take());
+            *io = Io::default();
+            t
+        };
+        self.put_slot(id);
+        let Some(mut o) = orig.take() else { return };
+        let sector = o.sector;
+        let _ = self.barriers.unqueue_io(sector);
+        self.barriers.freeze_array(1);
+        let failed = tried;
+        let end_byte = o.offset() + u64::from(o.len);
+        let mut good = None;
+        while let Some(leg) = self.choose_read_leg(sector, end_byte, tried) {
+            tried |= 1 << leg;
+            let Some(dev) = self.legs[leg].dev() else {
+                continue;
+            };
+            let buf = o.buf.take().unwrap_or_else(|| Buffer::new(o.len as usize));
+            let lb = self.leg_bio(&o, Some(buf), id);
+            let (back, r) = sync_io(dev.as_ref(), lb);
+            o.buf = back.and_then(|mut b| b.buf.take());
+            if r.is_ok() {
+                good = Some(leg);
+                break;
+            }
+            self.note_read_error(leg);
+        }
+        if good.is_some() {
+            for leg in 0..self.legs.len() {
+                if failed & (1 << leg) == 0 {
+                    continue;
+                }
+                self.note_read_error(leg);
+                let st = self.legs[leg].state.load(Ordering::Acquire);
+                let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
+                    continue;
+                };
+                let Some(src) = o.buf.as_ref() else { break };
+                let mut copy = Buffer::new(src.len());
+                copy.as_mut_slice().copy_from_slice(src.as_slice());
+                let mut wb = self.leg_bio(&o, Some(copy), id);
+                wb.op = Op::Write;
+                wb.flags = BioFlags::NONE;
+                if sync_io(dev.as_ref(), wb).1.is_err() {
+                    self.fail_leg(leg);
+                }
+            }
+        }
+        let _ = self.barriers.unfreeze_array();
+        let _ = self.barriers.allow_barrier(sector);
+        let res = match good {
+            Some(_) => Ok(()),
+            None => Err(err.unwrap_or_else(|| eio("raid1: no leg could read"))),
+        };
+        if let Some(e) = end {
+            e.end_io(o, res);
+        }
+    }
+
+    pub(crate) fn note_read_error(&self, leg: usize) {
+        let n = self.legs[leg].read_errors.fetch_add(1, Ordering::AcqRel) + 1;
+        if n > self.cfg.read_error_limit {
+            self.fail_leg(leg);
+        }
+    }
+
+    pub(crate) fn superblock_for(&self, i: usize) -> Superblock {
+        let meta = self.meta.lock();
+        let bitmap = crate::superblock::BitmapLocation {
+            offset: crate::superblock::BITMAP_OFFSET,
+            len: self.bitmap.as_ref().map_or(0, |b| b.disk_len() as u64),
+            chunk_size: self.bitmap.as_ref().map_or(0, |b| b.chunk_size()),
+        };
+        let legs = self
+            .legs
+            .iter()
+            .map(|l| {
+                let st = l.state.load(Ordering::Acquire);
+                let present = st & PRESENT != 0;
+                LegInfo {
+                    uuid: if present { *l.uuid.lock() } else { Uuid::nil() },
+                    in_sync: st & IN_SYNC != 0,
+                    faulty: st & FAULTY != 0,
+                    write_mostly: st & WRITE_MOSTLY != 0,
+                    recovery_offset: (present && st & IN_SYNC == 0 && st & FAULTY == 0)
+                        .then(|| l.recovery_offset.load(Ordering::Acquire)),
+                }
+            })
+            .collect();
+        let state = if self.is_degraded() {
+            ArrayState::Degraded
+        } else if meta.state == ArrayState::Clean {
+            ArrayState::Clean
+        } else {
+            ArrayState::Active
+        };
+        Superblock {
+            array_uuid: meta.array_uuid,
+            leg_uuid: *self.legs[i].uuid.lock(),
+            role: Role::Slot(i as u32),
+            array_state: state,
+            data_offset: self.data_offset,
+            data_size: self.capacity,
+            events: meta.events,
+            bitmap,
+            legs,
+        }
+    }
+
+    pub(crate) fn write_superblocks_state(&self, state: ArrayState) -> Result<(), Raid1Error> {
+        self.meta.lock().state = state;
+        self.write_superblocks()
+    }
+
+    /// Bumps `events` and writes every present, non-faulty leg's superblock, then flushes.
+    pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
+        let _g = self.persist.lock();
+        self.sb_dirty.store(false, Ordering::Release);
+        self.meta.lock().events += 1;
+        let mut first_err = None;
+        for (i, l) in self.legs.iter().enumerate() {
+            if !Self::writable(l.state.load(Ordering::Acquire)) {
+                continue;
+            }
+            let Some(dev) = l.dev() else { continue };
+            let sb = self.superblock_for(i);
+            let mut buf = Buffer::new(crate::superblock::SB_SIZE);
+            sb.encode_into(buf.as_mut_slice())?;
+            let mut b = Bio::with_buf(Op::Write, SB_OFFSET >> SECTOR_SHIFT, buf);
+            b.flags = BioFlags::FUA;
+            if let Err(e) = sync_io(dev.as_ref(), b).1 {
+                self.fail_leg(i);
+                first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
+            }
+        }
+        match first_err {
+            Some(e)
+                if !self
+                    .legs
+                    .iter()
+                    .any(|l| Self::writable(l.state.load(Ordering::Acquire))) =>
+            {
+                Err(e)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes the bitmap to every writable leg and flushes them. Under `persist`, so a later
+    /// snapshot always lands after an earlier one.
+    pub(crate) fn persist_bitmap(&self) -> Result<(), Raid1Error> {
+        let Some(bm) = &self.bitmap else {
+            return Ok(());
+        };
+        let _g = self.persist.lock();
+        let bytes = bm.encode();
+        let mut ok = 0;
+        let mut first_err = None;
+        for (i, l) in self.legs.iter().enumerate() {
+            if !Self::writable(l.state.load(Ordering::Acquire)) {
+                continue;
+            }
+            let Some(dev) = l.dev() else { continue };
+            let mut buf = Buffer::new(bytes.len());
+            buf.as_mut_slice().copy_from_slice(&bytes);
+            let b = Bio::with_buf(
+                Op::Write,
+                crate::superblock::BITMAP_OFFSET >> SECTOR_SHIFT,
+                buf,
+            );
+            let r = sync_io(dev.as_ref(), b)
+                .1
+                .and_then(|()| sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1);
+            match r {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    self.fail_leg(i);
+                    first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
+                }
+            }
+        }
+        match first_err {
+            Some(e) if ok == 0 => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Flushes every writable leg (a bitmap flush epoch).
+    pub(crate) fn flush_legs(&self) -> bool {
+        let mut all = true;
+        for l in self.legs.iter() {
+            if !Self::writable(l.state.load(Ordering::Acquire)) {
+                continue;
+            }
+            if let Some(dev) = l.dev() {
+                all &= sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1.is_ok();
+            }
+        }
+        all
+    }
+
+    /// The background thread (md's raid1d): read retries, superblock updates, lazy bitmap
+    /// clearing.
+    pub(crate) fn daemon(&self) {
+        let mut next_tick = Instant::now() + self.cfg.tick;
+        loop {
+            let stop = self.stop.load(Ordering::Acquire);
+            let next = self.retry.lock().pop_front();
+            if let Some(id) = next {
+                self.fix_read(id);
+                continue;
+            }
+            if stop {
+                return;
+            }
+            if self.sb_dirty.load(Ordering::Acquire) {
+                let _ = self.write_superblocks();
+            }
+            if Instant::now() >= next_tick {
+                next_tick = Instant::now() + self.cfg.tick;
+                if let Some(bm) = &self.bitmap {
+                    if !bm.dirty_chunks().is_empty() && !self.is_degraded() {
+                        let e = bm.begin_flush();
+                        if self.flush_legs() {
+                            bm.flush_done(e);
+                        }
+                        if bm.clear_quiet(self.origin.elapsed()) > 0 {
+                            bm.set_events_cleared(self.meta.lock().events);
+                            let _ = self.persist_bitmap();
+                        }
+                    }
+                }
+            }
+            let _ = self.daemon_wq.wait_for_until(
+                || {
+                    (self.stop.load(Ordering::Acquire)
+                        || self.sb_dirty.load(Ordering::Acquire)
+                        || !self.retry.lock().is_empty())
+                    .then_some(())
+                },
+                next_tick,
+            );
+        }
+    }
+}

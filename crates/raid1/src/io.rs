@@ -1,0 +1,364 @@
+//! The regular I/O path: validation, read balancing, mirrored writes, flushes, and the
+//! completion of leg bios (`leg_done`).
+//!
+//! `submit*` run on the submitter's thread; `leg_done` runs wherever a leg completes its bio
+//! (a leg's completion thread, or inline in `submit`). A failed read is handed to raid1d
+//! (`daemon.rs`). No heap allocation in the steady state: per-I/O state comes from the
+//! preallocated `ios` slots and copy buffers from the pool.
+
+use std::sync::Arc as StdArc;
+
+use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blkq_sync::atomic::Ordering;
+
+use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::superblock::MAX_LEGS;
+
+impl Inner {
+    pub(crate) fn writable(st: u32) -> bool {
+        st & PRESENT != 0 && st & FAULTY == 0
+    }
+
+    /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
+    /// fewest requests in flight; write-mostly legs only when nothing else can serve.
+    pub(crate) fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
+        // During a resync, a read at or past the resync point goes to the first usable leg
+        // (the resync's source), as md's `choose_first`, so it reads what the resync copies.
+        let choose_first = end_byte > self.resync_point.load(Ordering::Acquire);
+        let mut best: Option<(usize, usize)> = None;
+        let mut mostly = None;
+        for (i, l) in self.legs.iter().enumerate() {
+            let st = l.state.load(Ordering::Acquire);
+            if !Self::writable(st) || tried & (1 << i) != 0 {
+                continue;
+            }
+            if st & IN_SYNC == 0 && end_byte > l.recovery_offset.load(Ordering::Acquire) {
+                continue;
+            }
+            if choose_first {
+                return Some(i);
+            }
+            if st & WRITE_MOSTLY != 0 {
+                mostly.get_or_insert(i);
+                continue;
+            }
+            if l.head.load(Ordering::Relaxed) == sector {
+                return Some(i);
+            }
+            let p = l.pending.load(Ordering::Relaxed);
+            if best.is_none_or(|(_, bp)| p < bp) {
+                best = Some((i, p));
+            }
+        }
+        best.map(|(i, _)| i).or(mostly)
+    }
+
+    pub(crate) fn leg_bio(&self, orig: &Bio, buf: Option<Buffer>, slot: u32) -> Bio {
+        let mut b = Bio::new(
+            orig.op,
+            orig.sector + (self.data_offset >> SECTOR_SHIFT),
+            orig.len,
+        );
+        b.flags = orig.flags;
+        b.prio = orig.prio;
+        b.buf = buf;
+        b.cookie = u64::from(slot);
+        b
+    }
+
+    pub(crate) fn get_slot(&self) -> u32 {
+        self.free_wq.wait_for(|| self.free.lock().pop())
+    }
+
+    pub(crate) fn put_slot(&self, id: u32) {
+        self.free.lock().push(id);
+        self.free_wq.wake_one();
+    }
+
+    pub(crate) fn submit(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
+        let lim = Limits {
+            capacity: self.capacity,
+            logical_block_size: self.logical_block_size,
+            max_io_bytes: self.max_io,
+        };
+        let checked = lim.validate(&bio).and_then(|()| {
+            if !bio.op.has_data() {
+                return Ok(());
+            }
+            match &bio.buf {
+                None => Err(Error::NoBuffer),
+                Some(b) if (b.len() as u64) < u64::from(bio.len) => Err(Error::BufferTooSmall {
+                    len: u64::from(bio.len),
+                    buf: b.len() as u64,
+                }),
+                Some(_) => Ok(()),
+            }
+        });
+        if let Err(e) = checked {
+            end.end_io(bio, Err(e));
+            return;
+        }
+        match bio.op {
+            Op::Read => self.submit_read(bio, end),
+            Op::Write | Op::Discard | Op::WriteZeroes => self.submit_write(bio, end),
+            Op::Flush => self.submit_flush(bio, end),
+        }
+    }
+
+    pub(crate) fn submit_read(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
+        let sector = bio.sector;
+        self.barriers.wait_read_barrier(sector);
+        let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0) else {
+            let _ = self.barriers.allow_barrier(sector);
+            end.end_io(bio, Err(eio("raid1: no readable leg")));
+            return;
+        };
+        let Some(dev) = self.legs[leg].dev() else {
+            let _ = self.barriers.allow_barrier(sector);
+            end.end_io(bio, Err(eio("raid1: leg vanished")));
+            return;
+        };
+        let id = self.get_slot();
+        let buf = bio.buf.take();
+        let lb = self.leg_bio(&bio, buf, id);
+        {
+            let mut io = self.ios[id as usize].lock();
+            *io = Io {
+                kind: Kind::Read,
+                orig: Some(bio),
+                end: Some(end.clone()),
+                remaining: 1,
+                tried: 1 << leg,
+                primary: leg,
+                ..Io::default()
+            };
+        }
+        let l = &self.legs[leg];
+        l.head.store(
+            lb.end_sector() - (self.data_offset >> SECTOR_SHIFT),
+            Ordering::Relaxed,
+        );
+        l.pending.fetch_add(1, Ordering::Relaxed);
+        dev.submit(lb, &self.ends[leg]);
+    }
+
+    pub(crate) fn submit_write(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
+        let sector = bio.sector;
+        let (off, len) = (bio.offset(), u64::from(bio.len));
+        self.barriers.wait_barrier(sector);
+        if let Some(bm) = &self.bitmap {
+            match bm.start_write(off, len) {
+                Ok(None) => {}
+                Ok(Some(set)) => {
+                    // The bit must be on disk on every leg before the data write is issued.
+                    if self.persist_bitmap().is_ok() {
+                        bm.mark_durable(set);
+                    }
+                }
+                Err(e) => {
+                    let _ = self.barriers.allow_barrier(sector);
+                    end.end_io(bio, Err(Error::Config(e.to_string())));
+                    return;
+                }
+            }
+        }
+        // Legs to write: present and not faulty (recovering legs included).
+        let mut mask = 0u32;
+        let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
+        for (i, l) in self.legs.iter().enumerate() {
+            if Self::writable(l.state.load(Ordering::Acquire)) {
+                if let Some(d) = l.dev() {
+                    devs[i] = Some(d);
+                    mask |= 1 << i;
+                }
+            }
+        }
+        if mask == 0 {
+            self.write_finished(off, len, sector);
+            end.end_io(bio, Err(eio("raid1: no writable leg")));
+            return;
+        }
+        let primary = mask.trailing_zeros() as usize;
+        let id = self.get_slot();
+        // Copies for the extra legs first, then the original buffer goes to the primary.
+        let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
+        for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
+            if mask & (1 << i) == 0 || i == primary {
+                continue;
+            }
+            let copy = match &bio.buf {
+                Some(src) if bio.op == Op::Write => {
+                    let mut c = self
+                        .pool
+                        .get(src.len())
+                        .unwrap_or_else(|| Buffer::new(src.len()));
+                    c.as_mut_slice().copy_from_slice(src.as_slice());
+                    Some(c)
+                }
+                _ => None,
+            };
+            *slot = Some(self.leg_bio(&bio, copy, id));
+        }
+        let buf = bio.buf.take();
+        bios[primary] = Some(self.leg_bio(&bio, buf, id));
+        {
+            let mut io = self.ios[id as usize].lock();
+            *io = Io {
+                kind: Kind::Write,
+                orig: Some(bio),
+                end: Some(end.clone()),
+                remaining: mask.count_ones(),
+                primary,
+                ..Io::default()
+            };
+        }
+        for i in 0..self.legs.len() {
+            if let (Some(b), Some(d)) = (bios[i].take(), devs[i].take()) {
+                self.legs[i].pending.fetch_add(1, Ordering::Relaxed);
+                d.submit(b, &self.ends[i]);
+            }
+        }
+    }
+
+    pub(crate) fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
+        let mut mask = 0u32;
+        let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
+        for (i, l) in self.legs.iter().enumerate() {
+            if Self::writable(l.state.load(Ordering::Acquire)) {
+                if let Some(d) = l.dev() {
+                    devs[i] = Some(d);
+                    mask |= 1 << i;
+                }
+            }
+        }
+        if mask == 0 {
+            end.end_io(bio, Err(eio("raid1: no leg to flush")));
+            return;
+        }
+        let id = self.get_slot();
+        {
+            let mut io = self.ios[id as usize].lock();
+            *io = Io {
+                kind: Kind::Flush,
+                orig: Some(bio),
+                end: Some(end.clone()),
+                remaining: mask.count_ones(),
+                primary: usize::MAX,
+                ..Io::default()
+            };
+        }
+        for (i, d) in devs.iter_mut().enumerate() {
+            if let Some(d) = d.take() {
+                let mut b = Bio::new(Op::Flush, 0, 0);
+                b.cookie = u64::from(id);
+                self.legs[i].pending.fetch_add(1, Ordering::Relaxed);
+                d.submit(b, &self.ends[i]);
+            }
+        }
+    }
+
+    pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
+        if let Some(bm) = &self.bitmap {
+            let _ = bm.end_write(off, len, self.origin.elapsed());
+        }
+        let _ = self.barriers.allow_barrier(sector);
+    }
+
+    /// A leg bio completed.
+    pub(crate) fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
+        self.legs[leg].pending.fetch_sub(1, Ordering::Relaxed);
+        let Some(slot) = self.ios.get(bio.cookie as usize) else {
+            return; // not ours: cannot happen, and nothing to complete
+        };
+        let id = bio.cookie as u32;
+        let mut io = slot.lock();
+        match io.kind {
+            Kind::Free => {}
+            Kind::Read => {
+                if let Some(o) = io.orig.as_mut() {
+                    o.buf = bio.buf.take();
+                }
+                match res {
+                    Ok(()) => {
+                        let orig = io.orig.take();
+                        let end = io.end.take();
+                        *io = Io::default();
+                        drop(io);
+                        self.finish_regular(id, orig, end, Ok(()));
+                    }
+                    Err(e) => {
+                        // Retry on another leg and repair, in raid1d, with the array frozen.
+                        if io.err.is_none() {
+                            io.err = Some(e);
+                        }
+                        let sector = io.orig.as_ref().map_or(0, |o| o.sector);
+                        drop(io);
+                        self.barriers.queue_io(sector);
+                        self.retry.lock().push_back(id);
+                        self.daemon_wq.wake_all();
+                    }
+                }
+            }
+            Kind::Write | Kind::Flush => {
+                if leg == io.primary {
+                    if let Some(o) = io.orig.as_mut() {
+                        o.buf = bio.buf.take();
+                    }
+                }
+                match res {
+                    Ok(()) => io.ok += 1,
+                    Err(e) => {
+                        if io.err.is_none() {
+                            io.err = Some(e);
+                        }
+                        // A failed write makes the leg stale: fail it (refused for the last
+                        // in-sync leg, whose error then reaches the caller).
+                        self.fail_leg(leg);
+                    }
+                }
+                io.remaining -= 1;
+                if io.remaining > 0 {
+                    return;
+                }
+                let res = if io.ok > 0 {
+                    Ok(())
+                } else {
+                    Err(io.err.take().unwrap_or_else(|| eio("raid1: write failed")))
+                };
+                let kind = io.kind;
+                let orig = io.orig.take();
+                let end = io.end.take();
+                *io = Io::default();
+                drop(io);
+                if kind == Kind::Flush {
+                    self.put_slot(id);
+                    if let (Some(o), Some(e)) = (orig, end) {
+                        e.end_io(o, res);
+                    }
+                } else {
+                    self.finish_regular(id, orig, end, res);
+                }
+            }
+        }
+    }
+
+    /// Ends a regular read or write: bitmap, barrier, slot, caller.
+    pub(crate) fn finish_regular(
+        &self,
+        id: u32,
+        orig: Option<Bio>,
+        end: Option<StdArc<dyn EndIo>>,
+        res: Result<(), Error>,
+    ) {
+        self.put_slot(id);
+        let Some(o) = orig else { return };
+        if o.op == Op::Read {
+            let _ = self.barriers.allow_barrier(o.sector);
+        } else {
+            self.write_finished(o.offset(), u64::from(o.len), o.sector);
+        }
+        if let Some(e) = end {
+            e.end_io(o, res);
+        }
+    }
+}
