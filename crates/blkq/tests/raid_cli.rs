@@ -269,7 +269,6 @@ fn serve_fail_remove_add() {
 }
 
 #[test]
-#[ignore = "needs the finished raid1 sync engine (branch w/raid1-sync)"]
 fn recovery_brings_back_uu() {
     let d = tempfile::tempdir().unwrap();
     let (a, b, c) = (
@@ -283,7 +282,31 @@ fn recovery_brings_back_uu() {
     s.client().write(1 << 20, &data, CmdFlags::FUA).unwrap();
     ok(&["raid", "fail", "1", "--control", s.ctl()]);
     ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    // Slow the copy down so that the progress line can be seen, then let it go.
+    let m = ok(&["raid", "speed-limit", "1", "1", "--control", s.ctl()]);
+    assert!(m.contains("1..1 KiB/s"), "{m}");
     ok(&["raid", "add", &c, "--control", s.ctl()]);
+    let t0 = Instant::now();
+    loop {
+        let st = s.status();
+        if st.contains("recover = ") {
+            assert!(st.contains("speed=") && st.contains("[U_]"), "{st}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no recovery progress line: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(&[
+        "raid",
+        "speed-limit",
+        "1000",
+        "200000",
+        "--control",
+        s.ctl(),
+    ]);
     let t0 = Instant::now();
     loop {
         let st = s.status();
@@ -296,10 +319,38 @@ fn recovery_brings_back_uu() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // The new leg alone holds the data: fail the old one and read back.
+    ok(&["raid", "fail", "0", "--control", s.ctl()]);
+    assert!(s.status().contains("[_U]"));
+    assert_eq!(s.client().read(1 << 20, data.len() as u64).unwrap(), data);
     assert!(s.stop());
-    // The new leg alone (with the old one) holds the data: fail the old one and read.
     let st = ok(&["raid", "status", &c, &a]);
-    assert!(st.contains("[UU]"), "{st}");
+    assert!(st.contains("[_U]"), "{st}");
+}
+
+#[test]
+fn offline_check_and_repair() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let out = ok(&["raid", "check", &a, &b]);
+    assert!(out.contains("mismatch_cnt = 0"), "{out}");
+    // Corrupt 4 KiB of b's data area (data starts at 1 MiB on these legs).
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path().join("b.img"))
+            .unwrap();
+        f.write_all_at(&[0xa5; 4096], (1 << 20) + (2 << 20))
+            .unwrap();
+    }
+    let out = ok(&["raid", "check", "--json", &a, &b]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["mismatch_cnt"].as_u64().unwrap() > 0, "{out}");
+    ok(&["raid", "repair", &a, &b]);
+    let out = ok(&["raid", "check", &a, &b]);
+    assert!(out.contains("mismatch_cnt = 0"), "{out}");
 }
 
 #[test]
