@@ -43,9 +43,9 @@ const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// The array behind the socket, with what the server knows about its legs.
 pub struct Control {
     raid: Arc<Raid1>,
-    /// The device spec in each slot, when known.
-    specs: Mutex<Vec<Option<String>>>,
-    /// Member slots (md's raid_disks), as assembled.
+    /// The device spec in each slot, when known (shared with `replace` threads).
+    specs: Arc<Mutex<Vec<Option<String>>>>,
+    /// Member legs (md's raid_disks), as assembled.
     raid_disks: usize,
     /// How new legs are opened.
     ov: QueueOverrides,
@@ -63,7 +63,7 @@ impl Control {
             .max(2);
         Self {
             raid,
-            specs: Mutex::new(specs),
+            specs: Arc::new(Mutex::new(specs)),
             raid_disks,
             ov,
         }
@@ -76,7 +76,7 @@ impl Control {
         let sb0 = r.superblock(0);
         let events = sb0.as_ref().map_or(0, |s| s.events);
         let mut legs = Vec::with_capacity(r.slots());
-        let mut highest = 0;
+        let mut present = 0;
         for i in 0..r.slots() {
             let Some(st) = r.leg_status(i) else { continue };
             let state = if !st.present {
@@ -89,7 +89,7 @@ impl Control {
                 "recovering"
             };
             if st.present {
-                highest = i + 1;
+                present += 1;
             }
             let uuid = sb0
                 .as_ref()
@@ -111,12 +111,8 @@ impl Control {
                 read_errors: st.read_errors,
             });
         }
-        let raid_disks = self.raid_disks.max(highest);
-        let in_sync = legs
-            .iter()
-            .take(raid_disks)
-            .filter(|l| l.state == "in_sync")
-            .count();
+        let raid_disks = self.raid_disks.max(present);
+        let in_sync = legs.iter().filter(|l| l.state == "in_sync").count();
         let bitmap = r.bitmap().map(|b| BitmapReport {
             chunk_size: b.chunk_size(),
             chunks: b.nr_chunks(),
@@ -186,8 +182,19 @@ impl Control {
     fn open_new_leg(&self, spec: &str) -> Result<Arc<dyn blk::Device>> {
         let dev = raid::open_leg(spec, &self.ov)?;
         if let raid::Probe::Member(sb) = raid::probe(dev.as_ref())? {
-            let ours = self.raid.superblock(0).map(|s| s.array_uuid);
-            if Some(sb.array_uuid) != ours {
+            let ours = self.raid.superblock(0);
+            if let Some(slot) = ours.as_ref().and_then(|o| {
+                (0..self.raid.slots()).find(|&i| {
+                    self.raid.leg_status(i).is_some_and(|st| st.present)
+                        && o.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
+                })
+            }) {
+                bail!(
+                    "leg {spec:?} is already in the array ({}): give a different device",
+                    self.spec_name(slot)
+                );
+            }
+            if Some(sb.array_uuid) != ours.map(|o| o.array_uuid) {
                 bail!(
                     "leg {spec:?} carries the superblock of another array ({}): refusing to overwrite it. \
                      If it is really free, zero its first 8 KiB (superblock) first",
@@ -253,10 +260,21 @@ impl Control {
                 }
                 let dev = self.open_new_leg(&spec)?;
                 let raid = r.clone();
+                let specs = self.specs.clone();
                 let name = self.spec_name(n);
                 // Blocks until the copy is done: run it on a thread of its own.
                 thread::spawn(move || match raid.replace_leg(n, dev) {
-                    Ok(new) => tracing::info!("replace: {spec} took over from slot {n} (slot {new})"),
+                    Ok(new) => {
+                        let mut sp = specs.lock();
+                        if let Some(x) = sp.get_mut(n) {
+                            *x = None;
+                        }
+                        if let Some(x) = sp.get_mut(new) {
+                            *x = Some(spec.clone());
+                        }
+                        drop(sp);
+                        tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
+                    }
                     Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
                 });
                 ok(format!(
@@ -364,8 +382,9 @@ impl ControlServer {
                     match s {
                         Ok(s) => serve_one(&ctl, s),
                         Err(e) => {
+                            // E.g. out of file descriptors: back off instead of spinning.
                             tracing::warn!("control socket: accept: {e}");
-                            thread::yield_now();
+                            std::thread::sleep(Duration::from_millis(100));
                         }
                     }
                 }

@@ -225,14 +225,18 @@ pub struct ArrayReport {
 }
 
 impl ArrayReport {
-    /// md's `[UU_]` string: `U` for an in-sync member, `_` otherwise.
+    /// md's `[UU_]` string: one character per leg in a slot, in slot order (`U` in sync,
+    /// `_` otherwise), then `_` for each member missing (up to `raid_disks`).
     pub fn mdstat_legs(&self) -> String {
-        let s: String = (0..self.raid_disks)
-            .map(|i| match self.legs.get(i) {
-                Some(l) if l.state == "in_sync" => 'U',
-                _ => '_',
-            })
+        let mut s: String = self
+            .legs
+            .iter()
+            .filter(|l| l.state != "empty")
+            .map(|l| if l.state == "in_sync" { 'U' } else { '_' })
             .collect();
+        while s.len() < self.raid_disks {
+            s.push('_');
+        }
         format!("[{s}]")
     }
 
@@ -668,11 +672,7 @@ impl Plan {
                 ));
             }
         }
-        let raid_disks = nb
-            .legs
-            .iter()
-            .rposition(|l| !l.uuid.is_nil())
-            .map_or(0, |i| i + 1);
+        let raid_disks = nb.legs.iter().filter(|l| !l.uuid.is_nil()).count();
         let bitmap = if nb.bitmap.chunk_size == 0 {
             None
         } else {

@@ -260,6 +260,9 @@ fn serve_fail_remove_add() {
     assert!(m.contains("slot 1"), "{m}");
     let detail = ok(&["raid", "detail", "--control", s.ctl()]);
     assert!(detail.contains("c.img"), "{detail}");
+    // A leg already in the array cannot be added again.
+    let e = fails(&["raid", "add", &a, "--control", s.ctl()]);
+    assert!(e.contains("already in the array"), "{e}");
     // Bad commands get clear errors, and the socket stays usable.
     let e = fails(&["raid", "remove", "9", "--control", s.ctl()]);
     assert!(e.contains("no such slot"), "{e}");
@@ -389,4 +392,58 @@ fn control_line_over_4k_is_refused() {
     let _ = u.read_to_string(&mut r);
     assert!(r.contains("longer than 4096"), "{r}");
     assert!(s.status().contains("[UU]"));
+}
+
+#[test]
+fn online_check_and_replace() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        leg(d.path(), "a.img"),
+        leg(d.path(), "b.img"),
+        leg(d.path(), "c.img"),
+    );
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    let data = pattern(9, 128 << 10);
+    s.client().write(2 << 20, &data, CmdFlags::FUA).unwrap();
+    let m = ok(&["raid", "check", "--control", s.ctl()]);
+    assert!(m.contains("check"), "{m}");
+    let wait_for = |what: &dyn Fn(&serde_json::Value) -> bool, why: &str| {
+        let t0 = Instant::now();
+        loop {
+            let out = ok(&["raid", "status", "--json", "--control", s.ctl()]);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            if what(&v) {
+                return v;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "{why}: {out}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let v = wait_for(&|v| v["sync"]["action"] == "idle", "check did not finish");
+    assert_eq!(v["sync"]["mismatch_cnt"], 0);
+    let m = ok(&["raid", "replace", "1", &c, "--control", s.ctl()]);
+    assert!(m.contains("replacing"), "{m}");
+    wait_for(
+        &|v| {
+            v["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l["device"] == c.as_str() && l["state"] == "in_sync")
+                && !v["legs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| l["device"] == b.as_str())
+        },
+        "replace did not finish",
+    );
+    let st = s.status();
+    assert!(st.contains("[UU]"), "{st}");
+    assert_eq!(s.client().read(2 << 20, data.len() as u64).unwrap(), data);
+    assert!(s.stop());
+    // The array now assembles from a and c.
+    let out = ok(&["raid", "assemble", &c, &a]);
+    assert!(out.contains("[UU]"), "{out}");
 }
