@@ -52,7 +52,7 @@ enum RaidCmd {
     Add(AddArgs),
     /// Online: replace the leg in slot N by a new one (copied while N still serves).
     Replace(ReplaceArgs),
-    /// Online: stop a running check/repair/resync (md's `idle`).
+    /// Online: stop a running check/repair and unfreeze (md's `idle`).
     Idle(ControlArg),
     /// Online: resync speed limits in KiB/s (md's sync_speed_min/max).
     SpeedLimit(SpeedArgs),
@@ -989,6 +989,44 @@ mod tests {
         assert_eq!(split_legs("mem:64M,mem:64M,mem:64M").unwrap().len(), 3);
         assert!(split_legs("file:/a.img").is_err());
         assert!(split_legs("direct=1,file:/a.img,file:/b").is_err());
+    }
+
+    fn leg(slot: usize, state: &str) -> LegReport {
+        LegReport {
+            slot,
+            device: None,
+            state: state.into(),
+            uuid: String::new(),
+            write_mostly: false,
+            recovery_offset: None,
+            events: None,
+            read_errors: 0,
+        }
+    }
+
+    #[test]
+    fn mdstat_legs_one_char_per_member() {
+        let mut r = ArrayReport {
+            array_uuid: String::new(),
+            state: "active".into(),
+            events: 1,
+            capacity: 0,
+            data_offset: 0,
+            raid_disks: 2,
+            legs: vec![leg(0, "in_sync"), leg(1, "in_sync"), leg(2, "empty")],
+            bitmap: None,
+            sync: None,
+            notes: vec![],
+        };
+        assert_eq!(r.mdstat_legs(), "[UU]");
+        r.legs[1].state = "faulty".into();
+        assert_eq!(r.mdstat_legs(), "[U_]");
+        r.legs[1].state = "empty".into();
+        assert_eq!(r.mdstat_legs(), "[U_]");
+        r.legs[2].state = "in_sync".into();
+        assert_eq!(r.mdstat_legs(), "[UU]");
+        r.legs[0].state = "recovering".into();
+        assert_eq!(r.mdstat_legs(), "[_U]");
     }
 
     #[test]

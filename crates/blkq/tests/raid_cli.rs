@@ -443,7 +443,9 @@ fn online_check_and_replace() {
     assert!(st.contains("[UU]"), "{st}");
     assert_eq!(s.client().read(2 << 20, data.len() as u64).unwrap(), data);
     assert!(s.stop());
-    // The array now assembles from a and c.
+    // The array now assembles from a and c, and was stopped cleanly.
     let out = ok(&["raid", "assemble", &c, &a]);
     assert!(out.contains("[UU]"), "{out}");
+    let detail = ok(&["raid", "detail", &a, &c]);
+    assert!(detail.contains("State : clean"), "{detail}");
 }
