@@ -281,6 +281,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sched_lock,
         ..QueueOverrides::default()
     };
+    if let Some(d) = a.devices.iter().find(|d| d.starts_with(RAID1_DEVICE)) {
+        bail!("--device {d:?}: a mirror is given with --raid1 LEG,LEG[,...]");
+    }
     let mut exports = Vec::new();
     let mut control = None;
     for (name, spec) in pairs(&a)? {
@@ -414,6 +417,15 @@ mod tests {
             ]
         );
         assert!(pairs(&args(&["mem:1M", "null:1G"], &["a"])).is_err());
+        let mut r = args(&[], &[]);
+        r.raid1 = Some("file:/a,file:/b".into());
+        assert_eq!(
+            pairs(&r).unwrap(),
+            vec![(String::new(), "raid1:file:/a,file:/b".to_string())]
+        );
+        let mut r = args(&["mem:1M"], &["m", "mirror"]);
+        r.raid1 = Some("file:/a,file:/b".into());
+        assert_eq!(pairs(&r).unwrap()[1].0, "mirror");
         assert!(pairs(&args(&["mem:1M", "null:1G"], &[])).is_err());
     }
 

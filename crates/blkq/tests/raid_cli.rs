@@ -212,6 +212,16 @@ fn foreign_leg_is_refused() {
         sock,
     ]);
     assert!(err.contains("--raid1-create"), "{err}");
+    let err = fails(&[
+        "serve",
+        "--raid1",
+        &format!("{a},{b}"),
+        "--raid1-create",
+        "--no-tcp",
+        "--socket",
+        sock,
+    ]);
+    assert!(err.contains("refusing to overwrite"), "{err}");
     let err = fails(&["raid", "assemble", &a, &f]);
     assert!(
         err.contains("f.img") && err.contains("no raid1 superblock"),
