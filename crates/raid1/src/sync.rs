@@ -17,6 +17,7 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use crate::device::{sync_io, Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+use crate::superblock::MAX_LEGS;
 
 /// md's `sync_speed_min` default, KiB/s.
 pub const DEFAULT_SPEED_MIN: u64 = 1000;
@@ -260,7 +261,10 @@ impl Raid1 {
     }
 
     /// Replaces the leg in slot `old`: adds `new` into a free slot, recovers it fully, then
-    /// fails and removes the old leg. Blocks until done; returns the new leg's slot.
+    /// fails and removes the old leg. Blocks until done (a frozen array holds it; a recovery
+    /// that fails, or a new leg that fails or is removed meanwhile, ends it with an error and
+    /// leaves `old` in place); returns the new leg's slot. Needs a free slot
+    /// (`spare_slots`).
     pub fn replace_leg(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
         self.replace(old, new)
     }
@@ -696,6 +700,10 @@ impl Inner {
     fn advance(&self, job: Job, pos: u64) {
         self.sync.done_bytes.store(pos, Ordering::Relaxed);
         match job {
+            // Release, after the window's writes completed (sync_io waited for them); the
+            // Acquire load in `choose_read_leg` then admits reads below `pos` to this leg, and
+            // any read submitted after that load reaches the leg after those writes. Regular
+            // writes above `pos` already go to the leg, so nothing below `pos` goes stale.
             Job::Recover(t) => self.legs[t].recovery_offset.store(pos, Ordering::Release),
             Job::Resync => {
                 self.sync.ctl.lock().resync_offset = pos;
@@ -712,7 +720,11 @@ impl Inner {
         let s = &self.sync;
         loop {
             let max = s.speed_max.load(Ordering::Relaxed).max(1);
-            let due = t0 + Duration::from_secs_f64(io_bytes as f64 / 1024.0 / max as f64);
+            // At most a day per sleep computation (no overflow on absurd limits).
+            let secs = (io_bytes as f64 / 1024.0 / max as f64).min(86_400.0);
+            let Some(due) = t0.checked_add(Duration::from_secs_f64(secs)) else {
+                return;
+            };
             if Instant::now() >= due {
                 return;
             }
@@ -751,17 +763,20 @@ impl Inner {
             }
             self.note_read_error(i);
         };
-        let others: Vec<(usize, StdArc<dyn Device>)> = match (job, target) {
-            (Job::Recover(_), Some((t, d))) => vec![(*t, d.clone())],
-            _ => self
-                .legs
-                .iter()
-                .enumerate()
-                .filter(|&(i, l)| i != src && good(l.state.load(Ordering::Acquire)))
-                .filter_map(|(i, l)| l.dev().map(|d| (i, d)))
-                .collect(),
-        };
-        for (i, d) in others {
+        // The legs to write or compare (no allocation: one slot per leg).
+        let mut others: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
+        match (job, target) {
+            (Job::Recover(_), Some((t, d))) => others[*t] = Some(d.clone()),
+            _ => {
+                for (i, l) in self.legs.iter().enumerate() {
+                    if i != src && good(l.state.load(Ordering::Acquire)) {
+                        others[i] = l.dev();
+                    }
+                }
+            }
+        }
+        for (i, d) in others.iter().enumerate() {
+            let Some(d) = d else { continue };
             let write = match job {
                 Job::Resync | Job::Recover(_) => true,
                 Job::Check | Job::Repair => {

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::spec::{DeviceSpec, QueueOverrides};
-use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use raid1::barrier::BarrierMode;
 use raid1::{Raid1, Raid1Config, SyncAction};
 
 const MB: u64 = 1 << 20;
@@ -277,8 +278,15 @@ fn tiny_speed_limit_holds_a_check_back_and_idle_stops_it() {
 
 #[test]
 fn regular_io_keeps_working_during_a_resync() {
+    for mode in [BarrierMode::Lockless, BarrierMode::Locked] {
+        io_during_resync(mode);
+    }
+}
+
+fn io_during_resync(mode: BarrierMode) {
     let c = Raid1Config {
         bitmap_chunk: 0,
+        barrier: mode,
         ..cfg()
     };
     let (a, b) = (mem("16M"), mem("16M"));
@@ -417,4 +425,51 @@ fn leg_missing_at_assemble_is_readded_with_a_bitmap_recovery() {
     assert_eq!(r.sync_progress().chunks_copied, dirty);
     assert!(!r.is_degraded());
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}
+
+/// A leg whose writes into the data area fail (its superblock area still works).
+struct BadWrites {
+    inner: Arc<dyn Device>,
+    from_sector: u64,
+}
+
+impl Device for BadWrites {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        if bio.op == Op::Write && bio.end_sector() > self.from_sector {
+            end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
+        } else {
+            self.inner.submit(bio, end);
+        }
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    fn extents(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+    ) -> Result<Vec<blk::backend::Extent>, Error> {
+        self.inner.extents(offset, len, max)
+    }
+}
+
+#[test]
+fn replace_with_a_failing_leg_keeps_the_old_one() {
+    let (a, b) = (mem("16M"), mem("16M"));
+    let r = Raid1::create(vec![a, b.clone()], cfg()).unwrap();
+    write(&r, MB, &pattern(8, 4096));
+    let bad: Arc<dyn Device> = Arc::new(BadWrites {
+        inner: mem("16M"),
+        from_sector: r.data_offset() >> SECTOR_SHIFT,
+    });
+    assert!(r.replace_leg(0, bad).is_err());
+    let st0 = r.leg_status(0).unwrap();
+    assert!(st0.present && st0.in_sync && !st0.faulty);
+    assert!(r.leg_status(2).unwrap().faulty);
+    assert!(r.wait_sync_idle(IDLE));
+    assert_eq!(read(&r, MB, 4096), pattern(8, 4096));
+    // The faulty replacement goes; the array is whole again.
+    r.remove_leg(2).unwrap();
+    assert!(!r.is_degraded());
 }
