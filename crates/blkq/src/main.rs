@@ -3,6 +3,8 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod control;
+mod raid;
 mod serve;
 
 #[derive(Parser, Debug)]
@@ -23,6 +25,8 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Drive a device in-process, like fio: IOPS, latency, tag waits, context switches.
     Bench(Box<bench::BenchArgs>),
+    /// Create, inspect and drive RAID1 arrays (offline on the legs, or online with --control).
+    Raid(Box<raid::RaidArgs>),
     /// Print the version.
     Version,
 }
@@ -32,6 +36,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(a) => serve::run(*a),
         Command::Bench(a) => bench::run(*a),
+        Command::Raid(a) => raid::run(*a),
         Command::Version => {
             println!("blkq {}", env!("CARGO_PKG_VERSION"));
             Ok(())

@@ -16,6 +16,9 @@ use blk::{Device, PoolPolicy, Queue};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use clap::Args;
 use nbd::server::{Export, Server, ServerConfig, Stopper};
+use raid1::{Raid1, Raid1Config};
+
+use crate::control::{Control, ControlServer};
 
 /// `blkq serve` options.
 #[derive(Args, Debug, Clone)]
@@ -59,15 +62,37 @@ pub struct ServeArgs {
     /// mq-deadline's locking: locked or serialized.
     #[arg(long)]
     pub sched_lock: Option<String>,
+    /// Export a RAID1 mirror over these legs (device specs, comma-separated; a leg's own
+    /// options follow it: file:/a.img,direct=1,file:/b.img). Legs with a superblock are
+    /// assembled (by content, in any order); blank legs need --raid1-create. Exported after
+    /// the --device ones (an --export name per device, the mirror's last).
+    #[arg(long, value_name = "LEG,LEG[,...]")]
+    pub raid1: Option<String>,
+    /// With --raid1: the legs are blank; create the array on them first (refused if any
+    /// leg already carries a raid1 superblock).
+    #[arg(long, requires = "raid1")]
+    pub raid1_create: bool,
+    /// With --raid1: an array option, KEY=VALUE (barrier=locked, bitmap_chunk=64M,
+    /// spare_slots=1, ...; repeatable).
+    #[arg(long = "raid1-option", value_name = "KEY=VALUE", requires = "raid1")]
+    pub raid1_options: Vec<String>,
+    /// With --raid1: a control socket (mode 0600) for `blkq raid ... --control PATH`.
+    #[arg(long, value_name = "PATH", requires = "raid1")]
+    pub control: Option<PathBuf>,
 }
+
+/// The device string that stands for the --raid1 array in [`pairs`].
+const RAID1_DEVICE: &str = "raid1:";
 
 /// Pairs devices with export names.
 fn pairs(a: &ServeArgs) -> Result<Vec<(String, String)>> {
-    let devices = if a.devices.is_empty() {
-        vec!["mem:1G".to_string()]
-    } else {
-        a.devices.clone()
-    };
+    let mut devices = a.devices.clone();
+    if let Some(legs) = &a.raid1 {
+        devices.push(format!("{RAID1_DEVICE}{legs}"));
+    }
+    if devices.is_empty() {
+        devices.push("mem:1G".to_string());
+    }
     let names = if a.exports.is_empty() && devices.len() == 1 {
         vec![String::new()]
     } else {
@@ -110,6 +135,62 @@ fn uris(name: &str, tcp: Option<SocketAddr>, unix: Option<&std::path::Path>) -> 
         }
     }
     v
+}
+
+/// Opens the --raid1 legs and assembles (or, with --raid1-create, creates) the array.
+/// Returns it with the spec of the leg in each slot.
+fn build_raid1(
+    a: &ServeArgs,
+    legs: &str,
+    ov: &QueueOverrides,
+) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
+    let legs = crate::raid::split_legs(legs)?;
+    let mut cfg = Raid1Config::default();
+    for o in &a.raid1_options {
+        let (k, v) = o
+            .split_once('=')
+            .with_context(|| format!("--raid1-option {o:?}: expected KEY=VALUE"))?;
+        cfg.set_option(k.trim(), v.trim())
+            .with_context(|| format!("--raid1-option {o:?}"))?;
+    }
+    match crate::raid::plan(&legs, ov)? {
+        None if a.raid1_create => {
+            let devs = legs
+                .iter()
+                .map(|l| crate::raid::open_leg(l, ov))
+                .collect::<Result<Vec<_>>>()?;
+            let r = Raid1::create(devs, cfg).context("--raid1-create: creating the array")?;
+            tracing::info!("raid1: created a new array over {} legs", legs.len());
+            Ok((Arc::new(r), legs.into_iter().map(Some).collect()))
+        }
+        None => bail!(
+            "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
+             them add --raid1-create (or run `blkq raid create {}` first)",
+            legs.join(" ")
+        ),
+        Some(p) => {
+            if a.raid1_create {
+                bail!(
+                    "--raid1-create: the legs already carry array {}: refusing to overwrite it. \
+                     Drop --raid1-create to serve that array",
+                    p.newest.array_uuid
+                );
+            }
+            let rep = p.report()?;
+            if !rep.legs.iter().any(|l| l.state == "in_sync") {
+                bail!(
+                    "--raid1: no in-sync leg among the given legs: the array cannot be assembled"
+                );
+            }
+            for n in &rep.notes {
+                tracing::warn!("raid1: {n}");
+            }
+            let specs = rep.legs.iter().map(|l| l.device.clone()).collect();
+            let r = Raid1::assemble(crate::raid::plan_devices(&p), cfg)
+                .context("--raid1: assembling the array")?;
+            Ok((Arc::new(r), specs))
+        }
+    }
 }
 
 /// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns later).
@@ -200,8 +281,32 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sched_lock,
         ..QueueOverrides::default()
     };
+    if let Some(d) = a.devices.iter().find(|d| d.starts_with(RAID1_DEVICE)) {
+        bail!("--device {d:?}: a mirror is given with --raid1 LEG,LEG[,...]");
+    }
     let mut exports = Vec::new();
+    let mut control = None;
     for (name, spec) in pairs(&a)? {
+        if let Some(legs) = spec.strip_prefix(RAID1_DEVICE) {
+            let leg_ov = QueueOverrides {
+                read_only: false,
+                ..ov.clone()
+            };
+            let (r, specs) = build_raid1(&a, legs, &leg_ov)?;
+            let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
+            let dev: Arc<dyn Device> = r.clone();
+            exports.push(
+                Export::new(name, dev)
+                    .description(format!(
+                        "raid1 {} (array {})",
+                        legs,
+                        uuid.unwrap_or_default()
+                    ))
+                    .read_only(a.read_only),
+            );
+            control = Some(Arc::new(Control::new(r, specs, leg_ov)));
+            continue;
+        }
         let parsed: DeviceSpec = spec
             .parse()
             .with_context(|| format!("device spec {spec:?}"))?;
@@ -229,6 +334,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
+    let control_server = match (&a.control, control) {
+        (Some(path), Some(ctl)) => {
+            let cs = ControlServer::start(path, ctl)?;
+            println!("raid1 control socket: {}", path.display());
+            Some(cs)
+        }
+        _ => None,
+    };
 
     println!("blkq serve: {} export(s)", exports.len());
     for e in &exports {
@@ -253,6 +366,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
     server.wait();
+    if let Some(cs) = control_server {
+        cs.shutdown();
+    }
+    // The last reference to a mirror goes here: it drains and marks its superblocks clean.
+    drop(exports);
     Ok(())
 }
 
@@ -274,6 +392,10 @@ mod tests {
             policy: None,
             sched: "none".into(),
             sched_lock: None,
+            raid1: None,
+            raid1_create: false,
+            raid1_options: vec![],
+            control: None,
         }
     }
 
@@ -295,6 +417,15 @@ mod tests {
             ]
         );
         assert!(pairs(&args(&["mem:1M", "null:1G"], &["a"])).is_err());
+        let mut r = args(&[], &[]);
+        r.raid1 = Some("file:/a,file:/b".into());
+        assert_eq!(
+            pairs(&r).unwrap(),
+            vec![(String::new(), "raid1:file:/a,file:/b".to_string())]
+        );
+        let mut r = args(&["mem:1M"], &["m", "mirror"]);
+        r.raid1 = Some("file:/a,file:/b".into());
+        assert_eq!(pairs(&r).unwrap()[1].0, "mirror");
         assert!(pairs(&args(&["mem:1M", "null:1G"], &[])).is_err());
     }
 

@@ -1,0 +1,438 @@
+//! The control socket of `blkq serve --raid1 ... --control PATH`.
+//!
+//! A Unix stream socket, mode 0600 (only the user who runs the server may drive the array).
+//! One connection carries one command: a line of text (at most [`MAX_LINE`] bytes, a longer
+//! one is refused), answered by one line of JSON, `{"ok":true,...}` or
+//! `{"ok":false,"error":"..."}`, after which the server closes the connection. Commands:
+//!
+//! | command            | does                                                        |
+//! |--------------------|-------------------------------------------------------------|
+//! | `status`, `detail` | `{"ok":true,"report":{...}}` (see `raid::ArrayReport`)      |
+//! | `fail N`           | marks slot N faulty                                         |
+//! | `remove N`         | takes the faulty/recovering leg out of slot N               |
+//! | `add SPEC`         | opens the device spec and adds it (recovery starts)         |
+//! | `replace N SPEC`   | adds SPEC, recovers it, then fails and removes slot N (in the background) |
+//! | `check`, `repair`, `idle` | md's `sync_action`                                   |
+//! | `speed-limit MIN MAX` | KiB/s (0 keeps a value)                                  |
+//!
+//! Connections are served one at a time by one thread, each with a 5 s read/write timeout,
+//! so a stuck client delays others by at most that. The socket file is removed when the
+//! server stops ([`ControlServer::shutdown`], also on drop).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use blk::spec::QueueOverrides;
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::{thread, Arc, Mutex};
+use raid1::{Raid1, SyncAction};
+use serde_json::json;
+
+use crate::raid::{self, ArrayReport, BitmapReport, LegReport, SyncReport};
+
+/// Longest accepted command line, bytes (newline included).
+pub const MAX_LINE: usize = 4096;
+/// Longest reply a client accepts, bytes.
+const MAX_REPLY: u64 = 1 << 20;
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The array behind the socket, with what the server knows about its legs.
+pub struct Control {
+    raid: Arc<Raid1>,
+    /// The device spec in each slot, when known (shared with `replace` threads).
+    specs: Arc<Mutex<Vec<Option<String>>>>,
+    /// Member legs (md's raid_disks), as assembled.
+    raid_disks: usize,
+    /// How new legs are opened.
+    ov: QueueOverrides,
+}
+
+impl Control {
+    /// `specs[i]`: the spec of the leg in slot `i`.
+    pub fn new(raid: Arc<Raid1>, specs: Vec<Option<String>>, ov: QueueOverrides) -> Self {
+        let n = raid.slots();
+        let mut specs = specs;
+        specs.resize(n, None);
+        let raid_disks = (0..n)
+            .filter(|&i| raid.leg_status(i).is_some_and(|s| s.present))
+            .count()
+            .max(2);
+        Self {
+            raid,
+            specs: Arc::new(Mutex::new(specs)),
+            raid_disks,
+            ov,
+        }
+    }
+
+    /// The online report.
+    pub fn report(&self) -> ArrayReport {
+        let r = &self.raid;
+        let specs = self.specs.lock().clone();
+        let sb0 = r.superblock(0);
+        let events = sb0.as_ref().map_or(0, |s| s.events);
+        let mut legs = Vec::with_capacity(r.slots());
+        let mut present = 0;
+        for i in 0..r.slots() {
+            let Some(st) = r.leg_status(i) else { continue };
+            let state = if !st.present {
+                "empty"
+            } else if st.faulty {
+                "faulty"
+            } else if st.in_sync {
+                "in_sync"
+            } else {
+                "recovering"
+            };
+            if st.present {
+                present += 1;
+            }
+            let uuid = sb0
+                .as_ref()
+                .and_then(|s| s.legs.get(i))
+                .map_or(String::new(), |l| l.uuid.to_string());
+            legs.push(LegReport {
+                slot: i,
+                device: if st.present {
+                    specs.get(i).cloned().flatten()
+                } else {
+                    None
+                },
+                state: state.to_string(),
+                uuid,
+                write_mostly: st.write_mostly,
+                recovery_offset: (st.present && !st.in_sync && !st.faulty)
+                    .then_some(st.recovery_offset),
+                events: st.present.then_some(events),
+                read_errors: st.read_errors,
+            });
+        }
+        let raid_disks = self.raid_disks.max(present);
+        let in_sync = legs.iter().filter(|l| l.state == "in_sync").count();
+        let bitmap = r.bitmap().map(|b| BitmapReport {
+            chunk_size: b.chunk_size(),
+            chunks: b.nr_chunks(),
+            dirty: b.dirty_chunks().iter().map(|c| c.end - c.first).sum(),
+        });
+        let p = r.sync_progress();
+        let sync = Some(SyncReport {
+            action: p.action.to_string(),
+            done_bytes: p.done_bytes,
+            total_bytes: p.total_bytes,
+            speed_kib_s: p.speed_kib_s,
+            eta_secs: p.eta_secs,
+            mismatch_cnt: p.mismatch_cnt,
+        });
+        let lim = blk::Device::limits(r.as_ref());
+        ArrayReport {
+            array_uuid: sb0
+                .as_ref()
+                .map_or(String::new(), |s| s.array_uuid.to_string()),
+            state: if in_sync < raid_disks || r.is_degraded() {
+                "degraded"
+            } else {
+                "active"
+            }
+            .to_string(),
+            events,
+            capacity: lim.capacity,
+            data_offset: r.data_offset(),
+            raid_disks,
+            legs,
+            bitmap,
+            sync,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Runs one command line; returns the JSON reply.
+    pub fn handle(&self, line: &str) -> serde_json::Value {
+        match self.dispatch(line.trim()) {
+            Ok(v) => v,
+            Err(e) => json!({ "ok": false, "error": format!("{e:#}") }),
+        }
+    }
+
+    fn slot(&self, arg: Option<&str>, cmd: &str) -> Result<usize> {
+        let a = arg.with_context(|| format!("usage: {cmd} N (a slot number)"))?;
+        let n: usize = a
+            .parse()
+            .with_context(|| format!("{cmd}: {a:?} is not a slot number"))?;
+        if n >= self.raid.slots() {
+            bail!(
+                "{cmd} {n}: no such slot (the array has slots 0..{})",
+                self.raid.slots()
+            );
+        }
+        Ok(n)
+    }
+
+    fn spec_name(&self, n: usize) -> String {
+        match self.specs.lock().get(n).cloned().flatten() {
+            Some(s) => format!("slot {n} ({s})"),
+            None => format!("slot {n}"),
+        }
+    }
+
+    /// Opens a new leg, refusing one that belongs to another array.
+    fn open_new_leg(&self, spec: &str) -> Result<Arc<dyn blk::Device>> {
+        let dev = raid::open_leg(spec, &self.ov)?;
+        if let raid::Probe::Member(sb) = raid::probe(dev.as_ref())? {
+            let ours = self.raid.superblock(0);
+            if let Some(slot) = ours.as_ref().and_then(|o| {
+                (0..self.raid.slots()).find(|&i| {
+                    self.raid.leg_status(i).is_some_and(|st| st.present)
+                        && o.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
+                })
+            }) {
+                bail!(
+                    "leg {spec:?} is already in the array ({}): give a different device",
+                    self.spec_name(slot)
+                );
+            }
+            if Some(sb.array_uuid) != ours.map(|o| o.array_uuid) {
+                bail!(
+                    "leg {spec:?} carries the superblock of another array ({}): refusing to overwrite it. \
+                     If it is really free, zero its first 8 KiB (superblock) first",
+                    sb.array_uuid
+                );
+            }
+        }
+        Ok(dev)
+    }
+
+    fn dispatch(&self, line: &str) -> Result<serde_json::Value> {
+        let mut it = line.split_whitespace();
+        let cmd = it.next().unwrap_or("");
+        let a1 = it.next();
+        let a2 = it.next();
+        let ok = |m: String| Ok(json!({ "ok": true, "message": m }));
+        let r = &self.raid;
+        match cmd {
+            "status" | "detail" => Ok(json!({ "ok": true, "report": self.report() })),
+            "fail" => {
+                let n = self.slot(a1, cmd)?;
+                r.fail_leg(n).with_context(|| {
+                    format!(
+                        "cannot fail {}: it is the last in-sync leg or the slot is empty",
+                        self.spec_name(n)
+                    )
+                })?;
+                ok(format!("{} marked faulty", self.spec_name(n)))
+            }
+            "remove" => {
+                let n = self.slot(a1, cmd)?;
+                let name = self.spec_name(n);
+                r.remove_leg(n).with_context(|| {
+                    format!("cannot remove {name}: only a faulty or recovering leg can be removed (`fail {n}` first)")
+                })?;
+                if let Some(s) = self.specs.lock().get_mut(n) {
+                    *s = None;
+                }
+                ok(format!("{name} removed"))
+            }
+            "add" => {
+                let spec = line
+                    .strip_prefix("add")
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .context("usage: add SPEC (e.g. add file:/srv/c.img)")?;
+                let dev = self.open_new_leg(spec)?;
+                let n = r.add_leg(dev).with_context(|| {
+                    format!("cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?")
+                })?;
+                if let Some(s) = self.specs.lock().get_mut(n) {
+                    *s = Some(spec.to_string());
+                }
+                // The array starts recovery itself; asking again is harmless.
+                let _ = r.set_sync_action(SyncAction::Recover);
+                ok(format!("{spec} added in slot {n}: recovering"))
+            }
+            "replace" => {
+                let n = self.slot(a1, cmd)?;
+                let spec = a2.context("usage: replace N SPEC")?.to_string();
+                if it.next().is_some() {
+                    bail!("usage: replace N SPEC (the spec has no spaces)");
+                }
+                let dev = self.open_new_leg(&spec)?;
+                let raid = r.clone();
+                let specs = self.specs.clone();
+                let name = self.spec_name(n);
+                // Blocks until the copy is done: run it on a thread of its own.
+                thread::spawn(move || match raid.replace_leg(n, dev) {
+                    Ok(new) => {
+                        let mut sp = specs.lock();
+                        if let Some(x) = sp.get_mut(n) {
+                            *x = None;
+                        }
+                        if let Some(x) = sp.get_mut(new) {
+                            *x = Some(spec.clone());
+                        }
+                        drop(sp);
+                        tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
+                    }
+                    Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
+                });
+                ok(format!(
+                    "replacing {name} by {}: watch `blkq raid status`",
+                    a2.unwrap_or("")
+                ))
+            }
+            "check" | "repair" | "idle" => {
+                let a: SyncAction = cmd.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+                r.set_sync_action(a)
+                    .with_context(|| format!("{cmd} refused (a resync or recovery runs or is needed?)"))?;
+                ok(format!("sync_action {cmd}"))
+            }
+            "speed-limit" => {
+                let (Some(min), Some(max)) = (a1, a2) else {
+                    bail!("usage: speed-limit MIN MAX (KiB/s; 0 keeps a value)");
+                };
+                let min: u64 = min.parse().context("speed-limit: MIN is not a number")?;
+                let max: u64 = max.parse().context("speed-limit: MAX is not a number")?;
+                r.set_speed_limits(min, max);
+                let (a, b) = r.speed_limits();
+                Ok(json!({ "ok": true, "message": format!("speed limits {a}..{b} KiB/s"), "min": a, "max": b }))
+            }
+            "" => bail!("empty command"),
+            other => bail!(
+                "unknown command {other:?}: status, detail, fail N, remove N, add SPEC, replace N SPEC, check, repair, idle, speed-limit MIN MAX"
+            ),
+        }
+    }
+}
+
+/// The listening socket and its thread.
+pub struct ControlServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+/// Reads one line of at most [`MAX_LINE`] bytes. `Err` with a message for the client when
+/// it is longer or not UTF-8.
+fn read_line(s: &UnixStream) -> std::result::Result<String, String> {
+    let mut r = BufReader::new(s.take(MAX_LINE as u64 + 1));
+    let mut buf = Vec::with_capacity(256);
+    r.read_until(b'\n', &mut buf)
+        .map_err(|e| format!("reading the command: {e}"))?;
+    if buf.len() > MAX_LINE || (buf.len() == MAX_LINE && buf.last() != Some(&b'\n')) {
+        return Err(format!(
+            "command line longer than {MAX_LINE} bytes: refused"
+        ));
+    }
+    String::from_utf8(buf).map_err(|_| "command is not UTF-8".to_string())
+}
+
+fn serve_one(ctl: &Control, s: UnixStream) {
+    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+    let reply = match read_line(&s) {
+        Ok(line) => ctl.handle(&line),
+        Err(e) => json!({ "ok": false, "error": e }),
+    };
+    let mut w = &s;
+    let _ = writeln!(w, "{reply}");
+    let _ = w.flush();
+    // Then drain what the client still sends (bounded), so that closing with unread data
+    // does not reset the connection before the client has read the reply.
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    let _ = std::io::copy(&mut (&s).take(64 << 10), &mut std::io::sink());
+}
+
+impl ControlServer {
+    /// Binds `path` (mode 0600; a stale socket file is replaced, a live one or any other file
+    /// is an error) and serves `ctl` on a thread.
+    pub fn start(path: &Path, ctl: Arc<Control>) -> Result<Self> {
+        if let Ok(md) = std::fs::symlink_metadata(path) {
+            if !md.file_type().is_socket() {
+                bail!(
+                    "--control {}: exists and is not a socket; choose another path",
+                    path.display()
+                );
+            }
+            if UnixStream::connect(path).is_ok() {
+                bail!(
+                    "--control {}: another server is listening there",
+                    path.display()
+                );
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing the stale socket {}", path.display()))?;
+        }
+        let l = UnixListener::bind(path)
+            .with_context(|| format!("--control {}: cannot listen", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("--control {}: chmod 0600", path.display()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let t = {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                for s in l.incoming() {
+                    // Acquire: pairs with the Release store in `shutdown` (only a flag: the
+                    // wake-up connection carries no data).
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    match s {
+                        Ok(s) => serve_one(&ctl, s),
+                        Err(e) => {
+                            // E.g. out of file descriptors: back off instead of spinning.
+                            tracing::warn!("control socket: accept: {e}");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            })
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            stop,
+            thread: Some(t),
+        })
+    }
+
+    /// Stops the thread and removes the socket file.
+    pub fn shutdown(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.stop.store(true, Ordering::Release);
+            // Wake the accept() with a connection of our own.
+            let _ = UnixStream::connect(&self.path);
+            let _ = t.join();
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+/// Client side: sends `line` and returns the reply (one line).
+pub fn request(path: &Path, line: &str) -> Result<String> {
+    if line.len() >= MAX_LINE {
+        bail!("command longer than {MAX_LINE} bytes");
+    }
+    let mut s = UnixStream::connect(path).context("connecting")?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.set_write_timeout(Some(IO_TIMEOUT))?;
+    s.write_all(line.as_bytes())?;
+    s.write_all(b"\n")?;
+    let mut out = String::new();
+    (&s).take(MAX_REPLY).read_to_string(&mut out)?;
+    if out.is_empty() {
+        bail!("the server closed the connection without a reply");
+    }
+    Ok(out)
+}

@@ -1,0 +1,461 @@
+//! `blkq raid` and `blkq serve --raid1 --control`: the built binary, file legs in a tempdir,
+//! bounded waits only (no timing assertions).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::proto::CmdFlags;
+
+const BIN: &str = env!("CARGO_BIN_EXE_blkq");
+const LEG_SIZE: u64 = 8 << 20;
+
+fn leg(dir: &Path, name: &str) -> String {
+    let p = dir.join(name);
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(LEG_SIZE).unwrap();
+    format!("file:{}", p.display())
+}
+
+fn blkq(args: &[&str]) -> Output {
+    let out = Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    out
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = blkq(args);
+    assert!(
+        o.status.success(),
+        "blkq {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+fn fails(args: &[&str]) -> String {
+    let o = blkq(args);
+    assert!(
+        !o.status.success(),
+        "blkq {args:?} should have failed: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    String::from_utf8(o.stderr).unwrap()
+}
+
+fn create(a: &str, b: &str) {
+    ok(&["raid", "create", a, b, "--bitmap-chunk", "64K"]);
+}
+
+/// A running `blkq serve`, stopped with SIGTERM on drop.
+struct Server {
+    child: Child,
+    nbd: PathBuf,
+    ctl: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
+        let nbd = dir.join("nbd.sock");
+        let ctl = dir.join("ctl.sock");
+        let _ = std::fs::remove_file(&nbd);
+        let _ = std::fs::remove_file(&ctl);
+        let mut args = vec![
+            "serve".to_string(),
+            "--raid1".into(),
+            legs.into(),
+            "--no-tcp".into(),
+            "--socket".into(),
+            nbd.display().to_string(),
+            "--control".into(),
+            ctl.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !(ctl.exists() && nbd.exists()) {
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("blkq serve exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, nbd, ctl }
+    }
+
+    fn ctl(&self) -> &str {
+        self.ctl.to_str().unwrap()
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&Endpoint::Unix(self.nbd.clone()), &ClientOptions::default()).unwrap()
+    }
+
+    fn status(&self) -> String {
+        ok(&["raid", "status", "--control", self.ctl()])
+    }
+
+    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
+    fn stop(&mut self) -> bool {
+        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.success();
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn create_then_detail_and_status() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    let out = ok(&[
+        "raid",
+        "create",
+        &a,
+        &b,
+        "--bitmap-chunk",
+        "64K",
+        "--write-mostly",
+        &b,
+    ]);
+    assert!(out.contains("created raid1 array"), "{out}");
+    // Legs are matched by content, not order.
+    let detail = ok(&["raid", "detail", &b, &a]);
+    assert!(detail.contains("in_sync"), "{detail}");
+    assert!(detail.contains(&a) && detail.contains(&b), "{detail}");
+    assert!(detail.contains("64 KiB chunks"), "{detail}");
+    let status = ok(&["raid", "status", &a, &b]);
+    assert!(status.contains("[UU]"), "{status}");
+    assert!(status.contains("b.img[1](W)"), "{status}");
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&["raid", "status", "--json", &a, &b])).unwrap();
+    assert_eq!(json["raid_disks"], 2);
+    assert_eq!(json["legs"][0]["state"], "in_sync");
+    assert_eq!(json["legs"][1]["write_mostly"], true);
+    // A second create over the same legs is refused.
+    let e = fails(&["raid", "create", &a, &b]);
+    assert!(e.contains("already carries a raid1 superblock"), "{e}");
+}
+
+#[test]
+fn foreign_leg_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    let (c, e) = (leg(d.path(), "c.img"), leg(d.path(), "e.img"));
+    create(&a, &b);
+    create(&c, &e);
+    let err = fails(&["raid", "assemble", &a, &b, &c]);
+    assert!(err.contains("another array"), "{err}");
+    assert!(err.contains("c.img"), "{err}");
+    let sock = d.path().join("x.sock");
+    let sock = sock.to_str().unwrap();
+    let err = fails(&[
+        "serve",
+        "--raid1",
+        &format!("{a},{c}"),
+        "--no-tcp",
+        "--socket",
+        sock,
+    ]);
+    assert!(err.contains("another array"), "{err}");
+    // Blank legs need --raid1-create; a blank leg in an array is named.
+    let (f, g) = (leg(d.path(), "f.img"), leg(d.path(), "g.img"));
+    let err = fails(&[
+        "serve",
+        "--raid1",
+        &format!("{f},{g}"),
+        "--no-tcp",
+        "--socket",
+        sock,
+    ]);
+    assert!(err.contains("--raid1-create"), "{err}");
+    let err = fails(&[
+        "serve",
+        "--raid1",
+        &format!("{a},{b}"),
+        "--raid1-create",
+        "--no-tcp",
+        "--socket",
+        sock,
+    ]);
+    assert!(err.contains("refusing to overwrite"), "{err}");
+    let err = fails(&["raid", "assemble", &a, &f]);
+    assert!(
+        err.contains("f.img") && err.contains("no raid1 superblock"),
+        "{err}"
+    );
+}
+
+#[test]
+fn serve_fail_remove_add() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        leg(d.path(), "a.img"),
+        leg(d.path(), "b.img"),
+        leg(d.path(), "c.img"),
+    );
+    let mut s = Server::start(
+        d.path(),
+        &format!("{a},{b}"),
+        &["--raid1-create", "--raid1-option", "bitmap_chunk=64K"],
+    );
+    assert!(s.status().contains("[UU]"));
+    let data = pattern(7, 256 << 10);
+    {
+        let mut cl = s.client();
+        cl.write(0, &data, CmdFlags::empty()).unwrap();
+        cl.write(3 << 20, &data, CmdFlags::FUA).unwrap();
+        cl.flush().unwrap();
+    }
+    let m = ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    assert!(m.contains("faulty"), "{m}");
+    let st = s.status();
+    assert!(st.contains("[U_]"), "{st}");
+    assert!(st.contains("(F)"), "{st}");
+    {
+        let mut cl = s.client();
+        assert_eq!(cl.read(0, data.len() as u64).unwrap(), data);
+        assert_eq!(cl.read(3 << 20, data.len() as u64).unwrap(), data);
+    }
+    // The last in-sync leg cannot be failed; an in-sync leg cannot be removed.
+    let e = fails(&["raid", "fail", "0", "--control", s.ctl()]);
+    assert!(e.contains("last in-sync leg"), "{e}");
+    let e = fails(&["raid", "remove", "0", "--control", s.ctl()]);
+    assert!(e.contains("fail 0"), "{e}");
+    ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    let m = ok(&["raid", "add", &c, "--control", s.ctl()]);
+    assert!(m.contains("slot 1"), "{m}");
+    let detail = ok(&["raid", "detail", "--control", s.ctl()]);
+    assert!(detail.contains("c.img"), "{detail}");
+    // A leg already in the array cannot be added again.
+    let e = fails(&["raid", "add", &a, "--control", s.ctl()]);
+    assert!(e.contains("already in the array"), "{e}");
+    // Bad commands get clear errors, and the socket stays usable.
+    let e = fails(&["raid", "remove", "9", "--control", s.ctl()]);
+    assert!(e.contains("no such slot"), "{e}");
+    assert!(s.status().contains("c.img"));
+    assert!(s.stop(), "serve did not exit cleanly");
+    assert!(!s.ctl.exists(), "control socket left behind");
+}
+
+#[test]
+fn recovery_brings_back_uu() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        leg(d.path(), "a.img"),
+        leg(d.path(), "b.img"),
+        leg(d.path(), "c.img"),
+    );
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    let data = pattern(3, 128 << 10);
+    s.client().write(1 << 20, &data, CmdFlags::FUA).unwrap();
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    // Slow the copy down so that the progress line can be seen, then let it go.
+    let m = ok(&["raid", "speed-limit", "1", "1", "--control", s.ctl()]);
+    assert!(m.contains("1..1 KiB/s"), "{m}");
+    ok(&["raid", "add", &c, "--control", s.ctl()]);
+    let t0 = Instant::now();
+    loop {
+        let st = s.status();
+        if st.contains("recover = ") {
+            assert!(st.contains("speed=") && st.contains("[U_]"), "{st}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no recovery progress line: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(&[
+        "raid",
+        "speed-limit",
+        "1000",
+        "200000",
+        "--control",
+        s.ctl(),
+    ]);
+    let t0 = Instant::now();
+    loop {
+        let st = s.status();
+        if st.contains("[UU]") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no [UU] after recovery: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The new leg alone holds the data: fail the old one and read back.
+    ok(&["raid", "fail", "0", "--control", s.ctl()]);
+    assert!(s.status().contains("[_U]"));
+    assert_eq!(s.client().read(1 << 20, data.len() as u64).unwrap(), data);
+    assert!(s.stop());
+    let st = ok(&["raid", "status", &c, &a]);
+    assert!(st.contains("[_U]"), "{st}");
+}
+
+#[test]
+fn offline_check_and_repair() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let out = ok(&["raid", "check", &a, &b]);
+    assert!(out.contains("mismatch_cnt = 0"), "{out}");
+    // Corrupt 4 KiB of b's data area (data starts at 1 MiB on these legs).
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.path().join("b.img"))
+            .unwrap();
+        f.write_all_at(&[0xa5; 4096], (1 << 20) + (2 << 20))
+            .unwrap();
+    }
+    let out = ok(&["raid", "check", "--json", &a, &b]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(v["mismatch_cnt"].as_u64().unwrap() > 0, "{out}");
+    ok(&["raid", "repair", &a, &b]);
+    let out = ok(&["raid", "check", &a, &b]);
+    assert!(out.contains("mismatch_cnt = 0"), "{out}");
+}
+
+#[test]
+fn stale_leg_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    s.client()
+        .write(0, &pattern(1, 64 << 10), CmdFlags::FUA)
+        .unwrap();
+    assert!(s.stop());
+    let out = ok(&["raid", "assemble", &b, &a]);
+    assert!(out.contains("stale"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("stale") && l.contains("b.img")),
+        "{out}"
+    );
+    let st = ok(&["raid", "status", &a, &b]);
+    assert!(st.contains("[U_]"), "{st}");
+}
+
+#[test]
+fn control_line_over_4k_is_refused() {
+    use std::io::{Read, Write};
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    let s = Server::start(d.path(), &format!("{a},{b}"), &["--raid1-create"]);
+    let mut u = std::os::unix::net::UnixStream::connect(&s.ctl).unwrap();
+    u.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let long = format!("add file:{}\n", "x".repeat(5000));
+    let _ = u.write_all(long.as_bytes());
+    let mut r = String::new();
+    let _ = u.read_to_string(&mut r);
+    assert!(r.contains("longer than 4096"), "{r}");
+    assert!(s.status().contains("[UU]"));
+}
+
+#[test]
+fn online_check_and_replace() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        leg(d.path(), "a.img"),
+        leg(d.path(), "b.img"),
+        leg(d.path(), "c.img"),
+    );
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    let data = pattern(9, 128 << 10);
+    s.client().write(2 << 20, &data, CmdFlags::FUA).unwrap();
+    let m = ok(&["raid", "check", "--control", s.ctl()]);
+    assert!(m.contains("check"), "{m}");
+    let wait_for = |what: &dyn Fn(&serde_json::Value) -> bool, why: &str| {
+        let t0 = Instant::now();
+        loop {
+            let out = ok(&["raid", "status", "--json", "--control", s.ctl()]);
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            if what(&v) {
+                return v;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "{why}: {out}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let v = wait_for(&|v| v["sync"]["action"] == "idle", "check did not finish");
+    assert_eq!(v["sync"]["mismatch_cnt"], 0);
+    let m = ok(&["raid", "replace", "1", &c, "--control", s.ctl()]);
+    assert!(m.contains("replacing"), "{m}");
+    wait_for(
+        &|v| {
+            v["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l["device"] == c.as_str() && l["state"] == "in_sync")
+                && !v["legs"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| l["device"] == b.as_str())
+        },
+        "replace did not finish",
+    );
+    let st = s.status();
+    assert!(st.contains("[UU]"), "{st}");
+    assert_eq!(s.client().read(2 << 20, data.len() as u64).unwrap(), data);
+    assert!(s.stop());
+    // The array now assembles from a and c, and was stopped cleanly.
+    let out = ok(&["raid", "assemble", &c, &a]);
+    assert!(out.contains("[UU]"), "{out}");
+    let detail = ok(&["raid", "detail", &a, &c]);
+    assert!(detail.contains("State : clean"), "{detail}");
+}
