@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use blk::spec::QueueOverrides;
+use blk_drivers::spec::QueueOverrides;
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{thread, Arc, Mutex};
 use raid1::{Raid1, SyncAction};

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use blk::spec::{parse_size, DeviceSpec, QueueOverrides};
 use blk::{Bio, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
+use blk_drivers::spec::{parse_size, DeviceSpec, QueueOverrides};
 use blkq_sync::{Arc, Mutex};
 use clap::{Args, Subcommand};
 use raid1::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
