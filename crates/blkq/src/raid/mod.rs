@@ -106,6 +106,30 @@ struct QueryArgs {
     json: bool,
 }
 
+/// Where a query goes: a running server, or the legs read offline.
+enum Target<'a> {
+    /// The control socket of a running `blkq serve --raid1`.
+    Online(&'a Path),
+    /// The legs' device specs.
+    Offline(&'a [String]),
+}
+
+impl QueryArgs {
+    /// `--control PATH` or the legs, exactly one of them.
+    fn target(&self) -> Result<Target<'_>> {
+        match (&self.control, self.legs.is_empty()) {
+            (Some(p), true) => Ok(Target::Online(p)),
+            (None, false) => Ok(Target::Offline(&self.legs)),
+            (Some(_), false) => {
+                bail!("give either --control PATH (a running server) or the legs, not both")
+            }
+            (None, true) => {
+                bail!("give the legs (e.g. file:/srv/a.img file:/srv/b.img) or --control PATH")
+            }
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 struct ControlArg {
     /// Control socket of a running `blkq serve --raid1`.
@@ -117,18 +141,16 @@ struct ControlArg {
 struct SlotArgs {
     /// Slot number (see `blkq raid detail`).
     slot: usize,
-    /// Control socket of a running `blkq serve --raid1`.
-    #[arg(long, value_name = "PATH", required = true)]
-    control: PathBuf,
+    #[command(flatten)]
+    ctl: ControlArg,
 }
 
 #[derive(Args, Debug)]
 struct AddArgs {
     /// The new leg: a device spec.
     spec: String,
-    /// Control socket of a running `blkq serve --raid1`.
-    #[arg(long, value_name = "PATH", required = true)]
-    control: PathBuf,
+    #[command(flatten)]
+    ctl: ControlArg,
 }
 
 #[derive(Args, Debug)]
@@ -137,9 +159,8 @@ struct ReplaceArgs {
     slot: usize,
     /// The new leg: a device spec.
     spec: String,
-    /// Control socket of a running `blkq serve --raid1`.
-    #[arg(long, value_name = "PATH", required = true)]
-    control: PathBuf,
+    #[command(flatten)]
+    ctl: ControlArg,
 }
 
 #[derive(Args, Debug)]
@@ -148,9 +169,8 @@ struct SpeedArgs {
     min: u64,
     /// Maximum, KiB/s.
     max: u64,
-    /// Control socket of a running `blkq serve --raid1`.
-    #[arg(long, value_name = "PATH", required = true)]
-    control: PathBuf,
+    #[command(flatten)]
+    ctl: ControlArg,
 }
 
 /// Parses `--bitmap-chunk`.
@@ -285,15 +305,9 @@ fn online_report(path: &Path, cmd: &str) -> Result<ArrayReport> {
 }
 
 fn query(q: QueryArgs, detail: bool) -> Result<()> {
-    let rep = match (&q.control, q.legs.is_empty()) {
-        (Some(p), true) => online_report(p, if detail { "detail" } else { "status" })?,
-        (None, false) => offline_plan(&q.legs)?.report()?,
-        (Some(_), false) => {
-            bail!("give either --control PATH (a running server) or the legs, not both")
-        }
-        (None, true) => {
-            bail!("give the legs (e.g. file:/srv/a.img file:/srv/b.img) or --control PATH")
-        }
+    let rep = match q.target()? {
+        Target::Online(p) => online_report(p, if detail { "detail" } else { "status" })?,
+        Target::Offline(legs) => offline_plan(legs)?.report()?,
     };
     if q.json {
         println!("{}", serde_json::to_string_pretty(&rep)?);
@@ -322,25 +336,21 @@ pub fn run(a: RaidArgs) -> Result<()> {
         RaidCmd::Detail(q) => query(q, true),
         RaidCmd::Check(q) => sync_action(q, "check"),
         RaidCmd::Repair(q) => sync_action(q, "repair"),
-        RaidCmd::Fail(s) => simple(&s.control, &format!("fail {}", s.slot)),
-        RaidCmd::Remove(s) => simple(&s.control, &format!("remove {}", s.slot)),
-        RaidCmd::Add(s) => simple(&s.control, &format!("add {}", s.spec)),
-        RaidCmd::Replace(s) => simple(&s.control, &format!("replace {} {}", s.slot, s.spec)),
+        RaidCmd::Fail(s) => simple(&s.ctl.control, &format!("fail {}", s.slot)),
+        RaidCmd::Remove(s) => simple(&s.ctl.control, &format!("remove {}", s.slot)),
+        RaidCmd::Add(s) => simple(&s.ctl.control, &format!("add {}", s.spec)),
+        RaidCmd::Replace(s) => simple(&s.ctl.control, &format!("replace {} {}", s.slot, s.spec)),
         RaidCmd::Idle(c) => simple(&c.control, "idle"),
-        RaidCmd::SpeedLimit(s) => simple(&s.control, &format!("speed-limit {} {}", s.min, s.max)),
+        RaidCmd::SpeedLimit(s) => {
+            simple(&s.ctl.control, &format!("speed-limit {} {}", s.min, s.max))
+        }
     }
 }
 
 fn sync_action(q: QueryArgs, action: &str) -> Result<()> {
-    match (&q.control, q.legs.is_empty()) {
-        (Some(p), true) => simple(p, action),
-        (None, false) => offline_sync(&q.legs, action, q.json),
-        (Some(_), false) => {
-            bail!("give either --control PATH (a running server) or the legs, not both")
-        }
-        (None, true) => {
-            bail!("give the legs (e.g. file:/srv/a.img file:/srv/b.img) or --control PATH")
-        }
+    match q.target()? {
+        Target::Online(p) => simple(p, action),
+        Target::Offline(legs) => offline_sync(legs, action, q.json),
     }
 }
 
