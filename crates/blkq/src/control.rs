@@ -113,20 +113,8 @@ impl Control {
         }
         let raid_disks = self.raid_disks.max(present);
         let in_sync = legs.iter().filter(|l| l.state == "in_sync").count();
-        let bitmap = r.bitmap().map(|b| BitmapReport {
-            chunk_size: b.chunk_size(),
-            chunks: b.nr_chunks(),
-            dirty: b.dirty_chunks().iter().map(|c| c.end - c.first).sum(),
-        });
-        let p = r.sync_progress();
-        let sync = Some(SyncReport {
-            action: p.action.to_string(),
-            done_bytes: p.done_bytes,
-            total_bytes: p.total_bytes,
-            speed_kib_s: p.speed_kib_s,
-            eta_secs: p.eta_secs,
-            mismatch_cnt: p.mismatch_cnt,
-        });
+        let bitmap = r.bitmap().map(BitmapReport::from);
+        let sync = Some(SyncReport::from(r.sync_progress()));
         let lim = blk::Device::limits(r.as_ref());
         ArrayReport {
             array_uuid: sb0

@@ -1,0 +1,400 @@
+//! Owns the `blkq raid` command line and its dispatch: create, inspect and drive RAID1
+//! arrays (crate `raid1`).
+//!
+//! Offline, the commands take the legs (device specs such as `file:/srv/a.img`) and read
+//! their superblocks and bitmaps directly: `status`, `detail` and `assemble` never write.
+//! Online (`--control PATH`), they send one line to the control socket of a running
+//! `blkq serve --raid1 ... --control PATH` (see [`crate::control`]) and render its JSON reply.
+//!
+//! Legs are matched to slots by their superblocks (array UUID, leg UUID, role), never by the
+//! order they are given in. [`offline`] owns the legs read from disk, [`report`] the
+//! status/detail report, [`progress`] md's progress line.
+
+mod offline;
+mod progress;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use blk_drivers::spec::{parse_size, QueueOverrides};
+use clap::{Args, Subcommand};
+use raid1::{Raid1, Raid1Config};
+
+use offline::offline_plan;
+pub use offline::{open_leg, plan, plan_devices, probe, split_legs, Probe};
+use progress::progress_line;
+pub use report::{ArrayReport, BitmapReport, LegReport, SyncReport};
+
+/// `blkq raid` options.
+#[derive(Args, Debug)]
+pub struct RaidArgs {
+    #[command(subcommand)]
+    cmd: RaidCmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum RaidCmd {
+    /// Create an array: write superblocks and an empty bitmap on every leg (legs must be
+    /// blank, i.e. carry no raid1 superblock, unless --force).
+    Create(CreateArgs),
+    /// Check that legs form one array and report what `serve --raid1` would serve
+    /// (array UUID, legs by role, stale or foreign legs). Writes nothing.
+    Assemble(LegArgs),
+    /// mdstat-like summary: [UU] / [U_], bitmap, resync progress.
+    Status(QueryArgs),
+    /// Per-leg state, events, UUIDs, roles, write-mostly.
+    Detail(QueryArgs),
+    /// Read every leg and count mismatches (md's `check`).
+    Check(QueryArgs),
+    /// Like check, and rewrite the other legs from the first in-sync leg (md's `repair`).
+    Repair(QueryArgs),
+    /// Online: mark slot N faulty.
+    Fail(SlotArgs),
+    /// Online: take a faulty or recovering leg out of slot N.
+    Remove(SlotArgs),
+    /// Online: add a leg (device spec) into an empty slot; recovery copies the data to it.
+    Add(AddArgs),
+    /// Online: replace the leg in slot N by a new one (copied while N still serves).
+    Replace(ReplaceArgs),
+    /// Online: stop a running check/repair and unfreeze (md's `idle`).
+    Idle(ControlArg),
+    /// Online: resync speed limits in KiB/s (md's sync_speed_min/max).
+    SpeedLimit(SpeedArgs),
+}
+
+#[derive(Args, Debug)]
+struct CreateArgs {
+    /// Legs: device specs (file:PATH, mem:SIZE, ...), at least two.
+    #[arg(required = true, num_args = 2..)]
+    legs: Vec<String>,
+    /// Write-intent bitmap chunk size (e.g. 64M; `none`: no bitmap).
+    #[arg(long, value_name = "SIZE")]
+    bitmap_chunk: Option<String>,
+    /// Mark this leg (its spec as given, or its position from 0) write-mostly (repeatable).
+    #[arg(long, value_name = "LEG")]
+    write_mostly: Vec<String>,
+    /// Barrier implementation for this run: locked or lockless (a run-time choice; serve
+    /// takes it as `--raid1-option barrier=...`).
+    #[arg(long)]
+    barrier: Option<String>,
+    /// Overwrite legs that already carry a raid1 superblock.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args, Debug)]
+struct LegArgs {
+    /// Legs: device specs, in any order.
+    #[arg(required = true)]
+    legs: Vec<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct QueryArgs {
+    /// Legs (offline); or use --control.
+    legs: Vec<String>,
+    /// Control socket of a running `blkq serve --raid1`.
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Where a query goes: a running server, or the legs read offline.
+enum Target<'a> {
+    /// The control socket of a running `blkq serve --raid1`.
+    Online(&'a Path),
+    /// The legs' device specs.
+    Offline(&'a [String]),
+}
+
+impl QueryArgs {
+    /// `--control PATH` or the legs, exactly one of them.
+    fn target(&self) -> Result<Target<'_>> {
+        match (&self.control, self.legs.is_empty()) {
+            (Some(p), true) => Ok(Target::Online(p)),
+            (None, false) => Ok(Target::Offline(&self.legs)),
+            (Some(_), false) => {
+                bail!("give either --control PATH (a running server) or the legs, not both")
+            }
+            (None, true) => {
+                bail!("give the legs (e.g. file:/srv/a.img file:/srv/b.img) or --control PATH")
+            }
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct ControlArg {
+    /// Control socket of a running `blkq serve --raid1`.
+    #[arg(long, value_name = "PATH", required = true)]
+    control: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct SlotArgs {
+    /// Slot number (see `blkq raid detail`).
+    slot: usize,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(Args, Debug)]
+struct AddArgs {
+    /// The new leg: a device spec.
+    spec: String,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(Args, Debug)]
+struct ReplaceArgs {
+    /// Slot of the leg to replace.
+    slot: usize,
+    /// The new leg: a device spec.
+    spec: String,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+#[derive(Args, Debug)]
+struct SpeedArgs {
+    /// Minimum, KiB/s.
+    min: u64,
+    /// Maximum, KiB/s.
+    max: u64,
+    #[command(flatten)]
+    ctl: ControlArg,
+}
+
+/// Parses `--bitmap-chunk`.
+fn bitmap_chunk(s: &str) -> Result<u64> {
+    if s == "none" || s == "0" {
+        return Ok(0);
+    }
+    parse_size(s).with_context(|| format!("--bitmap-chunk {s:?}"))
+}
+
+fn create(a: CreateArgs) -> Result<()> {
+    let ov = QueueOverrides::default();
+    let mut devs = Vec::new();
+    for spec in &a.legs {
+        let dev = open_leg(spec, &ov)?;
+        match probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
+            Probe::Blank => {}
+            Probe::Member(sb) if !a.force => bail!(
+                "leg {spec:?} already carries a raid1 superblock (array {}, events {}): \
+                 use `blkq raid assemble` to use that array, or --force to overwrite it",
+                sb.array_uuid,
+                sb.events
+            ),
+            Probe::Corrupt(e) if !a.force => bail!(
+                "leg {spec:?} carries a damaged raid1 superblock ({e}): --force to overwrite it"
+            ),
+            _ => {}
+        }
+        devs.push(dev);
+    }
+    let mut cfg = Raid1Config::default();
+    if let Some(c) = &a.bitmap_chunk {
+        cfg.bitmap_chunk = bitmap_chunk(c)?;
+    }
+    if let Some(b) = &a.barrier {
+        cfg.set_option("barrier", b).context("--barrier")?;
+    }
+    let mut wm = Vec::new();
+    for w in &a.write_mostly {
+        let i = match a.legs.iter().position(|l| l == w) {
+            Some(i) => i,
+            None => w.parse::<usize>().ok().filter(|&i| i < a.legs.len()).ok_or_else(|| {
+                anyhow!("--write-mostly {w:?}: not one of the legs (give its spec as in the leg list, or its position from 0)")
+            })?,
+        };
+        wm.push(i);
+    }
+    let r = Raid1::create(devs, cfg).context("creating the array")?;
+    for i in wm {
+        r.set_write_mostly(i, true)
+            .with_context(|| format!("--write-mostly: slot {i}"))?;
+    }
+    r.sync_superblocks().context("writing the superblocks")?;
+    drop(r);
+    let p = offline_plan(&a.legs)?;
+    let rep = p.report()?;
+    println!(
+        "created raid1 array {} over {} legs: {} bytes",
+        rep.array_uuid,
+        a.legs.len(),
+        rep.capacity
+    );
+    print!("{}", rep.render_detail());
+    println!("serve it with: blkq serve --raid1 {}", a.legs.join(","));
+    Ok(())
+}
+
+fn assemble(a: LegArgs) -> Result<()> {
+    let p = offline_plan(&a.legs)?;
+    let rep = p.report()?;
+    if !rep.legs.iter().any(|l| l.state == "in_sync") {
+        bail!("no in-sync leg among the given legs: the array cannot be assembled");
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rep)?);
+        return Ok(());
+    }
+    println!(
+        "array {}: would serve {} bytes from {} of {} legs ({})",
+        rep.array_uuid,
+        rep.capacity,
+        rep.in_sync(),
+        rep.raid_disks,
+        rep.mdstat_legs()
+    );
+    for l in &rep.legs {
+        if l.state == "empty" {
+            continue;
+        }
+        println!(
+            "  slot {}: {:<10} {}",
+            l.slot,
+            l.state,
+            l.device.as_deref().unwrap_or("(not given)")
+        );
+    }
+    for n in &rep.notes {
+        println!("  note: {n}");
+    }
+    Ok(())
+}
+
+/// Sends one command line to a control socket; returns the JSON reply's body, or the error
+/// the server reported.
+pub fn control_request(path: &Path, line: &str) -> Result<serde_json::Value> {
+    let reply = crate::control::request(path, line).with_context(|| {
+        format!(
+            "control socket {}: is `blkq serve --raid1 ... --control {}` running?",
+            path.display(),
+            path.display()
+        )
+    })?;
+    let v: serde_json::Value = serde_json::from_str(reply.trim())
+        .with_context(|| format!("control socket {}: bad reply {reply:?}", path.display()))?;
+    if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
+        let e = v
+            .get("error")
+            .and_then(|e| e.as_str())
+            .unwrap_or("unknown error");
+        bail!("{e}");
+    }
+    Ok(v)
+}
+
+fn online_report(path: &Path, cmd: &str) -> Result<ArrayReport> {
+    let v = control_request(path, cmd)?;
+    let r = v
+        .get("report")
+        .cloned()
+        .ok_or_else(|| anyhow!("control reply without a report"))?;
+    Ok(serde_json::from_value(r)?)
+}
+
+fn query(q: QueryArgs, detail: bool) -> Result<()> {
+    let rep = match q.target()? {
+        Target::Online(p) => online_report(p, if detail { "detail" } else { "status" })?,
+        Target::Offline(legs) => offline_plan(legs)?.report()?,
+    };
+    if q.json {
+        println!("{}", serde_json::to_string_pretty(&rep)?);
+    } else if detail {
+        print!("{}", rep.render_detail());
+    } else {
+        print!("{}", rep.render_status());
+    }
+    Ok(())
+}
+
+fn simple(path: &Path, line: &str) -> Result<()> {
+    let v = control_request(path, line)?;
+    if let Some(m) = v.get("message").and_then(|m| m.as_str()) {
+        println!("{m}");
+    }
+    Ok(())
+}
+
+/// Runs `blkq raid`.
+pub fn run(a: RaidArgs) -> Result<()> {
+    match a.cmd {
+        RaidCmd::Create(c) => create(c),
+        RaidCmd::Assemble(l) => assemble(l),
+        RaidCmd::Status(q) => query(q, false),
+        RaidCmd::Detail(q) => query(q, true),
+        RaidCmd::Check(q) => sync_action(q, "check"),
+        RaidCmd::Repair(q) => sync_action(q, "repair"),
+        RaidCmd::Fail(s) => simple(&s.ctl.control, &format!("fail {}", s.slot)),
+        RaidCmd::Remove(s) => simple(&s.ctl.control, &format!("remove {}", s.slot)),
+        RaidCmd::Add(s) => simple(&s.ctl.control, &format!("add {}", s.spec)),
+        RaidCmd::Replace(s) => simple(&s.ctl.control, &format!("replace {} {}", s.slot, s.spec)),
+        RaidCmd::Idle(c) => simple(&c.control, "idle"),
+        RaidCmd::SpeedLimit(s) => {
+            simple(&s.ctl.control, &format!("speed-limit {} {}", s.min, s.max))
+        }
+    }
+}
+
+fn sync_action(q: QueryArgs, action: &str) -> Result<()> {
+    match q.target()? {
+        Target::Online(p) => simple(p, action),
+        Target::Offline(legs) => offline_sync(legs, action, q.json),
+    }
+}
+
+fn offline_sync(legs: &[String], action: &str, json: bool) -> Result<()> {
+    let p = offline_plan(legs)?;
+    let a: raid1::SyncAction = action.parse().map_err(|e| anyhow!("{e}"))?;
+    let r = Raid1::assemble(plan_devices(&p), Raid1Config::default())
+        .context("assembling the array")?;
+    // A needed resync/recovery runs first (check is refused meanwhile): wait for it.
+    let mut started = false;
+    for _ in 0..600 {
+        match r.set_sync_action(a) {
+            Ok(()) => {
+                started = true;
+                break;
+            }
+            Err(_) => {
+                r.wait_sync_idle(Duration::from_millis(500));
+            }
+        }
+    }
+    if !started {
+        bail!("{action} refused: a resync or recovery is still running; try again later");
+    }
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    loop {
+        if r.wait_sync_idle(Duration::from_millis(500)) {
+            break;
+        }
+        if tty {
+            eprint!("\r{}", progress_line(&SyncReport::from(r.sync_progress())));
+        }
+    }
+    if tty {
+        eprintln!();
+    }
+    let pr = r.sync_progress();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "action": action, "mismatch_cnt": pr.mismatch_cnt, "bytes": pr.total_bytes })
+        );
+    } else {
+        println!("{action}: done, mismatch_cnt = {}", pr.mismatch_cnt);
+    }
+    Ok(())
+}

@@ -1,0 +1,353 @@
+//! Owns the legs as read from disk: `--raid1` leg lists, opening legs, reading their
+//! superblocks and bitmaps, and assembling a set of legs by content into a [`Plan`] and its
+//! offline [`ArrayReport`].
+
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use blk::{Bio, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blkq_sync::{Arc, Mutex};
+use raid1::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
+use raid1::WriteIntentBitmap;
+use waitq::Completion;
+
+use super::report::{ArrayReport, BitmapReport, LegReport};
+
+/// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (`file:`,
+/// `mem:`, `null:`) begins a leg; any other part (`key=value`) is an option of the leg before.
+pub fn split_legs(s: &str) -> Result<Vec<String>> {
+    let mut legs: Vec<String> = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let starts_leg = ["file:", "mem:", "null:"]
+            .iter()
+            .any(|k| part.starts_with(k));
+        if starts_leg {
+            legs.push(part.to_string());
+        } else if let Some(last) = legs.last_mut() {
+            last.push(',');
+            last.push_str(part);
+        } else {
+            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE or null:SIZE)");
+        }
+    }
+    if legs.len() < 2 {
+        bail!("--raid1 {s:?}: a mirror needs at least two legs, comma-separated (e.g. file:/srv/a.img,file:/srv/b.img)");
+    }
+    Ok(legs)
+}
+
+/// Opens a leg from its device spec.
+pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
+    let parsed: DeviceSpec = spec
+        .parse()
+        .with_context(|| format!("leg {spec:?}: bad device spec"))?;
+    let q = parsed
+        .build(ov)
+        .with_context(|| format!("leg {spec:?}: cannot open it"))?;
+    Ok(Arc::new(q))
+}
+
+/// Completion of one synchronous read.
+struct ReadEnd {
+    done: Completion,
+    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
+}
+
+impl EndIo for ReadEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
+        *self.out.lock() = Some((bio, res));
+        self.done.complete();
+    }
+}
+
+/// Reads `len` bytes at byte `offset` of `dev` (a slow path: allocates).
+pub fn read_at(dev: &dyn Device, offset: u64, len: usize) -> Result<Vec<u8>> {
+    let end = Arc::new(ReadEnd {
+        done: Completion::new(),
+        out: Mutex::new(None),
+    });
+    let e: Arc<dyn EndIo> = end.clone();
+    dev.submit(
+        Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
+        &e,
+    );
+    if !end.done.wait_timeout(Duration::from_secs(30)) {
+        bail!("read of {len} bytes at {offset} timed out");
+    }
+    let (bio, res) = end
+        .out
+        .lock()
+        .take()
+        .ok_or_else(|| anyhow!("read completed without a result"))?;
+    res.map_err(|e| anyhow!("read of {len} bytes at {offset}: {e}"))?;
+    let buf = bio.buf.ok_or_else(|| anyhow!("read returned no data"))?;
+    Ok(buf.as_slice().to_vec())
+}
+
+/// What a leg carries at its superblock's place.
+#[derive(Debug)]
+pub enum Probe {
+    /// A valid raid1 superblock.
+    Member(Box<Superblock>),
+    /// No superblock: never formatted (or not a blkq raid1 leg).
+    Blank,
+    /// A superblock that does not decode (corrupt, or a newer format).
+    Corrupt(SuperblockError),
+}
+
+/// Reads and decodes a leg's superblock.
+pub fn probe(dev: &dyn Device) -> Result<Probe> {
+    let b = read_at(dev, SB_OFFSET, SB_SIZE)?;
+    Ok(match Superblock::decode(&b) {
+        Ok(sb) => Probe::Member(Box::new(sb)),
+        Err(SuperblockError::BadMagic) => Probe::Blank,
+        Err(e) => Probe::Corrupt(e),
+    })
+}
+
+/// One leg as given and what it holds.
+pub struct Found {
+    /// Its spec.
+    pub spec: String,
+    /// Its device.
+    pub dev: Arc<dyn Device>,
+    /// Its superblock.
+    pub sb: Superblock,
+}
+
+/// The result of checking a set of legs: they form one array (errors otherwise).
+pub struct Plan {
+    /// The legs, in the order given.
+    pub legs: Vec<Found>,
+    /// The newest superblock.
+    pub newest: Superblock,
+}
+
+/// Opens and probes `specs`. `Ok(None)`: every leg is blank (a new array).
+pub fn plan(specs: &[String], ov: &QueueOverrides) -> Result<Option<Plan>> {
+    let mut opened = Vec::new();
+    for spec in specs {
+        let dev = open_leg(spec, ov)?;
+        let p =
+            probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading its superblock"))?;
+        opened.push((spec.clone(), dev, p));
+    }
+    if opened.iter().all(|(_, _, p)| matches!(p, Probe::Blank)) {
+        return Ok(None);
+    }
+    let mut legs = Vec::new();
+    for (spec, dev, p) in opened {
+        match p {
+            Probe::Member(sb) => legs.push(Found {
+                spec,
+                dev,
+                sb: *sb,
+            }),
+            Probe::Blank => bail!(
+                "leg {spec:?} carries no raid1 superblock while the other legs do: it is blank or not a blkq raid1 leg. \
+                 Leave it out to assemble the array, then add it with `blkq raid add --control PATH {spec}`"
+            ),
+            Probe::Corrupt(e) => bail!(
+                "leg {spec:?}: its raid1 superblock is unreadable ({e}). Leave it out to assemble from the others, \
+                 then add it back with `blkq raid add`"
+            ),
+        }
+    }
+    let newest = legs
+        .iter()
+        .max_by_key(|f| f.sb.events)
+        .map(|f| f.sb.clone())
+        .ok_or_else(|| anyhow!("no legs"))?;
+    // The array is the one most legs belong to (ties: the newest superblock's).
+    let count = |u: &raid1::superblock::Superblock| {
+        legs.iter()
+            .filter(|f| f.sb.array_uuid == u.array_uuid)
+            .count()
+    };
+    let main = legs
+        .iter()
+        .map(|f| &f.sb)
+        .max_by_key(|sb| (count(sb), sb.array_uuid == newest.array_uuid))
+        .cloned()
+        .ok_or_else(|| anyhow!("no legs"))?;
+    let newest = legs
+        .iter()
+        .filter(|f| f.sb.array_uuid == main.array_uuid)
+        .max_by_key(|f| f.sb.events)
+        .map(|f| f.sb.clone())
+        .unwrap_or(main);
+    if let Some(f) = legs.iter().find(|f| f.sb.array_uuid != newest.array_uuid) {
+        let ours: Vec<&str> = legs
+            .iter()
+            .filter(|g| g.sb.array_uuid == newest.array_uuid)
+            .map(|g| g.spec.as_str())
+            .collect();
+        bail!(
+            "leg {:?} belongs to another array (array UUID {}) than {} (array UUID {}): \
+             refusing a mixed set. Give only the legs of one array",
+            f.spec,
+            f.sb.array_uuid,
+            ours.join(", "),
+            newest.array_uuid
+        );
+    }
+    for (i, a) in legs.iter().enumerate() {
+        for b in &legs[i + 1..] {
+            if a.sb.leg_uuid == b.sb.leg_uuid {
+                bail!(
+                    "legs {:?} and {:?} are the same leg (leg UUID {}): give each leg once",
+                    a.spec,
+                    b.spec,
+                    a.sb.leg_uuid
+                );
+            }
+        }
+    }
+    Ok(Some(Plan { legs, newest }))
+}
+
+fn array_state_name(s: ArrayState) -> &'static str {
+    match s {
+        ArrayState::Clean => "clean",
+        ArrayState::Active => "active",
+        ArrayState::Degraded => "degraded",
+    }
+}
+
+impl Plan {
+    /// The slot a leg takes, if any (its superblock's role, confirmed by the newest
+    /// superblock's slot table).
+    fn slot_of(&self, f: &Found) -> Option<usize> {
+        let Role::Slot(n) = f.sb.role else {
+            return None;
+        };
+        let n = n as usize;
+        self.newest
+            .legs
+            .get(n)
+            .filter(|l| l.uuid == f.sb.leg_uuid)
+            .map(|_| n)
+    }
+
+    /// The offline report: what assembling these legs gives.
+    pub fn report(&self) -> Result<ArrayReport> {
+        let nb = &self.newest;
+        let mut notes = Vec::new();
+        let mut legs = Vec::new();
+        for (n, info) in nb.legs.iter().enumerate() {
+            let here = self.legs.iter().find(|f| self.slot_of(f) == Some(n));
+            let state = match here {
+                _ if info.uuid.is_nil() => "empty",
+                None => "missing",
+                Some(_) if info.faulty => "faulty",
+                Some(f) if f.sb.events < nb.events => "stale",
+                Some(_) if info.in_sync => "in_sync",
+                Some(_) => "recovering",
+            };
+            if let Some(f) = here {
+                if f.sb.events < nb.events {
+                    notes.push(format!(
+                        "leg {:?} (slot {n}) is stale: events {} < {} of the newest superblock; \
+                         it comes back recovering and is copied from the others",
+                        f.spec, f.sb.events, nb.events
+                    ));
+                }
+                if info.faulty {
+                    notes.push(format!(
+                        "leg {:?} (slot {n}) is marked faulty: it is not used; `blkq raid remove` then `add` to rebuild it",
+                        f.spec
+                    ));
+                }
+            } else if !info.uuid.is_nil() {
+                notes.push(format!(
+                    "slot {n} (leg UUID {}) is missing from the given legs: the array runs degraded",
+                    info.uuid
+                ));
+            }
+            legs.push(LegReport {
+                slot: n,
+                device: here.map(|f| f.spec.clone()),
+                state: state.to_string(),
+                uuid: info.uuid.to_string(),
+                write_mostly: info.write_mostly,
+                recovery_offset: info.recovery_offset,
+                events: here.map(|f| f.sb.events),
+                read_errors: 0,
+            });
+        }
+        for f in &self.legs {
+            if self.slot_of(f).is_none() {
+                notes.push(format!(
+                    "leg {:?} holds no slot of this array any more (a spare, or replaced since): it is ignored",
+                    f.spec
+                ));
+            }
+        }
+        let raid_disks = nb.legs.iter().filter(|l| !l.uuid.is_nil()).count();
+        let bitmap = if nb.bitmap.chunk_size == 0 {
+            None
+        } else {
+            let bm = WriteIntentBitmap::new(nb.data_size, nb.bitmap.chunk_size)
+                .map_err(|e| anyhow!("bitmap: {e}"))?;
+            // The union of the bitmaps of the legs that are in use.
+            for f in &self.legs {
+                if self.slot_of(f).is_some() {
+                    if let Ok(b) = read_at(f.dev.as_ref(), nb.bitmap.offset, bm.disk_len()) {
+                        let _ = bm.load(&b);
+                    }
+                }
+            }
+            Some(BitmapReport::from(&bm))
+        };
+        let in_sync = legs.iter().filter(|l| l.state == "in_sync").count();
+        let state = if in_sync < raid_disks {
+            "degraded"
+        } else {
+            array_state_name(nb.array_state)
+        };
+        Ok(ArrayReport {
+            array_uuid: nb.array_uuid.to_string(),
+            state: state.to_string(),
+            events: nb.events,
+            capacity: nb.data_size,
+            data_offset: nb.data_offset,
+            raid_disks,
+            legs,
+            bitmap,
+            sync: None,
+            notes,
+        })
+    }
+}
+
+/// The devices of a plan, for [`Raid1::assemble`].
+pub fn plan_devices(p: &Plan) -> Vec<Arc<dyn Device>> {
+    p.legs.iter().map(|f| f.dev.clone()).collect()
+}
+
+/// Opens `specs` and plans: an error (anyhow, naming the leg) unless they form one array.
+pub(super) fn offline_plan(specs: &[String]) -> Result<Plan> {
+    plan(specs, &QueueOverrides::default())?.ok_or_else(|| {
+        anyhow!(
+            "no leg carries a raid1 superblock: create the array first with `blkq raid create {}`",
+            specs.join(" ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn legs_split_with_their_options() {
+        assert_eq!(
+            split_legs("file:/a.img,direct=1,file:/b.img").unwrap(),
+            vec!["file:/a.img,direct=1", "file:/b.img"]
+        );
+        assert_eq!(split_legs("mem:64M,mem:64M,mem:64M").unwrap().len(), 3);
+        assert!(split_legs("file:/a.img").is_err());
+        assert!(split_legs("direct=1,file:/a.img,file:/b").is_err());
+    }
+}

@@ -1,0 +1,290 @@
+//! Owns the report of `blkq raid status`/`detail`: the array, leg, bitmap and sync structs
+//! (also the JSON of `--json` and of the control socket), built offline and online alike, and
+//! their mdstat-like and detail text.
+
+use raid1::{SyncProgress, WriteIntentBitmap};
+use serde::{Deserialize, Serialize};
+
+use super::progress::progress_line;
+
+/// The state of one slot, as reported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LegReport {
+    /// Slot number.
+    pub slot: usize,
+    /// The leg's device spec, when known.
+    pub device: Option<String>,
+    /// `in_sync`, `recovering`, `faulty`, `stale`, `missing` or `empty`.
+    pub state: String,
+    /// The leg's UUID (nil for an empty slot).
+    pub uuid: String,
+    /// Read only when nothing else can serve.
+    pub write_mostly: bool,
+    /// For a recovering leg: array bytes below this are in sync.
+    pub recovery_offset: Option<u64>,
+    /// The events count of the leg's own superblock (offline), or the array's (online).
+    pub events: Option<u64>,
+    /// Corrected read errors (online).
+    pub read_errors: u32,
+}
+
+/// The write-intent bitmap, as reported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BitmapReport {
+    /// Bytes per bit.
+    pub chunk_size: u64,
+    /// Bits.
+    pub chunks: u64,
+    /// Dirty bits (what a returning leg must copy).
+    pub dirty: u64,
+}
+
+/// A resync/recovery/check in progress, as reported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SyncReport {
+    /// md's name: `resync`, `recover`, `check`, `repair`, `idle`, `frozen`.
+    pub action: String,
+    /// Bytes done.
+    pub done_bytes: u64,
+    /// Bytes to do.
+    pub total_bytes: u64,
+    /// Current speed.
+    pub speed_kib_s: u64,
+    /// Estimated seconds left.
+    pub eta_secs: Option<u64>,
+    /// Mismatches found by check/repair.
+    pub mismatch_cnt: u64,
+}
+
+/// The whole array, as reported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ArrayReport {
+    /// Array UUID.
+    pub array_uuid: String,
+    /// `clean`, `active` or `degraded`.
+    pub state: String,
+    /// Events of the newest superblock.
+    pub events: u64,
+    /// Array bytes.
+    pub capacity: u64,
+    /// Where data starts on every leg.
+    pub data_offset: u64,
+    /// Member slots (md's raid_disks): what `[UU]` has one character for.
+    pub raid_disks: usize,
+    /// Every slot (members first, then spare slots).
+    pub legs: Vec<LegReport>,
+    /// The bitmap, if the array has one.
+    pub bitmap: Option<BitmapReport>,
+    /// A sync action in progress (online only).
+    pub sync: Option<SyncReport>,
+    /// Notes for the user (stale legs, legs left out, ...).
+    pub notes: Vec<String>,
+}
+
+impl From<&WriteIntentBitmap> for BitmapReport {
+    fn from(b: &WriteIntentBitmap) -> Self {
+        BitmapReport {
+            chunk_size: b.chunk_size(),
+            chunks: b.nr_chunks(),
+            dirty: b.dirty_chunks().iter().map(|c| c.end - c.first).sum(),
+        }
+    }
+}
+
+impl From<SyncProgress> for SyncReport {
+    fn from(p: SyncProgress) -> Self {
+        SyncReport {
+            action: p.action.to_string(),
+            done_bytes: p.done_bytes,
+            total_bytes: p.total_bytes,
+            speed_kib_s: p.speed_kib_s,
+            eta_secs: p.eta_secs,
+            mismatch_cnt: p.mismatch_cnt,
+        }
+    }
+}
+
+impl ArrayReport {
+    /// md's `[UU_]` string: one character per leg in a slot, in slot order (`U` in sync,
+    /// `_` otherwise), then `_` for each member missing (up to `raid_disks`).
+    pub fn mdstat_legs(&self) -> String {
+        let mut s: String = self
+            .legs
+            .iter()
+            .filter(|l| l.state != "empty")
+            .map(|l| if l.state == "in_sync" { 'U' } else { '_' })
+            .collect();
+        while s.len() < self.raid_disks {
+            s.push('_');
+        }
+        format!("[{s}]")
+    }
+
+    /// Legs in sync.
+    pub fn in_sync(&self) -> usize {
+        self.legs.iter().filter(|l| l.state == "in_sync").count()
+    }
+
+    /// The mdstat-like text of `blkq raid status`.
+    pub fn render_status(&self) -> String {
+        let mut o = String::new();
+        let members: Vec<String> = self
+            .legs
+            .iter()
+            .filter(|l| l.state != "empty")
+            .map(|l| {
+                let mut s = format!("{}[{}]", l.device.as_deref().unwrap_or("?"), l.slot);
+                if l.write_mostly {
+                    s.push_str("(W)");
+                }
+                match l.state.as_str() {
+                    "faulty" => s.push_str("(F)"),
+                    "stale" => s.push_str("(S)"),
+                    "missing" => s.push_str("(M)"),
+                    _ => {}
+                }
+                s
+            })
+            .collect();
+        o.push_str(&format!(
+            "raid1 : {} raid1 {}\n",
+            if self.state == "degraded" {
+                "active (degraded)"
+            } else {
+                "active"
+            },
+            members.join(" ")
+        ));
+        o.push_str(&format!(
+            "      {} blocks [{}/{}] {}\n",
+            self.capacity / 1024,
+            self.raid_disks,
+            self.in_sync(),
+            self.mdstat_legs()
+        ));
+        if let Some(s) = &self.sync {
+            if s.action != "idle" && s.total_bytes > 0 {
+                o.push_str(&format!("      {}\n", progress_line(s)));
+            }
+        }
+        match &self.bitmap {
+            Some(b) => o.push_str(&format!(
+                "      bitmap: {}/{} chunks dirty, {}KB chunk\n",
+                b.dirty,
+                b.chunks,
+                b.chunk_size / 1024
+            )),
+            None => o.push_str("      bitmap: none\n"),
+        }
+        o.push_str(&format!("      uuid: {}\n", self.array_uuid));
+        for n in &self.notes {
+            o.push_str(&format!("      note: {n}\n"));
+        }
+        o
+    }
+
+    /// The text of `blkq raid detail`.
+    pub fn render_detail(&self) -> String {
+        let mut o = String::new();
+        o.push_str(&format!("        Array UUID : {}\n", self.array_uuid));
+        o.push_str(&format!("             State : {}\n", self.state));
+        o.push_str(&format!("            Events : {}\n", self.events));
+        o.push_str(&format!(
+            "        Array Size : {} bytes ({} MiB)\n",
+            self.capacity,
+            self.capacity >> 20
+        ));
+        o.push_str(&format!(
+            "       Data Offset : {} bytes\n",
+            self.data_offset
+        ));
+        o.push_str(&format!(
+            "      Raid Devices : {} ({} in sync)\n",
+            self.raid_disks,
+            self.in_sync()
+        ));
+        match &self.bitmap {
+            Some(b) => o.push_str(&format!(
+                "            Bitmap : {} KiB chunks, {} of {} dirty\n",
+                b.chunk_size / 1024,
+                b.dirty,
+                b.chunks
+            )),
+            None => o.push_str("            Bitmap : none\n"),
+        }
+        if let Some(s) = &self.sync {
+            o.push_str(&format!("       Sync Action : {}\n", s.action));
+            if s.action != "idle" && s.total_bytes > 0 {
+                o.push_str(&format!("     Sync Progress : {}\n", progress_line(s)));
+            }
+            o.push_str(&format!("      Mismatch Cnt : {}\n", s.mismatch_cnt));
+        }
+        o.push_str(
+            "\n    Slot  State           Events  WM  Leg UUID                              Device\n",
+        );
+        for l in &self.legs {
+            let mut state = l.state.clone();
+            if let Some(r) = l.recovery_offset {
+                if l.state == "recovering" {
+                    state = format!("recovering@{}", r);
+                }
+            }
+            o.push_str(&format!(
+                "    {:>4}  {:<14}  {:>6}  {:<2}  {:<36}  {}\n",
+                l.slot,
+                state,
+                l.events.map_or("-".to_string(), |e| e.to_string()),
+                if l.write_mostly { "W" } else { "-" },
+                l.uuid,
+                l.device.as_deref().unwrap_or("-")
+            ));
+        }
+        for n in &self.notes {
+            o.push_str(&format!("    note: {n}\n"));
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leg(slot: usize, state: &str) -> LegReport {
+        LegReport {
+            slot,
+            device: None,
+            state: state.into(),
+            uuid: String::new(),
+            write_mostly: false,
+            recovery_offset: None,
+            events: None,
+            read_errors: 0,
+        }
+    }
+
+    #[test]
+    fn mdstat_legs_one_char_per_member() {
+        let mut r = ArrayReport {
+            array_uuid: String::new(),
+            state: "active".into(),
+            events: 1,
+            capacity: 0,
+            data_offset: 0,
+            raid_disks: 2,
+            legs: vec![leg(0, "in_sync"), leg(1, "in_sync"), leg(2, "empty")],
+            bitmap: None,
+            sync: None,
+            notes: vec![],
+        };
+        assert_eq!(r.mdstat_legs(), "[UU]");
+        r.legs[1].state = "faulty".into();
+        assert_eq!(r.mdstat_legs(), "[U_]");
+        r.legs[1].state = "empty".into();
+        assert_eq!(r.mdstat_legs(), "[U_]");
+        r.legs[2].state = "in_sync".into();
+        assert_eq!(r.mdstat_legs(), "[UU]");
+        r.legs[0].state = "recovering".into();
+        assert_eq!(r.mdstat_legs(), "[_U]");
+    }
+}
