@@ -184,7 +184,7 @@ impl FaultHandle {
     /// Crashes the device: every write not yet durable is rolled back on the inner device
     /// (module docs, "The crash model"), and every I/O fails with `EIO` until
     /// [`restart`](Self::restart). Waits for the I/Os in flight in the inner device (an inner
-    /// device that never completes them hangs it). Needs [`FaultConfig::volatile_cache`];
+    /// device that never completes them hangs it). Needs [`FaultConfig::volatile_cache`](super::FaultConfig::volatile_cache);
     /// crashing a crashed device does nothing. If a roll back write fails, the first error is
     /// returned after every other entry has been tried.
     pub fn crash(&self) -> Result<CrashReport, Error> {

@@ -82,7 +82,7 @@ pub enum Action {
         /// Largest extra latency.
         jitter: Duration,
     },
-    /// Hold the I/O before it reaches the inner device until [`FaultHandle::release`].
+    /// Hold the I/O before it reaches the inner device until [`FaultHandle::release`](super::FaultHandle::release).
     Stall,
 }
 
@@ -186,7 +186,7 @@ impl Rule {
     }
 }
 
-/// The configuration of a [`FaultDevice`]; [`FaultConfig::parse`] reads it from a spec string.
+/// The configuration of a [`FaultDevice`](super::FaultDevice); [`FaultConfig::parse`] reads it from a spec string.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FaultConfig {
     /// Seed of probabilities and jitter.
@@ -194,7 +194,7 @@ pub struct FaultConfig {
     /// Rules, in order (a `Fail` of an earlier rule wins; delays add up).
     pub rules: Vec<Rule>,
     /// Model a volatile write cache (undo log; every write costs a read) so that
-    /// [`FaultHandle::crash`] works.
+    /// [`FaultHandle::crash`](super::FaultHandle::crash) works.
     pub volatile_cache: bool,
 }
 
