@@ -12,16 +12,18 @@ use std::time::{Duration, Instant};
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op};
 use blk_drivers::fault::{Action, FaultConfig, FaultDevice, FaultHandle, OpSet, Rule, When};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use waitq::WaitQueue;
 
 const K4: u64 = 4096;
 
-/// Collects completions.
+/// Collects completions; a test waits for them on the wait queue (the one way to sleep).
 #[derive(Default)]
-struct Collect(Mutex<Vec<(Bio, Result<(), Error>)>>);
+struct Collect(Mutex<Vec<(Bio, Result<(), Error>)>>, WaitQueue);
 
 impl EndIo for Collect {
     fn end_io(&self, bio: Bio, res: Result<(), Error>) {
         self.0.lock().unwrap().push((bio, res));
+        self.1.wake_all(); // after the lock is dropped
     }
 }
 
@@ -32,17 +34,15 @@ impl Collect {
 
     /// Waits (without a time limit worth asserting on: 60 s means "lost") for `n`.
     fn wait_for(&self, n: usize) -> Vec<(Bio, Result<(), Error>)> {
-        let t0 = Instant::now();
-        loop {
-            {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let got = self.1.wait_for_until(
+            || {
                 let mut v = self.0.lock().unwrap();
-                if v.len() >= n {
-                    return std::mem::take(&mut *v);
-                }
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "completions lost");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+                (v.len() >= n).then(|| std::mem::take(&mut *v))
+            },
+            deadline,
+        );
+        got.expect("completions lost")
     }
 }
 
@@ -239,6 +239,39 @@ fn latency_is_on_the_timer_thread_not_the_submitter() {
             "the submitter's cookie comes back"
         );
     }
+}
+
+#[test]
+fn timer_wakes_for_an_earlier_deadline() {
+    // The timer thread sleeps towards the read's deadline an hour away; the write queued
+    // after it, due sooner, must wake it (a wake-up lost between its look and its sleep
+    // would leave the write waiting for an hour, and this test failing at its 60 s guard).
+    let (dev, _, h) = fault(FaultConfig::default());
+    h.add(Rule::delay(
+        OpSet::READ,
+        Duration::from_secs(3600),
+        Duration::ZERO,
+    ));
+    h.add(Rule::delay(
+        OpSet::WRITE,
+        Duration::from_micros(100),
+        Duration::ZERO,
+    ));
+    let c = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = c.clone();
+    dev.submit(Bio::with_buf(Op::Read, 0, Buffer::new(4096)), &end);
+    for round in 0..50u64 {
+        dev.submit(Bio::with_buf(Op::Write, 8, fill(round as u8, K4)), &end);
+        let (b, r) = c.wait_for(1).pop().unwrap();
+        r.unwrap();
+        assert_eq!(b.op, Op::Write);
+    }
+    assert_eq!(c.len(), 0, "the read still waits for its hour");
+    drop(dev);
+    let (b, r) = c.wait_for(1).pop().unwrap();
+    r.unwrap();
+    assert_eq!(b.op, Op::Read);
+    assert_eq!(h.counters().delayed, 51);
 }
 
 #[test]
@@ -678,12 +711,19 @@ struct Counting;
 
 thread_local! {
     static COUNT_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// `delayed_steady_state_allocates_nothing`'s flag (its own counter: the two tests may
+    /// run at the same time).
+    static COUNT_DELAYED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 static ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static DELAYED_ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 fn note_alloc() {
     if COUNT_HERE.try_with(|c| c.get()).unwrap_or(false) {
         ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if COUNT_DELAYED.try_with(|c| c.get()).unwrap_or(false) {
+        DELAYED_ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -779,4 +819,81 @@ fn steady_state_allocates_nothing() {
     let allocs = ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(allocs, 0, "allocations in {} I/Os", rounds * 32);
     assert!(h.counters().failed[0] > 0);
+}
+
+/// Takes completions on the fault device's timer thread, wakes the submitter through a wait
+/// queue, and once `measure` is set counts that thread's allocations too.
+struct TimerBack {
+    v: Mutex<Vec<Bio>>,
+    wq: WaitQueue,
+    measure: std::sync::atomic::AtomicBool,
+}
+
+impl EndIo for TimerBack {
+    fn end_io(&self, bio: Bio, _res: Result<(), Error>) {
+        if self.measure.load(std::sync::atomic::Ordering::Relaxed) {
+            COUNT_DELAYED.with(|c| c.set(true));
+        }
+        self.v.lock().unwrap().push(bio);
+        self.wq.wake_all(); // after the lock is dropped
+    }
+}
+
+#[test]
+fn delayed_steady_state_allocates_nothing() {
+    // Delayed completions: the submitter queues them for the timer thread and sleeps on a wait
+    // queue; the timer thread sleeps on its own wait queue until a deadline or a push. After a
+    // warm-up, neither thread allocates (the timer thread counts from its first measured
+    // delivery on).
+    let inner: Arc<dyn Device> = Arc::new(OneByOne(
+        "null:64M"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap(),
+    ));
+    let f = FaultDevice::new(
+        inner,
+        FaultConfig::parse("seed=9,latency_us=1,jitter_us=50").unwrap(),
+    );
+    let h = f.handle();
+    let back = Arc::new(TimerBack {
+        v: Mutex::new(Vec::with_capacity(64)),
+        wq: WaitQueue::new(),
+        measure: std::sync::atomic::AtomicBool::new(false),
+    });
+    let end: Arc<dyn EndIo> = back.clone();
+    let mut free: Vec<Bio> = (0..32).map(|_| Bio::new(Op::Read, 0, 4096)).collect();
+    let ops = [Op::Read, Op::Write];
+    let rounds = 200;
+    for round in 0..2 * rounds {
+        if round == rounds {
+            DELAYED_ALLOCS.store(0, std::sync::atomic::Ordering::Relaxed);
+            back.measure
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            COUNT_DELAYED.with(|c| c.set(true));
+        }
+        for (i, b) in free.iter_mut().enumerate() {
+            b.op = ops[(i + round) % 2];
+            b.sector = ((i * 7 + round * 13) % 4096) as u64 * 8;
+        }
+        for b in free.drain(..) {
+            f.submit(b, &end);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let back_all = back.wq.wait_for_until(
+            || {
+                let mut g = back.v.lock().unwrap();
+                (g.len() == 32).then(|| std::mem::swap(&mut *g, &mut free))
+            },
+            deadline,
+        );
+        assert!(back_all.is_some(), "completions lost");
+    }
+    COUNT_DELAYED.with(|c| c.set(false));
+    back.measure
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    let allocs = DELAYED_ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(allocs, 0, "allocations in {} delayed I/Os", rounds * 32);
+    assert_eq!(h.counters().delayed, 2 * rounds as u64 * 32);
 }

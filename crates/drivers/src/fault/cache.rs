@@ -1,0 +1,253 @@
+//! The fault device's volatile write cache: the undo log, its bookkeeping at each
+//! acknowledgement, and the crash that rolls it back. Run by the submitters' threads (undo
+//! reads), whichever thread delivers a completion (bookkeeping), and the thread that calls
+//! `FaultHandle::crash` (roll back).
+//!
+//! # Waiting
+//!
+//! Two waits, both on `waitq` wait queues:
+//! - a synchronous I/O on the inner device (`sync_io`: undo reads, roll back writes, the final
+//!   flush) waits on its `SyncIo`'s queue for the completion to be stored in `done`; the
+//!   completion stores it under the mutex, drops the mutex, then wakes;
+//! - a crash waits on `Shared::idle_wq` until `State::in_flight` is 0 and takes the undo log
+//!   in the same look (under the state lock), so no forwarded I/O can still acknowledge into
+//!   it; `on_inner_done` wakes it after dropping the state lock. New I/Os cannot raise
+//!   `in_flight` meanwhile: `crashed` is set first, and `prepare` checks it under the same
+//!   lock before counting an I/O in flight.
+
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+use blkq_sync::DynArc as Arc;
+use blkq_sync::Mutex;
+use waitq::WaitQueue;
+
+use super::{bio_range, bump, errno_err, modifies, Ack, FaultHandle, Shared};
+
+/// The old contents of one not yet durable write's range.
+pub(super) struct UndoEntry {
+    pub(super) id: u64,
+    pub(super) offset: u64,
+    /// The old contents, in chunks of at most the inner device's max I/O.
+    pub(super) chunks: Vec<Buffer>,
+    /// Acknowledgement number, once acknowledged.
+    pub(super) acked: Option<u64>,
+}
+
+/// The crash model's state, under `Shared::state`.
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) crashed: bool,
+    pub(super) epoch: u64,
+    /// I/Os forwarded to the inner device and not completed.
+    pub(super) in_flight: u64,
+    /// Acknowledgements of entries so far.
+    pub(super) acks: u64,
+    pub(super) next_undo: u64,
+    pub(super) undo: Vec<UndoEntry>,
+}
+
+/// Waits for one I/O on the inner device (undo reads, roll back).
+#[derive(Default)]
+struct SyncIo {
+    done: Mutex<Option<(Bio, Result<(), Error>)>>,
+    wq: WaitQueue,
+}
+
+impl EndIo for SyncIo {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.done.lock() = Some((bio, res));
+        // The lock is dropped: wake outside it. `self` stays alive through the inner device's
+        // clone of the `Arc` until this returns, even if the waiter has already left.
+        self.wq.wake_one();
+    }
+}
+
+/// Submits `bio` to `dev` and waits for its completion (the crash model only: it allocates).
+fn sync_io(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
+    let w = Arc::new(SyncIo::default());
+    let end: Arc<dyn EndIo> = w.clone();
+    dev.submit(bio, &end);
+    w.wq.wait_for(|| w.done.lock().take())
+}
+
+impl Shared {
+    /// Hands a completion to its submitter, after the crash-model bookkeeping.
+    pub(super) fn deliver(
+        &self,
+        bio: Bio,
+        mut res: Result<(), Error>,
+        end: &Arc<dyn EndIo>,
+        ack: Ack,
+    ) {
+        if self.volatile {
+            let mut st = self.state.lock();
+            if st.crashed || ack.epoch != st.epoch {
+                if res.is_ok() {
+                    bump(&self.counters.crashed_io);
+                    res = Err(errno_err(libc::EIO));
+                }
+            } else {
+                if res.is_ok() {
+                    if bio.op == Op::Flush {
+                        let mark = ack.flush_mark;
+                        st.undo.retain(|e| !matches!(e.acked, Some(a) if a <= mark));
+                    } else if modifies(bio.op) && bio.flags.contains(BioFlags::FUA) {
+                        patch_undo(&mut st.undo, &bio);
+                    }
+                }
+                if let Some(id) = ack.undo {
+                    st.acks += 1;
+                    let n = st.acks;
+                    if let Some(e) = st.undo.iter_mut().find(|e| e.id == id) {
+                        e.acked = Some(n);
+                    }
+                }
+            }
+        }
+        end.end_io(bio, res);
+    }
+
+    /// Reads the current contents of a modifying bio's range from the inner device.
+    pub(super) fn read_old(&self, bio: &Bio) -> Result<Vec<Buffer>, Error> {
+        let (off, len) = bio_range(bio);
+        let max = u64::from(self.inner.limits().max_io_bytes.clamp(4096, 1 << 20));
+        let lbs = u64::from(self.inner.limits().logical_block_size.max(512));
+        let max = (max / lbs * lbs).max(lbs);
+        let mut chunks = Vec::new();
+        let mut pos = 0;
+        while pos < len {
+            let n = (len - pos).min(max);
+            bump(&self.counters.undo_reads);
+            let rd = Bio::with_buf(
+                Op::Read,
+                (off + pos) >> SECTOR_SHIFT,
+                Buffer::new(n as usize),
+            );
+            let (rd, res) = sync_io(self.inner.as_ref(), rd);
+            res?;
+            chunks.push(rd.buf.ok_or(Error::NoBuffer)?);
+            pos += n;
+        }
+        Ok(chunks)
+    }
+}
+
+/// Patches the parts of undo entries that a durable (FUA) modifying bio overwrote.
+fn patch_undo(undo: &mut [UndoEntry], bio: &Bio) {
+    let (off, len) = bio_range(bio);
+    let end = off.saturating_add(len);
+    let data = match bio.op {
+        Op::Write => bio.buf.as_ref().map(|b| b.as_slice()),
+        _ => None,
+    };
+    for e in undo.iter_mut() {
+        let mut c0 = e.offset;
+        for c in &mut e.chunks {
+            let c1 = c0 + c.len() as u64;
+            let (s, t) = (c0.max(off), c1.min(end));
+            if s < t {
+                let dst = &mut c.as_mut_slice()[(s - c0) as usize..(t - c0) as usize];
+                match data {
+                    Some(d) if d.len() as u64 >= t - off => {
+                        dst.copy_from_slice(&d[(s - off) as usize..(t - off) as usize]);
+                    }
+                    _ => dst.fill(0),
+                }
+            }
+            c0 = c1;
+        }
+    }
+}
+
+/// What a crash rolled back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CrashReport {
+    /// Writes (and discards, write-zeroes) rolled back.
+    pub writes_lost: u64,
+    /// Bytes rewritten with their old contents.
+    pub bytes_restored: u64,
+    /// Stalled I/Os failed.
+    pub stalled_failed: u64,
+}
+
+impl FaultHandle {
+    /// Writes (and discards, write-zeroes) in the undo log: not yet durable, lost by a crash
+    /// now. Always 0 without the volatile cache.
+    pub fn unflushed_writes(&self) -> usize {
+        self.sh.state.lock().undo.len()
+    }
+
+    /// Whether the device is crashed.
+    pub fn is_crashed(&self) -> bool {
+        self.sh.state.lock().crashed
+    }
+
+    /// Crashes the device: every write not yet durable is rolled back on the inner device
+    /// (module docs, "The crash model"), and every I/O fails with `EIO` until
+    /// [`restart`](Self::restart). Waits for the I/Os in flight in the inner device (an inner
+    /// device that never completes them hangs it). Needs [`FaultConfig::volatile_cache`](super::FaultConfig::volatile_cache);
+    /// crashing a crashed device does nothing. If a roll back write fails, the first error is
+    /// returned after every other entry has been tried.
+    pub fn crash(&self) -> Result<CrashReport, Error> {
+        let sh = &self.sh;
+        if !sh.volatile {
+            return Err(Error::NotSupported(
+                "crash needs a fault device with volatile_cache",
+            ));
+        }
+        let _crashing = sh.crash_lock.lock();
+        {
+            let mut st = sh.state.lock();
+            if st.crashed {
+                return Ok(CrashReport::default());
+            }
+            st.crashed = true;
+            st.epoch += 1;
+        }
+        bump(&sh.counters.crashes);
+        let mut report = CrashReport::default();
+        let held = std::mem::take(&mut *sh.stalled.lock());
+        for h in held {
+            report.stalled_failed += 1;
+            bump(&sh.counters.crashed_io);
+            h.end.end_io(h.bio, Err(errno_err(libc::EIO)));
+        }
+        // Wait for the I/Os in flight in the inner device, taking the undo log once they are
+        // all back (module docs above, "Waiting").
+        let undo = sh.idle_wq.wait_for(|| {
+            let mut st = sh.state.lock();
+            (st.in_flight == 0).then(|| std::mem::take(&mut st.undo))
+        });
+        let mut first_err = None;
+        for e in undo.into_iter().rev() {
+            report.writes_lost += 1;
+            bump(&sh.counters.writes_lost);
+            let mut off = e.offset;
+            for c in e.chunks {
+                let n = c.len() as u64;
+                let mut w = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, c);
+                w.flags = BioFlags::FUA;
+                let (_, res) = sync_io(sh.inner.as_ref(), w);
+                match res {
+                    Ok(()) => report.bytes_restored += n,
+                    Err(err) => {
+                        first_err.get_or_insert(err);
+                    }
+                }
+                off += n;
+            }
+        }
+        if let (_, Err(err)) = sync_io(sh.inner.as_ref(), Bio::new(Op::Flush, 0, 0)) {
+            first_err.get_or_insert(err);
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Ends a crash: I/O works again, against the rolled-back contents.
+    pub fn restart(&self) {
+        let _crashing = self.sh.crash_lock.lock();
+        self.sh.state.lock().crashed = false;
+    }
+}
