@@ -9,7 +9,8 @@
 # first); prints per-cell medians, min..max over the rounds, and B/A.
 #
 # Environment: ROUNDS=3, R=5 (seconds per fio run), CORE_RUNTIME=3 (seconds per bench run),
-# SIZE=1G, OUT=DIR (raw results; default a new /tmp/blkq-ab.XXXXXX).
+# SIZE=1G, OUT=DIR (raw results; default a new /tmp/blkq-ab.XXXXXX); to re-run a subset:
+# RWS="randread randwrite", CONNS="1 2", QDS="16 64", CORE=1 (0 skips the per-core cell).
 set -euo pipefail
 A=${1:?usage: bench/ab.sh OLD_BINARY NEW_BINARY}
 B=${2:?usage: bench/ab.sh OLD_BINARY NEW_BINARY}
@@ -17,6 +18,10 @@ ROUNDS=${ROUNDS:-3}
 R=${R:-5}
 CORE_RUNTIME=${CORE_RUNTIME:-3}
 SIZE=${SIZE:-1G}
+RWS=${RWS:-"randread randwrite"}
+CONNS=${CONNS:-"1 2"}
+QDS=${QDS:-"16 64"}
+CORE=${CORE:-1}
 OUT=${OUT:-$(mktemp -d /tmp/blkq-ab.XXXXXX)}
 mkdir -p "$OUT"
 PY=/usr/bin/python3
@@ -43,9 +48,9 @@ nbd_cells() { # BIN LABEL ROUND
   local uri="nbd+unix:///?socket=$sock"
   fio --name=prefill --ioengine=nbd --uri="$uri" --rw=write --bs=1M --iodepth=16 \
     --size="$SIZE" --output-format=json --output=/dev/null >/dev/null 2>&1
-  for rw in randread randwrite; do
-    for conns in 1 2; do
-      for qd in 16 64; do
+  for rw in $RWS; do
+    for conns in $CONNS; do
+      for qd in $QDS; do
         json=$OUT/$label-r$round-$rw-c$conns-qd$qd.json
         fio --name=ab --ioengine=nbd --uri="$uri" --rw="$rw" --bs=4k --iodepth="$qd" \
           --numjobs="$conns" --group_reporting --time_based --runtime="$R" --norandommap \
@@ -71,7 +76,7 @@ for ((r = 0; r < ROUNDS; r++)); do
     bin=$A
     [[ $side == B ]] && bin=$B
     echo "round $r: $side" >&2
-    core_cell "$bin" "$side" "$r"
+    if [[ $CORE == 1 ]]; then core_cell "$bin" "$side" "$r"; fi
     nbd_cells "$bin" "$side" "$r"
   done
 done
