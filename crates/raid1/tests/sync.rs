@@ -7,7 +7,7 @@
 #![cfg(not(blkq_loom))]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
@@ -28,30 +28,8 @@ fn mem(size: &str) -> Arc<dyn Device> {
     )
 }
 
-#[derive(Default)]
-struct One(Mutex<Option<(Bio, Result<(), Error>)>>, std::sync::Condvar);
-
-impl EndIo for One {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        *self.0.lock().unwrap() = Some((bio, res));
-        self.1.notify_all();
-    }
-}
-
-fn io(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
-    let one = Arc::new(One::default());
-    let end: Arc<dyn EndIo> = one.clone();
-    dev.submit(bio, &end);
-    let mut g = one.0.lock().unwrap();
-    loop {
-        if let Some(r) = g.take() {
-            return r;
-        }
-        let (ng, to) = one.1.wait_timeout(g, Duration::from_secs(60)).unwrap();
-        assert!(!to.timed_out(), "I/O never completed");
-        g = ng;
-    }
-}
+/// One bio, submitted and waited for (the suite's deadline fails the test if it hangs).
+use testkit::io::submit_wait as io;
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)

@@ -7,7 +7,8 @@
 //!   binary (loom aborts the process when a failing model unwinds);
 //! - [`baseline`]: the `Mutex` + `Condvar` baselines the criterion benches measure against,
 //!   and their shared criterion configuration;
-//! - `Collect` (feature `blk`): an end-io that collects completed bios.
+//! - `Collect` (feature `blk`): an end-io that collects completed bios;
+//! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device.
 //!
 //! Tests observe the system under test from outside, with the operating system's own
 //! primitives, so this crate uses `std::sync` (`Mutex`, `Condvar`) directly rather than the
@@ -20,6 +21,8 @@
 pub mod baseline;
 #[cfg(feature = "blk")]
 mod collect;
+#[cfg(feature = "blk")]
+pub mod io;
 pub mod loom_child;
 mod wait;
 

@@ -1,0 +1,44 @@
+//! Synchronous I/O on any `blk::Device`, for tests: submit one bio and wait for it (with the
+//! suite's [`PROMPT`] deadline, failing the test rather than hanging), or read and write bytes.
+
+use std::sync::Arc;
+
+use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+
+use crate::Collect;
+#[cfg(doc)]
+use crate::PROMPT;
+
+/// Submits `bio` to `dev` and waits for its completion; returns the bio (with its buffer) and
+/// its status. Panics if it does not complete within [`PROMPT`].
+pub fn submit_wait(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
+    let done = Arc::new(Collect::default());
+    let end: Arc<dyn EndIo> = done.clone();
+    dev.submit(bio, &end);
+    done.wait_for(1)
+        .pop()
+        .expect("Collect::wait_for(1) returns one completion")
+}
+
+/// Writes `data` at byte `offset` (sector-aligned) and returns the status.
+pub fn write_at(dev: &dyn Device, offset: u64, data: &[u8]) -> Result<(), Error> {
+    let mut b = Buffer::new(data.len());
+    b.as_mut_slice().copy_from_slice(data);
+    submit_wait(dev, Bio::with_buf(Op::Write, offset >> SECTOR_SHIFT, b)).1
+}
+
+/// Reads `len` bytes at byte `offset` (sector-aligned).
+pub fn read_at(dev: &dyn Device, offset: u64, len: usize) -> Result<Vec<u8>, Error> {
+    let (b, r) = submit_wait(
+        dev,
+        Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
+    );
+    r?;
+    let buf = b.buf.expect("a read bio comes back with its buffer");
+    Ok(buf.as_slice()[..len].to_vec())
+}
+
+/// Flushes `dev` and returns the status.
+pub fn flush(dev: &dyn Device) -> Result<(), Error> {
+    submit_wait(dev, Bio::new(Op::Flush, 0, 0)).1
+}
