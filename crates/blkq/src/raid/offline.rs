@@ -42,10 +42,10 @@ pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
     let parsed: DeviceSpec = spec
         .parse()
         .with_context(|| format!("leg {spec:?}: bad device spec"))?;
-    let q = parsed
-        .build(ov)
-        .with_context(|| format!("leg {spec:?}: cannot open it"))?;
-    Ok(Arc::new(q))
+    // build_device: a leg may carry `fault.` options (wrapped in a fault device).
+    parsed
+        .build_device(ov)
+        .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
 /// Completion of one synchronous read.
