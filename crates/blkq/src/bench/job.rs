@@ -491,3 +491,79 @@ pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use std::time::Duration;
+
+    use blk::sched::{LockMode, SchedChoice};
+    use blk::PoolPolicy;
+    use sbitmap::WakeAlgo;
+
+    use super::super::args::apply;
+    use super::*;
+
+    fn raid_cfg(rw: &str) -> RunCfg {
+        RunCfg {
+            device: String::new(),
+            rw: rw.parse().unwrap(),
+            rwmixread: 50,
+            bs: 4096,
+            iodepth: 4,
+            jobs: 2,
+            runtime: Duration::from_millis(50),
+            hw_queues: None,
+            queue_depth: None,
+            shared_tags: false,
+            wake: WakeAlgo::Counter,
+            policy: PoolPolicy::Steal,
+            sched: SchedChoice::None,
+            sched_lock: LockMode::Serialized,
+            max_in_flight: None,
+            batch_requests: 32,
+            batch_time: Duration::from_micros(10_000),
+            size: None,
+            lat_sample: 1,
+            raid1: Some("mem:8M,mem:8M".into()),
+            raid1_options: vec!["barrier=locked".into()],
+        }
+    }
+
+    /// `--raid1` drives a mirror through `submit_batch`: I/Os complete without errors, for
+    /// both barrier designs (the sweep key `barrier`), and `--verify` reads back its pattern.
+    #[test]
+    fn bench_over_a_mirror() {
+        for barrier in ["locked", "lockless"] {
+            let mut cfg = raid_cfg("randrw");
+            apply(&mut cfg, "barrier", barrier).unwrap();
+            assert_eq!(
+                cfg.label(),
+                format!("raid1:mem:8M,mem:8M [barrier=locked barrier={barrier}]")
+            );
+            let r = run_once(&cfg, false).unwrap();
+            assert!(r.ios > 0, "{barrier}");
+            assert_eq!(r.errors, 0, "{barrier}");
+            assert_eq!(r.tag_wait_count, 0);
+        }
+        verify(&raid_cfg("randread")).unwrap();
+        let mut bad = raid_cfg("randread");
+        bad.raid1_options = vec!["barrier=spin".into()];
+        assert!(run_once(&bad, false).is_err());
+        // `barrier` is a sweep key only with --raid1.
+        let mut plain = raid_cfg("randread");
+        plain.raid1 = None;
+        assert!(apply(&mut plain, "barrier", "locked").is_err());
+    }
+
+    /// A `--device` spec with `fault.` options runs through the fault device and counts its
+    /// injected errors.
+    #[test]
+    fn bench_over_a_fault_device() {
+        let mut cfg = raid_cfg("randread");
+        cfg.raid1 = None;
+        cfg.device = "mem:8M,fault.fail_read=all".into();
+        let r = run_once(&cfg, false).unwrap();
+        assert!(r.ios > 0);
+        assert_eq!(r.errors, r.ios);
+    }
+}
