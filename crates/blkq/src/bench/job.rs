@@ -289,14 +289,7 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
 /// `blkq serve --raid1` and creates a new array on them (the bench owns its legs).
 pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
     let legs = crate::raid::split_legs(legs)?;
-    let mut rc = raid1::Raid1Config::default();
-    for o in &cfg.raid1_options {
-        let (k, v) = o
-            .split_once('=')
-            .with_context(|| format!("--raid1-option {o:?}: expected KEY=VALUE"))?;
-        rc.set_option(k.trim(), v.trim())
-            .with_context(|| format!("--raid1-option {o:?}"))?;
-    }
+    let rc = crate::raid::raid1_config(&cfg.raid1_options)?;
     let ov = overrides(cfg);
     let devs = legs
         .iter()

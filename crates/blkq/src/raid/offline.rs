@@ -37,6 +37,20 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
     Ok(legs)
 }
 
+/// The array configuration of `--raid1-option KEY=VALUE`s (`blkq serve` and `blkq bench`),
+/// through `Raid1Config::set_option`, in order.
+pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
+    let mut cfg = raid1::Raid1Config::default();
+    for o in options {
+        let (k, v) = o
+            .split_once('=')
+            .with_context(|| format!("--raid1-option {o:?}: expected KEY=VALUE"))?;
+        cfg.set_option(k.trim(), v.trim())
+            .with_context(|| format!("--raid1-option {o:?}"))?;
+    }
+    Ok(cfg)
+}
+
 /// Opens a leg from its device spec.
 pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
     let parsed: DeviceSpec = spec
