@@ -16,7 +16,7 @@ use blk::{Device, PoolPolicy, Queue};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use clap::Args;
 use nbd::server::{Export, Server, ServerConfig, Stopper};
-use raid1::{Raid1, Raid1Config};
+use raid1::Raid1;
 
 use crate::control::{Control, ControlServer};
 
@@ -145,14 +145,7 @@ fn build_raid1(
     ov: &QueueOverrides,
 ) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
     let legs = crate::raid::split_legs(legs)?;
-    let mut cfg = Raid1Config::default();
-    for o in &a.raid1_options {
-        let (k, v) = o
-            .split_once('=')
-            .with_context(|| format!("--raid1-option {o:?}: expected KEY=VALUE"))?;
-        cfg.set_option(k.trim(), v.trim())
-            .with_context(|| format!("--raid1-option {o:?}"))?;
-    }
+    let cfg = crate::raid::raid1_config(&a.raid1_options)?;
     match crate::raid::plan(&legs, ov)? {
         None if a.raid1_create => {
             let devs = legs

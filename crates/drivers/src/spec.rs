@@ -14,6 +14,12 @@
 //! `serialized`), and mq-deadline's tunables by their sysfs names, expiries in ms
 //! (`read_expire`, `write_expire`, `writes_starved`, `fifo_batch`, `front_merges`,
 //! `prio_aging_expire`, `async_depth`), e.g. `null:1G,sched=mq-deadline,fifo_batch=8`.
+//!
+//! Fault injection, as a wrapper option of every device: each `fault.`-prefixed option goes
+//! (prefix stripped, in order) to [`FaultConfig::parse`], and
+//! [`DeviceSpec::build_device`] wraps the built queue in a [`FaultDevice`], e.g.
+//! `mem:1G,fault.seed=7,fault.fail_write_prob=0.01,fault.latency_us=100`. A spec with fault
+//! options cannot be built as a bare [`Queue`] ([`DeviceSpec::build`] refuses it).
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -22,11 +28,12 @@ use blkq_sync::DynArc as Arc;
 use sbitmap::WakeAlgo;
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
-use blk::{Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
+use blk::{Device, Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
 
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::mem::MemBackend;
 use crate::backend::Backend;
+use crate::fault::{FaultConfig, FaultDevice};
 use crate::file::{FileDriver, FileDriverConfig, MAX_ENTRIES};
 use crate::mem::BackendDriver;
 use crate::null::{NullConfig, NullDriver};
@@ -148,9 +155,65 @@ pub struct QueueOverrides {
     pub sched_lock: Option<LockMode>,
 }
 
+/// The prefix of fault-injection options in a device spec.
+pub const FAULT_PREFIX: &str = "fault.";
+
 impl DeviceSpec {
-    /// Builds the device's queue and driver.
+    /// The spec's `fault.` options as a [`FaultConfig`], or `None` when it has none. Errors
+    /// name the option (with its `fault.` prefix).
+    pub fn fault_config(&self) -> Result<Option<FaultConfig>, Error> {
+        let mut joined = String::new();
+        let mut any = false;
+        for (k, v) in &self.options {
+            let Some(key) = k.strip_prefix(FAULT_PREFIX) else {
+                continue;
+            };
+            // Check each option alone first, so that an error names the one at fault.
+            let one = format!("{key}={v}");
+            FaultConfig::parse(&one).map_err(|e| Error::Config(format!("option {k}={v}: {e}")))?;
+            if any {
+                joined.push(',');
+            }
+            joined.push_str(&one);
+            any = true;
+        }
+        if !any {
+            return Ok(None);
+        }
+        FaultConfig::parse(&joined)
+            .map(Some)
+            .map_err(|e| Error::Config(format!("fault options: {e}")))
+    }
+
+    /// Builds the device: its queue, wrapped in a [`FaultDevice`] when the spec has `fault.`
+    /// options.
+    pub fn build_device(&self, ov: &QueueOverrides) -> Result<Arc<dyn Device>, Error> {
+        let fault = self.fault_config()?;
+        let q = self.build_queue(ov)?;
+        let q: Arc<dyn Device> = Arc::new(q);
+        Ok(match fault {
+            Some(cfg) => Arc::new(FaultDevice::new(q, cfg)),
+            None => q,
+        })
+    }
+
+    /// Builds the device's queue and driver. Refuses a spec with `fault.` options (a
+    /// [`Queue`] cannot carry them: use [`build_device`](Self::build_device)).
     pub fn build(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
+        if let Some((k, _)) = self
+            .options
+            .iter()
+            .find(|(k, _)| k.starts_with(FAULT_PREFIX))
+        {
+            return Err(Error::Config(format!(
+                "option {k}: fault options need a wrapped device (DeviceSpec::build_device), \
+                 not a bare queue"
+            )));
+        }
+        self.build_queue(ov)
+    }
+
+    fn build_queue(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
         let mut null = NullConfig::default();
         let mut memory_backed = false;
         let mut file_opts = FileOptions {
@@ -166,6 +229,9 @@ impl DeviceSpec {
         let mut tuned = false;
         for (k, v) in &self.options {
             let k = k.as_str();
+            if k.starts_with(FAULT_PREFIX) {
+                continue; // build_device's
+            }
             match (k, &self.kind) {
                 ("sched" | "scheduler", _) => sched = v.parse()?,
                 ("sched_lock", _) => sched_lock = v.parse()?,

@@ -52,8 +52,16 @@ impl Rw {
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Device spec: null:SIZE, mem:SIZE or file:PATH, with ,key=value options.
-    #[arg(long, default_value = "null:1G")]
+    #[arg(long, default_value = "null:1G", conflicts_with = "raid1")]
     pub device: String,
+    /// Bench a RAID1 mirror over these legs instead of --device: device specs,
+    /// comma-separated (the same syntax and builder as `blkq serve --raid1`). The bench owns
+    /// its legs: a new array is created on them, overwriting what they hold.
+    #[arg(long, value_name = "LEG,LEG[,...]")]
+    pub raid1: Option<String>,
+    /// A raid1 option KEY=VALUE (repeatable), e.g. barrier=locked|lockless.
+    #[arg(long = "raid1-option", value_name = "KEY=VALUE")]
+    pub raid1_options: Vec<String>,
     /// read, write, randread, randwrite or randrw.
     #[arg(long, default_value = "randread")]
     pub rw: String,
@@ -144,6 +152,21 @@ pub(super) struct RunCfg {
     pub(super) batch_time: Duration,
     pub(super) size: Option<u64>,
     pub(super) lat_sample: u64,
+    /// `--raid1` legs (then `device` is only the label of the run).
+    pub(super) raid1: Option<String>,
+    /// `--raid1-option`s, in order (a later one wins).
+    pub(super) raid1_options: Vec<String>,
+}
+
+impl RunCfg {
+    /// The label of the device in the output: the spec, or `raid1:LEGS [OPTIONS]`.
+    pub(super) fn label(&self) -> String {
+        match &self.raid1 {
+            None => self.device.clone(),
+            Some(legs) if self.raid1_options.is_empty() => format!("raid1:{legs}"),
+            Some(legs) => format!("raid1:{legs} [{}]", self.raid1_options.join(" ")),
+        }
+    }
 }
 
 pub(super) fn list<T: FromStr>(s: &str, what: &str) -> Result<Vec<T>>
@@ -168,8 +191,12 @@ pub(super) fn apply(cfg: &mut RunCfg, key: &str, val: &str) -> Result<()> {
         "hw-queues" | "hw_queues" => cfg.hw_queues = Some(val.parse()?),
         "bs" => cfg.bs = parse_size(val)? as u32,
         "max-in-flight" | "max_in_flight" => cfg.max_in_flight = Some(val.parse()?),
+        "barrier" if cfg.raid1.is_some() => cfg.raid1_options.push(format!("barrier={val}")),
         _ => {
-            bail!("cannot sweep {key:?} (queue-depth, iodepth, jobs, hw-queues, bs, max-in-flight)")
+            bail!(
+                "cannot sweep {key:?} (queue-depth, iodepth, jobs, hw-queues, bs, max-in-flight, \
+                 barrier with --raid1)"
+            )
         }
     }
     Ok(())

@@ -6,7 +6,7 @@ use blkq_sync::{DynArc as Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use blk::{Bio, Buffer, EndIo, Op, Queue};
+use blk::{Bio, Buffer, Device, EndIo, Op, Queue};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use waitq::WaitQueue;
 
@@ -110,15 +110,38 @@ pub(super) struct JobOut {
     pub(super) ctx: u64,
 }
 
+/// What the jobs drive: a queue (plugged submission) or any bio-based device (one
+/// `submit_batch` per iodepth refill), e.g. a RAID1 mirror.
+#[derive(Clone)]
+pub(super) enum Target {
+    Queue(Arc<Queue>),
+    Device(Arc<dyn Device>),
+}
+
+impl Target {
+    fn capacity(&self) -> u64 {
+        match self {
+            Target::Queue(q) => q.core().limits().capacity,
+            Target::Device(d) => d.limits().capacity,
+        }
+    }
+}
+
+/// Whether bios need data buffers: every device but `null` without `memory_backed` reads or
+/// writes its buffer, and a RAID1 mirror refuses data bios without one (whatever its legs).
+fn needs_data(cfg: &RunCfg) -> bool {
+    cfg.raid1.is_some() || !cfg.device.starts_with("null") || cfg.device.contains("memory_backed=1")
+}
+
 pub(super) fn run_job(
-    q: Arc<Queue>,
+    target: Target,
     cfg: RunCfg,
     job: usize,
     region: u64,
     stop: Arc<AtomicBool>,
     done: Arc<AtomicU64>,
 ) -> JobOut {
-    let needs_data = !cfg.device.starts_with("null") || cfg.device.contains("memory_backed=1");
+    let needs_data = needs_data(&cfg);
     let end = Arc::new(JobEnd {
         base: Instant::now(),
         ret: Mutex::new(Returned {
@@ -143,6 +166,8 @@ pub(super) fn run_job(
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((job as u64 + 1) << 32));
     let mut seq = (blocks / cfg.jobs as u64) * job as u64;
     let mut plug = blk::Plug::new(cfg.iodepth);
+    // The batch of a bio-based target (its capacity kept: no allocation per refill).
+    let mut batch: Vec<Bio> = Vec::with_capacity(cfg.iodepth);
     let mut ios = 0u64;
     let mut n = 0u64;
     let ctx0 = thread_ctx_switches();
@@ -182,9 +207,19 @@ pub(super) fn run_job(
             } else {
                 0
             };
-            q.submit_plugged(&mut plug, bio, &end_dyn);
+            match &target {
+                Target::Queue(q) => q.submit_plugged(&mut plug, bio, &end_dyn),
+                Target::Device(_) => batch.push(bio),
+            }
         }
-        q.flush_plug(&mut plug);
+        match &target {
+            Target::Queue(q) => q.flush_plug(&mut plug),
+            Target::Device(d) => {
+                if !batch.is_empty() {
+                    d.submit_batch(&mut batch.drain(..), &end_dyn);
+                }
+            }
+        }
         // Reap: whatever has completed; sleep only when nothing has.
         loop {
             let got = {
@@ -224,9 +259,8 @@ pub(super) fn run_job(
     }
 }
 
-pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
-    let spec: DeviceSpec = cfg.device.parse()?;
-    let ov = QueueOverrides {
+fn overrides(cfg: &RunCfg) -> QueueOverrides {
+    QueueOverrides {
         hw_queues: cfg.hw_queues,
         queue_depth: cfg.queue_depth,
         shared_tags: cfg.shared_tags.then_some(true),
@@ -235,7 +269,12 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
         read_only: false,
         sched: Some(cfg.sched),
         sched_lock: Some(cfg.sched_lock),
-    };
+    }
+}
+
+pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
+    let spec: DeviceSpec = cfg.device.parse()?;
+    let ov = overrides(cfg);
     let q = spec
         .build(&ov)
         .with_context(|| format!("building device {}", cfg.device))?;
@@ -246,9 +285,43 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
     Ok(q)
 }
 
+/// Builds the RAID1 mirror of `--raid1`: opens the legs with the same builder as
+/// `blkq serve --raid1` and creates a new array on them (the bench owns its legs).
+pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
+    let legs = crate::raid::split_legs(legs)?;
+    let rc = crate::raid::raid1_config(&cfg.raid1_options)?;
+    let ov = overrides(cfg);
+    let devs = legs
+        .iter()
+        .map(|l| crate::raid::open_leg(l, &ov))
+        .collect::<Result<Vec<_>>>()?;
+    let r = raid1::Raid1::create(devs, rc).context("--raid1: creating the array")?;
+    Ok(Arc::new(r))
+}
+
+/// Builds what the jobs drive: the `--raid1` mirror, the `--device` wrapped in its fault
+/// device when the spec has `fault.` options, or else the `--device` queue.
+fn build_target(cfg: &RunCfg) -> Result<Target> {
+    if let Some(legs) = &cfg.raid1 {
+        return Ok(Target::Device(build_raid1(cfg, legs)?));
+    }
+    let spec: DeviceSpec = cfg.device.parse()?;
+    if spec.fault_config()?.is_some() {
+        let d = spec
+            .build_device(&overrides(cfg))
+            .with_context(|| format!("building device {}", cfg.device))?;
+        return Ok(Target::Device(d));
+    }
+    Ok(Target::Queue(Arc::new(build_queue(cfg)?)))
+}
+
 pub(super) fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
-    let q = Arc::new(build_queue(cfg)?);
-    let cap = q.core().limits().capacity;
+    let target = build_target(cfg)?;
+    let q = match &target {
+        Target::Queue(q) => Some(q.clone()),
+        Target::Device(_) => None,
+    };
+    let cap = target.capacity();
     let region = cfg.size.unwrap_or(cap).min(cap);
     if region < u64::from(cfg.bs) {
         bail!(
@@ -261,10 +334,10 @@ pub(super) fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
     let t0 = Instant::now();
     let handles: Vec<_> = (0..cfg.jobs)
         .map(|j| {
-            let (q, cfg, stop, done) = (q.clone(), cfg.clone(), stop.clone(), done.clone());
+            let (t, cfg, stop, done) = (target.clone(), cfg.clone(), stop.clone(), done.clone());
             std::thread::Builder::new()
                 .name(format!("bench-job{j}"))
-                .spawn(move || run_job(q, cfg, j, region, stop, done))
+                .spawn(move || run_job(t, cfg, j, region, stop, done))
         })
         .collect::<std::io::Result<_>>()?;
     let mut last = (t0, 0u64);
@@ -301,6 +374,13 @@ pub(super) fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
     res.iops = res.ios as f64 / res.secs;
     res.bw_bytes = res.iops * f64::from(cfg.bs);
     res.lat = hist.summary();
+    let Some(q) = q else {
+        // A bio-based target: no tags or scheduler of its own (see the module docs).
+        if let Some(e) = first_error {
+            eprintln!("warning: {} I/O errors; first: {e}", res.errors);
+        }
+        return Ok(res);
+    };
     let mut wait_sum = 0u64;
     for p in q.pools() {
         let w = p.wait_stats();
@@ -325,8 +405,8 @@ pub(super) fn run_once(cfg: &RunCfg, progress: bool) -> Result<RunResult> {
 
 /// Writes a pattern over the region and reads it back.
 pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
-    let q = build_queue(cfg)?;
-    let cap = q.core().limits().capacity;
+    let q = build_target(cfg)?;
+    let cap = q.capacity();
     let region = cfg.size.unwrap_or(cap.min(1 << 30)).min(cap);
     let bs = u64::from(cfg.bs);
     let blocks = region / bs;
@@ -364,7 +444,10 @@ pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
                 } else if let Some(b) = bio.buf.as_mut() {
                     b.as_mut_slice().fill(0xAA);
                 }
-                q.submit(bio, &end);
+                match &q {
+                    Target::Queue(q) => q.submit(bio, &end),
+                    Target::Device(d) => d.submit(bio, &end),
+                }
                 in_flight += 1;
                 next += 1;
             }
@@ -400,4 +483,80 @@ pub(super) fn verify(cfg: &RunCfg) -> Result<()> {
         cfg.bs
     );
     Ok(())
+}
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use std::time::Duration;
+
+    use blk::sched::{LockMode, SchedChoice};
+    use blk::PoolPolicy;
+    use sbitmap::WakeAlgo;
+
+    use super::super::args::apply;
+    use super::*;
+
+    fn raid_cfg(rw: &str) -> RunCfg {
+        RunCfg {
+            device: String::new(),
+            rw: rw.parse().unwrap(),
+            rwmixread: 50,
+            bs: 4096,
+            iodepth: 4,
+            jobs: 2,
+            runtime: Duration::from_millis(50),
+            hw_queues: None,
+            queue_depth: None,
+            shared_tags: false,
+            wake: WakeAlgo::Counter,
+            policy: PoolPolicy::Steal,
+            sched: SchedChoice::None,
+            sched_lock: LockMode::Serialized,
+            max_in_flight: None,
+            batch_requests: 32,
+            batch_time: Duration::from_micros(10_000),
+            size: None,
+            lat_sample: 1,
+            raid1: Some("mem:8M,mem:8M".into()),
+            raid1_options: vec!["barrier=locked".into()],
+        }
+    }
+
+    /// `--raid1` drives a mirror through `submit_batch`: I/Os complete without errors, for
+    /// both barrier designs (the sweep key `barrier`), and `--verify` reads back its pattern.
+    #[test]
+    fn bench_over_a_mirror() {
+        for barrier in ["locked", "lockless"] {
+            let mut cfg = raid_cfg("randrw");
+            apply(&mut cfg, "barrier", barrier).unwrap();
+            assert_eq!(
+                cfg.label(),
+                format!("raid1:mem:8M,mem:8M [barrier=locked barrier={barrier}]")
+            );
+            let r = run_once(&cfg, false).unwrap();
+            assert!(r.ios > 0, "{barrier}");
+            assert_eq!(r.errors, 0, "{barrier}");
+            assert_eq!(r.tag_wait_count, 0);
+        }
+        verify(&raid_cfg("randread")).unwrap();
+        let mut bad = raid_cfg("randread");
+        bad.raid1_options = vec!["barrier=spin".into()];
+        assert!(run_once(&bad, false).is_err());
+        // `barrier` is a sweep key only with --raid1.
+        let mut plain = raid_cfg("randread");
+        plain.raid1 = None;
+        assert!(apply(&mut plain, "barrier", "locked").is_err());
+    }
+
+    /// A `--device` spec with `fault.` options runs through the fault device and counts its
+    /// injected errors.
+    #[test]
+    fn bench_over_a_fault_device() {
+        let mut cfg = raid_cfg("randread");
+        cfg.raid1 = None;
+        cfg.device = "mem:8M,fault.fail_read=all".into();
+        let r = run_once(&cfg, false).unwrap();
+        assert!(r.ios > 0);
+        assert_eq!(r.errors, r.ios);
+    }
 }

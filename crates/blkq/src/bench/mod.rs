@@ -2,6 +2,14 @@
 //! against one queue built from a device spec, submitting under a plug and reaping whatever
 //! completed, until the runtime is over.
 //!
+//! With `--raid1 LEG,LEG[,...]` the jobs drive a RAID1 mirror (a bio-based `blk::Device`)
+//! instead of a queue: a new array is created on the legs (the bench owns them) and each job
+//! hands each iodepth refill to `submit_batch` as one batch. The statistics are the same
+//! (IOPS, latency histogram, `--json` fields); `tag_wait_*`, `merges` and the scheduler-lock
+//! counts are 0 there (the mirror has no tags or scheduler of its own and the legs' are not
+//! summed), `ctx_switches` is still the jobs' own. `--sweep barrier=locked,lockless` runs
+//! each barrier design in turn.
+//!
 //! This file is the sweep/repeat driver (`run`); the options, the job loop, the latency
 //! statistics and the output live in the files beside it.
 
@@ -60,7 +68,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         batch_time: Duration::from_micros(a.batch_time_us),
         size: a.size.as_deref().map(parse_size).transpose()?,
         lat_sample: a.lat_sample,
+        raid1: a.raid1.clone(),
+        raid1_options: a.raid1_options.clone(),
     };
+    let mut base = base;
+    if base.raid1.is_some() {
+        base.device = base.label();
+    }
     if a.verify {
         return verify(&base);
     }
@@ -92,6 +106,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     cfg.sched_lock = lk;
                     if let Some(k) = &sweep_key {
                         apply(&mut cfg, k, v)?;
+                    }
+                    if cfg.raid1.is_some() {
+                        cfg.device = cfg.label();
                     }
                     let mut iops = vec![];
                     let mut cont = vec![];

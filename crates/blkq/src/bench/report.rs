@@ -239,6 +239,8 @@ mod tests {
             batch_time: Duration::ZERO,
             size: None,
             lat_sample: 8,
+            raid1: None,
+            raid1_options: vec![],
         };
         let j = to_json(&cfg, &RunResult::default(), 1);
         for key in [

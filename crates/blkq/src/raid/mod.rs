@@ -23,7 +23,7 @@ use clap::{Args, Subcommand};
 use raid1::{Raid1, Raid1Config};
 
 use offline::offline_plan;
-pub use offline::{open_leg, plan, plan_devices, probe, split_legs, Probe};
+pub use offline::{open_leg, plan, plan_devices, probe, raid1_config, split_legs, Probe};
 use progress::progress_line;
 pub use report::{ArrayReport, BitmapReport, LegReport, SyncReport};
 

@@ -37,15 +37,29 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
     Ok(legs)
 }
 
+/// The array configuration of `--raid1-option KEY=VALUE`s (`blkq serve` and `blkq bench`),
+/// through `Raid1Config::set_option`, in order.
+pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
+    let mut cfg = raid1::Raid1Config::default();
+    for o in options {
+        let (k, v) = o
+            .split_once('=')
+            .with_context(|| format!("--raid1-option {o:?}: expected KEY=VALUE"))?;
+        cfg.set_option(k.trim(), v.trim())
+            .with_context(|| format!("--raid1-option {o:?}"))?;
+    }
+    Ok(cfg)
+}
+
 /// Opens a leg from its device spec.
 pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
     let parsed: DeviceSpec = spec
         .parse()
         .with_context(|| format!("leg {spec:?}: bad device spec"))?;
-    let q = parsed
-        .build(ov)
-        .with_context(|| format!("leg {spec:?}: cannot open it"))?;
-    Ok(Arc::new(q))
+    // build_device: a leg may carry `fault.` options (wrapped in a fault device).
+    parsed
+        .build_device(ov)
+        .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
 /// Completion of one synchronous read.
