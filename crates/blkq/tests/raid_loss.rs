@@ -1,0 +1,352 @@
+//! Nothing acknowledged is lost by `blkq serve --raid1`: a leg failed in the middle of a
+//! write load, and the server killed with SIGKILL. The built binary, file legs in a tempdir,
+//! `nbd::client` for I/O; bounded waits only (no timing assertions).
+// A plain threaded test, never a loom model: the load thread's progress counter is harness
+// state, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::proto::CmdFlags;
+
+const BIN: &str = env!("CARGO_BIN_EXE_blkq");
+const LEG_SIZE: u64 = 64 << 20;
+const MB: u64 = 1 << 20;
+/// Bitmap bits stay set for the whole test (no clearing behind its back).
+const QUIET: &str = "bitmap_quiet_ms=600000";
+
+fn leg(dir: &Path, name: &str) -> (PathBuf, String) {
+    let p = dir.join(name);
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(LEG_SIZE).unwrap();
+    let spec = format!("file:{}", p.display());
+    (p, spec)
+}
+
+fn blkq(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = blkq(args);
+    assert!(
+        o.status.success(),
+        "blkq {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// A running `blkq serve --raid1`, killed on drop.
+struct Server {
+    child: Child,
+    nbd: PathBuf,
+    ctl: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
+        let nbd = dir.join("nbd.sock");
+        let ctl = dir.join("ctl.sock");
+        let _ = std::fs::remove_file(&nbd);
+        let _ = std::fs::remove_file(&ctl);
+        let mut args = vec![
+            "serve".to_string(),
+            "--raid1".into(),
+            legs.into(),
+            "--no-tcp".into(),
+            "--socket".into(),
+            nbd.display().to_string(),
+            "--control".into(),
+            ctl.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !(ctl.exists() && nbd.exists()) {
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("blkq serve exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, nbd, ctl }
+    }
+
+    fn ctl(&self) -> &str {
+        self.ctl.to_str().unwrap()
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&Endpoint::Unix(self.nbd.clone()), &ClientOptions::default()).unwrap()
+    }
+
+    fn status_json(&self) -> serde_json::Value {
+        let out = ok(&["raid", "status", "--json", "--control", self.ctl()]);
+        serde_json::from_str(&out).unwrap()
+    }
+
+    /// Polls `status --json` until `what` holds (bounded).
+    fn wait_for(&self, what: &dyn Fn(&serde_json::Value) -> bool, why: &str) -> serde_json::Value {
+        let t0 = Instant::now();
+        loop {
+            let v = self.status_json();
+            if what(&v) {
+                return v;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "{why}: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
+    fn stop(&mut self) -> bool {
+        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.success();
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL: no clean stop.
+    fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed as u8) ^ (seed >> 8) as u8 | 1)
+        .collect()
+}
+
+/// The i-th write of a load: distinct 64 KiB-aligned offsets inside the first 4 MiB (a few
+/// bitmap chunks), 4 KiB to 64 KiB long.
+fn nth_write(i: u64) -> (u64, Vec<u8>) {
+    (i * (64 << 10), pattern(i, 4096 * (1 + (i % 16) as usize)))
+}
+
+/// The data areas of two leg files compare equal (superblock and bitmap region skipped).
+fn assert_leg_files_equal(a: &Path, b: &Path, data_offset: u64, capacity: u64) {
+    let (fa, fb) = (
+        std::fs::File::open(a).unwrap(),
+        std::fs::File::open(b).unwrap(),
+    );
+    let (mut ba, mut bb) = (vec![0u8; MB as usize], vec![0u8; MB as usize]);
+    let mut pos = 0;
+    while pos < capacity {
+        let n = MB.min(capacity - pos) as usize;
+        fa.read_exact_at(&mut ba[..n], data_offset + pos).unwrap();
+        fb.read_exact_at(&mut bb[..n], data_offset + pos).unwrap();
+        assert!(ba[..n] == bb[..n], "legs differ in the MiB at {pos}");
+        pos += n as u64;
+    }
+}
+
+fn geometry(v: &serde_json::Value) -> (u64, u64) {
+    (
+        v["data_offset"].as_u64().unwrap(),
+        v["capacity"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn leg_failed_mid_load_loses_nothing_and_recovers() {
+    let d = tempfile::tempdir().unwrap();
+    let ((pa, a), (pb, b)) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    let mut s = Server::start(
+        d.path(),
+        &format!("{a},{b}"),
+        &[
+            "--raid1-create",
+            "--raid1-option",
+            "bitmap_chunk=1M",
+            "--raid1-option",
+            QUIET,
+        ],
+    );
+    // The load runs before, during and after the `fail 1`: at least N writes, and at least
+    // AFTER more once the fail was acknowledged (MAX writes at most: 32 MiB of offsets).
+    const N: u64 = 64;
+    const AFTER: u64 = 16;
+    const MAX: u64 = 512;
+    let acked = Arc::new(AtomicUsize::new(0));
+    let failed_at = Arc::new(AtomicUsize::new(usize::MAX));
+    let load = {
+        let (acked, failed_at, mut cl) = (acked.clone(), failed_at.clone(), s.client());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            loop {
+                let f = failed_at.load(Ordering::Acquire) as u64;
+                if i >= N && f != usize::MAX as u64 && i >= f + AFTER {
+                    return i;
+                }
+                assert!(i < MAX, "the fail never came");
+                let (off, data) = nth_write(i);
+                cl.write(off, &data, CmdFlags::empty()).unwrap();
+                i += 1;
+                acked.store(i as usize, Ordering::Release);
+            }
+        })
+    };
+    // Mid-load: fail leg 1 once some writes are acknowledged.
+    let t0 = Instant::now();
+    while acked.load(Ordering::Acquire) < (N / 4) as usize {
+        assert!(t0.elapsed() < Duration::from_secs(60), "load stuck");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let m = ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    assert!(m.contains("faulty"), "{m}");
+    failed_at.store(acked.load(Ordering::Acquire), Ordering::Release);
+    let n = load.join().unwrap();
+    let check_all = |s: &Server| {
+        let mut cl = s.client();
+        for i in 0..n {
+            let (off, data) = nth_write(i);
+            assert!(
+                cl.read(off, data.len() as u64).unwrap() == data,
+                "write {i} lost"
+            );
+        }
+    };
+    check_all(&s);
+    let v = s.status_json();
+    let dirty = v["bitmap"]["dirty"].as_u64().unwrap();
+    let chunks = v["bitmap"]["chunks"].as_u64().unwrap();
+    assert!(dirty > 0 && dirty < chunks, "writes confined: {v}");
+    ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    ok(&["raid", "add", &b, "--control", s.ctl()]);
+    let v = s.wait_for(
+        &|v| {
+            v["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|l| l["state"] == "in_sync")
+                .count()
+                == 2
+                && v["sync"]["action"] == "idle"
+        },
+        "no [UU] after the re-add",
+    );
+    let (doff, cap) = geometry(&v);
+    check_all(&s);
+    assert!(s.stop(), "serve did not exit cleanly");
+    assert_leg_files_equal(&pa, &pb, doff, cap);
+}
+
+#[test]
+fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
+    let d = tempfile::tempdir().unwrap();
+    let ((pa, a), (pb, b)) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    let legs = format!("{a},{b}");
+    let mut s = Server::start(
+        d.path(),
+        &legs,
+        &[
+            "--raid1-create",
+            "--raid1-option",
+            "bitmap_chunk=1M",
+            "--raid1-option",
+            QUIET,
+        ],
+    );
+    // Durable before the kill: writes followed by a FLUSH, and FUA writes.
+    let mut durable = Vec::new();
+    {
+        let mut cl = s.client();
+        for i in 0..16 {
+            let (off, data) = nth_write(i);
+            cl.write(off, &data, CmdFlags::empty()).unwrap();
+            durable.push((off, data));
+        }
+        cl.flush().unwrap();
+        for i in 16..32 {
+            let (off, data) = nth_write(i);
+            cl.write(off, &data, CmdFlags::FUA).unwrap();
+            durable.push((off, data));
+        }
+        // Not flushed: may or may not survive, but the legs must agree after the resync.
+        for i in 32..48 {
+            let (off, data) = nth_write(i);
+            cl.write(off, &data, CmdFlags::empty()).unwrap();
+        }
+    }
+    let v = s.status_json();
+    let dirty = v["bitmap"]["dirty"].as_u64().unwrap();
+    let chunks = v["bitmap"]["chunks"].as_u64().unwrap();
+    assert!(dirty > 0 && dirty < chunks, "writes confined: {v}");
+    s.kill();
+    drop(s);
+    let mut s = Server::start(d.path(), &legs, &["--raid1-option", QUIET]);
+    let v = s.wait_for(
+        &|v| {
+            v["legs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|l| l["state"] == "in_sync")
+                .count()
+                == 2
+                && v["sync"]["action"] == "idle"
+                // Bits clear only once the resync copied their chunks (quiet time: QUIET).
+                && v["bitmap"]["dirty"] == 0
+        },
+        "resync did not finish",
+    );
+    let (doff, cap) = geometry(&v);
+    {
+        let mut cl = s.client();
+        for (i, (off, data)) in durable.iter().enumerate() {
+            assert!(
+                cl.read(*off, data.len() as u64).unwrap() == *data,
+                "durable write {i} lost"
+            );
+        }
+    }
+    assert!(s.stop(), "serve did not exit cleanly");
+    assert_leg_files_equal(&pa, &pb, doff, cap);
+}
