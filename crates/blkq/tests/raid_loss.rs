@@ -272,6 +272,13 @@ fn leg_failed_mid_load_loses_nothing_and_recovers() {
         },
         "no [UU] after the re-add",
     );
+    // The re-add is a bitmap recovery: it copied the chunks written while the leg was out,
+    // never more than were dirty, never the whole array.
+    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
+    assert!(
+        copied > 0 && copied <= dirty,
+        "copied {copied} of {dirty} dirty: {v}"
+    );
     let (doff, cap) = geometry(&v);
     check_all(&s);
     assert!(s.stop(), "serve did not exit cleanly");
@@ -336,6 +343,12 @@ fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
                 && v["bitmap"]["dirty"] == 0
         },
         "resync did not finish",
+    );
+    // After the unclean stop only the dirty chunks were resynced.
+    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
+    assert!(
+        copied > 0 && copied <= dirty,
+        "resynced {copied} of {dirty} dirty: {v}"
     );
     let (doff, cap) = geometry(&v);
     {

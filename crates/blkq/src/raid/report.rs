@@ -54,6 +54,10 @@ pub struct SyncReport {
     pub eta_secs: Option<u64>,
     /// Mismatches found by check/repair.
     pub mismatch_cnt: u64,
+    /// Bitmap chunks (or windows without a bitmap) copied by resync and recovery since the
+    /// array started: what a bitmap-driven resync or re-add actually had to copy.
+    #[serde(default)]
+    pub chunks_copied: u64,
 }
 
 /// The whole array, as reported.
@@ -100,6 +104,7 @@ impl From<SyncProgress> for SyncReport {
             speed_kib_s: p.speed_kib_s,
             eta_secs: p.eta_secs,
             mismatch_cnt: p.mismatch_cnt,
+            chunks_copied: p.chunks_copied,
         }
     }
 }
