@@ -49,6 +49,7 @@ mod tests {
             speed_kib_s: 1024,
             eta_secs: Some(90),
             mismatch_cnt: 0,
+            chunks_copied: 0,
         };
         let l = progress_line(&s);
         assert!(
