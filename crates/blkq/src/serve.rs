@@ -314,6 +314,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .build(&ov)
             .with_context(|| format!("building device {spec:?}"))?;
         let describe = q.describe();
+        if spec.starts_with("mem:") {
+            tracing::warn!(
+                export = %name,
+                "{spec}: the data lives in memory and is lost when the server stops"
+            );
+        }
         let dev: Arc<dyn Device> = Arc::new(q);
         exports.push(
             Export::new(name, dev)
@@ -365,12 +371,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
-    server.wait();
+    let failed = server.wait_checked();
     if let Some(cs) = control_server {
         cs.shutdown();
     }
     // The last reference to a mirror goes here: it drains and marks its superblocks clean.
     drop(exports);
+    if !failed.is_empty() {
+        // Error stickiness: a write or flush failed; data a client was told is durable may
+        // be lost.
+        anyhow::bail!(
+            "write error on export(s) {failed:?}: a write or flush failed, data may be lost"
+        );
+    }
     Ok(())
 }
 

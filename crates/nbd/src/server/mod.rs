@@ -196,6 +196,33 @@ pub(crate) struct ExportState {
     pub(crate) size: u64,
     /// Minimum block size (the device's logical block size, at least 512).
     pub(crate) min_block: u32,
+    /// Sticky write error (see [`StickyError`]), shared by every connection to the export.
+    pub(crate) failed: Arc<StickyError>,
+}
+
+/// An export-wide sticky write error: once a write or a flush fails on the export, every
+/// later FLUSH and FUA write on it, on every connection, fails with EIO (the data one
+/// client believed written may be lost; a later flush must not say it is durable).
+///
+/// Ordering: the flag only ever goes from false to true. It is set with `Release` in the
+/// completion path of the failing bio, before that bio's reply is queued; readers load it
+/// with `Acquire` in the completion path of a FLUSH / FUA write (and at shutdown). A flush
+/// that completes after the failing bio's completion stored the flag sees it; a flush whose
+/// completion races with the failing one may still succeed, which is no stronger a promise
+/// than the device made (the failing write had not completed when the flush was answered).
+#[derive(Default)]
+pub(crate) struct StickyError(AtomicBool);
+
+impl StickyError {
+    /// Records a failed write or flush.
+    pub(crate) fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether a write or flush has failed on the export.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 /// State shared by the acceptors and every connection.
@@ -299,6 +326,7 @@ impl Server {
                 export: e,
                 size,
                 min_block,
+                failed: Arc::new(StickyError::default()),
             });
         }
         let mut tuning = cfg.tuning;
@@ -378,10 +406,42 @@ impl Server {
         self.shutdown();
     }
 
+    /// Like [`Server::wait`], but returns the names of the exports whose data may be lost
+    /// (a sticky write error, or the final flush failed); empty when all is durable.
+    pub fn wait_checked(mut self) -> Vec<String> {
+        self.stop_requested.wait();
+        self.do_shutdown();
+        self.failed_exports()
+    }
+
     /// Stops accepting, lets every connection finish its in-flight requests, flushes every
     /// device and removes the Unix socket.
     pub fn shutdown(mut self) {
         self.do_shutdown();
+    }
+
+    /// Like [`Server::shutdown`], but returns the names of the exports that failed (see
+    /// [`Server::failed_exports`]), the final flush included.
+    pub fn shutdown_checked(mut self) -> Vec<String> {
+        self.do_shutdown();
+        self.failed_exports()
+    }
+
+    /// Whether export `name` has failed: a write or flush on it returned an error, so every
+    /// later FLUSH and FUA write on it fails with EIO (sticky). `None` if no such export.
+    pub fn export_failed(&self, name: &str) -> Option<bool> {
+        let i = self.shared.find(name)?;
+        Some(self.shared.exports[i].failed.is_set())
+    }
+
+    /// The names of the exports that have failed (see [`Server::export_failed`]).
+    pub fn failed_exports(&self) -> Vec<String> {
+        self.shared
+            .exports
+            .iter()
+            .filter(|e| e.failed.is_set())
+            .map(|e| e.export.name.clone())
+            .collect()
     }
 
     fn do_shutdown(&mut self) {
@@ -434,6 +494,12 @@ impl Server {
             if !e.export.read_only {
                 if let Err(err) = submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)) {
                     warn!(export = %e.export.name, "flush at shutdown failed: {err}");
+                    // Every export on this device shares the failure.
+                    for o in &self.shared.exports {
+                        if Arc::ptr_eq(&o.export.device, dev) {
+                            o.failed.set();
+                        }
+                    }
                 }
             }
         }
