@@ -20,11 +20,11 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use super::reply::Output;
-use crate::server::StickyError;
-use blkq_sync::DynArc as Arc;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
+use crate::server::StickyError;
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
+use blkq_sync::DynArc as Arc;
 
 /// One piece of a read: data read by one bio, or a hole sent as `OFFSET_HOLE`.
 #[derive(Debug, Default)]
