@@ -314,6 +314,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .build(&ov)
             .with_context(|| format!("building device {spec:?}"))?;
         let describe = q.describe();
+        let read_only = parsed.is_read_only(&ov);
         if spec.starts_with("mem:") {
             tracing::warn!(
                 export = %name,
@@ -324,7 +325,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         exports.push(
             Export::new(name, dev)
                 .description(format!("{spec} ({describe})"))
-                .read_only(a.read_only),
+                .read_only(a.read_only || read_only),
         );
     }
     let mut cfg = ServerConfig::new(exports.clone());

@@ -149,6 +149,15 @@ pub struct QueueOverrides {
 }
 
 impl DeviceSpec {
+    /// Whether the device is read-only: `--read-only` (`ov.read_only`) or the spec's own
+    /// `ro=1` / `read_only=1`. An export of it must advertise NBD_FLAG_READ_ONLY.
+    pub fn is_read_only(&self, ov: &QueueOverrides) -> bool {
+        ov.read_only
+            || self.options.iter().any(|(k, v)| {
+                matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false)
+            })
+    }
+
     /// Builds the device's queue and driver.
     pub fn build(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
         let mut null = NullConfig::default();
