@@ -34,6 +34,9 @@ pub struct ServeArgs {
     /// Unix socket to listen on.
     #[arg(long, value_name = "PATH", default_value = nbd::server::DEFAULT_UNIX_PATH)]
     pub socket: PathBuf,
+    /// Permission bits of the Unix socket, octal (default 600: only this user).
+    #[arg(long, value_name = "OCTAL", default_value = "600", value_parser = parse_octal_mode)]
+    pub socket_mode: u32,
     /// TCP address to listen on. Loopback by default; another address is used only when
     /// given here.
     #[arg(long, value_name = "ADDR:PORT", default_value = nbd::server::DEFAULT_TCP_ADDR)]
@@ -338,6 +341,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     if !a.no_unix {
         cfg.unix = Some(a.socket.clone());
+        cfg.unix_mode = a.socket_mode;
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
@@ -397,6 +401,7 @@ mod tests {
             devices: devices.iter().map(|s| s.to_string()).collect(),
             exports: exports.iter().map(|s| s.to_string()).collect(),
             socket: "./blkq.sock".into(),
+            socket_mode: 0o600,
             listen: "127.0.0.1:10809".into(),
             no_tcp: false,
             no_unix: false,
@@ -455,5 +460,15 @@ mod tests {
         assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
         assert!(listen_addr("nonsense").is_err());
         assert_eq!(listen_addr("127.0.0.1:1").unwrap().port(), 1);
+    }
+}
+
+/// `--socket-mode`: octal permission bits (`600`, `0660`).
+fn parse_octal_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!(
+            "bad mode {s:?}: expected octal permission bits such as 600"
+        )),
     }
 }

@@ -140,3 +140,60 @@ fn a_clean_server_reports_nothing() {
     drop(a);
     assert!(server.shutdown_checked().is_empty());
 }
+
+mod socket {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn cfg(path: &std::path::Path) -> ServerConfig {
+        let mut cfg = ServerConfig::new(vec![Export::new("", mem("mem:1M"))]);
+        cfg.unix = Some(path.to_path_buf());
+        cfg
+    }
+
+    fn start_err(c: ServerConfig) -> String {
+        match Server::start(c) {
+            Ok(_) => panic!("the server started"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn mode(p: &std::path::Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_socket_is_private_unless_widened() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s");
+        let s = Server::start(cfg(&p)).unwrap();
+        assert_eq!(mode(&p), 0o600);
+        s.shutdown();
+        assert!(!p.exists());
+        let mut c = cfg(&p);
+        c.unix_mode = 0o660;
+        let s = Server::start(c).unwrap();
+        assert_eq!(mode(&p), 0o660);
+        s.shutdown();
+    }
+
+    #[test]
+    fn a_stale_socket_is_replaced_anything_else_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s");
+        // A stale socket: bound, then its listener closed (connect gets ECONNREFUSED).
+        drop(std::os::unix::net::UnixListener::bind(&p).unwrap());
+        assert!(p.exists());
+        let s = Server::start(cfg(&p)).unwrap();
+        // A live server's socket is not taken over.
+        let err = start_err(cfg(&p));
+        assert!(err.contains(&p.display().to_string()), "{err}");
+        s.shutdown();
+        // A regular file is never replaced, and the error names it.
+        let f = dir.path().join("file");
+        std::fs::write(&f, b"keep me").unwrap();
+        let err = start_err(cfg(&f));
+        assert!(err.contains(&f.display().to_string()), "{err}");
+        assert_eq!(std::fs::read(&f).unwrap(), b"keep me");
+    }
+}
