@@ -392,6 +392,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--socket-mode`: octal permission bits (`600`, `0660`).
+fn parse_octal_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!(
+            "bad mode {s:?}: expected octal permission bits such as 600"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,15 +470,5 @@ mod tests {
         assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
         assert!(listen_addr("nonsense").is_err());
         assert_eq!(listen_addr("127.0.0.1:1").unwrap().port(), 1);
-    }
-}
-
-/// `--socket-mode`: octal permission bits (`600`, `0660`).
-fn parse_octal_mode(s: &str) -> Result<u32, String> {
-    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
-        Ok(m) if m <= 0o777 => Ok(m),
-        _ => Err(format!(
-            "bad mode {s:?}: expected octal permission bits such as 600"
-        )),
     }
 }
