@@ -34,6 +34,9 @@ pub struct ServeArgs {
     /// Unix socket to listen on.
     #[arg(long, value_name = "PATH", default_value = nbd::server::DEFAULT_UNIX_PATH)]
     pub socket: PathBuf,
+    /// Permission bits of the Unix socket, octal (default 600: only this user).
+    #[arg(long, value_name = "OCTAL", default_value = "600", value_parser = parse_octal_mode)]
+    pub socket_mode: u32,
     /// TCP address to listen on. Loopback by default; another address is used only when
     /// given here.
     #[arg(long, value_name = "ADDR:PORT", default_value = nbd::server::DEFAULT_TCP_ADDR)]
@@ -307,11 +310,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .build(&ov)
             .with_context(|| format!("building device {spec:?}"))?;
         let describe = q.describe();
+        let read_only = parsed.is_read_only(&ov);
+        if spec.starts_with("mem:") {
+            tracing::warn!(
+                export = %name,
+                "{spec}: the data lives in memory and is lost when the server stops"
+            );
+        }
         let dev: Arc<dyn Device> = Arc::new(q);
         exports.push(
             Export::new(name, dev)
                 .description(format!("{spec} ({describe})"))
-                .read_only(a.read_only),
+                .read_only(a.read_only || read_only),
         );
     }
     let mut cfg = ServerConfig::new(exports.clone());
@@ -324,6 +334,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     if !a.no_unix {
         cfg.unix = Some(a.socket.clone());
+        cfg.unix_mode = a.socket_mode;
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
@@ -358,13 +369,30 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
-    server.wait();
+    let failed = server.wait_checked();
     if let Some(cs) = control_server {
         cs.shutdown();
     }
     // The last reference to a mirror goes here: it drains and marks its superblocks clean.
     drop(exports);
+    if !failed.is_empty() {
+        // Error stickiness: a write or flush failed; data a client was told is durable may
+        // be lost.
+        anyhow::bail!(
+            "write error on export(s) {failed:?}: a write or flush failed, data may be lost"
+        );
+    }
     Ok(())
+}
+
+/// `--socket-mode`: octal permission bits (`600`, `0660`).
+fn parse_octal_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!(
+            "bad mode {s:?}: expected octal permission bits such as 600"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -376,6 +404,7 @@ mod tests {
             devices: devices.iter().map(|s| s.to_string()).collect(),
             exports: exports.iter().map(|s| s.to_string()).collect(),
             socket: "./blkq.sock".into(),
+            socket_mode: 0o600,
             listen: "127.0.0.1:10809".into(),
             no_tcp: false,
             no_unix: false,

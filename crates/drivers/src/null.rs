@@ -9,7 +9,7 @@ use blkq_sync::thread::{self, JoinHandle};
 use blkq_sync::DynArc as Arc;
 use blkq_sync::Mutex;
 
-use blk::{Driver, Error, Extent, QueueCore, RequestToken};
+use blk::{Driver, Error, Extent, Op, QueueCore, RequestToken};
 
 use waitq::WaitQueue;
 
@@ -158,11 +158,25 @@ impl Driver for NullDriver {
 
     #[inline]
     fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
-        let mut res = Ok(());
-        if let Some(mem) = &self.cfg.memory {
+        let res = if let Some(mem) = &self.cfg.memory {
             // Every bio of a merge chain, in sector order.
-            res = q.for_each_bio(&mut r, |bio| exec_on_backend(mem.as_ref(), bio));
-        }
+            q.for_each_bio(&mut r, |bio| exec_on_backend(mem.as_ref(), bio))
+        } else {
+            // No data, but a read must return what block status claims: zeroes (not what the
+            // buffer held before, a previous payload of the same client). Only the bio's
+            // length is cleared.
+            q.for_each_bio(&mut r, |bio| {
+                if bio.op == Op::Read {
+                    let len = bio.len as usize;
+                    if let Some(b) = bio.buf.as_mut() {
+                        let s = b.as_mut_slice();
+                        let n = len.min(s.len());
+                        s[..n].fill(0);
+                    }
+                }
+                Ok(())
+            })
+        };
         match self.cfg.completion {
             CompletionMode::Inline => q.complete(r, res),
             _ if res.is_err() => q.complete(r, res),

@@ -159,6 +159,15 @@ pub struct QueueOverrides {
 pub const FAULT_PREFIX: &str = "fault.";
 
 impl DeviceSpec {
+    /// Whether the device is read-only: `--read-only` (`ov.read_only`) or the spec's own
+    /// `ro=1` / `read_only=1`. An export of it must advertise NBD_FLAG_READ_ONLY.
+    pub fn is_read_only(&self, ov: &QueueOverrides) -> bool {
+        ov.read_only
+            || self.options.iter().any(|(k, v)| {
+                matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false)
+            })
+    }
+
     /// The spec's `fault.` options as a [`FaultConfig`], or `None` when it has none. Errors
     /// name the option (with its `fault.` prefix).
     pub fn fault_config(&self) -> Result<Option<FaultConfig>, Error> {

@@ -27,7 +27,7 @@ mod handshake;
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
@@ -41,6 +41,9 @@ use tracing::{debug, info, warn};
 use waitq::Completion;
 
 use crate::stream::Stream;
+
+/// The default permission bits of the Unix socket: only the server's user may connect.
+pub const DEFAULT_UNIX_MODE: u32 = 0o600;
 
 /// The default TCP address: loopback only, on the IANA NBD port.
 pub const DEFAULT_TCP_ADDR: &str = "127.0.0.1:10809";
@@ -142,6 +145,8 @@ pub struct ServerConfig {
     /// Unix socket path to listen on (`None`: no Unix listener). A stale socket file there is
     /// removed at start; the file is removed at shutdown.
     pub unix: Option<PathBuf>,
+    /// Permission bits of the Unix socket (default 0o600: only our user may connect).
+    pub unix_mode: u32,
     /// Data path knobs.
     pub tuning: Tuning,
 }
@@ -153,6 +158,7 @@ impl ServerConfig {
             exports,
             tcp: None,
             unix: None,
+            unix_mode: DEFAULT_UNIX_MODE,
             tuning: Tuning::default(),
         }
     }
@@ -196,6 +202,33 @@ pub(crate) struct ExportState {
     pub(crate) size: u64,
     /// Minimum block size (the device's logical block size, at least 512).
     pub(crate) min_block: u32,
+    /// Sticky write error (see [`StickyError`]), shared by every connection to the export.
+    pub(crate) failed: Arc<StickyError>,
+}
+
+/// An export-wide sticky write error: once a write or a flush fails on the export, every
+/// later FLUSH and FUA write on it, on every connection, fails with EIO (the data one
+/// client believed written may be lost; a later flush must not say it is durable).
+///
+/// Ordering: the flag only ever goes from false to true. It is set with `Release` in the
+/// completion path of the failing bio, before that bio's reply is queued; readers load it
+/// with `Acquire` in the completion path of a FLUSH / FUA write (and at shutdown). A flush
+/// that completes after the failing bio's completion stored the flag sees it; a flush whose
+/// completion races with the failing one may still succeed, which is no stronger a promise
+/// than the device made (the failing write had not completed when the flush was answered).
+#[derive(Default)]
+pub(crate) struct StickyError(AtomicBool);
+
+impl StickyError {
+    /// Records a failed write or flush.
+    pub(crate) fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether a write or flush has failed on the export.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 /// State shared by the acceptors and every connection.
@@ -256,6 +289,8 @@ pub struct Server {
     acceptors: Vec<std::thread::JoinHandle<()>>,
     tcp_addr: Option<SocketAddr>,
     unix_path: Option<PathBuf>,
+    /// (device, inode) of the socket we bound: only that file is removed at shutdown.
+    unix_ino: Option<(u64, u64)>,
     /// Completed (for everyone) when a [`Stopper`] asks the server to stop.
     stop_requested: Arc<Completion>,
 }
@@ -299,6 +334,7 @@ impl Server {
                 export: e,
                 size,
                 min_block,
+                failed: Arc::new(StickyError::default()),
             });
         }
         let mut tuning = cfg.tuning;
@@ -317,6 +353,7 @@ impl Server {
             listeners.push(Listener::Tcp(l));
         }
         let mut unix_path = None;
+        let mut unix_ino = None;
         if let Some(path) = &cfg.unix {
             let bind_err = |source| ServerError::Bind {
                 addr: path.display().to_string(),
@@ -324,6 +361,11 @@ impl Server {
             };
             remove_stale_socket(path).map_err(bind_err)?;
             let l = UnixListener::bind(path).map_err(bind_err)?;
+            // The socket is private until chmod widens it to what was asked for.
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.unix_mode & 0o777))
+                .map_err(bind_err)?;
+            let m = std::fs::symlink_metadata(path).map_err(bind_err)?;
+            unix_ino = Some((m.dev(), m.ino()));
             unix_path = Some(path.clone());
             listeners.push(Listener::Unix(l));
         }
@@ -348,6 +390,7 @@ impl Server {
             acceptors,
             tcp_addr,
             unix_path,
+            unix_ino,
             stop_requested: Arc::new(Completion::new()),
         })
     }
@@ -378,10 +421,42 @@ impl Server {
         self.shutdown();
     }
 
+    /// Like [`Server::wait`], but returns the names of the exports whose data may be lost
+    /// (a sticky write error, or the final flush failed); empty when all is durable.
+    pub fn wait_checked(mut self) -> Vec<String> {
+        self.stop_requested.wait();
+        self.do_shutdown();
+        self.failed_exports()
+    }
+
     /// Stops accepting, lets every connection finish its in-flight requests, flushes every
     /// device and removes the Unix socket.
     pub fn shutdown(mut self) {
         self.do_shutdown();
+    }
+
+    /// Like [`Server::shutdown`], but returns the names of the exports that failed (see
+    /// [`Server::failed_exports`]), the final flush included.
+    pub fn shutdown_checked(mut self) -> Vec<String> {
+        self.do_shutdown();
+        self.failed_exports()
+    }
+
+    /// Whether export `name` has failed: a write or flush on it returned an error, so every
+    /// later FLUSH and FUA write on it fails with EIO (sticky). `None` if no such export.
+    pub fn export_failed(&self, name: &str) -> Option<bool> {
+        let i = self.shared.find(name)?;
+        Some(self.shared.exports[i].failed.is_set())
+    }
+
+    /// The names of the exports that have failed (see [`Server::export_failed`]).
+    pub fn failed_exports(&self) -> Vec<String> {
+        self.shared
+            .exports
+            .iter()
+            .filter(|e| e.failed.is_set())
+            .map(|e| e.export.name.clone())
+            .collect()
     }
 
     fn do_shutdown(&mut self) {
@@ -434,11 +509,24 @@ impl Server {
             if !e.export.read_only {
                 if let Err(err) = submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)) {
                     warn!(export = %e.export.name, "flush at shutdown failed: {err}");
+                    // Every export on this device shares the failure.
+                    for o in &self.shared.exports {
+                        if Arc::ptr_eq(&o.export.device, dev) {
+                            o.failed.set();
+                        }
+                    }
                 }
             }
         }
-        if let Some(p) = &self.unix_path {
-            let _ = std::fs::remove_file(p);
+        if let (Some(p), Some(ino)) = (&self.unix_path, self.unix_ino) {
+            // Remove only our own socket: someone may have replaced the path since.
+            match std::fs::symlink_metadata(p) {
+                Ok(m) if (m.dev(), m.ino()) == ino => {
+                    let _ = std::fs::remove_file(p);
+                }
+                Ok(_) => warn!(path = %p.display(), "socket path was replaced; leaving it"),
+                Err(_) => {}
+            }
         }
         info!("server stopped");
     }
@@ -473,14 +561,24 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     if !meta.file_type().is_socket() {
         return Err(io::Error::new(
             io::ErrorKind::AlreadyExists,
-            "the path exists and is not a socket",
+            "the path exists and is not a socket (not replacing it)",
         ));
     }
-    if UnixStream::connect(path).is_ok() {
-        return Err(io::Error::new(
-            io::ErrorKind::AddrInUse,
-            "another server is listening on this socket",
-        ));
+    // Stale only if nothing answers: ECONNREFUSED. Any other outcome leaves the file alone.
+    match UnixStream::connect(path) {
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "another server is listening on this socket",
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot tell whether the socket is stale ({e}); not replacing it"),
+            ))
+        }
     }
     debug!(path = %path.display(), "removing stale socket");
     std::fs::remove_file(path)

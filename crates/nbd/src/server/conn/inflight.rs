@@ -13,7 +13,7 @@
 
 use std::os::fd::RawFd;
 
-use blk::{Bio, Buffer, EndIo, Op};
+use blk::{Bio, BioFlags, Buffer, EndIo, Op};
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::thread::{self, Thread};
 use blkq_sync::Mutex;
@@ -21,8 +21,10 @@ use waitq::WaitQueue;
 
 use super::reply::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
+use crate::server::StickyError;
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
+use blkq_sync::DynArc as Arc;
 
 /// One piece of a read: data read by one bio, or a hole sent as `OFFSET_HOLE`.
 #[derive(Debug, Default)]
@@ -190,6 +192,8 @@ pub(super) struct ConnCore {
     pub(super) flusher_wake: WaitQueue,
     /// The table and the writer token.
     pub(super) locked: Mutex<Locked>,
+    /// The export's sticky write error (shared with every connection to the export).
+    pub(super) sticky: Arc<StickyError>,
 }
 
 /// Whether the caller runs on thread `t`: a [`ThreadId`](std::thread::ThreadId) comparison
@@ -213,12 +217,21 @@ impl EndIo for ConnCore {
     fn end_io(&self, mut bio: Bio, res: Result<(), blk::Error>) {
         let (slot, part) = split_cookie(bio.cookie);
         let mut buf = bio.buf.take();
+        // Error stickiness (see `StickyError`): a failed write or flush marks the export;
+        // from then on a FLUSH or FUA write that the device completed still fails with EIO.
+        let durable = bio.op == Op::Flush || bio.flags.contains(BioFlags::FUA);
+        if res.is_err() && matches!(bio.op, Op::Write | Op::WriteZeroes | Op::Flush) {
+            self.sticky.set();
+        }
+        let sticky_eio = durable && res.is_ok() && self.sticky.is_set();
         {
             let mut guard = self.locked.lock();
             let locked = &mut *guard;
             if let Some(entry) = locked.table.get_mut(slot) {
                 if let Err(e) = &res {
                     entry.fail(Errno::from_errno(e.errno()));
+                } else if sticky_eio {
+                    entry.fail(Errno::Io);
                 }
                 if bio.op == Op::Read {
                     if let Some(p) = entry.parts.get_mut(part) {

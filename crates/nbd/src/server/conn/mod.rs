@@ -196,6 +196,7 @@ impl<'a> Connection<'a> {
             reader_wake: WaitQueue::new(),
             flusher_wake: WaitQueue::new(),
             locked: Mutex::new(Locked::new(tuning.slots)),
+            sticky: export.failed.clone(),
         });
         let flusher_core = core.clone();
         let flusher = thread::spawn(move || flusher_core.flusher_main());
