@@ -306,10 +306,25 @@ pub fn run(a: ServeArgs) -> Result<()> {
         let parsed: DeviceSpec = spec
             .parse()
             .with_context(|| format!("device spec {spec:?}"))?;
-        let q: Queue = parsed
-            .build(&ov)
-            .with_context(|| format!("building device {spec:?}"))?;
-        let describe = q.describe();
+        let fault = parsed
+            .fault_config()
+            .with_context(|| format!("device spec {spec:?}"))?;
+        let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
+            tracing::warn!(
+                export = %name,
+                "{spec}: fault injection is on: I/O fails or is delayed on purpose"
+            );
+            let dev = parsed
+                .build_device(&ov)
+                .with_context(|| format!("building device {spec:?}"))?;
+            (dev, "with fault injection".to_string())
+        } else {
+            let q: Queue = parsed
+                .build(&ov)
+                .with_context(|| format!("building device {spec:?}"))?;
+            let describe = q.describe();
+            (Arc::new(q), describe)
+        };
         let read_only = parsed.is_read_only(&ov);
         if spec.starts_with("mem:") {
             tracing::warn!(
@@ -317,7 +332,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 "{spec}: the data lives in memory and is lost when the server stops"
             );
         }
-        let dev: Arc<dyn Device> = Arc::new(q);
         exports.push(
             Export::new(name, dev)
                 .description(format!("{spec} ({describe})"))
