@@ -119,7 +119,7 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         %peer,
         export = %export.export.name,
         requests = stats.requests,
-        errors = stats.errors,
+        refused = stats.refused,
         "connection closed: {reason}"
     );
     server.unregister(id);
@@ -129,7 +129,9 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
 #[derive(Debug, Default, Clone, Copy)]
 struct Stats {
     requests: u64,
-    errors: u64,
+    /// Requests answered with an error before reaching the device (unknown command, bad
+    /// range or flags); errors the device returns are not counted here.
+    refused: u64,
 }
 
 /// What the reader thread holds: the receive side, staging, and a handle on the shared core.

@@ -166,7 +166,7 @@ impl<'a> Connection<'a> {
                 Err(Error::UnknownCommand(u)) => {
                     self.recv_pos += u.header_len;
                     self.stats.requests += 1;
-                    self.stats.errors += 1;
+                    self.stats.refused += 1;
                     let mut entry = self.spare_entry();
                     entry.begin(u.cookie, u.offset, u.length, None, u.flags);
                     entry.fail(Errno::Inval);
@@ -268,7 +268,7 @@ impl<'a> Connection<'a> {
             self.validate(&r)
         };
         if let Some(error) = refused {
-            self.stats.errors += 1;
+            self.stats.refused += 1;
             entry.fail(error);
             self.staged.push(entry);
             return self.discard(r.payload_len(self.mode));
