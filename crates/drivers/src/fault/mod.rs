@@ -21,13 +21,14 @@
 //!   not made durable (by a completed FLUSH, or FUA) is lost; see "The crash model".
 //! - counters of what it saw and did ([`FaultHandle::counters`]).
 //!
-//! ```no_run
+//! ```
 //! use blkq_sync::DynArc as Arc;
 //! use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+//! use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 //! use blk::Device;
-//! # fn inner() -> Arc<dyn Device> { unimplemented!() }
+//! let inner = "mem:4M".parse::<DeviceSpec>().unwrap().build_device(&QueueOverrides::default()).unwrap();
 //! let cfg: FaultConfig = "seed=7,fail_write=0+1M,volatile_cache=on".parse().unwrap();
-//! let dev = FaultDevice::new(inner(), cfg);
+//! let dev = FaultDevice::new(inner, cfg);
 //! let faults = dev.handle();
 //! let dev: Arc<dyn Device> = Arc::new(dev);
 //! faults.add(Rule::fail(OpSet::READ).nth(3).errno(libc::ENOSPC));
