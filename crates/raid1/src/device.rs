@@ -27,10 +27,36 @@ use crate::barrier::{BarrierMode, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET};
 
-/// Leg state bits.
+// Leg state: one `AtomicU32` per slot (`Leg::state`), read without a lock on every I/O
+// (`Inner::writable`, `choose_read_leg`) and changed only by the control paths:
+//
+// | state                         | meaning                                                |
+// |-------------------------------|--------------------------------------------------------|
+// | 0                             | empty slot                                             |
+// | PRESENT                       | a leg, recovering: readable below `recovery_offset`    |
+// | PRESENT + IN_SYNC             | a full member: written and read                        |
+// | PRESENT + FAULTY (+ IN_SYNC)  | failed: neither read nor written until removed         |
+// | + WRITE_MOSTLY                | with any of the above: read only when nothing else can |
+//
+// Orderings: every change is a Release store or an AcqRel RMW, and every I/O-path load is
+// Acquire, so an I/O that sees a state also sees what was published before it: the leg's
+// `recovery_offset` (stored Release before `IN_SYNC` is set) and the device behind the leg's
+// lock. Transitions never lose one another: `add_leg` and `remove_leg` store a whole word
+// with the array frozen (no I/O admitted); `fail_leg` sets FAULTY with an RMW under
+// `fail_lock` (two legs failing at once cannot both see the other as the survivor);
+// `set_in_sync` sets IN_SYNC with a CAS that requires PRESENT and not FAULTY, so a leg
+// removed or failed meanwhile is never made a member. An I/O that read the state just before
+// a leg was marked faulty may still send one bio to it: that bio fails or succeeds on its own,
+// as in md, and the freeze in `remove_leg` waits for it before the slot is emptied.
+// `pending` and `head` are Relaxed: read-balance hints that decide nothing else.
+
+/// Leg state bit: the slot holds a leg.
 pub(crate) const PRESENT: u32 = 1;
+/// Leg state bit: the leg is a full member (else it is recovering).
 pub(crate) const IN_SYNC: u32 = 2;
+/// Leg state bit: the leg failed.
 pub(crate) const FAULTY: u32 = 4;
+/// Leg state bit: read only when no other leg can serve.
 pub(crate) const WRITE_MOSTLY: u32 = 8;
 
 /// Errors building or managing a [`Raid1`].
@@ -519,11 +545,23 @@ impl Raid1 {
             .legs
             .get(i)
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
-        let st = l.state.load(Ordering::Acquire);
-        if st & PRESENT == 0 || st & FAULTY != 0 {
-            return Err(Raid1Error::Slot(i, "not present or faulty"));
+        // A CAS, not a fetch_or: the leg may be failed or removed between our look and the
+        // update (module comment on the leg state).
+        let mut st = l.state.load(Ordering::Acquire);
+        loop {
+            if st & PRESENT == 0 || st & FAULTY != 0 {
+                return Err(Raid1Error::Slot(i, "not present or faulty"));
+            }
+            match l.state.compare_exchange_weak(
+                st,
+                st | IN_SYNC,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(now) => st = now,
+            }
         }
-        l.state.fetch_or(IN_SYNC, Ordering::AcqRel);
         self.inner.state_changed();
         Ok(())
     }
