@@ -44,7 +44,7 @@ use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET
 // lock. Transitions never lose one another: `add_leg` and `remove_leg` store a whole word
 // with the array frozen (no I/O admitted); `fail_leg` sets FAULTY with an RMW under
 // `fail_lock` (two legs failing at once cannot both see the other as the survivor);
-// `set_in_sync` sets IN_SYNC with a CAS that requires PRESENT and not FAULTY, so a leg
+// `Inner::mark_in_sync` (the sync thread, `set_in_sync`) sets IN_SYNC with a CAS that requires PRESENT and not FAULTY, so a leg
 // removed or failed meanwhile is never made a member. An I/O that read the state just before
 // a leg was marked faulty may still send one bio to it: that bio fails or succeeds on its own,
 // as in md, and the freeze in `remove_leg` waits for it before the slot is emptied.
@@ -540,27 +540,11 @@ impl Raid1 {
 
     /// Marks a present, non-faulty leg in sync (recovery done).
     pub fn set_in_sync(&self, i: usize) -> Result<(), Raid1Error> {
-        let l = self
-            .inner
-            .legs
-            .get(i)
-            .ok_or(Raid1Error::Slot(i, "no such slot"))?;
-        // A CAS, not a fetch_or: the leg may be failed or removed between our look and the
-        // update (module comment on the leg state).
-        let mut st = l.state.load(Ordering::Acquire);
-        loop {
-            if st & PRESENT == 0 || st & FAULTY != 0 {
-                return Err(Raid1Error::Slot(i, "not present or faulty"));
-            }
-            match l.state.compare_exchange_weak(
-                st,
-                st | IN_SYNC,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(now) => st = now,
-            }
+        if i >= self.inner.legs.len() {
+            return Err(Raid1Error::Slot(i, "no such slot"));
+        }
+        if !self.inner.mark_in_sync(i) {
+            return Err(Raid1Error::Slot(i, "not present or faulty"));
         }
         self.inner.state_changed();
         Ok(())
@@ -689,6 +673,28 @@ impl Inner {
         self.daemon_wq.wake_all();
         // A leg to recover, or a target gone.
         self.sync.wq.wake_all();
+    }
+
+    /// Makes leg `i` a full member (sets IN_SYNC) if it is present and not faulty; returns
+    /// whether it did. A CAS, not a check then a `fetch_or`: the leg may be failed or removed
+    /// between the look and the update (the comment on the leg state bits).
+    pub(crate) fn mark_in_sync(&self, i: usize) -> bool {
+        let l = &self.legs[i];
+        let mut st = l.state.load(Ordering::Acquire);
+        loop {
+            if st & (PRESENT | FAULTY) != PRESENT {
+                return false;
+            }
+            match l.state.compare_exchange_weak(
+                st,
+                st | IN_SYNC,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return true,
+                Err(now) => st = now,
+            }
+        }
     }
 
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.

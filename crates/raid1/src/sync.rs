@@ -508,7 +508,8 @@ impl Inner {
                         if l.state.load(Ordering::Acquire) & (PRESENT | FAULTY) == PRESENT {
                             l.bitmap_recovery.store(false, Ordering::Release);
                             l.recovery_offset.store(0, Ordering::Release);
-                            l.state.fetch_or(IN_SYNC, Ordering::AcqRel);
+                        }
+                        if self.mark_in_sync(t) {
                             self.state_changed();
                             self.clear_synced_bits();
                         }
