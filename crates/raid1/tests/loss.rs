@@ -7,92 +7,18 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::sync::{Arc, Mutex};
+mod common;
+use common::*;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk::Device;
 use blk_drivers::{FaultConfig, FaultDevice};
 use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
-use raid1::{Raid1, Raid1Config, SyncAction};
+use raid1::{Raid1, SyncAction};
 
-const MB: u64 = 1 << 20;
 const IDLE: Duration = Duration::from_secs(60);
-
-fn mem(size: &str) -> Arc<dyn Device> {
-    Arc::new(
-        format!("mem:{size}")
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    )
-}
-
-#[derive(Default)]
-struct One(Mutex<Option<(Bio, Result<(), Error>)>>, std::sync::Condvar);
-
-impl EndIo for One {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        *self.0.lock().unwrap() = Some((bio, res));
-        self.1.notify_all();
-    }
-}
-
-fn io(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
-    let one = Arc::new(One::default());
-    let end: Arc<dyn EndIo> = one.clone();
-    dev.submit(bio, &end);
-    let mut g = one.0.lock().unwrap();
-    loop {
-        if let Some(r) = g.take() {
-            return r;
-        }
-        let (ng, to) = one.1.wait_timeout(g, Duration::from_secs(60)).unwrap();
-        assert!(!to.timed_out(), "I/O never completed");
-        g = ng;
-    }
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
-        .collect()
-}
-
-fn write(dev: &dyn Device, offset: u64, data: &[u8]) {
-    let mut b = Buffer::new(data.len());
-    b.as_mut_slice().copy_from_slice(data);
-    io(dev, Bio::with_buf(Op::Write, offset >> SECTOR_SHIFT, b))
-        .1
-        .unwrap();
-}
-
-fn flush(dev: &dyn Device) {
-    io(dev, Bio::new(Op::Flush, 0, 0)).1.unwrap();
-}
-
-fn read(dev: &dyn Device, offset: u64, len: usize) -> Vec<u8> {
-    let (b, r) = io(
-        dev,
-        Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
-    );
-    r.unwrap();
-    b.buf.unwrap().as_slice()[..len].to_vec()
-}
-
-/// The data area of a leg.
-fn leg_data(r: &Raid1, leg: &dyn Device) -> Vec<u8> {
-    let cap = r.limits().capacity;
-    let mut out = Vec::with_capacity(cap as usize);
-    let mut pos = 0;
-    while pos < cap {
-        let n = MB.min(cap - pos);
-        out.extend(read(leg, r.data_offset() + pos, n as usize));
-        pos += n;
-    }
-    out
-}
 
 /// Every acknowledged write reads back (later writes win where they overlap).
 fn assert_acked(dev: &dyn Device, acked: &[(u64, Vec<u8>)]) {
@@ -108,21 +34,6 @@ fn assert_acked(dev: &dyn Device, acked: &[(u64, Vec<u8>)]) {
                 .unwrap();
             assert!(*b == want, "byte {pos} lost");
         }
-    }
-}
-
-fn assert_legs_equal(r: &Raid1, a: &dyn Device, b: &dyn Device) {
-    assert!(leg_data(r, a) == leg_data(r, b), "legs differ");
-}
-
-/// 1 MiB bitmap chunks that never clear by themselves during a test.
-fn cfg() -> Raid1Config {
-    Raid1Config {
-        bitmap_chunk: MB,
-        bitmap_quiet: Duration::from_secs(3600),
-        tick: Duration::from_millis(20),
-        depth: 16,
-        ..Raid1Config::default()
     }
 }
 

@@ -5,34 +5,20 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+use common::*;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use raid1::barrier::BarrierMode;
 use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
 use raid1::{Raid1, Raid1Config};
 
-fn mem(size: &str) -> Arc<dyn Device> {
-    Arc::new(
-        format!("mem:{size}")
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    )
-}
-
 /// One bio, submitted and waited for (the suite's deadline fails the test if it hangs).
 use testkit::io::submit_wait as io;
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
-        .collect()
-}
 
 fn write(dev: &dyn Device, sector: u64, data: &[u8]) -> Result<(), Error> {
     let mut b = Buffer::new(data.len());

@@ -6,81 +6,18 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+use common::*;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk::{Bio, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
 use raid1::barrier::BarrierMode;
 use raid1::{Raid1, Raid1Config, SyncAction};
 
-const MB: u64 = 1 << 20;
 const IDLE: Duration = Duration::from_secs(60);
-
-fn mem(size: &str) -> Arc<dyn Device> {
-    Arc::new(
-        format!("mem:{size}")
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    )
-}
-
-/// One bio, submitted and waited for (the suite's deadline fails the test if it hangs).
-use testkit::io::submit_wait as io;
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1)
-        .collect()
-}
-
-fn write(dev: &dyn Device, offset: u64, data: &[u8]) {
-    let mut b = Buffer::new(data.len());
-    b.as_mut_slice().copy_from_slice(data);
-    io(dev, Bio::with_buf(Op::Write, offset >> SECTOR_SHIFT, b))
-        .1
-        .unwrap();
-}
-
-fn read(dev: &dyn Device, offset: u64, len: usize) -> Vec<u8> {
-    let (b, r) = io(
-        dev,
-        Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
-    );
-    r.unwrap();
-    b.buf.unwrap().as_slice()[..len].to_vec()
-}
-
-/// The data area of a leg.
-fn leg_data(r: &Raid1, leg: &dyn Device) -> Vec<u8> {
-    let cap = r.limits().capacity;
-    let mut out = Vec::with_capacity(cap as usize);
-    let mut pos = 0;
-    while pos < cap {
-        let n = MB.min(cap - pos);
-        out.extend(read(leg, r.data_offset() + pos, n as usize));
-        pos += n;
-    }
-    out
-}
-
-fn assert_legs_equal(r: &Raid1, a: &dyn Device, b: &dyn Device) {
-    assert!(leg_data(r, a) == leg_data(r, b), "legs differ");
-}
-
-/// 1 MiB bitmap chunks that never clear by themselves during a test.
-fn cfg() -> Raid1Config {
-    Raid1Config {
-        bitmap_chunk: MB,
-        bitmap_quiet: Duration::from_secs(3600),
-        tick: Duration::from_millis(20),
-        depth: 16,
-        ..Raid1Config::default()
-    }
-}
 
 fn nr_dirty(r: &Raid1) -> u64 {
     r.bitmap()
