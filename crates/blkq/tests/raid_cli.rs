@@ -1,144 +1,22 @@
 //! `blkq raid` and `blkq serve --raid1 --control`: the built binary, file legs in a tempdir,
 //! bounded waits only (no timing assertions).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+use common::*;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::proto::CmdFlags;
 
-const BIN: &str = env!("CARGO_BIN_EXE_blkq");
 const LEG_SIZE: u64 = 8 << 20;
 
 fn leg(dir: &Path, name: &str) -> String {
-    let p = dir.join(name);
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(LEG_SIZE).unwrap();
-    format!("file:{}", p.display())
-}
-
-fn blkq(args: &[&str]) -> Output {
-    let out = Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    out
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = blkq(args);
-    assert!(
-        o.status.success(),
-        "blkq {args:?} failed: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
-}
-
-fn fails(args: &[&str]) -> String {
-    let o = blkq(args);
-    assert!(
-        !o.status.success(),
-        "blkq {args:?} should have failed: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    String::from_utf8(o.stderr).unwrap()
+    leg_file(dir, name, LEG_SIZE).1
 }
 
 fn create(a: &str, b: &str) {
     ok(&["raid", "create", a, b, "--bitmap-chunk", "64K"]);
-}
-
-/// A running `blkq serve`, stopped with SIGTERM on drop.
-struct Server {
-    child: Child,
-    nbd: PathBuf,
-    ctl: PathBuf,
-}
-
-impl Server {
-    fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
-        let nbd = dir.join("nbd.sock");
-        let ctl = dir.join("ctl.sock");
-        let _ = std::fs::remove_file(&nbd);
-        let _ = std::fs::remove_file(&ctl);
-        let mut args = vec![
-            "serve".to_string(),
-            "--raid1".into(),
-            legs.into(),
-            "--no-tcp".into(),
-            "--socket".into(),
-            nbd.display().to_string(),
-            "--control".into(),
-            ctl.display().to_string(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(BIN)
-            .args(&args)
-            .env("RUST_BACKTRACE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        while !(ctl.exists() && nbd.exists()) {
-            if let Some(st) = child.try_wait().unwrap() {
-                panic!("blkq serve exited early: {st}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { child, nbd, ctl }
-    }
-
-    fn ctl(&self) -> &str {
-        self.ctl.to_str().unwrap()
-    }
-
-    fn client(&self) -> Client {
-        Client::connect(&Endpoint::Unix(self.nbd.clone()), &ClientOptions::default()).unwrap()
-    }
-
-    fn status(&self) -> String {
-        ok(&["raid", "status", "--control", self.ctl()])
-    }
-
-    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
-    fn stop(&mut self) -> bool {
-        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st.success();
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -278,7 +156,7 @@ fn serve_fail_remove_add() {
     assert!(e.contains("no such slot"), "{e}");
     assert!(s.status().contains("c.img"));
     assert!(s.stop(), "serve did not exit cleanly");
-    assert!(!s.ctl.exists(), "control socket left behind");
+    assert!(!Path::new(s.ctl()).exists(), "control socket left behind");
 }
 
 #[test]
@@ -394,7 +272,7 @@ fn control_line_over_4k_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
     let s = Server::start(d.path(), &format!("{a},{b}"), &["--raid1-create"]);
-    let mut u = std::os::unix::net::UnixStream::connect(&s.ctl).unwrap();
+    let mut u = std::os::unix::net::UnixStream::connect(s.ctl()).unwrap();
     u.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let long = format!("add file:{}\n", "x".repeat(5000));
     let _ = u.write_all(long.as_bytes());

@@ -5,156 +5,24 @@
 // state, so it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
+mod common;
+use common::*;
+
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::proto::CmdFlags;
 
-const BIN: &str = env!("CARGO_BIN_EXE_blkq");
 const LEG_SIZE: u64 = 64 << 20;
 const MB: u64 = 1 << 20;
 /// Bitmap bits stay set for the whole test (no clearing behind its back).
 const QUIET: &str = "bitmap_quiet_ms=600000";
 
 fn leg(dir: &Path, name: &str) -> (PathBuf, String) {
-    let p = dir.join(name);
-    let f = std::fs::File::create(&p).unwrap();
-    f.set_len(LEG_SIZE).unwrap();
-    let spec = format!("file:{}", p.display());
-    (p, spec)
-}
-
-fn blkq(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = blkq(args);
-    assert!(
-        o.status.success(),
-        "blkq {args:?} failed: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
-}
-
-/// A running `blkq serve --raid1`, killed on drop.
-struct Server {
-    child: Child,
-    nbd: PathBuf,
-    ctl: PathBuf,
-}
-
-impl Server {
-    fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
-        let nbd = dir.join("nbd.sock");
-        let ctl = dir.join("ctl.sock");
-        let _ = std::fs::remove_file(&nbd);
-        let _ = std::fs::remove_file(&ctl);
-        let mut args = vec![
-            "serve".to_string(),
-            "--raid1".into(),
-            legs.into(),
-            "--no-tcp".into(),
-            "--socket".into(),
-            nbd.display().to_string(),
-            "--control".into(),
-            ctl.display().to_string(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(BIN)
-            .args(&args)
-            .env("RUST_BACKTRACE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        while !(ctl.exists() && nbd.exists()) {
-            if let Some(st) = child.try_wait().unwrap() {
-                panic!("blkq serve exited early: {st}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { child, nbd, ctl }
-    }
-
-    fn ctl(&self) -> &str {
-        self.ctl.to_str().unwrap()
-    }
-
-    fn client(&self) -> Client {
-        Client::connect(&Endpoint::Unix(self.nbd.clone()), &ClientOptions::default()).unwrap()
-    }
-
-    fn status_json(&self) -> serde_json::Value {
-        let out = ok(&["raid", "status", "--json", "--control", self.ctl()]);
-        serde_json::from_str(&out).unwrap()
-    }
-
-    /// Polls `status --json` until `what` holds (bounded).
-    fn wait_for(&self, what: &dyn Fn(&serde_json::Value) -> bool, why: &str) -> serde_json::Value {
-        let t0 = Instant::now();
-        loop {
-            let v = self.status_json();
-            if what(&v) {
-                return v;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(120), "{why}: {v}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
-    fn stop(&mut self) -> bool {
-        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st.success();
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// SIGKILL: no clean stop.
-    fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+    leg_file(dir, name, LEG_SIZE)
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {

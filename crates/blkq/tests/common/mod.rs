@@ -1,0 +1,175 @@
+//! Helpers shared by the binary's integration tests: run `blkq` and check its exit, file legs
+//! in a tempdir, and a running `blkq serve --raid1 --control` driven through its control
+//! socket. Bounded waits only (no timing assertions).
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nbd::client::{Client, ClientOptions, Endpoint};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_blkq");
+
+/// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
+pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
+    let p = dir.join(name);
+    let f = std::fs::File::create(&p).unwrap();
+    f.set_len(size).unwrap();
+    let spec = format!("file:{}", p.display());
+    (p, spec)
+}
+
+/// Runs `blkq ARGS` to completion.
+pub fn blkq(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// Runs `blkq ARGS`, which must succeed; returns its stdout.
+pub fn ok(args: &[&str]) -> String {
+    let o = blkq(args);
+    assert!(
+        o.status.success(),
+        "blkq {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// Runs `blkq ARGS`, which must fail; returns its stderr.
+pub fn fails(args: &[&str]) -> String {
+    let o = blkq(args);
+    assert!(
+        !o.status.success(),
+        "blkq {args:?} should have failed: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    String::from_utf8(o.stderr).unwrap()
+}
+
+/// A running `blkq serve --raid1 LEGS --control`, on a Unix socket in `dir`; killed on drop.
+pub struct Server {
+    child: Child,
+    nbd: PathBuf,
+    ctl: PathBuf,
+}
+
+impl Server {
+    /// Starts the server and waits until both sockets exist.
+    pub fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
+        let nbd = dir.join("nbd.sock");
+        let ctl = dir.join("ctl.sock");
+        let _ = std::fs::remove_file(&nbd);
+        let _ = std::fs::remove_file(&ctl);
+        let mut args = vec![
+            "serve".to_string(),
+            "--raid1".into(),
+            legs.into(),
+            "--no-tcp".into(),
+            "--socket".into(),
+            nbd.display().to_string(),
+            "--control".into(),
+            ctl.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while !(ctl.exists() && nbd.exists()) {
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("blkq serve exited early: {st}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, nbd, ctl }
+    }
+
+    /// The control socket's path.
+    pub fn ctl(&self) -> &str {
+        self.ctl.to_str().unwrap()
+    }
+
+    /// A new NBD connection to the array.
+    pub fn client(&self) -> Client {
+        Client::connect(&Endpoint::Unix(self.nbd.clone()), &ClientOptions::default()).unwrap()
+    }
+
+    /// `blkq raid status` through the control socket.
+    pub fn status(&self) -> String {
+        ok(&["raid", "status", "--control", self.ctl()])
+    }
+
+    /// `blkq raid status --json` through the control socket.
+    pub fn status_json(&self) -> serde_json::Value {
+        let out = ok(&["raid", "status", "--json", "--control", self.ctl()]);
+        serde_json::from_str(&out).unwrap()
+    }
+
+    /// Polls `status --json` until `what` holds (bounded: fails the test with `why`).
+    pub fn wait_for(
+        &self,
+        what: &dyn Fn(&serde_json::Value) -> bool,
+        why: &str,
+    ) -> serde_json::Value {
+        let t0 = Instant::now();
+        loop {
+            let v = self.status_json();
+            if what(&v) {
+                return v;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "{why}: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
+    pub fn stop(&mut self) -> bool {
+        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.success();
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL: no clean stop.
+    pub fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
