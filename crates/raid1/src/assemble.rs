@@ -286,15 +286,19 @@ impl Raid1 {
         for (l, u) in inner.legs.iter().zip(a.slot_uuids.iter()) {
             *l.uuid.lock() = *u;
         }
+        // Nothing submits yet; the freeze is the rule of `slot` all the same.
+        inner.barriers.freeze_array(0);
         for p in a.placed {
             let l = &inner.legs[p.slot];
-            *l.dev.lock() = Some(p.dev);
+            // SAFETY: frozen just above.
+            let _ = unsafe { l.set_dev_frozen(Some(p.dev)) };
             *l.uuid.lock() = p.uuid;
             l.recovery_offset
                 .store(p.recovery_offset, Ordering::Release);
             l.bitmap_recovery.store(p.readd, Ordering::Release);
             l.state.store(p.state, Ordering::Release);
         }
+        let _ = inner.barriers.unfreeze_array();
         if let Some(bm) = &inner.bitmap {
             bm.set_degraded(inner.is_degraded());
         }

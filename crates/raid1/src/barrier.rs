@@ -23,6 +23,7 @@
 //! | `wait_read_barrier`    | not frozen (reads never race resync: read balance avoids stale) |
 //! | `raise_barrier`        | first `nr_waiting == 0`; then, with its barrier raised: not frozen, bucket `nr_pending == 0`, `nr_sync_pending < RESYNC_DEPTH` |
 //! | `freeze_array(extra)`  | sum over buckets of `nr_pending - nr_queued == extra`           |
+//! | `hold` (a second admission by an admitted caller) | never waits                    |
 //! | `allow_barrier`, `lower_barrier`, `unfreeze_array`, `queue_io`, `unqueue_io` | never wait |
 //!
 //! # Two implementations, chosen at construction ([`BarrierMode`])
@@ -332,6 +333,21 @@ impl Barriers {
         // Rule 3: the decrement comes before the wake-up.
         self.wq.wake_all();
         Ok(())
+    }
+
+    /// A second admission on `sector`'s bucket for a caller that already holds one there (a
+    /// submitter's own hold while it submits, see `slot`). No wait and no fence: the count
+    /// cannot be zero meanwhile, so no raiser or freezer can have passed on it since the first
+    /// admission, and one that reads the sum later sees at least the first. Pair with
+    /// [`Barriers::allow_barrier`].
+    #[inline]
+    pub fn hold(&self, sector: u64) {
+        let b = self.bucket(sector);
+        let _g = match self.mode {
+            BarrierMode::Locked => Some(self.resync_lock.lock()),
+            BarrierMode::Lockless => None,
+        };
+        b.nr_pending.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Raises a resync window on `sector`'s bucket: waits for sleeping regular I/O to go

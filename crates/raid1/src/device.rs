@@ -20,6 +20,8 @@ use blk::{Bio, Buffer, BufferPool, Device, EndIo, Error, Limits, Op, SECTOR_SHIF
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use blkq_sync::{thread, Mutex};
 
+use crate::slot::AdmittedCell;
+
 use uuid::Uuid;
 use waitq::{Completion, WaitQueue};
 
@@ -189,7 +191,12 @@ pub struct LegStatus {
 }
 
 pub(crate) struct Leg {
+    /// The device, for slow paths (raid1d, sync thread, flushes, tools). Its lock also orders
+    /// the writers of `fast`.
     pub(crate) dev: Mutex<Option<StdArc<dyn Device>>>,
+    /// The same device for barrier-admitted regular I/O: read without a lock, replaced only
+    /// with the array frozen and `dev` locked (see `slot`).
+    pub(crate) fast: AdmittedCell<Option<StdArc<dyn Device>>>,
     pub(crate) uuid: Mutex<Uuid>,
     pub(crate) state: AtomicU32,
     /// Requests in flight (read balancing hint).
@@ -206,6 +213,7 @@ impl Leg {
     pub(crate) fn empty() -> Self {
         Self {
             dev: Mutex::new(None),
+            fast: AdmittedCell::new(None),
             uuid: Mutex::new(Uuid::nil()),
             state: AtomicU32::new(0),
             pending: AtomicUsize::new(0),
@@ -218,6 +226,32 @@ impl Leg {
 
     pub(crate) fn dev(&self) -> Option<StdArc<dyn Device>> {
         self.dev.lock().clone()
+    }
+
+    /// Puts `dev` in the slot (or empties it), returning what was there.
+    ///
+    /// # Safety
+    ///
+    /// The caller has frozen the array with `freeze_array(0)` (the rule of `slot`).
+    pub(crate) unsafe fn set_dev_frozen(
+        &self,
+        dev: Option<StdArc<dyn Device>>,
+    ) -> Option<StdArc<dyn Device>> {
+        let mut g = self.dev.lock();
+        // SAFETY: frozen by the caller; `g` orders the writers.
+        let _ = unsafe { self.fast.replace_frozen(dev.clone()) };
+        std::mem::replace(&mut *g, dev)
+    }
+
+    /// Runs `f` with the device, without a lock.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds an unqueued barrier admission for the whole call (the rule of `slot`).
+    #[inline]
+    pub(crate) unsafe fn with_dev<R>(&self, f: impl FnOnce(Option<&dyn Device>) -> R) -> R {
+        // SAFETY: the caller's admission (see `slot`).
+        unsafe { self.fast.with_admitted(|d| f(d.as_deref())) }
     }
 }
 
@@ -451,7 +485,8 @@ impl Raid1 {
             Err(Raid1Error::Slot(i, "in sync: fail it first"))
         } else {
             l.state.store(0, Ordering::Release);
-            Ok(l.dev.lock().take())
+            // SAFETY: frozen above.
+            Ok(unsafe { l.set_dev_frozen(None) })
         };
         let _ = self.inner.barriers.unfreeze_array();
         let dev = r?.ok_or(Raid1Error::Slot(i, "empty"))?;
@@ -506,7 +541,8 @@ impl Raid1 {
         };
         if let Some(i) = slot {
             let l = &inner.legs[i];
-            *l.dev.lock() = Some(dev);
+            // SAFETY: frozen above.
+            let _ = unsafe { l.set_dev_frozen(Some(dev)) };
             if !readd {
                 *l.uuid.lock() = Uuid::new_v4();
             }

@@ -113,33 +113,48 @@ impl Inner {
             end.end_io(bio, Err(eio("raid1: no readable leg")));
             return;
         };
-        let Some(dev) = self.legs[leg].dev() else {
+        // The submitter's own admission, held until the leg's `submit` has returned: the
+        // read's may end inside it (see `slot`).
+        self.barriers.hold(sector);
+        let l = &self.legs[leg];
+        // SAFETY: admitted twice on `sector`'s bucket; ours is neither queued nor ended before
+        // the closure returns.
+        let bio = unsafe {
+            l.with_dev(|dev| {
+                let Some(dev) = dev else {
+                    return Some(bio);
+                };
+                let id = self.get_slot();
+                let buf = bio.buf.take();
+                let lb = self.leg_bio(&bio, buf, id);
+                {
+                    let mut io = self.ios[id as usize].lock();
+                    *io = Io {
+                        kind: Kind::Read,
+                        orig: Some(bio),
+                        end: Some(end.clone()),
+                        remaining: 1,
+                        tried: 1 << leg,
+                        primary: leg,
+                        ..Io::default()
+                    };
+                }
+                l.head.store(
+                    lb.end_sector() - (self.data_offset >> SECTOR_SHIFT),
+                    Ordering::Relaxed,
+                );
+                l.pending.fetch_add(1, Ordering::Relaxed);
+                dev.submit(lb, &self.ends[leg]);
+                None
+            })
+        };
+        let _ = self.barriers.allow_barrier(sector);
+        if let Some(bio) = bio {
+            // Cannot happen while admitted (state and slot change together, frozen); handled
+            // as a failed read all the same.
             let _ = self.barriers.allow_barrier(sector);
             end.end_io(bio, Err(eio("raid1: leg vanished")));
-            return;
-        };
-        let id = self.get_slot();
-        let buf = bio.buf.take();
-        let lb = self.leg_bio(&bio, buf, id);
-        {
-            let mut io = self.ios[id as usize].lock();
-            *io = Io {
-                kind: Kind::Read,
-                orig: Some(bio),
-                end: Some(end.clone()),
-                remaining: 1,
-                tried: 1 << leg,
-                primary: leg,
-                ..Io::default()
-            };
         }
-        let l = &self.legs[leg];
-        l.head.store(
-            lb.end_sector() - (self.data_offset >> SECTOR_SHIFT),
-            Ordering::Relaxed,
-        );
-        l.pending.fetch_add(1, Ordering::Relaxed);
-        dev.submit(lb, &self.ends[leg]);
     }
 
     pub(crate) fn submit_write(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
@@ -162,15 +177,13 @@ impl Inner {
                 }
             }
         }
-        // Legs to write: present and not faulty (recovering legs included).
+        // Legs to write: present and not faulty (recovering legs included). A leg's state and
+        // its slot change together with the array frozen, so while admitted a present leg's
+        // slot holds its device (an empty one is still handled below, as a failed write).
         let mut mask = 0u32;
-        let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
             if Self::writable(l.state.load(Ordering::Acquire)) {
-                if let Some(d) = l.dev() {
-                    devs[i] = Some(d);
-                    mask |= 1 << i;
-                }
+                mask |= 1 << i;
             }
         }
         if mask == 0 {
@@ -212,12 +225,29 @@ impl Inner {
                 ..Io::default()
             };
         }
-        for i in 0..self.legs.len() {
-            if let (Some(b), Some(d)) = (bios[i].take(), devs[i].take()) {
-                self.legs[i].pending.fetch_add(1, Ordering::Relaxed);
-                d.submit(b, &self.ends[i]);
+        // The submitter's own admission while it submits (see `slot`): the write's may end
+        // inside the last leg's `submit`.
+        self.barriers.hold(sector);
+        for (i, b) in bios.iter_mut().enumerate().take(self.legs.len()) {
+            let Some(b) = b.take() else { continue };
+            let l = &self.legs[i];
+            l.pending.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: admitted twice on `sector`'s bucket; ours is neither queued nor ended
+            // before the closure returns.
+            let vanished = unsafe {
+                l.with_dev(|dev| match dev {
+                    Some(d) => {
+                        d.submit(b, &self.ends[i]);
+                        None
+                    }
+                    None => Some(b),
+                })
+            };
+            if let Some(b) = vanished {
+                self.leg_done(i, b, Err(eio("raid1: leg vanished")));
             }
         }
+        let _ = self.barriers.allow_barrier(sector);
     }
 
     pub(crate) fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {

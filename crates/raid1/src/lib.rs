@@ -93,6 +93,7 @@ pub mod bitmap;
 mod daemon;
 mod device;
 mod io;
+pub mod slot;
 pub mod superblock;
 pub mod sync;
 
