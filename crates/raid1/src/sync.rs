@@ -23,6 +23,14 @@ use crate::superblock::MAX_LEGS;
 pub const DEFAULT_SPEED_MIN: u64 = 1000;
 /// md's `sync_speed_max` default, KiB/s.
 pub const DEFAULT_SPEED_MAX: u64 = 200_000;
+/// Longest single pause given to regular I/O between two windows.
+const MAX_YIELD: Duration = Duration::from_millis(100);
+
+/// md's rule between two sync windows: a pass running faster than `sync_speed_min` (KiB/s)
+/// gives way to regular I/O when there is some; at or below the min it never does.
+pub fn should_yield(rate_kib_s: f64, min_kib_s: u64, regular_io_busy: bool) -> bool {
+    regular_io_busy && rate_kib_s > min_kib_s as f64
+}
 
 /// What the sync thread does (md's `sync_action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -122,6 +130,8 @@ pub struct SyncProgress {
     pub mismatch_cnt: u64,
     /// Bitmap chunks (windows without a bitmap) copied by resync/recovery since start.
     pub chunks_copied: u64,
+    /// Pauses the sync thread gave to regular I/O while above `sync_speed_min`, since start.
+    pub yields: u64,
 }
 
 /// The sync thread's shared state. Counters are independent statistics: Relaxed is enough
@@ -146,6 +156,8 @@ pub(crate) struct SyncState {
     pub(crate) chunks_copied: AtomicU64,
     pub(crate) speed_min: AtomicU64,
     pub(crate) speed_max: AtomicU64,
+    /// Pauses given to regular I/O (`throttle`), since start.
+    pub(crate) yields: AtomicU64,
 }
 
 /// Control requests (under `SyncState::ctl`).
@@ -184,6 +196,7 @@ impl SyncState {
             chunks_copied: AtomicU64::new(0),
             speed_min: AtomicU64::new(DEFAULT_SPEED_MIN),
             speed_max: AtomicU64::new(DEFAULT_SPEED_MAX),
+            yields: AtomicU64::new(0),
         }
     }
 
@@ -224,6 +237,7 @@ impl Raid1 {
             eta_secs: (eta != u64::MAX).then_some(eta),
             mismatch_cnt: s.mismatch_cnt.load(Ordering::Relaxed),
             chunks_copied: s.chunks_copied.load(Ordering::Relaxed),
+            yields: s.yields.load(Ordering::Relaxed),
         }
     }
 
@@ -656,8 +670,10 @@ impl Inner {
             }
             let sector = pos >> SECTOR_SHIFT;
             self.barriers.raise_barrier(sector);
+            let w0 = Instant::now();
             let r = self.window(job, pos, len, target.as_ref(), &mut src_buf, &mut cmp_buf);
             let _ = self.barriers.lower_barrier(sector);
+            let last_window = w0.elapsed();
             if !r {
                 return PassEnd::Failed;
             }
@@ -692,7 +708,7 @@ impl Inner {
                 s.eta_secs
                     .store(((cap - pos) as f64 / rate) as u64, Ordering::Relaxed);
             }
-            self.throttle(t0, io_bytes);
+            self.throttle(t0, io_bytes, last_window);
         }
         PassEnd::Done
     }
@@ -714,32 +730,57 @@ impl Inner {
         }
     }
 
-    /// Sleeps so the pass stays under `sync_speed_max` (woken early by an interrupt, a stop,
-    /// or a new limit). The simple policy: throttle only to the max; the min is documented
-    /// as the floor because this thread never yields to regular I/O beyond the barrier.
-    fn throttle(&self, t0: Instant, io_bytes: u64) {
+    /// Sleeps between windows, md's policy: never above `sync_speed_max`; above
+    /// `sync_speed_min`, also give way while regular I/O is in flight (the array is not idle),
+    /// by pausing as long as the last window took, so a busy array's resync gets about half
+    /// the time until its average speed falls to the min, and never less than the min. Woken
+    /// early by an interrupt, a stop, or a new limit.
+    fn throttle(&self, t0: Instant, io_bytes: u64, last_window: Duration) {
         let s = &self.sync;
+        let mut yielded = Duration::ZERO;
         loop {
             let max = s.speed_max.load(Ordering::Relaxed).max(1);
+            let min = s.speed_min.load(Ordering::Relaxed);
+            let el = t0.elapsed();
+            let rate = io_bytes as f64 / 1024.0 / el.as_secs_f64().max(1e-6);
             // At most a day per sleep computation (no overflow on absurd limits).
             let secs = (io_bytes as f64 / 1024.0 / max as f64).min(86_400.0);
-            let Some(due) = t0.checked_add(Duration::from_secs_f64(secs)) else {
+            let Some(max_due) = t0.checked_add(Duration::from_secs_f64(secs)) else {
                 return;
             };
-            if Instant::now() >= due {
+            let now = Instant::now();
+            let due = if now < max_due {
+                max_due
+            } else if yielded < last_window && should_yield(rate, min, self.regular_io_busy()) {
+                // One pause of the window's length per window (re-checked after it).
+                now + (last_window - yielded).min(MAX_YIELD)
+            } else {
                 return;
-            }
+            };
             let r = s.wq.wait_for_until(
                 || {
-                    (self.interrupted() || s.speed_max.load(Ordering::Relaxed).max(1) != max)
+                    (self.interrupted()
+                        || s.speed_max.load(Ordering::Relaxed).max(1) != max
+                        || s.speed_min.load(Ordering::Relaxed) != min)
                         .then_some(())
                 },
                 due,
             );
-            if r.is_none() || self.interrupted() {
+            if now >= max_due {
+                s.yields.fetch_add(1, Ordering::Relaxed);
+                yielded += Instant::now().saturating_duration_since(now);
+            }
+            if r.is_some() || self.interrupted() {
                 return;
             }
         }
+    }
+
+    /// Whether regular I/O is in flight on any leg (md's "not idle").
+    fn regular_io_busy(&self) -> bool {
+        self.legs
+            .iter()
+            .any(|l| l.pending.load(Ordering::Relaxed) != 0)
     }
 
     /// One window, with its barrier raised: read the source, then write (resync/recover) or

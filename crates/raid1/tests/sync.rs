@@ -194,6 +194,52 @@ fn tiny_speed_limit_holds_a_check_back_and_idle_stops_it() {
     assert_eq!(r.sync_progress().done_bytes, r.limits().capacity);
 }
 
+/// md's min-vs-busy rule: above `sync_speed_min` a pass pauses for regular I/O in flight; at
+/// a min it cannot reach it never does. Legs with 200 us of latency and a reader that keeps
+/// one read in flight make the array busy for the whole pass.
+fn check_yields_under_load(min_kib_s: u64) -> u64 {
+    let leg = "null:16M,completion=timer,completion_nsec=200000";
+    let r = Arc::new(Raid1::create(vec![spec(leg), spec(leg)], cfg()).unwrap());
+    assert!(r.wait_sync_idle(IDLE));
+    r.set_speed_limits(min_kib_s, 10_000_000);
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let load = {
+        let (r, stop, done) = (r.clone(), stop.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let _ = read(r.as_ref(), (i % 4000) * 4096, 4096);
+                done.fetch_add(1, Ordering::Relaxed);
+                i += 1;
+            }
+        })
+    };
+    while done.load(Ordering::Relaxed) < 10 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let before = r.sync_progress().yields;
+    r.set_sync_action(SyncAction::Check).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    stop.store(true, Ordering::Relaxed);
+    load.join().unwrap();
+    assert_eq!(r.sync_progress().done_bytes, r.limits().capacity);
+    r.sync_progress().yields - before
+}
+
+#[test]
+fn busy_array_pass_gives_way_above_the_min_only() {
+    assert!(
+        check_yields_under_load(1) > 0,
+        "a pass above its min paused for regular I/O"
+    );
+    assert_eq!(
+        check_yields_under_load(1 << 40),
+        0,
+        "a pass below its min never pauses"
+    );
+}
+
 #[test]
 fn regular_io_keeps_working_during_a_resync() {
     for mode in [BarrierMode::Lockless, BarrierMode::Locked] {

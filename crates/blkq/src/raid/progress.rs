@@ -50,6 +50,7 @@ mod tests {
             eta_secs: Some(90),
             mismatch_cnt: 0,
             chunks_copied: 0,
+            yields: 0,
         };
         let l = progress_line(&s);
         assert!(

@@ -58,6 +58,9 @@ pub struct SyncReport {
     /// array started: what a bitmap-driven resync or re-add actually had to copy.
     #[serde(default)]
     pub chunks_copied: u64,
+    /// Pauses the sync thread gave to regular I/O (above `sync_speed_min`, array busy).
+    #[serde(default)]
+    pub yields: u64,
 }
 
 /// The whole array, as reported.
@@ -105,6 +108,7 @@ impl From<SyncProgress> for SyncReport {
             eta_secs: p.eta_secs,
             mismatch_cnt: p.mismatch_cnt,
             chunks_copied: p.chunks_copied,
+            yields: p.yields,
         }
     }
 }

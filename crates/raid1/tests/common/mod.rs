@@ -21,6 +21,14 @@ pub fn mem(size: &str) -> Arc<dyn Device> {
         .unwrap()
 }
 
+/// Any device from its spec (e.g. "null:16M,completion=timer,completion_nsec=200000").
+pub fn spec(s: &str) -> Arc<dyn Device> {
+    s.parse::<DeviceSpec>()
+        .unwrap()
+        .build_device(&QueueOverrides::default())
+        .unwrap()
+}
+
 /// `len` bytes of a never-zero pattern for `seed`.
 pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
     testkit::pattern(u64::from(seed) + 1, len)
