@@ -14,6 +14,9 @@
 #![deny(unsafe_code)]
 
 pub mod client;
+#[cfg(not(blkq_loom))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod server;
 pub mod stream;
 mod sys;
