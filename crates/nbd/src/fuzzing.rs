@@ -30,15 +30,11 @@ pub struct ConnHarness {
 impl ConnHarness {
     /// Starts a server for `exports` (the first one should be the default export, `""`).
     pub fn new(exports: Vec<Export>) -> std::io::Result<Self> {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        // A plain counter for a unique directory name; nothing is synchronised through it.
-        #[allow(clippy::disallowed_types)]
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "blkq-fuzz-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
+        // Unique per harness: the process id and the clock (harnesses are created rarely).
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let dir = std::env::temp_dir().join(format!("blkq-fuzz-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let path = dir.join("s.sock");
         let mut cfg = ServerConfig::new(exports);
