@@ -134,6 +134,63 @@ fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
         .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
 }
 
+/// The largest `block_size` a device may have: an NBD server advertises the device's logical
+/// block size as the export's minimum block size, which the protocol caps at 64 KiB.
+pub const MAX_BLOCK_SIZE: u32 = 64 << 10;
+/// The most tags per hardware queue (`hw_queue_depth`, `--queue-depth`).
+pub const MAX_QUEUE_DEPTH: u32 = 1 << 16;
+/// The most hardware queues (`submit_queues`, `--hw-queues`).
+pub const MAX_HW_QUEUES: u16 = 1024;
+
+/// `max_io=SIZE`: a size that fits the queue's `u32` limit (never truncated).
+fn parse_max_io(v: &str) -> Result<u32, Error> {
+    let n = parse_size(v).map_err(|e| Error::Config(format!("option max_io: {e}")))?;
+    u32::try_from(n).map_err(|_| {
+        Error::Config(format!(
+            "option max_io: {v:?} ({n} bytes) is too large (at most {} bytes, 4G - 1)",
+            u32::MAX
+        ))
+    })
+}
+
+/// Checks the queue settings a spec (and the command line) gave, naming the option at fault:
+/// nothing is silently truncated or left for a later panic, and the block size is one an NBD
+/// export can advertise.
+fn check_queue(cfg: &QueueConfig) -> Result<(), Error> {
+    let lbs = cfg.limits.logical_block_size;
+    if !lbs.is_power_of_two() || !(512..=MAX_BLOCK_SIZE).contains(&lbs) {
+        return Err(Error::Config(format!(
+            "option block_size: {lbs} is not a power of two from 512 to {MAX_BLOCK_SIZE} \
+             (what an NBD export can advertise)"
+        )));
+    }
+    let max_io = cfg.limits.max_io_bytes;
+    if max_io < lbs {
+        return Err(Error::Config(format!(
+            "option max_io: {max_io} bytes is smaller than the block size ({lbs} bytes)"
+        )));
+    }
+    if cfg.queue_depth == 0 || cfg.queue_depth > MAX_QUEUE_DEPTH {
+        return Err(Error::Config(format!(
+            "option hw_queue_depth (--queue-depth): {} is not in 1..={MAX_QUEUE_DEPTH}",
+            cfg.queue_depth
+        )));
+    }
+    if cfg.nr_hw_queues == 0 || cfg.nr_hw_queues > MAX_HW_QUEUES {
+        return Err(Error::Config(format!(
+            "option submit_queues (--hw-queues): {} is not in 1..={MAX_HW_QUEUES}",
+            cfg.nr_hw_queues
+        )));
+    }
+    if cfg.reserved_tags > MAX_QUEUE_DEPTH {
+        return Err(Error::Config(format!(
+            "option reserved_tags: {} is more than {MAX_QUEUE_DEPTH}",
+            cfg.reserved_tags
+        )));
+    }
+    Ok(())
+}
+
 /// Queue settings that a command line may force over a spec's own options.
 #[derive(Debug, Clone, Default)]
 pub struct QueueOverrides {
@@ -255,7 +312,7 @@ impl DeviceSpec {
                 ("wake", _) => cfg.wake = v.parse()?,
                 ("policy", _) => cfg.policy = v.parse()?,
                 ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
-                ("max_io", _) => cfg.limits.max_io_bytes = parse_size(v)? as u32,
+                ("max_io", _) => cfg.limits.max_io_bytes = parse_max_io(v)?,
                 ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
@@ -297,6 +354,7 @@ impl DeviceSpec {
         if let Some(l) = ov.sched_lock {
             sched_lock = l;
         }
+        check_queue(&cfg)?;
         let sched: Option<Box<dyn Scheduler>> = match sched {
             SchedChoice::None if tuned => {
                 return Err(Error::Config(
