@@ -15,6 +15,12 @@
 //! (`read_expire`, `write_expire`, `writes_starved`, `fifo_batch`, `front_merges`,
 //! `prio_aging_expire`, `async_depth`), e.g. `null:1G,sched=mq-deadline,fifo_batch=8`.
 //!
+//! Numeric options are checked when the device is built, and an error names the option:
+//! `max_io` must fit in 32 bits (`max_io=4G` is refused, never truncated) and be at least the
+//! block size; `block_size` must be a power of two from 512 to [`MAX_BLOCK_SIZE`] (what an
+//! NBD export can advertise); `hw_queue_depth` and `submit_queues` are bounded by
+//! [`MAX_QUEUE_DEPTH`] and [`MAX_HW_QUEUES`].
+//!
 //! Fault injection, as a wrapper option of every device: each `fault.`-prefixed option goes
 //! (prefix stripped, in order) to [`FaultConfig::parse`], and
 //! [`DeviceSpec::build_device`] wraps the built queue in a [`FaultDevice`], e.g.
