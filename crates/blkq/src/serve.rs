@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use blk::{Device, PoolPolicy, Queue};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use clap::Args;
 use nbd::server::{Export, Server, ServerConfig, Stopper};
 use raid1::Raid1;
@@ -82,6 +82,11 @@ pub struct ServeArgs {
     /// With --raid1: a control socket (mode 0600) for `blkq raid ... --control PATH`.
     #[arg(long, value_name = "PATH", requires = "raid1")]
     pub control: Option<PathBuf>,
+    /// Send clients the full description of each export (its device spec, with file paths,
+    /// and the driver's details) in NBD_INFO_DESCRIPTION and NBD_OPT_LIST. Default: only the
+    /// kind of device and its size, so that no host path is disclosed.
+    #[arg(long)]
+    pub describe_paths: bool,
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
@@ -281,6 +286,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("--device {d:?}: a mirror is given with --raid1 LEG,LEG[,...]");
     }
     let mut exports = Vec::new();
+    // The full description of each export, printed here (clients get it only with
+    // --describe-paths).
+    let mut local: Vec<String> = Vec::new();
     let mut control = None;
     for (name, spec) in pairs(&a)? {
         if let Some(legs) = spec.strip_prefix(RAID1_DEVICE) {
@@ -291,15 +299,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
             let (r, specs) = build_raid1(&a, legs, &leg_ov)?;
             let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
             let dev: Arc<dyn Device> = r.clone();
+            let full = format!("raid1 {} (array {})", legs, uuid.unwrap_or_default());
+            let neutral = neutral_description("raid1", dev.limits().capacity);
             exports.push(
                 Export::new(name, dev)
-                    .description(format!(
-                        "raid1 {} (array {})",
-                        legs,
-                        uuid.unwrap_or_default()
-                    ))
+                    .description(if a.describe_paths { &full } else { &neutral })
                     .read_only(a.read_only),
             );
+            local.push(full);
             control = Some(Arc::new(Control::new(r, specs, leg_ov)));
             continue;
         }
@@ -332,11 +339,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 "{spec}: the data lives in memory and is lost when the server stops"
             );
         }
+        let full = format!("{spec} ({describe})");
+        let kind = match parsed.kind {
+            Kind::Null(_) => "null",
+            Kind::Mem(_) => "mem",
+            Kind::File(_) => "file",
+        };
+        let neutral = neutral_description(kind, dev.limits().capacity);
         exports.push(
             Export::new(name, dev)
-                .description(format!("{spec} ({describe})"))
+                .description(if a.describe_paths { &full } else { &neutral })
                 .read_only(a.read_only || read_only),
         );
+        local.push(full);
     }
     let mut cfg = ServerConfig::new(exports.clone());
     if !a.no_tcp {
@@ -362,14 +377,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
 
     println!("blkq serve: {} export(s)", exports.len());
-    for e in &exports {
+    for (e, full) in exports.iter().zip(&local) {
         let lim = e.device.limits();
         println!(
             "  export {:?}: {} bytes{}, {}",
             e.name,
             lim.capacity,
             if e.read_only { ", read-only" } else { "" },
-            e.description
+            full
         );
         for u in uris(&e.name, server.tcp_addr(), server.unix_path()) {
             println!("    {u}");
@@ -397,6 +412,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What clients are told about an export without --describe-paths: the kind of device and
+/// its size, nothing of the host (no file path, no spec options).
+fn neutral_description(kind: &str, capacity: u64) -> String {
+    format!("blkq {kind} device, {capacity} bytes")
 }
 
 /// `--socket-mode`: octal permission bits (`600`, `0660`).
@@ -432,6 +453,7 @@ mod tests {
             raid1_create: false,
             raid1_options: vec![],
             control: None,
+            describe_paths: false,
         }
     }
 
