@@ -3,8 +3,12 @@
 //! Signals: SIGINT and SIGTERM are blocked in every thread (the mask is set before any thread
 //! exists, and threads inherit it) and taken synchronously by one thread with `sigwait(2)`:
 //! no signal handler runs, so nothing has to be async-signal-safe. The first signal starts a
-//! graceful shutdown (stop accepting, finish in-flight requests, flush the devices, remove the
-//! socket, exit 0); a second one exits at once with status 130.
+//! graceful shutdown (see `nbd::server`: stop accepting without touching the socket path,
+//! finish in-flight requests within `--shutdown-timeout`, flush the devices, remove the
+//! socket); the exit status is 0 only if every export drained and every flush succeeded. An
+//! export with a request stuck in its device (a hung disk) past the timeout is named on stderr
+//! and the process exits 1 without waiting for it. A second signal exits at once with status
+//! 130.
 
 use blkq_sync::DynArc as Arc;
 use std::io::IsTerminal;
@@ -87,6 +91,11 @@ pub struct ServeArgs {
     /// kind of device and its size, so that no host path is disclosed.
     #[arg(long)]
     pub describe_paths: bool,
+    /// At shutdown (SIGTERM, SIGINT), how long in-flight requests get to finish, and again
+    /// how long the final flushes get; an export still busy after that is reported stuck and
+    /// the exit status is non-zero.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub shutdown_timeout: u64,
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
@@ -354,6 +363,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         local.push(full);
     }
     let mut cfg = ServerConfig::new(exports.clone());
+    cfg.tuning.drain_timeout = std::time::Duration::from_secs(a.shutdown_timeout);
     if !a.no_tcp {
         let addr = listen_addr(&a.listen)?;
         if !addr.ip().is_loopback() {
@@ -398,10 +408,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
-    let failed = server.wait_checked();
+    let report = server.wait_report();
     if let Some(cs) = control_server {
         cs.shutdown();
     }
+    if !report.stuck.is_empty() {
+        // A device holds a request for ever: dropping the exports could wait on it (a
+        // mirror drains on drop). Leave them to the exit.
+        std::mem::forget(exports);
+        anyhow::bail!(
+            "shutdown timed out: export(s) {:?} stuck (a request or the final flush never \
+             completed within --shutdown-timeout {}s); data on them may be lost",
+            report.stuck,
+            a.shutdown_timeout
+        );
+    }
+    let failed = report.failed;
     // The last reference to a mirror goes here: it drains and marks its superblocks clean.
     drop(exports);
     if !failed.is_empty() {
@@ -454,6 +476,7 @@ mod tests {
             raid1_options: vec![],
             control: None,
             describe_paths: false,
+            shutdown_timeout: 30,
         }
     }
 
