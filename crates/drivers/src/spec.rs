@@ -4,7 +4,8 @@
 //!
 //! Options of `file:` devices: `engine=auto|uring|pool|sync` (default `auto`: io_uring where it
 //! works, else the thread pool), `direct=0|1` (`O_DIRECT` for 4096-aligned transfers),
-//! `ro=0|1`, `workers=N` (pool threads, default
+//! `ro=0|1`, `lock=on|off` (default `on`: the file is locked with `flock` so that a second
+//! user cannot open it meanwhile; see [`crate::backend::file`]), `workers=N` (pool threads, default
 //! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
 //!
@@ -323,6 +324,7 @@ impl DeviceSpec {
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
                 ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
+                ("lock", Kind::File(_)) => file_opts.no_lock = !parse_bool(k, v)?,
                 ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
                 ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
                 ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
