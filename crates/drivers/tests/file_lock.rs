@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use blk::{Device, Error};
 use blk_drivers::backend::file::{FileBackend, FileOptions};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blkq_sync::DynArc;
 
 fn image(dir: &Path) -> PathBuf {
     let p = dir.join("locked.img");
@@ -15,7 +16,7 @@ fn image(dir: &Path) -> PathBuf {
     p
 }
 
-fn open(path: &Path, opts: &str) -> Result<std::sync::Arc<dyn Device>, Error> {
+fn open(path: &Path, opts: &str) -> Result<DynArc<dyn Device>, Error> {
     format!("file:{}{opts}", path.display())
         .parse::<DeviceSpec>()?
         .build_device(&QueueOverrides::default())
