@@ -334,11 +334,18 @@ fn erofs(what: &str, path: &Path) -> io::Error {
 
 /// Takes the open's `flock(2)` lock (module docs): shared when `read_only`, else exclusive;
 /// never waits.
+/// A block device is retried a few times: udev takes a short `LOCK_SH` on a device while it
+/// probes it (and skips a device someone holds `LOCK_EX` on, which is what this lock is for).
 fn lock(file: &File, meta: &std::fs::Metadata, read_only: bool, shown: &str) -> io::Result<()> {
     let op = if read_only {
         libc::LOCK_SH
     } else {
         libc::LOCK_EX
+    };
+    let mut retries = if meta.file_type().is_block_device() {
+        20
+    } else {
+        0
     };
     loop {
         // SAFETY: flock(2) takes no pointers; the descriptor is owned by `file` and open for
@@ -350,6 +357,10 @@ fn lock(file: &File, meta: &std::fs::Metadata, read_only: bool, shown: &str) -> 
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
             Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if retries > 0 => {
+                retries -= 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             Some(libc::EWOULDBLOCK) => {
                 let holder = match lock_holder(meta.dev(), meta.ino()) {
                     Some(pid) if pid == std::process::id() => {
