@@ -183,7 +183,7 @@ pub struct Serving {
 }
 
 impl Serving {
-    /// Starts the server and waits (bounded) until its socket exists.
+    /// Starts the server and waits (bounded) until its socket accepts connections.
     pub fn start(dir: &Path, name: &str, args: &[&str]) -> Self {
         let sock = dir.join(format!("{name}.sock"));
         let stderr = dir.join(format!("{name}.stderr"));
@@ -206,7 +206,9 @@ impl Serving {
             stderr,
         };
         let t0 = Instant::now();
-        while !s.sock.exists() {
+        // Until a connection is accepted: the socket file appears at bind(2), a moment before
+        // listen(2), and a connect in between is refused.
+        while std::os::unix::net::UnixStream::connect(&s.sock).is_err() {
             if let Some(st) = s.child.try_wait().unwrap() {
                 panic!("blkq serve exited early: {st}: {}", s.stderr_text());
             }
@@ -269,4 +271,33 @@ impl Drop for Serving {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Runs `blkq ARGS`, which must fail within `limit` (a server that starts instead is killed
+/// and the test fails); returns its stderr.
+pub fn fails_within(args: &[&str], limit: Duration) -> String {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("blkq {args:?} should have failed, and was still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!st.success(), "blkq {args:?} should have failed");
+    err
 }
