@@ -325,7 +325,7 @@ enum Listener {
 }
 
 impl Listener {
-    /// A second descriptor of the listening socket, for [`sys::shutdown_listener`] at stop.
+    /// A second descriptor of the listening socket, for `sys::shutdown_listener` at stop.
     fn waker(&self) -> io::Result<OwnedFd> {
         Ok(match self {
             Listener::Tcp(l) => OwnedFd::from(l.try_clone()?),
