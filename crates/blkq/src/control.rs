@@ -51,6 +51,16 @@ pub struct Control {
     ov: QueueOverrides,
 }
 
+/// Whether two device specs name the same file (`file:` specs whose paths are one inode).
+fn same_file(a: &str, b: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let id = |s: &str| match s.parse::<blk_drivers::spec::DeviceSpec>().ok()?.kind {
+        blk_drivers::spec::Kind::File(p) => std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino())),
+        _ => None,
+    };
+    matches!((id(a), id(b)), (Some(x), Some(y)) if x == y)
+}
+
 impl Control {
     /// `specs[i]`: the spec of the leg in slot `i`.
     pub fn new(raid: Arc<Raid1>, specs: Vec<Option<String>>, ov: QueueOverrides) -> Self {
@@ -168,6 +178,23 @@ impl Control {
 
     /// Opens a new leg, refusing one that belongs to another array.
     fn open_new_leg(&self, spec: &str) -> Result<Arc<dyn blk::Device>> {
+        // A file already in the array is locked by its leg (flock): say what it is rather
+        // than that some lock is held.
+        if let Some(slot) = (0..self.raid.slots()).find(|&i| {
+            self.raid.leg_status(i).is_some_and(|st| st.present)
+                && self
+                    .specs
+                    .lock()
+                    .get(i)
+                    .cloned()
+                    .flatten()
+                    .is_some_and(|s| same_file(&s, spec))
+        }) {
+            bail!(
+                "leg {spec:?} is already in the array ({}): give a different device",
+                self.spec_name(slot)
+            );
+        }
         let dev = raid::open_leg(spec, &self.ov)?;
         if let raid::Probe::Member(sb) = raid::probe(dev.as_ref())? {
             let ours = self.raid.superblock(0);

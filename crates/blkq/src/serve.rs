@@ -3,8 +3,12 @@
 //! Signals: SIGINT and SIGTERM are blocked in every thread (the mask is set before any thread
 //! exists, and threads inherit it) and taken synchronously by one thread with `sigwait(2)`:
 //! no signal handler runs, so nothing has to be async-signal-safe. The first signal starts a
-//! graceful shutdown (stop accepting, finish in-flight requests, flush the devices, remove the
-//! socket, exit 0); a second one exits at once with status 130.
+//! graceful shutdown (see `nbd::server`: stop accepting without touching the socket path,
+//! finish in-flight requests within `--shutdown-timeout`, flush the devices, remove the
+//! socket); the exit status is 0 only if every export drained and every flush succeeded. An
+//! export with a request stuck in its device (a hung disk) past the timeout is named on stderr
+//! and the process exits 1 without waiting for it. A second signal exits at once with status
+//! 130.
 
 use blkq_sync::DynArc as Arc;
 use std::io::IsTerminal;
@@ -13,7 +17,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use blk::{Device, PoolPolicy, Queue};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use clap::Args;
 use nbd::server::{Export, Server, ServerConfig, Stopper};
 use raid1::Raid1;
@@ -82,6 +86,16 @@ pub struct ServeArgs {
     /// With --raid1: a control socket (mode 0600) for `blkq raid ... --control PATH`.
     #[arg(long, value_name = "PATH", requires = "raid1")]
     pub control: Option<PathBuf>,
+    /// Send clients the full description of each export (its device spec, with file paths,
+    /// and the driver's details) in NBD_INFO_DESCRIPTION and NBD_OPT_LIST. Default: only the
+    /// kind of device and its size, so that no host path is disclosed.
+    #[arg(long)]
+    pub describe_paths: bool,
+    /// At shutdown (SIGTERM, SIGINT), how long in-flight requests get to finish, and again
+    /// how long the final flushes get; an export still busy after that is reported stuck and
+    /// the exit status is non-zero.
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub shutdown_timeout: u64,
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
@@ -281,6 +295,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("--device {d:?}: a mirror is given with --raid1 LEG,LEG[,...]");
     }
     let mut exports = Vec::new();
+    // The full description of each export, printed here (clients get it only with
+    // --describe-paths).
+    let mut local: Vec<String> = Vec::new();
     let mut control = None;
     for (name, spec) in pairs(&a)? {
         if let Some(legs) = spec.strip_prefix(RAID1_DEVICE) {
@@ -291,15 +308,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
             let (r, specs) = build_raid1(&a, legs, &leg_ov)?;
             let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
             let dev: Arc<dyn Device> = r.clone();
+            let full = format!("raid1 {} (array {})", legs, uuid.unwrap_or_default());
+            let neutral = neutral_description("raid1", dev.limits().capacity);
             exports.push(
                 Export::new(name, dev)
-                    .description(format!(
-                        "raid1 {} (array {})",
-                        legs,
-                        uuid.unwrap_or_default()
-                    ))
+                    .description(if a.describe_paths { &full } else { &neutral })
                     .read_only(a.read_only),
             );
+            local.push(full);
             control = Some(Arc::new(Control::new(r, specs, leg_ov)));
             continue;
         }
@@ -332,13 +348,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 "{spec}: the data lives in memory and is lost when the server stops"
             );
         }
+        let full = format!("{spec} ({describe})");
+        let kind = match parsed.kind {
+            Kind::Null(_) => "null",
+            Kind::Mem(_) => "mem",
+            Kind::File(_) => "file",
+        };
+        let neutral = neutral_description(kind, dev.limits().capacity);
         exports.push(
             Export::new(name, dev)
-                .description(format!("{spec} ({describe})"))
+                .description(if a.describe_paths { &full } else { &neutral })
                 .read_only(a.read_only || read_only),
         );
+        local.push(full);
     }
     let mut cfg = ServerConfig::new(exports.clone());
+    cfg.tuning.drain_timeout = std::time::Duration::from_secs(a.shutdown_timeout);
     if !a.no_tcp {
         let addr = listen_addr(&a.listen)?;
         if !addr.ip().is_loopback() {
@@ -362,14 +387,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
 
     println!("blkq serve: {} export(s)", exports.len());
-    for e in &exports {
+    for (e, full) in exports.iter().zip(&local) {
         let lim = e.device.limits();
         println!(
             "  export {:?}: {} bytes{}, {}",
             e.name,
             lim.capacity,
             if e.read_only { ", read-only" } else { "" },
-            e.description
+            full
         );
         for u in uris(&e.name, server.tcp_addr(), server.unix_path()) {
             println!("    {u}");
@@ -383,10 +408,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
-    let failed = server.wait_checked();
+    let report = server.wait_report();
     if let Some(cs) = control_server {
         cs.shutdown();
     }
+    if !report.stuck.is_empty() {
+        // A device holds a request for ever: dropping the exports could wait on it (a
+        // mirror drains on drop). Leave them to the exit.
+        std::mem::forget(exports);
+        anyhow::bail!(
+            "shutdown timed out: export(s) {:?} stuck (a request or the final flush never \
+             completed within --shutdown-timeout {}s); data on them may be lost",
+            report.stuck,
+            a.shutdown_timeout
+        );
+    }
+    let failed = report.failed;
     // The last reference to a mirror goes here: it drains and marks its superblocks clean.
     drop(exports);
     if !failed.is_empty() {
@@ -397,6 +434,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What clients are told about an export without --describe-paths: the kind of device and
+/// its size, nothing of the host (no file path, no spec options).
+fn neutral_description(kind: &str, capacity: u64) -> String {
+    format!("blkq {kind} device, {capacity} bytes")
 }
 
 /// `--socket-mode`: octal permission bits (`600`, `0660`).
@@ -432,6 +475,8 @@ mod tests {
             raid1_create: false,
             raid1_options: vec![],
             control: None,
+            describe_paths: false,
+            shutdown_timeout: 30,
         }
     }
 

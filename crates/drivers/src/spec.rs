@@ -4,7 +4,8 @@
 //!
 //! Options of `file:` devices: `engine=auto|uring|pool|sync` (default `auto`: io_uring where it
 //! works, else the thread pool), `direct=0|1` (`O_DIRECT` for 4096-aligned transfers),
-//! `ro=0|1`, `workers=N` (pool threads, default
+//! `ro=0|1`, `lock=on|off` (default `on`: the file is locked with `flock` so that a second
+//! user cannot open it meanwhile; see [`crate::backend::file`]), `workers=N` (pool threads, default
 //! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
 //!
@@ -14,6 +15,12 @@
 //! `serialized`), and mq-deadline's tunables by their sysfs names, expiries in ms
 //! (`read_expire`, `write_expire`, `writes_starved`, `fifo_batch`, `front_merges`,
 //! `prio_aging_expire`, `async_depth`), e.g. `null:1G,sched=mq-deadline,fifo_batch=8`.
+//!
+//! Numeric options are checked when the device is built, and an error names the option:
+//! `max_io` must fit in 32 bits (`max_io=4G` is refused, never truncated) and be at least the
+//! block size; `block_size` must be a power of two from 512 to [`MAX_BLOCK_SIZE`] (what an
+//! NBD export can advertise); `hw_queue_depth` and `submit_queues` are bounded by
+//! [`MAX_QUEUE_DEPTH`] and [`MAX_HW_QUEUES`].
 //!
 //! Fault injection, as a wrapper option of every device: each `fault.`-prefixed option goes
 //! (prefix stripped, in order) to [`FaultConfig::parse`], and
@@ -132,6 +139,63 @@ fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
 fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
     v.parse()
         .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
+}
+
+/// The largest `block_size` a device may have: an NBD server advertises the device's logical
+/// block size as the export's minimum block size, which the protocol caps at 64 KiB.
+pub const MAX_BLOCK_SIZE: u32 = 64 << 10;
+/// The most tags per hardware queue (`hw_queue_depth`, `--queue-depth`).
+pub const MAX_QUEUE_DEPTH: u32 = 1 << 16;
+/// The most hardware queues (`submit_queues`, `--hw-queues`).
+pub const MAX_HW_QUEUES: u16 = 1024;
+
+/// `max_io=SIZE`: a size that fits the queue's `u32` limit (never truncated).
+fn parse_max_io(v: &str) -> Result<u32, Error> {
+    let n = parse_size(v).map_err(|e| Error::Config(format!("option max_io: {e}")))?;
+    u32::try_from(n).map_err(|_| {
+        Error::Config(format!(
+            "option max_io: {v:?} ({n} bytes) is too large (at most {} bytes, 4G - 1)",
+            u32::MAX
+        ))
+    })
+}
+
+/// Checks the queue settings a spec (and the command line) gave, naming the option at fault:
+/// nothing is silently truncated or left for a later panic, and the block size is one an NBD
+/// export can advertise.
+fn check_queue(cfg: &QueueConfig) -> Result<(), Error> {
+    let lbs = cfg.limits.logical_block_size;
+    if !lbs.is_power_of_two() || !(512..=MAX_BLOCK_SIZE).contains(&lbs) {
+        return Err(Error::Config(format!(
+            "option block_size: {lbs} is not a power of two from 512 to {MAX_BLOCK_SIZE} \
+             (what an NBD export can advertise)"
+        )));
+    }
+    let max_io = cfg.limits.max_io_bytes;
+    if max_io < lbs {
+        return Err(Error::Config(format!(
+            "option max_io: {max_io} bytes is smaller than the block size ({lbs} bytes)"
+        )));
+    }
+    if cfg.queue_depth == 0 || cfg.queue_depth > MAX_QUEUE_DEPTH {
+        return Err(Error::Config(format!(
+            "option hw_queue_depth (--queue-depth): {} is not in 1..={MAX_QUEUE_DEPTH}",
+            cfg.queue_depth
+        )));
+    }
+    if cfg.nr_hw_queues == 0 || cfg.nr_hw_queues > MAX_HW_QUEUES {
+        return Err(Error::Config(format!(
+            "option submit_queues (--hw-queues): {} is not in 1..={MAX_HW_QUEUES}",
+            cfg.nr_hw_queues
+        )));
+    }
+    if cfg.reserved_tags > MAX_QUEUE_DEPTH {
+        return Err(Error::Config(format!(
+            "option reserved_tags: {} is more than {MAX_QUEUE_DEPTH}",
+            cfg.reserved_tags
+        )));
+    }
+    Ok(())
 }
 
 /// Queue settings that a command line may force over a spec's own options.
@@ -255,11 +319,12 @@ impl DeviceSpec {
                 ("wake", _) => cfg.wake = v.parse()?,
                 ("policy", _) => cfg.policy = v.parse()?,
                 ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
-                ("max_io", _) => cfg.limits.max_io_bytes = parse_size(v)? as u32,
+                ("max_io", _) => cfg.limits.max_io_bytes = parse_max_io(v)?,
                 ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
                 ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
+                ("lock", Kind::File(_)) => file_opts.no_lock = !parse_bool(k, v)?,
                 ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
                 ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
                 ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
@@ -297,6 +362,7 @@ impl DeviceSpec {
         if let Some(l) = ov.sched_lock {
             sched_lock = l;
         }
+        check_queue(&cfg)?;
         let sched: Option<Box<dyn Scheduler>> = match sched {
             SchedChoice::None if tuned => {
                 return Err(Error::Config(

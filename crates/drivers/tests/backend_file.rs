@@ -42,6 +42,7 @@ fn create(dir: &Path, name: &str, size: u64, direct: bool) -> FileBackend {
             read_only: false,
             direct,
             create_size: Some(size),
+            ..FileOptions::default()
         },
     )
     .unwrap()
@@ -156,6 +157,7 @@ fn read_only_refuses_writes_with_erofs() {
             read_only: true,
             direct: true,
             create_size: None,
+            ..FileOptions::default()
         },
     )
     .unwrap();
@@ -560,6 +562,7 @@ fn engines_report_errors_and_drain_on_drop() {
             read_only: true,
             direct: true,
             create_size: None,
+            ..FileOptions::default()
         },
     )
     .unwrap();

@@ -391,8 +391,10 @@ fn spec_options_and_errors() {
     let path = image(dir.path(), "o.img", 1 << 20);
     let p = path.display();
     // Defaults: auto picks io_uring where it works, with one entry per tag.
-    let q = build(&format!("file:{p},queue_depth=48,hw_queues=2")).unwrap();
-    let d = q.describe();
+    // One queue at a time: each open locks the file (flock), a second open of it is refused.
+    let d = build(&format!("file:{p},queue_depth=48,hw_queues=2"))
+        .unwrap()
+        .describe();
     if UringEngine::available().is_ok() {
         assert!(
             d.contains("engine=uring") && d.contains("entries=128"),
@@ -407,8 +409,10 @@ fn spec_options_and_errors() {
     let q = build(&format!("file:{p},engine=pool,workers=3")).unwrap();
     assert!(q.describe().contains("engine=pool"), "{}", q.describe());
     assert!(q.describe().contains("workers=3"), "{}", q.describe());
+    drop(q);
     let q = build(&format!("file:{p},engine=sync,direct=1")).unwrap();
     assert!(q.describe().contains("engine=sync"), "{}", q.describe());
+    drop(q);
     for bad in [
         "engine=bogus",
         "engine=",

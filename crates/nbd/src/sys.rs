@@ -1,7 +1,8 @@
 //! The system calls std does not offer in the form the server needs: `sendmsg(2)` over
 //! several buffers with per-call flags (`MSG_DONTWAIT` for the completion threads that must
 //! never block on a slow client, `MSG_NOSIGNAL` so a vanished client is an `EPIPE`, not a
-//! `SIGPIPE` that kills the process), and `SO_SNDBUF`. This is the only module of the crate
+//! `SIGPIPE` that kills the process), `SO_SNDBUF`, and `shutdown(2)` of a listening socket to
+//! wake its acceptor at stop. This is the only module of the crate
 //! with `unsafe`.
 #![allow(unsafe_code)]
 
@@ -55,6 +56,21 @@ pub(crate) fn set_send_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `shutdown(fd, SHUT_RDWR)` on a listening socket. On Linux a thread blocked in `accept(2)` on
+/// it wakes at once with `EINVAL`, and every later `accept` fails the same way, for TCP and
+/// Unix sockets alike; this is how the server stops its acceptors without connecting to its
+/// own socket (whose path may have been removed or replaced).
+pub(crate) fn shutdown_listener(fd: RawFd) -> io::Result<()> {
+    // SAFETY: shutdown(2) takes no pointers; `fd` is only used as a number (the caller owns a
+    // descriptor of the listening socket, so it is not a reused number).
+    let rc = unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
     if rc == 0 {
         Ok(())
     } else {

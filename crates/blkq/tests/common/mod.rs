@@ -173,3 +173,131 @@ impl Drop for Server {
         }
     }
 }
+
+/// A running `blkq serve ARGS --no-tcp --socket DIR/NAME.sock`, its stderr in
+/// `DIR/NAME.stderr`; killed on drop.
+pub struct Serving {
+    pub child: Child,
+    pub sock: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl Serving {
+    /// Starts the server and waits (bounded) until its socket accepts connections.
+    pub fn start(dir: &Path, name: &str, args: &[&str]) -> Self {
+        let sock = dir.join(format!("{name}.sock"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        let _ = std::fs::remove_file(&sock);
+        let child = Command::new(BIN)
+            .arg("serve")
+            .args(args)
+            .arg("--no-tcp")
+            .arg("--socket")
+            .arg(&sock)
+            .env("RUST_BACKTRACE", "0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        let mut s = Self {
+            child,
+            sock,
+            stderr,
+        };
+        let t0 = Instant::now();
+        // Until a connection is accepted: the socket file appears at bind(2), a moment before
+        // listen(2), and a connect in between is refused.
+        while std::os::unix::net::UnixStream::connect(&s.sock).is_err() {
+            if let Some(st) = s.child.try_wait().unwrap() {
+                panic!("blkq serve exited early: {st}: {}", s.stderr_text());
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    /// A new NBD connection to the default export.
+    pub fn client(&self) -> Client {
+        Client::connect(
+            &Endpoint::Unix(self.sock.clone()),
+            &ClientOptions::default(),
+        )
+        .unwrap()
+    }
+
+    /// What the server wrote on stderr so far.
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Sends `sig` to the server.
+    pub fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid with a valid signal number has no memory
+        // effects.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, sig);
+        }
+    }
+
+    /// Waits (bounded by `limit`, then SIGKILL and a panic) for the server to exit.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            if t0.elapsed() > limit {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "blkq serve did not exit within {limit:?}: {}",
+                    self.stderr_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Runs `blkq ARGS`, which must fail within `limit` (a server that starts instead is killed
+/// and the test fails); returns its stderr.
+pub fn fails_within(args: &[&str], limit: Duration) -> String {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("blkq {args:?} should have failed, and was still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!st.success(), "blkq {args:?} should have failed");
+    err
+}

@@ -23,6 +23,15 @@
 //!   zeros. Unaligned edges (to the logical block size) are written as zeros.
 //! - **extents**: `lseek(SEEK_DATA / SEEK_HOLE)`; a file system or device without it reports
 //!   everything allocated.
+//! - **locking**: at open the file is locked with `flock(2)`, `LOCK_EX` (`LOCK_SH` when
+//!   read-only) and `LOCK_NB`, so that a second server, a raid tool or a second device of the
+//!   same process (each open is its own open file description) cannot open it for writing
+//!   meanwhile and corrupt it: such an open fails at once with an error naming the file and,
+//!   when `/proc/locks` shows it, the pid of the holder. Read-only opens share the file.
+//!   The lock lives as long as a descriptor of this open does (the engines' duplicates
+//!   included). It is advisory: only programs that take it are kept out.
+//!   [`FileOptions::no_lock`] (spec option `lock=off`) skips it; on a file system that cannot
+//!   lock (`ENOLCK`, `EOPNOTSUPP`) the file is opened unlocked.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -47,6 +56,8 @@ pub struct FileOptions {
     /// Create the file if it does not exist, and extend a regular file shorter than this (as
     /// a hole, never shrinking it). Not allowed with `read_only`.
     pub create_size: Option<u64>,
+    /// Do not take the `flock(2)` lock at open (see the module docs).
+    pub no_lock: bool,
 }
 
 /// The descriptors of one file and what was learnt about them at run time; shared by the
@@ -321,6 +332,77 @@ fn erofs(what: &str, path: &Path) -> io::Error {
     )
 }
 
+/// Takes the open's `flock(2)` lock (module docs): shared when `read_only`, else exclusive;
+/// never waits.
+/// A block device is retried a few times: udev takes a short `LOCK_SH` on a device while it
+/// probes it (and skips a device someone holds `LOCK_EX` on, which is what this lock is for).
+fn lock(file: &File, meta: &std::fs::Metadata, read_only: bool, shown: &str) -> io::Result<()> {
+    let op = if read_only {
+        libc::LOCK_SH
+    } else {
+        libc::LOCK_EX
+    };
+    let mut retries = if meta.file_type().is_block_device() {
+        20
+    } else {
+        0
+    };
+    loop {
+        // SAFETY: flock(2) takes no pointers; the descriptor is owned by `file` and open for
+        // the whole call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EWOULDBLOCK) if retries > 0 => {
+                retries -= 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            Some(libc::EWOULDBLOCK) => {
+                let holder = match lock_holder(meta.dev(), meta.ino()) {
+                    Some(pid) if pid == std::process::id() => {
+                        "this process (it is already open as another device here)".to_string()
+                    }
+                    Some(pid) => format!("another process (pid {pid}, from /proc/locks)"),
+                    None => "another process (its pid is not shown in /proc/locks)".to_string(),
+                };
+                let how = if read_only { "shared" } else { "exclusive" };
+                return Err(with_context(
+                    e,
+                    format!(
+                        "{shown} is in use: {holder} holds a lock on it (flock), so it cannot \
+                         be opened here with an {how} lock; stop the other user (a second \
+                         blkq serve, a raid tool), or give lock=off if sharing it is really \
+                         intended"
+                    ),
+                ));
+            }
+            // A file system that cannot lock (rare: NFS emulates flock with fcntl locks):
+            // the open goes on unlocked, as documented, rather than refuse the file.
+            Some(libc::ENOLCK | libc::EOPNOTSUPP) => return Ok(()),
+            _ => return Err(with_context(e, format!("flock {shown}"))),
+        }
+    }
+}
+
+/// The pid of a process holding a `flock` on the file (device, inode), from `/proc/locks`.
+/// Its lines read `N: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF`, the device numbers in
+/// hex; lines of waiters (`N: -> FLOCK ...`) are skipped.
+fn lock_holder(dev: u64, ino: u64) -> Option<u32> {
+    let text = std::fs::read_to_string("/proc/locks").ok()?;
+    let want = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    text.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.get(1) != Some(&"FLOCK") || f.get(5) != Some(&want.as_str()) {
+            return None;
+        }
+        f.get(4)?.parse().ok().filter(|&pid| pid != 0)
+    })
+}
+
 impl FileBackend {
     /// Opens `path` (a regular file or a block device) as a backend.
     pub fn open(path: impl AsRef<Path>, options: FileOptions) -> io::Result<FileBackend> {
@@ -342,6 +424,9 @@ impl FileBackend {
         let meta = buffered
             .metadata()
             .map_err(|e| with_context(e, format!("stat {shown}")))?;
+        if !options.no_lock {
+            lock(&buffered, &meta, options.read_only, &shown)?;
+        }
         let ft = meta.file_type();
         let (kind, size, device_fast_zero) = if ft.is_block_device() {
             let fd = buffered.as_raw_fd();

@@ -16,17 +16,33 @@
 //! reply shaping, the combining writer and its flusher), and `handshake.rs` for option
 //! haggling.
 //!
-//! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]): stop accepting,
-//! shut the read side of every connection (requests already received are answered; anything
-//! decoded after the stop gets `NBD_ESHUTDOWN`), wait for in-flight requests and their
-//! replies, flush every device, remove the Unix socket. Waiting for a stop, and for a bio in
-//! [`submit_sync`], goes through a [`waitq::Completion`].
+//! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]) always ends:
+//! 1. stop accepting: `shutdown(SHUT_RDWR)` on each listening socket (through a descriptor of
+//!    its own, duplicated at start) wakes its acceptor out of `accept(2)` with `EINVAL` on
+//!    Linux, TCP and Unix alike; nothing connects to the socket path, which may have been
+//!    removed or replaced meanwhile;
+//! 2. shut the read side of every connection (requests already received are answered;
+//!    anything decoded after the stop gets `NBD_ESHUTDOWN`) and wait for in-flight requests
+//!    and their replies, up to [`Tuning::drain_timeout`]; then shut the sockets both ways
+//!    (a client that does not read its replies) and wait [`STUCK_GRACE`] more. A connection
+//!    still open then has a request stuck in its device (a hung disk): its export is reported
+//!    stuck ([`ShutdownReport::stuck`]), marked failed, and the connection thread is left
+//!    behind;
+//! 3. flush every device at once, waiting for the flushes up to `drain_timeout` again; a
+//!    flush that fails marks its exports failed, one that does not complete in time marks
+//!    them stuck and failed;
+//! 4. remove the Unix socket (only if it is still ours).
+//!
+//! So shutdown takes at most twice `drain_timeout` plus [`STUCK_GRACE`], whatever the devices
+//! do. Waiting for a stop, and for a bio in [`submit_sync`], goes through a
+//! [`waitq::Completion`].
 
 mod conn;
 mod handshake;
 
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -118,7 +134,8 @@ pub struct Tuning {
     /// discarded up to this many bytes; a longer one closes the connection instead.
     pub discard_limit: u64,
     /// At shutdown, how long connections get to finish their in-flight requests before their
-    /// sockets are shut down in both directions.
+    /// sockets are shut down in both directions (a connection still busy [`STUCK_GRACE`]
+    /// after that is given up as stuck), and again how long the final flushes get.
     pub drain_timeout: Duration,
 }
 
@@ -231,6 +248,28 @@ impl StickyError {
     }
 }
 
+/// After the drain timeout and the forced close of every connection's socket, how long a
+/// connection thread gets to notice and end before its export is reported stuck.
+pub const STUCK_GRACE: Duration = Duration::from_secs(1);
+
+/// What a shutdown found (see the module docs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Exports whose data may be lost: a sticky write error, a failed or timed-out final
+    /// flush, or a request stuck in the device. Empty when everything is durable.
+    pub failed: Vec<String>,
+    /// Exports with a request still stuck in the device after the drain timeout, or whose
+    /// final flush did not complete in time (a subset of `failed`).
+    pub stuck: Vec<String>,
+}
+
+impl ShutdownReport {
+    /// Whether every export drained and flushed.
+    pub fn is_clean(&self) -> bool {
+        self.failed.is_empty() && self.stuck.is_empty()
+    }
+}
+
 /// State shared by the acceptors and every connection.
 pub(crate) struct Shared {
     pub(crate) exports: Vec<ExportState>,
@@ -257,6 +296,9 @@ struct Registry {
     /// Connection threads (finished ones are pruned on accept). Plain OS threads: they hold
     /// no modelled state of their own (the facade's threads cannot say `is_finished`).
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// The export of each live connection past its handshake (connection id, export index):
+    /// a shutdown names the export of a connection that is stuck.
+    on_export: Vec<(u64, usize)>,
 }
 
 impl Shared {
@@ -266,6 +308,14 @@ impl Shared {
         if let Some(i) = registry.live.iter().position(|(conn, _)| *conn == id) {
             registry.live.swap_remove(i);
         }
+        if let Some(i) = registry.on_export.iter().position(|(conn, _)| *conn == id) {
+            registry.on_export.swap_remove(i);
+        }
+    }
+
+    /// Records that connection `id` negotiated export `export` (index in `exports`).
+    pub(crate) fn attach(&self, id: u64, export: usize) {
+        self.conns.lock().on_export.push((id, export));
     }
 }
 
@@ -275,6 +325,14 @@ enum Listener {
 }
 
 impl Listener {
+    /// A second descriptor of the listening socket, for `sys::shutdown_listener` at stop.
+    fn waker(&self) -> io::Result<OwnedFd> {
+        Ok(match self {
+            Listener::Tcp(l) => OwnedFd::from(l.try_clone()?),
+            Listener::Unix(l) => OwnedFd::from(l.try_clone()?),
+        })
+    }
+
     fn accept(&self) -> io::Result<Stream> {
         match self {
             Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
@@ -287,6 +345,11 @@ impl Listener {
 pub struct Server {
     shared: Arc<Shared>,
     acceptors: Vec<std::thread::JoinHandle<()>>,
+    /// A descriptor of each listening socket (duplicated: the acceptors own theirs), shut
+    /// down to wake the acceptors at stop.
+    wakers: Vec<OwnedFd>,
+    /// What the shutdown found (set once, by the first `do_shutdown`).
+    report: ShutdownReport,
     tcp_addr: Option<SocketAddr>,
     unix_path: Option<PathBuf>,
     /// (device, inode) of the socket we bound: only that file is removed at shutdown.
@@ -377,6 +440,10 @@ impl Server {
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();
+        let wakers = listeners
+            .iter()
+            .map(Listener::waker)
+            .collect::<io::Result<Vec<_>>>()?;
         for l in listeners {
             let sh = shared.clone();
             acceptors.push(
@@ -388,6 +455,8 @@ impl Server {
         Ok(Server {
             shared,
             acceptors,
+            wakers,
+            report: ShutdownReport::default(),
             tcp_addr,
             unix_path,
             unix_ino,
@@ -423,10 +492,16 @@ impl Server {
 
     /// Like [`Server::wait`], but returns the names of the exports whose data may be lost
     /// (a sticky write error, or the final flush failed); empty when all is durable.
-    pub fn wait_checked(mut self) -> Vec<String> {
+    pub fn wait_checked(self) -> Vec<String> {
+        self.wait_report().failed
+    }
+
+    /// Like [`Server::wait`], but returns what the shutdown found: the exports that failed
+    /// and those left stuck (see [`ShutdownReport`]).
+    pub fn wait_report(mut self) -> ShutdownReport {
         self.stop_requested.wait();
         self.do_shutdown();
-        self.failed_exports()
+        self.report.clone()
     }
 
     /// Stops accepting, lets every connection finish its in-flight requests, flushes every
@@ -440,6 +515,13 @@ impl Server {
     pub fn shutdown_checked(mut self) -> Vec<String> {
         self.do_shutdown();
         self.failed_exports()
+    }
+
+    /// Like [`Server::shutdown`], but returns what the shutdown found (see
+    /// [`ShutdownReport`]).
+    pub fn shutdown_report(mut self) -> ShutdownReport {
+        self.do_shutdown();
+        self.report.clone()
     }
 
     /// Whether export `name` has failed: a write or flush on it returned an error, so every
@@ -463,60 +545,37 @@ impl Server {
         if self.shared.stopping.swap(true, Ordering::AcqRel) {
             return;
         }
-        info!("shutting down: no new connections; finishing in-flight requests");
-        // Wake the acceptors with a connection of our own; they see `stopping` and return.
-        if let Some(a) = self.tcp_addr {
-            let _ = TcpStream::connect_timeout(&loopback_of(a), Duration::from_secs(1));
-        }
-        if let Some(p) = &self.unix_path {
-            let _ = UnixStream::connect(p);
+        let timeout = self.shared.tuning.drain_timeout;
+        info!(
+            "shutting down: no new connections; finishing in-flight requests (up to {timeout:?})"
+        );
+        // Wake the acceptors (module docs, step 1); they see `stopping` and return.
+        for w in &self.wakers {
+            if let Err(e) = crate::sys::shutdown_listener(w.as_raw_fd()) {
+                warn!("shutting down a listener: {e}");
+            }
         }
         for h in self.acceptors.drain(..) {
             let _ = h.join();
         }
-        // Shut the read side: each reader sees end-of-file after what it already received,
-        // answers it, waits for its in-flight requests and closes.
-        let threads = {
-            let mut r = self.shared.conns.lock();
-            for (_, s) in &r.live {
-                let _ = s.shutdown(Shutdown::Read);
-            }
-            std::mem::take(&mut r.threads)
-        };
-        let deadline = Instant::now() + self.shared.tuning.drain_timeout;
-        let mut forced = false;
-        while threads.iter().any(|t| !t.is_finished()) {
-            if !forced && Instant::now() >= deadline {
-                warn!("connections still busy after the drain timeout; closing their sockets");
-                for (_, s) in &self.shared.conns.lock().live {
-                    let _ = s.shutdown(Shutdown::Both);
-                }
-                forced = true;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        self.wakers.clear();
+        let mut stuck = self.drain(timeout);
+        for &i in &stuck {
+            let e = &self.shared.exports[i];
+            warn!(
+                export = %e.export.name,
+                "export {:?} is stuck: a request is still in its device after the shutdown \
+                 timeout ({timeout:?}); giving up on it",
+                e.export.name
+            );
         }
-        for t in threads {
-            let _ = t.join();
+        for i in self.flush_all(timeout) {
+            if !stuck.contains(&i) {
+                stuck.push(i);
+            }
         }
-        // Flush each device once.
-        let mut flushed: Vec<&Arc<dyn Device>> = Vec::new();
-        for e in &self.shared.exports {
-            let dev = &e.export.device;
-            if flushed.iter().any(|d| Arc::ptr_eq(d, dev)) {
-                continue;
-            }
-            flushed.push(dev);
-            if !e.export.read_only {
-                if let Err(err) = submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)) {
-                    warn!(export = %e.export.name, "flush at shutdown failed: {err}");
-                    // Every export on this device shares the failure.
-                    for o in &self.shared.exports {
-                        if Arc::ptr_eq(&o.export.device, dev) {
-                            o.failed.set();
-                        }
-                    }
-                }
-            }
+        for &i in &stuck {
+            self.shared.exports[i].failed.set();
         }
         if let (Some(p), Some(ino)) = (&self.unix_path, self.unix_ino) {
             // Remove only our own socket: someone may have replaced the path since.
@@ -528,7 +587,125 @@ impl Server {
                 Err(_) => {}
             }
         }
-        info!("server stopped");
+        stuck.sort_unstable();
+        self.report = ShutdownReport {
+            failed: self.failed_exports(),
+            stuck: stuck
+                .iter()
+                .map(|&i| self.shared.exports[i].export.name.clone())
+                .collect(),
+        };
+        if self.report.is_clean() {
+            info!("server stopped");
+        } else {
+            warn!(
+                failed = ?self.report.failed,
+                stuck = ?self.report.stuck,
+                "server stopped; data on the failed exports may be lost"
+            );
+        }
+    }
+
+    /// Step 2 of the shutdown (module docs): lets the connections finish, forcing their
+    /// sockets closed after `timeout`. Returns the indices of the exports with a connection
+    /// still open [`STUCK_GRACE`] after that (their threads are left behind).
+    fn drain(&self, timeout: Duration) -> Vec<usize> {
+        // Shut the read side: each reader sees end-of-file after what it already received,
+        // answers it, waits for its in-flight requests and closes.
+        let threads = {
+            let mut r = self.shared.conns.lock();
+            for (_, s) in &r.live {
+                let _ = s.shutdown(Shutdown::Read);
+            }
+            std::mem::take(&mut r.threads)
+        };
+        let deadline = Instant::now() + timeout;
+        let mut forced = false;
+        while threads.iter().any(|t| !t.is_finished()) {
+            let now = Instant::now();
+            if !forced && now >= deadline {
+                warn!("connections still busy after the drain timeout; closing their sockets");
+                for (_, s) in &self.shared.conns.lock().live {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                forced = true;
+            }
+            if forced && now >= deadline + STUCK_GRACE {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut stuck = Vec::new();
+        for t in threads {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+            // Else: dropping the handle detaches the thread, which ends if its device ever
+            // completes the request.
+        }
+        let r = self.shared.conns.lock();
+        for (id, _) in &r.live {
+            match r.on_export.iter().find(|(c, _)| c == id) {
+                Some(&(_, i)) if !stuck.contains(&i) => stuck.push(i),
+                Some(_) => {}
+                None => warn!(conn = id, "a connection still in its handshake did not end"),
+            }
+        }
+        stuck
+    }
+
+    /// Step 3 of the shutdown: flushes each device once (all at once), waiting up to
+    /// `timeout` for them. A failed flush marks every export of its device failed. Returns
+    /// the indices of the exports whose flush did not complete in time.
+    fn flush_all(&self, timeout: Duration) -> Vec<usize> {
+        let mut pending: Vec<(usize, Arc<SyncEnd>)> = Vec::new();
+        for (i, e) in self.shared.exports.iter().enumerate() {
+            let dev = &e.export.device;
+            let seen = self.shared.exports[..i]
+                .iter()
+                .any(|o| Arc::ptr_eq(&o.export.device, dev) && !o.export.read_only);
+            if e.export.read_only || seen {
+                continue;
+            }
+            let end = Arc::new(SyncEnd::default());
+            let eio: Arc<dyn EndIo> = end.clone();
+            dev.submit(Bio::new(Op::Flush, 0, 0), &eio);
+            pending.push((i, end));
+        }
+        let deadline = Instant::now() + timeout;
+        let mut late = Vec::new();
+        for (i, end) in pending {
+            let dev = &self.shared.exports[i].export.device;
+            let name = &self.shared.exports[i].export.name;
+            let res = if end.done.wait_deadline(deadline) {
+                end.status.lock().take().unwrap_or_else(|| {
+                    Err(blk::Error::from(io::Error::other(
+                        "bio completed without a status",
+                    )))
+                })
+            } else {
+                warn!(
+                    export = %name,
+                    "export {name:?} is stuck: its flush at shutdown did not complete within \
+                     {timeout:?}"
+                );
+                late.extend(
+                    (0..self.shared.exports.len())
+                        .filter(|&o| Arc::ptr_eq(&self.shared.exports[o].export.device, dev)),
+                );
+                continue;
+            };
+            if let Err(err) = res {
+                warn!(export = %name, "flush at shutdown failed: {err}");
+                // Every export on this device shares the failure.
+                for o in &self.shared.exports {
+                    if Arc::ptr_eq(&o.export.device, dev) {
+                        o.failed.set();
+                    }
+                }
+            }
+        }
+        late
     }
 }
 
@@ -536,18 +713,6 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.do_shutdown();
     }
-}
-
-/// A wildcard address (0.0.0.0, ::) is connected to through loopback.
-fn loopback_of(a: SocketAddr) -> SocketAddr {
-    let mut a = a;
-    if a.ip().is_unspecified() {
-        a.set_ip(match a {
-            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-        });
-    }
-    a
 }
 
 /// Removes a socket file left by a server that is gone; refuses to touch anything else, and a

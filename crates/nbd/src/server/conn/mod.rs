@@ -91,6 +91,7 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
             return;
         }
     };
+    server.attach(id, negotiated.export);
     let export = &server.exports[negotiated.export];
     let replies = match negotiated.mode {
         TransmissionMode::Simple => "simple",
