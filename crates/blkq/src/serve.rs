@@ -82,6 +82,79 @@ pub struct ServeArgs {
     /// With --raid1: a control socket (mode 0600) for `blkq raid ... --control PATH`.
     #[arg(long, value_name = "PATH", requires = "raid1")]
     pub control: Option<PathBuf>,
+    /// Resource limits against hostile or broken clients.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// `blkq serve` resource limits (see "Limits" in docs/design.md).
+#[derive(Args, Debug, Clone)]
+pub struct LimitArgs {
+    /// Connections open at once; more are closed at once. Default: what the open-files limit
+    /// allows (3 descriptors a connection), between 16 and 1024.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Seconds a new connection has to finish the handshake before it is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_secs)]
+    pub handshake_timeout: f64,
+    /// Close a connection that has nothing in flight and sends nothing for this many seconds
+    /// (default: never).
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    pub idle_timeout: Option<f64>,
+    /// Close a client that reads none of its replies (or stops sending in the middle of a
+    /// request) for this many seconds, freeing its buffers.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, value_parser = parse_secs)]
+    pub send_timeout: f64,
+    /// Bytes of read and write payload buffers in flight across all connections (256M, 2G,
+    /// ...); a connection that would go over waits. Default: 1/8 of RAM, 64 MiB to 4 GiB.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+}
+
+impl Default for LimitArgs {
+    /// The command line's defaults.
+    fn default() -> Self {
+        Self {
+            max_connections: None,
+            handshake_timeout: 10.0,
+            idle_timeout: None,
+            send_timeout: 30.0,
+            memory_budget: None,
+        }
+    }
+}
+
+impl LimitArgs {
+    /// Applies the limits to the server's tuning.
+    fn apply(&self, t: &mut nbd::server::Tuning) {
+        use std::time::Duration;
+        if let Some(n) = self.max_connections {
+            t.max_connections = n.max(1);
+        }
+        t.handshake_timeout = Duration::from_secs_f64(self.handshake_timeout);
+        t.idle_timeout = self.idle_timeout.map(Duration::from_secs_f64);
+        t.send_timeout = Duration::from_secs_f64(self.send_timeout);
+        if let Some(b) = self.memory_budget {
+            t.memory_budget = b;
+        }
+    }
+}
+
+/// A positive number of seconds (fractions allowed).
+fn parse_secs(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() && v <= 1e9 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
+/// A byte count with an optional K/M/G/T suffix, not zero.
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    match blk_drivers::spec::parse_size(s) {
+        Ok(0) => Err("must not be zero".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
@@ -339,6 +412,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         );
     }
     let mut cfg = ServerConfig::new(exports.clone());
+    a.limits.apply(&mut cfg.tuning);
     if !a.no_tcp {
         let addr = listen_addr(&a.listen)?;
         if !addr.ip().is_loopback() {
@@ -432,6 +506,7 @@ mod tests {
             raid1_create: false,
             raid1_options: vec![],
             control: None,
+            limits: LimitArgs::default(),
         }
     }
 
