@@ -443,3 +443,44 @@ fn a_payload_stalled_past_the_send_timeout_closes_the_connection() {
     assert_eq!(t.server().memory_in_use(), 0);
     t.check_served(10);
 }
+
+/// Sets the soft open-files limit; returns the old one.
+fn set_nofile(soft: u64) -> u64 {
+    // SAFETY: plain getrlimit/setrlimit on a live, exclusively borrowed struct.
+    unsafe {
+        let mut rl: libc::rlimit = std::mem::zeroed();
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl), 0);
+        let old = rl.rlim_cur;
+        rl.rlim_cur = soft.min(rl.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &rl), 0);
+        old
+    }
+}
+
+#[test]
+fn out_of_descriptors_refuses_new_connections_and_keeps_serving() {
+    let _g = serial();
+    let t = TestServer::start("mem:16M", |_| {});
+    let mut live = t.simple();
+    live.write(0, &[3u8; 4096], CmdFlags::empty()).unwrap();
+    let base = open_fds();
+    // Room for a couple of descriptors more: new connections run out of them somewhere
+    // (the client's socket, the server's accept, or the server's handle on the connection).
+    let old = set_nofile(base as u64 + 3);
+    let extra: Vec<UnixStream> = (0..6)
+        .filter_map(|_| UnixStream::connect(&t.path).ok())
+        .collect();
+    // Give the acceptor time to run into the limit (and log it); nothing to assert on time.
+    thread::sleep(Duration::from_millis(300));
+    // The existing connection is served throughout.
+    live.write(8192, &[4u8; 4096], CmdFlags::empty()).unwrap();
+    assert_eq!(live.read(0, 4096).unwrap(), vec![3u8; 4096]);
+    set_nofile(old);
+    drop(extra);
+    assert_eq!(live.read(8192, 4096).unwrap(), vec![4u8; 4096]);
+    live.disconnect().unwrap();
+    t.check_served(11);
+    wait_until("the refused connections' descriptors to be closed", || {
+        t.server().connections() == 0 && open_fds() <= base
+    });
+}
