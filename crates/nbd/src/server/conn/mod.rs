@@ -176,6 +176,9 @@ struct Connection<'a> {
     recv_len: usize,
     /// Payload bytes still to skip (of a refused request).
     discard_left: u64,
+    /// The refused request whose payload is being skipped: staged (its error reply sent)
+    /// once `discard_left` reaches 0.
+    discarding: Option<InFlight>,
     /// Requests decoded and checked, waiting for a slot (in order).
     staged: Vec<InFlight>,
     /// Budget bytes of `staged`.
@@ -268,6 +271,7 @@ impl<'a> Connection<'a> {
             recv_pos: 0,
             recv_len: 0,
             discard_left: 0,
+            discarding: None,
             staged: Vec::with_capacity(tuning.slots),
             staged_bytes: 0,
             spare_entries: Vec::with_capacity(tuning.slots),
@@ -418,6 +422,7 @@ impl<'a> Connection<'a> {
             dropped += p.budget_bytes();
         }
         self.write_bios.clear();
+        self.discarding = None;
         if !self.staged.is_empty() {
             // Only possible if slots ran out at the very end; answer nothing for them.
             dropped += self.staged.iter().map(|e| e.budget_bytes).sum::<u64>();

@@ -189,6 +189,11 @@ impl<'a> Connection<'a> {
                     return ParseStop::NeedMore;
                 }
             }
+            if let Some(entry) = self.discarding.take() {
+                // The refused request's payload is all read: its reply may go now.
+                self.staged.push(entry);
+                continue;
+            }
             let buffered = &self.recv_buf[self.recv_pos..self.recv_len];
             match decode_request(buffered, self.mode) {
                 Ok(Decoded::Incomplete(_)) => return ParseStop::NeedMore,
@@ -211,8 +216,7 @@ impl<'a> Connection<'a> {
                     let mut entry = self.spare_entry();
                     entry.begin(u.cookie, u.offset, u.length, None, u.flags);
                     entry.fail(Errno::Inval);
-                    self.staged.push(entry);
-                    if let Some(stop) = self.discard(u.payload_len) {
+                    if let Some(stop) = self.refuse(entry, u.payload_len) {
                         return stop;
                     }
                 }
@@ -238,16 +242,26 @@ impl<'a> Connection<'a> {
         self.spare_entries.pop().unwrap_or_default()
     }
 
-    /// Arranges for a refused request's payload to be skipped.
-    fn discard(&mut self, payload: u64) -> Option<ParseStop> {
+    /// Stages a refused request's (error) reply, after arranging for its payload to be
+    /// skipped. The reply waits until the payload has been read: a client still sending a
+    /// request cannot match a reply to it yet (libnbd fails with "no matching cookie found for
+    /// server reply"). A payload longer than `Tuning::discard_limit` closes the connection
+    /// instead (after the reply).
+    fn refuse(&mut self, entry: InFlight, payload: u64) -> Option<ParseStop> {
         let limit = self.server.tuning.discard_limit;
         if payload > limit {
+            self.staged.push(entry);
             return Some(ParseStop::Fatal(format!(
                 "refused a request with a {payload}-byte payload (more than the {limit} bytes \
                  the server discards)"
             )));
         }
-        self.discard_left = payload;
+        if payload == 0 {
+            self.staged.push(entry);
+        } else {
+            self.discard_left = payload;
+            self.discarding = Some(entry);
+        }
         None
     }
 
@@ -313,6 +327,18 @@ impl<'a> Connection<'a> {
         if r.kind == Command::Disc {
             return Some(ParseStop::Disconnect);
         }
+        if r.kind == Command::Write
+            && self.mode.extended_headers()
+            && r.payload_len(self.mode) > self.max_block
+        {
+            // The extended-headers extension: a server SHOULD disconnect rather than read a
+            // payload over its advertised maximum.
+            return Some(ParseStop::Fatal(format!(
+                "a WRITE with a {}-byte payload, over the {}-byte maximum block size",
+                r.payload_len(self.mode),
+                self.max_block
+            )));
+        }
         let mut entry = self.spare_entry();
         entry.start(&r);
         let refused = if stopping {
@@ -323,8 +349,7 @@ impl<'a> Connection<'a> {
         if let Some(error) = refused {
             self.stats.refused += 1;
             entry.fail(error);
-            self.staged.push(entry);
-            return self.discard(r.payload_len(self.mode));
+            return self.refuse(entry, r.payload_len(self.mode));
         }
         match r.kind {
             Command::Read => self.stage_read(&r, entry),
