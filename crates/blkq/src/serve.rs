@@ -511,6 +511,59 @@ mod tests {
     }
 
     #[test]
+    fn limit_defaults_match_the_command_line() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            limits: LimitArgs,
+        }
+        let parsed = <Cli as clap::Parser>::parse_from(["blkq"]).limits;
+        let d = LimitArgs::default();
+        assert_eq!(
+            (
+                parsed.max_connections,
+                parsed.handshake_timeout,
+                parsed.idle_timeout,
+                parsed.send_timeout,
+                parsed.memory_budget
+            ),
+            (
+                d.max_connections,
+                d.handshake_timeout,
+                d.idle_timeout,
+                d.send_timeout,
+                d.memory_budget
+            )
+        );
+        let l = <Cli as clap::Parser>::parse_from([
+            "blkq",
+            "--memory-budget",
+            "512M",
+            "--idle-timeout",
+            "2.5",
+            "--max-connections",
+            "7",
+        ])
+        .limits;
+        let mut t = nbd::server::Tuning::default();
+        l.apply(&mut t);
+        assert_eq!(t.memory_budget, 512 << 20);
+        assert_eq!(t.idle_timeout, Some(std::time::Duration::from_millis(2500)));
+        assert_eq!(t.max_connections, 7);
+        for bad in [
+            ["--send-timeout", "0"],
+            ["--handshake-timeout", "-1"],
+            ["--memory-budget", "0"],
+        ] {
+            let args = ["blkq", bad[0], bad[1]];
+            assert!(
+                <Cli as clap::Parser>::try_parse_from(args).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn devices_pair_with_exports() {
         assert_eq!(
             pairs(&args(&[], &[])).unwrap(),

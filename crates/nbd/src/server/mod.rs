@@ -471,6 +471,7 @@ impl Server {
         tuning.recv_buf = tuning.recv_buf.max(64 << 10);
         tuning.slots = tuning.slots.clamp(1, 1 << 20);
         tuning.max_block = tuning.max_block.max(65536);
+        tuning.max_connections = tuning.max_connections.max(1);
 
         let mut listeners = Vec::new();
         let mut tcp_addr = None;
