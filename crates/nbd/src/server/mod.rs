@@ -16,6 +16,11 @@
 //! reply shaping, the combining writer and its flusher), and `handshake.rs` for option
 //! haggling.
 //!
+//! Limits ([`Tuning`]; "Limits" in docs/design.md): a connection limit, a handshake deadline
+//! and bounds on options, an optional idle timeout, a send timeout for clients that stop
+//! reading (or stall in mid-request), and one memory budget ([`MemoryBudget`]) over the
+//! payload buffers of all connections.
+//!
 //! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]): stop accepting,
 //! shut the read side of every connection (requests already received are answered; anything
 //! decoded after the stop gets `NBD_ESHUTDOWN`), wait for in-flight requests and their
@@ -800,9 +805,17 @@ fn accept_loop(l: Listener, shared: Arc<Shared>) {
         match spawned {
             Ok(t) => r.threads.push(t),
             Err(e) => {
-                warn!("dropping a connection: cannot spawn its thread: {e}");
+                // The closure, and the socket in it, are dropped with the error; the
+                // registry's handle goes here: nothing is left open.
                 if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
                     r.live.swap_remove(i);
+                }
+                drop(r);
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(
+                        left_out,
+                        "dropping a connection: cannot spawn its thread: {e}"
+                    );
                 }
             }
         }
