@@ -18,7 +18,7 @@
 //!
 //! Limits ([`Tuning`]; "Limits" in docs/design.md): a connection limit, a handshake deadline
 //! and bounds on options, an optional idle timeout, a send timeout for clients that stop
-//! reading (or stall in mid-request), and one memory budget ([`MemoryBudget`]) over the
+//! reading (or stall in mid-request), and one memory budget (`MemoryBudget`) over the
 //! payload buffers of all connections.
 //!
 //! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]): stop accepting,
