@@ -203,6 +203,11 @@ expect("trim past the end", errno.EINVAL, lambda: h.trim(4096, size))
 works()
 expect("read over the 32 MiB maximum", errno.EINVAL, lambda: h.pread((32 << 20) + 512, 0))
 works()
+# The error reply comes only after the server has read (and dropped) the whole payload: sent
+# earlier, libnbd (still sending) fails with "no matching cookie found for server reply".
+expect("write over the 32 MiB maximum", errno.EINVAL,
+       lambda: h.pwrite(b"w" * ((32 << 20) + 512), 0))
+works()
 # ENOTSUP for a fast zero needs a backend that cannot zero fast; mem (the only backend here)
 # always can, so it must succeed. The ENOTSUP reply itself is covered by the Rust tests
 # (crates/nbd/tests/server.rs, a device that refuses fast zeroes).

@@ -165,12 +165,15 @@ pub const BUF_ALIGN: usize = 4096;
 ///
 /// # Invariants
 ///
-/// `ptr` points to `cap` bytes allocated with `Layout(cap, BUF_ALIGN)`, owned by this value;
-/// `len <= cap`.
+/// `ptr` points to `cap` bytes owned by this value: allocated with `Layout(cap, BUF_ALIGN)`,
+/// or, when `mapped`, an anonymous private mapping of `cap` bytes (page-aligned, so
+/// `BUF_ALIGN`-aligned); `len <= cap`.
 pub struct Buffer {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
+    /// Memory from `mmap` (see [`Buffer::new_mapped`]): released with `munmap`.
+    mapped: bool,
     pool: Option<Arc<PoolInner>>,
 }
 
@@ -203,6 +206,44 @@ impl Buffer {
             ptr,
             len,
             cap,
+            mapped: false,
+            pool: None,
+        }
+    }
+
+    /// A new buffer of `len` zero bytes whose memory is committed only as it is written: an
+    /// anonymous mapping, whose pages the kernel provides (zeroed) on first touch. For buffers
+    /// that may wait long, partly filled, for data from a network peer: a stalled peer costs
+    /// only the pages it sent. Creating and dropping one costs system calls and page faults,
+    /// so keep them in a [`BufferPool::new_mapped`] pool.
+    pub fn new_mapped(len: usize) -> Self {
+        let cap = len.max(1).next_multiple_of(BUF_ALIGN);
+        // SAFETY: an anonymous private mapping of `cap` bytes; no file, no fixed address. The
+        // result is checked against MAP_FAILED before use.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        let ptr = if p == libc::MAP_FAILED {
+            None
+        } else {
+            NonNull::new(p.cast::<u8>())
+        };
+        let Some(ptr) = ptr else {
+            // Out of address space or mappings: fall back to the heap.
+            return Self::new(len);
+        };
+        Self {
+            ptr,
+            len,
+            cap,
+            mapped: true,
             pool: None,
         }
     }
@@ -256,10 +297,17 @@ impl Drop for Buffer {
                     ptr: self.ptr,
                     len: 0,
                     cap: self.cap,
+                    mapped: self.mapped,
                     pool: None,
                 });
                 return;
             }
+        }
+        if self.mapped {
+            // SAFETY: `ptr`/`cap` is the mapping made in `new_mapped`, owned by us and no
+            // longer referenced (we are being dropped).
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.cap) };
+            return;
         }
         let layout = Layout::from_size_align(self.cap, BUF_ALIGN).expect("buffer layout");
         // SAFETY: allocated in `Buffer::new` with this exact layout, and owned by us.
@@ -271,6 +319,8 @@ impl Drop for Buffer {
 struct PoolInner {
     buf_size: usize,
     max_free: usize,
+    /// New buffers are [`Buffer::new_mapped`].
+    mapped: bool,
     free: Mutex<Vec<Buffer>>,
 }
 
@@ -285,12 +335,30 @@ impl BufferPool {
     /// A pool of buffers of `buf_size` bytes, `prealloc` of them made now, keeping at most
     /// `max_free` when they come back.
     pub fn new(buf_size: usize, prealloc: usize, max_free: usize) -> Self {
+        Self::build(buf_size, prealloc, max_free, false)
+    }
+
+    /// Like [`BufferPool::new`], with buffers whose memory is committed only as it is written
+    /// ([`Buffer::new_mapped`]; a buffer back from use keeps the pages it touched).
+    pub fn new_mapped(buf_size: usize, prealloc: usize, max_free: usize) -> Self {
+        Self::build(buf_size, prealloc, max_free, true)
+    }
+
+    fn build(buf_size: usize, prealloc: usize, max_free: usize, mapped: bool) -> Self {
         let buf_size = buf_size.max(1).next_multiple_of(BUF_ALIGN);
-        let free = (0..prealloc).map(|_| Buffer::new(buf_size)).collect();
+        let make = |n| {
+            if mapped {
+                Buffer::new_mapped(n)
+            } else {
+                Buffer::new(n)
+            }
+        };
+        let free = (0..prealloc).map(|_| make(buf_size)).collect();
         Self {
             inner: Arc::new(PoolInner {
                 buf_size,
                 max_free: max_free.max(prealloc),
+                mapped,
                 free: Mutex::new(free),
             }),
         }
@@ -307,12 +375,13 @@ impl BufferPool {
         if len > self.inner.buf_size {
             return None;
         }
-        let mut b = self
-            .inner
-            .free
-            .lock()
-            .pop()
-            .unwrap_or_else(|| Buffer::new(self.inner.buf_size));
+        let mut b = self.inner.free.lock().pop().unwrap_or_else(|| {
+            if self.inner.mapped {
+                Buffer::new_mapped(self.inner.buf_size)
+            } else {
+                Buffer::new(self.inner.buf_size)
+            }
+        });
         b.len = len;
         b.pool = Some(self.inner.clone());
         Some(b)
@@ -341,5 +410,26 @@ mod tests {
         assert!(b.as_slice().as_ptr() == pa || c.as_slice().as_ptr() == pa);
         assert!(pool.get(4097).is_none());
         assert_eq!(b.as_slice().as_ptr() as usize % BUF_ALIGN, 0);
+    }
+
+    #[test]
+    fn mapped_buffers_are_zeroed_aligned_and_recycled() {
+        let mut a = Buffer::new_mapped(1 << 20);
+        assert_eq!(a.len(), 1 << 20);
+        assert!(a.as_slice().iter().all(|&b| b == 0));
+        a.as_mut_slice()[12345] = 9;
+        drop(a);
+        let pool = BufferPool::new_mapped(256 << 10, 0, 1);
+        let mut b = pool.get(1000).unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % BUF_ALIGN, 0);
+        b.as_mut_slice()[999] = 1;
+        let pb = b.as_slice().as_ptr();
+        drop(b);
+        let c = pool.get(256 << 10).unwrap();
+        assert_eq!(c.as_slice().as_ptr(), pb);
+        assert_eq!(c.as_slice()[999], 1, "a pooled buffer keeps its content");
+        let d = pool.get(10).unwrap();
+        drop((c, d));
+        assert_eq!(pool.free_count(), 1);
     }
 }

@@ -96,6 +96,79 @@ pub struct ServeArgs {
     /// the exit status is non-zero.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub shutdown_timeout: u64,
+    /// Resource limits against hostile or broken clients.
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// `blkq serve` resource limits (see "Limits" in docs/design.md).
+#[derive(Args, Debug, Clone)]
+pub struct LimitArgs {
+    /// Connections open at once; more are closed at once. Default: what the open-files limit
+    /// allows (3 descriptors a connection), between 16 and 1024.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Seconds a new connection has to finish the handshake before it is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_secs)]
+    pub handshake_timeout: f64,
+    /// Close a connection that has nothing in flight and sends nothing for this many seconds
+    /// (default: never).
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    pub idle_timeout: Option<f64>,
+    /// Close a client that reads none of its replies (or stops sending in the middle of a
+    /// request) for this many seconds, freeing its buffers.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0, value_parser = parse_secs)]
+    pub send_timeout: f64,
+    /// Bytes of read and write payload buffers in flight across all connections (256M, 2G,
+    /// ...); a connection that would go over waits. Default: 1/8 of RAM, 64 MiB to 4 GiB.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+}
+
+impl Default for LimitArgs {
+    /// The command line's defaults.
+    fn default() -> Self {
+        Self {
+            max_connections: None,
+            handshake_timeout: 10.0,
+            idle_timeout: None,
+            send_timeout: 30.0,
+            memory_budget: None,
+        }
+    }
+}
+
+impl LimitArgs {
+    /// Applies the limits to the server's tuning.
+    fn apply(&self, t: &mut nbd::server::Tuning) {
+        use std::time::Duration;
+        if let Some(n) = self.max_connections {
+            t.max_connections = n.max(1);
+        }
+        t.handshake_timeout = Duration::from_secs_f64(self.handshake_timeout);
+        t.idle_timeout = self.idle_timeout.map(Duration::from_secs_f64);
+        t.send_timeout = Duration::from_secs_f64(self.send_timeout);
+        if let Some(b) = self.memory_budget {
+            t.memory_budget = b;
+        }
+    }
+}
+
+/// A positive number of seconds (fractions allowed).
+fn parse_secs(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() && v <= 1e9 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
+/// A byte count with an optional K/M/G/T suffix, not zero.
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    match blk_drivers::spec::parse_size(s) {
+        Ok(0) => Err("must not be zero".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
@@ -364,6 +437,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let mut cfg = ServerConfig::new(exports.clone());
     cfg.tuning.drain_timeout = std::time::Duration::from_secs(a.shutdown_timeout);
+    a.limits.apply(&mut cfg.tuning);
     if !a.no_tcp {
         let addr = listen_addr(&a.listen)?;
         if !addr.ip().is_loopback() {
@@ -477,6 +551,60 @@ mod tests {
             control: None,
             describe_paths: false,
             shutdown_timeout: 30,
+            limits: LimitArgs::default(),
+        }
+    }
+
+    #[test]
+    fn limit_defaults_match_the_command_line() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            limits: LimitArgs,
+        }
+        let parsed = <Cli as clap::Parser>::parse_from(["blkq"]).limits;
+        let d = LimitArgs::default();
+        assert_eq!(
+            (
+                parsed.max_connections,
+                parsed.handshake_timeout,
+                parsed.idle_timeout,
+                parsed.send_timeout,
+                parsed.memory_budget
+            ),
+            (
+                d.max_connections,
+                d.handshake_timeout,
+                d.idle_timeout,
+                d.send_timeout,
+                d.memory_budget
+            )
+        );
+        let l = <Cli as clap::Parser>::parse_from([
+            "blkq",
+            "--memory-budget",
+            "512M",
+            "--idle-timeout",
+            "2.5",
+            "--max-connections",
+            "7",
+        ])
+        .limits;
+        let mut t = nbd::server::Tuning::default();
+        l.apply(&mut t);
+        assert_eq!(t.memory_budget, 512 << 20);
+        assert_eq!(t.idle_timeout, Some(std::time::Duration::from_millis(2500)));
+        assert_eq!(t.max_connections, 7);
+        for bad in [
+            ["--send-timeout", "0"],
+            ["--handshake-timeout", "-1"],
+            ["--memory-budget", "0"],
+        ] {
+            let args = ["blkq", bad[0], bad[1]];
+            assert!(
+                <Cli as clap::Parser>::try_parse_from(args).is_err(),
+                "{bad:?}"
+            );
         }
     }
 

@@ -32,6 +32,25 @@ impl Stream {
         }
     }
 
+    /// Sets the socket's receive timeout (`SO_RCVTIMEO`; `None`: block for ever). A read that
+    /// times out fails with `ErrorKind::WouldBlock`. The timeout belongs to the socket, so it
+    /// applies to every handle of it.
+    pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
+    /// Sets the socket's send timeout (`SO_SNDTIMEO`; `None`: block for ever). A blocking send
+    /// that sends nothing for that long fails with `ErrorKind::WouldBlock`.
+    pub fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+
     /// Disables Nagle's algorithm on TCP (no-op on Unix sockets): replies must leave at once.
     pub fn set_nodelay(&self) -> io::Result<()> {
         match self {

@@ -78,6 +78,27 @@ pub(crate) fn shutdown_listener(fd: RawFd) -> io::Result<()> {
     }
 }
 
+/// The soft limit on open descriptors (`RLIMIT_NOFILE`), if it can be read and is finite.
+pub(crate) fn open_files_limit() -> Option<u64> {
+    // SAFETY: an all-zero `rlimit` is a valid value; getrlimit only writes it.
+    let mut rl: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `rl` is a live, exclusively borrowed rlimit for the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) };
+    (rc == 0 && rl.rlim_cur != libc::RLIM_INFINITY).then_some(rl.rlim_cur as u64)
+}
+
+/// Physical memory of the machine, bytes (`sysconf`), if known.
+pub(crate) fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads its argument and returns a number (or -1).
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && size > 0).then(|| (pages as u64).saturating_mul(size as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -459,12 +459,18 @@ fn every_error_then_the_connection_still_works() {
             );
             ok(&mut c);
         }
-        // An over-long write: refused, payload discarded, connection fine.
-        expect_err(
-            c.write(0, &vec![3u8; long as usize], CmdFlags::empty()),
-            NBD_EINVAL,
-            "over-long write",
-        );
+        // An over-long write: refused, payload discarded, connection fine. With extended
+        // headers the server disconnects instead (the extension's SHOULD).
+        let r = c.write(0, &vec![3u8; long as usize], CmdFlags::empty());
+        if name == "extended" {
+            assert!(
+                matches!(r, Err(ClientError::Io(_) | ClientError::Unexpected(_))),
+                "over-long extended write: {r:?}"
+            );
+            c = t.connect(&opts);
+        } else {
+            expect_err(r, NBD_EINVAL, "over-long write");
+        }
         ok(&mut c);
         // Unknown command.
         c.send_raw_request(77, CmdFlags::empty(), 0, 4096).unwrap();
@@ -812,4 +818,36 @@ fn stop_before_wait_returns_at_once() {
     // A second stop is harmless; `wait` must not sleep for a stop that already happened.
     stopper.stop();
     server.wait();
+}
+
+#[test]
+fn a_refused_write_is_answered_only_after_its_payload() {
+    let t = default_server();
+    let mut h = t.handshake();
+    h.go("").unwrap();
+    let mut s = h.stream().try_clone().unwrap();
+    drop(h);
+    // Over the 32 MiB maximum: refused, but the reply must wait for the whole payload (a
+    // client still sending cannot match it yet).
+    let long = 32 * MIB + 512;
+    let mut req = Vec::new();
+    Request::new(Command::Write, 9, 0, long)
+        .encode(TransmissionMode::Simple, &mut req)
+        .unwrap();
+    s.write_all(&req).unwrap();
+    s.write_all(&vec![1u8; (long - 512) as usize]).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut reply = [0u8; 16];
+    let early = s.read(&mut reply);
+    assert!(
+        matches!(&early, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a reply before the payload was all sent: {early:?}"
+    );
+    s.write_all(&[1u8; 512]).unwrap();
+    s.set_read_timeout(Some(testkit::PROMPT)).unwrap();
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(reply[..4], NBD_SIMPLE_REPLY_MAGIC.to_be_bytes());
+    assert_eq!(reply[4..8], NBD_EINVAL.to_be_bytes());
+    assert_eq!(reply[8..16], 9u64.to_be_bytes());
 }

@@ -3,8 +3,16 @@
 //! Blocking and simple: one option is read whole (header, then its data), answered with one
 //! `write_all`, and the next is read. The client must wait for the final reply of each option,
 //! so nothing is ever read past the option that ends the handshake.
+//!
+//! Bounds (see `Tuning`): the whole handshake must end before a deadline (every read and write
+//! gets what is left of it as its socket timeout, so a silent client and one that drips a byte
+//! at a time both run out of time); a client may send at most `max_options` options and
+//! `max_option_bytes` bytes of option data (skipped over-long options included); each option's
+//! data is at most [`DEFAULT_MAX_OPTION_LEN`] bytes (longer ones, up to
+//! [`MAX_SKIPPED_OPTION`], are skipped with `NBD_REP_ERR_TOO_BIG`).
 
 use std::io::{self, Read, Write};
+use std::time::{Duration, Instant};
 
 use tracing::debug;
 
@@ -46,6 +54,10 @@ pub(crate) struct Negotiated {
 pub(crate) enum Ended {
     /// The client aborted (`NBD_OPT_ABORT`) or hung up between options.
     Client(&'static str),
+    /// The handshake deadline passed.
+    Timeout,
+    /// The client went over a handshake bound (options, option bytes): closed, reason logged.
+    Limit(String),
     /// The client broke the protocol: the connection is closed, and the reason logged.
     Protocol(String),
     /// The socket failed.
@@ -54,10 +66,10 @@ pub(crate) enum Ended {
 
 impl From<io::Error> for Ended {
     fn from(e: io::Error) -> Self {
-        if e.kind() == io::ErrorKind::UnexpectedEof {
-            Ended::Client("hung up during the handshake")
-        } else {
-            Ended::Io(e)
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof => Ended::Client("hung up during the handshake"),
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Ended::Timeout,
+            _ => Ended::Io(e),
         }
     }
 }
@@ -92,8 +104,59 @@ pub(crate) fn block_size(state: &ExportState, max_block: u32) -> BlockSize {
     }
 }
 
-struct Haggler<'a> {
+/// The socket during the handshake, with its deadline: each read and write first sets what is
+/// left of it as the socket's timeout (`SO_RCVTIMEO` / `SO_SNDTIMEO`); a timeout comes back
+/// as `ErrorKind::TimedOut`.
+pub(crate) struct Deadlined<'a> {
     stream: &'a mut Stream,
+    deadline: Instant,
+}
+
+impl<'a> Deadlined<'a> {
+    /// `stream`, which must finish the handshake before `deadline`.
+    pub(crate) fn new(stream: &'a mut Stream, deadline: Instant) -> Self {
+        Self { stream, deadline }
+    }
+
+    /// What is left of the deadline, or `TimedOut`.
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
+    }
+}
+
+/// A socket timeout reads as `WouldBlock` (`EAGAIN`): call it what it is.
+fn timed_out(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        io::ErrorKind::TimedOut.into()
+    } else {
+        e
+    }
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        self.stream.read(buf).map_err(timed_out)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        self.stream.write(buf).map_err(timed_out)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+struct Haggler<'a, 'b> {
+    stream: &'a mut Deadlined<'b>,
     shared: &'a Shared,
     mode: TransmissionMode,
     /// The export named by the last `NBD_OPT_SET_META_CONTEXT`, and whether it selected
@@ -102,10 +165,14 @@ struct Haggler<'a> {
     no_zeroes: bool,
     out: Vec<u8>,
     data: Vec<u8>,
+    /// Options received so far, and their data bytes (bounded by `Tuning::max_options` and
+    /// `Tuning::max_option_bytes`).
+    options: u32,
+    option_bytes: u64,
 }
 
 /// Runs the handshake on a fresh connection.
-pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiated, Ended> {
+pub(crate) fn negotiate(stream: &mut Deadlined<'_>, shared: &Shared) -> Result<Negotiated, Ended> {
     let offered = HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES;
     let mut out = Vec::with_capacity(256);
     encode_server_greeting(offered, &mut out);
@@ -125,6 +192,8 @@ pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiat
         no_zeroes: client.contains(ClientFlags::NO_ZEROES),
         out,
         data: Vec::new(),
+        options: 0,
+        option_bytes: 0,
     };
     loop {
         if let Some(negotiated) = haggler.option()? {
@@ -133,7 +202,27 @@ pub(crate) fn negotiate(stream: &mut Stream, shared: &Shared) -> Result<Negotiat
     }
 }
 
-impl Haggler<'_> {
+impl Haggler<'_, '_> {
+    /// Counts one more option of `length` data bytes against the handshake's bounds.
+    fn count_option(&mut self, length: u32) -> Result<(), Ended> {
+        let tuning = &self.shared.tuning;
+        self.options += 1;
+        self.option_bytes += u64::from(length);
+        if self.options > tuning.max_options {
+            return Err(Ended::Limit(format!(
+                "more than {} options in one handshake",
+                tuning.max_options
+            )));
+        }
+        if self.option_bytes > tuning.max_option_bytes {
+            return Err(Ended::Limit(format!(
+                "more than {} bytes of option data in one handshake",
+                tuning.max_option_bytes
+            )));
+        }
+        Ok(())
+    }
+
     /// Reads and answers one option; `Some` when it entered transmission.
     fn option(&mut self) -> Result<Option<Negotiated>, Ended> {
         let mut hdr = [0u8; OPTION_HEADER_LEN];
@@ -141,9 +230,13 @@ impl Haggler<'_> {
             return Err(if e.kind() == io::ErrorKind::UnexpectedEof {
                 Ended::Client("hung up during option haggling")
             } else {
-                Ended::Io(e)
+                Ended::from(e)
             });
         }
+        // The announced length, whatever the header's other faults: it counts against the
+        // bounds before any of it is read.
+        let announced = u32::from_be_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]);
+        self.count_option(announced)?;
         let header = match decode_option_header(&hdr, DEFAULT_MAX_OPTION_LEN) {
             Ok(Decoded::Complete { value, .. }) => value,
             Ok(Decoded::Incomplete(_)) => return Err(Ended::Protocol("short option".into())),

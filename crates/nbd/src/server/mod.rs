@@ -16,6 +16,11 @@
 //! reply shaping, the combining writer and its flusher), and `handshake.rs` for option
 //! haggling.
 //!
+//! Limits ([`Tuning`]; "Limits" in docs/design.md): a connection limit, a handshake deadline
+//! and bounds on options, an optional idle timeout, a send timeout for clients that stop
+//! reading (or stall in mid-request), and one memory budget (`MemoryBudget`) over the
+//! payload buffers of all connections.
+//!
 //! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]) always ends:
 //! 1. stop accepting: `shutdown(SHUT_RDWR)` on each listening socket (through a descriptor of
 //!    its own, duplicated at start) wakes its acceptor out of `accept(2)` with `EINVAL` on
@@ -51,10 +56,10 @@ use blkq_sync::DynArc as Arc;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, Device, EndIo, Op};
-use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::Mutex;
 use tracing::{debug, info, warn};
-use waitq::Completion;
+use waitq::{Completion, WaitQueue};
 
 use crate::stream::Stream;
 
@@ -137,6 +142,50 @@ pub struct Tuning {
     /// sockets are shut down in both directions (a connection still busy [`STUCK_GRACE`]
     /// after that is given up as stuck), and again how long the final flushes get.
     pub drain_timeout: Duration,
+    /// Connections open at once (handshake or transmission); a socket accepted beyond it is
+    /// closed at once. Default: [`default_max_connections`].
+    pub max_connections: usize,
+    /// A socket that has not finished option haggling this long after it was accepted is
+    /// closed (a deadline over the whole handshake, not per read).
+    pub handshake_timeout: Duration,
+    /// Options a client may send in one handshake; one more closes the connection.
+    pub max_options: u32,
+    /// Bytes of option data (skipped over-long options included) a client may send in one
+    /// handshake; more closes the connection.
+    pub max_option_bytes: u64,
+    /// A connection with no request in flight that receives nothing for this long is closed
+    /// (`None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// A client that reads none of its replies for this long, or stops sending in the middle
+    /// of a request, is closed and its buffers freed.
+    pub send_timeout: Duration,
+    /// Bytes of request and reply payload buffers (reads and writes in flight) across all
+    /// connections; a connection that would go over it stops reading requests until memory
+    /// is returned. Default: [`default_memory_budget`].
+    pub memory_budget: u64,
+}
+
+/// Descriptors one connection holds: its socket, the registry's handle and the writers'
+/// handle.
+const FDS_PER_CONNECTION: u64 = 3;
+/// Descriptors kept for everything else (listeners, device files, logs, the control socket).
+const FDS_RESERVED: u64 = 64;
+
+/// The default connection limit: what the open-files limit leaves room for (three descriptors
+/// a connection, 64 kept for the rest), between 16 and 1024. With the usual soft limit of 1024
+/// that is 320: accepting more would only fail later, in `accept` or in the connection's setup.
+pub fn default_max_connections() -> usize {
+    let nofile = crate::sys::open_files_limit().unwrap_or(1024);
+    (nofile.saturating_sub(FDS_RESERVED) / FDS_PER_CONNECTION).clamp(16, 1024) as usize
+}
+
+/// The default memory budget: an eighth of the machine's memory, between 64 MiB and 4 GiB
+/// (256 MiB if the size of memory is unknown). Enough for any one connection's in-flight
+/// window, small enough that hostile clients cannot push the machine into swap.
+pub fn default_memory_budget() -> u64 {
+    crate::sys::physical_memory()
+        .map_or(256 << 20, |m| m / 8)
+        .clamp(64 << 20, 4 << 30)
 }
 
 impl Default for Tuning {
@@ -148,6 +197,13 @@ impl Default for Tuning {
             max_block: 32 << 20,
             discard_limit: 1 << 30,
             drain_timeout: Duration::from_secs(10),
+            max_connections: default_max_connections(),
+            handshake_timeout: Duration::from_secs(10),
+            max_options: 256,
+            max_option_bytes: 1 << 20,
+            idle_timeout: None,
+            send_timeout: Duration::from_secs(30),
+            memory_budget: default_memory_budget(),
         }
     }
 }
@@ -270,11 +326,90 @@ impl ShutdownReport {
     }
 }
 
+/// The global memory budget ([`Tuning::memory_budget`]): payload bytes of the reads and
+/// writes that all connections have taken in (from the decoding of the request to the
+/// sending of its reply). A reader takes a request's bytes before it consumes the request
+/// ([`MemoryBudget::try_take`]); if they do not fit it stops reading and waits
+/// ([`MemoryBudget::wait_fit`]) until some are given back ([`MemoryBudget::give`], when a
+/// reply has been sent or a connection drops what it holds).
+///
+/// A request bigger than the whole budget is let through when nothing at all is taken, so
+/// that it is served alone rather than never.
+///
+/// Ordering: `used` publishes nothing but itself, so its updates are `Relaxed` (the CAS
+/// keeps the sum exact). The wake-up is the wait queue's protocol: a waiter queues itself
+/// (`prepare`, a `SeqCst` fence) before it re-checks `used`; a giver subtracts, then
+/// `wake_all` fences (`SeqCst`) before it looks for waiters. So either the waiter's re-check
+/// sees the bytes given back, or the giver sees the waiter and wakes it.
+pub(crate) struct MemoryBudget {
+    limit: u64,
+    used: AtomicU64,
+    wake: WaitQueue,
+}
+
+impl MemoryBudget {
+    pub(crate) fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            used: AtomicU64::new(0),
+            wake: WaitQueue::new(),
+        }
+    }
+
+    fn fits(&self, used: u64, n: u64) -> bool {
+        used == 0 || used.saturating_add(n) <= self.limit
+    }
+
+    /// Takes `n` bytes if they fit.
+    pub(crate) fn try_take(&self, n: u64) -> bool {
+        let mut used = self.used.load(Ordering::Relaxed);
+        loop {
+            if !self.fits(used, n) {
+                return false;
+            }
+            match self.used.compare_exchange_weak(
+                used,
+                used + n,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    /// Gives back `n` bytes taken earlier, and wakes the readers waiting for room.
+    pub(crate) fn give(&self, n: u64) {
+        if n > 0 {
+            self.used.fetch_sub(n, Ordering::Relaxed);
+            self.wake.wake_all();
+        }
+    }
+
+    /// Waits until `n` bytes would fit (without taking them: the caller tries again) or
+    /// `deadline` passes; returns whether they fit.
+    pub(crate) fn wait_fit(&self, n: u64, deadline: Instant) -> bool {
+        let fit = || {
+            self.fits(self.used.load(Ordering::Relaxed), n)
+                .then_some(())
+        };
+        self.wake.wait_for_until(fit, deadline).is_some()
+    }
+
+    /// Bytes taken now.
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
 /// State shared by the acceptors and every connection.
 pub(crate) struct Shared {
     pub(crate) exports: Vec<ExportState>,
     pub(crate) tuning: Tuning,
     pub(crate) stopping: AtomicBool,
+    /// The global memory budget of payload buffers.
+    pub(crate) budget: Arc<MemoryBudget>,
     conns: Mutex<Registry>,
 }
 
@@ -404,6 +539,7 @@ impl Server {
         tuning.recv_buf = tuning.recv_buf.max(64 << 10);
         tuning.slots = tuning.slots.clamp(1, 1 << 20);
         tuning.max_block = tuning.max_block.max(65536);
+        tuning.max_connections = tuning.max_connections.max(1);
 
         let mut listeners = Vec::new();
         let mut tcp_addr = None;
@@ -435,8 +571,9 @@ impl Server {
 
         let shared = Arc::new(Shared {
             exports,
-            tuning,
             stopping: AtomicBool::new(false),
+            budget: Arc::new(MemoryBudget::new(tuning.memory_budget.max(1))),
+            tuning,
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();
@@ -477,6 +614,12 @@ impl Server {
     /// Connections currently open (handshake or transmission).
     pub fn connections(&self) -> usize {
         self.shared.conns.lock().live.len()
+    }
+
+    /// Bytes of the memory budget taken now (payloads of reads and writes in flight, across
+    /// all connections; see [`Tuning::memory_budget`]).
+    pub fn memory_in_use(&self) -> u64 {
+        self.shared.budget.used()
     }
 
     /// A handle to ask [`wait`](Self::wait) to return.
@@ -749,7 +892,33 @@ fn remove_stale_socket(path: &Path) -> io::Result<()> {
     std::fs::remove_file(path)
 }
 
+/// A log line that a flood must not turn into a flood of lines: at most one a second, saying
+/// how many were left out since the last one.
+#[derive(Default)]
+struct RateLimited {
+    last: Option<Instant>,
+    left_out: u64,
+}
+
+impl RateLimited {
+    /// `Some(n)`: log now, `n` events were left out before this one; `None`: leave it out.
+    fn allow(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            self.left_out += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.left_out))
+    }
+}
+
 fn accept_loop(l: Listener, shared: Arc<Shared>) {
+    let mut accept_failed = RateLimited::default();
+    let mut over_limit = RateLimited::default();
     loop {
         let res = l.accept();
         if shared.stopping() {
@@ -758,8 +927,11 @@ fn accept_loop(l: Listener, shared: Arc<Shared>) {
         let stream = match res {
             Ok(s) => s,
             Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                warn!("accept failed: {e}");
+                // EMFILE, ENFILE, ENOBUFS: the pending connection stays in the backlog and
+                // the existing ones go on; back off briefly instead of spinning.
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(left_out, "accept failed (retrying shortly): {e}");
+                }
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -767,11 +939,26 @@ fn accept_loop(l: Listener, shared: Arc<Shared>) {
         let handle = match stream.try_clone() {
             Ok(h) => h,
             Err(e) => {
-                warn!("dropping a connection: {e}");
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(left_out, "dropping a connection: {e}");
+                }
                 continue;
             }
         };
         let mut r = shared.conns.lock();
+        let limit = shared.tuning.max_connections;
+        if r.live.len() >= limit {
+            drop(r);
+            // Closed at once: the client sees end-of-file before the greeting.
+            drop((stream, handle));
+            if let Some(left_out) = over_limit.allow() {
+                warn!(
+                    left_out,
+                    "refused a connection: {limit} connections are open (--max-connections)"
+                );
+            }
+            continue;
+        }
         r.threads.retain(|t| !t.is_finished());
         let id = r.next_id;
         r.next_id += 1;
@@ -783,9 +970,17 @@ fn accept_loop(l: Listener, shared: Arc<Shared>) {
         match spawned {
             Ok(t) => r.threads.push(t),
             Err(e) => {
-                warn!("dropping a connection: cannot spawn its thread: {e}");
+                // The closure, and the socket in it, are dropped with the error; the
+                // registry's handle goes here: nothing is left open.
                 if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
                     r.live.swap_remove(i);
+                }
+                drop(r);
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(
+                        left_out,
+                        "dropping a connection: cannot spawn its thread: {e}"
+                    );
                 }
             }
         }

@@ -21,7 +21,7 @@ use waitq::WaitQueue;
 
 use super::reply::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
-use crate::server::StickyError;
+use crate::server::{MemoryBudget, StickyError};
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
 use blkq_sync::DynArc as Arc;
@@ -194,6 +194,9 @@ pub(super) struct ConnCore {
     pub(super) locked: Mutex<Locked>,
     /// The export's sticky write error (shared with every connection to the export).
     pub(super) sticky: Arc<StickyError>,
+    /// The server's memory budget: a slot's `budget_bytes` go back to it when the slot is
+    /// freed.
+    pub(super) budget: Arc<MemoryBudget>,
 }
 
 /// Whether the caller runs on thread `t`: a [`ThreadId`](std::thread::ThreadId) comparison

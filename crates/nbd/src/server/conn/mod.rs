@@ -47,6 +47,7 @@ mod writer;
 use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
 
@@ -59,7 +60,7 @@ use waitq::WaitQueue;
 
 use self::inflight::{ConnCore, InFlight, Locked};
 use self::reader::{BufferPools, ParseStop, PartialWrite};
-use super::handshake::{self, Ended, Negotiated};
+use super::handshake::{self, Deadlined, Ended, Negotiated};
 use super::{ExportState, Shared};
 use crate::proto::TransmissionMode;
 use crate::stream::Stream;
@@ -73,10 +74,27 @@ const SEND_BUFFER: usize = 4 << 20;
 pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
     let peer = stream.peer();
     let _ = stream.set_nodelay();
-    let negotiated = match handshake::negotiate(&mut stream, &server) {
+    let deadline = Instant::now() + server.tuning.handshake_timeout;
+    let negotiated = match handshake::negotiate(&mut Deadlined::new(&mut stream, deadline), &server)
+    {
         Ok(n) => n,
         Err(Ended::Client(why)) => {
             info!(conn = id, %peer, "connection closed in the handshake: client {why}");
+            server.unregister(id);
+            return;
+        }
+        Err(Ended::Timeout) => {
+            info!(
+                conn = id,
+                %peer,
+                "closing connection: handshake not finished within {:?}",
+                server.tuning.handshake_timeout
+            );
+            server.unregister(id);
+            return;
+        }
+        Err(Ended::Limit(why)) => {
+            warn!(conn = id, %peer, "closing connection during the handshake: {why}");
             server.unregister(id);
             return;
         }
@@ -159,6 +177,9 @@ struct Connection<'a> {
     recv_len: usize,
     /// Payload bytes still to skip (of a refused request).
     discard_left: u64,
+    /// The refused request whose payload is being skipped: staged (its error reply sent)
+    /// once `discard_left` reaches 0.
+    discarding: Option<InFlight>,
     /// Requests decoded and checked, waiting for a slot (in order).
     staged: Vec<InFlight>,
     /// Budget bytes of `staged`.
@@ -170,7 +191,24 @@ struct Connection<'a> {
     /// Bios of the write being read (`partial_write`), or being staged.
     write_bios: Vec<Bio>,
     partial_write: Option<PartialWrite>,
+    /// When the reader last received bytes (or last started listening after a wait of its
+    /// own): the idle and mid-request timeouts count from here.
+    last_recv: Instant,
     stats: Stats,
+}
+
+/// A zero duration means "no timeout" to a socket: use a millisecond instead.
+fn nonzero(d: Duration) -> Duration {
+    d.max(Duration::from_millis(1))
+}
+
+/// How long a blocked read may sleep before the reader looks at its timeouts: the shorter of
+/// the idle timeout and the send timeout (which also bounds a stall in mid-request).
+fn recv_tick(t: &super::Tuning) -> Duration {
+    nonzero(
+        t.idle_timeout
+            .map_or(t.send_timeout, |i| i.min(t.send_timeout)),
+    )
 }
 
 impl<'a> Connection<'a> {
@@ -187,6 +225,12 @@ impl<'a> Connection<'a> {
         let max_bio_bytes = max_bio_bytes / min_block as usize * min_block as usize;
         let send_sock = stream.try_clone()?;
         let send_fd = send_sock.as_raw_fd();
+        // Socket timeouts for transmission (they belong to the socket, so both handles have
+        // them): a blocking send that makes no progress for `send_timeout` fails (the client
+        // stopped reading its replies); a read wakes up at least every `recv_tick` so the
+        // reader can apply the idle and mid-request timeouts (`Connection::recv_timed_out`).
+        stream.set_write_timeout(Some(nonzero(tuning.send_timeout)))?;
+        stream.set_read_timeout(Some(recv_tick(tuning)))?;
         // Best effort: a bigger send buffer means fewer replies handed to the flusher.
         let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
         let core = Arc::new(ConnCore {
@@ -200,8 +244,15 @@ impl<'a> Connection<'a> {
             flusher_wake: WaitQueue::new(),
             locked: Mutex::new(Locked::new(tuning.slots)),
             sticky: export.failed.clone(),
+            budget: server.budget.clone(),
         });
         let flusher_core = core.clone();
+        // A failed spawn (out of threads) fails the connection, which is then closed.
+        #[cfg(not(blkq_loom))]
+        let flusher = std::thread::Builder::new()
+            .name("nbd-flush".into())
+            .spawn(move || flusher_core.flusher_main())?;
+        #[cfg(blkq_loom)]
         let flusher = thread::spawn(move || flusher_core.flusher_main());
         let end_io: Arc<dyn EndIo> = core.clone();
         Ok(Self {
@@ -221,12 +272,14 @@ impl<'a> Connection<'a> {
             recv_pos: 0,
             recv_len: 0,
             discard_left: 0,
+            discarding: None,
             staged: Vec::with_capacity(tuning.slots),
             staged_bytes: 0,
             spare_entries: Vec::with_capacity(tuning.slots),
             bios: Vec::with_capacity(tuning.slots),
             write_bios: Vec::new(),
             partial_write: None,
+            last_recv: Instant::now(),
             stats: Stats::default(),
         })
     }
@@ -234,6 +287,10 @@ impl<'a> Connection<'a> {
     /// The reader loop; returns why it ended.
     fn run(&mut self) -> String {
         loop {
+            if self.core.client_gone.load(Ordering::Relaxed) {
+                return "replies could not be sent (the client stopped reading them, or is gone)"
+                    .into();
+            }
             if self.partial_write.is_some() {
                 if let Err(reason) = self.fill_partial_write() {
                     return reason;
@@ -249,6 +306,7 @@ impl<'a> Connection<'a> {
                     }
                 }
                 ParseStop::Full | ParseStop::PartialWrite => {}
+                ParseStop::NoBudget(need) => self.wait_for_budget(need),
                 ParseStop::Disconnect => return "client disconnected (NBD_CMD_DISC)".into(),
                 ParseStop::Fatal(reason) => {
                     warn!(peer = %self.stream, "closing connection: {reason}");
@@ -270,7 +328,45 @@ impl<'a> Connection<'a> {
             let left = budget.saturating_sub(locked.bytes_in_flight);
             (free > 0 && (left > 0 || !nothing_staged)).then_some((free, left))
         };
-        self.reader_wait(room)
+        let room = self.reader_wait(room);
+        // Time spent waiting here is not the client's silence.
+        self.last_recv = Instant::now();
+        room
+    }
+
+    /// Waits until `need` bytes fit in the global memory budget (the reader stops reading
+    /// meanwhile), or the connection has no reason to wait any more (the client is gone, the
+    /// server stops: the next pass finds out).
+    fn wait_for_budget(&mut self, need: u64) {
+        const SLICE: Duration = Duration::from_millis(100);
+        let budget = &self.server.budget;
+        while !budget.wait_fit(need, Instant::now() + SLICE) {
+            if self.core.client_gone.load(Ordering::Relaxed) || self.server.stopping() {
+                break;
+            }
+        }
+        self.last_recv = Instant::now();
+    }
+
+    /// A read timed out (nothing received for a `recv_tick`): `Some(reason)` to close the
+    /// connection. Closed when the client stopped sending in the middle of a request for the
+    /// send timeout, or when nothing is in flight and nothing came for the idle timeout.
+    pub(super) fn recv_timed_out(&self, mid_request: bool) -> Option<String> {
+        let tuning = &self.server.tuning;
+        let quiet = self.last_recv.elapsed();
+        if mid_request {
+            return (quiet >= tuning.send_timeout).then(|| {
+                format!(
+                    "the client sent nothing for {:?} in the middle of a request",
+                    tuning.send_timeout
+                )
+            });
+        }
+        let idle = tuning.idle_timeout?;
+        if quiet < idle || !self.staged.is_empty() || !self.core.locked.lock().idle() {
+            return None;
+        }
+        Some(format!("idle for {idle:?} (--idle-timeout)"))
     }
 
     /// The reader's one way to wait for the table: returns `check`'s value once it is `Some`.
@@ -320,14 +416,21 @@ impl<'a> Connection<'a> {
     /// then stops the flusher.
     fn teardown(&mut self, reason: &str) {
         debug!(peer = %self.stream, "tearing down: {reason}");
-        // A write still arriving, or staged requests that never got a slot, are dropped.
-        self.partial_write = None;
+        // A write still arriving, or staged requests that never got a slot, are dropped,
+        // and the memory budget they took is given back.
+        let mut dropped = 0;
+        if let Some(p) = self.partial_write.take() {
+            dropped += p.budget_bytes();
+        }
         self.write_bios.clear();
+        self.discarding = None;
         if !self.staged.is_empty() {
             // Only possible if slots ran out at the very end; answer nothing for them.
+            dropped += self.staged.iter().map(|e| e.budget_bytes).sum::<u64>();
             self.staged.clear();
             self.bios.clear();
         }
+        self.server.budget.give(dropped);
         self.core.flush();
         self.reader_wait(|locked| locked.idle().then_some(()));
         self.core.locked.lock().stop_flusher = true;

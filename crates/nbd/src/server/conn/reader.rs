@@ -41,6 +41,11 @@ fn nbd_extent(e: &DevExtent) -> ExtentExt {
     }
 }
 
+/// Size classes from this one up are [`BufferPool::new_mapped`]: their pages are committed
+/// only as data lands in them, so a WRITE whose payload stalls costs only what was received
+/// (and a 32 MiB WRITE header alone costs nothing).
+const MAPPED_FROM: usize = 256 << 10;
+
 /// Buffer pools by size class, per connection.
 pub(super) struct BufferPools {
     sizes: Vec<usize>,
@@ -60,11 +65,11 @@ impl BufferPools {
         ] {
             if size < max_bio_bytes {
                 sizes.push(size);
-                pools.push(BufferPool::new(size, 0, keep));
+                pools.push(pool(size, keep));
             }
         }
         sizes.push(max_bio_bytes);
-        pools.push(BufferPool::new(max_bio_bytes, 0, 32));
+        pools.push(pool(max_bio_bytes, 32));
         Self { sizes, pools }
     }
 
@@ -76,7 +81,20 @@ impl BufferPools {
                 }
             }
         }
-        Buffer::new(len)
+        if len >= MAPPED_FROM {
+            Buffer::new_mapped(len)
+        } else {
+            Buffer::new(len)
+        }
+    }
+}
+
+/// A pool of `size`-byte buffers keeping `keep` free ones (mapped from [`MAPPED_FROM`] up).
+fn pool(size: usize, keep: usize) -> BufferPool {
+    if size >= MAPPED_FROM {
+        BufferPool::new_mapped(size, 0, keep)
+    } else {
+        BufferPool::new(size, 0, keep)
     }
 }
 
@@ -92,6 +110,13 @@ pub(super) struct PartialWrite {
     remaining: u64,
 }
 
+impl PartialWrite {
+    /// Bytes of the memory budget the write holds.
+    pub(super) fn budget_bytes(&self) -> u64 {
+        self.entry.budget_bytes
+    }
+}
+
 /// Why a parse pass stopped.
 pub(super) enum ParseStop {
     /// The buffer holds no whole request: read more.
@@ -100,6 +125,9 @@ pub(super) enum ParseStop {
     Full,
     /// A write payload continues past the buffer: read it straight into its buffers.
     PartialWrite,
+    /// The next request's payload (this many bytes) does not fit in the global memory
+    /// budget: wait for room, then parse again.
+    NoBudget(u64),
     /// `NBD_CMD_DISC`.
     Disconnect,
     /// The stream is out of step or the client broke a hard rule: close.
@@ -119,6 +147,12 @@ impl<'a> Connection<'a> {
         }
         loop {
             match self.stream.read(&mut self.recv_buf[self.recv_len..]) {
+                Err(e) if is_timeout(&e) => {
+                    let mid_request = self.recv_len > 0 || self.discard_left > 0;
+                    if let Some(reason) = self.recv_timed_out(mid_request) {
+                        return Err(reason);
+                    }
+                }
                 Ok(0) => {
                     return Err(if self.server.stopping() {
                         "server shutting down".into()
@@ -130,6 +164,7 @@ impl<'a> Connection<'a> {
                 }
                 Ok(n) => {
                     self.recv_len += n;
+                    self.last_recv = std::time::Instant::now();
                     return Ok(());
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -154,10 +189,21 @@ impl<'a> Connection<'a> {
                     return ParseStop::NeedMore;
                 }
             }
+            if let Some(entry) = self.discarding.take() {
+                // The refused request's payload is all read: its reply may go now.
+                self.staged.push(entry);
+                continue;
+            }
             let buffered = &self.recv_buf[self.recv_pos..self.recv_len];
             match decode_request(buffered, self.mode) {
                 Ok(Decoded::Incomplete(_)) => return ParseStop::NeedMore,
                 Ok(Decoded::Complete { value, consumed }) => {
+                    // The budget is taken before the request is consumed: if it does not
+                    // fit, the request stays in the buffer until it does.
+                    let need = self.budget_need(&value, stopping);
+                    if need > 0 && !self.server.budget.try_take(need) {
+                        return ParseStop::NoBudget(need);
+                    }
                     self.recv_pos += consumed;
                     if let Some(stop) = self.stage(value, stopping) {
                         return stop;
@@ -170,8 +216,7 @@ impl<'a> Connection<'a> {
                     let mut entry = self.spare_entry();
                     entry.begin(u.cookie, u.offset, u.length, None, u.flags);
                     entry.fail(Errno::Inval);
-                    self.staged.push(entry);
-                    if let Some(stop) = self.discard(u.payload_len) {
+                    if let Some(stop) = self.refuse(entry, u.payload_len) {
                         return stop;
                     }
                 }
@@ -180,21 +225,43 @@ impl<'a> Connection<'a> {
         }
     }
 
+    /// Bytes of the global memory budget a request takes: its payload, for a read or write
+    /// that will be staged (not refused). Must agree with `budget_bytes` set in `stage_read`
+    /// and `stage_write`.
+    fn budget_need(&self, r: &Request, stopping: bool) -> u64 {
+        let data = matches!(r.kind, Command::Read | Command::Write);
+        if !data || stopping || self.validate(r).is_some() {
+            0
+        } else {
+            r.length
+        }
+    }
+
     /// An empty entry to stage into (recycled from a previous commit when there is one).
     fn spare_entry(&mut self) -> InFlight {
         self.spare_entries.pop().unwrap_or_default()
     }
 
-    /// Arranges for a refused request's payload to be skipped.
-    fn discard(&mut self, payload: u64) -> Option<ParseStop> {
+    /// Stages a refused request's (error) reply, after arranging for its payload to be
+    /// skipped. The reply waits until the payload has been read: a client still sending a
+    /// request cannot match a reply to it yet (libnbd fails with "no matching cookie found for
+    /// server reply"). A payload longer than `Tuning::discard_limit` closes the connection
+    /// instead (after the reply).
+    fn refuse(&mut self, entry: InFlight, payload: u64) -> Option<ParseStop> {
         let limit = self.server.tuning.discard_limit;
         if payload > limit {
+            self.staged.push(entry);
             return Some(ParseStop::Fatal(format!(
                 "refused a request with a {payload}-byte payload (more than the {limit} bytes \
                  the server discards)"
             )));
         }
-        self.discard_left = payload;
+        if payload == 0 {
+            self.staged.push(entry);
+        } else {
+            self.discard_left = payload;
+            self.discarding = Some(entry);
+        }
         None
     }
 
@@ -260,6 +327,18 @@ impl<'a> Connection<'a> {
         if r.kind == Command::Disc {
             return Some(ParseStop::Disconnect);
         }
+        if r.kind == Command::Write
+            && self.mode.extended_headers()
+            && r.payload_len(self.mode) > self.max_block
+        {
+            // The extended-headers extension: a server SHOULD disconnect rather than read a
+            // payload over its advertised maximum.
+            return Some(ParseStop::Fatal(format!(
+                "a WRITE with a {}-byte payload, over the {}-byte maximum block size",
+                r.payload_len(self.mode),
+                self.max_block
+            )));
+        }
         let mut entry = self.spare_entry();
         entry.start(&r);
         let refused = if stopping {
@@ -270,8 +349,7 @@ impl<'a> Connection<'a> {
         if let Some(error) = refused {
             self.stats.refused += 1;
             entry.fail(error);
-            self.staged.push(entry);
-            return self.discard(r.payload_len(self.mode));
+            return self.refuse(entry, r.payload_len(self.mode));
         }
         match r.kind {
             Command::Read => self.stage_read(&r, entry),
@@ -442,11 +520,24 @@ impl<'a> Connection<'a> {
     }
 
     /// Reads the rest of a write's payload straight into its buffers; the bytes that follow
-    /// it (the next requests) land in the receive buffer with the same `readv`.
+    /// it (the next requests) land in the receive buffer with the same `readv`. On an error the
+    /// write stays in `partial_write`, for teardown to drop (and give its budget back).
     pub(super) fn fill_partial_write(&mut self) -> Result<(), String> {
         let Some(mut p) = self.partial_write.take() else {
             return Ok(());
         };
+        let res = self.fill(&mut p);
+        match res {
+            Ok(()) => {
+                self.bios.append(&mut self.write_bios);
+                self.staged.push(p.entry);
+            }
+            Err(_) => self.partial_write = Some(p),
+        }
+        res
+    }
+
+    fn fill(&mut self, p: &mut PartialWrite) -> Result<(), String> {
         // Everything buffered was consumed into the payload.
         self.recv_pos = 0;
         self.recv_len = 0;
@@ -472,9 +563,14 @@ impl<'a> Connection<'a> {
                 Ok(0) => return Err("client closed the connection in the middle of a write".into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if is_timeout(&e) => match self.recv_timed_out(true) {
+                    Some(reason) => return Err(reason),
+                    None => continue,
+                },
                 Err(e) => return Err(format!("read error: {e}")),
             };
             let into_payload = n.min(dst_len);
+            self.last_recv = std::time::Instant::now();
             p.remaining -= into_payload as u64;
             p.filled += into_payload;
             self.recv_len += n - into_payload;
@@ -483,8 +579,6 @@ impl<'a> Connection<'a> {
                 p.filled = 0;
             }
         }
-        self.bios.append(&mut self.write_bios);
-        self.staged.push(p.entry);
         Ok(())
     }
 
@@ -532,4 +626,12 @@ impl<'a> Connection<'a> {
     pub(super) fn device(&self) -> &'a dyn Device {
         self.export.export.device.as_ref()
     }
+}
+
+/// A socket read timeout (`SO_RCVTIMEO` expired): `EAGAIN`, which std calls `WouldBlock`.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }

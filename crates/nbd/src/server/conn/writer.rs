@@ -21,7 +21,7 @@ use std::net::Shutdown;
 use std::os::fd::RawFd;
 
 use blkq_sync::atomic::Ordering;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::inflight::{ConnCore, Locked};
 use super::reply::{Output, Segment};
@@ -68,11 +68,12 @@ impl ConnCore {
             }
             let gone = self.client_gone.load(Ordering::Relaxed);
             let mut locked = self.locked.lock();
-            let wake_reader = output.free_sent(&mut locked);
+            let (wake_reader, freed) = output.free_sent(&mut locked);
             output.shape_ready(&mut locked, self, gone);
             if output.shaped_slots.is_empty() {
                 locked.writer_token = Some(output);
                 drop(locked);
+                self.budget.give(freed);
                 self.wake_reader_if(wake_reader);
                 return;
             }
@@ -80,11 +81,13 @@ impl ConnCore {
             if !blocking && rounds >= MAX_NONBLOCKING_ROUNDS {
                 locked.handed_off = Some(output);
                 drop(locked);
+                self.budget.give(freed);
                 self.wake_reader_if(wake_reader);
                 self.flusher_wake.wake_one();
                 return;
             }
             drop(locked);
+            self.budget.give(freed);
             self.wake_reader_if(wake_reader);
         }
     }
@@ -104,10 +107,20 @@ impl ConnCore {
         self.flusher_wake.wake_one();
     }
 
-    /// The client is gone (a send failed): drop replies from now on.
+    /// The client is gone (a send failed, or made no progress for the send timeout): drop
+    /// replies from now on, and shut the socket so the reader stops too. The reader then
+    /// waits for the in-flight requests, whose buffers are freed as they complete.
     fn client_is_gone(&self, e: &io::Error) {
         if !self.client_gone.swap(true, Ordering::Relaxed) {
-            debug!("send failed, dropping replies: {e}");
+            if e.kind() == io::ErrorKind::TimedOut {
+                warn!(
+                    peer = %self.send_sock,
+                    "closing connection: the client read none of its replies for the send \
+                     timeout (--send-timeout)"
+                );
+            } else {
+                debug!("send failed, dropping replies: {e}");
+            }
             let _ = self.send_sock.shutdown(Shutdown::Both);
         }
     }
@@ -165,7 +178,11 @@ impl Output {
             let n = match crate::sys::sendmsg(fd, &iov[..k], dontwait) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => return Ok(false),
+                // A blocking send that sent nothing for `SO_SNDTIMEO` (the send timeout).
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return Err(io::ErrorKind::TimedOut.into())
+                }
                 Err(e) => return Err(e),
             };
             self.advance(n);
@@ -199,21 +216,24 @@ impl Output {
         self.sent_of_segment = 0;
     }
 
-    /// Frees the slots whose replies were sent; returns whether the reader was waiting (the
-    /// caller wakes it after dropping the lock).
-    fn free_sent(&mut self, locked: &mut Locked) -> bool {
+    /// Frees the slots whose replies were sent; returns whether the reader was waiting and
+    /// the budget bytes the slots held (the caller wakes the reader and gives the bytes back
+    /// to the server's memory budget after dropping the lock).
+    fn free_sent(&mut self, locked: &mut Locked) -> (bool, u64) {
         if self.shaped_slots.is_empty() {
-            return false;
+            return (false, 0);
         }
+        let mut freed = 0;
         for &slot in &self.shaped_slots {
             if let Some(entry) = locked.table.get_mut(slot as usize) {
                 locked.bytes_in_flight = locked.bytes_in_flight.saturating_sub(entry.budget_bytes);
+                freed += std::mem::take(&mut entry.budget_bytes);
                 entry.clear_data();
                 locked.free_slots.push(slot);
             }
         }
         self.shaped_slots.clear();
-        std::mem::take(&mut locked.reader_waiting)
+        (std::mem::take(&mut locked.reader_waiting), freed)
     }
 
     /// Shapes every ready reply into the output (or, once the client is gone, just marks the

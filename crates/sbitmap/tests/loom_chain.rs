@@ -1,0 +1,88 @@
+//! Loom models of the chained wake-up rule (`WakeAlgo::Chain`, module docs of
+//! `sbitmap::queue`, "The chained rule"):
+//!
+//! - depth 4 (wake batch 2 under loom's two wait queues), all tags held, three sleepers that
+//!   keep the tag they get, then four frees: two due batches wake two chain heads, and a link
+//!   must wake the third (a lost link leaves a sleeper behind a free tag: loom reports the
+//!   deadlock); the counter rule passes the same model;
+//! - the nested-free model of the counter algorithm, under the chained rule (batch 1);
+//! - the first model without the links must fail (run in a child process).
+#![cfg(blkq_loom)]
+
+mod common;
+
+use blkq_sync::{thread, Arc};
+use sbitmap::{SbitmapQueue, WakeAlgo};
+
+/// Depth 4 (wake batch 2 under loom's two wait queues), all four tags held, three sleepers
+/// that keep the tag they get, then four frees (two batches). Two batches wake two chain
+/// heads; the third sleeper gets its free tag only through a link.
+fn three_sleepers_four_frees(sbq: SbitmapQueue) {
+    let sbq = Arc::new(sbq);
+    assert_eq!(sbq.wake_batch(), 2, "the model needs a batch of two");
+    let tags: Vec<u32> = (0..4).map(|_| sbq.get().unwrap()).collect();
+    let hs: Vec<_> = (0..3)
+        .map(|_| {
+            let q = sbq.clone();
+            thread::spawn(move || q.get_or_wait())
+        })
+        .collect();
+    for t in tags {
+        assert!(sbq.put(t));
+    }
+    let mut got: Vec<u32> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    got.sort_unstable();
+    got.dedup();
+    assert_eq!(got.len(), 3);
+    assert_eq!(sbq.bitmap().weight(), 3);
+}
+
+#[test]
+fn loom_chain_batch_wakes_every_sleeper_with_a_tag() {
+    blkq_sync::model(|| {
+        three_sleepers_four_frees(SbitmapQueue::new(4, None, false, WakeAlgo::Chain).unwrap())
+    });
+}
+
+#[test]
+fn loom_chain_nested_free() {
+    blkq_sync::model(|| common::two_sleepers_two_frees(WakeAlgo::Chain, true));
+}
+
+const CHILD: &str = "BLKQ_LOOM_SBITMAP_CHAIN_NO_LINKS_CHILD";
+
+#[test]
+fn loom_chain_without_links_fails() {
+    if std::env::var_os(CHILD).is_some() {
+        blkq_sync::model(|| {
+            three_sleepers_four_frees(SbitmapQueue::new_chain_without_links(4).unwrap())
+        });
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "loom_chain_without_links_fails",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the chain without links passed the model"
+    );
+    assert!(
+        stderr.contains("deadlock"),
+        "child failed for another reason:\n{stderr}"
+    );
+}
+
+#[test]
+fn loom_counter_batch_wakes_every_sleeper_with_a_tag() {
+    blkq_sync::model(|| {
+        three_sleepers_four_frees(SbitmapQueue::new(4, None, false, WakeAlgo::Counter).unwrap())
+    });
+}
