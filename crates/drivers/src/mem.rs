@@ -6,7 +6,51 @@ use blkq_sync::DynArc as Arc;
 
 use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 
-use crate::backend::{exec_on_backend, Backend};
+use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend};
+
+/// Where a `mem:` device keeps its bytes: the spec's `store=` option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemStore {
+    /// `store=map` (the default): one reserved anonymous mapping, [`MapBackend`].
+    #[default]
+    Map,
+    /// `store=pages`: 4 KiB pages in sharded hash maps, [`MemBackend`].
+    Pages,
+}
+
+impl std::str::FromStr for MemStore {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "map" => Ok(MemStore::Map),
+            "pages" => Ok(MemStore::Pages),
+            _ => Err(Error::Config(format!(
+                "option store: unknown value {s:?} (expected map or pages)"
+            ))),
+        }
+    }
+}
+
+impl MemStore {
+    /// The driver's name in descriptions: `mem store=map` or `mem store=pages`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            MemStore::Map => "mem store=map",
+            MemStore::Pages => "mem store=pages",
+        }
+    }
+
+    /// A store of `size` bytes of this kind; a size that cannot be mapped is an error.
+    pub fn build(self, size: u64) -> Result<Arc<dyn Backend>, Error> {
+        Ok(match self {
+            MemStore::Map => Arc::new(
+                MapBackend::new(size)
+                    .map_err(|e| Error::Config(format!("mem:{size},store=map: {e}")))?,
+            ),
+            MemStore::Pages => Arc::new(MemBackend::new(size)),
+        })
+    }
+}
 
 /// A driver that executes each request synchronously on a [`Backend`] in `queue_rq`
 /// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`crate::FileDriver`]).

@@ -1,0 +1,531 @@
+//! `MapBackend` (the `mem` store over one reserved mapping): the `MemBackend` suite run on it
+//! (data round trips, holes, discard / write-zeroes semantics, allocation maps, concurrency,
+//! a flat `Vec<u8>` model), then: the same random operations on both stores agree exactly
+//! (data, extents, allocated bytes), resident memory follows the data, sizes that cannot be
+//! mapped are errors, overlapping concurrent I/O across regions.
+// A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
+// condition variables, baselines) is not what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use blk_drivers::backend::{Backend, Extent, MapBackend, MemBackend};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use testkit::pattern;
+
+const PAGE: u64 = 4096;
+
+fn ext(offset: u64, len: u64, allocated: bool) -> Extent {
+    Extent {
+        offset,
+        len,
+        allocated,
+    }
+}
+
+fn read(m: &MapBackend, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0xAAu8; len];
+    m.read_at(offset, &mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn unaligned_round_trip_across_pages() {
+    let m = MapBackend::new(1 << 20).unwrap();
+    let data = pattern(1, 10_000);
+    m.write_at(4000, &data, false).unwrap();
+    assert_eq!(read(&m, 4000, 10_000), data);
+    // Pieces straddling the boundaries, and the untouched surroundings.
+    assert_eq!(read(&m, 4090, 20), &data[90..110]);
+    assert_eq!(read(&m, 8190, 5000), &data[4190..9190]);
+    assert!(read(&m, 0, 4000).iter().all(|&b| b == 0));
+    assert!(read(&m, 14_000, 4000).iter().all(|&b| b == 0));
+    // 4000..14000 touches pages 0..=3.
+    assert_eq!(m.allocated_bytes(), 4 * PAGE);
+    // Overwrite a piece in the middle, one byte.
+    m.write_at(9999, &[0x42], false).unwrap();
+    assert_eq!(read(&m, 9998, 3), vec![data[5998], 0x42, data[6000]]);
+    // Empty I/O is fine anywhere in range, including at the end.
+    m.write_at(1 << 20, &[], false).unwrap();
+    m.read_at(1 << 20, &mut []).unwrap();
+}
+
+#[test]
+fn holes_read_as_zeros_and_cost_nothing() {
+    let m = MapBackend::new(1 << 40).unwrap();
+    assert_eq!(m.allocated_bytes(), 0);
+    assert!(read(&m, (1 << 40) - 70_000, 70_000).iter().all(|&b| b == 0));
+    assert_eq!(m.allocated_bytes(), 0);
+    assert_eq!(
+        m.extents(0, 1 << 40, 16).unwrap(),
+        vec![ext(0, 1 << 40, false)]
+    );
+    assert!(m.fast_zero());
+    m.flush().unwrap();
+}
+
+#[test]
+fn out_of_range_is_an_error_not_a_panic() {
+    let m = MapBackend::new(10_000).unwrap();
+    let mut buf = [0u8; 16];
+    assert!(m.read_at(9_990, &mut buf).is_err());
+    assert!(m.write_at(9_990, &buf, false).is_err());
+    assert!(m.read_at(u64::MAX - 4, &mut buf).is_err());
+    assert!(m.discard(u64::MAX, 2).is_err());
+    assert!(m.write_zeroes(5_000, 6_000, true).is_err());
+    assert!(m.extents(0, 10_001, 4).is_err());
+    let e = m.write_at(u64::MAX, &buf, true).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    // The last partial page of a size that is not a page multiple works.
+    m.write_at(9_990, &buf[..10], false).unwrap();
+    assert_eq!(read(&m, 9_990, 10), vec![0; 10]);
+    m.write_at(9_990, &[7; 10], false).unwrap();
+    assert_eq!(read(&m, 9_990, 10), vec![7; 10]);
+    assert_eq!(
+        m.extents(0, 10_000, 8).unwrap(),
+        vec![ext(0, 8192, false), ext(8192, 10_000 - 8192, true)]
+    );
+    // Discarding to the end frees that last (partial) page.
+    m.discard(8192, 10_000 - 8192).unwrap();
+    assert_eq!(m.allocated_bytes(), 0);
+}
+
+#[test]
+fn discard_frees_whole_pages_and_zeroes_partial_ones() {
+    let m = MapBackend::new(64 * PAGE).unwrap();
+    let data = pattern(2, 6 * PAGE as usize);
+    m.write_at(2 * PAGE, &data, false).unwrap(); // pages 2..8
+    assert_eq!(m.allocated_bytes(), 6 * PAGE);
+    assert_eq!(
+        m.extents(0, 64 * PAGE, 64).unwrap(),
+        vec![
+            ext(0, 2 * PAGE, false),
+            ext(2 * PAGE, 6 * PAGE, true),
+            ext(8 * PAGE, 56 * PAGE, false)
+        ]
+    );
+    // From the middle of page 3 to the middle of page 6: pages 4 and 5 go, 3 and 6 are
+    // zeroed in part and stay.
+    let (from, to) = (3 * PAGE + 100, 6 * PAGE + 200);
+    m.discard(from, to - from).unwrap();
+    assert_eq!(m.allocated_bytes(), 4 * PAGE);
+    let got = read(&m, 2 * PAGE, 6 * PAGE as usize);
+    for (i, (&g, &d)) in got.iter().zip(&data).enumerate() {
+        let pos = 2 * PAGE + i as u64;
+        let want = if (from..to).contains(&pos) { 0 } else { d };
+        assert_eq!(g, want, "byte {pos}");
+    }
+    assert_eq!(
+        m.extents(0, 64 * PAGE, 64).unwrap(),
+        vec![
+            ext(0, 2 * PAGE, false),
+            ext(2 * PAGE, 2 * PAGE, true),
+            ext(4 * PAGE, 2 * PAGE, false),
+            ext(6 * PAGE, 2 * PAGE, true),
+            ext(8 * PAGE, 56 * PAGE, false)
+        ]
+    );
+    // A partial discard that leaves a page all zeros frees it.
+    m.discard(6 * PAGE + 200, PAGE - 200).unwrap();
+    assert_eq!(m.allocated_bytes(), 3 * PAGE);
+    // Discarding holes is a no-op.
+    m.discard(20 * PAGE + 1, 10 * PAGE).unwrap();
+    assert_eq!(m.allocated_bytes(), 3 * PAGE);
+}
+
+#[test]
+fn write_zeroes_keeps_or_unmaps() {
+    let m = MapBackend::new(16 * PAGE).unwrap();
+    m.write_at(PAGE, &pattern(3, 2 * PAGE as usize), false)
+        .unwrap(); // pages 1, 2
+                   // Without unmap: zeros, and the pages stay (holes in range get allocated).
+    m.write_zeroes(PAGE / 2, 4 * PAGE, false).unwrap(); // pages 0..=4
+    assert!(read(&m, PAGE / 2, 4 * PAGE as usize)
+        .iter()
+        .all(|&b| b == 0));
+    assert_eq!(m.allocated_bytes(), 5 * PAGE);
+    assert_eq!(
+        m.extents(0, 16 * PAGE, 16).unwrap(),
+        vec![ext(0, 5 * PAGE, true), ext(5 * PAGE, 11 * PAGE, false)]
+    );
+    // With unmap: whole pages go; the partial first page (now all zeros) goes too.
+    m.write_zeroes(PAGE / 2, 4 * PAGE, true).unwrap();
+    assert_eq!(m.allocated_bytes(), 0);
+    assert_eq!(
+        m.extents(0, 16 * PAGE, 16).unwrap(),
+        vec![ext(0, 16 * PAGE, false)]
+    );
+    // A partial unmap of a page with data elsewhere zeroes only the range.
+    m.write_at(8 * PAGE, &[9; 4096], false).unwrap();
+    m.write_zeroes(8 * PAGE + 10, 20, true).unwrap();
+    let got = read(&m, 8 * PAGE, 4096);
+    assert!(got[..10].iter().all(|&b| b == 9));
+    assert!(got[10..30].iter().all(|&b| b == 0));
+    assert!(got[30..].iter().all(|&b| b == 9));
+    assert_eq!(m.allocated_bytes(), PAGE);
+}
+
+#[test]
+fn extents_clip_to_the_range_and_respect_max() {
+    let m = MapBackend::new(1 << 20).unwrap();
+    // Allocated pages 1, 3, 5, 7, 9.
+    for p in [1u64, 3, 5, 7, 9] {
+        m.write_at(p * PAGE + 7, &[1], false).unwrap();
+    }
+    // An unaligned range: first and last extents are clipped to it.
+    let e = m.extents(PAGE + 100, 4 * PAGE, 100).unwrap();
+    assert_eq!(
+        e,
+        vec![
+            ext(PAGE + 100, PAGE - 100, true),
+            ext(2 * PAGE, PAGE, false),
+            ext(3 * PAGE, PAGE, true),
+            ext(4 * PAGE, PAGE, false),
+            ext(5 * PAGE, 100, true)
+        ]
+    );
+    // At most 3: the map stops short.
+    let e = m.extents(0, 1 << 20, 3).unwrap();
+    assert_eq!(
+        e,
+        vec![
+            ext(0, PAGE, false),
+            ext(PAGE, PAGE, true),
+            ext(2 * PAGE, PAGE, false)
+        ]
+    );
+    assert!(m.extents(0, 1 << 20, 0).unwrap().is_empty());
+    assert!(m.extents(77, 0, 5).unwrap().is_empty());
+    // Inside one page.
+    assert_eq!(
+        m.extents(PAGE + 1, 10, 5).unwrap(),
+        vec![ext(PAGE + 1, 10, true)]
+    );
+}
+
+#[test]
+fn extents_of_a_huge_sparse_device_are_quick() {
+    let size = 1u64 << 40; // 1 TiB: 2^28 pages, 2^20 regions (a lock each, in a debug build)
+    let m = MapBackend::new(size).unwrap();
+    m.write_at(size / 2 - 1, &[1, 2], false).unwrap(); // straddles two pages
+    m.write_at(size - 1, &[3], false).unwrap();
+    // No timing assertion (shared machines): the bitmap is scanned a word (64 pages) at a
+    // time; the answer is checked exactly.
+    let e = m.extents(0, size, 16).unwrap();
+    assert_eq!(
+        e,
+        vec![
+            ext(0, size / 2 - PAGE, false),
+            ext(size / 2 - PAGE, 2 * PAGE, true),
+            ext(size / 2 + PAGE, size / 2 - 2 * PAGE, false),
+            ext(size - PAGE, PAGE, true)
+        ]
+    );
+}
+
+#[test]
+fn concurrent_writers_to_disjoint_ranges() {
+    const THREADS: u64 = 4;
+    const STRIPE: u64 = 3 * PAGE + 777; // unaligned stripes: neighbours share pages
+    const ROUNDS: u64 = 64;
+    let size = THREADS * STRIPE * ROUNDS;
+    let m = std::sync::Arc::new(MapBackend::new(size).unwrap());
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let m = std::sync::Arc::clone(&m);
+            std::thread::spawn(move || {
+                for r in 0..ROUNDS {
+                    let off = (r * THREADS + t) * STRIPE;
+                    let data = pattern(off, STRIPE as usize);
+                    // In two unequal pieces, the second first.
+                    m.write_at(off + 1000, &data[1000..], false).unwrap();
+                    m.write_at(off, &data[..1000], false).unwrap();
+                    let mut back = vec![0; STRIPE as usize];
+                    m.read_at(off, &mut back).unwrap();
+                    assert_eq!(back, data, "thread {t} round {r}");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    for i in 0..THREADS * ROUNDS {
+        let off = i * STRIPE;
+        assert_eq!(
+            read(&m, off, STRIPE as usize),
+            pattern(off, STRIPE as usize)
+        );
+    }
+    assert_eq!(m.allocated_bytes(), size.div_ceil(PAGE) * PAGE);
+    assert_eq!(m.extents(0, size, 4).unwrap(), vec![ext(0, size, true)]);
+}
+
+/// Random ops against a flat model: data, and extents that never call a page with data a hole.
+#[test]
+fn randomized_against_a_flat_model() {
+    const SIZE: usize = 40 * 4096 + 123;
+    let m = MapBackend::new(SIZE as u64).unwrap();
+    let mut model = vec![0u8; SIZE];
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let mut rnd = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for step in 0..3000u64 {
+        let off = rnd(SIZE as u64) as usize;
+        let len = rnd((SIZE - off) as u64 + 1).min(3 * 4096 + 500) as usize;
+        match rnd(5) {
+            0 | 1 => {
+                let d = pattern(step, len);
+                m.write_at(off as u64, &d, false).unwrap();
+                model[off..off + len].copy_from_slice(&d);
+            }
+            2 => {
+                m.discard(off as u64, len as u64).unwrap();
+                model[off..off + len].fill(0);
+            }
+            3 => {
+                m.write_zeroes(off as u64, len as u64, rnd(2) == 0).unwrap();
+                model[off..off + len].fill(0);
+            }
+            _ => {
+                assert_eq!(
+                    read(&m, off as u64, len),
+                    &model[off..off + len],
+                    "step {step}"
+                );
+            }
+        }
+    }
+    assert_eq!(read(&m, 0, SIZE), model);
+    let map = m.extents(0, SIZE as u64, usize::MAX).unwrap();
+    let mut pos = 0u64;
+    for e in &map {
+        assert_eq!(e.offset, pos, "extents cover the range in order");
+        assert!(e.len > 0);
+        if !e.allocated {
+            let r = e.offset as usize..(e.offset + e.len) as usize;
+            assert!(model[r].iter().all(|&b| b == 0), "hole {e:?} has data");
+        }
+        pos += e.len;
+    }
+    assert_eq!(pos, SIZE as u64);
+    for w in map.windows(2) {
+        assert_ne!(w[0].allocated, w[1].allocated, "neighbours are merged");
+    }
+    let allocated: u64 = map.iter().filter(|e| e.allocated).map(|e| e.len).sum();
+    assert!(m.allocated_bytes() >= allocated);
+}
+
+/// A small xorshift generator, so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+/// The same random operations on the map store and the page store: data, extents (over the
+/// whole device and random unaligned sub-ranges, with and without a cap) and allocated bytes
+/// agree exactly after every step. Ranges cross the 1 MiB region boundaries and the partial
+/// last page.
+#[test]
+fn map_and_pages_agree_on_random_ops() {
+    const SIZE: u64 = 3 * (1 << 20) + 5 * PAGE + 123;
+    let map = MapBackend::new(SIZE).unwrap();
+    let pages = MemBackend::new(SIZE);
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    for step in 0..2500u64 {
+        // Mostly near a region boundary or the end, so the edges are exercised.
+        let off = match rng.below(3) {
+            0 => rng.below(SIZE),
+            1 => ((1 + rng.below(3)) << 20).saturating_sub(rng.below(3 * PAGE)),
+            _ => SIZE - rng.below(3 * PAGE),
+        }
+        .min(SIZE);
+        let max_len = if rng.below(10) == 0 {
+            1 << 21
+        } else {
+            3 * PAGE + 500
+        };
+        let len = rng.below((SIZE - off).min(max_len) + 1);
+        match rng.below(7) {
+            0 | 1 => {
+                let d = pattern(step, len as usize);
+                map.write_at(off, &d, false).unwrap();
+                pages.write_at(off, &d, false).unwrap();
+            }
+            2 => {
+                map.discard(off, len).unwrap();
+                pages.discard(off, len).unwrap();
+            }
+            3 => {
+                let unmap = rng.below(2) == 0;
+                map.write_zeroes(off, len, unmap).unwrap();
+                pages.write_zeroes(off, len, unmap).unwrap();
+            }
+            4 => {
+                let cap = 1 + rng.below(6) as usize;
+                assert_eq!(
+                    map.extents(off, len, cap).unwrap(),
+                    pages.extents(off, len, cap).unwrap(),
+                    "step {step}: extents {off}+{len} max {cap}"
+                );
+            }
+            _ => {
+                let mut a = vec![0xAA; len as usize];
+                let mut b = vec![0x55; len as usize];
+                map.read_at(off, &mut a).unwrap();
+                pages.read_at(off, &mut b).unwrap();
+                assert!(a == b, "step {step}: read {off}+{len} differs");
+            }
+        }
+        assert_eq!(
+            map.allocated_bytes(),
+            pages.allocated_bytes(),
+            "step {step}"
+        );
+    }
+    assert_eq!(
+        map.extents(0, SIZE, usize::MAX).unwrap(),
+        pages.extents(0, SIZE, usize::MAX).unwrap()
+    );
+    assert!(
+        read(&map, 0, SIZE as usize) == {
+            let mut b = vec![0; SIZE as usize];
+            pages.read_at(0, &mut b).unwrap();
+            b
+        }
+    );
+}
+
+/// RSS follows the data: reads of holes commit nothing, writes commit their pages, discards
+/// give them back (`resident_bytes` is `mincore`'s count; it can only be lower than the
+/// allocation map's, e.g. after swapping).
+#[test]
+fn resident_memory_follows_the_data() {
+    let m = MapBackend::new(64 << 20).unwrap();
+    assert_eq!(m.resident_bytes().unwrap(), 0);
+    assert!(read(&m, 0, 4 << 20).iter().all(|&b| b == 0));
+    assert_eq!(
+        m.resident_bytes().unwrap(),
+        0,
+        "reading holes commits nothing"
+    );
+    m.write_at(10 << 20, &pattern(5, 16 * PAGE as usize), false)
+        .unwrap();
+    m.write_at(40 << 20, &[1], false).unwrap();
+    assert_eq!(m.allocated_bytes(), 17 * PAGE);
+    assert!(m.resident_bytes().unwrap() <= 17 * PAGE);
+    m.discard(0, 64 << 20).unwrap();
+    assert_eq!(m.allocated_bytes(), 0);
+    assert_eq!(
+        m.resident_bytes().unwrap(),
+        0,
+        "discard gives the pages back"
+    );
+    assert!(read(&m, 10 << 20, 16 * PAGE as usize)
+        .iter()
+        .all(|&b| b == 0));
+}
+
+#[test]
+fn sizes_that_cannot_be_mapped_are_errors() {
+    for size in [u64::MAX, 1 << 63, 1 << 62] {
+        let e = MapBackend::new(size).unwrap_err();
+        assert!(e.to_string().contains(&size.to_string()), "{e}");
+    }
+    // A zero-sized device works: every non-empty request is out of range.
+    let z = MapBackend::new(0).unwrap();
+    z.read_at(0, &mut []).unwrap();
+    assert!(z.write_at(0, &[1], false).is_err());
+    assert!(z.extents(0, 0, 4).unwrap().is_empty());
+    assert_eq!(z.resident_bytes().unwrap(), 0);
+}
+
+#[test]
+fn mem_specs_pick_the_store() {
+    let ov = QueueOverrides::default();
+    let desc = |s: &str| {
+        s.parse::<DeviceSpec>()
+            .unwrap()
+            .build(&ov)
+            .map(|q| q.describe())
+    };
+    assert!(desc("mem:1M")
+        .unwrap()
+        .contains("mem store=map size=1048576"));
+    assert!(desc("mem:1M,store=map").unwrap().contains("mem store=map"));
+    assert!(desc("mem:1M,store=pages")
+        .unwrap()
+        .contains("mem store=pages"));
+    let e = desc("mem:1M,store=tree").unwrap_err().to_string();
+    assert!(e.contains("store") && e.contains("tree"), "{e}");
+    // Too large to reserve (2^62 bytes): an error naming the size, not a panic.
+    let e = desc("mem:4194304T").unwrap_err().to_string();
+    assert!(e.contains("4611686018427387904"), "{e}");
+    // The page store reserves nothing up front.
+    assert!(desc("mem:4194304T,store=pages").is_ok());
+    // `store` is a mem option only.
+    assert!(desc("null:1M,store=map").is_err());
+}
+
+/// Overlapping concurrent writes, reads, discards and extent queries on shared ranges that
+/// cross region boundaries (contents there are undefined; nothing may crash), while each
+/// thread also owns a private range whose data must come back exactly.
+#[test]
+fn concurrent_overlapping_io_across_regions() {
+    const THREADS: u64 = 4;
+    const SHARED: u64 = 3 << 20; // regions 0..3, shared by all
+    const PRIVATE: u64 = (1 << 20) + 3 * PAGE + 17; // unaligned private ranges after it
+    let size = SHARED + THREADS * PRIVATE;
+    let m = std::sync::Arc::new(MapBackend::new(size).unwrap());
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let m = std::sync::Arc::clone(&m);
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x9E37_79B9 + t);
+                let mine = SHARED + t * PRIVATE;
+                let mut buf = vec![0u8; 1 << 20];
+                for i in 0..150u64 {
+                    let off =
+                        (1 << 20) - PAGE * 8 + rng.below(PAGE * 16) + rng.below(2) * (1 << 20);
+                    let len = 1 + rng.below(buf.len() as u64 / 2);
+                    let b = &mut buf[..len as usize];
+                    match rng.below(5) {
+                        0 | 1 => m.write_at(off, b, false).unwrap(),
+                        2 => m.read_at(off, b).unwrap(),
+                        3 => m.discard(off, len).unwrap(),
+                        _ => {
+                            m.extents(0, SHARED, 64).unwrap();
+                        }
+                    }
+                    // The private range: written in two pieces, read back whole.
+                    let seed = t * 1000 + i;
+                    let data = pattern(seed, PRIVATE as usize);
+                    m.write_at(mine + 5000, &data[5000..], false).unwrap();
+                    m.write_at(mine, &data[..5000], false).unwrap();
+                    let mut back = vec![0u8; PRIVATE as usize];
+                    m.read_at(mine, &mut back).unwrap();
+                    assert!(back == data, "thread {t} iteration {i}");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    for t in 0..THREADS {
+        let got = read(&m, SHARED + t * PRIVATE, PRIVATE as usize);
+        assert!(
+            got == pattern(t * 1000 + 149, PRIVATE as usize),
+            "thread {t}"
+        );
+    }
+}
