@@ -483,32 +483,34 @@ fn mem_specs_pick_the_store() {
 fn concurrent_overlapping_io_across_regions() {
     const THREADS: u64 = 4;
     const SHARED: u64 = 3 << 20; // regions 0..3, shared by all
-    const PRIVATE: u64 = (1 << 20) + 3 * PAGE + 17; // unaligned private ranges after it
-    let size = SHARED + THREADS * PRIVATE;
+    const PRIVATE: u64 = 40_017; // one unaligned range per thread, across a region boundary
+    let private = |t: u64| SHARED + ((t + 1) << 20) - 20_000;
+    let size = SHARED + ((THREADS + 1) << 20);
     let m = std::sync::Arc::new(MapBackend::new(size).unwrap());
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
             let m = std::sync::Arc::clone(&m);
             std::thread::spawn(move || {
                 let mut rng = Rng(0x9E37_79B9 + t);
-                let mine = SHARED + t * PRIVATE;
-                let mut buf = vec![0u8; 1 << 20];
-                for i in 0..150u64 {
+                let mine = private(t);
+                let mut buf = vec![0u8; 256 << 10];
+                for i in 0..200u64 {
+                    // Around the boundaries at 1 and 2 MiB.
                     let off =
                         (1 << 20) - PAGE * 8 + rng.below(PAGE * 16) + rng.below(2) * (1 << 20);
-                    let len = 1 + rng.below(buf.len() as u64 / 2);
+                    let len = 1 + rng.below(buf.len() as u64);
                     let b = &mut buf[..len as usize];
-                    match rng.below(5) {
+                    match rng.below(6) {
                         0 | 1 => m.write_at(off, b, false).unwrap(),
                         2 => m.read_at(off, b).unwrap(),
                         3 => m.discard(off, len).unwrap(),
+                        4 => m.write_zeroes(off, len, rng.below(2) == 0).unwrap(),
                         _ => {
                             m.extents(0, SHARED, 64).unwrap();
                         }
                     }
                     // The private range: written in two pieces, read back whole.
-                    let seed = t * 1000 + i;
-                    let data = pattern(seed, PRIVATE as usize);
+                    let data = pattern(t * 1000 + i, PRIVATE as usize);
                     m.write_at(mine + 5000, &data[5000..], false).unwrap();
                     m.write_at(mine, &data[..5000], false).unwrap();
                     let mut back = vec![0u8; PRIVATE as usize];
@@ -522,9 +524,9 @@ fn concurrent_overlapping_io_across_regions() {
         h.join().unwrap();
     }
     for t in 0..THREADS {
-        let got = read(&m, SHARED + t * PRIVATE, PRIVATE as usize);
+        let got = read(&m, private(t), PRIVATE as usize);
         assert!(
-            got == pattern(t * 1000 + 149, PRIVATE as usize),
+            got == pattern(t * 1000 + 199, PRIVATE as usize),
             "thread {t}"
         );
     }
