@@ -106,7 +106,12 @@ impl Mapping {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
+        let Some(ptr) = NonNull::new(p.cast::<u8>()) else {
+            // Only with vm.mmap_min_addr=0; a null base would make slices of it invalid.
+            // SAFETY: the mapping just made, unused.
+            unsafe { libc::munmap(p, len) };
+            return Err(io::Error::other("mmap returned address 0"));
+        };
         // Page-granular allocation: no transparent huge pages (see the module docs). Only a
         // hint: a kernel without THP rejects it, and then there are none anyway.
         // SAFETY: the range is exactly the mapping just made; the advice changes no contents.
@@ -138,7 +143,9 @@ pub struct MapBackend {
     bits: Mapping,
     /// Region `r` is guarded by `stripes[r % STRIPES]`.
     stripes: Box<[CachePadded<RwLock<()>>]>,
-    /// Pages whose bit is set (a statistic: changed under region locks, read without).
+    /// Pages whose bit is set. A statistic: changed with `Relaxed` read-modify-writes under
+    /// the region locks (which order the bitmap itself), read without; nothing is published
+    /// through it, so no ordering is needed.
     allocated_pages: AtomicU64,
 }
 
