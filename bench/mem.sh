@@ -16,12 +16,15 @@
 # 3. The striped region locks' own cost (LOCKCOST=0 skips): the `lock_cost` measurement of
 #    crates/drivers/tests/backend_map.rs, in release (an uncontended lock next to the copies).
 #
-# Every cell runs REPEATS times, the stores interleaved (map first on even rounds, pages first
-# on odd ones) so drift hits both; prints mean, spread (min..max) and the ratio map/pages (and
-# map/nbdkit). Throughput in MiB/s. On a shared machine say so next to the figures.
+# Every cell runs REPEATS times, the stores interleaved (in order on even rounds, reversed on
+# odd ones) so drift hits all; prints mean, spread (min..max) and the first store's mean over
+# each other's (map/pages, map/nbdkit). Throughput in MiB/s. On a shared machine say so next to
+# the figures.
 #
 # Environment: REPEATS=3, RUNTIME=3 (seconds per run), SIZE=1G, IODEPTH=32 (in process),
-# JOBS=1, NBD=1, LOCKCOST=1, OUT=DIR (raw results; default a new /tmp/blkq-mem.XXXXXX).
+# JOBS=1, STORES="map pages" (what follows `store=` in the spec; e.g. STORES="map map,thp=1
+# pages" adds the mapping with transparent huge pages), NBD=1, LOCKCOST=1, OUT=DIR (raw
+# results; default a new /tmp/blkq-mem.XXXXXX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/blkq}
@@ -30,6 +33,7 @@ RUNTIME=${RUNTIME:-3}
 SIZE=${SIZE:-1G}
 IODEPTH=${IODEPTH:-32}
 JOBS=${JOBS:-1}
+STORES=${STORES:-"map pages"}
 NBD=${NBD:-1}
 LOCKCOST=${LOCKCOST:-1}
 OUT=${OUT:-$(mktemp -d /tmp/blkq-mem.XXXXXX)}
@@ -41,8 +45,9 @@ results=$OUT/results.tsv
 : >"$results"
 
 # --- 1. in process -------------------------------------------------------------------------
+reverse() { echo "$@" | tr ' ' '\n' | tac | tr '\n' ' '; }
 for ((r = 0; r < REPEATS; r++)); do
-  if ((r % 2 == 0)); then order="map pages"; else order="pages map"; fi
+  if ((r % 2 == 0)); then order=$STORES; else order=$(reverse $STORES); fi
   for rw in read write; do
     for bs in 1M 4K; do
       for store in $order; do
@@ -66,14 +71,14 @@ serve() { # SIDE SOCK LOG: starts a server, prints its pid
 }
 
 if [[ $NBD == 1 ]] && command -v fio >/dev/null; then
-  sides="map pages"
+  sides=$STORES
   command -v nbdkit >/dev/null && sides="$sides nbdkit"
   for ((r = 0; r < REPEATS; r++)); do
-    if ((r % 2 == 0)); then order=$sides; else order=$(echo "$sides" | tr ' ' '\n' | tac | tr '\n' ' '); fi
+    if ((r % 2 == 0)); then order=$sides; else order=$(reverse $sides); fi
     for side in $order; do
       sock=$OUT/mem.sock
       rm -f "$sock"
-      pid=$(serve "$side" "$sock" "$OUT/serve-$side-r$r.log")
+      pid=$(serve "$side" "$sock" "$OUT/serve-${side//[,=]/_}-r$r.log")
       for _ in $(seq 200); do [[ -S $sock ]] && break; sleep 0.05; done
       uri="nbd+unix:///?socket=$sock"
       fio --name=prefill --ioengine=nbd --uri="$uri" --rw=write --bs=1M --iodepth=16 \
@@ -81,7 +86,7 @@ if [[ $NBD == 1 ]] && command -v fio >/dev/null; then
       for rw in read write; do
         for bs in 1M 4K; do
           echo "round $r: nbd $rw $bs $side" >&2
-          json=$OUT/nbd-$side-r$r-$rw-$bs.json
+          json=$OUT/nbd-${side//[,=]/_}-r$r-$rw-$bs.json
           fio --name=mem --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth=16 \
             --size="$SIZE" --time_based --runtime="$RUNTIME" --output-format=json \
             --output="$json" >/dev/null 2>&1
@@ -103,27 +108,30 @@ elif [[ $NBD == 1 ]]; then
 fi
 
 # --- the table -----------------------------------------------------------------------------
-"$PY" - "$results" "$SIZE" "$REPEATS" <<'EOF'
+"$PY" - "$results" "$SIZE" "$REPEATS" $STORES nbdkit <<'EOF'
 import sys, statistics
-path, size, repeats = sys.argv[1:]
+path, size, repeats, *sides = sys.argv[1:]
 rows = [l.rstrip("\n").split("\t") for l in open(path) if l.strip()]
 cells, data = [], {}
 for cell, side, rnd, v in rows:
     if cell not in cells:
         cells.append(cell)
     data.setdefault((cell, side), []).append(float(v) / (1 << 20))
+sides = [s for s in sides if any(k[1] == s for k in data)]
 def fmt(xs):
-    if not xs:
-        return "-"
-    return f"{statistics.mean(xs):,.0f} ({min(xs):,.0f}..{max(xs):,.0f})"
+    return f"{statistics.mean(xs):,.0f} ({min(xs):,.0f}..{max(xs):,.0f})" if xs else "-"
 def ratio(a, b):
     return f"{statistics.mean(a) / statistics.mean(b):.2f}" if a and b and statistics.mean(b) else "-"
+name = lambda s: "nbdkit memory" if s == "nbdkit" else f"store={s}"
+first, others = sides[0], sides[1:]
 print(f"mem:{size}, {repeats} runs per cell, MiB/s: mean (min..max)\n")
-print("| cell | store=map | store=pages | nbdkit memory | map/pages | map/nbdkit |")
-print("|---|--:|--:|--:|--:|--:|")
+print("| cell | " + " | ".join(name(s) for s in sides) + " | "
+      + " | ".join(f"{first}/{o}" for o in others) + " |")
+print("|---|" + "--:|" * (len(sides) + len(others)))
 for c in cells:
-    m, p, n = (data.get((c, s), []) for s in ("map", "pages", "nbdkit"))
-    print(f"| {c} | {fmt(m)} | {fmt(p)} | {fmt(n)} | {ratio(m, p)} | {ratio(m, n)} |")
+    xs = [data.get((c, s), []) for s in sides]
+    print(f"| {c} | " + " | ".join(fmt(x) for x in xs) + " | "
+          + " | ".join(ratio(xs[0], x) for x in xs[1:]) + " |")
 EOF
 
 # --- 3. the locks' own cost ----------------------------------------------------------------

@@ -10,7 +10,7 @@
 //!
 //! Options of `mem:` devices: `store=map|pages` (default `map`: one reserved anonymous
 //! mapping, [`MapBackend`](crate::backend::MapBackend); `pages`: the sparse page table,
-//! [`MemBackend`]).
+//! [`MemBackend`]) and, for `store=map`, `thp=0|1` (transparent huge pages, default 0).
 //!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `reserved_tags`, `wake`, `policy`, `block_size`, `max_io`) and its I/O scheduler:
@@ -230,6 +230,7 @@ impl DeviceSpec {
         let mut null = NullConfig::default();
         let mut memory_backed = false;
         let mut mem_store = MemStore::default();
+        let mut mem_thp = false;
         let mut file_opts = FileOptions {
             read_only: ov.read_only,
             ..FileOptions::default()
@@ -265,6 +266,7 @@ impl DeviceSpec {
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
                 ("store", Kind::Mem(_)) => mem_store = v.parse()?,
+                ("thp", Kind::Mem(_)) => mem_thp = parse_bool(k, v)?,
                 ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
                 ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
                 ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
@@ -324,10 +326,8 @@ impl DeviceSpec {
             }
             Kind::Mem(size) => {
                 cfg.limits.capacity = *size;
-                Box::new(BackendDriver::new(
-                    mem_store.describe(),
-                    mem_store.build(*size)?,
-                ))
+                let store = mem_store.with_thp(mem_thp)?;
+                Box::new(BackendDriver::new(store.describe(), store.build(*size)?))
             }
             Kind::File(path) => {
                 let be = FileBackend::open(path, file_opts)?;

@@ -13,7 +13,7 @@ mod mem_suite;
 
 use blk_drivers::backend::{Backend, MapBackend, MemBackend};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use mem_suite::{read, PAGE};
+use mem_suite::{ext, read, PAGE};
 use testkit::pattern;
 
 suite!(MapBackend);
@@ -36,8 +36,18 @@ impl Rng {
 /// last page.
 #[test]
 fn map_and_pages_agree_on_random_ops() {
+    agree_with_pages(false);
+}
+
+/// The same with transparent huge pages (`thp=1`): the map stays page-granular.
+#[test]
+fn map_with_huge_pages_agrees_with_pages() {
+    agree_with_pages(true);
+}
+
+fn agree_with_pages(huge: bool) {
     const SIZE: u64 = 3 * (1 << 20) + 5 * PAGE + 123;
-    let map = MapBackend::new(SIZE).unwrap();
+    let map = MapBackend::with_huge_pages(SIZE, huge).unwrap();
     let pages = MemBackend::new(SIZE);
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     for step in 0..2500u64 {
@@ -134,6 +144,33 @@ fn resident_memory_follows_the_data() {
         .all(|&b| b == 0));
 }
 
+/// With huge pages, a discard of 4 KiB inside a 2 MiB page gives back just that page: zeros
+/// there, data around it, the map page-granular.
+#[test]
+fn huge_pages_discard_page_granular() {
+    let m = MapBackend::with_huge_pages(8 << 20, true).unwrap();
+    let data = pattern(9, 4 << 20);
+    m.write_at(2 << 20, &data, false).unwrap();
+    let hole = (3 << 20) + 5 * PAGE;
+    m.discard(hole, PAGE).unwrap();
+    assert_eq!(m.allocated_bytes(), (4 << 20) - PAGE);
+    let mut want = data.clone();
+    want[(hole - (2 << 20)) as usize..][..PAGE as usize].fill(0);
+    assert!(read(&m, 2 << 20, 4 << 20) == want);
+    assert_eq!(
+        m.extents(0, 8 << 20, 8).unwrap(),
+        vec![
+            ext(0, 2 << 20, false),
+            ext(2 << 20, hole - (2 << 20), true),
+            ext(hole, PAGE, false),
+            ext(hole + PAGE, (6 << 20) - hole - PAGE, true),
+            ext(6 << 20, 2 << 20, false),
+        ]
+    );
+    m.discard(0, 8 << 20).unwrap();
+    assert_eq!(m.resident_bytes().unwrap(), 0);
+}
+
 #[test]
 fn sizes_that_cannot_be_mapped_are_errors() {
     for size in [u64::MAX, 1 << 63, 1 << 62] {
@@ -173,6 +210,16 @@ fn mem_specs_pick_the_store() {
     assert!(desc("mem:4194304T,store=pages").is_ok());
     // `store` is a mem option only.
     assert!(desc("null:1M,store=map").is_err());
+    // Transparent huge pages: store=map only.
+    assert!(desc("mem:1M,thp=1")
+        .unwrap()
+        .contains("mem store=map thp=1"));
+    assert!(desc("mem:1M,thp=0,store=map")
+        .unwrap()
+        .contains("mem store=map size"));
+    let e = desc("mem:1M,store=pages,thp=1").unwrap_err().to_string();
+    assert!(e.contains("thp"), "{e}");
+    assert!(desc("mem:1M,thp=maybe").is_err());
 }
 
 /// Overlapping concurrent writes, reads, discards and extent queries on shared ranges that
