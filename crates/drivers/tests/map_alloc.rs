@@ -51,7 +51,8 @@ fn the_request_path_allocates_nothing() {
         m.write_at(off, &buf[..len], false).unwrap();
         m.read_at(off + 13, &mut buf[..len]).unwrap();
         m.discard(off + 4096, len as u64 / 2).unwrap();
-        m.write_zeroes(off + 100, len as u64 / 3, i % 2 == 0).unwrap();
+        m.write_zeroes(off + 100, len as u64 / 3, i % 2 == 0)
+            .unwrap();
         m.read_at(off, &mut buf[..len]).unwrap();
         m.flush().unwrap();
     }

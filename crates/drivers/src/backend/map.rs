@@ -53,7 +53,9 @@
 //! uses) and be allowed by the overcommit policy (`vm.overcommit_memory=2` counts even
 //! `MAP_NORESERVE` mappings); otherwise [`MapBackend::new`] fails with an error, never a
 //! panic. Memory written is committed and stays so until discarded: writing the whole
-//! device needs its size in RAM (or swap).
+//! device needs its size in RAM (or swap). `MAP_NORESERVE` means nothing is counted up front,
+//! so a device larger than memory that clients fill gets the process OOM-killed when memory
+//! runs out, as the page store's allocations would abort it: size devices to the machine.
 
 use std::io;
 use std::ptr::NonNull;
@@ -274,10 +276,8 @@ impl MapBackend {
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
-            let to = ((pos >> REGION_SHIFT) + 1)
-                .checked_shl(REGION_SHIFT)
-                .unwrap_or(u64::MAX)
-                .min(end);
+            // No overflow: `pos < end <= size`, and a mapped size is below 2^63.
+            let to = (((pos >> REGION_SHIFT) + 1) << REGION_SHIFT).min(end);
             if !f(pos, to) {
                 return;
             }
