@@ -2,7 +2,8 @@
 //!
 //! - [`null`]: the reference driver (null_blk's model): no data, completions inline, on a
 //!   thread, or after a timer. Read it first.
-//! - [`mem`]: requests executed on a sparse in-memory [`backend::MemBackend`].
+//! - [`mem`]: requests executed on an in-memory store: one reserved mapping
+//!   ([`backend::MapBackend`], the default) or sparse pages ([`backend::MemBackend`]).
 //! - [`file`](mod@file): a regular file or block device through one of the engines of [`engine`]
 //!   (io_uring, a thread pool, or synchronous; one [`EngineKind`] picks).
 //! - [`backend`]: where the bytes live (memory, file), synchronous and thread-safe.
@@ -21,10 +22,10 @@ pub mod mem;
 pub mod null;
 pub mod spec;
 
-pub use backend::{exec_on_backend, Backend, FileBackend, FileOptions, MemBackend};
+pub use backend::{exec_on_backend, Backend, FileBackend, FileOptions, MapBackend, MemBackend};
 pub use engine::{EngineKind, FileEngine, PoolEngine, UringEngine};
 pub use fault::{FaultConfig, FaultDevice, FaultHandle};
 pub use file::{FileDriver, FileDriverConfig};
-pub use mem::BackendDriver;
+pub use mem::{BackendDriver, MemStore};
 pub use null::{CompletionMode, NullConfig, NullDriver};
 pub use spec::{parse_size, DeviceSpec, QueueOverrides};

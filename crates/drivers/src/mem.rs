@@ -6,7 +6,67 @@ use blkq_sync::DynArc as Arc;
 
 use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 
-use crate::backend::{exec_on_backend, Backend};
+use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend};
+
+/// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemStore {
+    /// `store=map` (the default): one reserved anonymous mapping, [`MapBackend`].
+    #[default]
+    Map,
+    /// `store=map,thp=1`: the same with transparent huge pages
+    /// ([`MapBackend::with_huge_pages`]).
+    MapHuge,
+    /// `store=pages`: 4 KiB pages in sharded hash maps, [`MemBackend`].
+    Pages,
+}
+
+impl std::str::FromStr for MemStore {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s {
+            "map" => Ok(MemStore::Map),
+            "pages" => Ok(MemStore::Pages),
+            _ => Err(Error::Config(format!(
+                "option store: unknown value {s:?} (expected map or pages)"
+            ))),
+        }
+    }
+}
+
+impl MemStore {
+    /// The store with the spec's `thp=` option applied: only `store=map` has huge pages.
+    pub fn with_thp(self, thp: bool) -> Result<Self, Error> {
+        match (self, thp) {
+            (MemStore::Map | MemStore::MapHuge, true) => Ok(MemStore::MapHuge),
+            (MemStore::Map | MemStore::MapHuge, false) => Ok(MemStore::Map),
+            (MemStore::Pages, false) => Ok(MemStore::Pages),
+            (MemStore::Pages, true) => Err(Error::Config(
+                "option thp: transparent huge pages are for store=map only".into(),
+            )),
+        }
+    }
+
+    /// The driver's name in descriptions: `mem store=map` or `mem store=pages`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            MemStore::Map => "mem store=map",
+            MemStore::MapHuge => "mem store=map thp=1",
+            MemStore::Pages => "mem store=pages",
+        }
+    }
+
+    /// A store of `size` bytes of this kind; a size that cannot be mapped is an error.
+    pub fn build(self, size: u64) -> Result<Arc<dyn Backend>, Error> {
+        Ok(match self {
+            MemStore::Map | MemStore::MapHuge => Arc::new(
+                MapBackend::with_huge_pages(size, self == MemStore::MapHuge)
+                    .map_err(|e| Error::Config(format!("mem:{size},store=map: {e}")))?,
+            ),
+            MemStore::Pages => Arc::new(MemBackend::new(size)),
+        })
+    }
+}
 
 /// A driver that executes each request synchronously on a [`Backend`] in `queue_rq`
 /// (`mem:` devices; `file:` devices with `engine=sync` do the same in [`crate::FileDriver`]).

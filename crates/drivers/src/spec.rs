@@ -9,6 +9,10 @@
 //! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
 //! submission entries, default: the queue's tag count, so the ring never fills).
 //!
+//! Options of `mem:` devices: `store=map|pages` (default `map`: one reserved anonymous
+//! mapping, [`MapBackend`](crate::backend::MapBackend); `pages`: the sparse page table,
+//! [`MemBackend`]) and, for `store=map`, `thp=0|1` (transparent huge pages, default 0).
+//!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `reserved_tags`, `wake`, `policy`, `block_size`, `max_io`) and its I/O scheduler:
 //! `sched=none|mq-deadline` (default `none`), `sched_lock=locked|serialized` (default
@@ -42,7 +46,7 @@ use crate::backend::mem::MemBackend;
 use crate::backend::Backend;
 use crate::fault::{FaultConfig, FaultDevice};
 use crate::file::{FileDriver, FileDriverConfig, MAX_ENTRIES};
-use crate::mem::BackendDriver;
+use crate::mem::{BackendDriver, MemStore};
 use crate::null::{NullConfig, NullDriver};
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix (powers of 1024;
@@ -289,6 +293,8 @@ impl DeviceSpec {
     fn build_queue(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
         let mut null = NullConfig::default();
         let mut memory_backed = false;
+        let mut mem_store = MemStore::default();
+        let mut mem_thp = false;
         let mut file_opts = FileOptions {
             read_only: ov.read_only,
             ..FileOptions::default()
@@ -323,6 +329,8 @@ impl DeviceSpec {
                 ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
+                ("store", Kind::Mem(_)) => mem_store = v.parse()?,
+                ("thp", Kind::Mem(_)) => mem_thp = parse_bool(k, v)?,
                 ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
                 ("lock", Kind::File(_)) => file_opts.no_lock = !parse_bool(k, v)?,
                 ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
@@ -384,7 +392,8 @@ impl DeviceSpec {
             }
             Kind::Mem(size) => {
                 cfg.limits.capacity = *size;
-                Box::new(BackendDriver::new("mem", Arc::new(MemBackend::new(*size))))
+                let store = mem_store.with_thp(mem_thp)?;
+                Box::new(BackendDriver::new(store.describe(), store.build(*size)?))
             }
             Kind::File(path) => {
                 let be = FileBackend::open(path, file_opts)?;

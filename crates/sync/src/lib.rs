@@ -81,6 +81,18 @@ mod imp {
         }
     }
 
+    pub(crate) type RawRwLock<T> = std::sync::RwLock<T>;
+    pub(crate) type RawReadGuard<'a, T> = std::sync::RwLockReadGuard<'a, T>;
+    pub(crate) type RawWriteGuard<'a, T> = std::sync::RwLockWriteGuard<'a, T>;
+
+    pub(crate) fn raw_read<T>(l: &RawRwLock<T>) -> RawReadGuard<'_, T> {
+        l.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn raw_write<T>(l: &RawRwLock<T>) -> RawWriteGuard<'_, T> {
+        l.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// `std::cell::UnsafeCell` with loom's closure-based access API.
     #[derive(Debug, Default)]
     pub struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
@@ -159,6 +171,18 @@ mod imp {
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         }
+    }
+
+    pub(crate) type RawRwLock<T> = loom::sync::RwLock<T>;
+    pub(crate) type RawReadGuard<'a, T> = loom::sync::RwLockReadGuard<'a, T>;
+    pub(crate) type RawWriteGuard<'a, T> = loom::sync::RwLockWriteGuard<'a, T>;
+
+    pub(crate) fn raw_read<T>(l: &RawRwLock<T>) -> RawReadGuard<'_, T> {
+        l.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn raw_write<T>(l: &RawRwLock<T>) -> RawWriteGuard<'_, T> {
+        l.write().unwrap_or_else(|e| e.into_inner())
     }
 
     pub use loom::cell::UnsafeCell;
@@ -315,6 +339,60 @@ impl<T> DerefMut for MutexGuard<'_, T> {
     }
 }
 
+/// A reader-writer lock that does not poison: the facade's `std::sync::RwLock` or loom's.
+/// Which of readers and writers std favours is the platform's choice (futex-based on Linux:
+/// a waiting writer blocks new readers, so writers are not starved).
+#[derive(Debug, Default)]
+pub struct RwLock<T>(imp::RawRwLock<T>);
+
+/// The shared guard of [`RwLock`].
+pub struct RwLockReadGuard<'a, T>(imp::RawReadGuard<'a, T>);
+
+/// The exclusive guard of [`RwLock`].
+pub struct RwLockWriteGuard<'a, T>(imp::RawWriteGuard<'a, T>);
+
+impl<T> RwLock<T> {
+    /// A new unlocked lock holding `value`.
+    pub fn new(value: T) -> Self {
+        Self(imp::RawRwLock::new(value))
+    }
+
+    /// Locks shared, blocking while a writer holds it.
+    #[inline]
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
+        RwLockReadGuard(imp::raw_read(&self.0))
+    }
+
+    /// Locks exclusive, blocking while anyone holds it.
+    #[inline]
+    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
+        RwLockWriteGuard(imp::raw_write(&self.0))
+    }
+}
+
+impl<T> Deref for RwLockReadGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> Deref for RwLockWriteGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> DerefMut for RwLockWriteGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
 /// Pads and aligns `T` to 128 bytes: one value per cache line (two 64-byte lines, since x86's
 /// adjacent-line prefetcher pulls pairs; crossbeam chooses the same).
 #[derive(Debug, Default)]
@@ -360,6 +438,18 @@ mod tests {
         assert!(m.try_lock().is_none());
         drop(g);
         assert_eq!(*m.lock(), 2);
+    }
+
+    #[test]
+    fn rwlock_shares_readers_and_excludes_writers() {
+        let l = RwLock::new(1);
+        {
+            let a = l.read();
+            let b = l.read();
+            assert_eq!(*a + *b, 2);
+        }
+        *l.write() += 1;
+        assert_eq!(*l.read(), 2);
     }
 
     #[test]

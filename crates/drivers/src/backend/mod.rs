@@ -1,4 +1,5 @@
-//! Storage backends: where the bytes of the `mem` and `file` drivers live.
+//! Storage backends: where the bytes of the `mem` and `file` drivers live: [`MapBackend`]
+//! (`mem:` devices' default, `store=map`), [`MemBackend`] (`store=pages`), [`FileBackend`].
 //!
 //! A backend is synchronous and thread-safe: the driver decides on which thread (the
 //! submitter's, a completion thread, io_uring's reaper) each operation runs. Offsets and
@@ -7,9 +8,11 @@
 use std::io;
 
 pub mod file;
+pub mod map;
 pub mod mem;
 
 pub use file::{FileBackend, FileOptions};
+pub use map::MapBackend;
 pub use mem::MemBackend;
 
 pub use blk::error::os_error_code;
