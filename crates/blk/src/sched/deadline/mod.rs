@@ -66,13 +66,23 @@
 //! | `fifo_batch`        | 16      | requests per batch                                       |
 //! | `front_merges`      | 1       | whether front merges are tried                           |
 //! | `prio_aging_expire` | 10 s    | wait after which a lower class goes first                |
-//! | `async_depth`       | 0       | informational (below)                                    |
+//! | `async_depth`       | 0 (3/4) | most tags asynchronous requests hold at once (below)     |
 //!
-//! `async_depth` is, in the kernel, the most tags that asynchronous requests (writes, and
-//! reads not marked sync) may hold, so synchronous reads always find a tag. Here tags are
-//! allocated before the scheduler sees a request, by a [`crate::TagPool`] whose pool-full
-//! policies do not take a shallow depth yet: the value is stored and reported but **not
-//! enforced**. (0 means the whole queue depth, the kernel's default being 3/4 of it.)
+//! `async_depth` is the most tags of a tag pool that *asynchronous* requests may hold at once,
+//! so that synchronous ones always find a tag under a write flood (the kernel's
+//! `dd_limit_depth`). Asynchronous is the kernel's `!op_is_sync` ([`Op::is_sync`]): writes,
+//! discards and write-zeroes not flagged [`BioFlags::FUA`] or [`BioFlags::SYNC`]; reads and
+//! flushes are synchronous and never limited, nor are reserved-tag requests. Tags are
+//! allocated by the queue before the scheduler sees a request, so the queue asks the scheduler
+//! first ([`Scheduler::async_depth`]) and takes an asynchronous request's tag with a *shallow*
+//! allocation ([`crate::TagPool::get_shallow`]): exact, whatever the pool-full policy.
+//!
+//! The default (0) follows the kernel's rule since Linux 5.14, `max(1, 3 * nr_requests / 4)`,
+//! with the tag pool's depth (per hardware queue, or of the shared pool) as `nr_requests`: a
+//! quarter of the tags is kept for synchronous requests. A value of 1 or more is the cap
+//! itself (clamped to the depth); the depth or more turns the limit off. (The kernel limits
+//! every request but synchronous reads, sync writes included; here FUA and SYNC writes are
+//! synchronous too, as `op_is_sync` says.)
 //!
 //! # Time
 //!
@@ -377,6 +387,10 @@ impl Scheduler for Deadline {
             sink(r);
         }
         n
+    }
+
+    fn async_depth(&self, depth: u32) -> Option<u32> {
+        Some(self.tun.async_depth_for(depth))
     }
 
     fn completed(&self, _q: &QueueCore, rq: &Request) {
