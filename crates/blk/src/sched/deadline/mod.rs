@@ -52,7 +52,7 @@
 //! it shrinks back, which the lists here do every plug batch: heap traffic per I/O in the
 //! steady state. Sorted vectors (the first design) allocate nothing but pay a memmove of half
 //! the list on every insert and removal (about a tenth of the scheduler's cost at one job).
-//! Each sort list is now a treap ([`tree`]) whose nodes are preallocated, one per request
+//! Each sort list is now a treap (`tree.rs`) whose nodes are preallocated, one per request
 //! index, in [`Scheduler::attach`] and shared by all lists (a request is in one list at a
 //! time): insert, removal and the sweep's and merges' searches are O(log n) expected, with
 //! no memmove and no allocation. FIFOs are intrusive doubly linked lists through the
