@@ -55,7 +55,9 @@
 //! free of a shallow tag decrements `shallow_in_use` *before* it frees the bit, and the bitmap's
 //! free runs a SeqCst fence before it looks for sleepers, which pairs with the fence a sleeper
 //! runs after queueing and before its last retry; so either that retry sees the room or the
-//! free sees the sleeper (the store-buffer pattern again). A sleeper that finds no room sleeps
+//! free sees the sleeper (the store-buffer pattern again; `tests/loom_tags.rs`
+//! `loom_shallow_wake_is_not_lost` finds the lost wake-up when the free gives the bit back
+//! before the count). A sleeper that finds no room sleeps
 //! only while `limit` shallow tags are in flight, whose frees are enough wake-ups because the
 //! wake batch is computed for the cap (`set_min_shallow_depth`: per bitmap word, the cap's share
 //! of it).

@@ -162,8 +162,18 @@ fn loom_serialized_hand_off() {
         m.run_queue();
         h.join().unwrap();
         m.check(4);
+        if m.lock.stats().handed_off > 0 {
+            HANDED_OFF_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     });
+    // Not vacuous: some interleavings do hand ownership over.
+    assert!(HANDED_OFF_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
+
+/// Executions of `loom_serialized_hand_off` in which a hand-off happened (counted across loom's
+/// executions, so a plain atomic outside the model).
+#[allow(clippy::disallowed_types)] // outside the model: loom's atomics live in one execution
+static HANDED_OFF_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// The first design, every contended dispatcher leaving (`serialized-leave`), kept for
 /// comparison: the same model.
