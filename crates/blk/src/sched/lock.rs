@@ -1,5 +1,6 @@
-//! The lock around a scheduler's state, in two designs switchable at run time (the
-//! "serialized dispatch, contended inserters hand off to the holder" idea).
+//! The lock around a scheduler's state, in designs switchable at run time (`locked`, and the
+//! "serialized dispatch, contended inserters hand off to the holder" idea in two variants,
+//! `serialized` and `serialized-leave`).
 //!
 //! # `locked`
 //!
@@ -115,9 +116,11 @@
 //! re-checking so that an inserter that still saw "owned" is seen in turn.** (Loom models
 //! `SeqCst` fences but treats `SeqCst` loads and stores as `AcqRel`; see docs/design.md.)
 //!
-//! What the loom model (`tests/loom_deadline.rs`) shows about these fences: without F2, or
-//! without both F1s (the punting inserter's and the leaving dispatcher's), it finds the lost
-//! request. Without only the inserter's F1 it does not, because the queue follows every
+//! What the loom model (`tests/loom_deadline.rs`, in `serialized-leave`, where every
+//! contended dispatcher leaves) shows about these fences: without F2, or without both F1s (the
+//! punting inserter's and the leaving dispatcher's), it finds the lost request. (In
+//! `serialized` a two-thread model cannot lose it: the contended dispatcher stands by and
+//! becomes the owner itself; the race needs a third thread that finds the slot taken.) Without only the inserter's F1 it does not, because the queue follows every
 //! insert with a dispatch, whose "leave a note, F1, try again" repeats the publication; the
 //! inserter's F1 is kept so that `insert` is correct on its own and a punting inserter that
 //! finds the owner gone drains at once.
@@ -482,7 +485,7 @@ impl<S, T> SchedLock<S, T> {
                 return true;
             }
             spins = spins.wrapping_add(1);
-            if cfg!(blkq_loom) || spins % 64 == 0 {
+            if cfg!(blkq_loom) || spins.is_multiple_of(64) {
                 blkq_sync::thread::yield_now();
             } else {
                 std::hint::spin_loop();

@@ -93,8 +93,10 @@
 //!
 //! # Locking
 //!
-//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (serialized dispatch with
-//! inserter hand-off), switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
+//! All of the state is behind a [`SchedLock`], `locked`, `serialized` (serialized dispatch with
+//! inserter hand-off, and one contended dispatcher standing by for the owner's hand-off at the
+//! end of its round) or `serialized-leave` (the same without the stand-by: the first design),
+//! switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
 //! a bucket get their deadline when drained, at most one owner's round after they were punted.
 //! Completion counters are sharded atomics, outside the lock.
 
