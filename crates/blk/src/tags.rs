@@ -559,16 +559,20 @@ impl TagPool {
     /// Frees a tag. Returns `false` if it was not allocated.
     #[inline]
     pub fn put(&self, tag: u32) -> bool {
-        if !self.sbq.put(tag) {
-            return false;
-        }
         if self.soft_limit.load(Ordering::Relaxed) != NO_LIMIT {
-            // Saturating: a tag taken before the limit was set may be freed after.
+            // The count first, then the bit: the bit's free issues the wake-ups, and a sleeper
+            // woken by it must find the room under the limit (as for the shallow cap: module
+            // docs; `loom_soft_limit_wake_is_not_lost` finds the lost wake-up the other way
+            // round). Saturating: a tag taken before the limit was set may be freed after. (A
+            // bad free, refused below, leaves the count one low: the limit is a soft one.)
             let _ = self
                 .in_use
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
                     Some(v.saturating_sub(1))
                 });
+        }
+        if !self.sbq.put(tag) {
+            return false;
         }
         if self.policy() != PoolPolicy::Steal || self.waiting.load(Ordering::Relaxed) != 0 {
             // We must order our free before the load of `waiting`, pairing with the fence in

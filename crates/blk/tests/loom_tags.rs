@@ -117,3 +117,30 @@ fn shallow_wake() {
 fn loom_shallow_wake_is_not_lost() {
     blkq_sync::model(shallow_wake);
 }
+
+/// The soft limit (`max_in_flight`) under `steal`: with 1 tag in flight allowed out of 2, a
+/// second allocation sleeps while a bit is free, and the free of the first tag must wake it:
+/// like the shallow cap, the free gives the count back before the bit.
+fn soft_limit_wake() {
+    let pool = Arc::new(TagPool::new(2, WakeAlgo::Counter, PoolPolicy::Steal).unwrap());
+    pool.set_max_in_flight(Some(1));
+    let owned = Arc::new([Owned(UnsafeCell::new(0)), Owned(UnsafeCell::new(0))]);
+    let t = pool.get(0);
+    let w = {
+        let (pool, owned) = (pool.clone(), owned.clone());
+        thread::spawn(move || {
+            let t = pool.get(0);
+            use_tag(&owned[t as usize], 1);
+            assert!(pool.put(t));
+        })
+    };
+    use_tag(&owned[t as usize], 2);
+    assert!(pool.put(t));
+    w.join().unwrap();
+    assert_eq!(pool.sbq().bitmap().weight(), 0);
+}
+
+#[test]
+fn loom_soft_limit_wake_is_not_lost() {
+    blkq_sync::model(soft_limit_wake);
+}
