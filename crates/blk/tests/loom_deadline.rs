@@ -166,8 +166,11 @@ fn loom_serialized_hand_off() {
             HANDED_OFF_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     });
-    // Not vacuous: some interleavings do hand ownership over.
-    assert!(HANDED_OFF_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    // Not vacuous: some interleavings do hand ownership over (under loom; the plain smoke
+    // run is one interleaving, which need not).
+    if cfg!(blkq_loom) {
+        assert!(HANDED_OFF_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    }
 }
 
 /// Executions of `loom_serialized_hand_off` in which a hand-off happened (counted across loom's
