@@ -51,7 +51,7 @@
 //!
 //! A shallow allocation that finds no room sleeps on the bitmap's wait queues, whatever the
 //! pool-full policy (it never queues at the hand-off gate: a write held back by its cap must not
-//! stand in front of the reads the cap is for). Its wake-up is the ordinary batched one: the
+//! stand in front of the reads the cap is for; nor does it use or earn a `batch` allowance). Its wake-up is the ordinary batched one: the
 //! free of a shallow tag decrements `shallow_in_use` *before* it frees the bit, and the bitmap's
 //! free runs a SeqCst fence before it looks for sleepers, which pairs with the fence a sleeper
 //! runs after queueing and before its last retry; so either that retry sees the room or the
