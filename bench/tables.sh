@@ -37,10 +37,19 @@ echo "## per-core ceiling: null inline, 4K randread, iodepth 64, one job, pinned
 taskset -c 0 $BIN bench --device null:1G --rw randread --iodepth 64 --jobs 1 \
   --runtime $((RUNTIME * 3)) --repeat "$REPEAT"
 echo
-echo "## mq-deadline, locked vs serialized scheduler lock (null inline, 4K randread, iodepth 32)"
-$BIN bench --device null:1G --sched mq-deadline --sched-lock locked,serialized \
+echo "## mq-deadline, locked vs serialized (stand-by hand-off) vs serialized-leave scheduler lock (null inline, 4K randread, iodepth 32)"
+$BIN bench --device null:1G --sched mq-deadline --sched-lock locked,serialized,serialized-leave \
   --sweep jobs=1,2,4,8${SCHED_JOBS_EXTRA:-} --repeat "$REPEAT" --runtime $((RUNTIME * 2))
 echo
 echo "## the cost of mq-deadline over none, one job"
 $BIN bench --device null:1G --sched none,mq-deadline --sched-lock locked,serialized --jobs 1 \
   --repeat "$REPEAT" --runtime $((RUNTIME * 2))
+echo
+echo "## mq-deadline async_depth: read latency under a write flood, with and without the cap"
+# Built by: cargo build --release -p blk --example async_depth_lat
+ASYNC_LAT=${ASYNC_LAT:-$(dirname "$BIN")/examples/async_depth_lat}
+if [ -x "$ASYNC_LAT" ]; then
+  "$ASYNC_LAT" $((RUNTIME * 3)) 4 20 8
+else
+  echo "(skipped: $ASYNC_LAT not built; cargo build --release -p blk --example async_depth_lat)"
+fi

@@ -45,6 +45,17 @@ impl Op {
     pub fn has_data(self) -> bool {
         matches!(self, Op::Read | Op::Write)
     }
+
+    /// Whether a request of this op with `flags` is *synchronous*, the kernel's `op_is_sync`:
+    /// reads and flushes always (a flush is the kernel's `REQ_PREFLUSH`), anything else only
+    /// when flagged [`BioFlags::SYNC`] or [`BioFlags::FUA`]. Everything else is asynchronous,
+    /// and a scheduler may allocate it tags shallowly ([`crate::Scheduler::async_depth`]).
+    #[inline]
+    pub fn is_sync(self, flags: BioFlags) -> bool {
+        matches!(self, Op::Read | Op::Flush)
+            || flags.contains(BioFlags::SYNC)
+            || flags.contains(BioFlags::FUA)
+    }
 }
 
 /// Bio flags (a bit set).

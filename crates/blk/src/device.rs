@@ -148,6 +148,15 @@ pub trait Scheduler: Send + Sync {
     /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
     /// every batch of inserts, until it hands out nothing.
     fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
+    /// The most tags of a pool of `depth` that *asynchronous* requests ([`crate::Op::is_sync`]
+    /// false: writes without FUA/SYNC, discards, write-zeroes) may hold at once, so that
+    /// synchronous ones always find a tag under a write flood (the kernel's `limit_depth`
+    /// hook; mq-deadline's `async_depth`). Read by the queue for every asynchronous request
+    /// before it allocates the tag, so a change applies to the next allocation. `None`, or
+    /// `depth` or more: no limit (the default).
+    fn async_depth(&self, _depth: u32) -> Option<u32> {
+        None
+    }
     /// Called by [`QueueCore::complete`] for every request it completes (each request of a
     /// merge chain), before its bio is handed back. Must not block.
     fn completed(&self, _q: &QueueCore, _rq: &Request) {}

@@ -1,7 +1,8 @@
 //! The request queue: bio -> tag -> preallocated request -> driver -> completion.
 //!
 //! ```text
-//!  submit(bio) -- validate --> tag (TagPool: may sleep per policy)
+//!  submit(bio) -- validate --> tag (TagPool: may sleep per policy; asynchronous requests
+//!                                   take it shallowly under a scheduler's async_depth)
 //!     -> request cell of that tag (preallocated; no allocation per I/O)
 //!     -> [plug: collect up to plug_limit] -> driver.queue_rq(rq) ... driver.commit()
 //!  driver ... complete(rq, status) -> stats -> tag freed (batched wake-ups) -> end_io(bio)
@@ -110,6 +111,8 @@ pub struct Request {
     hctx: u16,
     tag: u32,
     reserved: bool,
+    /// The tag came from a shallow allocation (the scheduler's `async_depth`).
+    shallow: bool,
     merged: Option<RequestToken>,
 }
 
@@ -426,7 +429,8 @@ impl QueueCore {
             let bio = rq.bio.take();
             let end = rq.end.take();
             let next = rq.merged.take();
-            let (hctx, tag, start, reserved) = (rq.hctx, rq.tag, rq.start_ns, rq.reserved);
+            let (hctx, tag, start, reserved, shallow) =
+                (rq.hctx, rq.tag, rq.start_ns, rq.reserved, rq.shallow);
             // INVARIANT: ownership of the cell ends here. The token is consumed and the cell is
             // not touched again; `put` below frees the tag `prepare` stored (the fields are
             // private, so it is the tag this token was made from), and its Release hands the
@@ -447,7 +451,12 @@ impl QueueCore {
                 self.stats
                     .completed(b.op.dir(), sectors, start, now, this.is_ok());
             }
-            self.pool_of(hctx, reserved).put(tag);
+            let pool = self.pool_of(hctx, reserved);
+            if shallow {
+                pool.put_shallow(tag);
+            } else {
+                pool.put(tag);
+            }
             if let (Some(b), Some(e)) = (bio, end) {
                 e.end_io(b, this);
             }
@@ -575,13 +584,25 @@ impl QueueCore {
         let dir = bio.op.dir();
         let reserved = bio.flags.contains(crate::BioFlags::RESERVED) && !self.reserved.is_empty();
         let pool = self.pool_of(hctx, reserved);
-        let tag = match pool.get_nowait(dir) {
+        let shallow = if reserved {
+            None
+        } else {
+            self.async_depth(bio.op, bio.flags)
+        };
+        let got = match shallow {
+            None => pool.get_nowait(dir),
+            Some(limit) => pool.get_shallow_nowait(limit),
+        };
+        let tag = match got {
             Some(t) => t,
             None => {
                 if let Some(p) = plug {
                     self.flush(p);
                 }
-                pool.get(dir)
+                match shallow {
+                    None => pool.get(dir),
+                    Some(limit) => pool.get_shallow(limit),
+                }
             }
         };
         // INVARIANT: ownership of the cell begins here. We hold `tag` (allocated by the
@@ -596,7 +617,21 @@ impl QueueCore {
         rq.hctx = hctx;
         rq.tag = tag;
         rq.reserved = reserved;
+        rq.shallow = shallow.is_some();
         Some(r)
+    }
+
+    /// The shallow cap for a request of `op` with `flags`: the scheduler's
+    /// [`Scheduler::async_depth`] for an asynchronous request, if below the pool's depth.
+    #[inline]
+    fn async_depth(&self, op: Op, flags: crate::BioFlags) -> Option<u32> {
+        if op.is_sync(flags) {
+            return None;
+        }
+        self.sched
+            .as_ref()?
+            .async_depth(self.depth)
+            .filter(|&l| l < self.depth)
     }
 }
 

@@ -31,6 +31,37 @@
 //! the cell. The waiter returns only after reading the cell (Acquire), so the cell outlives
 //! every access.
 //!
+//! # Shallow allocation (a scheduler's `async_depth`)
+//!
+//! A scheduler may cap the tags that *asynchronous* requests hold at once
+//! ([`crate::Scheduler::async_depth`]; mq-deadline's `async_depth`), so that synchronous reads
+//! always find a tag under a write flood: the kernel's `dd_limit_depth`. The queue allocates an
+//! asynchronous request's tag with [`TagPool::get_shallow`] and frees it with
+//! [`TagPool::put_shallow`]. Here the cap is exact: `shallow_in_use` counts the tags held by
+//! shallow allocations, and a shallow allocation first reserves room under the cap in it (a
+//! CAS loop, `Relaxed`: a count, not a publication; the bitmap orders the request cells), then
+//! takes a bit, giving the room back if there is none. (The kernel caps each bitmap word at a
+//! share of the depth instead, which is cheaper but only approximate.)
+//!
+//! | field            | meaning                                                          |
+//! |------------------|------------------------------------------------------------------|
+//! | `shallow_in_use` | tags held by shallow allocations (room reserved, or bit taken)   |
+//! | `shallow_limit`  | the last cap asked for; when it changes, the bitmap's wake batch |
+//! |                  | is recomputed for it and every sleeper looks again                |
+//!
+//! A shallow allocation that finds no room sleeps on the bitmap's wait queues, whatever the
+//! pool-full policy (it never queues at the hand-off gate: a write held back by its cap must not
+//! stand in front of the reads the cap is for; nor does it use or earn a `batch` allowance). Its wake-up is the ordinary batched one: the
+//! free of a shallow tag decrements `shallow_in_use` *before* it frees the bit, and the bitmap's
+//! free runs a SeqCst fence before it looks for sleepers, which pairs with the fence a sleeper
+//! runs after queueing and before its last retry; so either that retry sees the room or the
+//! free sees the sleeper (the store-buffer pattern again; `tests/loom_tags.rs`
+//! `loom_shallow_wake_is_not_lost` finds the lost wake-up when the free gives the bit back
+//! before the count). A sleeper that finds no room sleeps
+//! only while `limit` shallow tags are in flight, whose frees are enough wake-ups because the
+//! wake batch is computed for the cap (`set_min_shallow_depth`: per bitmap word, the cap's share
+//! of it).
+//!
 //! The gate is a *targeted* hand-off: each freed tag goes to one chosen thread, with the tag as
 //! payload. That is why it keeps its own queue of waiters and wakes the chosen threads through a
 //! `waitq::WakeList` (the wait queue's own bounded on-stack list, woken outside the lock) rather than a
@@ -140,6 +171,10 @@ pub struct TagPool {
     soft_limit: AtomicU32,
     /// Tags in use, counted only while a soft limit is set.
     in_use: AtomicU32,
+    /// Tags held by shallow allocations (module docs).
+    shallow_in_use: AtomicU32,
+    /// The last shallow cap asked for (`NO_LIMIT`: none yet).
+    shallow_limit: AtomicU32,
     waits: WaitStats,
 }
 
@@ -167,6 +202,8 @@ impl TagPool {
             batch_time_ns: AtomicU64::new(10_000_000),
             soft_limit: AtomicU32::new(NO_LIMIT),
             in_use: AtomicU32::new(0),
+            shallow_in_use: AtomicU32::new(0),
+            shallow_limit: AtomicU32::new(NO_LIMIT),
             waits: WaitStats::new(),
         })
     }
@@ -256,6 +293,98 @@ impl TagPool {
             self.in_use.fetch_sub(1, Ordering::Relaxed);
         }
         t
+    }
+
+    /// Tags held right now by shallow allocations ([`TagPool::get_shallow`]).
+    pub fn shallow_in_use(&self) -> u32 {
+        self.shallow_in_use.load(Ordering::Relaxed)
+    }
+
+    /// Records `limit` as the shallow cap in use; on a change, recomputes the bitmap's wake
+    /// batch for it (so `limit` tags in flight are enough wake-ups) and lets every sleeper
+    /// look again under the new cap.
+    #[inline]
+    fn note_shallow_limit(&self, limit: u32) {
+        if self.shallow_limit.load(Ordering::Relaxed) == limit {
+            return;
+        }
+        self.shallow_limit.store(limit, Ordering::Relaxed);
+        let sb = self.sbq.bitmap();
+        let depth = u64::from(sb.depth().max(1));
+        let bpw = 1u64 << sb.shift();
+        let per_word = (u64::from(limit) * bpw / depth).clamp(1, bpw) as u32;
+        self.sbq.set_min_shallow_depth(per_word);
+        self.sbq.wake_all();
+    }
+
+    /// Takes a tag within the shallow cap `limit` (and the soft limit).
+    #[inline]
+    fn take_shallow(&self, limit: u32) -> Option<u32> {
+        // Reserve room under the cap, then a bit; give the room back on failure. Relaxed: a
+        // count, not a publication (module docs).
+        let mut cur = self.shallow_in_use.load(Ordering::Relaxed);
+        loop {
+            if cur >= limit {
+                return None;
+            }
+            match self.shallow_in_use.compare_exchange_weak(
+                cur,
+                cur + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
+        }
+        let t = self.take();
+        if t.is_none() {
+            self.shallow_in_use.fetch_sub(1, Ordering::Relaxed);
+        }
+        t
+    }
+
+    /// Allocates a tag for an asynchronous request, holding at most `limit` shallow tags at
+    /// once (module docs), without sleeping. Under `fifo` and `batch` a newcomer does not
+    /// pass the submitters queued at the gate.
+    #[inline]
+    pub fn get_shallow_nowait(&self, limit: u32) -> Option<u32> {
+        // A cap of 0 would never be met: 1 at least, as the kernel's `async_depth`.
+        let limit = limit.max(1);
+        self.note_shallow_limit(limit);
+        if self.policy() != PoolPolicy::Steal && self.waiting.load(Ordering::Relaxed) != 0 {
+            return None;
+        }
+        self.take_shallow(limit)
+    }
+
+    /// Allocates a tag for an asynchronous request, holding at most `limit` shallow tags at
+    /// once, sleeping on the bitmap's wait queues until there is room (module docs). Free it
+    /// with [`TagPool::put_shallow`].
+    pub fn get_shallow(&self, limit: u32) -> u32 {
+        let limit = limit.max(1);
+        if let Some(t) = self.get_shallow_nowait(limit) {
+            return t;
+        }
+        let t0 = self.waits.start();
+        let t = self.sbq.get_or_wait_with(|_| self.take_shallow(limit));
+        self.waits.record(t0);
+        t
+    }
+
+    /// Frees a tag allocated by [`TagPool::get_shallow`] or [`TagPool::get_shallow_nowait`].
+    /// Returns `false` if it was not allocated.
+    #[inline]
+    pub fn put_shallow(&self, tag: u32) -> bool {
+        // The room first, then the bit: the bit's free issues the wake-ups, and a woken
+        // sleeper must find the room (module docs). Saturating, so a double free (a caller
+        // bug, reported by `put`) cannot wrap the count.
+        let _ = self
+            .shallow_in_use
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(1))
+            });
+        self.put(tag)
     }
 
     /// Tag-wait statistics.
@@ -430,16 +559,20 @@ impl TagPool {
     /// Frees a tag. Returns `false` if it was not allocated.
     #[inline]
     pub fn put(&self, tag: u32) -> bool {
-        if !self.sbq.put(tag) {
-            return false;
-        }
         if self.soft_limit.load(Ordering::Relaxed) != NO_LIMIT {
-            // Saturating: a tag taken before the limit was set may be freed after.
+            // The count first, then the bit: the bit's free issues the wake-ups, and a sleeper
+            // woken by it must find the room under the limit (as for the shallow cap: module
+            // docs; `loom_soft_limit_wake_is_not_lost` finds the lost wake-up the other way
+            // round). Saturating: a tag taken before the limit was set may be freed after. (A
+            // bad free, refused below, leaves the count one low: the limit is a soft one.)
             let _ = self
                 .in_use
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
                     Some(v.saturating_sub(1))
                 });
+        }
+        if !self.sbq.put(tag) {
+            return false;
         }
         if self.policy() != PoolPolicy::Steal || self.waiting.load(Ordering::Relaxed) != 0 {
             // We must order our free before the load of `waiting`, pairing with the fence in

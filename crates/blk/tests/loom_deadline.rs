@@ -1,6 +1,8 @@
 //! Loom models of the `serialized` scheduler lock (serialized dispatch with inserter hand-off): inserters that find the state
-//! owned punt to buckets, dispatchers that find it owned leave, and the owner re-checks after
-//! giving up. Checks, over every interleaving (bounded by `LOOM_MAX_PREEMPTIONS`):
+//! owned punt to buckets, a dispatcher that finds it owned stands by for the owner's hand-off at
+//! the end of its round (or leaves, if another stands by already; always, in
+//! `serialized-leave`), and the owner re-checks after giving up. Checks, over every
+//! interleaving (bounded by `LOOM_MAX_PREEMPTIONS`):
 //!
 //! - no request is forgotten: when every thread has returned, following the queue's contract
 //!   (insert, then dispatch until a dispatch hands out nothing), every inserted request has
@@ -8,9 +10,12 @@
 //!   final dispatch by anyone;
 //! - dispatch never runs twice at once: the critical sections touch an `UnsafeCell` that loom
 //!   checks for concurrent access, and owners never find the state's mutex taken (the owner
-//!   flag alone keeps them apart);
+//!   flag and the stand-by hand-off alone keep them apart);
 //! - the model is not vacuous: with the owner's re-check removed, loom finds the lost request
-//!   (run in a child process, whose failure the test expects).
+//!   (run in a child process, whose failure the test expects). That model runs
+//!   `serialized-leave`: with two threads under `serialized` a contended dispatcher always
+//!   stands by and becomes the owner itself, so the re-check matters there only once a third
+//!   thread finds the stand-by slot taken (the long three-thread models cover that).
 //!
 //! The last model runs the real mq-deadline scheduler inside a tiny queue.
 //!
@@ -112,7 +117,11 @@ impl Model {
 }
 
 fn run(threads: u32, budget: usize, recheck: bool) {
-    let mut lock = SchedLock::new(St::default(), LockMode::Serialized, 2);
+    run_in(LockMode::Serialized, threads, budget, recheck)
+}
+
+fn run_in(mode: LockMode, threads: u32, budget: usize, recheck: bool) {
+    let mut lock = SchedLock::new(St::default(), mode, 2);
     if !recheck {
         lock = lock.without_recheck();
     }
@@ -135,6 +144,47 @@ fn loom_serialized_two_threads_lose_nothing() {
     blkq_sync::model(|| run(2, 1, true));
 }
 
+/// The stand-by hand-off with rounds of one request and two requests per submitter, so that an
+/// owner ends rounds with work left and hands it over: nothing lost or run twice, and the new
+/// owner never finds the state's mutex still held by the old one.
+#[test]
+fn loom_serialized_hand_off() {
+    blkq_sync::model(|| {
+        let m = Model::new(SchedLock::new(St::default(), LockMode::Serialized, 2), 1);
+        let h = {
+            let m = m.clone();
+            thread::spawn(move || {
+                m.lock.insert([2, 3].into_iter(), m.ins());
+                m.run_queue();
+            })
+        };
+        m.lock.insert([0, 1].into_iter(), m.ins());
+        m.run_queue();
+        h.join().unwrap();
+        m.check(4);
+        if m.lock.stats().handed_off > 0 {
+            HANDED_OFF_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    // Not vacuous: some interleavings do hand ownership over (under loom; the plain smoke
+    // run is one interleaving, which need not).
+    if cfg!(blkq_loom) {
+        assert!(HANDED_OFF_RUNS.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    }
+}
+
+/// Executions of `loom_serialized_hand_off` in which a hand-off happened (counted across loom's
+/// executions, so a plain atomic outside the model).
+#[allow(clippy::disallowed_types)] // outside the model: loom's atomics live in one execution
+static HANDED_OFF_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The first design, every contended dispatcher leaving (`serialized-leave`), kept for
+/// comparison: the same model.
+#[test]
+fn loom_serialized_leave_two_threads_lose_nothing() {
+    blkq_sync::model(|| run_in(LockMode::SerializedLeave, 2, 1, true));
+}
+
 /// Whether the long (three-thread) models run.
 fn long() -> bool {
     !cfg!(blkq_loom) || std::env::var_os("BLKQ_LOOM_LONG").is_some()
@@ -151,22 +201,25 @@ fn loom_serialized_three_threads_lose_nothing() {
 /// submits: it may leave, and its note must be honoured.
 #[test]
 fn loom_serialized_bystander_dispatch() {
-    blkq_sync::model(|| bystander(1));
+    blkq_sync::model(|| bystander(LockMode::Serialized, 1));
+}
+
+/// The same in `serialized-leave`.
+#[test]
+fn loom_serialized_leave_bystander_dispatch() {
+    blkq_sync::model(|| bystander(LockMode::SerializedLeave, 1));
 }
 
 /// Two submitters and a bystander dispatcher.
 #[test]
 fn loom_serialized_bystander_dispatch_two_submitters() {
     if long() {
-        blkq_sync::model(|| bystander(2));
+        blkq_sync::model(|| bystander(LockMode::Serialized, 2));
     }
 }
 
-fn bystander(submitters: u32) {
-    let m = Model::new(
-        SchedLock::new(St::default(), LockMode::Serialized, 2),
-        usize::MAX,
-    );
+fn bystander(mode: LockMode, submitters: u32) {
+    let m = Model::new(SchedLock::new(St::default(), mode, 2), usize::MAX);
     let hs: Vec<_> = (1..submitters)
         .map(|i| {
             let m = m.clone();
@@ -207,7 +260,7 @@ fn loom_without_the_recheck_a_request_is_lost() {
     let stderr = testkit::loom_child::expect_model_failure(
         "loom_without_the_recheck_a_request_is_lost",
         "the model passed without the re-check: it does not test the race",
-        || run(2, 1, false),
+        || run_in(LockMode::SerializedLeave, 2, 1, false),
     );
     assert!(
         stderr.contains("lost or duplicated request") || stderr.contains("left in a bucket"),

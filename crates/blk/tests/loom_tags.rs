@@ -81,3 +81,66 @@ fn batch_owner_is_a_thread() {
 fn loom_batch_owner_is_a_thread() {
     blkq_sync::model(batch_owner_is_a_thread);
 }
+
+/// Shallow allocation (a scheduler's `async_depth`): with a cap of 1 shallow tag out of 2, a
+/// second shallow allocation sleeps while a bit is still free (which a synchronous allocation
+/// can take meanwhile), and the free of the first shallow tag wakes it: the count is given back
+/// before the bit, and the bitmap's fences order it against the sleeper's last look (tags
+/// module docs). Loom reports a deadlock if the wake-up is lost, and unordered accesses if two
+/// threads own one tag at once (one cell per tag: the count orders nothing, the bitmap does).
+fn shallow_wake() {
+    let pool = Arc::new(TagPool::new(2, WakeAlgo::Counter, PoolPolicy::Steal).unwrap());
+    let owned = Arc::new([Owned(UnsafeCell::new(0)), Owned(UnsafeCell::new(0))]);
+    let t = pool.get_shallow_nowait(1).expect("room under the cap");
+    let w = {
+        let (pool, owned) = (pool.clone(), owned.clone());
+        thread::spawn(move || {
+            let t = pool.get_shallow(1);
+            use_tag(&owned[t as usize], 1);
+            assert!(pool.put_shallow(t));
+        })
+    };
+    // The cap holds back asynchronous requests only: a synchronous one finds the free bit.
+    let s = pool
+        .try_get()
+        .expect("a tag kept back for synchronous requests");
+    use_tag(&owned[s as usize], 2);
+    assert!(pool.put(s));
+    use_tag(&owned[t as usize], 3);
+    assert!(pool.put_shallow(t));
+    w.join().unwrap();
+    assert_eq!(pool.shallow_in_use(), 0);
+    assert_eq!(pool.sbq().bitmap().weight(), 0);
+}
+
+#[test]
+fn loom_shallow_wake_is_not_lost() {
+    blkq_sync::model(shallow_wake);
+}
+
+/// The soft limit (`max_in_flight`) under `steal`: with 1 tag in flight allowed out of 2, a
+/// second allocation sleeps while a bit is free, and the free of the first tag must wake it:
+/// like the shallow cap, the free gives the count back before the bit.
+fn soft_limit_wake() {
+    let pool = Arc::new(TagPool::new(2, WakeAlgo::Counter, PoolPolicy::Steal).unwrap());
+    pool.set_max_in_flight(Some(1));
+    let owned = Arc::new([Owned(UnsafeCell::new(0)), Owned(UnsafeCell::new(0))]);
+    let t = pool.get(0);
+    let w = {
+        let (pool, owned) = (pool.clone(), owned.clone());
+        thread::spawn(move || {
+            let t = pool.get(0);
+            use_tag(&owned[t as usize], 1);
+            assert!(pool.put(t));
+        })
+    };
+    use_tag(&owned[t as usize], 2);
+    assert!(pool.put(t));
+    w.join().unwrap();
+    assert_eq!(pool.sbq().bitmap().weight(), 0);
+}
+
+#[test]
+fn loom_soft_limit_wake_is_not_lost() {
+    blkq_sync::model(soft_limit_wake);
+}

@@ -1,8 +1,9 @@
 //! I/O schedulers: `none` (no scheduler: requests go straight to the driver) and `mq-deadline`
-//! ([`Deadline`]), with the lock around a scheduler's state in two designs ([`SchedLock`],
-//! serialized dispatch with inserter hand-off): `locked` (one mutex for insert and dispatch) and
+//! ([`Deadline`]), with the lock around a scheduler's state in three designs ([`SchedLock`],
+//! serialized dispatch with inserter hand-off): `locked` (one mutex for insert and dispatch),
 //! `serialized` (one owner at a time; inserters that find it taken leave their requests in
-//! per-thread buckets, dispatchers that find it taken leave).
+//! per-thread buckets; one dispatcher that finds it taken stands by for the owner's hand-off,
+//! the others leave) and `serialized-leave` (every dispatcher that finds it taken leaves).
 
 use std::str::FromStr;
 

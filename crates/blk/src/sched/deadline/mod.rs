@@ -46,15 +46,17 @@
 //! index; the chain is linked through [`Request::merged`] when it is dispatched (one pass over the
 //! chain), so a merge is O(log n) and allocates nothing.
 //!
-//! # Why sorted vectors, not a `BTreeMap`
+//! # Sort lists: intrusive treaps, not sorted vectors or a `BTreeMap`
 //!
 //! A `BTreeMap` allocates a node when a list grows past a node's 11 keys and frees it when
 //! it shrinks back, which the lists here do every plug batch: heap traffic per I/O in the
-//! steady state. Each sort list is a vector of `(sector, seq, rq_idx)` sorted by binary search,
-//! with capacity for every request of the queue reserved in [`Scheduler::attach`]; at the
-//! depths a queue has (tens to a few hundred requests) its memmove on insert and removal
-//! costs less than a tree's pointer chasing. FIFOs are intrusive doubly linked lists through
-//! the per-request metadata (O(1) removal of any request).
+//! steady state. Sorted vectors (the first design) allocate nothing but pay a memmove of half
+//! the list on every insert and removal (about a tenth of the scheduler's cost at one job).
+//! Each sort list is now a treap (`tree.rs`) whose nodes are preallocated, one per request
+//! index, in [`Scheduler::attach`] and shared by all lists (a request is in one list at a
+//! time): insert, removal and the sweep's and merges' searches are O(log n) expected, with
+//! no memmove and no allocation. FIFOs are intrusive doubly linked lists through the
+//! per-request metadata (O(1) removal of any request).
 //!
 //! # Tunables ([`DeadlineTunables`]), the kernel's, settable at run time
 //!
@@ -66,13 +68,23 @@
 //! | `fifo_batch`        | 16      | requests per batch                                       |
 //! | `front_merges`      | 1       | whether front merges are tried                           |
 //! | `prio_aging_expire` | 10 s    | wait after which a lower class goes first                |
-//! | `async_depth`       | 0       | informational (below)                                    |
+//! | `async_depth`       | 0 (3/4) | most tags asynchronous requests hold at once (below)     |
 //!
-//! `async_depth` is, in the kernel, the most tags that asynchronous requests (writes, and
-//! reads not marked sync) may hold, so synchronous reads always find a tag. Here tags are
-//! allocated before the scheduler sees a request, by a [`crate::TagPool`] whose pool-full
-//! policies do not take a shallow depth yet: the value is stored and reported but **not
-//! enforced**. (0 means the whole queue depth, the kernel's default being 3/4 of it.)
+//! `async_depth` is the most tags of a tag pool that *asynchronous* requests may hold at once,
+//! so that synchronous ones always find a tag under a write flood (the kernel's
+//! `dd_limit_depth`). Asynchronous is the kernel's `!op_is_sync` ([`Op::is_sync`]): writes,
+//! discards and write-zeroes not flagged [`BioFlags::FUA`] or [`BioFlags::SYNC`]; reads and
+//! flushes are synchronous and never limited, nor are reserved-tag requests. Tags are
+//! allocated by the queue before the scheduler sees a request, so the queue asks the scheduler
+//! first ([`Scheduler::async_depth`]) and takes an asynchronous request's tag with a *shallow*
+//! allocation ([`crate::TagPool::get_shallow`]): exact, whatever the pool-full policy.
+//!
+//! The default (0) follows the kernel's rule since Linux 5.14, `max(1, 3 * nr_requests / 4)`,
+//! with the tag pool's depth (per hardware queue, or of the shared pool) as `nr_requests`: a
+//! quarter of the tags is kept for synchronous requests. A value of 1 or more is the cap
+//! itself (clamped to the depth); the depth or more turns the limit off. (The kernel limits
+//! every request but synchronous reads, sync writes included; here FUA and SYNC writes are
+//! synchronous too, as `op_is_sync` says.)
 //!
 //! # Time
 //!
@@ -81,8 +93,10 @@
 //!
 //! # Locking
 //!
-//! All of the state is behind a [`SchedLock`], `locked` or `serialized` (serialized dispatch with
-//! inserter hand-off), switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
+//! All of the state is behind a [`SchedLock`], `locked`, `serialized` (serialized dispatch with
+//! inserter hand-off, and one contended dispatcher standing by for the owner's hand-off at the
+//! end of its round) or `serialized-leave` (the same without the stand-by: the first design),
+//! switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
 //! a bucket get their deadline when drained, at most one owner's round after they were punted.
 //! Completion counters are sharded atomics, outside the lock.
 
@@ -95,10 +109,11 @@ use crate::device::Scheduler;
 use crate::queue::{QueueCore, Request, RequestToken};
 
 mod state;
+mod tree;
 mod tunables;
 
 use blkq_sync::stat::ShardedCounters;
-use state::{BatchContext, Key, Meta, State};
+use state::{BatchContext, Meta, State};
 pub use tunables::DeadlineTunables;
 
 /// The most requests one dispatch call hands out (they are collected under the lock and
@@ -318,7 +333,7 @@ impl Deadline {
             chain_next: NIL,
         };
         if !direct {
-            st.sort_insert(l, Key { start, seq, rq_idx });
+            st.sort_insert(l, rq_idx, start, seq);
         }
         st.fifo_push(l, rq_idx);
         st.tokens[rq_idx as usize] = Some(r);
@@ -377,6 +392,10 @@ impl Scheduler for Deadline {
             sink(r);
         }
         n
+    }
+
+    fn async_depth(&self, depth: u32) -> Option<u32> {
+        Some(self.tun.async_depth_for(depth))
     }
 
     fn completed(&self, _q: &QueueCore, rq: &Request) {

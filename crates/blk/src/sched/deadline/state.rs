@@ -1,6 +1,7 @@
 //! The state of mq-deadline behind its lock: per-request metadata, the sort lists, the FIFOs,
 //! and the insert / merge / select / take operations on them (see the [module docs](super)).
 
+use super::tree::{Node, Tree};
 use super::tunables::TunablesSnapshot;
 use super::*;
 
@@ -62,14 +63,6 @@ impl Meta {
     };
 }
 
-/// Sort key: start sector, then insertion number; `rq_idx` (the request index) rides along.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(super) struct Key {
-    pub(super) start: u64,
-    pub(super) seq: u64,
-    pub(super) rq_idx: u32,
-}
-
 /// An intrusive FIFO through `Meta::fifo_prev/next`.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Fifo {
@@ -91,7 +84,10 @@ pub(super) struct State {
     pub(super) meta: Vec<Meta>,
     /// The token of every queued request and chain member, by request index.
     pub(super) tokens: Vec<Option<RequestToken>>,
-    pub(super) sort: [Vec<Key>; NLISTS],
+    /// The sort lists (treaps keyed by `(start, seq)`, over `nodes`: [`super::tree`]).
+    pub(super) sort: [Tree; NLISTS],
+    /// The sort lists' nodes, by request index.
+    pub(super) nodes: Vec<Node>,
     /// The lists' FIFOs, then the direct FIFO.
     pub(super) fifo: [Fifo; NLISTS + 1],
     /// Sweep position per list: the end of the last request dispatched from it.
@@ -108,7 +104,8 @@ impl State {
         Self {
             meta: Vec::new(),
             tokens: Vec::new(),
-            sort: Default::default(),
+            sort: [Tree::EMPTY; NLISTS],
+            nodes: Vec::new(),
             fifo: [Fifo::EMPTY; NLISTS + 1],
             pos: [0; NLISTS],
             seq: 0,
@@ -126,9 +123,8 @@ impl State {
             self.meta.resize(n, Meta::EMPTY);
             self.tokens.resize_with(n, || None);
         }
-        for s in &mut self.sort {
-            let more = n.saturating_sub(s.len());
-            s.reserve(more);
+        if self.nodes.len() < n {
+            self.nodes.resize(n, Node::EMPTY);
         }
     }
 
@@ -140,20 +136,32 @@ impl State {
         &mut self.meta[rq_idx as usize]
     }
 
-    pub(super) fn sort_insert(&mut self, l: usize, k: Key) {
-        let s = &mut self.sort[l];
-        let i = s.partition_point(|x| *x < k);
-        s.insert(i, k);
+    /// Links queued request `rq_idx` into sort list `l` with key `(start, seq)`; the key
+    /// must stay what its `Meta` says until [`State::sort_remove`].
+    pub(super) fn sort_insert(&mut self, l: usize, rq_idx: u32, start: u64, seq: u64) {
+        if rq_idx as usize >= self.nodes.len() {
+            // Only if the queue did not call `attach` (cold).
+            self.ensure(rq_idx as usize + 1);
+        }
+        self.sort[l].insert(&mut self.nodes, rq_idx, start, seq);
     }
 
-    pub(super) fn sort_remove(&mut self, l: usize, k: Key) {
-        let s = &mut self.sort[l];
-        let i = s.partition_point(|x| *x < k);
-        if s.get(i) == Some(&k) {
-            s.remove(i);
-        } else {
-            debug_assert!(false, "mq-deadline: key {k:?} not in list {l}");
+    pub(super) fn sort_remove(&mut self, l: usize, rq_idx: u32) {
+        if !self.sort[l].remove(&mut self.nodes, rq_idx) {
+            debug_assert!(false, "mq-deadline: request {rq_idx} not in list {l}");
         }
+    }
+
+    /// The queued request of list `l` starting last before sector `start`.
+    #[inline]
+    pub(super) fn sort_before(&self, l: usize, start: u64) -> Option<u32> {
+        self.sort[l].last_before(&self.nodes, start)
+    }
+
+    /// The queued request of list `l` starting first at or after sector `start`.
+    #[inline]
+    pub(super) fn sort_at_or_after(&self, l: usize, start: u64) -> Option<u32> {
+        self.sort[l].first_at_or_after(&self.nodes, start)
     }
 
     pub(super) fn fifo_push(&mut self, l: usize, rq_idx: u32) {
@@ -245,8 +253,7 @@ impl State {
     ) -> Result<bool, RequestToken> {
         let rq_idx = r.index();
         // Back merge: the request starting last before `start`, if it ends at `start`.
-        let i = self.sort[l].partition_point(|k| k.start < start);
-        if let Some(h) = i.checked_sub(1).map(|j| self.sort[l][j].rq_idx) {
+        if let Some(h) = self.sort_before(l, start) {
             if self.meta(h).end == start && self.mergeable(h, op, flags, len, 1, ctx) {
                 let last = self.meta(h).last;
                 self.meta_mut(last).chain_next = rq_idx;
@@ -262,8 +269,7 @@ impl State {
                 m.nr_bios += 1;
                 self.tokens[rq_idx as usize] = Some(r);
                 // Bridge: the next request may start where `h` now ends.
-                let j = self.sort[l].partition_point(|k| k.start < end);
-                if let Some(nx) = self.sort[l].get(j).map(|k| k.rq_idx) {
+                if let Some(nx) = self.sort_at_or_after(l, end) {
                     if nx != h && self.meta(nx).start == end {
                         return Ok(self.merge_requests(l, h, nx, ctx));
                     }
@@ -275,14 +281,12 @@ impl State {
             return Err(r);
         }
         // Front merge: a request starting at `end`.
-        let j = self.sort[l].partition_point(|k| k.start < end);
-        let Some(k) = self.sort[l].get(j).copied() else {
+        let Some(h) = self.sort_at_or_after(l, end) else {
             return Err(r);
         };
-        if k.start != end || !self.mergeable(k.rq_idx, op, flags, len, 1, ctx) {
+        if self.meta(h).start != end || !self.mergeable(h, op, flags, len, 1, ctx) {
             return Err(r);
         }
-        let h = k.rq_idx;
         let first = self.meta(h).first;
         self.meta_mut(first).chain_prev = rq_idx;
         *self.meta_mut(rq_idx) = Meta {
@@ -290,22 +294,18 @@ impl State {
             chain_next: first,
             ..Meta::EMPTY
         };
-        self.sort[l].remove(j);
+        // Its key changes: out of the list, then back in under the new start.
+        self.sort_remove(l, h);
         let m = self.meta_mut(h);
         m.first = rq_idx;
         m.start = start;
         m.bytes += len;
         m.nr_bios += 1;
-        let key = Key {
-            start,
-            seq: m.seq,
-            rq_idx: h,
-        };
-        self.sort_insert(l, key);
+        let seq = m.seq;
+        self.sort_insert(l, h, start, seq);
         self.tokens[rq_idx as usize] = Some(r);
         // Bridge: a request ending where `h` now starts.
-        let i = self.sort[l].partition_point(|k| k.start < start);
-        if let Some(pv) = i.checked_sub(1).map(|x| self.sort[l][x].rq_idx) {
+        if let Some(pv) = self.sort_before(l, start) {
             if pv != h && self.meta(pv).end == start {
                 return Ok(self.merge_requests(l, pv, h, ctx));
             }
@@ -323,14 +323,7 @@ impl State {
         let a_last = self.meta(a).last;
         self.meta_mut(a_last).chain_next = mb.first;
         self.meta_mut(mb.first).chain_prev = a_last;
-        self.sort_remove(
-            l,
-            Key {
-                start: mb.start,
-                seq: mb.seq,
-                rq_idx: b,
-            },
-        );
+        self.sort_remove(l, b);
         if mb.deadline < self.meta(a).deadline {
             // `a` takes the older request's FIFO place and deadline.
             self.fifo_unlink(l, a);
@@ -352,10 +345,7 @@ impl State {
 
     /// The first request of list `l` at or after its sweep position.
     pub(super) fn sweep_next(&self, l: usize) -> Option<u32> {
-        let s = &self.sort[l];
-        let pos = self.pos[l];
-        s.get(s.partition_point(|k| k.start < pos))
-            .map(|k| k.rq_idx)
+        self.sort_at_or_after(l, self.pos[l])
     }
 
     /// Chooses the next request to dispatch (module docs), updating the batch state.
@@ -418,14 +408,7 @@ impl State {
         let m = *self.meta(h);
         let l = usize::from(m.list);
         if l < NLISTS {
-            self.sort_remove(
-                l,
-                Key {
-                    start: m.start,
-                    seq: m.seq,
-                    rq_idx: h,
-                },
-            );
+            self.sort_remove(l, h);
             self.pos[l] = m.end;
         }
         if l <= DIRECT {

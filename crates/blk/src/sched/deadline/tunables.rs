@@ -97,13 +97,24 @@ impl DeadlineTunables {
         self.prio_aging_expire_ns
             .store(dur_ns(d), Ordering::Relaxed);
     }
-    /// `async_depth` (informational: module docs).
+    /// `async_depth` as set: the most tags asynchronous requests may hold at once; 0 (the
+    /// default) means the kernel's default, 3/4 of the tag pool's depth (module docs).
     pub fn async_depth(&self) -> u32 {
         self.async_depth.load(Ordering::Relaxed)
     }
-    /// Sets `async_depth` (informational: module docs).
+    /// Sets `async_depth` (0: the default, 3/4 of the depth; the depth or more: no limit).
+    /// Applies from the next tag allocation.
     pub fn set_async_depth(&self, n: u32) {
         self.async_depth.store(n, Ordering::Relaxed);
+    }
+    /// The cap `async_depth` puts on a tag pool of `depth` tags: the value set, or 3/4 of
+    /// `depth` for 0; never below 1, never above `depth` (`depth`: no limit).
+    pub fn async_depth_for(&self, depth: u32) -> u32 {
+        let depth = depth.max(1);
+        match self.async_depth() {
+            0 => (u64::from(depth) * 3 / 4).max(1) as u32,
+            n => n.min(depth),
+        }
     }
 
     /// Sets a tunable by its sysfs name; expiries are in milliseconds, as in sysfs.
