@@ -16,6 +16,7 @@
 mod args;
 mod hist;
 mod job;
+mod plot;
 mod report;
 
 use std::time::Duration;
@@ -26,13 +27,16 @@ use blk::PoolPolicy;
 use blk_drivers::spec::parse_size;
 use sbitmap::WakeAlgo;
 
-pub use args::BenchArgs;
 use args::{apply, list, RunCfg};
+pub use args::{BenchArgs, BenchCmd};
 use job::{run_once, verify};
 use report::{kfmt, mean_sd, policy_name, print_human, print_table, to_json, wake_name};
 
 /// Runs `blkq bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(BenchCmd::Plot(p)) = &a.cmd {
+        return plot::run(p);
+    }
     if a.iodepth == 0 || a.jobs == 0 || a.repeat == 0 || a.lat_sample == 0 {
         bail!("--iodepth, --jobs, --repeat and --lat-sample must be at least 1");
     }
@@ -68,6 +72,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         batch_time: Duration::from_micros(a.batch_time_us),
         size: a.size.as_deref().map(parse_size).transpose()?,
         lat_sample: a.lat_sample,
+        seed: a.seed,
         raid1: a.raid1.clone(),
         raid1_options: a.raid1_options.clone(),
     };
@@ -88,16 +93,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         None => (None, vec![String::new()]),
     };
-    // rows: (wake, policy, scheduler); columns: sweep values; cells: iops per repeat
+    // rows: (wake, policy, scheduler); columns: sweep values; cells: mean and sd of iops
     let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    // the same rows, cells: iops of each repeat (for --plot)
+    let mut runs: Vec<plot::Series> = vec![];
     // the same rows, cells: contended scheduler-lock acquisitions per I/O
     let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
-    let progress = !a.json && a.repeat == 1 && sweep_key.is_none();
+    let total_runs = wakes.len() * policies.len() * sched_rows.len() * sweep_vals.len() * a.repeat;
+    let mut run_no = 0usize;
     for &w in &wakes {
         for &p in &policies {
             for &(sc, lk) in &sched_rows {
                 let mut row = vec![];
                 let mut crow = vec![];
+                let mut cells = vec![];
                 for v in &sweep_vals {
                     let mut cfg = base.clone();
                     cfg.wake = w;
@@ -113,7 +122,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     let mut iops = vec![];
                     let mut cont = vec![];
                     for rep in 0..a.repeat {
-                        let r = run_once(&cfg, progress)?;
+                        run_no += 1;
+                        // A progress bar on stderr when it is a terminal, never with --json.
+                        let label = (!a.json).then(|| {
+                            let mut l = format!("[{run_no}/{total_runs}]");
+                            if let Some(k) = &sweep_key {
+                                l.push_str(&format!(" {k}={v}"));
+                            }
+                            l
+                        });
+                        let r = run_once(&cfg, label.as_deref())?;
                         if a.json {
                             println!("{}", to_json(&cfg, &r, rep));
                         } else if sweep_key.is_none() && a.repeat == 1 {
@@ -124,6 +142,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     }
                     row.push(mean_sd(&iops));
                     crow.push(mean_sd(&cont));
+                    cells.push(iops);
                 }
                 let mut name = format!("{}/{}", wake_name(w), policy_name(p));
                 if sched_rows.len() > 1 || sc != SchedChoice::None {
@@ -135,6 +154,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 if sc != SchedChoice::None {
                     contention.push((name.clone(), crow));
                 }
+                runs.push(plot::Series {
+                    name: name.clone(),
+                    points: cells,
+                });
                 table.push((name, row));
             }
         }
@@ -147,5 +170,51 @@ pub fn run(a: BenchArgs) -> Result<()> {
             print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));
         }
     }
+    if let Some(path) = &a.plot {
+        let title = a.plot_title.clone().unwrap_or_else(|| {
+            format!(
+                "{} {} bs={} iodepth={} jobs={}",
+                base.device,
+                base.rw.name(),
+                base.bs,
+                base.iodepth,
+                base.jobs
+            )
+        });
+        plot::write_svg(
+            &sweep_plot(title, sweep_key.as_deref(), &sweep_vals, runs),
+            path,
+            plot::ErrBars::Minmax,
+        )?;
+    }
     Ok(())
+}
+
+/// The chart of one invocation: IOPS against the sweep values, one line per row (wake,
+/// policy, scheduler); without a sweep, the rows side by side as the x categories.
+fn sweep_plot(
+    title: String,
+    sweep_key: Option<&str>,
+    sweep_vals: &[String],
+    runs: Vec<plot::Series>,
+) -> plot::PlotData {
+    match sweep_key {
+        Some(k) => plot::PlotData {
+            title,
+            x_desc: k.to_string(),
+            y_desc: "IOPS".into(),
+            ticks: sweep_vals.to_vec(),
+            series: runs,
+        },
+        None => plot::PlotData {
+            title,
+            x_desc: "wake/policy/scheduler".into(),
+            y_desc: "IOPS".into(),
+            ticks: runs.iter().map(|s| s.name.clone()).collect(),
+            series: vec![plot::Series {
+                name: "IOPS".into(),
+                points: runs.into_iter().flat_map(|s| s.points).collect(),
+            }],
+        },
+    }
 }
