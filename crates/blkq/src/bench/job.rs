@@ -572,6 +572,22 @@ mod tests {
         assert!(apply(&mut plain, "barrier", "locked").is_err());
     }
 
+    /// The jobs' generators are reproducible from `--seed`, differ between jobs and seeds, and
+    /// stay inside the drawn range.
+    #[test]
+    fn job_rng_is_seeded() {
+        use rand::Rng as _;
+        let draw = |seed, job| {
+            let mut r = job_rng(seed, job);
+            (0..8).map(|_| r.next_u64()).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(1, 0), draw(1, 0));
+        assert_ne!(draw(1, 0), draw(1, 1));
+        assert_ne!(draw(1, 0), draw(2, 0));
+        let mut r = job_rng(7, 3);
+        assert!((0..1000).all(|_| r.random_range(0..5u64) < 5));
+    }
+
     /// A `--device` spec with `fault.` options runs through the fault device and counts its
     /// injected errors.
     #[test]

@@ -10,8 +10,15 @@
 //! summed), `ctx_switches` is still the jobs' own. `--sweep barrier=locked,lockless` runs
 //! each barrier design in turn.
 //!
+//! `--json` lines are a `serde` struct (`report::Report`, compact `serde_json`); offsets come
+//! from `rand`'s `SmallRng` per job, seeded from `--seed`; latencies go into a pre-sized
+//! `hdrhistogram`; the progress bar (`indicatif`) is drawn on stderr only when it is a terminal
+//! and never with `--json`. `--plot FILE.svg` draws the invocation's runs (IOPS against the
+//! sweep, one line per row, error bars over the repeats) and `blkq bench plot` draws `--json`
+//! lines collected from several invocations (see `plot`).
+//!
 //! This file is the sweep/repeat driver (`run`); the options, the job loop, the latency
-//! statistics and the output live in the files beside it.
+//! statistics, the output and the plots live in the files beside it.
 
 mod args;
 mod hist;
@@ -216,5 +223,43 @@ fn sweep_plot(
                 points: runs.into_iter().flat_map(|s| s.points).collect(),
             }],
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn series(name: &str, points: Vec<Vec<f64>>) -> plot::Series {
+        plot::Series {
+            name: name.into(),
+            points,
+        }
+    }
+
+    /// With a sweep the rows are the lines; without one they become the x categories of a
+    /// single line.
+    #[test]
+    fn sweep_plot_rows_and_columns() {
+        let runs = vec![
+            series("counter/steal", vec![vec![1.0, 2.0], vec![3.0]]),
+            series("legacy/steal", vec![vec![4.0], vec![5.0]]),
+        ];
+        let vals = vec!["2".to_string(), "4".to_string()];
+        let d = sweep_plot("t".into(), Some("queue-depth"), &vals, runs);
+        assert_eq!(d.ticks, vals);
+        assert_eq!(d.x_desc, "queue-depth");
+        assert_eq!(d.series.len(), 2);
+        let runs = vec![
+            series("counter/steal/none", vec![vec![1.0, 2.0]]),
+            series("counter/steal/mq-deadline/locked", vec![vec![3.0]]),
+        ];
+        let d = sweep_plot("t".into(), None, &[String::new()], runs);
+        assert_eq!(
+            d.ticks,
+            ["counter/steal/none", "counter/steal/mq-deadline/locked"]
+        );
+        assert_eq!(d.series.len(), 1);
+        assert_eq!(d.series[0].points, [vec![1.0, 2.0], vec![3.0]]);
     }
 }
