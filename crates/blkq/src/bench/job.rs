@@ -321,7 +321,7 @@ fn progress_bar(cfg: &RunCfg, label: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let style = ProgressStyle::with_template("{prefix} [{bar:30}] {elapsed:>3}/{len}ms {msg}")
+    let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos:>5}/{len} ms {msg}")
         .unwrap_or_else(|_| ProgressStyle::default_bar())
         .progress_chars("=> ");
     let pb = ProgressBar::with_draw_target(
