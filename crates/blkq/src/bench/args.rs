@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use blk::sched::{LockMode, SchedChoice};
 use blk::PoolPolicy;
 use blk_drivers::spec::parse_size;
-use clap::Args;
+use clap::{Args, Subcommand};
 use sbitmap::WakeAlgo;
 
 /// Access pattern.
@@ -48,9 +48,12 @@ impl Rw {
     }
 }
 
-/// `blkq bench` options.
+/// `blkq bench` options (or, with the `plot` subcommand, a plot of collected `--json` runs).
 #[derive(Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    pub cmd: Option<BenchCmd>,
     /// Device spec: null:SIZE, mem:SIZE or file:PATH, with ,key=value options.
     #[arg(long, default_value = "null:1G", conflicts_with = "raid1")]
     pub device: String,
@@ -128,6 +131,27 @@ pub struct BenchArgs {
     /// Time one I/O in N for latency (the clock costs ~33 ns a read here).
     #[arg(long, default_value_t = 8)]
     pub lat_sample: u64,
+    /// Seed of the jobs' offset generators (job j's stream is derived from it and j), so
+    /// random patterns are reproducible run to run.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Draw what this invocation measured as an SVG: IOPS against the --sweep values, one
+    /// line per wake/policy/scheduler row, error bars from min to max of the --repeat runs
+    /// (without --sweep: one point per row).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// The title of the --plot (default: the device, pattern, block size, iodepth and jobs).
+    #[arg(long, value_name = "TEXT")]
+    pub plot_title: Option<String>,
+}
+
+/// `blkq bench` subcommands.
+#[derive(Subcommand, Debug, Clone)]
+pub enum BenchCmd {
+    /// Plot `blkq bench --json` lines collected from several runs (files, or stdin) as an
+    /// SVG: one line per --series value, a point per --x value, error bars over the runs
+    /// that share both (the repeats).
+    Plot(super::plot::PlotArgs),
 }
 
 /// One run's configuration.
@@ -152,6 +176,8 @@ pub(super) struct RunCfg {
     pub(super) batch_time: Duration,
     pub(super) size: Option<u64>,
     pub(super) lat_sample: u64,
+    /// `--seed`: the jobs' generators derive from it.
+    pub(super) seed: u64,
     /// `--raid1` legs (then `device` is only the label of the run).
     pub(super) raid1: Option<String>,
     /// `--raid1-option`s, in order (a later one wins).

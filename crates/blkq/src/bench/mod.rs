@@ -10,12 +10,20 @@
 //! summed), `ctx_switches` is still the jobs' own. `--sweep barrier=locked,lockless` runs
 //! each barrier design in turn.
 //!
+//! `--json` lines are a `serde` struct (`report::Report`, compact `serde_json`); offsets come
+//! from `rand`'s `SmallRng` per job, seeded from `--seed`; latencies go into a pre-sized
+//! `hdrhistogram`; the progress bar (`indicatif`) is drawn on stderr only when it is a terminal
+//! and never with `--json`. `--plot FILE.svg` draws the invocation's runs (IOPS against the
+//! sweep, one line per row, error bars over the repeats) and `blkq bench plot` draws `--json`
+//! lines collected from several invocations (see `plot`).
+//!
 //! This file is the sweep/repeat driver (`run`); the options, the job loop, the latency
-//! statistics and the output live in the files beside it.
+//! statistics, the output and the plots live in the files beside it.
 
 mod args;
 mod hist;
 mod job;
+mod plot;
 mod report;
 
 use std::time::Duration;
@@ -26,13 +34,16 @@ use blk::PoolPolicy;
 use blk_drivers::spec::parse_size;
 use sbitmap::WakeAlgo;
 
-pub use args::BenchArgs;
 use args::{apply, list, RunCfg};
+pub use args::{BenchArgs, BenchCmd};
 use job::{run_once, verify};
 use report::{kfmt, mean_sd, policy_name, print_human, print_table, to_json, wake_name};
 
 /// Runs `blkq bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(BenchCmd::Plot(p)) = &a.cmd {
+        return plot::run(p);
+    }
     if a.iodepth == 0 || a.jobs == 0 || a.repeat == 0 || a.lat_sample == 0 {
         bail!("--iodepth, --jobs, --repeat and --lat-sample must be at least 1");
     }
@@ -68,6 +79,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         batch_time: Duration::from_micros(a.batch_time_us),
         size: a.size.as_deref().map(parse_size).transpose()?,
         lat_sample: a.lat_sample,
+        seed: a.seed,
         raid1: a.raid1.clone(),
         raid1_options: a.raid1_options.clone(),
     };
@@ -88,16 +100,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         None => (None, vec![String::new()]),
     };
-    // rows: (wake, policy, scheduler); columns: sweep values; cells: iops per repeat
+    // rows: (wake, policy, scheduler); columns: sweep values; cells: mean and sd of iops
     let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    // the same rows, cells: iops of each repeat (for --plot)
+    let mut runs: Vec<plot::Series> = vec![];
     // the same rows, cells: contended scheduler-lock acquisitions per I/O
     let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
-    let progress = !a.json && a.repeat == 1 && sweep_key.is_none();
+    let total_runs = wakes.len() * policies.len() * sched_rows.len() * sweep_vals.len() * a.repeat;
+    let mut run_no = 0usize;
     for &w in &wakes {
         for &p in &policies {
             for &(sc, lk) in &sched_rows {
                 let mut row = vec![];
                 let mut crow = vec![];
+                let mut cells = vec![];
                 for v in &sweep_vals {
                     let mut cfg = base.clone();
                     cfg.wake = w;
@@ -113,7 +129,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     let mut iops = vec![];
                     let mut cont = vec![];
                     for rep in 0..a.repeat {
-                        let r = run_once(&cfg, progress)?;
+                        run_no += 1;
+                        // A progress bar on stderr when it is a terminal, never with --json.
+                        let label = (!a.json).then(|| {
+                            let mut l = format!("[{run_no}/{total_runs}]");
+                            if let Some(k) = &sweep_key {
+                                l.push_str(&format!(" {k}={v}"));
+                            }
+                            l
+                        });
+                        let r = run_once(&cfg, label.as_deref())?;
                         if a.json {
                             println!("{}", to_json(&cfg, &r, rep));
                         } else if sweep_key.is_none() && a.repeat == 1 {
@@ -124,6 +149,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     }
                     row.push(mean_sd(&iops));
                     crow.push(mean_sd(&cont));
+                    cells.push(iops);
                 }
                 let mut name = format!("{}/{}", wake_name(w), policy_name(p));
                 if sched_rows.len() > 1 || sc != SchedChoice::None {
@@ -135,6 +161,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 if sc != SchedChoice::None {
                     contention.push((name.clone(), crow));
                 }
+                runs.push(plot::Series {
+                    name: name.clone(),
+                    points: cells,
+                });
                 table.push((name, row));
             }
         }
@@ -147,5 +177,89 @@ pub fn run(a: BenchArgs) -> Result<()> {
             print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));
         }
     }
+    if let Some(path) = &a.plot {
+        let title = a.plot_title.clone().unwrap_or_else(|| {
+            format!(
+                "{} {} bs={} iodepth={} jobs={}",
+                base.device,
+                base.rw.name(),
+                base.bs,
+                base.iodepth,
+                base.jobs
+            )
+        });
+        plot::write_svg(
+            &sweep_plot(title, sweep_key.as_deref(), &sweep_vals, runs),
+            path,
+            plot::ErrBars::Minmax,
+        )?;
+    }
     Ok(())
+}
+
+/// The chart of one invocation: IOPS against the sweep values, one line per row (wake,
+/// policy, scheduler); without a sweep, the rows side by side as the x categories.
+fn sweep_plot(
+    title: String,
+    sweep_key: Option<&str>,
+    sweep_vals: &[String],
+    runs: Vec<plot::Series>,
+) -> plot::PlotData {
+    match sweep_key {
+        Some(k) => plot::PlotData {
+            title,
+            x_desc: k.to_string(),
+            y_desc: "IOPS".into(),
+            ticks: sweep_vals.to_vec(),
+            series: runs,
+        },
+        None => plot::PlotData {
+            title,
+            x_desc: "wake/policy/scheduler".into(),
+            y_desc: "IOPS".into(),
+            ticks: runs.iter().map(|s| s.name.clone()).collect(),
+            series: vec![plot::Series {
+                name: "IOPS".into(),
+                points: runs.into_iter().flat_map(|s| s.points).collect(),
+            }],
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn series(name: &str, points: Vec<Vec<f64>>) -> plot::Series {
+        plot::Series {
+            name: name.into(),
+            points,
+        }
+    }
+
+    /// With a sweep the rows are the lines; without one they become the x categories of a
+    /// single line.
+    #[test]
+    fn sweep_plot_rows_and_columns() {
+        let runs = vec![
+            series("counter/steal", vec![vec![1.0, 2.0], vec![3.0]]),
+            series("legacy/steal", vec![vec![4.0], vec![5.0]]),
+        ];
+        let vals = vec!["2".to_string(), "4".to_string()];
+        let d = sweep_plot("t".into(), Some("queue-depth"), &vals, runs);
+        assert_eq!(d.ticks, vals);
+        assert_eq!(d.x_desc, "queue-depth");
+        assert_eq!(d.series.len(), 2);
+        let runs = vec![
+            series("counter/steal/none", vec![vec![1.0, 2.0]]),
+            series("counter/steal/mq-deadline/locked", vec![vec![3.0]]),
+        ];
+        let d = sweep_plot("t".into(), None, &[String::new()], runs);
+        assert_eq!(
+            d.ticks,
+            ["counter/steal/none", "counter/steal/mq-deadline/locked"]
+        );
+        assert_eq!(d.series.len(), 1);
+        assert_eq!(d.series[0].points, [vec![1.0, 2.0], vec![3.0]]);
+    }
 }
