@@ -40,6 +40,35 @@
 //! an early version did, and that loses its wake-up: the loom model and the nested test in
 //! `tests/` show a waiter left asleep while a tag is free. Kept only to be measured against.
 //!
+//! # The chained rule ([`WakeAlgo::Chain`])
+//!
+//! The counters decide *when* a batch is due exactly as above (so the nested-free cure is
+//! kept); what changes is *how many* a due batch wakes. The counter algorithm wakes
+//! `wake_batch` sleepers across the queues at once; under the `steal` policy, by the time they
+//! run (a wake-up costs ~24 us on a small VM) running allocators have often taken the freed
+//! tags, and most of them sleep again: up to one context switch per I/O for nothing. The
+//! chained rule wakes the *head* of a chain, one sleeper; a woken sleeper that then takes a tag
+//! (`chain_on`) and still sees a tag free (`weight < depth`) while someone waits
+//! (`ws_active != 0`) wakes one more. So a batch wakes as many sleepers as there are tags for
+//! them, plus at most one that finds none, one after the other.
+//!
+//! Why no sleeper is left behind a free tag (given, as for the other rules, that tags in
+//! flight keep being freed): every free counted towards a batch is covered by the chain it
+//! starts or by one already running. Follow a chain: its current link was woken; it either
+//! (a) takes no tag: every tag freed so far was taken by an allocator that is running, so it
+//! is in flight, and its free will be counted again; or (b) takes a tag and sees none free:
+//! the same; or (c) takes one and sees one free: if someone waits it wakes the next link;
+//! if the only waiters are between counting themselves in `ws_active` and queuing, their
+//! retry after `prepare`'s fence sees the free tag. Orderings: the link's check starts with a
+//! `fence(SeqCst)` that pairs with the one ending a sleeper's `prepare`, as a free's does (the
+//! free tag it looks at was freed before its wake-up, so before that fence): either the
+//! sleeper's retry sees the tag, or the link sees the sleeper counted and queued. Without the
+//! fence, loom finds the link reading a stale "no waiters" while the sleeper's retry misses
+//! the tag. (A stale "free" from the Relaxed `weight` costs one spare wake-up at most, which
+//! the pass-on rule hands on.)
+//! Loom: `tests/loom_chain.rs` (two sleepers, one batch of two frees: the second is woken by
+//! the first; and the same model without the links deadlocks).
+//!
 //! # No lost wake-up between a sleeper and a free
 //!
 //! A sleeper increments `ws_active`, queues (the wait queue's `prepare` ends in a SeqCst
@@ -63,7 +92,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use blkq_sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use blkq_sync::atomic::{fence, AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use blkq_sync::CachePadded;
 use waitq::{WaitKey, WaitQueue};
 
@@ -84,6 +113,36 @@ pub enum WakeAlgo {
     Counter,
     /// A per-queue `wait_cnt` decremented and reset (the algorithm the counters replaced).
     Legacy,
+    /// The counters, but a due batch wakes one sleeper, and a woken sleeper that takes a tag
+    /// and still sees one free wakes the next (see "The chained rule" in the module docs).
+    Chain,
+}
+
+impl WakeAlgo {
+    fn to_u32(self) -> u32 {
+        match self {
+            WakeAlgo::Counter => 0,
+            WakeAlgo::Legacy => 1,
+            WakeAlgo::Chain => 2,
+        }
+    }
+
+    fn from_u32(v: u32) -> Self {
+        match v {
+            1 => WakeAlgo::Legacy,
+            2 => WakeAlgo::Chain,
+            _ => WakeAlgo::Counter,
+        }
+    }
+
+    /// The name `FromStr` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            WakeAlgo::Counter => "counter",
+            WakeAlgo::Legacy => "legacy",
+            WakeAlgo::Chain => "chain",
+        }
+    }
 }
 
 impl std::str::FromStr for WakeAlgo {
@@ -92,6 +151,7 @@ impl std::str::FromStr for WakeAlgo {
         match s {
             "counter" => Ok(WakeAlgo::Counter),
             "legacy" => Ok(WakeAlgo::Legacy),
+            "chain" => Ok(WakeAlgo::Chain),
             _ => Err(Error::UnknownAlgo(s.to_string())),
         }
     }
@@ -125,7 +185,10 @@ pub struct SbitmapQueue {
     next_ws: AtomicUsize,
     completion_cnt: CachePadded<AtomicU32>,
     wakeup_cnt: CachePadded<AtomicU32>,
-    legacy: AtomicBool,
+    /// `WakeAlgo` as `to_u32` (Relaxed: a mode switch, every sleeper re-checks).
+    algo: AtomicU32,
+    /// Test knob: `false` drops the chained rule's links (the model that must fail).
+    chain_links: bool,
     ws: Box<[CachePadded<WaitState>]>,
 }
 
@@ -156,9 +219,19 @@ impl SbitmapQueue {
             next_ws: AtomicUsize::new(0),
             completion_cnt: CachePadded(AtomicU32::new(0)),
             wakeup_cnt: CachePadded(AtomicU32::new(0)),
-            legacy: AtomicBool::new(algo == WakeAlgo::Legacy),
+            algo: AtomicU32::new(algo.to_u32()),
+            chain_links: true,
             ws,
         })
+    }
+
+    /// Test-only: a [`WakeAlgo::Chain`] queue whose woken sleepers never wake the next link.
+    /// Broken on purpose; the loom test shows a sleeper left behind a free tag.
+    #[doc(hidden)]
+    pub fn new_chain_without_links(depth: u32) -> Result<Self, Error> {
+        let mut q = Self::new(depth, None, false, WakeAlgo::Chain)?;
+        q.chain_links = false;
+        Ok(q)
     }
 
     /// The bitmap.
@@ -168,18 +241,13 @@ impl SbitmapQueue {
 
     /// The wake-up algorithm in use.
     pub fn algo(&self) -> WakeAlgo {
-        if self.legacy.load(Ordering::Relaxed) {
-            WakeAlgo::Legacy
-        } else {
-            WakeAlgo::Counter
-        }
+        WakeAlgo::from_u32(self.algo.load(Ordering::Relaxed))
     }
 
     /// Switches the wake-up algorithm. Meant for use between runs; switching under load is
     /// safe (every sleeper re-checks the bitmap) but may delay a batch.
     pub fn set_algo(&self, algo: WakeAlgo) {
-        self.legacy
-            .store(algo == WakeAlgo::Legacy, Ordering::Relaxed);
+        self.algo.store(algo.to_u32(), Ordering::Relaxed);
         self.wake_all();
     }
 
@@ -281,6 +349,7 @@ impl SbitmapQueue {
             w.finish(); // keeps the wake-up: we retry next, then take or queue again
             self.ws_active.fetch_sub(1, Ordering::Relaxed);
             if let Some(t) = f(&self.sb) {
+                self.chain_on();
                 return t;
             }
             // Chosen, but someone took the tag first: queue again (the tag was used, so the
@@ -357,17 +426,19 @@ impl SbitmapQueue {
         if self.ws_active.load(Ordering::Relaxed) == 0 {
             return; // nobody waits: no counting, no atomics written
         }
-        if self.legacy.load(Ordering::Relaxed) {
-            for _ in 0..nr {
-                self.legacy_wake(interrupt);
+        match self.algo() {
+            WakeAlgo::Legacy => {
+                for _ in 0..nr {
+                    self.legacy_wake(interrupt);
+                }
             }
-        } else {
-            self.counter_wake(nr, interrupt);
+            WakeAlgo::Counter => self.counter_wake(nr, interrupt, false),
+            WakeAlgo::Chain => self.counter_wake(nr, interrupt, true),
         }
     }
 
     #[cold]
-    fn counter_wake(&self, nr: u32, interrupt: &mut Option<&mut dyn FnMut()>) {
+    fn counter_wake(&self, nr: u32, interrupt: &mut Option<&mut dyn FnMut()>, chain: bool) {
         let batch = self.wake_batch.load(Ordering::Relaxed);
         self.completion_cnt.fetch_add(nr, Ordering::Relaxed);
         // Acquire: see the module docs (a newer wakeup_cnt implies a new-enough completion_cnt).
@@ -387,7 +458,8 @@ impl SbitmapQueue {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    self.wake_waiters(batch as usize);
+                    // Chained: the batch wakes the head of a chain (`chain_on`).
+                    self.wake_waiters(if chain { 1 } else { batch as usize });
                     wakeups = wakeups.wrapping_add(batch);
                     // Loop: batched frees (put_batch) may owe more than one batch.
                 }
@@ -413,6 +485,22 @@ impl SbitmapQueue {
         }
         if index != start {
             self.wake_index.store(index, Ordering::Relaxed);
+        }
+    }
+
+    /// The chained rule's next link: called by a sleeper that was woken (chosen) and then took
+    /// a tag. If a tag is still free and someone waits, wake one more sleeper.
+    #[inline]
+    fn chain_on(&self) {
+        if !self.chain_links || self.algo.load(Ordering::Relaxed) != WakeAlgo::Chain.to_u32() {
+            return;
+        }
+        // As a free's: pairs with the fence at the end of a sleeper's `prepare`. Either that
+        // sleeper's retry sees the free tag (whose free happened before our wake-up, so before
+        // this fence), or we see it counted in `ws_active` and queued.
+        fence(Ordering::SeqCst);
+        if self.ws_active.load(Ordering::Relaxed) != 0 && self.sb.weight() < self.sb.depth() {
+            self.wake_waiters(1);
         }
     }
 
@@ -514,8 +602,11 @@ impl<F: FnMut(&Sbitmap) -> Option<u32> + Unpin> Future for GetTag<'_, F> {
             }
             // Chosen: the look below comes after the choice.
             this.leave_to_check();
-        }
-        if let Some(t) = (this.f)(&this.sbq.sb) {
+            if let Some(t) = (this.f)(&this.sbq.sb) {
+                this.sbq.chain_on();
+                return Poll::Ready(t);
+            }
+        } else if let Some(t) = (this.f)(&this.sbq.sb) {
             return Poll::Ready(t);
         }
         // Not queued, or chosen but the tag went to someone else: queue again.

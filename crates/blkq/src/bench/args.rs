@@ -92,7 +92,7 @@ pub struct BenchArgs {
     /// One tag bitmap shared by all hardware queues.
     #[arg(long)]
     pub shared_tags: bool,
-    /// Wake-up algorithm(s): counter, legacy, or both as "counter,legacy".
+    /// Wake-up algorithm(s): counter, legacy, chain, or a comma list ("counter,legacy,chain").
     #[arg(long, default_value = "counter")]
     pub wake: String,
     /// Pool-full policy(ies): steal, fifo, batch, or a comma list.

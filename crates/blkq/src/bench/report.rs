@@ -15,6 +15,7 @@ pub(super) fn wake_name(w: WakeAlgo) -> &'static str {
     match w {
         WakeAlgo::Counter => "counter",
         WakeAlgo::Legacy => "legacy",
+        WakeAlgo::Chain => "chain",
     }
 }
 
