@@ -31,18 +31,18 @@ fi
 echo "# $(date -u +%F) $(uname -m) $(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
 for j in $JOBS; do
   echo
-  echo "## counter vs legacy wake-ups, one hardware queue, $j jobs, null completion=thread, randwrite iodepth 64"
-  plot_args "wake-1hwq-${j}jobs" "counter vs legacy wake-ups: 1 hw queue, $j jobs, randwrite iodepth 64"
+  echo "## counter vs legacy vs chain wake-ups, one hardware queue, $j jobs, null completion=thread, randwrite iodepth 64"
+  plot_args "wake-1hwq-${j}jobs" "counter vs legacy vs chain wake-ups: 1 hw queue, $j jobs, randwrite iodepth 64"
   $BIN bench --device null:1G,completion=thread --rw randwrite --iodepth 64 --jobs "$j" \
-    --runtime "$RUNTIME" --repeat "$REPEAT" --wake counter,legacy \
+    --runtime "$RUNTIME" --repeat "$REPEAT" --wake counter,legacy,chain \
     --sweep queue-depth=2,4,8,16,32,64 ${P[@]+"${P[@]}"}
   echo
-  echo "## counter vs legacy wake-ups, $HWQ_SHARED hardware queues sharing one bitmap, $((j * 2)) jobs"
+  echo "## counter vs legacy vs chain wake-ups, $HWQ_SHARED hardware queues sharing one bitmap, $((j * 2)) jobs"
   plot_args "wake-${HWQ_SHARED}hwq-shared-$((j * 2))jobs" \
-    "counter vs legacy wake-ups: $HWQ_SHARED hw queues sharing one bitmap, $((j * 2)) jobs"
+    "counter vs legacy vs chain wake-ups: $HWQ_SHARED hw queues sharing one bitmap, $((j * 2)) jobs"
   $BIN bench --device null:1G,completion=thread --rw randwrite --iodepth 64 --jobs $((j * 2)) \
     --hw-queues "$HWQ_SHARED" --shared-tags --runtime "$RUNTIME" --repeat "$REPEAT" \
-    --wake counter,legacy --sweep queue-depth=2,4,8,16,32,64 ${P[@]+"${P[@]}"}
+    --wake counter,legacy,chain --sweep queue-depth=2,4,8,16,32,64 ${P[@]+"${P[@]}"}
 done
 echo
 echo "## pool-full policies (timer completions 50us, depth 32, soft limit 16)"

@@ -48,9 +48,12 @@
 //! run (a wake-up costs ~24 us on a small VM) running allocators have often taken the freed
 //! tags, and most of them sleep again: up to one context switch per I/O for nothing. The
 //! chained rule wakes the *head* of a chain, one sleeper; a woken sleeper that then takes a tag
-//! (`chain_on`) and still sees a tag free (`weight < depth`) while someone waits
-//! (`ws_active != 0`) wakes one more. So a batch wakes as many sleepers as there are tags for
-//! them, plus at most one that finds none, one after the other.
+//! (`chain_on`) and still sees tags free (`depth - weight`) while someone waits
+//! (`ws_active != 0`) wakes as many more as it sees free, at most a batch. So sleepers are
+//! woken when, and as many as, tags are left for them at the moment a woken thread actually
+//! runs, not when the batch fell due (by then running allocators under `steal` have taken
+//! most of them). With a batch of one (depths up to 8 here) every counted free already wakes
+//! a sleeper of its own, so there are no links: it is the counter rule.
 //!
 //! Why no sleeper is left behind a free tag (given, as for the other rules, that tags in
 //! flight keep being freed): every free counted towards a batch is covered by the chain it
@@ -107,14 +110,15 @@ pub const SBQ_WAKE_BATCH: u32 = 8;
 /// Which wake-up algorithm a queue runs (switchable at run time, for comparison).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WakeAlgo {
-    /// Ever-increasing completion and wake-up counters (counter-based batched wake-ups). The
-    /// default.
-    #[default]
+    /// Ever-increasing completion and wake-up counters (counter-based batched wake-ups), a
+    /// due batch waking `wake_batch` sleepers across the queues at once.
     Counter,
     /// A per-queue `wait_cnt` decremented and reset (the algorithm the counters replaced).
     Legacy,
     /// The counters, but a due batch wakes one sleeper, and a woken sleeper that takes a tag
-    /// and still sees one free wakes the next (see "The chained rule" in the module docs).
+    /// and still sees tags free wakes that many more, at most a batch (see "The chained rule"
+    /// in the module docs). The default.
+    #[default]
     Chain,
 }
 
@@ -488,19 +492,29 @@ impl SbitmapQueue {
         }
     }
 
-    /// The chained rule's next link: called by a sleeper that was woken (chosen) and then took
-    /// a tag. If a tag is still free and someone waits, wake one more sleeper.
+    /// The chained rule's next links: called by a sleeper that was woken (chosen) and then took
+    /// a tag. If tags are still free and someone waits, wake as many sleepers as there are
+    /// free tags, at most a batch.
     #[inline]
     fn chain_on(&self) {
-        if !self.chain_links || self.algo.load(Ordering::Relaxed) != WakeAlgo::Chain.to_u32() {
+        // With a batch of one every counted free wakes a sleeper of its own: no links.
+        if !self.chain_links
+            || self.algo.load(Ordering::Relaxed) != WakeAlgo::Chain.to_u32()
+            || self.wake_batch.load(Ordering::Relaxed) <= 1
+        {
             return;
         }
         // As a free's: pairs with the fence at the end of a sleeper's `prepare`. Either that
         // sleeper's retry sees the free tag (whose free happened before our wake-up, so before
         // this fence), or we see it counted in `ws_active` and queued.
         fence(Ordering::SeqCst);
-        if self.ws_active.load(Ordering::Relaxed) != 0 && self.sb.weight() < self.sb.depth() {
-            self.wake_waiters(1);
+        if self.ws_active.load(Ordering::Relaxed) != 0 {
+            // As many as there are free tags now, at most a batch.
+            let free = self.sb.depth().saturating_sub(self.sb.weight());
+            let n = free.min(self.wake_batch.load(Ordering::Relaxed));
+            if n > 0 {
+                self.wake_waiters(n as usize);
+            }
         }
     }
 

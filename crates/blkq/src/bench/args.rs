@@ -93,7 +93,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub shared_tags: bool,
     /// Wake-up algorithm(s): counter, legacy, chain, or a comma list ("counter,legacy,chain").
-    #[arg(long, default_value = "counter")]
+    #[arg(long, default_value = "chain")]
     pub wake: String,
     /// Pool-full policy(ies): steal, fifo, batch, or a comma list.
     #[arg(long, default_value = "steal")]
