@@ -300,6 +300,66 @@ wait "$RPID" || fail "raid1 server exited with $?"
 grep -q "mismatch_cnt = 0" "$TMP/raid-check.txt" || fail "raid check: $(cat "$TMP/raid-check.txt")"
 ok "raid1: stopped cleanly, raid check: mismatch_cnt 0"
 
+step "ro=1 on a device is advertised read-only (nbdinfo)"
+RO1SOCK=$TMP/ro1.sock
+start_server ro1 "$RO1SOCK" "$(free_port)" --device mem:16M,ro=1
+RO1PID=$SERVER_PID
+nbdinfo --json "nbd+unix:///?socket=$RO1SOCK" >"$TMP/ro1.json"
+"$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); e=d["exports"][0]; assert e["is_read_only"] is True, e' \
+  "$TMP/ro1.json" || fail "ro=1 not advertised: $(cat "$TMP/ro1.json")"
+kill -INT "$RO1PID"
+wait "$RO1PID" || fail "ro=1 server exited with $?"
+ok "nbdinfo shows is_read_only for a ro=1 device"
+
+step "soak: 16 verified fio connections while other clients are killed mid-I/O; fds and RSS flat"
+# Verified jobs own 8 MiB each of [0, 128M); the victims write [128M, 192M). The whole device
+# is written once first, so the memory disk's own pages are resident before the baseline.
+SSOCK=$TMP/soak.sock
+start_server soak "$SSOCK" "$(free_port)" --device mem:192M
+SPID=$SERVER_PID
+SUNIX="nbd+unix:///?socket=$SSOCK"
+(cd "$TMP" && fio --name=fill --ioengine=nbd --uri="$SUNIX" --rw=write --bs=1m --iodepth=8 \
+  --size=192m --output="$TMP/soak-fill.txt") || fail "soak fill: $(cat "$TMP/soak-fill.txt")"
+soak_fds() { ls "/proc/$SPID/fd" | wc -l; }
+soak_rss() { awk '/^VmRSS/ {print $2}' "/proc/$SPID/status"; }
+sleep 0.5
+FD0=$(soak_fds)
+RSS0=$(soak_rss)
+SOAK_SECS=${SOAK_SECS:-20}
+(cd "$TMP" && fio --name=soak --ioengine=nbd --uri="$SUNIX" --numjobs=16 --size=8m \
+  --offset_increment=8m --rw=randwrite --bsrange=4k-64k --iodepth=8 --time_based \
+  --runtime="$SOAK_SECS" --verify=crc32c --verify_backlog=32 --do_verify=1 \
+  --verify_state_save=0 --group_reporting --output="$TMP/soak.txt") &
+SOAK_FIO=$!
+KILLS=0
+end=$((SECONDS + SOAK_SECS - 2))
+while ((SECONDS < end)); do
+  (cd "$TMP" && exec fio --name=victim --ioengine=nbd --uri="$SUNIX" --offset=128m \
+    --size=64m --rw=randrw --bs=64k --iodepth=32 --time_based --runtime=30 \
+    --output=/dev/null) &
+  victim=$!
+  sleep 0.7
+  kill -KILL "$victim" 2>/dev/null || true
+  wait "$victim" 2>/dev/null || true
+  KILLS=$((KILLS + 1))
+done
+wait "$SOAK_FIO" || fail "soak fio: $(cat "$TMP/soak.txt")"
+grep -q "err= 0" "$TMP/soak.txt" || fail "soak: fio reported errors: $(cat "$TMP/soak.txt")"
+! grep -qi "verify.*fail\|bad magic\|crc32c.*wanted" "$TMP/soak.txt" || fail "soak: verify errors"
+# The killed clients' connections close; descriptors return to the baseline.
+for _ in $(seq 1 100); do
+  (($(soak_fds) <= FD0)) && break
+  sleep 0.1
+done
+FD1=$(soak_fds)
+RSS1=$(soak_rss)
+((FD1 <= FD0)) || fail "soak: descriptors grew from $FD0 to $FD1"
+# Allowance for per-connection buffer pools and allocator caches, not for leaks per request.
+((RSS1 - RSS0 < 131072)) || fail "soak: RSS grew from ${RSS0} KiB to ${RSS1} KiB"
+kill -INT "$SPID"
+wait "$SPID" || fail "soak server exited with $?"
+ok "soak: ${SOAK_SECS}s, 16 verified connections, $KILLS clients killed; fds $FD0 -> $FD1, RSS ${RSS0} -> ${RSS1} KiB"
+
 step "SIGINT: the server finishes, exits 0 and removes its socket"
 kill -INT "$PID"
 wait "$PID" || fail "server exited with $?"

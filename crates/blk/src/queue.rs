@@ -458,7 +458,18 @@ impl QueueCore {
                 pool.put(tag);
             }
             if let (Some(b), Some(e)) = (bio, end) {
-                e.end_io(b, this);
+                // A panic in a submitter's completion must not take the completing thread (a
+                // driver's completion thread serves every submitter) or the rest of the merge
+                // chain with it: the tag is already free; the chain goes on. The submitter
+                // whose `end_io` panicked is the one affected (its own containment decides).
+                // Zero cost unless it unwinds.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.end_io(b, this)))
+                    .is_err()
+                {
+                    tracing::error!(
+                        "a bio's end_io panicked; the request is lost to its submitter"
+                    );
+                }
             }
             match next {
                 Some(n) => cur = n,

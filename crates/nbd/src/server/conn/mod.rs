@@ -47,6 +47,7 @@ mod writer;
 use std::io;
 use std::net::Shutdown;
 use std::os::fd::AsRawFd;
+use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
@@ -55,7 +56,7 @@ use blk::{Bio, EndIo};
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::thread::{self, JoinHandle};
 use blkq_sync::Mutex;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use waitq::WaitQueue;
 
 use self::inflight::{ConnCore, InFlight, Locked};
@@ -126,11 +127,28 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         "connection open"
     );
     let (reason, stats) = match Connection::new(stream, &server, export, negotiated) {
-        Ok(mut conn) => {
-            let reason = conn.run();
-            conn.teardown(&reason);
-            (reason, conn.stats)
-        }
+        // A panic on the reader (a bug here, or in a device's `submit`, which runs on this
+        // thread) fails this connection only: `Connection`'s `Drop` closes its socket, stops
+        // its flusher and gives back its budget; the registry entry goes below. The other
+        // connections and the device carry on.
+        Ok(mut conn) => match std::panic::catch_unwind(AssertUnwindSafe(|| conn.run())) {
+            Ok(reason) => {
+                conn.teardown(&reason);
+                (reason, conn.stats)
+            }
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                let reason = format!("internal error (panic: {what})");
+                error!(conn = id, %peer, export = %export.export.name, "closing connection: {reason}");
+                let stats = conn.stats;
+                drop(conn);
+                (reason, stats)
+            }
+        },
         Err(e) => (format!("could not start: {e}"), Stats::default()),
     };
     info!(
@@ -195,6 +213,30 @@ struct Connection<'a> {
     /// own): the idle and mid-request timeouts count from here.
     last_recv: Instant,
     stats: Stats,
+    /// `teardown` ran (the normal end); `Drop` cleans up after a panic otherwise.
+    torn_down: bool,
+}
+
+impl Drop for Connection<'_> {
+    /// After a panic unwound out of `run` (`teardown` did not run): close the socket, so that
+    /// the flusher and any reply still being written fail fast instead of waiting on the
+    /// client; stop and join the flusher; give back the budget of what was never submitted.
+    /// Requests already in the device complete into the shared core, which lives until the
+    /// last of them, and give back their budget as their replies fail to send.
+    fn drop(&mut self) {
+        if self.torn_down {
+            return;
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let mut dropped = self.partial_write.take().map_or(0, |p| p.budget_bytes());
+        dropped += self.staged.iter().map(|e| e.budget_bytes).sum::<u64>();
+        self.server.budget.give(dropped);
+        self.core.locked.lock().stop_flusher = true;
+        self.core.flusher_wake.wake_one();
+        if let Some(f) = self.flusher.take() {
+            let _ = f.join();
+        }
+    }
 }
 
 /// A zero duration means "no timeout" to a socket: use a millisecond instead.
@@ -281,6 +323,7 @@ impl<'a> Connection<'a> {
             partial_write: None,
             last_recv: Instant::now(),
             stats: Stats::default(),
+            torn_down: false,
         })
     }
 
@@ -415,6 +458,7 @@ impl<'a> Connection<'a> {
     /// Waits for every in-flight request to be answered (or dropped, if the client is gone),
     /// then stops the flusher.
     fn teardown(&mut self, reason: &str) {
+        self.torn_down = true;
         debug!(peer = %self.stream, "tearing down: {reason}");
         // A write still arriving, or staged requests that never got a slot, are dropped,
         // and the memory budget they took is given back.
