@@ -70,7 +70,8 @@ impl Tree {
     pub(super) const EMPTY: Tree = Tree { root: NIL, len: 0 };
 
     /// Requests in the list.
-    #[cfg_attr(not(test), allow(dead_code))]
+    // Used by the unit tests, which are not built under loom.
+    #[cfg_attr(any(not(test), blkq_loom), allow(dead_code))]
     pub(super) fn len(&self) -> u32 {
         self.len
     }
