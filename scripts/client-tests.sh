@@ -300,16 +300,17 @@ wait "$RPID" || fail "raid1 server exited with $?"
 grep -q "mismatch_cnt = 0" "$TMP/raid-check.txt" || fail "raid check: $(cat "$TMP/raid-check.txt")"
 ok "raid1: stopped cleanly, raid check: mismatch_cnt 0"
 
-step "ro=1 on a device is advertised read-only (nbdinfo)"
+step "ro=1 on a file device is advertised read-only (nbdinfo)"
 RO1SOCK=$TMP/ro1.sock
-start_server ro1 "$RO1SOCK" "$(free_port)" --device mem:16M,ro=1
+truncate -s 16M "$TMP/ro1.img"
+start_server ro1 "$RO1SOCK" "$(free_port)" --device "file:$TMP/ro1.img,ro=1"
 RO1PID=$SERVER_PID
 nbdinfo --json "nbd+unix:///?socket=$RO1SOCK" >"$TMP/ro1.json"
 "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); e=d["exports"][0]; assert e["is_read_only"] is True, e' \
   "$TMP/ro1.json" || fail "ro=1 not advertised: $(cat "$TMP/ro1.json")"
 kill -INT "$RO1PID"
 wait "$RO1PID" || fail "ro=1 server exited with $?"
-ok "nbdinfo shows is_read_only for a ro=1 device"
+ok "nbdinfo shows is_read_only for a ro=1 file device"
 
 step "soak: 16 verified fio connections while other clients are killed mid-I/O; fds and RSS flat"
 # Verified jobs own 8 MiB each of [0, 128M); the victims write [128M, 192M). The whole device
