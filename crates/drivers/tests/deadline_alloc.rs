@@ -6,43 +6,15 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
+use testkit::alloc::CountingAlloc;
 
 use blk::sched::{Deadline, LockMode};
 use blk::{Bio, EndIo, Error, Op, Plug, Queue};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: the caller's contract is `GlobalAlloc::alloc`'s, passed on.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: `p` came from `alloc` above, i.e. from `System`, with layout `l`.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: as for `dealloc`; `n` is the caller's new size.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAlloc = CountingAlloc::new();
 
 /// Gives completed bios back to their submitter (a vector with room for all of them).
 struct Back(Mutex<Vec<Bio>>);
@@ -117,14 +89,12 @@ fn steady_state_allocates_nothing() {
             })
             .collect();
         window.wait();
-        ALLOCS.store(0, Ordering::Relaxed);
-        COUNTING.store(true, Ordering::Relaxed);
+        GLOBAL.start();
         for h in hs {
             // Joining allocates nothing until the threads end.
             h.join().unwrap();
         }
-        COUNTING.store(false, Ordering::Relaxed);
-        let allocs = ALLOCS.load(Ordering::Relaxed);
+        let allocs = GLOBAL.stop();
         let d = q
             .scheduler()
             .unwrap()

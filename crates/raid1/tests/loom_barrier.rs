@@ -172,30 +172,14 @@ fn loom_freeze_passes_queued_io_locked() {
     blkq_sync::model(|| freeze_passes_queued_io(BarrierMode::Locked));
 }
 
-const CHILD: &str = "BLKQ_LOOM_RAID1_NO_FENCE_CHILD";
-
 /// The exclusion model over the broken fast path (no fence after the `nr_pending` increment)
 /// must fail: loom finds the store-buffer interleaving in which both proceed.
 #[test]
 fn loom_without_pending_fence_fails() {
-    if std::env::var_os(CHILD).is_some() {
-        blkq_sync::model(|| write_vs_resync(Barriers::new_without_pending_fence()));
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "loom_without_pending_fence_fails",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the fast path without its fence passed the model"
+    let stderr = testkit::loom_child::expect_model_failure(
+        "loom_without_pending_fence_fails",
+        "the fast path without its fence passed the model",
+        || write_vs_resync(Barriers::new_without_pending_fence()),
     );
     assert!(
         stderr.contains("mutual exclusion violated") || stderr.contains("Causality violation"),

@@ -126,30 +126,14 @@ fn loom_slot_replace_vs_submit_locked() {
     blkq_sync::model(|| model(BarrierMode::Locked, true, Inline::Complete));
 }
 
-const CHILD: &str = "BLKQ_LOOM_RAID1_SLOT_NO_HOLD_CHILD";
-
 /// Without the submitter's own admission, an inline completion lets the freezer pass while the
 /// submitter still uses the device: loom reports the unordered access (or the retired device).
 #[test]
 fn loom_slot_without_own_hold_fails() {
-    if std::env::var_os(CHILD).is_some() {
-        blkq_sync::model(|| model(BarrierMode::Lockless, false, Inline::Complete));
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "loom_slot_without_own_hold_fails",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the submission without its own admission passed the model"
+    let stderr = testkit::loom_child::expect_model_failure(
+        "loom_slot_without_own_hold_fails",
+        "the submission without its own admission passed the model",
+        || model(BarrierMode::Lockless, false, Inline::Complete),
     );
     assert!(
         stderr.contains("used a retired device") || stderr.contains("Causality violation"),

@@ -53,30 +53,12 @@ fn loom_chain_nested_free() {
     blkq_sync::model(|| common::two_sleepers_two_frees(WakeAlgo::Chain, true));
 }
 
-const CHILD: &str = "BLKQ_LOOM_SBITMAP_CHAIN_NO_LINKS_CHILD";
-
 #[test]
 fn loom_chain_without_links_fails() {
-    if std::env::var_os(CHILD).is_some() {
-        blkq_sync::model(|| {
-            one_batch_two_sleepers(SbitmapQueue::new_chain_without_links(4).unwrap())
-        });
-        return;
-    }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "loom_chain_without_links_fails",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "the chain without links passed the model"
+    let stderr = testkit::loom_child::expect_model_failure(
+        "loom_chain_without_links_fails",
+        "the chain without links passed the model",
+        || one_batch_two_sleepers(SbitmapQueue::new_chain_without_links(4).unwrap()),
     );
     assert!(
         stderr.contains("deadlock"),

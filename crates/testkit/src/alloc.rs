@@ -1,0 +1,63 @@
+//! A counting global allocator for "allocates nothing in the steady state" tests.
+//!
+//! A test binary installs it (`#[global_allocator] static A: CountingAlloc =
+//! CountingAlloc::new();`), warms up, then brackets the window it checks with
+//! [`CountingAlloc::start`] and [`CountingAlloc::stop`], which returns how many allocations
+//! and reallocations any thread made inside the window. It forwards everything to the system
+//! allocator unchanged.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// The system allocator, counting allocations while switched on.
+#[derive(Debug, Default)]
+pub struct CountingAlloc {
+    on: AtomicBool,
+    count: AtomicU64,
+}
+
+impl CountingAlloc {
+    /// Off, at zero.
+    pub const fn new() -> Self {
+        Self {
+            on: AtomicBool::new(false),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Zeroes the count and starts counting.
+    pub fn start(&self) {
+        self.count.store(0, Ordering::Relaxed);
+        self.on.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops counting; returns the allocations (and reallocations) since `start`.
+    pub fn stop(&self) -> u64 {
+        self.on.store(false, Ordering::Relaxed);
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn note(&self) {
+        if self.on.load(Ordering::Relaxed) {
+            self.count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        self.note();
+        // SAFETY: the caller's contract is `GlobalAlloc::alloc`'s, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: `p` came from `alloc` above, i.e. from `System`, with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        self.note();
+        // SAFETY: as for `dealloc`; `n` is the caller's new size.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
