@@ -129,5 +129,5 @@ fn json_lines_and_plots() {
     ]);
     assert!(table.contains("| jobs"), "{table}");
     let s = std::fs::read_to_string(&own).unwrap();
-    assert!(s.starts_with("<svg") && s.contains("counter/steal"));
+    assert!(s.starts_with("<svg") && s.contains("chain/steal"));
 }
