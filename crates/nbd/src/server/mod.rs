@@ -42,24 +42,30 @@
 //! do. Waiting for a stop, and for a bio in [`submit_sync`], goes through a
 //! [`waitq::Completion`].
 
+mod accept;
 mod conn;
 mod handshake;
+mod limits;
+
+use self::accept::{accept_loop, remove_stale_socket, Listener};
+pub(crate) use self::limits::MemoryBudget;
+pub use self::limits::{default_max_connections, default_memory_budget};
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, Device, EndIo, Op};
-use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::Mutex;
-use tracing::{debug, info, warn};
-use waitq::{Completion, WaitQueue};
+use tracing::{info, warn};
+use waitq::Completion;
 
 use crate::stream::Stream;
 
@@ -163,29 +169,6 @@ pub struct Tuning {
     /// connections; a connection that would go over it stops reading requests until memory
     /// is returned. Default: [`default_memory_budget`].
     pub memory_budget: u64,
-}
-
-/// Descriptors one connection holds: its socket, the registry's handle and the writers'
-/// handle.
-const FDS_PER_CONNECTION: u64 = 3;
-/// Descriptors kept for everything else (listeners, device files, logs, the control socket).
-const FDS_RESERVED: u64 = 64;
-
-/// The default connection limit: what the open-files limit leaves room for (three descriptors
-/// a connection, 64 kept for the rest), between 16 and 1024. With the usual soft limit of 1024
-/// that is 320: accepting more would only fail later, in `accept` or in the connection's setup.
-pub fn default_max_connections() -> usize {
-    let nofile = crate::sys::open_files_limit().unwrap_or(1024);
-    (nofile.saturating_sub(FDS_RESERVED) / FDS_PER_CONNECTION).clamp(16, 1024) as usize
-}
-
-/// The default memory budget: an eighth of the machine's memory, between 64 MiB and 4 GiB
-/// (256 MiB if the size of memory is unknown). Enough for any one connection's in-flight
-/// window, small enough that hostile clients cannot push the machine into swap.
-pub fn default_memory_budget() -> u64 {
-    crate::sys::physical_memory()
-        .map_or(256 << 20, |m| m / 8)
-        .clamp(64 << 20, 4 << 30)
 }
 
 impl Default for Tuning {
@@ -326,83 +309,6 @@ impl ShutdownReport {
     }
 }
 
-/// The global memory budget ([`Tuning::memory_budget`]): payload bytes of the reads and
-/// writes that all connections have taken in (from the decoding of the request to the
-/// sending of its reply). A reader takes a request's bytes before it consumes the request
-/// ([`MemoryBudget::try_take`]); if they do not fit it stops reading and waits
-/// ([`MemoryBudget::wait_fit`]) until some are given back ([`MemoryBudget::give`], when a
-/// reply has been sent or a connection drops what it holds).
-///
-/// A request bigger than the whole budget is let through when nothing at all is taken, so
-/// that it is served alone rather than never.
-///
-/// Ordering: `used` publishes nothing but itself, so its updates are `Relaxed` (the CAS
-/// keeps the sum exact). The wake-up is the wait queue's protocol: a waiter queues itself
-/// (`prepare`, a `SeqCst` fence) before it re-checks `used`; a giver subtracts, then
-/// `wake_all` fences (`SeqCst`) before it looks for waiters. So either the waiter's re-check
-/// sees the bytes given back, or the giver sees the waiter and wakes it.
-pub(crate) struct MemoryBudget {
-    limit: u64,
-    used: AtomicU64,
-    wake: WaitQueue,
-}
-
-impl MemoryBudget {
-    pub(crate) fn new(limit: u64) -> Self {
-        Self {
-            limit,
-            used: AtomicU64::new(0),
-            wake: WaitQueue::new(),
-        }
-    }
-
-    fn fits(&self, used: u64, n: u64) -> bool {
-        used == 0 || used.saturating_add(n) <= self.limit
-    }
-
-    /// Takes `n` bytes if they fit.
-    pub(crate) fn try_take(&self, n: u64) -> bool {
-        let mut used = self.used.load(Ordering::Relaxed);
-        loop {
-            if !self.fits(used, n) {
-                return false;
-            }
-            match self.used.compare_exchange_weak(
-                used,
-                used + n,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => used = now,
-            }
-        }
-    }
-
-    /// Gives back `n` bytes taken earlier, and wakes the readers waiting for room.
-    pub(crate) fn give(&self, n: u64) {
-        if n > 0 {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            self.wake.wake_all();
-        }
-    }
-
-    /// Waits until `n` bytes would fit (without taking them: the caller tries again) or
-    /// `deadline` passes; returns whether they fit.
-    pub(crate) fn wait_fit(&self, n: u64, deadline: Instant) -> bool {
-        let fit = || {
-            self.fits(self.used.load(Ordering::Relaxed), n)
-                .then_some(())
-        };
-        self.wake.wait_for_until(fit, deadline).is_some()
-    }
-
-    /// Bytes taken now.
-    pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
-    }
-}
-
 /// State shared by the acceptors and every connection.
 pub(crate) struct Shared {
     pub(crate) exports: Vec<ExportState>,
@@ -451,28 +357,6 @@ impl Shared {
     /// Records that connection `id` negotiated export `export` (index in `exports`).
     pub(crate) fn attach(&self, id: u64, export: usize) {
         self.conns.lock().on_export.push((id, export));
-    }
-}
-
-enum Listener {
-    Tcp(TcpListener),
-    Unix(UnixListener),
-}
-
-impl Listener {
-    /// A second descriptor of the listening socket, for `sys::shutdown_listener` at stop.
-    fn waker(&self) -> io::Result<OwnedFd> {
-        Ok(match self {
-            Listener::Tcp(l) => OwnedFd::from(l.try_clone()?),
-            Listener::Unix(l) => OwnedFd::from(l.try_clone()?),
-        })
-    }
-
-    fn accept(&self) -> io::Result<Stream> {
-        match self {
-            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
-            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
-        }
     }
 }
 
@@ -855,135 +739,6 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.do_shutdown();
-    }
-}
-
-/// Removes a socket file left by a server that is gone; refuses to touch anything else, and a
-/// socket some live server still answers on.
-fn remove_stale_socket(path: &Path) -> io::Result<()> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    if !meta.file_type().is_socket() {
-        return Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            "the path exists and is not a socket (not replacing it)",
-        ));
-    }
-    // Stale only if nothing answers: ECONNREFUSED. Any other outcome leaves the file alone.
-    match UnixStream::connect(path) {
-        Ok(_) => {
-            return Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                "another server is listening on this socket",
-            ))
-        }
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
-        Err(e) => {
-            return Err(io::Error::new(
-                e.kind(),
-                format!("cannot tell whether the socket is stale ({e}); not replacing it"),
-            ))
-        }
-    }
-    debug!(path = %path.display(), "removing stale socket");
-    std::fs::remove_file(path)
-}
-
-/// A log line that a flood must not turn into a flood of lines: at most one a second, saying
-/// how many were left out since the last one.
-#[derive(Default)]
-struct RateLimited {
-    last: Option<Instant>,
-    left_out: u64,
-}
-
-impl RateLimited {
-    /// `Some(n)`: log now, `n` events were left out before this one; `None`: leave it out.
-    fn allow(&mut self) -> Option<u64> {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
-        {
-            self.left_out += 1;
-            return None;
-        }
-        self.last = Some(now);
-        Some(std::mem::take(&mut self.left_out))
-    }
-}
-
-fn accept_loop(l: Listener, shared: Arc<Shared>) {
-    let mut accept_failed = RateLimited::default();
-    let mut over_limit = RateLimited::default();
-    loop {
-        let res = l.accept();
-        if shared.stopping() {
-            return;
-        }
-        let stream = match res {
-            Ok(s) => s,
-            Err(e) => {
-                // EMFILE, ENFILE, ENOBUFS: the pending connection stays in the backlog and
-                // the existing ones go on; back off briefly instead of spinning.
-                if let Some(left_out) = accept_failed.allow() {
-                    warn!(left_out, "accept failed (retrying shortly): {e}");
-                }
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let handle = match stream.try_clone() {
-            Ok(h) => h,
-            Err(e) => {
-                if let Some(left_out) = accept_failed.allow() {
-                    warn!(left_out, "dropping a connection: {e}");
-                }
-                continue;
-            }
-        };
-        let mut r = shared.conns.lock();
-        let limit = shared.tuning.max_connections;
-        if r.live.len() >= limit {
-            drop(r);
-            // Closed at once: the client sees end-of-file before the greeting.
-            drop((stream, handle));
-            if let Some(left_out) = over_limit.allow() {
-                warn!(
-                    left_out,
-                    "refused a connection: {limit} connections are open (--max-connections)"
-                );
-            }
-            continue;
-        }
-        r.threads.retain(|t| !t.is_finished());
-        let id = r.next_id;
-        r.next_id += 1;
-        r.live.push((id, handle));
-        let sh = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("nbd-conn-{id}"))
-            .spawn(move || conn::serve(stream, sh, id));
-        match spawned {
-            Ok(t) => r.threads.push(t),
-            Err(e) => {
-                // The closure, and the socket in it, are dropped with the error; the
-                // registry's handle goes here: nothing is left open.
-                if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
-                    r.live.swap_remove(i);
-                }
-                drop(r);
-                if let Some(left_out) = accept_failed.allow() {
-                    warn!(
-                        left_out,
-                        "dropping a connection: cannot spawn its thread: {e}"
-                    );
-                }
-            }
-        }
     }
 }
 

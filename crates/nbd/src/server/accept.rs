@@ -1,0 +1,146 @@
+//! Listeners and their acceptor threads: binding leaves a stale socket alone unless nothing
+//! answers on it; an acceptor enforces the connection limit, logs floods at a bounded rate,
+//! backs off when descriptors run out, and hands each socket to a connection thread.
+
+use std::io;
+use std::net::TcpListener;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::Duration;
+
+// `std`'s `Arc`, not the facade's (as in the parent module).
+use blkq_sync::DynArc as Arc;
+use tracing::{debug, warn};
+
+use super::limits::RateLimited;
+use super::Shared;
+use crate::stream::Stream;
+
+pub(super) enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+impl Listener {
+    /// A second descriptor of the listening socket, for `sys::shutdown_listener` at stop.
+    pub(super) fn waker(&self) -> io::Result<OwnedFd> {
+        Ok(match self {
+            Listener::Tcp(l) => OwnedFd::from(l.try_clone()?),
+            Listener::Unix(l) => OwnedFd::from(l.try_clone()?),
+        })
+    }
+
+    pub(super) fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
+            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+        }
+    }
+}
+
+/// Removes a socket file left by a server that is gone; refuses to touch anything else, and a
+/// socket some live server still answers on.
+pub(super) fn remove_stale_socket(path: &Path) -> io::Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket (not replacing it)",
+        ));
+    }
+    // Stale only if nothing answers: ECONNREFUSED. Any other outcome leaves the file alone.
+    match UnixStream::connect(path) {
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "another server is listening on this socket",
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot tell whether the socket is stale ({e}); not replacing it"),
+            ))
+        }
+    }
+    debug!(path = %path.display(), "removing stale socket");
+    std::fs::remove_file(path)
+}
+
+pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
+    let mut accept_failed = RateLimited::default();
+    let mut over_limit = RateLimited::default();
+    loop {
+        let res = l.accept();
+        if shared.stopping() {
+            return;
+        }
+        let stream = match res {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE, ENFILE, ENOBUFS: the pending connection stays in the backlog and
+                // the existing ones go on; back off briefly instead of spinning.
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(left_out, "accept failed (retrying shortly): {e}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let handle = match stream.try_clone() {
+            Ok(h) => h,
+            Err(e) => {
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(left_out, "dropping a connection: {e}");
+                }
+                continue;
+            }
+        };
+        let mut r = shared.conns.lock();
+        let limit = shared.tuning.max_connections;
+        if r.live.len() >= limit {
+            drop(r);
+            // Closed at once: the client sees end-of-file before the greeting.
+            drop((stream, handle));
+            if let Some(left_out) = over_limit.allow() {
+                warn!(
+                    left_out,
+                    "refused a connection: {limit} connections are open (--max-connections)"
+                );
+            }
+            continue;
+        }
+        r.threads.retain(|t| !t.is_finished());
+        let id = r.next_id;
+        r.next_id += 1;
+        r.live.push((id, handle));
+        let sh = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("nbd-conn-{id}"))
+            .spawn(move || super::conn::serve(stream, sh, id));
+        match spawned {
+            Ok(t) => r.threads.push(t),
+            Err(e) => {
+                // The closure, and the socket in it, are dropped with the error; the
+                // registry's handle goes here: nothing is left open.
+                if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
+                    r.live.swap_remove(i);
+                }
+                drop(r);
+                if let Some(left_out) = accept_failed.allow() {
+                    warn!(
+                        left_out,
+                        "dropping a connection: cannot spawn its thread: {e}"
+                    );
+                }
+            }
+        }
+    }
+}
