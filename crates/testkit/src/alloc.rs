@@ -7,7 +7,10 @@
 //! allocator unchanged.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+// The facade's atomics (std's outside loom; this module is not built under loom, where a
+// global allocator could not use loom's types). Relaxed throughout: the count is a statistic
+// read after the window by the thread that closed it, and nothing else is published by it.
+use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// The system allocator, counting allocations while switched on.
 #[derive(Debug, Default)]

@@ -17,6 +17,7 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)] // test support, never inside a loom model (crate docs)
 #![warn(missing_docs)]
 
+#[cfg(not(blkq_loom))]
 pub mod alloc;
 #[cfg(not(blkq_loom))]
 pub mod baseline;
