@@ -123,6 +123,10 @@ pub struct LimitArgs {
     /// ...); a connection that would go over waits. Default: 1/8 of RAM, 64 MiB to 4 GiB.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
     pub memory_budget: Option<u64>,
+    /// How the memory budget keeps its count: atomic (lock-free) or locked (the simple version
+    /// it replaces, kept for comparison).
+    #[arg(long, value_name = "IMPL", default_value = "atomic", hide = true)]
+    pub budget_impl: nbd::server::BudgetImpl,
 }
 
 impl Default for LimitArgs {
@@ -134,6 +138,7 @@ impl Default for LimitArgs {
             idle_timeout: None,
             send_timeout: 30.0,
             memory_budget: None,
+            budget_impl: nbd::server::BudgetImpl::Atomic,
         }
     }
 }
@@ -151,6 +156,7 @@ impl LimitArgs {
         if let Some(b) = self.memory_budget {
             t.memory_budget = b;
         }
+        t.budget_impl = self.budget_impl;
     }
 }
 

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 /// Descriptors one connection holds: its socket, the registry's handle and the writers'
@@ -30,6 +31,31 @@ pub fn default_memory_budget() -> u64 {
         .clamp(64 << 20, 4 << 30)
 }
 
+/// How [`MemoryBudget`] keeps its count: the lock-free counter, or the simple locked version
+/// it replaces (kept behind this switch, `blkq serve --budget-impl`, so the two can be compared:
+/// `cargo bench -p nbd --bench budget`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BudgetImpl {
+    /// One atomic counter, taken with a CAS loop and given back with `fetch_sub`.
+    #[default]
+    Atomic,
+    /// A mutex around the count.
+    Locked,
+}
+
+impl std::str::FromStr for BudgetImpl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "atomic" => Ok(Self::Atomic),
+            "locked" => Ok(Self::Locked),
+            _ => Err(format!(
+                "unknown budget implementation {s:?} (atomic or locked)"
+            )),
+        }
+    }
+}
+
 /// The global memory budget ([`super::Tuning::memory_budget`]): payload bytes of the reads and
 /// writes that all connections have taken in (from the decoding of the request to the
 /// sending of its reply). A reader takes a request's bytes before it consumes the request
@@ -40,22 +66,45 @@ pub fn default_memory_budget() -> u64 {
 /// A request bigger than the whole budget is let through when nothing at all is taken, so
 /// that it is served alone rather than never.
 ///
-/// Ordering: `used` publishes nothing but itself, so its updates are `Relaxed` (the CAS
-/// keeps the sum exact). The wake-up is the wait queue's protocol: a waiter queues itself
-/// (`prepare`, a `SeqCst` fence) before it re-checks `used`; a giver subtracts, then
-/// `wake_all` fences (`SeqCst`) before it looks for waiters. So either the waiter's re-check
-/// sees the bytes given back, or the giver sees the waiter and wakes it.
-pub(crate) struct MemoryBudget {
+/// Invariants (both implementations): the count is the sum of the bytes taken and not yet
+/// given back, exactly; a take never makes it exceed the limit unless it was 0 before; a
+/// waiter for room is never left asleep after a give has made its bytes fit (no lost
+/// wake-up). Loom models of both: `tests/loom_budget.rs`.
+///
+/// Ordering (`Atomic`): `used` publishes nothing but itself (the payload buffers are handed
+/// over by other means), so its updates are `Relaxed`; the CAS in `try_take` keeps the sum
+/// exact and the limit check and the add one step. The wake-up is the wait queue's protocol:
+/// a waiter queues itself (`prepare`, a `SeqCst` fence) before it re-checks `used`; a giver
+/// subtracts, then `wake_all` fences (`SeqCst`) before it looks for waiters. Both fences are
+/// `SeqCst`, so one of them is first in their single total order: either the waiter's re-check
+/// comes after the giver's subtraction and sees it, or the giver's look comes after the
+/// waiter's queueing and wakes it. (`Locked`: the mutex orders everything; the wake-up is
+/// the same protocol.)
+pub struct MemoryBudget {
     limit: u64,
-    used: AtomicU64,
+    count: Count,
     wake: WaitQueue,
 }
 
+enum Count {
+    Atomic(AtomicU64),
+    Locked(Mutex<u64>),
+}
+
 impl MemoryBudget {
-    pub(crate) fn new(limit: u64) -> Self {
+    /// A budget of `limit` bytes, the lock-free counter.
+    pub fn new(limit: u64) -> Self {
+        Self::with_impl(limit, BudgetImpl::Atomic)
+    }
+
+    /// A budget of `limit` bytes kept by `imp`.
+    pub fn with_impl(limit: u64, imp: BudgetImpl) -> Self {
         Self {
             limit,
-            used: AtomicU64::new(0),
+            count: match imp {
+                BudgetImpl::Atomic => Count::Atomic(AtomicU64::new(0)),
+                BudgetImpl::Locked => Count::Locked(Mutex::new(0)),
+            },
             wake: WaitQueue::new(),
         }
     }
@@ -65,45 +114,78 @@ impl MemoryBudget {
     }
 
     /// Takes `n` bytes if they fit.
-    pub(crate) fn try_take(&self, n: u64) -> bool {
-        let mut used = self.used.load(Ordering::Relaxed);
-        loop {
-            if !self.fits(used, n) {
-                return false;
+    pub fn try_take(&self, n: u64) -> bool {
+        match &self.count {
+            Count::Atomic(used_a) => {
+                let mut used = used_a.load(Ordering::Relaxed);
+                loop {
+                    if !self.fits(used, n) {
+                        return false;
+                    }
+                    match used_a.compare_exchange_weak(
+                        used,
+                        used + n,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    ) {
+                        Ok(_) => return true,
+                        Err(now) => used = now,
+                    }
+                }
             }
-            match self.used.compare_exchange_weak(
-                used,
-                used + n,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return true,
-                Err(now) => used = now,
+            Count::Locked(m) => {
+                let mut used = m.lock();
+                if !self.fits(*used, n) {
+                    return false;
+                }
+                *used += n;
+                true
             }
         }
     }
 
     /// Gives back `n` bytes taken earlier, and wakes the readers waiting for room.
-    pub(crate) fn give(&self, n: u64) {
-        if n > 0 {
-            self.used.fetch_sub(n, Ordering::Relaxed);
-            self.wake.wake_all();
+    pub fn give(&self, n: u64) {
+        if n == 0 {
+            return;
         }
+        match &self.count {
+            Count::Atomic(used) => {
+                used.fetch_sub(n, Ordering::Relaxed);
+            }
+            Count::Locked(m) => {
+                let mut used = m.lock();
+                *used = used.saturating_sub(n);
+            }
+        }
+        self.wake.wake_all();
     }
 
     /// Waits until `n` bytes would fit (without taking them: the caller tries again) or
     /// `deadline` passes; returns whether they fit.
-    pub(crate) fn wait_fit(&self, n: u64, deadline: Instant) -> bool {
-        let fit = || {
-            self.fits(self.used.load(Ordering::Relaxed), n)
-                .then_some(())
-        };
-        self.wake.wait_for_until(fit, deadline).is_some()
+    pub fn wait_fit(&self, n: u64, deadline: Instant) -> bool {
+        self.wake
+            .wait_for_until(|| self.fits(self.used(), n).then_some(()), deadline)
+            .is_some()
+    }
+
+    /// Waits until `n` bytes would fit, with no deadline (the loom models: loom has no time).
+    pub fn wait_fit_forever(&self, n: u64) {
+        self.wake
+            .wait_for(|| self.fits(self.used(), n).then_some(()));
     }
 
     /// Bytes taken now.
-    pub(crate) fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+    pub fn used(&self) -> u64 {
+        match &self.count {
+            Count::Atomic(used) => used.load(Ordering::Relaxed),
+            Count::Locked(m) => *m.lock(),
+        }
+    }
+
+    /// The limit, bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit
     }
 }
 

@@ -48,8 +48,7 @@ mod handshake;
 mod limits;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
-pub(crate) use self::limits::MemoryBudget;
-pub use self::limits::{default_max_connections, default_memory_budget};
+pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
@@ -169,6 +168,9 @@ pub struct Tuning {
     /// connections; a connection that would go over it stops reading requests until memory
     /// is returned. Default: [`default_memory_budget`].
     pub memory_budget: u64,
+    /// How the memory budget keeps its count (the lock-free counter, or the locked version
+    /// it replaces, for comparison).
+    pub budget_impl: BudgetImpl,
 }
 
 impl Default for Tuning {
@@ -187,6 +189,7 @@ impl Default for Tuning {
             idle_timeout: None,
             send_timeout: Duration::from_secs(30),
             memory_budget: default_memory_budget(),
+            budget_impl: BudgetImpl::Atomic,
         }
     }
 }
@@ -456,7 +459,10 @@ impl Server {
         let shared = Arc::new(Shared {
             exports,
             stopping: AtomicBool::new(false),
-            budget: Arc::new(MemoryBudget::new(tuning.memory_budget.max(1))),
+            budget: Arc::new(MemoryBudget::with_impl(
+                tuning.memory_budget.max(1),
+                tuning.budget_impl,
+            )),
             tuning,
             conns: Mutex::new(Registry::default()),
         });

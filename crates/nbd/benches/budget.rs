@@ -1,0 +1,71 @@
+//! The memory budget's two implementations (`nbd::server::BudgetImpl`): the lock-free counter
+//! against the locked version it replaces. One iteration is what a request costs the budget:
+//! a `try_take` of 4 KiB by the reader and a `give` of it after the reply (which also looks
+//! for waiters to wake). `threads/N`: N threads do it at once on one budget, as N connections
+//! do on the server.
+//!
+//! Under loom the facade's types only work inside a model: the body is `cfg(not(blkq_loom))`.
+
+#[cfg(not(blkq_loom))]
+mod benches {
+    use std::hint::black_box;
+    use std::time::Instant;
+
+    use blkq_sync::Arc;
+    use criterion::{criterion_group, Criterion};
+    use nbd::server::{BudgetImpl, MemoryBudget};
+    use testkit::baseline::criterion_config;
+
+    fn take_give(c: &mut Criterion) {
+        let mut g = c.benchmark_group("budget_take_give");
+        for threads in [1usize, 2, 4] {
+            for (name, imp) in [
+                ("atomic", BudgetImpl::Atomic),
+                ("locked", BudgetImpl::Locked),
+            ] {
+                g.bench_function(format!("{name}/threads/{threads}"), |b| {
+                    b.iter_custom(|iters| {
+                        let budget = Arc::new(MemoryBudget::with_impl(64 << 20, imp));
+                        let start = Instant::now();
+                        let hs: Vec<_> = (0..threads)
+                            .map(|_| {
+                                let budget = budget.clone();
+                                blkq_sync::thread::spawn(move || {
+                                    for _ in 0..iters {
+                                        assert!(budget.try_take(black_box(4096)));
+                                        budget.give(black_box(4096));
+                                    }
+                                })
+                            })
+                            .collect();
+                        for h in hs {
+                            h.join().unwrap();
+                        }
+                        // Per iteration: the wall time of all threads doing `iters` each.
+                        start.elapsed()
+                    })
+                });
+            }
+        }
+        g.finish();
+    }
+
+    criterion_group! {
+        name = group;
+        config = criterion_config();
+        targets = take_give
+    }
+
+    pub fn main() {
+        group();
+        Criterion::default().configure_from_args().final_summary();
+    }
+}
+
+#[cfg(not(blkq_loom))]
+fn main() {
+    benches::main();
+}
+
+#[cfg(blkq_loom)]
+fn main() {}
