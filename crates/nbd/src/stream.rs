@@ -59,6 +59,15 @@ impl Stream {
         }
     }
 
+    /// The subject of the client's verified TLS certificate (its distinguished name, as
+    /// `CN=...,O=...`), for access rules. `None` on a plain socket or when the client sent no
+    /// certificate (the TLS stream implements it; plain TCP and Unix have none).
+    pub fn tls_subject(&self) -> Option<String> {
+        match self {
+            Stream::Tcp(_) | Stream::Unix(_) => None,
+        }
+    }
+
     /// The peer, for log lines: `tcp:127.0.0.1:53312` or `unix`.
     pub fn peer(&self) -> String {
         match self {
