@@ -43,11 +43,13 @@
 //! [`waitq::Completion`].
 
 mod accept;
+mod access;
 mod conn;
 mod handshake;
 mod limits;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
+pub use self::access::{parse_cidr, Access, CidrError, Identity, IpNet, Refusal};
 pub(crate) use self::limits::MemoryBudget;
 pub use self::limits::{default_max_connections, default_memory_budget};
 
@@ -91,6 +93,8 @@ pub struct Export {
     /// With structured replies, ask the device for its allocation map on each read and send
     /// holes as `OFFSET_HOLE` chunks without reading them (one `extents()` call per read).
     pub sparse_reads: bool,
+    /// Who may use the export (default: everyone who can connect); see [`Access`].
+    pub access: Access,
 }
 
 impl Export {
@@ -102,7 +106,14 @@ impl Export {
             device,
             read_only: false,
             sparse_reads: true,
+            access: Access::default(),
         }
+    }
+
+    /// With an access policy.
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
     }
 
     /// With a description.
@@ -125,6 +136,7 @@ impl std::fmt::Debug for Export {
             .field("description", &self.description)
             .field("limits", &self.device.limits())
             .field("read_only", &self.read_only)
+            .field("access", &self.access)
             .finish()
     }
 }
@@ -169,6 +181,11 @@ pub struct Tuning {
     /// connections; a connection that would go over it stops reading requests until memory
     /// is returned. Default: [`default_memory_budget`].
     pub memory_budget: u64,
+    /// How the handshake learns who a client is, for access rules ([`Access`]): by default
+    /// [`Identity::of`] (the peer's address and TLS certificate subject). Called at each
+    /// option that names an export, so after STARTTLS it sees the certificate. Tests put a
+    /// fake identity here.
+    pub identify: fn(&Stream) -> Identity,
 }
 
 impl Default for Tuning {
@@ -187,6 +204,7 @@ impl Default for Tuning {
             idle_timeout: None,
             send_timeout: Duration::from_secs(30),
             memory_budget: default_memory_budget(),
+            identify: Identity::of,
         }
     }
 }
