@@ -72,6 +72,7 @@ pub const CONFLICTS_WITH_CONFIG: &[&str] = &[
 
 /// `blkq serve` flags that may be given with `--config` (they do not describe what is
 /// served). None yet.
+#[allow(dead_code)] // read by the test that keeps the two lists and the flags in step
 pub const ALLOWED_WITH_CONFIG: &[&str] = &["config"];
 
 /// Where a [`Config`] came from, to name the place of an error.
@@ -100,7 +101,11 @@ impl Source {
             Source::CommandLine => format!("--{flag}"),
             Source::File { path, text } => {
                 let end = span.start.min(text.len());
-                let line = text.as_bytes()[..end].iter().filter(|&&b| b == b'\n').count() + 1;
+                let line = text.as_bytes()[..end]
+                    .iter()
+                    .filter(|&&b| b == b'\n')
+                    .count()
+                    + 1;
                 format!("{}:{line}: {key}", path.display())
             }
         }
@@ -416,13 +421,13 @@ impl Config {
     /// Parses TOML `text` read from `path`.
     pub fn parse(path: &Path, text: &str) -> Result<Config> {
         toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text.as_bytes()[..s.start.min(text.len())]
+            let line = e.span().map(|s| {
+                text.as_bytes()[..s.start.min(text.len())]
                     .iter()
                     .filter(|&&b| b == b'\n')
                     .count()
-                    + 1);
+                    + 1
+            });
             let msg = e.message().trim_end().to_string();
             match line {
                 Some(l) => anyhow::anyhow!("{}:{l}: {msg}", path.display()),
@@ -621,7 +626,12 @@ impl Config {
                 name,
                 description: r.description.clone(),
                 what: What::Raid1 {
-                    legs: r.legs.get_ref().iter().map(|l| l.get_ref().clone()).collect(),
+                    legs: r
+                        .legs
+                        .get_ref()
+                        .iter()
+                        .map(|l| l.get_ref().clone())
+                        .collect(),
                     create: r.create,
                     options: r.options.iter().map(|o| o.get_ref().clone()).collect(),
                     control: r.control.clone(),
@@ -746,8 +756,7 @@ impl Checked {
                         read_only: false,
                         ..self.ov.clone()
                     };
-                    let (r, specs) =
-                        crate::serve::build_raid1(legs, *create, options, &leg_ov)?;
+                    let (r, specs) = crate::serve::build_raid1(legs, *create, options, &leg_ov)?;
                     let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                     let full = format!(
                         "raid1 {} (array {})",
@@ -844,10 +853,14 @@ pub fn exposure_warning(addr: SocketAddr, tls: TlsMode, exports: &[Export]) -> O
         .map(|e| e.name.as_str())
         .collect();
     let clear = match tls {
-        TlsMode::Off => "without TLS: every block read and written crosses the network in clear \
-                         (anyone on the path can read the data or change the writes)",
-        _ => "with TLS optional (mode \"on\"): a client that does not ask for TLS sends and \
-              receives every block in clear",
+        TlsMode::Off => {
+            "without TLS: every block read and written crosses the network in clear \
+                         (anyone on the path can read the data or change the writes)"
+        }
+        _ => {
+            "with TLS optional (mode \"on\"): a client that does not ask for TLS sends and \
+              receives every block in clear"
+        }
     };
     let who = if open.is_empty() {
         "; every export has an allow-list, but a client address is no proof of identity on \
@@ -1013,35 +1026,64 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
         assert!(e.starts_with("blkq.toml:6: allow"), "{e}");
         assert!(e.contains("10.0.0/8"), "{e}");
 
-        let e = err(file("[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n[[export]]\ndevice = \"mem:1M\"\n"));
+        let e = err(file(
+            "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n[[export]]\ndevice = \"mem:1M\"\n",
+        ));
         assert!(e.starts_with("blkq.toml:3:"), "{e}");
         assert!(e.contains("bogus"), "{e}");
 
-        let e = err(file("[[export]]\ndevice = \"mem:1M\"\n\n[[export]]\nname = \"x\"\ndevice = \"floppy:1M\"\n"));
+        let e = err(file(
+            "[[export]]\ndevice = \"mem:1M\"\n\n[[export]]\nname = \"x\"\ndevice = \"floppy:1M\"\n",
+        ));
         assert!(e.starts_with("blkq.toml:6: device \"floppy:1M\""), "{e}");
 
         let e = err(file("[[export]]\ndevice = \"mem:1M\"\nreadonly = true\n"));
-        assert!(e.starts_with("blkq.toml:3:") && e.contains("readonly"), "{e}");
+        assert!(
+            e.starts_with("blkq.toml:3:") && e.contains("readonly"),
+            "{e}"
+        );
 
-        let e = err(file("[tls]\nmode = \"maybe\"\n[[export]]\ndevice = \"mem:1M\"\n"));
+        let e = err(file(
+            "[tls]\nmode = \"maybe\"\n[[export]]\ndevice = \"mem:1M\"\n",
+        ));
         assert!(e.starts_with("blkq.toml:2:"), "{e}");
 
         let e = err(file("[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n"));
-        assert!(e.starts_with("blkq.toml:5: name") && e.contains("second"), "{e}");
+        assert!(
+            e.starts_with("blkq.toml:5: name") && e.contains("second"),
+            "{e}"
+        );
 
-        let e = err(file("[[export]]\ndevice = \"mem:1M\"\nallow_subjects = [\"CN=x\"]\n"));
-        assert!(e.starts_with("blkq.toml:3: allow_subjects") && e.contains("verify_peer"), "{e}");
+        let e = err(file(
+            "[[export]]\ndevice = \"mem:1M\"\nallow_subjects = [\"CN=x\"]\n",
+        ));
+        assert!(
+            e.starts_with("blkq.toml:3: allow_subjects") && e.contains("verify_peer"),
+            "{e}"
+        );
 
-        let e = err(file("[server]\nsocket_mode = 660\n[[export]]\ndevice = \"mem:1M\"\n"));
-        assert!(e.starts_with("blkq.toml:2: socket_mode") && e.contains("0o660"), "{e}");
+        let e = err(file(
+            "[server]\nsocket_mode = 660\n[[export]]\ndevice = \"mem:1M\"\n",
+        ));
+        assert!(
+            e.starts_with("blkq.toml:2: socket_mode") && e.contains("0o660"),
+            "{e}"
+        );
 
-        let e = err(file("[limits]\n\nsend_timeout = 0\n[[export]]\ndevice = \"mem:1M\"\n"));
+        let e = err(file(
+            "[limits]\n\nsend_timeout = 0\n[[export]]\ndevice = \"mem:1M\"\n",
+        ));
         assert!(e.starts_with("blkq.toml:3: send_timeout"), "{e}");
 
         let e = err(file("[[raid1]]\nlegs = [\"file:/a\"]\n"));
-        assert!(e.starts_with("blkq.toml:2: legs") && e.contains("two legs"), "{e}");
+        assert!(
+            e.starts_with("blkq.toml:2: legs") && e.contains("two legs"),
+            "{e}"
+        );
 
-        let e = err(file("[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n"));
+        let e = err(file(
+            "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n",
+        ));
         assert!(e.starts_with("blkq.toml:4: options"), "{e}");
 
         let e = err(file("[server]\nno_tcp = true\n"));
@@ -1060,7 +1102,10 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
         let e = err(flags(&["--device", "raid1:file:/a,file:/b"]));
         assert!(e.contains("--raid1"), "{e}");
         let e = err(flags(&["--allow-subject", "CN=a"]));
-        assert!(e.starts_with("--allow-subject") && e.contains("verify"), "{e}");
+        assert!(
+            e.starts_with("--allow-subject") && e.contains("verify"),
+            "{e}"
+        );
         let e = err(flags(&["--sched", "cfq"]));
         assert!(e.starts_with("--sched"), "{e}");
     }
@@ -1126,7 +1171,10 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
         assert_eq!(exposure_warning(any, TlsMode::Require, &ex), None);
         let w = exposure_warning(any, TlsMode::Off, &ex).unwrap();
         assert!(w.contains("without TLS") && w.contains("in clear"), "{w}");
-        assert!(w.contains("anyone who can reach the port") && w.contains("\"a\""), "{w}");
+        assert!(
+            w.contains("anyone who can reach the port") && w.contains("\"a\""),
+            "{w}"
+        );
         let w = exposure_warning(any, TlsMode::On, &ex[1..]).unwrap();
         assert!(w.contains("TLS optional") && w.contains("every export has an allow-list"));
     }
