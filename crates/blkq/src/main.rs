@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod config;
 mod control;
 mod raid;
 mod serve;

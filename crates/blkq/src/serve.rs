@@ -16,17 +16,21 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use blk::{Device, PoolPolicy, Queue};
-use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
+use blk_drivers::spec::QueueOverrides;
 use clap::Args;
-use nbd::server::{Export, Server, ServerConfig, Stopper};
+use nbd::server::{Server, Stopper};
 use raid1::Raid1;
 
-use crate::control::{Control, ControlServer};
+use crate::control::ControlServer;
 
 /// `blkq serve` options.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
+    /// Read everything to serve from a TOML file (listeners, limits, TLS, exports, RAID1
+    /// arrays and their access rules; see docs/blkq.example.toml). No other serve flag may be
+    /// given with it.
+    #[arg(long, value_name = "FILE.toml", conflicts_with_all = crate::config::CONFLICTS_WITH_CONFIG)]
+    pub config: Option<PathBuf>,
     /// Device to export (repeatable): null:SIZE, mem:SIZE or file:PATH, with ,key=value
     /// options. Default: mem:1G.
     #[arg(long = "device", value_name = "SPEC")]
@@ -54,6 +58,15 @@ pub struct ServeArgs {
     /// Export every device read-only.
     #[arg(long)]
     pub read_only: bool,
+    /// Allow TCP clients from this address range only (CIDR such as 10.0.0.0/8, or an
+    /// address; repeatable; every export). Others see no export. Unix-socket clients are
+    /// governed by --socket-mode.
+    #[arg(long = "allow", value_name = "CIDR")]
+    pub allow: Vec<String>,
+    /// Allow only clients whose verified TLS certificate has this subject (the whole subject
+    /// or one component, as CN=backup; repeatable; every export; needs --tls-verify-peer).
+    #[arg(long = "allow-subject", value_name = "SUBJECT")]
+    pub allow_subjects: Vec<String>,
     /// Tags per hardware queue.
     #[arg(long)]
     pub queue_depth: Option<u32>,
@@ -145,7 +158,7 @@ impl Default for LimitArgs {
 
 impl LimitArgs {
     /// Applies the limits to the server's tuning.
-    fn apply(&self, t: &mut nbd::server::Tuning) {
+    pub(crate) fn apply(&self, t: &mut nbd::server::Tuning) {
         use std::time::Duration;
         if let Some(n) = self.max_connections {
             t.max_connections = n.max(1);
@@ -169,7 +182,7 @@ fn parse_secs(s: &str) -> std::result::Result<f64, String> {
 }
 
 /// A byte count with an optional K/M/G/T suffix, not zero.
-fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+pub(crate) fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     match blk_drivers::spec::parse_size(s) {
         Ok(0) => Err("must not be zero".into()),
         Ok(v) => Ok(v),
@@ -178,10 +191,10 @@ fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 }
 
 /// The device string that stands for the --raid1 array in [`pairs`].
-const RAID1_DEVICE: &str = "raid1:";
+pub(crate) const RAID1_DEVICE: &str = "raid1:";
 
 /// Pairs devices with export names.
-fn pairs(a: &ServeArgs) -> Result<Vec<(String, String)>> {
+pub(crate) fn pairs(a: &ServeArgs) -> Result<Vec<(String, String)>> {
     let mut devices = a.devices.clone();
     if let Some(legs) = &a.raid1 {
         devices.push(format!("{RAID1_DEVICE}{legs}"));
@@ -204,7 +217,7 @@ fn pairs(a: &ServeArgs) -> Result<Vec<(String, String)>> {
     Ok(names.into_iter().zip(devices).collect())
 }
 
-fn listen_addr(s: &str) -> Result<SocketAddr> {
+pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr> {
     s.to_socket_addrs()
         .with_context(|| format!("bad --listen address {s:?} (expected ADDR:PORT)"))?
         .next()
@@ -233,24 +246,24 @@ fn uris(name: &str, tcp: Option<SocketAddr>, unix: Option<&std::path::Path>) -> 
     v
 }
 
-/// Opens the --raid1 legs and assembles (or, with --raid1-create, creates) the array.
+/// Opens the legs of a mirror and assembles (or, with `create`, creates) the array.
 /// Returns it with the spec of the leg in each slot.
-fn build_raid1(
-    a: &ServeArgs,
-    legs: &str,
+pub(crate) fn build_raid1(
+    legs: &[String],
+    create: bool,
+    options: &[String],
     ov: &QueueOverrides,
 ) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
-    let legs = crate::raid::split_legs(legs)?;
-    let cfg = crate::raid::raid1_config(&a.raid1_options)?;
-    match crate::raid::plan(&legs, ov)? {
-        None if a.raid1_create => {
+    let cfg = crate::raid::raid1_config(options)?;
+    match crate::raid::plan(legs, ov)? {
+        None if create => {
             let devs = legs
                 .iter()
                 .map(|l| crate::raid::open_leg(l, ov))
                 .collect::<Result<Vec<_>>>()?;
             let r = Raid1::create(devs, cfg).context("--raid1-create: creating the array")?;
             tracing::info!("raid1: created a new array over {} legs", legs.len());
-            Ok((Arc::new(r), legs.into_iter().map(Some).collect()))
+            Ok((Arc::new(r), legs.iter().cloned().map(Some).collect()))
         }
         None => bail!(
             "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
@@ -258,7 +271,7 @@ fn build_raid1(
             legs.join(" ")
         ),
         Some(p) => {
-            if a.raid1_create {
+            if create {
                 bail!(
                     "--raid1-create: the legs already carry array {}: refusing to overwrite it. \
                      Drop --raid1-create to serve that array",
@@ -345,126 +358,37 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
     init_logging();
-    let sched: blk::sched::SchedChoice = a.sched.parse().context("--sched")?;
-    let sched_lock: Option<blk::sched::LockMode> = a
-        .sched_lock
-        .as_deref()
-        .map(str::parse)
-        .transpose()
-        .context("--sched-lock")?;
-    if a.no_tcp && a.no_unix {
-        bail!("--no-tcp and --no-unix together leave nothing to listen on");
-    }
-    let policy: Option<PoolPolicy> = a
-        .policy
-        .as_deref()
-        .map(str::parse)
-        .transpose()
-        .context("--policy")?;
-    let ov = QueueOverrides {
-        hw_queues: a.hw_queues,
-        queue_depth: a.queue_depth,
-        policy,
-        read_only: a.read_only,
-        sched: Some(sched),
-        sched_lock,
-        ..QueueOverrides::default()
+    let (config, source) = match &a.config {
+        Some(path) => crate::config::Config::load(path)?,
+        None => (
+            crate::config::Config::from_args(&a)?,
+            crate::config::Source::CommandLine,
+        ),
     };
-    if let Some(d) = a.devices.iter().find(|d| d.starts_with(RAID1_DEVICE)) {
-        bail!("--device {d:?}: a mirror is given with --raid1 LEG,LEG[,...]");
+    let checked = config.check(&source)?;
+    // TLS: wire the TLS helper's listener setup here. Until then a configuration that asks
+    // for TLS is refused rather than served in clear.
+    let tls_mode = checked.tls.mode;
+    if tls_mode != crate::config::TlsMode::Off {
+        bail!("TLS (mode {tls_mode:?}) is not available in this build");
     }
-    let mut exports = Vec::new();
-    // The full description of each export, printed here (clients get it only with
-    // --describe-paths).
-    let mut local: Vec<String> = Vec::new();
-    let mut control = None;
-    for (name, spec) in pairs(&a)? {
-        if let Some(legs) = spec.strip_prefix(RAID1_DEVICE) {
-            let leg_ov = QueueOverrides {
-                read_only: false,
-                ..ov.clone()
-            };
-            let (r, specs) = build_raid1(&a, legs, &leg_ov)?;
-            let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
-            let dev: Arc<dyn Device> = r.clone();
-            let full = format!("raid1 {} (array {})", legs, uuid.unwrap_or_default());
-            let neutral = neutral_description("raid1", dev.limits().capacity);
-            exports.push(
-                Export::new(name, dev)
-                    .description(if a.describe_paths { &full } else { &neutral })
-                    .read_only(a.read_only),
-            );
-            local.push(full);
-            control = Some(Arc::new(Control::new(r, specs, leg_ov)));
-            continue;
+    let shutdown_timeout = checked.shutdown_timeout;
+    let plan = checked.build()?;
+    let exports = plan.server.exports.clone();
+    let local = plan.local;
+    let cfg = plan.server;
+    if let Some(addr) = cfg.tcp {
+        if let Some(w) = crate::config::exposure_warning(addr, tls_mode, &exports) {
+            tracing::warn!("{w}");
         }
-        let parsed: DeviceSpec = spec
-            .parse()
-            .with_context(|| format!("device spec {spec:?}"))?;
-        let fault = parsed
-            .fault_config()
-            .with_context(|| format!("device spec {spec:?}"))?;
-        let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
-            tracing::warn!(
-                export = %name,
-                "{spec}: fault injection is on: I/O fails or is delayed on purpose"
-            );
-            let dev = parsed
-                .build_device(&ov)
-                .with_context(|| format!("building device {spec:?}"))?;
-            (dev, "with fault injection".to_string())
-        } else {
-            let q: Queue = parsed
-                .build(&ov)
-                .with_context(|| format!("building device {spec:?}"))?;
-            let describe = q.describe();
-            (Arc::new(q), describe)
-        };
-        let read_only = parsed.is_read_only(&ov);
-        if spec.starts_with("mem:") {
-            tracing::warn!(
-                export = %name,
-                "{spec}: the data lives in memory and is lost when the server stops"
-            );
-        }
-        let full = format!("{spec} ({describe})");
-        let kind = match parsed.kind {
-            Kind::Null(_) => "null",
-            Kind::Mem(_) => "mem",
-            Kind::File(_) => "file",
-        };
-        let neutral = neutral_description(kind, dev.limits().capacity);
-        exports.push(
-            Export::new(name, dev)
-                .description(if a.describe_paths { &full } else { &neutral })
-                .read_only(a.read_only || read_only),
-        );
-        local.push(full);
-    }
-    let mut cfg = ServerConfig::new(exports.clone());
-    cfg.tuning.drain_timeout = std::time::Duration::from_secs(a.shutdown_timeout);
-    a.limits.apply(&mut cfg.tuning);
-    if !a.no_tcp {
-        let addr = listen_addr(&a.listen)?;
-        if !addr.ip().is_loopback() {
-            tracing::warn!("listening on {addr}, which is not a loopback address");
-        }
-        cfg.tcp = Some(addr);
-    }
-    if !a.no_unix {
-        cfg.unix = Some(a.socket.clone());
-        cfg.unix_mode = a.socket_mode;
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
-    let control_server = match (&a.control, control) {
-        (Some(path), Some(ctl)) => {
-            let cs = ControlServer::start(path, ctl)?;
-            println!("raid1 control socket: {}", path.display());
-            Some(cs)
-        }
-        _ => None,
-    };
+    let mut control_servers = Vec::new();
+    for (path, ctl) in plan.controls {
+        control_servers.push(ControlServer::start(&path, ctl)?);
+        println!("raid1 control socket: {}", path.display());
+    }
 
     println!("blkq serve: {} export(s)", exports.len());
     for (e, full) in exports.iter().zip(&local) {
@@ -489,7 +413,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
     let report = server.wait_report();
-    if let Some(cs) = control_server {
+    for cs in control_servers {
         cs.shutdown();
     }
     if !report.stuck.is_empty() {
@@ -500,7 +424,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             "shutdown timed out: export(s) {:?} stuck (a request or the final flush never \
              completed within --shutdown-timeout {}s); data on them may be lost",
             report.stuck,
-            a.shutdown_timeout
+            shutdown_timeout
         );
     }
     let failed = report.failed;
@@ -518,12 +442,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
 
 /// What clients are told about an export without --describe-paths: the kind of device and
 /// its size, nothing of the host (no file path, no spec options).
-fn neutral_description(kind: &str, capacity: u64) -> String {
+pub(crate) fn neutral_description(kind: &str, capacity: u64) -> String {
     format!("blkq {kind} device, {capacity} bytes")
 }
 
 /// `--socket-mode`: octal permission bits (`600`, `0660`).
-fn parse_octal_mode(s: &str) -> Result<u32, String> {
+pub(crate) fn parse_octal_mode(s: &str) -> Result<u32, String> {
     match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
         Ok(m) if m <= 0o777 => Ok(m),
         _ => Err(format!(
@@ -551,6 +475,9 @@ mod tests {
             policy: None,
             sched: "none".into(),
             sched_lock: None,
+            config: None,
+            allow: vec![],
+            allow_subjects: vec![],
             raid1: None,
             raid1_create: false,
             raid1_options: vec![],

@@ -59,6 +59,23 @@ impl Stream {
         }
     }
 
+    /// The peer's IP address on TCP (for access rules); `None` on a Unix socket.
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
+            Stream::Unix(_) => None,
+        }
+    }
+
+    /// The subject of the client's verified TLS certificate (its distinguished name, as
+    /// `CN=...,O=...`), for access rules. `None` on a plain socket or when the client sent no
+    /// certificate (the TLS stream implements it; plain TCP and Unix have none).
+    pub fn tls_subject(&self) -> Option<String> {
+        match self {
+            Stream::Tcp(_) | Stream::Unix(_) => None,
+        }
+    }
+
     /// The peer, for log lines: `tcp:127.0.0.1:53312` or `unix`.
     pub fn peer(&self) -> String {
         match self {

@@ -14,8 +14,9 @@
 use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 
-use tracing::debug;
+use tracing::{debug, warn};
 
+use super::access::{Identity, Refusal};
 use super::{ExportState, Shared};
 use crate::handshake::{
     decode_client_flags, decode_option_header, encode_export_name_reply, encode_option_reply,
@@ -58,6 +59,14 @@ pub(crate) enum Ended {
     Timeout,
     /// The client went over a handshake bound (options, option bytes): closed, reason logged.
     Limit(String),
+    /// The client asked for an export with `NBD_OPT_EXPORT_NAME` that its access rules refuse
+    /// it (that option cannot answer an error): closed; the handshake has logged the rule.
+    Refused {
+        /// The export asked for.
+        export: String,
+        /// The rule that refused it.
+        refusal: Refusal,
+    },
     /// The client broke the protocol: the connection is closed, and the reason logged.
     Protocol(String),
     /// The socket failed.
@@ -307,7 +316,12 @@ impl Haggler<'_, '_> {
             }
             ClientOption::List => {
                 self.out.clear();
+                let who = self.identity();
                 for e in &self.shared.exports {
+                    if let Err(r) = e.export.access.check(&who) {
+                        debug!(export = %e.export.name, "hidden from NBD_OPT_LIST: {r}");
+                        continue;
+                    }
                     let r = OptionReply::Server {
                         name: &e.export.name,
                         details: &e.export.description,
@@ -387,6 +401,12 @@ impl Haggler<'_, '_> {
                 "NBD_OPT_EXPORT_NAME for unknown export {name:?}"
             )));
         };
+        if let Err(refusal) = self.allowed(idx, "NBD_OPT_EXPORT_NAME") {
+            return Err(Ended::Refused {
+                export: name.to_string(),
+                refusal,
+            });
+        }
         let state = &self.shared.exports[idx];
         let info = ExportInfo {
             size: state.size,
@@ -421,6 +441,15 @@ impl Haggler<'_, '_> {
             )?;
             return Ok(None);
         };
+        let what = if OptionCode::from_u32(option) == Some(OptionCode::Go) {
+            "NBD_OPT_GO"
+        } else {
+            "NBD_OPT_INFO"
+        };
+        if self.allowed(idx, what).is_err() {
+            self.refuse(option, req.name)?;
+            return Ok(None);
+        }
         let state = &self.shared.exports[idx];
         self.out.clear();
         let export = Info::Export(ExportInfo {
@@ -467,7 +496,7 @@ impl Haggler<'_, '_> {
                 return Ok(());
             }
         }
-        if self.shared.find(req.name).is_none() {
+        let Some(idx) = self.shared.find(req.name) else {
             let msg = no_such_export(req.name);
             self.reply(
                 option,
@@ -477,6 +506,9 @@ impl Haggler<'_, '_> {
                 },
             )?;
             return Ok(());
+        };
+        if self.allowed(idx, "a meta context option").is_err() {
+            return self.refuse(option, req.name);
         }
         let selected = if set {
             // `base:` alone must be ignored by SET; unknown namespaces and leaves too.
@@ -504,6 +536,46 @@ impl Haggler<'_, '_> {
         }
         debug!(set, selected, export = req.name, "meta context");
         Ok(())
+    }
+
+    /// Who the client is now (read again at each use: STARTTLS may have changed it).
+    fn identity(&self) -> Identity {
+        (self.shared.tuning.identify)(self.stream.stream)
+    }
+
+    /// Whether the client may use export `idx` (named by option `what`); a refusal is logged
+    /// with the rule that made it.
+    fn allowed(&self, idx: usize, what: &str) -> Result<(), Refusal> {
+        let export = &self.shared.exports[idx].export;
+        let res = export.access.check(&self.identity());
+        if let Err(r) = &res {
+            warn!(
+                peer = %self.stream.stream.peer(),
+                export = %export.name,
+                reason = r.reason(),
+                "refused {what}: {r}"
+            );
+        }
+        res
+    }
+
+    /// Answers an option naming an export the client may not use: `NBD_REP_ERR_POLICY`.
+    fn refuse(&mut self, option: u32, name: &str) -> Result<(), Ended> {
+        let mut end = name.len().min(256);
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        let msg = format!(
+            "access to export {:?} is not allowed from this client",
+            &name[..end]
+        );
+        self.reply(
+            option,
+            &OptionReply::Error {
+                error: OptionError::Policy,
+                message: &msg,
+            },
+        )
     }
 
     fn reply(&mut self, option: u32, r: &OptionReply<'_>) -> Result<(), Ended> {

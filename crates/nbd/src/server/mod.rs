@@ -43,11 +43,13 @@
 //! [`waitq::Completion`].
 
 mod accept;
+mod access;
 mod conn;
 mod handshake;
 mod limits;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
+pub use self::access::{parse_cidr, Access, CidrError, Identity, IpNet, Refusal};
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 
 use std::io;
@@ -90,6 +92,8 @@ pub struct Export {
     /// With structured replies, ask the device for its allocation map on each read and send
     /// holes as `OFFSET_HOLE` chunks without reading them (one `extents()` call per read).
     pub sparse_reads: bool,
+    /// Who may use the export (default: everyone who can connect); see [`Access`].
+    pub access: Access,
 }
 
 impl Export {
@@ -101,7 +105,14 @@ impl Export {
             device,
             read_only: false,
             sparse_reads: true,
+            access: Access::default(),
         }
+    }
+
+    /// With an access policy.
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
     }
 
     /// With a description.
@@ -124,6 +135,7 @@ impl std::fmt::Debug for Export {
             .field("description", &self.description)
             .field("limits", &self.device.limits())
             .field("read_only", &self.read_only)
+            .field("access", &self.access)
             .finish()
     }
 }
@@ -171,6 +183,11 @@ pub struct Tuning {
     /// How the memory budget keeps its count (the lock-free counter, or the locked version
     /// it replaces, for comparison).
     pub budget_impl: BudgetImpl,
+    /// How the handshake learns who a client is, for access rules ([`Access`]): by default
+    /// [`Identity::of`] (the peer's address and TLS certificate subject). Called at each
+    /// option that names an export, so after STARTTLS it sees the certificate. Tests put a
+    /// fake identity here.
+    pub identify: fn(&Stream) -> Identity,
 }
 
 impl Default for Tuning {
@@ -190,6 +207,7 @@ impl Default for Tuning {
             send_timeout: Duration::from_secs(30),
             memory_budget: default_memory_budget(),
             budget_impl: BudgetImpl::Atomic,
+            identify: Identity::of,
         }
     }
 }

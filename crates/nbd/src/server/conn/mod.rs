@@ -99,6 +99,17 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
             server.unregister(id);
             return;
         }
+        Err(Ended::Refused { export, refusal }) => {
+            warn!(
+                conn = id,
+                %peer,
+                export = %export,
+                reason = refusal.reason(),
+                "closing connection: NBD_OPT_EXPORT_NAME refused: {refusal}"
+            );
+            server.unregister(id);
+            return;
+        }
         Err(Ended::Protocol(why)) => {
             warn!(conn = id, %peer, "closing connection during the handshake: {why}");
             server.unregister(id);

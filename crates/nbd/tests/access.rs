@@ -1,0 +1,183 @@
+//! Access rules in the handshake: address allow-lists over TCP loopback, Unix clients, and
+//! certificate subjects through a fake identity (`Tuning::identify`).
+// A plain threaded test, never a loom model: it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use blk::Device;
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use nbd::client::{ClientError, Endpoint, Handshake};
+use nbd::proto::NBD_REP_ERR_POLICY;
+use nbd::server::{parse_cidr, Access, Export, Identity, Server, ServerConfig, Tuning};
+use nbd::stream::Stream;
+use nbd::CmdFlags;
+
+fn device(spec: &str) -> Arc<dyn Device> {
+    let s: DeviceSpec = spec.parse().unwrap();
+    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+}
+
+fn allow(cidrs: &[&str]) -> Access {
+    Access {
+        allow: cidrs.iter().map(|c| parse_cidr(c).unwrap()).collect(),
+        ..Access::default()
+    }
+}
+
+fn subjects(s: &[&str]) -> Access {
+    Access {
+        allow_subjects: s.iter().map(|s| s.to_string()).collect(),
+        ..Access::default()
+    }
+}
+
+/// Exports: "open" (no rule), "local" (127.0.0.1/32), "remote" (10.0.0.0/8).
+fn exports() -> Vec<Export> {
+    vec![
+        Export::new("open", device("mem:4M")),
+        Export::new("local", device("mem:4M")).access(allow(&["10.0.0.0/8", "127.0.0.1/32"])),
+        Export::new("remote", device("mem:4M")).access(allow(&["10.0.0.0/8"])),
+    ]
+}
+
+struct Serving {
+    server: Option<Server>,
+    tcp: Endpoint,
+    unix: Endpoint,
+    _dir: tempfile::TempDir,
+}
+
+impl Serving {
+    fn start(exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nbd.sock");
+        let mut cfg = ServerConfig::new(exports);
+        cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+        cfg.unix = Some(path.clone());
+        cfg.tuning.drain_timeout = Duration::from_secs(5);
+        tune(&mut cfg.tuning);
+        let server = Server::start(cfg).unwrap();
+        let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
+        Self {
+            server: Some(server),
+            tcp,
+            unix: Endpoint::Unix(path),
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
+    }
+}
+
+fn handshake(ep: &Endpoint) -> Handshake {
+    Handshake::start(ep.connect().unwrap()).unwrap()
+}
+
+fn names(h: &mut Handshake) -> Vec<String> {
+    h.list().unwrap().into_iter().map(|(n, _)| n).collect()
+}
+
+fn is_policy(r: Result<impl std::fmt::Debug, ClientError>) -> bool {
+    match r {
+        Err(e) => e.option_error() == Some(NBD_REP_ERR_POLICY),
+        Ok(v) => panic!("expected ERR_POLICY, got {v:?}"),
+    }
+}
+
+#[test]
+fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
+    let s = Serving::start(exports(), |_| {});
+    let mut h = handshake(&s.tcp);
+    assert_eq!(names(&mut h), ["open", "local"]);
+    assert!(is_policy(h.info("remote")));
+    assert!(is_policy(h.meta_context(
+        "remote",
+        &["base:allocation"],
+        false
+    )));
+    assert!(is_policy(h.go("remote")));
+    // The handshake goes on after a refusal: an allowed export still works.
+    let d = h.go("local").unwrap();
+    let mut c = h.into_client(d).unwrap();
+    c.write(0, &[7u8; 4096], CmdFlags::empty()).unwrap();
+    assert_eq!(c.read(0, 4096).unwrap(), vec![7u8; 4096]);
+
+    // NBD_OPT_EXPORT_NAME cannot answer an error: the server closes the connection.
+    let h = handshake(&s.tcp);
+    assert!(h.export_name("remote").is_err());
+    let h = handshake(&s.tcp);
+    assert!(h.export_name("open").is_ok());
+}
+
+#[test]
+fn unix_clients_are_not_subject_to_address_rules() {
+    let s = Serving::start(exports(), |_| {});
+    let mut h = handshake(&s.unix);
+    assert_eq!(names(&mut h), ["open", "local", "remote"]);
+    let d = h.go("remote").unwrap();
+    let mut c = h.into_client(d).unwrap();
+    assert_eq!(c.read(0, 512).unwrap(), vec![0u8; 512]);
+}
+
+#[test]
+fn subject_rules_without_tls_refuse_everyone() {
+    let s = Serving::start(
+        vec![
+            Export::new("open", device("mem:1M")),
+            Export::new("certs", device("mem:1M")).access(subjects(&["CN=backup"])),
+        ],
+        |_| {},
+    );
+    for ep in [&s.tcp, &s.unix] {
+        let mut h = handshake(ep);
+        assert_eq!(names(&mut h), ["open"]);
+        assert!(is_policy(h.go("certs")));
+    }
+}
+
+/// A client whose (pretend) verified certificate says `CN=backup,O=Example`.
+fn backup_client(stream: &Stream) -> Identity {
+    Identity {
+        tls_subject: Some("CN=backup,O=Example".into()),
+        ..Identity::of(stream)
+    }
+}
+
+#[test]
+fn subject_rules_with_a_fake_identity() {
+    let s = Serving::start(
+        vec![
+            Export::new("backup", device("mem:1M")).access(subjects(&["CN=backup"])),
+            Export::new("vm", device("mem:1M")).access(subjects(&["CN=vm1,O=Example"])),
+            // Both rules: the address must match too.
+            Export::new("far", device("mem:1M")).access(Access {
+                allow_subjects: vec!["CN=backup".into()],
+                ..allow(&["10.0.0.0/8"])
+            }),
+        ],
+        |t| t.identify = backup_client,
+    );
+    let mut h = handshake(&s.tcp);
+    assert_eq!(names(&mut h), ["backup"]);
+    assert!(is_policy(h.info("vm")));
+    assert!(is_policy(h.info("far")));
+    h.info("backup").unwrap();
+    let d = h.go("backup").unwrap();
+    h.into_client(d).unwrap().flush().unwrap();
+    // Over the Unix socket the address rule does not apply: "far" is open to this subject.
+    let mut h = handshake(&s.unix);
+    assert_eq!(names(&mut h), ["backup", "far"]);
+}
