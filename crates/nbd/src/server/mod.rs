@@ -205,6 +205,8 @@ pub struct ServerConfig {
     pub unix_mode: u32,
     /// Data path knobs.
     pub tuning: Tuning,
+    /// TLS (`NBD_OPT_STARTTLS`): `None` is `--tls=off`.
+    pub tls: Option<crate::tls::TlsSettings>,
 }
 
 impl ServerConfig {
@@ -216,6 +218,7 @@ impl ServerConfig {
             unix: None,
             unix_mode: DEFAULT_UNIX_MODE,
             tuning: Tuning::default(),
+            tls: None,
         }
     }
 }
@@ -316,6 +319,8 @@ pub(crate) struct Shared {
     pub(crate) stopping: AtomicBool,
     /// The global memory budget of payload buffers.
     pub(crate) budget: Arc<MemoryBudget>,
+    /// TLS settings (`None`: off).
+    pub(crate) tls: Option<crate::tls::TlsSettings>,
     conns: Mutex<Registry>,
 }
 
@@ -458,6 +463,7 @@ impl Server {
             stopping: AtomicBool::new(false),
             budget: Arc::new(MemoryBudget::new(tuning.memory_budget.max(1))),
             tuning,
+            tls: cfg.tls.clone().filter(|t| t.mode != crate::tls::TlsMode::Off),
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();
