@@ -99,6 +99,9 @@ pub struct ServeArgs {
     /// Resource limits against hostile or broken clients.
     #[command(flatten)]
     pub limits: LimitArgs,
+    /// TLS.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
 }
 
 /// `blkq serve` resource limits (see "Limits" in docs/design.md).
@@ -339,6 +342,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
     init_logging();
+    let tls = a.tls.settings()?;
     let sched: blk::sched::SchedChoice = a.sched.parse().context("--sched")?;
     let sched_lock: Option<blk::sched::LockMode> = a
         .sched_lock
@@ -438,6 +442,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut cfg = ServerConfig::new(exports.clone());
     cfg.tuning.drain_timeout = std::time::Duration::from_secs(a.shutdown_timeout);
     a.limits.apply(&mut cfg.tuning);
+    cfg.tls = tls;
     if !a.no_tcp {
         let addr = listen_addr(&a.listen)?;
         if !addr.ip().is_loopback() {
@@ -552,6 +557,7 @@ mod tests {
             describe_paths: false,
             shutdown_timeout: 30,
             limits: LimitArgs::default(),
+            tls: Default::default(),
         }
     }
 

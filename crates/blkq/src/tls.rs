@@ -1,0 +1,158 @@
+//! `blkq serve`'s TLS flags (nbdkit's meaning) and `blkq certs`, which makes a CA, a server
+//! certificate and optionally a client certificate in the layout qemu and nbdkit read.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use nbd::tls::{TlsMode, TlsSettings};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+
+/// `--tls` values.
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TlsFlag {
+    /// No TLS.
+    #[default]
+    Off,
+    /// Offer TLS (NBD_OPT_STARTTLS); plaintext clients are served too.
+    On,
+    /// Require TLS: before STARTTLS every option but STARTTLS and ABORT is refused.
+    Require,
+}
+
+/// TLS flags of `blkq serve`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// TLS: off, on (offered) or require (no option but STARTTLS and ABORT before it).
+    #[arg(long, value_enum, default_value_t = TlsFlag::Off, value_name = "off|on|require")]
+    pub tls: TlsFlag,
+    /// Directory holding ca-cert.pem, server-cert.pem and server-key.pem (qemu's and
+    /// nbdkit's layout; `blkq certs DIR` makes one).
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+    /// Require a client certificate signed by the directory's ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+}
+
+impl TlsArgs {
+    /// The server's TLS settings (`None`: off).
+    pub fn settings(&self) -> Result<Option<TlsSettings>> {
+        let mode = match self.tls {
+            TlsFlag::Off => return Ok(None),
+            TlsFlag::On => TlsMode::On,
+            TlsFlag::Require => TlsMode::Require,
+        };
+        let Some(dir) = &self.tls_certificates else {
+            bail!("--tls on|require needs --tls-certificates DIR (ca-cert.pem, server-cert.pem, server-key.pem)");
+        };
+        let s = TlsSettings::load(mode, dir, self.tls_verify_peer)
+            .with_context(|| format!("--tls-certificates {}", dir.display()))?;
+        Ok(Some(s))
+    }
+}
+
+/// `blkq certs`.
+#[derive(Args, Debug)]
+pub struct CertsArgs {
+    /// Directory to write into (created if missing): ca-cert.pem, ca-key.pem,
+    /// server-cert.pem, server-key.pem, and with --client client-cert.pem, client-key.pem.
+    pub dir: PathBuf,
+    /// Names and addresses the server certificate is valid for (repeatable; default
+    /// localhost, 127.0.0.1 and ::1).
+    #[arg(long = "hostname", value_name = "NAME")]
+    pub hostnames: Vec<String>,
+    /// Also make a client certificate with this common name (for --tls-verify-peer).
+    #[arg(long, value_name = "NAME")]
+    pub client: Option<String>,
+}
+
+fn write_file(path: &Path, contents: &str, mode: u32) -> Result<()> {
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(contents.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
+    // An existing file keeps its mode through open: set it.
+    fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+        .with_context(|| format!("chmod {}", path.display()))?;
+    Ok(())
+}
+
+fn leaf(cn: &str) -> CertificateParams {
+    let mut p = CertificateParams::default();
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    p
+}
+
+/// Makes the certificates (see [`CertsArgs`]).
+pub fn certs(a: &CertsArgs) -> Result<()> {
+    let hostnames = if a.hostnames.is_empty() {
+        vec!["localhost".into(), "127.0.0.1".into(), "::1".into()]
+    } else {
+        a.hostnames.clone()
+    };
+    fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
+
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name.push(DnType::CommonName, "blkq CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_key = KeyPair::generate().context("CA key")?;
+    let ca_cert = ca.self_signed(&ca_key).context("CA certificate")?;
+
+    let mut server = leaf(&hostnames[0]);
+    server.subject_alt_names = hostnames
+        .iter()
+        .map(|h| match h.parse::<std::net::IpAddr>() {
+            Ok(ip) => Ok(SanType::IpAddress(ip)),
+            Err(_) => Ok(SanType::DnsName(
+                h.clone()
+                    .try_into()
+                    .with_context(|| format!("--hostname {h:?}"))?,
+            )),
+        })
+        .collect::<Result<_>>()?;
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let server_key = KeyPair::generate().context("server key")?;
+    let server_cert = server
+        .signed_by(&server_key, &ca_cert, &ca_key)
+        .context("server certificate")?;
+
+    let dir = &a.dir;
+    write_file(&dir.join("ca-cert.pem"), &ca_cert.pem(), 0o644)?;
+    write_file(&dir.join("ca-key.pem"), &ca_key.serialize_pem(), 0o600)?;
+    write_file(&dir.join("server-cert.pem"), &server_cert.pem(), 0o644)?;
+    write_file(&dir.join("server-key.pem"), &server_key.serialize_pem(), 0o600)?;
+    println!(
+        "{}: ca-cert.pem, server-cert.pem, server-key.pem (for {})",
+        dir.display(),
+        hostnames.join(", ")
+    );
+    if let Some(name) = &a.client {
+        let mut client = leaf(name);
+        client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let client_key = KeyPair::generate().context("client key")?;
+        let client_cert = client
+            .signed_by(&client_key, &ca_cert, &ca_key)
+            .context("client certificate")?;
+        write_file(&dir.join("client-cert.pem"), &client_cert.pem(), 0o644)?;
+        write_file(&dir.join("client-key.pem"), &client_key.serialize_pem(), 0o600)?;
+        println!("{}: client-cert.pem, client-key.pem (CN={name})", dir.display());
+    }
+    Ok(())
+}
