@@ -224,6 +224,18 @@ impl Handshake {
         }
     }
 
+    /// `NBD_OPT_STARTTLS`, then the TLS handshake (`config` from [`crate::tls::client_config`];
+    /// `server_name` is checked against the server certificate). Everything after speaks TLS.
+    pub fn start_tls(
+        &mut self,
+        config: &blkq_sync::DynArc<rustls::ClientConfig>,
+        server_name: &str,
+    ) -> Result<(), ClientError> {
+        self.option(&ClientOption::StartTls)?;
+        crate::tls::connect(&mut self.stream, config, server_name)?;
+        Ok(())
+    }
+
     /// `NBD_OPT_LIST`: (name, description) of every export.
     pub fn list(&mut self) -> Result<Vec<(String, String)>, ClientError> {
         let replies = self.option(&ClientOption::List)?;
