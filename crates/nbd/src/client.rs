@@ -488,6 +488,11 @@ impl Client {
         }
     }
 
+    /// TLS 1.3: asks for a key update on both sides (sent with the next request).
+    pub fn tls_refresh_keys(&mut self) -> Result<(), ClientError> {
+        Ok(self.writer.tls_refresh_keys()?)
+    }
+
     /// The export's size.
     pub fn size(&self) -> u64 {
         self.details.size

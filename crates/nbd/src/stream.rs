@@ -103,6 +103,15 @@ impl Stream {
         }
     }
 
+    /// TLS 1.3: queues a KeyUpdate asking the peer to update its keys too (it leaves with the
+    /// next write on this connection). Not TLS: an error.
+    pub fn tls_refresh_keys(&self) -> io::Result<()> {
+        match self {
+            Stream::Tls(s) => s.refresh_keys(),
+            _ => Err(io::Error::other("not a TLS stream")),
+        }
+    }
+
     /// Sends TLS `close_notify` (no-op on a plain stream). Best effort, blocking: call it only
     /// where no writer can be sending on another handle.
     pub fn close_notify(&mut self) {

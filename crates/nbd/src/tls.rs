@@ -281,6 +281,15 @@ impl TlsStream {
         Ok(Self::new(self.sock.try_clone()?, self.session.clone()))
     }
 
+    /// Queues a TLS 1.3 KeyUpdate (with update_requested).
+    pub(crate) fn refresh_keys(&self) -> io::Result<()> {
+        self.session
+            .conn
+            .lock()
+            .refresh_traffic_keys()
+            .map_err(tls_io_err)
+    }
+
     /// Sends `close_notify` (best effort, blocking: only where no writer can be active).
     pub(crate) fn close_notify(&mut self) {
         let mut out = std::mem::take(&mut self.wbuf);
@@ -585,4 +594,38 @@ pub fn subject_of(cert: &[u8]) -> Option<String> {
     }
     rdns.reverse();
     Some(rdns.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subject_of_an_rcgen_certificate() {
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name
+            .push(rcgen::DnType::OrganizationName, "Example, Inc.");
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "client1");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(
+            subject_of(cert.der()).as_deref(),
+            Some("CN=client1,O=Example\\, Inc.")
+        );
+    }
+
+    #[test]
+    fn subject_of_garbage_is_none() {
+        assert_eq!(subject_of(&[]), None);
+        assert_eq!(subject_of(&[0x30, 0x82, 0xff]), None);
+        assert_eq!(subject_of(&[0x30, 0x03, 0x30, 0x01, 0x02]), None);
+    }
+
+    #[test]
+    fn dotted_oids() {
+        assert_eq!(dotted(&[0x55, 0x04, 0x2a]), "2.5.4.42");
+        assert_eq!(attr_name(&[0x55, 0x04, 0x03]), "CN");
+    }
 }

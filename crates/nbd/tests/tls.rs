@@ -298,3 +298,36 @@ fn verify_peer_accepts_a_client_certificate_from_the_ca() {
     round_trip(&srv, &srv.unix.clone(), true);
     round_trip(&srv, &srv.tcp.clone(), true);
 }
+
+/// Key updates while replies are in flight: the server's answering KeyUpdate is queued by its
+/// reader and must leave through the writer, in order with the replies (a record sent out of
+/// order would fail to decrypt here).
+#[test]
+fn key_updates_in_the_middle_of_replies() {
+    let srv = TlsServer::start(TlsMode::Require, false);
+    let dir = srv.client_dir(false);
+    let cfg = client_config(dir.path()).unwrap();
+    let mut hs = srv.handshake(&srv.tcp);
+    hs.start_tls(&cfg, "localhost").unwrap();
+    let d = hs.go("").unwrap();
+    let mut c = hs.into_client(d).unwrap();
+    let data = pattern(64 * 65536, 3);
+    c.write(0, &data, CmdFlags::empty()).unwrap();
+    for round in 0..20u64 {
+        let mut cookies = Vec::new();
+        for i in 0..32u64 {
+            if i % 8 == round % 8 {
+                c.tls_refresh_keys().unwrap();
+            }
+            let off = ((round * 7 + i) % 64) * 65536;
+            let req = Request::new(Command::Read, 0, off, 65536);
+            cookies.push((c.send(req, &[]).unwrap(), off as usize));
+        }
+        for _ in 0..cookies.len() {
+            let r = c.recv().unwrap();
+            let &(_, off) = cookies.iter().find(|(k, _)| *k == r.cookie).unwrap();
+            assert_eq!(r.data, data[off..off + 65536]);
+        }
+    }
+    c.disconnect().unwrap();
+}
