@@ -137,7 +137,11 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
     write_file(&dir.join("ca-cert.pem"), &ca_cert.pem(), 0o644)?;
     write_file(&dir.join("ca-key.pem"), &ca_key.serialize_pem(), 0o600)?;
     write_file(&dir.join("server-cert.pem"), &server_cert.pem(), 0o644)?;
-    write_file(&dir.join("server-key.pem"), &server_key.serialize_pem(), 0o600)?;
+    write_file(
+        &dir.join("server-key.pem"),
+        &server_key.serialize_pem(),
+        0o600,
+    )?;
     println!(
         "{}: ca-cert.pem, server-cert.pem, server-key.pem (for {})",
         dir.display(),
@@ -151,8 +155,15 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
             .signed_by(&client_key, &ca_cert, &ca_key)
             .context("client certificate")?;
         write_file(&dir.join("client-cert.pem"), &client_cert.pem(), 0o644)?;
-        write_file(&dir.join("client-key.pem"), &client_key.serialize_pem(), 0o600)?;
-        println!("{}: client-cert.pem, client-key.pem (CN={name})", dir.display());
+        write_file(
+            &dir.join("client-key.pem"),
+            &client_key.serialize_pem(),
+            0o600,
+        )?;
+        println!(
+            "{}: client-cert.pem, client-key.pem (CN={name})",
+            dir.display()
+        );
     }
     Ok(())
 }

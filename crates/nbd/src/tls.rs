@@ -157,9 +157,10 @@ impl TlsSettings {
             .map_err(|e| TlsError::Config(e.to_string()))?;
         let builder = if verify_peer {
             let roots = load_roots(&dir.join("ca-cert.pem"))?;
-            let verifier = WebPkiClientVerifier::builder_with_provider(DynArc::new(roots), provider())
-                .build()
-                .map_err(|e| TlsError::Config(e.to_string()))?;
+            let verifier =
+                WebPkiClientVerifier::builder_with_provider(DynArc::new(roots), provider())
+                    .build()
+                    .map_err(|e| TlsError::Config(e.to_string()))?;
             builder.with_client_cert_verifier(verifier)
         } else {
             builder.with_no_client_auth()

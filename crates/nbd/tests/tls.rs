@@ -140,7 +140,9 @@ fn refused_with(r: Result<impl std::fmt::Debug, ClientError>, want: u32) {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
 }
 
 /// STARTTLS, GO, then writes and reads of several sizes, many in flight at once.
@@ -221,7 +223,11 @@ fn plaintext_client_against_require_gets_tls_reqd_and_no_data() {
     hs.send_option(&ClientOption::ExportName("")).unwrap();
     let mut rest = Vec::new();
     let _ = hs.stream().read_to_end(&mut rest);
-    assert!(rest.is_empty(), "got {} bytes after EXPORT_NAME", rest.len());
+    assert!(
+        rest.is_empty(),
+        "got {} bytes after EXPORT_NAME",
+        rest.len()
+    );
     // ABORT is still answered.
     let hs = srv.handshake(&srv.unix);
     hs.abort().unwrap();

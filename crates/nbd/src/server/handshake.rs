@@ -299,9 +299,7 @@ impl Haggler<'_, '_> {
                 return Ok(None);
             }
         };
-        if self.tls_required()
-            && !matches!(parsed, ClientOption::StartTls | ClientOption::Abort)
-        {
+        if self.tls_required() && !matches!(parsed, ClientOption::StartTls | ClientOption::Abort) {
             if matches!(parsed, ClientOption::ExportName(_)) {
                 // NBD_OPT_EXPORT_NAME cannot be answered with an error.
                 return Err(Ended::Protocol(

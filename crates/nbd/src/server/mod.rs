@@ -463,7 +463,10 @@ impl Server {
             stopping: AtomicBool::new(false),
             budget: Arc::new(MemoryBudget::new(tuning.memory_budget.max(1))),
             tuning,
-            tls: cfg.tls.clone().filter(|t| t.mode != crate::tls::TlsMode::Off),
+            tls: cfg
+                .tls
+                .clone()
+                .filter(|t| t.mode != crate::tls::TlsMode::Off),
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();
