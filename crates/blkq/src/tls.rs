@@ -99,6 +99,21 @@ fn leaf(cn: &str) -> CertificateParams {
     p
 }
 
+/// A DNS name as a certificate may carry: dot-separated labels of letters, digits and
+/// hyphens (not at either end), 1 to 63 bytes each; a leading `*.` wildcard label allowed.
+fn valid_dns_name(h: &str) -> bool {
+    let h = h.strip_prefix("*.").unwrap_or(h);
+    !h.is_empty()
+        && h.len() <= 253
+        && h.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
+}
+
 /// Makes the certificates (see [`CertsArgs`]).
 pub fn certs(a: &CertsArgs) -> Result<()> {
     let hostnames = if a.hostnames.is_empty() {
@@ -106,7 +121,6 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
     } else {
         a.hostnames.clone()
     };
-    fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
 
     let mut ca = CertificateParams::default();
     ca.distinguished_name.push(DnType::CommonName, "blkq CA");
@@ -120,6 +134,9 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         .iter()
         .map(|h| match h.parse::<std::net::IpAddr>() {
             Ok(ip) => Ok(SanType::IpAddress(ip)),
+            Err(_) if !valid_dns_name(h) => {
+                bail!("--hostname {h:?} is neither an IP address nor a DNS name")
+            }
             Err(_) => Ok(SanType::DnsName(
                 h.clone()
                     .try_into()
@@ -134,6 +151,7 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         .context("server certificate")?;
 
     let dir = &a.dir;
+    fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     write_file(&dir.join("ca-cert.pem"), &ca_cert.pem(), 0o644)?;
     write_file(&dir.join("ca-key.pem"), &ca_key.serialize_pem(), 0o600)?;
     write_file(&dir.join("server-cert.pem"), &server_cert.pem(), 0o644)?;
@@ -166,4 +184,66 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn tls_on_without_a_directory_names_the_flag() {
+        for tls in [TlsFlag::On, TlsFlag::Require] {
+            let a = TlsArgs {
+                tls,
+                ..TlsArgs::default()
+            };
+            let e = a.settings().unwrap_err().to_string();
+            assert!(e.contains("--tls-certificates"), "{e}");
+        }
+        assert!(TlsArgs::default().settings().unwrap().is_none());
+    }
+
+    #[test]
+    fn certs_makes_a_directory_the_server_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = dir.path().join("pki");
+        certs(&CertsArgs {
+            dir: pki.clone(),
+            hostnames: vec![],
+            client: Some("client1".into()),
+        })
+        .unwrap();
+        for f in ["server-key.pem", "client-key.pem", "ca-key.pem"] {
+            let mode = fs::metadata(pki.join(f)).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{f}");
+        }
+        for verify_peer in [false, true] {
+            let a = TlsArgs {
+                tls: TlsFlag::Require,
+                tls_certificates: Some(pki.clone()),
+                tls_verify_peer: verify_peer,
+            };
+            let s = a.settings().unwrap().unwrap();
+            assert_eq!(s.mode, TlsMode::Require);
+        }
+        // The client side loads the same directory (with its client certificate).
+        nbd::tls::client_config(&pki).unwrap();
+        let cert = nbd::tls::load_certs(&pki.join("client-cert.pem")).unwrap();
+        assert_eq!(
+            nbd::tls::subject_of(cert[0].as_ref()).as_deref(),
+            Some("CN=client1")
+        );
+    }
+
+    #[test]
+    fn a_bad_hostname_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = certs(&CertsArgs {
+            dir: dir.path().join("pki"),
+            hostnames: vec!["not a hostname!".into()],
+            client: None,
+        });
+        assert!(r.is_err());
+    }
 }

@@ -68,6 +68,7 @@ impl Output {
             }
             // Under the session lock: memory work only, never a socket call.
             let mut conn = session.conn.lock();
+            let was_unsent = self.unsent();
             let mut budget = ENCRYPT_BATCH;
             while budget > 0 && self.unsent() {
                 let s = self.segments[self.next_segment];
@@ -82,6 +83,12 @@ impl Output {
                 }
             }
             drain(session, &mut conn, &mut self.tls_out.buf);
+            drop(conn);
+            if was_unsent && budget == ENCRYPT_BATCH && self.tls_out.buf.is_empty() {
+                // rustls took nothing and has nothing to send (closed, or out of sequence
+                // numbers): stop rather than spin.
+                return Err(io::Error::other("the TLS session takes no more data"));
+            }
         }
     }
 }
