@@ -44,8 +44,10 @@
 //! # Allocation
 //!
 //! The reader's raw buffer and the writer's ciphertext buffer are reused. rustls's buffered
-//! API itself allocates a vector per TLS record it encrypts (up to 16 KiB of payload each):
-//! that is inside rustls, not per request of ours.
+//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each) and,
+//! for a vectored write, one small vector of slices per call (per batch of replies, not per
+//! request): that is inside rustls. The writer packs replies into full records by writing
+//! its segments vectored.
 //!
 //! # PSK
 //!

@@ -4,16 +4,19 @@
 //! - the writer (token holder) first sends the ciphertext it still holds
 //!   ([`TlsOut`], part of the output, so it travels with the token to the flusher);
 //! - then, under the session lock and for at most [`ENCRYPT_BATCH`] plaintext bytes, it
-//!   encrypts reply segments and drains every queued record (the reader's too) into that
+//!   encrypts reply segments (vectored, so records are packed full across replies) and drains every queued record (the reader's too) into that
 //!   buffer, drops the lock, and sends it with `sendmsg`, blocking or not as the caller asks;
 //! - it is done when every segment is encrypted and sent and the session had nothing queued
 //!   at its last drain.
 
-use std::io::{self, IoSlice};
+use std::io::{self, IoSlice, Write};
 use std::os::fd::RawFd;
 
 use super::reply::Output;
 use crate::tls::{drain, TlsSession, ENCRYPT_BATCH};
+
+/// Segments per vectored write into rustls.
+const IOV_WINDOW: usize = 64;
 
 /// Ciphertext taken out of rustls and not yet sent (its buffer is reused).
 #[derive(Default)]
@@ -71,14 +74,30 @@ impl Output {
             let was_unsent = self.unsent();
             let mut budget = ENCRYPT_BATCH;
             while budget > 0 && self.unsent() {
-                let s = self.segments[self.next_segment];
-                let bytes = self.segment_bytes(s).ok_or_else(bad)?;
-                let bytes = bytes.get(self.sent_of_segment..).ok_or_else(bad)?;
-                let take = bytes.len().min(budget);
-                let n = TlsSession::encrypt(&mut conn, &bytes[..take])?;
+                // Segments go to rustls as one vectored write, so that records are packed
+                // full across reply boundaries (not one record per header).
+                let (n, total) = {
+                    let mut iov = [IoSlice::new(&[]); IOV_WINDOW];
+                    let (mut k, mut total) = (0, 0);
+                    let window = self.segments[self.next_segment..].iter().take(IOV_WINDOW);
+                    for (i, &s) in window.enumerate() {
+                        let mut bytes = self.segment_bytes(s).ok_or_else(bad)?;
+                        if i == 0 {
+                            bytes = bytes.get(self.sent_of_segment..).ok_or_else(bad)?;
+                        }
+                        let bytes = &bytes[..bytes.len().min(budget - total)];
+                        iov[k] = IoSlice::new(bytes);
+                        k += 1;
+                        total += bytes.len();
+                        if total == budget {
+                            break;
+                        }
+                    }
+                    (conn.writer().write_vectored(&iov[..k])?, total)
+                };
                 self.advance(n);
                 budget -= n;
-                if n < take {
+                if n < total || total == 0 {
                     break;
                 }
             }
