@@ -45,13 +45,26 @@ impl TlsArgs {
     /// The server's TLS settings (`None`: off).
     pub fn settings(&self) -> Result<Option<TlsSettings>> {
         let mode = match self.tls {
-            TlsFlag::Off => return Ok(None),
+            TlsFlag::Off => {
+                if self.tls_certificates.is_some() || self.tls_verify_peer {
+                    tracing::warn!(
+                        "--tls-certificates / --tls-verify-peer are ignored without --tls on|require"
+                    );
+                }
+                return Ok(None);
+            }
             TlsFlag::On => TlsMode::On,
             TlsFlag::Require => TlsMode::Require,
         };
         let Some(dir) = &self.tls_certificates else {
             bail!("--tls on|require needs --tls-certificates DIR (ca-cert.pem, server-cert.pem, server-key.pem)");
         };
+        if mode == TlsMode::On && self.tls_verify_peer {
+            tracing::warn!(
+                "--tls on --tls-verify-peer: clients that do not start TLS are still served, \
+                 without a certificate (--tls require closes that door)"
+            );
+        }
         let s = TlsSettings::load(mode, dir, self.tls_verify_peer)
             .with_context(|| format!("--tls-certificates {}", dir.display()))?;
         Ok(Some(s))
