@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real-client tests of `blkq serve`: clients nobody here wrote (qemu-img, qemu-io, nbdinfo,
-# nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary.
+# nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary,
+# in plaintext and again over TLS (certificates made by `blkq certs`, never committed).
 #
 # Needs: qemu-utils libnbd-bin python3-libnbd fio (scripts/test.sh installs them as root).
 # Each step prints what it checks; the first failure exits non-zero; the servers are always
@@ -360,6 +361,115 @@ RSS1=$(soak_rss)
 kill -INT "$SPID"
 wait "$SPID" || fail "soak server exited with $?"
 ok "soak: ${SOAK_SECS}s, 16 verified connections, $KILLS clients killed; fds $FD0 -> $FD1, RSS ${RSS0} -> ${RSS1} KiB"
+
+step "TLS: blkq certs, then --tls=require over Unix and TCP (nbdinfo, qemu-img, qemu-io, nbdcopy, fio)"
+PKI=$TMP/pki
+"$BIN" certs "$PKI" --client client1 >/dev/null
+[[ $(stat -c %a "$PKI/server-key.pem") == 600 ]] || fail "server-key.pem is not mode 0600"
+[[ $(stat -c %a "$PKI/client-key.pem") == 600 ]] || fail "client-key.pem is not mode 0600"
+# A client directory without a client certificate, and one whose client certificate comes from
+# another CA (qemu and libnbd read client-cert.pem / client-key.pem from the same directory).
+NOCERT=$TMP/pki-nocert
+mkdir -p "$NOCERT" && cp "$PKI/ca-cert.pem" "$NOCERT/"
+"$BIN" certs "$TMP/pki-other" --client mallory >/dev/null
+OTHER=$TMP/pki-othercert
+mkdir -p "$OTHER" && cp "$PKI/ca-cert.pem" "$OTHER/"
+cp "$TMP/pki-other/client-cert.pem" "$TMP/pki-other/client-key.pem" "$OTHER/"
+ok "certificates made, keys 0600"
+
+# start_tls_server NAME SOCKET PORT ARGS...: like start_server, ready when nbdinfo gets in
+# over TLS with the full directory.
+start_tls_server() {
+  local name=$1 sock=$2 port=$3
+  shift 3
+  "$BIN" serve --socket "$sock" --listen "127.0.0.1:$port" "$@" \
+    >"$TMP/$name.out" 2>"$TMP/$name.log" &
+  local pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 1 100); do
+    if [[ -S $sock ]] && nbdinfo --size "nbds://127.0.0.1:$port/?tls-certificates=$PKI" >/dev/null 2>&1; then
+      SERVER_PID=$pid
+      return 0
+    fi
+    kill -0 "$pid" 2>/dev/null || fail "server $name exited at start: $(cat "$TMP/$name.log")"
+    sleep 0.1
+  done
+  fail "server $name did not start"
+}
+
+TSOCK=$TMP/tls.sock
+TPORT=$(free_port)
+start_tls_server tls "$TSOCK" "$TPORT" --tls require --tls-certificates "$PKI" \
+  --device mem:128M --export "" --device mem:64M --export copy
+TPID=$SERVER_PID
+TUNIX="nbds+unix:///?socket=$TSOCK&tls-certificates=$PKI"
+TTCP="nbds://localhost:$TPORT/?tls-certificates=$PKI"
+nbdinfo "$TUNIX" >"$TMP/tls-info.txt" || fail "nbdinfo over TLS: $(cat "$TMP/tls-info.txt")"
+grep -q "with TLS" "$TMP/tls-info.txt" || fail "nbdinfo did not use TLS: $(head -3 "$TMP/tls-info.txt")"
+nbdinfo --size "$TTCP" | grep -qx 134217728 || fail "nbdinfo over TLS/TCP"
+ok "nbdinfo over TLS on Unix and TCP"
+if nbdinfo --size "nbd+unix:///?socket=$TSOCK" >"$TMP/tls-plain.txt" 2>&1; then
+  fail "a plaintext client got in under --tls=require"
+fi
+ok "plaintext nbdinfo refused: $(head -1 "$TMP/tls-plain.txt")"
+
+QOBJ=(--object "tls-creds-x509,id=tls0,endpoint=client,dir=$PKI")
+QUNIX="driver=nbd,path=$TSOCK,tls-creds=tls0,tls-hostname=localhost"
+QTCP="driver=nbd,server.type=inet,server.host=localhost,server.port=$TPORT,tls-creds=tls0"
+qemu-img info "${QOBJ[@]}" --image-opts "$QUNIX" | grep -q "virtual size: 128 MiB" || fail "qemu-img info over TLS (unix)"
+qemu-img info "${QOBJ[@]}" --image-opts "$QTCP" | grep -q "virtual size: 128 MiB" || fail "qemu-img info over TLS (tcp)"
+ok "qemu-img info with tls-creds-x509 on Unix and TCP"
+qemu-io "${QOBJ[@]}" --image-opts "$QTCP" -c 'write -P 0xab 1M 64k' -c 'write -P 0xcd 8M 4M' \
+  -c 'read -P 0xab 1M 64k' -c 'read -P 0xcd 8M 4M' >"$TMP/tls-io.txt"
+[[ $(grep -c "^read " "$TMP/tls-io.txt") == 2 ]] || fail "qemu-io over TLS: $(cat "$TMP/tls-io.txt")"
+! grep -q "Pattern verification failed" "$TMP/tls-io.txt" || fail "qemu-io over TLS: pattern"
+ok "qemu-io write -P / read -P over TLS"
+head -c 48M /dev/urandom >"$TMP/tls-copy.bin"
+truncate -s 64M "$TMP/tls-copy.bin"
+nbdcopy --connections 4 --requests 64 "$TMP/tls-copy.bin" "nbds+unix:///copy?socket=$TSOCK&tls-certificates=$PKI"
+nbdcopy --connections 4 --requests 64 "nbds://localhost:$TPORT/copy?tls-certificates=$PKI" "$TMP/tls-copy.out"
+A=$(sha256sum <"$TMP/tls-copy.bin" | cut -d' ' -f1)
+B=$(sha256sum <"$TMP/tls-copy.out" | cut -d' ' -f1)
+[[ $A == "$B" ]] || fail "nbdcopy over TLS: sha256 $A != $B"
+ok "nbdcopy in and out over TLS, sha256 $A"
+# fio's engine calls nbd_connect_uri without allowing local files, so a tls-certificates=
+# parameter is refused; libnbd's default directory ($HOME/.pki/libnbd) is used instead.
+FIOHOME=$TMP/fio-home
+mkdir -p "$FIOHOME/.pki" && cp -r "$PKI" "$FIOHOME/.pki/libnbd"
+(cd "$TMP" && HOME=$FIOHOME fio --name=blkq-tls-verify --ioengine=nbd --uri="nbds+unix:///?socket=$TSOCK" --rw=randwrite --bs=4k \
+  --iodepth=32 --size=32m --verify=crc32c --do_verify=1 --verify_state_save=0 \
+  --output="$TMP/fio-tls.txt") || fail "fio over TLS: $(cat "$TMP/fio-tls.txt")"
+grep -q "err= 0" "$TMP/fio-tls.txt" || fail "fio over TLS reported errors: $(cat "$TMP/fio-tls.txt")"
+ok "fio --ioengine=nbd over nbds+unix (certificates from \$HOME/.pki/libnbd) verified 32 MiB of random writes"
+kill -INT "$TPID"
+wait "$TPID" || fail "TLS server exited with $?"
+ok "TLS server stopped cleanly"
+
+step "TLS --tls-verify-peer: a client certificate from the CA gets in; none, or another CA's, does not"
+VSOCK=$TMP/tlsv.sock
+VPORT=$(free_port)
+start_tls_server tlsv "$VSOCK" "$VPORT" --tls require --tls-certificates "$PKI" --tls-verify-peer \
+  --device mem:16M
+VPID=$SERVER_PID
+qemu-img info "${QOBJ[@]}" --image-opts "driver=nbd,path=$VSOCK,tls-creds=tls0,tls-hostname=localhost" \
+  | grep -q "virtual size: 16 MiB" || fail "qemu-img with a client certificate"
+qemu-io "${QOBJ[@]}" --image-opts "driver=nbd,path=$VSOCK,tls-creds=tls0,tls-hostname=localhost" \
+  -c 'write -P 0x11 0 64k' -c 'read -P 0x11 0 64k' >"$TMP/tlsv-io.txt"
+grep -q "read 65536/65536" "$TMP/tlsv-io.txt" || fail "qemu-io with a client certificate: $(cat "$TMP/tlsv-io.txt")"
+ok "qemu-img and qemu-io with client-cert.pem in the creds dir"
+for dir in "$NOCERT" "$OTHER"; do
+  if nbdinfo --size "nbds+unix:///?socket=$VSOCK&tls-certificates=$dir" >"$TMP/tlsv-refused.txt" 2>&1; then
+    fail "verify-peer let in a client with $dir"
+  fi
+  if qemu-img info --object "tls-creds-x509,id=tls1,endpoint=client,dir=$dir" \
+    --image-opts "driver=nbd,path=$VSOCK,tls-creds=tls1,tls-hostname=localhost" >/dev/null 2>&1; then
+    fail "verify-peer let qemu-img in with $dir"
+  fi
+done
+ok "no client certificate, and another CA's: refused (nbdinfo and qemu-img)"
+kill -INT "$VPID"
+wait "$VPID" || fail "verify-peer server exited with $?"
+ok "verify-peer server stopped cleanly"
 
 step "SIGINT: the server finishes, exits 0 and removes its socket"
 kill -INT "$PID"

@@ -43,6 +43,9 @@ use crate::serve::{LimitArgs, ServeArgs};
 /// A new flag must be added here or to [`ALLOWED_WITH_CONFIG`] (a test checks).
 pub const CONFLICTS_WITH_CONFIG: &[&str] = &[
     "budget_impl",
+    "tls",
+    "tls_certificates",
+    "tls_verify_peer",
     "devices",
     "exports",
     "socket",
@@ -244,7 +247,7 @@ impl From<&LimitArgs> for LimitsSection {
 }
 
 /// `--tls` / `[tls] mode`, with nbdkit's meaning.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum TlsMode {
     /// No TLS.
@@ -458,9 +461,12 @@ impl Config {
                 shutdown_timeout: cli(a.shutdown_timeout),
             },
             limits: LimitsSection::from(&a.limits),
-            // The TLS flags map here one to one when they exist:
             // mode <- --tls, certificates <- --tls-certificates, verify_peer <- --tls-verify-peer.
-            tls: TlsSection::default(),
+            tls: TlsSection {
+                mode: cli(a.tls.tls),
+                certificates: a.tls.tls_certificates.clone(),
+                verify_peer: cli(a.tls.tls_verify_peer),
+            },
             exports: Vec::new(),
             arrays: Vec::new(),
         };

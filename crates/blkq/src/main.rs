@@ -1,4 +1,4 @@
-//! The `blkq` binary: `serve`, `bench` and `raid` front-ends over the blkq crates.
+//! The `blkq` binary: `serve`, `bench`, `raid` and `certs` front-ends over the blkq crates.
 
 use clap::{Parser, Subcommand};
 
@@ -7,6 +7,7 @@ mod config;
 mod control;
 mod raid;
 mod serve;
+mod tls;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -28,6 +29,9 @@ enum Command {
     Bench(Box<bench::BenchArgs>),
     /// Create, inspect and drive RAID1 arrays (offline on the legs, or online with --control).
     Raid(Box<raid::RaidArgs>),
+    /// Make TLS certificates for `serve --tls`: a CA, a server certificate and key, and
+    /// optionally a client certificate and key (qemu's and nbdkit's file names).
+    Certs(tls::CertsArgs),
     /// Print the version.
     Version,
 }
@@ -38,6 +42,7 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(a) => serve::run(*a),
         Command::Bench(a) => bench::run(*a),
         Command::Raid(a) => raid::run(*a),
+        Command::Certs(a) => tls::certs(&a),
         Command::Version => {
             println!("blkq {}", env!("CARGO_PKG_VERSION"));
             Ok(())

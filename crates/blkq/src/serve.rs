@@ -112,6 +112,9 @@ pub struct ServeArgs {
     /// Resource limits against hostile or broken clients.
     #[command(flatten)]
     pub limits: LimitArgs,
+    /// TLS.
+    #[command(flatten)]
+    pub tls: crate::tls::TlsArgs,
 }
 
 /// `blkq serve` resource limits (see "Limits" in docs/design.md).
@@ -345,7 +348,7 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rustls=error"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -366,17 +369,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
         ),
     };
     let checked = config.check(&source)?;
-    // TLS: wire the TLS helper's listener setup here. Until then a configuration that asks
-    // for TLS is refused rather than served in clear.
     let tls_mode = checked.tls.mode;
-    if tls_mode != crate::config::TlsMode::Off {
-        bail!("TLS (mode {tls_mode:?}) is not available in this build");
-    }
+    let tls = crate::tls::load(&checked.tls, &source)?;
     let shutdown_timeout = checked.shutdown_timeout;
     let plan = checked.build()?;
     let exports = plan.server.exports.clone();
     let local = plan.local;
-    let cfg = plan.server;
+    let mut cfg = plan.server;
+    cfg.tls = tls;
     if let Some(addr) = cfg.tcp {
         if let Some(w) = crate::config::exposure_warning(addr, tls_mode, &exports) {
             tracing::warn!("{w}");
@@ -485,6 +485,7 @@ mod tests {
             describe_paths: false,
             shutdown_timeout: 30,
             limits: LimitArgs::default(),
+            tls: Default::default(),
         }
     }
 

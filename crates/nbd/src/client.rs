@@ -224,6 +224,18 @@ impl Handshake {
         }
     }
 
+    /// `NBD_OPT_STARTTLS`, then the TLS handshake (`config` from [`crate::tls::client_config`];
+    /// `server_name` is checked against the server certificate). Everything after speaks TLS.
+    pub fn start_tls(
+        &mut self,
+        config: &blkq_sync::DynArc<rustls::ClientConfig>,
+        server_name: &str,
+    ) -> Result<(), ClientError> {
+        self.option(&ClientOption::StartTls)?;
+        crate::tls::connect(&mut self.stream, config, server_name)?;
+        Ok(())
+    }
+
     /// `NBD_OPT_LIST`: (name, description) of every export.
     pub fn list(&mut self) -> Result<Vec<(String, String)>, ClientError> {
         let replies = self.option(&ClientOption::List)?;
@@ -474,6 +486,11 @@ impl Client {
             let d = h.go(&opts.export)?;
             h.into_client(d)
         }
+    }
+
+    /// TLS 1.3: asks for a key update on both sides (sent with the next request).
+    pub fn tls_refresh_keys(&mut self) -> Result<(), ClientError> {
+        Ok(self.writer.tls_refresh_keys()?)
     }
 
     /// The export's size.

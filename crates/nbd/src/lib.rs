@@ -20,6 +20,7 @@ pub mod fuzzing;
 pub mod server;
 pub mod stream;
 mod sys;
+pub mod tls;
 
 /// The sans-I/O codec crate, `nbd-proto`.
 pub use nbd_proto as codec;

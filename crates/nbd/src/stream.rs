@@ -1,10 +1,13 @@
-//! A connected socket, TCP or Unix: what the server and the client read and write.
+//! A connected socket, TCP or Unix, plain or TLS: what the server and the client read and
+//! write. The TLS variant and its rules live in [`crate::tls`].
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+
+use crate::tls::TlsStream;
 
 /// A connected stream socket: TCP or Unix domain.
 #[derive(Debug)]
@@ -13,6 +16,8 @@ pub enum Stream {
     Tcp(TcpStream),
     /// A Unix domain socket connection.
     Unix(UnixStream),
+    /// Either of them after `NBD_OPT_STARTTLS` (see [`crate::tls`]).
+    Tls(Box<TlsStream>),
 }
 
 impl Stream {
@@ -21,6 +26,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tls(s) => Stream::Tls(Box::new(s.try_clone()?)),
         })
     }
 
@@ -29,6 +35,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.shutdown(how),
             Stream::Unix(s) => s.shutdown(how),
+            Stream::Tls(s) => s.sock().shutdown(how),
         }
     }
 
@@ -39,6 +46,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_read_timeout(t),
             Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tls(s) => s.sock().set_read_timeout(t),
         }
     }
 
@@ -48,6 +56,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_write_timeout(t),
             Stream::Unix(s) => s.set_write_timeout(t),
+            Stream::Tls(s) => s.sock().set_write_timeout(t),
         }
     }
 
@@ -56,6 +65,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.set_nodelay(true),
             Stream::Unix(_) => Ok(()),
+            Stream::Tls(s) => s.sock().set_nodelay(),
         }
     }
 
@@ -64,15 +74,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
             Stream::Unix(_) => None,
-        }
-    }
-
-    /// The subject of the client's verified TLS certificate (its distinguished name, as
-    /// `CN=...,O=...`), for access rules. `None` on a plain socket or when the client sent no
-    /// certificate (the TLS stream implements it; plain TCP and Unix have none).
-    pub fn tls_subject(&self) -> Option<String> {
-        match self {
-            Stream::Tcp(_) | Stream::Unix(_) => None,
+            Stream::Tls(s) => s.sock().peer_ip(),
         }
     }
 
@@ -84,6 +86,46 @@ impl Stream {
                 Err(_) => "tcp:?".to_string(),
             },
             Stream::Unix(_) => "unix".to_string(),
+            Stream::Tls(s) => s.sock().peer(),
+        }
+    }
+
+    /// Whether the stream speaks TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, Stream::Tls(_))
+    }
+
+    /// The verified client certificate's subject, RFC 4514 style (`CN=client1`), for access
+    /// rules; `None` without TLS or without a client certificate.
+    pub fn tls_subject(&self) -> Option<String> {
+        match self {
+            Stream::Tls(s) => s.subject().map(str::to_string),
+            _ => None,
+        }
+    }
+
+    /// The TLS session, shared by every handle of the connection.
+    pub(crate) fn tls_session(&self) -> Option<&blkq_sync::DynArc<crate::tls::TlsSession>> {
+        match self {
+            Stream::Tls(s) => Some(s.session()),
+            _ => None,
+        }
+    }
+
+    /// TLS 1.3: queues a KeyUpdate asking the peer to update its keys too (it leaves with the
+    /// next write on this connection). Not TLS: an error.
+    pub fn tls_refresh_keys(&self) -> io::Result<()> {
+        match self {
+            Stream::Tls(s) => s.refresh_keys(),
+            _ => Err(io::Error::other("not a TLS stream")),
+        }
+    }
+
+    /// Sends TLS `close_notify` (no-op on a plain stream). Best effort, blocking: call it only
+    /// where no writer can be sending on another handle.
+    pub fn close_notify(&mut self) {
+        if let Stream::Tls(s) = self {
+            s.close_notify();
         }
     }
 }
@@ -94,6 +136,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read(buf),
             Stream::Unix(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
         }
     }
 
@@ -102,6 +145,7 @@ impl Read for Stream {
         match self {
             Stream::Tcp(s) => s.read_vectored(bufs),
             Stream::Unix(s) => s.read_vectored(bufs),
+            Stream::Tls(s) => s.read_vectored(bufs),
         }
     }
 }
@@ -112,6 +156,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write(buf),
             Stream::Unix(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
         }
     }
 
@@ -120,6 +165,7 @@ impl Write for Stream {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
             Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tls(s) => s.write_vectored(bufs),
         }
     }
 
@@ -133,6 +179,7 @@ impl AsRawFd for Stream {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(s) => s.sock().as_raw_fd(),
         }
     }
 }

@@ -28,6 +28,7 @@ use crate::proto::{
     TransmissionMode, OPTION_HEADER_LEN,
 };
 use crate::stream::Stream;
+use crate::tls::TlsMode;
 use crate::{Decoded, Error};
 
 /// The id of `base:allocation`, the only metadata context served.
@@ -125,6 +126,19 @@ impl<'a> Deadlined<'a> {
     /// `stream`, which must finish the handshake before `deadline`.
     pub(crate) fn new(stream: &'a mut Stream, deadline: Instant) -> Self {
         Self { stream, deadline }
+    }
+
+    /// Whether the stream already speaks TLS.
+    fn is_tls(&self) -> bool {
+        self.stream.is_tls()
+    }
+
+    /// The server side of STARTTLS (the ACK already sent), within the deadline.
+    fn start_tls(&mut self, config: &blkq_sync::DynArc<rustls::ServerConfig>) -> io::Result<()> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.set_write_timeout(Some(left))?;
+        crate::tls::accept(self.stream, config).map_err(timed_out)
     }
 
     /// What is left of the deadline, or `TimedOut`.
@@ -294,6 +308,22 @@ impl Haggler<'_, '_> {
                 return Ok(None);
             }
         };
+        if self.tls_required() && !matches!(parsed, ClientOption::StartTls | ClientOption::Abort) {
+            if matches!(parsed, ClientOption::ExportName(_)) {
+                // NBD_OPT_EXPORT_NAME cannot be answered with an error.
+                return Err(Ended::Protocol(
+                    "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS (--tls=require)".into(),
+                ));
+            }
+            self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::TlsReqd,
+                    message: "TLS is required: send NBD_OPT_STARTTLS first",
+                },
+            )?;
+            return Ok(None);
+        }
         if self.shared.stopping() && !matches!(parsed, ClientOption::Abort) {
             if matches!(parsed, ClientOption::ExportName(_)) {
                 return Err(Ended::Client("server shutting down"));
@@ -333,13 +363,7 @@ impl Haggler<'_, '_> {
                 Ok(None)
             }
             ClientOption::StartTls => {
-                self.reply(
-                    option,
-                    &OptionReply::Error {
-                        error: OptionError::Policy,
-                        message: "TLS is not supported by this server",
-                    },
-                )?;
+                self.start_tls(option)?;
                 Ok(None)
             }
             ClientOption::Info(req) => {
@@ -388,6 +412,44 @@ impl Haggler<'_, '_> {
                 Ok(None)
             }
         }
+    }
+
+    /// `--tls=require` and the stream is still plaintext.
+    fn tls_required(&self) -> bool {
+        matches!(&self.shared.tls, Some(t) if t.mode == TlsMode::Require) && !self.stream.is_tls()
+    }
+
+    /// `NBD_OPT_STARTTLS` (its data already checked empty by the codec): ACK, then the TLS
+    /// handshake; what was negotiated in plaintext is forgotten.
+    fn start_tls(&mut self, option: u32) -> Result<(), Ended> {
+        let Some(tls) = &self.shared.tls else {
+            return self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::Policy,
+                    message: "TLS is not enabled on this server (--tls)",
+                },
+            );
+        };
+        if self.stream.is_tls() {
+            return self.reply(
+                option,
+                &OptionReply::Error {
+                    error: OptionError::Invalid,
+                    message: "TLS is already negotiated",
+                },
+            );
+        }
+        let config = tls.config.clone();
+        self.reply(option, &OptionReply::Ack)?;
+        self.stream.start_tls(&config).map_err(|e| match e.kind() {
+            io::ErrorKind::InvalidData => Ended::Protocol(format!("TLS handshake failed: {e}")),
+            _ => Ended::from(e),
+        })?;
+        self.mode = TransmissionMode::Simple;
+        self.meta = None;
+        debug!(subject = ?self.stream.stream.tls_subject(), "TLS started");
+        Ok(())
     }
 
     fn export_name(&mut self, name: &str) -> Result<Negotiated, Ended> {

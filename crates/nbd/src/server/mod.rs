@@ -226,6 +226,8 @@ pub struct ServerConfig {
     pub unix_mode: u32,
     /// Data path knobs.
     pub tuning: Tuning,
+    /// TLS (`NBD_OPT_STARTTLS`): `None` is `--tls=off`.
+    pub tls: Option<crate::tls::TlsSettings>,
 }
 
 impl ServerConfig {
@@ -237,6 +239,7 @@ impl ServerConfig {
             unix: None,
             unix_mode: DEFAULT_UNIX_MODE,
             tuning: Tuning::default(),
+            tls: None,
         }
     }
 }
@@ -337,6 +340,8 @@ pub(crate) struct Shared {
     pub(crate) stopping: AtomicBool,
     /// The global memory budget of payload buffers.
     pub(crate) budget: Arc<MemoryBudget>,
+    /// TLS settings (`None`: off).
+    pub(crate) tls: Option<crate::tls::TlsSettings>,
     conns: Mutex<Registry>,
 }
 
@@ -482,6 +487,10 @@ impl Server {
                 tuning.budget_impl,
             )),
             tuning,
+            tls: cfg
+                .tls
+                .clone()
+                .filter(|t| t.mode != crate::tls::TlsMode::Off),
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();

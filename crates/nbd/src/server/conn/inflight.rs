@@ -176,6 +176,8 @@ pub(super) struct ConnCore {
     pub(super) send_sock: Stream,
     /// `send_sock`'s descriptor, for `sendmsg`.
     pub(super) send_fd: RawFd,
+    /// The TLS session when the connection speaks TLS (`transport.rs`, `crate::tls`).
+    pub(super) tls: Option<blkq_sync::DynArc<crate::tls::TlsSession>>,
     /// Headers and reply types negotiated in the handshake.
     pub(super) mode: TransmissionMode,
     /// The export's block size (block-status extents are cut to multiples of it).

@@ -42,6 +42,7 @@
 mod inflight;
 mod reader;
 mod reply;
+mod transport;
 mod writer;
 
 use std::io;
@@ -286,7 +287,9 @@ impl<'a> Connection<'a> {
         stream.set_read_timeout(Some(recv_tick(tuning)))?;
         // Best effort: a bigger send buffer means fewer replies handed to the flusher.
         let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
+        let tls = send_sock.tls_session().cloned();
         let core = Arc::new(ConnCore {
+            tls,
             send_sock,
             send_fd,
             mode: negotiated.mode,
@@ -492,6 +495,10 @@ impl<'a> Connection<'a> {
         self.core.flusher_wake.wake_one();
         if let Some(f) = self.flusher.take() {
             let _ = f.join();
+        }
+        if !self.core.client_gone.load(Ordering::Relaxed) {
+            // No writer can be active now (nothing in flight, the flusher joined).
+            self.stream.close_notify();
         }
         let _ = self.stream.shutdown(Shutdown::Both);
     }

@@ -42,6 +42,8 @@ pub(super) struct Output {
     /// Reused descriptor lists for block-status chunks.
     extents32: Vec<Extent>,
     extents64: Vec<ExtentExt>,
+    /// TLS: ciphertext not yet sent (`transport.rs`).
+    pub(super) tls_out: super::transport::TlsOut,
 }
 
 impl Output {

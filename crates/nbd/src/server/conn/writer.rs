@@ -25,6 +25,7 @@ use tracing::{debug, warn};
 
 use super::inflight::{ConnCore, Locked};
 use super::reply::{Output, Segment};
+use crate::tls::TlsSession;
 
 /// iovecs per `sendmsg`.
 const IOV_WINDOW: usize = 128;
@@ -38,7 +39,7 @@ impl ConnCore {
     pub(super) fn flush(&self) {
         let output = {
             let mut locked = self.locked.lock();
-            if locked.ready_slots.is_empty() {
+            if locked.ready_slots.is_empty() && !self.tls_pending() {
                 return;
             }
             match locked.writer_token.take() {
@@ -53,9 +54,11 @@ impl ConnCore {
     fn run_writer(&self, mut output: Box<Output>, blocking: bool) {
         let mut rounds = 0u32;
         loop {
-            if output.unsent() {
-                if !self.client_gone.load(Ordering::Relaxed) {
-                    match output.send(self.send_fd, !blocking) {
+            if output.unsent() || (self.tls.is_some() && self.tls_work(&output)) {
+                if self.client_gone.load(Ordering::Relaxed) {
+                    self.forget_tls_output();
+                } else {
+                    match output.send(self.send_fd, self.tls.as_deref(), !blocking) {
                         Ok(true) => {}
                         Ok(false) => {
                             self.hand_off(output);
@@ -70,7 +73,8 @@ impl ConnCore {
             let mut locked = self.locked.lock();
             let (wake_reader, freed) = output.free_sent(&mut locked);
             output.shape_ready(&mut locked, self, gone);
-            if output.shaped_slots.is_empty() {
+            // TLS output the reader queued is looked at under this lock (see `crate::tls`).
+            if output.shaped_slots.is_empty() && (gone || !self.tls_pending()) {
                 locked.writer_token = Some(output);
                 drop(locked);
                 self.budget.give(freed);
@@ -89,6 +93,25 @@ impl ConnCore {
             drop(locked);
             self.budget.give(freed);
             self.wake_reader_if(wake_reader);
+        }
+    }
+
+    /// TLS: the reader left records for the writer to send (see `crate::tls`, invariant 4).
+    #[inline]
+    fn tls_pending(&self) -> bool {
+        self.tls.as_ref().is_some_and(|t| t.pending())
+    }
+
+    /// TLS: ciphertext still held by the output (it was handed off half-sent), or records
+    /// the reader queued.
+    fn tls_work(&self, output: &Output) -> bool {
+        output.tls_out.unsent() || self.tls_pending()
+    }
+
+    /// TLS, client gone: nothing will be sent any more.
+    fn forget_tls_output(&self) {
+        if let Some(t) = &self.tls {
+            t.output_pending.store(false, Ordering::Relaxed);
         }
     }
 
@@ -146,11 +169,11 @@ impl ConnCore {
 }
 
 impl Output {
-    fn unsent(&self) -> bool {
+    pub(super) fn unsent(&self) -> bool {
         self.next_segment < self.segments.len()
     }
 
-    fn segment_bytes(&self, s: Segment) -> Option<&[u8]> {
+    pub(super) fn segment_bytes(&self, s: Segment) -> Option<&[u8]> {
         match s {
             Segment::Headers { start, end } => self.headers.get(start..end),
             Segment::Data { index, len } => self
@@ -160,8 +183,12 @@ impl Output {
         }
     }
 
-    /// Sends what is left; `Ok(false)` if the socket would block (non-blocking mode).
-    fn send(&mut self, fd: RawFd, dontwait: bool) -> io::Result<bool> {
+    /// Sends what is left; `Ok(false)` if the socket would block (non-blocking mode). Over
+    /// TLS the bytes go through the session (`transport.rs`).
+    fn send(&mut self, fd: RawFd, tls: Option<&TlsSession>, dontwait: bool) -> io::Result<bool> {
+        if let Some(session) = tls {
+            return self.send_tls(fd, session, dontwait);
+        }
         let bad = || io::Error::other("reply segment out of bounds");
         while self.next_segment < self.segments.len() {
             let mut iov = [IoSlice::new(&[]); IOV_WINDOW];
@@ -190,7 +217,7 @@ impl Output {
         Ok(true)
     }
 
-    fn advance(&mut self, mut n: usize) {
+    pub(super) fn advance(&mut self, mut n: usize) {
         while n > 0 && self.next_segment < self.segments.len() {
             let left = self
                 .segment_bytes(self.segments[self.next_segment])

@@ -1,0 +1,636 @@
+//! TLS (`NBD_OPT_STARTTLS`) over a [`Stream`], with rustls (ring provider).
+//!
+//! # Who holds what
+//!
+//! After STARTTLS a connection's socket is a [`Stream::Tls`]: the plain socket plus an
+//! `Arc<TlsSession>`, the one `rustls::Connection` of the connection under a short mutex.
+//! The server's transmission phase splits the connection: the reader thread reads on one
+//! handle, writers send on another (`conn/writer.rs`). Both handles share the session.
+//!
+//! - **Reader** ([`TlsStream`]'s `Read`): receives raw bytes from the socket into its own
+//!   buffer *without holding any lock*, then takes the session lock to feed them to rustls
+//!   (`read_tls`, `process_new_packets`) and to copy the decrypted bytes out, and drops it.
+//!   It never sends: when decrypting queues TLS output (a KeyUpdate answer, an alert), it sets
+//!   [`TlsSession::output_pending`] and the writer path sends it.
+//! - **Writer** (whoever holds the writer token, `conn/writer.rs`): takes the session lock to
+//!   encrypt a bounded batch of reply bytes and to move every queued TLS record (its own, and
+//!   whatever the reader left: `output_pending`) into the writer's reusable ciphertext
+//!   buffer, drops the lock, and sends that buffer with `sendmsg` outside it.
+//!
+//! # Invariants
+//!
+//! 1. Only the writer-token holder drains TLS output to the socket, so records leave in the
+//!    order rustls made them (sequence numbers). The reader never sends in transmission.
+//! 2. No thread ever blocks on the socket while holding the session lock: a blocked send would
+//!    keep the reader from draining the client, whose own sends would then block: deadlock.
+//!    The lock covers only memory work (decrypt, encrypt, copy).
+//! 3. Ciphertext taken out of rustls belongs to the writer's output (`Output::tls_out`) until
+//!    it is sent; a non-blocking writer that would block hands it to the flusher with the
+//!    rest of the output, so nothing is lost or reordered.
+//! 4. `output_pending` is set by the reader (under the session lock) after it queued output,
+//!    and cleared by the writer under the session lock once it has drained everything; the
+//!    writer looks at it under the connection lock before putting the token back, and the
+//!    reader's next `commit` (after every receive) calls `ConnCore::flush`, which counts the
+//!    flag as work and takes the token if it is free: so either the reader writes, or the
+//!    writer holding the token sees the flag before giving it back. Queued output never waits
+//!    for a reply that may never come.
+//!
+//! Ordering of `output_pending`: it is only a hint to go and look; the TLS state it refers to
+//! is under the session mutex, and the hand-over of the writer token is under the connection
+//! mutex, so `Relaxed` loads and stores suffice (the mutexes order everything that matters).
+//!
+//! The handshake phase is one thread: `Write` on a `Stream::Tls` encrypts, drains and sends
+//! in one go (the handshake and the blocking client use it); the server's transmission phase
+//! never writes through it.
+//!
+//! # Allocation
+//!
+//! The reader's raw buffer and the writer's ciphertext buffer are reused. rustls's buffered
+//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each) and,
+//! for a vectored write, one small vector of slices per call (per batch of replies, not per
+//! request): that is inside rustls. The writer packs replies into full records by writing
+//! its segments vectored.
+//!
+//! # PSK
+//!
+//! rustls has no external pre-shared-key support (rustls issue #174 is open), so libnbd's
+//! `tls-psk-file` is not offered: certificates only.
+
+use std::fmt;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::{DynArc, Mutex};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+
+use crate::stream::Stream;
+
+/// Bytes of the reader's raw (ciphertext) receive buffer.
+const RAW_BUF: usize = 64 << 10;
+/// Plaintext bytes a writer encrypts per session-lock hold.
+pub(crate) const ENCRYPT_BATCH: usize = 256 << 10;
+
+/// When the server offers or requires TLS (nbdkit's `--tls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// No TLS: `NBD_OPT_STARTTLS` is refused.
+    #[default]
+    Off,
+    /// TLS offered; plaintext clients are served too.
+    On,
+    /// TLS required: before STARTTLS every option but STARTTLS and ABORT answers
+    /// `NBD_REP_ERR_TLS_REQD` (`NBD_OPT_EXPORT_NAME` closes the connection).
+    Require,
+}
+
+/// Errors of loading TLS credentials.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A credential file could not be read or parsed.
+    #[error("{path}: {why}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        why: String,
+    },
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Config(String),
+}
+
+/// The server's TLS settings: the mode and the rustls configuration (certificates loaded).
+#[derive(Debug, Clone)]
+pub struct TlsSettings {
+    /// Offer or require.
+    pub mode: TlsMode,
+    /// The rustls server configuration.
+    pub config: DynArc<rustls::ServerConfig>,
+}
+
+fn provider() -> DynArc<rustls::crypto::CryptoProvider> {
+    DynArc::new(rustls::crypto::ring::default_provider())
+}
+
+fn file_err(path: &Path, why: impl fmt::Display) -> TlsError {
+    TlsError::File {
+        path: path.to_path_buf(),
+        why: why.to_string(),
+    }
+}
+
+/// Reads every certificate of a PEM file (at least one).
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| file_err(path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_err(path, e))?;
+    if certs.is_empty() {
+        return Err(file_err(path, "no certificate in the file"));
+    }
+    Ok(certs)
+}
+
+/// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1).
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| file_err(path, e))
+}
+
+/// A root store holding every certificate of `ca-cert.pem`.
+pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for c in load_certs(path)? {
+        roots.add(c).map_err(|e| file_err(path, e))?;
+    }
+    Ok(roots)
+}
+
+impl TlsSettings {
+    /// Loads `dir/server-cert.pem` and `dir/server-key.pem` (qemu's and nbdkit's layout);
+    /// with `verify_peer`, clients must present a certificate signed by `dir/ca-cert.pem`.
+    pub fn load(mode: TlsMode, dir: &Path, verify_peer: bool) -> Result<Self, TlsError> {
+        let certs = load_certs(&dir.join("server-cert.pem"))?;
+        let key = load_key(&dir.join("server-key.pem"))?;
+        let builder = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let builder = if verify_peer {
+            let roots = load_roots(&dir.join("ca-cert.pem"))?;
+            let verifier =
+                WebPkiClientVerifier::builder_with_provider(DynArc::new(roots), provider())
+                    .build()
+                    .map_err(|e| TlsError::Config(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        } else {
+            builder.with_no_client_auth()
+        };
+        let config = builder
+            .with_single_cert(certs, key)
+            .map_err(|e| TlsError::Config(format!("server certificate and key: {e}")))?;
+        Ok(Self {
+            mode,
+            config: DynArc::new(config),
+        })
+    }
+}
+
+/// A client configuration trusting `dir/ca-cert.pem`, presenting `dir/client-cert.pem` and
+/// `dir/client-key.pem` when both exist (for the blocking client and tests).
+pub fn client_config(dir: &Path) -> Result<DynArc<rustls::ClientConfig>, TlsError> {
+    let roots = load_roots(&dir.join("ca-cert.pem"))?;
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(e.to_string()))?
+        .with_root_certificates(roots);
+    let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
+    let config = if cert.exists() && key.exists() {
+        builder
+            .with_client_auth_cert(load_certs(&cert)?, load_key(&key)?)
+            .map_err(|e| TlsError::Config(format!("client certificate and key: {e}")))?
+    } else {
+        builder.with_no_client_auth()
+    };
+    Ok(DynArc::new(config))
+}
+
+/// The TLS state a connection's handles share.
+pub(crate) struct TlsSession {
+    /// The rustls connection: held only for memory work, never across a socket call.
+    pub(crate) conn: Mutex<rustls::Connection>,
+    /// The reader queued TLS output (see the module docs, invariant 4). `Relaxed`: the
+    /// mutexes order the state it points at.
+    pub(crate) output_pending: AtomicBool,
+    /// The verified client certificate's subject (server side, with a client certificate).
+    subject: Option<String>,
+}
+
+impl TlsSession {
+    /// Encrypts `plain` (as much as rustls takes) into the session's queue; the bytes taken.
+    /// Call under [`TlsSession::conn`]'s lock, with [`drain`] after it.
+    pub(crate) fn encrypt(conn: &mut rustls::Connection, plain: &[u8]) -> io::Result<usize> {
+        conn.writer().write(plain)
+    }
+
+    /// Whether the reader left output for the writer.
+    #[inline]
+    pub(crate) fn pending(&self) -> bool {
+        self.output_pending.load(Ordering::Relaxed)
+    }
+}
+
+/// Moves every queued TLS record into `out` (appended); clears `output_pending`. Call under
+/// the session lock.
+pub(crate) fn drain(session: &TlsSession, conn: &mut rustls::Connection, out: &mut Vec<u8>) {
+    while conn.wants_write() {
+        // Writing into a Vec cannot fail.
+        if conn.write_tls(out).is_err() {
+            break;
+        }
+    }
+    session.output_pending.store(false, Ordering::Relaxed);
+}
+
+/// One handle of a TLS connection: the plain socket and the shared session.
+pub struct TlsStream {
+    sock: Stream,
+    session: DynArc<TlsSession>,
+    /// Raw bytes received and not yet given to rustls: `raw[raw_pos..raw_len]`.
+    raw: Vec<u8>,
+    raw_pos: usize,
+    raw_len: usize,
+    /// Ciphertext to send (the `Write` path: handshake and client only).
+    wbuf: Vec<u8>,
+}
+
+impl fmt::Debug for TlsStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsStream")
+            .field("sock", &self.sock)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsStream {
+    fn new(sock: Stream, session: DynArc<TlsSession>) -> Self {
+        Self {
+            sock,
+            session,
+            raw: Vec::new(),
+            raw_pos: 0,
+            raw_len: 0,
+            wbuf: Vec::new(),
+        }
+    }
+
+    /// The plain socket underneath.
+    pub(crate) fn sock(&self) -> &Stream {
+        &self.sock
+    }
+
+    /// The shared session.
+    pub(crate) fn session(&self) -> &DynArc<TlsSession> {
+        &self.session
+    }
+
+    /// The verified client certificate's subject.
+    pub(crate) fn subject(&self) -> Option<&str> {
+        self.session.subject.as_deref()
+    }
+
+    pub(crate) fn try_clone(&self) -> io::Result<Self> {
+        Ok(Self::new(self.sock.try_clone()?, self.session.clone()))
+    }
+
+    /// Queues a TLS 1.3 KeyUpdate (with update_requested).
+    pub(crate) fn refresh_keys(&self) -> io::Result<()> {
+        self.session
+            .conn
+            .lock()
+            .refresh_traffic_keys()
+            .map_err(tls_io_err)
+    }
+
+    /// Sends `close_notify` (best effort, blocking: only where no writer can be active).
+    pub(crate) fn close_notify(&mut self) {
+        let mut out = std::mem::take(&mut self.wbuf);
+        out.clear();
+        {
+            let mut conn = self.session.conn.lock();
+            conn.send_close_notify();
+            drain(&self.session, &mut conn, &mut out);
+        }
+        let _ = self.sock.write_all(&out);
+        self.wbuf = out;
+    }
+}
+
+/// An `io::Error` for a rustls error.
+fn tls_io_err(e: rustls::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("TLS: {e}"))
+}
+
+impl Read for TlsStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if self.raw.is_empty() {
+            self.raw = vec![0; RAW_BUF];
+        }
+        loop {
+            // Under the session lock: take out plaintext, feed what was received, decrypt.
+            let mut got = 0;
+            let mut end = false;
+            let mut err = None;
+            {
+                let mut conn = self.session.conn.lock();
+                loop {
+                    match conn.reader().read(&mut buf[got..]) {
+                        // A clean close_notify (the caller's buffer is not empty here).
+                        Ok(0) => {
+                            end = true;
+                            break;
+                        }
+                        Ok(n) => got += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        // EOF without close_notify: the end of the stream all the same.
+                        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                            end = true;
+                            break;
+                        }
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                    if got == buf.len() || self.raw_pos == self.raw_len {
+                        break;
+                    }
+                    let mut src = &self.raw[self.raw_pos..self.raw_len];
+                    match conn.read_tls(&mut src) {
+                        Ok(n) => self.raw_pos += n,
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                    if let Err(e) = conn.process_new_packets() {
+                        // The alert rustls queued goes out through the writer path.
+                        err = Some(tls_io_err(e));
+                        break;
+                    }
+                }
+                if conn.wants_write() {
+                    self.session.output_pending.store(true, Ordering::Relaxed);
+                }
+            }
+            if got > 0 {
+                return Ok(got);
+            }
+            if end {
+                return Ok(0);
+            }
+            if let Some(e) = err {
+                return Err(e);
+            }
+            // Everything received went to rustls: receive more, outside any lock.
+            self.raw_pos = 0;
+            self.raw_len = 0;
+            let n = self.sock.read(&mut self.raw)?;
+            if n == 0 {
+                // Tell rustls about the EOF; the next pass reads the end of the stream.
+                let _ = self.session.conn.lock().read_tls(&mut io::empty());
+            }
+            self.raw_len = n;
+        }
+    }
+}
+
+impl Write for TlsStream {
+    /// Encrypts `buf`, then sends every queued record (blocking). The handshake and the
+    /// client write this way; the server's transmission phase sends through its writer.
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut out = std::mem::take(&mut self.wbuf);
+        out.clear();
+        let n = {
+            let mut conn = self.session.conn.lock();
+            let n = TlsSession::encrypt(&mut conn, buf);
+            drain(&self.session, &mut conn, &mut out);
+            n
+        };
+        let sent = self.sock.write_all(&out);
+        self.wbuf = out;
+        sent?;
+        n
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs the TLS handshake on `stream` (a plain socket, its timeouts set by the caller) and
+/// turns it into a [`Stream::Tls`].
+fn handshake(stream: &mut Stream, mut conn: rustls::Connection) -> io::Result<()> {
+    let mut sock = stream.try_clone()?;
+    while conn.is_handshaking() {
+        conn.complete_io(&mut sock)?;
+    }
+    // Flush anything left (session tickets).
+    while conn.wants_write() {
+        conn.write_tls(&mut sock)?;
+    }
+    conn.set_buffer_limit(None);
+    let subject = match &conn {
+        rustls::Connection::Server(s) => s
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| subject_of(c.as_ref())),
+        rustls::Connection::Client(_) => None,
+    };
+    let session = DynArc::new(TlsSession {
+        conn: Mutex::new(conn),
+        output_pending: AtomicBool::new(false),
+        subject,
+    });
+    *stream = Stream::Tls(Box::new(TlsStream::new(sock, session)));
+    Ok(())
+}
+
+/// Server side of STARTTLS: the handshake on `stream`, which then speaks TLS.
+pub(crate) fn accept(stream: &mut Stream, config: &DynArc<rustls::ServerConfig>) -> io::Result<()> {
+    if matches!(stream, Stream::Tls(_)) {
+        return Err(io::Error::other("TLS already started"));
+    }
+    let conn = rustls::ServerConnection::new(config.clone()).map_err(tls_io_err)?;
+    handshake(stream, rustls::Connection::Server(conn))
+}
+
+/// Client side of STARTTLS, after the server acknowledged `NBD_OPT_STARTTLS`.
+pub fn connect(
+    stream: &mut Stream,
+    config: &DynArc<rustls::ClientConfig>,
+    server_name: &str,
+) -> io::Result<()> {
+    if matches!(stream, Stream::Tls(_)) {
+        return Err(io::Error::other("TLS already started"));
+    }
+    let name = ServerName::try_from(server_name.to_string())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let conn = rustls::ClientConnection::new(config.clone(), name).map_err(tls_io_err)?;
+    handshake(stream, rustls::Connection::Client(conn))
+}
+
+// --- The subject of a certificate, RFC 4514 style, from its DER ------------------------------
+
+/// One DER element: (tag, contents, rest).
+fn der(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, mut rest) = rest.split_first()?;
+    let len = if first < 0x80 {
+        usize::from(first)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let mut len = 0usize;
+        for &b in &rest[..n] {
+            len = (len << 8) | usize::from(b);
+        }
+        rest = &rest[n..];
+        len
+    };
+    if rest.len() < len {
+        return None;
+    }
+    Some((tag, &rest[..len], &rest[len..]))
+}
+
+/// The short name of an attribute type OID (DER contents), or its dotted form.
+fn attr_name(oid: &[u8]) -> String {
+    match oid {
+        [0x55, 0x04, 0x03] => "CN".into(),
+        [0x55, 0x04, 0x06] => "C".into(),
+        [0x55, 0x04, 0x07] => "L".into(),
+        [0x55, 0x04, 0x08] => "ST".into(),
+        [0x55, 0x04, 0x0a] => "O".into(),
+        [0x55, 0x04, 0x0b] => "OU".into(),
+        [0x55, 0x04, 0x09] => "STREET".into(),
+        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x19] => "DC".into(),
+        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x01] => "UID".into(),
+        _ => dotted(oid),
+    }
+}
+
+fn dotted(oid: &[u8]) -> String {
+    let mut parts = Vec::new();
+    let mut v: u64 = 0;
+    for (i, &b) in oid.iter().enumerate() {
+        v = (v << 7) | u64::from(b & 0x7f);
+        if b & 0x80 == 0 {
+            if parts.is_empty() && i < oid.len() {
+                let first = (v / 40).min(2);
+                parts.push(first.to_string());
+                parts.push((v - first * 40).to_string());
+            } else {
+                parts.push(v.to_string());
+            }
+            v = 0;
+        }
+    }
+    parts.join(".")
+}
+
+/// An attribute value as RFC 4514 writes it (strings escaped; others as `#hex`).
+fn attr_value(tag: u8, value: &[u8], whole: &[u8]) -> String {
+    let text = match tag {
+        // UTF8String, PrintableString, IA5String, TeletexString (read as Latin-1-ish ASCII)
+        0x0c | 0x13 | 0x16 | 0x14 => std::str::from_utf8(value).ok(),
+        _ => None,
+    };
+    match text {
+        Some(s) => {
+            let mut out = String::with_capacity(s.len());
+            let last = s.chars().count().saturating_sub(1);
+            for (i, c) in s.chars().enumerate() {
+                let special = matches!(c, '"' | '+' | ',' | ';' | '<' | '>' | '\\')
+                    || (i == 0 && matches!(c, ' ' | '#'))
+                    || (i == last && c == ' ');
+                if special {
+                    out.push('\\');
+                }
+                out.push(c);
+            }
+            out
+        }
+        None => {
+            let mut out = String::from("#");
+            for b in whole {
+                out.push_str(&format!("{b:02x}"));
+            }
+            out
+        }
+    }
+}
+
+/// The subject distinguished name of a DER certificate, RFC 4514 style (`CN=client1`, last
+/// RDN first); `None` if the certificate cannot be parsed.
+pub fn subject_of(cert: &[u8]) -> Option<String> {
+    let (_, certificate, _) = der(cert)?;
+    let (_, tbs, _) = der(certificate)?;
+    let mut rest = tbs;
+    // [0] version (optional)
+    let (tag, _, r) = der(rest)?;
+    if tag == 0xa0 {
+        rest = r;
+    }
+    // serial, signature algorithm, issuer, validity, subject
+    for _ in 0..4 {
+        let (_, _, r) = der(rest)?;
+        rest = r;
+    }
+    let (tag, mut name, _) = der(rest)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let mut rdns = Vec::new();
+    while !name.is_empty() {
+        let (_, mut set, r) = der(name)?;
+        name = r;
+        let mut atvs = Vec::new();
+        while !set.is_empty() {
+            let (_, atv, r) = der(set)?;
+            set = r;
+            let (_, oid, after) = der(atv)?;
+            let (vtag, value, _) = der(after)?;
+            atvs.push(format!(
+                "{}={}",
+                attr_name(oid),
+                attr_value(vtag, value, after)
+            ));
+        }
+        rdns.push(atvs.join("+"));
+    }
+    rdns.reverse();
+    Some(rdns.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subject_of_an_rcgen_certificate() {
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name
+            .push(rcgen::DnType::OrganizationName, "Example, Inc.");
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "client1");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(
+            subject_of(cert.der()).as_deref(),
+            Some("CN=client1,O=Example\\, Inc.")
+        );
+    }
+
+    #[test]
+    fn subject_of_garbage_is_none() {
+        assert_eq!(subject_of(&[]), None);
+        assert_eq!(subject_of(&[0x30, 0x82, 0xff]), None);
+        assert_eq!(subject_of(&[0x30, 0x03, 0x30, 0x01, 0x02]), None);
+    }
+
+    #[test]
+    fn dotted_oids() {
+        assert_eq!(dotted(&[0x55, 0x04, 0x2a]), "2.5.4.42");
+        assert_eq!(attr_name(&[0x55, 0x04, 0x03]), "CN");
+    }
+}
