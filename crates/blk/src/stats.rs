@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use crate::bio::Op;
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::stat::{Ordering as StatOrdering, ShardedCounters};
 use waitq::{HistogramSnapshot, LatencyHistogram};
@@ -36,16 +37,28 @@ pub fn coarse_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Counter indices in [`DiskCounters`]' shards: five per-direction pairs, then errors.
+/// Counter indices in [`DiskCounters`]' shards: five per-direction pairs, errors, then the
+/// discard and flush groups (`/sys/block/*/stat`'s fields 12-17).
 const IOS: usize = 0;
 const MERGES: usize = 2;
 const SECTORS: usize = 4;
 const TICKS_NS: usize = 6;
 const SUBMITTED: usize = 8;
 const ERRORS: usize = 10;
-const NCOUNTERS: usize = 11;
+const DISCARD_IOS: usize = 11;
+const DISCARD_SECTORS: usize = 12;
+const DISCARD_TICKS_NS: usize = 13;
+const FLUSH_IOS: usize = 14;
+const FLUSH_TICKS_NS: usize = 15;
+const NCOUNTERS: usize = 16;
 
 /// A snapshot of the disk counters, the fields of `/sys/block/*/stat` (index 0 read, 1 write).
+///
+/// The write direction (index 1) counts every op that is not a read: discards, flushes and
+/// write-zeroes are folded into `ios[1]` and `ticks_ns[1]` (`sectors[1]` counts only the
+/// sectors of writes that carry data). The discard and flush fields count those ops again on
+/// their own, as the kernel's discard and flush columns do, so a reader that wants the
+/// kernel's "writes" subtracts them (`writes_completed() ...`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DiskStats {
     /// Completed I/Os.
@@ -64,6 +77,38 @@ pub struct DiskStats {
     pub time_in_queue_ns: u64,
     /// Completed I/Os whose status was an error.
     pub errors: u64,
+    /// Completed discards (also counted in `ios[1]`).
+    pub discard_ios: u64,
+    /// Sectors discarded.
+    pub discard_sectors: u64,
+    /// Time spent by completed discards, ns (also in `ticks_ns[1]`).
+    pub discard_ticks_ns: u64,
+    /// Completed flushes (also counted in `ios[1]`).
+    pub flush_ios: u64,
+    /// Time spent by completed flushes, ns (also in `ticks_ns[1]`).
+    pub flush_ticks_ns: u64,
+}
+
+impl DiskStats {
+    /// Completed writes in the kernel's sense: write direction minus discards and flushes
+    /// (write-zeroes stay writes, as in the kernel).
+    pub fn writes_completed(&self) -> u64 {
+        self.ios[1]
+            .saturating_sub(self.discard_ios)
+            .saturating_sub(self.flush_ios)
+    }
+
+    /// Time of completed writes in the kernel's sense, ns (see [`DiskStats::writes_completed`]).
+    pub fn write_ticks_ns(&self) -> u64 {
+        self.ticks_ns[1]
+            .saturating_sub(self.discard_ticks_ns)
+            .saturating_sub(self.flush_ticks_ns)
+    }
+
+    /// I/Os in flight, both directions.
+    pub fn io_now(&self) -> u64 {
+        self.in_flight[0] + self.in_flight[1]
+    }
 }
 
 /// Sharded disk counters.
@@ -103,14 +148,31 @@ impl DiskCounters {
         self.counters.add(MERGES + (dir & 1), 1);
     }
 
-    /// Counts a completion of `sectors` that started at `start_ns` (coarse clock).
+    /// Counts a completion of an `op` over `sectors` that started at `start_ns` (coarse
+    /// clock). Only reads and writes add `sectors` to the direction's sectors; a discard's go
+    /// to the discard sectors.
     #[inline]
-    pub fn completed(&self, dir: usize, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
+    pub fn completed(&self, op: Op, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
         let s = self.counters.local();
-        let dir = dir & 1;
+        let dir = op.dir();
+        let ticks = now_ns.saturating_sub(start_ns);
         s[IOS + dir].fetch_add(1, StatOrdering::Relaxed);
-        s[SECTORS + dir].fetch_add(sectors, StatOrdering::Relaxed);
-        s[TICKS_NS + dir].fetch_add(now_ns.saturating_sub(start_ns), StatOrdering::Relaxed);
+        if op.has_data() {
+            s[SECTORS + dir].fetch_add(sectors, StatOrdering::Relaxed);
+        }
+        s[TICKS_NS + dir].fetch_add(ticks, StatOrdering::Relaxed);
+        match op {
+            Op::Discard => {
+                s[DISCARD_IOS].fetch_add(1, StatOrdering::Relaxed);
+                s[DISCARD_SECTORS].fetch_add(sectors, StatOrdering::Relaxed);
+                s[DISCARD_TICKS_NS].fetch_add(ticks, StatOrdering::Relaxed);
+            }
+            Op::Flush => {
+                s[FLUSH_IOS].fetch_add(1, StatOrdering::Relaxed);
+                s[FLUSH_TICKS_NS].fetch_add(ticks, StatOrdering::Relaxed);
+            }
+            _ => {}
+        }
         if !ok {
             s[ERRORS].fetch_add(1, StatOrdering::Relaxed);
         }
@@ -137,6 +199,11 @@ impl DiskCounters {
             sectors: pair(SECTORS),
             ticks_ns: pair(TICKS_NS),
             errors: c.sum(ERRORS),
+            discard_ios: c.sum(DISCARD_IOS),
+            discard_sectors: c.sum(DISCARD_SECTORS),
+            discard_ticks_ns: c.sum(DISCARD_TICKS_NS),
+            flush_ios: c.sum(FLUSH_IOS),
+            flush_ticks_ns: c.sum(FLUSH_TICKS_NS),
             ..DiskStats::default()
         };
         let submitted = pair(SUBMITTED);
