@@ -622,11 +622,12 @@ impl QueueCore {
         // Acquire RMW above), and cell `request_index(hctx, tag, reserved)` belongs to that
         // tag alone, so this is the only token for it until `complete` frees the tag.
         let mut r = self.make_token(self.request_index(hctx, tag, reserved));
-        self.stats.submitted(dir);
+        let now = coarse_ns();
+        self.stats.started(dir, now);
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
         rq.end = Some(end.clone());
-        rq.start_ns = coarse_ns();
+        rq.start_ns = now;
         rq.hctx = hctx;
         rq.tag = tag;
         rq.reserved = reserved;

@@ -142,6 +142,33 @@ impl DiskCounters {
         self.counters.add(SUBMITTED + (dir & 1), 1);
     }
 
+    /// Counts a submission at `now_ns` (coarse clock), and keeps `io_ticks` honest: like the
+    /// kernel's `update_io_ticks` at the start of an I/O, the first submission of a clock
+    /// tick moves the shared timestamp to now, and adds the time since the last one only if
+    /// I/Os were in flight meanwhile (the shard sums are read then, once per tick at most).
+    /// Without this an idle gap before a submission would be counted as busy time by the
+    /// next completion.
+    #[inline]
+    pub fn started(&self, dir: usize, now_ns: u64) {
+        let last = self.last_ts.load(Ordering::Relaxed);
+        if now_ns > last
+            && self
+                .last_ts
+                .compare_exchange(last, now_ns, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            && self.in_flight() > 0
+        {
+            self.io_ticks.fetch_add(now_ns - last, Ordering::Relaxed);
+        }
+        self.submitted(dir);
+    }
+
+    /// I/Os submitted and not completed (summed over shards; may be torn).
+    fn in_flight(&self) -> u64 {
+        let c = &self.counters;
+        (c.sum(SUBMITTED) + c.sum(SUBMITTED + 1)).saturating_sub(c.sum(IOS) + c.sum(IOS + 1))
+    }
+
     /// Counts a merge.
     #[inline]
     pub fn merged(&self, dir: usize) {
@@ -177,7 +204,9 @@ impl DiskCounters {
             s[ERRORS].fetch_add(1, StatOrdering::Relaxed);
         }
         // io_ticks: advance a shared timestamp at most once per clock tick (the coarse clock
-        // changes every few ms), so this shared line is written rarely.
+        // changes every few ms), so this shared line is written rarely. A completion always
+        // had itself in flight since the timestamp (`started` moved it at or before this
+        // I/O's start), so the time is busy time.
         let last = self.last_ts.load(Ordering::Relaxed);
         if now_ns > last
             && self

@@ -4,6 +4,8 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod control;
+mod logs;
+mod metrics;
 mod raid;
 mod serve;
 

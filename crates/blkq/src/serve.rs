@@ -11,7 +11,6 @@
 //! 130.
 
 use blkq_sync::DynArc as Arc;
-use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
@@ -99,6 +98,19 @@ pub struct ServeArgs {
     /// Resource limits against hostile or broken clients.
     #[command(flatten)]
     pub limits: LimitArgs,
+    /// Serve Prometheus metrics (OpenMetrics text) on http://ADDR:PORT/metrics (port 0: any
+    /// free port; the bound address is printed, and written to --metrics-addr-file).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics: Option<String>,
+    /// With --metrics: write the bound ADDR:PORT to this file once the endpoint is up.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    pub metrics_addr_file: Option<PathBuf>,
+    /// Log format on stderr: text, or json (one object per line, for log shippers).
+    #[arg(long, value_enum, default_value_t = crate::logs::LogFormat::Text)]
+    pub log_format: crate::logs::LogFormat,
+    /// More log detail: -v debug, -vv trace (RUST_LOG, when set, wins).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
 }
 
 /// `blkq serve` resource limits (see "Limits" in docs/design.md).
@@ -324,21 +336,11 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
     });
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 /// Runs `blkq serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
-    init_logging();
+    crate::logs::init(a.log_format, a.verbose);
     let sched: blk::sched::SchedChoice = a.sched.parse().context("--sched")?;
     let sched_lock: Option<blk::sched::LockMode> = a
         .sched_lock
@@ -372,6 +374,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     // --describe-paths).
     let mut local: Vec<String> = Vec::new();
     let mut control = None;
+    let mut raid_name = None;
     for (name, spec) in pairs(&a)? {
         if let Some(legs) = spec.strip_prefix(RAID1_DEVICE) {
             let leg_ov = QueueOverrides {
@@ -390,6 +393,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
             );
             local.push(full);
             control = Some(Arc::new(Control::new(r, specs, leg_ov)));
+            raid_name = Some(
+                exports
+                    .last()
+                    .map(|e: &Export| e.name.clone())
+                    .unwrap_or_default(),
+            );
             continue;
         }
         let parsed: DeviceSpec = spec
@@ -451,6 +460,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
+    if let Some(m) = &a.metrics {
+        let raid1 = raid_name.zip(control.clone());
+        crate::metrics::start_for_serve(
+            listen_addr(m).context("--metrics")?,
+            a.metrics_addr_file.as_deref(),
+            server.metrics(),
+            raid1,
+        )?;
+    }
     let control_server = match (&a.control, control) {
         (Some(path), Some(ctl)) => {
             let cs = ControlServer::start(path, ctl)?;
@@ -552,6 +570,10 @@ mod tests {
             describe_paths: false,
             shutdown_timeout: 30,
             limits: LimitArgs::default(),
+            metrics: None,
+            metrics_addr_file: None,
+            log_format: crate::logs::LogFormat::Text,
+            verbose: 0,
         }
     }
 

@@ -621,7 +621,7 @@ impl<'a> Connection<'a> {
                 locked.bytes_in_flight += entry.budget_bytes;
                 if let (Some((d, now)), Some(op), true) = (disk, entry.disk_op(), nbios > 0) {
                     entry.start_ns = now;
-                    d.submitted(op.dir());
+                    d.started(op.dir(), now);
                 }
                 if nbios == 0 {
                     locked.ready_slots.push(slot);
