@@ -308,3 +308,52 @@ impl WaitStats {
         }
     }
 }
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discards_and_flushes_have_their_own_columns() {
+        let c = DiskCounters::new();
+        let t = coarse_ns();
+        for (op, sectors) in [
+            (Op::Read, 8),
+            (Op::Write, 128),
+            (Op::Discard, 2048),
+            (Op::Flush, 0),
+            (Op::WriteZeroes, 16),
+        ] {
+            c.started(op.dir(), t);
+            c.completed(op, sectors, t, t, true);
+        }
+        let s = c.snapshot();
+        assert_eq!(s.ios, [1, 4]);
+        assert_eq!(s.sectors, [8, 128]);
+        assert_eq!(
+            (s.discard_ios, s.discard_sectors, s.flush_ios),
+            (1, 2048, 1)
+        );
+        assert_eq!(s.writes_completed(), 2);
+        assert_eq!(s.io_now(), 0);
+        assert_eq!(s.errors, 0);
+    }
+
+    #[test]
+    fn idle_time_is_not_busy_time() {
+        let c = DiskCounters::new();
+        // Explicit times past the counters' creation: an idle second, then a 5 ns I/O.
+        let t = coarse_ns() + 1_000_000_000;
+        c.started(0, t);
+        assert_eq!(c.snapshot().io_ticks_ns, 0, "the idle gap was counted");
+        assert_eq!(c.snapshot().in_flight, [1, 0]);
+        c.completed(Op::Read, 8, t, t + 5, true);
+        assert_eq!(c.snapshot().io_ticks_ns, 5);
+        // Busy across a submission: the time up to it counts.
+        c.started(0, t + 10);
+        c.started(0, t + 20);
+        c.completed(Op::Read, 8, t + 10, t + 30, true);
+        c.completed(Op::Read, 8, t + 20, t + 30, true);
+        assert_eq!(c.snapshot().io_ticks_ns, 5 + 20);
+    }
+}
