@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use blk::stats::DiskStats;
-use blkq_sync::Arc;
+use blkq_sync::{thread, Arc};
 use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
@@ -66,24 +66,22 @@ impl MetricsServer {
         let l = TcpListener::bind(addr).with_context(|| format!("--metrics: binding {addr}"))?;
         let addr = l.local_addr()?;
         let registry = registry(sources);
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                for s in l.incoming() {
-                    match s {
-                        Ok(s) => {
-                            if let Err(e) = serve_one(s, &registry) {
-                                tracing::debug!("metrics: a scrape failed: {e}");
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!("metrics: accept failed: {e}");
-                            std::thread::sleep(Duration::from_millis(50));
+        // The thread lives as long as the process (it only reads counters).
+        thread::spawn(move || {
+            for s in l.incoming() {
+                match s {
+                    Ok(s) => {
+                        if let Err(e) = serve_one(s, &registry) {
+                            tracing::debug!("metrics: a scrape failed: {e}");
                         }
                     }
+                    Err(e) => {
+                        tracing::warn!("metrics: accept failed: {e}");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
                 }
-            })
-            .context("--metrics: spawning its thread")?;
+            }
+        });
         Ok(Self { addr })
     }
 
@@ -104,6 +102,13 @@ pub fn start_for_serve(
 ) -> Result<MetricsServer> {
     let m = MetricsServer::start(addr, Sources { nbd, raid1 })?;
     let bound = m.addr();
+    if !bound.ip().is_loopback() {
+        tracing::warn!(
+            addr = %bound,
+            "--metrics listens on a non-loopback address: anyone who can reach it reads the \
+             export names and traffic counters (there is no authentication)"
+        );
+    }
     println!("metrics: http://{bound}/metrics");
     tracing::info!(addr = %bound, "metrics endpoint up: http://{bound}/metrics");
     if let Some(p) = addr_file {
@@ -147,9 +152,12 @@ fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
                 "",
             );
         }
-        if Instant::now() >= deadline {
+        // Each read waits at most until the request's deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             return Ok(());
         }
+        s.set_read_timeout(Some(left))?;
         let n = s.read(&mut buf[len..])?;
         if n == 0 {
             return Ok(());
