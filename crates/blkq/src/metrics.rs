@@ -133,11 +133,31 @@ fn encode(r: &Registry) -> Result<String> {
     Ok(out)
 }
 
-/// Serves one connection: one request, one reply.
+/// Serves one connection: one request, one reply, then a bounded drain of what the client
+/// still sends (so that closing with unread bytes does not reset the connection and lose
+/// the reply on its way).
 fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    s.set_read_timeout(Some(IO_TIMEOUT))?;
-    s.set_write_timeout(Some(IO_TIMEOUT))?;
     let deadline = Instant::now() + IO_TIMEOUT;
+    let res = answer(&mut s, registry, deadline);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < 64 << 10 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match s.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+    res
+}
+
+/// Reads one request (by `deadline`) and writes its reply.
+fn answer(s: &mut TcpStream, registry: &Registry, deadline: Instant) -> std::io::Result<()> {
+    s.set_write_timeout(Some(IO_TIMEOUT))?;
     let mut buf = [0u8; MAX_REQUEST];
     let mut len = 0;
     let head_end = loop {
@@ -145,12 +165,7 @@ fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
             break i;
         }
         if len == buf.len() {
-            return reply(
-                &mut s,
-                "431 Request Header Fields Too Large",
-                "text/plain",
-                "",
-            );
+            return reply(s, "431 Request Header Fields Too Large", "text/plain", "");
         }
         // Each read waits at most until the request's deadline.
         let left = deadline.saturating_duration_since(Instant::now());
@@ -171,20 +186,20 @@ fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
     match (method, path) {
         ("GET" | "HEAD", "/metrics") => match encode(registry) {
             Ok(body) => reply(
-                &mut s,
+                s,
                 "200 OK",
                 CONTENT_TYPE,
                 if method == "HEAD" { "" } else { &body },
             ),
             Err(e) => reply(
-                &mut s,
+                s,
                 "500 Internal Server Error",
                 "text/plain",
                 &format!("{e:#}\n"),
             ),
         },
-        ("GET" | "HEAD", _) => reply(&mut s, "404 Not Found", "text/plain", "try /metrics\n"),
-        _ => reply(&mut s, "405 Method Not Allowed", "text/plain", ""),
+        ("GET" | "HEAD", _) => reply(s, "404 Not Found", "text/plain", "try /metrics\n"),
+        _ => reply(s, "405 Method Not Allowed", "text/plain", ""),
     }
 }
 
@@ -666,5 +681,74 @@ impl Collector for BlkqCollector {
             md_families(&mut enc, name, ctl)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nbd::server::{Export, Server, ServerConfig};
+
+    fn serving() -> (Server, MetricsServer, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let spec: blk_drivers::spec::DeviceSpec = "mem:1M".parse().unwrap();
+        let q = spec
+            .build(&blk_drivers::spec::QueueOverrides::default())
+            .unwrap();
+        let dev: blkq_sync::DynArc<dyn blk::Device> = blkq_sync::DynArc::new(q);
+        let mut cfg = ServerConfig::new(vec![Export::new("e", dev)]);
+        cfg.unix = Some(dir.path().join("s.sock"));
+        let server = Server::start(cfg).unwrap();
+        let m = MetricsServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Sources {
+                nbd: server.metrics(),
+                raid1: None,
+            },
+        )
+        .unwrap();
+        (server, m, dir)
+    }
+
+    /// Sends `req`, returns the whole reply.
+    fn exchange(addr: SocketAddr, req: &[u8]) -> String {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The server may answer (and close) before it has read everything sent.
+        let _ = s.write_all(req);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[test]
+    fn http_answers_and_bounds() {
+        let (server, m, _dir) = serving();
+        let a = m.addr();
+        let ok = exchange(a, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(
+            ok.contains("blkq_disk_reads_completed_total{export=\"e\"} 0"),
+            "{ok}"
+        );
+        assert!(ok.contains("\nblkq_nbd_connections_open 0\n"), "{ok}");
+        assert!(ok.ends_with("# EOF\n"), "{ok}");
+        let head = exchange(a, b"HEAD /metrics HTTP/1.1\r\n\r\n");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "no body for HEAD: {head}");
+        let q = exchange(a, b"GET /metrics?x=1 HTTP/1.0\n\n");
+        assert!(q.starts_with("HTTP/1.1 200 OK\r\n"), "{q}");
+        let nf = exchange(a, b"GET / HTTP/1.1\r\n\r\n");
+        assert!(nf.starts_with("HTTP/1.1 404 "), "{nf}");
+        let post = exchange(a, b"POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+        let mut huge = b"GET /metrics HTTP/1.1\r\n".to_vec();
+        huge.resize(MAX_REQUEST + 100, b'a');
+        let big = exchange(a, &huge);
+        assert!(big.starts_with("HTTP/1.1 431 "), "{big}");
+        // Still serving after all that.
+        let again = exchange(a, b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(again.starts_with("HTTP/1.1 200 OK\r\n"), "{again}");
+        server.shutdown();
     }
 }
