@@ -133,6 +133,7 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         tls = "no",
         "connection open"
     );
+    let base_allocation = negotiated.base_allocation;
     let (reason, stats) = match Connection::new(stream, &server, export, negotiated) {
         // A panic on the reader (a bug here, or in a device's `submit`, which runs on this
         // thread) fails this connection only: `Connection`'s `Drop` closes its socket, stops
@@ -169,6 +170,8 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         %peer,
         export = %export.export.name,
         replies,
+        base_allocation,
+        tls = "no",
         requests = stats.requests,
         refused = stats.refused,
         bytes_read = stats.bytes_read,
