@@ -3,7 +3,7 @@
 # nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary,
 # in plaintext and again over TLS (certificates made by `blkq certs`, never committed).
 #
-# Needs: qemu-utils libnbd-bin python3-libnbd fio (scripts/test.sh installs them as root).
+# Needs: qemu-utils libnbd-bin python3-libnbd fio curl (scripts/test.sh installs them as root).
 # Each step prints what it checks; the first failure exits non-zero; the servers are always
 # killed on exit.
 set -euo pipefail
@@ -19,7 +19,7 @@ fail() {
 # libnbd's Python binding is installed for the system interpreter, not for whatever python3
 # comes first on PATH.
 PY=/usr/bin/python3
-for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio sha256sum "$PY"; do
+for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio sha256sum curl "$PY"; do
   command -v "$tool" >/dev/null || fail "missing $tool (apt-get install qemu-utils libnbd-bin python3-libnbd fio)"
 done
 "$PY" -c 'import nbd' || fail "python3-libnbd is not installed for $PY"
@@ -470,6 +470,51 @@ ok "no client certificate, and another CA's: refused (nbdinfo and qemu-img)"
 kill -INT "$VPID"
 wait "$VPID" || fail "verify-peer server exited with $?"
 ok "verify-peer server stopped cleanly"
+
+step "metrics: blkq serve --metrics, qemu-io I/O, curl /metrics: the disk counters moved by that much"
+MSOCK=$TMP/metrics.sock
+MPORT=$(free_port)
+MMPORT=$(free_port)
+start_server metrics "$MSOCK" "$MPORT" --device mem:64M --metrics "127.0.0.1:$MMPORT" --log-format json
+MPID=$SERVER_PID
+grep -q "metrics: http://127.0.0.1:$MMPORT/metrics" "$TMP/metrics.out" || fail "no metrics address printed"
+metric() {
+  curl -fsS "http://127.0.0.1:$MMPORT/metrics" | awk -v k="$1" '$1 == k { print $2 }'
+}
+disk() { metric "blkq_disk_$1{export=\"\"}"; }
+R0=$(disk reads_completed_total)
+W0=$(disk writes_completed_total)
+F0=$(disk flush_requests_total)
+RB0=$(disk read_bytes_total)
+WB0=$(disk written_bytes_total)
+# Written first: a read of a hole is answered without reading the device.
+MIO=(-c 'write -P 0x5a 0 64k' -c 'write -P 0x5a 64k 64k' -c 'write -P 0x5a 128k 64k' -c flush)
+for i in $(seq 0 9); do MIO+=(-c "read -P 0x5a $((i * 4))k 4k"); done
+qemu-io -f raw "${MIO[@]}" "nbd+unix:///?socket=$MSOCK" >"$TMP/metrics-io.txt"
+[[ $(grep -c "read 4096/4096" "$TMP/metrics-io.txt") == 10 ]] || fail "qemu-io: $(cat "$TMP/metrics-io.txt")"
+[[ $(($(disk reads_completed_total) - R0)) == 10 ]] || fail "reads_completed moved by $(($(disk reads_completed_total) - R0)), not 10"
+[[ $(($(disk read_bytes_total) - RB0)) == 40960 ]] || fail "read_bytes moved by $(($(disk read_bytes_total) - RB0))"
+[[ $(($(disk writes_completed_total) - W0)) == 3 ]] || fail "writes_completed moved by $(($(disk writes_completed_total) - W0)), not 3"
+[[ $(($(disk written_bytes_total) - WB0)) == 196608 ]] || fail "written_bytes moved by $(($(disk written_bytes_total) - WB0))"
+# qemu may flush again when it closes the image: at least the one asked for.
+(($(disk flush_requests_total) - F0 >= 1)) || fail "flush_requests did not move"
+[[ $(disk io_now) == 0 ]] || fail "io_now is $(disk io_now) after the client left"
+curl -fsS "http://127.0.0.1:$MMPORT/metrics" | grep -q '^blkq_nbd_connections_accepted_total ' || fail "no connection counter"
+[[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$MMPORT/other") == 404 ]] || fail "not 404 off /metrics"
+# The log: JSON lines; the qemu-io connection's close line carries its bytes.
+for _ in $(seq 1 100); do
+  grep -q '"bytes_written":196608' "$TMP/metrics.log" && break
+  sleep 0.1
+done
+"$PY" - "$TMP/metrics.log" <<'PYEOF' || fail "log: $(tail -5 "$TMP/metrics.log")"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+close = [l for l in lines if l.get("message", "").startswith("connection closed:") and l.get("bytes_written") == 196608]
+assert close and close[0]["bytes_read"] == 40960 and close[0]["requests"] >= 14, close
+PYEOF
+kill -INT "$MPID"
+wait "$MPID" || fail "metrics server exited with $?"
+ok "10 reads, 3 writes of 64 KiB, a flush: counted exactly; 404 elsewhere; JSON close line with bytes"
 
 step "SIGINT: the server finishes, exits 0 and removes its socket"
 kill -INT "$PID"

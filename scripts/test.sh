@@ -12,10 +12,10 @@ step "toolchain components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 step "NBD client tools for scripts/client-tests.sh"
-# qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh (+ libnbd's Python binding), fio, nbdkit. Installed
+# qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh (+ libnbd's Python binding), fio, nbdkit, curl. Installed
 # only when missing, and only where we can (root with apt-get).
 need_tools=0
-for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio nbdkit; do
+for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio nbdkit curl; do
   command -v "$tool" >/dev/null 2>&1 || need_tools=1
 done
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need_tools=1
@@ -24,7 +24,7 @@ if [[ $need_tools == 1 ]]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends \
-      qemu-utils libnbd-bin python3-libnbd fio nbdkit >/dev/null
+      qemu-utils libnbd-bin python3-libnbd fio nbdkit curl >/dev/null
   else
     echo "missing NBD client tools and cannot install them (need root and apt-get)" >&2
   fi

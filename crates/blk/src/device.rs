@@ -6,7 +6,7 @@
 use blkq_sync::DynArc as Arc;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::queue::{QueueCore, Request, RequestToken};
+use crate::queue::{Queue, QueueCore, Request, RequestToken};
 use crate::sched::LockStats;
 use crate::Error;
 
@@ -185,4 +185,15 @@ pub trait Device: Send + Sync {
     fn limits(&self) -> Limits;
     /// The allocation map of a range.
     fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
+    /// The request queue behind the device, if it is one (or wraps one): its tag pools,
+    /// scheduler and statistics. Default: none.
+    fn as_queue(&self) -> Option<&Queue> {
+        None
+    }
+    /// The device's own disk counters (`/sys/block/*/stat`), read on demand (a snapshot
+    /// summed over shards, never on the I/O path). Default: the queue's, if there is one;
+    /// `None` tells a user such as the NBD server to count at its own layer.
+    fn stats(&self) -> Option<crate::stats::DiskStats> {
+        self.as_queue().map(Queue::stats)
+    }
 }

@@ -443,13 +443,15 @@ impl QueueCore {
                 (None, _) => std::mem::replace(&mut res, Ok(())),
             };
             if let Some(b) = &bio {
-                let sectors = if b.op.has_data() {
-                    u64::from(b.len) >> SECTOR_SHIFT
-                } else {
+                // Reads' and writes' sectors, and discards' (their own column); `completed`
+                // sorts them. A flush's `len` means nothing.
+                let sectors = if b.op == Op::Flush {
                     0
+                } else {
+                    u64::from(b.len) >> SECTOR_SHIFT
                 };
                 self.stats
-                    .completed(b.op.dir(), sectors, start, now, this.is_ok());
+                    .completed(b.op, sectors, start, now, this.is_ok());
             }
             let pool = self.pool_of(hctx, reserved);
             if shallow {
@@ -620,11 +622,12 @@ impl QueueCore {
         // Acquire RMW above), and cell `request_index(hctx, tag, reserved)` belongs to that
         // tag alone, so this is the only token for it until `complete` frees the tag.
         let mut r = self.make_token(self.request_index(hctx, tag, reserved));
-        self.stats.submitted(dir);
+        let now = coarse_ns();
+        self.stats.started(dir, now);
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
         rq.end = Some(end.clone());
-        rq.start_ns = coarse_ns();
+        rq.start_ns = now;
         rq.hctx = hctx;
         rq.tag = tag;
         rq.reserved = reserved;
@@ -820,6 +823,10 @@ impl Device for Queue {
 
     fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
         self.core.driver.extents(offset, len, max)
+    }
+
+    fn as_queue(&self) -> Option<&Queue> {
+        Some(self)
     }
 }
 

@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use crate::bio::Op;
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::stat::{Ordering as StatOrdering, ShardedCounters};
 use waitq::{HistogramSnapshot, LatencyHistogram};
@@ -36,16 +37,28 @@ pub fn coarse_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Counter indices in [`DiskCounters`]' shards: five per-direction pairs, then errors.
+/// Counter indices in [`DiskCounters`]' shards: five per-direction pairs, errors, then the
+/// discard and flush groups (`/sys/block/*/stat`'s fields 12-17).
 const IOS: usize = 0;
 const MERGES: usize = 2;
 const SECTORS: usize = 4;
 const TICKS_NS: usize = 6;
 const SUBMITTED: usize = 8;
 const ERRORS: usize = 10;
-const NCOUNTERS: usize = 11;
+const DISCARD_IOS: usize = 11;
+const DISCARD_SECTORS: usize = 12;
+const DISCARD_TICKS_NS: usize = 13;
+const FLUSH_IOS: usize = 14;
+const FLUSH_TICKS_NS: usize = 15;
+const NCOUNTERS: usize = 16;
 
 /// A snapshot of the disk counters, the fields of `/sys/block/*/stat` (index 0 read, 1 write).
+///
+/// The write direction (index 1) counts every op that is not a read: discards, flushes and
+/// write-zeroes are folded into `ios[1]` and `ticks_ns[1]` (`sectors[1]` counts only the
+/// sectors of writes that carry data). The discard and flush fields count those ops again on
+/// their own, as the kernel's discard and flush columns do, so a reader that wants the
+/// kernel's "writes" subtracts them (`writes_completed() ...`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DiskStats {
     /// Completed I/Os.
@@ -64,6 +77,38 @@ pub struct DiskStats {
     pub time_in_queue_ns: u64,
     /// Completed I/Os whose status was an error.
     pub errors: u64,
+    /// Completed discards (also counted in `ios[1]`).
+    pub discard_ios: u64,
+    /// Sectors discarded.
+    pub discard_sectors: u64,
+    /// Time spent by completed discards, ns (also in `ticks_ns[1]`).
+    pub discard_ticks_ns: u64,
+    /// Completed flushes (also counted in `ios[1]`).
+    pub flush_ios: u64,
+    /// Time spent by completed flushes, ns (also in `ticks_ns[1]`).
+    pub flush_ticks_ns: u64,
+}
+
+impl DiskStats {
+    /// Completed writes in the kernel's sense: write direction minus discards and flushes
+    /// (write-zeroes stay writes, as in the kernel).
+    pub fn writes_completed(&self) -> u64 {
+        self.ios[1]
+            .saturating_sub(self.discard_ios)
+            .saturating_sub(self.flush_ios)
+    }
+
+    /// Time of completed writes in the kernel's sense, ns (see [`DiskStats::writes_completed`]).
+    pub fn write_ticks_ns(&self) -> u64 {
+        self.ticks_ns[1]
+            .saturating_sub(self.discard_ticks_ns)
+            .saturating_sub(self.flush_ticks_ns)
+    }
+
+    /// I/Os in flight, both directions.
+    pub fn io_now(&self) -> u64 {
+        self.in_flight[0] + self.in_flight[1]
+    }
 }
 
 /// Sharded disk counters.
@@ -97,25 +142,71 @@ impl DiskCounters {
         self.counters.add(SUBMITTED + (dir & 1), 1);
     }
 
+    /// Counts a submission at `now_ns` (coarse clock), and keeps `io_ticks` honest: like the
+    /// kernel's `update_io_ticks` at the start of an I/O, the first submission of a clock
+    /// tick moves the shared timestamp to now, and adds the time since the last one only if
+    /// I/Os were in flight meanwhile (the shard sums are read then, once per tick at most).
+    /// Without this an idle gap before a submission would be counted as busy time by the
+    /// next completion.
+    #[inline]
+    pub fn started(&self, dir: usize, now_ns: u64) {
+        let last = self.last_ts.load(Ordering::Relaxed);
+        if now_ns > last
+            && self
+                .last_ts
+                .compare_exchange(last, now_ns, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+            && self.in_flight() > 0
+        {
+            self.io_ticks.fetch_add(now_ns - last, Ordering::Relaxed);
+        }
+        self.submitted(dir);
+    }
+
+    /// I/Os submitted and not completed (summed over shards; may be torn).
+    fn in_flight(&self) -> u64 {
+        let c = &self.counters;
+        (c.sum(SUBMITTED) + c.sum(SUBMITTED + 1)).saturating_sub(c.sum(IOS) + c.sum(IOS + 1))
+    }
+
     /// Counts a merge.
     #[inline]
     pub fn merged(&self, dir: usize) {
         self.counters.add(MERGES + (dir & 1), 1);
     }
 
-    /// Counts a completion of `sectors` that started at `start_ns` (coarse clock).
+    /// Counts a completion of an `op` over `sectors` that started at `start_ns` (coarse
+    /// clock). Only reads and writes add `sectors` to the direction's sectors; a discard's go
+    /// to the discard sectors.
     #[inline]
-    pub fn completed(&self, dir: usize, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
+    pub fn completed(&self, op: Op, sectors: u64, start_ns: u64, now_ns: u64, ok: bool) {
         let s = self.counters.local();
-        let dir = dir & 1;
+        let dir = op.dir();
+        let ticks = now_ns.saturating_sub(start_ns);
         s[IOS + dir].fetch_add(1, StatOrdering::Relaxed);
-        s[SECTORS + dir].fetch_add(sectors, StatOrdering::Relaxed);
-        s[TICKS_NS + dir].fetch_add(now_ns.saturating_sub(start_ns), StatOrdering::Relaxed);
+        if op.has_data() {
+            s[SECTORS + dir].fetch_add(sectors, StatOrdering::Relaxed);
+        }
+        s[TICKS_NS + dir].fetch_add(ticks, StatOrdering::Relaxed);
+        match op {
+            Op::Discard => {
+                s[DISCARD_IOS].fetch_add(1, StatOrdering::Relaxed);
+                s[DISCARD_SECTORS].fetch_add(sectors, StatOrdering::Relaxed);
+                s[DISCARD_TICKS_NS].fetch_add(ticks, StatOrdering::Relaxed);
+            }
+            Op::Flush => {
+                s[FLUSH_IOS].fetch_add(1, StatOrdering::Relaxed);
+                s[FLUSH_TICKS_NS].fetch_add(ticks, StatOrdering::Relaxed);
+            }
+            _ => {}
+        }
         if !ok {
             s[ERRORS].fetch_add(1, StatOrdering::Relaxed);
         }
         // io_ticks: advance a shared timestamp at most once per clock tick (the coarse clock
-        // changes every few ms), so this shared line is written rarely.
+        // changes every few ms), so this shared line is written rarely. A completion always
+        // had itself in flight since the timestamp (`started` moved it at or before this
+        // I/O's start), so the time is busy time.
         let last = self.last_ts.load(Ordering::Relaxed);
         if now_ns > last
             && self
@@ -137,6 +228,11 @@ impl DiskCounters {
             sectors: pair(SECTORS),
             ticks_ns: pair(TICKS_NS),
             errors: c.sum(ERRORS),
+            discard_ios: c.sum(DISCARD_IOS),
+            discard_sectors: c.sum(DISCARD_SECTORS),
+            discard_ticks_ns: c.sum(DISCARD_TICKS_NS),
+            flush_ios: c.sum(FLUSH_IOS),
+            flush_ticks_ns: c.sum(FLUSH_TICKS_NS),
             ..DiskStats::default()
         };
         let submitted = pair(SUBMITTED);
@@ -210,5 +306,54 @@ impl WaitStats {
             p99_ns: hist.quantile_upper(0.99),
             hist,
         }
+    }
+}
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discards_and_flushes_have_their_own_columns() {
+        let c = DiskCounters::new();
+        let t = coarse_ns();
+        for (op, sectors) in [
+            (Op::Read, 8),
+            (Op::Write, 128),
+            (Op::Discard, 2048),
+            (Op::Flush, 0),
+            (Op::WriteZeroes, 16),
+        ] {
+            c.started(op.dir(), t);
+            c.completed(op, sectors, t, t, true);
+        }
+        let s = c.snapshot();
+        assert_eq!(s.ios, [1, 4]);
+        assert_eq!(s.sectors, [8, 128]);
+        assert_eq!(
+            (s.discard_ios, s.discard_sectors, s.flush_ios),
+            (1, 2048, 1)
+        );
+        assert_eq!(s.writes_completed(), 2);
+        assert_eq!(s.io_now(), 0);
+        assert_eq!(s.errors, 0);
+    }
+
+    #[test]
+    fn idle_time_is_not_busy_time() {
+        let c = DiskCounters::new();
+        // Explicit times past the counters' creation: an idle second, then a 5 ns I/O.
+        let t = coarse_ns() + 1_000_000_000;
+        c.started(0, t);
+        assert_eq!(c.snapshot().io_ticks_ns, 0, "the idle gap was counted");
+        assert_eq!(c.snapshot().in_flight, [1, 0]);
+        c.completed(Op::Read, 8, t, t + 5, true);
+        assert_eq!(c.snapshot().io_ticks_ns, 5);
+        // Busy across a submission: the time up to it counts.
+        c.started(0, t + 10);
+        c.started(0, t + 20);
+        c.completed(Op::Read, 8, t + 10, t + 30, true);
+        c.completed(Op::Read, 8, t + 20, t + 30, true);
+        assert_eq!(c.snapshot().io_ticks_ns, 5 + 20);
     }
 }

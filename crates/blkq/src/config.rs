@@ -77,7 +77,14 @@ pub const CONFLICTS_WITH_CONFIG: &[&str] = &[
 /// `blkq serve` flags that may be given with `--config` (they do not describe what is
 /// served). None yet.
 #[allow(dead_code)] // read by the test that keeps the two lists and the flags in step
-pub const ALLOWED_WITH_CONFIG: &[&str] = &["config"];
+pub const ALLOWED_WITH_CONFIG: &[&str] = &[
+    "config",
+    // How the process reports, not what it serves: fine beside a file.
+    "metrics",
+    "metrics_addr_file",
+    "log_format",
+    "verbose",
+];
 
 /// Where a [`Config`] came from, to name the place of an error.
 #[derive(Debug, Clone)]
@@ -405,6 +412,8 @@ pub struct Plan {
     pub local: Vec<String>,
     /// Control sockets to start, one per mirror that asked for one.
     pub controls: Vec<(PathBuf, Arc<Control>)>,
+    /// Every mirror, by export name (for metrics), with its control (shared with its socket).
+    pub arrays: Vec<(String, Arc<Control>)>,
 }
 
 impl Config {
@@ -748,6 +757,7 @@ impl Checked {
         let mut exports = Vec::new();
         let mut local = Vec::new();
         let mut controls = Vec::new();
+        let mut arrays = Vec::new();
         for e in &self.exports {
             let ov = QueueOverrides {
                 read_only: e.read_only,
@@ -772,12 +782,11 @@ impl Checked {
                         legs.join(","),
                         uuid.unwrap_or_default()
                     );
+                    let ctl = Arc::new(Control::new(r.clone(), specs, leg_ov));
                     if let Some(path) = control {
-                        controls.push((
-                            path.clone(),
-                            Arc::new(Control::new(r.clone(), specs, leg_ov)),
-                        ));
+                        controls.push((path.clone(), ctl.clone()));
                     }
+                    arrays.push((e.name.clone(), ctl));
                     let dev: Arc<dyn Device> = r;
                     (dev, full, "raid1", e.read_only)
                 }
@@ -846,6 +855,7 @@ impl Checked {
             server: cfg,
             local,
             controls,
+            arrays,
         })
     }
 }

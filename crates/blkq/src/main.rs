@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod config;
 mod control;
+mod logs;
+mod metrics;
 mod raid;
 mod serve;
 mod tls;

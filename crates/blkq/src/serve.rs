@@ -11,7 +11,6 @@
 //! 130.
 
 use blkq_sync::DynArc as Arc;
-use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 
@@ -115,6 +114,19 @@ pub struct ServeArgs {
     /// TLS.
     #[command(flatten)]
     pub tls: crate::tls::TlsArgs,
+    /// Serve Prometheus metrics (OpenMetrics text) on http://ADDR:PORT/metrics (port 0: any
+    /// free port; the bound address is printed, and written to --metrics-addr-file).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics: Option<String>,
+    /// With --metrics: write the bound ADDR:PORT to this file once the endpoint is up.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    pub metrics_addr_file: Option<PathBuf>,
+    /// Log format on stderr: text, or json (one object per line, for log shippers).
+    #[arg(long, value_enum, default_value_t = crate::logs::LogFormat::Text)]
+    pub log_format: crate::logs::LogFormat,
+    /// More log detail: -v debug, -vv trace (RUST_LOG, when set, wins).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
 }
 
 /// `blkq serve` resource limits (see "Limits" in docs/design.md).
@@ -346,21 +358,11 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
     });
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rustls=error"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 /// Runs `blkq serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
-    init_logging();
+    crate::logs::init(a.log_format, a.verbose);
     let (config, source) = match &a.config {
         Some(path) => crate::config::Config::load(path)?,
         None => (
@@ -384,6 +386,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let server = Server::start(cfg)?;
     watch_signals(sigset, server.stopper());
+    let _metrics = match &a.metrics {
+        Some(m) => Some(crate::metrics::start_for_serve(
+            listen_addr(m).context("--metrics")?,
+            a.metrics_addr_file.as_deref(),
+            server.metrics(),
+            plan.arrays.clone(),
+        )?),
+        None => None,
+    };
     let mut control_servers = Vec::new();
     for (path, ctl) in plan.controls {
         control_servers.push(ControlServer::start(&path, ctl)?);
@@ -486,6 +497,10 @@ mod tests {
             shutdown_timeout: 30,
             limits: LimitArgs::default(),
             tls: Default::default(),
+            metrics: None,
+            metrics_addr_file: None,
+            log_format: crate::logs::LogFormat::Text,
+            verbose: 0,
         }
     }
 

@@ -572,4 +572,10 @@ impl Device for FaultDevice {
     fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
         self.handle.sh.inner.extents(offset, len, max)
     }
+
+    /// The inner queue's (what reached the device; injected failures count there only if
+    /// the inner device saw them).
+    fn as_queue(&self) -> Option<&blk::Queue> {
+        self.handle.sh.inner.as_queue()
+    }
 }

@@ -107,11 +107,15 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
         let limit = shared.tuning.max_connections;
         if r.live.len() >= limit {
             drop(r);
+            let peer = stream.peer();
             // Closed at once: the client sees end-of-file before the greeting.
             drop((stream, handle));
+            shared.counters.refused_limit();
             if let Some(left_out) = over_limit.allow() {
                 warn!(
+                    %peer,
                     left_out,
+                    reason = "limit",
                     "refused a connection: {limit} connections are open (--max-connections)"
                 );
             }
@@ -126,7 +130,10 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
             .name(format!("nbd-conn-{id}"))
             .spawn(move || super::conn::serve(stream, sh, id));
         match spawned {
-            Ok(t) => r.threads.push(t),
+            Ok(t) => {
+                r.threads.push(t);
+                shared.counters.accepted();
+            }
             Err(e) => {
                 // The closure, and the socket in it, are dropped with the error; the
                 // registry's handle goes here: nothing is left open.

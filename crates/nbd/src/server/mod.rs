@@ -47,10 +47,13 @@ mod access;
 mod conn;
 mod handshake;
 mod limits;
+mod stats;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
 pub use self::access::{parse_cidr, Access, CidrError, Identity, IpNet, Refusal};
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
+pub(crate) use self::stats::ServerCounters;
+pub use self::stats::{ExportMetrics, HandshakeFailure, Metrics, ServerSnapshot, StatsSource};
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
@@ -284,6 +287,9 @@ pub(crate) struct ExportState {
     pub(crate) min_block: u32,
     /// Sticky write error (see [`StickyError`]), shared by every connection to the export.
     pub(crate) failed: Arc<StickyError>,
+    /// Disk counters kept by the server, for a device that keeps none of its own
+    /// ([`Device::stats`] is `None`); `None` when the device counts.
+    pub(crate) disk: Option<Arc<blk::stats::DiskCounters>>,
 }
 
 /// An export-wide sticky write error: once a write or a flush fails on the export, every
@@ -342,6 +348,8 @@ pub(crate) struct Shared {
     pub(crate) budget: Arc<MemoryBudget>,
     /// TLS settings (`None`: off).
     pub(crate) tls: Option<crate::tls::TlsSettings>,
+    /// Counters for metrics (`stats.rs`).
+    pub(crate) counters: ServerCounters,
     conns: Mutex<Registry>,
 }
 
@@ -438,11 +446,17 @@ impl Server {
             let lim = e.device.limits();
             let min_block = lim.logical_block_size.clamp(512, 65536);
             let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
+            let disk = e
+                .device
+                .stats()
+                .is_none()
+                .then(|| Arc::new(blk::stats::DiskCounters::new()));
             exports.push(ExportState {
                 export: e,
                 size,
                 min_block,
                 failed: Arc::new(StickyError::default()),
+                disk,
             });
         }
         let mut tuning = cfg.tuning;
@@ -491,6 +505,7 @@ impl Server {
                 .tls
                 .clone()
                 .filter(|t| t.mode != crate::tls::TlsMode::Off),
+            counters: ServerCounters::default(),
             conns: Mutex::new(Registry::default()),
         });
         let mut acceptors = Vec::new();
@@ -537,6 +552,12 @@ impl Server {
     /// all connections; see [`Tuning::memory_budget`]).
     pub fn memory_in_use(&self) -> u64 {
         self.shared.budget.used()
+    }
+
+    /// A handle on the server's counters (for a metrics endpoint; it outlives
+    /// [`Server::wait`]).
+    pub fn metrics(&self) -> Metrics {
+        Metrics(self.shared.clone())
     }
 
     /// A handle to ask [`wait`](Self::wait) to return.

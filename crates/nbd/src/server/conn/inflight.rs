@@ -13,6 +13,7 @@
 
 use std::os::fd::RawFd;
 
+use blk::stats::DiskCounters;
 use blk::{Bio, BioFlags, Buffer, EndIo, Op};
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::thread::{self, Thread};
@@ -65,6 +66,9 @@ pub(super) struct InFlight {
     pub(super) parts: Vec<Part>,
     /// Block status: the allocation map, already in the codec's terms.
     pub(super) extents: Vec<ExtentExt>,
+    /// When the request reached the device (coarse clock, ns): set only for exports whose
+    /// disk counters the server keeps ([`ConnCore::disk`]).
+    pub(super) start_ns: u64,
 }
 
 impl InFlight {
@@ -103,6 +107,20 @@ impl InFlight {
     pub(super) fn clear_data(&mut self) {
         self.parts.clear();
         self.extents.clear();
+    }
+
+    /// The block op this request submits, for the server-side disk counters: `None` for
+    /// commands that submit no bio (block status, cache, unknown ones). Counted only for
+    /// entries that have bios in flight.
+    pub(super) fn disk_op(&self) -> Option<Op> {
+        Some(match self.command? {
+            Command::Read => Op::Read,
+            Command::Write => Op::Write,
+            Command::Flush => Op::Flush,
+            Command::Trim => Op::Discard,
+            Command::WriteZeroes => Op::WriteZeroes,
+            _ => return None,
+        })
     }
 
     /// Whether this is a read (whose reply carries data, or is an error chunk).
@@ -199,6 +217,9 @@ pub(super) struct ConnCore {
     /// The server's memory budget: a slot's `budget_bytes` go back to it when the slot is
     /// freed.
     pub(super) budget: Arc<MemoryBudget>,
+    /// The export's disk counters kept by the server (a device without its own), counted
+    /// when a request's last bio completes; `None` when the device counts.
+    pub(super) disk: Option<Arc<DiskCounters>>,
 }
 
 /// Whether the caller runs on thread `t`: a [`ThreadId`](std::thread::ThreadId) comparison
@@ -244,6 +265,15 @@ impl EndIo for ConnCore {
                     }
                 }
                 if entry.bios_pending > 0 {
+                    if let (1, Some(d)) = (entry.bios_pending, &self.disk) {
+                        // The request's last bio: count the request, failed if any of its
+                        // bios failed.
+                        if let Some(op) = entry.disk_op() {
+                            let sectors = entry.length >> blk::SECTOR_SHIFT;
+                            let ok = entry.error.is_none();
+                            d.completed(op, sectors, entry.start_ns, blk::stats::coarse_ns(), ok);
+                        }
+                    }
                     entry.bios_pending -= 1;
                     if entry.bios_pending == 0 {
                         locked.ready_slots.push(slot as u32);

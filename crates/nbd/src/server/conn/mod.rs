@@ -63,7 +63,7 @@ use waitq::WaitQueue;
 use self::inflight::{ConnCore, InFlight, Locked};
 use self::reader::{BufferPools, ParseStop, PartialWrite};
 use super::handshake::{self, Deadlined, Ended, Negotiated};
-use super::{ExportState, Shared};
+use super::{ExportState, HandshakeFailure, Shared};
 use crate::proto::TransmissionMode;
 use crate::stream::Stream;
 
@@ -75,55 +75,61 @@ const SEND_BUFFER: usize = 4 << 20;
 /// Runs a connection to its end: handshake, transmission, teardown.
 pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
     let peer = stream.peer();
+    let started = Instant::now();
     let _ = stream.set_nodelay();
-    let deadline = Instant::now() + server.tuning.handshake_timeout;
+    let deadline = started + server.tuning.handshake_timeout;
     let negotiated = match handshake::negotiate(&mut Deadlined::new(&mut stream, deadline), &server)
     {
         Ok(n) => n,
-        Err(Ended::Client(why)) => {
-            info!(conn = id, %peer, "connection closed in the handshake: client {why}");
-            server.unregister(id);
-            return;
-        }
-        Err(Ended::Timeout) => {
-            info!(
-                conn = id,
-                %peer,
-                "closing connection: handshake not finished within {:?}",
-                server.tuning.handshake_timeout
-            );
-            server.unregister(id);
-            return;
-        }
-        Err(Ended::Limit(why)) => {
-            warn!(conn = id, %peer, "closing connection during the handshake: {why}");
-            server.unregister(id);
-            return;
-        }
-        Err(Ended::Refused { export, refusal }) => {
-            warn!(
-                conn = id,
-                %peer,
-                export = %export,
-                reason = refusal.reason(),
-                "closing connection: NBD_OPT_EXPORT_NAME refused: {refusal}"
-            );
-            server.unregister(id);
-            return;
-        }
-        Err(Ended::Protocol(why)) => {
-            warn!(conn = id, %peer, "closing connection during the handshake: {why}");
-            server.unregister(id);
-            return;
-        }
-        Err(Ended::Io(e)) => {
-            debug!(conn = id, %peer, "handshake ended: {e}");
+        Err(ended) => {
+            // Every refused client's line says why (`reason`, the same word as the
+            // `blkq_nbd_handshake_failures_total` label).
+            let why = match &ended {
+                Ended::Client(_) => HandshakeFailure::ClientAbort,
+                Ended::Timeout => HandshakeFailure::Timeout,
+                Ended::Limit(_) => HandshakeFailure::Limit,
+                Ended::Protocol(_) => HandshakeFailure::Protocol,
+                Ended::Io(_) => HandshakeFailure::Io,
+                Ended::Refused { .. } => HandshakeFailure::Policy,
+            };
+            server.counters.handshake_failed(why);
+            let reason = why.as_str();
+            match ended {
+                Ended::Client(what) => {
+                    info!(conn = id, %peer, reason, "connection closed in the handshake: client {what}");
+                }
+                Ended::Timeout => info!(
+                    conn = id,
+                    %peer,
+                    reason,
+                    "closing connection: handshake not finished within {:?}",
+                    server.tuning.handshake_timeout
+                ),
+                Ended::Limit(what) | Ended::Protocol(what) => {
+                    warn!(conn = id, %peer, reason, "closing connection during the handshake: {what}");
+                }
+                Ended::Refused { export, refusal } => {
+                    warn!(
+                        conn = id,
+                        %peer,
+                        export = %export,
+                        reason,
+                        rule = refusal.reason(),
+                        "closing connection: NBD_OPT_EXPORT_NAME refused: {refusal}"
+                    );
+                }
+                Ended::Io(e) => {
+                    debug!(conn = id, %peer, reason, "handshake ended: {e}");
+                }
+            }
             server.unregister(id);
             return;
         }
     };
     server.attach(id, negotiated.export);
+    server.counters.transmission();
     let export = &server.exports[negotiated.export];
+    let tls = stream.is_tls();
     let replies = match negotiated.mode {
         TransmissionMode::Simple => "simple",
         TransmissionMode::Structured => "structured",
@@ -136,8 +142,10 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         replies,
         base_allocation = negotiated.base_allocation,
         via = negotiated.via,
+        tls,
         "connection open"
     );
+    let base_allocation = negotiated.base_allocation;
     let (reason, stats) = match Connection::new(stream, &server, export, negotiated) {
         // A panic on the reader (a bug here, or in a device's `submit`, which runs on this
         // thread) fails this connection only: `Connection`'s `Drop` closes its socket, stops
@@ -163,21 +171,38 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         },
         Err(e) => (format!("could not start: {e}"), Stats::default()),
     };
+    server.counters.closed(
+        stats.requests,
+        stats.refused,
+        stats.bytes_read,
+        stats.bytes_written,
+    );
     info!(
         conn = id,
         %peer,
         export = %export.export.name,
+        replies,
+        base_allocation,
+        tls,
         requests = stats.requests,
         refused = stats.refused,
+        bytes_read = stats.bytes_read,
+        bytes_written = stats.bytes_written,
+        duration_s = started.elapsed().as_secs_f64(),
+        reason = %reason,
         "connection closed: {reason}"
     );
     server.unregister(id);
 }
 
-/// Per-connection counters for the close log line.
+/// Per-connection counters for the close log line (and the server's totals).
 #[derive(Debug, Default, Clone, Copy)]
 struct Stats {
     requests: u64,
+    /// Bytes of the READs decoded and staged (not refused).
+    bytes_read: u64,
+    /// Bytes of the WRITEs decoded and staged (not refused).
+    bytes_written: u64,
     /// Requests answered with an error before reaching the device (unknown command, bad
     /// range or flags); errors the device returns are not counted here.
     refused: u64,
@@ -301,6 +326,7 @@ impl<'a> Connection<'a> {
             locked: Mutex::new(Locked::new(tuning.slots)),
             sticky: export.failed.clone(),
             budget: server.budget.clone(),
+            disk: export.disk.clone(),
         });
         let flusher_core = core.clone();
         // A failed spawn (out of threads) fails the connection, which is then closed.

@@ -352,6 +352,11 @@ impl<'a> Connection<'a> {
             return self.refuse(entry, r.payload_len(self.mode));
         }
         match r.kind {
+            Command::Read => self.stats.bytes_read += r.length,
+            Command::Write => self.stats.bytes_written += r.length,
+            _ => {}
+        }
+        match r.kind {
             Command::Read => self.stage_read(&r, entry),
             Command::Write => return self.stage_write(&r, entry),
             Command::Flush => {
@@ -590,6 +595,13 @@ impl<'a> Connection<'a> {
             return;
         }
         let (mut committed, mut bios_done) = (0usize, 0usize);
+        // Server-side disk counters (a device without its own): one coarse clock read for
+        // the whole batch.
+        let disk = self
+            .core
+            .disk
+            .as_deref()
+            .map(|d| (d, blk::stats::coarse_ns()));
         {
             let mut guard = self.core.locked.lock();
             let locked = &mut *guard;
@@ -607,6 +619,10 @@ impl<'a> Connection<'a> {
                     b.cookie |= bio_cookie(slot, 0);
                 }
                 locked.bytes_in_flight += entry.budget_bytes;
+                if let (Some((d, now)), Some(op), true) = (disk, entry.disk_op(), nbios > 0) {
+                    entry.start_ns = now;
+                    d.started(op.dir(), now);
+                }
                 if nbios == 0 {
                     locked.ready_slots.push(slot);
                 }

@@ -1,0 +1,757 @@
+//! `blkq serve --metrics ADDR:PORT`: `GET /metrics` in the OpenMetrics text format (which
+//! Prometheus scrapes natively; encoded by the `prometheus-client` crate), every counter read
+//! on demand from where it already lives, so a scrape adds nothing to the I/O path. The names
+//! and units are listed in docs/design.md, "Metrics and logs".
+//!
+//! Disk counters mirror node_exporter's `node_disk_*` suffixes exactly, with the prefix
+//! `blkq_disk_` and an `export` label; RAID1 arrays are described in node_exporter's
+//! `node_md_*` shape (those names unprefixed, `device` = the export name), so dashboards made
+//! for node_exporter work with a relabel of the prefix.
+//!
+//! The HTTP side is a minimal GET handler on one thread: one connection at a time, a request
+//! of at most [`MAX_REQUEST`] bytes, read and write timeouts of [`IO_TIMEOUT`], `Connection:
+//! close` after every reply. A scraper can delay another by at most the timeouts, and nothing
+//! it sends makes anything grow. 404 for any other path, 405 for any other method.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use blk::stats::DiskStats;
+use blkq_sync::{thread, Arc};
+use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::control::Control;
+
+/// Longest request accepted (request line and headers), bytes.
+pub const MAX_REQUEST: usize = 8 << 10;
+/// Read and write timeout of a scrape's connection, and the deadline of its whole request.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// The content type of the reply.
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// What the endpoint reports.
+#[derive(Clone)]
+pub struct Sources {
+    /// The NBD server's counters (and its exports' devices).
+    pub nbd: NbdMetrics,
+    /// A RAID1 array: its export name and its control (reports its state).
+    pub raid1: Vec<(String, Arc<Control>)>,
+}
+
+impl std::fmt::Debug for Sources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sources")
+            .field(
+                "raid1",
+                &self.raid1.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// The running endpoint (its thread lives as long as the process).
+pub struct MetricsServer {
+    addr: SocketAddr,
+}
+
+impl MetricsServer {
+    /// Binds `addr` (port 0: any free port) and serves on a thread of its own.
+    pub fn start(addr: SocketAddr, sources: Sources) -> Result<Self> {
+        let l = TcpListener::bind(addr).with_context(|| format!("--metrics: binding {addr}"))?;
+        let addr = l.local_addr()?;
+        let registry = registry(sources);
+        // The thread lives as long as the process (it only reads counters).
+        thread::spawn(move || {
+            for s in l.incoming() {
+                match s {
+                    Ok(s) => {
+                        if let Err(e) = serve_one(s, &registry) {
+                            tracing::debug!("metrics: a scrape failed: {e}");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!("metrics: accept failed: {e}");
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        });
+        Ok(Self { addr })
+    }
+
+    /// The bound address (with the real port when port 0 was asked for).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+/// `blkq serve --metrics`: starts the endpoint, says where it is (stdout, the log, and
+/// `addr_file` if given: written to a temporary name and renamed, so a reader never sees it
+/// half-written).
+pub fn start_for_serve(
+    addr: SocketAddr,
+    addr_file: Option<&std::path::Path>,
+    nbd: NbdMetrics,
+    raid1: Vec<(String, Arc<Control>)>,
+) -> Result<MetricsServer> {
+    let m = MetricsServer::start(addr, Sources { nbd, raid1 })?;
+    let bound = m.addr();
+    if !bound.ip().is_loopback() {
+        tracing::warn!(
+            addr = %bound,
+            "--metrics listens on a non-loopback address: anyone who can reach it reads the \
+             export names and traffic counters (there is no authentication)"
+        );
+    }
+    println!("metrics: http://{bound}/metrics");
+    tracing::info!(addr = %bound, "metrics endpoint up: http://{bound}/metrics");
+    if let Some(p) = addr_file {
+        let tmp = p.with_extension("tmp");
+        std::fs::write(&tmp, format!("{bound}\n"))
+            .and_then(|()| std::fs::rename(&tmp, p))
+            .with_context(|| format!("--metrics-addr-file {}", p.display()))?;
+    }
+    Ok(m)
+}
+
+/// The registry: one collector that reads everything at scrape time.
+fn registry(sources: Sources) -> Registry {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(BlkqCollector(sources)));
+    r
+}
+
+fn encode(r: &Registry) -> Result<String> {
+    let mut out = String::with_capacity(16 << 10);
+    prometheus_client::encoding::text::encode(&mut out, r).context("encoding metrics")?;
+    Ok(out)
+}
+
+/// Serves one connection: one request, one reply, then a bounded drain of what the client
+/// still sends (so that closing with unread bytes does not reset the connection and lose
+/// the reply on its way).
+fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
+    let deadline = Instant::now() + IO_TIMEOUT;
+    let res = answer(&mut s, registry, deadline);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < 64 << 10 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match s.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+    res
+}
+
+/// Reads one request (by `deadline`) and writes its reply.
+fn answer(s: &mut TcpStream, registry: &Registry, deadline: Instant) -> std::io::Result<()> {
+    s.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut buf = [0u8; MAX_REQUEST];
+    let mut len = 0;
+    let head_end = loop {
+        if let Some(i) = find(&buf[..len], b"\r\n\r\n").or_else(|| find(&buf[..len], b"\n\n")) {
+            break i;
+        }
+        if len == buf.len() {
+            return reply(s, "431 Request Header Fields Too Large", "text/plain", "");
+        }
+        // Each read waits at most until the request's deadline.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(());
+        }
+        s.set_read_timeout(Some(left))?;
+        let n = s.read(&mut buf[len..])?;
+        if n == 0 {
+            return Ok(());
+        }
+        len += n;
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]);
+    let mut words = head.lines().next().unwrap_or("").split_whitespace();
+    let (method, target) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    match (method, path) {
+        ("GET" | "HEAD", "/metrics") => match encode(registry) {
+            Ok(body) => reply(
+                s,
+                "200 OK",
+                CONTENT_TYPE,
+                if method == "HEAD" { "" } else { &body },
+            ),
+            Err(e) => reply(
+                s,
+                "500 Internal Server Error",
+                "text/plain",
+                &format!("{e:#}\n"),
+            ),
+        },
+        ("GET" | "HEAD", _) => reply(s, "404 Not Found", "text/plain", "try /metrics\n"),
+        _ => reply(s, "405 Method Not Allowed", "text/plain", ""),
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn reply(s: &mut TcpStream, status: &str, ctype: &str, body: &str) -> std::io::Result<()> {
+    let mut head = String::with_capacity(128);
+    let _ = write!(
+        head,
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(body.as_bytes())?;
+    s.flush()
+}
+
+/// Reads every counter at scrape time.
+#[derive(Debug)]
+struct BlkqCollector(Sources);
+
+/// One metric family: a descriptor, then one sample per label set.
+fn family<'a, M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: impl IntoIterator<Item = (Vec<(&'a str, String)>, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut samples = samples.into_iter().peekable();
+    let Some((_, first)) = samples.peek() else {
+        return Ok(());
+    };
+    let ty: MetricType = first.metric_type();
+    let mut fam: MetricEncoder = enc.encode_descriptor(name, help, unit, ty)?;
+    for (labels, m) in samples {
+        if labels.is_empty() {
+            // A family of one unlabelled sample (no `{}` after the name).
+            return m.encode(fam);
+        }
+        m.encode(fam.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn counter(v: u64) -> ConstCounter<u64> {
+    ConstCounter::new(v)
+}
+
+fn seconds(ns: u64) -> ConstCounter<f64> {
+    ConstCounter::new(ns as f64 / 1e9)
+}
+
+fn gauge(v: u64) -> ConstGauge<i64> {
+    ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+/// A histogram of log2 buckets (`waitq::HistogramSnapshot`), in seconds.
+#[derive(Debug)]
+struct Log2Histogram(waitq::HistogramSnapshot);
+
+/// Buckets below 2^10 ns (1 µs) are folded into the first bucket; the last finite bound is
+/// 2^36 ns (about 69 s).
+const HIST_FIRST: usize = 10;
+const HIST_LAST: usize = 36;
+
+impl EncodeMetric for Log2Histogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let b = &self.0.buckets;
+        // waitq bucket i holds samples in [2^(i-1), 2^i) ns: below the bound 2^i.
+        let mut out: Vec<(f64, u64)> = Vec::with_capacity(HIST_LAST - HIST_FIRST + 2);
+        let upto = |i: usize| b.iter().take(i + 1).sum::<u64>();
+        let mut prev = 0;
+        for i in HIST_FIRST..=HIST_LAST.min(b.len() - 1) {
+            let c = upto(i);
+            out.push(((1u64 << i) as f64 / 1e9, c - prev));
+            prev = c;
+        }
+        out.push((f64::MAX, self.0.count() - prev));
+        encoder.encode_histogram::<()>(self.0.sum as f64 / 1e9, self.0.count(), &out, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// node_exporter's `node_disk_*` families (with the `blkq_disk_` prefix), one sample per
+/// export.
+fn disk_families(
+    enc: &mut DescriptorEncoder,
+    disks: &[(String, DiskStats)],
+) -> Result<(), std::fmt::Error> {
+    let ex = |name: &str| vec![("export", name.to_string())];
+    type Pick = fn(&DiskStats) -> u64;
+    let counters: [(&str, &str, Option<Unit>, Pick, bool); 13] = [
+        (
+            "blkq_disk_reads_completed",
+            "Reads completed successfully or not.",
+            None,
+            |d| d.ios[0],
+            false,
+        ),
+        (
+            "blkq_disk_read",
+            "Bytes read.",
+            Some(Unit::Bytes),
+            |d| d.sectors[0] * 512,
+            false,
+        ),
+        (
+            "blkq_disk_read_time",
+            "Time spent by reads, from allocation to completion (coarse clock).",
+            Some(Unit::Seconds),
+            |d| d.ticks_ns[0],
+            true,
+        ),
+        (
+            "blkq_disk_writes_completed",
+            "Writes completed (write-zeroes included; discards and flushes not).",
+            None,
+            DiskStats::writes_completed,
+            false,
+        ),
+        (
+            "blkq_disk_written",
+            "Bytes written (data writes).",
+            Some(Unit::Bytes),
+            |d| d.sectors[1] * 512,
+            false,
+        ),
+        (
+            "blkq_disk_write_time",
+            "Time spent by writes (coarse clock).",
+            Some(Unit::Seconds),
+            DiskStats::write_ticks_ns,
+            true,
+        ),
+        (
+            "blkq_disk_discards_completed",
+            "Discards completed.",
+            None,
+            |d| d.discard_ios,
+            false,
+        ),
+        (
+            "blkq_disk_discarded_sectors",
+            "Sectors (512 bytes) discarded.",
+            None,
+            |d| d.discard_sectors,
+            false,
+        ),
+        (
+            "blkq_disk_discard_time",
+            "Time spent by discards (coarse clock).",
+            Some(Unit::Seconds),
+            |d| d.discard_ticks_ns,
+            true,
+        ),
+        (
+            "blkq_disk_flush_requests",
+            "Flushes completed.",
+            None,
+            |d| d.flush_ios,
+            false,
+        ),
+        (
+            "blkq_disk_flush_requests_time",
+            "Time spent by flushes (coarse clock).",
+            Some(Unit::Seconds),
+            |d| d.flush_ticks_ns,
+            true,
+        ),
+        (
+            "blkq_disk_io_time",
+            "Time with at least one I/O in flight (coarse clock ticks).",
+            Some(Unit::Seconds),
+            |d| d.io_ticks_ns,
+            true,
+        ),
+        (
+            "blkq_disk_errors",
+            "I/Os completed with an error (blkq's; no node_exporter twin).",
+            None,
+            |d| d.errors,
+            false,
+        ),
+    ];
+    for (name, help, unit, pick, is_time) in &counters {
+        if *is_time {
+            family(
+                enc,
+                name,
+                help,
+                unit.as_ref(),
+                disks.iter().map(|(n, d)| (ex(n), seconds(pick(d)))),
+            )?;
+        } else {
+            family(
+                enc,
+                name,
+                help,
+                unit.as_ref(),
+                disks.iter().map(|(n, d)| (ex(n), counter(pick(d)))),
+            )?;
+        }
+    }
+    family(
+        enc,
+        "blkq_disk_io_now",
+        "I/Os in flight now.",
+        None,
+        disks.iter().map(|(n, d)| (ex(n), gauge(d.io_now()))),
+    )?;
+    Ok(())
+}
+
+/// node_exporter's `node_md_*` shape for a RAID1 array.
+fn md_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    ctl: &Control,
+) -> Result<(), std::fmt::Error> {
+    let rep = ctl.report();
+    let dev = |extra: Option<(&'static str, &str)>| {
+        let mut v = vec![("device", name.to_string())];
+        if let Some((k, val)) = extra {
+            v.push((k, val.to_string()));
+        }
+        v
+    };
+    let members = rep.legs.iter().take(rep.raid_disks);
+    let count = |state: &str| rep.legs.iter().filter(|l| l.state == state).count() as u64;
+    let present_members = members.filter(|l| l.state != "empty").count() as u64;
+    // node_exporter's states: active (in sync), failed, spare (a leg outside the member
+    // slots, or one being rebuilt: md's `S`/recovering), down (member slots with no leg).
+    let spares = rep
+        .legs
+        .iter()
+        .skip(rep.raid_disks)
+        .filter(|l| l.state != "empty" && l.state != "faulty")
+        .count() as u64;
+    let disks = [
+        ("active", count("in_sync")),
+        ("failed", count("faulty")),
+        ("recovering", count("recovering")),
+        ("spare", spares),
+        (
+            "down",
+            (rep.raid_disks as u64).saturating_sub(present_members),
+        ),
+    ];
+    family(
+        enc,
+        "node_md_disks",
+        "Legs of the array by state (node_exporter's shape).",
+        None,
+        disks
+            .iter()
+            .map(|(s, n)| (dev(Some(("state", s))), gauge(*n))),
+    )?;
+    family(
+        enc,
+        "node_md_disks_required",
+        "Member legs of the array (md's raid_disks).",
+        None,
+        [(dev(None), gauge(rep.raid_disks as u64))],
+    )?;
+    let action = rep.sync.as_ref().map_or("idle", |s| s.action.as_str());
+    let now = match action {
+        "resync" => "resync",
+        "recover" => "recovering",
+        "check" | "repair" => "check",
+        _ => "active",
+    };
+    family(
+        enc,
+        "node_md_state",
+        "The array's state: 1 for the current one (node_exporter's shape).",
+        None,
+        ["active", "inactive", "recovering", "resync", "check"]
+            .iter()
+            .map(|s| (dev(Some(("state", s))), gauge(u64::from(*s == now)))),
+    )?;
+    family(
+        enc,
+        "node_md_degraded",
+        "Member slots without an in-sync leg.",
+        None,
+        [(
+            dev(None),
+            gauge((rep.raid_disks as u64).saturating_sub(count("in_sync"))),
+        )],
+    )?;
+    let blocks = rep.capacity / 1024;
+    let synced = match rep.sync.as_ref() {
+        Some(s) if now != "active" && s.total_bytes > 0 => {
+            blocks.saturating_mul(s.done_bytes.min(s.total_bytes)) / s.total_bytes
+        }
+        _ => blocks,
+    };
+    family(
+        enc,
+        "node_md_blocks",
+        "Size of the array in 1 KiB blocks.",
+        None,
+        [(dev(None), gauge(blocks))],
+    )?;
+    family(
+        enc,
+        "node_md_blocks_synced",
+        "1 KiB blocks synced by the running resync/recovery/check (all of them when idle).",
+        None,
+        [(dev(None), gauge(synced))],
+    )?;
+    Ok(())
+}
+
+/// The process's context switches (getrusage).
+fn context_switches() -> (u64, u64) {
+    // SAFETY: an all-zero `rusage` is a valid value (plain integers and timevals).
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable rusage for the call; RUSAGE_SELF is a valid target.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return (0, 0);
+    }
+    (ru.ru_nvcsw.max(0) as u64, ru.ru_nivcsw.max(0) as u64)
+}
+
+impl Collector for BlkqCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let exports = self.0.nbd.exports();
+        let disks: Vec<(String, DiskStats)> = exports
+            .iter()
+            .map(|e| (e.name.clone(), e.stats.clone()))
+            .collect();
+        disk_families(&mut enc, &disks)?;
+
+        // What only blkq knows: tag waits per hardware context, scheduler lock contention.
+        let mut waits = Vec::new();
+        let mut locks = Vec::new();
+        for e in &exports {
+            let Some(q) = e.device.as_queue() else {
+                continue;
+            };
+            for h in 0..q.pools().len() {
+                if let Some(w) = q.wait_stats(h) {
+                    let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
+                    waits.push((l, w));
+                }
+            }
+            if let Some(s) = q.scheduler() {
+                locks.push((e.name.clone(), s.name(), s.lock_stats()));
+            }
+        }
+        family(
+            &mut enc,
+            "blkq_tag_waits",
+            "Submitters that slept for a free tag.",
+            None,
+            waits.iter().map(|(l, w)| (l.clone(), counter(w.count))),
+        )?;
+        family(
+            &mut enc,
+            "blkq_tag_wait",
+            "How long submitters slept for a tag (log2 buckets).",
+            Some(&Unit::Seconds),
+            waits.into_iter().map(|(l, w)| (l, Log2Histogram(w.hist))),
+        )?;
+        let sched = |e: &String, n: &str| vec![("export", e.clone()), ("scheduler", n.to_string())];
+        family(
+            &mut enc,
+            "blkq_sched_lock_attempts",
+            "Inserts and dispatches that wanted the scheduler's state.",
+            None,
+            locks
+                .iter()
+                .map(|(e, n, s)| (sched(e, n), counter(s.attempts))),
+        )?;
+        family(
+            &mut enc,
+            "blkq_sched_lock_contended",
+            "Attempts that found the scheduler's state taken.",
+            None,
+            locks
+                .iter()
+                .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
+        )?;
+
+        let (vol, invol) = context_switches();
+        family(
+            &mut enc,
+            "blkq_process_context_switches",
+            "Context switches of the process (getrusage): voluntary ones are mostly wake-ups \
+             after a sleep.",
+            None,
+            [
+                (vec![("type", "voluntary".to_string())], counter(vol)),
+                (vec![("type", "involuntary".to_string())], counter(invol)),
+            ],
+        )?;
+
+        let s = self.0.nbd.server();
+        family(
+            &mut enc,
+            "blkq_nbd_connections_open",
+            "NBD connections open now (handshake or transmission).",
+            None,
+            [(vec![], gauge(s.open))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_connections_accepted",
+            "NBD connections accepted.",
+            None,
+            [(vec![], counter(s.accepted))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_connections_refused",
+            "NBD connections closed at once by the server, by reason.",
+            None,
+            [(
+                vec![("reason", "limit".to_string())],
+                counter(s.refused_limit),
+            )],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_transmissions",
+            "NBD connections that finished the handshake.",
+            None,
+            [(vec![], counter(s.transmissions))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_handshake_failures",
+            "NBD handshakes that ended without a transmission phase, by reason.",
+            None,
+            HandshakeFailure::ALL.iter().enumerate().map(|(i, r)| {
+                (
+                    vec![("reason", r.as_str().to_string())],
+                    counter(s.handshake_failures[i]),
+                )
+            }),
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_requests",
+            "NBD requests served by connections that have closed.",
+            None,
+            [(vec![], counter(s.requests))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_requests_refused",
+            "NBD requests answered with an error before reaching a device, by closed connections.",
+            None,
+            [(vec![], counter(s.requests_refused))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_memory_budget_used",
+            "Payload bytes of reads and writes in flight, across connections.",
+            Some(&Unit::Bytes),
+            [(vec![], gauge(s.memory_used))],
+        )?;
+        family(
+            &mut enc,
+            "blkq_nbd_memory_budget",
+            "The memory budget (--memory-budget).",
+            Some(&Unit::Bytes),
+            [(vec![], gauge(s.memory_budget))],
+        )?;
+
+        for (name, ctl) in &self.0.raid1 {
+            md_families(&mut enc, name, ctl)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nbd::server::{Export, Server, ServerConfig};
+
+    fn serving() -> (Server, MetricsServer, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let spec: blk_drivers::spec::DeviceSpec = "mem:1M".parse().unwrap();
+        let q = spec
+            .build(&blk_drivers::spec::QueueOverrides::default())
+            .unwrap();
+        let dev: blkq_sync::DynArc<dyn blk::Device> = blkq_sync::DynArc::new(q);
+        let mut cfg = ServerConfig::new(vec![Export::new("e", dev)]);
+        cfg.unix = Some(dir.path().join("s.sock"));
+        let server = Server::start(cfg).unwrap();
+        let m = MetricsServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Sources {
+                nbd: server.metrics(),
+                raid1: Vec::new(),
+            },
+        )
+        .unwrap();
+        (server, m, dir)
+    }
+
+    /// Sends `req`, returns the whole reply.
+    fn exchange(addr: SocketAddr, req: &[u8]) -> String {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The server may answer (and close) before it has read everything sent.
+        let _ = s.write_all(req);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[test]
+    fn http_answers_and_bounds() {
+        let (server, m, _dir) = serving();
+        let a = m.addr();
+        let ok = exchange(a, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(
+            ok.contains("blkq_disk_reads_completed_total{export=\"e\"} 0"),
+            "{ok}"
+        );
+        assert!(ok.contains("\nblkq_nbd_connections_open 0\n"), "{ok}");
+        assert!(ok.ends_with("# EOF\n"), "{ok}");
+        let head = exchange(a, b"HEAD /metrics HTTP/1.1\r\n\r\n");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "no body for HEAD: {head}");
+        let q = exchange(a, b"GET /metrics?x=1 HTTP/1.0\n\n");
+        assert!(q.starts_with("HTTP/1.1 200 OK\r\n"), "{q}");
+        let nf = exchange(a, b"GET / HTTP/1.1\r\n\r\n");
+        assert!(nf.starts_with("HTTP/1.1 404 "), "{nf}");
+        let post = exchange(a, b"POST /metrics HTTP/1.1\r\n\r\n");
+        assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+        let mut huge = b"GET /metrics HTTP/1.1\r\n".to_vec();
+        huge.resize(MAX_REQUEST + 100, b'a');
+        let big = exchange(a, &huge);
+        assert!(big.starts_with("HTTP/1.1 431 "), "{big}");
+        // Still serving after all that.
+        let again = exchange(a, b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(again.starts_with("HTTP/1.1 200 OK\r\n"), "{again}");
+        server.shutdown();
+    }
+}

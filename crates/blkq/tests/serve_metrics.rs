@@ -1,0 +1,256 @@
+//! `blkq serve --metrics 127.0.0.1:0`: known I/O through `nbd::client` moves each counter by
+//! exactly the right amount (scraped with a plain HTTP GET); other paths are 404; a RAID1
+//! array shows node_exporter's `node_md_*` shape; `--log-format json` writes one JSON object
+//! per line, and a connection's close line carries its bytes and requests. The built binary;
+//! bounded waits only, no timing assertions.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::Serving;
+use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::proto::CmdFlags;
+
+/// Waits (bounded) for the file `--metrics-addr-file` writes.
+fn metrics_addr(path: &Path, s: &mut Serving) -> String {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(path) {
+            if a.ends_with('\n') {
+                return a.trim().to_string();
+            }
+        }
+        if let Some(st) = s.child.try_wait().unwrap() {
+            panic!("blkq serve exited: {st}: {}", s.stderr_text());
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no metrics address");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A plain HTTP/1.0 GET: status line and body.
+fn get(addr: &str, path: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// `name{labels}` -> value, for every sample of a scrape.
+fn scrape(addr: &str) -> HashMap<String, f64> {
+    let (status, body) = get(addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap();
+            (k.to_string(), v.parse::<f64>().unwrap())
+        })
+        .collect()
+}
+
+fn value(m: &HashMap<String, f64>, key: &str) -> f64 {
+    *m.get(key)
+        .unwrap_or_else(|| panic!("no {key} in {:#?}", m.keys().collect::<Vec<_>>()))
+}
+
+/// Polls the endpoint (bounded) until `ok` holds for a scrape.
+#[allow(clippy::type_complexity)]
+fn scrape_until(
+    addr: &str,
+    why: &str,
+    ok: impl Fn(&HashMap<String, f64>) -> bool,
+) -> HashMap<String, f64> {
+    let t0 = Instant::now();
+    loop {
+        let m = scrape(addr);
+        if ok(&m) {
+            return m;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "{why}: {m:#?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn counters_move_by_exactly_the_io_done() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("metrics.addr");
+    let mut s = Serving::start(
+        dir.path(),
+        "m",
+        &[
+            "--device",
+            "mem:16M",
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            addr_file.to_str().unwrap(),
+            "--log-format",
+            "json",
+        ],
+    );
+    let addr = metrics_addr(&addr_file, &mut s);
+    // Serving::start's readiness probe is a connection too: wait until it is gone.
+    let open = "blkq_nbd_connections_open";
+    let accepted = "blkq_nbd_connections_accepted_total";
+    let before = scrape_until(addr.as_str(), "the probe connection never closed", |m| {
+        value(m, open) == 0.0 && value(m, accepted) >= 1.0
+    });
+
+    let mut cl = s.client();
+    // Written first: a read of a hole is answered without reading the device.
+    let data = vec![0x5au8; 65536];
+    for i in 0..3u64 {
+        cl.write((1 << 20) + i * 65536, &data, CmdFlags::empty())
+            .unwrap();
+    }
+    for i in 0..10u64 {
+        cl.read((1 << 20) + i * 4096, 4096).unwrap();
+    }
+    cl.flush().unwrap();
+    cl.trim(4 << 20, 1 << 20).unwrap();
+    cl.disconnect().unwrap();
+
+    let after = scrape_until(addr.as_str(), "the client's connection never closed", |m| {
+        value(m, open) == 0.0 && value(m, "blkq_nbd_transmissions_total") >= 1.0
+    });
+    let delta = |k: &str| value(&after, k) - value(&before, k);
+    let e = |name: &str| format!("blkq_disk_{name}{{export=\"\"}}");
+    assert_eq!(delta(&e("reads_completed_total")), 10.0);
+    assert_eq!(delta(&e("read_bytes_total")), 40960.0);
+    assert_eq!(delta(&e("writes_completed_total")), 3.0);
+    assert_eq!(delta(&e("written_bytes_total")), 196608.0);
+    assert_eq!(delta(&e("flush_requests_total")), 1.0);
+    assert_eq!(delta(&e("discards_completed_total")), 1.0);
+    assert_eq!(delta(&e("discarded_sectors_total")), 2048.0);
+    assert_eq!(delta(&e("errors_total")), 0.0);
+    assert_eq!(value(&after, &e("io_now")), 0.0);
+    for t in [
+        "read_time_seconds_total",
+        "write_time_seconds_total",
+        "discard_time_seconds_total",
+        "flush_requests_time_seconds_total",
+        "io_time_seconds_total",
+    ] {
+        assert!(delta(&e(t)) >= 0.0, "{t}");
+    }
+    assert_eq!(delta(accepted), 1.0);
+    assert_eq!(delta("blkq_nbd_transmissions_total"), 1.0);
+    // 10 reads, 3 writes, a flush, a trim and the disconnect.
+    assert_eq!(delta("blkq_nbd_requests_total"), 16.0);
+    assert_eq!(delta("blkq_nbd_requests_refused_total"), 0.0);
+    assert_eq!(value(&after, "blkq_nbd_memory_budget_used_bytes"), 0.0);
+    assert!(value(&after, "blkq_nbd_memory_budget_bytes") > 0.0);
+    assert!(after.contains_key("blkq_tag_waits_total{export=\"\",hctx=\"0\"}"));
+    assert!(after.contains_key("blkq_process_context_switches_total{type=\"voluntary\"}"));
+    assert!(after.contains_key("blkq_nbd_handshake_failures_total{reason=\"timeout\"}"));
+
+    let (status, _) = get(&addr, "/nope");
+    assert!(status.contains("404"), "{status}");
+
+    // The log: every line is a JSON object; the client's close line has its totals.
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(120));
+    assert!(st.success(), "{st}: {}", s.stderr_text());
+    let log = s.stderr_text();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let close = lines
+        .iter()
+        .find(|v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("connection closed:"))
+                && v["requests"].as_u64().is_some_and(|n| n > 0)
+        })
+        .unwrap_or_else(|| panic!("no close line: {log}"));
+    assert_eq!(close["level"], "INFO", "{close}");
+    assert_eq!(close["bytes_read"], 40960, "{close}");
+    assert_eq!(close["bytes_written"], 196608, "{close}");
+    assert_eq!(close["requests"], 16, "{close}");
+    assert_eq!(close["refused"], 0, "{close}");
+    assert_eq!(close["export"], "", "{close}");
+    assert!(close["duration_s"].as_f64().is_some(), "{close}");
+    assert!(close["reason"].as_str().is_some(), "{close}");
+    let open_line = lines
+        .iter()
+        .find(|v| v["message"] == "connection open")
+        .unwrap_or_else(|| panic!("no open line: {log}"));
+    assert_eq!(open_line["tls"], false, "{open_line}");
+    assert!(open_line["replies"].as_str().is_some(), "{open_line}");
+}
+
+#[test]
+fn raid1_arrays_have_the_md_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let leg = |n: &str| common::leg_file(dir.path(), n, 8 << 20).1;
+    let (a, b) = (leg("a.img"), leg("b.img"));
+    let addr_file = dir.path().join("metrics.addr");
+    let mut s = Serving::start(
+        dir.path(),
+        "r",
+        &[
+            "--raid1",
+            &format!("{a},{b}"),
+            "--raid1-create",
+            "--export",
+            "mirror",
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            addr_file.to_str().unwrap(),
+        ],
+    );
+    let addr = metrics_addr(&addr_file, &mut s);
+    let ep = Endpoint::Unix(s.sock.clone());
+    let opts = ClientOptions {
+        export: "mirror".into(),
+        ..ClientOptions::default()
+    };
+    let mut cl = Client::connect(&ep, &opts).unwrap();
+    let size = cl.size();
+    let before = scrape(&addr);
+    cl.write(0, &[7u8; 16384], CmdFlags::empty()).unwrap();
+    for i in 0..4u64 {
+        cl.read(i * 4096, 4096).unwrap();
+    }
+    cl.flush().unwrap();
+    let after = scrape(&addr);
+    let dev = |name: &str, state: Option<&str>| match state {
+        Some(st) => format!("{name}{{device=\"mirror\",state=\"{st}\"}}"),
+        None => format!("{name}{{device=\"mirror\"}}"),
+    };
+    assert_eq!(value(&after, &dev("node_md_disks", Some("active"))), 2.0);
+    assert_eq!(value(&after, &dev("node_md_disks", Some("failed"))), 0.0);
+    assert_eq!(value(&after, &dev("node_md_disks_required", None)), 2.0);
+    let blocks = value(&after, &dev("node_md_blocks", None));
+    assert_eq!(blocks, (size / 1024) as f64);
+    let states = ["active", "inactive", "recovering", "resync", "check"];
+    let on: f64 = states
+        .iter()
+        .map(|st| value(&after, &dev("node_md_state", Some(st))))
+        .sum();
+    assert_eq!(on, 1.0, "exactly one state is 1");
+    // The mirror keeps no disk counters of its own: the server counts its requests.
+    let delta = |k: &str| value(&after, k) - value(&before, k);
+    let e = |name: &str| format!("blkq_disk_{name}{{export=\"mirror\"}}");
+    assert_eq!(delta(&e("reads_completed_total")), 4.0);
+    assert_eq!(delta(&e("read_bytes_total")), 16384.0);
+    assert_eq!(delta(&e("writes_completed_total")), 1.0);
+    assert_eq!(delta(&e("written_bytes_total")), 16384.0);
+    assert_eq!(delta(&e("flush_requests_total")), 1.0);
+    assert_eq!(value(&after, &e("io_now")), 0.0);
+    cl.disconnect().unwrap();
+}

@@ -1,0 +1,214 @@
+//! What the server counts for an operator (metrics, see "Metrics and logs" in docs/design.md):
+//! connections accepted, refused at the limit and open, handshakes that ended without a
+//! transmission phase by reason, requests refused before reaching a device, and, for exports
+//! whose device keeps no disk counters of its own ([`blk::Device::stats`] is `None`: a RAID1
+//! mirror), the disk counters of the export counted here.
+//!
+//! Everything here is read by a scraper, never by the data path, and changed only off the
+//! data path (accept, handshake, connection close, a refused request), except the per-export
+//! disk counters: those are sharded ([`blk::stats::DiskCounters`]) and cost what the block
+//! layer's own cost, plus one coarse clock read per commit batch and one per completed request
+//! (only for exports that need them).
+//!
+//! Ordering: every counter is a statistic that publishes nothing else; all updates and reads
+//! are `Relaxed` (a scrape may see one counter ahead of another).
+
+use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::DynArc as Arc;
+
+use blk::stats::DiskStats;
+use blk::Device;
+
+use super::Shared;
+
+/// Why a connection ended before its transmission phase (or was refused an export).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HandshakeFailure {
+    /// The handshake deadline passed (`--handshake-timeout`).
+    Timeout,
+    /// The client went over a handshake bound (options, option bytes).
+    Limit,
+    /// The client broke the protocol.
+    Protocol,
+    /// The client aborted (`NBD_OPT_ABORT`) or hung up between options: often not a failure
+    /// at all (`nbdinfo --list`), counted apart.
+    ClientAbort,
+    /// The socket failed.
+    Io,
+    /// A policy refused the client (an export it may not use, TLS required): the hook for
+    /// access control, counted with [`Metrics::count_refusal`].
+    Policy,
+}
+
+impl HandshakeFailure {
+    /// Every reason, in the order of [`ServerSnapshot::handshake_failures`].
+    pub const ALL: [HandshakeFailure; 6] = [
+        HandshakeFailure::Timeout,
+        HandshakeFailure::Limit,
+        HandshakeFailure::Protocol,
+        HandshakeFailure::ClientAbort,
+        HandshakeFailure::Io,
+        HandshakeFailure::Policy,
+    ];
+
+    /// The reason as a label value (`timeout`, `limit`, `protocol`, `client_abort`, `io`,
+    /// `policy`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandshakeFailure::Timeout => "timeout",
+            HandshakeFailure::Limit => "limit",
+            HandshakeFailure::Protocol => "protocol",
+            HandshakeFailure::ClientAbort => "client_abort",
+            HandshakeFailure::Io => "io",
+            HandshakeFailure::Policy => "policy",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The server-wide counters (see the module docs for their ordering).
+#[derive(Debug, Default)]
+pub(crate) struct ServerCounters {
+    accepted: AtomicU64,
+    refused_limit: AtomicU64,
+    handshake_failures: [AtomicU64; 6],
+    transmissions: AtomicU64,
+    requests: AtomicU64,
+    requests_refused: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl ServerCounters {
+    pub(crate) fn accepted(&self) {
+        self.accepted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn refused_limit(&self) {
+        self.refused_limit.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn handshake_failed(&self, why: HandshakeFailure) {
+        self.handshake_failures[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn transmission(&self) {
+        self.transmissions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection's totals, added when it closes.
+    pub(crate) fn closed(&self, requests: u64, refused: u64, read: u64, written: u64) {
+        self.requests.fetch_add(requests, Ordering::Relaxed);
+        self.requests_refused.fetch_add(refused, Ordering::Relaxed);
+        self.bytes_read.fetch_add(read, Ordering::Relaxed);
+        self.bytes_written.fetch_add(written, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of the server's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerSnapshot {
+    /// Connections accepted (given a thread), since start.
+    pub accepted: u64,
+    /// Connections closed at once because `max_connections` were open.
+    pub refused_limit: u64,
+    /// Connections open now (handshake or transmission).
+    pub open: u64,
+    /// Connections that reached the transmission phase.
+    pub transmissions: u64,
+    /// Handshakes that ended without a transmission phase, by [`HandshakeFailure::ALL`].
+    pub handshake_failures: [u64; 6],
+    /// Requests served by connections that have closed.
+    pub requests: u64,
+    /// Requests answered with an error before reaching a device, by closed connections.
+    pub requests_refused: u64,
+    /// Bytes clients asked to read, by closed connections.
+    pub bytes_read: u64,
+    /// Bytes clients wrote, by closed connections.
+    pub bytes_written: u64,
+    /// Bytes of the memory budget taken now.
+    pub memory_used: u64,
+    /// The memory budget, bytes.
+    pub memory_budget: u64,
+}
+
+/// Where an export's disk counters come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatsSource {
+    /// The device's own ([`blk::Device::stats`]): the block layer counted them.
+    Device,
+    /// The device keeps none: the NBD server counted the export's requests.
+    Server,
+}
+
+/// One export's counters.
+#[derive(Clone)]
+pub struct ExportMetrics {
+    /// The export name.
+    pub name: String,
+    /// The disk counters.
+    pub stats: DiskStats,
+    /// Who counted them.
+    pub source: StatsSource,
+    /// The device (for what only it knows: its queue's tag waits, its scheduler).
+    pub device: Arc<dyn Device>,
+}
+
+/// A handle on a running server's counters, for a metrics endpoint. Cheap to clone; keeps the
+/// server's shared state alive (not its threads).
+#[derive(Clone)]
+pub struct Metrics(pub(crate) Arc<Shared>);
+
+impl Metrics {
+    /// The server's counters now.
+    pub fn server(&self) -> ServerSnapshot {
+        let c = &self.0.counters;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerSnapshot {
+            accepted: ld(&c.accepted),
+            refused_limit: ld(&c.refused_limit),
+            open: self.0.conns.lock().live.len() as u64,
+            transmissions: ld(&c.transmissions),
+            handshake_failures: std::array::from_fn(|i| ld(&c.handshake_failures[i])),
+            requests: ld(&c.requests),
+            requests_refused: ld(&c.requests_refused),
+            bytes_read: ld(&c.bytes_read),
+            bytes_written: ld(&c.bytes_written),
+            memory_used: self.0.budget.used(),
+            memory_budget: self.0.tuning.memory_budget,
+        }
+    }
+
+    /// Every export's disk counters now.
+    pub fn exports(&self) -> Vec<ExportMetrics> {
+        self.0
+            .exports
+            .iter()
+            .map(|e| {
+                let (stats, source) = match &e.disk {
+                    Some(d) => (d.snapshot(), StatsSource::Server),
+                    None => (
+                        e.export.device.stats().unwrap_or_default(),
+                        StatsSource::Device,
+                    ),
+                };
+                ExportMetrics {
+                    name: e.export.name.clone(),
+                    stats,
+                    source,
+                    device: e.export.device.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// Counts a connection refused for `why` (the hook for policies decided outside the
+    /// handshake code, such as an access list).
+    pub fn count_refusal(&self, why: HandshakeFailure) {
+        self.0.counters.handshake_failed(why);
+    }
+}
