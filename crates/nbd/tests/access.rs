@@ -120,6 +120,23 @@ fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
     assert!(h.export_name("remote").is_err());
     let h = handshake(&s.tcp);
     assert!(h.export_name("open").is_ok());
+
+    // Counted: INFO, the meta context, GO, then EXPORT_NAME (which closed its connection).
+    let policy = nbd::server::HandshakeFailure::Policy;
+    let i = nbd::server::HandshakeFailure::ALL
+        .iter()
+        .position(|&r| r == policy)
+        .unwrap();
+    let metrics = s.server.as_ref().unwrap().metrics();
+    let mut counted = 0;
+    for _ in 0..100 {
+        counted = metrics.server().handshake_failures[i];
+        if counted == 4 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(counted, 4, "policy refusals counted");
 }
 
 #[test]

@@ -621,8 +621,12 @@ impl Haggler<'_, '_> {
         res
     }
 
-    /// Answers an option naming an export the client may not use: `NBD_REP_ERR_POLICY`.
+    /// Answers an option naming an export the client may not use: `NBD_REP_ERR_POLICY`
+    /// (counted as a `policy` handshake failure: the client may go on with another option).
     fn refuse(&mut self, option: u32, name: &str) -> Result<(), Ended> {
+        self.shared
+            .counters
+            .handshake_failed(super::HandshakeFailure::Policy);
         let mut end = name.len().min(256);
         while !name.is_char_boundary(end) {
             end -= 1;

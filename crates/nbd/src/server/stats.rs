@@ -36,8 +36,9 @@ pub enum HandshakeFailure {
     ClientAbort,
     /// The socket failed.
     Io,
-    /// A policy refused the client (an export it may not use, TLS required): the hook for
-    /// access control, counted with [`Metrics::count_refusal`].
+    /// An access rule refused the client an export: each `NBD_REP_ERR_POLICY` answer to
+    /// INFO/GO, and each EXPORT_NAME that closes the connection (from outside the server:
+    /// [`Metrics::count_refusal`]).
     Policy,
 }
 
