@@ -818,8 +818,14 @@ impl Device for Queue {
         self.core.limits
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        self.core.driver.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.core.driver.extents_into(offset, len, max, out)
     }
 }
 

@@ -207,14 +207,24 @@ impl Driver for NullDriver {
         }
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
         match &self.cfg.memory {
-            Some(m) => Ok(m.extents(offset, len, max)?),
-            None => Ok(vec![Extent {
-                offset,
-                len,
-                allocated: false,
-            }]),
+            Some(m) => Ok(m.extents_into(offset, len, max, out)?),
+            None => {
+                out.clear();
+                out.push(Extent {
+                    offset,
+                    len,
+                    allocated: false,
+                });
+                Ok(())
+            }
         }
     }
 

@@ -670,17 +670,23 @@ impl Device for Raid1 {
         }
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
         let inner = &self.inner;
         let leg = inner
             .choose_read_leg(offset >> SECTOR_SHIFT, offset.saturating_add(len), 0)
             .and_then(|i| inner.legs[i].dev())
             .ok_or_else(|| eio("raid1: no readable leg"))?;
-        let mut v = leg.extents(offset + inner.data_offset, len, max)?;
-        for e in &mut v {
+        leg.extents_into(offset + inner.data_offset, len, max, out)?;
+        for e in out.iter_mut() {
             e.offset -= inner.data_offset;
         }
-        Ok(v)
+        Ok(())
     }
 }
 

@@ -367,10 +367,16 @@ impl<'a> Connection<'a> {
                 } else {
                     MAX_STATUS_EXTENTS
                 };
-                match self.device().extents(r.offset, r.length, max) {
-                    Ok(v) => entry.extents.extend(v.iter().map(nbd_extent)),
+                // Into the connection's reused vector: no allocation once it has grown.
+                let mut ext = std::mem::take(&mut self.extents_buf);
+                match self
+                    .device()
+                    .extents_into(r.offset, r.length, max, &mut ext)
+                {
+                    Ok(()) => entry.extents.extend(ext.iter().map(nbd_extent)),
                     Err(e) => entry.fail(Errno::from_errno(e.errno())),
                 }
+                self.extents_buf = ext;
                 self.staged.push(entry);
             }
             // Cache: nothing to prefetch in a block layer without a page cache.
@@ -439,7 +445,13 @@ impl<'a> Connection<'a> {
             && self.export.export.sparse_reads;
         let mut at = r.offset;
         if sparse {
-            if let Ok(extents) = self.device().extents(r.offset, r.length, MAX_READ_EXTENTS) {
+            // The connection's reused vector, taken for the loop (which needs `&mut self`)
+            // and put back: no allocation once it has grown.
+            let mut extents = std::mem::take(&mut self.extents_buf);
+            let found =
+                self.device()
+                    .extents_into(r.offset, r.length, MAX_READ_EXTENTS, &mut extents);
+            if found.is_ok() {
                 for e in &extents {
                     if e.offset != at || e.len == 0 {
                         break;
@@ -462,6 +474,7 @@ impl<'a> Connection<'a> {
                     }
                 }
             }
+            self.extents_buf = extents;
         }
         if at < end {
             self.add_read_data(&mut entry, at, end - at);
