@@ -48,7 +48,7 @@ use sbitmap::WakeAlgo;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
 use crate::device::{Device, Driver, Extent, Limits, Scheduler};
-use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
+use crate::stats::{batch_ns, ClockBatch, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
 
@@ -142,7 +142,8 @@ impl Request {
         self.bio.replace(bio)
     }
 
-    /// Coarse submission time, ns (the clock of the disk statistics).
+    /// Coarse submission time, ns (the clock of the disk statistics): the time its plug batch
+    /// read when its first request took a tag ([`crate::stats`]: one read per batch).
     #[inline]
     pub fn start_ns(&self) -> u64 {
         self.start_ns
@@ -416,9 +417,22 @@ impl QueueCore {
     /// Completes a request with `res`: frees its tag, then hands the bio back to its submitter.
     /// Then the same for every request of its merge chain, in chain order, with the same
     /// status (module docs). The link to the next request is read out before the tag is freed.
+    ///
+    /// The completion time of the statistics is [`crate::stats::batch_ns`]: inside a
+    /// [`ClockBatch`] (every dispatch of the queue opens one, so inline completions share it)
+    /// the batch's one clock read, else a fresh read. [`QueueCore::complete_at`] takes it
+    /// from the caller instead.
     #[inline]
-    pub fn complete(&self, r: RequestToken, mut res: Result<(), Error>) {
-        let now = coarse_ns();
+    pub fn complete(&self, r: RequestToken, res: Result<(), Error>) {
+        self.complete_at(r, res, batch_ns());
+    }
+
+    /// [`QueueCore::complete`] with the completion time given: `now_ns` on the coarse clock
+    /// ([`crate::stats::coarse_ns`]), e.g. read once for a whole batch of completions by a driver's
+    /// completion thread, or once per request by a driver whose requests are slow.
+    #[inline]
+    pub fn complete_at(&self, r: RequestToken, mut res: Result<(), Error>, now_ns: u64) {
+        let now = now_ns;
         let mut cur = r;
         loop {
             let mut r = cur;
@@ -537,9 +551,13 @@ impl QueueCore {
 
     fn flush(&self, plug: &mut Plug) {
         plug.tail = None;
+        // The next request starts a new batch, with a new time.
+        plug.now_ns = None;
         if plug.rqs.is_empty() {
             return;
         }
+        // Inline completions of this batch share one clock read.
+        let _clock = ClockBatch::enter();
         match &self.sched {
             None => {
                 for r in plug.rqs.drain(..) {
@@ -555,6 +573,7 @@ impl QueueCore {
     }
 
     fn run_dispatch(&self, s: &dyn Scheduler) {
+        let _clock = ClockBatch::enter();
         loop {
             let room = self.driver.can_queue();
             if room == 0 {
@@ -604,10 +623,13 @@ impl QueueCore {
             None => pool.get_nowait(dir),
             Some(limit) => pool.get_shallow_nowait(limit),
         };
+        let mut plug = plug;
         let tag = match got {
             Some(t) => t,
             None => {
-                if let Some(p) = plug {
+                // Flushing also clears the plug's time: the request that waited (and the ones
+                // after it) start a new batch, timed after the wait.
+                if let Some(p) = plug.as_deref_mut() {
                     self.flush(p);
                 }
                 match shallow {
@@ -624,7 +646,11 @@ impl QueueCore {
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
         rq.end = Some(end.clone());
-        rq.start_ns = coarse_ns();
+        // One clock read per plug batch (read by its first request); unplugged: per request.
+        rq.start_ns = match plug {
+            Some(p) => *p.now_ns.get_or_insert_with(batch_ns),
+            None => batch_ns(),
+        };
         rq.hctx = hctx;
         rq.tag = tag;
         rq.reserved = reserved;
@@ -726,6 +752,7 @@ impl Queue {
         if let Some(r) = self.core.prepare(bio, end, None) {
             match &self.core.sched {
                 None => {
+                    let _clock = ClockBatch::enter();
                     self.core.driver.queue_rq(&self.core, r);
                     self.core.driver.commit(&self.core);
                 }
@@ -806,12 +833,15 @@ impl Device for Queue {
         Queue::submit(self, bio, end)
     }
 
+    /// One plug for the whole batch: the calling thread's own, reused from call to call, so
+    /// that a batch allocates nothing (see [`with_thread_plug`]).
     fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
-        let mut plug = Plug::new(self.core.plug_limit);
-        for b in bios {
-            self.submit_plugged(&mut plug, b, end);
-        }
-        self.flush_plug(&mut plug);
+        with_thread_plug(self.core.plug_limit, |plug| {
+            for b in bios {
+                self.submit_plugged(plug, b, end);
+            }
+            self.flush_plug(plug);
+        });
     }
 
     fn limits(&self) -> Limits {
@@ -829,13 +859,64 @@ impl Device for Queue {
     }
 }
 
+#[cfg(not(blkq_loom))]
+std::thread_local! {
+    /// Each thread's plug for [`Device::submit_batch`] (`None` until its first batch). Empty
+    /// between batches: a batch flushes it before it gives it back.
+    static THREAD_PLUG: std::cell::RefCell<Option<Plug>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with the calling thread's plug (one per thread, created on the thread's first
+/// batch with room for `cap` requests, then reused by every batch of every queue: a plug is
+/// empty between batches, so it does not matter which queue used it last). `f` must leave it
+/// flushed.
+///
+/// Why a thread-local and not a plug owned by each caller: [`Device::submit_batch`] is the
+/// stacking interface (NBD, RAID1 and the fault injector call it on whatever device they
+/// hold), and a plug is a `Queue`'s type; a thread-local keeps the trait as it is and still
+/// allocates once per thread. A nested batch on the same thread (an `end_io` that submits a
+/// batch from inside a completion of this one) finds the plug in use and takes a fresh one,
+/// which allocates: the only case that does. Under loom each call takes a fresh plug (loom's
+/// threads are not OS threads, and a model need not exercise the reuse).
+fn with_thread_plug(cap: usize, f: impl FnOnce(&mut Plug)) {
+    #[cfg(not(blkq_loom))]
+    {
+        let mut f = Some(f);
+        let reused = THREAD_PLUG.try_with(|cell| {
+            let Ok(mut slot) = cell.try_borrow_mut() else {
+                return false;
+            };
+            let plug = slot.get_or_insert_with(|| Plug::new(cap));
+            if let Some(f) = f.take() {
+                f(plug);
+            }
+            true
+        });
+        if reused == Ok(true) {
+            return;
+        }
+        // Nested in a batch of this thread, or the thread is exiting.
+        if let Some(f) = f {
+            f(&mut Plug::new(cap));
+        }
+    }
+    #[cfg(blkq_loom)]
+    f(&mut Plug::new(cap));
+}
+
 /// A per-submitter plug: requests collected before they reach the driver as one batch.
 /// Keep one per submitter and reuse it: its vector is allocated once.
+///
+/// A plug also carries its batch's time: the first request of a batch reads the coarse clock
+/// and every request of the batch takes that time as its start ([`crate::stats`]); flushing
+/// the plug ends the batch.
 #[derive(Debug)]
 pub struct Plug {
     rqs: Vec<RequestToken>,
     /// The merge chain ending the last plugged request, for back merges (no scheduler).
     tail: Option<PlugTail>,
+    /// The batch's start time (coarse clock), read by its first request.
+    now_ns: Option<u64>,
 }
 
 /// What a plug knows of its last request's merge chain.
@@ -855,6 +936,7 @@ impl Plug {
         Self {
             rqs: Vec::with_capacity(cap),
             tail: None,
+            now_ns: None,
         }
     }
 
