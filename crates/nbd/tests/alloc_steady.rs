@@ -36,6 +36,10 @@ const REQUESTS: usize = 100_000;
 const WARMUP: usize = 5_000;
 /// Requests the client keeps in flight.
 const WINDOW: usize = 16;
+/// Requests in flight during the warm-up's burst: more than the window, so that the server's
+/// pools (buffers, in-flight entries) hold more than the measured window can take at once
+/// (its requests, plus the buffers of replies sent but not yet dropped by the flusher).
+const BURST: usize = 4 * WINDOW;
 /// Export size: 64 MiB.
 const SIZE: u64 = 64 << 20;
 const BLOCK: u64 = 4096;
@@ -61,7 +65,7 @@ impl Traced {
         if IN_TRACE.with(|t| t.replace(true)) {
             return;
         }
-        if TRACED.fetch_add(1, Ordering::Relaxed) < 3 {
+        if TRACED.fetch_add(1, Ordering::Relaxed) < 12 {
             let name = std::thread::current().name().map(str::to_owned);
             eprintln!(
                 "allocation on thread {name:?}:\n{}",
@@ -110,13 +114,13 @@ impl Rng {
     }
 }
 
-/// Sends `n` mixed requests keeping [`WINDOW`] in flight, and reads every reply.
-fn drive(c: &mut Client, rng: &mut Rng, n: usize, payload: &[u8]) {
+/// Sends `n` mixed requests keeping `window` in flight, and reads every reply.
+fn drive(c: &mut Client, rng: &mut Rng, n: usize, window: usize, payload: &[u8]) {
     let blocks = SIZE / BLOCK;
     let mut sent = 0;
     let mut received = 0;
     while received < n {
-        while sent < n && c.in_flight() < WINDOW {
+        while sent < n && c.in_flight() < window {
             // Writes go to the first half only, so that reads of the second half are holes
             // (sparse reads: hole chunks) and block status sees both.
             let r = rng.next();
@@ -157,7 +161,8 @@ fn steady_state_allocates_nothing(spec: &str) {
     let mut c = Client::connect(&Endpoint::Unix(path), &ClientOptions::default()).unwrap();
     let payload = vec![0x5au8; BLOCK as usize];
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    drive(&mut c, &mut rng, WARMUP, &payload);
+    drive(&mut c, &mut rng, WARMUP, WINDOW, &payload);
+    drive(&mut c, &mut rng, WARMUP, BURST, &payload);
     let n = std::env::var("ALLOC_STEADY_REQUESTS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -167,7 +172,7 @@ fn steady_state_allocates_nothing(spec: &str) {
         Ordering::Relaxed,
     );
     COUNT.start();
-    drive(&mut c, &mut rng, n, &payload);
+    drive(&mut c, &mut rng, n, WINDOW, &payload);
     let allocs = COUNT.stop();
     TRACE.store(false, Ordering::Relaxed);
     c.disconnect().unwrap();

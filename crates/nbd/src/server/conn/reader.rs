@@ -367,8 +367,13 @@ impl<'a> Connection<'a> {
                 } else {
                     MAX_STATUS_EXTENTS
                 };
-                // Into the connection's reused vector: no allocation once it has grown.
+                // Into the connection's reused vector, and then the entry's (recycled with it):
+                // both reserve the most this request's shape can need, so that they stop
+                // growing once warm, however fragmented the device becomes.
+                let bound = self.extent_bound(r.length, max);
                 let mut ext = std::mem::take(&mut self.extents_buf);
+                ext.reserve(bound);
+                entry.extents.reserve(bound);
                 match self
                     .device()
                     .extents_into(r.offset, r.length, max, &mut ext)
@@ -383,6 +388,14 @@ impl<'a> Connection<'a> {
             _ => self.staged.push(entry),
         }
         None
+    }
+
+    /// The most extents a map of `len` bytes can hold at the export's block size, capped at
+    /// `max`: what the extent vectors reserve before a map is asked for, so that their
+    /// capacity follows the shape of the requests and not the device's fragmentation at the
+    /// time (which could make them grow again long after warm-up).
+    fn extent_bound(&self, len: u64, max: usize) -> usize {
+        (len / self.min_block.max(1)).min(max as u64) as usize
     }
 
     fn bio_flags(r: &Request) -> BioFlags {
@@ -448,6 +461,7 @@ impl<'a> Connection<'a> {
             // The connection's reused vector, taken for the loop (which needs `&mut self`)
             // and put back: no allocation once it has grown.
             let mut extents = std::mem::take(&mut self.extents_buf);
+            extents.reserve(self.extent_bound(r.length, MAX_READ_EXTENTS));
             let found =
                 self.device()
                     .extents_into(r.offset, r.length, MAX_READ_EXTENTS, &mut extents);
