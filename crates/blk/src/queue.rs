@@ -567,13 +567,21 @@ impl QueueCore {
             }
             Some(s) => {
                 s.insert_batch(self, &mut plug.rqs.drain(..));
-                self.run_dispatch(s.as_ref());
+                // Inside this flush's clock batch: insert, dispatch and inline completions
+                // share one read.
+                self.dispatch_rounds(s.as_ref());
             }
         }
     }
 
+    /// [`QueueCore::dispatch_rounds`] in a clock batch of its own.
     fn run_dispatch(&self, s: &dyn Scheduler) {
         let _clock = ClockBatch::enter();
+        self.dispatch_rounds(s);
+    }
+
+    /// Dispatches until the scheduler hands out nothing or the driver has no room.
+    fn dispatch_rounds(&self, s: &dyn Scheduler) {
         loop {
             let room = self.driver.can_queue();
             if room == 0 {
@@ -757,8 +765,9 @@ impl Queue {
                     self.core.driver.commit(&self.core);
                 }
                 Some(s) => {
+                    let _clock = ClockBatch::enter();
                     s.insert_batch(&self.core, &mut std::iter::once(r));
-                    self.core.run_dispatch(s.as_ref());
+                    self.core.dispatch_rounds(s.as_ref());
                 }
             }
         }
@@ -834,7 +843,7 @@ impl Device for Queue {
     }
 
     /// One plug for the whole batch: the calling thread's own, reused from call to call, so
-    /// that a batch allocates nothing (see [`with_thread_plug`]).
+    /// that a batch allocates nothing (`with_thread_plug` says why a thread-local).
     fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
         with_thread_plug(self.core.plug_limit, |plug| {
             for b in bios {

@@ -18,7 +18,9 @@
 //!   thread shares the time of the scope's first completion ([`batch_ns`]). The queue opens
 //!   one around each dispatch (a flushed plug, a scheduler's dispatch round), which covers
 //!   drivers that complete inline (`null`, `mem`); a driver's completion thread opens one per
-//!   batch it reaps, or passes its own time to [`crate::QueueCore::complete_at`].
+//!   batch it reaps, or passes its own time to [`crate::QueueCore::complete_at`]. mq-deadline's
+//!   clock ([`crate::sched::MonotonicClock`]) reads through [`batch_ns`] as well, so a flushed
+//!   plug's insert, dispatch rounds and inline completions share one read.
 //!
 //! What this changes in the statistics: `ticks_ns` (and `time_in_queue_ns`, `io_ticks_ns`) are
 //! measured from the plug's first tag to the completion batch's first completion, instead of

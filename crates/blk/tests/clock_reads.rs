@@ -132,3 +132,22 @@ fn unplugged_submissions_read_once_per_io_and_per_completion() {
     // A batch of one: a read at the tag, one at the completion.
     assert_eq!(clock_reads() - before, 20);
 }
+
+#[test]
+fn mq_deadline_shares_the_batch_read_with_insert_and_dispatch() {
+    use blk::sched::{Deadline, LockMode};
+    let mut cfg = QueueConfig::new(1 << 30);
+    cfg.plug_limit = 32;
+    let sched = Deadline::new(LockMode::Serialized);
+    let q = Queue::with_scheduler(cfg, Box::new(Inline), Some(Box::new(sched))).unwrap();
+    let count = Arc::new(Count::default());
+    let end: Arc<dyn EndIo> = count.clone();
+    let before = clock_reads();
+    for b in 0..4u64 {
+        q.submit_batch(&mut (0..32).map(|i| read((b * 32 + i) * 2)), &end);
+    }
+    assert_eq!(count.0.load(Ordering::Relaxed), 128);
+    // Per batch: the plug's read, and one shared by the scheduler's insert, its dispatch
+    // rounds and the inline completions.
+    assert_eq!(clock_reads() - before, 2 * 4);
+}
