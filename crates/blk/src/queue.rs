@@ -897,7 +897,17 @@ fn with_thread_plug(cap: usize, f: impl FnOnce(&mut Plug)) {
             };
             let plug = slot.get_or_insert_with(|| Plug::new(cap));
             if let Some(f) = f.take() {
-                f(plug);
+                // A panic in the middle of a batch (a driver's) may leave requests in the
+                // plug: they belong to that queue and must never be flushed into the next
+                // batch's, so the plug is dropped from the thread (its requests leaked, as a
+                // local plug's were) before the panic goes on. Zero cost unless it unwinds.
+                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(plug)));
+                if let Err(panic) = res {
+                    if let Some(stale) = slot.take() {
+                        std::mem::forget(stale);
+                    }
+                    std::panic::resume_unwind(panic);
+                }
             }
             true
         });

@@ -1,6 +1,7 @@
 //! Clock reads per I/O (issue #11 item 3): one coarse clock read per plug batch on the
 //! submission side and one per completion batch, not two per I/O. Counted with the debug
 //! builds' per-thread counter ([`blk::stats::clock_reads`]), so these tests run in debug only.
+//! Also: the per-thread plug of `Device::submit_batch` is left clean by a batch that panics.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(all(debug_assertions, not(blkq_loom)))]
@@ -150,4 +151,31 @@ fn mq_deadline_shares_the_batch_read_with_insert_and_dispatch() {
     // Per batch: the plug's read, and one shared by the scheduler's insert, its dispatch
     // rounds and the inline completions.
     assert_eq!(clock_reads() - before, 2 * 4);
+}
+
+#[test]
+fn a_batch_that_panics_leaves_no_request_in_the_thread_plug() {
+    let bad = Queue::new(QueueConfig::new(1 << 30), Box::new(Inline)).unwrap();
+    let end: Arc<dyn EndIo> = Arc::new(Count::default());
+    // The caller's iterator panics after five bios are plugged (not flushed yet).
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        bad.submit_batch(
+            &mut (0..8).map(|i| {
+                assert!(i < 5, "iterator bug");
+                read(i * 2)
+            }),
+            &end,
+        );
+    }));
+    assert!(r.is_err());
+    // The next batch on this thread, on another queue, gets a clean plug: none of `bad`'s five
+    // requests is flushed into it (a token of another queue fails a debug assertion).
+    let good = Queue::new(QueueConfig::new(1 << 30), Box::new(Inline)).unwrap();
+    let count = Arc::new(Count::default());
+    let end2: Arc<dyn EndIo> = count.clone();
+    good.submit_batch(&mut (0..8).map(|i| read(i * 2)), &end2);
+    assert_eq!(count.0.load(Ordering::Relaxed), 8);
+    // `bad` holds five tags for ever: never dropped (its driver's stop would be fine, but the
+    // requests are lost, as they were with a local plug).
+    std::mem::forget(bad);
 }
