@@ -372,6 +372,7 @@ impl<'a> Connection<'a> {
                 // growing once warm, however fragmented the device becomes.
                 let bound = self.extent_bound(r.length, max);
                 let mut ext = std::mem::take(&mut self.extents_buf);
+                ext.clear();
                 ext.reserve(bound);
                 entry.extents.reserve(bound);
                 match self
@@ -461,6 +462,7 @@ impl<'a> Connection<'a> {
             // The connection's reused vector, taken for the loop (which needs `&mut self`)
             // and put back: no allocation once it has grown.
             let mut extents = std::mem::take(&mut self.extents_buf);
+            extents.clear();
             extents.reserve(self.extent_bound(r.length, MAX_READ_EXTENTS));
             let found =
                 self.device()
