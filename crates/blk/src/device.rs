@@ -94,13 +94,25 @@ pub trait Driver: Send + Sync {
     fn commit(&self, _q: &QueueCore) {}
     /// Stops completion threads; called when the queue is dropped.
     fn stop(&self) {}
-    /// The allocation map, for devices that know it (default: everything allocated).
-    fn extents(&self, offset: u64, len: u64, _max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(vec![Extent {
-            offset,
-            len,
-            allocated: true,
-        }])
+    /// The allocation map, for devices that know it (default: everything allocated), into
+    /// `out` as [`Device::extents_into`] describes: cleared, then filled, allocating nothing
+    /// once `out` has room.
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        out.clear();
+        if len > 0 && max > 0 {
+            out.push(Extent {
+                offset,
+                len,
+                allocated: true,
+            });
+        }
+        Ok(())
     }
     /// One line describing the driver and its options.
     fn describe(&self) -> String;
@@ -183,8 +195,28 @@ pub trait Device: Send + Sync {
     }
     /// The device's limits.
     fn limits(&self) -> Limits;
-    /// The allocation map of a range.
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error>;
+    /// The allocation map of `[offset, offset + len)` into a caller-owned vector: `out` is
+    /// cleared, then filled in order with at most `max` extents (the last may stop short of
+    /// the range's end). What the request path calls (NBD block status and sparse reads),
+    /// with one vector per connection reused from call to call, so that a call allocates
+    /// nothing once the vector has grown to `max` (the `pages` store's walk over a mostly
+    /// sparse range is the exception: it collects and sorts the allocated pages).
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error>;
+
+    /// The allocation map of a range, in a new vector: [`Device::extents_into`] for callers
+    /// off the request path (tests, tools). Allocates.
+    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+        let mut out = Vec::new();
+        self.extents_into(offset, len, max, &mut out)?;
+        Ok(out)
+    }
+
     /// The request queue behind the device, if it is one (or wraps one): its tag pools,
     /// scheduler and statistics. Default: none.
     fn as_queue(&self) -> Option<&Queue> {

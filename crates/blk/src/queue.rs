@@ -48,7 +48,7 @@ use sbitmap::WakeAlgo;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
 use crate::device::{Device, Driver, Extent, Limits, Scheduler};
-use crate::stats::{coarse_ns, DiskCounters, DiskStats, WaitSnapshot};
+use crate::stats::{batch_ns, ClockBatch, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
 
@@ -142,7 +142,8 @@ impl Request {
         self.bio.replace(bio)
     }
 
-    /// Coarse submission time, ns (the clock of the disk statistics).
+    /// Coarse submission time, ns (the clock of the disk statistics): the time its plug batch
+    /// read when its first request took a tag ([`crate::stats`]: one read per batch).
     #[inline]
     pub fn start_ns(&self) -> u64 {
         self.start_ns
@@ -416,9 +417,22 @@ impl QueueCore {
     /// Completes a request with `res`: frees its tag, then hands the bio back to its submitter.
     /// Then the same for every request of its merge chain, in chain order, with the same
     /// status (module docs). The link to the next request is read out before the tag is freed.
+    ///
+    /// The completion time of the statistics is [`crate::stats::batch_ns`]: inside a
+    /// [`ClockBatch`] (every dispatch of the queue opens one, so inline completions share it)
+    /// the batch's one clock read, else a fresh read. [`QueueCore::complete_at`] takes it
+    /// from the caller instead.
     #[inline]
-    pub fn complete(&self, r: RequestToken, mut res: Result<(), Error>) {
-        let now = coarse_ns();
+    pub fn complete(&self, r: RequestToken, res: Result<(), Error>) {
+        self.complete_at(r, res, batch_ns());
+    }
+
+    /// [`QueueCore::complete`] with the completion time given: `now_ns` on the coarse clock
+    /// ([`crate::stats::coarse_ns`]), e.g. read once for a whole batch of completions by a driver's
+    /// completion thread, or once per request by a driver whose requests are slow.
+    #[inline]
+    pub fn complete_at(&self, r: RequestToken, mut res: Result<(), Error>, now_ns: u64) {
+        let now = now_ns;
         let mut cur = r;
         loop {
             let mut r = cur;
@@ -539,9 +553,13 @@ impl QueueCore {
 
     fn flush(&self, plug: &mut Plug) {
         plug.tail = None;
+        // The next request starts a new batch, with a new time.
+        plug.now_ns = None;
         if plug.rqs.is_empty() {
             return;
         }
+        // Inline completions of this batch share one clock read.
+        let _clock = ClockBatch::enter();
         match &self.sched {
             None => {
                 for r in plug.rqs.drain(..) {
@@ -551,12 +569,21 @@ impl QueueCore {
             }
             Some(s) => {
                 s.insert_batch(self, &mut plug.rqs.drain(..));
-                self.run_dispatch(s.as_ref());
+                // Inside this flush's clock batch: insert, dispatch and inline completions
+                // share one read.
+                self.dispatch_rounds(s.as_ref());
             }
         }
     }
 
+    /// [`QueueCore::dispatch_rounds`] in a clock batch of its own.
     fn run_dispatch(&self, s: &dyn Scheduler) {
+        let _clock = ClockBatch::enter();
+        self.dispatch_rounds(s);
+    }
+
+    /// Dispatches until the scheduler hands out nothing or the driver has no room.
+    fn dispatch_rounds(&self, s: &dyn Scheduler) {
         loop {
             let room = self.driver.can_queue();
             if room == 0 {
@@ -606,10 +633,13 @@ impl QueueCore {
             None => pool.get_nowait(dir),
             Some(limit) => pool.get_shallow_nowait(limit),
         };
+        let mut plug = plug;
         let tag = match got {
             Some(t) => t,
             None => {
-                if let Some(p) = plug {
+                // Flushing also clears the plug's time: the request that waited (and the ones
+                // after it) start a new batch, timed after the wait.
+                if let Some(p) = plug.as_deref_mut() {
                     self.flush(p);
                 }
                 match shallow {
@@ -622,7 +652,11 @@ impl QueueCore {
         // Acquire RMW above), and cell `request_index(hctx, tag, reserved)` belongs to that
         // tag alone, so this is the only token for it until `complete` frees the tag.
         let mut r = self.make_token(self.request_index(hctx, tag, reserved));
-        let now = coarse_ns();
+        // One clock read per plug batch (read by its first request); unplugged: per request.
+        let now = match plug {
+            Some(p) => *p.now_ns.get_or_insert_with(batch_ns),
+            None => batch_ns(),
+        };
         self.stats.started(dir, now);
         let rq = self.rq_mut(&mut r);
         rq.bio = Some(bio);
@@ -729,12 +763,14 @@ impl Queue {
         if let Some(r) = self.core.prepare(bio, end, None) {
             match &self.core.sched {
                 None => {
+                    let _clock = ClockBatch::enter();
                     self.core.driver.queue_rq(&self.core, r);
                     self.core.driver.commit(&self.core);
                 }
                 Some(s) => {
+                    let _clock = ClockBatch::enter();
                     s.insert_batch(&self.core, &mut std::iter::once(r));
-                    self.core.run_dispatch(s.as_ref());
+                    self.core.dispatch_rounds(s.as_ref());
                 }
             }
         }
@@ -809,20 +845,29 @@ impl Device for Queue {
         Queue::submit(self, bio, end)
     }
 
+    /// One plug for the whole batch: the calling thread's own, reused from call to call, so
+    /// that a batch allocates nothing (`with_thread_plug` says why a thread-local).
     fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
-        let mut plug = Plug::new(self.core.plug_limit);
-        for b in bios {
-            self.submit_plugged(&mut plug, b, end);
-        }
-        self.flush_plug(&mut plug);
+        with_thread_plug(self.core.plug_limit, |plug| {
+            for b in bios {
+                self.submit_plugged(plug, b, end);
+            }
+            self.flush_plug(plug);
+        });
     }
 
     fn limits(&self) -> Limits {
         self.core.limits
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        self.core.driver.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.core.driver.extents_into(offset, len, max, out)
     }
 
     fn as_queue(&self) -> Option<&Queue> {
@@ -830,13 +875,74 @@ impl Device for Queue {
     }
 }
 
+#[cfg(not(blkq_loom))]
+std::thread_local! {
+    /// Each thread's plug for [`Device::submit_batch`] (`None` until its first batch). Empty
+    /// between batches: a batch flushes it before it gives it back.
+    static THREAD_PLUG: std::cell::RefCell<Option<Plug>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with the calling thread's plug (one per thread, created on the thread's first
+/// batch with room for `cap` requests, then reused by every batch of every queue: a plug is
+/// empty between batches, so it does not matter which queue used it last). `f` must leave it
+/// flushed.
+///
+/// Why a thread-local and not a plug owned by each caller: [`Device::submit_batch`] is the
+/// stacking interface (NBD, RAID1 and the fault injector call it on whatever device they
+/// hold), and a plug is a `Queue`'s type; a thread-local keeps the trait as it is and still
+/// allocates once per thread. A nested batch on the same thread (an `end_io` that submits a
+/// batch from inside a completion of this one) finds the plug in use and takes a fresh one,
+/// which allocates: the only case that does. Under loom each call takes a fresh plug (loom's
+/// threads are not OS threads, and a model need not exercise the reuse).
+fn with_thread_plug(cap: usize, f: impl FnOnce(&mut Plug)) {
+    #[cfg(not(blkq_loom))]
+    {
+        let mut f = Some(f);
+        let reused = THREAD_PLUG.try_with(|cell| {
+            let Ok(mut slot) = cell.try_borrow_mut() else {
+                return false;
+            };
+            let plug = slot.get_or_insert_with(|| Plug::new(cap));
+            if let Some(f) = f.take() {
+                // A panic in the middle of a batch (a driver's) may leave requests in the
+                // plug: they belong to that queue and must never be flushed into the next
+                // batch's, so the plug is dropped from the thread (its requests leaked, as a
+                // local plug's were) before the panic goes on. Zero cost unless it unwinds.
+                let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(plug)));
+                if let Err(panic) = res {
+                    if let Some(stale) = slot.take() {
+                        std::mem::forget(stale);
+                    }
+                    std::panic::resume_unwind(panic);
+                }
+            }
+            true
+        });
+        if reused == Ok(true) {
+            return;
+        }
+        // Nested in a batch of this thread, or the thread is exiting.
+        if let Some(f) = f {
+            f(&mut Plug::new(cap));
+        }
+    }
+    #[cfg(blkq_loom)]
+    f(&mut Plug::new(cap));
+}
+
 /// A per-submitter plug: requests collected before they reach the driver as one batch.
 /// Keep one per submitter and reuse it: its vector is allocated once.
+///
+/// A plug also carries its batch's time: the first request of a batch reads the coarse clock
+/// and every request of the batch takes that time as its start ([`crate::stats`]); flushing
+/// the plug ends the batch.
 #[derive(Debug)]
 pub struct Plug {
     rqs: Vec<RequestToken>,
     /// The merge chain ending the last plugged request, for back merges (no scheduler).
     tail: Option<PlugTail>,
+    /// The batch's start time (coarse clock), read by its first request.
+    now_ns: Option<u64>,
 }
 
 /// What a plug knows of its last request's merge chain.
@@ -856,6 +962,7 @@ impl Plug {
         Self {
             rqs: Vec::with_capacity(cap),
             tail: None,
+            now_ns: None,
         }
     }
 

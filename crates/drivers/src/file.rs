@@ -333,10 +333,12 @@ impl FileDriver {
     }
 
     /// Runs the request (every bio of its merge chain) synchronously on the backend and
-    /// completes it.
+    /// completes it. Timed with a clock read of its own, after the I/O: a batch of file I/O
+    /// may take longer than a tick of the coarse clock, so the batch's shared time
+    /// (`blk::stats` module docs) would under-count the later requests' service time.
     fn run_sync(&self, q: &QueueCore, mut r: RequestToken) {
         let res = q.for_each_bio(&mut r, |bio| exec_on_backend(&self.backend, bio));
-        q.complete(r, res);
+        q.complete_at(r, res, blk::stats::coarse_ns());
     }
 
     /// The engine op for the request, or `None` if it runs synchronously.
@@ -420,8 +422,14 @@ impl Driver for FileDriver {
         }
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(self.backend.extents(offset, len, max)?)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        Ok(self.backend.extents_into(offset, len, max, out)?)
     }
 
     fn max_merge(&self) -> u32 {

@@ -96,8 +96,14 @@ impl Driver for BackendDriver {
         u32::MAX
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        Ok(self.backend.extents(offset, len, max)?)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        Ok(self.backend.extents_into(offset, len, max, out)?)
     }
 
     fn describe(&self) -> String {

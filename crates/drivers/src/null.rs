@@ -120,23 +120,33 @@ impl NullDriver {
             if stop && local.is_empty() {
                 return;
             }
+            // One clock read for the batch (`thread` mode); in `timer` mode a request that
+            // waited for its due time is timed after the wait, and starts a new batch.
+            let mut clock = blk::stats::ClockBatch::enter();
             for (r, due) in local.drain(..) {
                 if let Some(due) = due {
-                    wait_until(due);
+                    if wait_until(due) {
+                        drop(clock);
+                        clock = blk::stats::ClockBatch::enter();
+                    }
                 }
                 q.complete(r, Ok(()));
             }
+            drop(clock);
         }
     }
 }
 
 /// Waits for a deadline: spins when it is near (sleeping has ~60 us of slack), sleeps when not.
-fn wait_until(due: Instant) {
+/// Returns whether it waited at all.
+fn wait_until(due: Instant) -> bool {
+    let mut waited = false;
     loop {
         let now = Instant::now();
         if now >= due {
-            return;
+            return waited;
         }
+        waited = true;
         let left = due - now;
         if left > Duration::from_micros(200) {
             std::thread::sleep(left - Duration::from_micros(100));
@@ -207,14 +217,24 @@ impl Driver for NullDriver {
         }
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
         match &self.cfg.memory {
-            Some(m) => Ok(m.extents(offset, len, max)?),
-            None => Ok(vec![Extent {
-                offset,
-                len,
-                allocated: false,
-            }]),
+            Some(m) => Ok(m.extents_into(offset, len, max, out)?),
+            None => {
+                out.clear();
+                out.push(Extent {
+                    offset,
+                    len,
+                    allocated: false,
+                });
+                Ok(())
+            }
         }
     }
 

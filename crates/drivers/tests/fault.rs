@@ -768,8 +768,14 @@ impl Device for OneByOne {
     fn limits(&self) -> blk::Limits {
         Device::limits(&self.0)
     }
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
-        self.0.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::Extent>,
+    ) -> Result<(), Error> {
+        self.0.extents_into(offset, len, max, out)
     }
 }
 

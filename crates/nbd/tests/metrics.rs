@@ -34,8 +34,14 @@ impl Device for NoStats {
     fn limits(&self) -> Limits {
         self.0.limits()
     }
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        self.0.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.0.extents_into(offset, len, max, out)
     }
 }
 

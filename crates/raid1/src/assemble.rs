@@ -6,7 +6,6 @@
 
 use blkq_sync::DynArc as StdArc;
 use std::sync::Weak;
-use std::time::Instant;
 
 use blk::{Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -277,7 +276,7 @@ impl Raid1 {
             fail_lock: Mutex::new(()),
             resync_point: AtomicU64::new(u64::MAX),
             pool,
-            origin: Instant::now(),
+            origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
             cfg,
         });

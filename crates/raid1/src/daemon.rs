@@ -248,7 +248,7 @@ impl Inner {
                         if self.flush_legs() {
                             bm.flush_done(e);
                         }
-                        if bm.clear_quiet(self.origin.elapsed()) > 0 {
+                        if bm.clear_quiet(self.bitmap_now()) > 0 {
                             bm.set_events_cleared(self.meta.lock().events);
                             let _ = self.persist_bitmap();
                         }

@@ -13,7 +13,7 @@
 use blkq_sync::DynArc as StdArc;
 use std::collections::VecDeque;
 use std::sync::Weak;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blk::Extent;
 use blk::{Bio, Buffer, BufferPool, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
@@ -356,7 +356,9 @@ pub(crate) struct Inner {
     /// resync running).
     pub(crate) resync_point: AtomicU64,
     pub(crate) pool: BufferPool,
-    pub(crate) origin: Instant,
+    /// The bitmap's clock origin, on the coarse clock (`blk::stats::coarse_ns`): see
+    /// [`Inner::bitmap_now`].
+    pub(crate) origin_ns: u64,
     /// The sync thread's state (see `sync`).
     pub(crate) sync: crate::sync::SyncState,
 }
@@ -670,21 +672,37 @@ impl Device for Raid1 {
         }
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
         let inner = &self.inner;
         let leg = inner
             .choose_read_leg(offset >> SECTOR_SHIFT, offset.saturating_add(len), 0)
             .and_then(|i| inner.legs[i].dev())
             .ok_or_else(|| eio("raid1: no readable leg"))?;
-        let mut v = leg.extents(offset + inner.data_offset, len, max)?;
-        for e in &mut v {
+        leg.extents_into(offset + inner.data_offset, len, max, out)?;
+        for e in out.iter_mut() {
             e.offset -= inner.data_offset;
         }
-        Ok(v)
+        Ok(())
     }
 }
 
 impl Inner {
+    /// The bitmap's time (since `origin_ns`): the coarse clock, as the block layer's
+    /// statistics read it ([`blk::stats::batch_ns`]: a write completing inline in a leg's
+    /// dispatch shares that batch's one read, instead of a precise clock read per write). Its
+    /// 1-4 ms resolution is far below the quiet period a chunk must stay clean before its bit
+    /// is cleared (`bitmap_quiet`, 10 ms in the tests, seconds in use); the daemon reads the
+    /// same clock, so the two never disagree by more than a tick.
+    pub(crate) fn bitmap_now(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(blk::stats::batch_ns().saturating_sub(self.origin_ns))
+    }
+
     pub(crate) fn is_degraded(&self) -> bool {
         self.legs.iter().any(|l| {
             let st = l.state.load(Ordering::Acquire);

@@ -66,8 +66,14 @@ impl Device for Flaky {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
-        self.inner.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::Extent>,
+    ) -> Result<(), Error> {
+        self.inner.extents_into(offset, len, max, out)
     }
 }
 
@@ -352,8 +358,14 @@ impl Device for Recorder {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
-        self.inner.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::Extent>,
+    ) -> Result<(), Error> {
+        self.inner.extents_into(offset, len, max, out)
     }
 }
 

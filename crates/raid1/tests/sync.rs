@@ -408,8 +408,14 @@ impl Device for BadWrites {
     fn limits(&self) -> Limits {
         self.inner.limits()
     }
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<blk::Extent>, Error> {
-        self.inner.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::Extent>,
+    ) -> Result<(), Error> {
+        self.inner.extents_into(offset, len, max, out)
     }
 }
 

@@ -57,14 +57,17 @@ pub trait Clock: Send + Sync {
 }
 
 /// The coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`: a few ns per read, a resolution of
-/// 1-4 ms, like the kernel's jiffies that mq-deadline's expiries are counted in).
+/// 1-4 ms, like the kernel's jiffies that mq-deadline's expiries are counted in), read through
+/// [`crate::stats::batch_ns`]: inside a dispatch the queue has opened a
+/// [`crate::stats::ClockBatch`] for, the scheduler's insert and dispatch share the batch's one
+/// read with its completions (its expiries, hundreds of ms, are far above the error).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MonotonicClock;
 
 impl Clock for MonotonicClock {
     #[inline]
     fn now_ns(&self) -> u64 {
-        crate::stats::coarse_ns()
+        crate::stats::batch_ns()
     }
 }
 

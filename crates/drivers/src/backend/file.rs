@@ -703,12 +703,18 @@ impl Backend for FileBackend {
         self.zero("write_zeroes", offset, len, may_unmap)
     }
 
-    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
         check_range("extents", offset, len, self.size)?;
         let end = offset + len;
-        let mut b = ExtentBuilder::new(offset, end, max_extents);
+        let mut b = ExtentBuilder::new(out, offset, end, max_extents);
         if len == 0 || max_extents == 0 {
-            return Ok(b.out);
+            return Ok(());
         }
         let mut pos = offset;
         while pos < end {
@@ -743,7 +749,7 @@ impl Backend for FileBackend {
             }
             pos = hole;
         }
-        Ok(b.out)
+        Ok(())
     }
 
     fn fast_zero(&self) -> bool {

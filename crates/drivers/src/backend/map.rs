@@ -543,12 +543,19 @@ impl Backend for MapBackend {
         self.zero_range("mem write_zeroes", offset, len, may_unmap)
     }
 
-    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
         check_range("mem extents", offset, len, self.size)?;
         if len == 0 || max_extents == 0 {
-            return Ok(Vec::new());
+            out.clear();
+            return Ok(());
         }
-        let mut b = ExtentBuilder::new(offset, offset + len, max_extents);
+        let mut b = ExtentBuilder::new(out, offset, offset + len, max_extents);
         self.for_regions(offset, len, |from, to| {
             let _g = self.stripe(from).read();
             let (first, end) = Self::pages(from, to);
@@ -563,7 +570,7 @@ impl Backend for MapBackend {
             }
             true
         });
-        Ok(b.out)
+        Ok(())
     }
 
     fn fast_zero(&self) -> bool {

@@ -261,15 +261,22 @@ impl Backend for MemBackend {
         self.zero_range("mem write_zeroes", offset, len, may_unmap)
     }
 
-    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()> {
         check_range("mem extents", offset, len, self.size)?;
         if len == 0 || max_extents == 0 {
-            return Ok(Vec::new());
+            out.clear();
+            return Ok(());
         }
         let end = offset + len;
         let first = offset >> PAGE_SHIFT;
         let last = (end - 1) >> PAGE_SHIFT;
-        let mut b = ExtentBuilder::new(offset, end, max_extents);
+        let mut b = ExtentBuilder::new(out, offset, end, max_extents);
         let span = last - first + 1;
         let allocated = self.allocated_pages.load(Ordering::Relaxed);
         if span <= allocated.saturating_mul(4).saturating_add(256) {
@@ -285,11 +292,11 @@ impl Backend for MemBackend {
             let mut next = first;
             for page in self.allocated_in(first, last) {
                 if page > next && !b.add(next << PAGE_SHIFT, page << PAGE_SHIFT, false) {
-                    return Ok(b.out);
+                    return Ok(());
                 }
                 let at = page << PAGE_SHIFT;
                 if !b.add(at, at + PAGE_SIZE as u64, true) {
-                    return Ok(b.out);
+                    return Ok(());
                 }
                 next = page + 1;
             }
@@ -297,7 +304,7 @@ impl Backend for MemBackend {
                 b.add(next << PAGE_SHIFT, (last + 1) << PAGE_SHIFT, false);
             }
         }
-        Ok(b.out)
+        Ok(())
     }
 
     fn fast_zero(&self) -> bool {
@@ -333,12 +340,13 @@ mod tests {
             m.write_at(p << PAGE_SHIFT, &[1], false).unwrap();
         }
         let walk = m.extents(100, (1 << 30) - 100, 100).unwrap();
-        let mut probe = ExtentBuilder::new(100, 1 << 30, 100);
+        let mut probed = Vec::new();
+        let mut probe = ExtentBuilder::new(&mut probed, 100, 1 << 30, 100);
         for page in 0..(1u64 << 18) {
             let at = page << PAGE_SHIFT;
             probe.add(at, at + 4096, m.is_allocated(page));
         }
-        assert_eq!(walk, probe.out);
+        assert_eq!(walk, probed);
         assert_eq!(walk.len(), 9);
     }
 }

@@ -71,8 +71,22 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// NO_HOLE), else it stays allocated.
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()>;
     /// The allocation map of `[offset, offset + len)`, in order, covering the range, merged
-    /// where neighbours agree; at most `max_extents` entries (the last may stop short).
-    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>>;
+    /// where neighbours agree; at most `max_extents` entries (the last may stop short). `out`
+    /// is cleared first; the request path reuses it, so a call allocates nothing once it has
+    /// room (except the `pages` store's walk over a mostly sparse range).
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> io::Result<()>;
+    /// [`Backend::extents_into`] into a new vector (tests and tools; allocates).
+    fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>> {
+        let mut out = Vec::new();
+        self.extents_into(offset, len, max_extents, &mut out)?;
+        Ok(out)
+    }
     /// Whether zeroing is fast (no data written), for NBD's FAST_ZERO.
     fn fast_zero(&self) -> bool;
 }
@@ -90,18 +104,19 @@ pub(crate) fn check_range(what: &str, offset: u64, len: u64, size: u64) -> io::R
 
 /// Accumulates an allocation map clipped to `[start, end)`, merging neighbours that agree,
 /// stopping at `max` extents.
-pub(crate) struct ExtentBuilder {
-    pub(crate) out: Vec<Extent>,
+pub(crate) struct ExtentBuilder<'a> {
+    out: &'a mut Vec<Extent>,
     max: usize,
     start: u64,
     end: u64,
 }
 
-impl ExtentBuilder {
-    /// An empty map of `[start, end)`, at most `max` extents.
-    pub(crate) fn new(start: u64, end: u64, max: usize) -> Self {
+impl<'a> ExtentBuilder<'a> {
+    /// An empty map of `[start, end)` in `out` (cleared here), at most `max` extents.
+    pub(crate) fn new(out: &'a mut Vec<Extent>, start: u64, end: u64, max: usize) -> Self {
+        out.clear();
         ExtentBuilder {
-            out: Vec::new(),
+            out,
             max,
             start,
             end,

@@ -569,8 +569,14 @@ impl Device for FaultDevice {
         self.handle.sh.inner.limits()
     }
 
-    fn extents(&self, offset: u64, len: u64, max: usize) -> Result<Vec<Extent>, Error> {
-        self.handle.sh.inner.extents(offset, len, max)
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.handle.sh.inner.extents_into(offset, len, max, out)
     }
 
     /// The inner queue's (what reached the device; injected failures count there only if

@@ -245,6 +245,9 @@ struct Connection<'a> {
     bios: Vec<Bio>,
     /// Bios of the write being read (`partial_write`), or being staged.
     write_bios: Vec<Bio>,
+    /// The device's extents for a block status or a sparse read, reused from request to
+    /// request (it grows to the largest map asked for, then allocates no more).
+    extents_buf: Vec<blk::Extent>,
     partial_write: Option<PartialWrite>,
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle and mid-request timeouts count from here.
@@ -360,6 +363,7 @@ impl<'a> Connection<'a> {
             spare_entries: Vec::with_capacity(tuning.slots),
             bios: Vec::with_capacity(tuning.slots),
             write_bios: Vec::new(),
+            extents_buf: Vec::new(),
             partial_write: None,
             last_recv: Instant::now(),
             stats: Stats::default(),

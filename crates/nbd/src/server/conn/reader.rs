@@ -372,16 +372,36 @@ impl<'a> Connection<'a> {
                 } else {
                     MAX_STATUS_EXTENTS
                 };
-                match self.device().extents(r.offset, r.length, max) {
-                    Ok(v) => entry.extents.extend(v.iter().map(nbd_extent)),
+                // Into the connection's reused vector, and then the entry's (recycled with it):
+                // both reserve the most this request's shape can need, so that they stop
+                // growing once warm, however fragmented the device becomes.
+                let bound = self.extent_bound(r.length, max);
+                let mut ext = std::mem::take(&mut self.extents_buf);
+                ext.clear();
+                ext.reserve(bound);
+                entry.extents.reserve(bound);
+                match self
+                    .device()
+                    .extents_into(r.offset, r.length, max, &mut ext)
+                {
+                    Ok(()) => entry.extents.extend(ext.iter().map(nbd_extent)),
                     Err(e) => entry.fail(Errno::from_errno(e.errno())),
                 }
+                self.extents_buf = ext;
                 self.staged.push(entry);
             }
             // Cache: nothing to prefetch in a block layer without a page cache.
             _ => self.staged.push(entry),
         }
         None
+    }
+
+    /// The most extents a map of `len` bytes can hold at the export's block size, capped at
+    /// `max`: what the extent vectors reserve before a map is asked for, so that their
+    /// capacity follows the shape of the requests and not the device's fragmentation at the
+    /// time (which could make them grow again long after warm-up).
+    fn extent_bound(&self, len: u64, max: usize) -> usize {
+        (len / self.min_block.max(1)).min(max as u64) as usize
     }
 
     fn bio_flags(r: &Request) -> BioFlags {
@@ -444,7 +464,15 @@ impl<'a> Connection<'a> {
             && self.export.export.sparse_reads;
         let mut at = r.offset;
         if sparse {
-            if let Ok(extents) = self.device().extents(r.offset, r.length, MAX_READ_EXTENTS) {
+            // The connection's reused vector, taken for the loop (which needs `&mut self`)
+            // and put back: no allocation once it has grown.
+            let mut extents = std::mem::take(&mut self.extents_buf);
+            extents.clear();
+            extents.reserve(self.extent_bound(r.length, MAX_READ_EXTENTS));
+            let found =
+                self.device()
+                    .extents_into(r.offset, r.length, MAX_READ_EXTENTS, &mut extents);
+            if found.is_ok() {
                 for e in &extents {
                     if e.offset != at || e.len == 0 {
                         break;
@@ -467,6 +495,7 @@ impl<'a> Connection<'a> {
                     }
                 }
             }
+            self.extents_buf = extents;
         }
         if at < end {
             self.add_read_data(&mut entry, at, end - at);

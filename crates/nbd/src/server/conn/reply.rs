@@ -261,8 +261,11 @@ impl Output {
         let start = self.headers.len();
         let req_one = entry.flags.contains(CmdFlags::REQ_ONE);
         let present = entry.extents.iter().filter(|e| e.length > 0);
+        // Reserve what the entry reserved (the request's bound, `reader.rs`), not what this
+        // map needs: the reused vectors then stop growing once warm.
         if mode == TransmissionMode::Extended {
             self.extents64.clear();
+            self.extents64.reserve(entry.extents.capacity());
             for e in present {
                 self.extents64.push(*e);
                 if req_one {
@@ -283,6 +286,7 @@ impl Output {
         } else {
             let cap = u64::from(u32::MAX / min_block * min_block);
             self.extents32.clear();
+            self.extents32.reserve(entry.extents.capacity());
             for e in present {
                 let len = e.length.min(cap);
                 self.extents32.push(Extent {
