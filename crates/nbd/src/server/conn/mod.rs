@@ -209,6 +209,10 @@ struct Connection<'a> {
     /// Bios of the write being read (`partial_write`), or being staged.
     write_bios: Vec<Bio>,
     partial_write: Option<PartialWrite>,
+    /// The last write staged was a large one (`reader.rs`, [`reader::BIG_WRITE`]): the next
+    /// reads ask the socket for less, so that the payloads that follow land in their own
+    /// buffers rather than in `recv_buf` (from which they would be copied once more).
+    big_writes: bool,
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle and mid-request timeouts count from here.
     last_recv: Instant,
@@ -321,6 +325,7 @@ impl<'a> Connection<'a> {
             bios: Vec::with_capacity(tuning.slots),
             write_bios: Vec::new(),
             partial_write: None,
+            big_writes: false,
             last_recv: Instant::now(),
             stats: Stats::default(),
             torn_down: false,
