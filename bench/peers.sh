@@ -48,8 +48,11 @@
 #   BACKENDS="mem file-shm file-disk"
 #   DISK_DIR=/var/tmp   where the file-disk images go (a real file system, not tmpfs)
 #   BLKQ=PATH     blkq binary (default: cargo build --release -p blkq, target/release/blkq)
-#   SERVERS="blkq nbdkit qemu-nbd nbd-server"   subset / order (blkq must stay for the ratio;
-#                 nbd-server serves the mem backend only)
+#   SERVERS="blkq nbdkit qemu-nbd"   subset / order (blkq must stay for the ratio); add
+#                 nbd-server for the mem backend (it serves no file backend here), at the cost
+#                 of a quarter more mem runs
+#   Duration: R=3 ROUNDS=2 with the defaults is 312 runs, about 22 minutes on the 2-vCPU box
+#   (a run costs R plus about a second: fio start, perf attach, bookkeeping)
 #   TRANSPORTS="unix tcp"
 #   MULTI=4       fio processes of the multi-process rows (0 leaves them out)
 #   QD_1M=8       iodepth of the 1 MiB rows
@@ -81,7 +84,7 @@ ROUNDS=${ROUNDS:-2}
 SIZE=${SIZE:-1G}
 BACKENDS=${BACKENDS:-"mem file-shm file-disk"}
 DISK_DIR=${DISK_DIR:-/var/tmp}
-SERVERS=${SERVERS:-"blkq nbdkit qemu-nbd nbd-server"}
+SERVERS=${SERVERS:-"blkq nbdkit qemu-nbd"}
 TRANSPORTS=${TRANSPORTS:-"unix tcp"}
 MULTI=${MULTI:-4}
 QD_1M=${QD_1M:-8}
@@ -100,7 +103,11 @@ die() {
   exit 1
 }
 
-for tool in fio nbdkit qemu-nbd nbd-server strace nbdinfo truncate "$PY"; do
+tools=(fio strace nbdinfo truncate "$PY")
+for s in $SERVERS; do
+  [[ $s == blkq ]] || tools+=("$s")
+done
+for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null ||
     die "missing $tool (apt-get install -y fio nbdkit qemu-utils nbd-server strace libnbd-bin)"
 done
@@ -109,7 +116,7 @@ fio --enghelp=nbd >/dev/null 2>&1 || die "this fio has no nbd engine"
 [[ " $SERVERS " == *" blkq "* ]] || die "SERVERS must include blkq (the ratios are blkq's)"
 if [[ " $BACKENDS " == *" file-disk "* ]]; then
   [[ -d $DISK_DIR && -w $DISK_DIR ]] || die "DISK_DIR=$DISK_DIR is not a writable directory"
-  DISK_FS=$(stat -f -c %T "$DISK_DIR")
+  DISK_FS=$(findmnt -n -o FSTYPE --target "$DISK_DIR" 2>/dev/null || stat -f -c %T "$DISK_DIR")
   [[ $DISK_FS != tmpfs ]] || die "DISK_DIR=$DISK_DIR is on tmpfs; file-disk needs a real file system"
 fi
 
@@ -418,9 +425,7 @@ for be in $BACKENDS; do
     done < <(workloads "$be")
   done
 done
-per_run=$((R + 1))
-[[ $PERF_OK == 1 ]] && per_run=$((R + 2))
-echo "peers.sh: $nruns runs of ${R}s ($ROUNDS rounds; about $((nruns * per_run / 60 + 1)) min plus prefills); raw results in $OUT" >&2
+echo "peers.sh: $nruns runs of ${R}s ($ROUNDS rounds; about $((nruns * (R + 1) / 60 + 1)) min plus prefills); raw results in $OUT" >&2
 
 for be in $BACKENDS; do
   read -r -a srvs <<<"$(servers_for "$be")"
@@ -483,9 +488,15 @@ echo
 echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); nproc: $(nproc); kernel $(uname -r);" \
   "CPU: $(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)"
 echo "- fio and the servers share the same $(nproc) vCPU(s), unpinned."
-echo "- $(fio --version); $("$BLKQ" --version) ($BLKQ_FROM);" \
-  "$(nbdkit --version | head -n 1); $(qemu-nbd --version | head -n 1);" \
-  "nbd-server $(nbd-server -V 2>&1 | awk '/version/{print $NF; exit}')"
+versions="$(fio --version); $("$BLKQ" --version) ($BLKQ_FROM)"
+for s in $SERVERS; do
+  case $s in
+    nbdkit) versions+="; $(nbdkit --version | head -n 1)" ;;
+    qemu-nbd) versions+="; $(qemu-nbd --version | head -n 1)" ;;
+    nbd-server) versions+="; nbd-server $(nbd-server -V 2>&1 | awk '/version/{print $NF; exit}')" ;;
+  esac
+done
+echo "- $versions"
 echo "- backends, $SIZE each, every server prefilled (1 MiB writes over the whole device):"
 for be in $BACKENDS; do
   case $be in
@@ -493,7 +504,8 @@ for be in $BACKENDS; do
       "/dev/shm (--aio=io_uring --cache=writeback); nbd-server file in /dev/shm" ;;
     file-shm) echo "  - file-shm: a raw image in /dev/shm (tmpfs) per server: blkq file:IMG;" \
       "qemu-nbd --aio=io_uring --cache=writeback; nbdkit file" ;;
-    file-disk) echo "  - file-disk: the same in $DISK_DIR ($DISK_FS), in the page cache after the prefill" ;;
+    file-disk) echo "  - file-disk: a raw image per server in $DISK_DIR ($DISK_FS), in the page cache" \
+      "after the prefill: blkq file:IMG; qemu-nbd --aio=io_uring --cache=writeback; nbdkit file" ;;
   esac
 done
 echo "- each cell: $ROUNDS round(s) of ${R}s per server, servers alternated within the cell" \
