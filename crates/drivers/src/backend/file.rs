@@ -586,7 +586,7 @@ impl FileBackend {
         if self.nowait_misses.load(Ordering::Relaxed) >= NOWAIT_SKIP_FROM {
             let n = self.nowait_skipped.load(Ordering::Relaxed).wrapping_add(1);
             self.nowait_skipped.store(n, Ordering::Relaxed);
-            if n % NOWAIT_RETRY_EVERY != 0 {
+            if !n.is_multiple_of(NOWAIT_RETRY_EVERY) {
                 return None;
             }
         }
