@@ -37,11 +37,15 @@
 //! - a read the page cache holds: one `preadv2(RWF_NOWAIT)` ([`FileBackend::read_nowait`]);
 //!   a miss (it would block) goes to the engine, and after a run of misses only one read in
 //!   32 is tried, so a cold cache costs few extra system calls;
-//! - a write or flush while the engine has nothing in flight (`Shared::in_engine` is 0): at
+//! - a write (not FUA) while the engine has nothing in flight (`Shared::in_engine` is 0): at
 //!   queue depth 1 the submitter would only wait for the reply anyway. A request that
-//!   arrives meanwhile waits for the write to finish, as it would behind a busy device.
+//!   arrives meanwhile waits for the write to finish, as it would behind a busy device; a
+//!   batch of writes runs inline one after the other (buffered writes to one file take the
+//!   inode's lock in the kernel, so the engine would run them one at a time as well).
 //!   Buffered writes cannot be tried with `RWF_NOWAIT` (ext4 and tmpfs refuse the flag for
-//!   them, `EOPNOTSUPP`), hence the in-flight test instead.
+//!   them, `EOPNOTSUPP`), hence the in-flight test instead. FUA writes and flushes wait on
+//!   the device (milliseconds on a disk, against microseconds for the hand-off) and go to
+//!   the engine, so the reader keeps receiving meanwhile.
 //!
 //! With `direct=1` reads and writes that go `O_DIRECT` are not tried inline (a direct read
 //! always waits on the device); the in-flight rule still applies to writes.
@@ -418,7 +422,15 @@ impl FileDriver {
                     None => Inline::Engine,
                 }
             }
-            Op::Write | Op::Flush if a.shared.in_engine.load(Ordering::Relaxed) == 0 => Inline::Run,
+            // Not a FUA write nor a flush: those wait on the device (milliseconds on a disk,
+            // against the few microseconds a hand-off costs), and the reader should go on
+            // receiving meanwhile.
+            Op::Write
+                if !bio.flags.contains(BioFlags::FUA)
+                    && a.shared.in_engine.load(Ordering::Relaxed) == 0 =>
+            {
+                Inline::Run
+            }
             _ => Inline::Engine,
         }
     }
