@@ -47,8 +47,9 @@
 //!   the device (milliseconds on a disk, against microseconds for the hand-off) and go to
 //!   the engine, so the reader keeps receiving meanwhile.
 //!
-//! With `direct=1` reads and writes that go `O_DIRECT` are not tried inline (a direct read
-//! always waits on the device); the in-flight rule still applies to writes.
+//! With `direct=1` neither reads nor writes are tried inline: a direct transfer always
+//! waits on the device, and a batch of them must be in the ring at once, not run one after
+//! the other on the submitter's thread.
 //!
 //! # The ring never fills
 //!
@@ -425,8 +426,11 @@ impl FileDriver {
             // Not a FUA write nor a flush: those wait on the device (milliseconds on a disk,
             // against the few microseconds a hand-off costs), and the reader should go on
             // receiving meanwhile.
+            // Nor with O_DIRECT: a batch of direct writes would wait on the device one after
+            // the other here, instead of all at once in the ring.
             Op::Write
                 if !bio.flags.contains(BioFlags::FUA)
+                    && !self.backend.is_direct()
                     && a.shared.in_engine.load(Ordering::Relaxed) == 0 =>
             {
                 Inline::Run
