@@ -1,61 +1,99 @@
 #!/usr/bin/env bash
-# Peers, side by side: the same fio nbd-engine load against `blkq serve` and three other NBD
-# servers, all memory-backed and of the same size, over a Unix socket and over TCP loopback.
+# Peers, side by side: the same fio nbd-engine load against `blkq serve` and the other NBD
+# servers, over a Unix socket and over TCP loopback, on three kinds of backend:
 #
-#   blkq        blkq serve --device mem:$SIZE
-#   nbdkit      nbdkit memory $SIZE allocator=malloc   (one flat allocation; blkq's mem: is a
-#               sparse page table, closer to nbdkit's default allocator=sparse, but that one
-#               was slower on 4k random reads here, 86k against 130k IOPS, so the faster one
-#               is the peer)
-#   qemu-nbd    qemu-nbd -f raw --cache=writeback --aio=io_uring -e 16 on a raw image in
-#               /dev/shm (qemu has no memory-backed block driver that keeps data: null-co
-#               discards writes and reads zeroes, so it would not do the work ours does;
-#               qemu-storage-daemon would run the same block layer on the same file;
-#               aio=io_uring beat the default aio=threads here)
-#   nbd-server  nbd-server (config file, max_threads 4, splice off: both the defaults; splice
-#               on was slower here) on a file in /dev/shm
+#   mem        blkq serve --device mem:$SIZE
+#              nbdkit memory $SIZE allocator=malloc   (one flat allocation; nbdkit's default
+#                          allocator=sparse was slower on 4k random reads here)
+#              qemu-nbd -f raw --cache=writeback --aio=io_uring -e 16 on a raw image in
+#                          /dev/shm (qemu has no memory block driver that keeps data; aio=io_uring
+#                          beat aio=threads here)
+#              nbd-server (config file, max_threads 4, splice off) on a file in /dev/shm
+#   file-shm   a raw image in /dev/shm (tmpfs), served by
+#              blkq serve --device file:IMG                (engine=auto: io_uring)
+#              qemu-nbd -f raw --cache=writeback --aio=io_uring -e 16 IMG
+#              nbdkit file IMG
+#   file-disk  the same on a real file system: a raw image in $DISK_DIR (default /var/tmp; the
+#              header of the output names the file system). Each server is prefilled, so the
+#              image is in the page cache: the VM-disk-with-writeback-cache case.
 #
-# Workloads: 4 KiB randread and randwrite at iodepth 1, 16 and 64 with 1 and 2 connections
-# (fio --numjobs=N: one connection per job), 1 MiB sequential read and write at iodepth 16 with
-# 1 connection; each R seconds, time-based. Every server instance is prefilled (1 MiB
-# sequential writes over the whole device) before its runs, so reads never hit unwritten
-# (sparse) space. Prints one markdown table (IOPS and p99 completion latency per server, and
-# blkq's IOPS over the best peer's), then syscalls per I/O for blkq and the best peer on 4K
-# randread, iodepth 64, 1 connection, Unix socket: strace -c -f on the server for a run, and on
-# fio itself in another, and (where perf can read the syscall tracepoints) perf stat on both in
-# a third, since strace slows the traced process enough to change its batching. IOPS in the
-# table come from runs with no tracing. Where the machine's CPU went during each run (server,
-# fio, anything else) is kept in results.tsv; runs disturbed by other work are run again.
+# Every server gets its own image of the same size (they lock their files), all servers of a
+# backend run at once (idle ones cost nothing) and each cell is measured ROUNDS times, the
+# servers alternated inside the cell and their order rotated from round to round, so drift on
+# the machine hits all of them alike. Per cell and server: the median IOPS and its spread
+# (max-min over median), the median p99 completion latency, the server's CPU time per I/O
+# (utime+stime of the server process over the run, from /proc, divided by the run's I/Os) and,
+# where perf can count the syscall tracepoints, the server's syscalls and context switches per
+# I/O (perf stat -p on the server, every run, all servers alike). Then blkq's IOPS over the best
+# peer's, and blkq's CPU per I/O over that peer's.
+#
+# Workloads (fio --ioengine=nbd, time-based, R seconds):
+#   4k randread and randwrite, 1 connection, iodepth 1, 16 and 64 (every backend)
+#   4k randread and randwrite, MULTI fio processes (fio --numjobs=MULTI: one process and one
+#      connection each; fio forks jobs unless --thread), iodepth 16 (mem only): a load
+#      generator that is not the bottleneck, as one fio process is at one connection
+#   1 MiB sequential read and write, 1 connection, iodepth QD_1M (every backend)
+#
+# Then (STRACE=1, mem over the Unix socket) syscalls per I/O of blkq and the best peer on 4k
+# randread iodepth 64 under strace -c -f and perf stat, server and fio.
 #
 # Needs (as root: apt-get install -y fio nbdkit qemu-utils nbd-server strace libnbd-bin):
-# fio with the nbd engine, nbdkit, qemu-nbd, nbd-server, strace, nbdinfo, /usr/bin/python3.
+# fio with the nbd engine, nbdkit, qemu-nbd, nbd-server, strace, nbdinfo, /usr/bin/python3;
+# perf (optional).
 #
 # Environment:
-#   R=5           seconds per run (RUNTIME is read too, as in bench/tables.sh)
+#   R=3           seconds per run (RUNTIME is read too, as in bench/tables.sh)
+#   ROUNDS=2      measurements per cell and server, interleaved
 #   SIZE=1G       backend size (all servers)
+#   BACKENDS="mem file-shm file-disk"
+#   DISK_DIR=/var/tmp   where the file-disk images go (a real file system, not tmpfs)
 #   BLKQ=PATH     blkq binary (default: cargo build --release -p blkq, target/release/blkq)
-#   SERVERS="blkq nbdkit qemu-nbd nbd-server"   subset / order (blkq must stay for the ratio)
+#   SERVERS="blkq nbdkit qemu-nbd"   subset / order (blkq must stay for the ratio); add
+#                 nbd-server for the mem backend (it serves no file backend here), at the cost
+#                 of a quarter more mem runs
+#   Duration: R=3 ROUNDS=2 with the defaults is 312 runs, about 22 minutes on the 2-vCPU box
+#   (a run costs R plus about a second: fio start, perf attach, bookkeeping)
 #   TRANSPORTS="unix tcp"
+#   MULTI=4       fio processes of the multi-process rows (0 leaves them out)
+#   QD_1M=8       iodepth of the 1 MiB rows
 #   TCP_QD16=1    0 drops iodepth 16 over TCP (to shorten the run)
-#   STRACE=1      0 skips the syscall measurement
-#   OTHER_MAX=0.25, RETRIES=2, RETRY_SLEEP=10: a run during which other processes (not the
+#   PERF=1        0: no perf stat on the servers (no syscall and context-switch columns)
+#   STRACE=1      0 skips the strace/perf syscall section at the end
+#   QUICK=1       a smoke run: R=1, ROUNDS=1, SIZE=256M, 4k qd1 and qd64, 1 MiB read and write,
+#                 MULTI rows with 2 processes, RETRIES=0, STRACE=0 (each overridable)
+#   OTHER_MAX=0.25, RETRIES=1, RETRY_SLEEP=5: a run during which other processes (not the
 #                 server, not fio) used more than OTHER_MAX cores is run again, up to RETRIES
 #                 times, RETRY_SLEEP seconds later, RETRY_BUDGET retries in all; a cell still
 #                 disturbed gets a * in the table
-#   OUT=DIR       where the raw results (fio JSON, strace/perf summaries, results.tsv) are kept
+#   OUT=DIR       where the raw results (fio JSON, perf/strace summaries, results.tsv) are kept
 #                 (default: a new /tmp/blkq-peers.XXXXXX)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-R=${R:-${RUNTIME:-5}}
+QUICK=${QUICK:-0}
+if [[ $QUICK == 1 ]]; then
+  R=${R:-${RUNTIME:-1}}
+  ROUNDS=${ROUNDS:-1}
+  SIZE=${SIZE:-256M}
+  MULTI=${MULTI:-2}
+  RETRIES=${RETRIES:-0}
+  STRACE=${STRACE:-0}
+fi
+R=${R:-${RUNTIME:-3}}
+ROUNDS=${ROUNDS:-2}
 SIZE=${SIZE:-1G}
-SERVERS=${SERVERS:-"blkq nbdkit qemu-nbd nbd-server"}
+BACKENDS=${BACKENDS:-"mem file-shm file-disk"}
+DISK_DIR=${DISK_DIR:-/var/tmp}
+SERVERS=${SERVERS:-"blkq nbdkit qemu-nbd"}
 TRANSPORTS=${TRANSPORTS:-"unix tcp"}
+MULTI=${MULTI:-4}
+QD_1M=${QD_1M:-8}
 TCP_QD16=${TCP_QD16:-1}
+PERF=${PERF:-1}
 STRACE=${STRACE:-1}
 OTHER_MAX=${OTHER_MAX:-0.25}
-RETRIES=${RETRIES:-2}
-RETRY_SLEEP=${RETRY_SLEEP:-10}
+RETRIES=${RETRIES:-1}
+RETRY_SLEEP=${RETRY_SLEEP:-5}
 RETRY_BUDGET=${RETRY_BUDGET:-20}
 PY=/usr/bin/python3
 HZ=$(getconf CLK_TCK)
@@ -65,12 +103,22 @@ die() {
   exit 1
 }
 
-for tool in fio nbdkit qemu-nbd nbd-server strace nbdinfo truncate "$PY"; do
+tools=(fio strace nbdinfo truncate "$PY")
+for s in $SERVERS; do
+  [[ $s == blkq ]] || tools+=("$s")
+done
+for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null ||
     die "missing $tool (apt-get install -y fio nbdkit qemu-utils nbd-server strace libnbd-bin)"
 done
 fio --enghelp=nbd >/dev/null 2>&1 || die "this fio has no nbd engine"
 [[ -d /dev/shm && -w /dev/shm ]] || die "/dev/shm (tmpfs) is needed for the image files"
+[[ " $SERVERS " == *" blkq "* ]] || die "SERVERS must include blkq (the ratios are blkq's)"
+if [[ " $BACKENDS " == *" file-disk "* ]]; then
+  [[ -d $DISK_DIR && -w $DISK_DIR ]] || die "DISK_DIR=$DISK_DIR is not a writable directory"
+  DISK_FS=$(findmnt -n -o FSTYPE --target "$DISK_DIR" 2>/dev/null || stat -f -c %T "$DISK_DIR")
+  [[ $DISK_FS != tmpfs ]] || die "DISK_DIR=$DISK_DIR is on tmpfs; file-disk needs a real file system"
+fi
 
 if [[ -z ${BLKQ:-} ]]; then
   cargo build --release -p blkq >&2
@@ -81,14 +129,24 @@ else
 fi
 [[ -x $BLKQ ]] || die "no blkq binary at $BLKQ"
 
-# Sockets, config files and image files: on tmpfs.
+# Sockets, config files and the tmpfs images: under WORK; the file-disk images: under DWORK.
 WORK=$(mktemp -d /dev/shm/blkq-peers.XXXXXX)
+DWORK=""
+if [[ " $BACKENDS " == *" file-disk "* ]]; then
+  DWORK=$(mktemp -d "$DISK_DIR/blkq-peers.XXXXXX")
+fi
 OUT=${OUT:-$(mktemp -d /tmp/blkq-peers.XXXXXX)}
 mkdir -p "$OUT"
 TSV=$OUT/results.tsv
 : >"$TSV"
 
-# Every process this script starts (servers, daemonized servers, strace), killed on exit.
+PERF_OK=0
+if [[ $PERF == 1 ]] && command -v perf >/dev/null &&
+  perf stat -x, -e raw_syscalls:sys_enter,context-switches -o /dev/null true 2>/dev/null; then
+  PERF_OK=1
+fi
+
+# Every process this script starts (servers, daemonized servers, perf, strace), killed on exit.
 PIDS=()
 cleanup() {
   local rc=$? pid
@@ -103,6 +161,7 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
   done
   rm -rf "$WORK"
+  [[ -n $DWORK ]] && rm -rf "$DWORK"
   if [[ $rc -ne 0 ]]; then
     echo "peers.sh: failed (exit $rc); logs and raw results in $OUT" >&2
   fi
@@ -116,8 +175,7 @@ free_port() {
   "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-# alive PID: the process exists and is not a zombie (a daemon reparented to a PID 1 that does
-# not reap stays a zombie).
+# alive PID: the process exists and is not a zombie.
 alive() {
   [[ -r /proc/$1/stat ]] || return 1
   local state
@@ -125,46 +183,70 @@ alive() {
   [[ $state != Z && $state != X ]]
 }
 
-# start_server NAME TRANSPORT: starts NAME serving $SIZE on TRANSPORT (unix|tcp); sets SPID
-# (the process serving) and URI; returns once an NBD client completes a handshake.
+# servers_for BACKEND: the servers of $SERVERS that serve BACKEND, in $SERVERS order.
+servers_for() {
+  local s out=()
+  for s in $SERVERS; do
+    case $1:$s in
+      mem:blkq | mem:nbdkit | mem:qemu-nbd | mem:nbd-server) out+=("$s") ;;
+      file-*:blkq | file-*:nbdkit | file-*:qemu-nbd) out+=("$s") ;;
+    esac
+  done
+  echo "${out[@]}"
+}
+
+# image BACKEND NAME: a fresh sparse image of $SIZE for server NAME; prints its path.
+image() {
+  local dir=$WORK
+  [[ $1 == file-disk ]] && dir=$DWORK
+  rm -f "$dir/$2.img"
+  truncate -s "$SIZE" "$dir/$2.img"
+  echo "$dir/$2.img"
+}
+
+# start_server NAME TRANSPORT BACKEND: starts NAME serving on TRANSPORT (unix|tcp); sets
+# SPIDS[NAME] (the process serving) and URIS[NAME]; returns once an NBD client completes a
+# handshake.
+declare -A SPIDS URIS
 start_server() {
-  local name=$1 tr=$2 port="" sock="$WORK/$1.sock" log="$OUT/$1-$2.log"
+  local name=$1 tr=$2 be=$3 port="" sock="$WORK/$1.sock" log="$OUT/$1-$2-$3.log" img="" spid
+  local export=""
   rm -f "$sock"
   [[ $tr == tcp ]] && port=$(free_port)
+  local listen_blkq=(--no-tcp --socket "$sock") listen_nbdkit=(-U "$sock")
+  local listen_qemu=(-k "$sock")
+  if [[ $tr == tcp ]]; then
+    listen_blkq=(--no-unix --listen "127.0.0.1:$port")
+    listen_nbdkit=(-i 127.0.0.1 -p "$port")
+    listen_qemu=(-b 127.0.0.1 -p "$port")
+  fi
   case $name in
     blkq)
-      if [[ $tr == unix ]]; then
-        "$BLKQ" serve --device "mem:$SIZE" --no-tcp --socket "$sock" >"$log" 2>&1 &
-      else
-        "$BLKQ" serve --device "mem:$SIZE" --no-unix --listen "127.0.0.1:$port" >"$log" 2>&1 &
+      local dev="mem:$SIZE"
+      if [[ $be != mem ]]; then
+        img=$(image "$be" blkq)
+        dev="file:$img"
       fi
-      SPID=$!
-      EXPORT=""
+      "$BLKQ" serve --device "$dev" "${listen_blkq[@]}" >"$log" 2>&1 &
+      spid=$!
       ;;
     nbdkit)
-      if [[ $tr == unix ]]; then
-        nbdkit -f -U "$sock" memory "$SIZE" allocator=malloc >"$log" 2>&1 &
+      if [[ $be == mem ]]; then
+        nbdkit -f "${listen_nbdkit[@]}" memory "$SIZE" allocator=malloc >"$log" 2>&1 &
       else
-        nbdkit -f -i 127.0.0.1 -p "$port" memory "$SIZE" allocator=malloc >"$log" 2>&1 &
+        img=$(image "$be" nbdkit)
+        nbdkit -f "${listen_nbdkit[@]}" file "$img" >"$log" 2>&1 &
       fi
-      SPID=$!
-      EXPORT=""
+      spid=$!
       ;;
     qemu-nbd)
-      rm -f "$WORK/qemu.img"
-      truncate -s "$SIZE" "$WORK/qemu.img"
-      local qargs=(-f raw -t -e 16 --cache=writeback --aio=io_uring)
-      if [[ $tr == unix ]]; then
-        qemu-nbd "${qargs[@]}" -k "$sock" "$WORK/qemu.img" >"$log" 2>&1 &
-      else
-        qemu-nbd "${qargs[@]}" -b 127.0.0.1 -p "$port" "$WORK/qemu.img" >"$log" 2>&1 &
-      fi
-      SPID=$!
-      EXPORT=""
+      img=$(image "$be" qemu-nbd)
+      qemu-nbd -f raw -t -e 16 --cache=writeback --aio=io_uring "${listen_qemu[@]}" "$img" >"$log" 2>&1 &
+      spid=$!
       ;;
     nbd-server)
-      rm -f "$WORK/nbd-server.img" "$WORK/nbd-server.pid"
-      truncate -s "$SIZE" "$WORK/nbd-server.img"
+      img=$(image "$be" nbd-server)
+      rm -f "$WORK/nbd-server.pid"
       {
         echo "[generic]"
         if [[ $tr == unix ]]; then
@@ -175,7 +257,7 @@ start_server() {
         fi
         echo "    max_threads = 4"
         echo "[disk]"
-        echo "    exportname = $WORK/nbd-server.img"
+        echo "    exportname = $img"
       } >"$WORK/nbd-server.conf"
       # It daemonizes: the pid that serves is the one in the pid file.
       nbd-server -C "$WORK/nbd-server.conf" -p "$WORK/nbd-server.pid" >"$log" 2>&1 ||
@@ -185,45 +267,46 @@ start_server() {
         sleep 0.05
       done
       [[ -s $WORK/nbd-server.pid ]] || die "nbd-server wrote no pid file"
-      SPID=$(cat "$WORK/nbd-server.pid")
-      EXPORT="disk"
+      spid=$(cat "$WORK/nbd-server.pid")
+      export="disk"
       ;;
     *) die "unknown server $name" ;;
   esac
-  PIDS+=("$SPID")
+  PIDS+=("$spid")
+  SPIDS[$name]=$spid
   if [[ $tr == unix ]]; then
-    URI="nbd+unix:///$EXPORT?socket=$sock"
+    URIS[$name]="nbd+unix:///$export?socket=$sock"
   else
-    URI="nbd://127.0.0.1:$port/$EXPORT"
+    URIS[$name]="nbd://127.0.0.1:$port/$export"
   fi
   for _ in $(seq 1 200); do
-    if nbdinfo --size "$URI" >/dev/null 2>&1; then
+    if nbdinfo --size "${URIS[$name]}" >/dev/null 2>&1; then
       return 0
     fi
-    alive "$SPID" || die "$name ($tr) exited at start: $(tail -n 20 "$log")"
+    alive "$spid" || die "$name ($tr, $be) exited at start: $(tail -n 20 "$log")"
     sleep 0.05
   done
-  die "$name ($tr) did not accept connections on $URI in 10 s"
+  die "$name ($tr, $be) did not accept connections on ${URIS[$name]} in 10 s"
 }
 
 stop_server() {
-  pkill -TERM -P "$SPID" 2>/dev/null || true
-  kill -TERM "$SPID" 2>/dev/null || true
+  local spid=${SPIDS[$1]}
+  pkill -TERM -P "$spid" 2>/dev/null || true
+  kill -TERM "$spid" 2>/dev/null || true
   for _ in $(seq 1 50); do
-    alive "$SPID" || break
+    alive "$spid" || break
     sleep 0.1
   done
-  if alive "$SPID"; then
-    pkill -KILL -P "$SPID" 2>/dev/null || true
-    kill -KILL "$SPID" 2>/dev/null || true
+  if alive "$spid"; then
+    pkill -KILL -P "$spid" 2>/dev/null || true
+    kill -KILL "$spid" 2>/dev/null || true
   fi
-  wait "$SPID" 2>/dev/null || true
-  rm -f "$WORK/qemu.img" "$WORK/nbd-server.img"
+  wait "$spid" 2>/dev/null || true
 }
 
 prefill() {
-  fio --name=prefill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=16 \
-    --output="$OUT/prefill.txt" >/dev/null || die "prefill of $URI failed: $(cat "$OUT/prefill.txt")"
+  fio --name=prefill --ioengine=nbd --uri="$1" --rw=write --bs=1M --iodepth=16 \
+    --output="$OUT/prefill.txt" >/dev/null || die "prefill of $1 failed: $(cat "$OUT/prefill.txt")"
 }
 
 # "BUSY TASK TOTAL" jiffies of the whole machine (/proc/stat): BUSY is all but idle, iowait
@@ -232,8 +315,9 @@ cpu_jiffies() {
   awk '/^cpu /{task=$2+$3+$4; busy=task+$7+$8; print busy, task, busy+$5+$6+$9; exit}' /proc/stat
 }
 
-# CPU ticks (utime+stime, and those of reaped children) of the server and of its live child
-# processes (nbd-server forks one per connection).
+# CPU ticks (utime+stime, and those of reaped children) of the server SPID and of its live
+# child processes (nbd-server forks one per connection). Threads that ended (blkq's connection
+# threads end with the connection) stay counted in the process's utime+stime.
 server_ticks() {
   local p
   for p in "$SPID" $(pgrep -P "$SPID" 2>/dev/null); do
@@ -242,15 +326,14 @@ server_ticks() {
 }
 
 # child_ms VAR: sets VAR to the CPU milliseconds of this shell's reaped children (fio and what
-# it forks), from `times`, which must run in this shell: in a pipe or $(...) it would run in a
-# fresh subshell, which has no children.
+# it forks), from `times`, which must run in this shell.
 child_ms() {
   times >"$WORK/times"
   read -r "$1" < <(awk 'NR == 2 {split($1, u, /[ms]/); split($2, k, /[ms]/)
     printf "%d\n", (u[1] * 60 + u[2] + k[1] * 60 + k[2]) * 1000}' "$WORK/times")
 }
 
-# fio_run JSON RW BS QD JOBS [extra args]: one time-based run.
+# fio_run JSON RW BS QD JOBS [extra args]: one time-based run against $URI.
 fio_run() {
   local json=$1 rw=$2 bs=$3 qd=$4 jobs=$5
   shift 5
@@ -259,25 +342,41 @@ fio_run() {
     --randrepeat=0 --output-format=json --output="$json" "$@" >/dev/null 2>"$json.err"
 }
 
-# measure JSON RW BS QD JOBS: one run (fio_run), and where the machine's CPU went during it;
-# sets BUSY (all cores busy), SRV (the server), FIOC (fio, all its processes) and OTHER (the
-# rest of what processes used: anything else running on the machine), in cores.
+# measure JSON RW BS QD JOBS: one run (fio_run) against $URI served by $SPID, with perf stat
+# on the server when PERF_OK; sets BUSY (all cores busy), SRV (the server), FIOC (fio, all its
+# processes) and OTHER (the rest of what processes used), in cores; STICKS (server CPU ticks);
+# NSYS and NCTX (server syscalls and context switches, NA without perf).
 measure() {
-  local b0 k0 t0 b1 k1 t1 s0 s1 f0 f1
+  local b0 k0 t0 b1 k1 t1 s0 s1 f0 f1 ppid="" pf="$1.perf"
+  if [[ $PERF_OK == 1 ]]; then
+    perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$SPID" -o "$pf" 2>/dev/null &
+    ppid=$!
+    sleep 0.2 # perf attaches
+  fi
   read -r b0 k0 t0 < <(cpu_jiffies)
   s0=$(server_ticks)
   child_ms f0
-  fio_run "$@" || return 1
+  local ok=1
+  fio_run "$@" || ok=0
   child_ms f1
   sleep 0.05 # nbd-server reaps its connection's process
   s1=$(server_ticks)
   read -r b1 k1 t1 < <(cpu_jiffies)
+  NSYS=NA NCTX=NA
+  if [[ -n $ppid ]]; then
+    kill -INT "$ppid" 2>/dev/null || true
+    wait "$ppid" 2>/dev/null || true
+    read -r NSYS NCTX < <(awk -F, '$3 == "raw_syscalls:sys_enter" {s = $1}
+      $3 == "context-switches" {c = $1} END {print (s == "" ? "NA" : s), (c == "" ? "NA" : c)}' "$pf")
+  fi
+  STICKS=$((s1 - s0))
   read -r BUSY SRV FIOC OTHER < <(awk -v b=$((b1 - b0)) -v k=$((k1 - k0)) -v t=$((t1 - t0)) \
     -v s=$((s1 - s0)) -v f=$((f1 - f0)) -v n="$(nproc)" -v hz="$HZ" 'BEGIN {
       w = t / n; if (w <= 0) w = 1
       f = f * hz / 1000
       o = k / w - s / w - f / w; if (o < 0) o = 0
       printf "%.2f %.2f %.2f %.2f\n", b / w, s / w, f / w, o }')
+  [[ $ok == 1 ]]
 }
 
 # fio_stats JSON: "IOPS P99_US TOTAL_IOS FIO_CORES" of the run (reads plus writes; FIO_CORES:
@@ -298,58 +397,88 @@ print(f"{iops:.0f} {p99:.1f} {ios:.0f} {(j['usr_cpu'] + j['sys_cpu']) / 100:.2f}
 EOF
 }
 
-WORKLOADS=() # "label rw bs qd conns"
-for rw in randread randwrite; do
-  for conns in 1 2; do
-    for qd in 1 16 64; do
-      WORKLOADS+=("4k_$rw $rw 4k $qd $conns")
+# workloads BACKEND: "label rw bs qd conns" lines.
+workloads() {
+  local rw qd
+  local qds="1 16 64"
+  [[ $QUICK == 1 ]] && qds="1 64"
+  for rw in randread randwrite; do
+    for qd in $qds; do
+      echo "4k_$rw $rw 4k $qd 1"
     done
+    if [[ $1 == mem && $MULTI -gt 0 ]]; then
+      echo "4k_$rw $rw 4k 16 $MULTI"
+    fi
   done
-done
-WORKLOADS+=("1M_read read 1M 16 1" "1M_write write 1M 16 1")
+  echo "1M_read read 1M $QD_1M 1"
+  echo "1M_write write 1M $QD_1M 1"
+}
 
+# Estimated duration.
 nruns=0
-for tr in $TRANSPORTS; do
-  for w in "${WORKLOADS[@]}"; do
-    read -r _ _ _ qd _ <<<"$w"
-    [[ $tr == tcp && $TCP_QD16 == 0 && $qd == 16 ]] && continue
-    nruns=$((nruns + 1))
+for be in $BACKENDS; do
+  nsrv=$(wc -w <<<"$(servers_for "$be")")
+  for tr in $TRANSPORTS; do
+    while read -r _ _ _ qd _; do
+      [[ $tr == tcp && $TCP_QD16 == 0 && $qd == 16 ]] && continue
+      nruns=$((nruns + nsrv * ROUNDS))
+    done < <(workloads "$be")
   done
 done
-nservers=$(wc -w <<<"$SERVERS")
-echo "peers.sh: $((nruns * nservers)) runs of ${R}s (about $((nruns * nservers * (R + 1) / 60 + 1)) min); raw results in $OUT" >&2
+echo "peers.sh: $nruns runs of ${R}s ($ROUNDS rounds; about $((nruns * (R + 1) / 60 + 1)) min plus prefills); raw results in $OUT" >&2
 
-for tr in $TRANSPORTS; do
-  for s in $SERVERS; do
-    start_server "$s" "$tr"
-    prefill
-    for w in "${WORKLOADS[@]}"; do
+for be in $BACKENDS; do
+  read -r -a srvs <<<"$(servers_for "$be")"
+  for tr in $TRANSPORTS; do
+    for s in "${srvs[@]}"; do
+      start_server "$s" "$tr" "$be"
+      prefill "${URIS[$s]}"
+    done
+    mapfile -t wls < <(workloads "$be")
+    for w in "${wls[@]}"; do
       read -r label rw bs qd conns <<<"$w"
       [[ $tr == tcp && $TCP_QD16 == 0 && $qd == 16 ]] && continue
-      json="$OUT/$s-$tr-$label-c$conns-qd$qd.json"
-      # A run during which something else took more than OTHER_MAX cores (a build, say) is
-      # run again, up to RETRIES times; a cell still disturbed is starred in the table.
-      try=0
-      while :; do
-        if measure "$json" "$rw" "$bs" "$qd" "$conns"; then
-          read -r iops p99 ios fcpu < <(fio_stats "$json")
-        else
-          echo "peers.sh: fio failed against $s ($tr, $label c$conns qd$qd): $(tail -n 3 "$json.err")" >&2
-          iops=NA p99=NA ios=NA fcpu=NA BUSY=NA SRV=NA FIOC=NA OTHER=0
-        fi
-        printf '  %-10s %-4s %-13s c%s qd%-2s %8s IOPS  p99 %8s us  cores: busy %s, server %s, fio %s (%s/job), other %s\n' \
-          "$s" "$tr" "$label" "$conns" "$qd" "$iops" "$p99" "$BUSY" "$SRV" "$FIOC" "$fcpu" "$OTHER" >&2
-        awk -v o="$OTHER" -v m="$OTHER_MAX" 'BEGIN {exit !(o > m)}' || break
-        try=$((try + 1))
-        [[ $try -le $RETRIES && $RETRY_BUDGET -gt 0 ]] || break
-        RETRY_BUDGET=$((RETRY_BUDGET - 1))
-        echo "  (something else used $OTHER cores: again in ${RETRY_SLEEP}s)" >&2
-        sleep "$RETRY_SLEEP"
+      for round in $(seq 1 "$ROUNDS"); do
+        # Servers alternated inside the cell, their order rotated each round.
+        n=${#srvs[@]}
+        for i in $(seq 0 $((n - 1))); do
+          s=${srvs[$(((i + round - 1) % n))]}
+          SPID=${SPIDS[$s]} URI=${URIS[$s]}
+          json="$OUT/$be-$s-$tr-$label-c$conns-qd$qd-r$round.json"
+          try=0
+          while :; do
+            if measure "$json" "$rw" "$bs" "$qd" "$conns"; then
+              read -r iops p99 ios fcpu < <(fio_stats "$json")
+            else
+              echo "peers.sh: fio failed against $s ($be, $tr, $label c$conns qd$qd): $(tail -n 3 "$json.err")" >&2
+              iops=NA p99=NA ios=NA fcpu=NA BUSY=NA SRV=NA FIOC=NA OTHER=0
+            fi
+            cpu_io=NA sys_io=NA ctx_io=NA
+            if [[ $ios != NA && $ios != 0 ]]; then
+              cpu_io=$(awk -v t="$STICKS" -v hz="$HZ" -v n="$ios" 'BEGIN {printf "%.2f", t * 1e6 / hz / n}')
+              [[ $NSYS != NA ]] && sys_io=$(awk -v c="$NSYS" -v n="$ios" 'BEGIN {printf "%.2f", c / n}')
+              [[ $NCTX != NA ]] && ctx_io=$(awk -v c="$NCTX" -v n="$ios" 'BEGIN {printf "%.2f", c / n}')
+            fi
+            printf '  %-9s %-10s %-4s %-13s c%s qd%-2s r%s %8s IOPS  p99 %8s us  server %s us/IO, %s syscalls/IO, %s ctxsw/IO; cores: busy %s, server %s, fio %s, other %s\n' \
+              "$be" "$s" "$tr" "$label" "$conns" "$qd" "$round" "$iops" "$p99" "$cpu_io" "$sys_io" "$ctx_io" "$BUSY" "$SRV" "$FIOC" "$OTHER" >&2
+            awk -v o="$OTHER" -v m="$OTHER_MAX" 'BEGIN {exit !(o > m)}' || break
+            try=$((try + 1))
+            [[ $try -le $RETRIES && $RETRY_BUDGET -gt 0 ]] || break
+            RETRY_BUDGET=$((RETRY_BUDGET - 1))
+            echo "  (something else used $OTHER cores: again in ${RETRY_SLEEP}s)" >&2
+            sleep "$RETRY_SLEEP"
+          done
+          printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' \
+            "$be" "$label" "$tr" "$conns" "$qd" "$s" "$round" "$iops" "$p99" "$ios" "$BUSY" \
+            "$fcpu" "$SRV" "$OTHER" "$FIOC" "$cpu_io" "$sys_io" "$ctx_io" >>"$TSV"
+        done
       done
-      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$label" "$tr" "$conns" \
-        "$qd" "$s" "$iops" "$p99" "$ios" "$BUSY" "$fcpu" "$SRV" "$OTHER" "$FIOC" >>"$TSV"
     done
-    stop_server
+    for s in "${srvs[@]}"; do
+      stop_server "$s"
+    done
+    rm -f "$WORK"/*.img
+    [[ -n $DWORK ]] && rm -f "$DWORK"/*.img
   done
 done
 
@@ -358,73 +487,118 @@ echo "## blkq serve and its peers, side by side"
 echo
 echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC'); nproc: $(nproc); kernel $(uname -r);" \
   "CPU: $(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)"
-echo "- fio and the server share the same $(nproc) vCPU(s), unpinned: with 2 connections fio" \
-  "runs 2 job processes, which compete with the server's threads for the cores."
-echo "- $(fio --version); $("$BLKQ" --version) ($BLKQ_FROM);" \
-  "$(nbdkit --version | head -n 1); $(qemu-nbd --version | head -n 1);" \
-  "nbd-server $(nbd-server -V 2>&1 | awk '/version/{print $NF; exit}')"
-echo "- backend: $SIZE, memory-backed: blkq mem:$SIZE; nbdkit memory allocator=malloc;" \
-  "qemu-nbd raw image in /dev/shm (--aio=io_uring --cache=writeback); nbd-server file in /dev/shm;" \
-  "each prefilled before its runs"
-echo "- each cell: one time-based run of ${R}s; fio --ioengine=nbd --numjobs=conns" \
-  "--group_reporting --norandommap; IOPS, and p99 completion latency (clat) in us"
+echo "- fio and the servers share the same $(nproc) vCPU(s), unpinned."
+versions="$(fio --version); $("$BLKQ" --version) ($BLKQ_FROM)"
+for s in $SERVERS; do
+  case $s in
+    nbdkit) versions+="; $(nbdkit --version | head -n 1)" ;;
+    qemu-nbd) versions+="; $(qemu-nbd --version | head -n 1)" ;;
+    nbd-server) versions+="; nbd-server $(nbd-server -V 2>&1 | awk '/version/{print $NF; exit}')" ;;
+  esac
+done
+echo "- $versions"
+echo "- backends, $SIZE each, every server prefilled (1 MiB writes over the whole device):"
+for be in $BACKENDS; do
+  case $be in
+    mem) echo "  - mem: blkq mem:$SIZE; nbdkit memory allocator=malloc; qemu-nbd raw image in" \
+      "/dev/shm (--aio=io_uring --cache=writeback); nbd-server file in /dev/shm" ;;
+    file-shm) echo "  - file-shm: a raw image in /dev/shm (tmpfs) per server: blkq file:IMG;" \
+      "qemu-nbd --aio=io_uring --cache=writeback; nbdkit file" ;;
+    file-disk) echo "  - file-disk: a raw image per server in $DISK_DIR ($DISK_FS), in the page cache" \
+      "after the prefill: blkq file:IMG; qemu-nbd --aio=io_uring --cache=writeback; nbdkit file" ;;
+  esac
+done
+echo "- each cell: $ROUNDS round(s) of ${R}s per server, servers alternated within the cell" \
+  "(order rotated per round); fio --ioengine=nbd --numjobs=conns (one process and one" \
+  "connection per job) --group_reporting --norandommap"
+echo "- per server: median IOPS (spread: max-min over the median) / median p99 completion" \
+  "latency (clat) in us / server CPU us per I/O (utime+stime over the run)$([[ $PERF_OK == 1 ]] && echo " / server syscalls per I/O (perf stat)")"
+echo "- last columns: blkq's median IOPS over the best peer's, and blkq's CPU per I/O over" \
+  "that peer's (below 1: blkq spends less)"
 echo "- \\* : other processes (not the server, not fio) used more than $OTHER_MAX cores during" \
-  "that run, even after retrying (up to $RETRIES times)"
+  "a run of that cell, even after retrying"
 [[ $TCP_QD16 == 0 ]] && echo "- iodepth 16 over TCP was left out (TCP_QD16=0)"
 echo
 
-"$PY" - "$TSV" "$SERVERS" "$OTHER_MAX" <<'EOF'
-import sys
+"$PY" - "$TSV" "$SERVERS" "$OTHER_MAX" "$PERF_OK" <<'EOF'
+import statistics, sys
 rows, order = {}, []
 servers = sys.argv[2].split()
+other_max = float(sys.argv[3])
+perf = sys.argv[4] == "1"
 for line in open(sys.argv[1]):
-    label, tr, conns, qd, srv, iops, p99, ios, busy, fcpu, scpu, other, fioc = line.rstrip("\n").split("\t")
-    key = (label, tr, conns, qd)
+    (be, label, tr, conns, qd, srv, rnd, iops, p99, ios, busy, fcpu, scpu, other, fioc,
+     cpu_io, sys_io, ctx_io) = line.rstrip("\n").split("\t")
+    key = (be, label, tr, conns, qd)
     if key not in rows:
         rows[key] = {}
         order.append(key)
-    rows[key][srv] = (iops, p99, float(other) > float(sys.argv[3]))
+    r = rows[key].setdefault(srv, {"iops": [], "p99": [], "cpu": [], "sys": [], "dirty": False})
+    for k, v in (("iops", iops), ("p99", p99), ("cpu", cpu_io), ("sys", sys_io)):
+        if v != "NA":
+            r[k].append(float(v))
+    r["dirty"] |= float(other) > other_max
 
-def fmt_iops(v):
-    return v if v == "NA" else f"{float(v):,.0f}"
+def med(v):
+    return statistics.median(v) if v else None
 
-def fmt_p99(v):
-    return v if v == "NA" else f"{float(v):,.0f}"
+def cell(r):
+    if r is None or not r["iops"]:
+        return "NA"
+    m = med(r["iops"])
+    spread = (max(r["iops"]) - min(r["iops"])) / m * 100 if m > 0 and len(r["iops"]) > 1 else 0
+    s = f"{m:,.0f}" + (f" ±{spread / 2:.0f}%" if len(r["iops"]) > 1 else "")
+    s += "*" if r["dirty"] else ""
+    s += f" / {med(r['p99']):,.0f}" if r["p99"] else " / NA"
+    s += f" / {med(r['cpu']):.1f}" if r["cpu"] else " / NA"
+    if perf:
+        s += f" / {med(r['sys']):.2f}" if r["sys"] else " / NA"
+    return s
 
-head = ["workload", "transport", "conns", "iodepth"]
-for s in servers:
-    head += [f"{s} IOPS", f"{s} p99 us"]
-head.append("blkq / best peer")
-print("| " + " | ".join(head) + " |")
-print("|" + "|".join(["---"] * 4 + ["--:"] * (len(head) - 4)) + "|")
+backends = []
 for key in order:
-    label, tr, conns, qd = key
-    r = rows[key]
-    cells = [label.replace("_", " "), tr, conns, qd]
-    for s in servers:
-        iops, p99, dirty = r.get(s, ("NA", "NA", False))
-        cells += [fmt_iops(iops) + ("*" if dirty else ""), fmt_p99(p99)]
-    peers = [(float(r[s][0]), s) for s in servers if s != "blkq" and s in r and r[s][0] != "NA"]
-    if peers and "blkq" in r and r["blkq"][0] != "NA":
-        best, who = max(peers)
-        cells.append(f"{float(r['blkq'][0]) / best:.2f} ({who})" if best > 0 else "NA")
-    else:
-        cells.append("NA")
-    print("| " + " | ".join(cells) + " |")
+    if key[0] not in backends:
+        backends.append(key[0])
+for be in backends:
+    present = [s for s in servers if any(s in rows[k] for k in order if k[0] == be)]
+    print(f"### backend {be}")
+    print()
+    unit = "IOPS / p99 us / CPU us per I/O" + (" / syscalls per I/O" if perf else "")
+    head = ["workload", "transport", "conns", "iodepth"] + [f"{s} ({unit})" for s in present]
+    head += ["blkq / best peer IOPS", "blkq / that peer CPU per I/O"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(["---"] * 4 + ["--:"] * (len(head) - 4)) + "|")
+    for key in order:
+        if key[0] != be:
+            continue
+        _, label, tr, conns, qd = key
+        r = rows[key]
+        cells = [label.replace("_", " "), tr, conns, qd] + [cell(r.get(s)) for s in present]
+        peers = [(med(r[s]["iops"]), s) for s in present if s != "blkq" and s in r and r[s]["iops"]]
+        b = r.get("blkq")
+        if peers and b and b["iops"]:
+            best, who = max(peers)
+            cells.append(f"{med(b['iops']) / best:.2f} ({who})" if best > 0 else "NA")
+            pc, bc = med(r[who]["cpu"]), med(b["cpu"])
+            cells.append(f"{bc / pc:.2f}" if pc and bc is not None else "NA")
+        else:
+            cells += ["NA", "NA"]
+        print("| " + " | ".join(cells) + " |")
+    print()
 EOF
 
 [[ $STRACE == 1 ]] || exit 0
-[[ " $TRANSPORTS " == *" unix "* ]] || exit 0
+[[ " $TRANSPORTS " == *" unix "* && " $BACKENDS " == *" mem "* ]] || exit 0
 
-# Syscalls per I/O on one representative workload.
+# Syscalls per I/O on one representative workload, under strace as well.
 best=$("$PY" - "$TSV" <<'EOF'
-import sys
-best = (-1.0, "")
+import statistics, sys
+v = {}
 for line in open(sys.argv[1]):
-    label, tr, conns, qd, srv, iops, *_ = line.rstrip("\n").split("\t")
-    if (label, tr, conns, qd) == ("4k_randread", "unix", "1", "64") and srv != "blkq" and iops != "NA":
-        best = max(best, (float(iops), srv))
-print(best[1])
+    be, label, tr, conns, qd, srv, rnd, iops, *_ = line.rstrip("\n").split("\t")
+    if (be, label, tr, conns, qd) == ("mem", "4k_randread", "unix", "1", "64") and srv != "blkq" and iops != "NA":
+        v.setdefault(srv, []).append(float(iops))
+print(max(((statistics.median(x), s) for s, x in v.items()), default=(0, ""))[1])
 EOF
 )
 
@@ -473,28 +647,26 @@ print(f"{total / ios:.2f} syscalls per I/O ({' + '.join(parts)}); {total} calls 
 EOF
 }
 
-# perf stat on tracepoints costs far less than strace (which stops the tracee at every
-# syscall, so a traced server runs slower, gets bigger batches per recv and looks better per
-# I/O than it is): used as well when perf can read the syscall tracepoints.
 PERF_EVENTS=""
-if command -v perf >/dev/null && perf stat -e raw_syscalls:sys_enter -o /dev/null true 2>/dev/null; then
+if [[ $PERF_OK == 1 ]]; then
   PERF_EVENTS=raw_syscalls:sys_enter
   for sc in recvfrom recvmsg read readv sendmsg sendto write writev futex poll ppoll epoll_wait \
-    epoll_pwait io_uring_enter pread64 pwrite64 splice sched_yield; do
+    epoll_pwait io_uring_enter pread64 preadv2 pwrite64 splice sched_yield; do
     PERF_EVENTS+=",syscalls:sys_enter_$sc"
   done
 fi
 
 echo
-echo "### Syscalls per I/O: 4k randread, iodepth 64, 1 connection, Unix socket"
+echo "### Syscalls per I/O: mem, 4k randread, iodepth 64, 1 connection, Unix socket"
 echo
 echo "strace -c -f slows every syscall: the IOPS of the straced runs are not the table's."
 [[ -n $PERF_EVENTS ]] && echo "perf stat counts syscall tracepoints (server and fio in the same run) at a small cost."
 echo
 for s in blkq $best; do
   [[ -n $s ]] || continue
-  start_server "$s" unix
-  prefill
+  start_server "$s" unix mem
+  SPID=${SPIDS[$s]} URI=${URIS[$s]}
+  prefill "$URI"
   if [[ -n $PERF_EVENTS ]]; then
     perf stat -x, -e "$PERF_EVENTS" -p "$SPID" -o "$OUT/perf-server-$s.txt" 2>"$OUT/perf-server-$s.err" &
     STPID=$!
@@ -510,8 +682,6 @@ for s in blkq $best; do
     echo "- $s server, perf: $(perf_summary "$OUT/perf-server-$s.txt" "$ios") (run at $iops IOPS)"
     echo "- fio against $s, perf, same run: $(perf_summary "$OUT/perf-client-$s.txt" "$ios")"
   fi
-  # Server side: strace attached to the server (all its threads, and with -f the threads and
-  # processes it starts for the connection) for the whole fio run.
   strace -c -f -p "$SPID" -o "$OUT/strace-server-$s.txt" 2>"$OUT/strace-server-$s.err" &
   STPID=$!
   PIDS+=("$STPID")
@@ -525,7 +695,6 @@ for s in blkq $best; do
   wait "$STPID" || true
   read -r iops _ ios _ < <(fio_stats "$OUT/strace-server-$s.json")
   echo "- $s server, strace: $(strace_summary "$OUT/strace-server-$s.txt" "$ios") (run at $iops IOPS under strace)"
-  # Client side: fio itself under strace (server not traced).
   strace -c -f -o "$OUT/strace-client-$s.txt" \
     fio --name=peer --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=64 \
     --numjobs=1 --group_reporting --time_based --runtime="$R" --norandommap --randrepeat=0 \
@@ -533,10 +702,10 @@ for s in blkq $best; do
     die "fio under strace failed"
   read -r iops _ ios _ < <(fio_stats "$OUT/strace-client-$s.json")
   echo "- fio against $s, strace: $(strace_summary "$OUT/strace-client-$s.txt" "$ios") (run at $iops IOPS under strace)"
-  awk -F'\t' -v s="$s" -v n="$(nproc)" '$1 == "4k_randread" && $2 == "unix" && $3 == 1 && $4 == 64 && $5 == s {
-    printf "- %s, the table'"'"'s run (no tracing): %s IOPS; busy %s of %s cores: server %s, fio %s (its job process %s)\n", s, $6, $9, n, $11, $13, $10 }' "$TSV"
-  stop_server
+  stop_server "$s"
+  rm -f "$WORK"/*.img
 done
 echo
-echo "Raw results (fio JSON, strace and perf summaries; results.tsv: workload transport conns"
-echo "iodepth server IOPS p99_us ios busy_cores fio_job_cores server_cores other_cores fio_cores): $OUT"
+echo "Raw results (fio JSON, perf and strace summaries; results.tsv: backend workload transport"
+echo "conns iodepth server round IOPS p99_us ios busy_cores fio_job_cores server_cores"
+echo "other_cores fio_cores server_us_per_io server_syscalls_per_io server_ctxsw_per_io): $OUT"

@@ -23,6 +23,34 @@
 //!   `EROFS`, or succeed trivially, exactly as with `engine=sync`) and bios without a
 //!   buffer.
 //!
+//! # Inline I/O: no hand-off when there is nothing to wait for
+//!
+//! A request that goes through the engine is completed on another thread (io_uring's
+//! reaper, or a pool worker; for a buffered write or a tmpfs read io_uring itself first
+//! punts it to an io-wq worker), so the reply leaves from a thread that had to be woken: one
+//! or two thread hand-offs per request, which dominate at queue depth 1. So `queue_rq` runs
+//! a request on the submitter's thread, as `engine=sync` would, when it cannot wait on a
+//! device or when nothing else would wait for it:
+//!
+//! - a file on tmpfs or ramfs ([`FileBackend::is_memory_backed`]): every request (a read or
+//!   write there is a memory copy, like the `mem` driver's);
+//! - a read the page cache holds: one `preadv2(RWF_NOWAIT)` ([`FileBackend::read_nowait`]);
+//!   a miss (it would block) goes to the engine, and after a run of misses only one read in
+//!   32 is tried, so a cold cache costs few extra system calls;
+//! - a write (not FUA) while the engine has nothing in flight (`Shared::in_engine` is 0): at
+//!   queue depth 1 the submitter would only wait for the reply anyway. A request that
+//!   arrives meanwhile waits for the write to finish, as it would behind a busy device; a
+//!   batch of writes runs inline one after the other (buffered writes to one file take the
+//!   inode's lock in the kernel, so the engine would run them one at a time as well).
+//!   Buffered writes cannot be tried with `RWF_NOWAIT` (ext4 and tmpfs refuse the flag for
+//!   them, `EOPNOTSUPP`), hence the in-flight test instead. FUA writes and flushes wait on
+//!   the device (milliseconds on a disk, against microseconds for the hand-off) and go to
+//!   the engine, so the reader keeps receiving meanwhile.
+//!
+//! With `direct=1` neither reads nor writes are tried inline: a direct transfer always
+//! waits on the device, and a batch of them must be in the ring at once, not run one after
+//! the other on the submitter's thread.
+//!
 //! # The ring never fills
 //!
 //! Every op belongs to a request, which holds a tag, so at most "tags of the queue" ops are
@@ -54,7 +82,7 @@ use std::fmt;
 use std::io;
 use std::sync::OnceLock;
 
-use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::{Arc, Mutex};
 
 use blk::error::{os_error_code, with_context};
@@ -82,6 +110,9 @@ pub struct FileDriverConfig {
     pub entries: u32,
     /// Worker threads of the pool engine.
     pub workers: usize,
+    /// Run requests that need not wait on the submitter's thread (module docs, "Inline
+    /// I/O"); off, every request of `uring` and `pool` goes through the engine.
+    pub inline: bool,
 }
 
 impl Default for FileDriverConfig {
@@ -90,6 +121,7 @@ impl Default for FileDriverConfig {
             engine: EngineKind::Auto,
             entries: 64,
             workers: DEFAULT_WORKERS,
+            inline: true,
         }
     }
 }
@@ -115,6 +147,12 @@ struct Shared {
     state: Mutex<State>,
     /// `deferred` is not empty (checked by every completion without taking the lock).
     has_deferred: AtomicBool,
+    /// Ops queued and not yet called back (or failed): incremented by `queue_rq` before it
+    /// queues an op, decremented before the op's request is completed. A heuristic for inline
+    /// writes (module docs): `Relaxed`, as nothing is published through it; a stale read
+    /// only runs one write inline, or one through the engine, that the other rule would have
+    /// placed differently; both are correct.
+    in_engine: AtomicUsize,
 }
 
 /// What the completion callback holds: the queue (filled in [`Driver::start`]) and the
@@ -131,11 +169,23 @@ struct AsyncEngine {
     name: &'static str,
     /// Ring entries (uring) or worker threads (pool).
     size: usize,
+    /// [`FileDriverConfig::inline`].
+    inline: bool,
 }
 
 enum Mode {
     Sync,
     Async(AsyncEngine),
+}
+
+/// Where `queue_rq` runs a request (module docs, "Inline I/O").
+enum Inline {
+    /// Done on this thread already (a read from the page cache): complete it.
+    Done(Result<(), Error>),
+    /// Run it synchronously on this thread.
+    Run,
+    /// Queue it for the engine.
+    Engine,
 }
 
 /// The `file` driver. See the [module docs](self).
@@ -168,8 +218,9 @@ fn copy_error(e: &io::Error) -> io::Error {
 }
 
 /// Completes ops that will never reach the engine with `err`.
-fn fail(q: &QueueCore, ops: &[PendingOp], err: &io::Error) {
+fn fail(q: &QueueCore, shared: &Shared, ops: &[PendingOp], err: &io::Error) {
     for &(_, user_data) in ops {
+        shared.in_engine.fetch_sub(1, Ordering::Relaxed);
         // SAFETY: `user_data` is the index of a request whose token `queue_rq` gave up to
         // this op; the engine did not accept the op, so it will never call back for it, and
         // the op is dropped here: this is the only rebuild.
@@ -184,7 +235,7 @@ impl Shared {
     /// ops refused for any other reason fail.
     fn submit(&self, q: &QueueCore, engine: Option<Arc<FileEngine>>, batch: &[PendingOp]) {
         let Some(engine) = engine else {
-            return fail(q, batch, &io::Error::other("file driver is stopped"));
+            return fail(q, self, batch, &io::Error::other("file driver is stopped"));
         };
         let Err(e) = engine.submit_batch(batch) else {
             return;
@@ -195,7 +246,7 @@ impl Shared {
             st.deferred.extend_from_slice(rest);
             self.has_deferred.store(true, Ordering::Release);
         } else {
-            fail(q, rest, &e.error);
+            fail(q, self, rest, &e.error);
         }
     }
 
@@ -262,6 +313,7 @@ impl FileDriver {
                 engine: None,
             }),
             has_deferred: AtomicBool::new(false),
+            in_engine: AtomicUsize::new(0),
         });
         let completer = Arc::new(Completer {
             core: OnceLock::new(),
@@ -284,6 +336,10 @@ impl FileDriver {
             // accepted op: this is the only token for that request, and `core` is the queue
             // the request was submitted on (the one `start` gave this driver).
             let r = unsafe { core.token_from_index(idx) };
+            cb_completer
+                .shared
+                .in_engine
+                .fetch_sub(1, Ordering::Relaxed);
             core.complete(r, to_result(res));
             // This op's slot in the ring is free now: place what a full ring refused.
             if cb_completer.shared.has_deferred.load(Ordering::Acquire) {
@@ -315,6 +371,7 @@ impl FileDriver {
                 completer: Mutex::new(Some(completer)),
                 name,
                 size,
+                inline: cfg.inline,
             }),
         })
     }
@@ -339,6 +396,49 @@ impl FileDriver {
     fn run_sync(&self, q: &QueueCore, mut r: RequestToken) {
         let res = q.for_each_bio(&mut r, |bio| exec_on_backend(&self.backend, bio));
         q.complete_at(r, res, blk::stats::coarse_ns());
+    }
+
+    /// Where a request of an asynchronous engine runs (module docs, "Inline I/O").
+    #[inline]
+    fn inline_rule(&self, q: &QueueCore, r: &mut RequestToken, a: &AsyncEngine) -> Inline {
+        if !a.inline {
+            return Inline::Engine;
+        }
+        let rq = q.rq_mut(r);
+        if rq.merged().is_some() {
+            return Inline::Engine; // `op_for` runs chains synchronously anyway
+        }
+        let Some(bio) = rq.bio_mut() else {
+            return Inline::Engine;
+        };
+        match bio.op {
+            Op::Read => {
+                let (off, len) = (bio.offset(), bio.len as usize);
+                let Some(buf) = bio.buf.as_mut().filter(|b| b.len() >= len) else {
+                    return Inline::Engine;
+                };
+                match self
+                    .backend
+                    .read_nowait(off, &mut buf.as_mut_slice()[..len])
+                {
+                    Some(res) => Inline::Done(res.map_err(Error::Io)),
+                    None => Inline::Engine,
+                }
+            }
+            // Not a FUA write nor a flush: those wait on the device (milliseconds on a disk,
+            // against the few microseconds a hand-off costs), and the reader should go on
+            // receiving meanwhile.
+            // Nor with O_DIRECT: a batch of direct writes would wait on the device one after
+            // the other here, instead of all at once in the ring.
+            Op::Write
+                if !bio.flags.contains(BioFlags::FUA)
+                    && !self.backend.is_direct()
+                    && a.shared.in_engine.load(Ordering::Relaxed) == 0 =>
+            {
+                Inline::Run
+            }
+            _ => Inline::Engine,
+        }
     }
 
     /// The engine op for the request, or `None` if it runs synchronously.
@@ -393,9 +493,18 @@ impl Driver for FileDriver {
         let Mode::Async(a) = &self.mode else {
             return self.run_sync(q, r);
         };
+        if a.inline && self.backend.is_memory_backed() {
+            return self.run_sync(q, r);
+        }
+        match self.inline_rule(q, &mut r, a) {
+            Inline::Done(res) => return q.complete(r, res),
+            Inline::Run => return self.run_sync(q, r),
+            Inline::Engine => {}
+        }
         let Some(op) = self.op_for(q, &mut r) else {
             return self.run_sync(q, r);
         };
+        a.shared.in_engine.fetch_add(1, Ordering::Relaxed);
         let user_data = u64::from(r.index());
         // The token `r` ends here (it has no destructor): the op carries the request's ownership,
         // by index, until its completion callback (or `fail`) rebuilds it.
@@ -451,6 +560,11 @@ impl Driver for FileDriver {
             match a.name {
                 "uring" => s.push_str(&format!(" entries={}", a.size)),
                 _ => s.push_str(&format!(" workers={}", a.size)),
+            }
+            if !a.inline {
+                s.push_str(" inline=0");
+            } else if self.backend.is_memory_backed() {
+                s.push_str(" inline=all");
             }
         }
         if self.backend.is_read_only() {

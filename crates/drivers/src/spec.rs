@@ -7,7 +7,9 @@
 //! `ro=0|1`, `lock=on|off` (default `on`: the file is locked with `flock` so that a second
 //! user cannot open it meanwhile; see [`crate::backend::file`]), `workers=N` (pool threads, default
 //! [`DEFAULT_WORKERS`](crate::file::DEFAULT_WORKERS)) and `entries=N` (io_uring
-//! submission entries, default: the queue's tag count, so the ring never fills).
+//! submission entries, default: the queue's tag count, so the ring never fills) and
+//! `inline=0|1` (default 1: with `uring` and `pool`, requests that need not wait run on the
+//! submitter's thread; see [`crate::file`], "Inline I/O").
 //!
 //! Options of `mem:` devices: `store=map|pages` (default `map`: one reserved anonymous
 //! mapping, [`MapBackend`](crate::backend::MapBackend); `pages`: the sparse page table,
@@ -337,6 +339,7 @@ impl DeviceSpec {
                 ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
                 ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
                 ("entries", Kind::File(_)) => entries = Some(parse_num(k, v)?),
+                ("inline", Kind::File(_)) => file_cfg.inline = parse_bool(k, v)?,
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option {k:?} for a {} device",

@@ -603,3 +603,76 @@ fn engines_report_errors_and_drain_on_drop() {
         assert!(done.iter().all(|(_, r)| matches!(r, Ok(4096))), "{kind:?}");
     }
 }
+
+/// The remembered data run answers queries inside it, and a discard or zeroing inside it is
+/// seen at once (the run is forgotten), on the file system of the temporary directory and on
+/// tmpfs.
+#[test]
+fn known_data_run_is_forgotten_by_discard_and_zeroing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shm = Path::new("/dev/shm")
+        .is_dir()
+        .then(|| tempfile::tempdir_in("/dev/shm").unwrap());
+    let dirs = [Some(tmp.path()), shm.as_ref().map(|d| d.path())];
+    for dir in dirs.into_iter().flatten() {
+        let size = 2 << 20;
+        let f = create(dir, "known.img", size, false);
+        let whole = f.extents(0, size, 64).unwrap();
+        if whole.len() == 1 && whole[0].allocated {
+            eprintln!("note: no SEEK_HOLE in {}; skipped", dir.display());
+            continue;
+        }
+        f.write_at(0, &pattern(7, 1 << 20), false).unwrap();
+        // Fills the run [0, 1 MiB), then answers from it.
+        for _ in 0..2 {
+            let e = f.extents(4096, 4096, 8).unwrap();
+            assert_eq!(
+                e,
+                vec![Extent {
+                    offset: 4096,
+                    len: 4096,
+                    allocated: true
+                }]
+            );
+        }
+        f.discard(64 * K, 64 * K).unwrap();
+        let e = f.extents(64 * K, 4096, 8).unwrap();
+        assert!(
+            !e[0].allocated,
+            "{}: discard not seen: {e:?}",
+            dir.display()
+        );
+        // The run is found again, then zeroing with unmap punches inside it.
+        assert!(f.extents(512 * K, 4096, 8).unwrap()[0].allocated);
+        f.write_zeroes(512 * K, 64 * K, true).unwrap();
+        let e = f.extents(512 * K, 4096, 8).unwrap();
+        assert!(
+            !e[0].allocated,
+            "{}: zeroing not seen: {e:?}",
+            dir.display()
+        );
+        // Past the data: a hole, whatever was remembered.
+        assert!(!f.extents(size - 4096, 4096, 8).unwrap()[0].allocated);
+        assert!(read(&f, 64 * K, 4096).iter().all(|&b| b == 0));
+    }
+}
+
+/// `read_nowait` reads what the page cache holds, and never claims a read it did not do.
+#[test]
+fn read_nowait_from_the_page_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = create(dir.path(), "nowait.img", 1 << 20, false);
+    f.write_at(8192, &pattern(9, 8192), false).unwrap();
+    let mut buf = vec![0u8; 8192];
+    for _ in 0..4 {
+        match f.read_nowait(8192, &mut buf) {
+            Some(r) => {
+                r.unwrap();
+                assert_eq!(buf, pattern(9, 8192));
+            }
+            None => eprintln!("note: RWF_NOWAIT read refused or would block here"),
+        }
+    }
+    // Out of range: left to the normal path, which reports it.
+    assert!(f.read_nowait(1 << 20, &mut buf).is_none());
+}

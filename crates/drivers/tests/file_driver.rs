@@ -131,11 +131,18 @@ fn stream(q: &Queue, t: u64, threads: u64, op: Op) {
 }
 
 fn round_trip(engine: &str, direct: bool) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = image(dir.path(), "rt.img", DEV_SIZE);
+    round_trip_in(engine, direct, true, None);
+}
+
+/// The round trip with inline I/O on or off, in `dir` (a temporary directory if `None`).
+fn round_trip_in(engine: &str, direct: bool, inline: bool, dir: Option<&Path>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = dir.unwrap_or(tmp.path());
+    let path = image(dir, "rt.img", DEV_SIZE);
     let opts = format!(
-        ",engine={engine},direct={},queue_depth=16",
-        u8::from(direct)
+        ",engine={engine},direct={},queue_depth=16,inline={}",
+        u8::from(direct),
+        u8::from(inline)
     );
     let q = Arc::new(queue(&path, &opts));
     let d = q.describe();
@@ -172,6 +179,28 @@ fn round_trip(engine: &str, direct: bool) {
 fn pattern_round_trip_from_two_threads_every_engine() {
     for e in engines() {
         round_trip(e, false);
+    }
+}
+
+#[test]
+fn pattern_round_trip_without_inline_io_every_engine() {
+    for e in engines() {
+        round_trip_in(e, false, false, None);
+    }
+}
+
+/// On tmpfs every request of an asynchronous engine runs inline (the file is memory).
+#[test]
+fn pattern_round_trip_on_tmpfs_every_engine() {
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("note: no /dev/shm here; skipped");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    for e in engines() {
+        round_trip_in(e, false, true, Some(dir.path()));
+        std::fs::remove_file(dir.path().join("rt.img")).unwrap();
     }
 }
 
@@ -340,7 +369,9 @@ fn resubmitting_from_completions_with_a_tiny_ring() {
         let path = image(dir.path(), "c.img", 1 << 20);
         let q = Arc::new(queue(
             &path,
-            &format!(",engine={e},entries=2,workers=2,queue_depth=32"),
+            // inline=0: completions must come from the engine (an inline completion that
+            // submits again would recurse, as with engine=sync).
+            &format!(",engine={e},entries=2,workers=2,queue_depth=32,inline=0"),
         ));
         let chain = Arc::new(Chain {
             q: Mutex::new(Some(q.clone())),

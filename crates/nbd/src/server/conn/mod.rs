@@ -249,6 +249,10 @@ struct Connection<'a> {
     /// request (it grows to the largest map asked for, then allocates no more).
     extents_buf: Vec<blk::Extent>,
     partial_write: Option<PartialWrite>,
+    /// The last write staged was a large one (`reader.rs`, [`reader::BIG_WRITE`]): the next
+    /// reads ask the socket for less, so that the payloads that follow land in their own
+    /// buffers rather than in `recv_buf` (from which they would be copied once more).
+    big_writes: bool,
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle and mid-request timeouts count from here.
     last_recv: Instant,
@@ -365,6 +369,7 @@ impl<'a> Connection<'a> {
             write_bios: Vec::new(),
             extents_buf: Vec::new(),
             partial_write: None,
+            big_writes: false,
             last_recv: Instant::now(),
             stats: Stats::default(),
             torn_down: false,
