@@ -885,7 +885,7 @@ impl Backend for FileBackend {
         let epoch = match self.known_data_covers(offset, end) {
             Ok(()) => {
                 b.add(offset, end, true);
-                return Ok(b.out);
+                return Ok(());
             }
             Err(epoch) => epoch,
         };
