@@ -46,10 +46,15 @@
 //! # Allocation
 //!
 //! The reader's raw buffer and the writer's ciphertext buffer are reused. rustls's buffered
-//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each) and,
-//! for a vectored write, one small vector of slices per call (per batch of replies, not per
-//! request): that is inside rustls. The writer packs replies into full records by writing
-//! its segments vectored.
+//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each), one
+//! per record it decrypts, and, for a vectored write, one small vector of slices per call
+//! (per batch of replies, not per request): that is inside rustls. The writer packs replies
+//! into full records by writing its segments vectored.
+//!
+//! The unbuffered API would not remove the send side: in rustls 0.23 every
+//! `MessageEncrypter::encrypt` returns an owned record (a fresh `Vec`), which
+//! `WriteTraffic::encrypt` then copies into the caller's buffer. rustls 0.24 (PR #3127, so
+//! far only in a pre-release) encrypts into caller buffers; see docs/design.md, "TLS".
 //!
 //! # PSK
 //!
