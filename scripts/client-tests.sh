@@ -378,11 +378,14 @@ cp "$TMP/pki-other/client-cert.pem" "$TMP/pki-other/client-key.pem" "$OTHER/"
 ok "certificates made, keys 0600"
 
 # start_tls_server NAME SOCKET PORT ARGS...: like start_server, ready when nbdinfo gets in
-# over TLS with the full directory.
+# over TLS with the full directory (ARGS may be `--config FILE` naming SOCKET and PORT).
 start_tls_server() {
   local name=$1 sock=$2 port=$3
   shift 3
-  "$BIN" serve --socket "$sock" --listen "127.0.0.1:$port" "$@" \
+  local where=(--socket "$sock" --listen "127.0.0.1:$port")
+  # A --config file names the socket and the address itself (--config takes no other flag).
+  [[ ${1:-} == --config ]] && where=()
+  "$BIN" serve "${where[@]}" "$@" \
     >"$TMP/$name.out" 2>"$TMP/$name.log" &
   local pid=$!
   PIDS+=("$pid")
@@ -470,6 +473,42 @@ ok "no client certificate, and another CA's: refused (nbdinfo and qemu-img)"
 kill -INT "$VPID"
 wait "$VPID" || fail "verify-peer server exited with $?"
 ok "verify-peer server stopped cleanly"
+
+step "TLS subject rules from a --config file: client1 sees only the export allowed to CN=client1"
+SSOCK=$TMP/tlss.sock
+SPORT=$(free_port)
+cat >"$TMP/subjects.toml" <<EOF
+[server]
+socket = "$SSOCK"
+listen = "127.0.0.1:$SPORT"
+
+[tls]
+mode = "require"
+certificates = "$PKI"
+verify_peer = true
+
+[[export]]
+name = ""
+device = "mem:16M"
+allow_subjects = ["CN=client1"]
+
+[[export]]
+name = "theirs"
+device = "mem:16M"
+allow_subjects = ["CN=someone-else"]
+EOF
+start_tls_server tlss "$SSOCK" "$SPORT" --config "$TMP/subjects.toml"
+SSPID=$SERVER_PID
+nbdinfo --list "nbds+unix:///?socket=$SSOCK&tls-certificates=$PKI" >"$TMP/tlss-list.txt" 2>&1 \
+  || fail "nbdinfo --list with subject rules: $(cat "$TMP/tlss-list.txt")"
+grep -q 'export=""' "$TMP/tlss-list.txt" || fail "the CN=client1 export is not listed: $(cat "$TMP/tlss-list.txt")"
+! grep -q 'theirs' "$TMP/tlss-list.txt" || fail "the CN=someone-else export is listed: $(cat "$TMP/tlss-list.txt")"
+if nbdinfo --size "nbds+unix:///theirs?socket=$SSOCK&tls-certificates=$PKI" >/dev/null 2>&1; then
+  fail "client1 opened the export allowed only to CN=someone-else"
+fi
+ok "nbdinfo --list shows only the CN=client1 export; the other is refused"
+kill -INT "$SSPID"
+wait "$SSPID" || fail "subject-rules server exited with $?"
 
 step "metrics: blkq serve --metrics, qemu-io I/O, curl /metrics: the disk counters moved by that much"
 MSOCK=$TMP/metrics.sock

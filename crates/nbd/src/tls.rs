@@ -46,10 +46,15 @@
 //! # Allocation
 //!
 //! The reader's raw buffer and the writer's ciphertext buffer are reused. rustls's buffered
-//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each) and,
-//! for a vectored write, one small vector of slices per call (per batch of replies, not per
-//! request): that is inside rustls. The writer packs replies into full records by writing
-//! its segments vectored.
+//! API itself allocates a vector per TLS record it seals (up to 16 KiB of payload each), one
+//! per record it decrypts, and, for a vectored write, one small vector of slices per call
+//! (per batch of replies, not per request): that is inside rustls. The writer packs replies
+//! into full records by writing its segments vectored.
+//!
+//! The unbuffered API would not remove the send side: in rustls 0.23 every
+//! `MessageEncrypter::encrypt` returns an owned record (a fresh `Vec`), which
+//! `WriteTraffic::encrypt` then copies into the caller's buffer. rustls 0.24 (PR #3127, so
+//! far only in a pre-release) encrypts into caller buffers; see docs/design.md, "TLS".
 //!
 //! # PSK
 //!
@@ -66,6 +71,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
+use x509_parser::asn1_rs::{Any, Oid, Tag, ToDer};
+use x509_parser::prelude::{FromDer, X509Certificate};
 
 use crate::stream::Stream;
 
@@ -466,75 +473,36 @@ pub fn connect(
     handshake(stream, rustls::Connection::Client(conn))
 }
 
-// --- The subject of a certificate, RFC 4514 style, from its DER ------------------------------
+// --- The subject of a certificate, RFC 4514 style ------------------------------------------
 
-/// One DER element: (tag, contents, rest).
-fn der(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-    let (&tag, rest) = input.split_first()?;
-    let (&first, mut rest) = rest.split_first()?;
-    let len = if first < 0x80 {
-        usize::from(first)
-    } else {
-        let n = usize::from(first & 0x7f);
-        if n == 0 || n > 4 || rest.len() < n {
-            return None;
-        }
-        let mut len = 0usize;
-        for &b in &rest[..n] {
-            len = (len << 8) | usize::from(b);
-        }
-        rest = &rest[n..];
-        len
+/// The RFC 4514 short name of an attribute type (its OID's DER contents), or its dotted form.
+fn attr_name(oid: &Oid<'_>) -> String {
+    let short = match oid.as_bytes() {
+        [0x55, 0x04, 0x03] => "CN",
+        [0x55, 0x04, 0x06] => "C",
+        [0x55, 0x04, 0x07] => "L",
+        [0x55, 0x04, 0x08] => "ST",
+        [0x55, 0x04, 0x0a] => "O",
+        [0x55, 0x04, 0x0b] => "OU",
+        [0x55, 0x04, 0x09] => "STREET",
+        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x19] => "DC",
+        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x01] => "UID",
+        _ => return oid.to_id_string(),
     };
-    if rest.len() < len {
-        return None;
-    }
-    Some((tag, &rest[..len], &rest[len..]))
+    short.into()
 }
 
-/// The short name of an attribute type OID (DER contents), or its dotted form.
-fn attr_name(oid: &[u8]) -> String {
-    match oid {
-        [0x55, 0x04, 0x03] => "CN".into(),
-        [0x55, 0x04, 0x06] => "C".into(),
-        [0x55, 0x04, 0x07] => "L".into(),
-        [0x55, 0x04, 0x08] => "ST".into(),
-        [0x55, 0x04, 0x0a] => "O".into(),
-        [0x55, 0x04, 0x0b] => "OU".into(),
-        [0x55, 0x04, 0x09] => "STREET".into(),
-        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x19] => "DC".into(),
-        [0x09, 0x92, 0x26, 0x89, 0x93, 0xf2, 0x2c, 0x64, 0x01, 0x01] => "UID".into(),
-        _ => dotted(oid),
-    }
-}
-
-fn dotted(oid: &[u8]) -> String {
-    let mut parts = Vec::new();
-    let mut v: u64 = 0;
-    for (i, &b) in oid.iter().enumerate() {
-        v = (v << 7) | u64::from(b & 0x7f);
-        if b & 0x80 == 0 {
-            if parts.is_empty() && i < oid.len() {
-                let first = (v / 40).min(2);
-                parts.push(first.to_string());
-                parts.push((v - first * 40).to_string());
-            } else {
-                parts.push(v.to_string());
-            }
-            v = 0;
+/// An attribute value as RFC 4514 writes it: strings escaped, anything else `#` and the hex
+/// of its DER encoding.
+fn attr_value(value: &Any<'_>) -> Option<String> {
+    let text = match value.tag() {
+        // TeletexString is read as UTF-8 (in practice: ASCII), as the old hand walk did.
+        Tag::Utf8String | Tag::PrintableString | Tag::Ia5String | Tag::T61String => {
+            std::str::from_utf8(value.data).ok()
         }
-    }
-    parts.join(".")
-}
-
-/// An attribute value as RFC 4514 writes it (strings escaped; others as `#hex`).
-fn attr_value(tag: u8, value: &[u8], whole: &[u8]) -> String {
-    let text = match tag {
-        // UTF8String, PrintableString, IA5String, TeletexString (read as Latin-1-ish ASCII)
-        0x0c | 0x13 | 0x16 | 0x14 => std::str::from_utf8(value).ok(),
         _ => None,
     };
-    match text {
+    Some(match text {
         Some(s) => {
             let mut out = String::with_capacity(s.len());
             let last = s.chars().count().saturating_sub(1);
@@ -551,48 +519,31 @@ fn attr_value(tag: u8, value: &[u8], whole: &[u8]) -> String {
         }
         None => {
             let mut out = String::from("#");
-            for b in whole {
+            for b in value.to_der_vec().ok()? {
                 out.push_str(&format!("{b:02x}"));
             }
             out
         }
-    }
+    })
 }
 
 /// The subject distinguished name of a DER certificate, RFC 4514 style (`CN=client1`, last
-/// RDN first); `None` if the certificate cannot be parsed.
+/// RDN first, `,` between RDNs, `+` inside one); `None` if x509-parser cannot parse the
+/// certificate.
+///
+/// x509-parser walks the DER; the text is made here because its `Display` of a name is not
+/// RFC 4514 (first RDN first, `", "` between RDNs, values unescaped), and the access rules
+/// (`allow_subjects`) are written in RFC 4514's form.
 pub fn subject_of(cert: &[u8]) -> Option<String> {
-    let (_, certificate, _) = der(cert)?;
-    let (_, tbs, _) = der(certificate)?;
-    let mut rest = tbs;
-    // [0] version (optional)
-    let (tag, _, r) = der(rest)?;
-    if tag == 0xa0 {
-        rest = r;
-    }
-    // serial, signature algorithm, issuer, validity, subject
-    for _ in 0..4 {
-        let (_, _, r) = der(rest)?;
-        rest = r;
-    }
-    let (tag, mut name, _) = der(rest)?;
-    if tag != 0x30 {
-        return None;
-    }
+    let (_, cert) = X509Certificate::from_der(cert).ok()?;
     let mut rdns = Vec::new();
-    while !name.is_empty() {
-        let (_, mut set, r) = der(name)?;
-        name = r;
+    for rdn in cert.subject().iter_rdn() {
         let mut atvs = Vec::new();
-        while !set.is_empty() {
-            let (_, atv, r) = der(set)?;
-            set = r;
-            let (_, oid, after) = der(atv)?;
-            let (vtag, value, _) = der(after)?;
+        for atv in rdn.iter() {
             atvs.push(format!(
                 "{}={}",
-                attr_name(oid),
-                attr_value(vtag, value, after)
+                attr_name(atv.attr_type()),
+                attr_value(atv.attr_value())?
             ));
         }
         rdns.push(atvs.join("+"));
@@ -629,8 +580,50 @@ mod tests {
     }
 
     #[test]
-    fn dotted_oids() {
-        assert_eq!(dotted(&[0x55, 0x04, 0x2a]), "2.5.4.42");
-        assert_eq!(attr_name(&[0x55, 0x04, 0x03]), "CN");
+    fn attribute_names_short_or_dotted() {
+        let oid = |b: &'static [u8]| Oid::new(b.into());
+        assert_eq!(attr_name(&oid(&[0x55, 0x04, 0x2a])), "2.5.4.42");
+        assert_eq!(attr_name(&oid(&[0x55, 0x04, 0x03])), "CN");
+    }
+
+    #[test]
+    fn subject_with_several_rdns_and_special_characters() {
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name.push(rcgen::DnType::CountryName, "FR");
+        p.distinguished_name
+            .push(rcgen::DnType::OrganizationalUnitName, " ops+backup ");
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "#host;1");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(
+            subject_of(cert.der()).as_deref(),
+            Some("CN=\\#host\\;1,OU=\\ ops\\+backup\\ ,C=FR")
+        );
+    }
+
+    proptest::proptest! {
+        /// Any bytes: an answer or `None`, never a panic.
+        #[test]
+        fn subject_of_arbitrary_bytes_never_panics(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)
+        ) {
+            let _ = subject_of(&bytes);
+        }
+
+        /// A real certificate with any one byte changed: never a panic.
+        #[test]
+        fn subject_of_a_damaged_certificate_never_panics(at in 0usize..4096, to in 0u8..=255) {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = rcgen::CertificateParams::new(vec!["x".into()])
+                .unwrap()
+                .self_signed(&key)
+                .unwrap();
+            let mut der = cert.der().to_vec();
+            let at = at % der.len();
+            der[at] = to;
+            let _ = subject_of(&der);
+        }
     }
 }

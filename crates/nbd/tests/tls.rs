@@ -14,7 +14,7 @@ use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, TlsMode, TlsSettings};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command};
@@ -79,6 +79,17 @@ struct TlsServer {
 
 impl TlsServer {
     fn start(mode: TlsMode, verify_peer: bool) -> Self {
+        Self::start_with(
+            mode,
+            verify_peer,
+            vec![
+                Export::new("", device("mem:64M")),
+                Export::new("b", device("mem:16M")),
+            ],
+        )
+    }
+
+    fn start_with(mode: TlsMode, verify_peer: bool, exports: Vec<Export>) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
@@ -86,10 +97,7 @@ impl TlsServer {
         let dir = tempfile::tempdir().unwrap();
         pki(dir.path());
         let path = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(vec![
-            Export::new("", device("mem:64M")),
-            Export::new("b", device("mem:16M")),
-        ]);
+        let mut cfg = ServerConfig::new(exports);
         cfg.unix = Some(path.clone());
         cfg.tcp = Some("127.0.0.1:0".parse::<SocketAddr>().unwrap());
         cfg.tuning.drain_timeout = Duration::from_secs(5);
@@ -371,4 +379,47 @@ fn a_slow_reader_over_tls_gets_every_reply_in_order() {
         assert!(r.data == data[off..off + MIB as usize], "reply at {off}");
     }
     c.disconnect().unwrap();
+}
+
+fn only_subjects(s: &[&str]) -> Access {
+    Access {
+        allow_subjects: s.iter().map(|s| s.to_string()).collect(),
+        ..Access::default()
+    }
+}
+
+/// Subject rules end to end: the subject comes from the client certificate the server
+/// verified (CN=client1, made by `pki`), not from a fake identity. The export allowing
+/// `CN=client1` is listed and served; the one allowing someone else is invisible and answers
+/// `NBD_REP_ERR_POLICY`, on Unix and TCP alike.
+#[test]
+fn subject_rules_with_a_verified_client_certificate() {
+    let srv = TlsServer::start_with(
+        TlsMode::Require,
+        true,
+        vec![
+            Export::new("mine", device("mem:4M")).access(only_subjects(&["CN=client1"])),
+            Export::new("theirs", device("mem:4M")).access(only_subjects(&["CN=someone-else"])),
+        ],
+    );
+    let dir = srv.client_dir(true);
+    let cfg = client_config(dir.path()).unwrap();
+    for ep in [srv.unix.clone(), srv.tcp.clone()] {
+        let mut hs = srv.handshake(&ep);
+        hs.start_tls(&cfg, "localhost").unwrap();
+        let names: Vec<String> = hs.list().unwrap().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["mine"]);
+        refused_with(hs.info("theirs"), NBD_REP_ERR_POLICY);
+        refused_with(hs.go("theirs"), NBD_REP_ERR_POLICY);
+        // The refusal leaves the handshake usable: the allowed export is served.
+        let d = hs.go("mine").unwrap();
+        assert_eq!(d.size, 4 * MIB);
+        let mut c = hs.into_client(d).unwrap();
+        c.write(0, &pattern(4096, 5), CmdFlags::FUA).unwrap();
+        assert_eq!(c.read(0, 4096).unwrap(), pattern(4096, 5));
+        c.disconnect().unwrap();
+    }
+    // Without TLS (--tls=require) not even the list is answered.
+    let mut hs = srv.handshake(&srv.unix);
+    refused_with(hs.list(), NBD_REP_ERR_TLS_REQD);
 }
