@@ -240,10 +240,25 @@ pub(crate) fn listen_addr(s: &str) -> Result<SocketAddr> {
 }
 
 /// `nbd://` and `nbd+unix://` URIs of an export.
-fn uris(name: &str, tcp: Option<SocketAddr>, unix: Option<&std::path::Path>) -> Vec<String> {
+/// The URIs of an export; with TLS (`tls`: the certificates directory) `nbds` ones that
+/// name it, as libnbd's tools take them.
+fn uris(
+    name: &str,
+    tcp: Option<SocketAddr>,
+    unix: Option<&std::path::Path>,
+    tls: Option<&std::path::Path>,
+) -> Vec<String> {
     let mut v = Vec::new();
+    let (s, certs) = match tls {
+        Some(d) => ("s", format!("tls-certificates={}", d.display())),
+        None => ("", String::new()),
+    };
     if let Some(p) = unix {
-        v.push(format!("nbd+unix:///{name}?socket={}", p.display()));
+        let amp = if tls.is_some() { "&" } else { "" };
+        v.push(format!(
+            "nbd{s}+unix:///{name}?socket={}{amp}{certs}",
+            p.display()
+        ));
     }
     if let Some(a) = tcp {
         let a = match a {
@@ -252,10 +267,11 @@ fn uris(name: &str, tcp: Option<SocketAddr>, unix: Option<&std::path::Path>) -> 
             }
             other => other,
         };
-        if name.is_empty() {
+        let q = if tls.is_some() { "?" } else { "" };
+        if name.is_empty() && tls.is_none() {
             v.push(format!("nbd://{a}"));
         } else {
-            v.push(format!("nbd://{a}/{name}"));
+            v.push(format!("nbd{s}://{a}/{name}{q}{certs}"));
         }
     }
     v
@@ -372,6 +388,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let checked = config.check(&source)?;
     let tls_mode = checked.tls.mode;
+    let tls_dir = checked
+        .tls
+        .certificates
+        .clone()
+        .filter(|_| tls_mode != crate::config::TlsMode::Off);
     let tls = crate::tls::load(&checked.tls, &source)?;
     let shutdown_timeout = checked.shutdown_timeout;
     let plan = checked.build()?;
@@ -411,15 +432,32 @@ pub fn run(a: ServeArgs) -> Result<()> {
             if e.read_only { ", read-only" } else { "" },
             full
         );
-        for u in uris(&e.name, server.tcp_addr(), server.unix_path()) {
+        for u in uris(
+            &e.name,
+            server.tcp_addr(),
+            server.unix_path(),
+            tls_dir.as_deref(),
+        ) {
             println!("    {u}");
         }
     }
     let first = &exports[0].name;
-    let example = uris(first, server.tcp_addr(), server.unix_path());
+    let example = uris(
+        first,
+        server.tcp_addr(),
+        server.unix_path(),
+        tls_dir.as_deref(),
+    );
     if let Some(u) = example.last() {
         println!("try:");
-        println!("  qemu-img info {u}");
+        match &tls_dir {
+            None => println!("  qemu-img info {u}"),
+            Some(d) => println!(
+                "  (qemu: --object tls-creds-x509,id=tls0,endpoint=client,dir={} and \
+                 tls-creds=tls0 in its --image-opts)",
+                d.display()
+            ),
+        }
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
@@ -590,13 +628,27 @@ mod tests {
     #[test]
     fn uris_look_right() {
         let tcp: SocketAddr = "127.0.0.1:10809".parse().unwrap();
-        let u = uris("", Some(tcp), Some(std::path::Path::new("./blkq.sock")));
+        let u = uris(
+            "",
+            Some(tcp),
+            Some(std::path::Path::new("./blkq.sock")),
+            None,
+        );
         assert_eq!(
             u,
             vec!["nbd+unix:///?socket=./blkq.sock", "nbd://127.0.0.1:10809"]
         );
-        let u = uris("disk", Some(tcp), None);
+        let u = uris("disk", Some(tcp), None, None);
         assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
+        let pki = std::path::Path::new("./pki");
+        let u = uris("", Some(tcp), Some(std::path::Path::new("./s")), Some(pki));
+        assert_eq!(
+            u,
+            vec![
+                "nbds+unix:///?socket=./s&tls-certificates=./pki",
+                "nbds://127.0.0.1:10809/?tls-certificates=./pki"
+            ]
+        );
         assert!(listen_addr("nonsense").is_err());
         assert_eq!(listen_addr("127.0.0.1:1").unwrap().port(), 1);
     }

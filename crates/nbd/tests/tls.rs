@@ -226,6 +226,13 @@ fn plaintext_client_against_require_gets_tls_reqd_and_no_data() {
     refused_with(hs.structured_replies(), NBD_REP_ERR_TLS_REQD);
     refused_with(hs.go(""), NBD_REP_ERR_TLS_REQD);
     refused_with(hs.go("b"), NBD_REP_ERR_TLS_REQD);
+    // Five refusals, one connection: counted (and logged) once, as a policy refusal.
+    let policy = nbd::server::HandshakeFailure::ALL
+        .iter()
+        .position(|&r| r == nbd::server::HandshakeFailure::Policy)
+        .unwrap();
+    let metrics = srv.server.as_ref().unwrap().metrics();
+    assert_eq!(metrics.server().handshake_failures[policy], 1);
     // NBD_OPT_EXPORT_NAME cannot be refused with an error: the connection is closed, and not
     // one byte of export data (nor the export's size) comes back.
     hs.send_option(&ClientOption::ExportName("")).unwrap();

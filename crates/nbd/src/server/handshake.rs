@@ -192,6 +192,8 @@ struct Haggler<'a, 'b> {
     /// `Tuning::max_option_bytes`).
     options: u32,
     option_bytes: u64,
+    /// An option was refused with `NBD_REP_ERR_TLS_REQD` (logged and counted once).
+    tls_refused: bool,
 }
 
 /// Runs the handshake on a fresh connection.
@@ -217,6 +219,7 @@ pub(crate) fn negotiate(stream: &mut Deadlined<'_>, shared: &Shared) -> Result<N
         data: Vec::new(),
         options: 0,
         option_bytes: 0,
+        tls_refused: false,
     };
     loop {
         if let Some(negotiated) = haggler.option()? {
@@ -314,6 +317,18 @@ impl Haggler<'_, '_> {
                 return Err(Ended::Protocol(
                     "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS (--tls=require)".into(),
                 ));
+            }
+            if !std::mem::replace(&mut self.tls_refused, true) {
+                // Once per connection: a client may go on sending options.
+                warn!(
+                    peer = %self.stream.stream.peer(),
+                    reason = "policy",
+                    "refused option {option} before NBD_OPT_STARTTLS: TLS is required \
+                     (--tls require); the client has not started it"
+                );
+                self.shared
+                    .counters
+                    .handshake_failed(super::HandshakeFailure::Policy);
             }
             self.reply(
                 option,
