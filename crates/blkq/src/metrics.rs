@@ -594,6 +594,15 @@ impl Collector for BlkqCollector {
                 .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
         )?;
 
+        family(
+            &mut enc,
+            "blkq_waitq_wakeups",
+            "Waiters woken by the process's wait queues (tag waits, completions, the NBD \
+             reader and flusher): each is a thread unparked or a task woken.",
+            None,
+            [(vec![], counter(waitq::wakeups()))],
+        )?;
+
         let (vol, invol) = context_switches();
         family(
             &mut enc,

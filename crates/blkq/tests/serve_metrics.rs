@@ -153,6 +153,7 @@ fn counters_move_by_exactly_the_io_done() {
     assert!(value(&after, "blkq_nbd_memory_budget_bytes") > 0.0);
     assert!(after.contains_key("blkq_tag_waits_total{export=\"\",hctx=\"0\"}"));
     assert!(after.contains_key("blkq_process_context_switches_total{type=\"voluntary\"}"));
+    assert!(after.contains_key("blkq_waitq_wakeups_total"));
     assert!(after.contains_key("blkq_nbd_handshake_failures_total{reason=\"timeout\"}"));
 
     let (status, _) = get(&addr, "/nope");

@@ -15,7 +15,7 @@ mod queue;
 
 pub use completion::{CancelToken, Completion, DONE_ALL};
 pub use hist::{bucket_of, HistogramSnapshot, LatencyHistogram, BUCKETS};
-pub use queue::{WaitFor, WaitKey, WaitQueue, Waiter, WakeList, WAKE_LIST_CAP};
+pub use queue::{wakeups, WaitFor, WaitKey, WaitQueue, Waiter, WakeList, WAKE_LIST_CAP};
 
 /// Why a wait returned without what it waited for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -99,8 +99,30 @@ pub(crate) enum Target {
     Task(Waker),
 }
 
+/// Waiters woken by any wait queue of the process (threads unparked and tasks woken), for
+/// metrics. One `Relaxed` add per wake-up, on the slow path only (a queued waiter is being
+/// woken: an `unpark` or a `Waker::wake` follows, which costs far more); it orders nothing.
+/// Not kept under loom, whose atomics cannot live in a `static`.
+#[cfg(not(blkq_loom))]
+static WAKEUPS: blkq_sync::atomic::AtomicU64 = blkq_sync::atomic::AtomicU64::new(0);
+
+/// Waiters woken by every [`WaitQueue`] of the process since it started (always 0 under
+/// loom).
+pub fn wakeups() -> u64 {
+    #[cfg(not(blkq_loom))]
+    {
+        WAKEUPS.load(blkq_sync::atomic::Ordering::Relaxed)
+    }
+    #[cfg(blkq_loom)]
+    {
+        0
+    }
+}
+
 impl Target {
     fn wake(self) {
+        #[cfg(not(blkq_loom))]
+        WAKEUPS.fetch_add(1, blkq_sync::atomic::Ordering::Relaxed);
         match self {
             Target::Thread(t) => t.unpark(),
             Target::Task(w) => w.wake(),

@@ -832,3 +832,20 @@ fn async_waiter_chosen_while_repolled_passes_wake_up_on() {
     });
     run_steal_interleaving(&s, y, xc, x);
 }
+
+#[test]
+fn wakeups_count_the_waiters_woken() {
+    let wq = Arc::new(WaitQueue::new());
+    let go = Arc::new(AtomicBool::new(false));
+    let sleeper = {
+        let (wq, go) = (wq.clone(), go.clone());
+        thread::spawn(move || wq.wait_for(|| go.load(Ordering::Acquire).then_some(())))
+    };
+    wait_for_waiters(&wq, 1);
+    let before = waitq::wakeups();
+    go.store(true, Ordering::Release);
+    assert!(wq.wake_one());
+    sleeper.join().unwrap();
+    // Other tests wake too (the count is the process's): at least this one.
+    assert!(waitq::wakeups() > before);
+}
