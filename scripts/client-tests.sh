@@ -53,15 +53,20 @@ free_port() {
 
 # start_server NAME SOCKET PORT ARGS...: starts `blkq serve` (its pid in SERVER_PID; not run
 # in a subshell, so that the server is this shell's child), waits until both listeners answer.
+# PROBE (default nbd://127.0.0.1:PORT) is the URI that must answer; a --config file as the
+# first argument names the socket and the address itself (--config takes no other flag).
 start_server() {
   local name=$1 sock=$2 port=$3
   shift 3
-  "$BIN" serve --socket "$sock" --listen "127.0.0.1:$port" "$@" \
+  local probe=${PROBE:-"nbd://127.0.0.1:$port"}
+  local where=(--socket "$sock" --listen "127.0.0.1:$port")
+  [[ ${1:-} == --config ]] && where=()
+  "$BIN" serve "${where[@]}" "$@" \
     >"$TMP/$name.out" 2>"$TMP/$name.log" &
   local pid=$!
   PIDS+=("$pid")
   for _ in $(seq 1 100); do
-    if [[ -S $sock ]] && nbdinfo --size "nbd://127.0.0.1:$port" >/dev/null 2>&1; then
+    if [[ -S $sock ]] && nbdinfo --size "$probe" >/dev/null 2>&1; then
       SERVER_PID=$pid
       return 0
     fi
@@ -380,24 +385,7 @@ ok "certificates made, keys 0600"
 # start_tls_server NAME SOCKET PORT ARGS...: like start_server, ready when nbdinfo gets in
 # over TLS with the full directory (ARGS may be `--config FILE` naming SOCKET and PORT).
 start_tls_server() {
-  local name=$1 sock=$2 port=$3
-  shift 3
-  local where=(--socket "$sock" --listen "127.0.0.1:$port")
-  # A --config file names the socket and the address itself (--config takes no other flag).
-  [[ ${1:-} == --config ]] && where=()
-  "$BIN" serve "${where[@]}" "$@" \
-    >"$TMP/$name.out" 2>"$TMP/$name.log" &
-  local pid=$!
-  PIDS+=("$pid")
-  for _ in $(seq 1 100); do
-    if [[ -S $sock ]] && nbdinfo --size "nbds://127.0.0.1:$port/?tls-certificates=$PKI" >/dev/null 2>&1; then
-      SERVER_PID=$pid
-      return 0
-    fi
-    kill -0 "$pid" 2>/dev/null || fail "server $name exited at start: $(cat "$TMP/$name.log")"
-    sleep 0.1
-  done
-  fail "server $name did not start"
+  PROBE="nbds://127.0.0.1:$3/?tls-certificates=$PKI" start_server "$@"
 }
 
 TSOCK=$TMP/tls.sock
