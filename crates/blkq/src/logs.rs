@@ -20,9 +20,11 @@ pub enum LogFormat {
 
 /// The filter for `verbose` `-v`s, unless `RUST_LOG` says otherwise.
 fn filter(verbose: u8) -> tracing_subscriber::EnvFilter {
+    // rustls warns, at every connection, about clients that send an IP address as the TLS
+    // server name (qemu does): not the operator's business unless asked with RUST_LOG.
     let level = match verbose {
-        0 => "info",
-        1 => "debug",
+        0 => "info,rustls=error",
+        1 => "debug,rustls=error",
         _ => "trace",
     };
     match std::env::var("RUST_LOG") {

@@ -136,6 +136,24 @@ pub const NBD_OPT_SET_META_CONTEXT: u32 = 10;
 /// Option 11: negotiate extended (64-bit) transmission headers.
 pub const NBD_OPT_EXTENDED_HEADERS: u32 = 11;
 
+/// The name of an option number, for log lines (`"unknown"` for one this codec does not know).
+pub fn option_name(option: u32) -> &'static str {
+    match option {
+        NBD_OPT_EXPORT_NAME => "NBD_OPT_EXPORT_NAME",
+        NBD_OPT_ABORT => "NBD_OPT_ABORT",
+        NBD_OPT_LIST => "NBD_OPT_LIST",
+        NBD_OPT_PEEK_EXPORT => "NBD_OPT_PEEK_EXPORT",
+        NBD_OPT_STARTTLS => "NBD_OPT_STARTTLS",
+        NBD_OPT_INFO => "NBD_OPT_INFO",
+        NBD_OPT_GO => "NBD_OPT_GO",
+        NBD_OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
+        NBD_OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
+        NBD_OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
+        NBD_OPT_EXTENDED_HEADERS => "NBD_OPT_EXTENDED_HEADERS",
+        _ => "unknown",
+    }
+}
+
 /// Bit 31 of an option reply type marks an error reply.
 pub const NBD_REP_FLAG_ERROR: u32 = 1 << 31;
 /// Option reply 1: option accepted / list finished.

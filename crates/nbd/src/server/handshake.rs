@@ -323,8 +323,9 @@ impl Haggler<'_, '_> {
                 warn!(
                     peer = %self.stream.stream.peer(),
                     reason = "policy",
-                    "refused option {option} before NBD_OPT_STARTTLS: TLS is required \
-                     (--tls require); the client has not started it"
+                    "refused {} (option {option}) before NBD_OPT_STARTTLS: TLS is required \
+                     (--tls require); the client has not started it",
+                    nbd_proto::proto::option_name(option)
                 );
                 self.shared
                     .counters
