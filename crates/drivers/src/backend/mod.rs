@@ -8,6 +8,7 @@
 use std::io;
 
 pub mod file;
+mod host;
 pub mod map;
 pub mod mem;
 
