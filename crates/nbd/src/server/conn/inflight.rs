@@ -271,7 +271,7 @@ impl EndIo for ConnCore {
                         if let Some(op) = entry.disk_op() {
                             let sectors = entry.length >> blk::SECTOR_SHIFT;
                             let ok = entry.error.is_none();
-                            d.completed(op, sectors, entry.start_ns, blk::stats::coarse_ns(), ok);
+                            d.completed(op, sectors, entry.start_ns, blk::stats::batch_ns(), ok);
                         }
                     }
                     entry.bios_pending -= 1;

@@ -655,7 +655,7 @@ impl<'a> Connection<'a> {
             .core
             .disk
             .as_deref()
-            .map(|d| (d, blk::stats::coarse_ns()));
+            .map(|d| (d, blk::stats::batch_ns()));
         {
             let mut guard = self.core.locked.lock();
             let locked = &mut *guard;
