@@ -37,7 +37,7 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "unit, property and integration tests"
-cargo test --workspace
+cargo test --workspace --no-fail-fast
 
 step "real NBD clients against blkq serve (scripts/client-tests.sh)"
 scripts/client-tests.sh

@@ -53,7 +53,7 @@ use blkq_sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use blkq_sync::Mutex;
 
 use super::host::{
-    blk_logical_block_size, blk_size, blk_write_zeroes_supported, lock, on_memory_fs,
+    blk_logical_block_size, blk_size, blk_write_zeroes_supported, lock, on_memory_fs, HeldLock,
 };
 use super::{check_range, with_context, Backend, Extent, ExtentBuilder};
 
@@ -299,6 +299,8 @@ pub struct FileBackend {
     /// read is tried next.
     nowait_misses: AtomicU32,
     nowait_skipped: AtomicU32,
+    /// This process's record of the `flock` taken at open (for error messages only).
+    _held_lock: Option<HeldLock>,
 }
 
 /// After this many `RWF_NOWAIT` misses in a row (reads that had to go to the disk), only one
@@ -369,9 +371,11 @@ impl FileBackend {
         let meta = buffered
             .metadata()
             .map_err(|e| with_context(e, format!("stat {shown}")))?;
-        if !options.no_lock {
-            lock(&buffered, &meta, options.read_only, &shown)?;
-        }
+        let held_lock = if options.no_lock {
+            None
+        } else {
+            lock(&buffered, &meta, options.read_only, &shown)?
+        };
         let ft = meta.file_type();
         let (kind, size, device_fast_zero) = if ft.is_block_device() {
             let fd = buffered.as_raw_fd();
@@ -444,6 +448,7 @@ impl FileBackend {
             nowait_ok: AtomicBool::new(true),
             nowait_misses: AtomicU32::new(0),
             nowait_skipped: AtomicU32::new(0),
+            _held_lock: held_lock,
         })
     }
 

@@ -69,7 +69,7 @@ pub(super) fn lock(
     meta: &std::fs::Metadata,
     read_only: bool,
     shown: &str,
-) -> io::Result<()> {
+) -> io::Result<Option<HeldLock>> {
     let op = if read_only {
         libc::LOCK_SH
     } else {
@@ -85,7 +85,7 @@ pub(super) fn lock(
         // the whole call.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) };
         if rc == 0 {
-            return Ok(());
+            return Ok(Some(HeldLock::new(meta.dev(), meta.ino())));
         }
         let e = io::Error::last_os_error();
         match e.raw_os_error() {
@@ -95,7 +95,11 @@ pub(super) fn lock(
                 std::thread::sleep(std::time::Duration::from_millis(50));
             }
             Some(libc::EWOULDBLOCK) => {
+                let ours = HeldLock::held_here(meta.dev(), meta.ino());
                 let holder = match lock_holder(meta.dev(), meta.ino()) {
+                    _ if ours => {
+                        "this process (it is already open as another device here)".to_string()
+                    }
                     Some(pid) if pid == std::process::id() => {
                         "this process (it is already open as another device here)".to_string()
                     }
@@ -115,8 +119,47 @@ pub(super) fn lock(
             }
             // A file system that cannot lock (rare: NFS emulates flock with fcntl locks):
             // the open goes on unlocked, as documented, rather than refuse the file.
-            Some(libc::ENOLCK | libc::EOPNOTSUPP) => return Ok(()),
+            Some(libc::ENOLCK | libc::EOPNOTSUPP) => return Ok(None),
             _ => return Err(with_context(e, format!("flock {shown}"))),
+        }
+    }
+}
+
+/// The locks this process holds, by (device, inode): a refused open names "this process" from
+/// here, whatever `/proc/locks` shows. That file cannot be trusted for it: in a pid namespace
+/// it shows other pids, and on overlayfs (containers, CI) its device numbers are the upper
+/// file system's while `stat` gives the overlay's, so the line is not found at all.
+/// Only error messages read it.
+#[allow(clippy::disallowed_types)] // A registry for messages, off every I/O path: not modeled.
+static HELD: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+/// One `flock` this process holds: an entry in [`HELD`] while it lives. The lock itself goes
+/// with the descriptors; if the entry outlives them for a moment (or the other way round),
+/// only a message changes.
+#[derive(Debug)]
+pub(super) struct HeldLock {
+    key: (u64, u64),
+}
+
+impl HeldLock {
+    fn new(dev: u64, ino: u64) -> Self {
+        let key = (dev, ino);
+        HELD.lock().unwrap_or_else(|p| p.into_inner()).push(key);
+        HeldLock { key }
+    }
+
+    fn held_here(dev: u64, ino: u64) -> bool {
+        HELD.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(dev, ino))
+    }
+}
+
+impl Drop for HeldLock {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = held.iter().position(|k| *k == self.key) {
+            held.swap_remove(i);
         }
     }
 }
