@@ -3,6 +3,8 @@
 //! ([`Scheduler`]). The queue ([`crate::queue`]) sits between them; the drivers themselves live
 //! in the `blk-drivers` crate.
 
+use std::os::fd::BorrowedFd;
+
 use blkq_sync::DynArc as Arc;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
@@ -114,6 +116,21 @@ pub trait Driver: Send + Sync {
         }
         Ok(())
     }
+    /// Zero-copy reads ([`Device::splice_read`]): whether this driver can move its bytes into
+    /// a pipe by reference. Default: no.
+    fn can_splice(&self) -> bool {
+        false
+    }
+    /// Moves up to `len` bytes of the device at `offset` into the pipe whose write end is
+    /// `pipe` ([`Device::splice_read`] says what that promises); returns how many it moved.
+    fn splice_read(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _pipe: BorrowedFd<'_>,
+    ) -> Result<usize, Error> {
+        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+    }
     /// One line describing the driver and its options.
     fn describe(&self) -> String;
     /// The most bios one request may carry as a merge chain (module docs). The default, 1,
@@ -215,6 +232,33 @@ pub trait Device: Send + Sync {
         let mut out = Vec::new();
         self.extents_into(offset, len, max, &mut out)?;
         Ok(out)
+    }
+
+    /// Whether [`Device::splice_read`] works on this device (default: no). Asked once per
+    /// connection and per read; a device may turn it off at run time (after a failed splice).
+    fn can_splice(&self) -> bool {
+        false
+    }
+
+    /// A zero-copy read (issue #12): moves up to `len` bytes of the device at `offset` into
+    /// the pipe whose write end is `pipe`, by reference where the host allows (`splice(2)`
+    /// from a file's page cache, `vmsplice(2)` from a memory device's mapping), and returns
+    /// how many bytes it moved (fewer when the pipe is full; 0 only for `len` 0).
+    ///
+    /// What the pipe then holds are references to pages that stay the device's: the bytes
+    /// that reach the reader are those of the moment the pipe is drained, not of this call.
+    /// So a caller must drain the pipe before it reports the read complete, as the NBD
+    /// server does (a reply is complete only once the client has all of it): any write that
+    /// completed before this call is in the bytes, and only writes concurrent with the read
+    /// can show, which a block device leaves undefined. No bio: no tag, no scheduler; the
+    /// queue counts it in the disk statistics as one read.
+    fn splice_read(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _pipe: BorrowedFd<'_>,
+    ) -> Result<usize, Error> {
+        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
     }
 
     /// The request queue behind the device, if it is one (or wraps one): its tag pools,

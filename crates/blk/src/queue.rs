@@ -45,6 +45,7 @@ pub use self::plug::Plug;
 use self::plug::{with_thread_plug, PlugTail};
 
 use std::fmt;
+use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
@@ -875,6 +876,27 @@ impl Device for Queue {
         self.core.driver.extents_into(offset, len, max, out)
     }
 
+    fn can_splice(&self) -> bool {
+        self.core.driver.can_splice()
+    }
+
+    /// The driver's splice, counted as one read of the bytes moved (started and completed
+    /// at this batch's clock: the time it takes is the driver's call, not a queue wait).
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
+        let start = batch_ns();
+        let dir = Op::Read.dir();
+        self.core.stats.started(dir, start);
+        let res = self.core.driver.splice_read(offset, len, pipe);
+        let moved = res.as_ref().map_or(0, |n| *n as u64);
+        self.core.stats.completed(
+            Op::Read,
+            moved >> SECTOR_SHIFT,
+            start,
+            batch_ns(),
+            res.is_ok(),
+        );
+        res
+    }
     fn as_queue(&self) -> Option<&Queue> {
         Some(self)
     }

@@ -80,6 +80,7 @@
 
 use std::fmt;
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::sync::OnceLock;
 
 use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -89,7 +90,7 @@ use blk::error::{os_error_code, with_context};
 use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
 use crate::backend::file::FileBackend;
-use crate::backend::{exec_on_backend, Backend};
+use crate::backend::{exec_on_backend, Backend, SpliceGate};
 use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
 
 /// Worker threads of the pool engine when `workers=` is not given.
@@ -113,6 +114,10 @@ pub struct FileDriverConfig {
     /// Run requests that need not wait on the submitter's thread (module docs, "Inline
     /// I/O"); off, every request of `uring` and `pool` goes through the engine.
     pub inline: bool,
+    /// Zero-copy reads (`splice=0|1`, [`blk::Device::splice_read`]): `splice(2)` from the
+    /// buffered descriptor's page cache into a pipe. Never with `direct=1`, whose point is
+    /// to keep the data out of the page cache.
+    pub splice: bool,
 }
 
 impl Default for FileDriverConfig {
@@ -122,6 +127,7 @@ impl Default for FileDriverConfig {
             entries: 64,
             workers: DEFAULT_WORKERS,
             inline: true,
+            splice: true,
         }
     }
 }
@@ -192,6 +198,7 @@ enum Inline {
 pub struct FileDriver {
     backend: FileBackend,
     mode: Mode,
+    splice: SpliceGate,
 }
 
 impl fmt::Debug for FileDriver {
@@ -284,11 +291,13 @@ impl FileDriver {
     /// `engine=uring` is asked for where io_uring does not work, or an engine cannot be set
     /// up (threads, descriptors); `Auto` falls back to the pool instead.
     pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
+        let splice = SpliceGate::new(cfg.splice && backend.can_splice());
         let kind = match cfg.engine {
             EngineKind::Sync => {
                 return Ok(Self {
                     backend,
                     mode: Mode::Sync,
+                    splice,
                 })
             }
             kind => kind,
@@ -373,6 +382,7 @@ impl FileDriver {
                 size,
                 inline: cfg.inline,
             }),
+            splice,
         })
     }
 
@@ -539,6 +549,14 @@ impl Driver for FileDriver {
         out: &mut Vec<Extent>,
     ) -> Result<(), Error> {
         Ok(self.backend.extents_into(offset, len, max, out)?)
+    }
+
+    fn can_splice(&self) -> bool {
+        self.splice.open()
+    }
+
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
+        self.splice.splice(&self.backend, offset, len, pipe)
     }
 
     fn max_merge(&self) -> u32 {

@@ -2,11 +2,13 @@
 //! (`mem:` devices; `file:` devices with `engine=sync` do the same in
 //! [`crate::FileDriver`]).
 
+use std::os::fd::BorrowedFd;
+
 use blkq_sync::DynArc as Arc;
 
 use blk::{Driver, Error, Extent, QueueCore, RequestToken};
 
-use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend};
+use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -74,12 +76,28 @@ impl MemStore {
 pub struct BackendDriver {
     name: &'static str,
     backend: Arc<dyn Backend>,
+    splice: SpliceGate,
 }
 
 impl BackendDriver {
-    /// A driver over `backend`, described as `name`.
+    /// A driver over `backend`, described as `name`; zero-copy reads on where the backend
+    /// has them.
     pub fn new(name: &'static str, backend: Arc<dyn Backend>) -> Self {
-        Self { name, backend }
+        let splice = SpliceGate::new(backend.can_splice());
+        Self {
+            name,
+            backend,
+            splice,
+        }
+    }
+
+    /// Zero-copy reads ([`blk::Device::splice_read`]) off, whatever the backend has (the
+    /// spec's `splice=0`).
+    pub fn without_splice(self) -> Self {
+        Self {
+            splice: SpliceGate::new(false),
+            ..self
+        }
     }
 }
 
@@ -94,6 +112,14 @@ impl Driver for BackendDriver {
 
     fn max_merge(&self) -> u32 {
         u32::MAX
+    }
+
+    fn can_splice(&self) -> bool {
+        self.splice.open()
+    }
+
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
+        self.splice.splice(self.backend.as_ref(), offset, len, pipe)
     }
 
     fn extents_into(

@@ -15,6 +15,10 @@
 //! mapping, [`MapBackend`](crate::backend::MapBackend); `pages`: the sparse page table,
 //! [`MemBackend`]) and, for `store=map`, `thp=0|1` (transparent huge pages, default 0).
 //!
+//! `splice=0|1` (`mem:` and `file:`, default 1): zero-copy reads where the store has them
+//! (`store=map`'s `vmsplice`, a buffered file's `splice`; [`blk::Device::splice_read`]), which
+//! the NBD server uses for large reads over plaintext connections.
+//!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `reserved_tags`, `wake`, `policy`, `block_size`, `max_io`) and its I/O scheduler:
 //! `sched=none|mq-deadline` (default `none`), `sched_lock=locked|serialized` (default
@@ -297,6 +301,7 @@ impl DeviceSpec {
         let mut memory_backed = false;
         let mut mem_store = MemStore::default();
         let mut mem_thp = false;
+        let mut mem_splice = true;
         let mut file_opts = FileOptions {
             read_only: ov.read_only,
             ..FileOptions::default()
@@ -340,6 +345,8 @@ impl DeviceSpec {
                 ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
                 ("entries", Kind::File(_)) => entries = Some(parse_num(k, v)?),
                 ("inline", Kind::File(_)) => file_cfg.inline = parse_bool(k, v)?,
+                ("splice", Kind::File(_)) => file_cfg.splice = parse_bool(k, v)?,
+                ("splice", Kind::Mem(_)) => mem_splice = parse_bool(k, v)?,
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option {k:?} for a {} device",
@@ -396,7 +403,12 @@ impl DeviceSpec {
             Kind::Mem(size) => {
                 cfg.limits.capacity = *size;
                 let store = mem_store.with_thp(mem_thp)?;
-                Box::new(BackendDriver::new(store.describe(), store.build(*size)?))
+                let driver = BackendDriver::new(store.describe(), store.build(*size)?);
+                Box::new(if mem_splice {
+                    driver
+                } else {
+                    driver.without_splice()
+                })
             }
             Kind::File(path) => {
                 let be = FileBackend::open(path, file_opts)?;

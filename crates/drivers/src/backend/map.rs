@@ -49,6 +49,21 @@
 //! too, and they are plain words, not atomics. `mincore` is still used where it is the
 //! right question: [`MapBackend::resident_bytes`], the memory the device holds now.
 //!
+//! # Zero-copy reads
+//!
+//! [`Backend::splice_read`] hands the device's bytes to a pipe with `vmsplice(2)`: the pipe
+//! takes references to the mapping's pages (and to a static page of zeros for holes), and the
+//! NBD server's writer `splice`s them into the socket, so a large read costs the kernel's one
+//! copy into the socket instead of a `memcpy` into a buffer first. The references are taken
+//! region by region under the region's read lock, like a read's copy. The bytes themselves
+//! leave later, when the pipe is drained, and a write that lands meanwhile changes what is
+//! sent: the read returns the bytes of the moment of sending. That is a block device's
+//! contract for a read that overlaps a write in flight, and no other kind of write can land
+//! meanwhile (the caller reports the read complete only once the pipe is drained). The
+//! kernel's read of the pages is not a Rust access, so it cannot race with a locked
+//! `memcpy` in the language's sense; a page given back by `MADV_DONTNEED` stays alive while
+//! the pipe holds it, with its old bytes.
+//!
 //! # Limits
 //!
 //! The device must fit in the address space (47 bits on x86-64, less what the process
@@ -60,6 +75,7 @@
 //! runs out, as the page store's allocations would abort it: size devices to the machine.
 
 use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
@@ -82,6 +98,10 @@ const MINCORE_BATCH: usize = 4096;
 
 // A region's bits are whole bitmap words, so no word is shared between two regions.
 const _: () = assert!((REGION_SIZE / PAGE).is_multiple_of(64));
+
+/// Zeros that `vmsplice` lends for holes ("Zero-copy reads"); never written, so the pages it
+/// references always read as zeros.
+static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
 
 /// One private anonymous mapping, reserved and not committed; unmapped on drop.
 struct Mapping {
@@ -389,6 +409,60 @@ impl MapBackend {
         }
     }
 
+    /// `vmsplice(2)`s bytes `[from, to)` of one region into `pipe`, as [`Self::read_region`]
+    /// reads them: allocated runs from the mapping, holes from [`ZEROS`] (so never-written
+    /// pages are still never touched). Returns the bytes moved; stops early when the pipe is
+    /// full (`EAGAIN` after some bytes, or `Ok(0)` before any).
+    fn splice_region(&self, from: u64, to: u64, pipe: BorrowedFd<'_>) -> io::Result<usize> {
+        let _g = self.stripe(from).read();
+        let (first, end) = Self::pages(from, to);
+        let mut moved = 0usize;
+        let mut p = first;
+        while p < end {
+            // SAFETY: pages `[p, end)` are in this region, whose lock is held shared.
+            let (allocated, q) = unsafe { self.run(p, end) };
+            let (a, b) = ((p << PAGE_SHIFT).max(from), (q << PAGE_SHIFT).min(to));
+            let mut at = a;
+            while at < b {
+                let (base, n) = if allocated {
+                    // SAFETY: `[at, b)` is inside the device, hence the mapping.
+                    (
+                        unsafe { self.data.base().add(at as usize) }.cast_const(),
+                        b - at,
+                    )
+                } else {
+                    (ZEROS.as_ptr(), (b - at).min(ZEROS.len() as u64))
+                };
+                let iov = libc::iovec {
+                    iov_base: base.cast_mut().cast(),
+                    iov_len: n as usize,
+                };
+                // SAFETY: one iovec over `n` readable bytes (the mapping's, which live as
+                // long as `self`, or the static zeros); vmsplice only reads through it, taking
+                // references to the pages (module docs, "Zero-copy reads").
+                let r =
+                    unsafe { libc::vmsplice(pipe.as_raw_fd(), &iov, 1, libc::SPLICE_F_NONBLOCK) };
+                if r < 0 {
+                    let e = io::Error::last_os_error();
+                    match e.kind() {
+                        io::ErrorKind::Interrupted => continue,
+                        io::ErrorKind::WouldBlock => return Ok(moved),
+                        _ if moved > 0 => return Ok(moved),
+                        _ => return Err(e),
+                    }
+                }
+                let r = r as u64;
+                moved += r as usize;
+                at += r;
+                if r < n {
+                    return Ok(moved);
+                }
+            }
+            p = q;
+        }
+        Ok(moved)
+    }
+
     /// Writes `src` at bytes `[from, to)` of one region.
     fn write_region(&self, from: u64, to: u64, src: &[u8]) {
         let _g = self.stripe(from).write();
@@ -529,6 +603,29 @@ impl Backend for MapBackend {
             true
         });
         Ok(())
+    }
+
+    fn can_splice(&self) -> bool {
+        true
+    }
+
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> io::Result<usize> {
+        check_range("mem splice", offset, len as u64, self.size)?;
+        let mut moved = 0usize;
+        let mut res = Ok(());
+        self.for_regions(offset, len as u64, |from, to| {
+            match self.splice_region(from, to, pipe) {
+                Ok(n) => {
+                    moved += n;
+                    n as u64 == to - from
+                }
+                Err(e) => {
+                    res = Err(e);
+                    false
+                }
+            }
+        });
+        res.map(|()| moved)
     }
 
     fn flush(&self) -> io::Result<()> {

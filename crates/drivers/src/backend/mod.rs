@@ -6,6 +6,9 @@
 //! lengths are in bytes; callers have validated them against [`Backend::size`].
 
 use std::io;
+use std::os::fd::BorrowedFd;
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
 
 pub mod file;
 mod host;
@@ -90,6 +93,61 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// Whether zeroing is fast (no data written), for NBD's FAST_ZERO.
     fn fast_zero(&self) -> bool;
+    /// Whether [`Backend::splice_read`] works (default: no).
+    fn can_splice(&self) -> bool {
+        false
+    }
+    /// Moves up to `len` bytes at `offset` into the pipe `pipe` by reference, without
+    /// blocking on the pipe: how many it moved, 0 when the pipe was full
+    /// ([`blk::Device::splice_read`] says what the caller must do with them).
+    fn splice_read(&self, _offset: u64, _len: usize, _pipe: BorrowedFd<'_>) -> io::Result<usize> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// A driver's zero-copy switch (the spec's `splice=0|1`): on while the backend can splice and
+/// no splice has failed. A failed splice turns it off for good, with a warning: a reply whose
+/// bytes were half sent when the error came cannot carry it (the NBD server closes that
+/// connection), and a client that reconnects then reads through bios, which report the error
+/// as the read's.
+#[derive(Debug)]
+pub(crate) struct SpliceGate {
+    on: AtomicBool,
+}
+
+impl SpliceGate {
+    pub(crate) fn new(on: bool) -> Self {
+        Self {
+            on: AtomicBool::new(on),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn open(&self) -> bool {
+        // Relaxed: a switch read as a hint; nothing is published through it.
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// `be.splice_read` while the gate is open, closing it when the splice fails.
+    pub(crate) fn splice(
+        &self,
+        be: &dyn Backend,
+        offset: u64,
+        len: usize,
+        pipe: BorrowedFd<'_>,
+    ) -> Result<usize, Error> {
+        if !self.open() {
+            return Err(Error::Io(io::ErrorKind::Unsupported.into()));
+        }
+        be.splice_read(offset, len, pipe).map_err(|e| {
+            if self.on.swap(false, Ordering::Relaxed) {
+                tracing::warn!(
+                    "zero-copy reads turned off for {be:?}: splice at {offset}+{len} failed: {e}"
+                );
+            }
+            Error::Io(e)
+        })
+    }
 }
 
 /// Checks `[offset, offset + len)` against `size`, for backends' "no panic on any input".
