@@ -7,13 +7,24 @@
 #![allow(unsafe_code)]
 
 use std::io::{self, IoSlice};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// Sends `bufs` with one `sendmsg(2)` and returns the bytes sent (possibly fewer than asked).
 ///
 /// With `dontwait`, a socket whose send buffer is full gives `ErrorKind::WouldBlock` instead of
 /// blocking. `EINTR` is retried.
 pub(crate) fn sendmsg(fd: RawFd, bufs: &[IoSlice<'_>], dontwait: bool) -> io::Result<usize> {
+    sendmsg_more(fd, bufs, dontwait, false)
+}
+
+/// [`sendmsg`], with `MSG_MORE` when `more`: more bytes follow at once (a spliced reply's
+/// data after its header), so TCP need not send a short segment now.
+pub(crate) fn sendmsg_more(
+    fd: RawFd,
+    bufs: &[IoSlice<'_>],
+    dontwait: bool,
+    more: bool,
+) -> io::Result<usize> {
     // SAFETY: `msghdr` is a plain C struct for which all-zero bytes are a valid value (no name,
     // no control data, no iovecs); the fields we use are set below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -24,6 +35,9 @@ pub(crate) fn sendmsg(fd: RawFd, bufs: &[IoSlice<'_>], dontwait: bool) -> io::Re
     let mut flags = libc::MSG_NOSIGNAL;
     if dontwait {
         flags |= libc::MSG_DONTWAIT;
+    }
+    if more {
+        flags |= libc::MSG_MORE;
     }
     loop {
         // SAFETY: `msg` points to `bufs.len()` valid iovecs that borrow live, readable slices
@@ -137,4 +151,71 @@ mod tests {
         let e = sendmsg(a.as_raw_fd(), &[IoSlice::new(b"x")], false).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
     }
+}
+
+/// Moves up to `len` bytes from the pipe `pipe` (read end) into the socket `sock` with
+/// `splice(2)`: the pages go to the socket by reference where it takes them so. With
+/// `dontwait` a full socket gives `ErrorKind::WouldBlock` instead of blocking (a blocking
+/// socket still honours its `SO_SNDTIMEO`); `more` is `SPLICE_F_MORE` (more data follows).
+/// `EINTR` is retried. A closed peer is `EPIPE`; splice raises `SIGPIPE` too (there is no
+/// `MSG_NOSIGNAL` for it), which Rust programs ignore from the start (the runtime sets it to
+/// `SIG_IGN` before `main`).
+pub(crate) fn splice_out(
+    pipe: RawFd,
+    sock: RawFd,
+    len: usize,
+    dontwait: bool,
+    more: bool,
+) -> io::Result<usize> {
+    let mut flags = libc::SPLICE_F_MOVE;
+    if dontwait {
+        flags |= libc::SPLICE_F_NONBLOCK;
+    }
+    if more {
+        flags |= libc::SPLICE_F_MORE;
+    }
+    loop {
+        // SAFETY: splice(2) with no offset pointers (both ends are a pipe and a socket); the
+        // descriptors are only used as numbers (a wrong one gives EBADF, not UB).
+        let n = unsafe {
+            libc::splice(
+                pipe,
+                std::ptr::null_mut(),
+                sock,
+                std::ptr::null_mut(),
+                len,
+                flags,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// A pipe (read end, write end; close-on-exec) with the first of `sizes` that `F_SETPIPE_SZ`
+/// grants, else its default size; returns its capacity in bytes too.
+pub(crate) fn pipe_sized(sizes: &[usize]) -> io::Result<(OwnedFd, OwnedFd, usize)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a writable array of two ints for the kernel to fill.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 just returned both descriptors, owned by nothing else.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    for &want in sizes {
+        let want = libc::c_int::try_from(want).unwrap_or(libc::c_int::MAX);
+        // SAFETY: fcntl on a descriptor we own; F_SETPIPE_SZ takes an int.
+        let got = unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, want) };
+        if got > 0 {
+            return Ok((r, w, got as usize));
+        }
+    }
+    // SAFETY: as above; F_GETPIPE_SZ takes no argument.
+    let got = unsafe { libc::fcntl(w.as_raw_fd(), libc::F_GETPIPE_SZ) };
+    Ok((r, w, usize::try_from(got).unwrap_or(0).max(4096)))
 }

@@ -112,12 +112,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// as the read's.
 #[derive(Debug)]
 pub(crate) struct SpliceGate {
+    /// Zero-copy reads were asked for and the backend has them.
+    supported: bool,
+    /// And none has failed: what [`SpliceGate::open`] tells new readers.
     on: AtomicBool,
 }
 
 impl SpliceGate {
     pub(crate) fn new(on: bool) -> Self {
         Self {
+            supported: on,
             on: AtomicBool::new(on),
         }
     }
@@ -128,7 +132,8 @@ impl SpliceGate {
         self.on.load(Ordering::Relaxed)
     }
 
-    /// `be.splice_read` while the gate is open, closing it when the splice fails.
+    /// `be.splice_read` where supported (a read decided before the gate closed still
+    /// splices), closing the gate when the splice fails.
     pub(crate) fn splice(
         &self,
         be: &dyn Backend,
@@ -136,7 +141,7 @@ impl SpliceGate {
         len: usize,
         pipe: BorrowedFd<'_>,
     ) -> Result<usize, Error> {
-        if !self.open() {
+        if !self.supported {
             return Err(Error::Io(io::ErrorKind::Unsupported.into()));
         }
         be.splice_read(offset, len, pipe).map_err(|e| {

@@ -10,7 +10,7 @@ use waitq::WaitQueue;
 
 /// Descriptors one connection holds: its socket, the registry's handle and the writers'
 /// handle.
-const FDS_PER_CONNECTION: u64 = 3;
+const FDS_PER_CONNECTION: u64 = 5;
 /// Descriptors kept for everything else (listeners, device files, logs, the control socket).
 const FDS_RESERVED: u64 = 64;
 

@@ -38,6 +38,9 @@ pub(super) struct Part {
     pub(super) hole: bool,
     /// The data, once its bio completed.
     pub(super) buf: Option<Buffer>,
+    /// Data with no bio and no buffer: the writer splices it from the device straight into
+    /// the socket when it sends the reply (`splice.rs`).
+    pub(super) spliced: bool,
 }
 
 /// A request on its way through the connection: staged by the reader, then a slot of the
@@ -220,6 +223,9 @@ pub(super) struct ConnCore {
     /// The export's disk counters kept by the server (a device without its own), counted
     /// when a request's last bio completes; `None` when the device counts.
     pub(super) disk: Option<Arc<DiskCounters>>,
+    /// The export's device when large reads are spliced (a plaintext connection to a device
+    /// that can: `splice.rs`); `None` otherwise.
+    pub(super) splice_dev: Option<Arc<dyn blk::Device>>,
 }
 
 /// Whether the caller runs on thread `t`: a [`ThreadId`](std::thread::ThreadId) comparison

@@ -42,6 +42,7 @@
 mod inflight;
 mod reader;
 mod reply;
+mod splice;
 mod transport;
 mod writer;
 
@@ -321,7 +322,7 @@ impl<'a> Connection<'a> {
         let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
         let tls = send_sock.tls_session().cloned();
         let core = Arc::new(ConnCore {
-            tls,
+            tls: tls.clone(),
             send_sock,
             send_fd,
             mode: negotiated.mode,
@@ -334,6 +335,8 @@ impl<'a> Connection<'a> {
             sticky: export.failed.clone(),
             budget: server.budget.clone(),
             disk: export.disk.clone(),
+            splice_dev: (tls.is_none() && export.export.device.can_splice())
+                .then(|| export.export.device.clone()),
         });
         let flusher_core = core.clone();
         // A failed spawn (out of threads) fails the connection, which is then closed.

@@ -13,6 +13,7 @@ use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
 
 use super::inflight::{bio_cookie, InFlight, Part};
+use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
 use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE, NBD_STATE_ZERO};
 use crate::transmission::{decode_request, ExtentExt, Request};
@@ -457,8 +458,19 @@ impl<'a> Connection<'a> {
         self.staged.push(entry);
     }
 
-    /// Data parts of a read from `at`, one bio (and buffer) of at most `max_bio_bytes` each.
-    fn add_read_data(&mut self, entry: &mut InFlight, mut at: u64, len: u64) {
+    /// Data parts of a read from `at`, one bio (and buffer) of at most `max_bio_bytes` each;
+    /// or, for a read the writer splices (`splice.rs`), one part with neither.
+    fn add_read_data(&mut self, entry: &mut InFlight, mut at: u64, len: u64, spliced: bool) {
+        if spliced {
+            entry.parts.push(Part {
+                offset: at,
+                len,
+                hole: false,
+                buf: None,
+                spliced: true,
+            });
+            return;
+        }
         let end = at + len;
         while at < end {
             let n = (end - at).min(self.max_bio_bytes as u64);
@@ -473,6 +485,7 @@ impl<'a> Connection<'a> {
                 len: n,
                 hole: false,
                 buf: None,
+                spliced: false,
             });
             at += n;
         }
@@ -485,6 +498,14 @@ impl<'a> Connection<'a> {
         let sparse = self.mode.chunked_replies()
             && !r.flags.contains(CmdFlags::DF)
             && self.export.export.sparse_reads;
+        // Large reads on a plaintext connection to a device that can: spliced by the writer,
+        // no bio, no buffer (`splice.rs`).
+        let spliced = r.length >= SPLICE_MIN_BYTES
+            && self
+                .core
+                .splice_dev
+                .as_ref()
+                .is_some_and(|d| d.can_splice());
         let mut at = r.offset;
         if sparse {
             // The connection's reused vector, taken for the loop (which needs `&mut self`)
@@ -503,13 +524,14 @@ impl<'a> Connection<'a> {
                     let e_end = e.offset.saturating_add(e.len).min(end);
                     let hole = nbd_extent(e).flags & u64::from(NBD_STATE_HOLE) != 0;
                     if !hole || e_end - at < self.min_block {
-                        self.add_read_data(&mut entry, at, e_end - at);
+                        self.add_read_data(&mut entry, at, e_end - at, spliced);
                     } else {
                         entry.parts.push(Part {
                             offset: at,
                             len: e_end - at,
                             hole: true,
                             buf: None,
+                            spliced: false,
                         });
                     }
                     at = e_end;
@@ -521,7 +543,7 @@ impl<'a> Connection<'a> {
             self.extents_buf = extents;
         }
         if at < end {
-            self.add_read_data(&mut entry, at, end - at);
+            self.add_read_data(&mut entry, at, end - at, spliced);
         }
         entry.budget_bytes = r.length;
         self.staged_bytes += r.length;

@@ -9,7 +9,7 @@
 use blk::Buffer;
 use tracing::warn;
 
-use super::inflight::InFlight;
+use super::inflight::{InFlight, Part};
 use crate::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode};
 use crate::server::handshake::BASE_ALLOCATION_ID;
 use crate::transmission::{Extent, ExtentExt, ReplyChunk, ReplyTo, SimpleReply};
@@ -22,6 +22,26 @@ pub(super) enum Segment {
     Headers { start: usize, end: usize },
     /// The first `len` bytes of `Output::buffers[index]`.
     Data { index: usize, len: usize },
+    /// `len` bytes of the device at `offset`, spliced into the socket at send time
+    /// (`splice.rs`). The reply or chunk header that announces them ends at
+    /// `Output::headers[hdr_end]`, in the form `form` (so a failure found before any of it
+    /// was sent can turn it into an error reply of the same length).
+    Spliced {
+        offset: u64,
+        len: usize,
+        hdr_end: usize,
+        form: HeaderForm,
+    },
+}
+
+/// The header in front of a spliced segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HeaderForm {
+    /// A simple reply (16 bytes).
+    Simple,
+    /// An `OFFSET_DATA` chunk with a compact (20 bytes) or extended (32 bytes) header, then
+    /// the 8-byte offset.
+    Chunk { extended: bool },
 }
 
 /// The writer's output (it travels with the writer token): replies shaped and not yet sent,
@@ -44,6 +64,8 @@ pub(super) struct Output {
     extents64: Vec<ExtentExt>,
     /// TLS: ciphertext not yet sent (`transport.rs`).
     pub(super) tls_out: super::transport::TlsOut,
+    /// Zero-copy reads: the pipe spliced segments go through (`splice.rs`).
+    pub(super) pipe: super::splice::SplicePipe,
 }
 
 impl Output {
@@ -84,6 +106,21 @@ impl Output {
         self.segments.push(Segment::Headers { start, end });
     }
 
+    /// The part's data: its buffer, or (spliced) the device range, announced by the header
+    /// that ends the headers written so far.
+    fn push_part(&mut self, p: &mut Part, form: HeaderForm) {
+        if p.spliced {
+            self.segments.push(Segment::Spliced {
+                offset: p.offset,
+                len: p.len as usize,
+                hdr_end: self.headers.len(),
+                form,
+            });
+        } else if let Some(b) = p.buf.take() {
+            self.push_data(b, p.len as usize);
+        }
+    }
+
     fn push_data(&mut self, b: Buffer, len: usize) {
         self.segments.push(Segment::Data {
             index: self.buffers.len(),
@@ -104,10 +141,9 @@ impl Output {
         };
         if entry.is_read() && entry.error.is_none() {
             // Every data part must have come back with its buffer.
-            let complete = entry
-                .parts
-                .iter()
-                .all(|p| p.hole || p.buf.as_ref().is_some_and(|b| b.len() as u64 >= p.len));
+            let complete = entry.parts.iter().all(|p| {
+                p.hole || p.spliced || p.buf.as_ref().is_some_and(|b| b.len() as u64 >= p.len)
+            });
             if !complete {
                 entry.error = Some(Errno::Io);
             }
@@ -184,9 +220,7 @@ impl Output {
             .encode(&mut self.headers);
             self.push_headers(start);
             for p in &mut entry.parts {
-                if let Some(b) = p.buf.take() {
-                    self.push_data(b, p.len as usize);
-                }
+                self.push_part(p, HeaderForm::Simple);
             }
             return Ok(());
         }
@@ -238,10 +272,11 @@ impl Output {
             };
             chunk.encode(mode, to, done, &mut self.headers)?;
             self.push_headers(chunk_start);
+            let form = HeaderForm::Chunk {
+                extended: mode == TransmissionMode::Extended,
+            };
             for p in &mut entry.parts[i..j] {
-                if let Some(b) = p.buf.take() {
-                    self.push_data(b, p.len as usize);
-                }
+                self.push_part(p, form);
             }
             i = j;
         }
@@ -317,7 +352,6 @@ impl Output {
 
 #[cfg(test)]
 mod tests {
-    use super::super::inflight::Part;
     use super::*;
     use crate::proto::{NBD_SIMPLE_REPLY_MAGIC, NBD_STATE_HOLE};
 
@@ -355,12 +389,14 @@ mod tests {
             len: 512,
             hole: false,
             buf: Some(Buffer::new(512)),
+            spliced: false,
         });
         read.parts.push(Part {
             offset: 512,
             len: 1024,
             hole: true,
             buf: None,
+            spliced: false,
         });
         out.shape(&mut read, TransmissionMode::Structured, 512);
         assert!(read.error.is_none());
@@ -384,6 +420,7 @@ mod tests {
             len: 512,
             hole: false,
             buf: None,
+            spliced: false,
         });
         out.shape(&mut read, TransmissionMode::Simple, 512);
         assert_eq!(read.error, Some(Errno::Io));

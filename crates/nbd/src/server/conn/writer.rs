@@ -58,7 +58,8 @@ impl ConnCore {
                 if self.client_gone.load(Ordering::Relaxed) {
                     self.forget_tls_output();
                 } else {
-                    match output.send(self.send_fd, self.tls.as_deref(), !blocking) {
+                    let dev = self.splice_dev.as_deref();
+                    match output.send(self.send_fd, self.tls.as_deref(), dev, !blocking) {
                         Ok(true) => {}
                         Ok(false) => {
                             self.hand_off(output);
@@ -173,6 +174,7 @@ impl Output {
         self.next_segment < self.segments.len()
     }
 
+    /// The bytes of a segment in memory (`None` for a spliced one, which is not).
     pub(super) fn segment_bytes(&self, s: Segment) -> Option<&[u8]> {
         match s {
             Segment::Headers { start, end } => self.headers.get(start..end),
@@ -180,29 +182,59 @@ impl Output {
                 .buffers
                 .get(index)
                 .and_then(|b| b.as_slice().get(..len)),
+            Segment::Spliced { .. } => None,
         }
     }
 
+    fn is_spliced(&self, i: usize) -> bool {
+        matches!(self.segments.get(i), Some(Segment::Spliced { .. }))
+    }
+
     /// Sends what is left; `Ok(false)` if the socket would block (non-blocking mode). Over
-    /// TLS the bytes go through the session (`transport.rs`).
-    fn send(&mut self, fd: RawFd, tls: Option<&TlsSession>, dontwait: bool) -> io::Result<bool> {
+    /// TLS the bytes go through the session (`transport.rs`). Runs of in-memory segments go
+    /// out with `sendmsg`; a spliced segment through the pipe (`splice.rs`), whose pipe is
+    /// filled before the run that carries its header.
+    fn send(
+        &mut self,
+        fd: RawFd,
+        tls: Option<&TlsSession>,
+        dev: Option<&dyn blk::Device>,
+        dontwait: bool,
+    ) -> io::Result<bool> {
         if let Some(session) = tls {
             return self.send_tls(fd, session, dontwait);
         }
         let bad = || io::Error::other("reply segment out of bounds");
         while self.next_segment < self.segments.len() {
+            if self.is_spliced(self.next_segment) {
+                if !self.send_spliced(fd, dev, dontwait)? {
+                    return Ok(false);
+                }
+                continue;
+            }
+            let first = self.next_segment;
+            let mut end = first;
+            while end < self.segments.len() && end - first < IOV_WINDOW && !self.is_spliced(end) {
+                end += 1;
+            }
+            let more = self.is_spliced(end);
+            if more {
+                let before = self.segments.len();
+                self.prefill(end, dev)?;
+                if self.segments.len() != before {
+                    // The read failed and its header became an error reply: look again.
+                    continue;
+                }
+            }
             let mut iov = [IoSlice::new(&[]); IOV_WINDOW];
-            let mut k = 0;
-            let window = self.segments[self.next_segment..].iter().take(IOV_WINDOW);
-            for (i, &s) in window.enumerate() {
+            for (k, &s) in self.segments[first..end].iter().enumerate() {
                 let mut bytes = self.segment_bytes(s).ok_or_else(bad)?;
-                if i == 0 {
+                if k == 0 {
                     bytes = bytes.get(self.sent_of_segment..).ok_or_else(bad)?;
                 }
                 iov[k] = IoSlice::new(bytes);
-                k += 1;
             }
-            let n = match crate::sys::sendmsg(fd, &iov[..k], dontwait) {
+            let n = match crate::sys::sendmsg_more(fd, &iov[..end - first], dontwait, more) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => return Ok(false),
@@ -217,12 +249,14 @@ impl Output {
         Ok(true)
     }
 
+    /// Counts `n` bytes sent from the in-memory segments at `next_segment` on (never into a
+    /// spliced one, which `send_spliced` counts itself).
     pub(super) fn advance(&mut self, mut n: usize) {
         while n > 0 && self.next_segment < self.segments.len() {
-            let left = self
-                .segment_bytes(self.segments[self.next_segment])
-                .map_or(0, |b| b.len())
-                .saturating_sub(self.sent_of_segment);
+            let Some(bytes) = self.segment_bytes(self.segments[self.next_segment]) else {
+                break;
+            };
+            let left = bytes.len().saturating_sub(self.sent_of_segment);
             if n >= left {
                 n -= left;
                 self.next_segment += 1;
