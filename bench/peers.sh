@@ -56,6 +56,8 @@
 #   TRANSPORTS="unix tcp"
 #   MULTI=4       fio processes of the multi-process rows (0 leaves them out)
 #   QD_1M=8       iodepth of the 1 MiB rows
+#   WORKLOADS=REGEX   only the rows whose label matches (labels: 4k_randread, 4k_randwrite,
+#                 1M_read, 1M_write), e.g. WORKLOADS='1M_.*' (default: all)
 #   TCP_QD16=1    0 drops iodepth 16 over TCP (to shorten the run)
 #   PERF=1        0: no perf stat on the servers (no syscall and context-switch columns)
 #   STRACE=1      0 skips the strace/perf syscall section at the end
@@ -71,6 +73,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 QUICK=${QUICK:-0}
+WORKLOADS=${WORKLOADS:-.*}
 if [[ $QUICK == 1 ]]; then
   R=${R:-${RUNTIME:-1}}
   ROUNDS=${ROUNDS:-1}
@@ -397,8 +400,12 @@ print(f"{iops:.0f} {p99:.1f} {ios:.0f} {(j['usr_cpu'] + j['sys_cpu']) / 100:.2f}
 EOF
 }
 
-# workloads BACKEND: "label rw bs qd conns" lines.
+# workloads BACKEND: "label rw bs qd conns" lines (those whose label matches $WORKLOADS).
 workloads() {
+  all_workloads "$@" | grep -E "^(${WORKLOADS}) "
+}
+
+all_workloads() {
   local rw qd
   local qds="1 16 64"
   [[ $QUICK == 1 ]] && qds="1 64"

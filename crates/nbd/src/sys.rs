@@ -113,46 +113,6 @@ pub(crate) fn physical_memory() -> Option<u64> {
     (pages > 0 && size > 0).then(|| (pages as u64).saturating_mul(size as u64))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
-    use std::os::unix::net::UnixStream;
-
-    #[test]
-    fn sends_several_slices_and_reports_would_block() {
-        let (a, mut b) = UnixStream::pair().unwrap();
-        let n = sendmsg(
-            a.as_raw_fd(),
-            &[IoSlice::new(b"ab"), IoSlice::new(b""), IoSlice::new(b"cde")],
-            false,
-        )
-        .unwrap();
-        assert_eq!(n, 5);
-        let mut got = [0u8; 5];
-        b.read_exact(&mut got).unwrap();
-        assert_eq!(&got, b"abcde");
-        // Fill the socket: a non-blocking send must eventually say WouldBlock.
-        let big = vec![0u8; 1 << 20];
-        let mut saw_would_block = false;
-        for _ in 0..64 {
-            match sendmsg(a.as_raw_fd(), &[IoSlice::new(&big)], true) {
-                Ok(_) => {}
-                Err(e) => {
-                    assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
-                    saw_would_block = true;
-                    break;
-                }
-            }
-        }
-        assert!(saw_would_block);
-        drop(b);
-        let e = sendmsg(a.as_raw_fd(), &[IoSlice::new(b"x")], false).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
-    }
-}
-
 /// Moves up to `len` bytes from the pipe `pipe` (read end) into the socket `sock` with
 /// `splice(2)`: the pages go to the socket by reference where it takes them so. With
 /// `dontwait` a full socket gives `ErrorKind::WouldBlock` instead of blocking (a blocking
@@ -218,4 +178,44 @@ pub(crate) fn pipe_sized(sizes: &[usize]) -> io::Result<(OwnedFd, OwnedFd, usize
     // SAFETY: as above; F_GETPIPE_SZ takes no argument.
     let got = unsafe { libc::fcntl(w.as_raw_fd(), libc::F_GETPIPE_SZ) };
     Ok((r, w, usize::try_from(got).unwrap_or(0).max(4096)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn sends_several_slices_and_reports_would_block() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let n = sendmsg(
+            a.as_raw_fd(),
+            &[IoSlice::new(b"ab"), IoSlice::new(b""), IoSlice::new(b"cde")],
+            false,
+        )
+        .unwrap();
+        assert_eq!(n, 5);
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"abcde");
+        // Fill the socket: a non-blocking send must eventually say WouldBlock.
+        let big = vec![0u8; 1 << 20];
+        let mut saw_would_block = false;
+        for _ in 0..64 {
+            match sendmsg(a.as_raw_fd(), &[IoSlice::new(&big)], true) {
+                Ok(_) => {}
+                Err(e) => {
+                    assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+                    saw_would_block = true;
+                    break;
+                }
+            }
+        }
+        assert!(saw_would_block);
+        drop(b);
+        let e = sendmsg(a.as_raw_fd(), &[IoSlice::new(b"x")], false).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
+    }
 }

@@ -8,15 +8,15 @@ use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-/// Descriptors one connection holds: its socket, the registry's handle and the writers'
-/// handle.
+/// Descriptors one connection holds: its socket, the registry's handle, the writers' handle,
+/// and the two ends of its pipe for zero-copy reads (`conn/splice.rs`).
 const FDS_PER_CONNECTION: u64 = 5;
 /// Descriptors kept for everything else (listeners, device files, logs, the control socket).
 const FDS_RESERVED: u64 = 64;
 
-/// The default connection limit: what the open-files limit leaves room for (three descriptors
+/// The default connection limit: what the open-files limit leaves room for (five descriptors
 /// a connection, 64 kept for the rest), between 16 and 1024. With the usual soft limit of 1024
-/// that is 320: accepting more would only fail later, in `accept` or in the connection's setup.
+/// that is 192: accepting more would only fail later, in `accept` or in the connection's setup.
 pub fn default_max_connections() -> usize {
     let nofile = crate::sys::open_files_limit().unwrap_or(1024);
     (nofile.saturating_sub(FDS_RESERVED) / FDS_PER_CONNECTION).clamp(16, 1024) as usize

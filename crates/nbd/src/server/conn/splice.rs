@@ -83,6 +83,15 @@ impl SplicePipe {
         Ok((r, w))
     }
 
+    /// After a reset of the output: a pipe still holding bytes is closed (a new one is made
+    /// if needed), so that they can never lead another reply.
+    pub(super) fn forget_held(&mut self) {
+        if self.held > 0 {
+            *self = Self::default();
+        }
+        self.held_for = 0;
+    }
+
     /// Moves more of segment `index` (`len` bytes of the device at `offset`, `sent` of them
     /// sent) into the pipe, as much as fits. Returns the bytes now held.
     fn fill(

@@ -270,6 +270,9 @@ impl Output {
 
     /// Forgets the sent output (buffers go back to their pools).
     fn reset(&mut self) {
+        // Bytes still in the pipe belong to a reply that will never be sent (the client is
+        // gone): the pipe goes with them rather than lead the next reply.
+        self.pipe.forget_held();
         self.headers.clear();
         self.segments.clear();
         self.buffers.clear();

@@ -1,0 +1,247 @@
+//! Zero-copy large reads (`server/conn/splice.rs`): reads of 64 KiB and more from `mem:` and
+//! buffered `file:` exports go from the device through a pipe into the socket. The bytes must
+//! be the device's in every mode, over Unix and TCP, with a client that stops reading for a
+//! while (the replies then finish on the flusher); a read the device cannot splice is answered
+//! with an error, and the connection goes on.
+// A plain threaded test, never a loom model.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use blk::Device;
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
+use nbd::server::{Export, Server, ServerConfig};
+use nbd::transmission::Request;
+use nbd::{CmdFlags, Command, TransmissionMode};
+use testkit::pattern;
+
+const MIB: u64 = 1 << 20;
+const NBD_EIO: u32 = 5;
+
+fn device(spec: &str) -> Arc<dyn Device> {
+    let s: DeviceSpec = spec.parse().unwrap();
+    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+}
+
+fn modes() -> Vec<(&'static str, ClientOptions)> {
+    vec![
+        (
+            "simple",
+            ClientOptions {
+                structured: false,
+                base_allocation: false,
+                ..ClientOptions::default()
+            },
+        ),
+        ("structured", ClientOptions::default()),
+        (
+            "extended",
+            ClientOptions {
+                extended: true,
+                ..ClientOptions::default()
+            },
+        ),
+    ]
+}
+
+/// A server with a `mem:` export "" and a `file:` export "file", on a Unix socket and TCP.
+struct Both {
+    server: Option<Server>,
+    unix: Endpoint,
+    tcp: Endpoint,
+    _dir: tempfile::TempDir,
+}
+
+impl Both {
+    fn start(file_size: u64) -> (Self, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("disk.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(file_size)
+            .unwrap();
+        let sock = dir.path().join("nbd.sock");
+        let mut cfg = ServerConfig::new(vec![
+            Export::new("", device("mem:64M")),
+            Export::new("file", device(&format!("file:{}", img.display()))),
+        ]);
+        cfg.unix = Some(sock.clone());
+        cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+        let server = Server::start(cfg).unwrap();
+        let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
+        (
+            Self {
+                server: Some(server),
+                unix: Endpoint::Unix(sock),
+                tcp,
+                _dir: dir,
+            },
+            img,
+        )
+    }
+}
+
+impl Drop for Both {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
+    }
+}
+
+fn connect(ep: &Endpoint, opts: &ClientOptions, export: &str) -> Client {
+    let opts = ClientOptions {
+        export: export.to_string(),
+        ..opts.clone()
+    };
+    Client::connect(ep, &opts).unwrap()
+}
+
+#[test]
+fn spliced_reads_are_the_device_bytes_everywhere() {
+    let (t, _img) = Both::start(64 * MIB);
+    // Data in [0, 6 MiB) of each export, unwritten after: reads cross into holes.
+    let data = pattern(42, (6 * MIB) as usize);
+    for export in ["", "file"] {
+        let mut c = connect(&t.unix, &ClientOptions::default(), export);
+        for (i, chunk) in data.chunks(MIB as usize).enumerate() {
+            c.write(i as u64 * MIB, chunk, CmdFlags::empty()).unwrap();
+        }
+        c.disconnect().unwrap();
+    }
+    let expect = |off: u64, len: u64| -> Vec<u8> {
+        let mut v = vec![0u8; len as usize];
+        let end = (off + len).min(data.len() as u64);
+        if off < end {
+            v[..(end - off) as usize].copy_from_slice(&data[off as usize..end as usize]);
+        }
+        v
+    };
+    // Aligned, unaligned (257 pages), larger than any pipe, across the end of the data,
+    // only a hole, and just above and below the splice threshold.
+    let reads = [
+        (0, MIB),
+        (4096 + 512, MIB),
+        (MIB / 2, 3 * MIB),
+        (5 * MIB, 2 * MIB),
+        (9 * MIB, MIB),
+        (123 * 512, 64 << 10),
+        (7, (64 << 10) - 512),
+    ];
+    for export in ["", "file"] {
+        for ep in [&t.unix, &t.tcp] {
+            for (name, opts) in modes() {
+                let mut c = connect(ep, &opts, export);
+                // Pipelined, and twice: the pipe is reused from reply to reply.
+                let mut want = HashMap::new();
+                for round in 0..2 {
+                    for &(off, len) in &reads {
+                        let off = if round == 1 && off % 512 != 0 {
+                            off - 7
+                        } else {
+                            off
+                        };
+                        let off = off / 512 * 512;
+                        let len = len / 512 * 512;
+                        let cookie = c
+                            .send(Request::new(Command::Read, 0, off, len), &[])
+                            .unwrap();
+                        want.insert(cookie, (off, len));
+                    }
+                }
+                while !want.is_empty() {
+                    let r = c.recv().unwrap();
+                    let (off, len) = want.remove(&r.cookie).expect("unknown cookie");
+                    assert_eq!(r.error, 0, "{export:?} {ep:?} {name}: read {off}+{len}");
+                    assert!(
+                        r.data == expect(off, len),
+                        "{export:?} {ep:?} {name}: read {off}+{len} differs"
+                    );
+                }
+                // `DF` in the chunked modes: one data chunk, holes included.
+                if c.mode() != TransmissionMode::Simple {
+                    let mut req = Request::new(Command::Read, 0, 5 * MIB, 2 * MIB);
+                    req.flags = CmdFlags::DF;
+                    let r = c.request(req, &[]).unwrap();
+                    assert_eq!((r.error, r.data_chunks, r.hole_chunks), (0, 1, 0));
+                    assert!(r.data == expect(5 * MIB, 2 * MIB));
+                }
+                c.disconnect().unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn a_client_that_stops_reading_gets_every_byte_later() {
+    let (t, _img) = Both::start(64 * MIB);
+    let data = pattern(9, (32 * MIB) as usize);
+    for ep in [&t.unix, &t.tcp] {
+        let mut c = connect(ep, &ClientOptions::default(), "");
+        for (i, chunk) in data.chunks(MIB as usize).enumerate() {
+            c.write(i as u64 * MIB, chunk, CmdFlags::empty()).unwrap();
+        }
+        // 32 MiB of replies queued while the client reads nothing: far more than the socket
+        // buffers hold, so the writer hands the half-sent output to the flusher.
+        let mut want = HashMap::new();
+        for i in 0..32u64 {
+            let cookie = c
+                .send(Request::new(Command::Read, 0, i * MIB, MIB), &[])
+                .unwrap();
+            want.insert(cookie, i);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        while !want.is_empty() {
+            let r = c.recv().unwrap();
+            let i = want.remove(&r.cookie).unwrap() as usize;
+            assert_eq!(r.error, 0);
+            assert!(
+                r.data[..] == data[i << 20..(i + 1) << 20],
+                "MiB {i} differs"
+            );
+        }
+        c.disconnect().unwrap();
+    }
+}
+
+#[test]
+fn a_read_that_cannot_be_spliced_is_answered_with_an_error() {
+    let (t, img) = Both::start(8 * MIB);
+    {
+        let mut c = connect(&t.unix, &ClientOptions::default(), "file");
+        c.write(0, &pattern(3, MIB as usize), CmdFlags::FUA)
+            .unwrap();
+        c.disconnect().unwrap();
+    }
+    // The image shrinks under the server: its last 7 MiB are gone, and a splice there gives
+    // nothing. (A read through a bio would fail too; this one fails before its header left.)
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&img)
+        .unwrap()
+        .set_len(MIB)
+        .unwrap();
+    for (name, opts) in modes() {
+        let mut c = connect(&t.unix, &opts, "file");
+        let mut req = Request::new(Command::Read, 0, 4 * MIB, MIB);
+        if c.mode() != TransmissionMode::Simple {
+            req.flags = CmdFlags::DF;
+        }
+        match c.request(req, &[]) {
+            Err(ClientError::Request(e)) => assert_eq!(e, NBD_EIO, "{name}"),
+            Ok(r) => assert_eq!(r.error, NBD_EIO, "{name}: {} bytes", r.data.len()),
+            Err(e) => panic!("{name}: {e}"),
+        }
+        // The connection goes on: a spliced read and a small one of what is left.
+        assert!(
+            c.read(0, MIB).unwrap() == pattern(3, MIB as usize),
+            "{name}"
+        );
+        assert!(c.read(0, 4096).unwrap()[..] == pattern(3, MIB as usize)[..4096]);
+        c.disconnect().unwrap();
+    }
+}
