@@ -4,12 +4,15 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Device, EndIo, Limits, Op};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::modes;
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
@@ -129,27 +132,6 @@ fn default_server() -> TestServer {
             }),
         ),
     ])
-}
-
-fn modes() -> Vec<(&'static str, ClientOptions)> {
-    vec![
-        (
-            "simple",
-            ClientOptions {
-                structured: false,
-                base_allocation: false,
-                ..ClientOptions::default()
-            },
-        ),
-        ("structured", ClientOptions::default()),
-        (
-            "extended",
-            ClientOptions {
-                extended: true,
-                ..ClientOptions::default()
-            },
-        ),
-    ]
 }
 
 fn expect_err(r: Result<impl std::fmt::Debug, ClientError>, want: u32, what: &str) {

@@ -7,12 +7,15 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::modes;
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::transmission::Request;
@@ -25,27 +28,6 @@ const NBD_EIO: u32 = 5;
 fn device(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();
     Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
-fn modes() -> Vec<(&'static str, ClientOptions)> {
-    vec![
-        (
-            "simple",
-            ClientOptions {
-                structured: false,
-                base_allocation: false,
-                ..ClientOptions::default()
-            },
-        ),
-        ("structured", ClientOptions::default()),
-        (
-            "extended",
-            ClientOptions {
-                extended: true,
-                ..ClientOptions::default()
-            },
-        ),
-    ]
 }
 
 /// A server with a `mem:` export "" and a `file:` export "file", on a Unix socket and TCP.

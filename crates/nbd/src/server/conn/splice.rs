@@ -223,15 +223,9 @@ impl Output {
             })?;
             let r = self.pipe.ends()?.0.as_raw_fd();
             let more = held < len - sent;
-            let n = match crate::sys::splice_out(r, fd, held, dontwait, more) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => return Ok(false),
-                // A blocking send that sent nothing for `SO_SNDTIMEO` (the send timeout).
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return Err(io::ErrorKind::TimedOut.into())
-                }
-                Err(e) => return Err(e),
+            let sent = crate::sys::splice_out(r, fd, held, dontwait, more);
+            let Some(n) = super::writer::progress(sent, dontwait)? else {
+                return Ok(false);
             };
             self.sent_of_segment += n;
             self.pipe.held -= n;

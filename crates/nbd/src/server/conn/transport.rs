@@ -35,15 +35,9 @@ impl TlsOut {
     fn send(&mut self, fd: RawFd, dontwait: bool) -> io::Result<bool> {
         while self.sent < self.buf.len() {
             let iov = [IoSlice::new(&self.buf[self.sent..])];
-            let n = match crate::sys::sendmsg(fd, &iov, dontwait) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => return Ok(false),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return Err(io::ErrorKind::TimedOut.into())
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+            let sent = crate::sys::sendmsg(fd, &iov, dontwait);
+            let Some(n) = super::writer::progress(sent, dontwait)? else {
+                return Ok(false);
             };
             self.sent += n;
         }

@@ -169,6 +169,19 @@ impl ConnCore {
     }
 }
 
+/// What a send to the socket (`sendmsg`, or a splice from the pipe) achieved: `Some(bytes)`;
+/// `None` when a non-blocking send would block; an error for a send that took nothing (the
+/// peer is gone) or a blocking one that sent nothing for `SO_SNDTIMEO` (the send timeout).
+pub(super) fn progress(sent: io::Result<usize>, dontwait: bool) -> io::Result<Option<usize>> {
+    match sent {
+        Ok(0) => Err(io::ErrorKind::WriteZero.into()),
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Err(io::ErrorKind::TimedOut.into()),
+        Err(e) => Err(e),
+    }
+}
+
 impl Output {
     pub(super) fn unsent(&self) -> bool {
         self.next_segment < self.segments.len()
@@ -234,15 +247,9 @@ impl Output {
                 }
                 iov[k] = IoSlice::new(bytes);
             }
-            let n = match crate::sys::sendmsg_more(fd, &iov[..end - first], dontwait, more) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock && dontwait => return Ok(false),
-                // A blocking send that sent nothing for `SO_SNDTIMEO` (the send timeout).
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return Err(io::ErrorKind::TimedOut.into())
-                }
-                Err(e) => return Err(e),
+            let sent = crate::sys::sendmsg_more(fd, &iov[..end - first], dontwait, more);
+            let Some(n) = progress(sent, dontwait)? else {
+                return Ok(false);
             };
             self.advance(n);
         }

@@ -1,0 +1,27 @@
+//! Helpers shared by the NBD server's integration tests.
+#![allow(dead_code)]
+
+use nbd::client::ClientOptions;
+
+/// Client options for each transmission mode: simple replies, structured replies, extended
+/// headers.
+pub fn modes() -> Vec<(&'static str, ClientOptions)> {
+    vec![
+        (
+            "simple",
+            ClientOptions {
+                structured: false,
+                base_allocation: false,
+                ..ClientOptions::default()
+            },
+        ),
+        ("structured", ClientOptions::default()),
+        (
+            "extended",
+            ClientOptions {
+                extended: true,
+                ..ClientOptions::default()
+            },
+        ),
+    ]
+}
