@@ -2,7 +2,8 @@
 //! `null:` export served in-process on a Unix socket, driven by `nbd::client` with several
 //! requests in flight (structured replies, `base:allocation`): after a warm-up, a window of
 //! 4 KiB reads (of data and of holes: sparse reads), 4 KiB writes and block status requests
-//! must allocate nothing on the server's threads.
+//! must allocate nothing per request on the server's threads: at most [`ONE_OFF_GROWTH`]
+//! one-off growths in 100k requests (nearly always none).
 //!
 //! The client's allocations (it builds a `Vec` per reply, and a hash map entry per request)
 //! are left out: the client runs on the test's thread, which excludes itself from the count
@@ -204,12 +205,20 @@ fn steady_state_allocates_nothing(spec: &str) {
     TRACE.store(false, Ordering::Relaxed);
     c.disconnect().unwrap();
     server.shutdown();
-    assert_eq!(
-        allocs, 0,
+    eprintln!("{spec}: {allocs} allocations on the server's threads in {n} requests");
+    assert!(
+        allocs <= ONE_OFF_GROWTH,
         "{spec}: the server allocated {allocs} times in {n} requests \
          (ALLOC_STEADY_TRACE=1 shows where)"
     );
 }
+
+/// Allocations a window may still see that are not per request: an in-flight entry (they are
+/// recycled by slot, and which entry a request takes depends on timing) that carries a request
+/// shape it never carried before grows its vector once. Seen on this box: 0 in nearly every
+/// run, 1 in a CI run after the unmeasured pass. A per-request allocation would count in the
+/// tens of thousands here.
+const ONE_OFF_GROWTH: u64 = 8;
 
 /// One test for both exports, one after the other: the count is global, and a second test
 /// running beside this one (its server's warm-up) would count in this one's window.
