@@ -1040,76 +1040,70 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
 
     #[test]
     fn errors_name_the_line() {
-        let bad_cidr = "[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\nallow = [\n  \"10.0.0.0/8\",\n  \"10.0.0/8\",\n]\n";
-        let e = err(file(bad_cidr));
-        assert!(e.starts_with("blkq.toml:6: allow"), "{e}");
-        assert!(e.contains("10.0.0/8"), "{e}");
-
-        let e = err(file(
-            "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n[[export]]\ndevice = \"mem:1M\"\n",
-        ));
-        assert!(e.starts_with("blkq.toml:3:"), "{e}");
-        assert!(e.contains("bogus"), "{e}");
-
-        let e = err(file(
-            "[[export]]\ndevice = \"mem:1M\"\n\n[[export]]\nname = \"x\"\ndevice = \"floppy:1M\"\n",
-        ));
-        assert!(e.starts_with("blkq.toml:6: device \"floppy:1M\""), "{e}");
-
-        let e = err(file("[[export]]\ndevice = \"mem:1M\"\nreadonly = true\n"));
-        assert!(
-            e.starts_with("blkq.toml:3:") && e.contains("readonly"),
-            "{e}"
-        );
-
-        let e = err(file(
-            "[tls]\nmode = \"maybe\"\n[[export]]\ndevice = \"mem:1M\"\n",
-        ));
-        assert!(e.starts_with("blkq.toml:2:"), "{e}");
-
-        let e = err(file("[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n"));
-        assert!(
-            e.starts_with("blkq.toml:5: name") && e.contains("second"),
-            "{e}"
-        );
-
-        let e = err(file(
-            "[[export]]\ndevice = \"mem:1M\"\nallow_subjects = [\"CN=x\"]\n",
-        ));
-        assert!(
-            e.starts_with("blkq.toml:3: allow_subjects") && e.contains("verify_peer"),
-            "{e}"
-        );
-
-        let e = err(file(
-            "[server]\nsocket_mode = 660\n[[export]]\ndevice = \"mem:1M\"\n",
-        ));
-        assert!(
-            e.starts_with("blkq.toml:2: socket_mode") && e.contains("0o660"),
-            "{e}"
-        );
-
-        let e = err(file(
-            "[limits]\n\nsend_timeout = 0\n[[export]]\ndevice = \"mem:1M\"\n",
-        ));
-        assert!(e.starts_with("blkq.toml:3: send_timeout"), "{e}");
-
-        let e = err(file("[[raid1]]\nlegs = [\"file:/a\"]\n"));
-        assert!(
-            e.starts_with("blkq.toml:2: legs") && e.contains("two legs"),
-            "{e}"
-        );
-
-        let e = err(file(
-            "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n",
-        ));
-        assert!(e.starts_with("blkq.toml:4: options"), "{e}");
-
-        let e = err(file("[server]\nno_tcp = true\n"));
-        assert!(e.contains("nothing to serve"), "{e}");
-
-        let e = err(file("[server\n"));
-        assert!(e.starts_with("blkq.toml:1:"), "{e}");
+        // (file, what the error starts with, what else it says)
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\nallow = [\n  \"10.0.0.0/8\",\n  \"10.0.0/8\",\n]\n",
+                "blkq.toml:6: allow",
+                "10.0.0/8",
+            ),
+            (
+                "[server]\nlisten = \"127.0.0.1:1\"\nbogus = 1\n[[export]]\ndevice = \"mem:1M\"\n",
+                "blkq.toml:3:",
+                "bogus",
+            ),
+            (
+                "[[export]]\ndevice = \"mem:1M\"\n\n[[export]]\nname = \"x\"\ndevice = \"floppy:1M\"\n",
+                "blkq.toml:6: device \"floppy:1M\"",
+                "",
+            ),
+            (
+                "[[export]]\ndevice = \"mem:1M\"\nreadonly = true\n",
+                "blkq.toml:3:",
+                "readonly",
+            ),
+            (
+                "[tls]\nmode = \"maybe\"\n[[export]]\ndevice = \"mem:1M\"\n",
+                "blkq.toml:2:",
+                "",
+            ),
+            (
+                "[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n[[export]]\nname = \"a\"\ndevice = \"mem:1M\"\n",
+                "blkq.toml:5: name",
+                "second",
+            ),
+            (
+                "[[export]]\ndevice = \"mem:1M\"\nallow_subjects = [\"CN=x\"]\n",
+                "blkq.toml:3: allow_subjects",
+                "verify_peer",
+            ),
+            (
+                "[server]\nsocket_mode = 660\n[[export]]\ndevice = \"mem:1M\"\n",
+                "blkq.toml:2: socket_mode",
+                "0o660",
+            ),
+            (
+                "[limits]\n\nsend_timeout = 0\n[[export]]\ndevice = \"mem:1M\"\n",
+                "blkq.toml:3: send_timeout",
+                "",
+            ),
+            (
+                "[[raid1]]\nlegs = [\"file:/a\"]\n",
+                "blkq.toml:2: legs",
+                "two legs",
+            ),
+            (
+                "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n",
+                "blkq.toml:4: options",
+                "",
+            ),
+            ("[server]\nno_tcp = true\n", "", "nothing to serve"),
+            ("[server\n", "blkq.toml:1:", ""),
+        ];
+        for (text, starts, says) in cases {
+            let e = err(file(text));
+            assert!(e.starts_with(starts) && e.contains(says), "{text:?}: {e}");
+        }
     }
 
     #[test]
