@@ -145,6 +145,7 @@ impl SpliceGate {
             return Err(Error::Io(io::ErrorKind::Unsupported.into()));
         }
         be.splice_read(offset, len, pipe).map_err(|e| {
+            // Relaxed, as the load: only the warning's once-ness rides on it.
             if self.on.swap(false, Ordering::Relaxed) {
                 tracing::warn!(
                     "zero-copy reads turned off for {be:?}: splice at {offset}+{len} failed: {e}"
