@@ -79,8 +79,10 @@ impl SplicePipe {
             self.capacity = capacity;
             self.ends = Some((r, w));
         }
-        let (r, w) = self.ends.as_ref().expect("made above");
-        Ok((r, w))
+        match &self.ends {
+            Some((r, w)) => Ok((r, w)),
+            None => Err(io::Error::other("no pipe")),
+        }
     }
 
     /// After a reset of the output: a pipe still holding bytes is closed (a new one is made
