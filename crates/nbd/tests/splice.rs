@@ -227,3 +227,119 @@ fn a_read_that_cannot_be_spliced_is_answered_with_an_error() {
         c.disconnect().unwrap();
     }
 }
+
+/// A `mem:` device whose zero-copy reads starting in `[0, FAIL_BELOW)` put the first
+/// `PARTIAL` bytes into the pipe and then fail: a fill that fails after part of it is in the
+/// pipe, as `MapBackend::splice_read` can (a region spliced, the next one failing).
+struct FailsMidSplice {
+    inner: Arc<dyn Device>,
+}
+
+const FAIL_BELOW: u64 = 4 * MIB;
+const PARTIAL: usize = 256 << 10;
+
+impl Device for FailsMidSplice {
+    fn submit(&self, bio: blk::Bio, end: &Arc<dyn blk::EndIo>) {
+        self.inner.submit(bio, end)
+    }
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = blk::Bio>, end: &Arc<dyn blk::EndIo>) {
+        self.inner.submit_batch(bios, end)
+    }
+    fn limits(&self) -> blk::Limits {
+        self.inner.limits()
+    }
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::Extent>,
+    ) -> Result<(), blk::Error> {
+        self.inner.extents_into(offset, len, max, out)
+    }
+    fn can_splice(&self) -> bool {
+        self.inner.can_splice()
+    }
+    fn splice_read(
+        &self,
+        offset: u64,
+        len: usize,
+        pipe: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<usize, blk::Error> {
+        if offset >= FAIL_BELOW {
+            return self.inner.splice_read(offset, len, pipe);
+        }
+        let n = self.inner.splice_read(offset, len.min(PARTIAL), pipe)?;
+        assert!(n > 0, "the partial splice moved nothing");
+        Err(blk::Error::Io(std::io::Error::other(format!(
+            "injected: failed after {n} bytes were put in the pipe"
+        ))))
+    }
+    fn as_queue(&self) -> Option<&blk::Queue> {
+        self.inner.as_queue()
+    }
+}
+
+#[test]
+fn a_read_that_fails_after_filling_part_of_the_pipe_leaks_nothing_into_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let dev: Arc<dyn Device> = Arc::new(FailsMidSplice {
+        inner: device("mem:64M"),
+    });
+    let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
+    cfg.unix = Some(sock.clone());
+    cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+    let server = Server::start(cfg).unwrap();
+    let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
+    let unix = Endpoint::Unix(sock);
+    // Different data where the reads fail and where the reads after them go.
+    let bad = pattern(1, MIB as usize);
+    let good = pattern(2, (2 * MIB) as usize);
+    {
+        let mut c = connect(&unix, &ClientOptions::default(), "");
+        c.write(0, &bad, CmdFlags::empty()).unwrap();
+        c.write(8 * MIB, &good[..MIB as usize], CmdFlags::empty())
+            .unwrap();
+        c.write(9 * MIB, &good[MIB as usize..], CmdFlags::empty())
+            .unwrap();
+        c.disconnect().unwrap();
+    }
+    for ep in [&unix, &tcp] {
+        for (name, opts) in modes() {
+            let mut c = connect(ep, &opts, "");
+            for round in 0..3u64 {
+                // The failing read: an error reply, nothing else.
+                let mut req = Request::new(Command::Read, 0, 0, MIB);
+                if c.mode() != TransmissionMode::Simple {
+                    req.flags = CmdFlags::DF;
+                }
+                match c.request(req, &[]) {
+                    Err(ClientError::Request(e)) => assert_eq!(e, NBD_EIO, "{name}"),
+                    Ok(r) => assert_eq!(r.error, NBD_EIO, "{name}: {} bytes", r.data.len()),
+                    Err(e) => panic!("{ep:?} {name}: {e}"),
+                }
+                // The next spliced reads are exactly the device's bytes at their offsets.
+                let off = 8 * MIB + round * 4096;
+                let got = c.read(off, MIB).unwrap();
+                let at = (off - 8 * MIB) as usize;
+                assert!(
+                    got[..] == good[at..at + MIB as usize],
+                    "{ep:?} {name} round {round}: the read after a failed one differs (first \
+                     differing byte at {:?}; begins with the failed read's bytes: {})",
+                    got.iter().zip(&good[at..]).position(|(a, b)| a != b),
+                    got[..PARTIAL] == bad[..PARTIAL]
+                );
+                let got = c.read(9 * MIB, 128 << 10).unwrap();
+                assert!(
+                    got[..] == good[MIB as usize..(MIB as usize) + (128 << 10)],
+                    "{ep:?} {name} round {round}: the second read after a failed one differs"
+                );
+            }
+            // And the connection still reads the failing range through bios.
+            assert!(c.read(0, 4096).unwrap()[..] == bad[..4096], "{name}");
+            c.disconnect().unwrap();
+        }
+    }
+    server.shutdown();
+}

@@ -28,11 +28,14 @@
 //!    (`prefill`). If that fails, the header, still unsent, is rewritten in place into an error
 //!    reply of the same length (a simple reply's error field; an `OFFSET_DATA` chunk becomes an
 //!    `ERROR` chunk with a two-byte message) and the data is dropped: the client gets the
-//!    device's error and the connection goes on. A failure after part of the data was sent
-//!    (a read larger than the pipe, or an unaligned 1 MiB one, refills it) cannot be told to
-//!    the client any more: the connection is closed, and the device turns zero-copy reads off
-//!    (`SpliceGate`), so a client that reconnects reads through bios and gets the error as
-//!    the read's.
+//!    device's error and the connection goes on. A fill that fails may already have put part
+//!    of its bytes in the pipe (`mem:` splices region by region, and a later region can
+//!    fail), so a failed fill closes the pipe with them (`SplicePipe::fill`): the next
+//!    spliced reply goes through a new pipe and starts with its own bytes. A failure after
+//!    part of the data was sent (a read larger than the pipe, or an unaligned 1 MiB one,
+//!    refills it) cannot be told to the client any more: the connection is closed, and the
+//!    device turns zero-copy reads off (`SpliceGate`), so a client that reconnects reads
+//!    through bios and gets the error as the read's.
 //! 4. **Never blocks where the writer may not.** The device's fill never waits for the pipe
 //!    (`SPLICE_F_NONBLOCK`: it takes what fits); the drain into the socket uses
 //!    `SPLICE_F_NONBLOCK` for a non-blocking writer, which hands the output, pipe and all, to
@@ -89,9 +92,14 @@ impl SplicePipe {
     /// if needed), so that they can never lead another reply.
     pub(super) fn forget_held(&mut self) {
         if self.held > 0 {
-            *self = Self::default();
+            self.discard();
         }
         self.held_for = 0;
+    }
+
+    /// Closes the pipe with whatever it holds, counted or not; the next fill makes a new one.
+    fn discard(&mut self) {
+        *self = Self::default();
     }
 
     /// Moves more of segment `index` (`len` bytes of the device at `offset`, `sent` of them
@@ -115,7 +123,17 @@ impl SplicePipe {
         if unfilled > 0 && room > 0 {
             let at = offset + (sent + self.held) as u64;
             let (_, w) = self.ends().map_err(blk::Error::Io)?;
-            let n = dev.splice_read(at, unfilled.min(room), w.as_fd())?;
+            let n = match dev.splice_read(at, unfilled.min(room), w.as_fd()) {
+                Ok(n) => n,
+                Err(e) => {
+                    // The device may have put part of the bytes in the pipe before it failed
+                    // (`mem:` splices region by region): they are counted nowhere, and must
+                    // never lead another reply. The pipe goes with them; the next spliced
+                    // read makes a new one.
+                    self.discard();
+                    return Err(e);
+                }
+            };
             if n == 0 && self.held == 0 {
                 return Err(blk::Error::Io(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -164,7 +182,6 @@ impl Output {
             Errno::from_errno(err.errno()),
         );
         self.segments.remove(index);
-        self.pipe.held = 0;
         Ok(())
     }
 
