@@ -19,9 +19,9 @@
 //! - Discards and write-zeroes run synchronously on the [`FileBackend`] in `queue_rq` (via
 //!   [`exec_on_backend`]): the backend's `fallocate` fallbacks (punch, zero range, plain
 //!   writes, `BLKZEROOUT`) would each need an op of their own, and io_uring's fallocate is
-//!   an optional opcode. So are writes and flushes on a read-only device (they fail with
-//!   `EROFS`, or succeed trivially, exactly as with `engine=sync`) and bios without a
-//!   buffer.
+//!   an optional opcode. A FUA one is followed there by `fdatasync` before it completes.
+//!   Writes and flushes on a read-only device run there too (they fail with `EROFS`, or
+//!   succeed trivially, exactly as with `engine=sync`), and so do bios without a buffer.
 //!
 //! # Inline I/O: no hand-off when there is nothing to wait for
 //!

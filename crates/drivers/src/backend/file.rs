@@ -12,6 +12,8 @@
 //!   write plus cache flush at the device); where the kernel refuses the flag (`EOPNOTSUPP`,
 //!   `ENOSYS`: before Linux 4.7) it is remembered and the write is followed by `fdatasync`.
 //! - **flush**: `fdatasync`.
+//! - **FUA discard and write-zeroes**: the operation below, then `fdatasync` (a flush) before
+//!   it completes ([`super::exec_on_backend`]): `fallocate` has no `RWF_DSYNC`.
 //! - **discard**: `fallocate(PUNCH_HOLE | KEEP_SIZE)`, falling back to writing zeros.
 //! - **write_zeroes**: `fallocate(ZERO_RANGE | KEEP_SIZE)`; where unsupported (tmpfs), with
 //!   `may_unmap` `PUNCH_HOLE`, without it `PUNCH_HOLE` then a plain `fallocate` to allocate

@@ -31,9 +31,15 @@ pub use crate::engine::{
 };
 
 /// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
+///
+/// FUA: a write passes it to [`Backend::write_at`] (which makes just that write durable); a
+/// discard or write-zeroes, which have no such flag of their own (`fallocate` has none), is
+/// followed by [`Backend::flush`] before it completes: the same `fdatasync` a FUA write
+/// falls back to where `RWF_DSYNC` is refused.
 pub fn exec_on_backend(be: &dyn Backend, bio: &mut Bio) -> Result<(), Error> {
     let off = bio.offset();
     let len = bio.len as usize;
+    let fua = bio.flags.contains(BioFlags::FUA);
     match bio.op {
         Op::Read => {
             let buf = bio.buf.as_mut().ok_or(Error::NoBuffer)?;
@@ -41,19 +47,23 @@ pub fn exec_on_backend(be: &dyn Backend, bio: &mut Bio) -> Result<(), Error> {
         }
         Op::Write => {
             let buf = bio.buf.as_ref().ok_or(Error::NoBuffer)?;
-            be.write_at(
-                off,
-                &buf.as_slice()[..len],
-                bio.flags.contains(BioFlags::FUA),
-            )?;
+            be.write_at(off, &buf.as_slice()[..len], fua)?;
         }
         Op::Flush => be.flush()?,
-        Op::Discard => be.discard(off, len as u64)?,
+        Op::Discard => {
+            be.discard(off, len as u64)?;
+            if fua {
+                be.flush()?;
+            }
+        }
         Op::WriteZeroes => {
             if bio.flags.contains(BioFlags::FAST_ZERO) && !be.fast_zero() {
                 return Err(Error::NotSupported("fast zero"));
             }
             be.write_zeroes(off, len as u64, !bio.flags.contains(BioFlags::NO_HOLE))?;
+            if fua {
+                be.flush()?;
+            }
         }
     }
     Ok(())
@@ -69,10 +79,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn write_at(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()>;
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
-    /// Discards a range: it reads as zeros afterwards and may free space.
+    /// Discards a range: it reads as zeros afterwards and may free space. Not durable by
+    /// itself: a FUA discard is followed by [`Backend::flush`] ([`exec_on_backend`]).
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
     /// Zeroes a range; with `may_unmap` it may become a hole (NBD's WRITE_ZEROES without
-    /// NO_HOLE), else it stays allocated.
+    /// NO_HOLE), else it stays allocated. Not durable by itself, as [`Backend::discard`].
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()>;
     /// The allocation map of `[offset, offset + len)`, in order, covering the range, merged
     /// where neighbours agree; at most `max_extents` entries (the last may stop short). `out`
