@@ -15,6 +15,7 @@
 //!   `in_flight` meanwhile: `crashed` is set first, and `prepare` checks it under the same
 //!   lock before counting an I/O in flight.
 
+use blk::error::with_context;
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::DynArc as Arc;
 use blkq_sync::Mutex;
@@ -107,10 +108,10 @@ impl Shared {
     }
 
     /// Reads the current contents of a modifying bio's range from the inner device.
-    pub(super) fn read_old(&self, bio: &Bio) -> Result<Vec<Buffer>, Error> {
+    pub(super) fn read_old(&self, inner: &dyn Device, bio: &Bio) -> Result<Vec<Buffer>, Error> {
         let (off, len) = bio_range(bio);
-        let max = u64::from(self.inner.limits().max_io_bytes.clamp(4096, 1 << 20));
-        let lbs = u64::from(self.inner.limits().logical_block_size.max(512));
+        let max = u64::from(inner.limits().max_io_bytes.clamp(4096, 1 << 20));
+        let lbs = u64::from(inner.limits().logical_block_size.max(512));
         let max = (max / lbs * lbs).max(lbs);
         let mut chunks = Vec::new();
         let mut pos = 0;
@@ -122,7 +123,7 @@ impl Shared {
                 (off + pos) >> SECTOR_SHIFT,
                 Buffer::new(n as usize),
             );
-            let (rd, res) = sync_io(self.inner.as_ref(), rd);
+            let (rd, res) = sync_io(inner, rd);
             res?;
             chunks.push(rd.buf.ok_or(Error::NoBuffer)?);
             pos += n;
@@ -186,7 +187,8 @@ impl FaultHandle {
     /// [`restart`](Self::restart). Waits for the I/Os in flight in the inner device (an inner
     /// device that never completes them hangs it). Needs [`FaultConfig::volatile_cache`](super::FaultConfig::volatile_cache);
     /// crashing a crashed device does nothing. If a roll back write fails, the first error is
-    /// returned after every other entry has been tried.
+    /// returned after every other entry has been tried. Once the device is dropped, fails
+    /// with `ENODEV`.
     pub fn crash(&self) -> Result<CrashReport, Error> {
         let sh = &self.sh;
         if !sh.volatile {
@@ -194,6 +196,12 @@ impl FaultHandle {
                 "crash needs a fault device with volatile_cache",
             ));
         }
+        let Some(inner) = sh.inner.lock().clone() else {
+            return Err(Error::Io(with_context(
+                std::io::Error::from_raw_os_error(libc::ENODEV),
+                "crash: the fault device was dropped",
+            )));
+        };
         let _crashing = sh.crash_lock.lock();
         {
             let mut st = sh.state.lock();
@@ -226,7 +234,7 @@ impl FaultHandle {
                 let n = c.len() as u64;
                 let mut w = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, c);
                 w.flags = BioFlags::FUA;
-                let (_, res) = sync_io(sh.inner.as_ref(), w);
+                let (_, res) = sync_io(&*inner, w);
                 match res {
                     Ok(()) => report.bytes_restored += n,
                     Err(err) => {
@@ -236,7 +244,7 @@ impl FaultHandle {
                 off += n;
             }
         }
-        if let (_, Err(err)) = sync_io(sh.inner.as_ref(), Bio::new(Op::Flush, 0, 0)) {
+        if let (_, Err(err)) = sync_io(&*inner, Bio::new(Op::Flush, 0, 0)) {
             first_err.get_or_insert(err);
         }
         match first_err {

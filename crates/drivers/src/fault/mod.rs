@@ -93,6 +93,18 @@
 //! synchronous I/O of the crash model (undo read, roll back write) waits on a wait queue of its
 //! own. Wakers always wake after dropping the lock that guards the condition.
 //!
+//! # Drop
+//!
+//! Dropping the device releases everything it holds before the drop returns, so that what it
+//! wraps can be opened again at once (a `file:` device's lock: a RAID leg is opened, formatted,
+//! dropped and reopened): stalled I/Os fail with `ECANCELED`, completions are delivered at
+//! once from then on, the timer thread delivers what it holds and is joined, and both
+//! references to the inner device (the device's and the handles') are dropped. The drop
+//! therefore waits for the delayed completions' end-ios to return; one must not wait for the
+//! thread that drops the device. When the drop runs on the timer thread itself (a completion
+//! it delivered dropped the last reference), it cannot join it: the thread then exits as soon
+//! as that completion returns, holding nothing of the inner device meanwhile.
+//!
 //! # Files
 //!
 //! - this file: the device (admission, stall list, slot table, forwarding) and its handle;
@@ -200,7 +212,10 @@ struct Held {
 }
 
 struct Shared {
-    inner: Arc<dyn Device>,
+    /// The inner device, for the handles' `release` and `crash` (the device submits through
+    /// its own reference, without this lock). Taken by the device's drop: a handle that
+    /// outlives the device keeps its rules and counters, not the inner device.
+    inner: Mutex<Option<Arc<dyn Device>>>,
     volatile: bool,
     rules: Mutex<Rules>,
     slots: Mutex<Slots>,
@@ -237,21 +252,30 @@ fn modifies(op: Op) -> bool {
 }
 
 impl Shared {
-    /// Fails (after its delay) or forwards an I/O the rules let through the stall stage.
+    /// Fails (after its delay) or forwards to `inner` an I/O the rules let through the stall
+    /// stage.
     fn dispatch(
         self: &Arc<Self>,
+        inner: &dyn Device,
         bio: Bio,
         end: &Arc<dyn EndIo>,
         v: Verdict,
         completer: &Arc<dyn EndIo>,
     ) {
-        if let Some(bio) = self.prepare(bio, end, v) {
-            self.inner.submit(bio, completer);
+        if let Some(bio) = self.prepare(inner, bio, end, v) {
+            inner.submit(bio, completer);
         }
     }
 
-    /// Everything before forwarding: fails, undo read, slot. `None`: completed already.
-    fn prepare(self: &Arc<Self>, mut bio: Bio, end: &Arc<dyn EndIo>, v: Verdict) -> Option<Bio> {
+    /// Everything before forwarding to `inner`: fails, undo read, slot. `None`: completed
+    /// already.
+    fn prepare(
+        self: &Arc<Self>,
+        inner: &dyn Device,
+        mut bio: Bio,
+        end: &Arc<dyn EndIo>,
+        v: Verdict,
+    ) -> Option<Bio> {
         let mut ack = Ack {
             delay: v.delay,
             ..Ack::default()
@@ -264,11 +288,11 @@ impl Shared {
         let undo = if self.volatile && modifies(bio.op) && !bio.flags.contains(BioFlags::FUA) {
             // A bio the inner device will refuse needs no undo read (and a huge bad one must
             // not make us read gigabytes): it fails with the inner device's own error.
-            if let Err(e) = self.inner.limits().validate(&bio) {
+            if let Err(e) = inner.limits().validate(&bio) {
                 self.complete(bio, Err(e), end.clone(), ack);
                 return None;
             }
-            match self.read_old(&bio) {
+            match self.read_old(inner, &bio) {
                 Ok(chunks) => Some(chunks),
                 Err(e) => {
                     self.complete(bio, Err(e), end.clone(), ack);
@@ -362,7 +386,9 @@ impl EndIo for Completer {
 }
 
 /// A handle to a fault device's rules, stall list, crash model and counters (cheap to clone;
-/// keeps the device's state alive, not the device).
+/// keeps the device's state alive, not the device, nor the device under it: once the device
+/// is dropped, [`release`](Self::release) has nothing to forward and
+/// [`crash`](FaultHandle::crash) fails with `ENODEV`).
 #[derive(Clone)]
 pub struct FaultHandle {
     sh: Arc<Shared>,
@@ -421,13 +447,21 @@ impl FaultHandle {
 
     /// Forwards every stalled I/O (in submission order), on this thread; returns how many.
     pub fn release(&self) -> usize {
+        let inner = self.sh.inner.lock().clone();
         // The stall list and a spare of the same capacity swap places, so stalling and
         // releasing stay allocation-free after warm-up.
         let mut held = std::mem::take(&mut *self.sh.stalled_spare.lock());
         std::mem::swap(&mut *self.sh.stalled.lock(), &mut held);
         let n = held.len();
         for h in held.drain(..) {
-            self.sh.dispatch(h.bio, &h.end, h.v, &self.completer);
+            match &inner {
+                Some(inner) => self
+                    .sh
+                    .dispatch(&**inner, h.bio, &h.end, h.v, &self.completer),
+                // The device was dropped (which failed what was stalled then): nothing to
+                // forward to.
+                None => h.end.end_io(h.bio, Err(errno_err(libc::ECANCELED))),
+            }
         }
         *self.sh.stalled_spare.lock() = held;
         n
@@ -453,6 +487,8 @@ impl FaultHandle {
 /// A device that injects faults into the I/O of another (module docs).
 pub struct FaultDevice {
     handle: FaultHandle,
+    /// The inner device, as the submitters reach it (`Shared::inner` is the handles').
+    inner: Arc<dyn Device>,
 }
 
 impl fmt::Debug for FaultDevice {
@@ -467,7 +503,7 @@ impl FaultDevice {
     /// Wraps `inner` with the faults of `cfg`.
     pub fn new(inner: Arc<dyn Device>, cfg: FaultConfig) -> Self {
         let sh = Arc::new(Shared {
-            inner,
+            inner: Mutex::new(Some(inner.clone())),
             volatile: cfg.volatile_cache,
             rules: Mutex::new(Rules {
                 seed: cfg.seed,
@@ -493,7 +529,7 @@ impl FaultDevice {
         for r in cfg.rules {
             handle.add(r);
         }
-        Self { handle }
+        Self { handle, inner }
     }
 
     /// The handle: rules (`add`, `clear`), `release`, `crash`, `restart`, counters.
@@ -530,21 +566,32 @@ impl FaultDevice {
 }
 
 impl Drop for FaultDevice {
+    /// Releases everything the device holds before it returns (module docs, "Drop"): a
+    /// `file:` device under it has closed its file, and given up its lock, by then.
     fn drop(&mut self) {
+        let sh = &self.handle.sh;
         // Stalled I/Os must still complete exactly once.
-        let held = std::mem::take(&mut *self.handle.sh.stalled.lock());
+        let held = std::mem::take(&mut *sh.stalled.lock());
         for h in held {
             h.end.end_io(h.bio, Err(errno_err(libc::ECANCELED)));
         }
-        // The timer thread delivers what it holds, then exits.
-        self.handle.sh.stop_timer();
+        // From here on completions are delivered at once; the timer thread delivers what it
+        // holds, then exits.
+        let timer = sh.stop_timer();
+        // The handles' reference to the inner device; ours goes with the field, after this.
+        drop(sh.inner.lock().take());
+        if let Some(t) = timer {
+            sh.join_timer(t);
+        }
     }
 }
 
 impl Device for FaultDevice {
     fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
         if let Some((bio, v)) = self.admit(bio, end) {
-            self.handle.sh.dispatch(bio, end, v, &self.handle.completer);
+            self.handle
+                .sh
+                .dispatch(&*self.inner, bio, end, v, &self.handle.completer);
         }
     }
 
@@ -560,13 +607,13 @@ impl Device for FaultDevice {
         }
         let mut it = bios.filter_map(|b| {
             let (b, v) = self.admit(b, end)?;
-            sh.prepare(b, end, v)
+            sh.prepare(&*self.inner, b, end, v)
         });
-        sh.inner.submit_batch(&mut it, &self.handle.completer);
+        self.inner.submit_batch(&mut it, &self.handle.completer);
     }
 
     fn limits(&self) -> Limits {
-        self.handle.sh.inner.limits()
+        self.inner.limits()
     }
 
     fn extents_into(
@@ -576,12 +623,12 @@ impl Device for FaultDevice {
         max: usize,
         out: &mut Vec<Extent>,
     ) -> Result<(), Error> {
-        self.handle.sh.inner.extents_into(offset, len, max, out)
+        self.inner.extents_into(offset, len, max, out)
     }
 
     /// The inner queue's (what reached the device; injected failures count there only if
     /// the inner device saw them).
     fn as_queue(&self) -> Option<&blk::Queue> {
-        self.handle.sh.inner.as_queue()
+        self.inner.as_queue()
     }
 }

@@ -12,6 +12,10 @@
 //! lock, then `wake_one` (a fence and a load when the thread is not asleep). Only the timer
 //! thread ever waits there, so the exclusive wake-up always reaches it.
 //!
+//! The device's drop sets `stop` (the thread delivers everything it holds at once, then
+//! exits; later completions are delivered by whoever completes them) and joins the thread,
+//! unless the drop runs on it (`join_timer`).
+//!
 //! The queue is a vector with the capacity of the device's warm-up; `wake_one` and the wait
 //! queue's own entry reuse their storage, so a delayed I/O allocates nothing in steady state.
 
@@ -41,6 +45,8 @@ pub(super) struct TimerQ {
     stop: bool,
     /// Whether the timer thread was spawned.
     spawned: bool,
+    /// The timer thread, for the device's drop to join (taken by `stop_timer`).
+    thread: Option<thread::JoinHandle<()>>,
 }
 
 impl TimerQ {
@@ -94,16 +100,34 @@ impl Shared {
             self.timer_wq.wake_one();
         } else {
             q.spawned = true;
-            drop(q);
             let sh = self.clone();
-            thread::spawn(move || sh.run_timer());
+            // Spawned under the lock (once per device), so that `stop_timer`, which takes the
+            // handle under it, never sees a thread spawned without its handle. The thread's
+            // first look waits for this lock.
+            q.thread = Some(thread::spawn(move || sh.run_timer()));
         }
     }
 
-    /// Stops the timer thread once it has delivered what it holds (the device's drop).
-    pub(super) fn stop_timer(&self) {
-        self.timer.lock().stop = true;
+    /// Tells the timer thread to deliver what it holds and exit, and makes every later
+    /// completion be delivered at once (the device's drop). Returns the thread to join, if
+    /// it was spawned.
+    pub(super) fn stop_timer(&self) -> Option<thread::JoinHandle<()>> {
+        let t = {
+            let mut q = self.timer.lock();
+            q.stop = true;
+            q.thread.take()
+        };
         self.timer_wq.wake_one();
+        t
+    }
+
+    /// Waits for the timer thread to exit, unless this is the timer thread (a completion it
+    /// delivered dropped the device): it exits when that completion returns.
+    pub(super) fn join_timer(&self, t: thread::JoinHandle<()>) {
+        if t.thread().id() != thread::current().id() {
+            // A panic there was an end-io's, and reported on that thread already.
+            let _ = t.join();
+        }
     }
 
     /// The timer thread's loop: delivers what is due (earliest first, FIFO among equals),
