@@ -19,7 +19,7 @@ use crate::device::{
     sync_io, ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error,
     FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY,
 };
-use crate::superblock::{ArrayState, Role, Superblock, MAX_LEGS, SB_OFFSET};
+use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 
 impl Raid1 {
     /// Creates a new array over `legs` (at least 2): writes fresh superblocks and empty
@@ -105,25 +105,31 @@ impl Raid1 {
             return Err(Raid1Error::Config("depth".into()));
         }
         let mut found = Vec::with_capacity(legs.len());
+        let mut warnings = Vec::new();
+        // Legs whose superblock is torn or unreadable: assembled without, then recovered.
+        let mut unreadable = Vec::new();
         for (i, dev) in legs.into_iter().enumerate() {
-            let b = Bio::with_buf(
-                Op::Read,
-                SB_OFFSET >> SECTOR_SHIFT,
-                Buffer::new(crate::superblock::SB_SIZE),
-            );
-            let (back, r) = sync_io(dev.as_ref(), b);
-            r.map_err(|e| Raid1Error::Leg { leg: i, source: e })?;
-            let buf = back
-                .and_then(|b| b.buf)
-                .ok_or(Raid1Error::Slot(i, "no data"))?;
-            let sb = Superblock::decode(buf.as_slice())?;
-            found.push((dev, sb));
+            match read_superblock(dev.as_ref()) {
+                Ok(sb) => found.push((i, dev, sb)),
+                // Not ours at all: never overwrite it.
+                Err(
+                    e @ Raid1Error::Superblock(
+                        SuperblockError::BadMagic | SuperblockError::UnsupportedVersion(_),
+                    ),
+                ) => return Err(e),
+                Err(e) => {
+                    let w = format!(
+                        "leg {i}: superblock unreadable ({e}); assembled from the other legs, \
+                         this one is recovered in full"
+                    );
+                    tracing::warn!("raid1: {w}");
+                    warnings.push(w);
+                    unreadable.push(dev);
+                }
+            }
         }
-        let newest = found
-            .iter()
-            .max_by_key(|(_, sb)| sb.events)
-            .map(|(_, sb)| sb.clone())
-            .ok_or(Raid1Error::Config("no legs".into()))?;
+        let newest = choose_newest(&found, &mut warnings)?;
+        let found: Vec<_> = found.into_iter().map(|(_, d, sb)| (d, sb)).collect();
         let nr_slots = newest.legs.len();
         let lims: Vec<Limits> = found.iter().map(|(d, _)| d.limits()).collect();
         let lbs = lims
@@ -225,7 +231,7 @@ impl Raid1 {
             }
             Some(bm)
         };
-        Self::launch(Launch {
+        let mut r = Self::launch(Launch {
             nr_slots,
             placed,
             slot_uuids: newest.legs.iter().map(|l| l.uuid).collect(),
@@ -238,7 +244,13 @@ impl Raid1 {
             bitmap,
             cfg,
             resync: newest.array_state != ArrayState::Clean,
-        })
+        })?;
+        for dev in unreadable {
+            // A new leg to the array: fresh UUID, full recovery.
+            r.add_leg(dev)?;
+        }
+        r.warnings = warnings;
+        Ok(r)
     }
 
     pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
@@ -274,6 +286,11 @@ impl Raid1 {
                 state: ArrayState::Active,
             }),
             fail_lock: Mutex::new(()),
+            fail_gen: AtomicU64::new(0),
+            durable_gen: AtomicU64::new(0),
+            held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+            failed: AtomicBool::new(false),
+            failed_why: Mutex::new(None),
             resync_point: AtomicU64::new(u64::MAX),
             pool,
             origin_ns: blk::stats::coarse_ns(),
@@ -317,6 +334,86 @@ impl Raid1 {
             daemon: Some(daemon),
             syncer: Some(syncer),
             crashed: false,
+            warnings: Vec::new(),
         })
     }
+}
+
+/// Reads and decodes a leg's superblock.
+fn read_superblock(dev: &dyn Device) -> Result<Superblock, Raid1Error> {
+    let b = Bio::with_buf(
+        Op::Read,
+        SB_OFFSET >> SECTOR_SHIFT,
+        Buffer::new(crate::superblock::SB_SIZE),
+    );
+    let (back, r) = sync_io(dev, b);
+    r.map_err(|e| Raid1Error::Config(format!("read error: {e}")))?;
+    let buf = back.and_then(|b| b.buf).ok_or(Raid1Error::Config(
+        "superblock read returned no data".into(),
+    ))?;
+    Ok(Superblock::decode(buf.as_slice())?)
+}
+
+/// Whether `sb` records slot `n` as failed or not in sync.
+fn records_failed(sb: &Superblock, n: usize) -> bool {
+    sb.legs.get(n).is_some_and(|l| l.faulty || !l.in_sync)
+}
+
+/// The superblock whose view of the array wins (md compares events first): the highest
+/// `events`; among superblocks with those events that disagree (a leg failed while they were
+/// being written), never one whose own leg another records as failed (that leg missed writes
+/// the other saw), then the one recording the most failed legs, then the lowest slot: the
+/// same choice in any argument order. Two legs that each record the other as failed (split
+/// brain: each may hold writes the other lacks) are refused.
+fn choose_newest(
+    found: &[(usize, StdArc<dyn Device>, Superblock)],
+    warnings: &mut Vec<String>,
+) -> Result<Superblock, Raid1Error> {
+    let max = found
+        .iter()
+        .map(|(_, _, sb)| sb.events)
+        .max()
+        .ok_or(Raid1Error::Config(
+            "no leg with a readable superblock".into(),
+        ))?;
+    let top: Vec<&(usize, StdArc<dyn Device>, Superblock)> =
+        found.iter().filter(|(_, _, sb)| sb.events == max).collect();
+    let slot = |sb: &Superblock| match sb.role {
+        Role::Slot(n) => n as usize,
+        Role::Spare => usize::MAX,
+    };
+    if top.iter().all(|(_, _, sb)| sb.legs == top[0].2.legs) {
+        return Ok(top[0].2.clone());
+    }
+    let refuted = |sb: &Superblock| {
+        top.iter()
+            .any(|(_, _, other)| other.leg_uuid != sb.leg_uuid && records_failed(other, slot(sb)))
+    };
+    let best = top
+        .iter()
+        .filter(|(_, _, sb)| !refuted(sb))
+        .min_by_key(|(_, _, sb)| {
+            let failed = (0..sb.legs.len())
+                .filter(|&n| records_failed(sb, n))
+                .count();
+            (std::cmp::Reverse(failed), slot(sb))
+        });
+    let args = top
+        .iter()
+        .map(|(i, _, _)| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let Some((i, _, sb)) = best else {
+        return Err(Raid1Error::Config(format!(
+            "legs {args} have the same events ({max}) and each records another as failed \
+             (split brain): refusing to assemble; assemble from the legs you trust"
+        )));
+    };
+    let w = format!(
+        "legs {args} have the same events ({max}) but disagree on the array's state (a leg \
+         failed while the superblocks were written); using leg {i}'s, which records the failure"
+    );
+    tracing::warn!("raid1: {w}");
+    warnings.push(w);
+    Ok(sb.clone())
 }

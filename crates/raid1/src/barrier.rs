@@ -23,6 +23,7 @@
 //! | `wait_read_barrier`    | not frozen (reads never race resync: read balance avoids stale) |
 //! | `raise_barrier`        | first `nr_waiting == 0`; then, with its barrier raised: not frozen, bucket `nr_pending == 0`, `nr_sync_pending < RESYNC_DEPTH` |
 //! | `freeze_array(extra)`  | sum over buckets of `nr_pending - nr_queued == extra`           |
+//! | `try_wait_barrier`     | never waits: admitted when `wait_barrier` would not wait, else false |
 //! | `hold` (a second admission by an admitted caller) | never waits                    |
 //! | `allow_barrier`, `lower_barrier`, `unfreeze_array`, `queue_io`, `unqueue_io` | never wait |
 //!
@@ -313,6 +314,46 @@ impl Barriers {
         drop(g);
         // Rule 3: the nr_waiting decrement is what a raiser's first wait waits for.
         self.wq.wake_all();
+    }
+
+    /// Admits a regular write on `sector`'s bucket if that needs no wait (no barrier raised
+    /// there, not frozen); otherwise leaves the counters as they were and returns false. For a
+    /// write that spans several barrier units and already holds the earlier ones: it must not
+    /// sleep holding them (a freezer waits for every admission to end), so on false it lets
+    /// them go and waits for this one alone (`Inner::admit_write`). Pair a true with
+    /// [`Barriers::allow_barrier`].
+    pub fn try_wait_barrier(&self, sector: u64) -> bool {
+        let b = self.bucket(sector);
+        // Acquire: rule 5, as in `wait_regular`.
+        let clear = || {
+            self.array_frozen.load(Ordering::Acquire) == 0 && b.barrier.load(Ordering::Acquire) == 0
+        };
+        match self.mode {
+            BarrierMode::Lockless => {
+                b.nr_pending.fetch_add(1, Ordering::AcqRel);
+                // Rule 1, as in the fast path of `wait_regular`: the increment is visible
+                // before barrier and array_frozen are read.
+                if !self.skip_pending_fence {
+                    fence(Ordering::SeqCst);
+                }
+                if clear() {
+                    return true;
+                }
+                // Not admitted: undo. Release (rule 5 needs nothing here: we did no I/O), and
+                // rule 3: a raiser or freezer may be asleep waiting for nr_pending to drop.
+                b.nr_pending.fetch_sub(1, Ordering::AcqRel);
+                self.wq.wake_all();
+                false
+            }
+            BarrierMode::Locked => {
+                let _g = self.resync_lock.lock();
+                if !clear() {
+                    return false;
+                }
+                b.nr_pending.fetch_add(1, Ordering::AcqRel);
+                true
+            }
+        }
     }
 
     /// Ends a regular I/O admitted by `wait_barrier`/`wait_read_barrier` on `sector`.

@@ -84,6 +84,10 @@ struct Chunk {
     last_end: Duration,
     /// The flush epoch when the last write ended.
     end_epoch: u64,
+    /// md's NEEDED: the legs may differ here for a reason older than this run (a bit loaded
+    /// at assemble, or set without a write): only a completed resync or recovery clears it,
+    /// never quiet time.
+    needed: bool,
 }
 
 #[derive(Debug)]
@@ -268,6 +272,7 @@ impl WriteIntentBitmap {
         let mut n = 0;
         for c in g.chunks.iter_mut() {
             if c.dirty
+                && !c.needed
                 && c.pending == 0
                 && c.end_epoch < flushed
                 && now.saturating_sub(c.last_end) >= self.quiet
@@ -297,6 +302,7 @@ impl WriteIntentBitmap {
             if c.dirty && c.pending == 0 && c.end_epoch < flushed {
                 c.dirty = false;
                 c.durable = false;
+                c.needed = false;
                 n += 1;
             }
         }
@@ -319,8 +325,9 @@ impl WriteIntentBitmap {
         self.inner.lock().events_cleared
     }
 
-    /// Marks whole chunks dirty without a write (e.g. a leg failed mid-resync). They are
-    /// cleared by [`WriteIntentBitmap::clear_quiet`] as usual.
+    /// Marks whole chunks dirty without a write (no readable bitmap at assemble: everything
+    /// may differ). They are needed (see [`WriteIntentBitmap::load`]): only
+    /// [`WriteIntentBitmap::clear_synced`] clears them.
     pub fn set_dirty(&self, set: ChunkSet) {
         let mut g = self.inner.lock();
         let end = set.end.min(self.nr_chunks);
@@ -330,6 +337,7 @@ impl WriteIntentBitmap {
                 c.dirty = true;
                 c.durable = false;
             }
+            c.needed = true;
         }
         g.events += 1;
     }
@@ -397,8 +405,11 @@ impl WriteIntentBitmap {
     }
 
     /// Loads bits from an on-disk form made by [`WriteIntentBitmap::encode`] for the same
-    /// geometry; set bits become dirty and durable (they are on disk). Existing bits are kept
-    /// (union), so loading every leg's copy gives the union of their dirty chunks.
+    /// geometry; set bits become dirty, durable (they are on disk) and needed (md's NEEDED:
+    /// the legs may differ there since before this run, so [`WriteIntentBitmap::clear_quiet`]
+    /// leaves them; only a completed resync or recovery clears them, through
+    /// [`WriteIntentBitmap::clear_synced`]). Existing bits are kept (union), so loading every
+    /// leg's copy gives the union of their dirty chunks.
     pub fn load(&self, b: &[u8]) -> Result<(), BitmapError> {
         if b.len() < self.disk_len() {
             return Err(BitmapError::BadDisk("too short"));
@@ -431,6 +442,7 @@ impl WriteIntentBitmap {
             if b[HEADER_SIZE + i / 8] & (1 << (i % 8)) != 0 {
                 c.dirty = true;
                 c.durable = true;
+                c.needed = true;
             }
         }
         g.events += 1;
@@ -511,6 +523,15 @@ mod tests {
         assert_eq!(other.dirty_chunks(), bm.dirty_chunks());
         // Loaded bits are durable: a write there needs no sync.
         assert_eq!(other.start_write(5 * 65536, 1).unwrap(), None);
+        // ... and needed: quiet time never clears them, a completed resync does.
+        other.end_write(5 * 65536, 1, s(1)).unwrap();
+        let e = other.begin_flush();
+        other.flush_done(e);
+        assert_eq!(other.clear_quiet(s(1000)), 0);
+        let n: u64 = other.dirty_chunks().iter().map(|c| c.end - c.first).sum();
+        assert_eq!(other.clear_synced(), n);
+        assert!(other.dirty_chunks().is_empty());
+        other.load(&disk).unwrap();
         let mut bad = disk.clone();
         bad[HEADER_SIZE + 3] ^= 0x10;
         assert!(other.load(&bad).is_err());

@@ -66,7 +66,7 @@ impl Inner {
                 wb.op = Op::Write;
                 wb.flags = BioFlags::NONE;
                 if sync_io(dev.as_ref(), wb).1.is_err() {
-                    self.fail_leg(leg);
+                    self.leg_write_failed(leg, "the last in-sync leg failed a read repair");
                 }
             }
         }
@@ -136,38 +136,58 @@ impl Inner {
         self.write_superblocks()
     }
 
-    /// Bumps `events` and writes every present, non-faulty leg's superblock, then flushes.
+    /// Bumps `events` and writes every present, non-faulty leg's superblock, each after a
+    /// flush of its leg and with FUA (md's PREFLUSH + FUA: what the superblock vouches for, a
+    /// recovery's copy or a clean stop's data, is durable before it is). A leg whose write
+    /// fails is failed and the superblocks are written again, so the failure is recorded too;
+    /// Ok means every leg left writable holds the new superblock durably, and records every
+    /// leg failure up to its start (`durable_gen`, see `Inner::fail_leg`). When the last
+    /// in-sync leg fails it, the array fails (`Inner::fail_array`) and this is an error.
     pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
         self.sb_dirty.store(false, Ordering::Release);
-        self.meta.lock().events += 1;
-        let mut first_err = None;
-        for (i, l) in self.legs.iter().enumerate() {
-            if !Self::writable(l.state.load(Ordering::Acquire)) {
-                continue;
+        // Each round fails at least one leg or ends; a leg is failed once.
+        for _ in 0..=self.legs.len() {
+            // Under `fail_lock`: every failure counted here has set its FAULTY bit, so the
+            // superblocks built below record it.
+            let gen = {
+                let _f = self.fail_lock.lock();
+                self.fail_gen.load(Ordering::Acquire)
+            };
+            self.meta.lock().events += 1;
+            let mut first_err = None;
+            for (i, l) in self.legs.iter().enumerate() {
+                if !Self::writable(l.state.load(Ordering::Acquire)) {
+                    continue;
+                }
+                let Some(dev) = l.dev() else { continue };
+                let sb = self.superblock_for(i);
+                let mut buf = Buffer::new(crate::superblock::SB_SIZE);
+                sb.encode_into(buf.as_mut_slice())?;
+                let mut b = Bio::with_buf(Op::Write, SB_OFFSET >> SECTOR_SHIFT, buf);
+                b.flags = BioFlags::FUA;
+                let r = sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0))
+                    .1
+                    .and_then(|()| sync_io(dev.as_ref(), b).1);
+                if let Err(e) = r {
+                    self.leg_write_failed(i, "the last in-sync leg failed a superblock write");
+                    first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
+                }
             }
-            let Some(dev) = l.dev() else { continue };
-            let sb = self.superblock_for(i);
-            let mut buf = Buffer::new(crate::superblock::SB_SIZE);
-            sb.encode_into(buf.as_mut_slice())?;
-            let mut b = Bio::with_buf(Op::Write, SB_OFFSET >> SECTOR_SHIFT, buf);
-            b.flags = BioFlags::FUA;
-            if let Err(e) = sync_io(dev.as_ref(), b).1 {
-                self.fail_leg(i);
-                first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
+            if self.failed.load(Ordering::Acquire) {
+                return Err(
+                    first_err.unwrap_or(Raid1Error::Config("raid1: the array has failed".into()))
+                );
             }
+            if first_err.is_none() {
+                self.durable_gen.fetch_max(gen, Ordering::AcqRel);
+                return Ok(());
+            }
+            // A leg failed: write again, recording it.
         }
-        match first_err {
-            Some(e)
-                if !self
-                    .legs
-                    .iter()
-                    .any(|l| Self::writable(l.state.load(Ordering::Acquire))) =>
-            {
-                Err(e)
-            }
-            _ => Ok(()),
-        }
+        Err(Raid1Error::Config(
+            "raid1: superblock writes kept failing".into(),
+        ))
     }
 
     /// Writes the bitmap to every writable leg and flushes them. Under `persist`, so a later
@@ -198,26 +218,34 @@ impl Inner {
             match r {
                 Ok(()) => ok += 1,
                 Err(e) => {
-                    self.fail_leg(i);
+                    self.leg_write_failed(i, "the last in-sync leg failed a bitmap write");
                     first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
                 }
             }
         }
         match first_err {
-            Some(e) if ok == 0 => Err(e),
+            Some(e) if ok == 0 || self.failed.load(Ordering::Acquire) => Err(e),
             _ => Ok(()),
         }
     }
 
-    /// Flushes every writable leg (a bitmap flush epoch).
+    /// Flushes every writable leg (a bitmap flush epoch). A leg whose flush fails is failed,
+    /// as a failed client FLUSH fails it: the kernel reports a write-back error once, so it is
+    /// never dropped (on the last in-sync leg the array fails, and every later flush with it).
     pub(crate) fn flush_legs(&self) -> bool {
         let mut all = true;
-        for l in self.legs.iter() {
+        for (i, l) in self.legs.iter().enumerate() {
             if !Self::writable(l.state.load(Ordering::Acquire)) {
                 continue;
             }
             if let Some(dev) = l.dev() {
-                all &= sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1.is_ok();
+                if sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1.is_err() {
+                    all = false;
+                    self.leg_write_failed(
+                        i,
+                        "the last in-sync leg failed a flush (write-back error)",
+                    );
+                }
             }
         }
         all
@@ -234,6 +262,9 @@ impl Inner {
                 self.fix_read(id);
                 continue;
             }
+            // Writes and flushes waiting for a leg failure to be recorded (before a stop too:
+            // the stop's freeze counts them as queued).
+            self.complete_held();
             if stop {
                 return;
             }
@@ -259,7 +290,8 @@ impl Inner {
                 || {
                     (self.stop.load(Ordering::Acquire)
                         || self.sb_dirty.load(Ordering::Acquire)
-                        || !self.retry.lock().is_empty())
+                        || !self.retry.lock().is_empty()
+                        || !self.held.lock().is_empty())
                     .then_some(())
                 },
                 next_tick,

@@ -275,6 +275,9 @@ pub(crate) struct Io {
     pub(crate) err: Option<Error>,
     /// Legs a read was tried on.
     pub(crate) tried: u32,
+    /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
+    /// submitted (md's rule: a recovering leg's copy does not count).
+    pub(crate) counted: u32,
     /// The leg whose bio carries the original buffer.
     pub(crate) primary: usize,
 }
@@ -352,6 +355,18 @@ pub(crate) struct Inner {
     pub(crate) sb_dirty: AtomicBool,
     pub(crate) meta: Mutex<ArrayMeta>,
     pub(crate) fail_lock: Mutex<()>,
+    /// Leg failures so far: bumped under `fail_lock` together with the FAULTY bit (see
+    /// "Durable failures" below).
+    pub(crate) fail_gen: AtomicU64,
+    /// The `fail_gen` that the last fully successful superblock write recorded.
+    pub(crate) durable_gen: AtomicU64,
+    /// Writes and flushes that succeeded while a leg failure was not yet durable: raid1d
+    /// completes them after the next superblock write (md's `bio_end_io_list`).
+    pub(crate) held: Mutex<VecDeque<u32>>,
+    /// Set once the array can no longer keep its promises (see "The failed array").
+    pub(crate) failed: AtomicBool,
+    /// Why, for the error and the log (written once, before `failed` is set).
+    pub(crate) failed_why: Mutex<Option<&'static str>>,
     /// Array byte offset up to which a running resync has made the legs agree (u64::MAX: no
     /// resync running).
     pub(crate) resync_point: AtomicU64,
@@ -370,6 +385,8 @@ pub struct Raid1 {
     pub(crate) syncer: Option<thread::JoinHandle<()>>,
     /// `crash_for_test`: stop without writing clean superblocks.
     pub(crate) crashed: bool,
+    /// What `assemble` found wrong and worked around (see [`Raid1::assemble_warnings`]).
+    pub(crate) warnings: Vec<String>,
 }
 
 impl std::fmt::Debug for Raid1 {
@@ -453,6 +470,23 @@ impl Raid1 {
     /// offsets: add [`Raid1::data_offset`]).
     pub fn leg_device(&self, i: usize) -> Option<StdArc<dyn Device>> {
         self.inner.legs.get(i)?.dev()
+    }
+
+    /// What [`Raid1::assemble`] found wrong and worked around (a leg whose superblock could
+    /// not be read, superblocks that disagree at the same events), one sentence each; also
+    /// logged as warnings. Empty for a healthy start.
+    pub fn assemble_warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Why the array failed (every write and flush fails; see [`Raid1::fail_leg`]'s rules in
+    /// docs/design.md), or None while it works.
+    pub fn failure(&self) -> Option<&'static str> {
+        if self.inner.failed.load(Ordering::Acquire) {
+            *self.inner.failed_why.lock()
+        } else {
+            None
+        }
     }
 
     /// Whether the array runs with a slot faulty or not in sync.
@@ -752,6 +786,22 @@ impl Inner {
     }
 
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.
+    ///
+    /// # Durable failures (md's `MD_SB_CHANGE_PENDING`)
+    ///
+    /// A failed leg missed writes from then on; until a superblock that records the failure is
+    /// durable on the survivors, a crash would assemble it back in sync, and a resync could copy
+    /// its stale data over theirs. So no write or flush is acknowledged while a failure is not
+    /// durable: `fail_gen` counts failures and `durable_gen` the failures the last complete
+    /// superblock write recorded; a write or flush that completes with `fail_gen >
+    /// durable_gen` is held (`held`) for raid1d, which writes the superblocks and only then
+    /// completes it.
+    ///
+    /// Orderings: `fail_gen` is bumped (Release) before FAULTY is set (AcqRel), both under
+    /// `fail_lock`. A submitter that sees FAULTY (Acquire) and so leaves the leg out of a write
+    /// therefore sees the bump when it completes, and holds the write. `write_superblocks`
+    /// reads `fail_gen` under `fail_lock`, so every failure it counts has set its bit before the
+    /// superblocks are built from the leg states.
     pub(crate) fn fail_leg(&self, i: usize) -> bool {
         // Serialised, so two legs failing at once cannot both see the other as the survivor.
         let _g = self.fail_lock.lock();
@@ -770,8 +820,47 @@ impl Inner {
         if st & PRESENT == 0 || (st & IN_SYNC != 0 && others == 0) {
             return false;
         }
+        self.fail_gen.fetch_add(1, Ordering::Release);
         l.state.fetch_or(FAULTY, Ordering::AcqRel);
+        drop(_g);
         self.state_changed();
         true
+    }
+
+    /// Whether a failure is not yet recorded by a durable superblock (see `fail_leg`).
+    #[inline]
+    pub(crate) fn failure_pending(&self) -> bool {
+        self.fail_gen.load(Ordering::Acquire) > self.durable_gen.load(Ordering::Acquire)
+    }
+
+    /// # The failed array (md's `MD_BROKEN`)
+    ///
+    /// Once a promise cannot be kept (a superblock recording a leg failure cannot be written
+    /// on any survivor, or the last in-sync leg reported a write-back error that cannot fail
+    /// it), the array fails: every later write and flush fails with EIO, for every caller, until
+    /// it is stopped; reads still work. The first reason is kept.
+    pub(crate) fn fail_array(&self, why: &'static str) {
+        {
+            let mut w = self.failed_why.lock();
+            if w.is_none() {
+                *w = Some(why);
+            }
+        }
+        // Release: a caller that sees the flag sees the reason.
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            tracing::error!("raid1: array failed: {why}; writes and flushes now fail");
+        }
+    }
+
+    /// The error of a failed array, or None.
+    #[inline]
+    pub(crate) fn failed_error(&self) -> Option<Error> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let why = self.failed_why.lock().unwrap_or("failed");
+        Some(Error::Io(std::io::Error::other(format!(
+            "raid1: array failed: {why}"
+        ))))
     }
 }

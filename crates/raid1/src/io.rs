@@ -11,8 +11,21 @@ use blkq_sync::DynArc as StdArc;
 use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
+use crate::barrier::BARRIER_UNIT_SECTOR_BITS;
 use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::superblock::MAX_LEGS;
+
+/// The barrier units (as the first sector of each) that `len` bytes from `sector` touch: a
+/// write is admitted on every one of them (md splits at the unit boundary instead; admitting
+/// on each keeps one r1bio per write). A flush (len 0) has the unit of `sector`.
+fn units(sector: u64, len: u64) -> impl Iterator<Item = u64> {
+    let first = sector >> BARRIER_UNIT_SECTOR_BITS;
+    let last = (sector + (len.max(1) - 1) / blk::SECTOR_SIZE) >> BARRIER_UNIT_SECTOR_BITS;
+    (first..=last).map(|u| u << BARRIER_UNIT_SECTOR_BITS)
+}
+
+/// The sector a flush is admitted on (flushes wait only for a freeze, as reads).
+const FLUSH_SECTOR: u64 = 0;
 
 impl Inner {
     pub(crate) fn writable(st: u32) -> bool {
@@ -157,21 +170,61 @@ impl Inner {
         }
     }
 
+    /// Admits a write on every barrier unit it touches, in order. It never sleeps holding an
+    /// admission (a freezer waits for all of them to end): a later unit that would wait makes
+    /// it let the earlier ones go, wait for that unit alone, and start over.
+    fn admit_write(&self, sector: u64, len: u64) {
+        'again: loop {
+            let mut held = 0u64;
+            for (k, u) in units(sector, len).enumerate() {
+                if k == 0 {
+                    self.barriers.wait_barrier(u);
+                } else if !self.barriers.try_wait_barrier(u) {
+                    for v in units(sector, len).take(held as usize) {
+                        let _ = self.barriers.allow_barrier(v);
+                    }
+                    self.barriers.wait_barrier(u);
+                    let _ = self.barriers.allow_barrier(u);
+                    continue 'again;
+                }
+                held += 1;
+            }
+            return;
+        }
+    }
+
+    /// Ends a write's admissions (every unit it touches).
+    fn release_write(&self, sector: u64, len: u64) {
+        for u in units(sector, len) {
+            let _ = self.barriers.allow_barrier(u);
+        }
+    }
+
     pub(crate) fn submit_write(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
+        if let Some(e) = self.failed_error() {
+            end.end_io(bio, Err(e));
+            return;
+        }
         let sector = bio.sector;
         let (off, len) = (bio.offset(), u64::from(bio.len));
-        self.barriers.wait_barrier(sector);
+        self.admit_write(sector, len);
         if let Some(bm) = &self.bitmap {
             match bm.start_write(off, len) {
                 Ok(None) => {}
                 Ok(Some(set)) => {
-                    // The bit must be on disk on every leg before the data write is issued.
-                    if self.persist_bitmap().is_ok() {
-                        bm.mark_durable(set);
+                    // The bit must be on disk on every leg before the data write is issued; on
+                    // no leg at all, the write is not issued.
+                    match self.persist_bitmap() {
+                        Ok(()) => bm.mark_durable(set),
+                        Err(e) => {
+                            self.write_finished(off, len, sector);
+                            end.end_io(bio, Err(Error::Io(std::io::Error::other(e.to_string()))));
+                            return;
+                        }
                     }
                 }
                 Err(e) => {
-                    let _ = self.barriers.allow_barrier(sector);
+                    self.release_write(sector, len);
                     end.end_io(bio, Err(Error::Config(e.to_string())));
                     return;
                 }
@@ -180,10 +233,16 @@ impl Inner {
         // Legs to write: present and not faulty (recovering legs included). A leg's state and
         // its slot change together with the array frozen, so while admitted a present leg's
         // slot holds its device (an empty one is still handled below, as a failed write).
+        // Only the in-sync legs' successes count (D2 in docs/design.md).
         let mut mask = 0u32;
+        let mut counted = 0u32;
         for (i, l) in self.legs.iter().enumerate() {
-            if Self::writable(l.state.load(Ordering::Acquire)) {
+            let st = l.state.load(Ordering::Acquire);
+            if Self::writable(st) {
                 mask |= 1 << i;
+                if st & IN_SYNC != 0 {
+                    counted |= 1 << i;
+                }
             }
         }
         if mask == 0 {
@@ -222,6 +281,7 @@ impl Inner {
                 end: Some(end.clone()),
                 remaining: mask.count_ones(),
                 primary,
+                counted,
                 ..Io::default()
             };
         }
@@ -251,17 +311,30 @@ impl Inner {
     }
 
     pub(crate) fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
+        if let Some(e) = self.failed_error() {
+            end.end_io(bio, Err(e));
+            return;
+        }
+        // Admitted (it waits only for a freeze), so a freeze, and the array's stop, waits for
+        // flushes in flight too, and one held for a superblock write is counted as queued.
+        self.barriers.wait_read_barrier(FLUSH_SECTOR);
         let mut mask = 0u32;
+        let mut counted = 0u32;
         let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
-            if Self::writable(l.state.load(Ordering::Acquire)) {
+            let st = l.state.load(Ordering::Acquire);
+            if Self::writable(st) {
                 if let Some(d) = l.dev() {
                     devs[i] = Some(d);
                     mask |= 1 << i;
+                    if st & IN_SYNC != 0 {
+                        counted |= 1 << i;
+                    }
                 }
             }
         }
         if mask == 0 {
+            let _ = self.barriers.allow_barrier(FLUSH_SECTOR);
             end.end_io(bio, Err(eio("raid1: no leg to flush")));
             return;
         }
@@ -274,6 +347,7 @@ impl Inner {
                 end: Some(end.clone()),
                 remaining: mask.count_ones(),
                 primary: usize::MAX,
+                counted,
                 ..Io::default()
             };
         }
@@ -291,7 +365,73 @@ impl Inner {
         if let Some(bm) = &self.bitmap {
             let _ = bm.end_write(off, len, self.bitmap_now());
         }
-        let _ = self.barriers.allow_barrier(sector);
+        self.release_write(sector, len);
+    }
+
+    /// Marks a write's (or flush's) admissions as queued or not (held for raid1d).
+    fn set_queued(&self, kind: Kind, orig: &Bio, queued: bool) {
+        let (sector, len) = match kind {
+            Kind::Flush => (FLUSH_SECTOR, 0),
+            _ => (orig.sector, u64::from(orig.len)),
+        };
+        for u in units(sector, len) {
+            if queued {
+                self.barriers.queue_io(u);
+            } else {
+                let _ = self.barriers.unqueue_io(u);
+            }
+        }
+    }
+
+    /// A write or flush that succeeded while a leg failure is not yet durable: raid1d
+    /// completes it after the next superblock write (see `Inner::fail_leg`). Its admissions
+    /// are queued, so a freeze does not wait for it; they are queued under the list's lock,
+    /// so raid1d cannot take it before they are, and a freezer that saw them queued (the
+    /// array's stop) finds it on the list.
+    fn hold_for_superblock(&self, id: u32, kind: Kind, orig: &Bio) {
+        let mut q = self.held.lock();
+        self.set_queued(kind, orig, true);
+        q.push_back(id);
+        drop(q);
+        self.daemon_wq.wake_all();
+    }
+
+    /// raid1d: writes the superblocks, then completes the held writes and flushes (with the
+    /// error if the superblocks could not be written: the array has failed then).
+    pub(crate) fn complete_held(&self) {
+        let ids: Vec<u32> = self.held.lock().drain(..).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let r = self.write_superblocks();
+        for id in ids {
+            let (kind, orig, end) = {
+                let mut io = self.ios[id as usize].lock();
+                let t = (io.kind, io.orig.take(), io.end.take());
+                *io = Io::default();
+                t
+            };
+            let Some(o) = orig else { continue };
+            self.set_queued(kind, &o, false);
+            let res = match (&r, self.failed_error()) {
+                (Ok(()), None) => Ok(()),
+                (_, Some(e)) => Err(e),
+                (Err(e), None) => Err(Error::Io(std::io::Error::other(e.to_string()))),
+            };
+            self.finish(id, kind, Some(o), end, res);
+        }
+    }
+
+    /// A write or flush failed on leg `leg`: fail the leg; if it is the last in-sync leg,
+    /// which cannot be failed, the array fails (see `Inner::fail_array`).
+    pub(crate) fn leg_write_failed(&self, leg: usize, why: &'static str) {
+        if self.fail_leg(leg) {
+            return;
+        }
+        let st = self.legs[leg].state.load(Ordering::Acquire);
+        if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
+            self.fail_array(why);
+        }
     }
 
     /// A leg bio completed.
@@ -314,7 +454,7 @@ impl Inner {
                         let end = io.end.take();
                         *io = Io::default();
                         drop(io);
-                        self.finish_regular(id, orig, end, Ok(()));
+                        self.finish(id, Kind::Read, orig, end, Ok(()));
                     }
                     Err(e) => {
                         // Retry on another leg and repair, in raid1d, with the array frozen.
@@ -323,8 +463,11 @@ impl Inner {
                         }
                         let sector = io.orig.as_ref().map_or(0, |o| o.sector);
                         drop(io);
+                        // Queued under the list's lock (see `hold_for_superblock`).
+                        let mut q = self.retry.lock();
                         self.barriers.queue_io(sector);
-                        self.retry.lock().push_back(id);
+                        q.push_back(id);
+                        drop(q);
                         self.daemon_wq.wake_all();
                     }
                 }
@@ -336,56 +479,63 @@ impl Inner {
                     }
                 }
                 match res {
-                    Ok(()) => io.ok += 1,
+                    // Only legs in sync when it was submitted count (md's rule).
+                    Ok(()) if io.counted & (1 << leg) != 0 => io.ok += 1,
+                    Ok(()) => {}
                     Err(e) => {
                         if io.err.is_none() {
                             io.err = Some(e);
                         }
-                        // A failed write makes the leg stale: fail it (refused for the last
-                        // in-sync leg, whose error then reaches the caller).
-                        self.fail_leg(leg);
+                        // A failed write makes the leg stale: fail it; the last in-sync leg
+                        // cannot be, and then the array fails.
+                        self.leg_write_failed(leg, "the last in-sync leg failed a write or flush");
                     }
                 }
                 io.remaining -= 1;
                 if io.remaining > 0 {
                     return;
                 }
-                let res = if io.ok > 0 {
-                    Ok(())
-                } else {
-                    Err(io.err.take().unwrap_or_else(|| eio("raid1: write failed")))
-                };
                 let kind = io.kind;
+                let res = match self.failed_error() {
+                    Some(e) => Err(e),
+                    None if io.ok > 0 => Ok(()),
+                    None => Err(io.err.take().unwrap_or_else(|| eio("raid1: write failed"))),
+                };
+                if res.is_ok() && self.failure_pending() {
+                    if let Some(o) = io.orig.as_ref() {
+                        // Completed later by raid1d; the slot keeps the request meanwhile.
+                        self.hold_for_superblock(id, kind, o);
+                        return;
+                    }
+                }
                 let orig = io.orig.take();
                 let end = io.end.take();
                 *io = Io::default();
                 drop(io);
-                if kind == Kind::Flush {
-                    self.put_slot(id);
-                    if let (Some(o), Some(e)) = (orig, end) {
-                        e.end_io(o, res);
-                    }
-                } else {
-                    self.finish_regular(id, orig, end, res);
-                }
+                self.finish(id, kind, orig, end, res);
             }
         }
     }
 
-    /// Ends a regular read or write: bitmap, barrier, slot, caller.
-    pub(crate) fn finish_regular(
+    /// Ends a read, write or flush: bitmap, barrier, slot, caller.
+    pub(crate) fn finish(
         &self,
         id: u32,
+        kind: Kind,
         orig: Option<Bio>,
         end: Option<StdArc<dyn EndIo>>,
         res: Result<(), Error>,
     ) {
         self.put_slot(id);
         let Some(o) = orig else { return };
-        if o.op == Op::Read {
-            let _ = self.barriers.allow_barrier(o.sector);
-        } else {
-            self.write_finished(o.offset(), u64::from(o.len), o.sector);
+        match kind {
+            Kind::Flush => {
+                let _ = self.barriers.allow_barrier(FLUSH_SECTOR);
+            }
+            _ if o.op == Op::Read => {
+                let _ = self.barriers.allow_barrier(o.sector);
+            }
+            _ => self.write_finished(o.offset(), u64::from(o.len), o.sector),
         }
         if let Some(e) = end {
             e.end_io(o, res);

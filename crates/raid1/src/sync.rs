@@ -810,8 +810,16 @@ impl Inner {
         match (job, target) {
             (Job::Recover(_), Some((t, d))) => others[*t] = Some(d.clone()),
             _ => {
+                // A resync writes every leg but its source that is not faulty, recovering
+                // ones too (md's rule): one below its recovery offset serves reads and must
+                // agree there. A check or repair compares the in-sync legs.
                 for (i, l) in self.legs.iter().enumerate() {
-                    if i != src && good(l.state.load(Ordering::Acquire)) {
+                    let st = l.state.load(Ordering::Acquire);
+                    let target = match job {
+                        Job::Resync => Self::writable(st),
+                        _ => good(st),
+                    };
+                    if i != src && target {
                         others[i] = l.dev();
                     }
                 }
@@ -850,7 +858,7 @@ impl Inner {
                     .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
                     .is_err()
             {
-                self.fail_leg(i);
+                self.leg_write_failed(i, "the last in-sync leg failed a resync write");
             }
         }
         true

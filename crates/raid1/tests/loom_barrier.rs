@@ -4,6 +4,9 @@
 //!   counter checks overlap in the interleaving; a loom `UnsafeCell` checks that the two are
 //!   ordered by happens-before, i.e. the data of one is visible to the other);
 //! - a freeze returns only when no unqueued I/O is pending, and queued I/O does not hold it;
+//! - `try_wait_barrier` (a write's later barrier units) excludes a resync window and a freeze
+//!   as `wait_barrier` does, and a refusal leaves no count behind (a raiser or freezer that
+//!   waited for it is woken: the model terminates, and the counters end at zero);
 //! - nobody is left asleep (loom reports a deadlock otherwise);
 //! - without the fence after the `nr_pending` increment (rule 1) the exclusion model fails
 //!   (run in a child process, as `crates/sbitmap/tests/loom_legacy.rs` does).
@@ -98,6 +101,51 @@ fn loom_write_read_and_resync_lockless() {
 #[test]
 fn loom_write_read_and_resync_locked() {
     blkq_sync::model(|| write_read_vs_resync(Barriers::new(BarrierMode::Locked)));
+}
+
+/// A write admitted with `try_wait_barrier` against a resync window and a freeze.
+fn try_write_vs_resync_and_freeze(mode: BarrierMode, freeze: bool) {
+    let s = shared(Barriers::new(mode));
+    let t = {
+        let s = s.clone();
+        thread::spawn(move || {
+            if s.b.try_wait_barrier(0) {
+                critical(&s, 1);
+                s.b.allow_barrier(0).unwrap();
+            }
+        })
+    };
+    if freeze {
+        s.b.freeze_array(0);
+        critical(&s, 2);
+        s.b.unfreeze_array().unwrap();
+    } else {
+        s.b.raise_barrier(0);
+        critical(&s, 2);
+        s.b.lower_barrier(0).unwrap();
+    }
+    t.join().unwrap();
+    assert_eq!(s.b.snapshot(0), Default::default());
+}
+
+#[test]
+fn loom_try_write_and_resync_exclude_lockless() {
+    blkq_sync::model(|| try_write_vs_resync_and_freeze(BarrierMode::Lockless, false));
+}
+
+#[test]
+fn loom_try_write_and_resync_exclude_locked() {
+    blkq_sync::model(|| try_write_vs_resync_and_freeze(BarrierMode::Locked, false));
+}
+
+#[test]
+fn loom_try_write_and_freeze_exclude_lockless() {
+    blkq_sync::model(|| try_write_vs_resync_and_freeze(BarrierMode::Lockless, true));
+}
+
+#[test]
+fn loom_try_write_and_freeze_exclude_locked() {
+    blkq_sync::model(|| try_write_vs_resync_and_freeze(BarrierMode::Locked, true));
 }
 
 /// A read passes a raised barrier, but not a freeze; a freeze waits for active I/O.

@@ -1,0 +1,424 @@
+//! Fault schedules found by reviewing the mirror against md's rules, each as the interleaving
+//! that broke a promise (docs/design.md, "What the mirror promises"). Every test here failed
+//! before its fix; the names say the finding (D: durability, W: a wrong copy, A: availability).
+//! Deterministic: faults are rules on fault-device legs, interleavings are built with stalls.
+// A plain threaded test, never a loom model: it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+mod common;
+use common::*;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use blk::Device;
+use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
+use raid1::superblock::{Superblock, BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
+use raid1::{Raid1, Raid1Config, SyncAction};
+use testkit::io::{flush as try_flush, read_at, write_at};
+use testkit::wait_until_within;
+
+const IDLE: Duration = Duration::from_secs(60);
+const SOON: Duration = Duration::from_secs(10);
+
+/// A fault leg over `mem:SIZE` (`volatile`: a write cache that a crash empties).
+fn fault_leg(size: &str, volatile: bool) -> (Arc<dyn Device>, FaultHandle) {
+    let f = FaultDevice::new(
+        mem(size),
+        FaultConfig {
+            volatile_cache: volatile,
+            ..FaultConfig::default()
+        },
+    );
+    let h = f.handle();
+    (Arc::new(f), h)
+}
+
+fn no_bitmap() -> Raid1Config {
+    Raid1Config {
+        bitmap_chunk: 0,
+        ..cfg()
+    }
+}
+
+/// D1: a write that failed on leg 0 is acknowledged only once the superblock recording leg 0's
+/// failure is durable. Here that superblock cannot be written (leg 1, the survivor, fails it),
+/// so the write must fail: acknowledged, it would be lost after a crash, because both legs
+/// would assemble in sync and the resync would copy from leg 0, which missed it.
+#[test]
+fn d1_a_write_is_not_acknowledged_before_the_leg_failure_is_durable() {
+    let (l0, f0) = fault_leg("16M", false);
+    let (l1, f1) = fault_leg("16M", false);
+    let off = 5 * MB;
+    let r = Raid1::create(vec![l0.clone(), l1.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    write(&r, off, &pattern(1, 4096));
+    flush(&r);
+    r.sync_superblocks().unwrap();
+    f0.add(Rule::fail(OpSet::WRITE).in_range(d + off, 4096));
+    f1.add(Rule::fail(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
+    let res = write_at(&r, off, &pattern(2, 4096));
+    assert!(r.leg_status(0).unwrap().faulty);
+    assert!(
+        res.is_err(),
+        "acknowledged although the failure of leg 0 could not be recorded"
+    );
+    // The array is broken now: no write or flush is acknowledged.
+    assert!(write_at(&r, 6 * MB, &pattern(3, 4096)).is_err());
+    assert!(try_flush(&r).is_err());
+    r.crash_for_test();
+    f0.clear();
+    f1.clear();
+    let r = Raid1::assemble(vec![l0.clone(), l1.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let got = read(&r, off, 4096);
+    assert!(got == pattern(1, 4096) || got == pattern(2, 4096));
+    assert_legs_equal(&r, l0.as_ref(), l1.as_ref());
+}
+
+/// D1, the other side: when the survivor records the failure, the write is acknowledged and
+/// survives a crash (the failed leg comes back faulty).
+#[test]
+fn d1_a_write_acknowledged_after_a_leg_failure_survives_a_crash() {
+    let (l0, f0) = fault_leg("16M", false);
+    let l1 = mem("16M");
+    let off = 5 * MB;
+    let r = Raid1::create(vec![l0.clone(), l1.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    write(&r, off, &pattern(1, 4096));
+    flush(&r);
+    f0.add(Rule::fail(OpSet::WRITE).in_range(d + off, 4096));
+    write(&r, off, &pattern(2, 4096));
+    r.crash_for_test();
+    f0.clear();
+    let r = Raid1::assemble(vec![l0, l1], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(0).unwrap().faulty);
+    assert!(read(&r, off, 4096) == pattern(2, 4096));
+}
+
+/// D2: only in-sync legs count toward a write's or a flush's success: a recovering leg that
+/// took the write does not hide the failure of the only in-sync leg.
+#[test]
+fn d2_a_recovering_legs_success_does_not_hide_the_in_sync_legs_failure() {
+    let (a, fa) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
+    let d = r.data_offset();
+    let off = 8 * MB;
+    write(&r, off, &pattern(1, 4096));
+    flush(&r);
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    r.set_speed_limits(1, 1);
+    assert_eq!(r.add_leg(mem("16M")).unwrap(), 1);
+    fa.add(Rule::fail(OpSet::WRITE).in_range(d + off, 4096));
+    let res = write_at(&r, off, &pattern(2, 4096));
+    assert!(
+        res.is_err(),
+        "the only in-sync leg failed the write, yet it was acknowledged"
+    );
+    assert!(read(&r, off, 4096) == pattern(1, 4096));
+    fa.clear();
+    fa.add(Rule::fail(OpSet::FLUSH).next(1));
+    assert!(
+        try_flush(&r).is_err(),
+        "the only in-sync leg failed the flush, yet it was acknowledged"
+    );
+}
+
+/// D3: a write that straddles two 64 MiB barrier units waits for a resync window on either.
+/// The recovery's window on the second unit has read the source and its write to the new leg
+/// is stalled; the straddling write must not slip in between, or the window's old data lands
+/// over the new copy on the new leg.
+#[test]
+fn d3_a_write_straddling_two_barrier_units_waits_for_both() {
+    let a = mem("80M");
+    let r = Raid1::create(vec![a.clone(), mem("80M")], no_bitmap()).unwrap();
+    let d = r.data_offset();
+    let unit = 64 * MB;
+    assert!(r.limits().capacity > unit + MB);
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    let (b, fb) = fault_leg("80M", false);
+    // The recovery's window at the unit boundary: its write to the new leg waits.
+    fb.add(Rule::stall(OpSet::WRITE).in_range(d + unit, 4096).nth(1));
+    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    wait_until_within("the recovery window stalled", SOON, || fb.stalled() == 1);
+    let data = pattern(9, 8192);
+    std::thread::scope(|s| {
+        let w = s.spawn(|| write_at(&r, unit - 4096, &data));
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(fb.release(), 1);
+        w.join().unwrap().unwrap();
+    });
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(1).unwrap().in_sync);
+    assert!(read(a.as_ref(), d + unit - 4096, 8192) == data);
+    assert!(
+        read(b.as_ref(), d + unit - 4096, 8192) == data,
+        "the recovery's old data landed over the acknowledged write"
+    );
+}
+
+/// D3 for the large ones: a WRITE_ZEROES over several barrier units, during a recovery, leaves
+/// the legs equal (it is admitted on every unit it touches).
+#[test]
+fn d3_write_zeroes_over_many_units_during_recovery_leaves_the_legs_equal() {
+    let a = mem("200M");
+    let r = Raid1::create(vec![a.clone(), mem("200M")], no_bitmap()).unwrap();
+    let d = r.data_offset();
+    let unit = 64 * MB;
+    for k in 0..3u64 {
+        write(&r, k * unit + unit / 2, &pattern(k as u8, 4096));
+        write(&r, (k + 1) * unit - 4096, &pattern(10 + k as u8, 8192));
+    }
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    let (b, fb) = fault_leg("200M", false);
+    fb.add(
+        Rule::stall(OpSet::WRITE)
+            .in_range(d + 2 * unit, 4096)
+            .nth(1),
+    );
+    r.add_leg(b.clone()).unwrap();
+    wait_until_within("the recovery window stalled", SOON, || fb.stalled() == 1);
+    std::thread::scope(|s| {
+        let w = s.spawn(|| {
+            let mut bio = blk::Bio::new(blk::Op::WriteZeroes, (unit / 2) >> 9, (2 * unit) as u32);
+            bio.flags = blk::BioFlags::NONE;
+            testkit::io::submit_wait(&r, bio).1
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        fb.release();
+        w.join().unwrap().unwrap();
+    });
+    assert!(r.wait_sync_idle(IDLE));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert!(read(&r, 2 * unit, 4096) == vec![0u8; 4096]);
+}
+
+/// D5: a superblock is written after a flush of its leg (PREFLUSH + FUA): the IN_SYNC mark of
+/// a finished recovery never becomes durable before the data the recovery copied.
+#[test]
+fn d5_a_recovery_is_durable_before_the_mark_that_vouches_for_it() {
+    let a = mem("16M");
+    let r = Raid1::create(vec![mem("16M"), a.clone()], no_bitmap()).unwrap();
+    let off = 2 * MB;
+    write(&r, off, &pattern(1, 4096));
+    flush(&r);
+    r.fail_leg(0).unwrap();
+    r.remove_leg(0).unwrap();
+    let (c, fc) = fault_leg("16M", true);
+    assert_eq!(r.add_leg(c.clone()).unwrap(), 0);
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(0).unwrap().in_sync);
+    // Power cut: the new leg's cache is lost, the array stops uncleanly.
+    fc.crash().unwrap();
+    r.crash_for_test();
+    fc.restart();
+    let r = Raid1::assemble(vec![c.clone(), a.clone()], no_bitmap()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(
+        read(&r, off, 4096) == pattern(1, 4096),
+        "a flushed write was lost: the leg was marked in sync before its data was durable"
+    );
+}
+
+/// D6: raid1d's own flushes are not fire-and-forget: a leg whose internal flush failed is
+/// failed, as a failed client FLUSH fails it.
+#[test]
+fn d6_a_failed_internal_flush_fails_the_leg() {
+    let (a, fa) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a, mem("16M")], cfg()).unwrap();
+    write(&r, 0, &pattern(1, 4096));
+    fa.add(Rule::fail(OpSet::FLUSH).next(1));
+    wait_until_within("raid1d flushed", SOON, || fa.counters().failed[2] == 1);
+    wait_until_within("leg 0 failed", SOON, || r.leg_status(0).unwrap().faulty);
+}
+
+/// D6 on the last in-sync leg, which cannot be failed: its write-back error is sticky, so the
+/// next client FLUSH (and every one after it) fails instead of succeeding.
+#[test]
+fn d6_a_failed_internal_flush_on_the_last_leg_fails_the_next_client_flush() {
+    let (a, fa) = fault_leg("16M", false);
+    let (b, fb) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a, b], cfg()).unwrap();
+    write(&r, 0, &pattern(1, 4096));
+    fa.add(Rule::fail(OpSet::FLUSH).next(1));
+    fb.add(Rule::fail(OpSet::FLUSH).next(1));
+    wait_until_within("raid1d's flushes failed on both legs", SOON, || {
+        fa.counters().failed[2] == 1 && fb.counters().failed[2] == 1
+    });
+    assert!(try_flush(&r).is_err(), "a write-back error was swallowed");
+    assert!(
+        try_flush(&r).is_err(),
+        "a write-back error was reported once"
+    );
+}
+
+/// W1: bits loaded at assemble stay set (md's NEEDED) until the resync has copied their
+/// chunks, however quiet they look; an interrupted resync then resumes from all of them.
+#[test]
+fn w1_the_bitmap_keeps_chunks_the_resync_has_not_copied() {
+    let (a, b) = (mem("32M"), mem("32M"));
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    for k in 0..28u64 {
+        write(&r, k * MB + 8192, &pattern(k as u8, 4096));
+    }
+    r.crash_for_test();
+    // The legs differ in every dirty chunk (writes in flight at the crash).
+    for k in 0..28u64 {
+        write(b.as_ref(), d + k * MB + 8192, &pattern(100 + k as u8, 4096));
+    }
+    let quick = Raid1Config {
+        bitmap_quiet: Duration::from_millis(10),
+        ..cfg()
+    };
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], quick).unwrap();
+    r.set_speed_limits(1, 1);
+    std::thread::sleep(Duration::from_millis(500));
+    let dirty: u64 = r
+        .bitmap()
+        .unwrap()
+        .dirty_chunks()
+        .iter()
+        .map(|c| c.end - c.first)
+        .sum();
+    assert!(
+        dirty >= 27,
+        "raid1d cleared bits of chunks not yet resynced ({dirty} left)"
+    );
+    r.crash_for_test();
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}
+
+/// W2: a resync writes every non-faulty leg but its source, recovering legs included: one that
+/// serves reads below its recovery offset must agree there too.
+#[test]
+fn w2_the_resync_writes_recovering_legs_too() {
+    let (a, b, c) = (mem("32M"), mem("32M"), mem("32M"));
+    let r = Raid1::create(vec![a.clone(), b.clone(), mem("32M")], cfg()).unwrap();
+    let d = r.data_offset();
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(2).unwrap();
+    r.remove_leg(2).unwrap();
+    assert_eq!(r.add_leg(c.clone()).unwrap(), 2);
+    // Every leg is zero below 8 MiB: the new leg may serve reads there.
+    r.set_recovery_offset(2, 8 * MB).unwrap();
+    r.sync_superblocks().unwrap();
+    write(&r, MB + 8192, &pattern(1, 4096));
+    r.crash_for_test();
+    // The write in flight at the crash reached only the recovering leg in full.
+    write(c.as_ref(), d + MB + 8192, &pattern(2, 4096));
+    let r = Raid1::assemble(vec![a.clone(), b.clone(), c.clone()], cfg()).unwrap();
+    assert_eq!(r.leg_status(2).unwrap().recovery_offset, 8 * MB);
+    assert!(r.wait_sync_idle(IDLE));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert_legs_equal(&r, a.as_ref(), c.as_ref());
+}
+
+/// W4: a write whose bitmap bit could not be made durable on any leg is failed, not issued.
+#[test]
+fn w4_a_write_whose_bit_cannot_be_persisted_fails() {
+    let (a, fa) = fault_leg("16M", false);
+    let (b, fb) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a, b], cfg()).unwrap();
+    let d = r.data_offset();
+    let bm = d - BITMAP_OFFSET;
+    fa.add(Rule::fail(OpSet::WRITE).in_range(BITMAP_OFFSET, bm));
+    fb.add(Rule::fail(OpSet::WRITE).in_range(BITMAP_OFFSET, bm));
+    let res = write_at(&r, 3 * MB, &pattern(1, 4096));
+    assert!(
+        res.is_err(),
+        "the data write went ahead with its bitmap bit on no leg"
+    );
+}
+
+fn sb_of(leg: &dyn Device) -> Superblock {
+    Superblock::decode(&read(leg, SB_OFFSET, SB_SIZE)).unwrap()
+}
+
+fn put_sb(leg: &dyn Device, sb: &Superblock) {
+    write(leg, SB_OFFSET, &sb.encode().unwrap());
+}
+
+/// W5: two superblocks with the same events but different views (a leg failed while they were
+/// being written) assemble the same way in any order: the view that records the failure wins.
+#[test]
+fn w5_equal_events_with_different_views_assemble_the_same_in_any_order() {
+    let (a, b) = (mem("16M"), mem("16M"));
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+    write(&r, MB, &pattern(1, 4096));
+    flush(&r);
+    r.crash_for_test();
+    // Leg b's superblock records leg a as faulty, leg a's does not; same events.
+    let sa = sb_of(a.as_ref());
+    let mut sb = sb_of(b.as_ref());
+    assert_eq!(sa.events, sb.events);
+    sb.legs[0].faulty = true;
+    put_sb(b.as_ref(), &sb);
+    for order in [vec![a.clone(), b.clone()], vec![b.clone(), a.clone()]] {
+        let r = Raid1::assemble(order, cfg()).unwrap();
+        assert!(
+            r.leg_status(0).unwrap().faulty,
+            "leg 0's recorded failure was ignored in one order"
+        );
+        assert!(r.leg_status(1).unwrap().in_sync);
+        assert!(!r.leg_status(1).unwrap().faulty);
+        assert!(read(&r, MB, 4096) == pattern(1, 4096));
+        r.crash_for_test();
+        put_sb(a.as_ref(), &sa);
+        put_sb(b.as_ref(), &sb);
+    }
+}
+
+/// A1: a torn superblock on one leg does not stop the array: it assembles from the others and
+/// recovers that leg in full.
+#[test]
+fn a1_a_torn_superblock_assembles_from_the_others_and_recovers_that_leg() {
+    let (a, b) = (mem("16M"), mem("16M"));
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+        write(&r, 2 * MB, &pattern(4, 8192));
+    }
+    // Tear leg b's superblock: its second half from another write.
+    let mut raw = read(b.as_ref(), SB_OFFSET, SB_SIZE);
+    raw[SB_SIZE / 2..].fill(0x5a);
+    write(b.as_ref(), SB_OFFSET, &raw);
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(
+        r.assemble_warnings().iter().any(|w| w.contains("leg 1")),
+        "the torn superblock was not reported: {:?}",
+        r.assemble_warnings()
+    );
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(!r.is_degraded());
+    assert!(read(&r, 2 * MB, 8192) == pattern(4, 8192));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}
+
+/// A1 with an unreadable superblock (a read error): the same.
+#[test]
+fn a1_an_unreadable_superblock_assembles_from_the_others() {
+    let a = mem("16M");
+    let (b, fb) = fault_leg("16M", false);
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+        write(&r, 2 * MB, &pattern(4, 8192));
+    }
+    fb.add(
+        Rule::fail(OpSet::READ)
+            .in_range(SB_OFFSET, SB_SIZE as u64)
+            .nth(1),
+    );
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(!r.assemble_warnings().is_empty());
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(read(&r, 2 * MB, 8192) == pattern(4, 8192));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    let _ = read_at(&r, 0, 4096).unwrap();
+}
