@@ -143,9 +143,18 @@ impl Inner {
     /// Ok means every leg left writable holds the new superblock durably, and records every
     /// leg failure up to its start (`durable_gen`, see `Inner::fail_leg`). When the last
     /// in-sync leg fails it, the array fails (`Inner::fail_array`) and this is an error.
+    ///
+    /// In-sync legs are written first, and a round whose in-sync part failed the array writes
+    /// no other leg; a failed array writes no superblock at all. A recovering leg must never
+    /// carry newer events than every in-sync leg: assembly trusts the newest superblock, and
+    /// one that only a recovering leg holds leaves no leg to assemble from (found by the
+    /// simulator: the last in-sync leg lost power first, a recovering one took two more rounds).
     pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
         self.sb_dirty.store(false, Ordering::Release);
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Raid1Error::Config("raid1: the array has failed".into()));
+        }
         // Each round fails at least one leg or ends; a leg is failed once.
         for _ in 0..=self.legs.len() {
             // Under `fail_lock`: every failure counted here has set its FAULTY bit, so the
@@ -156,7 +165,19 @@ impl Inner {
             };
             self.meta.lock().events += 1;
             let mut first_err = None;
-            for (i, l) in self.legs.iter().enumerate() {
+            // One look at the states: the in-sync legs, then the others.
+            let mut order: Vec<(bool, usize)> = (0..self.legs.len())
+                .map(|i| {
+                    let st = self.legs[i].state.load(Ordering::Acquire);
+                    (st & (IN_SYNC | FAULTY) != IN_SYNC, i)
+                })
+                .collect();
+            order.sort_unstable();
+            for (recovering, i) in order {
+                let l = &self.legs[i];
+                if recovering && self.failed.load(Ordering::Acquire) {
+                    break;
+                }
                 if !Self::writable(l.state.load(Ordering::Acquire)) {
                     continue;
                 }

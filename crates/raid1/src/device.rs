@@ -575,10 +575,12 @@ impl Raid1 {
             Some(n) => (Some(n), true),
             None => ((0..inner.legs.len()).find(|&i| free(i)), false),
         };
+        let mut old_uuid = Uuid::nil();
         if let Some(i) = slot {
             let l = &inner.legs[i];
             // SAFETY: frozen above.
             let _ = unsafe { l.set_dev_frozen(Some(dev)) };
+            old_uuid = *l.uuid.lock();
             if !readd {
                 *l.uuid.lock() = Uuid::new_v4();
             }
@@ -592,9 +594,31 @@ impl Raid1 {
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
         inner.sync.ctl.lock().recovery_blocked = false;
         inner.state_changed();
-        inner.write_superblocks()?;
-        inner.persist_bitmap()?;
+        if let Err(e) = inner
+            .write_superblocks()
+            .and_then(|()| inner.persist_bitmap())
+        {
+            // Not recorded: the leg is not part of the array (a crash now would find it with
+            // no superblock, and assembly refuses such a device).
+            self.unplace(i, old_uuid);
+            return Err(e);
+        }
         Ok(i)
+    }
+
+    /// Takes the leg just put into slot `i` back out (its addition failed).
+    fn unplace(&self, i: usize, old_uuid: Uuid) {
+        let inner = &self.inner;
+        let l = &inner.legs[i];
+        inner.barriers.freeze_array(0);
+        if l.state.load(Ordering::Acquire) & IN_SYNC == 0 {
+            l.state.store(0, Ordering::Release);
+            // SAFETY: frozen above.
+            let _ = unsafe { l.set_dev_frozen(None) };
+            *l.uuid.lock() = old_uuid;
+        }
+        let _ = inner.barriers.unfreeze_array();
+        inner.state_changed();
     }
 
     /// Records recovery progress of a recovering leg: array bytes below `offset` are in sync
