@@ -177,6 +177,10 @@ pub(crate) struct Ctl {
     /// A recovery failed for lack of a readable source: not retried until a leg is added or
     /// `recover` is requested (no busy loop).
     pub(crate) recovery_blocked: bool,
+    /// A resync failed for lack of a readable source: still needed (`resync_needed` stays,
+    /// so no check runs and the stop does not mark the array clean), but not retried until
+    /// `resync` is requested or the array is assembled again (no busy loop).
+    pub(crate) resync_blocked: bool,
     /// The sync thread must exit.
     pub(crate) stop: bool,
 }
@@ -319,6 +323,7 @@ impl Raid1 {
             SyncAction::Resync => {
                 c.frozen = false;
                 c.resync_needed = true;
+                c.resync_blocked = false;
             }
             SyncAction::Recover => {
                 c.frozen = false;
@@ -432,7 +437,7 @@ impl Inner {
     /// What the sync thread should do next, by md's priority: resync, then recovery, then a
     /// requested check/repair. Pure (no side effects): called from wait conditions.
     pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
-        if c.resync_needed && self.in_sync_count() >= 2 {
+        if c.resync_needed && !c.resync_blocked && self.in_sync_count() >= 2 {
             return Some(Job::Resync);
         }
         if !c.recovery_blocked {
@@ -507,10 +512,8 @@ impl Inner {
                     }
                     PassEnd::Interrupted => {}
                     PassEnd::Failed => {
-                        // Not retried until asked for again.
-                        let mut c = s.ctl.lock();
-                        c.resync_needed = false;
-                        c.resync_offset = 0;
+                        // Still needed (the legs may differ), not retried until asked for.
+                        s.ctl.lock().resync_blocked = true;
                     }
                 }
             }

@@ -422,3 +422,43 @@ fn a1_an_unreadable_superblock_assembles_from_the_others() {
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
     let _ = read_at(&r, 0, 4096).unwrap();
 }
+
+/// A resync that cannot read any source for a window is not forgotten: the array still needs
+/// it (a check is refused, the stop does not mark the array clean), and it runs again when
+/// asked, making the legs agree. Before, the failed pass cleared `resync_needed` and the legs
+/// disagreed silently (found by the simulator as mismatches in a later check).
+#[test]
+fn a_resync_that_could_not_read_is_still_needed() {
+    let (a, fa) = fault_leg("16M", false);
+    let (b, fb) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    write(&r, 3 * MB, &pattern(1, 4096));
+    r.crash_for_test();
+    write(b.as_ref(), d + 3 * MB, &pattern(2, 4096));
+    fa.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    fb.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert_eq!(fa.counters().failed[0] + fb.counters().failed[0], 2);
+    assert!(
+        r.set_sync_action(SyncAction::Check).is_err(),
+        "the resync failed, yet the array takes a check as if its legs agreed"
+    );
+    drop(r);
+    // Stopped with the resync still due: assembled again, it resyncs.
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    // And asked for, it runs again at once.
+    write(&r, 3 * MB, &pattern(1, 4096));
+    r.crash_for_test();
+    write(b.as_ref(), d + 3 * MB, &pattern(3, 4096));
+    fa.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    fb.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    r.set_sync_action(SyncAction::Resync).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}

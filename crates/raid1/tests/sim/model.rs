@@ -17,6 +17,8 @@ use blk::SECTOR_SIZE;
 
 /// Bytes per sector.
 pub const SECTOR: usize = SECTOR_SIZE as usize;
+/// Sectors per MiB.
+const MIB_SECTORS: usize = (1 << 20) / SECTOR;
 
 /// A small set of write ids; past its room it widens to "any write of this sector".
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -90,6 +92,8 @@ pub struct Model {
     dur: Vec<Set>,
     /// Sectors whose `dur` may differ from `cur` (made equal by a FLUSH).
     touched: Vec<u64>,
+    /// Per MiB of the array: ever written (a quick verification reads only these).
+    written: Vec<bool>,
 }
 
 impl Model {
@@ -98,6 +102,22 @@ impl Model {
             cur: vec![Set::one(0); sectors as usize],
             dur: vec![Set::one(0); sectors as usize],
             touched: Vec::new(),
+            written: vec![false; (sectors as usize).div_ceil(MIB_SECTORS) + 1],
+        }
+    }
+
+    /// Whether anything was ever written in MiB `m` of the array.
+    pub fn written(&self, m: u64) -> bool {
+        self.written.get(m as usize).copied().unwrap_or(false)
+    }
+
+    fn mark(&mut self, first: u64, n: u64) {
+        let (a, b) = (
+            first as usize / MIB_SECTORS,
+            (first + n) as usize / MIB_SECTORS,
+        );
+        for m in a..=b.min(self.written.len() - 1) {
+            self.written[m] = true;
         }
     }
 
@@ -107,6 +127,7 @@ impl Model {
 
     /// Write `w` to `sectors` was acknowledged (`fua`: durable at once).
     pub fn acked(&mut self, first: u64, n: u64, w: u32, fua: bool) {
+        self.mark(first, n);
         for s in first..first + n {
             let i = s as usize;
             self.cur[i] = Set::one(w);
@@ -121,6 +142,7 @@ impl Model {
 
     /// Write `w` failed or its outcome is unknown (in flight at a crash): it may be there.
     pub fn maybe(&mut self, first: u64, n: u64, w: u32) {
+        self.mark(first, n);
         for s in first..first + n {
             let i = s as usize;
             self.cur[i].add(w);
