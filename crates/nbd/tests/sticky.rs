@@ -15,6 +15,7 @@ use nbd::server::{Export, Server, ServerConfig};
 use nbd::CmdFlags;
 
 const EIO: u32 = 5;
+const ENOTSUP: u32 = 95;
 
 fn mem(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();
@@ -105,6 +106,44 @@ fn a_failed_write_is_sticky_too() {
     rules.remove(id);
     expect_eio(b.flush(), "flush after a lost write");
     assert_eq!(server.failed_exports(), vec![String::new()]);
+    drop((a, b));
+    assert_eq!(server.shutdown_checked(), vec![String::new()]);
+}
+
+#[test]
+fn a_refused_fast_zero_is_not_a_failed_write_back() {
+    // A device that cannot zero fast refuses a FAST_ZERO write-zeroes with ENOTSUP and
+    // writes nothing (what the flag asks for; qemu-img convert probes with it): no data was
+    // lost, so the export must not fail.
+    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
+    let rules = fault.handle();
+    let dev: Arc<dyn Device> = Arc::new(fault);
+    let (server, _dir, ep) = start(vec![Export::new("", dev)]);
+    let opts = ClientOptions::default();
+    let mut a = Client::connect(&ep, &opts).unwrap();
+    let mut b = Client::connect(&ep, &opts).unwrap();
+    a.write(0, &[7u8; 4096], CmdFlags::empty()).unwrap();
+    let id = rules.add(Rule::fail(OpSet::DISCARD).errno(libc::ENOTSUP));
+    match a.write_zeroes(0, 4096, CmdFlags::FAST_ZERO) {
+        Err(ClientError::Request(e)) => assert_eq!(e, ENOTSUP, "the refusal"),
+        other => panic!("expected ENOTSUP, got {other:?}"),
+    }
+    assert!(rules.remove(id));
+    assert_eq!(server.export_failed(""), Some(false));
+    a.flush().unwrap();
+    b.flush().unwrap();
+    b.write(4096, &[1u8; 4096], CmdFlags::FUA).unwrap();
+    // The client's fallback: zeroing the slow way.
+    a.write_zeroes(0, 4096, CmdFlags::empty()).unwrap();
+    assert_eq!(a.read(0, 8192).unwrap()[..4096], [0u8; 4096]);
+    // Any other failure of a write-zeroes still fails the export.
+    let id = rules.add(Rule::fail(OpSet::DISCARD).next(1));
+    expect_eio(
+        a.write_zeroes(0, 4096, CmdFlags::empty()),
+        "a failed write-zeroes",
+    );
+    assert!(rules.remove(id));
+    expect_eio(b.flush(), "flush after a failed write-zeroes");
     drop((a, b));
     assert_eq!(server.shutdown_checked(), vec![String::new()]);
 }

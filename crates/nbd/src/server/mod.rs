@@ -294,7 +294,9 @@ pub(crate) struct ExportState {
 
 /// An export-wide sticky write error: once a write or a flush fails on the export, every
 /// later FLUSH and FUA write on it, on every connection, fails with EIO (the data one
-/// client believed written may be lost; a later flush must not say it is durable).
+/// client believed written may be lost; a later flush must not say it is durable). A
+/// `FAST_ZERO` write-zeroes that the device refuses with `ENOTSUP` is not such a failure:
+/// the device wrote nothing, as the flag asks (`conn/inflight.rs`, `fails_write_back`).
 ///
 /// Ordering: the flag only ever goes from false to true. It is set with `Release` in the
 /// completion path of the failing bio, before that bio's reply is queued; readers load it

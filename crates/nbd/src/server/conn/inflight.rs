@@ -252,8 +252,10 @@ impl EndIo for ConnCore {
         // Error stickiness (see `StickyError`): a failed write or flush marks the export;
         // from then on a FLUSH or FUA write that the device completed still fails with EIO.
         let durable = bio.op == Op::Flush || bio.flags.contains(BioFlags::FUA);
-        if res.is_err() && matches!(bio.op, Op::Write | Op::WriteZeroes | Op::Flush) {
-            self.sticky.set();
+        if let Err(e) = &res {
+            if fails_write_back(&bio, e) {
+                self.sticky.set();
+            }
         }
         let sticky_eio = durable && res.is_ok() && self.sticky.is_set();
         {
@@ -292,6 +294,22 @@ impl EndIo for ConnCore {
         if !runs_on(&self.reader_thread) {
             self.flush();
         }
+    }
+}
+
+/// Whether a bio's failure is a failed write-back, which fails the export (`StickyError`):
+/// any failed write, write-zeroes or flush, but a `FAST_ZERO` write-zeroes refused with
+/// `ENOTSUP`. That refusal is the flag's expected answer from a device that cannot zero
+/// without writing, and it leaves the device untouched ("fail fast without modifying the
+/// disk"; clients such as `qemu-img convert` probe with it and fall back to writing zeros),
+/// so no data anyone was promised is lost.
+fn fails_write_back(bio: &Bio, err: &blk::Error) -> bool {
+    match bio.op {
+        Op::Write | Op::Flush => true,
+        Op::WriteZeroes => {
+            !(bio.flags.contains(BioFlags::FAST_ZERO) && err.errno() == libc::ENOTSUP)
+        }
+        Op::Read | Op::Discard => false,
     }
 }
 
