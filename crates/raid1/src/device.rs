@@ -506,7 +506,8 @@ impl Raid1 {
         }
     }
 
-    /// Takes a faulty (or not in sync) leg out of its slot, with the array frozen.
+    /// Takes a faulty (or not in sync) leg out of its slot, with the array frozen, and writes
+    /// the superblocks (an error if they cannot be written: the leg is out all the same).
     pub fn remove_leg(&self, i: usize) -> Result<StdArc<dyn Device>, Raid1Error> {
         let l = self
             .inner
@@ -527,6 +528,9 @@ impl Raid1 {
         let _ = self.inner.barriers.unfreeze_array();
         let dev = r?.ok_or(Raid1Error::Slot(i, "empty"))?;
         self.inner.state_changed();
+        // On disk before this returns (md updates the superblock on a hot remove): the leg
+        // may be pulled at once, and assembly must then not need it.
+        self.inner.write_superblocks()?;
         Ok(dev)
     }
 

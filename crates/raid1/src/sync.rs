@@ -498,7 +498,7 @@ impl Inner {
             Job::Resync => {
                 let start = s.ctl.lock().resync_offset;
                 self.set_resync_point_inner(Some(start));
-                let end = self.pass(job, start);
+                let end = self.pass(job, start, None);
                 self.set_resync_point_inner(None);
                 match end {
                     PassEnd::Done => {
@@ -518,15 +518,28 @@ impl Inner {
                 }
             }
             Job::Recover(t) => {
+                // The leg and its offset, read together: add and remove change a slot with
+                // the array frozen, so under a freeze the two belong to one leg. The pass
+                // then works for that leg only (`Inner::still_target`).
+                self.barriers.freeze_array(0);
+                let target = self.legs[t].dev().map(|d| (t, d));
                 let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
-                match self.pass(job, start) {
+                let _ = self.barriers.unfreeze_array();
+                let Some(target) = target else { return };
+                match self.pass(job, start, Some(&target)) {
                     PassEnd::Done => {
-                        let l = &self.legs[t];
-                        if l.state.load(Ordering::Acquire) & (PRESENT | FAULTY) == PRESENT {
+                        // Marked in sync only if the slot still holds the leg the pass
+                        // copied to (frozen: nothing changes it meanwhile).
+                        self.barriers.freeze_array(0);
+                        let ours = self.still_target(&target);
+                        if ours {
+                            let l = &self.legs[t];
                             l.bitmap_recovery.store(false, Ordering::Release);
                             l.recovery_offset.store(0, Ordering::Release);
                         }
-                        if self.mark_in_sync(t) {
+                        let marked = ours && self.mark_in_sync(t);
+                        let _ = self.barriers.unfreeze_array();
+                        if marked {
                             self.state_changed();
                             self.clear_synced_bits();
                         }
@@ -545,7 +558,7 @@ impl Inner {
             }
             Job::Check | Job::Repair => {
                 s.mismatch_cnt.store(0, Ordering::Relaxed);
-                let _ = self.pass(job, 0);
+                let _ = self.pass(job, 0, None);
             }
         }
     }
@@ -606,8 +619,18 @@ impl Inner {
         c.interrupt || c.stop
     }
 
-    /// Walks the array from `start` in windows. See the crate docs.
-    fn pass(&self, job: Job, start: u64) -> PassEnd {
+    /// Whether slot `t` still holds `target`'s leg, recovering (neither in sync nor faulty).
+    /// Stable while the caller holds a raised window or a freeze.
+    fn still_target(&self, target: &(usize, StdArc<dyn Device>)) -> bool {
+        let (t, d) = target;
+        let l = &self.legs[*t];
+        l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d))
+            && l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT
+    }
+
+    /// Walks the array from `start` in windows (a recovery: for `target` only). See the crate
+    /// docs.
+    fn pass(&self, job: Job, start: u64, target: Option<&(usize, StdArc<dyn Device>)>) -> PassEnd {
         let s = &self.sync;
         let cap = self.capacity;
         // Windows: a power of two (so none crosses a barrier unit), at most 1 MiB and the
@@ -629,13 +652,6 @@ impl Inner {
             (Some(bm), true) => Some((0..bm.nr_chunks()).map(|i| bm.is_dirty(i)).collect()),
             _ => None,
         };
-        let target = match job {
-            Job::Recover(t) => self.legs[t].dev().map(|d| (t, d)),
-            _ => None,
-        };
-        if matches!(job, Job::Recover(_)) && target.is_none() {
-            return PassEnd::Interrupted;
-        }
         s.total_bytes.store(cap, Ordering::Relaxed);
         s.done_bytes.store(start, Ordering::Relaxed);
         s.speed_kib_s.store(0, Ordering::Relaxed);
@@ -662,19 +678,26 @@ impl Inner {
                     continue;
                 }
             }
-            if let Some((t, d)) = &target {
-                let l = &self.legs[*t];
-                let same = l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d));
-                if !same
-                    || l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) != PRESENT
-                {
-                    return PassEnd::Interrupted; // failed, removed or replaced meanwhile
-                }
-            }
             let sector = pos >> SECTOR_SHIFT;
             self.barriers.raise_barrier(sector);
+            // Under the raised window the slot cannot change (add and remove freeze, and a
+            // freeze waits for the window): the target is checked, and its offset moved, here.
+            if target.is_some_and(|t| !self.still_target(t)) {
+                let _ = self.barriers.lower_barrier(sector);
+                return PassEnd::Interrupted; // failed, removed or replaced meanwhile
+            }
             let w0 = Instant::now();
-            let r = self.window(job, pos, len, target.as_ref(), &mut src_buf, &mut cmp_buf);
+            let r = self.window(job, pos, len, target, &mut src_buf, &mut cmp_buf);
+            if r {
+                if let Some((t, _)) = target {
+                    // Release, after the window's writes completed (sync_io waited for them);
+                    // the Acquire load in `choose_read_leg` then admits reads below it to this
+                    // leg, and any read submitted after that load reaches the leg after those
+                    // writes. Regular writes above it already go to the leg, so nothing below
+                    // it goes stale.
+                    self.legs[*t].recovery_offset.store(wend, Ordering::Release);
+                }
+            }
             let _ = self.barriers.lower_barrier(sector);
             let last_window = w0.elapsed();
             if !r {
@@ -720,11 +743,9 @@ impl Inner {
     fn advance(&self, job: Job, pos: u64) {
         self.sync.done_bytes.store(pos, Ordering::Relaxed);
         match job {
-            // Release, after the window's writes completed (sync_io waited for them); the
-            // Acquire load in `choose_read_leg` then admits reads below `pos` to this leg, and
-            // any read submitted after that load reaches the leg after those writes. Regular
-            // writes above `pos` already go to the leg, so nothing below `pos` goes stale.
-            Job::Recover(t) => self.legs[t].recovery_offset.store(pos, Ordering::Release),
+            // A recovery's offset moves inside its window only (see `pass`); a skipped clean
+            // chunk moves it at the next window.
+            Job::Recover(_) => {}
             Job::Resync => {
                 self.sync.ctl.lock().resync_offset = pos;
                 self.set_resync_point_inner(Some(pos));

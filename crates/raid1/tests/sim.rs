@@ -103,22 +103,3 @@ fn sim() {
         t0.elapsed().as_secs_f64()
     );
 }
-
-/// Seed 2 (concurrent mode) failed at operation 116: its legs lost power one at a time, the
-/// last in-sync leg first; the array failed on that leg's superblock write but went on writing
-/// superblocks to a recovering leg, whose newer events then made the in-sync leg look stale:
-/// "no in-sync leg: cannot assemble". Superblocks now go to in-sync legs first, and a failed
-/// array writes none.
-#[test]
-fn regression_seed_2_a_recovering_leg_never_gets_newer_events_than_the_in_sync_ones() {
-    run_seed(2, 130);
-}
-
-/// Seed 12 failed at operation 228: a replacement leg was added while the last in-sync leg
-/// failed its superblock write; `add_leg` returned the error but left the leg in its slot with
-/// no superblock, and the next assembly refused it ("bad magic"). A leg whose addition could
-/// not be recorded is now taken back out.
-#[test]
-fn regression_seed_12_a_leg_whose_addition_failed_is_not_left_in_the_array() {
-    run_seed(12, 240);
-}
