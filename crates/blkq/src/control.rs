@@ -130,7 +130,9 @@ impl Control {
             array_uuid: sb0
                 .as_ref()
                 .map_or(String::new(), |s| s.array_uuid.to_string()),
-            state: if in_sync < raid_disks || r.is_degraded() {
+            state: if r.failure().is_some() {
+                "failed"
+            } else if in_sync < raid_disks || r.is_degraded() {
                 "degraded"
             } else {
                 "active"
@@ -143,7 +145,16 @@ impl Control {
             legs,
             bitmap,
             sync,
-            notes: Vec::new(),
+            // What assembly worked around, and why the array failed (writes and flushes fail
+            // until it is stopped).
+            notes: r
+                .assemble_warnings()
+                .iter()
+                .cloned()
+                .chain(r.failure().map(|why| {
+                    format!("array failed: {why}; writes and flushes fail until it is stopped")
+                }))
+                .collect(),
         }
     }
 

@@ -111,10 +111,13 @@ impl Inner {
                 }
             })
             .collect();
-        let state = if self.is_degraded() {
-            ArrayState::Degraded
-        } else if meta.state == ArrayState::Clean {
+        // A clean stop is clean degraded or not: what needs no resync (the legs in sync agree,
+        // a recovering one agrees below its offset and resumes there). Running, a degraded
+        // array says so.
+        let state = if meta.state == ArrayState::Clean {
             ArrayState::Clean
+        } else if self.is_degraded() {
+            ArrayState::Degraded
         } else {
             ArrayState::Active
         };

@@ -95,7 +95,8 @@ pub enum Role {
 /// The state of the whole array.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ArrayState {
-    /// Cleanly stopped: all legs in sync.
+    /// Cleanly stopped: no resync needed (the in-sync legs agree; a recovering leg agrees
+    /// below its recovery offset), degraded or not.
     Clean,
     /// Running (writes may be in flight).
     Active,

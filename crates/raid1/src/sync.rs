@@ -427,17 +427,27 @@ impl Inner {
             .position(|l| l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT)
     }
 
-    fn in_sync_count(&self) -> usize {
-        self.legs
-            .iter()
-            .filter(|l| good(l.state.load(Ordering::Acquire)))
-            .count()
+    /// Whether a resync has legs to make agree: an in-sync source and another leg that serves
+    /// reads somewhere, in sync or recovering with some of it recovered (below its offset the
+    /// recovery will not copy again, so the resync must).
+    fn resync_has_targets(&self) -> bool {
+        let mut in_sync = 0;
+        let mut partial = 0;
+        for l in self.legs.iter() {
+            let st = l.state.load(Ordering::Acquire);
+            if good(st) {
+                in_sync += 1;
+            } else if Self::writable(st) && l.recovery_offset.load(Ordering::Acquire) > 0 {
+                partial += 1;
+            }
+        }
+        in_sync >= 1 && in_sync + partial >= 2
     }
 
     /// What the sync thread should do next, by md's priority: resync, then recovery, then a
     /// requested check/repair. Pure (no side effects): called from wait conditions.
     pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
-        if c.resync_needed && !c.resync_blocked && self.in_sync_count() >= 2 {
+        if c.resync_needed && !c.resync_blocked && self.resync_has_targets() {
             return Some(Job::Resync);
         }
         if !c.recovery_blocked {
@@ -465,7 +475,7 @@ impl Inner {
                 if c.frozen {
                     return None;
                 }
-                if c.resync_needed && self.in_sync_count() < 2 {
+                if c.resync_needed && !self.resync_has_targets() {
                     // Nothing to make agree: the recovery of the other legs copies it all.
                     c.resync_needed = false;
                     c.resync_offset = 0;

@@ -574,3 +574,42 @@ fn seed_12_a_leg_whose_addition_failed_is_not_left_in_the_array() {
     let r = Raid1::assemble(vec![a], cfg()).unwrap();
     assert!(read(&r, 2 * MB, 4096) == pattern(1, 4096));
 }
+
+/// An unclean stop with one in-sync leg and one recovering leg that already serves reads below
+/// its recovery offset: the dirty chunks below that offset are resynced onto it too (the
+/// recovery only copies from its offset up). Here a write the in-sync leg failed (which failed
+/// the array) landed on the recovering leg only. Found by the simulator (seed 400036: a repair
+/// after the recovery counted 2190 mismatched sectors).
+#[test]
+fn an_unclean_stop_resyncs_a_recovering_leg_below_its_offset() {
+    let (a, fa) = fault_leg("16M", false);
+    let b = mem("16M");
+    let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
+    let d = r.data_offset();
+    write(&r, MB, &pattern(1, 8192));
+    flush(&r);
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    // Pretend the recovery got to 8 MiB: copy what it would have copied.
+    for k in 0..8 {
+        write(
+            b.as_ref(),
+            d + k * MB,
+            &read(a.as_ref(), d + k * MB, MB as usize),
+        );
+    }
+    r.set_recovery_offset(1, 8 * MB).unwrap();
+    r.sync_superblocks().unwrap();
+    fa.add(Rule::fail(OpSet::WRITE).in_range(d + MB, 8192));
+    assert!(write_at(&r, MB, &pattern(2, 8192)).is_err());
+    assert!(r.failure().is_some());
+    r.crash_for_test();
+    fa.clear();
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert_eq!(r.leg_status(1).unwrap().recovery_offset, 8 * MB);
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(1).unwrap().in_sync);
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}

@@ -68,7 +68,7 @@ pub struct SyncReport {
 pub struct ArrayReport {
     /// Array UUID.
     pub array_uuid: String,
-    /// `clean`, `active` or `degraded`.
+    /// `clean`, `active`, `degraded` or `failed` (see `raid1::Raid1::failure`).
     pub state: String,
     /// Events of the newest superblock.
     pub events: u64,
