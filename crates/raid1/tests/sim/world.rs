@@ -548,16 +548,17 @@ impl World {
         self.say(format!("{action}: mismatch_cnt {}", p.mismatch_cnt));
         self.stats.checks += 1;
         // A check interrupted by a leg failure (a fault rule) proves nothing.
-        if !self.r().is_degraded() && self.r().failure().is_none() && p.done_bytes >= p.total_bytes
+        if !self.r().is_degraded()
+            && self.r().failure().is_none()
+            && p.done_bytes >= p.total_bytes
+            && p.mismatch_cnt != 0
         {
-            if p.mismatch_cnt != 0 {
-                let diffs = self.leg_differences(4);
-                panic!(
-                    "{action} of a whole, synced array found {} mismatched sectors \
-                     (sectors that differ now, with the write each leg holds: {diffs:?})",
-                    p.mismatch_cnt
-                );
-            }
+            let diffs = self.leg_differences(4);
+            panic!(
+                "{action} of a whole, synced array found {} mismatched sectors \
+                 (sectors that differ now, with the write each leg holds: {diffs:?})",
+                p.mismatch_cnt
+            );
         }
     }
 
