@@ -17,9 +17,11 @@
 //! `cargo test --release -p raid1 --test sim` runs the fixed seeds (CI runs them in its debug
 //! build); `SIM_SEEDS=N SIM_SEED_BASE=S` runs N seeds from S instead and `SIM_OPS=K` sets the
 //! operations per seed. A failure prints the seed, the array's shape and the schedule so far,
-//! and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays it (the seed's deterministic mode replays
-//! bit for bit; the concurrent mode replays the schedule, see `sim/world.rs`). Every failing
-//! seed found becomes a named test below.
+//! and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its schedule (the array's own threads keep
+//! their timing, so a failure that depends on it may take a few replays; see `sim/world.rs`).
+//! Every failing seed found becomes a named deterministic test in `faults.rs` (`seed_*` and
+//! the tests that say "found by the simulator"): a change of the simulator changes what a
+//! seed generates, a built schedule does not.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]

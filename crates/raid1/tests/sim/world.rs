@@ -4,8 +4,11 @@
 //! The seed drives the array's shape (2 or 3 legs, bitmap or not, barrier mode, leg size) and
 //! every operation, size, offset, fault rule, crash point and leg order at reassembly. In the
 //! deterministic mode the sync thread is frozen except inside the operations that run it to
-//! completion, so a seed replays bit for bit (the lazy bitmap clearing of raid1d still runs on
-//! its own clock: it may clear a bit earlier or later, never change data). In the concurrent
+//! completion, so the schedule and the sync passes replay exactly; raid1d still runs on its
+//! own (lazy bitmap clearing, superblock writes after a state change, held writes), and a power
+//! cut takes the legs one after the other while the array runs, so what those threads had
+//! done by then may differ between replays (it never may change what a read returns; when it
+//! does, that is a bug, found at the replay that hits it). In the concurrent
 //! mode resync, recovery and check run in the background at seeded speed limits while the
 //! operations go on, and batches of writes are in flight together: the schedule replays, the
 //! interleaving is the machine's, and the oracle does not depend on it.
