@@ -308,6 +308,20 @@ impl World {
         }
         let res = submit_wait(self.r(), bio).1;
         self.say(format!("write w{w} {off}+{len} fua={fua}: {res:?}"));
+        self.record("write", off, len, w, fua, res);
+    }
+
+    /// The answer to write `w` (0: zeroes) of `off+len` goes into the model: acknowledged, or
+    /// (allowed only with a fault armed or the array failed) maybe there.
+    fn record(
+        &mut self,
+        what: &str,
+        off: u64,
+        len: u64,
+        w: u32,
+        fua: bool,
+        res: Result<(), blk::Error>,
+    ) {
         let (s, n) = Self::sectors(off, len);
         match res {
             Ok(()) => self.model.acked(s, n, w, fua),
@@ -315,7 +329,7 @@ impl World {
                 self.stats.io_errors += 1;
                 assert!(
                     self.errors_allowed(),
-                    "write failed with no fault armed: {e}"
+                    "{what} failed with no fault armed: {e}"
                 );
                 self.model.maybe(s, n, w);
             }
@@ -331,18 +345,7 @@ impl World {
         }
         let res = submit_wait(self.r(), bio).1;
         self.say(format!("{op:?} {off}+{len} fua={fua}: {res:?}"));
-        let (s, n) = Self::sectors(off, len);
-        match res {
-            Ok(()) => self.model.acked(s, n, 0, fua),
-            Err(e) => {
-                self.stats.io_errors += 1;
-                assert!(
-                    self.errors_allowed(),
-                    "{op:?} failed with no fault armed: {e}"
-                );
-                self.model.maybe(s, n, 0);
-            }
-        }
+        self.record("zeroing", off, len, 0, fua, res);
     }
 
     fn read_at(&mut self, off: u64, len: u64) {
@@ -669,18 +672,7 @@ impl World {
                 .iter()
                 .find(|r| r.0 >> SECTOR_SHIFT == bio.sector)
                 .expect("a completion of this batch");
-            let (s, n) = Self::sectors(off, len);
-            match res {
-                Ok(()) => self.model.acked(s, n, w, fua),
-                Err(e) => {
-                    self.stats.io_errors += 1;
-                    assert!(
-                        self.errors_allowed(),
-                        "batch write failed with no fault armed: {e}"
-                    );
-                    self.model.maybe(s, n, w);
-                }
-            }
+            self.record("batch write", off, len, w, fua, res);
         }
     }
 
