@@ -88,6 +88,12 @@ pub enum Raid1Error {
     /// The sync thread cannot take the request now.
     #[error("sync busy: {0}")]
     Busy(&'static str),
+    /// The array has failed (see [`Raid1::failure`]): its state no longer changes, since no
+    /// superblock can record the change; stop it and assemble it again.
+    #[error(
+        "the array has failed ({0}): its legs no longer change; stop it and assemble it again"
+    )]
+    Failed(&'static str),
 }
 
 /// Configuration of a [`Raid1`].
@@ -207,6 +213,9 @@ pub(crate) struct Leg {
     pub(crate) recovery_offset: AtomicU64,
     /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
     pub(crate) bitmap_recovery: AtomicBool,
+    /// Bumped each time the slot's device is set or taken (with the array frozen): a
+    /// recovery pass works for one placement of one leg (`sync::still_target`).
+    pub(crate) gen: AtomicU64,
 }
 
 impl Leg {
@@ -221,6 +230,7 @@ impl Leg {
             read_errors: AtomicU32::new(0),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
+            gen: AtomicU64::new(0),
         }
     }
 
@@ -238,6 +248,9 @@ impl Leg {
         dev: Option<StdArc<dyn Device>>,
     ) -> Option<StdArc<dyn Device>> {
         let mut g = self.dev.lock();
+        // Release, under the freeze: a pass that reads the same gen under a later freeze or
+        // raised window reads it after this change.
+        self.gen.fetch_add(1, Ordering::AcqRel);
         // SAFETY: frozen by the caller; `g` orders the writers.
         let _ = unsafe { self.fast.replace_frozen(dev.clone()) };
         std::mem::replace(&mut *g, dev)
@@ -494,11 +507,12 @@ impl Raid1 {
         self.inner.is_degraded()
     }
 
-    /// Marks slot `i` faulty (refused for the last in-sync leg).
+    /// Marks slot `i` faulty (refused for the last in-sync leg, and on a failed array).
     pub fn fail_leg(&self, i: usize) -> Result<(), Raid1Error> {
         if i >= self.inner.legs.len() {
             return Err(Raid1Error::Slot(i, "no such slot"));
         }
+        self.inner.refuse_if_failed()?;
         if self.inner.fail_leg(i) {
             Ok(())
         } else {
@@ -516,7 +530,9 @@ impl Raid1 {
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
         self.inner.barriers.freeze_array(0);
         let st = l.state.load(Ordering::Acquire);
-        let r = if st & PRESENT == 0 {
+        let r = if let Err(e) = self.inner.refuse_if_failed() {
+            Err(e)
+        } else if st & PRESENT == 0 {
             Err(Raid1Error::Slot(i, "empty"))
         } else if st & IN_SYNC != 0 && st & FAULTY == 0 {
             Err(Raid1Error::Slot(i, "in sync: fail it first"))
@@ -545,6 +561,7 @@ impl Raid1 {
     /// recovery.
     pub fn add_leg(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
         let inner = &self.inner;
+        inner.refuse_if_failed()?;
         if dev.limits().capacity < inner.data_offset + inner.capacity {
             return Err(Raid1Error::Config("new leg is too small".into()));
         }
@@ -643,6 +660,7 @@ impl Raid1 {
         if i >= self.inner.legs.len() {
             return Err(Raid1Error::Slot(i, "no such slot"));
         }
+        self.inner.refuse_if_failed()?;
         if !self.inner.mark_in_sync(i) {
             return Err(Raid1Error::Slot(i, "not present or faulty"));
         }
@@ -855,6 +873,16 @@ impl Inner {
         true
     }
 
+    /// `Raid1Error::Failed` once the array has failed (leg management is refused then).
+    pub(crate) fn refuse_if_failed(&self) -> Result<(), Raid1Error> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Raid1Error::Failed(
+                self.failed_why.lock().unwrap_or("failed"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether a failure is not yet recorded by a durable superblock (see `fail_leg`).
     #[inline]
     pub(crate) fn failure_pending(&self) -> bool {
@@ -878,6 +906,9 @@ impl Inner {
         if !self.failed.swap(true, Ordering::AcqRel) {
             tracing::error!("raid1: array failed: {why}; writes and flushes now fail");
         }
+        // A running pass stops, and whoever waits for one (replace_leg) looks again.
+        self.sync.wq.wake_all();
+        self.sync.idle_wq.wake_all();
     }
 
     /// The error of a failed array, or None.

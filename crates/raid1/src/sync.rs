@@ -368,7 +368,8 @@ impl Raid1 {
             let done = st & IN_SYNC != 0
                 || st & (PRESENT | FAULTY) != PRESENT
                 || c.stop
-                || c.recovery_blocked;
+                || c.recovery_blocked
+                || inner.failed.load(Ordering::Acquire);
             done.then_some(())
         });
         let st = inner.legs[slot].state.load(Ordering::Acquire);
@@ -447,6 +448,10 @@ impl Inner {
     /// What the sync thread should do next, by md's priority: resync, then recovery, then a
     /// requested check/repair. Pure (no side effects): called from wait conditions.
     pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
+        // A failed array's state no longer changes: nothing to sync.
+        if self.failed.load(Ordering::Acquire) {
+            return None;
+        }
         if c.resync_needed && !c.resync_blocked && self.resync_has_targets() {
             return Some(Job::Resync);
         }
@@ -508,7 +513,7 @@ impl Inner {
             Job::Resync => {
                 let start = s.ctl.lock().resync_offset;
                 self.set_resync_point_inner(Some(start));
-                let end = self.pass(job, start, None);
+                let end = self.pass(job, start, None, 0);
                 self.set_resync_point_inner(None);
                 match end {
                     PassEnd::Done => {
@@ -533,15 +538,17 @@ impl Inner {
                 // then works for that leg only (`Inner::still_target`).
                 self.barriers.freeze_array(0);
                 let target = self.legs[t].dev().map(|d| (t, d));
+                let gen = self.legs[t].gen.load(Ordering::Acquire);
                 let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
                 let _ = self.barriers.unfreeze_array();
                 let Some(target) = target else { return };
-                match self.pass(job, start, Some(&target)) {
+                match self.pass(job, start, Some(&target), gen) {
                     PassEnd::Done => {
                         // Marked in sync only if the slot still holds the leg the pass
                         // copied to (frozen: nothing changes it meanwhile).
                         self.barriers.freeze_array(0);
-                        let ours = self.still_target(&target);
+                        let ours =
+                            !self.failed.load(Ordering::Acquire) && self.still_target(&target, gen);
                         if ours {
                             let l = &self.legs[t];
                             l.bitmap_recovery.store(false, Ordering::Release);
@@ -568,7 +575,7 @@ impl Inner {
             }
             Job::Check | Job::Repair => {
                 s.mismatch_cnt.store(0, Ordering::Relaxed);
-                let _ = self.pass(job, 0, None);
+                let _ = self.pass(job, 0, None, 0);
             }
         }
     }
@@ -626,21 +633,30 @@ impl Inner {
 
     fn interrupted(&self) -> bool {
         let c = self.sync.ctl.lock();
-        c.interrupt || c.stop
+        c.interrupt || c.stop || self.failed.load(Ordering::Acquire)
     }
 
-    /// Whether slot `t` still holds `target`'s leg, recovering (neither in sync nor faulty).
-    /// Stable while the caller holds a raised window or a freeze.
-    fn still_target(&self, target: &(usize, StdArc<dyn Device>)) -> bool {
+    /// Whether slot `t` still holds `target`'s leg as placed then (`gen`: the same device
+    /// removed and added back is another placement, with writes it missed meanwhile),
+    /// recovering (neither in sync nor faulty). Stable while the caller holds a raised window
+    /// or a freeze.
+    fn still_target(&self, target: &(usize, StdArc<dyn Device>), gen: u64) -> bool {
         let (t, d) = target;
         let l = &self.legs[*t];
-        l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d))
+        l.gen.load(Ordering::Acquire) == gen
+            && l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d))
             && l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT
     }
 
     /// Walks the array from `start` in windows (a recovery: for `target` only). See the crate
     /// docs.
-    fn pass(&self, job: Job, start: u64, target: Option<&(usize, StdArc<dyn Device>)>) -> PassEnd {
+    fn pass(
+        &self,
+        job: Job,
+        start: u64,
+        target: Option<&(usize, StdArc<dyn Device>)>,
+        gen: u64,
+    ) -> PassEnd {
         let s = &self.sync;
         let cap = self.capacity;
         // Windows: a power of two (so none crosses a barrier unit), at most 1 MiB and the
@@ -692,7 +708,7 @@ impl Inner {
             self.barriers.raise_barrier(sector);
             // Under the raised window the slot cannot change (add and remove freeze, and a
             // freeze waits for the window): the target is checked, and its offset moved, here.
-            if target.is_some_and(|t| !self.still_target(t)) {
+            if target.is_some_and(|t| !self.still_target(t, gen)) {
                 let _ = self.barriers.lower_barrier(sector);
                 return PassEnd::Interrupted; // failed, removed or replaced meanwhile
             }

@@ -613,3 +613,73 @@ fn an_unclean_stop_resyncs_a_recovering_leg_below_its_offset() {
     assert!(r.leg_status(1).unwrap().in_sync);
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
 }
+
+/// The same, with the same device added back: a pass works for one placement of a leg, not
+/// for a device. The leg is removed while its pass sleeps, misses a write, and is added again
+/// into the same slot; the old pass must not mark it in sync. Found by the simulator (seed
+/// 600792: a leg removed mid-recovery and added back read an old write after the sync).
+#[test]
+fn a_recovery_pass_never_finishes_on_its_own_leg_added_back() {
+    let a = mem("2M");
+    let r = Raid1::create(vec![a.clone(), mem("2M")], cfg()).unwrap();
+    let cap = r.limits().capacity;
+    assert!(cap <= MB, "one recovery window");
+    write(&r, 0, &pattern(1, cap as usize));
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    r.set_speed_limits(1, 1);
+    let x = mem("2M");
+    assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
+    wait_until_within("the window copied", SOON, || {
+        r.sync_progress().done_bytes == cap
+    });
+    r.remove_leg(1).unwrap();
+    write(&r, 0, &pattern(2, cap as usize));
+    assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
+    r.set_speed_limits(1000, 200_000);
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(1).unwrap().in_sync);
+    assert!(
+        read(x.as_ref(), r.data_offset(), cap as usize) == pattern(2, cap as usize),
+        "the leg added back was marked in sync by its earlier placement's pass"
+    );
+}
+
+/// A failed array's state no longer changes: its superblocks cannot record a change, so a leg
+/// removed (or failed, added, replaced) in memory only would be missing from, or wrongly
+/// described by, what assembly reads after a crash. The calls are refused and the sync thread
+/// stops. Found by the simulator (seeds 500203, 500511, 500785: a replace on a failed array
+/// took the old leg out in memory, and assembly without it found no in-sync leg).
+#[test]
+fn a_failed_array_refuses_leg_changes() {
+    let (a, fa) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
+    write(&r, 2 * MB, &pattern(1, 4096));
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    let b = mem("16M");
+    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    fa.add(Rule::fail(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
+    assert!(r.sync_superblocks().is_err());
+    assert!(r.failure().is_some());
+    assert!(r.remove_leg(1).is_err());
+    assert!(
+        r.leg_status(1).unwrap().present,
+        "a failed array took a leg out in memory only"
+    );
+    assert!(r.fail_leg(1).is_err());
+    assert!(!r.leg_status(1).unwrap().faulty);
+    assert!(r.add_leg(mem("16M")).is_err());
+    assert!(r.replace_leg(0, mem("16M")).is_err());
+    assert!(r.set_sync_action(SyncAction::Recover).is_ok());
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(
+        !r.leg_status(1).unwrap().in_sync,
+        "a failed array's recovery went on"
+    );
+    r.crash_for_test();
+    fa.clear();
+    let r = Raid1::assemble(vec![b, a], cfg()).unwrap();
+    assert!(read(&r, 2 * MB, 4096) == pattern(1, 4096));
+}
