@@ -422,18 +422,6 @@ impl Inner {
         }
     }
 
-    /// A write or flush failed on leg `leg`: fail the leg; if it is the last in-sync leg,
-    /// which cannot be failed, the array fails (see `Inner::fail_array`).
-    pub(crate) fn leg_write_failed(&self, leg: usize, why: &'static str) {
-        if self.fail_leg(leg) {
-            return;
-        }
-        let st = self.legs[leg].state.load(Ordering::Acquire);
-        if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
-            self.fail_array(why);
-        }
-    }
-
     /// A leg bio completed.
     pub(crate) fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
         self.legs[leg].pending.fetch_sub(1, Ordering::Relaxed);

@@ -84,7 +84,9 @@
 //! without marking it clean.
 //!
 //! Source files: `device.rs` (types, leg management, `Drop`), `assemble.rs` (start-up),
-//! `io.rs` (the I/O path), `daemon.rs` (raid1d), `sync.rs` (the sync thread).
+//! `io.rs` (the I/O path), `failure.rs` (durable leg failures, the failed array),
+//! `daemon.rs` (raid1d), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
+//! (its passes).
 #![warn(missing_docs)]
 
 mod assemble;
@@ -92,6 +94,7 @@ pub mod barrier;
 pub mod bitmap;
 mod daemon;
 mod device;
+mod failure;
 mod io;
 pub mod slot;
 pub mod superblock;

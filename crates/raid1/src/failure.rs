@@ -1,0 +1,116 @@
+//! Durable failures and the failed array: a leg failure is acknowledged to no write or flush
+//! before a superblock records it (md's `MD_SB_CHANGE_PENDING`), and the last in-sync leg's
+//! failure fails the whole array (md's `MD_BROKEN`). Called from completion contexts, raid1d,
+//! the sync thread and the control paths. The rules: "Durable failures and the failed array"
+//! in docs/design.md, and the comments below.
+
+use blk::Error;
+use blkq_sync::atomic::Ordering;
+
+use crate::device::{Inner, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+
+impl Inner {
+    /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.
+    ///
+    /// # Durable failures (md's `MD_SB_CHANGE_PENDING`)
+    ///
+    /// A failed leg missed writes from then on; until a superblock that records the failure is
+    /// durable on the survivors, a crash would assemble it back in sync, and a resync could copy
+    /// its stale data over theirs. So no write or flush is acknowledged while a failure is not
+    /// durable: `fail_gen` counts failures and `durable_gen` the failures the last complete
+    /// superblock write recorded; a write or flush that completes with `fail_gen >
+    /// durable_gen` is held (`held`) for raid1d, which writes the superblocks and only then
+    /// completes it.
+    ///
+    /// Orderings: `fail_gen` is bumped (Release) before FAULTY is set (AcqRel), both under
+    /// `fail_lock`. A submitter that sees FAULTY (Acquire) and so leaves the leg out of a write
+    /// therefore sees the bump when it completes, and holds the write. `write_superblocks`
+    /// reads `fail_gen` under `fail_lock`, so every failure it counts has set its bit before the
+    /// superblocks are built from the leg states.
+    pub(crate) fn fail_leg(&self, i: usize) -> bool {
+        // Serialised, so two legs failing at once cannot both see the other as the survivor.
+        let _g = self.fail_lock.lock();
+        let l = &self.legs[i];
+        let others = self
+            .legs
+            .iter()
+            .enumerate()
+            .filter(|&(j, o)| {
+                j != i
+                    && o.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
+                        == (PRESENT | IN_SYNC)
+            })
+            .count();
+        let st = l.state.load(Ordering::Acquire);
+        if st & PRESENT == 0 || (st & IN_SYNC != 0 && others == 0) {
+            return false;
+        }
+        self.fail_gen.fetch_add(1, Ordering::Release);
+        l.state.fetch_or(FAULTY, Ordering::AcqRel);
+        drop(_g);
+        self.state_changed();
+        true
+    }
+
+    /// `Raid1Error::Failed` once the array has failed (leg management is refused then).
+    pub(crate) fn refuse_if_failed(&self) -> Result<(), Raid1Error> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Raid1Error::Failed(
+                self.failed_why.lock().unwrap_or("failed"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a failure is not yet recorded by a durable superblock (see `fail_leg`).
+    #[inline]
+    pub(crate) fn failure_pending(&self) -> bool {
+        self.fail_gen.load(Ordering::Acquire) > self.durable_gen.load(Ordering::Acquire)
+    }
+
+    /// # The failed array (md's `MD_BROKEN`)
+    ///
+    /// Once a promise cannot be kept (a superblock recording a leg failure cannot be written
+    /// on any survivor, or the last in-sync leg reported a write-back error that cannot fail
+    /// it), the array fails: every later write and flush fails with EIO, for every caller, until
+    /// it is stopped; reads still work. The first reason is kept.
+    pub(crate) fn fail_array(&self, why: &'static str) {
+        {
+            let mut w = self.failed_why.lock();
+            if w.is_none() {
+                *w = Some(why);
+            }
+        }
+        // Release: a caller that sees the flag sees the reason.
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            tracing::error!("raid1: array failed: {why}; writes and flushes now fail");
+        }
+        // A running pass stops, and whoever waits for one (replace_leg) looks again.
+        self.sync.wq.wake_all();
+        self.sync.idle_wq.wake_all();
+    }
+
+    /// The error of a failed array, or None.
+    #[inline]
+    pub(crate) fn failed_error(&self) -> Option<Error> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        let why = self.failed_why.lock().unwrap_or("failed");
+        Some(Error::Io(std::io::Error::other(format!(
+            "raid1: array failed: {why}"
+        ))))
+    }
+
+    /// A write or flush failed on leg `leg`: fail the leg; if it is the last in-sync leg,
+    /// which cannot be failed, the array fails (see `Inner::fail_array`).
+    pub(crate) fn leg_write_failed(&self, leg: usize, why: &'static str) {
+        if self.fail_leg(leg) {
+            return;
+        }
+        let st = self.legs[leg].state.load(Ordering::Acquire);
+        if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
+            self.fail_array(why);
+        }
+    }
+}
