@@ -463,6 +463,24 @@ fn a_resync_that_could_not_read_is_still_needed() {
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
 }
 
+/// An array of one recovery window (pattern 1), whose new leg in slot 1 (returned) has had
+/// that window copied by its recovery pass, now asleep (1 KiB/s) before it ends.
+fn recovery_asleep_after_its_window() -> (Raid1, Arc<dyn Device>, u64) {
+    let r = Raid1::create(vec![mem("2M"), mem("2M")], cfg()).unwrap();
+    let cap = r.limits().capacity;
+    assert!(cap <= MB, "one recovery window");
+    write(&r, 0, &pattern(1, cap as usize));
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    r.set_speed_limits(1, 1);
+    let x = mem("2M");
+    assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
+    wait_until_within("the window copied", SOON, || {
+        r.sync_progress().done_bytes == cap
+    });
+    (r, x, cap)
+}
+
 /// A recovery pass belongs to the leg it started on. Its leg is removed and another added
 /// into the same slot while the pass sleeps after its last window (a speed limit); the pass
 /// then ends. It must not mark the new leg in sync (nor move its recovery offset): the new
@@ -470,19 +488,8 @@ fn a_resync_that_could_not_read_is_still_needed() {
 /// recovering leg lost acknowledged data: the new leg was marked in sync empty).
 #[test]
 fn a_recovery_pass_never_finishes_on_a_leg_that_replaced_its_own() {
-    let a = mem("2M");
-    let r = Raid1::create(vec![a.clone(), mem("2M")], cfg()).unwrap();
-    let cap = r.limits().capacity;
-    assert!(cap <= MB, "one recovery window");
-    write(&r, 0, &pattern(1, cap as usize));
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
-    r.set_speed_limits(1, 1);
-    assert_eq!(r.add_leg(mem("2M")).unwrap(), 1);
-    wait_until_within("the window copied", SOON, || {
-        r.sync_progress().done_bytes == cap
-    });
-    // The pass now sleeps (1 KiB/s). Swap the leg under it.
+    let (r, _, cap) = recovery_asleep_after_its_window();
+    // Swap the leg under the sleeping pass.
     r.remove_leg(1).unwrap();
     let y = mem("2M");
     assert_eq!(r.add_leg(y.clone()).unwrap(), 1);
@@ -620,19 +627,7 @@ fn an_unclean_stop_resyncs_a_recovering_leg_below_its_offset() {
 /// 600792: a leg removed mid-recovery and added back read an old write after the sync).
 #[test]
 fn a_recovery_pass_never_finishes_on_its_own_leg_added_back() {
-    let a = mem("2M");
-    let r = Raid1::create(vec![a.clone(), mem("2M")], cfg()).unwrap();
-    let cap = r.limits().capacity;
-    assert!(cap <= MB, "one recovery window");
-    write(&r, 0, &pattern(1, cap as usize));
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
-    r.set_speed_limits(1, 1);
-    let x = mem("2M");
-    assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
-    wait_until_within("the window copied", SOON, || {
-        r.sync_progress().done_bytes == cap
-    });
+    let (r, x, cap) = recovery_asleep_after_its_window();
     r.remove_leg(1).unwrap();
     write(&r, 0, &pattern(2, cap as usize));
     assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
