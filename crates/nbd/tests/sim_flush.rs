@@ -104,9 +104,10 @@
 //! (with the end of its schedule) and goes on, failing at the end; `SIM_STALL_SECS=N` makes
 //! the watchdog give up on a hung seed after N seconds instead of 120.
 //!
-//! The `raid1_*` tests at the end are the mirror bugs the raid1 kind found, each made
-//! deterministic with the array alone; those crates/raid1 has not fixed yet are `#[ignore]`d
-//! (run them with `-- --ignored`).
+//! The mirror bugs the raid1 kind found live on as deterministic tests of the array alone in
+//! `crates/raid1/tests/faults.rs` (`a_readded_legs_pass_does_not_resume_after_it_fails_and_returns`,
+//! `failed_reads_holding_every_slot_do_not_hang_the_array`,
+//! `a_read_during_the_resync_reads_what_the_resync_copies`).
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -124,7 +125,6 @@ use nbd::client::{Client, ClientOptions, Endpoint, Reply};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
-use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
 
 /// Seeds run by default (`SIM_SEEDS`), from `DEFAULT_SEED_BASE` (`SIM_SEED_BASE`).
@@ -1237,18 +1237,9 @@ impl Mirror {
 fn superblocks(devs: &[Arc<dyn Device>]) -> String {
     let sbs: Vec<String> = devs
         .iter()
-        .map(
-            |d| match testkit::io::read_at(d.as_ref(), SB_OFFSET, SB_SIZE) {
-                Ok(b) => match Superblock::decode(&b) {
-                    Ok(sb) => format!(
-                        "{:?} events {} {:?} legs {:?}",
-                        sb.role, sb.events, sb.array_state, sb.legs
-                    ),
-                    Err(e) => e.to_string(),
-                },
-                Err(e) => e.to_string(),
-            },
-        )
+        .map(|d| {
+            Raid1::read_superblock(d.as_ref()).map_or_else(|e| e.to_string(), |sb| sb.to_string())
+        })
         .collect();
     format!("{sbs:#?}")
 }
@@ -2366,256 +2357,4 @@ fn durability_rules_hold_for_seeded_schedules() {
 #[test]
 fn seed_13_a_refused_fast_zero_is_no_failed_write_back() {
     run_seeds(13, 1, Some(ExportKind::Fault));
-}
-
-/// `len` bytes of write `id`'s stamped data for array byte `off`.
-fn stamped(off: u64, len: u64, id: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len as usize];
-    for (k, s) in v.chunks_exact_mut(SECTOR as usize).enumerate() {
-        stamp_sector(s, id, off / SECTOR + k as u64);
-    }
-    v
-}
-
-/// Waits (up to 10 s) until `f` holds.
-fn wait_for(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// The raid1 kind found it (seed 1081 in a release build, `SIM_KIND=raid1`; crates/raid1
-/// fixed it meanwhile, in 5912f5c: a recovery pass works for one placement of a leg): a
-/// recovery pass asleep in its speed throttle was not stopped when its leg failed, was
-/// removed and was added back. The pass only checked, per window, that its slot held the same
-/// device, recovering: the same device added back into the same slot passed that check, so the
-/// old pass woke up and went on from where it was, with its old snapshot of the dirty chunks,
-/// and marked the leg in sync. The chunks it had copied before the failure were never copied
-/// again, and a write the leg missed while it was faulty (acknowledged by the in-sync leg)
-/// was missing on it: reads from it returned the data that write overwrote.
-///
-/// Here: a re-add copies dirty chunk 0 and sleeps (1 KiB/s); the leg is failed, a write to
-/// chunk 0 goes to the other leg only, the leg is removed and added back (a full recovery
-/// from 0 now, its superblock says it was recovering), and the speed limit is raised: the old
-/// pass must not finish the new recovery for it.
-#[test]
-fn raid1_a_recovery_pass_does_not_resume_for_its_leg_added_back() {
-    let a = mem("mem:8M").unwrap();
-    let b = mem("mem:8M").unwrap();
-    let cfg = Raid1Config {
-        bitmap_chunk: 256 << 10,
-        bitmap_quiet: Duration::from_millis(10),
-        tick: Duration::from_millis(20),
-        ..Raid1Config::default()
-    };
-    let r = Raid1::create(vec![a.clone(), b.clone()], cfg).unwrap();
-    let chunk = 256u64 << 10;
-    let s = 456 * SECTOR; // in chunk 0
-    testkit::io::write_at(&r, s, &stamped(s, 4096, 1)).unwrap();
-    testkit::io::flush(&r).unwrap();
-    // Leg 0 out; chunks 0 and 3 written while it is out.
-    r.set_speed_limits(1, 1);
-    r.fail_leg(0).unwrap();
-    r.remove_leg(0).unwrap();
-    testkit::io::write_at(&r, 0, &stamped(0, 4096, 2)).unwrap();
-    testkit::io::write_at(&r, 3 * chunk, &stamped(3 * chunk, 4096, 3)).unwrap();
-    // A re-add: the pass copies chunk 0, then sleeps in its throttle.
-    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
-    wait_for("the re-add has copied chunk 0", || {
-        r.leg_status(0).unwrap().recovery_offset >= chunk
-    });
-    // The leg fails; a write to chunk 0 reaches the other leg only; the leg is removed and
-    // added back (a full recovery, from 0).
-    r.fail_leg(0).unwrap();
-    testkit::io::write_at(&r, s, &stamped(s, 4096, 4)).unwrap();
-    r.remove_leg(0).unwrap();
-    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
-    assert_eq!(r.leg_status(0).unwrap().recovery_offset, 0);
-    r.set_speed_limits(1000, FAST);
-    assert!(r.wait_sync_idle(Duration::from_secs(60)));
-    assert!(r.leg_status(0).unwrap().in_sync);
-    // Leg 0 must hold write 4 there, like leg 1: read it through the array with leg 1 failed.
-    r.fail_leg(1).unwrap();
-    let got = testkit::io::read_at(&r, s, 4096).unwrap();
-    let held: Vec<String> = got
-        .chunks(SECTOR as usize)
-        .enumerate()
-        .map(|(k, d)| match decode_sector(d, s / SECTOR + k as u64) {
-            Ok(v) => format!("w{v}"),
-            Err(e) => e,
-        })
-        .collect();
-    assert!(
-        got == stamped(s, 4096, 4),
-        "leg 0, in sync after its recovery, holds {held:?} where the acknowledged write 4 \
-         went: the first pass resumed for it and never copied chunk 0 again"
-    );
-}
-
-/// The raid1 kind found it (seed 1167 in a release build, `SIM_KIND=raid1`: depth 16, a
-/// 922 KiB read cut into 16 KiB bios while every leg was down): a hang. A read takes its
-/// per-I/O slot after its barrier admission, and sleeps for one while admitted. A failed read
-/// keeps its slot until raid1d fixes it, and raid1d's `fix_read` gives the slot back, then
-/// freezes the array (`freeze_array(1)`), which waits for every admitted I/O but the queued
-/// ones. With the slots all held by failed reads, a second reader asleep in `get_slot` is
-/// admitted: the freeze waits for it, it waits for a slot, and only raid1d, frozen, would free
-/// one. Every later I/O on the array then waits for the freeze.
-///
-/// Here (depth 4): raid1d is kept busy by a superblock write held on leg 1 while four reads,
-/// failing on both legs, take the four slots and two more readers wait for a slot; then
-/// raid1d goes on. All six reads must complete (with an error: no leg can read).
-#[test]
-#[ignore = "raid1 bug, reported: a freeze waits for a reader that waits for a slot"]
-fn raid1_failed_reads_holding_every_slot_do_not_hang_the_array() {
-    use blk::{Bio, Buffer, EndIo, Op};
-    let leg = || {
-        let f = FaultDevice::new(mem("mem:8M").unwrap(), FaultConfig::default());
-        let h = f.handle();
-        let d: Arc<dyn Device> = Arc::new(f);
-        (d, h)
-    };
-    let (a, fa) = leg();
-    let (b, fb) = leg();
-    let cfg = Raid1Config {
-        bitmap_chunk: 0,
-        depth: 4,
-        bitmap_quiet: Duration::from_millis(10),
-        tick: Duration::from_millis(20),
-        ..Raid1Config::default()
-    };
-    let r = Arc::new(Raid1::create(vec![a, b], cfg).unwrap());
-    let d = r.data_offset();
-    // raid1d busy: a state change makes it write the superblocks, and leg 1 holds its write.
-    fb.add(Rule::stall(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
-    r.set_write_mostly(0, false).unwrap();
-    wait_for("raid1d's superblock write is held", || fb.stalled() > 0);
-    // Every read of the data fails, on both legs.
-    for h in [&fa, &fb] {
-        h.add(Rule::fail(OpSet::READ).in_range(d, 8 << 20));
-    }
-    let col = Arc::new(testkit::Collect::default());
-    let end: Arc<dyn EndIo> = col.clone();
-    let read = |k: u64| Bio::with_buf(Op::Read, k * 8, Buffer::new(4096));
-    // Four failed reads hold the four slots, queued for raid1d.
-    for k in 0..4 {
-        r.submit(read(k), &end);
-    }
-    // Two more readers are admitted and wait for a slot.
-    let readers: Vec<_> = (4..6)
-        .map(|k| {
-            let (r, end) = (r.clone(), end.clone());
-            std::thread::spawn(move || r.submit(read(k), &end))
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(200));
-    // raid1d goes on to the failed reads.
-    fb.release();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while col.len() < 6 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let done = col.len();
-    if done < 6 {
-        // The array's drop would wait for the hung I/O: leave it and the readers behind.
-        std::mem::forget(r);
-        std::mem::forget(readers);
-        panic!("only {done} of 6 reads completed in 10 s: the array hangs");
-    }
-    for t in readers {
-        t.join().unwrap();
-    }
-    assert!(
-        col.take_all().iter().all(|(_, res)| res.is_err()),
-        "a read succeeded with no leg able to read"
-    );
-    fa.clear();
-    fb.clear();
-}
-
-/// Suspected from the raid1 kind (seed 2267 in a release build, `SIM_KIND=raid1`: a sector
-/// read as one value after a crash read as another later, with no write between; the seed
-/// also lost a leg meanwhile, so it does not prove it alone). During the resync after an
-/// unclean stop, a read at or past the resync point goes to the first usable leg
-/// (`choose_read_leg`'s `choose_first`), which may be a recovering leg below its recovery
-/// offset, while the resync copies from the first in-sync leg (`source_leg`) to every other
-/// leg, recovering ones included. Where the crash left the two different, a read returns the
-/// recovering leg's data, and once the resync has passed, the in-sync leg's: the sector
-/// changes with no write and no failure.
-///
-/// Here (80 MiB legs: two barrier units, the resync held in the first, the read in the
-/// second): leg 0 recovers (its offset past the sector), a write reaches both legs, leg 1's
-/// own cache flush makes it durable there only, the power fails, and the array comes back
-/// resyncing from leg 1. A read of the sector during the resync and one after it must agree.
-#[test]
-#[ignore = "raid1 bug, reported: a read during the resync goes to a recovering leg, not the resync's source"]
-fn raid1_a_read_during_the_resync_reads_what_the_resync_copies() {
-    let leg = || {
-        let f = FaultDevice::new(
-            mem("mem:80M").unwrap(),
-            FaultConfig {
-                volatile_cache: true,
-                ..FaultConfig::default()
-            },
-        );
-        let h = f.handle();
-        let d: Arc<dyn Device> = Arc::new(f);
-        (d, h)
-    };
-    let (a, fa) = leg();
-    let (b, fb) = leg();
-    let cfg = Raid1Config {
-        bitmap_chunk: 0,
-        bitmap_quiet: Duration::from_millis(10),
-        tick: Duration::from_millis(20),
-        ..Raid1Config::default()
-    };
-    let r = Raid1::create(vec![a.clone(), b.clone()], cfg.clone()).unwrap();
-    let unit = 64u64 << 20;
-    let s = unit + (1 << 20); // in the second barrier unit
-    assert!(r.limits().capacity > s + (2 << 20));
-    testkit::io::write_at(&r, s, &stamped(s, 4096, 1)).unwrap();
-    testkit::io::flush(&r).unwrap();
-    // Leg 0 out and back, recovering, with everything up to past `s` recovered (true: nothing
-    // was written while it was out); the sync thread paused.
-    r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(0).unwrap();
-    r.remove_leg(0).unwrap();
-    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
-    r.set_recovery_offset(0, s + (2 << 20)).unwrap();
-    r.sync_superblocks().unwrap();
-    // Write 2 reaches both legs; leg 1 flushes its cache on its own, leg 0 does not.
-    testkit::io::write_at(&r, s, &stamped(s, 4096, 2)).unwrap();
-    testkit::io::flush(b.as_ref()).unwrap();
-    // Power cut: leg 0 loses write 2, leg 1 keeps it.
-    fa.crash().unwrap();
-    fb.crash().unwrap();
-    r.crash_for_test();
-    fa.restart();
-    fb.restart();
-    // The resync's first window (in the first unit) waits on its read of leg 1.
-    let d0 = {
-        let sb = testkit::io::read_at(b.as_ref(), SB_OFFSET, SB_SIZE).unwrap();
-        Superblock::decode(&sb).unwrap().data_offset
-    };
-    fb.add(Rule::stall(OpSet::READ).in_range(d0, 4096));
-    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg).unwrap();
-    wait_for("the resync reads leg 1", || fb.stalled() > 0);
-    let name = |got: &[u8]| match decode_sector(&got[..SECTOR as usize], s / SECTOR) {
-        Ok(v) => format!("w{v}"),
-        Err(e) => e,
-    };
-    let during = testkit::io::read_at(&r, s, 4096).unwrap();
-    fb.clear();
-    fb.release();
-    assert!(r.wait_sync_idle(Duration::from_secs(60)));
-    let after = testkit::io::read_at(&r, s, 4096).unwrap();
-    assert!(
-        during == after,
-        "the sector read {} during the resync (from leg 0, recovering) and {} after it (the \
-         resync copied leg 1's), with no write between",
-        name(&during),
-        name(&after)
-    );
 }

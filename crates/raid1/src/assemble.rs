@@ -109,7 +109,7 @@ impl Raid1 {
         // Legs whose superblock is torn or unreadable: assembled without, then recovered.
         let mut unreadable = Vec::new();
         for (i, dev) in legs.into_iter().enumerate() {
-            match read_superblock(dev.as_ref()) {
+            match Self::read_superblock(dev.as_ref()) {
                 Ok(sb) => found.push((i, dev, sb)),
                 // Not ours at all: never overwrite it.
                 Err(
@@ -253,6 +253,21 @@ impl Raid1 {
         Ok(r)
     }
 
+    /// Reads and decodes the superblock of a leg (any device; for tools and reports too).
+    pub fn read_superblock(dev: &dyn Device) -> Result<Superblock, Raid1Error> {
+        let b = Bio::with_buf(
+            Op::Read,
+            SB_OFFSET >> SECTOR_SHIFT,
+            Buffer::new(crate::superblock::SB_SIZE),
+        );
+        let (back, r) = sync_io(dev, b);
+        r.map_err(|e| Raid1Error::Config(format!("superblock read error: {e}")))?;
+        let buf = back.and_then(|b| b.buf).ok_or(Raid1Error::Config(
+            "superblock read returned no data".into(),
+        ))?;
+        Ok(Superblock::decode(buf.as_slice())?)
+    }
+
     pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
         let cfg = a.cfg;
         let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
@@ -337,21 +352,6 @@ impl Raid1 {
             warnings: Vec::new(),
         })
     }
-}
-
-/// Reads and decodes a leg's superblock.
-fn read_superblock(dev: &dyn Device) -> Result<Superblock, Raid1Error> {
-    let b = Bio::with_buf(
-        Op::Read,
-        SB_OFFSET >> SECTOR_SHIFT,
-        Buffer::new(crate::superblock::SB_SIZE),
-    );
-    let (back, r) = sync_io(dev, b);
-    r.map_err(|e| Raid1Error::Config(format!("read error: {e}")))?;
-    let buf = back.and_then(|b| b.buf).ok_or(Raid1Error::Config(
-        "superblock read returned no data".into(),
-    ))?;
-    Ok(Superblock::decode(buf.as_slice())?)
 }
 
 /// Whether `sb` records slot `n` as failed or not in sync.

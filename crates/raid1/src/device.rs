@@ -16,7 +16,7 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use blk::Extent;
-use blk::{Bio, Buffer, BufferPool, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blk::{Bio, BufferPool, Device, EndIo, Error, Limits, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use blkq_sync::{thread, Mutex};
 
@@ -27,7 +27,7 @@ use waitq::{Completion, WaitQueue};
 
 use crate::barrier::{BarrierMode, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
-use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET};
+use crate::superblock::{ArrayState, Role, Superblock, SuperblockError};
 
 // Leg state: one `AtomicU32` per slot (`Leg::state`), read without a lock on every I/O
 // (`Inner::writable`, `choose_read_leg`) and changed only by the control paths:
@@ -565,19 +565,7 @@ impl Raid1 {
         if dev.limits().capacity < inner.data_offset + inner.capacity {
             return Err(Raid1Error::Config("new leg is too small".into()));
         }
-        let old_sb = {
-            let b = Bio::with_buf(
-                Op::Read,
-                SB_OFFSET >> SECTOR_SHIFT,
-                Buffer::new(crate::superblock::SB_SIZE),
-            );
-            match sync_io(dev.as_ref(), b) {
-                (Some(back), Ok(())) => back
-                    .buf
-                    .and_then(|buf| Superblock::decode(buf.as_slice()).ok()),
-                _ => None,
-            }
-        };
+        let old_sb = Self::read_superblock(dev.as_ref()).ok();
         let array_uuid = inner.meta.lock().array_uuid;
         let readd_slot = old_sb.as_ref().and_then(|sb| {
             let bm = inner.bitmap.as_ref()?;

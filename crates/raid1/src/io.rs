@@ -35,9 +35,20 @@ impl Inner {
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
     pub(crate) fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
-        // During a resync, a read at or past the resync point goes to the first usable leg
-        // (the resync's source), as md's `choose_first`, so it reads what the resync copies.
-        let choose_first = end_byte > self.resync_point.load(Ordering::Acquire);
+        // During a resync, a read at or past the resync point goes to the resync's source
+        // (`source_leg`: the first in-sync leg), as md's `choose_first`, so it reads what the
+        // resync copies. Not a recovering leg, even below its offset: it may differ there
+        // until the resync has written it. Only if no in-sync leg is left to try does the
+        // read fall back to the others.
+        if end_byte > self.resync_point.load(Ordering::Acquire) {
+            let first = self.legs.iter().enumerate().position(|(i, l)| {
+                let st = l.state.load(Ordering::Acquire);
+                tried & (1 << i) == 0 && st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
+            });
+            if first.is_some() {
+                return first;
+            }
+        }
         let mut best: Option<(usize, usize)> = None;
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
@@ -47,9 +58,6 @@ impl Inner {
             }
             if st & IN_SYNC == 0 && end_byte > l.recovery_offset.load(Ordering::Acquire) {
                 continue;
-            }
-            if choose_first {
-                return Some(i);
             }
             if st & WRITE_MOSTLY != 0 {
                 mostly.get_or_insert(i);
@@ -79,6 +87,10 @@ impl Inner {
         b
     }
 
+    /// A per-I/O slot, waiting for one if all are in use. Never called holding a barrier
+    /// admission: failed reads keep their slots until raid1d, which freezes the array to fix
+    /// them, gives them back, and a freeze waits for every admission, so an admitted waiter
+    /// for a slot would wait for raid1d while raid1d waits for it.
     pub(crate) fn get_slot(&self) -> u32 {
         self.free_wq.wait_for(|| self.free.lock().pop())
     }
@@ -120,9 +132,13 @@ impl Inner {
 
     pub(crate) fn submit_read(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
         let sector = bio.sector;
+        // The slot before the admission: never sleep for a slot while admitted (see
+        // `get_slot`).
+        let id = self.get_slot();
         self.barriers.wait_read_barrier(sector);
         let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0) else {
             let _ = self.barriers.allow_barrier(sector);
+            self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no readable leg")));
             return;
         };
@@ -137,7 +153,6 @@ impl Inner {
                 let Some(dev) = dev else {
                     return Some(bio);
                 };
-                let id = self.get_slot();
                 let buf = bio.buf.take();
                 let lb = self.leg_bio(&bio, buf, id);
                 {
@@ -166,6 +181,7 @@ impl Inner {
             // Cannot happen while admitted (state and slot change together, frozen); handled
             // as a failed read all the same.
             let _ = self.barriers.allow_barrier(sector);
+            self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: leg vanished")));
         }
     }
@@ -207,6 +223,8 @@ impl Inner {
         }
         let sector = bio.sector;
         let (off, len) = (bio.offset(), u64::from(bio.len));
+        // The slot before the admission (see `get_slot`).
+        let id = self.get_slot();
         self.admit_write(sector, len);
         if let Some(bm) = &self.bitmap {
             match bm.start_write(off, len) {
@@ -218,6 +236,7 @@ impl Inner {
                         Ok(()) => bm.mark_durable(set),
                         Err(e) => {
                             self.write_finished(off, len, sector);
+                            self.put_slot(id);
                             end.end_io(bio, Err(Error::Io(std::io::Error::other(e.to_string()))));
                             return;
                         }
@@ -225,6 +244,7 @@ impl Inner {
                 }
                 Err(e) => {
                     self.release_write(sector, len);
+                    self.put_slot(id);
                     end.end_io(bio, Err(Error::Config(e.to_string())));
                     return;
                 }
@@ -247,11 +267,11 @@ impl Inner {
         }
         if mask == 0 {
             self.write_finished(off, len, sector);
+            self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no writable leg")));
             return;
         }
         let primary = mask.trailing_zeros() as usize;
-        let id = self.get_slot();
         // Copies for the extra legs first, then the original buffer goes to the primary.
         let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
         for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
@@ -317,6 +337,8 @@ impl Inner {
         }
         // Admitted (it waits only for a freeze), so a freeze, and the array's stop, waits for
         // flushes in flight too, and one held for a superblock write is counted as queued.
+        // The slot first (see `get_slot`).
+        let id = self.get_slot();
         self.barriers.wait_read_barrier(FLUSH_SECTOR);
         let mut mask = 0u32;
         let mut counted = 0u32;
@@ -335,10 +357,10 @@ impl Inner {
         }
         if mask == 0 {
             let _ = self.barriers.allow_barrier(FLUSH_SECTOR);
+            self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no leg to flush")));
             return;
         }
-        let id = self.get_slot();
         {
             let mut io = self.ios[id as usize].lock();
             *io = Io {

@@ -153,6 +153,17 @@ pub struct Superblock {
     pub legs: Vec<LegInfo>,
 }
 
+impl std::fmt::Display for Superblock {
+    /// One line for logs and reports: role, events, state, and each slot's view.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} events {} {:?} legs {:?}",
+            self.role, self.events, self.array_state, self.legs
+        )
+    }
+}
+
 /// The layout of a leg of `leg_size` bytes with a bitmap of `chunk_size` bytes per bit:
 /// (bitmap location, data offset, data size). Errors if the leg is too small.
 pub fn layout(

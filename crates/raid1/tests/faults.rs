@@ -678,3 +678,172 @@ fn a_failed_array_refuses_leg_changes() {
     let r = Raid1::assemble(vec![b, a], cfg()).unwrap();
     assert!(read(&r, 2 * MB, 4096) == pattern(1, 4096));
 }
+
+/// Found by the NBD simulator's mirror exports (seed 1081): a re-add whose pass copied dirty
+/// chunk 0 and sleeps; the leg fails, a write to chunk 0 reaches the other leg only, the leg is
+/// removed and added back (a full recovery now: its superblock says it was recovering). The
+/// old pass, holding its old snapshot of the dirty chunks, must not finish the new recovery.
+#[test]
+fn a_readded_legs_pass_does_not_resume_after_it_fails_and_returns() {
+    let (a, b) = (mem("8M"), mem("8M"));
+    let chunk = 256 << 10;
+    let cfg = Raid1Config {
+        bitmap_chunk: chunk,
+        ..cfg()
+    };
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg).unwrap();
+    let s = 456 * 512; // in chunk 0
+    write(&r, s, &pattern(1, 4096));
+    flush(&r);
+    r.set_speed_limits(1, 1);
+    r.fail_leg(0).unwrap();
+    r.remove_leg(0).unwrap();
+    write(&r, 0, &pattern(2, 4096));
+    write(&r, 3 * chunk, &pattern(3, 4096));
+    // A re-add: the pass copies chunk 0, then sleeps in its throttle.
+    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
+    wait_until_within("the re-add copied chunk 0", SOON, || {
+        r.leg_status(0).unwrap().recovery_offset >= chunk
+    });
+    r.fail_leg(0).unwrap();
+    write(&r, s, &pattern(4, 4096));
+    r.remove_leg(0).unwrap();
+    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
+    assert_eq!(r.leg_status(0).unwrap().recovery_offset, 0);
+    r.set_speed_limits(1000, 200_000);
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(0).unwrap().in_sync);
+    assert!(
+        read(a.as_ref(), r.data_offset() + s, 4096) == pattern(4, 4096),
+        "leg 0, in sync after its recovery, misses the write it missed while out"
+    );
+}
+
+/// Found by the NBD simulator's mirror exports (seed 1167: depth 16, a large read cut into
+/// small bios while every leg was down): a hang. A read took its per-I/O slot after its barrier
+/// admission, so it could sleep for one while admitted; failed reads keep their slots until
+/// raid1d, which freezes the array to fix them, and a freeze waits for every admission: the
+/// reader waited for raid1d, raid1d for the reader. Now slots are taken before admission.
+///
+/// Here (depth 4): raid1d is kept busy by a superblock write held on leg 1 while four reads,
+/// failing on both legs, take the four slots and two more readers wait for a slot; then raid1d
+/// goes on. All six reads complete, with an error (no leg can read). Hung before the fix.
+#[test]
+fn failed_reads_holding_every_slot_do_not_hang_the_array() {
+    use blk::{Bio, Buffer, EndIo, Op};
+    let (a, fa) = fault_leg("8M", false);
+    let (b, fb) = fault_leg("8M", false);
+    let cfg = Raid1Config {
+        bitmap_chunk: 0,
+        depth: 4,
+        ..cfg()
+    };
+    let r = Arc::new(Raid1::create(vec![a, b], cfg).unwrap());
+    let d = r.data_offset();
+    // raid1d busy: a state change makes it write the superblocks, and leg 1 holds its write.
+    fb.add(Rule::stall(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
+    r.set_write_mostly(0, false).unwrap();
+    wait_until_within("raid1d's superblock write is held", SOON, || {
+        fb.stalled() > 0
+    });
+    for h in [&fa, &fb] {
+        h.add(Rule::fail(OpSet::READ).in_range(d, 8 << 20));
+    }
+    let col = Arc::new(testkit::Collect::default());
+    let end: Arc<dyn EndIo> = col.clone();
+    let rd = |k: u64| Bio::with_buf(Op::Read, k * 8, Buffer::new(4096));
+    // Four failed reads hold the four slots, queued for raid1d.
+    for k in 0..4 {
+        r.submit(rd(k), &end);
+    }
+    // Two more readers wait for a slot.
+    let readers: Vec<_> = (4..6)
+        .map(|k| {
+            let (r, end) = (r.clone(), end.clone());
+            std::thread::spawn(move || r.submit(rd(k), &end))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    fb.release();
+    let deadline = std::time::Instant::now() + SOON;
+    while col.len() < 6 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let done = col.len();
+    if done < 6 {
+        // The array's drop would wait for the hung I/O: leave it and the readers behind.
+        std::mem::forget(r);
+        std::mem::forget(readers);
+        panic!("only {done} of 6 reads completed: the array hangs");
+    }
+    for t in readers {
+        t.join().unwrap();
+    }
+    assert!(
+        col.take_all().iter().all(|(_, res)| res.is_err()),
+        "a read succeeded with no leg able to read"
+    );
+    fa.clear();
+    fb.clear();
+}
+
+/// Found by the NBD simulator's mirror exports (seeds 5097, 2491): during a resync, a read
+/// past the resync point went to the first usable leg, which could be a recovering leg below
+/// its offset, while the resync copies from the first in-sync leg to every other leg: a sector
+/// read one value during the resync and another after it, with no write between. Reads there
+/// now go to the resync's source.
+///
+/// Here (80 MiB legs: the resync held in the first barrier unit, the read in the second): leg
+/// 0 recovers (its offset past the sector), a write reaches both legs, leg 1's own cache flush
+/// makes it durable there only, the power fails, and the array comes back resyncing from leg 1.
+#[test]
+fn a_read_during_the_resync_reads_what_the_resync_copies() {
+    let (a, fa) = fault_leg("80M", true);
+    let (b, fb) = fault_leg("80M", true);
+    let cfg = Raid1Config {
+        bitmap_chunk: 0,
+        ..cfg()
+    };
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg.clone()).unwrap();
+    let unit = 64 * MB;
+    let s = unit + MB; // in the second barrier unit
+    assert!(r.limits().capacity > s + 2 * MB);
+    write(&r, s, &pattern(1, 4096));
+    flush(&r);
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(0).unwrap();
+    r.remove_leg(0).unwrap();
+    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
+    // True: nothing was written while it was out.
+    r.set_recovery_offset(0, s + 2 * MB).unwrap();
+    r.sync_superblocks().unwrap();
+    // Write 2 reaches both legs; leg 1 flushes its cache on its own, leg 0 does not.
+    write(&r, s, &pattern(2, 4096));
+    flush(b.as_ref());
+    fa.crash().unwrap();
+    fb.crash().unwrap();
+    r.crash_for_test();
+    fa.restart();
+    fb.restart();
+    // The resync's first window (in the first unit) waits on its read of leg 1.
+    let d = sb_of(b.as_ref()).data_offset;
+    fb.add(Rule::stall(OpSet::READ).in_range(d, 4096));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg).unwrap();
+    wait_until_within("the resync reads leg 1", SOON, || fb.stalled() > 0);
+    let during = read(&r, s, 4096);
+    fb.clear();
+    fb.release();
+    assert!(r.wait_sync_idle(IDLE));
+    let after = read(&r, s, 4096);
+    let name = |v: &[u8]| {
+        (1..=2)
+            .find(|&p| v == pattern(p, 4096).as_slice())
+            .map_or("neither".to_string(), |p| format!("pattern {p}"))
+    };
+    assert!(
+        during == after,
+        "read {} during the resync and {} after it, with no write between",
+        name(&during),
+        name(&after)
+    );
+}

@@ -714,18 +714,10 @@ impl World {
         let r = Raid1::assemble(devs.clone(), self.shape.cfg()).unwrap_or_else(|e| {
             let sbs: Vec<String> = devs
                 .iter()
-                .map(
-                    |d| match testkit::io::read_at(d.as_ref(), SB_OFFSET, SB_SIZE) {
-                        Ok(b) => match raid1::superblock::Superblock::decode(&b) {
-                            Ok(sb) => format!(
-                                "{:?} events {} {:?} legs {:?}",
-                                sb.role, sb.events, sb.array_state, sb.legs
-                            ),
-                            Err(e) => e.to_string(),
-                        },
-                        Err(e) => e.to_string(),
-                    },
-                )
+                .map(|d| {
+                    Raid1::read_superblock(d.as_ref())
+                        .map_or_else(|e| e.to_string(), |sb| sb.to_string())
+                })
                 .collect();
             panic!("assemble after a crash (legs {legs:?}): {e}; superblocks {sbs:#?}")
         });
