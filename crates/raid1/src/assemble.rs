@@ -124,7 +124,7 @@ impl Raid1 {
                     );
                     tracing::warn!("raid1: {w}");
                     warnings.push(w);
-                    unreadable.push(dev);
+                    unreadable.push((i, dev));
                 }
             }
         }
@@ -245,9 +245,14 @@ impl Raid1 {
             cfg,
             resync: newest.array_state != ArrayState::Clean,
         })?;
-        for dev in unreadable {
-            // A new leg to the array: fresh UUID, full recovery.
-            r.add_leg(dev)?;
+        for (i, dev) in unreadable {
+            // A new leg to the array: fresh UUID, full recovery. One that cannot even take a
+            // superblock stays out; the array runs without it.
+            if let Err(e) = r.add_leg(dev) {
+                let w = format!("leg {i}: could not be added back for recovery ({e}); left out");
+                tracing::warn!("raid1: {w}");
+                warnings.push(w);
+            }
         }
         r.warnings = warnings;
         Ok(r)

@@ -155,9 +155,7 @@ impl Inner {
     pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
         self.sb_dirty.store(false, Ordering::Release);
-        if self.failed.load(Ordering::Acquire) {
-            return Err(Raid1Error::Config("raid1: the array has failed".into()));
-        }
+        self.refuse_if_failed()?;
         // Each round fails at least one leg or ends; a leg is failed once.
         for _ in 0..=self.legs.len() {
             // Under `fail_lock`: every failure counted here has set its FAULTY bit, so the
@@ -198,10 +196,8 @@ impl Inner {
                     first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
                 }
             }
-            if self.failed.load(Ordering::Acquire) {
-                return Err(
-                    first_err.unwrap_or(Raid1Error::Config("raid1: the array has failed".into()))
-                );
+            if let Err(failed) = self.refuse_if_failed() {
+                return Err(first_err.unwrap_or(failed));
             }
             if first_err.is_none() {
                 self.durable_gen.fetch_max(gen, Ordering::AcqRel);

@@ -847,3 +847,27 @@ fn a_read_during_the_resync_reads_what_the_resync_copies() {
         name(&after)
     );
 }
+
+/// A1, a leg whose superblock can be neither read nor written: the array assembles from the
+/// other legs and does not use that one (it is failed when its superblock write fails).
+#[test]
+fn a1_a_leg_that_takes_no_superblock_does_not_stop_the_array() {
+    let a = mem("16M");
+    let (b, fb) = fault_leg("16M", false);
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+        write(&r, 2 * MB, &pattern(4, 8192));
+    }
+    fb.add(Rule::fail(OpSet::ALL).in_range(SB_OFFSET, SB_SIZE as u64));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.assemble_warnings().iter().any(|w| w.contains("leg 1")));
+    assert!(read(&r, 2 * MB, 8192) == pattern(4, 8192));
+    for i in 0..r.slots() {
+        if r.leg_device(i).is_some_and(|d| Arc::ptr_eq(&d, &b)) {
+            assert!(
+                r.leg_status(i).unwrap().faulty,
+                "slot {i} uses the broken leg"
+            );
+        }
+    }
+}
