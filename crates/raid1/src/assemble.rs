@@ -311,7 +311,9 @@ impl Raid1 {
             held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
             failed: AtomicBool::new(false),
             failed_why: Mutex::new(None),
-            resync_point: AtomicU64::new(u64::MAX),
+            // Unclean: reads go to the resync's source from now on, not only once the sync
+            // thread has started the pass (md's `recovery_cp` = 0 at assembly).
+            resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),
             pool,
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),

@@ -871,3 +871,43 @@ fn a1_a_leg_that_takes_no_superblock_does_not_stop_the_array() {
         }
     }
 }
+
+/// After an unclean stop, reads past the resync point go to the resync's source from the
+/// moment the array is assembled, and for as long as the resync is due, not only while a
+/// resync pass runs (md sets `recovery_cp` at assembly). Here the resync cannot read its
+/// first window and stops; slot 0 (the source) is write-mostly, so plain balancing would read
+/// slot 1; the legs differ there. A read then, and one after the resync is asked for again,
+/// must agree. Found by the NBD simulator's mirror exports (seed 7150: a sector read zeros,
+/// then the write the resync copied over them, with no write between).
+#[test]
+fn reads_go_to_the_resync_source_while_a_resync_is_due() {
+    let (a, fa) = fault_leg("16M", false);
+    let (b, fb) = fault_leg("16M", false);
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    r.set_write_mostly(0, true).unwrap();
+    write(&r, 3 * MB, &pattern(1, 4096));
+    r.sync_superblocks().unwrap();
+    r.crash_for_test();
+    write(b.as_ref(), d + 3 * MB, &pattern(2, 4096));
+    fa.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    fb.add(Rule::fail(OpSet::READ).in_range(d + 3 * MB, 4096).next(1));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.leg_status(0).unwrap().write_mostly);
+    assert!(r.wait_sync_idle(IDLE));
+    let before = read(&r, 3 * MB, 4096);
+    r.set_sync_action(SyncAction::Resync).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let after = read(&r, 3 * MB, 4096);
+    let name = |v: &[u8]| {
+        (1..=2)
+            .find(|&p| v == pattern(p, 4096).as_slice())
+            .map_or("neither".to_string(), |p| format!("pattern {p}"))
+    };
+    assert!(
+        before == after,
+        "read {} while the resync was due and {} after it, with no write between",
+        name(&before),
+        name(&after)
+    );
+}

@@ -99,6 +99,7 @@ impl Inner {
                     // Nothing to make agree: the recovery of the other legs copies it all.
                     c.resync_needed = false;
                     c.resync_offset = 0;
+                    self.set_resync_point_inner(None);
                 }
                 let job = self.next_job(&c)?;
                 c.interrupt = false;
@@ -129,7 +130,9 @@ impl Inner {
                 let start = s.ctl.lock().resync_offset;
                 self.set_resync_point_inner(Some(start));
                 let end = self.pass(job, start, None, 0);
-                self.set_resync_point_inner(None);
+                // Interrupted or failed, the resync is still due: reads past its point keep
+                // going to its source (md's `recovery_cp`), so what they return does not
+                // change when it copies there.
                 match end {
                     PassEnd::Done => {
                         {
@@ -137,6 +140,7 @@ impl Inner {
                             c.resync_needed = false;
                             c.resync_offset = 0;
                         }
+                        self.set_resync_point_inner(None);
                         self.clear_synced_bits();
                         let _ = self.write_superblocks();
                     }
