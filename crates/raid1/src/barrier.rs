@@ -257,6 +257,20 @@ impl Barriers {
         self.wait_regular(sector, false)
     }
 
+    /// The lockless fast path of an admission: count ourselves pending, then look. On false
+    /// the count is still there (the caller waits or undoes it).
+    #[inline]
+    fn pend_then_look(&self, b: &Bucket, clear: impl Fn() -> bool) -> bool {
+        b.nr_pending.fetch_add(1, Ordering::AcqRel);
+        // Rule 1: our nr_pending increment must be visible before we read barrier and
+        // array_frozen; pairs with the fence after the barrier/frozen increment in
+        // raise_barrier/freeze_array.
+        if !self.skip_pending_fence {
+            fence(Ordering::SeqCst);
+        }
+        clear()
+    }
+
     fn wait_regular(&self, sector: u64, write: bool) {
         let b = self.bucket(sector);
         // Acquire: see rule 5 (admission orders us after the resync that left).
@@ -266,17 +280,9 @@ impl Barriers {
         };
         match self.mode {
             BarrierMode::Lockless => {
-                b.nr_pending.fetch_add(1, Ordering::AcqRel);
-                // Rule 1: our nr_pending increment must be visible before we read barrier and
-                // array_frozen; pairs with the fence after the barrier/frozen increment in
-                // raise_barrier/freeze_array.
-                if !self.skip_pending_fence {
-                    fence(Ordering::SeqCst);
+                if !self.pend_then_look(b, clear) {
+                    self.wait_regular_slow(b, clear);
                 }
-                if clear() {
-                    return;
-                }
-                self.wait_regular_slow(b, clear);
             }
             BarrierMode::Locked => {
                 let mut g = self.resync_lock.lock();
@@ -330,13 +336,7 @@ impl Barriers {
         };
         match self.mode {
             BarrierMode::Lockless => {
-                b.nr_pending.fetch_add(1, Ordering::AcqRel);
-                // Rule 1, as in the fast path of `wait_regular`: the increment is visible
-                // before barrier and array_frozen are read.
-                if !self.skip_pending_fence {
-                    fence(Ordering::SeqCst);
-                }
-                if clear() {
+                if self.pend_then_look(b, clear) {
                     return true;
                 }
                 // Not admitted: undo. Release (rule 5 needs nothing here: we did no I/O), and
