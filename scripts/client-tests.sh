@@ -372,6 +372,8 @@ PKI=$TMP/pki
 "$BIN" certs "$PKI" --client client1 >/dev/null
 [[ $(stat -c %a "$PKI/server-key.pem") == 600 ]] || fail "server-key.pem is not mode 0600"
 [[ $(stat -c %a "$PKI/client-key.pem") == 600 ]] || fail "client-key.pem is not mode 0600"
+[[ ! -e "$PKI/ca-key.pem" && $(stat -c %a "$PKI-ca/ca-key.pem") == 600 ]] \
+  || fail "the CA key is not in $PKI-ca (mode 0600) only"
 # A client directory without a client certificate, and one whose client certificate comes from
 # another CA (qemu and libnbd read client-cert.pem / client-key.pem from the same directory).
 NOCERT=$TMP/pki-nocert
@@ -380,7 +382,7 @@ mkdir -p "$NOCERT" && cp "$PKI/ca-cert.pem" "$NOCERT/"
 OTHER=$TMP/pki-othercert
 mkdir -p "$OTHER" && cp "$PKI/ca-cert.pem" "$OTHER/"
 cp "$TMP/pki-other/client-cert.pem" "$TMP/pki-other/client-key.pem" "$OTHER/"
-ok "certificates made, keys 0600"
+ok "certificates made, keys 0600, the CA key outside $PKI"
 
 # start_tls_server NAME SOCKET PORT ARGS...: like start_server, ready when nbdinfo gets in
 # over TLS with the full directory (ARGS may be `--config FILE` naming SOCKET and PORT).
