@@ -20,8 +20,8 @@
 //! server stops ([`ControlServer::shutdown`], also on drop).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -391,10 +391,10 @@ impl ControlServer {
             std::fs::remove_file(path)
                 .with_context(|| format!("removing the stale socket {}", path.display()))?;
         }
-        let l = UnixListener::bind(path)
+        // Mode 0600 from the moment the path exists (bound in a private directory, then
+        // linked into place): a bind then a chmod left it open to all for a moment.
+        let l = nbd::unix_listener::bind_private(path, 0o600)
             .with_context(|| format!("--control {}: cannot listen", path.display()))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .with_context(|| format!("--control {}: chmod 0600", path.display()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let t = {
             let stop = stop.clone();

@@ -5,6 +5,7 @@
 //!   submission to a [`blk::Device`], coalesced replies).
 //! - [`client`]: a small blocking client (tests; later a remote RAID leg).
 //! - [`stream`]: one type over TCP and Unix stream sockets.
+//! - [`unix_listener`]: Unix sockets bound private from their first moment.
 //!
 //! The codec (`nbd-proto`) is re-exported whole: `nbd::proto`, `nbd::handshake`,
 //! `nbd::transmission`, `nbd::harness`, `nbd::Decoded`, `nbd::Error`, `nbd::Command`, ... keep
@@ -21,6 +22,7 @@ pub mod server;
 pub mod stream;
 mod sys;
 pub mod tls;
+pub mod unix_listener;
 
 /// The sans-I/O codec crate, `nbd-proto`.
 pub use nbd_proto as codec;

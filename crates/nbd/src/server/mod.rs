@@ -58,8 +58,7 @@ pub use self::stats::{ExportMetrics, HandshakeFailure, Metrics, ServerSnapshot, 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::net::UnixListener;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
@@ -485,10 +484,9 @@ impl Server {
                 source,
             };
             remove_stale_socket(path).map_err(bind_err)?;
-            let l = UnixListener::bind(path).map_err(bind_err)?;
-            // The socket is private until chmod widens it to what was asked for.
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(cfg.unix_mode & 0o777))
-                .map_err(bind_err)?;
+            // Bound in a private directory and given its mode there: the path never exists
+            // with another mode (a bind then a chmod left it open to all for a moment).
+            let l = crate::unix_listener::bind_private(path, cfg.unix_mode).map_err(bind_err)?;
             let m = std::fs::symlink_metadata(path).map_err(bind_err)?;
             unix_ino = Some((m.dev(), m.ino()));
             unix_path = Some(path.clone());
