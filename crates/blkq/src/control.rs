@@ -10,17 +10,27 @@
 //! | `status`, `detail` | `{"ok":true,"report":{...}}` (see `raid::ArrayReport`)      |
 //! | `fail N`           | marks slot N faulty                                         |
 //! | `remove N`         | takes the faulty/recovering leg out of slot N               |
-//! | `add SPEC`         | opens the device spec and adds it (recovery starts)         |
-//! | `replace N SPEC`   | adds SPEC, recovers it, then fails and removes slot N (in the background) |
+//! | `add [--force] SPEC` | opens the device spec and adds it (recovery starts)       |
+//! | `replace [--force] N SPEC` | adds SPEC, recovers it, then fails and removes slot N (in the background) |
 //! | `check`, `repair`, `idle` | md's `sync_action`                                   |
 //! | `speed-limit MIN MAX` | KiB/s (0 keeps a value)                                  |
 //!
-//! Connections are served one at a time by one thread, each with a 5 s read/write timeout,
-//! so a stuck client delays others by at most that. The socket file is removed when the
+//! A new leg must be blank (no superblock, and zeros where other formats keep theirs) or a
+//! former leg of this array; `--force` takes a leg with data or a damaged superblock
+//! (never one of another array: zero its superblock first). Commands that change the array
+//! run one at a time; `status` and `detail` never wait for them.
+//!
+//! Up to [`SLOTS`] connections are served at once, a thread each, and a connection has
+//! [`DEADLINE`] in all to send its line and read the reply (not per read: a client trickling
+//! a byte at a time is cut then). When every slot is taken, a new connection evicts the
+//! oldest one still waiting on its client, so a trickler cannot keep `status` out (see
+//! [`crate::listen`] for why evict rather than refuse). The socket is mode 0600 from its
+//! first moment ([`nbd::unix_listener::bind_private`]), and its file is removed when the
 //! server stops ([`ControlServer::shutdown`], also on drop).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -32,13 +42,27 @@ use blkq_sync::{thread, Arc, Mutex};
 use raid1::{Raid1, SyncAction};
 use serde_json::json;
 
+use crate::listen::{self, Limits, Session};
 use crate::raid::{self, ArrayReport, BitmapReport, LegReport, SyncReport};
+
+fn accept(l: &UnixListener) -> std::io::Result<UnixStream> {
+    l.accept().map(|(s, _)| s)
+}
 
 /// Longest accepted command line, bytes (newline included).
 pub const MAX_LINE: usize = 4096;
 /// Longest reply a client accepts, bytes.
 const MAX_REPLY: u64 = 1 << 20;
+/// Write timeout of the client side ([`request`]).
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once (a thread each).
+pub const SLOTS: usize = 8;
+/// From accept to the whole command line received and the reply taken.
+pub const DEADLINE: Duration = Duration::from_secs(5);
+/// How much of a leg must be zeros for `add` to take it without `--force` when it carries no
+/// superblock: where partition tables and filesystems keep their signatures (btrfs's
+/// superblock is at 64 KiB, ISO 9660's descriptors at 32 KiB, ext4's at 1 KiB, ...).
+const BLANK_PROBE: u64 = 128 << 10;
 
 /// The array behind the socket, with what the server knows about its legs.
 pub struct Control {
@@ -49,6 +73,9 @@ pub struct Control {
     raid_disks: usize,
     /// How new legs are opened.
     ov: QueueOverrides,
+    /// Held by the commands that change the array (one at a time, as when the socket served
+    /// one connection at a time); `status` and `detail` do not take it.
+    changing: Mutex<()>,
 }
 
 /// Whether two device specs name the same file (`file:` specs whose paths are one inode).
@@ -76,6 +103,7 @@ impl Control {
             specs: Arc::new(Mutex::new(specs)),
             raid_disks,
             ov,
+            changing: Mutex::new(()),
         }
     }
 
@@ -187,8 +215,11 @@ impl Control {
         }
     }
 
-    /// Opens a new leg, refusing one that belongs to another array.
-    fn open_new_leg(&self, spec: &str) -> Result<Arc<dyn blk::Device>> {
+    /// Opens a new leg, refusing one that belongs to another array, and (unless `force`) one
+    /// that is not blank: what `blkq raid create` refuses without `--force` (a damaged
+    /// superblock), and a leg without a superblock that holds data where other formats keep
+    /// theirs (its first [`BLANK_PROBE`] bytes are not all zeros).
+    fn open_new_leg(&self, spec: &str, force: bool) -> Result<Arc<dyn blk::Device>> {
         // A file already in the array is locked by its leg (flock): say what it is rather
         // than that some lock is held.
         if let Some(slot) = (0..self.raid.slots()).find(|&i| {
@@ -207,39 +238,64 @@ impl Control {
             );
         }
         let dev = raid::open_leg(spec, &self.ov)?;
-        if let raid::Probe::Member(sb) = raid::probe(dev.as_ref())? {
-            let ours = self.raid.superblock(0);
-            if let Some(slot) = ours.as_ref().and_then(|o| {
-                (0..self.raid.slots()).find(|&i| {
-                    self.raid.leg_status(i).is_some_and(|st| st.present)
-                        && o.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
-                })
-            }) {
-                bail!(
-                    "leg {spec:?} is already in the array ({}): give a different device",
-                    self.spec_name(slot)
-                );
+        match raid::probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
+            raid::Probe::Member(sb) => {
+                let ours = self.raid.superblock(0);
+                if let Some(slot) = ours.as_ref().and_then(|o| {
+                    (0..self.raid.slots()).find(|&i| {
+                        self.raid.leg_status(i).is_some_and(|st| st.present)
+                            && o.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
+                    })
+                }) {
+                    bail!(
+                        "leg {spec:?} is already in the array ({}): give a different device",
+                        self.spec_name(slot)
+                    );
+                }
+                if Some(sb.array_uuid) != ours.map(|o| o.array_uuid) {
+                    bail!(
+                        "leg {spec:?} carries the superblock of another array ({}): refusing to overwrite it. \
+                         If it is really free, zero its first 8 KiB (superblock) first",
+                        sb.array_uuid
+                    );
+                }
             }
-            if Some(sb.array_uuid) != ours.map(|o| o.array_uuid) {
-                bail!(
-                    "leg {spec:?} carries the superblock of another array ({}): refusing to overwrite it. \
-                     If it is really free, zero its first 8 KiB (superblock) first",
-                    sb.array_uuid
-                );
+            raid::Probe::Corrupt(e) if !force => bail!(
+                "leg {spec:?} carries a damaged raid1 superblock ({e}): refusing to overwrite it \
+                 without --force"
+            ),
+            raid::Probe::Blank if !force => {
+                let len = BLANK_PROBE.min(blk::Device::limits(dev.as_ref()).capacity);
+                let head = raid::read_at(dev.as_ref(), 0, len as usize)
+                    .with_context(|| format!("leg {spec:?}: reading it"))?;
+                if let Some(at) = head.iter().position(|&b| b != 0) {
+                    bail!(
+                        "leg {spec:?} has no raid1 superblock but holds data (a non-zero byte at \
+                         offset {at}, within the first {} KiB: a filesystem, a partition table, \
+                         an image?): refusing to overwrite it without --force",
+                        BLANK_PROBE >> 10
+                    );
+                }
             }
+            raid::Probe::Corrupt(_) | raid::Probe::Blank => {}
         }
         Ok(dev)
     }
 
     fn dispatch(&self, line: &str) -> Result<serde_json::Value> {
-        let mut it = line.split_whitespace();
+        let mut it = line.split_whitespace().peekable();
         let cmd = it.next().unwrap_or("");
+        if matches!(cmd, "status" | "detail") {
+            return Ok(json!({ "ok": true, "report": self.report() }));
+        }
+        let _changing = self.changing.lock();
+        // `add --force SPEC`, `replace --force N SPEC`.
+        let force = matches!(cmd, "add" | "replace") && it.next_if_eq(&"--force").is_some();
         let a1 = it.next();
         let a2 = it.next();
         let ok = |m: String| Ok(json!({ "ok": true, "message": m }));
         let r = &self.raid;
         match cmd {
-            "status" | "detail" => Ok(json!({ "ok": true, "report": self.report() })),
             "fail" => {
                 let n = self.slot(a1, cmd)?;
                 r.fail_leg(n).with_context(|| {
@@ -262,12 +318,17 @@ impl Control {
                 ok(format!("{name} removed"))
             }
             "add" => {
-                let spec = line
-                    .strip_prefix("add")
-                    .map(str::trim)
+                // The spec is the rest of the line (as typed; it may hold spaces).
+                let rest = line.strip_prefix("add").map(str::trim).unwrap_or("");
+                let rest = if force {
+                    rest.strip_prefix("--force").map(str::trim).unwrap_or(rest)
+                } else {
+                    rest
+                };
+                let spec = Some(rest)
                     .filter(|s| !s.is_empty())
-                    .context("usage: add SPEC (e.g. add file:/srv/c.img)")?;
-                let dev = self.open_new_leg(spec)?;
+                    .context("usage: add [--force] SPEC (e.g. add file:/srv/c.img)")?;
+                let dev = self.open_new_leg(spec, force)?;
                 let n = r.add_leg(dev).with_context(|| {
                     format!("cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?")
                 })?;
@@ -280,11 +341,11 @@ impl Control {
             }
             "replace" => {
                 let n = self.slot(a1, cmd)?;
-                let spec = a2.context("usage: replace N SPEC")?.to_string();
+                let spec = a2.context("usage: replace [--force] N SPEC")?.to_string();
                 if it.next().is_some() {
-                    bail!("usage: replace N SPEC (the spec has no spaces)");
+                    bail!("usage: replace [--force] N SPEC (the spec has no spaces)");
                 }
-                let dev = self.open_new_leg(&spec)?;
+                let dev = self.open_new_leg(&spec, force)?;
                 let raid = r.clone();
                 let specs = self.specs.clone();
                 let name = self.spec_name(n);
@@ -326,7 +387,7 @@ impl Control {
             }
             "" => bail!("empty command"),
             other => bail!(
-                "unknown command {other:?}: status, detail, fail N, remove N, add SPEC, replace N SPEC, check, repair, idle, speed-limit MIN MAX"
+                "unknown command {other:?}: status, detail, fail N, remove N, add [--force] SPEC, replace [--force] N SPEC, check, repair, idle, speed-limit MIN MAX"
             ),
         }
     }
@@ -340,35 +401,40 @@ pub struct ControlServer {
 }
 
 /// Reads one line of at most [`MAX_LINE`] bytes. `Err` with a message for the client when
-/// it is longer or not UTF-8.
-fn read_line(s: &UnixStream) -> std::result::Result<String, String> {
+/// it is longer, not UTF-8 or not complete by the deadline; `Ok(None)` when the connection was
+/// evicted (no reply: its socket is shut).
+fn read_line(s: &mut Session<UnixStream>) -> std::result::Result<Option<String>, String> {
     let mut r = BufReader::new(s.take(MAX_LINE as u64 + 1));
     let mut buf = Vec::with_capacity(256);
-    r.read_until(b'\n', &mut buf)
-        .map_err(|e| format!("reading the command: {e}"))?;
+    match r.read_until(b'\n', &mut buf) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted => return Ok(None),
+        Err(e) => return Err(format!("reading the command: {e}")),
+    }
     if buf.len() > MAX_LINE || (buf.len() == MAX_LINE && buf.last() != Some(&b'\n')) {
         return Err(format!(
             "command line longer than {MAX_LINE} bytes: refused"
         ));
     }
-    String::from_utf8(buf).map_err(|_| "command is not UTF-8".to_string())
+    String::from_utf8(buf)
+        .map(Some)
+        .map_err(|_| "command is not UTF-8".to_string())
 }
 
-fn serve_one(ctl: &Control, s: UnixStream) {
-    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
-    let _ = s.set_write_timeout(Some(IO_TIMEOUT));
-    let reply = match read_line(&s) {
-        Ok(line) => ctl.handle(&line),
+/// Serves one connection: one line, one reply (see [`crate::listen`] for the bounds).
+fn serve_one(ctl: &Control, s: &mut Session<UnixStream>) {
+    let reply = match read_line(s) {
+        Ok(Some(line)) => match s.work(|| ctl.handle(&line)) {
+            Ok(r) => r,
+            Err(_) => return,
+        },
+        Ok(None) => return,
         Err(e) => json!({ "ok": false, "error": e }),
     };
-    let mut w = &s;
-    let _ = writeln!(w, "{reply}");
-    let _ = w.flush();
-    // Then drain what the client still sends (bounded), so that closing with unread data
-    // does not reset the connection before the client has read the reply.
-    let _ = s.shutdown(std::net::Shutdown::Write);
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    let _ = std::io::copy(&mut (&s).take(64 << 10), &mut std::io::sink());
+    if writeln!(s, "{reply}").and_then(|()| s.flush()).is_err() {
+        return;
+    }
+    s.finish();
 }
 
 impl ControlServer {
@@ -398,22 +464,15 @@ impl ControlServer {
         let stop = Arc::new(AtomicBool::new(false));
         let t = {
             let stop = stop.clone();
+            let limits = Limits {
+                slots: SLOTS,
+                deadline: DEADLINE,
+            };
+            let handler = Arc::new(move |s: &mut Session<UnixStream>| serve_one(&ctl, s));
             thread::spawn(move || {
-                for s in l.incoming() {
-                    // Acquire: pairs with the Release store in `shutdown` (only a flag: the
-                    // wake-up connection carries no data).
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    match s {
-                        Ok(s) => serve_one(&ctl, s),
-                        Err(e) => {
-                            // E.g. out of file descriptors: back off instead of spinning.
-                            tracing::warn!("control socket: accept: {e}");
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
-                    }
-                }
+                // The stop flag is stored with Release in `shutdown`, and looked at after each
+                // accept (the wake-up connection carries no data).
+                listen::serve("control", limits, || accept(&l), &stop, handler);
             })
         };
         Ok(Self {
@@ -423,7 +482,8 @@ impl ControlServer {
         })
     }
 
-    /// Stops the thread and removes the socket file.
+    /// Stops the thread (after the connections being served end: evicted if they wait on
+    /// their client) and removes the socket file.
     pub fn shutdown(mut self) {
         self.stop_now();
     }

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod config;
 mod control;
+mod listen;
 mod logs;
 mod metrics;
 mod raid;

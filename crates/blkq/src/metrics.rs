@@ -8,18 +8,22 @@
 //! `node_md_*` shape (those names unprefixed, `device` = the export name), so dashboards made
 //! for node_exporter work with a relabel of the prefix.
 //!
-//! The HTTP side is a minimal GET handler on one thread: one connection at a time, a request
-//! of at most [`MAX_REQUEST`] bytes, read and write timeouts of [`IO_TIMEOUT`], `Connection:
-//! close` after every reply. A scraper can delay another by at most the timeouts, and nothing
-//! it sends makes anything grow. 404 for any other path, 405 for any other method.
+//! The HTTP side is a minimal GET handler: up to [`SLOTS`] connections at once, a thread
+//! each; a request of at most [`MAX_REQUEST`] bytes, which must arrive whole within
+//! [`IO_TIMEOUT`] of connecting (408 otherwise) and its reply be taken by then; `Connection:
+//! close` after every reply. When every slot is taken, a new connection evicts the oldest one
+//! still waiting on its client, so idle or trickling connections cannot keep a scrape out
+//! ([`crate::listen`] has the bounds and why evict rather than refuse), and nothing a client
+//! sends makes anything grow. 404 for any other path, 405 for any other method.
 
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use blk::stats::DiskStats;
+use blkq_sync::atomic::AtomicBool;
 use blkq_sync::{thread, Arc};
 use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
 use prometheus_client::collector::Collector;
@@ -30,11 +34,14 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::control::Control;
+use crate::listen::{self, Limits, Session};
 
 /// Longest request accepted (request line and headers), bytes.
 pub const MAX_REQUEST: usize = 8 << 10;
-/// Read and write timeout of a scrape's connection, and the deadline of its whole request.
+/// The deadline of a scrape's whole request (and its reply, see [`crate::listen`]), from accept.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections served at once (a thread each).
+pub const SLOTS: usize = 8;
 /// The content type of the reply.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -69,21 +76,26 @@ impl MetricsServer {
         let l = TcpListener::bind(addr).with_context(|| format!("--metrics: binding {addr}"))?;
         let addr = l.local_addr()?;
         let registry = registry(sources);
-        // The thread lives as long as the process (it only reads counters).
-        thread::spawn(move || {
-            for s in l.incoming() {
-                match s {
-                    Ok(s) => {
-                        if let Err(e) = serve_one(s, &registry) {
-                            tracing::debug!("metrics: a scrape failed: {e}");
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!("metrics: accept failed: {e}");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
+        let handler = Arc::new(move |s: &mut Session<TcpStream>| {
+            if let Err(e) = answer(s, &registry) {
+                tracing::debug!("metrics: a scrape failed: {e}");
             }
+            s.finish();
+        });
+        let limits = Limits {
+            slots: SLOTS,
+            deadline: IO_TIMEOUT,
+        };
+        // The threads live as long as the process (they only read counters).
+        thread::spawn(move || {
+            let never = AtomicBool::new(false);
+            listen::serve(
+                "metrics",
+                limits,
+                || l.accept().map(|(s, _)| s),
+                &never,
+                handler,
+            );
         });
         Ok(Self { addr })
     }
@@ -95,8 +107,7 @@ impl MetricsServer {
 }
 
 /// `blkq serve --metrics`: starts the endpoint, says where it is (stdout, the log, and
-/// `addr_file` if given: written to a temporary name and renamed, so a reader never sees it
-/// half-written).
+/// `addr_file` if given: see [`write_replacing`]).
 pub fn start_for_serve(
     addr: SocketAddr,
     addr_file: Option<&std::path::Path>,
@@ -115,12 +126,58 @@ pub fn start_for_serve(
     println!("metrics: http://{bound}/metrics");
     tracing::info!(addr = %bound, "metrics endpoint up: http://{bound}/metrics");
     if let Some(p) = addr_file {
-        let tmp = p.with_extension("tmp");
-        std::fs::write(&tmp, format!("{bound}\n"))
-            .and_then(|()| std::fs::rename(&tmp, p))
+        write_replacing(p, &format!("{bound}\n"))
             .with_context(|| format!("--metrics-addr-file {}", p.display()))?;
     }
     Ok(m)
+}
+
+/// Writes `text` to `path` so that a reader never sees it half-written and nothing planted
+/// beside it is written through: a new file of an unpredictable name in the same directory,
+/// created with `O_CREAT|O_EXCL|O_NOFOLLOW` (an existing file or link of that name is an
+/// error, and another name is tried), then renamed onto `path` (which replaces a link at `path`
+/// itself, never its target).
+fn write_replacing(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("the path must end in a file name"))?
+        .to_string_lossy();
+    let mut last = None;
+    for attempt in 0..64u32 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u32(attempt);
+        let tmp = dir.join(format!(".{name}.{:016x}.tmp", h.finish()));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp);
+        let mut f = match f {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                last = Some(e);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let done = f
+            .write_all(text.as_bytes())
+            .and_then(|()| f.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, path));
+        if done.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        return done;
+    }
+    Err(last.unwrap_or_else(|| std::io::ErrorKind::AlreadyExists.into()))
 }
 
 /// The registry: one collector that reads everything at scrape time.
@@ -136,31 +193,8 @@ fn encode(r: &Registry) -> Result<String> {
     Ok(out)
 }
 
-/// Serves one connection: one request, one reply, then a bounded drain of what the client
-/// still sends (so that closing with unread bytes does not reset the connection and lose
-/// the reply on its way).
-fn serve_one(mut s: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    let deadline = Instant::now() + IO_TIMEOUT;
-    let res = answer(&mut s, registry, deadline);
-    let _ = s.shutdown(std::net::Shutdown::Write);
-    let mut sink = [0u8; 4096];
-    let mut drained = 0;
-    while drained < 64 << 10 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
-            break;
-        }
-        match s.read(&mut sink) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => drained += n,
-        }
-    }
-    res
-}
-
-/// Reads one request (by `deadline`) and writes its reply.
-fn answer(s: &mut TcpStream, registry: &Registry, deadline: Instant) -> std::io::Result<()> {
-    s.set_write_timeout(Some(IO_TIMEOUT))?;
+/// Reads one request (within the session's deadline) and writes its reply.
+fn answer(s: &mut Session<TcpStream>, registry: &Registry) -> std::io::Result<()> {
     let mut buf = [0u8; MAX_REQUEST];
     let mut len = 0;
     let head_end = loop {
@@ -170,24 +204,21 @@ fn answer(s: &mut TcpStream, registry: &Registry, deadline: Instant) -> std::io:
         if len == buf.len() {
             return reply(s, "431 Request Header Fields Too Large", "text/plain", "");
         }
-        // Each read waits at most until the request's deadline.
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(());
+        match s.read(&mut buf[len..]) {
+            Ok(0) => return Ok(()),
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return reply(s, "408 Request Timeout", "text/plain", &format!("{e}\n"));
+            }
+            Err(e) => return Err(e),
         }
-        s.set_read_timeout(Some(left))?;
-        let n = s.read(&mut buf[len..])?;
-        if n == 0 {
-            return Ok(());
-        }
-        len += n;
     };
     let head = String::from_utf8_lossy(&buf[..head_end]);
     let mut words = head.lines().next().unwrap_or("").split_whitespace();
     let (method, target) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
     match (method, path) {
-        ("GET" | "HEAD", "/metrics") => match encode(registry) {
+        ("GET" | "HEAD", "/metrics") => match s.work(|| encode(registry))? {
             Ok(body) => reply(
                 s,
                 "200 OK",
@@ -210,7 +241,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-fn reply(s: &mut TcpStream, status: &str, ctype: &str, body: &str) -> std::io::Result<()> {
+fn reply(s: &mut impl Write, status: &str, ctype: &str, body: &str) -> std::io::Result<()> {
     let mut head = String::with_capacity(128);
     let _ = write!(
         head,

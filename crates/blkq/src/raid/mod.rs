@@ -23,7 +23,7 @@ use clap::{Args, Subcommand};
 use raid1::{Raid1, Raid1Config};
 
 use offline::offline_plan;
-pub use offline::{open_leg, plan, plan_devices, probe, raid1_config, split_legs, Probe};
+pub use offline::{open_leg, plan, plan_devices, probe, raid1_config, read_at, split_legs, Probe};
 use progress::progress_line;
 pub use report::{ArrayReport, BitmapReport, LegReport, SyncReport};
 
@@ -147,8 +147,14 @@ struct SlotArgs {
 
 #[derive(Args, Debug)]
 struct AddArgs {
-    /// The new leg: a device spec.
+    /// The new leg: a device spec. It must be blank (no raid1 superblock, and zeros in its
+    /// first 128 KiB, where filesystems and partition tables keep their signatures) or a
+    /// former leg of this array, unless --force.
     spec: String,
+    /// Overwrite a leg that holds data or a damaged raid1 superblock (never one of another
+    /// array: zero its superblock first).
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -157,10 +163,22 @@ struct AddArgs {
 struct ReplaceArgs {
     /// Slot of the leg to replace.
     slot: usize,
-    /// The new leg: a device spec.
+    /// The new leg: a device spec (blank, as for `add`, unless --force).
     spec: String,
+    /// As for `add`.
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     ctl: ControlArg,
+}
+
+/// `--force ` for a control line, or nothing.
+fn force_word(force: bool) -> &'static str {
+    if force {
+        "--force "
+    } else {
+        ""
+    }
 }
 
 #[derive(Args, Debug)]
@@ -338,8 +356,14 @@ pub fn run(a: RaidArgs) -> Result<()> {
         RaidCmd::Repair(q) => sync_action(q, "repair"),
         RaidCmd::Fail(s) => simple(&s.ctl.control, &format!("fail {}", s.slot)),
         RaidCmd::Remove(s) => simple(&s.ctl.control, &format!("remove {}", s.slot)),
-        RaidCmd::Add(s) => simple(&s.ctl.control, &format!("add {}", s.spec)),
-        RaidCmd::Replace(s) => simple(&s.ctl.control, &format!("replace {} {}", s.slot, s.spec)),
+        RaidCmd::Add(s) => simple(
+            &s.ctl.control,
+            &format!("add {}{}", force_word(s.force), s.spec),
+        ),
+        RaidCmd::Replace(s) => simple(
+            &s.ctl.control,
+            &format!("replace {}{} {}", force_word(s.force), s.slot, s.spec),
+        ),
         RaidCmd::Idle(c) => simple(&c.control, "idle"),
         RaidCmd::SpeedLimit(s) => {
             simple(&s.ctl.control, &format!("speed-limit {} {}", s.min, s.max))

@@ -1,0 +1,330 @@
+//! Hostile clients of the control socket (`blkq serve --raid1 ... --control PATH`; issue #25,
+//! finding 5): tricklers, floods of idle connections, oversized and malformed lines, and `raid
+//! add` of a device that is not blank. The built binary, file legs in a tempdir.
+//!
+//! The bounds (`crates/blkq/src/control.rs`, `listen.rs`): [`SLOTS`] connections are served at
+//! once, a thread each; a connection has [`DEADLINE`] in all to send its line and read its
+//! reply; when every slot is taken, a new connection evicts the oldest one still waiting on its
+//! client, so a legitimate command always gets through.
+
+mod common;
+use common::*;
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::Arc;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const LEG_SIZE: u64 = 8 << 20;
+/// Connections served at once (`control::SLOTS`).
+const SLOTS: usize = 8;
+/// The whole-request deadline (`control::DEADLINE`).
+const DEADLINE: Duration = Duration::from_secs(5);
+
+fn leg(dir: &Path, name: &str) -> String {
+    leg_file(dir, name, LEG_SIZE).1
+}
+
+fn serve(dir: &Path) -> Server {
+    let (a, b) = (leg(dir, "a.img"), leg(dir, "b.img"));
+    Server::start(dir, &format!("{a},{b}"), &["--raid1-create"])
+}
+
+/// Runs `blkq ARGS`, which must succeed within `limit` (killed and failed otherwise);
+/// returns its stdout.
+fn ok_within(args: &[&str], limit: Duration) -> String {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("blkq {args:?} got no answer within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(st.success(), "blkq {args:?} failed: {out}\n{err}");
+    out
+}
+
+/// Clients that connect and send one byte (never a newline) every `every`, reconnecting
+/// whenever the server closes on them, until dropped.
+struct Tricklers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Tricklers {
+    fn start(path: &Path, n: usize, every: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let (stop, path) = (stop.clone(), path.to_path_buf());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let Ok(mut s) = UnixStream::connect(&path) else {
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        };
+                        while !stop.load(Ordering::Relaxed) && s.write_all(b"s").is_ok() {
+                            std::thread::sleep(every);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Tricklers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The server's pid, from the credentials of a connection to it.
+fn server_pid(ctl: &str) -> i32 {
+    let s = UnixStream::connect(ctl).unwrap();
+    // SAFETY: `ucred` is a plain C struct; all-zero bytes are a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) with SO_PEERCRED writes at most `len` bytes into `cred`.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(r, 0, "SO_PEERCRED");
+    cred.pid
+}
+
+fn threads_of(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count()
+}
+
+/// Sends `req` on a new connection, returns what comes back until the server closes.
+fn exchange(ctl: &str, req: &[u8]) -> String {
+    let mut s = UnixStream::connect(ctl).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = s.write_all(req);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Bound: slots. With twice [`SLOTS`] clients trickling a byte every 500 ms (each
+/// reconnecting when cut), `blkq raid status` still answers, within 3 s.
+#[test]
+fn status_answers_while_tricklers_hold_every_slot() {
+    let d = tempfile::tempdir().unwrap();
+    let s = serve(d.path());
+    let _t = Tricklers::start(Path::new(s.ctl()), 2 * SLOTS, Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..3 {
+        let out = ok_within(
+            &["raid", "status", "--control", s.ctl()],
+            Duration::from_secs(3),
+        );
+        assert!(out.contains("[UU]"), "{out}");
+    }
+}
+
+/// Bound: deadline. A client trickling a byte every second (each read well within any
+/// per-read timeout) is cut [`DEADLINE`] after it connected, not later, and told why.
+#[test]
+fn a_trickler_is_cut_at_the_deadline() {
+    let d = tempfile::tempdir().unwrap();
+    let s = serve(d.path());
+    let mut c = UnixStream::connect(s.ctl()).unwrap();
+    let t0 = Instant::now();
+    c.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut got = Vec::new();
+    let mut next_byte = t0;
+    let cut = loop {
+        if Instant::now() >= next_byte {
+            if c.write_all(b"s").is_err() {
+                break t0.elapsed();
+            }
+            next_byte += Duration::from_secs(1);
+        }
+        let mut b = [0u8; 512];
+        match c.read(&mut b) {
+            Ok(0) => break t0.elapsed(),
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break t0.elapsed(),
+        }
+        assert!(
+            t0.elapsed() < DEADLINE * 2,
+            "a trickler is still connected after {:?}",
+            t0.elapsed()
+        );
+    };
+    assert!(
+        cut >= DEADLINE - Duration::from_millis(500) && cut < DEADLINE + Duration::from_secs(2),
+        "cut after {cut:?}, the deadline is {DEADLINE:?}"
+    );
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.contains("\"ok\":false") && got.contains("5 s"), "{got}");
+}
+
+/// Bounds: slots and memory (threads). Sixty-four connections that send nothing take at most
+/// [`SLOTS`] threads of the server, and `blkq raid status` answers within 3 s while they
+/// are held open.
+#[test]
+fn a_flood_of_idle_connections_takes_slots_not_threads() {
+    let d = tempfile::tempdir().unwrap();
+    let s = serve(d.path());
+    let pid = server_pid(s.ctl());
+    std::thread::sleep(Duration::from_millis(200));
+    let before = threads_of(pid);
+    let idle: Vec<UnixStream> = (0..64)
+        .map(|_| UnixStream::connect(s.ctl()).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = threads_of(pid);
+    assert!(
+        during <= before + SLOTS + 1,
+        "{} idle connections: {before} threads before, {during} during",
+        idle.len()
+    );
+    let out = ok_within(
+        &["raid", "status", "--control", s.ctl()],
+        Duration::from_secs(3),
+    );
+    assert!(out.contains("[UU]"), "{out}");
+    drop(idle);
+}
+
+/// Bound: memory. Lines over 4 KiB (with or without a newline) and lines that are not UTF-8
+/// are refused with a reason; a line cut by the client's EOF is still answered; the socket
+/// stays usable.
+#[test]
+fn bad_lines_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let s = serve(d.path());
+    let ctl = s.ctl();
+    let r = exchange(ctl, "x".repeat(64 << 10).as_bytes());
+    assert!(r.contains("longer than 4096"), "{r}");
+    let r = exchange(ctl, format!("status {}\n", " ".repeat(5000)).as_bytes());
+    assert!(r.contains("longer than 4096"), "{r}");
+    let r = exchange(ctl, b"stat\xff\xfeus\n");
+    assert!(r.contains("not UTF-8"), "{r}");
+    let r = exchange(ctl, b"\n");
+    assert!(r.contains("empty command"), "{r}");
+    let r = exchange(ctl, b"bogus 1 2 3\n");
+    assert!(r.contains("unknown command"), "{r}");
+    // Connect and close at once, many times.
+    for _ in 0..32 {
+        drop(UnixStream::connect(ctl).unwrap());
+    }
+    // A line cut by EOF (no newline) is still a line.
+    let mut c = UnixStream::connect(ctl).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"status").unwrap();
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut r = String::new();
+    c.read_to_string(&mut r).unwrap();
+    assert!(r.contains("\"ok\":true"), "{r}");
+    assert!(s.status().contains("[UU]"));
+}
+
+/// `raid add` (and `replace`) through the control socket refuse, unless `--force`, what
+/// `raid create` refuses: a leg with a damaged superblock; and also a leg with no superblock
+/// whose first 128 KiB hold data (a filesystem, a partition table, an image): nothing there is
+/// overwritten. A blank (zeroed) leg needs no `--force`.
+#[test]
+fn add_refuses_a_leg_that_is_not_blank_unless_forced() {
+    use std::os::unix::fs::FileExt;
+    let d = tempfile::tempdir().unwrap();
+    let s = serve(d.path());
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    ok(&["raid", "remove", "1", "--control", s.ctl()]);
+
+    // A leg of another array, its superblock then damaged (checksum).
+    let (x, y) = (leg(d.path(), "x.img"), leg(d.path(), "y.img"));
+    ok(&["raid", "create", &x, &y]);
+    let xf = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.path().join("x.img"))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    xf.read_exact_at(&mut byte, 4096 + 20).unwrap();
+    xf.write_all_at(&[byte[0] ^ 0xff], 4096 + 20).unwrap();
+    let e = fails(&["raid", "add", &x, "--control", s.ctl()]);
+    assert!(
+        e.contains("damaged raid1 superblock") && e.contains("--force"),
+        "{e}"
+    );
+    let e = fails(&["raid", "replace", "0", &x, "--control", s.ctl()]);
+    assert!(e.contains("damaged raid1 superblock"), "{e}");
+
+    // No superblock, but data: an ext4 superblock's magic at 1080, say.
+    let (fs_path, fs) = leg_file(d.path(), "fs.img", LEG_SIZE);
+    let ff = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&fs_path)
+        .unwrap();
+    ff.write_all_at(&[0x53, 0xef], 1080).unwrap();
+    let e = fails(&["raid", "add", &fs, "--control", s.ctl()]);
+    assert!(
+        e.contains("no raid1 superblock") && e.contains("data") && e.contains("--force"),
+        "{e}"
+    );
+    // Data further in (at 64 KiB, where btrfs keeps its superblock) counts too.
+    let (far_path, far) = leg_file(d.path(), "far.img", LEG_SIZE);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&far_path)
+        .unwrap()
+        .write_all_at(b"_BHRfS_M", (64 << 10) + 64)
+        .unwrap();
+    let e = fails(&["raid", "add", &far, "--control", s.ctl()]);
+    assert!(e.contains("data"), "{e}");
+    let st = s.status();
+    assert!(st.contains("[U_]"), "nothing was added: {st}");
+
+    // --force overrides.
+    let m = ok(&["raid", "add", "--force", &fs, "--control", s.ctl()]);
+    assert!(m.contains("slot 1"), "{m}");
+    assert!(s.status().contains("fs.img"));
+}

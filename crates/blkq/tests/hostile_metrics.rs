@@ -1,0 +1,270 @@
+//! Hostile clients of the metrics endpoint (`blkq serve --metrics ADDR:PORT`; issue #25,
+//! finding 5): idle and trickling connections, floods, oversized and malformed requests, and
+//! a symlink planted where `--metrics-addr-file` writes. The built binary.
+//!
+//! The bounds (`crates/blkq/src/metrics.rs`, `listen.rs`): [`SLOTS`] connections are served
+//! at once, a thread each; a connection has [`DEADLINE`] in all to send its request and read
+//! its reply; when every slot is taken, a new connection evicts the oldest one still waiting on
+//! its client, so a scrape always gets through.
+
+mod common;
+
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::Arc;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::Serving;
+
+/// Connections served at once (`metrics::SLOTS`).
+const SLOTS: usize = 8;
+/// The whole-request deadline (`metrics::IO_TIMEOUT`).
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// `blkq serve --metrics 127.0.0.1:0`: the server and the endpoint's address.
+fn serve(dir: &Path) -> (Serving, String) {
+    let file = dir.join("metrics.addr");
+    let mut s = Serving::start(
+        dir,
+        "m",
+        &[
+            "--device",
+            "mem:1M",
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    let t0 = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(&file) {
+            if a.ends_with('\n') {
+                return (s, a.trim().to_string());
+            }
+        }
+        if let Some(st) = s.child.try_wait().unwrap() {
+            panic!("blkq serve exited: {st}: {}", s.stderr_text());
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no metrics address");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `req`, returns the reply (everything until the server closes), failing the test if
+/// it takes longer than `limit`.
+fn exchange_within(addr: &str, req: &[u8], limit: Duration) -> String {
+    let t0 = Instant::now();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(limit)).unwrap();
+    // The server may answer (and close) before it has read everything sent.
+    let _ = s.write_all(req);
+    let mut out = Vec::new();
+    let r = s.read_to_end(&mut out);
+    assert!(
+        r.is_ok() && t0.elapsed() < limit,
+        "no whole reply within {limit:?} ({r:?}): {}",
+        String::from_utf8_lossy(&out)
+    );
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn scrape_within(addr: &str, limit: Duration) {
+    let r = exchange_within(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", limit);
+    assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
+    assert!(r.ends_with("# EOF\n"), "{r}");
+}
+
+/// Clients that connect and send one byte of a request head every `every` (never the blank
+/// line that ends it), reconnecting whenever the server closes on them, until dropped.
+struct Tricklers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Tricklers {
+    fn start(addr: &str, n: usize, every: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let (stop, addr) = (stop.clone(), addr.to_string());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let Ok(mut s) = TcpStream::connect(&addr) else {
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        };
+                        while !stop.load(Ordering::Relaxed) && s.write_all(b"G").is_ok() {
+                            std::thread::sleep(every);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Tricklers {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count()
+}
+
+/// Bound: slots. With more idle connections than [`SLOTS`] open (they send nothing), a scrape
+/// is answered within 2 s (served one at a time, 5 s each, five of them delayed it 25 s).
+#[test]
+fn a_scrape_answers_while_idle_connections_hold_every_slot() {
+    let d = tempfile::tempdir().unwrap();
+    let (_s, addr) = serve(d.path());
+    let idle: Vec<TcpStream> = (0..2 * SLOTS)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    for _ in 0..3 {
+        scrape_within(&addr, Duration::from_secs(2));
+    }
+    drop(idle);
+}
+
+/// Bound: slots. With twice [`SLOTS`] clients trickling a request head a byte every 500 ms
+/// (each reconnecting when cut), a scrape is answered within 2 s.
+#[test]
+fn a_scrape_answers_while_tricklers_hold_every_slot() {
+    let d = tempfile::tempdir().unwrap();
+    let (_s, addr) = serve(d.path());
+    let _t = Tricklers::start(&addr, 2 * SLOTS, Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..3 {
+        scrape_within(&addr, Duration::from_secs(2));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// Bound: deadline. A client trickling a request head a byte every 500 ms is cut
+/// [`DEADLINE`] after it connected, not later.
+#[test]
+fn a_trickler_is_cut_at_the_deadline() {
+    let d = tempfile::tempdir().unwrap();
+    let (_s, addr) = serve(d.path());
+    let mut c = TcpStream::connect(&addr).unwrap();
+    let t0 = Instant::now();
+    c.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut next_byte = t0;
+    let cut = loop {
+        if Instant::now() >= next_byte {
+            if c.write_all(b"G").is_err() {
+                break t0.elapsed();
+            }
+            next_byte += Duration::from_millis(500);
+        }
+        let mut b = [0u8; 512];
+        match c.read(&mut b) {
+            Ok(0) => break t0.elapsed(),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break t0.elapsed(),
+        }
+        assert!(
+            t0.elapsed() < DEADLINE * 2,
+            "a trickler is still connected after {:?}",
+            t0.elapsed()
+        );
+    };
+    assert!(
+        cut >= DEADLINE - Duration::from_millis(500) && cut < DEADLINE + Duration::from_secs(2),
+        "cut after {cut:?}, the deadline is {DEADLINE:?}"
+    );
+}
+
+/// Bounds: slots and memory (threads). Sixty-four connections that send nothing take at most
+/// [`SLOTS`] threads of the server, and a scrape answers within 2 s while they are open.
+#[test]
+fn a_flood_of_idle_connections_takes_slots_not_threads() {
+    let d = tempfile::tempdir().unwrap();
+    let (s, addr) = serve(d.path());
+    let pid = s.child.id();
+    std::thread::sleep(Duration::from_millis(200));
+    let before = threads_of(pid);
+    let idle: Vec<TcpStream> = (0..64)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = threads_of(pid);
+    assert!(
+        during <= before + SLOTS + 1,
+        "{} idle connections: {before} threads before, {during} during",
+        idle.len()
+    );
+    scrape_within(&addr, Duration::from_secs(2));
+    drop(idle);
+}
+
+/// Bound: memory. A request head over 8 KiB is refused (431), bytes that are not UTF-8 or
+/// not HTTP get 404/405, and the endpoint keeps serving.
+#[test]
+fn bad_requests_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let (_s, addr) = serve(d.path());
+    let limit = Duration::from_secs(3);
+    let mut huge = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+    huge.resize(64 << 10, b'a');
+    let r = exchange_within(&addr, &huge, limit);
+    assert!(r.starts_with("HTTP/1.1 431 "), "{r}");
+    let r = exchange_within(&addr, b"\xff\xfe\x00 /metrics\r\n\r\n", limit);
+    assert!(r.starts_with("HTTP/1.1 405 "), "{r}");
+    let r = exchange_within(&addr, b"GET /\xff\xfe HTTP/1.1\r\n\r\n", limit);
+    assert!(r.starts_with("HTTP/1.1 404 "), "{r}");
+    let r = exchange_within(&addr, b"\r\n\r\n", limit);
+    assert!(r.starts_with("HTTP/1.1 405 "), "{r}");
+    for _ in 0..32 {
+        drop(TcpStream::connect(&addr).unwrap());
+    }
+    scrape_within(&addr, limit);
+}
+
+/// `--metrics-addr-file FILE` with a symlink planted at `FILE.tmp` (the old temporary name):
+/// the link's target is not written, and FILE gets the address.
+#[test]
+fn the_addr_file_is_not_written_through_a_planted_symlink() {
+    let d = tempfile::tempdir().unwrap();
+    let victim = d.path().join("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    std::os::unix::fs::symlink(&victim, d.path().join("metrics.tmp")).unwrap();
+    let (_s, addr) = serve(d.path());
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+    assert!(std::fs::symlink_metadata(d.path().join("metrics.tmp"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    let written = std::fs::read_to_string(d.path().join("metrics.addr")).unwrap();
+    assert_eq!(written.trim(), addr);
+    // Nothing else left behind: the victim, the link, the address, and serve's own files.
+    let mut names: Vec<String> = std::fs::read_dir(d.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "m.sock",
+            "m.stderr",
+            "metrics.addr",
+            "metrics.tmp",
+            "victim"
+        ]
+    );
+}
