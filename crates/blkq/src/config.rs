@@ -12,6 +12,11 @@
 //! `--config` is given alone: every other `blkq serve` flag is refused next to it (clap's
 //! conflict, see [`CONFLICTS_WITH_CONFIG`]), so what a service serves is all in its file.
 //!
+//! Relative paths in the file (`[server] socket`, `[tls] certificates`, `file:` device specs of
+//! `[[export]] device` and `[[raid1]] legs`, `[[raid1]] control`) are from the file's directory
+//! ([`Config::load`]), as whoever reads the file expects; on the command line they are from the
+//! working directory, as usual. A key left out takes the flag's default as is (`./blkq.sock`).
+//!
 //! Layout (see docs/blkq.example.toml):
 //! ```toml
 //! [server]   # socket, socket_mode, listen, no_tcp, no_unix, queue_depth, hw_queues,
@@ -153,8 +158,8 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSection {
-    /// `--socket`.
-    pub socket: PathBuf,
+    /// `--socket` (left out: the flag's default, `./blkq.sock`).
+    pub socket: Option<PathBuf>,
     /// `--socket-mode`: `0o660` (a TOML octal integer) or `"660"`.
     pub socket_mode: Spanned<Octal>,
     /// `--listen`.
@@ -183,7 +188,7 @@ impl Default for ServerSection {
     /// The command line's defaults (a test checks they agree).
     fn default() -> Self {
         Self {
-            socket: nbd::server::DEFAULT_UNIX_PATH.into(),
+            socket: None,
             socket_mode: cli(Octal::Int(i64::from(nbd::server::DEFAULT_UNIX_MODE))),
             listen: cli(nbd::server::DEFAULT_TCP_ADDR.into()),
             no_tcp: false,
@@ -417,18 +422,54 @@ pub struct Plan {
 }
 
 impl Config {
-    /// Reads and parses a TOML file (syntax errors and unknown keys name the line).
+    /// Reads and parses a TOML file (syntax errors and unknown keys name the line), and makes
+    /// the relative paths it gives relative to its directory ([`Config::paths_from`]).
     pub fn load(path: &Path) -> Result<(Config, Source)> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading --config {}", path.display()))?;
-        let cfg = Self::parse(path, &text)?;
-        Ok((
-            cfg,
-            Source::File {
-                path: path.to_path_buf(),
-                text,
-            },
-        ))
+        let mut cfg = Self::parse(path, &text)?;
+        let src = Source::File {
+            path: path.to_path_buf(),
+            text,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            cfg.paths_from(dir, &src)?;
+        }
+        Ok((cfg, src))
+    }
+
+    /// Joins `dir` (the file's directory) to every relative path of the file: the socket, the
+    /// certificates directory, control sockets, and the paths of `file:` device specs.
+    fn paths_from(&mut self, dir: &Path, src: &Source) -> Result<()> {
+        let join = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        };
+        let spec = |v: &mut Spanned<String>, key: &str| -> Result<()> {
+            let s = spec_from(v.get_ref(), dir)
+                .with_context(|| format!("{} {:?}", src.at(v, key, key), v.get_ref()))?;
+            *v.get_mut() = s;
+            Ok(())
+        };
+        if let Some(p) = &mut self.server.socket {
+            join(p);
+        }
+        if let Some(p) = &mut self.tls.certificates {
+            join(p);
+        }
+        for e in &mut self.exports {
+            spec(&mut e.device, "device")?;
+        }
+        for r in &mut self.arrays {
+            if let Some(p) = &mut r.control {
+                join(p);
+            }
+            for leg in r.legs.get_mut() {
+                spec(leg, "legs")?;
+            }
+        }
+        Ok(())
     }
 
     /// Parses TOML `text` read from `path`.
@@ -456,7 +497,7 @@ impl Config {
             a.allow_subjects.iter().cloned().map(cli).collect();
         let mut cfg = Config {
             server: ServerSection {
-                socket: a.socket.clone(),
+                socket: Some(a.socket.clone()),
                 socket_mode: cli(Octal::Int(i64::from(a.socket_mode))),
                 listen: cli(a.listen.clone()),
                 no_tcp: a.no_tcp,
@@ -559,7 +600,11 @@ impl Config {
                 src.at(&s.socket_mode, "socket_mode", "socket-mode")
             ),
         };
-        let unix = (!s.no_unix).then(|| (s.socket.clone(), mode));
+        let socket = s
+            .socket
+            .clone()
+            .unwrap_or_else(|| nbd::server::DEFAULT_UNIX_PATH.into());
+        let unix = (!s.no_unix).then_some((socket, mode));
         if !(1..=86400).contains(s.shutdown_timeout.get_ref()) {
             bail!(
                 "{}: must be between 1 and 86400 seconds",
@@ -670,6 +715,33 @@ impl Config {
             exports,
         })
     }
+}
+
+/// `spec` with the path of a `file:` spec joined to `dir` when it is relative; other specs as
+/// they are.
+fn spec_from(spec: &str, dir: &Path) -> Result<String> {
+    let Some(rest) = spec.strip_prefix("file:") else {
+        return Ok(spec.to_string());
+    };
+    let (path, opts) = match rest.split_once(',') {
+        Some((p, o)) => (p, Some(o)),
+        None => (rest, None),
+    };
+    if path.is_empty() || Path::new(path).is_absolute() {
+        return Ok(spec.to_string());
+    }
+    let full = dir.join(path);
+    let Some(full) = full.to_str().filter(|f| !f.contains(',')) else {
+        bail!(
+            "the path is relative to the config file's directory, {}, whose name a device spec \
+             cannot hold (a comma, or not UTF-8): write the path absolute",
+            dir.display()
+        );
+    };
+    Ok(match opts {
+        Some(o) => format!("file:{full},{o}"),
+        None => format!("file:{full}"),
+    })
 }
 
 /// An export's access rules, validated.
@@ -1169,6 +1241,83 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
             allow: allow.iter().map(|c| parse_cidr(c).unwrap()).collect(),
             ..Access::default()
         })
+    }
+
+    #[test]
+    fn relative_paths_in_a_file_are_from_its_directory() {
+        let d = tempfile::tempdir().unwrap();
+        let etc = d.path().join("etc");
+        std::fs::create_dir(&etc).unwrap();
+        let f = etc.join("blkq.toml");
+        std::fs::write(
+            &f,
+            r#"
+[server]
+socket = "run/blkq.sock"
+[tls]
+mode = "on"
+certificates = "pki"
+[[export]]
+name = "rel"
+device = "file:disk.img,ro=1"
+[[export]]
+name = "abs"
+device = "file:/srv/abs.img"
+[[export]]
+name = "mem"
+device = "mem:1M"
+[[raid1]]
+name = "m"
+legs = ["file:a.img", "file:/srv/b.img,fault.seed=1", "file:../c.img"]
+control = "ctl.sock"
+"#,
+        )
+        .unwrap();
+        let (cfg, src) = Config::load(&f).unwrap();
+        let c = cfg.check(&src).unwrap();
+        let at = |p: &str| etc.join(p);
+        let spec = |p: &str| format!("file:{}", at(p).display());
+        let mode = nbd::server::DEFAULT_UNIX_MODE;
+        assert_eq!(c.unix, Some((at("run/blkq.sock"), mode)));
+        assert_eq!(c.tls.certificates, Some(at("pki")));
+        let what: Vec<&What> = c.exports.iter().map(|e| &e.what).collect();
+        assert_eq!(
+            what,
+            [
+                &What::Device(format!("{},ro=1", spec("disk.img"))),
+                &What::Device("file:/srv/abs.img".into()),
+                &What::Device("mem:1M".into()),
+                &What::Raid1 {
+                    legs: vec![
+                        spec("a.img"),
+                        "file:/srv/b.img,fault.seed=1".into(),
+                        spec("../c.img"),
+                    ],
+                    create: false,
+                    options: vec![],
+                    control: Some(at("ctl.sock")),
+                },
+            ]
+        );
+        // Left out, the socket is the command line's default (from the working directory).
+        std::fs::write(&f, "[[export]]\ndevice = \"mem:1M\"\n").unwrap();
+        let (cfg, src) = Config::load(&f).unwrap();
+        let c = cfg.check(&src).unwrap();
+        assert_eq!(c.unix, Some((nbd::server::DEFAULT_UNIX_PATH.into(), mode)));
+        // The command line's paths stay relative to the working directory.
+        let c = flags(&["--socket", "s.sock", "--device", "file:d.img"]).unwrap();
+        assert_eq!(c.unix, Some(("s.sock".into(), mode)));
+        assert_eq!(c.exports[0].what, What::Device("file:d.img".into()));
+        // A directory whose name a device spec cannot hold: said so, with the line.
+        let odd = d.path().join("a,b");
+        std::fs::create_dir(&odd).unwrap();
+        let f = odd.join("blkq.toml");
+        std::fs::write(&f, "[[export]]\ndevice = \"file:x.img\"\n").unwrap();
+        let e = format!("{:#}", Config::load(&f).unwrap_err());
+        assert!(
+            e.contains("blkq.toml:2: device") && e.contains("comma"),
+            "{e}"
+        );
     }
 
     #[test]

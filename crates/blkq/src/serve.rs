@@ -27,7 +27,7 @@ use crate::control::ControlServer;
 pub struct ServeArgs {
     /// Read everything to serve from a TOML file (listeners, limits, TLS, exports, RAID1
     /// arrays and their access rules; see docs/blkq.example.toml). No other serve flag may be
-    /// given with it.
+    /// given with it. Relative paths in the file are from the file's directory.
     #[arg(long, value_name = "FILE.toml", conflicts_with_all = crate::config::CONFLICTS_WITH_CONFIG)]
     pub config: Option<PathBuf>,
     /// Device to export (repeatable): null:SIZE, mem:SIZE or file:PATH, with ,key=value
