@@ -23,7 +23,8 @@
 //!            # policy, sched, sched_lock, describe_paths, shutdown_timeout
 //! [limits]   # max_connections, handshake_timeout, idle_timeout, send_timeout, memory_budget
 //! [tls]      # mode = "off" | "on" | "require", certificates = DIR, verify_peer
-//! [[export]] # name, description, device, read_only, allow = [CIDR...], allow_subjects
+//! [[export]] # name, description, device, read_only, allow = [CIDR...],
+//!            # allow_subjects = [SUBJECT | "attr:TYPE=VALUE" ...] (nbd::server::access)
 //! [[raid1]]  # name, description, legs = [SPEC...], create, options = ["k=v"...], control,
 //!            # read_only, allow, allow_subjects
 //! ```
@@ -37,7 +38,7 @@ use anyhow::{bail, Context, Result};
 use blk::{Device, PoolPolicy, Queue};
 use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use blkq_sync::DynArc as Arc;
-use nbd::server::{parse_cidr, Access, Export, ServerConfig};
+use nbd::server::{parse_cidr, parse_subject_rule, Access, Export, ServerConfig};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -758,8 +759,9 @@ fn access(
     }
     for s in subjects {
         let at = src.at(s, "allow_subjects", "allow-subject");
-        if s.get_ref().trim().is_empty() {
-            bail!("{at}: an empty subject matches nothing");
+        // Checked here, kept as written: nbd::server::access matches it, exactly.
+        if let Err(e) = parse_subject_rule(s.get_ref()) {
+            bail!("{at}: {e}");
         }
         if !tls.verify_peer {
             bail!(
@@ -767,7 +769,7 @@ fn access(
                  verify_peer = true, --tls-verify-peer): without them no client has a subject"
             );
         }
-        a.allow_subjects.push(s.get_ref().trim().to_string());
+        a.allow_subjects.push(s.get_ref().clone());
     }
     Ok(a)
 }
@@ -1150,6 +1152,11 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
                 "verify_peer",
             ),
             (
+                "[[export]]\ndevice = \"mem:1M\"\nallow_subjects = [\n\"foo:CN=y\",\n\"CN=x\"]\n",
+                "blkq.toml:4: allow_subjects",
+                "unknown prefix",
+            ),
+            (
                 "[server]\nsocket_mode = 660\n[[export]]\ndevice = \"mem:1M\"\n",
                 "blkq.toml:2: socket_mode",
                 "0o660",
@@ -1191,6 +1198,23 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
             e.starts_with("--allow-subject") && e.contains("verify"),
             "{e}"
         );
+        for (rule, says) in [
+            ("CN=a, O=b", "space"),
+            ("CN=client1 ", "whitespace"),
+            ("CN=client1\t", "whitespace"),
+            ("CN=client1\u{a0}", "whitespace"),
+            ("CN=a\nb", "control"),
+            ("", "empty"),
+            ("exact:CN=a", "unknown prefix"),
+            ("client1", "no '='"),
+            ("attr:CN=a,O=b", "one TYPE=VALUE"),
+        ] {
+            let e = err(flags(&["--allow-subject", rule]));
+            assert!(
+                e.starts_with("--allow-subject") && e.contains(says),
+                "{rule:?}: {e}"
+            );
+        }
         let e = err(flags(&["--sched", "cfq"]));
         assert!(e.starts_with("--sched"), "{e}");
     }

@@ -62,8 +62,11 @@ pub struct ServeArgs {
     /// governed by --socket-mode.
     #[arg(long = "allow", value_name = "CIDR")]
     pub allow: Vec<String>,
-    /// Allow only clients whose verified TLS certificate has this subject (the whole subject
-    /// or one component, as CN=backup; repeatable; every export; needs --tls-verify-peer).
+    /// Allow only clients whose verified TLS certificate has this subject (repeatable; every
+    /// export; needs --tls-verify-peer). Exact: the whole subject, byte for byte, as RFC 4514
+    /// writes it with the last RDN first and no spaces (CN=backup,O=Example); nothing is
+    /// trimmed or case-folded. attr:TYPE=VALUE matches a subject with exactly one TYPE
+    /// attribute, of exactly that value (attr:CN=backup).
     #[arg(long = "allow-subject", value_name = "SUBJECT")]
     pub allow_subjects: Vec<String>,
     /// Tags per hardware queue.

@@ -69,11 +69,13 @@ impl Stream {
         }
     }
 
-    /// The peer's IP address on TCP (for access rules); `None` on a Unix socket.
-    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+    /// The peer's IP address on TCP (for access rules); `None` on a Unix socket; the error
+    /// of `getpeername` on a TCP socket whose peer cannot be read (it has reset the
+    /// connection, say): not a Unix client, so access rules must not take it for one.
+    pub fn peer_ip(&self) -> io::Result<Option<std::net::IpAddr>> {
         match self {
-            Stream::Tcp(s) => s.peer_addr().ok().map(|a| a.ip()),
-            Stream::Unix(_) => None,
+            Stream::Tcp(s) => s.peer_addr().map(|a| Some(a.ip())),
+            Stream::Unix(_) => Ok(None),
             Stream::Tls(s) => s.sock().peer_ip(),
         }
     }

@@ -11,7 +11,7 @@ use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::proto::NBD_REP_ERR_POLICY;
-use nbd::server::{parse_cidr, Access, Export, Identity, Server, ServerConfig, Tuning};
+use nbd::server::{parse_cidr, Access, Export, Identity, Peer, Server, ServerConfig, Tuning};
 use nbd::stream::Stream;
 use nbd::CmdFlags;
 
@@ -177,24 +177,58 @@ fn backup_client(stream: &Stream) -> Identity {
 fn subject_rules_with_a_fake_identity() {
     let s = Serving::start(
         vec![
-            Export::new("backup", device("mem:1M")).access(subjects(&["CN=backup"])),
+            Export::new("backup", device("mem:1M")).access(subjects(&["attr:CN=backup"])),
+            Export::new("exact", device("mem:1M")).access(subjects(&["CN=backup,O=Example"])),
             Export::new("vm", device("mem:1M")).access(subjects(&["CN=vm1,O=Example"])),
+            // A plain rule is the whole subject: one attribute of it is not enough.
+            Export::new("cn", device("mem:1M")).access(subjects(&["CN=backup"])),
             // Both rules: the address must match too.
             Export::new("far", device("mem:1M")).access(Access {
-                allow_subjects: vec!["CN=backup".into()],
+                allow_subjects: vec!["attr:CN=backup".into()],
                 ..allow(&["10.0.0.0/8"])
             }),
         ],
         |t| t.identify = backup_client,
     );
     let mut h = handshake(&s.tcp);
-    assert_eq!(names(&mut h), ["backup"]);
+    assert_eq!(names(&mut h), ["backup", "exact"]);
     assert!(is_policy(h.info("vm")));
+    assert!(is_policy(h.info("cn")));
     assert!(is_policy(h.info("far")));
     h.info("backup").unwrap();
     let d = h.go("backup").unwrap();
     h.into_client(d).unwrap().flush().unwrap();
     // Over the Unix socket the address rule does not apply: "far" is open to this subject.
     let mut h = handshake(&s.unix);
-    assert_eq!(names(&mut h), ["backup", "far"]);
+    assert_eq!(names(&mut h), ["backup", "exact", "far"]);
+}
+
+/// A TCP client whose address cannot be read (`getpeername` failed), with the certificate
+/// subject the export wants.
+fn unknown_tcp_client(_: &Stream) -> Identity {
+    Identity {
+        peer: Peer::Unknown,
+        tls_subject: Some("CN=backup".into()),
+    }
+}
+
+/// Rule: a TCP client whose address is unknown is refused by any address rule (it is not
+/// taken for a Unix client, which address rules do not govern): it sees no such export and
+/// gets `NBD_REP_ERR_POLICY` at INFO and GO; exports with no address rule still serve it.
+#[test]
+fn tcp_client_with_an_unknown_address_is_refused_by_address_rules() {
+    let s = Serving::start(
+        vec![
+            Export::new("open", device("mem:1M")),
+            Export::new("everywhere", device("mem:1M")).access(allow(&["0.0.0.0/0", "::/0"])),
+            Export::new("subject", device("mem:1M")).access(subjects(&["CN=backup"])),
+        ],
+        |t| t.identify = unknown_tcp_client,
+    );
+    let mut h = handshake(&s.tcp);
+    assert_eq!(names(&mut h), ["open", "subject"]);
+    assert!(is_policy(h.info("everywhere")));
+    assert!(is_policy(h.go("everywhere")));
+    let d = h.go("subject").unwrap();
+    h.into_client(d).unwrap().flush().unwrap();
 }

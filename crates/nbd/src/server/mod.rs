@@ -50,7 +50,10 @@ mod limits;
 mod stats;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
-pub use self::access::{parse_cidr, Access, CidrError, Identity, IpNet, Refusal};
+pub use self::access::{
+    parse_cidr, parse_subject_rule, Access, CidrError, Identity, IpNet, Peer, Refusal,
+    SubjectRule, SubjectRuleError,
+};
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 pub(crate) use self::stats::ServerCounters;
 pub use self::stats::{ExportMetrics, HandshakeFailure, Metrics, ServerSnapshot, StatsSource};
