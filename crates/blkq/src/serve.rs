@@ -135,19 +135,22 @@ pub struct ServeArgs {
 /// `blkq serve` resource limits (see "Limits" in docs/design.md).
 #[derive(Args, Debug, Clone)]
 pub struct LimitArgs {
-    /// Connections open at once; more are closed at once. Default: what the open-files limit
-    /// allows (3 descriptors a connection), between 16 and 1024.
+    /// Connections open at once. At the limit a new connection closes the oldest one still in
+    /// its handshake (never one attached to an export), or is closed at once if there is none.
+    /// Default: what the open-files limit allows (3 descriptors a connection), 16 to 1024.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<usize>,
-    /// Seconds a new connection has to finish the handshake before it is closed.
+    /// Seconds a new connection has to finish the whole handshake (TLS included) before it
+    /// is closed.
     #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_secs)]
     pub handshake_timeout: f64,
     /// Close a connection that has nothing in flight and sends nothing for this many seconds
     /// (default: never).
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
     pub idle_timeout: Option<f64>,
-    /// Close a client that reads none of its replies (or stops sending in the middle of a
-    /// request) for this many seconds, freeing its buffers.
+    /// Close a client that reads none of its replies for this many seconds, or that neither
+    /// finishes a request it began nor sends 64 KiB more of it within them (a trickled
+    /// request, a half-sent TLS record), freeing its buffers.
     #[arg(long, value_name = "SECS", default_value_t = 30.0, value_parser = parse_secs)]
     pub send_timeout: f64,
     /// Bytes of read and write payload buffers in flight across all connections (256M, 2G,

@@ -50,6 +50,24 @@ impl Stream {
         }
     }
 
+    /// The socket's receive timeout (`SO_RCVTIMEO`; `None`: none).
+    pub fn read_timeout(&self) -> io::Result<Option<std::time::Duration>> {
+        match self {
+            Stream::Tcp(s) => s.read_timeout(),
+            Stream::Unix(s) => s.read_timeout(),
+            Stream::Tls(s) => s.sock().read_timeout(),
+        }
+    }
+
+    /// When the partial TLS record received so far began (`None`: not TLS, or the bytes
+    /// received end at a record boundary).
+    pub(crate) fn partial_record_since(&self) -> Option<std::time::Instant> {
+        match self {
+            Stream::Tls(s) => s.partial_record_since(),
+            _ => None,
+        }
+    }
+
     /// Sets the socket's send timeout (`SO_SNDTIMEO`; `None`: block for ever). A blocking send
     /// that sends nothing for that long fails with `ErrorKind::WouldBlock`.
     pub fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {

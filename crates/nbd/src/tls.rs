@@ -64,6 +64,7 @@
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{DynArc, Mutex};
@@ -252,6 +253,53 @@ pub struct TlsStream {
     raw_len: usize,
     /// Ciphertext to send (the `Write` path: handshake and client only).
     wbuf: Vec<u8>,
+    /// Where the bytes received stand against TLS record boundaries.
+    records: RecordEdge,
+}
+
+/// Where a stream of TLS records stands: at a boundary, or inside a record (since when).
+///
+/// The reader's timeouts ask "is the client in the middle of something?": on a plain socket
+/// that is a partial request; under TLS a partial request may also hide in a partial record
+/// that rustls holds and no plaintext shows. Walking the 5-byte record headers of what is
+/// received answers it without asking rustls (which does not say).
+#[derive(Debug, Default, Clone, Copy)]
+struct RecordEdge {
+    /// Header bytes seen of the next record (0 to 4; 5 completes it).
+    header: [u8; 5],
+    header_len: u8,
+    /// Body bytes still to come of the current record.
+    body_left: usize,
+    /// When the current partial record's first byte came (`None`: at a boundary).
+    since: Option<Instant>,
+}
+
+impl RecordEdge {
+    /// Accounts `bytes` received at `now`.
+    fn feed(&mut self, mut bytes: &[u8], now: Instant) {
+        if !bytes.is_empty() && self.since.is_none() {
+            self.since = Some(now);
+        }
+        while !bytes.is_empty() {
+            if self.body_left > 0 {
+                let k = self.body_left.min(bytes.len());
+                self.body_left -= k;
+                bytes = &bytes[k..];
+            } else {
+                self.header[self.header_len as usize] = bytes[0];
+                self.header_len += 1;
+                bytes = &bytes[1..];
+                if self.header_len == 5 {
+                    self.header_len = 0;
+                    self.body_left =
+                        usize::from(u16::from_be_bytes([self.header[3], self.header[4]]));
+                }
+            }
+        }
+        if self.header_len == 0 && self.body_left == 0 {
+            self.since = None;
+        }
+    }
 }
 
 impl fmt::Debug for TlsStream {
@@ -271,7 +319,14 @@ impl TlsStream {
             raw_pos: 0,
             raw_len: 0,
             wbuf: Vec::new(),
+            records: RecordEdge::default(),
         }
+    }
+
+    /// When the partial TLS record now received began (`None`: the bytes received end at a
+    /// record boundary). A client in the middle of a record is in the middle of something.
+    pub(crate) fn partial_record_since(&self) -> Option<Instant> {
+        self.records.since
     }
 
     /// The plain socket underneath.
@@ -322,6 +377,11 @@ fn tls_io_err(e: rustls::Error) -> io::Error {
 }
 
 impl Read for TlsStream {
+    /// Plaintext, as soon as a whole record gives some. A socket read timeout
+    /// (`SO_RCVTIMEO`) bounds the whole call, not each receive: when bytes keep coming but no
+    /// record completes for that long (a client trickling a record), the call fails with
+    /// `WouldBlock`, as a plain socket's read would, so the caller's deadlines and timeouts
+    /// apply. What was received stays with rustls for the next call.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if buf.is_empty() {
             return Ok(0);
@@ -329,6 +389,10 @@ impl Read for TlsStream {
         if self.raw.is_empty() {
             self.raw = vec![0; RAW_BUF];
         }
+        // When this call must give up without plaintext: read lazily, on the first receive
+        // that gave none (the usual call returns before it).
+        let mut give_up: Option<Option<Instant>> = None;
+        let entered = Instant::now();
         loop {
             // Under the session lock: take out plaintext, feed what was received, decrypt.
             let mut got = 0;
@@ -386,6 +450,17 @@ impl Read for TlsStream {
                 return Err(e);
             }
             // Everything received went to rustls: receive more, outside any lock.
+            if self.raw_len > 0 {
+                let limit = *give_up.get_or_insert_with(|| {
+                    let t = self.sock.read_timeout().ok().flatten();
+                    t.map(|t| entered + t)
+                });
+                if limit.is_some_and(|at| Instant::now() >= at) {
+                    self.raw_pos = 0;
+                    self.raw_len = 0;
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
             self.raw_pos = 0;
             self.raw_len = 0;
             let n = self.sock.read(&mut self.raw)?;
@@ -393,6 +468,7 @@ impl Read for TlsStream {
                 // Tell rustls about the EOF; the next pass reads the end of the stream.
                 let _ = self.session.conn.lock().read_tls(&mut io::empty());
             }
+            self.records.feed(&self.raw[..n], Instant::now());
             self.raw_len = n;
         }
     }
@@ -421,17 +497,44 @@ impl Write for TlsStream {
     }
 }
 
-/// Runs the TLS handshake on `stream` (a plain socket, its timeouts set by the caller) and
-/// turns it into a [`Stream::Tls`].
-fn handshake(stream: &mut Stream, mut conn: rustls::Connection) -> io::Result<()> {
+/// Runs the TLS handshake on `stream` (a plain socket) and turns it into a [`Stream::Tls`].
+///
+/// With a `deadline`, the whole handshake must end before it: every receive and send first
+/// sets what is left of it as the socket's timeout, so a peer that trickles its flight a byte
+/// at a time runs out of time like a silent one (`TimedOut`). Without one, the socket's
+/// timeouts stand as the caller set them.
+fn handshake(
+    stream: &mut Stream,
+    mut conn: rustls::Connection,
+    deadline: Option<Instant>,
+) -> io::Result<()> {
     let mut sock = stream.try_clone()?;
+    let mut io = Timed {
+        sock: &mut sock,
+        deadline,
+        records: RecordEdge::default(),
+    };
     while conn.is_handshaking() {
-        conn.complete_io(&mut sock)?;
+        while conn.wants_write() {
+            conn.write_tls(&mut io)?;
+        }
+        if !conn.is_handshaking() {
+            break;
+        }
+        if conn.read_tls(&mut io)? == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        conn.process_new_packets().map_err(|e| {
+            // Tell the peer why (best effort), then fail.
+            let _ = conn.write_tls(&mut io);
+            tls_io_err(e)
+        })?;
     }
     // Flush anything left (session tickets).
     while conn.wants_write() {
-        conn.write_tls(&mut sock)?;
+        conn.write_tls(&mut io)?;
     }
+    let records = io.records;
     conn.set_buffer_limit(None);
     let subject = match &conn {
         rustls::Connection::Server(s) => s
@@ -445,17 +548,77 @@ fn handshake(stream: &mut Stream, mut conn: rustls::Connection) -> io::Result<()
         output_pending: AtomicBool::new(false),
         subject,
     });
-    *stream = Stream::Tls(Box::new(TlsStream::new(sock, session)));
+    let mut tls = TlsStream::new(sock, session);
+    tls.records = records;
+    *stream = Stream::Tls(Box::new(tls));
     Ok(())
 }
 
-/// Server side of STARTTLS: the handshake on `stream`, which then speaks TLS.
-pub(crate) fn accept(stream: &mut Stream, config: &DynArc<rustls::ServerConfig>) -> io::Result<()> {
+/// The socket during a TLS handshake, with its deadline (see [`handshake`]).
+struct Timed<'a> {
+    sock: &'a mut Stream,
+    deadline: Option<Instant>,
+    /// Record boundaries of every byte received since TLS began: rustls may read past the
+    /// handshake, and the stream's tracker must start where this one ends.
+    records: RecordEdge,
+}
+
+impl Timed<'_> {
+    /// Sets what is left of the deadline as the socket's timeouts; `TimedOut` when nothing is.
+    fn arm(&self) -> io::Result<()> {
+        let Some(deadline) = self.deadline else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.sock.set_read_timeout(Some(left))?;
+        self.sock.set_write_timeout(Some(left))
+    }
+
+    /// A socket timeout reads as `WouldBlock` (`EAGAIN`): under a deadline it is `TimedOut`.
+    fn timed_out(&self, e: io::Error) -> io::Error {
+        if self.deadline.is_some() && e.kind() == io::ErrorKind::WouldBlock {
+            io::ErrorKind::TimedOut.into()
+        } else {
+            e
+        }
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        let n = self.sock.read(buf).map_err(|e| self.timed_out(e))?;
+        self.records.feed(&buf[..n], Instant::now());
+        Ok(n)
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
+        self.sock.write(buf).map_err(|e| self.timed_out(e))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Server side of STARTTLS: the handshake on `stream`, which then speaks TLS; it must end
+/// before `deadline` (the NBD handshake's).
+pub(crate) fn accept(
+    stream: &mut Stream,
+    config: &DynArc<rustls::ServerConfig>,
+    deadline: Instant,
+) -> io::Result<()> {
     if matches!(stream, Stream::Tls(_)) {
         return Err(io::Error::other("TLS already started"));
     }
     let conn = rustls::ServerConnection::new(config.clone()).map_err(tls_io_err)?;
-    handshake(stream, rustls::Connection::Server(conn))
+    handshake(stream, rustls::Connection::Server(conn), Some(deadline))
 }
 
 /// Client side of STARTTLS, after the server acknowledged `NBD_OPT_STARTTLS`.
@@ -470,7 +633,7 @@ pub fn connect(
     let name = ServerName::try_from(server_name.to_string())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let conn = rustls::ClientConnection::new(config.clone(), name).map_err(tls_io_err)?;
-    handshake(stream, rustls::Connection::Client(conn))
+    handshake(stream, rustls::Connection::Client(conn), None)
 }
 
 // --- The subject of a certificate, RFC 4514 style ------------------------------------------

@@ -89,18 +89,27 @@ fn connections_refusals_and_handshake_failures_are_counted() {
     let (server, _dir, ep) = start(vec![Export::new("", queue("mem:16M"))], 2);
     let m = server.metrics();
     let mut c = Client::connect(&ep, &ClientOptions::default()).unwrap();
-    // A silent socket holds the second slot until the handshake deadline.
+    // A silent socket holds the second slot.
     let mut silent = raw(&ep);
     wait_until("two connections open", || m.server().open == 2);
-    // The third is refused at the limit.
+    // The third, at the limit, evicts it: the oldest connection still in its handshake.
     let mut third = raw(&ep);
-    wait_closed(&mut third);
-    wait_until("the refusal counted", || m.server().refused_limit == 1);
-    // The silent one ends at the deadline.
     wait_closed(&mut silent);
+    wait_until("the eviction counted", || {
+        failures(&server, HandshakeFailure::Evicted) == 1
+    });
+    // The third, silent too, ends at the deadline.
+    wait_closed(&mut third);
     wait_until("the timeout counted", || {
         failures(&server, HandshakeFailure::Timeout) == 1
     });
+    // With both slots attached to the export, a new connection is refused at once.
+    let c2 = Client::connect(&ep, &ClientOptions::default()).unwrap();
+    let mut fourth = raw(&ep);
+    wait_closed(&mut fourth);
+    wait_until("the refusal counted", || m.server().refused_limit == 1);
+    c2.disconnect().unwrap();
+    wait_until("the second client gone", || m.server().open == 1);
     // Client flags with unknown bits: a protocol error.
     let mut bad = raw(&ep);
     let mut greeting = [0u8; 18];
@@ -116,10 +125,10 @@ fn connections_refusals_and_handshake_failures_are_counted() {
     c.disconnect().unwrap();
     wait_until("every connection closed", || m.server().open == 0);
     let s = m.server();
-    assert_eq!(s.accepted, 3, "{s:?}");
-    assert_eq!(s.transmissions, 1, "{s:?}");
+    assert_eq!(s.accepted, 5, "{s:?}");
+    assert_eq!(s.transmissions, 2, "{s:?}");
     assert_eq!(s.refused_limit, 1, "{s:?}");
-    assert_eq!(s.requests, 3, "write, read, disconnect: {s:?}");
+    assert_eq!(s.requests, 4, "write, read, two disconnects: {s:?}");
     assert_eq!((s.bytes_written, s.bytes_read), (8192, 4096), "{s:?}");
     assert_eq!(s.requests_refused, 0, "{s:?}");
     assert_eq!(s.memory_used, 0, "{s:?}");

@@ -77,6 +77,8 @@ pub(super) fn remove_stale_socket(path: &Path) -> io::Result<()> {
 pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
     let mut accept_failed = RateLimited::default();
     let mut over_limit = RateLimited::default();
+    let mut refused_address = RateLimited::default();
+    let mut evicting = RateLimited::default();
     loop {
         let res = l.accept();
         if shared.stopping() {
@@ -103,23 +105,64 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let mut r = shared.conns.lock();
-        let limit = shared.tuning.max_connections;
-        if r.live.len() >= limit {
-            drop(r);
+        // Address rules at the door: a TCP client that no export's `allow` admits would
+        // only be refused later, and would hold a slot meanwhile.
+        let who = (shared.tuning.identify)(&stream);
+        let admitted = shared
+            .exports
+            .iter()
+            .map(|e| e.export.access.check_address(&who));
+        if let Some(Err(refusal)) = admitted.reduce(|a, b| a.or(b)) {
             let peer = stream.peer();
-            // Closed at once: the client sees end-of-file before the greeting.
             drop((stream, handle));
-            shared.counters.refused_limit();
-            if let Some(left_out) = over_limit.allow() {
+            shared
+                .counters
+                .handshake_failed(super::HandshakeFailure::Policy);
+            if let Some(left_out) = refused_address.allow() {
                 warn!(
                     %peer,
                     left_out,
-                    reason = "limit",
-                    "refused a connection: {limit} connections are open (--max-connections)"
+                    reason = "policy",
+                    rule = refusal.reason(),
+                    "refused a connection at accept: no export allows it ({refusal})"
                 );
             }
             continue;
+        }
+        let mut r = shared.conns.lock();
+        let limit = shared.tuning.max_connections;
+        if r.live.len() - r.evicted.len() >= limit {
+            match evict_oldest_handshake(&mut r, limit) {
+                Some((id, peer)) => {
+                    if let Some(left_out) = evicting.allow() {
+                        warn!(
+                            conn = id,
+                            %peer,
+                            left_out,
+                            reason = "evicted",
+                            "closed the oldest connection still in its handshake to make room \
+                             for a new one: {limit} connections are open (--max-connections)"
+                        );
+                    }
+                }
+                None => {
+                    drop(r);
+                    let peer = stream.peer();
+                    // Closed at once: the client sees end-of-file before the greeting.
+                    drop((stream, handle));
+                    shared.counters.refused_limit();
+                    if let Some(left_out) = over_limit.allow() {
+                        warn!(
+                            %peer,
+                            left_out,
+                            reason = "limit",
+                            "refused a connection: {limit} connections are open \
+                             (--max-connections), none of them in its handshake"
+                        );
+                    }
+                    continue;
+                }
+            }
         }
         r.threads.retain(|t| !t.is_finished());
         let id = r.next_id;
@@ -150,4 +193,32 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
             }
         }
     }
+}
+
+/// At the connection limit, makes room for a new connection: shuts down the socket of the
+/// oldest connection still in its handshake (the lowest id neither attached to an export nor
+/// already evicted), whose thread then ends and leaves the registry. `None` when every open
+/// connection is attached to an export, or when evicted ones still winding down already
+/// number `limit` (the hard bound: never more than twice the limit of sockets and threads).
+///
+/// Why evict rather than reserve: before its handshake ends nothing tells a legitimate client
+/// from a hostile one, so a reserve would fill the same way. A legitimate handshake takes
+/// milliseconds; a connection that is still haggling when the server is full is the one most
+/// likely to be a slow or hostile client, and evicting the oldest means a flood must outpace
+/// a real client's whole handshake to keep it out. Clients in transmission passed the access
+/// rules and are never evicted.
+fn evict_oldest_handshake(r: &mut super::Registry, limit: usize) -> Option<(u64, String)> {
+    if r.evicted.len() >= limit {
+        return None;
+    }
+    let (id, sock) = r
+        .live
+        .iter()
+        .filter(|(id, _)| !r.on_export.iter().any(|(c, _)| c == id) && !r.evicted.contains(id))
+        .min_by_key(|(id, _)| *id)?;
+    let id = *id;
+    let peer = sock.peer();
+    let _ = sock.shutdown(std::net::Shutdown::Both);
+    r.evicted.push(id);
+    Some((id, peer))
 }

@@ -135,10 +135,8 @@ impl<'a> Deadlined<'a> {
 
     /// The server side of STARTTLS (the ACK already sent), within the deadline.
     fn start_tls(&mut self, config: &blkq_sync::DynArc<rustls::ServerConfig>) -> io::Result<()> {
-        let left = self.left()?;
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.set_write_timeout(Some(left))?;
-        crate::tls::accept(self.stream, config).map_err(timed_out)
+        self.left()?;
+        crate::tls::accept(self.stream, config, self.deadline)
     }
 
     /// What is left of the deadline, or `TimedOut`.
@@ -181,6 +179,8 @@ impl Write for Deadlined<'_> {
 struct Haggler<'a, 'b> {
     stream: &'a mut Deadlined<'b>,
     shared: &'a Shared,
+    /// The connection's id in the server's registry.
+    conn: u64,
     mode: TransmissionMode,
     /// The export named by the last `NBD_OPT_SET_META_CONTEXT`, and whether it selected
     /// `base:allocation`.
@@ -196,8 +196,14 @@ struct Haggler<'a, 'b> {
     tls_refused: bool,
 }
 
-/// Runs the handshake on a fresh connection.
-pub(crate) fn negotiate(stream: &mut Deadlined<'_>, shared: &Shared) -> Result<Negotiated, Ended> {
+/// Runs the handshake on fresh connection `conn`. An export chosen is recorded in the
+/// registry ([`Shared::attach`]) before the final reply leaves: from the moment the client may
+/// believe it is attached, the acceptor never evicts it as a handshake.
+pub(crate) fn negotiate(
+    stream: &mut Deadlined<'_>,
+    shared: &Shared,
+    conn: u64,
+) -> Result<Negotiated, Ended> {
     let offered = HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES;
     let mut out = Vec::with_capacity(256);
     encode_server_greeting(offered, &mut out);
@@ -212,6 +218,7 @@ pub(crate) fn negotiate(stream: &mut Deadlined<'_>, shared: &Shared) -> Result<N
     let mut haggler = Haggler {
         stream,
         shared,
+        conn,
         mode: TransmissionMode::Simple,
         meta: None,
         no_zeroes: client.contains(ClientFlags::NO_ZEROES),
@@ -492,6 +499,7 @@ impl Haggler<'_, '_> {
         };
         self.out.clear();
         encode_export_name_reply(info, self.no_zeroes, &mut self.out);
+        self.shared.attach(self.conn, idx);
         self.stream.write_all(&self.out)?;
         Ok(self.enter(idx, name, "export-name"))
     }
@@ -509,14 +517,7 @@ impl Haggler<'_, '_> {
     /// Answers `NBD_OPT_INFO` / `NBD_OPT_GO`; `Some(export)` on success.
     fn info(&mut self, option: u32, req: &ExportRequest<'_>) -> Result<Option<usize>, Ended> {
         let Some(idx) = self.shared.find(req.name) else {
-            let msg = no_such_export(req.name);
-            self.reply(
-                option,
-                &OptionReply::Error {
-                    error: OptionError::Unknown,
-                    message: &msg,
-                },
-            )?;
+            self.unknown(option, req.name)?;
             return Ok(None);
         };
         let what = if OptionCode::from_u32(option) == Some(OptionCode::Go) {
@@ -550,6 +551,9 @@ impl Haggler<'_, '_> {
         let block_size_info = Info::BlockSize(block_size(state, self.shared.tuning.max_block));
         encode(option, &OptionReply::Info(block_size_info), &mut self.out)?;
         encode(option, &OptionReply::Ack, &mut self.out)?;
+        if what == "NBD_OPT_GO" {
+            self.shared.attach(self.conn, idx);
+        }
         self.stream.write_all(&self.out)?;
         Ok(Some(idx))
     }
@@ -575,15 +579,7 @@ impl Haggler<'_, '_> {
             }
         }
         let Some(idx) = self.shared.find(req.name) else {
-            let msg = no_such_export(req.name);
-            self.reply(
-                option,
-                &OptionReply::Error {
-                    error: OptionError::Unknown,
-                    message: &msg,
-                },
-            )?;
-            return Ok(());
+            return self.unknown(option, req.name);
         };
         if self.allowed(idx, "a meta context option").is_err() {
             return self.refuse(option, req.name);
@@ -635,6 +631,31 @@ impl Haggler<'_, '_> {
             );
         }
         res
+    }
+
+    /// Answers an option naming an export that does not exist. To a client that some
+    /// export's rules refuse, exactly as [`Haggler::refuse`] answers for an existing one
+    /// (`NBD_REP_ERR_POLICY`, same message): otherwise the difference would tell it which
+    /// names exist behind the rules. To a client every export admits, `NBD_REP_ERR_UNKNOWN`.
+    fn unknown(&mut self, option: u32, name: &str) -> Result<(), Ended> {
+        let who = self.identity();
+        if self
+            .shared
+            .exports
+            .iter()
+            .any(|e| e.export.access.check(&who).is_err())
+        {
+            debug!(export = name, "no such export (answered as a refusal)");
+            return self.refuse(option, name);
+        }
+        let msg = no_such_export(name);
+        self.reply(
+            option,
+            &OptionReply::Error {
+                error: OptionError::Unknown,
+                message: &msg,
+            },
+        )
     }
 
     /// Answers an option naming an export the client may not use: `NBD_REP_ERR_POLICY`

@@ -51,8 +51,8 @@ mod stats;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
 pub use self::access::{
-    parse_cidr, parse_subject_rule, Access, CidrError, Identity, IpNet, Peer, Refusal,
-    SubjectRule, SubjectRuleError,
+    parse_cidr, parse_subject_rule, Access, CidrError, Identity, IpNet, Peer, Refusal, SubjectRule,
+    SubjectRuleError,
 };
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 pub(crate) use self::stats::ServerCounters;
@@ -378,6 +378,9 @@ struct Registry {
     /// The export of each live connection past its handshake (connection id, export index):
     /// a shutdown names the export of a connection that is stuck.
     on_export: Vec<(u64, usize)>,
+    /// Connections still in their handshake whose sockets the acceptor shut down to make
+    /// room for a newer one (`accept.rs`); they leave `live` when their threads end.
+    evicted: Vec<u64>,
 }
 
 impl Shared {
@@ -390,6 +393,14 @@ impl Shared {
         if let Some(i) = registry.on_export.iter().position(|(conn, _)| *conn == id) {
             registry.on_export.swap_remove(i);
         }
+        if let Some(i) = registry.evicted.iter().position(|conn| *conn == id) {
+            registry.evicted.swap_remove(i);
+        }
+    }
+
+    /// Whether the acceptor closed connection `id` to make room (`accept.rs`).
+    pub(crate) fn was_evicted(&self, id: u64) -> bool {
+        self.conns.lock().evicted.contains(&id)
     }
 
     /// Records that connection `id` negotiated export `export` (index in `exports`).

@@ -40,21 +40,25 @@ pub enum HandshakeFailure {
     /// INFO/GO, and each EXPORT_NAME that closes the connection (from outside the server:
     /// [`Metrics::count_refusal`]).
     Policy,
+    /// The server was at `--max-connections` and closed this connection, the oldest still
+    /// in its handshake, to make room for a new one.
+    Evicted,
 }
 
 impl HandshakeFailure {
     /// Every reason, in the order of [`ServerSnapshot::handshake_failures`].
-    pub const ALL: [HandshakeFailure; 6] = [
+    pub const ALL: [HandshakeFailure; 7] = [
         HandshakeFailure::Timeout,
         HandshakeFailure::Limit,
         HandshakeFailure::Protocol,
         HandshakeFailure::ClientAbort,
         HandshakeFailure::Io,
         HandshakeFailure::Policy,
+        HandshakeFailure::Evicted,
     ];
 
     /// The reason as a label value (`timeout`, `limit`, `protocol`, `client_abort`, `io`,
-    /// `policy`).
+    /// `policy`, `evicted`).
     pub fn as_str(self) -> &'static str {
         match self {
             HandshakeFailure::Timeout => "timeout",
@@ -63,6 +67,7 @@ impl HandshakeFailure {
             HandshakeFailure::ClientAbort => "client_abort",
             HandshakeFailure::Io => "io",
             HandshakeFailure::Policy => "policy",
+            HandshakeFailure::Evicted => "evicted",
         }
     }
 
@@ -76,7 +81,7 @@ impl HandshakeFailure {
 pub(crate) struct ServerCounters {
     accepted: AtomicU64,
     refused_limit: AtomicU64,
-    handshake_failures: [AtomicU64; 6],
+    handshake_failures: [AtomicU64; 7],
     transmissions: AtomicU64,
     requests: AtomicU64,
     requests_refused: AtomicU64,
@@ -122,7 +127,7 @@ pub struct ServerSnapshot {
     /// Connections that reached the transmission phase.
     pub transmissions: u64,
     /// Handshakes that ended without a transmission phase, by [`HandshakeFailure::ALL`].
-    pub handshake_failures: [u64; 6],
+    pub handshake_failures: [u64; 7],
     /// Requests served by connections that have closed.
     pub requests: u64,
     /// Requests answered with an error before reaching a device, by closed connections.

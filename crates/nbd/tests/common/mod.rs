@@ -3,6 +3,9 @@
 
 use nbd::client::ClientOptions;
 
+pub mod pki;
+pub mod trickle;
+
 /// Client options for each transmission mode: simple replies, structured replies, extended
 /// headers.
 pub fn modes() -> Vec<(&'static str, ClientOptions)> {

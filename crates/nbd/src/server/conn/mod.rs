@@ -79,13 +79,17 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
     let started = Instant::now();
     let _ = stream.set_nodelay();
     let deadline = started + server.tuning.handshake_timeout;
-    let negotiated = match handshake::negotiate(&mut Deadlined::new(&mut stream, deadline), &server)
-    {
+    let negotiated = match handshake::negotiate(
+        &mut Deadlined::new(&mut stream, deadline),
+        &server,
+        id,
+    ) {
         Ok(n) => n,
         Err(ended) => {
             // Every refused client's line says why (`reason`, the same word as the
             // `blkq_nbd_handshake_failures_total` label).
             let why = match &ended {
+                _ if server.was_evicted(id) => HandshakeFailure::Evicted,
                 Ended::Client(_) => HandshakeFailure::ClientAbort,
                 Ended::Timeout => HandshakeFailure::Timeout,
                 Ended::Limit(_) => HandshakeFailure::Limit,
@@ -96,6 +100,13 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
             server.counters.handshake_failed(why);
             let reason = why.as_str();
             match ended {
+                _ if why == HandshakeFailure::Evicted => info!(
+                    conn = id,
+                    %peer,
+                    reason,
+                    "connection closed in the handshake to make room for a newer one \
+                     (--max-connections)"
+                ),
                 Ended::Client(what) => {
                     info!(conn = id, %peer, reason, "connection closed in the handshake: client {what}");
                 }
@@ -127,7 +138,6 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
             return;
         }
     };
-    server.attach(id, negotiated.export);
     server.counters.transmission();
     let export = &server.exports[negotiated.export];
     let tls = stream.is_tls();
@@ -255,8 +265,11 @@ struct Connection<'a> {
     /// buffers rather than in `recv_buf` (from which they would be copied once more).
     big_writes: bool,
     /// When the reader last received bytes (or last started listening after a wait of its
-    /// own): the idle and mid-request timeouts count from here.
+    /// own): the idle timeout counts from here.
     last_recv: Instant,
+    /// The request in progress (`reader.rs`, [`reader::MidRequest`]): the mid-request
+    /// timeout counts from its start, not from its last byte.
+    mid: reader::MidRequest,
     stats: Stats,
     /// `teardown` ran (the normal end); `Drop` cleans up after a panic otherwise.
     torn_down: bool,
@@ -374,6 +387,7 @@ impl<'a> Connection<'a> {
             partial_write: None,
             big_writes: false,
             last_recv: Instant::now(),
+            mid: reader::MidRequest::default(),
             stats: Stats::default(),
             torn_down: false,
         })
@@ -423,9 +437,11 @@ impl<'a> Connection<'a> {
             let left = budget.saturating_sub(locked.bytes_in_flight);
             (free > 0 && (left > 0 || !nothing_staged)).then_some((free, left))
         };
+        let waiting = Instant::now();
         let room = self.reader_wait(room);
         // Time spent waiting here is not the client's silence.
         self.last_recv = Instant::now();
+        self.mid.excuse(self.last_recv - waiting);
         room
     }
 
@@ -435,33 +451,57 @@ impl<'a> Connection<'a> {
     fn wait_for_budget(&mut self, need: u64) {
         const SLICE: Duration = Duration::from_millis(100);
         let budget = &self.server.budget;
+        let waiting = Instant::now();
         while !budget.wait_fit(need, Instant::now() + SLICE) {
             if self.core.client_gone.load(Ordering::Relaxed) || self.server.stopping() {
                 break;
             }
         }
         self.last_recv = Instant::now();
+        self.mid.excuse(self.last_recv - waiting);
     }
 
-    /// A read timed out (nothing received for a `recv_tick`): `Some(reason)` to close the
-    /// connection. Closed when the client stopped sending in the middle of a request for the
-    /// send timeout, or when nothing is in flight and nothing came for the idle timeout.
-    pub(super) fn recv_timed_out(&self, mid_request: bool) -> Option<String> {
-        let tuning = &self.server.tuning;
-        let quiet = self.last_recv.elapsed();
-        if mid_request {
-            return (quiet >= tuning.send_timeout).then(|| {
-                format!(
-                    "the client sent nothing for {:?} in the middle of a request",
-                    tuning.send_timeout
-                )
-            });
+    /// A read gave up (nothing received for a `recv_tick`, or a TLS record still partial after
+    /// one): `Some(reason)` to close the connection. Closed when a request in progress (a
+    /// partial request, payload or TLS record) has not been finished, nor
+    /// [`reader::PROGRESS_QUANTUM`] bytes of it received, within the send timeout of its start;
+    /// or when nothing is in flight and nothing came for the idle timeout.
+    pub(super) fn recv_timed_out(&mut self, mid_request: bool) -> Option<String> {
+        let partial_record = self.stream.partial_record_since();
+        if mid_request || partial_record.is_some() {
+            let started = self
+                .mid
+                .started(partial_record.unwrap_or_else(Instant::now));
+            return self.overdue(started, Instant::now());
         }
-        let idle = tuning.idle_timeout?;
+        let quiet = self.last_recv.elapsed();
+        let idle = self.server.tuning.idle_timeout?;
         if quiet < idle || !self.staged.is_empty() || !self.core.locked.lock().idle() {
             return None;
         }
         Some(format!("idle for {idle:?} (--idle-timeout)"))
+    }
+
+    /// Bytes came at `now`: `Some(reason)` to close the connection if the request in progress
+    /// is overdue all the same (a client trickling its request never lets a read time out).
+    pub(super) fn received(&mut self, n: usize, now: Instant) -> Option<String> {
+        self.last_recv = now;
+        let started = self.mid.received(n, now)?;
+        self.overdue(started, now)
+    }
+
+    /// `Some(reason)` when a request in progress since `started` has gone past the send
+    /// timeout at `now`.
+    fn overdue(&self, started: Instant, now: Instant) -> Option<String> {
+        let send_timeout = self.server.tuning.send_timeout;
+        let took = now.saturating_duration_since(started);
+        (took >= send_timeout).then(|| {
+            format!(
+                "a request begun {took:?} ago is still not received (less than {} KiB of it \
+                 came within the send timeout, {send_timeout:?})",
+                reader::PROGRESS_QUANTUM >> 10,
+            )
+        })
     }
 
     /// The reader's one way to wait for the table: returns `check`'s value once it is `Some`.

@@ -8,6 +8,7 @@
 //! `ConnCore::reader_wake` when every slot (or the in-flight byte budget) is taken.
 
 use std::io::{self, IoSliceMut, Read};
+use std::time::{Duration, Instant};
 
 use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
@@ -158,11 +159,15 @@ impl<'a> Connection<'a> {
         if self.recv_len == self.recv_buf.len() {
             return Err("receive buffer full without a whole request".into());
         }
+        let mid_request = self.recv_len > 0 || self.discard_left > 0;
+        if !mid_request && self.stream.partial_record_since().is_none() {
+            // At a request boundary: whatever comes next begins a new request.
+            self.mid.end();
+        }
         loop {
             let end = self.recv_end();
             match self.stream.read(&mut self.recv_buf[self.recv_len..end]) {
                 Err(e) if is_timeout(&e) => {
-                    let mid_request = self.recv_len > 0 || self.discard_left > 0;
                     if let Some(reason) = self.recv_timed_out(mid_request) {
                         return Err(reason);
                     }
@@ -178,8 +183,10 @@ impl<'a> Connection<'a> {
                 }
                 Ok(n) => {
                     self.recv_len += n;
-                    self.last_recv = std::time::Instant::now();
-                    return Ok(());
+                    return match self.received(n, Instant::now()) {
+                        Some(reason) => Err(reason),
+                        None => Ok(()),
+                    };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(format!("read error: {e}")),
@@ -651,7 +658,9 @@ impl<'a> Connection<'a> {
                 Err(e) => return Err(format!("read error: {e}")),
             };
             let into_payload = n.min(dst_len);
-            self.last_recv = std::time::Instant::now();
+            if let Some(reason) = self.received(n, Instant::now()) {
+                return Err(reason);
+            }
             p.remaining -= into_payload as u64;
             p.filled += into_payload;
             self.recv_len += n - into_payload;
@@ -717,6 +726,67 @@ impl<'a> Connection<'a> {
 
     pub(super) fn device(&self) -> &'a dyn Device {
         self.export.export.device.as_ref()
+    }
+}
+
+/// Bytes of one request that restart its mid-request clock: a request must be finished, or
+/// this much more of it received, within the send timeout (a floor of 64 KiB per send timeout
+/// on a client's rate in the middle of a request; 2 KiB/s with the default 30 s).
+pub(super) const PROGRESS_QUANTUM: u64 = 64 << 10;
+
+/// The request the reader is in the middle of, for the mid-request timeout.
+///
+/// A plain socket's read returns each byte as it comes, so "nothing received for the send
+/// timeout" alone lets a client that sends one byte a second hold a half-sent request (and
+/// under TLS a half-sent record shows no bytes at all). The clock here starts with a
+/// request's first byte (or its TLS record's) and restarts only every [`PROGRESS_QUANTUM`]
+/// bytes, or after the reader's own waits (slots, memory budget): time the client was not
+/// asked for bytes is not its fault.
+#[derive(Debug, Default)]
+pub(super) struct MidRequest {
+    /// When the request in progress began, or last made a quantum of progress; `None`
+    /// between requests.
+    since: Option<Instant>,
+    /// Bytes received since then.
+    bytes: u64,
+}
+
+impl MidRequest {
+    /// The reader is at a request boundary: no request is in progress.
+    pub(super) fn end(&mut self) {
+        self.since = None;
+        self.bytes = 0;
+    }
+
+    /// `n` bytes received at `now`: when the request in progress began, or last made a
+    /// quantum of progress (`None`: it began with these bytes, or just made a quantum).
+    pub(super) fn received(&mut self, n: usize, now: Instant) -> Option<Instant> {
+        let Some(since) = self.since else {
+            self.since = Some(now);
+            self.bytes = n as u64;
+            return None;
+        };
+        self.bytes += n as u64;
+        if self.bytes >= PROGRESS_QUANTUM {
+            self.since = Some(now);
+            self.bytes = 0;
+            return None;
+        }
+        Some(since)
+    }
+
+    /// The reader waited `waited` (slots, memory budget) without asking the client for
+    /// bytes: that time does not count against a request in progress.
+    pub(super) fn excuse(&mut self, waited: Duration) {
+        if let Some(since) = &mut self.since {
+            *since += waited;
+        }
+    }
+
+    /// When the request in progress began; `first_byte` if none was (e.g. its first bytes are
+    /// in a TLS record not yet whole).
+    pub(super) fn started(&mut self, first_byte: Instant) -> Instant {
+        *self.since.get_or_insert(first_byte)
     }
 }
 
