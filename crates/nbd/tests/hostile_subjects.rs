@@ -6,6 +6,8 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -17,10 +19,7 @@ use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::proto::NBD_REP_ERR_POLICY;
 use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, subject_of, TlsMode, TlsSettings};
-use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, SanType,
-};
+use rcgen::{DistinguishedName, DnType};
 
 fn device(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();
@@ -35,51 +34,29 @@ fn second_cn() -> DnType {
 
 struct Pki {
     dir: tempfile::TempDir,
-    ca: rcgen::Certificate,
-    ca_key: KeyPair,
+    ca: common::pki::Ca,
 }
 
 impl Pki {
     /// A CA and a server certificate (`localhost`, 127.0.0.1) in qemu's layout.
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let mut p = CertificateParams::default();
-        p.distinguished_name
-            .push(DnType::CommonName, "hostile test CA");
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca_key = KeyPair::generate().unwrap();
-        let ca = p.self_signed(&ca_key).unwrap();
-        std::fs::write(dir.path().join("ca-cert.pem"), ca.pem()).unwrap();
-        let mut p = CertificateParams::default();
-        p.distinguished_name.push(DnType::CommonName, "localhost");
-        p.subject_alt_names = vec![
-            SanType::DnsName("localhost".try_into().unwrap()),
-            SanType::IpAddress("127.0.0.1".parse().unwrap()),
-        ];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
-        std::fs::write(dir.path().join("server-cert.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.path().join("server-key.pem"), key.serialize_pem()).unwrap();
-        Self { dir, ca, ca_key }
+        let ca = common::pki::ca("hostile test CA");
+        std::fs::write(dir.path().join("ca-cert.pem"), ca.cert.pem()).unwrap();
+        common::pki::leaf(&ca, dir.path(), "server", "localhost", true);
+        Self { dir, ca }
     }
 
     /// A client directory (CA, client certificate and key) for a certificate with subject
     /// `dn`, signed by the CA; and the subject as the server renders it.
     fn client(&self, dn: DistinguishedName) -> (tempfile::TempDir, String) {
-        let mut p = CertificateParams::default();
-        p.distinguished_name = dn;
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.ca, &self.ca_key).unwrap();
         let d = tempfile::tempdir().unwrap();
         std::fs::copy(
             self.dir.path().join("ca-cert.pem"),
             d.path().join("ca-cert.pem"),
         )
         .unwrap();
-        std::fs::write(d.path().join("client-cert.pem"), cert.pem()).unwrap();
-        std::fs::write(d.path().join("client-key.pem"), key.serialize_pem()).unwrap();
+        let cert = common::pki::leaf_with(&self.ca, d.path(), "client", dn, false);
         (d, subject_of(cert.der()).unwrap())
     }
 }

@@ -3,6 +3,8 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::io::Read;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -11,6 +13,7 @@ use std::time::Duration;
 
 use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::pki::{ca, leaf, pki};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
@@ -18,56 +21,12 @@ use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, TlsMode, TlsSettings};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
-};
 
 const MIB: u64 = 1 << 20;
 
 fn device(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();
     Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
-struct Ca {
-    cert: rcgen::Certificate,
-    key: KeyPair,
-}
-
-fn ca(name: &str) -> Ca {
-    let mut p = CertificateParams::default();
-    p.distinguished_name.push(DnType::CommonName, name);
-    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let key = KeyPair::generate().unwrap();
-    let cert = p.self_signed(&key).unwrap();
-    Ca { cert, key }
-}
-
-/// Writes `prefix-cert.pem` and `prefix-key.pem` signed by `ca` into `dir`.
-fn leaf(ca: &Ca, dir: &Path, prefix: &str, cn: &str, server: bool) {
-    let mut p = CertificateParams::default();
-    p.distinguished_name.push(DnType::CommonName, cn);
-    if server {
-        p.subject_alt_names = vec![
-            SanType::DnsName("localhost".try_into().unwrap()),
-            SanType::IpAddress("127.0.0.1".parse().unwrap()),
-        ];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    } else {
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    }
-    let key = KeyPair::generate().unwrap();
-    let cert = p.signed_by(&key, &ca.cert, &ca.key).unwrap();
-    std::fs::write(dir.join(format!("{prefix}-cert.pem")), cert.pem()).unwrap();
-    std::fs::write(dir.join(format!("{prefix}-key.pem")), key.serialize_pem()).unwrap();
-}
-
-/// A directory in qemu's layout: ca-cert.pem, server-*, and client-* (CN=client1).
-fn pki(dir: &Path) {
-    let ca = ca("test CA");
-    std::fs::write(dir.join("ca-cert.pem"), ca.cert.pem()).unwrap();
-    leaf(&ca, dir, "server", "localhost", true);
-    leaf(&ca, dir, "client", "client1", false);
 }
 
 struct TlsServer {

@@ -4,7 +4,8 @@
 use std::path::Path;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, SanType,
 };
 
 /// A certificate authority: its certificate and key.
@@ -26,8 +27,21 @@ pub fn ca(name: &str) -> Ca {
 /// Writes `prefix-cert.pem` and `prefix-key.pem` signed by `ca` into `dir`: a server
 /// certificate for localhost and 127.0.0.1, or a client certificate, with common name `cn`.
 pub fn leaf(ca: &Ca, dir: &Path, prefix: &str, cn: &str, server: bool) {
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, cn);
+    leaf_with(ca, dir, prefix, dn, server);
+}
+
+/// [`leaf`] with any subject `dn`; the certificate made.
+pub fn leaf_with(
+    ca: &Ca,
+    dir: &Path,
+    prefix: &str,
+    dn: DistinguishedName,
+    server: bool,
+) -> rcgen::Certificate {
     let mut p = CertificateParams::default();
-    p.distinguished_name.push(DnType::CommonName, cn);
+    p.distinguished_name = dn;
     if server {
         p.subject_alt_names = vec![
             SanType::DnsName("localhost".try_into().unwrap()),
@@ -41,6 +55,7 @@ pub fn leaf(ca: &Ca, dir: &Path, prefix: &str, cn: &str, server: bool) {
     let cert = p.signed_by(&key, &ca.cert, &ca.key).unwrap();
     std::fs::write(dir.join(format!("{prefix}-cert.pem")), cert.pem()).unwrap();
     std::fs::write(dir.join(format!("{prefix}-key.pem")), key.serialize_pem()).unwrap();
+    cert
 }
 
 /// A directory in qemu's layout: ca-cert.pem, server-*, and client-* (CN=client1).
