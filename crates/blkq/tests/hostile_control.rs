@@ -10,13 +10,10 @@
 mod common;
 use common::*;
 
-use blkq_sync::atomic::{AtomicBool, Ordering};
-use blkq_sync::Arc;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const LEG_SIZE: u64 = 8 << 20;
@@ -32,85 +29,6 @@ fn leg(dir: &Path, name: &str) -> String {
 fn serve(dir: &Path) -> Server {
     let (a, b) = (leg(dir, "a.img"), leg(dir, "b.img"));
     Server::start(dir, &format!("{a},{b}"), &["--raid1-create"])
-}
-
-/// Runs `blkq ARGS`, which must succeed within `limit` (killed and failed otherwise);
-/// returns its stdout.
-fn ok_within(args: &[&str], limit: Duration) -> String {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    let st = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("blkq {args:?} got no answer within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let (mut out, mut err) = (String::new(), String::new());
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut out)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(st.success(), "blkq {args:?} failed: {out}\n{err}");
-    out
-}
-
-/// Clients that connect and send one byte (never a newline) every `every`, reconnecting
-/// whenever the server closes on them, until dropped.
-struct Tricklers {
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Tricklers {
-    fn start(path: &Path, n: usize, every: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..n)
-            .map(|_| {
-                let (stop, path) = (stop.clone(), path.to_path_buf());
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let Ok(mut s) = UnixStream::connect(&path) else {
-                            std::thread::sleep(Duration::from_millis(10));
-                            continue;
-                        };
-                        while !stop.load(Ordering::Relaxed) && s.write_all(b"s").is_ok() {
-                            std::thread::sleep(every);
-                        }
-                    }
-                })
-            })
-            .collect();
-        Self { stop, threads }
-    }
-}
-
-impl Drop for Tricklers {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
 }
 
 /// The server's pid, from the credentials of a connection to it.
@@ -155,10 +73,16 @@ fn exchange(ctl: &str, req: &[u8]) -> String {
 fn status_answers_while_tricklers_hold_every_slot() {
     let d = tempfile::tempdir().unwrap();
     let s = serve(d.path());
-    let _t = Tricklers::start(Path::new(s.ctl()), 2 * SLOTS, Duration::from_millis(500));
+    let ctl = std::path::PathBuf::from(s.ctl());
+    let _t = common::Tricklers::start(
+        move || UnixStream::connect(&ctl),
+        2 * SLOTS,
+        Duration::from_millis(500),
+        b's',
+    );
     std::thread::sleep(Duration::from_millis(300));
     for _ in 0..3 {
-        let out = ok_within(
+        let out = common::ok_within(
             &["raid", "status", "--control", s.ctl()],
             Duration::from_secs(3),
         );
@@ -226,7 +150,7 @@ fn a_flood_of_idle_connections_takes_slots_not_threads() {
         "{} idle connections: {before} threads before, {during} during",
         idle.len()
     );
-    let out = ok_within(
+    let out = common::ok_within(
         &["raid", "status", "--control", s.ctl()],
         Duration::from_secs(3),
     );

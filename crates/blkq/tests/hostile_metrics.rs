@@ -9,8 +9,6 @@
 
 mod common;
 
-use blkq_sync::atomic::{AtomicBool, Ordering};
-use blkq_sync::Arc;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
@@ -77,45 +75,6 @@ fn scrape_within(addr: &str, limit: Duration) {
     assert!(r.ends_with("# EOF\n"), "{r}");
 }
 
-/// Clients that connect and send one byte of a request head every `every` (never the blank
-/// line that ends it), reconnecting whenever the server closes on them, until dropped.
-struct Tricklers {
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Tricklers {
-    fn start(addr: &str, n: usize, every: Duration) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..n)
-            .map(|_| {
-                let (stop, addr) = (stop.clone(), addr.to_string());
-                std::thread::spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        let Ok(mut s) = TcpStream::connect(&addr) else {
-                            std::thread::sleep(Duration::from_millis(10));
-                            continue;
-                        };
-                        while !stop.load(Ordering::Relaxed) && s.write_all(b"G").is_ok() {
-                            std::thread::sleep(every);
-                        }
-                    }
-                })
-            })
-            .collect();
-        Self { stop, threads }
-    }
-}
-
-impl Drop for Tricklers {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
-}
-
 fn threads_of(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
@@ -144,7 +103,13 @@ fn a_scrape_answers_while_idle_connections_hold_every_slot() {
 fn a_scrape_answers_while_tricklers_hold_every_slot() {
     let d = tempfile::tempdir().unwrap();
     let (_s, addr) = serve(d.path());
-    let _t = Tricklers::start(&addr, 2 * SLOTS, Duration::from_millis(500));
+    let to = addr.clone();
+    let _t = common::Tricklers::start(
+        move || TcpStream::connect(&to),
+        2 * SLOTS,
+        Duration::from_millis(500),
+        b'G',
+    );
     std::thread::sleep(Duration::from_millis(300));
     for _ in 0..3 {
         scrape_within(&addr, Duration::from_secs(2));

@@ -273,17 +273,31 @@ impl Drop for Serving {
     }
 }
 
-/// Runs `blkq ARGS`, which must fail within `limit` (a server that starts instead is killed
-/// and the test fails); returns its stderr.
-pub fn fails_within(args: &[&str], limit: Duration) -> String {
+/// Runs `blkq ARGS` to its end within `limit` (killed, and the test failed with `what`,
+/// otherwise): its exit status, stdout and stderr.
+pub fn run_within(
+    args: &[&str],
+    limit: Duration,
+    what: &str,
+) -> (std::process::ExitStatus, String, String) {
     let mut child = Command::new(BIN)
         .args(args)
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Drained on threads: a child that fills a pipe must not stall the wait.
+    let drain = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = r.read_to_string(&mut text);
+            text
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
     let t0 = Instant::now();
     let st = loop {
         if let Some(st) = child.try_wait().unwrap() {
@@ -292,12 +306,70 @@ pub fn fails_within(args: &[&str], limit: Duration) -> String {
         if t0.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("blkq {args:?} should have failed, and was still running after {limit:?}");
+            panic!("blkq {args:?} {what} within {limit:?}");
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     };
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (st, out.join().unwrap(), err.join().unwrap())
+}
+
+/// Runs `blkq ARGS`, which must succeed within `limit`; returns its stdout.
+pub fn ok_within(args: &[&str], limit: Duration) -> String {
+    let (st, out, err) = run_within(args, limit, "got no answer");
+    assert!(st.success(), "blkq {args:?} failed: {out}\n{err}");
+    out
+}
+
+/// Runs `blkq ARGS`, which must fail within `limit` (a server that starts instead is killed
+/// and the test fails); returns its stderr.
+pub fn fails_within(args: &[&str], limit: Duration) -> String {
+    let (st, _, err) = run_within(args, limit, "should have failed, and was still running");
     assert!(!st.success(), "blkq {args:?} should have failed");
     err
+}
+
+/// Clients that connect with `connect` and send `byte` every `every` (never finishing what
+/// they send), reconnecting whenever the server closes on them, until dropped: a hostile
+/// load that holds a line server's slots.
+pub struct Tricklers {
+    stop: blkq_sync::Arc<blkq_sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Tricklers {
+    pub fn start<S: std::io::Write>(
+        connect: impl Fn() -> std::io::Result<S> + Clone + Send + 'static,
+        n: usize,
+        every: Duration,
+        byte: u8,
+    ) -> Self {
+        use blkq_sync::atomic::Ordering;
+        let stop = blkq_sync::Arc::new(blkq_sync::atomic::AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let (stop, connect) = (stop.clone(), connect.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let Ok(mut s) = connect() else {
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        };
+                        while !stop.load(Ordering::Relaxed) && s.write_all(&[byte]).is_ok() {
+                            std::thread::sleep(every);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for Tricklers {
+    fn drop(&mut self) {
+        self.stop.store(true, blkq_sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
