@@ -206,8 +206,7 @@ impl Serving {
             stderr,
         };
         let t0 = Instant::now();
-        // Until a connection is accepted: the socket file appears at bind(2), a moment before
-        // listen(2), and a connect in between is refused.
+        // Until a connection is accepted: the socket file appears only once the server is up.
         while std::os::unix::net::UnixStream::connect(&s.sock).is_err() {
             if let Some(st) = s.child.try_wait().unwrap() {
                 panic!("blkq serve exited early: {st}: {}", s.stderr_text());
