@@ -275,10 +275,10 @@ struct RecordEdge {
 }
 
 impl RecordEdge {
-    /// Accounts `bytes` received at `now`.
-    fn feed(&mut self, mut bytes: &[u8], now: Instant) {
+    /// Accounts `bytes` received now (the clock is read only when a record begins).
+    fn feed(&mut self, mut bytes: &[u8]) {
         if !bytes.is_empty() && self.since.is_none() {
-            self.since = Some(now);
+            self.since = Some(Instant::now());
         }
         while !bytes.is_empty() {
             if self.body_left > 0 {
@@ -389,10 +389,9 @@ impl Read for TlsStream {
         if self.raw.is_empty() {
             self.raw = vec![0; RAW_BUF];
         }
-        // When this call must give up without plaintext: read lazily, on the first receive
-        // that gave none (the usual call returns before it).
+        // When this call must give up without plaintext: set on the first receive that gave
+        // none (the usual call returns before it, and reads no clock), one socket timeout on.
         let mut give_up: Option<Option<Instant>> = None;
-        let entered = Instant::now();
         loop {
             // Under the session lock: take out plaintext, feed what was received, decrypt.
             let mut got = 0;
@@ -453,7 +452,7 @@ impl Read for TlsStream {
             if self.raw_len > 0 {
                 let limit = *give_up.get_or_insert_with(|| {
                     let t = self.sock.read_timeout().ok().flatten();
-                    t.map(|t| entered + t)
+                    t.map(|t| Instant::now() + t)
                 });
                 if limit.is_some_and(|at| Instant::now() >= at) {
                     self.raw_pos = 0;
@@ -468,7 +467,7 @@ impl Read for TlsStream {
                 // Tell rustls about the EOF; the next pass reads the end of the stream.
                 let _ = self.session.conn.lock().read_tls(&mut io::empty());
             }
-            self.records.feed(&self.raw[..n], Instant::now());
+            self.records.feed(&self.raw[..n]);
             self.raw_len = n;
         }
     }
@@ -591,7 +590,7 @@ impl Read for Timed<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.arm()?;
         let n = self.sock.read(buf).map_err(|e| self.timed_out(e))?;
-        self.records.feed(&buf[..n], Instant::now());
+        self.records.feed(&buf[..n]);
         Ok(n)
     }
 }
