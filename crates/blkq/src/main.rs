@@ -3,14 +3,13 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
-mod config;
+mod certs;
 mod control;
 mod listen;
 mod logs;
 mod metrics;
 mod raid;
 mod serve;
-mod tls;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -27,28 +26,22 @@ struct Cli {
 enum Command {
     /// Export block devices over NBD: with no arguments, a 1 GiB memory disk on ./blkq.sock
     /// and 127.0.0.1:10809.
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<serve::args::ServeArgs>),
     /// Drive a device in-process, like fio: IOPS, latency, tag waits, context switches.
     Bench(Box<bench::BenchArgs>),
     /// Create, inspect and drive RAID1 arrays (offline on the legs, or online with --control).
     Raid(Box<raid::RaidArgs>),
     /// Make TLS certificates for `serve --tls`: a CA, a server certificate and key, and
     /// optionally a client certificate and key (qemu's and nbdkit's file names).
-    Certs(tls::CertsArgs),
-    /// Print the version.
-    Version,
+    Certs(certs::CertsArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve(a) => serve::run(*a),
+        Command::Serve(a) => serve::run::run(*a),
         Command::Bench(a) => bench::run(*a),
         Command::Raid(a) => raid::run(*a),
-        Command::Certs(a) => tls::certs(&a),
-        Command::Version => {
-            println!("blkq {}", env!("CARGO_PKG_VERSION"));
-            Ok(())
-        }
+        Command::Certs(a) => certs::certs(&a),
     }
 }

@@ -33,7 +33,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::control::Control;
+use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
 
 /// Longest request accepted (request line and headers), bytes.

@@ -95,6 +95,19 @@ pub enum TlsMode {
     Require,
 }
 
+impl std::str::FromStr for TlsMode {
+    type Err = String;
+    /// `off`, `on` or `require` (nbdkit's `--tls` words).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(Self::Off),
+            "on" => Ok(Self::On),
+            "require" => Ok(Self::Require),
+            _ => Err(format!("unknown TLS mode {s:?} (off, on or require)")),
+        }
+    }
+}
+
 /// Errors of loading TLS credentials.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

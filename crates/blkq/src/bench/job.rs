@@ -286,12 +286,12 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
 /// Builds the RAID1 mirror of `--raid1`: opens the legs with the same builder as
 /// `blkq serve --raid1` and creates a new array on them (the bench owns its legs).
 pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
-    let legs = crate::raid::split_legs(legs)?;
-    let rc = crate::raid::raid1_config(&cfg.raid1_options)?;
+    let legs = crate::raid::offline::split_legs(legs)?;
+    let rc = crate::raid::offline::raid1_config(&cfg.raid1_options)?;
     let ov = overrides(cfg);
     let devs = legs
         .iter()
-        .map(|l| crate::raid::open_leg(l, &ov))
+        .map(|l| crate::raid::offline::open_leg(l, &ov))
         .collect::<Result<Vec<_>>>()?;
     let r = raid1::Raid1::create(devs, rc).context("--raid1: creating the array")?;
     Ok(Arc::new(r))
@@ -374,7 +374,10 @@ pub(super) fn run_once(cfg: &RunCfg, progress: Option<&str>) -> Result<RunResult
             let now = (Instant::now(), done.load(Ordering::Relaxed));
             let rate = (now.1 - last.1) as f64 / (now.0 - last.0).as_secs_f64();
             bar.set_position(t0.elapsed().as_millis() as u64);
-            bar.set_message(format!("{} IOPS", super::report::kfmt(rate)));
+            bar.set_message(format!(
+                "{} IOPS",
+                super::format::thousands_or_millions(rate)
+            ));
             last = now;
         }
     }

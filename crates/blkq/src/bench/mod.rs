@@ -21,6 +21,7 @@
 //! statistics, the output and the plots live in the files beside it.
 
 mod args;
+mod format;
 mod hist;
 mod job;
 mod plot;
@@ -36,8 +37,9 @@ use sbitmap::WakeAlgo;
 
 use args::{apply, list, RunCfg};
 pub use args::{BenchArgs, BenchCmd};
+use format::thousands_or_millions;
 use job::{run_once, verify};
-use report::{kfmt, mean_sd, policy_name, print_human, print_table, to_json, wake_name};
+use report::{mean_sd, policy_name, print_human, print_table, to_json, wake_name};
 
 /// Runs `blkq bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -171,7 +173,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if !a.json && (sweep_key.is_some() || a.repeat > 1 || table.len() > 1) {
         let key = sweep_key.as_deref().unwrap_or("-");
-        print_table(key, &sweep_vals, &table, &kfmt);
+        print_table(key, &sweep_vals, &table, &thousands_or_millions);
         if !contention.is_empty() {
             println!("\ncontended scheduler-lock acquisitions per I/O (mean (sd)):");
             print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));

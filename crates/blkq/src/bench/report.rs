@@ -9,6 +9,7 @@ use blk::PoolPolicy;
 use sbitmap::WakeAlgo;
 
 use super::args::RunCfg;
+use super::format::thousands_or_millions;
 use super::job::RunResult;
 
 pub(super) fn wake_name(w: WakeAlgo) -> &'static str {
@@ -163,14 +164,6 @@ pub(super) fn mean_sd(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
-pub(super) fn kfmt(x: f64) -> String {
-    if x >= 1e6 {
-        format!("{:.2}M", x / 1e6)
-    } else {
-        format!("{:.1}K", x / 1e3)
-    }
-}
-
 pub(super) fn print_human(cfg: &RunCfg, r: &RunResult) {
     println!(
         "{} {} bs={} iodepth={} jobs={} wake={} policy={} sched={}{}",
@@ -189,7 +182,7 @@ pub(super) fn print_human(cfg: &RunCfg, r: &RunResult) {
     );
     println!(
         "  iops={} bw={:.1}MiB/s ios={} errors={} ({:.2}s)",
-        kfmt(r.iops),
+        thousands_or_millions(r.iops),
         r.bw_bytes / (1 << 20) as f64,
         r.ios,
         r.errors,

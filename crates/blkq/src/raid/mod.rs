@@ -8,11 +8,10 @@
 //!
 //! Legs are matched to slots by their superblocks (array UUID, leg UUID, role), never by the
 //! order they are given in. [`offline`] owns the legs read from disk, [`report`] the
-//! status/detail report, [`progress`] md's progress line.
+//! status/detail report (and md's progress line).
 
-mod offline;
-mod progress;
-mod report;
+pub mod offline;
+pub mod report;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -22,10 +21,10 @@ use blk_drivers::spec::{parse_size, QueueOverrides};
 use clap::{Args, Subcommand};
 use raid1::{Raid1, Raid1Config};
 
-use offline::offline_plan;
-pub use offline::{open_leg, plan, plan_devices, probe, raid1_config, read_at, split_legs, Probe};
-use progress::progress_line;
-pub use report::{ArrayReport, BitmapReport, LegReport, SyncReport};
+use crate::control::client;
+use crate::control::protocol::{Command, Leg};
+use offline::{offline_plan, open_leg, plan_devices, probe, Probe};
+use report::SyncReport;
 
 /// `blkq raid` options.
 #[derive(Args, Debug)]
@@ -50,13 +49,14 @@ enum RaidCmd {
     Check(QueryArgs),
     /// Like check, and rewrite the other legs from the first in-sync leg (md's `repair`).
     Repair(QueryArgs),
-    /// Online: mark slot N faulty.
-    Fail(SlotArgs),
-    /// Online: take a faulty or recovering leg out of slot N.
-    Remove(SlotArgs),
+    /// Online: mark a leg faulty (by slot number or device spec).
+    Fail(LegTarget),
+    /// Online: take a faulty or recovering leg out of its slot (by slot number or device spec).
+    Remove(LegTarget),
     /// Online: add a leg (device spec) into an empty slot; recovery copies the data to it.
     Add(AddArgs),
-    /// Online: replace the leg in slot N by a new one (copied while N still serves).
+    /// Online: replace a leg (by slot number or device spec) by a new one (copied while the
+    /// old one still serves).
     Replace(ReplaceArgs),
     /// Online: stop a running check/repair and unfreeze (md's `idle`).
     Idle(ControlArg),
@@ -138,9 +138,10 @@ struct ControlArg {
 }
 
 #[derive(Args, Debug)]
-struct SlotArgs {
-    /// Slot number (see `blkq raid detail`).
-    slot: usize,
+struct LegTarget {
+    /// The leg: its slot number (see `blkq raid detail`) or its device spec
+    /// (file:/srv/b.img, as given or naming the same file).
+    leg: Leg,
     #[command(flatten)]
     ctl: ControlArg,
 }
@@ -161,8 +162,8 @@ struct AddArgs {
 
 #[derive(Args, Debug)]
 struct ReplaceArgs {
-    /// Slot of the leg to replace.
-    slot: usize,
+    /// The leg to replace: its slot number or its device spec.
+    leg: Leg,
     /// The new leg: a device spec (blank, as for `add`, unless --force).
     spec: String,
     /// As for `add`.
@@ -170,15 +171,6 @@ struct ReplaceArgs {
     force: bool,
     #[command(flatten)]
     ctl: ControlArg,
-}
-
-/// `--force ` for a control line, or nothing.
-fn force_word(force: bool) -> &'static str {
-    if force {
-        "--force "
-    } else {
-        ""
-    }
 }
 
 #[derive(Args, Debug)]
@@ -291,40 +283,9 @@ fn assemble(a: LegArgs) -> Result<()> {
     Ok(())
 }
 
-/// Sends one command line to a control socket; returns the JSON reply's body, or the error
-/// the server reported.
-pub fn control_request(path: &Path, line: &str) -> Result<serde_json::Value> {
-    let reply = crate::control::request(path, line).with_context(|| {
-        format!(
-            "control socket {}: is `blkq serve --raid1 ... --control {}` running?",
-            path.display(),
-            path.display()
-        )
-    })?;
-    let v: serde_json::Value = serde_json::from_str(reply.trim())
-        .with_context(|| format!("control socket {}: bad reply {reply:?}", path.display()))?;
-    if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
-        let e = v
-            .get("error")
-            .and_then(|e| e.as_str())
-            .unwrap_or("unknown error");
-        bail!("{e}");
-    }
-    Ok(v)
-}
-
-fn online_report(path: &Path, cmd: &str) -> Result<ArrayReport> {
-    let v = control_request(path, cmd)?;
-    let r = v
-        .get("report")
-        .cloned()
-        .ok_or_else(|| anyhow!("control reply without a report"))?;
-    Ok(serde_json::from_value(r)?)
-}
-
 fn query(q: QueryArgs, detail: bool) -> Result<()> {
     let rep = match q.target()? {
-        Target::Online(p) => online_report(p, if detail { "detail" } else { "status" })?,
+        Target::Online(p) => client::report(p, detail)?,
         Target::Offline(legs) => offline_plan(legs)?.report()?,
     };
     if q.json {
@@ -333,14 +294,6 @@ fn query(q: QueryArgs, detail: bool) -> Result<()> {
         print!("{}", rep.render_detail());
     } else {
         print!("{}", rep.render_status());
-    }
-    Ok(())
-}
-
-fn simple(path: &Path, line: &str) -> Result<()> {
-    let v = control_request(path, line)?;
-    if let Some(m) = v.get("message").and_then(|m| m.as_str()) {
-        println!("{m}");
     }
     Ok(())
 }
@@ -354,26 +307,37 @@ pub fn run(a: RaidArgs) -> Result<()> {
         RaidCmd::Detail(q) => query(q, true),
         RaidCmd::Check(q) => sync_action(q, "check"),
         RaidCmd::Repair(q) => sync_action(q, "repair"),
-        RaidCmd::Fail(s) => simple(&s.ctl.control, &format!("fail {}", s.slot)),
-        RaidCmd::Remove(s) => simple(&s.ctl.control, &format!("remove {}", s.slot)),
-        RaidCmd::Add(s) => simple(
-            &s.ctl.control,
-            &format!("add {}{}", force_word(s.force), s.spec),
+        RaidCmd::Fail(t) => client::run(&t.ctl.control, &Command::Fail(t.leg)),
+        RaidCmd::Remove(t) => client::run(&t.ctl.control, &Command::Remove(t.leg)),
+        RaidCmd::Add(a) => client::run(
+            &a.ctl.control,
+            &Command::Add {
+                force: a.force,
+                spec: a.spec,
+            },
         ),
-        RaidCmd::Replace(s) => simple(
-            &s.ctl.control,
-            &format!("replace {}{} {}", force_word(s.force), s.slot, s.spec),
+        RaidCmd::Replace(r) => client::run(
+            &r.ctl.control,
+            &Command::Replace {
+                force: r.force,
+                leg: r.leg,
+                spec: r.spec,
+            },
         ),
-        RaidCmd::Idle(c) => simple(&c.control, "idle"),
-        RaidCmd::SpeedLimit(s) => {
-            simple(&s.ctl.control, &format!("speed-limit {} {}", s.min, s.max))
-        }
+        RaidCmd::Idle(c) => client::run(&c.control, &Command::Idle),
+        RaidCmd::SpeedLimit(s) => client::run(
+            &s.ctl.control,
+            &Command::SpeedLimit {
+                min: s.min,
+                max: s.max,
+            },
+        ),
     }
 }
 
 fn sync_action(q: QueryArgs, action: &str) -> Result<()> {
     match q.target()? {
-        Target::Online(p) => simple(p, action),
+        Target::Online(p) => client::run(p, &Command::parse(action)?),
         Target::Offline(legs) => offline_sync(legs, action, q.json),
     }
 }
@@ -405,7 +369,7 @@ fn offline_sync(legs: &[String], action: &str, json: bool) -> Result<()> {
             break;
         }
         if tty {
-            eprint!("\r{}", progress_line(&SyncReport::from(r.sync_progress())));
+            eprint!("\r{}", SyncReport::from(r.sync_progress()).progress_line());
         }
     }
     if tty {

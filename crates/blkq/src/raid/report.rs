@@ -5,8 +5,6 @@
 use raid1::{SyncProgress, WriteIntentBitmap};
 use serde::{Deserialize, Serialize};
 
-use super::progress::progress_line;
-
 /// The state of one slot, as reported.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LegReport {
@@ -61,6 +59,43 @@ pub struct SyncReport {
     /// Pauses the sync thread gave to regular I/O (above `sync_speed_min`, array busy).
     #[serde(default)]
     pub yields: u64,
+}
+
+impl SyncReport {
+    /// md's progress line: `[=====>...............]  recovery = 27.3% (x/y) finish=1.2min
+    /// speed=10240K/sec`.
+    pub fn progress_line(&self) -> String {
+        let s = self;
+        const WIDTH: u64 = 20;
+        let per_mille = (s.done_bytes.min(s.total_bytes) as u128 * 1000)
+            .checked_div(s.total_bytes as u128)
+            .unwrap_or(0) as u64;
+        let filled = per_mille * WIDTH / 1000;
+        let mut bar = String::with_capacity(WIDTH as usize + 2);
+        bar.push('[');
+        for i in 0..WIDTH {
+            bar.push(if i < filled {
+                '='
+            } else if i == filled {
+                '>'
+            } else {
+                '.'
+            });
+        }
+        bar.push(']');
+        let finish = s
+            .eta_secs
+            .map_or("?".to_string(), |e| format!("{:.1}min", e as f64 / 60.0));
+        format!(
+            "{bar}  {} = {}.{}% ({}/{}) finish={finish} speed={}K/sec",
+            s.action,
+            per_mille / 10,
+            per_mille % 10,
+            s.done_bytes / 1024,
+            s.total_bytes / 1024,
+            s.speed_kib_s
+        )
+    }
 }
 
 /// The whole array, as reported.
@@ -173,7 +208,7 @@ impl ArrayReport {
         ));
         if let Some(s) = &self.sync {
             if s.action != "idle" && s.total_bytes > 0 {
-                o.push_str(&format!("      {}\n", progress_line(s)));
+                o.push_str(&format!("      {}\n", s.progress_line()));
             }
         }
         match &self.bitmap {
@@ -224,7 +259,7 @@ impl ArrayReport {
         if let Some(s) = &self.sync {
             o.push_str(&format!("       Sync Action : {}\n", s.action));
             if s.action != "idle" && s.total_bytes > 0 {
-                o.push_str(&format!("     Sync Progress : {}\n", progress_line(s)));
+                o.push_str(&format!("     Sync Progress : {}\n", s.progress_line()));
             }
             o.push_str(&format!("      Mismatch Cnt : {}\n", s.mismatch_cnt));
         }
@@ -295,5 +330,25 @@ mod tests {
         assert_eq!(r.mdstat_legs(), "[UU]");
         r.legs[0].state = "recovering".into();
         assert_eq!(r.mdstat_legs(), "[_U]");
+    }
+
+    #[test]
+    fn progress_line_looks_like_md() {
+        let s = SyncReport {
+            action: "recover".into(),
+            done_bytes: 50 << 20,
+            total_bytes: 100 << 20,
+            speed_kib_s: 1024,
+            eta_secs: Some(90),
+            mismatch_cnt: 0,
+            chunks_copied: 0,
+            yields: 0,
+        };
+        let l = s.progress_line();
+        assert!(
+            l.starts_with("[==========>.........]  recover = 50.0%"),
+            "{l}"
+        );
+        assert!(l.contains("finish=1.5min speed=1024K/sec"), "{l}");
     }
 }

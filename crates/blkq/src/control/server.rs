@@ -1,24 +1,11 @@
-//! The control socket of `blkq serve --raid1 ... --control PATH`.
+//! The control socket's server: [`Control`] (the array behind the socket, with what the
+//! server knows of its legs) runs [`Command`]s; [`ControlServer`] listens.
 //!
-//! A Unix stream socket, mode 0600 (only the user who runs the server may drive the array).
-//! One connection carries one command: a line of text (at most [`MAX_LINE`] bytes, a longer
-//! one is refused), answered by one line of JSON, `{"ok":true,...}` or
-//! `{"ok":false,"error":"..."}`, after which the server closes the connection. Commands:
-//!
-//! | command            | does                                                        |
-//! |--------------------|-------------------------------------------------------------|
-//! | `status`, `detail` | `{"ok":true,"report":{...}}` (see `raid::ArrayReport`)      |
-//! | `fail N`           | marks slot N faulty                                         |
-//! | `remove N`         | takes the faulty/recovering leg out of slot N               |
-//! | `add [--force] SPEC` | opens the device spec and adds it (recovery starts)       |
-//! | `replace [--force] N SPEC` | adds SPEC, recovers it, then fails and removes slot N (in the background) |
-//! | `check`, `repair`, `idle` | md's `sync_action`                                   |
-//! | `speed-limit MIN MAX` | KiB/s (0 keeps a value)                                  |
-//!
-//! A new leg must be blank (no superblock, and zeros where other formats keep theirs) or a
-//! former leg of this array; `--force` takes a leg with data or a damaged superblock
-//! (never one of another array: zero its superblock first). Commands that change the array
-//! run one at a time; `status` and `detail` never wait for them.
+//! A Unix stream socket, mode 0600 (only the user who runs the server may drive the array),
+//! speaking [`super::protocol`]. A new leg must be blank (no superblock, and zeros where other
+//! formats keep theirs) or a former leg of this array; `--force` takes a leg with data or a
+//! damaged superblock (never one of another array: zero its superblock first). Commands that
+//! change the array run one at a time; `status` and `detail` never wait for them.
 //!
 //! Up to [`SLOTS`] connections are served at once, a thread each, and a connection has
 //! [`DEADLINE`] in all to send its line and read the reply (not per read: a client trickling
@@ -42,19 +29,15 @@ use blkq_sync::{thread, Arc, Mutex};
 use raid1::{Raid1, SyncAction};
 use serde_json::json;
 
+use super::protocol::{Command, Leg, MAX_LINE};
 use crate::listen::{self, Limits, Session};
-use crate::raid::{self, ArrayReport, BitmapReport, LegReport, SyncReport};
+use crate::raid::offline::{self as legs, Probe};
+use crate::raid::report::{ArrayReport, BitmapReport, LegReport, SyncReport};
 
 fn accept(l: &UnixListener) -> std::io::Result<UnixStream> {
     l.accept().map(|(s, _)| s)
 }
 
-/// Longest accepted command line, bytes (newline included).
-pub const MAX_LINE: usize = 4096;
-/// Longest reply a client accepts, bytes.
-const MAX_REPLY: u64 = 1 << 20;
-/// Write timeout of the client side ([`request`]).
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once (a thread each).
 pub const SLOTS: usize = 8;
 /// From accept to the whole command line received and the reply taken.
@@ -72,7 +55,7 @@ pub struct Control {
     /// Member legs (md's raid_disks), as assembled.
     raid_disks: usize,
     /// How new legs are opened.
-    ov: QueueOverrides,
+    overrides: QueueOverrides,
     /// Held by the commands that change the array (one at a time, as when the socket served
     /// one connection at a time); `status` and `detail` do not take it.
     changing: Mutex<()>,
@@ -90,7 +73,7 @@ fn same_file(a: &str, b: &str) -> bool {
 
 impl Control {
     /// `specs[i]`: the spec of the leg in slot `i`.
-    pub fn new(raid: Arc<Raid1>, specs: Vec<Option<String>>, ov: QueueOverrides) -> Self {
+    pub fn new(raid: Arc<Raid1>, specs: Vec<Option<String>>, overrides: QueueOverrides) -> Self {
         let n = raid.slots();
         let mut specs = specs;
         specs.resize(n, None);
@@ -102,7 +85,7 @@ impl Control {
             raid,
             specs: Arc::new(Mutex::new(specs)),
             raid_disks,
-            ov,
+            overrides,
             changing: Mutex::new(()),
         }
     }
@@ -194,18 +177,41 @@ impl Control {
         }
     }
 
-    fn slot(&self, arg: Option<&str>, cmd: &str) -> Result<usize> {
-        let a = arg.with_context(|| format!("usage: {cmd} N (a slot number)"))?;
-        let n: usize = a
-            .parse()
-            .with_context(|| format!("{cmd}: {a:?} is not a slot number"))?;
-        if n >= self.raid.slots() {
-            bail!(
+    /// The slot of `leg`: a slot number of the array, or the slot whose leg was given by
+    /// that spec or names the same file.
+    fn slot(&self, leg: &Leg, cmd: &str) -> Result<usize> {
+        match leg {
+            Leg::Slot(n) if *n < self.raid.slots() => Ok(*n),
+            Leg::Slot(n) => bail!(
                 "{cmd} {n}: no such slot (the array has slots 0..{})",
                 self.raid.slots()
-            );
+            ),
+            Leg::Spec(spec) => {
+                let specs = self.specs.lock();
+                let found = specs
+                    .iter()
+                    .position(|s| s.as_deref() == Some(spec.as_str()))
+                    .or_else(|| {
+                        specs
+                            .iter()
+                            .position(|s| s.as_deref().is_some_and(|s| same_file(s, spec)))
+                    });
+                match found {
+                    Some(n) => Ok(n),
+                    None => {
+                        let known: Vec<String> = specs
+                            .iter()
+                            .enumerate()
+                            .filter_map(|(i, s)| s.as_ref().map(|s| format!("{i}: {s}")))
+                            .collect();
+                        bail!(
+                            "{cmd} {spec}: no leg of the array is that device (slots: {})",
+                            known.join(", ")
+                        )
+                    }
+                }
+            }
         }
-        Ok(n)
     }
 
     fn spec_name(&self, n: usize) -> String {
@@ -237,9 +243,9 @@ impl Control {
                 self.spec_name(slot)
             );
         }
-        let dev = raid::open_leg(spec, &self.ov)?;
-        match raid::probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
-            raid::Probe::Member(sb) => {
+        let dev = legs::open_leg(spec, &self.overrides)?;
+        match legs::probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
+            Probe::Member(sb) => {
                 let ours = self.raid.superblock(0);
                 if let Some(slot) = ours.as_ref().and_then(|o| {
                     (0..self.raid.slots()).find(|&i| {
@@ -260,13 +266,13 @@ impl Control {
                     );
                 }
             }
-            raid::Probe::Corrupt(e) if !force => bail!(
+            Probe::Corrupt(e) if !force => bail!(
                 "leg {spec:?} carries a damaged raid1 superblock ({e}): refusing to overwrite it \
                  without --force"
             ),
-            raid::Probe::Blank if !force => {
+            Probe::Blank if !force => {
                 let len = BLANK_PROBE.min(blk::Device::limits(dev.as_ref()).capacity);
-                let head = raid::read_at(dev.as_ref(), 0, len as usize)
+                let head = legs::read_at(dev.as_ref(), 0, len as usize)
                     .with_context(|| format!("leg {spec:?}: reading it"))?;
                 if let Some(at) = head.iter().position(|&b| b != 0) {
                     bail!(
@@ -277,27 +283,23 @@ impl Control {
                     );
                 }
             }
-            raid::Probe::Corrupt(_) | raid::Probe::Blank => {}
+            Probe::Corrupt(_) | Probe::Blank => {}
         }
         Ok(dev)
     }
 
     fn dispatch(&self, line: &str) -> Result<serde_json::Value> {
-        let mut it = line.split_whitespace().peekable();
-        let cmd = it.next().unwrap_or("");
-        if matches!(cmd, "status" | "detail") {
+        let cmd = Command::parse(line)?;
+        if !cmd.changes_array() {
             return Ok(json!({ "ok": true, "report": self.report() }));
         }
         let _changing = self.changing.lock();
-        // `add --force SPEC`, `replace --force N SPEC`.
-        let force = matches!(cmd, "add" | "replace") && it.next_if_eq(&"--force").is_some();
-        let a1 = it.next();
-        let a2 = it.next();
         let ok = |m: String| Ok(json!({ "ok": true, "message": m }));
         let r = &self.raid;
         match cmd {
-            "fail" => {
-                let n = self.slot(a1, cmd)?;
+            Command::Status | Command::Detail => Ok(json!({ "ok": true, "report": self.report() })),
+            Command::Fail(leg) => {
+                let n = self.slot(&leg, "fail")?;
                 r.fail_leg(n).with_context(|| {
                     format!(
                         "cannot fail {}: it is the last in-sync leg or the slot is empty",
@@ -306,8 +308,8 @@ impl Control {
                 })?;
                 ok(format!("{} marked faulty", self.spec_name(n)))
             }
-            "remove" => {
-                let n = self.slot(a1, cmd)?;
+            Command::Remove(leg) => {
+                let n = self.slot(&leg, "remove")?;
                 let name = self.spec_name(n);
                 r.remove_leg(n).with_context(|| {
                     format!("cannot remove {name}: only a faulty or recovering leg can be removed (`fail {n}` first)")
@@ -317,38 +319,25 @@ impl Control {
                 }
                 ok(format!("{name} removed"))
             }
-            "add" => {
-                // The spec is the rest of the line (as typed; it may hold spaces).
-                let rest = line.strip_prefix("add").map(str::trim).unwrap_or("");
-                let rest = if force {
-                    rest.strip_prefix("--force").map(str::trim).unwrap_or(rest)
-                } else {
-                    rest
-                };
-                let spec = Some(rest)
-                    .filter(|s| !s.is_empty())
-                    .context("usage: add [--force] SPEC (e.g. add file:/srv/c.img)")?;
-                let dev = self.open_new_leg(spec, force)?;
+            Command::Add { force, spec } => {
+                let dev = self.open_new_leg(&spec, force)?;
                 let n = r.add_leg(dev).with_context(|| {
                     format!("cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?")
                 })?;
                 if let Some(s) = self.specs.lock().get_mut(n) {
-                    *s = Some(spec.to_string());
+                    *s = Some(spec.clone());
                 }
                 // The array starts recovery itself; asking again is harmless.
                 let _ = r.set_sync_action(SyncAction::Recover);
                 ok(format!("{spec} added in slot {n}: recovering"))
             }
-            "replace" => {
-                let n = self.slot(a1, cmd)?;
-                let spec = a2.context("usage: replace [--force] N SPEC")?.to_string();
-                if it.next().is_some() {
-                    bail!("usage: replace [--force] N SPEC (the spec has no spaces)");
-                }
+            Command::Replace { force, leg, spec } => {
+                let n = self.slot(&leg, "replace")?;
                 let dev = self.open_new_leg(&spec, force)?;
                 let raid = r.clone();
                 let specs = self.specs.clone();
                 let name = self.spec_name(n);
+                let message = format!("replacing {name} by {spec}: watch `blkq raid status`");
                 // Blocks until the copy is done: run it on a thread of its own.
                 thread::spawn(move || match raid.replace_leg(n, dev) {
                     Ok(new) => {
@@ -364,31 +353,26 @@ impl Control {
                     }
                     Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
                 });
-                ok(format!(
-                    "replacing {name} by {}: watch `blkq raid status`",
-                    a2.unwrap_or("")
-                ))
+                ok(message)
             }
-            "check" | "repair" | "idle" => {
-                let a: SyncAction = cmd.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
-                r.set_sync_action(a)
-                    .with_context(|| format!("{cmd} refused (a resync or recovery runs or is needed?)"))?;
-                ok(format!("sync_action {cmd}"))
-            }
-            "speed-limit" => {
-                let (Some(min), Some(max)) = (a1, a2) else {
-                    bail!("usage: speed-limit MIN MAX (KiB/s; 0 keeps a value)");
+            Command::Check | Command::Repair | Command::Idle => {
+                let (a, word) = match cmd {
+                    Command::Check => (SyncAction::Check, "check"),
+                    Command::Repair => (SyncAction::Repair, "repair"),
+                    _ => (SyncAction::Idle, "idle"),
                 };
-                let min: u64 = min.parse().context("speed-limit: MIN is not a number")?;
-                let max: u64 = max.parse().context("speed-limit: MAX is not a number")?;
+                r.set_sync_action(a).with_context(|| {
+                    format!("{word} refused (a resync or recovery runs or is needed?)")
+                })?;
+                ok(format!("sync_action {word}"))
+            }
+            Command::SpeedLimit { min, max } => {
                 r.set_speed_limits(min, max);
                 let (a, b) = r.speed_limits();
-                Ok(json!({ "ok": true, "message": format!("speed limits {a}..{b} KiB/s"), "min": a, "max": b }))
+                Ok(
+                    json!({ "ok": true, "message": format!("speed limits {a}..{b} KiB/s"), "min": a, "max": b }),
+                )
             }
-            "" => bail!("empty command"),
-            other => bail!(
-                "unknown command {other:?}: status, detail, fail N, remove N, add [--force] SPEC, replace [--force] N SPEC, check, repair, idle, speed-limit MIN MAX"
-            ),
         }
     }
 }
@@ -505,20 +489,64 @@ impl Drop for ControlServer {
     }
 }
 
-/// Client side: sends `line` and returns the reply (one line).
-pub fn request(path: &Path, line: &str) -> Result<String> {
-    if line.len() >= MAX_LINE {
-        bail!("command longer than {MAX_LINE} bytes");
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mirror over two file legs in `dir`, behind a [`Control`].
+    fn mirror(dir: &Path) -> (Control, Vec<String>) {
+        let specs: Vec<String> = ["a.img", "b.img"]
+            .iter()
+            .map(|f| {
+                let p = dir.join(f);
+                std::fs::File::create(&p)
+                    .unwrap()
+                    .set_len(16 << 20)
+                    .unwrap();
+                format!("file:{}", p.display())
+            })
+            .collect();
+        let overrides = QueueOverrides::default();
+        let devs = specs
+            .iter()
+            .map(|s| legs::open_leg(s, &overrides).unwrap())
+            .collect();
+        let raid = Arc::new(Raid1::create(devs, raid1::Raid1Config::default()).unwrap());
+        let ctl = Control::new(raid, specs.iter().cloned().map(Some).collect(), overrides);
+        (ctl, specs)
     }
-    let mut s = UnixStream::connect(path).context("connecting")?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    s.set_write_timeout(Some(IO_TIMEOUT))?;
-    s.write_all(line.as_bytes())?;
-    s.write_all(b"\n")?;
-    let mut out = String::new();
-    (&s).take(MAX_REPLY).read_to_string(&mut out)?;
-    if out.is_empty() {
-        bail!("the server closed the connection without a reply");
+
+    fn ok(ctl: &Control, line: &str) -> String {
+        let v = ctl.handle(line);
+        assert_eq!(v["ok"], true, "{line}: {v}");
+        v["message"].as_str().unwrap_or_default().to_string()
     }
-    Ok(out)
+
+    fn err(ctl: &Control, line: &str) -> String {
+        let v = ctl.handle(line);
+        assert_eq!(v["ok"], false, "{line}: {v}");
+        v["error"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_leg_is_named_by_its_slot_or_its_spec() {
+        let d = tempfile::tempdir().unwrap();
+        let (ctl, specs) = mirror(d.path());
+        // The spec as given.
+        let m = ok(&ctl, &format!("fail {}", specs[1]));
+        assert!(m.contains("slot 1") && m.contains("faulty"), "{m}");
+        // Another spelling of the same file (mdadm names the device, however reached).
+        let other = format!("file:{}/./b.img", d.path().display());
+        let m = ok(&ctl, &format!("remove {other}"));
+        assert!(m.contains("slot 1") && m.contains("removed"), "{m}");
+        // A device that is no leg, and a slot that does not exist: said so.
+        let e = err(&ctl, &format!("fail file:{}/c.img", d.path().display()));
+        assert!(e.contains("no leg of the array is that device"), "{e}");
+        assert!(e.contains(&specs[0]), "{e}");
+        let e = err(&ctl, "fail 9");
+        assert!(e.contains("no such slot"), "{e}");
+        // The last in-sync leg, by spec, is refused like by slot.
+        let e = err(&ctl, &format!("fail {}", specs[0]));
+        assert!(e.contains("last in-sync leg"), "{e}");
+    }
 }

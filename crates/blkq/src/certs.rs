@@ -1,6 +1,6 @@
-//! `blkq serve`'s TLS flags (nbdkit's meaning) and `blkq certs`, which makes a CA, a server
-//! certificate and optionally a client certificate in the layout qemu and nbdkit read, keeping
-//! the CA's key in a directory of its own (see `CERTS_HELP`).
+//! `blkq certs`: makes a CA, a server certificate and optionally a client certificate in the
+//! layout qemu and nbdkit read (and `blkq serve --tls-certificates` loads), keeping the CA's
+//! key in a directory of its own (see `CERTS_HELP`).
 
 use std::fs;
 use std::io::{Read, Write};
@@ -9,83 +9,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nbd::tls::{TlsMode, TlsSettings};
-
-use crate::config::{self, Source, TlsMode as TlsFlag};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose, SanType,
 };
 use time::{Duration, OffsetDateTime};
 use x509_parser::prelude::{FromDer, X509Certificate};
-
-/// TLS flags of `blkq serve` (`[tls]` in a `--config` file: mode, certificates, verify_peer).
-#[derive(Args, Debug, Clone, Default)]
-pub struct TlsArgs {
-    /// TLS: off, on (offered) or require (no option but STARTTLS and ABORT before it).
-    #[arg(long, value_enum, default_value_t = TlsFlag::Off, value_name = "off|on|require")]
-    pub tls: TlsFlag,
-    /// Directory holding ca-cert.pem, server-cert.pem and server-key.pem (qemu's and
-    /// nbdkit's layout; `blkq certs DIR` makes one).
-    #[arg(long, value_name = "DIR")]
-    pub tls_certificates: Option<PathBuf>,
-    /// Require a client certificate signed by the directory's ca-cert.pem.
-    #[arg(long)]
-    pub tls_verify_peer: bool,
-}
-
-#[cfg(test)]
-impl TlsArgs {
-    /// The flags as the configuration's validated settings (what `[tls]` gives too).
-    pub fn checked(&self) -> config::TlsSettings {
-        config::TlsSettings {
-            mode: self.tls,
-            certificates: self.tls_certificates.clone(),
-            verify_peer: self.tls_verify_peer,
-        }
-    }
-
-    /// The server's TLS settings (`None`: off); see [`load`].
-    pub fn settings(&self) -> Result<Option<TlsSettings>> {
-        load(&self.checked(), &Source::CommandLine)
-    }
-}
-
-/// Loads the certificates that validated TLS settings name: the server's TLS configuration
-/// (`None`: off). Errors name the flag (`--tls-certificates`) or the file's `[tls]` key.
-pub fn load(s: &config::TlsSettings, src: &Source) -> Result<Option<TlsSettings>> {
-    let file = matches!(src, Source::File { .. });
-    let (certs_name, mode_name) = if file {
-        ("[tls] certificates", "[tls] mode")
-    } else {
-        ("--tls-certificates", "--tls")
-    };
-    let mode = match s.mode {
-        TlsFlag::Off => {
-            if s.certificates.is_some() {
-                tracing::warn!("{certs_name} is ignored: TLS is off ({mode_name} on|require)");
-            }
-            return Ok(None);
-        }
-        TlsFlag::On => TlsMode::On,
-        TlsFlag::Require => TlsMode::Require,
-    };
-    let Some(dir) = &s.certificates else {
-        bail!(
-            "{mode_name} on|require needs {certs_name} DIR (ca-cert.pem, server-cert.pem, \
-             server-key.pem; `blkq certs DIR` makes them)"
-        );
-    };
-    if mode == TlsMode::On && s.verify_peer {
-        tracing::warn!(
-            "TLS on with verify-peer: clients that do not start TLS are still served, without a \
-             certificate (TLS require closes that door)"
-        );
-    }
-    let settings = TlsSettings::load(mode, dir, s.verify_peer)
-        .with_context(|| format!("{certs_name} {}", dir.display()))?;
-    Ok(Some(settings))
-}
 
 /// What `blkq certs --help` says after the flags: the layout, and when it refuses.
 const CERTS_HELP: &str = "\
@@ -612,6 +541,9 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::args::TlsArgs;
+    use crate::serve::config::Source;
+    use nbd::tls::TlsMode;
 
     /// `blkq certs DIR` with the defaults.
     fn args(dir: &Path) -> CertsArgs {
@@ -635,19 +567,6 @@ mod tests {
     }
 
     #[test]
-    fn tls_on_without_a_directory_names_the_flag() {
-        for tls in [TlsFlag::On, TlsFlag::Require] {
-            let a = TlsArgs {
-                tls,
-                ..TlsArgs::default()
-            };
-            let e = a.settings().unwrap_err().to_string();
-            assert!(e.contains("--tls-certificates"), "{e}");
-        }
-        assert!(TlsArgs::default().settings().unwrap().is_none());
-    }
-
-    #[test]
     fn certs_makes_a_directory_the_server_loads() {
         let dir = tempfile::tempdir().unwrap();
         let pki = dir.path().join("pki");
@@ -668,11 +587,13 @@ mod tests {
         assert!(!pki.join("ca-key.pem").exists());
         for verify_peer in [false, true] {
             let a = TlsArgs {
-                tls: TlsFlag::Require,
+                tls: TlsMode::Require,
                 tls_certificates: Some(pki.clone()),
                 tls_verify_peer: verify_peer,
             };
-            let s = a.settings().unwrap().unwrap();
+            let s = crate::serve::tls::load(&a, &Source::CommandLine)
+                .unwrap()
+                .unwrap();
             assert_eq!(s.mode, TlsMode::Require);
         }
         // The client side loads the same directory (with its client certificate).

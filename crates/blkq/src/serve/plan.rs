@@ -1,0 +1,268 @@
+//! From checked settings to what the server serves: [`open`] opens the devices, assembles (or
+//! creates) the mirrors and gives each export its description; [`exposure_warning`] says what
+//! a listener others can reach exposes.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use blk::{Device, Queue};
+use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
+use blkq_sync::DynArc as Arc;
+use nbd::server::{Export, ServerConfig};
+use nbd::tls::TlsMode;
+use raid1::Raid1;
+
+use super::settings::{Backing, Settings};
+use crate::control::server::Control;
+use crate::raid::offline;
+
+/// What [`open`] made: the server's configuration and what to print and start beside it.
+pub struct Opened {
+    /// Exports, listeners and tuning.
+    pub server: ServerConfig,
+    /// The full description of each export (printed locally).
+    pub descriptions: Vec<String>,
+    /// Control sockets to start, one per mirror that asked for one.
+    pub control_sockets: Vec<(PathBuf, Arc<Control>)>,
+    /// Every mirror, by export name (for metrics), with its control (shared with its socket).
+    pub mirrors: Vec<(String, Arc<Control>)>,
+}
+
+/// Opens the devices and assembles the mirrors: the server's configuration.
+pub fn open(settings: &Settings) -> Result<Opened> {
+    let mut exports = Vec::new();
+    let mut descriptions = Vec::new();
+    let mut control_sockets = Vec::new();
+    let mut mirrors = Vec::new();
+    for e in &settings.exports {
+        let overrides = QueueOverrides {
+            read_only: e.read_only,
+            ..settings.overrides.clone()
+        };
+        let (dev, full, kind, read_only): (Arc<dyn Device>, String, &str, bool) = match &e.backing {
+            Backing::Mirror {
+                legs,
+                create,
+                options,
+                control,
+            } => {
+                let leg_overrides = QueueOverrides {
+                    read_only: false,
+                    ..settings.overrides.clone()
+                };
+                let (r, specs) = open_mirror(legs, *create, options, &leg_overrides)?;
+                let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
+                let full = format!(
+                    "raid1 {} (array {})",
+                    legs.join(","),
+                    uuid.unwrap_or_default()
+                );
+                let ctl = Arc::new(Control::new(r.clone(), specs, leg_overrides));
+                if let Some(path) = control {
+                    control_sockets.push((path.clone(), ctl.clone()));
+                }
+                mirrors.push((e.name.clone(), ctl));
+                let dev: Arc<dyn Device> = r;
+                (dev, full, "raid1", e.read_only)
+            }
+            Backing::Device(spec) => {
+                let name = &e.name;
+                let parsed: DeviceSpec = spec
+                    .parse()
+                    .with_context(|| format!("device spec {spec:?}"))?;
+                let fault = parsed
+                    .fault_config()
+                    .with_context(|| format!("device spec {spec:?}"))?;
+                let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
+                    tracing::warn!(
+                        export = %name,
+                        "{spec}: fault injection is on: I/O fails or is delayed on purpose"
+                    );
+                    let dev = parsed
+                        .build_device(&overrides)
+                        .with_context(|| format!("building device {spec:?}"))?;
+                    (dev, "with fault injection".to_string())
+                } else {
+                    let q: Queue = parsed
+                        .build(&overrides)
+                        .with_context(|| format!("building device {spec:?}"))?;
+                    let describe = q.describe();
+                    (Arc::new(q), describe)
+                };
+                if spec.starts_with("mem:") {
+                    tracing::warn!(
+                        export = %name,
+                        "{spec}: the data lives in memory and is lost when the server stops"
+                    );
+                }
+                let kind = match parsed.kind {
+                    Kind::Null(_) => "null",
+                    Kind::Mem(_) => "mem",
+                    Kind::File(_) => "file",
+                };
+                let ro = e.read_only || parsed.is_read_only(&overrides);
+                (dev, format!("{spec} ({describe})"), kind, ro)
+            }
+        };
+        let description = match &e.description {
+            Some(d) => d.clone(),
+            None if settings.describe_paths => full.clone(),
+            None => neutral_description(kind, dev.limits().capacity),
+        };
+        exports.push(
+            Export::new(e.name.clone(), dev)
+                .description(description)
+                .read_only(read_only)
+                .access(e.access.clone()),
+        );
+        descriptions.push(full);
+    }
+    let mut cfg = ServerConfig::new(exports);
+    cfg.tuning.drain_timeout = std::time::Duration::from_secs(settings.shutdown_timeout);
+    settings.limits.apply(&mut cfg.tuning);
+    cfg.tcp = settings.tcp;
+    if let Some((path, mode)) = &settings.unix {
+        cfg.unix = Some(path.clone());
+        cfg.unix_mode = *mode;
+    }
+    Ok(Opened {
+        server: cfg,
+        descriptions,
+        control_sockets,
+        mirrors,
+    })
+}
+
+/// Opens the legs of a mirror and assembles (or, with `create`, creates) the array.
+/// Returns it with the spec of the leg in each slot.
+fn open_mirror(
+    legs: &[String],
+    create: bool,
+    options: &[String],
+    overrides: &QueueOverrides,
+) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
+    let cfg = offline::raid1_config(options)?;
+    match offline::plan(legs, overrides)? {
+        None if create => {
+            let devs = legs
+                .iter()
+                .map(|l| offline::open_leg(l, overrides))
+                .collect::<Result<Vec<_>>>()?;
+            let r = Raid1::create(devs, cfg).context("--raid1-create: creating the array")?;
+            tracing::info!("raid1: created a new array over {} legs", legs.len());
+            Ok((Arc::new(r), legs.iter().cloned().map(Some).collect()))
+        }
+        None => bail!(
+            "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
+             them add --raid1-create (or run `blkq raid create {}` first)",
+            legs.join(" ")
+        ),
+        Some(p) => {
+            if create {
+                bail!(
+                    "--raid1-create: the legs already carry array {}: refusing to overwrite it. \
+                     Drop --raid1-create to serve that array",
+                    p.newest.array_uuid
+                );
+            }
+            let rep = p.report()?;
+            if !rep.legs.iter().any(|l| l.state == "in_sync") {
+                bail!(
+                    "--raid1: no in-sync leg among the given legs: the array cannot be assembled"
+                );
+            }
+            for n in &rep.notes {
+                tracing::warn!("raid1: {n}");
+            }
+            let specs = rep.legs.iter().map(|l| l.device.clone()).collect();
+            let r = Raid1::assemble(offline::plan_devices(&p), cfg)
+                .context("--raid1: assembling the array")?;
+            Ok((Arc::new(r), specs))
+        }
+    }
+}
+
+/// What clients are told about an export without --describe-paths: the kind of device and
+/// its size, nothing of the host (no file path, no spec options).
+pub fn neutral_description(kind: &str, capacity: u64) -> String {
+    format!("blkq {kind} device, {capacity} bytes")
+}
+
+/// The warning for a TCP listener others can reach, naming the risk; `None` on loopback or
+/// with TLS required.
+pub fn exposure_warning(addr: SocketAddr, tls: TlsMode, exports: &[Export]) -> Option<String> {
+    if addr.ip().to_canonical().is_loopback() || tls == TlsMode::Require {
+        return None;
+    }
+    let open: Vec<&str> = exports
+        .iter()
+        .filter(|e| e.access.allow.is_empty() && e.access.allow_subjects.is_empty())
+        .map(|e| e.name.as_str())
+        .collect();
+    let clear = match tls {
+        TlsMode::Off => {
+            "without TLS: every block read and written crosses the network in clear \
+                         (anyone on the path can read the data or change the writes)"
+        }
+        _ => {
+            "with TLS optional (mode \"on\"): a client that does not ask for TLS sends and \
+              receives every block in clear"
+        }
+    };
+    let who = if open.is_empty() {
+        "; every export has an allow-list, but a client address is no proof of identity on \
+         its own"
+            .to_string()
+    } else {
+        format!(
+            "; anyone who can reach the port can read and write export(s) {open:?}, which have \
+             no allow-list"
+        )
+    };
+    Some(format!(
+        "listening on {addr}, which is not a loopback address, {clear}{who}. Use TLS \
+         (--tls=require) and allow-lists, or listen on 127.0.0.1 and tunnel"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nbd::server::{parse_cidr, Access};
+
+    fn export(name: &str, allow: &[&str]) -> Export {
+        let dev: Arc<dyn Device> = Arc::new(
+            "null:1M"
+                .parse::<DeviceSpec>()
+                .unwrap()
+                .build(&QueueOverrides::default())
+                .unwrap(),
+        );
+        Export::new(name, dev).access(Access {
+            allow: allow.iter().map(|c| parse_cidr(c).unwrap()).collect(),
+            ..Access::default()
+        })
+    }
+
+    #[test]
+    fn exposure_warnings() {
+        let lo: SocketAddr = "127.0.0.1:10809".parse().unwrap();
+        let any: SocketAddr = "0.0.0.0:10809".parse().unwrap();
+        let ex = [export("a", &[]), export("b", &["10.0.0.0/8"])];
+        assert_eq!(exposure_warning(lo, TlsMode::Off, &ex), None);
+        assert_eq!(
+            exposure_warning("[::1]:1".parse().unwrap(), TlsMode::Off, &ex),
+            None
+        );
+        assert_eq!(exposure_warning(any, TlsMode::Require, &ex), None);
+        let w = exposure_warning(any, TlsMode::Off, &ex).unwrap();
+        assert!(w.contains("without TLS") && w.contains("in clear"), "{w}");
+        assert!(
+            w.contains("anyone who can reach the port") && w.contains("\"a\""),
+            "{w}"
+        );
+        let w = exposure_warning(any, TlsMode::On, &ex[1..]).unwrap();
+        assert!(w.contains("TLS optional") && w.contains("every export has an allow-list"));
+    }
+}

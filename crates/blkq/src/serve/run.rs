@@ -1,0 +1,247 @@
+//! `blkq serve` running: the server started over the opened exports, signals, shutdown.
+//!
+//! Signals: SIGINT and SIGTERM are blocked in every thread (the mask is set before any thread
+//! exists, and threads inherit it) and taken synchronously by one thread with `sigwait(2)`:
+//! no signal handler runs, so nothing has to be async-signal-safe. The first signal starts a
+//! graceful shutdown (see `nbd::server`: stop accepting without touching the socket path,
+//! finish in-flight requests within `--shutdown-timeout`, flush the devices, remove the
+//! socket); the exit status is 0 only if every export drained and every flush succeeded. An
+//! export with a request stuck in its device (a hung disk) past the timeout is named on stderr
+//! and the process exits 1 without waiting for it. A second signal exits at once with status
+//! 130.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use nbd::server::{Server, Stopper};
+use nbd::tls::TlsMode;
+
+use super::args::{listen_addr, ServeArgs};
+use super::config::{Config, Source};
+use super::plan::{exposure_warning, open};
+use super::settings::check;
+use super::tls::load as load_tls;
+use crate::control::server::ControlServer;
+
+/// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns later).
+fn block_signals() -> Result<libc::sigset_t> {
+    // SAFETY: an all-zero `sigset_t` is a valid (if unspecified) value; `sigemptyset`
+    // initialises it properly before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, exclusively borrowed sigset_t for each call; the signal
+    // numbers are valid; `pthread_sigmask` reads `set` and does not keep the pointer.
+    let rc = unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
+    };
+    if rc != 0 {
+        bail!(
+            "blocking SIGINT/SIGTERM: {}",
+            std::io::Error::from_raw_os_error(rc)
+        );
+    }
+    Ok(set)
+}
+
+/// Waits for SIGINT/SIGTERM on a thread of its own; the first stops the server.
+fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
+    std::thread::spawn(move || {
+        let mut first = true;
+        loop {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is an initialised sigset_t owned by this closure and `sig` a valid
+            // out-pointer; both outlive the call.
+            let rc = unsafe { libc::sigwait(&set, &mut sig) };
+            if rc != 0 {
+                continue;
+            }
+            if first {
+                tracing::info!(
+                    "signal {sig} received: finishing in-flight requests (again to force)"
+                );
+                stopper.stop();
+                first = false;
+            } else {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
+/// Runs `blkq serve`.
+pub fn run(a: ServeArgs) -> Result<()> {
+    // Before any thread exists (see the module docs).
+    let sigset = block_signals()?;
+    crate::logs::init(a.report.log_format, a.report.verbose);
+    let (config, source) = match &a.config {
+        Some(path) => Config::load(path)?,
+        None => (Config::from_args(&a)?, Source::CommandLine),
+    };
+    let settings = check(&config, &source)?;
+    let tls_mode = settings.tls.tls;
+    let tls_dir = settings
+        .tls
+        .tls_certificates
+        .clone()
+        .filter(|_| tls_mode != TlsMode::Off);
+    let tls = load_tls(&settings.tls, &source)?;
+    let shutdown_timeout = settings.shutdown_timeout;
+    let opened = open(&settings)?;
+    let exports = opened.server.exports.clone();
+    let descriptions = opened.descriptions;
+    let mut cfg = opened.server;
+    cfg.tls = tls;
+    if let Some(addr) = cfg.tcp {
+        if let Some(w) = exposure_warning(addr, tls_mode, &exports) {
+            tracing::warn!("{w}");
+        }
+    }
+    let server = Server::start(cfg)?;
+    watch_signals(sigset, server.stopper());
+    let _metrics = match &a.report.metrics {
+        Some(m) => Some(crate::metrics::start_for_serve(
+            listen_addr(m).context("--metrics")?,
+            a.report.metrics_addr_file.as_deref(),
+            server.metrics(),
+            opened.mirrors.clone(),
+        )?),
+        None => None,
+    };
+    let mut control_servers = Vec::new();
+    for (path, ctl) in opened.control_sockets {
+        control_servers.push(ControlServer::start(&path, ctl)?);
+        println!("raid1 control socket: {}", path.display());
+    }
+
+    println!("blkq serve: {} export(s)", exports.len());
+    for (e, full) in exports.iter().zip(&descriptions) {
+        let lim = e.device.limits();
+        println!(
+            "  export {:?}: {} bytes{}, {}",
+            e.name,
+            lim.capacity,
+            if e.read_only { ", read-only" } else { "" },
+            full
+        );
+        for u in uris(
+            &e.name,
+            server.tcp_addr(),
+            server.unix_path(),
+            tls_dir.as_deref(),
+        ) {
+            println!("    {u}");
+        }
+    }
+    let first = &exports[0].name;
+    let example = uris(
+        first,
+        server.tcp_addr(),
+        server.unix_path(),
+        tls_dir.as_deref(),
+    );
+    if let Some(u) = example.last() {
+        println!("try:");
+        match &tls_dir {
+            None => println!("  qemu-img info {u}"),
+            Some(d) => println!(
+                "  (qemu: --object tls-creds-x509,id=tls0,endpoint=client,dir={} and \
+                 tls-creds=tls0 in its --image-opts)",
+                d.display()
+            ),
+        }
+        println!("  nbdinfo '{}'", example[0]);
+    }
+    println!("Ctrl-C stops the server (in-flight requests finish first).");
+    let report = server.wait_report();
+    for cs in control_servers {
+        cs.shutdown();
+    }
+    if !report.stuck.is_empty() {
+        // A device holds a request for ever: dropping the exports could wait on it (a
+        // mirror drains on drop). Leave them to the exit.
+        std::mem::forget(exports);
+        bail!(
+            "shutdown timed out: export(s) {:?} stuck (a request or the final flush never \
+             completed within --shutdown-timeout {}s); data on them may be lost",
+            report.stuck,
+            shutdown_timeout
+        );
+    }
+    let failed = report.failed;
+    // The last reference to a mirror goes here: it drains and marks its superblocks clean.
+    drop(exports);
+    if !failed.is_empty() {
+        // Error stickiness: a write or flush failed; data a client was told is durable may
+        // be lost.
+        bail!("write error on export(s) {failed:?}: a write or flush failed, data may be lost");
+    }
+    Ok(())
+}
+
+/// `nbd://` and `nbd+unix://` URIs of an export.
+/// The URIs of an export; with TLS (`tls`: the certificates directory) `nbds` ones that
+/// name it, as libnbd's tools take them.
+fn uris(
+    name: &str,
+    tcp: Option<SocketAddr>,
+    unix: Option<&Path>,
+    tls: Option<&Path>,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    let (s, certs) = match tls {
+        Some(d) => ("s", format!("tls-certificates={}", d.display())),
+        None => ("", String::new()),
+    };
+    if let Some(p) = unix {
+        let amp = if tls.is_some() { "&" } else { "" };
+        v.push(format!(
+            "nbd{s}+unix:///{name}?socket={}{amp}{certs}",
+            p.display()
+        ));
+    }
+    if let Some(a) = tcp {
+        let a = match a {
+            SocketAddr::V4(x) if x.ip().is_unspecified() => {
+                SocketAddr::from(([127, 0, 0, 1], x.port()))
+            }
+            other => other,
+        };
+        let q = if tls.is_some() { "?" } else { "" };
+        if name.is_empty() && tls.is_none() {
+            v.push(format!("nbd://{a}"));
+        } else {
+            v.push(format!("nbd{s}://{a}/{name}{q}{certs}"));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_look_right() {
+        let tcp: SocketAddr = "127.0.0.1:10809".parse().unwrap();
+        let u = uris("", Some(tcp), Some(Path::new("./blkq.sock")), None);
+        assert_eq!(
+            u,
+            vec!["nbd+unix:///?socket=./blkq.sock", "nbd://127.0.0.1:10809"]
+        );
+        let u = uris("disk", Some(tcp), None, None);
+        assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
+        let pki = Path::new("./pki");
+        let u = uris("", Some(tcp), Some(Path::new("./s")), Some(pki));
+        assert_eq!(
+            u,
+            vec![
+                "nbds+unix:///?socket=./s&tls-certificates=./pki",
+                "nbds://127.0.0.1:10809/?tls-certificates=./pki"
+            ]
+        );
+    }
+}
