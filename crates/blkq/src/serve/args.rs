@@ -450,19 +450,28 @@ pub fn listen_addr(s: &str) -> Result<SocketAddr> {
         .with_context(|| format!("{s:?} resolves to no address"))
 }
 
+/// `blkq serve` as its own command, for tests.
+#[cfg(test)]
+#[derive(clap::Parser)]
+pub struct ServeCommand {
+    #[command(flatten)]
+    args: ServeArgs,
+}
+
+/// Parses `blkq serve`'s flags (`v` without the program's name), for tests.
+#[cfg(test)]
+pub fn parse_serve_flags(v: &[&str]) -> std::result::Result<ServeArgs, clap::Error> {
+    use clap::Parser;
+    ServeCommand::try_parse_from(std::iter::once("serve").chain(v.iter().copied())).map(|c| c.args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::{CommandFactory, Parser};
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: ServeArgs,
-    }
+    use clap::CommandFactory;
 
     fn parse(v: &[&str]) -> std::result::Result<ServeArgs, clap::Error> {
-        Cli::try_parse_from(std::iter::once("serve").chain(v.iter().copied())).map(|c| c.a)
+        parse_serve_flags(v)
     }
 
     #[test]
@@ -519,7 +528,7 @@ mod tests {
     /// refuses; the reporting ones are allowed with it.
     #[test]
     fn config_is_given_alone() {
-        let cmd = Cli::command();
+        let cmd = ServeCommand::command();
         let report: Vec<String> = ReportArgs::augment_args(clap::Command::new("r"))
             .get_arguments()
             .map(|a| a.get_id().to_string())

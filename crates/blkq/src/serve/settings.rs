@@ -227,19 +227,10 @@ mod tests {
     use std::path::Path;
 
     use super::*;
-    use crate::serve::args::ServeArgs;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: ServeArgs,
-    }
+    use crate::serve::args::{parse_serve_flags, ServeArgs};
 
     fn args(v: &[&str]) -> ServeArgs {
-        Cli::try_parse_from(std::iter::once("serve").chain(v.iter().copied()))
-            .unwrap()
-            .a
+        parse_serve_flags(v).unwrap()
     }
 
     fn file(text: &str) -> Result<Settings> {
