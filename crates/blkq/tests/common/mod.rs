@@ -58,6 +58,27 @@ pub fn fails(args: &[&str]) -> String {
     String::from_utf8(o.stderr).unwrap()
 }
 
+/// Fixtures that hold their process in a field `proc`: they are that [`Running`] too
+/// (`Deref`), for its signals, waits and stderr.
+macro_rules! holds_running {
+    ($($t:ty),*) => {$(
+        impl std::ops::Deref for $t {
+            type Target = Running;
+            fn deref(&self) -> &Running {
+                &self.proc
+            }
+        }
+
+        impl std::ops::DerefMut for $t {
+            fn deref_mut(&mut self) -> &mut Running {
+                &mut self.proc
+            }
+        }
+    )*};
+}
+
+holds_running!(Server, Serving);
+
 /// A running `blkq serve --raid1 LEGS --control`, on a Unix socket in `dir`, its stderr in
 /// `DIR/serve.stderr`; killed on drop. The process is its [`Running`] (`Deref`).
 pub struct Server {
@@ -130,19 +151,6 @@ impl Server {
     }
 }
 
-impl std::ops::Deref for Server {
-    type Target = Running;
-    fn deref(&self) -> &Running {
-        &self.proc
-    }
-}
-
-impl std::ops::DerefMut for Server {
-    fn deref_mut(&mut self) -> &mut Running {
-        &mut self.proc
-    }
-}
-
 /// A running `blkq serve ARGS --no-tcp --socket DIR/NAME.sock`, its stderr in
 /// `DIR/NAME.stderr`; killed on drop. The process is its [`Running`] (`Deref`).
 pub struct Serving {
@@ -184,19 +192,6 @@ impl Serving {
             &ClientOptions::default(),
         )
         .unwrap()
-    }
-}
-
-impl std::ops::Deref for Serving {
-    type Target = Running;
-    fn deref(&self) -> &Running {
-        &self.proc
-    }
-}
-
-impl std::ops::DerefMut for Serving {
-    fn deref_mut(&mut self) -> &mut Running {
-        &mut self.proc
     }
 }
 
