@@ -14,7 +14,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::Serving;
+use common::{written_addr, Serving};
 
 /// Connections served at once (`metrics::SLOTS`).
 const SLOTS: usize = 8;
@@ -24,7 +24,7 @@ const DEADLINE: Duration = Duration::from_secs(5);
 /// `blkq serve --metrics 127.0.0.1:0`: the server and the endpoint's address.
 fn serve(dir: &Path) -> (Serving, String) {
     let file = dir.join("metrics.addr");
-    let mut s = Serving::start(
+    let s = Serving::launch(
         dir,
         "m",
         &[
@@ -35,20 +35,9 @@ fn serve(dir: &Path) -> (Serving, String) {
             "--metrics-addr-file",
             file.to_str().unwrap(),
         ],
+        |l| l.ready_when_written(&file),
     );
-    let t0 = Instant::now();
-    loop {
-        if let Ok(a) = std::fs::read_to_string(&file) {
-            if a.ends_with('\n') {
-                return (s, a.trim().to_string());
-            }
-        }
-        if let Some(st) = s.child.try_wait().unwrap() {
-            panic!("blkq serve exited: {st}: {}", s.stderr_text());
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "no metrics address");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    (s, written_addr(&file))
 }
 
 /// Sends `req`, returns the reply (everything until the server closes), failing the test if
@@ -160,7 +149,7 @@ fn a_trickler_is_cut_at_the_deadline() {
 fn a_flood_of_idle_connections_takes_slots_not_threads() {
     let d = tempfile::tempdir().unwrap();
     let (s, addr) = serve(d.path());
-    let pid = s.child.id();
+    let pid = s.id();
     std::thread::sleep(Duration::from_millis(200));
     let before = threads_of(pid);
     let idle: Vec<TcpStream> = (0..64)

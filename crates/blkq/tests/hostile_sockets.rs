@@ -17,13 +17,10 @@ use blkq_sync::{Arc, Mutex};
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::BIN;
+use common::{Launch, Running};
 
 /// Starts of the server per test: the unfixed code (bind, then chmod) let the connector in
 /// or showed a wide mode on most of them.
@@ -216,53 +213,21 @@ impl Poller {
 }
 
 /// `blkq serve` (a mirror of two memory legs, so that it has a control socket) under
-/// `umask 000`, `--socket-mode MODE`; returns once root can connect to both sockets.
-fn start(dir: &Path, sock: &Path, ctl: &Path, mode: &str) -> Child {
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "serve",
-        "--raid1",
-        "mem:4M,mem:4M",
-        "--raid1-create",
-        "--no-tcp",
-    ])
-    .arg("--socket")
-    .arg(sock)
-    .args(["--socket-mode", mode])
-    .arg("--control")
-    .arg(ctl)
-    .env("RUST_BACKTRACE", "0")
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(std::fs::File::create(dir.join("serve.stderr")).unwrap());
-    // SAFETY: umask(2) is async-signal-safe and cannot fail.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::umask(0);
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().unwrap();
-    let t0 = Instant::now();
-    while UnixStream::connect(sock).is_err() || UnixStream::connect(ctl).is_err() {
-        if let Some(st) = child.try_wait().unwrap() {
-            panic!(
-                "blkq serve exited early: {st}: {}",
-                std::fs::read_to_string(dir.join("serve.stderr")).unwrap_or_default()
-            );
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "server did not start"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    child
-}
-
-fn stop(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
+/// `umask 000`, `--socket-mode MODE`; returns once root can connect to both sockets. Killed
+/// on drop.
+fn start(dir: &Path, sock: &Path, ctl: &Path, mode: &str) -> Running {
+    Launch::serve(["--raid1", "mem:4M,mem:4M", "--raid1-create", "--no-tcp"])
+        .arg("--socket")
+        .arg(sock)
+        .args(["--socket-mode", mode])
+        .arg("--control")
+        .arg(ctl)
+        .stderr_to(&dir.join("serve.stderr"))
+        .umask(0)
+        .ready_when_connects(sock)
+        .ready_when_connects(ctl)
+        .poll_every(Duration::from_millis(1))
+        .start()
 }
 
 /// Bound: permissions. Over [`STARTS`] starts under `umask 000` with `--socket-mode 0600`, the
@@ -282,10 +247,10 @@ fn sockets_are_private_from_the_first_moment() {
     let mut bad_starts = Vec::new();
     for i in 0..STARTS {
         poll.start.store(i, Ordering::Relaxed);
-        let child = start(dir.path(), &sock, &ctl, "0600");
+        let mut srv = start(dir.path(), &sock, &ctl, "0600");
         // Let the connector try the finished sockets too.
         std::thread::sleep(Duration::from_millis(20));
-        stop(child);
+        srv.kill();
         let got = conn.take(2);
         let wide = poll.seen.lock().iter().any(|(s, ..)| *s == i);
         if got.iter().any(|&n| n > 0) || wide {
@@ -317,7 +282,7 @@ fn the_connector_reaches_a_socket_made_0777() {
     let sock = dir.path().join("s.sock");
     let ctl = dir.path().join("c.sock");
     let conn = Connector::spawn(&[&sock, &ctl]);
-    let child = start(dir.path(), &sock, &ctl, "0777");
+    let mut srv = start(dir.path(), &sock, &ctl, "0777");
     let t0 = Instant::now();
     let mut got = [0, 0];
     while got[0] == 0 && t0.elapsed() < Duration::from_secs(10) {
@@ -327,7 +292,7 @@ fn the_connector_reaches_a_socket_made_0777() {
         }
     }
     assert!(conn.alive(), "the connector could not become uid {NOBODY}");
-    stop(child);
+    srv.kill();
     got[1] += conn.take(2)[1];
     assert!(
         got[0] > 0,

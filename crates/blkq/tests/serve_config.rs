@@ -3,93 +3,42 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
+use common::{Launch, Running};
 use nbd::client::{Endpoint, Handshake};
 
-/// A running `blkq serve --config FILE`; killed on drop.
+/// A running `blkq serve --config FILE`, ready once it has printed its URIs and its Unix
+/// socket (`DIR/s.sock`) accepts; killed on drop.
 struct FromFile {
-    child: Child,
+    proc: Running,
     tcp: SocketAddr,
     sock: PathBuf,
-    stderr: PathBuf,
 }
 
 impl FromFile {
     fn start(dir: &Path, config: &str) -> Self {
         let file = dir.join("blkq.toml");
         std::fs::write(&file, config).unwrap();
-        let stderr = dir.join("stderr");
-        let mut child = Command::new(common::BIN)
-            .arg("serve")
-            .arg("--config")
-            .arg(&file)
-            .env("RUST_BACKTRACE", "0")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
-        // The URIs printed at start name the port the kernel chose.
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let mut tcp = None;
-        for line in out.lines() {
-            let line = line.unwrap();
-            if let Some(rest) = line.trim().strip_prefix("nbd://") {
-                let addr = rest.split('/').next().unwrap();
-                tcp = Some(addr.parse().unwrap());
-            }
-            if line.starts_with("Ctrl-C") {
-                break;
-            }
-        }
-        let tcp = tcp.unwrap_or_else(|| {
-            panic!(
-                "no nbd:// URI printed: {}",
-                std::fs::read_to_string(&stderr).unwrap_or_default()
-            )
-        });
         let sock = dir.join("s.sock");
-        let t0 = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(60), "no socket");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self {
-            child,
-            tcp,
-            sock,
-            stderr,
-        }
-    }
-
-    fn stop(&mut self) -> bool {
-        // SAFETY: kill(2) on our own child's pid with a valid signal number.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st.success();
-            }
-            assert!(t0.elapsed() < Duration::from_secs(60), "did not stop");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for FromFile {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        let proc = Launch::serve(["--config"])
+            .arg(&file)
+            .env("RUST_LOG", "info")
+            .stderr_to(&dir.join("stderr"))
+            .ready_after_line("Ctrl-C")
+            .ready_when_connects(&sock)
+            .start();
+        // The URIs printed at start name the port the kernel chose.
+        let tcp = proc
+            .stdout_lines()
+            .iter()
+            .find_map(|l| l.trim().strip_prefix("nbd://"))
+            .map(|rest| rest.split('/').next().unwrap().parse().unwrap())
+            .unwrap_or_else(|| panic!("no nbd:// URI printed: {}", proc.stderr_text()));
+        Self { proc, tcp, sock }
     }
 }
 
@@ -169,8 +118,8 @@ allow = ["10.0.0.0/8"]
     } else {
         eprintln!("nbdinfo not installed: listed with nbd::client only");
     }
-    assert!(s.stop());
-    let log = std::fs::read_to_string(&s.stderr).unwrap();
+    assert!(s.proc.stop(Duration::from_secs(60)), "did not stop");
+    let log = s.proc.stderr_text();
     assert!(
         log.contains("refused NBD_OPT_GO") && log.contains("address 127.0.0.1"),
         "the log names the rule and the client: {log}"

@@ -30,7 +30,7 @@ fn a_second_server_on_the_same_file_is_refused() {
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("lock"), "{err}");
     assert!(
-        err.contains(&format!("pid {}", first.child.id())) || err.contains("not shown"),
+        err.contains(&format!("pid {}", first.id())) || err.contains("not shown"),
         "the holder is named (or said unknown): {err}"
     );
     // Read-only is no way around a writer.

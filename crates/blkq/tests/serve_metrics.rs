@@ -9,29 +9,11 @@ mod common;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::Serving;
+use common::{written_addr, Serving};
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::proto::CmdFlags;
-
-/// Waits (bounded) for the file `--metrics-addr-file` writes.
-fn metrics_addr(path: &Path, s: &mut Serving) -> String {
-    let t0 = Instant::now();
-    loop {
-        if let Ok(a) = std::fs::read_to_string(path) {
-            if a.ends_with('\n') {
-                return a.trim().to_string();
-            }
-        }
-        if let Some(st) = s.child.try_wait().unwrap() {
-            panic!("blkq serve exited: {st}: {}", s.stderr_text());
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "no metrics address");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// A plain HTTP/1.0 GET: status line and body.
 fn get(addr: &str, path: &str) -> (String, String) {
@@ -85,7 +67,7 @@ fn scrape_until(
 fn counters_move_by_exactly_the_io_done() {
     let dir = tempfile::tempdir().unwrap();
     let addr_file = dir.path().join("metrics.addr");
-    let mut s = Serving::start(
+    let mut s = Serving::launch(
         dir.path(),
         "m",
         &[
@@ -98,9 +80,10 @@ fn counters_move_by_exactly_the_io_done() {
             "--log-format",
             "json",
         ],
+        |l| l.ready_when_written(&addr_file),
     );
-    let addr = metrics_addr(&addr_file, &mut s);
-    // Serving::start's readiness probe is a connection too: wait until it is gone.
+    let addr = written_addr(&addr_file);
+    // The launcher's readiness probe is a connection too: wait until it is gone.
     let open = "blkq_nbd_connections_open";
     let accepted = "blkq_nbd_connections_accepted_total";
     let before = scrape_until(addr.as_str(), "the probe connection never closed", |m| {
@@ -199,7 +182,7 @@ fn raid1_arrays_have_the_md_shape() {
     let leg = |n: &str| common::leg_file(dir.path(), n, 8 << 20).1;
     let (a, b) = (leg("a.img"), leg("b.img"));
     let addr_file = dir.path().join("metrics.addr");
-    let mut s = Serving::start(
+    let s = Serving::launch(
         dir.path(),
         "r",
         &[
@@ -213,8 +196,9 @@ fn raid1_arrays_have_the_md_shape() {
             "--metrics-addr-file",
             addr_file.to_str().unwrap(),
         ],
+        |l| l.ready_when_written(&addr_file),
     );
-    let addr = metrics_addr(&addr_file, &mut s);
+    let addr = written_addr(&addr_file);
     let ep = Endpoint::Unix(s.sock.clone());
     let opts = ClientOptions {
         export: "mirror".into(),

@@ -98,7 +98,7 @@ fn a_second_signal_forces_the_exit() {
             "no shutdown: {}",
             s.stderr_text()
         );
-        assert!(s.child.try_wait().unwrap().is_none(), "exited too soon");
+        assert!(s.try_wait().is_none(), "exited too soon");
         std::thread::sleep(Duration::from_millis(20));
     }
     s.signal(libc::SIGTERM);

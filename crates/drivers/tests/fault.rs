@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op};
 use blk_drivers::fault::{Action, FaultConfig, FaultDevice, FaultHandle, OpSet, Rule, When};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use testkit::Forward;
 use waitq::WaitQueue;
 
 const K4: u64 = 4096;
@@ -757,37 +758,21 @@ impl EndIo for Back {
     }
 }
 
-/// Hides the queue's own `submit_batch` (which makes a plug per call) behind the trait's
-/// default, so that the count below is the fault device's alone.
-struct OneByOne(blk::Queue);
-
-impl Device for OneByOne {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-        self.0.submit(bio, end)
-    }
-    fn limits(&self) -> blk::Limits {
-        Device::limits(&self.0)
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), Error> {
-        self.0.extents_into(offset, len, max, out)
-    }
+/// A plain forwarder hides the queue's own `submit_batch` (which makes a plug per call)
+/// behind single submits, so that the count below is the fault device's alone.
+fn one_by_one(q: blk::Queue) -> Arc<dyn Device> {
+    Arc::new(Forward::new(Arc::new(q)))
 }
 
 #[test]
 fn steady_state_allocates_nothing() {
-    let inner: Arc<dyn Device> = Arc::new(OneByOne(
+    let inner = one_by_one(
         "null:64M"
             .parse::<DeviceSpec>()
             .unwrap()
             .build(&QueueOverrides::default())
             .unwrap(),
-    ));
+    );
     let f = FaultDevice::new(
         inner,
         FaultConfig::parse("seed=5,fail_read_prob=0.1,fail_write_after=100,fail_discard=0+1M")
@@ -851,13 +836,13 @@ fn delayed_steady_state_allocates_nothing() {
     // queue; the timer thread sleeps on its own wait queue until a deadline or a push. After a
     // warm-up, neither thread allocates (the timer thread counts from its first measured
     // delivery on).
-    let inner: Arc<dyn Device> = Arc::new(OneByOne(
+    let inner = one_by_one(
         "null:64M"
             .parse::<DeviceSpec>()
             .unwrap()
             .build(&QueueOverrides::default())
             .unwrap(),
-    ));
+    );
     let f = FaultDevice::new(
         inner,
         FaultConfig::parse("seed=9,latency_us=1,jitter_us=50").unwrap(),

@@ -12,37 +12,16 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::{Bio, Device, EndIo, Error, Extent, Limits};
+use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::server::{Export, HandshakeFailure, Server, ServerConfig, StatsSource};
 use nbd::CmdFlags;
-use testkit::wait_until;
+use testkit::{wait_until, Forward};
 
 fn queue(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();
     Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
-/// A device that hides its queue (as a RAID1 mirror has none): the server must count.
-struct NoStats(Arc<dyn Device>);
-
-impl Device for NoStats {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-        self.0.submit(bio, end)
-    }
-    fn limits(&self) -> Limits {
-        self.0.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        self.0.extents_into(offset, len, max, out)
-    }
 }
 
 fn start(exports: Vec<Export>, max_connections: usize) -> (Server, tempfile::TempDir, Endpoint) {
@@ -139,7 +118,8 @@ fn connections_refusals_and_handshake_failures_are_counted() {
 
 #[test]
 fn the_server_counts_for_a_device_without_counters() {
-    let hidden: Arc<dyn Device> = Arc::new(NoStats(queue("mem:16M")));
+    // A plain forwarder hides its queue (as a RAID1 mirror has none): the server must count.
+    let hidden: Arc<dyn Device> = Arc::new(Forward::new(queue("mem:16M")));
     let (server, _dir, ep) = start(
         vec![
             Export::new("hidden", hidden),

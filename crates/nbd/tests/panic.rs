@@ -9,37 +9,24 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Device, EndIo, Error, Extent, Limits};
+use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::CmdFlags;
+use testkit::{Forward, Hook};
 
 /// The byte offset whose bios make `submit` panic.
 const POISON: u64 = 1 << 20;
 
 /// A device that panics in `submit` for a bio at `POISON`: a buggy driver.
-struct PanicDevice(Arc<dyn Device>);
-
-impl Device for PanicDevice {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+fn panic_device(inner: Arc<dyn Device>) -> Forward<impl Hook> {
+    Forward::on_submit(inner, |inner, bio, end| {
         if bio.offset() == POISON {
             panic!("injected: a driver bug in submit");
         }
-        self.0.submit(bio, end);
-    }
-    fn limits(&self) -> Limits {
-        self.0.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        self.0.extents_into(offset, len, max, out)
-    }
+        inner.submit(bio, end);
+    })
 }
 
 fn open_fds() -> usize {
@@ -61,7 +48,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 fn a_panic_on_a_connection_fails_that_connection_only() {
     let spec: DeviceSpec = "mem:4M".parse().unwrap();
     let inner: Arc<dyn Device> = Arc::new(spec.build(&QueueOverrides::default()).unwrap());
-    let dev: Arc<dyn Device> = Arc::new(PanicDevice(inner));
+    let dev: Arc<dyn Device> = Arc::new(panic_device(inner));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
     let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);

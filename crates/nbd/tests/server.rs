@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::{Bio, BioFlags, Device, EndIo, Limits, Op};
+use blk::{Bio, BioFlags, Device, Op};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use common::modes;
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
@@ -19,7 +19,7 @@ use nbd::proto::*;
 use nbd::server::{Export, Server, ServerConfig, Tuning};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
-use testkit::pattern;
+use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;
 
@@ -30,16 +30,11 @@ fn device(spec: &str) -> Arc<dyn Device> {
 
 /// A device wrapper that fails fast zeroes with ENOTSUP (as a backend that cannot zero
 /// quickly would) and reads of the first sector of `eio_at` with EIO.
-struct Picky {
-    inner: Arc<dyn Device>,
-    eio_at: u64,
-}
-
-impl Device for Picky {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+fn picky(inner: Arc<dyn Device>, eio_at: u64) -> Forward<impl Hook> {
+    Forward::on_submit(inner, move |inner, bio, end| {
         if bio.op == Op::WriteZeroes && bio.flags.contains(BioFlags::FAST_ZERO) {
             end.end_io(bio, Err(blk::Error::NotSupported("fast zero")));
-        } else if bio.op == Op::Read && bio.offset() == self.eio_at {
+        } else if bio.op == Op::Read && bio.offset() == eio_at {
             end.end_io(
                 bio,
                 Err(blk::Error::Io(
@@ -47,21 +42,9 @@ impl Device for Picky {
                 )),
             );
         } else {
-            self.inner.submit(bio, end);
+            inner.submit(bio, end);
         }
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), blk::Error> {
-        self.inner.extents_into(offset, len, max, out)
-    }
+    })
 }
 
 fn libc_eio() -> i32 {
@@ -124,13 +107,7 @@ fn default_server() -> TestServer {
         Export::new("ro", device("mem:16M"))
             .description("read-only")
             .read_only(true),
-        Export::new(
-            "picky",
-            Arc::new(Picky {
-                inner: device("mem:16M"),
-                eio_at: 8 * MIB,
-            }),
-        ),
+        Export::new("picky", Arc::new(picky(device("mem:16M"), 8 * MIB))),
     ])
 }
 
@@ -786,10 +763,7 @@ fn info_request_list_is_honoured() {
 fn submit_sync_returns_each_bio_status() {
     let dev = device("mem:1M");
     nbd::server::submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).unwrap();
-    let picky = Picky {
-        inner: dev,
-        eio_at: 0,
-    };
+    let picky = picky(dev, 0);
     let mut zeroes = Bio::new(Op::WriteZeroes, 0, 4096);
     zeroes.flags = BioFlags::FAST_ZERO;
     let err = nbd::server::submit_sync(&picky, zeroes).unwrap_err();

@@ -20,7 +20,7 @@ use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
-use testkit::pattern;
+use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;
 const NBD_EIO: u32 = 5;
@@ -228,55 +228,45 @@ fn a_read_that_cannot_be_spliced_is_answered_with_an_error() {
     }
 }
 
-/// A `mem:` device whose zero-copy reads starting in `[0, FAIL_BELOW)` put the first
-/// `PARTIAL` bytes into the pipe and then fail: a fill that fails after part of it is in the
-/// pipe, as `MapBackend::splice_read` can (a region spliced, the next one failing).
-struct FailsMidSplice {
-    inner: Arc<dyn Device>,
-}
+/// A hook over a `mem:` device whose zero-copy reads starting in `[0, FAIL_BELOW)` put the
+/// first `PARTIAL` bytes into the pipe and then fail: a fill that fails after part of it is in
+/// the pipe, as `MapBackend::splice_read` can (a region spliced, the next one failing). Bios,
+/// batches and the queue are the inner device's.
+struct FailsMidSplice;
 
 const FAIL_BELOW: u64 = 4 * MIB;
 const PARTIAL: usize = 256 << 10;
 
-impl Device for FailsMidSplice {
-    fn submit(&self, bio: blk::Bio, end: &Arc<dyn blk::EndIo>) {
-        self.inner.submit(bio, end)
-    }
-    fn submit_batch(&self, bios: &mut dyn Iterator<Item = blk::Bio>, end: &Arc<dyn blk::EndIo>) {
-        self.inner.submit_batch(bios, end)
-    }
-    fn limits(&self) -> blk::Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
+impl Hook for FailsMidSplice {
+    fn submit_batch(
         &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), blk::Error> {
-        self.inner.extents_into(offset, len, max, out)
+        inner: &dyn Device,
+        bios: &mut dyn Iterator<Item = blk::Bio>,
+        end: &Arc<dyn blk::EndIo>,
+    ) {
+        inner.submit_batch(bios, end)
     }
-    fn can_splice(&self) -> bool {
-        self.inner.can_splice()
+    fn can_splice(&self, inner: &dyn Device) -> bool {
+        inner.can_splice()
     }
     fn splice_read(
         &self,
+        inner: &dyn Device,
         offset: u64,
         len: usize,
         pipe: std::os::fd::BorrowedFd<'_>,
     ) -> Result<usize, blk::Error> {
         if offset >= FAIL_BELOW {
-            return self.inner.splice_read(offset, len, pipe);
+            return inner.splice_read(offset, len, pipe);
         }
-        let n = self.inner.splice_read(offset, len.min(PARTIAL), pipe)?;
+        let n = inner.splice_read(offset, len.min(PARTIAL), pipe)?;
         assert!(n > 0, "the partial splice moved nothing");
         Err(blk::Error::Io(std::io::Error::other(format!(
             "injected: failed after {n} bytes were put in the pipe"
         ))))
     }
-    fn as_queue(&self) -> Option<&blk::Queue> {
-        self.inner.as_queue()
+    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a blk::Queue> {
+        inner.as_queue()
     }
 }
 
@@ -284,9 +274,7 @@ impl Device for FailsMidSplice {
 fn a_read_that_fails_after_filling_part_of_the_pipe_leaks_nothing_into_the_next() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("nbd.sock");
-    let dev: Arc<dyn Device> = Arc::new(FailsMidSplice {
-        inner: device("mem:64M"),
-    });
+    let dev: Arc<dyn Device> = Arc::new(Forward::with_hook(device("mem:64M"), FailsMidSplice));
     let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
     cfg.unix = Some(sock.clone());
     cfg.tcp = Some("127.0.0.1:0".parse().unwrap());

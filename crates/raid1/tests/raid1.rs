@@ -12,10 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use raid1::barrier::BarrierMode;
 use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
 use raid1::{Raid1, Raid1Config};
+use testkit::{Forward, Hook};
 
 /// One bio, submitted and waited for (the suite's deadline fails the test if it hangs).
 use testkit::io::submit_wait as io;
@@ -31,25 +32,22 @@ fn read(dev: &dyn Device, sector: u64, len: usize) -> Result<Vec<u8>, Error> {
     r.map(|()| b.buf.unwrap().as_slice().to_vec())
 }
 
-/// A leg that fails chosen ranges (in leg sectors) of reads or writes, or everything.
+/// A leg that fails chosen ranges (in leg sectors) of reads or writes, or everything: the
+/// hook of a [`Forward`] leg ([`Flaky::new`]).
+#[derive(Default)]
 struct Flaky {
-    inner: Arc<dyn Device>,
     bad_reads: Mutex<Vec<(u64, u64)>>,
     dead: AtomicBool,
 }
 
 impl Flaky {
-    fn new(inner: Arc<dyn Device>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            bad_reads: Mutex::new(Vec::new()),
-            dead: AtomicBool::new(false),
-        })
+    fn new(inner: Arc<dyn Device>) -> Arc<Forward<Self>> {
+        Arc::new(Forward::with_hook(inner, Self::default()))
     }
 }
 
-impl Device for Flaky {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+impl Hook for Flaky {
+    fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
         let bad_read = bio.op == Op::Read
             && self
                 .bad_reads
@@ -60,20 +58,8 @@ impl Device for Flaky {
         if self.dead.load(Ordering::SeqCst) || bad_read {
             end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
         } else {
-            self.inner.submit(bio, end);
+            inner.submit(bio, end);
         }
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
     }
 }
 
@@ -147,7 +133,7 @@ fn failed_leg_degrades_without_losing_acknowledged_writes() {
     .unwrap();
     let a = pattern(1, 8192);
     write(&r, 0, &a).unwrap();
-    bad.dead.store(true, Ordering::SeqCst);
+    bad.hook().dead.store(true, Ordering::SeqCst);
     let b = pattern(2, 8192);
     let sector_b = 3 << 11; // 3 MiB: chunk 3
     write(&r, sector_b, &b).unwrap();
@@ -185,6 +171,7 @@ fn read_errors_retry_another_leg_and_are_repaired() {
     // Corrupt leg 0 underneath and make its reads of the range fail (a media error).
     write(under.as_ref(), doff + 64, &vec![0xEE; data.len()]).unwrap();
     flaky
+        .hook()
         .bad_reads
         .lock()
         .unwrap()
@@ -206,10 +193,10 @@ fn read_error_limit_fails_the_leg_and_total_failure_is_an_error() {
     c.read_error_limit = 0;
     let r = Raid1::create(vec![f0.clone() as Arc<dyn Device>, f1.clone()], c).unwrap();
     write(&r, 0, &pattern(4, 4096)).unwrap();
-    f0.bad_reads.lock().unwrap().push((0, u64::MAX));
+    f0.hook().bad_reads.lock().unwrap().push((0, u64::MAX));
     assert_eq!(read(&r, 0, 4096).unwrap(), pattern(4, 4096));
     assert!(r.leg_status(0).unwrap().faulty);
-    f1.bad_reads.lock().unwrap().push((0, u64::MAX));
+    f1.hook().bad_reads.lock().unwrap().push((0, u64::MAX));
     assert!(read(&r, 0, 4096).is_err());
 }
 
@@ -223,7 +210,7 @@ fn write_mostly_leg_is_read_only_when_nothing_else_can() {
     .unwrap();
     write(&r, 0, &pattern(5, 4096)).unwrap();
     r.set_write_mostly(0, true).unwrap();
-    f0.bad_reads.lock().unwrap().push((0, u64::MAX));
+    f0.hook().bad_reads.lock().unwrap().push((0, u64::MAX));
     for _ in 0..4 {
         assert_eq!(read(&r, 0, 4096).unwrap(), pattern(5, 4096));
     }
@@ -296,11 +283,11 @@ fn arrays_reassemble_from_their_superblocks() {
         assert!(!r.is_degraded());
         assert_eq!(read(&r, 40, d.len()).unwrap(), d);
         // Leg 0 fails while assembled: the survivor's superblock records it.
-        l0.dead.store(true, Ordering::SeqCst);
+        l0.hook().dead.store(true, Ordering::SeqCst);
         write(&r, 40, &pattern(9, 8192)).unwrap();
         assert!(r.leg_status(0).unwrap().faulty);
     }
-    l0.dead.store(false, Ordering::SeqCst);
+    l0.hook().dead.store(false, Ordering::SeqCst);
     let r = Raid1::assemble(
         vec![l0.clone() as Arc<dyn Device>, l1.clone()],
         cfg(BarrierMode::Lockless),
@@ -335,7 +322,7 @@ fn reads_past_the_resync_point_go_to_the_first_leg() {
     // Leg 0 is write-mostly, so reads would go to leg 1, which fails every read: with the
     // resync point at 0 they go to the first leg instead and leg 1 is never tried.
     r.set_write_mostly(0, true).unwrap();
-    f1.bad_reads.lock().unwrap().push((0, u64::MAX));
+    f1.hook().bad_reads.lock().unwrap().push((0, u64::MAX));
     r.set_resync_point(Some(0));
     for _ in 0..4 {
         assert_eq!(read(&r, 0, 4096).unwrap(), pattern(10, 4096));
@@ -344,40 +331,23 @@ fn reads_past_the_resync_point_go_to_the_first_leg() {
     r.set_resync_point(None);
 }
 
-/// A leg that records the (op, sector) of every bio it is given.
+/// A leg that records the (op, sector) of every bio it is given: the hook of a [`Forward`] leg.
+#[derive(Default)]
 struct Recorder {
-    inner: Arc<dyn Device>,
     log: Mutex<Vec<(Op, u64)>>,
 }
 
-impl Device for Recorder {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+impl Hook for Recorder {
+    fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
         self.log.lock().unwrap().push((bio.op, bio.sector));
-        self.inner.submit(bio, end);
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
+        inner.submit(bio, end);
     }
 }
 
 #[test]
 fn bitmap_bit_is_durable_on_every_leg_before_the_first_write_and_clears_when_quiet() {
-    let legs: Vec<Arc<Recorder>> = (0..2)
-        .map(|_| {
-            Arc::new(Recorder {
-                inner: mem("16M"),
-                log: Mutex::new(Vec::new()),
-            })
-        })
+    let legs: Vec<Arc<Forward<Recorder>>> = (0..2)
+        .map(|_| Arc::new(Forward::with_hook(mem("16M"), Recorder::default())))
         .collect();
     let r = Raid1::create(
         legs.iter().map(|l| l.clone() as Arc<dyn Device>).collect(),
@@ -387,11 +357,11 @@ fn bitmap_bit_is_durable_on_every_leg_before_the_first_write_and_clears_when_qui
     let doff = r.data_offset() >> SECTOR_SHIFT;
     let bitmap_sector = raid1::superblock::BITMAP_OFFSET >> SECTOR_SHIFT;
     for l in &legs {
-        l.log.lock().unwrap().clear();
+        l.hook().log.lock().unwrap().clear();
     }
     write(&r, 2048, &pattern(11, 4096)).unwrap(); // chunk 1
     for l in &legs {
-        let log = l.log.lock().unwrap().clone();
+        let log = l.hook().log.lock().unwrap().clone();
         let data = log
             .iter()
             .position(|&(op, s)| op == Op::Write && s == doff + 2048)
@@ -407,11 +377,12 @@ fn bitmap_bit_is_durable_on_every_leg_before_the_first_write_and_clears_when_qui
     }
     // A second write into the same chunk needs no bitmap write.
     for l in &legs {
-        l.log.lock().unwrap().clear();
+        l.hook().log.lock().unwrap().clear();
     }
     write(&r, 2056, &pattern(12, 4096)).unwrap();
     for l in &legs {
         assert!(!l
+            .hook()
             .log
             .lock()
             .unwrap()
@@ -438,7 +409,11 @@ fn read_repairs_under_concurrent_io_do_not_deadlock() {
             Arc::new(Raid1::create(vec![f0.clone() as Arc<dyn Device>, mem("16M")], c).unwrap());
         let doff = r.data_offset() >> SECTOR_SHIFT;
         // Every read of leg 0's first 512 KiB of data fails.
-        f0.bad_reads.lock().unwrap().push((doff, doff + 1024));
+        f0.hook()
+            .bad_reads
+            .lock()
+            .unwrap()
+            .push((doff, doff + 1024));
         let ts: Vec<_> = (0..4u64)
             .map(|t| {
                 let r = r.clone();

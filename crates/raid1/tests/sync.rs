@@ -13,9 +13,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blk::{Bio, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blk::{Device, Error, Op, SECTOR_SHIFT};
 use raid1::barrier::BarrierMode;
 use raid1::{Raid1, Raid1Config, SyncAction};
+use testkit::Forward;
 
 const IDLE: Duration = Duration::from_secs(60);
 
@@ -391,43 +392,20 @@ fn leg_missing_at_assemble_is_readded_with_a_bitmap_recovery() {
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
 }
 
-/// A leg whose writes into the data area fail (its superblock area still works).
-struct BadWrites {
-    inner: Arc<dyn Device>,
-    from_sector: u64,
-}
-
-impl Device for BadWrites {
-    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-        if bio.op == Op::Write && bio.end_sector() > self.from_sector {
-            end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
-        } else {
-            self.inner.submit(bio, end);
-        }
-    }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<blk::Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
-    }
-}
-
 #[test]
 fn replace_with_a_failing_leg_keeps_the_old_one() {
     let (a, b) = (mem("16M"), mem("16M"));
     let r = Raid1::create(vec![a, b.clone()], cfg()).unwrap();
     write(&r, MB, &pattern(8, 4096));
-    let bad: Arc<dyn Device> = Arc::new(BadWrites {
-        inner: mem("16M"),
-        from_sector: r.data_offset() >> SECTOR_SHIFT,
-    });
+    // A leg whose writes into the data area fail (its superblock area still works).
+    let from_sector = r.data_offset() >> SECTOR_SHIFT;
+    let bad: Arc<dyn Device> = Arc::new(Forward::on_submit(mem("16M"), move |inner, bio, end| {
+        if bio.op == Op::Write && bio.end_sector() > from_sector {
+            end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
+        } else {
+            inner.submit(bio, end);
+        }
+    }));
     assert!(r.replace_leg(0, bad).is_err());
     let st0 = r.leg_status(0).unwrap();
     assert!(st0.present && st0.in_sync && !st0.faulty);

@@ -8,7 +8,9 @@
 //! - [`baseline`]: the `Mutex` + `Condvar` baselines the criterion benches measure against,
 //!   and their shared criterion configuration;
 //! - `Collect` (feature `blk`): an end-io that collects completed bios;
-//! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device.
+//! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device;
+//! - `Forward` (feature `blk`): a device that forwards to another, with a hook for the one
+//!   behaviour a test changes (fail, record, panic on some bios; hide the queue).
 //!
 //! Tests observe the system under test from outside, with the operating system's own
 //! primitives, so this crate uses `std::sync` (`Mutex`, `Condvar`) directly rather than the
@@ -24,12 +26,16 @@ pub mod baseline;
 #[cfg(feature = "blk")]
 mod collect;
 #[cfg(feature = "blk")]
+mod forward;
+#[cfg(feature = "blk")]
 pub mod io;
 pub mod loom_child;
 mod wait;
 
 #[cfg(feature = "blk")]
 pub use collect::{Collect, Done};
+#[cfg(feature = "blk")]
+pub use forward::{Forward, Hook, OnSubmit};
 pub use wait::{wait_until, wait_until_within, PROMPT};
 
 /// `len` bytes of a pattern derived from `seed` (xorshift64), none of them zero, so that

@@ -1,15 +1,20 @@
 //! Helpers shared by the binary's integration tests: run `blkq` and check its exit, file legs
-//! in a tempdir, and a running `blkq serve --raid1 --control` driven through its control
-//! socket. Bounded waits only (no timing assertions).
+//! in a tempdir, the one launcher of a `blkq` that keeps running ([`Launch`], [`Running`]),
+//! and on it a running `blkq serve` on a socket ([`Serving`]) and a `blkq serve --raid1
+//! --control` driven through its control socket ([`Server`]). Bounded waits only (no timing
+//! assertions).
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nbd::client::{Client, ClientOptions, Endpoint};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_blkq");
+
+mod launch;
+pub use launch::{Launch, Running};
 
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
 pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
@@ -53,51 +58,53 @@ pub fn fails(args: &[&str]) -> String {
     String::from_utf8(o.stderr).unwrap()
 }
 
-/// A running `blkq serve --raid1 LEGS --control`, on a Unix socket in `dir`; killed on drop.
+/// Fixtures that hold their process in a field `proc`: they are that [`Running`] too
+/// (`Deref`), for its signals, waits and stderr.
+macro_rules! holds_running {
+    ($($t:ty),*) => {$(
+        impl std::ops::Deref for $t {
+            type Target = Running;
+            fn deref(&self) -> &Running {
+                &self.proc
+            }
+        }
+
+        impl std::ops::DerefMut for $t {
+            fn deref_mut(&mut self) -> &mut Running {
+                &mut self.proc
+            }
+        }
+    )*};
+}
+
+holds_running!(Server, Serving);
+
+/// A running `blkq serve --raid1 LEGS --control`, on a Unix socket in `dir`, its stderr in
+/// `DIR/serve.stderr`; killed on drop. The process is its [`Running`] (`Deref`).
 pub struct Server {
-    child: Child,
+    proc: Running,
     nbd: PathBuf,
     ctl: PathBuf,
 }
 
 impl Server {
-    /// Starts the server and waits until both sockets exist.
+    /// Starts the server and waits until both sockets exist (without connecting to them).
     pub fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
         let nbd = dir.join("nbd.sock");
         let ctl = dir.join("ctl.sock");
         let _ = std::fs::remove_file(&nbd);
         let _ = std::fs::remove_file(&ctl);
-        let mut args = vec![
-            "serve".to_string(),
-            "--raid1".into(),
-            legs.into(),
-            "--no-tcp".into(),
-            "--socket".into(),
-            nbd.display().to_string(),
-            "--control".into(),
-            ctl.display().to_string(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(BIN)
-            .args(&args)
-            .env("RUST_BACKTRACE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        while !(ctl.exists() && nbd.exists()) {
-            if let Some(st) = child.try_wait().unwrap() {
-                panic!("blkq serve exited early: {st}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Self { child, nbd, ctl }
+        let proc = Launch::serve(["--raid1", legs, "--no-tcp", "--socket"])
+            .arg(&nbd)
+            .arg("--control")
+            .arg(&ctl)
+            .args(extra)
+            .stderr_to(&dir.join("serve.stderr"))
+            .ready_when_exists(&ctl)
+            .ready_when_exists(&nbd)
+            .poll_every(Duration::from_millis(50))
+            .start();
+        Self { proc, nbd, ctl }
     }
 
     /// The control socket's path.
@@ -138,86 +145,44 @@ impl Server {
         }
     }
 
-    /// SIGTERM, then a bounded wait for the exit; true if it exited 0.
+    /// SIGTERM, then a bounded wait (30 s) for the exit; true if it exited 0.
     pub fn stop(&mut self) -> bool {
-        // SAFETY: kill(2) with the pid of our own child process and a valid signal number.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st.success();
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// SIGKILL: no clean stop.
-    pub fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.proc.stop(Duration::from_secs(30))
     }
 }
 
 /// A running `blkq serve ARGS --no-tcp --socket DIR/NAME.sock`, its stderr in
-/// `DIR/NAME.stderr`; killed on drop.
+/// `DIR/NAME.stderr`; killed on drop. The process is its [`Running`] (`Deref`).
 pub struct Serving {
-    pub child: Child,
+    proc: Running,
     pub sock: PathBuf,
-    pub stderr: PathBuf,
 }
 
 impl Serving {
-    /// Starts the server and waits (bounded) until its socket accepts connections.
+    /// Starts the server and waits (bounded) until its socket accepts connections (the
+    /// socket file appears only once the server is up).
     pub fn start(dir: &Path, name: &str, args: &[&str]) -> Self {
+        Self::launch(dir, name, args, |l| l)
+    }
+
+    /// As [`Serving::start`], with more conditions of readiness (or settings) from `more`.
+    pub fn launch(
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        more: impl FnOnce(Launch) -> Launch,
+    ) -> Self {
         let sock = dir.join(format!("{name}.sock"));
-        let stderr = dir.join(format!("{name}.stderr"));
         let _ = std::fs::remove_file(&sock);
-        let child = Command::new(BIN)
-            .arg("serve")
-            .args(args)
-            .arg("--no-tcp")
-            .arg("--socket")
+        let l = Launch::serve(args)
+            .args(["--no-tcp", "--socket"])
             .arg(&sock)
-            .env("RUST_BACKTRACE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
-        let mut s = Self {
-            child,
+            .stderr_to(&dir.join(format!("{name}.stderr")))
+            .ready_when_connects(&sock);
+        Self {
+            proc: more(l).start(),
             sock,
-            stderr,
-        };
-        let t0 = Instant::now();
-        // Until a connection is accepted: the socket file appears only once the server is up.
-        while std::os::unix::net::UnixStream::connect(&s.sock).is_err() {
-            if let Some(st) = s.child.try_wait().unwrap() {
-                panic!("blkq serve exited early: {st}: {}", s.stderr_text());
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
         }
-        s
     }
 
     /// A new NBD connection to the default export.
@@ -228,48 +193,12 @@ impl Serving {
         )
         .unwrap()
     }
-
-    /// What the server wrote on stderr so far.
-    pub fn stderr_text(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// Sends `sig` to the server.
-    pub fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's pid with a valid signal number has no memory
-        // effects.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, sig);
-        }
-    }
-
-    /// Waits (bounded by `limit`, then SIGKILL and a panic) for the server to exit.
-    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if t0.elapsed() > limit {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!(
-                    "blkq serve did not exit within {limit:?}: {}",
-                    self.stderr_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
 }
 
-impl Drop for Serving {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// The address in a file `blkq` wrote whole (`--metrics-addr-file`; wait for it with
+/// [`Launch::ready_when_written`]), without its newline.
+pub fn written_addr(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap().trim().to_string()
 }
 
 /// Runs `blkq ARGS` to its end within `limit` (killed, and the test failed with `what`,

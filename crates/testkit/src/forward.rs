@@ -1,0 +1,273 @@
+//! `Forward`: a test device that forwards to an inner one and lets a [`Hook`] change only
+//! the behaviour a test is about (fail, count, record, panic on some bios; hide the queue).
+
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use blk::{Bio, Device, EndIo, Error, Extent, Limits, Queue};
+
+/// The part of a [`Forward`] device a test changes. Every method has a default, so a hook
+/// implements only what it intercepts; `inner` is the wrapped device.
+///
+/// The defaults make the wrapper see every bio and stand for itself, not for the device
+/// under it: a batch is split into single [`Hook::submit`]s, zero-copy reads are off (they
+/// carry no bio, so they would pass the hook by), and the inner queue is hidden (its counters
+/// would miss the bios the hook completes itself), so a user such as the NBD server counts at
+/// its own layer.
+pub trait Hook: Send + Sync {
+    /// One bio (default: to the inner device).
+    fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
+        inner.submit(bio, end)
+    }
+    /// A batch (default: each bio through [`Hook::submit`]).
+    fn submit_batch(
+        &self,
+        inner: &dyn Device,
+        bios: &mut dyn Iterator<Item = Bio>,
+        end: &Arc<dyn EndIo>,
+    ) {
+        for b in bios {
+            self.submit(inner, b, end);
+        }
+    }
+    /// Whether zero-copy reads work (default: no).
+    fn can_splice(&self, _inner: &dyn Device) -> bool {
+        false
+    }
+    /// A zero-copy read (default: the inner device's where [`Hook::can_splice`] allows,
+    /// unsupported otherwise).
+    fn splice_read(
+        &self,
+        inner: &dyn Device,
+        offset: u64,
+        len: usize,
+        pipe: BorrowedFd<'_>,
+    ) -> Result<usize, Error> {
+        if self.can_splice(inner) {
+            inner.splice_read(offset, len, pipe)
+        } else {
+            Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+        }
+    }
+    /// The queue behind the device (default: none, see the trait's docs).
+    fn as_queue<'a>(&self, _inner: &'a dyn Device) -> Option<&'a Queue> {
+        None
+    }
+}
+
+/// The hook that changes nothing: a plain forwarder, with [`Hook`]'s defaults.
+impl Hook for () {}
+
+/// A [`Hook`] made of a closure over [`Hook::submit`] ([`Forward::on_submit`]).
+pub struct OnSubmit<F>(F);
+
+impl<F> Hook for OnSubmit<F>
+where
+    F: Fn(&dyn Device, Bio, &Arc<dyn EndIo>) + Send + Sync,
+{
+    fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
+        (self.0)(inner, bio, end)
+    }
+}
+
+/// A [`Device`] that forwards every call to `inner`, through a [`Hook`] that changes what a
+/// test is about; limits and extents are always the inner device's.
+///
+/// ```ignore
+/// // Fail every write; everything else reaches `mem`.
+/// let dev = Forward::on_submit(mem, |inner, bio, end| {
+///     if bio.op == Op::Write {
+///         end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
+///     } else {
+///         inner.submit(bio, end);
+///     }
+/// });
+/// ```
+pub struct Forward<H = ()> {
+    inner: Arc<dyn Device>,
+    hook: H,
+}
+
+impl Forward {
+    /// A plain forwarder: `inner`'s bio path, with its queue and zero-copy reads hidden
+    /// ([`Hook`]'s defaults).
+    pub fn new(inner: Arc<dyn Device>) -> Self {
+        Self::with_hook(inner, ())
+    }
+}
+
+impl<F> Forward<OnSubmit<F>>
+where
+    F: Fn(&dyn Device, Bio, &Arc<dyn EndIo>) + Send + Sync,
+{
+    /// A forwarder whose bios go through `f(inner, bio, end)`, which completes them itself or
+    /// passes them on with `inner.submit(bio, end)`.
+    pub fn on_submit(inner: Arc<dyn Device>, f: F) -> Self {
+        Self::with_hook(inner, OnSubmit(f))
+    }
+}
+
+impl<H: Hook> Forward<H> {
+    /// A forwarder through `hook`.
+    pub fn with_hook(inner: Arc<dyn Device>, hook: H) -> Self {
+        Self { inner, hook }
+    }
+
+    /// The hook, to reach its state (what it recorded, what it should fail next).
+    pub fn hook(&self) -> &H {
+        &self.hook
+    }
+
+    /// The wrapped device.
+    pub fn inner(&self) -> &Arc<dyn Device> {
+        &self.inner
+    }
+}
+
+impl<H: Hook> Device for Forward<H> {
+    fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+        self.hook.submit(self.inner.as_ref(), bio, end)
+    }
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
+        self.hook.submit_batch(self.inner.as_ref(), bios, end)
+    }
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.inner.extents_into(offset, len, max, out)
+    }
+    fn can_splice(&self) -> bool {
+        self.hook.can_splice(self.inner.as_ref())
+    }
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
+        self.hook
+            .splice_read(self.inner.as_ref(), offset, len, pipe)
+    }
+    fn as_queue(&self) -> Option<&Queue> {
+        self.hook.as_queue(self.inner.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use blk::{Op, SECTOR_SHIFT};
+
+    use super::*;
+    use crate::io::submit_wait;
+
+    /// An inner device that records the sector of every bio and completes it at once.
+    #[derive(Default)]
+    struct Inner(Mutex<Vec<u64>>);
+
+    impl Device for Inner {
+        fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
+            self.0.lock().unwrap().push(bio.sector);
+            end.end_io(bio, Ok(()));
+        }
+        fn limits(&self) -> Limits {
+            Limits {
+                capacity: 1 << 20,
+                logical_block_size: 512,
+                max_io_bytes: 1 << 16,
+            }
+        }
+        fn extents_into(
+            &self,
+            offset: u64,
+            _len: u64,
+            _max: usize,
+            out: &mut Vec<Extent>,
+        ) -> Result<(), Error> {
+            out.clear();
+            out.push(Extent {
+                offset,
+                len: 7,
+                allocated: false,
+            });
+            Ok(())
+        }
+        fn can_splice(&self) -> bool {
+            true
+        }
+    }
+
+    fn inner() -> (Arc<Inner>, Arc<dyn Device>) {
+        let i = Arc::new(Inner::default());
+        (i.clone(), i)
+    }
+
+    #[test]
+    fn a_hook_sees_each_bio_and_forwarding_reaches_the_inner_device() {
+        let (seen_inside, dev) = inner();
+        let seen_by_hook = Arc::new(Mutex::new(Vec::new()));
+        let log = seen_by_hook.clone();
+        let f = Forward::on_submit(dev, move |inner, bio, end| {
+            log.lock().unwrap().push((bio.op, bio.sector));
+            if bio.sector == 8 {
+                end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
+            } else {
+                inner.submit(bio, end);
+            }
+        });
+        assert!(submit_wait(&f, Bio::new(Op::Read, 1, 512)).1.is_ok());
+        assert!(submit_wait(&f, Bio::new(Op::Write, 8, 512)).1.is_err());
+        let done = Arc::new(crate::Collect::default());
+        let end: Arc<dyn EndIo> = done.clone();
+        f.submit_batch(
+            &mut [2, 3].into_iter().map(|s| Bio::new(Op::Read, s, 512)),
+            &end,
+        );
+        assert_eq!(done.wait_for(2).len(), 2);
+        assert_eq!(
+            *seen_by_hook.lock().unwrap(),
+            [(Op::Read, 1), (Op::Write, 8), (Op::Read, 2), (Op::Read, 3)],
+            "the hook sees every bio, a batch's one by one"
+        );
+        assert_eq!(
+            *seen_inside.0.lock().unwrap(),
+            [1, 2, 3],
+            "all but the failed one"
+        );
+        assert_eq!(f.limits(), seen_inside.limits());
+        assert_eq!(f.extents(1 << SECTOR_SHIFT, 4096, 4).unwrap()[0].len, 7);
+    }
+
+    #[test]
+    fn a_plain_forwarder_hides_the_queue_and_zero_copy_reads() {
+        let (seen_inside, dev) = inner();
+        let f = Forward::new(dev);
+        assert!(submit_wait(&f, Bio::new(Op::Read, 5, 512)).1.is_ok());
+        assert_eq!(*seen_inside.0.lock().unwrap(), [5]);
+        assert!(!f.can_splice() && f.as_queue().is_none() && f.stats().is_none());
+        assert!(Arc::ptr_eq(f.inner(), &(seen_inside as Arc<dyn Device>)));
+    }
+
+    #[test]
+    fn a_hook_struct_keeps_its_state_and_may_turn_zero_copy_reads_on() {
+        #[derive(Default)]
+        struct Count(Mutex<usize>);
+        impl Hook for Count {
+            fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
+                *self.0.lock().unwrap() += 1;
+                inner.submit(bio, end)
+            }
+            fn can_splice(&self, inner: &dyn Device) -> bool {
+                inner.can_splice()
+            }
+        }
+        let (_, dev) = inner();
+        let f = Forward::with_hook(dev, Count::default());
+        submit_wait(&f, Bio::new(Op::Flush, 0, 0)).1.unwrap();
+        assert_eq!(*f.hook().0.lock().unwrap(), 1);
+        assert!(f.can_splice());
+    }
+}
