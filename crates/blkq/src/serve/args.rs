@@ -162,7 +162,8 @@ pub struct ServerArgs {
 pub struct LimitArgs {
     /// Connections open at once. At the limit a new connection closes the oldest one still in
     /// its handshake (never one attached to an export), or is closed at once if there is none.
-    /// Default: what the open-files limit allows (3 descriptors a connection), 16 to 1024.
+    /// Default: what the open-files limit allows (five descriptors a connection, 64 kept for
+    /// the rest), 16 to 1024.
     #[arg(long, value_name = "N")]
     pub max_connections: Option<NonZeroUsize>,
     /// Seconds a new connection has to finish the whole handshake (TLS included) before it
