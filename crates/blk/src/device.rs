@@ -4,8 +4,11 @@
 //! in the `blk-drivers` crate.
 
 use std::os::fd::BorrowedFd;
+use std::time::Instant;
 
 use blkq_sync::DynArc as Arc;
+use blkq_sync::Mutex;
+use waitq::WaitQueue;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
 use crate::queue::{Queue, QueueCore, Request, RequestToken};
@@ -272,4 +275,72 @@ pub trait Device: Send + Sync {
     fn stats(&self) -> Option<crate::stats::DiskStats> {
         self.as_queue().map(Queue::stats)
     }
+}
+
+/// A bio submitted by a thread that will wait for it: [`PendingBio::submit`], then
+/// [`PendingBio::wait`] or [`PendingBio::wait_until`]. For slow paths (superblock and bitmap
+/// I/O, resync, repair, tools, shutdown flushes, tests): each one allocates its completion.
+/// Submitting several, then waiting for each, has them in flight together.
+///
+/// The wait sleeps on a [`WaitQueue`] (waitq is the one way to sleep): `end_io` stores the
+/// result under the lock, drops the lock, then wakes; the waiter's `wait_for` arms before its
+/// re-check, so a completion that lands between the check and the sleep is not lost.
+#[must_use = "a submitted bio is waited for with `wait` or `wait_until`"]
+pub struct PendingBio {
+    end: Arc<WaitEnd>,
+}
+
+/// The completion a [`PendingBio`] waits on. A waiter that gave up (`wait_until`) leaves it
+/// to the device, which drops it after `end_io`.
+#[derive(Default)]
+struct WaitEnd {
+    out: Mutex<Option<(Bio, Result<(), Error>)>>,
+    wq: WaitQueue,
+}
+
+impl EndIo for WaitEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.out.lock() = Some((bio, res));
+        // Woken outside the lock. `self` stays alive through the device's clone of the `Arc`
+        // until this returns, even if the waiter has already taken the result and left.
+        self.wq.wake_one();
+    }
+}
+
+impl PendingBio {
+    /// Submits `bio` to `dev`.
+    pub fn submit(dev: &dyn Device, bio: Bio) -> Self {
+        let end = Arc::new(WaitEnd::default());
+        let e: Arc<dyn EndIo> = end.clone();
+        dev.submit(bio, &e);
+        Self { end }
+    }
+
+    /// Waits for the completion; returns the bio (with its buffer) and its status.
+    pub fn wait(self) -> (Bio, Result<(), Error>) {
+        self.end.wq.wait_for(|| self.end.out.lock().take())
+    }
+
+    /// Like [`PendingBio::wait`], giving up at `deadline` (`None`: still in flight; the device
+    /// completes it later into nothing).
+    pub fn wait_until(self, deadline: Instant) -> Option<(Bio, Result<(), Error>)> {
+        self.end
+            .wq
+            .wait_for_until(|| self.end.out.lock().take(), deadline)
+    }
+}
+
+/// Submits `bio` to `dev` and waits for its completion; returns the bio (with its buffer) and
+/// its status. A slow-path helper: it allocates ([`PendingBio`]).
+pub fn submit_wait(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
+    PendingBio::submit(dev, bio).wait()
+}
+
+/// Like [`submit_wait`], giving up at `deadline` (`None`: the bio is still in flight).
+pub fn submit_wait_until(
+    dev: &dyn Device,
+    bio: Bio,
+    deadline: Instant,
+) -> Option<(Bio, Result<(), Error>)> {
+    PendingBio::submit(dev, bio).wait_until(deadline)
 }

@@ -19,7 +19,9 @@ pub mod stats;
 pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
-pub use device::{Device, Driver, Extent, Limits, Scheduler};
+pub use device::{
+    submit_wait, submit_wait_until, Device, Driver, Extent, Limits, PendingBio, Scheduler,
+};
 pub use error::Error;
 pub use queue::{Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
 pub use tags::{PoolPolicy, TagPool};

@@ -7,7 +7,7 @@
 use blkq_sync::DynArc as StdArc;
 use std::sync::Weak;
 
-use blk::{Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::{thread, Mutex};
 use std::collections::VecDeque;
@@ -16,8 +16,8 @@ use waitq::WaitQueue;
 use crate::barrier::Barriers;
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::device::{
-    sync_io, ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error,
-    FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY,
+    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
+    IN_SYNC, PRESENT, WRITE_MOSTLY,
 };
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 
@@ -207,8 +207,8 @@ impl Raid1 {
                     newest.bitmap.offset >> SECTOR_SHIFT,
                     Buffer::new(len),
                 );
-                let (back, r) = sync_io(p.dev.as_ref(), b);
-                if let (Ok(()), Some(buf)) = (r, back.and_then(|b| b.buf)) {
+                let (back, r) = submit_wait(p.dev.as_ref(), b);
+                if let (Ok(()), Some(buf)) = (r, back.buf) {
                     loaded |= bm.load(buf.as_slice()).is_ok();
                 }
             }
@@ -265,9 +265,9 @@ impl Raid1 {
             SB_OFFSET >> SECTOR_SHIFT,
             Buffer::new(crate::superblock::SB_SIZE),
         );
-        let (back, r) = sync_io(dev, b);
+        let (back, r) = submit_wait(dev, b);
         r.map_err(|e| Raid1Error::Config(format!("superblock read error: {e}")))?;
-        let buf = back.and_then(|b| b.buf).ok_or(Raid1Error::Config(
+        let buf = back.buf.ok_or(Raid1Error::Config(
             "superblock read returned no data".into(),
         ))?;
         Ok(Superblock::decode(buf.as_slice())?)

@@ -23,7 +23,7 @@ use blkq_sync::{thread, Mutex};
 use crate::slot::AdmittedCell;
 
 use uuid::Uuid;
-use waitq::{Completion, WaitQueue};
+use waitq::WaitQueue;
 
 use crate::barrier::{BarrierMode, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
@@ -413,35 +413,6 @@ impl std::fmt::Debug for Raid1 {
 
 pub(crate) fn eio(what: &'static str) -> Error {
     Error::Io(std::io::Error::other(what))
-}
-
-/// Completion for synchronous (slow path) I/O.
-struct SyncEnd {
-    done: Completion,
-    out: Mutex<Option<(Bio, Result<(), Error>)>>,
-}
-
-impl EndIo for SyncEnd {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        *self.out.lock() = Some((bio, res));
-        self.done.complete();
-    }
-}
-
-/// Submits `bio` to `dev` and waits for it (allocates: slow paths only).
-pub(crate) fn sync_io(dev: &dyn Device, bio: Bio) -> (Option<Bio>, Result<(), Error>) {
-    let se = StdArc::new(SyncEnd {
-        done: Completion::new(),
-        out: Mutex::new(None),
-    });
-    let end: StdArc<dyn EndIo> = se.clone();
-    dev.submit(bio, &end);
-    se.done.wait();
-    let out = se.out.lock().take();
-    match out {
-        Some((b, r)) => (Some(b), r),
-        None => (None, Err(eio("lost completion"))),
-    }
 }
 
 impl Raid1 {

@@ -2,15 +2,14 @@
 //! superblocks and bitmaps, and assembling a set of legs by content into a [`Plan`] and its
 //! offline [`ArrayReport`].
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use blk::{Bio, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
+use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use blkq_sync::{Arc, Mutex};
+use blkq_sync::Arc;
 use raid1::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
 use raid1::WriteIntentBitmap;
-use waitq::Completion;
 
 use super::report::{ArrayReport, BitmapReport, LegReport};
 
@@ -62,38 +61,15 @@ pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
         .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
-/// Completion of one synchronous read.
-struct ReadEnd {
-    done: Completion,
-    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
-}
-
-impl EndIo for ReadEnd {
-    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
-        *self.out.lock() = Some((bio, res));
-        self.done.complete();
-    }
-}
-
 /// Reads `len` bytes at byte `offset` of `dev` (a slow path: allocates).
 pub fn read_at(dev: &dyn Device, offset: u64, len: usize) -> Result<Vec<u8>> {
-    let end = Arc::new(ReadEnd {
-        done: Completion::new(),
-        out: Mutex::new(None),
-    });
-    let e: Arc<dyn EndIo> = end.clone();
-    dev.submit(
+    let Some((bio, res)) = blk::submit_wait_until(
+        dev,
         Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
-        &e,
-    );
-    if !end.done.wait_timeout(Duration::from_secs(30)) {
+        Instant::now() + Duration::from_secs(30),
+    ) else {
         bail!("read of {len} bytes at {offset} timed out");
-    }
-    let (bio, res) = end
-        .out
-        .lock()
-        .take()
-        .ok_or_else(|| anyhow!("read completed without a result"))?;
+    };
     res.map_err(|e| anyhow!("read of {len} bytes at {offset}: {e}"))?;
     let buf = bio.buf.ok_or_else(|| anyhow!("read returned no data"))?;
     Ok(buf.as_slice().to_vec())

@@ -39,8 +39,8 @@
 //! 4. remove the Unix socket (only if it is still ours).
 //!
 //! So shutdown takes at most twice `drain_timeout` plus [`STUCK_GRACE`], whatever the devices
-//! do. Waiting for a stop, and for a bio in [`submit_sync`], goes through a
-//! [`waitq::Completion`].
+//! do. Waiting for a stop goes through a [`waitq::Completion`], and for the final flushes
+//! through [`blk::PendingBio`] (a `waitq` wait queue).
 
 mod accept;
 mod access;
@@ -67,7 +67,7 @@ use std::path::{Path, PathBuf};
 use blkq_sync::DynArc as Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Device, EndIo, Op};
+use blk::{Bio, Device, Op, PendingBio};
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::Mutex;
 use tracing::{info, warn};
@@ -753,7 +753,7 @@ impl Server {
     /// `timeout` for them. A failed flush marks every export of its device failed. Returns
     /// the indices of the exports whose flush did not complete in time.
     fn flush_all(&self, timeout: Duration) -> Vec<usize> {
-        let mut pending: Vec<(usize, Arc<SyncEnd>)> = Vec::new();
+        let mut pending: Vec<(usize, PendingBio)> = Vec::new();
         for (i, e) in self.shared.exports.iter().enumerate() {
             let dev = &e.export.device;
             let seen = self.shared.exports[..i]
@@ -762,22 +762,18 @@ impl Server {
             if e.export.read_only || seen {
                 continue;
             }
-            let end = Arc::new(SyncEnd::default());
-            let eio: Arc<dyn EndIo> = end.clone();
-            dev.submit(Bio::new(Op::Flush, 0, 0), &eio);
-            pending.push((i, end));
+            pending.push((
+                i,
+                PendingBio::submit(dev.as_ref(), Bio::new(Op::Flush, 0, 0)),
+            ));
         }
         let deadline = Instant::now() + timeout;
         let mut late = Vec::new();
-        for (i, end) in pending {
+        for (i, flush) in pending {
             let dev = &self.shared.exports[i].export.device;
             let name = &self.shared.exports[i].export.name;
-            let res = if end.done.wait_deadline(deadline) {
-                end.status.lock().take().unwrap_or_else(|| {
-                    Err(blk::Error::from(io::Error::other(
-                        "bio completed without a status",
-                    )))
-                })
+            let res = if let Some((_, res)) = flush.wait_until(deadline) {
+                res
             } else {
                 warn!(
                     export = %name,
@@ -808,35 +804,4 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.do_shutdown();
     }
-}
-
-/// Completion of one synchronous bio: its status, then the [`Completion`] that wakes the
-/// submitter.
-#[derive(Default)]
-struct SyncEnd {
-    status: Mutex<Option<Result<(), blk::Error>>>,
-    done: Completion,
-}
-
-impl EndIo for SyncEnd {
-    fn end_io(&self, _bio: Bio, res: Result<(), blk::Error>) {
-        // The status is stored (and its lock released) before `complete`, so the waiter, which
-        // reads it only after `wait` returns, always finds it.
-        *self.status.lock() = Some(res);
-        self.done.complete();
-    }
-}
-
-/// Submits one bio and waits for it (flushes at shutdown; tests).
-pub fn submit_sync(dev: &dyn Device, bio: Bio) -> Result<(), blk::Error> {
-    let end = Arc::new(SyncEnd::default());
-    let e: Arc<dyn EndIo> = end.clone();
-    dev.submit(bio, &e);
-    end.done.wait();
-    let status = end.status.lock().take();
-    status.unwrap_or_else(|| {
-        Err(blk::Error::from(io::Error::other(
-            "bio completed without a status",
-        )))
-    })
 }

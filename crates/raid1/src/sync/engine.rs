@@ -5,11 +5,11 @@
 use blkq_sync::DynArc as StdArc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
-use crate::device::{sync_io, Inner, FAULTY, IN_SYNC, PRESENT};
+use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT};
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -242,8 +242,8 @@ impl Inner {
     ) -> Result<(), blk::Error> {
         let mut b = Bio::new(op, (pos + self.data_offset) >> SECTOR_SHIFT, len);
         b.buf = buf.take();
-        let (back, r) = sync_io(dev, b);
-        *buf = back.and_then(|b| b.buf);
+        let (back, r) = submit_wait(dev, b);
+        *buf = back.buf;
         if buf.is_none() {
             *buf = Some(Buffer::new(len as usize));
         }
@@ -335,7 +335,7 @@ impl Inner {
             let r = self.window(job, pos, len, target, &mut src_buf, &mut cmp_buf);
             if r {
                 if let Some((t, _)) = target {
-                    // Release, after the window's writes completed (sync_io waited for them);
+                    // Release, after the window's writes completed (submit_wait waited for them);
                     // the Acquire load in `choose_read_leg` then admits reads below it to this
                     // leg, and any read submitted after that load reaches the leg after those
                     // writes. Regular writes above it already go to the leg, so nothing below
