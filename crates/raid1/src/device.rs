@@ -198,11 +198,11 @@ pub struct LegStatus {
 
 pub(crate) struct Leg {
     /// The device, for slow paths (raid1d, sync thread, flushes, tools). Its lock also orders
-    /// the writers of `fast`.
+    /// the writers of `admitted_dev`.
     pub(crate) dev: Mutex<Option<StdArc<dyn Device>>>,
-    /// The same device for barrier-admitted regular I/O: read without a lock, replaced only
-    /// with the array frozen and `dev` locked (see `slot`).
-    pub(crate) fast: AdmittedCell<Option<StdArc<dyn Device>>>,
+    /// The same device as regular I/O reads it, under a barrier admission: read without a
+    /// lock, replaced only with the array frozen and `dev` locked (see `slot`).
+    pub(crate) admitted_dev: AdmittedCell<Option<StdArc<dyn Device>>>,
     pub(crate) uuid: Mutex<Uuid>,
     pub(crate) state: AtomicU32,
     /// Requests in flight (read balancing hint).
@@ -222,7 +222,7 @@ impl Leg {
     pub(crate) fn empty() -> Self {
         Self {
             dev: Mutex::new(None),
-            fast: AdmittedCell::new(None),
+            admitted_dev: AdmittedCell::new(None),
             uuid: Mutex::new(Uuid::nil()),
             state: AtomicU32::new(0),
             pending: AtomicUsize::new(0),
@@ -252,7 +252,7 @@ impl Leg {
         // raised window reads it after this change.
         self.gen.fetch_add(1, Ordering::AcqRel);
         // SAFETY: frozen by the caller; `g` orders the writers.
-        let _ = unsafe { self.fast.replace_frozen(dev.clone()) };
+        let _ = unsafe { self.admitted_dev.replace_frozen(dev.clone()) };
         std::mem::replace(&mut *g, dev)
     }
 
@@ -264,7 +264,7 @@ impl Leg {
     #[inline]
     pub(crate) unsafe fn with_dev<R>(&self, f: impl FnOnce(Option<&dyn Device>) -> R) -> R {
         // SAFETY: the caller's admission (see `slot`).
-        unsafe { self.fast.with_admitted(|d| f(d.as_deref())) }
+        unsafe { self.admitted_dev.with_admitted(|d| f(d.as_deref())) }
     }
 }
 

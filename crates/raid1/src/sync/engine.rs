@@ -31,7 +31,9 @@ enum PassEnd {
     Failed,
 }
 
-fn good(st: u32) -> bool {
+/// Whether a leg state is present, in sync and not faulty: the leg holds the array's data (a
+/// sync source, or a leg a check compares).
+fn is_in_sync(st: u32) -> bool {
     st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
 }
 
@@ -51,7 +53,7 @@ impl Inner {
         let mut partial = 0;
         for l in self.legs.iter() {
             let st = l.state.load(Ordering::Acquire);
-            if good(st) {
+            if is_in_sync(st) {
                 in_sync += 1;
             } else if Self::writable(st) && l.recovery_offset.load(Ordering::Acquire) > 0 {
                 partial += 1;
@@ -225,7 +227,7 @@ impl Inner {
     /// The first in-sync leg (the source), skipping `tried`.
     fn source_leg(&self, tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
         self.legs.iter().enumerate().find_map(|(i, l)| {
-            (tried & (1 << i) == 0 && good(l.state.load(Ordering::Acquire)))
+            (tried & (1 << i) == 0 && is_in_sync(l.state.load(Ordering::Acquire)))
                 .then(|| l.dev().map(|d| (i, d)))
                 .flatten()
         })
@@ -486,7 +488,7 @@ impl Inner {
                     let st = l.state.load(Ordering::Acquire);
                     let target = match job {
                         Job::Resync => Self::writable(st),
-                        _ => good(st),
+                        _ => is_in_sync(st),
                     };
                     if i != src && target {
                         others[i] = l.dev();
