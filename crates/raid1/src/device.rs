@@ -94,6 +94,9 @@ pub enum Raid1Error {
         "the array has failed ({0}): its legs no longer change; stop it and assemble it again"
     )]
     Failed(&'static str),
+    /// The legs given to [`Raid1::assemble`] do not form one array.
+    #[error(transparent)]
+    Assembly(#[from] crate::assemble::AssemblyError),
 }
 
 /// Configuration of a [`Raid1`].
