@@ -1,15 +1,18 @@
-//! The seams of the block layer: what a device offers ([`Device`], its [`Limits`] and
-//! [`Extent`] map), what a driver implements ([`Driver`]) and what an I/O scheduler implements
-//! ([`Scheduler`]). The queue ([`crate::queue`]) sits between them; the drivers themselves live
-//! in the `blk-drivers` crate.
+//! What a block device offers: [`Device`] (what the NBD server exports and RAID1 stacks on),
+//! its [`Limits`] and [`Extent`] map, and the one way to submit a bio and wait for it
+//! ([`submit_wait`], [`PendingBio`]). A [`crate::Queue`] is a `Device`; the traits it calls
+//! back, [`crate::Driver`] and [`crate::Scheduler`], live beside it ([`crate::queue`],
+//! [`crate::sched`]).
 
 use std::os::fd::BorrowedFd;
+use std::time::Instant;
 
 use blkq_sync::DynArc as Arc;
+use blkq_sync::Mutex;
+use waitq::WaitQueue;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::queue::{Queue, QueueCore, Request, RequestToken};
-use crate::sched::LockStats;
+use crate::queue::Queue;
 use crate::Error;
 
 /// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.
@@ -81,121 +84,6 @@ impl Limits {
             }
         }
         Ok(())
-    }
-}
-
-/// A block driver: executes requests and reports their completion.
-pub trait Driver: Send + Sync {
-    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
-    /// until [`Driver::stop`]).
-    fn start(&self, _q: &Arc<QueueCore>) {}
-    /// Takes a request; the driver completes it later (or right away) with
-    /// [`QueueCore::complete`].
-    fn queue_rq(&self, q: &QueueCore, rq: RequestToken);
-    /// The end of a batch of `queue_rq` calls (ring the doorbell).
-    fn commit(&self, _q: &QueueCore) {}
-    /// Stops completion threads; called when the queue is dropped.
-    fn stop(&self) {}
-    /// The allocation map, for devices that know it (default: everything allocated), into
-    /// `out` as [`Device::extents_into`] describes: cleared, then filled, allocating nothing
-    /// once `out` has room.
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        out.clear();
-        if len > 0 && max > 0 {
-            out.push(Extent {
-                offset,
-                len,
-                allocated: true,
-            });
-        }
-        Ok(())
-    }
-    /// Zero-copy reads ([`Device::splice_read`]): whether this driver can move its bytes into
-    /// a pipe by reference. Default: no.
-    fn can_splice(&self) -> bool {
-        false
-    }
-    /// Moves up to `len` bytes of the device at `offset` into the pipe whose write end is
-    /// `pipe` ([`Device::splice_read`] says what that promises); returns how many it moved.
-    fn splice_read(
-        &self,
-        _offset: u64,
-        _len: usize,
-        _pipe: BorrowedFd<'_>,
-    ) -> Result<usize, Error> {
-        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
-    }
-    /// One line describing the driver and its options.
-    fn describe(&self) -> String;
-    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
-    /// means the driver executes exactly one bio per request and the queue must not merge.
-    fn max_merge(&self) -> u32 {
-        1
-    }
-    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
-    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
-    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
-    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
-    /// queue does not ask. Default: no limit.
-    fn can_queue(&self) -> usize {
-        usize::MAX
-    }
-}
-
-/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
-/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
-///
-/// # Contract
-///
-/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
-/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has
-/// no room ([`Driver::can_queue`]). A scheduler may return 0 while it still holds requests only if
-/// another thread is inside its insert or dispatch and will dispatch them (mq-deadline's
-/// `serialized` lock), or the driver has no room. `sink` runs the driver: never call it while
-/// holding a lock that `insert_batch`, `dispatch` or `completed` take, since the driver may
-/// complete inline and the completion may submit again.
-pub trait Scheduler: Send + Sync {
-    /// The scheduler's name (`--sched`).
-    fn name(&self) -> &'static str;
-    /// Called once, when the queue that owns the scheduler is built: size per-request state
-    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
-    fn attach(&self, _q: &QueueCore) {}
-    /// Takes one request of a batch being flushed.
-    fn insert(&self, q: &QueueCore, rq: RequestToken);
-    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
-        for r in rqs {
-            self.insert(q, r);
-        }
-    }
-    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
-    /// every batch of inserts, until it hands out nothing.
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
-    /// The most tags of a pool of `depth` that *asynchronous* requests ([`crate::Op::is_sync`]
-    /// false: writes without FUA/SYNC, discards, write-zeroes) may hold at once, so that
-    /// synchronous ones always find a tag under a write flood (the kernel's `limit_depth`
-    /// hook; mq-deadline's `async_depth`). Read by the queue for every asynchronous request
-    /// before it allocates the tag, so a change applies to the next allocation. `None`, or
-    /// `depth` or more: no limit (the default).
-    fn async_depth(&self, _depth: u32) -> Option<u32> {
-        None
-    }
-    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
-    /// merge chain), before its bio is handed back. Must not block.
-    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
-    /// Acquisitions of the scheduler's lock, and how many found it taken.
-    fn lock_stats(&self) -> LockStats {
-        LockStats::default()
-    }
-    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
     }
 }
 
@@ -272,4 +160,72 @@ pub trait Device: Send + Sync {
     fn stats(&self) -> Option<crate::stats::DiskStats> {
         self.as_queue().map(Queue::stats)
     }
+}
+
+/// A bio submitted by a thread that will wait for it: [`PendingBio::submit`], then
+/// [`PendingBio::wait`] or [`PendingBio::wait_until`]. For slow paths (superblock and bitmap
+/// I/O, resync, repair, tools, shutdown flushes, tests): each one allocates its completion.
+/// Submitting several, then waiting for each, has them in flight together.
+///
+/// The wait sleeps on a [`WaitQueue`] (waitq is the one way to sleep): `end_io` stores the
+/// result under the lock, drops the lock, then wakes; the waiter's `wait_for` arms before its
+/// re-check, so a completion that lands between the check and the sleep is not lost.
+#[must_use = "a submitted bio is waited for with `wait` or `wait_until`"]
+pub struct PendingBio {
+    end: Arc<WaitEnd>,
+}
+
+/// The completion a [`PendingBio`] waits on. A waiter that gave up (`wait_until`) leaves it
+/// to the device, which drops it after `end_io`.
+#[derive(Default)]
+struct WaitEnd {
+    out: Mutex<Option<(Bio, Result<(), Error>)>>,
+    wq: WaitQueue,
+}
+
+impl EndIo for WaitEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.out.lock() = Some((bio, res));
+        // Woken outside the lock. `self` stays alive through the device's clone of the `Arc`
+        // until this returns, even if the waiter has already taken the result and left.
+        self.wq.wake_one();
+    }
+}
+
+impl PendingBio {
+    /// Submits `bio` to `dev`.
+    pub fn submit(dev: &dyn Device, bio: Bio) -> Self {
+        let end = Arc::new(WaitEnd::default());
+        let e: Arc<dyn EndIo> = end.clone();
+        dev.submit(bio, &e);
+        Self { end }
+    }
+
+    /// Waits for the completion; returns the bio (with its buffer) and its status.
+    pub fn wait(self) -> (Bio, Result<(), Error>) {
+        self.end.wq.wait_for(|| self.end.out.lock().take())
+    }
+
+    /// Like [`PendingBio::wait`], giving up at `deadline` (`None`: still in flight; the device
+    /// completes it later into nothing).
+    pub fn wait_until(self, deadline: Instant) -> Option<(Bio, Result<(), Error>)> {
+        self.end
+            .wq
+            .wait_for_until(|| self.end.out.lock().take(), deadline)
+    }
+}
+
+/// Submits `bio` to `dev` and waits for its completion; returns the bio (with its buffer) and
+/// its status. A slow-path helper: it allocates ([`PendingBio`]).
+pub fn submit_wait(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
+    PendingBio::submit(dev, bio).wait()
+}
+
+/// Like [`submit_wait`], giving up at `deadline` (`None`: the bio is still in flight).
+pub fn submit_wait_until(
+    dev: &dyn Device,
+    bio: Bio,
+    deadline: Instant,
+) -> Option<(Bio, Result<(), Error>)> {
+    PendingBio::submit(dev, bio).wait_until(deadline)
 }

@@ -1,9 +1,9 @@
 //! `blk`: blkq's block layer core. Bios and buffers, tag sets with preallocated requests,
 //! request queues with per-submitter plugging and the pool-full policy (steal, FIFO hand-off,
 //! batch ownership), I/O schedulers (`none`, `mq-deadline` with its `locked`/`serialized`
-//! lock: [`sched`]), disk statistics, and the seams everything else plugs into
-//! ([`device`]: the [`Device`], [`Driver`] and [`Scheduler`] traits), on top of `sbitmap`'s
-//! tags and `waitq`'s wait queues.
+//! lock: [`sched`]), disk statistics, and the seams everything else plugs into: the
+//! [`Device`] trait ([`device`]), and the queue's callbacks, [`Driver`] ([`queue`]) and
+//! [`Scheduler`] ([`sched`]), on top of `sbitmap`'s tags and `waitq`'s wait queues.
 //!
 //! The drivers (`null`, `mem`, `file` with its io_uring / thread-pool / synchronous engines)
 //! and the device-spec parser live in the `blk-drivers` crate: a driver is a user of this
@@ -19,7 +19,8 @@ pub mod stats;
 pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
-pub use device::{Device, Driver, Extent, Limits, Scheduler};
+pub use device::{submit_wait, submit_wait_until, Device, Extent, Limits, PendingBio};
 pub use error::Error;
-pub use queue::{Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
+pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
+pub use sched::Scheduler;
 pub use tags::{PoolPolicy, TagPool};

@@ -39,9 +39,11 @@
 //! does not know about chains must never receive one, since `complete` would report the bios
 //! it did not execute as done.
 
+mod driver;
 mod plug;
 mod request;
 
+pub use self::driver::Driver;
 pub use self::plug::Plug;
 use self::plug::{with_thread_plug, PlugTail};
 use self::request::RequestCell;
@@ -56,7 +58,8 @@ use blkq_sync::{CachePadded, UnsafeCell};
 use sbitmap::WakeAlgo;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::device::{Device, Driver, Extent, Limits, Scheduler};
+use crate::device::{Device, Extent, Limits};
+use crate::sched::Scheduler;
 use crate::stats::{batch_ns, ClockBatch, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;

@@ -17,6 +17,7 @@
 pub mod backend;
 pub mod engine;
 pub mod fault;
+mod fd_io;
 pub mod file;
 pub mod mem;
 pub mod null;

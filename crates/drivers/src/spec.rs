@@ -233,10 +233,10 @@ pub struct QueueOverrides {
 pub const FAULT_PREFIX: &str = "fault.";
 
 impl DeviceSpec {
-    /// Whether the device is read-only: `--read-only` (`ov.read_only`) or the spec's own
+    /// Whether the device is read-only: `--read-only` (`overrides.read_only`) or the spec's own
     /// `ro=1` / `read_only=1`. An export of it must advertise NBD_FLAG_READ_ONLY.
-    pub fn is_read_only(&self, ov: &QueueOverrides) -> bool {
-        ov.read_only
+    pub fn is_read_only(&self, overrides: &QueueOverrides) -> bool {
+        overrides.read_only
             || self.options.iter().any(|(k, v)| {
                 matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false)
             })
@@ -270,9 +270,9 @@ impl DeviceSpec {
 
     /// Builds the device: its queue, wrapped in a [`FaultDevice`] when the spec has `fault.`
     /// options.
-    pub fn build_device(&self, ov: &QueueOverrides) -> Result<Arc<dyn Device>, Error> {
+    pub fn build_device(&self, overrides: &QueueOverrides) -> Result<Arc<dyn Device>, Error> {
         let fault = self.fault_config()?;
-        let q = self.build_queue(ov)?;
+        let q = self.build_queue(overrides)?;
         let q: Arc<dyn Device> = Arc::new(q);
         Ok(match fault {
             Some(cfg) => Arc::new(FaultDevice::new(q, cfg)),
@@ -282,7 +282,7 @@ impl DeviceSpec {
 
     /// Builds the device's queue and driver. Refuses a spec with `fault.` options (a
     /// [`Queue`] cannot carry them: use [`build_device`](Self::build_device)).
-    pub fn build(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
+    pub fn build(&self, overrides: &QueueOverrides) -> Result<Queue, Error> {
         if let Some((k, _)) = self
             .options
             .iter()
@@ -293,17 +293,17 @@ impl DeviceSpec {
                  not a bare queue"
             )));
         }
-        self.build_queue(ov)
+        self.build_queue(overrides)
     }
 
-    fn build_queue(&self, ov: &QueueOverrides) -> Result<Queue, Error> {
+    fn build_queue(&self, overrides: &QueueOverrides) -> Result<Queue, Error> {
         let mut null = NullConfig::default();
         let mut memory_backed = false;
         let mut mem_store = MemStore::default();
         let mut mem_thp = false;
         let mut mem_splice = true;
         let mut file_opts = FileOptions {
-            read_only: ov.read_only,
+            read_only: overrides.read_only,
             ..FileOptions::default()
         };
         let mut file_cfg = FileDriverConfig::default();
@@ -359,25 +359,25 @@ impl DeviceSpec {
                 }
             }
         }
-        if let Some(h) = ov.hw_queues {
+        if let Some(h) = overrides.hw_queues {
             cfg.nr_hw_queues = h;
         }
-        if let Some(d) = ov.queue_depth {
+        if let Some(d) = overrides.queue_depth {
             cfg.queue_depth = d;
         }
-        if let Some(s) = ov.shared_tags {
+        if let Some(s) = overrides.shared_tags {
             cfg.shared_tags = s;
         }
-        if let Some(w) = ov.wake {
+        if let Some(w) = overrides.wake {
             cfg.wake = w;
         }
-        if let Some(p) = ov.policy {
+        if let Some(p) = overrides.policy {
             cfg.policy = p;
         }
-        if let Some(s) = ov.sched {
+        if let Some(s) = overrides.sched {
             sched = s;
         }
-        if let Some(l) = ov.sched_lock {
+        if let Some(l) = overrides.sched_lock {
             sched_lock = l;
         }
         check_queue(&cfg)?;
@@ -460,11 +460,11 @@ mod tests {
 
     #[test]
     fn scheduler_options() {
-        let ov = QueueOverrides::default();
+        let overrides = QueueOverrides::default();
         let q = "null:1M,sched=mq-deadline,sched_lock=locked,fifo_batch=4,read_expire=20"
             .parse::<DeviceSpec>()
             .unwrap()
-            .build(&ov)
+            .build(&overrides)
             .unwrap();
         let s = q.scheduler().unwrap();
         assert_eq!(s.name(), "mq-deadline");
@@ -475,7 +475,11 @@ mod tests {
             d.tunables().read_expire(),
             std::time::Duration::from_millis(20)
         );
-        let q = "null:1M".parse::<DeviceSpec>().unwrap().build(&ov).unwrap();
+        let q = "null:1M"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&overrides)
+            .unwrap();
         assert!(q.scheduler().is_none());
         let ov2 = QueueOverrides {
             sched: Some(SchedChoice::MqDeadline),
@@ -498,7 +502,7 @@ mod tests {
             "null:1M,fifo_batch=4",
         ] {
             let spec: DeviceSpec = bad.parse().unwrap();
-            assert!(spec.build(&ov).is_err(), "{bad}");
+            assert!(spec.build(&overrides).is_err(), "{bad}");
         }
     }
 }

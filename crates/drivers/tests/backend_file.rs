@@ -9,10 +9,8 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use blk_drivers::backend::{
-    os_error_code, Backend, EngineKind, Extent, FileBackend, FileEngine, FileOptions, PoolEngine,
-    UringEngine, UringOp,
-};
+use blk_drivers::backend::{os_error_code, Backend, Extent, FileBackend, FileOptions};
+use blk_drivers::engine::{EngineKind, FileEngine, PoolEngine, UringEngine, UringOp};
 use testkit::pattern;
 
 const K: u64 = 1024;
@@ -272,7 +270,7 @@ fn extents_via_seek_hole_and_discard_semantics() {
 
 type Done = mpsc::Receiver<(u64, io::Result<u32>)>;
 
-fn callback() -> (blk_drivers::backend::Callback, Done) {
+fn callback() -> (blk_drivers::engine::Callback, Done) {
     let (tx, rx) = mpsc::channel();
     (
         Box::new(move |ud, r| {

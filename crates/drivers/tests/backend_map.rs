@@ -187,11 +187,11 @@ fn sizes_that_cannot_be_mapped_are_errors() {
 
 #[test]
 fn mem_specs_pick_the_store() {
-    let ov = QueueOverrides::default();
+    let overrides = QueueOverrides::default();
     let desc = |s: &str| {
         s.parse::<DeviceSpec>()
             .unwrap()
-            .build(&ov)
+            .build(&overrides)
             .map(|q| q.describe())
     };
     assert!(desc("mem:1M")

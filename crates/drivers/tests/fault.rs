@@ -892,18 +892,18 @@ fn delayed_steady_state_allocates_nothing() {
 /// `fault.`-prefixed options of a device spec build a wrapped device that injects.
 #[test]
 fn spec_fault_options_wrap_the_device() {
-    let ov = QueueOverrides::default();
+    let overrides = QueueOverrides::default();
     let spec: DeviceSpec = "mem:1M,fault.seed=7,fault.fail_read=all".parse().unwrap();
     let cfg = spec.fault_config().unwrap().expect("fault options");
     assert_eq!(cfg.seed, 7);
-    let dev = spec.build_device(&ov).unwrap();
+    let dev = spec.build_device(&overrides).unwrap();
     write(&*dev, 0, 3, K4).unwrap();
     assert_eq!(errno(read(&*dev, 0, K4).map(drop)), libc::EIO);
     // A bare queue cannot carry them; a spec without them builds an unwrapped device.
-    assert!(spec.build(&ov).is_err());
+    assert!(spec.build(&overrides).is_err());
     let plain: DeviceSpec = "mem:1M".parse().unwrap();
     assert!(plain.fault_config().unwrap().is_none());
-    let dev = plain.build_device(&ov).unwrap();
+    let dev = plain.build_device(&overrides).unwrap();
     write(&*dev, 0, 3, K4).unwrap();
     assert_eq!(read(&*dev, 0, K4).unwrap(), vec![3u8; K4 as usize]);
 }
@@ -911,7 +911,7 @@ fn spec_fault_options_wrap_the_device() {
 /// A bad fault option is refused, and the error names it.
 #[test]
 fn spec_bad_fault_option_is_named() {
-    let ov = QueueOverrides::default();
+    let overrides = QueueOverrides::default();
     for (spec, name) in [
         ("null:1M,fault.bogus=1", "fault.bogus"),
         ("mem:1M,fault.seed=x", "fault.seed"),
@@ -921,7 +921,7 @@ fn spec_bad_fault_option_is_named() {
         ),
     ] {
         let s: DeviceSpec = spec.parse().unwrap();
-        let e = s.build_device(&ov).err().expect(spec).to_string();
+        let e = s.build_device(&overrides).err().expect(spec).to_string();
         assert!(e.contains(name), "{spec}: {e}");
     }
 }

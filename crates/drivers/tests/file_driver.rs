@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, Queue, SECTOR_SHIFT};
-use blk_drivers::backend::UringEngine;
+use blk_drivers::engine::UringEngine;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use testkit::{pattern, Collect};
 

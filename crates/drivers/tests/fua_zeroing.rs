@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use blk::{Bio, BioFlags, Buffer, Op, Queue, SECTOR_SHIFT};
-use blk_drivers::backend::UringEngine;
+use blk_drivers::engine::UringEngine;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use testkit::io::{read_at, submit_wait};
 use testkit::pattern;

@@ -31,15 +31,15 @@ fn null_reads_return_zeroes_not_the_old_buffer() {
 
 #[test]
 fn ro_in_the_spec_makes_the_device_read_only() {
-    let ov = QueueOverrides::default();
+    let overrides = QueueOverrides::default();
     let ro: DeviceSpec = "file:/tmp/x,ro=1".parse().unwrap();
-    assert!(ro.is_read_only(&ov));
+    assert!(ro.is_read_only(&overrides));
     let ro: DeviceSpec = "file:/tmp/x,read_only=yes".parse().unwrap();
-    assert!(ro.is_read_only(&ov));
+    assert!(ro.is_read_only(&overrides));
     let rw: DeviceSpec = "file:/tmp/x,ro=0".parse().unwrap();
-    assert!(!rw.is_read_only(&ov));
+    assert!(!rw.is_read_only(&overrides));
     let rw: DeviceSpec = "mem:1M".parse().unwrap();
-    assert!(!rw.is_read_only(&ov));
+    assert!(!rw.is_read_only(&overrides));
     let forced = QueueOverrides {
         read_only: true,
         ..QueueOverrides::default()

@@ -77,14 +77,14 @@ fn queue_shape_options_are_bounded() {
         let e = build_err(spec);
         assert!(e.contains(opt), "{spec}: {e}");
     }
-    let ov = QueueOverrides {
+    let overrides = QueueOverrides {
         queue_depth: Some(1 << 20),
         ..QueueOverrides::default()
     };
     let e = "null:1M"
         .parse::<DeviceSpec>()
         .unwrap()
-        .build_device(&ov)
+        .build_device(&overrides)
         .err()
         .expect("--queue-depth 1M refused")
         .to_string();

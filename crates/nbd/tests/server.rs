@@ -760,13 +760,15 @@ fn info_request_list_is_honoured() {
 }
 
 #[test]
-fn submit_sync_returns_each_bio_status() {
+fn submit_wait_returns_each_bio_status() {
     let dev = device("mem:1M");
-    nbd::server::submit_sync(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).unwrap();
+    blk::submit_wait(dev.as_ref(), Bio::new(Op::Flush, 0, 0))
+        .1
+        .unwrap();
     let picky = picky(dev, 0);
     let mut zeroes = Bio::new(Op::WriteZeroes, 0, 4096);
     zeroes.flags = BioFlags::FAST_ZERO;
-    let err = nbd::server::submit_sync(&picky, zeroes).unwrap_err();
+    let err = blk::submit_wait(&picky, zeroes).1.unwrap_err();
     assert_eq!(err.errno(), libc::ENOTSUP);
     assert_eq!(Errno::from_errno(err.errno()), Errno::NotSup);
 }

@@ -37,7 +37,7 @@ fn shutdown_ends_with_the_socket_path_removed_on_tcp_and_unix() {
     std::fs::remove_file(&path).unwrap();
     let stopper = server.stopper();
     stopper.stop();
-    let report = server.wait_report();
+    let report = server.wait();
     assert_eq!(report, ShutdownReport::default());
     assert!(report.is_clean());
     // Nobody listens any more.
@@ -86,7 +86,7 @@ fn a_request_stuck_in_the_device_is_given_up_and_reported() {
         assert!(t0.elapsed() < Duration::from_secs(60), "never stalled");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let report = server.shutdown_report();
+    let report = server.shutdown();
     assert_eq!(report.stuck, vec!["hung".to_string()]);
     assert_eq!(report.failed, vec!["hung".to_string()]);
     // The stalled write may complete later: nothing breaks.

@@ -1733,7 +1733,7 @@ impl Sim<'_> {
             }
         }
         let server = self.server.take().ok_or("no server")?;
-        Ok(server.shutdown_report().failed)
+        Ok(server.shutdown().failed)
     }
 
     fn start_all(&mut self) -> Res<()> {

@@ -89,7 +89,7 @@ fn a_failed_flush_fails_every_later_flush_on_every_connection() {
     .unwrap();
     o.flush().unwrap();
     drop((a, b, c, o));
-    assert_eq!(server.shutdown_checked(), vec![String::new()]);
+    assert_eq!(server.shutdown().failed, vec![String::new()]);
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn a_failed_write_is_sticky_too() {
     expect_eio(b.flush(), "flush after a lost write");
     assert_eq!(server.failed_exports(), vec![String::new()]);
     drop((a, b));
-    assert_eq!(server.shutdown_checked(), vec![String::new()]);
+    assert_eq!(server.shutdown().failed, vec![String::new()]);
 }
 
 #[test]
@@ -145,7 +145,7 @@ fn a_refused_fast_zero_is_not_a_failed_write_back() {
     assert!(rules.remove(id));
     expect_eio(b.flush(), "flush after a failed write-zeroes");
     drop((a, b));
-    assert_eq!(server.shutdown_checked(), vec![String::new()]);
+    assert_eq!(server.shutdown().failed, vec![String::new()]);
 }
 
 #[test]
@@ -167,7 +167,7 @@ fn a_failed_final_flush_is_reported() {
     drop(a);
     rules.add(Rule::fail(OpSet::FLUSH));
     assert_eq!(server.failed_exports(), Vec::<String>::new());
-    assert_eq!(server.shutdown_checked(), vec!["x".to_string()]);
+    assert_eq!(server.shutdown().failed, vec!["x".to_string()]);
 }
 
 #[test]
@@ -177,7 +177,7 @@ fn a_clean_server_reports_nothing() {
     a.write(0, &[1u8; 4096], CmdFlags::FUA).unwrap();
     a.flush().unwrap();
     drop(a);
-    assert!(server.shutdown_checked().is_empty());
+    assert!(server.shutdown().failed.is_empty());
 }
 
 mod socket {

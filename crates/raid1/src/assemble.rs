@@ -2,12 +2,16 @@
 //! superblocks: slot table from the newest, stale legs recovering, bitmap union, unclean stop
 //! detection) and `launch` (build the shared state, start raid1d and the sync thread).
 //!
+//! What a set of superblocks decides (which array, whose superblock speaks for it, which leg
+//! takes which slot) is [`Assembly::decide`], a pure function: `assemble` acts on its answer,
+//! and a tool that only reports on legs at rest asks it the same question.
+//!
 //! Runs on the caller's thread, before any other thread of the array exists.
 
 use blkq_sync::DynArc as StdArc;
 use std::sync::Weak;
 
-use blk::{Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::{thread, Mutex};
 use std::collections::VecDeque;
@@ -16,10 +20,164 @@ use waitq::WaitQueue;
 use crate::barrier::Barriers;
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::device::{
-    sync_io, ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error,
-    FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY,
+    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
+    IN_SYNC, PRESENT, WRITE_MOSTLY,
 };
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
+use uuid::Uuid;
+
+/// What the superblocks of a set of legs decide about the array they form, before anything
+/// starts ([`Assembly::decide`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assembly {
+    /// The position, among the legs given, of the superblock whose view of the array wins:
+    /// the slot table, events, layout and state come from it.
+    pub newest: usize,
+    /// For each leg given, the slot it takes in that view: `None` for a leg without a
+    /// readable superblock, a spare, or a leg replaced in its slot since.
+    pub slots: Vec<Option<usize>>,
+    /// Disagreements worked around (equal events, different views), naming legs by position.
+    pub warnings: Vec<String>,
+}
+
+/// Why the legs given do not form one array ([`Assembly::decide`]). Legs are named by their
+/// position among the legs given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AssemblyError {
+    /// No leg has a readable superblock.
+    #[error("no leg with a readable superblock")]
+    NoSuperblock,
+    /// A leg carries another array's superblock than the array most legs belong to.
+    #[error(
+        "leg {leg} belongs to another array (array UUID {its}) than legs {} (array UUID \
+         {array})",
+        join(.members)
+    )]
+    ForeignLeg {
+        /// The first such leg.
+        leg: usize,
+        /// Its array's UUID.
+        its: Uuid,
+        /// The legs of the array.
+        members: Vec<usize>,
+        /// The array's UUID.
+        array: Uuid,
+    },
+    /// Two legs carry the same leg UUID: the same leg given twice (or a copy of it).
+    #[error("legs {first} and {second} are the same leg (leg UUID {leg_uuid})")]
+    DuplicateLeg {
+        /// The first of them.
+        first: usize,
+        /// The second.
+        second: usize,
+        /// The leg UUID they share.
+        leg_uuid: Uuid,
+    },
+    /// The newest superblocks (same events) each record another's leg as failed: each leg
+    /// may hold writes the others lack.
+    #[error(
+        "legs {} have the same events ({events}) and each records another as failed (split \
+         brain): refusing to assemble; assemble from the legs you trust",
+        join(.legs)
+    )]
+    SplitBrain {
+        /// The legs with those events.
+        legs: Vec<usize>,
+        /// Their events.
+        events: u64,
+    },
+}
+
+fn join(legs: &[usize]) -> String {
+    legs.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Assembly {
+    /// Decides from the superblocks of the legs given, in order (`None`: a leg whose
+    /// superblock could not be read, left out of the decision):
+    /// 1. the array: the array UUID most legs carry (a tie goes to the array with the highest
+    ///    events, then to the earlier leg's); a leg of another array is refused
+    ///    ([`AssemblyError::ForeignLeg`]), and so is a leg given twice
+    ///    ([`AssemblyError::DuplicateLeg`]);
+    /// 2. the newest superblock among the array's (md compares events first): the highest
+    ///    `events`; among superblocks with those events that disagree (a leg failed while they
+    ///    were being written), never one whose own leg another records as failed (that leg
+    ///    missed writes the other saw), then the one recording the most failed legs, then the
+    ///    lowest slot: the same choice in any order. Two legs that each record the other as
+    ///    failed (split brain: each may hold writes the other lacks) are refused
+    ///    ([`AssemblyError::SplitBrain`]);
+    /// 3. each leg's slot: its superblock's role, where the newest superblock's slot table
+    ///    still holds that leg.
+    pub fn decide(sbs: &[Option<&Superblock>]) -> Result<Assembly, AssemblyError> {
+        let given: Vec<(usize, &Superblock)> = sbs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, sb)| sb.map(|sb| (i, sb)))
+            .collect();
+        // How strongly the legs speak for an array: how many carry it, then its newest events.
+        let weight = |u: Uuid| {
+            let of = || given.iter().filter(move |(_, sb)| sb.array_uuid == u);
+            (of().count(), of().map(|(_, sb)| sb.events).max())
+        };
+        // Ties keep the earlier leg's array.
+        let array = given
+            .iter()
+            .map(|(_, sb)| sb.array_uuid)
+            .fold(None::<Uuid>, |best, u| match best {
+                Some(b) if weight(b) >= weight(u) => Some(b),
+                _ => Some(u),
+            })
+            .ok_or(AssemblyError::NoSuperblock)?;
+        if let Some((leg, sb)) = given.iter().find(|(_, sb)| sb.array_uuid != array) {
+            return Err(AssemblyError::ForeignLeg {
+                leg: *leg,
+                its: sb.array_uuid,
+                members: given
+                    .iter()
+                    .filter(|(_, sb)| sb.array_uuid == array)
+                    .map(|(i, _)| *i)
+                    .collect(),
+                array,
+            });
+        }
+        for (k, (first, a)) in given.iter().enumerate() {
+            if let Some((second, _)) = given[k + 1..]
+                .iter()
+                .find(|(_, b)| b.leg_uuid == a.leg_uuid)
+            {
+                return Err(AssemblyError::DuplicateLeg {
+                    first: *first,
+                    second: *second,
+                    leg_uuid: a.leg_uuid,
+                });
+            }
+        }
+        let mut warnings = Vec::new();
+        let newest = choose_newest(&given, &mut warnings)?;
+        let nb = sbs[newest].expect("the newest superblock is one of those given");
+        let slots = sbs
+            .iter()
+            .map(|sb| {
+                let sb = (*sb)?;
+                let Role::Slot(n) = sb.role else {
+                    return None; // a spare
+                };
+                let n = n as usize;
+                // Else replaced in its slot since: not part of the array any more.
+                nb.legs.get(n).filter(|l| l.uuid == sb.leg_uuid).map(|_| n)
+            })
+            .collect();
+        Ok(Assembly {
+            newest,
+            slots,
+            warnings,
+        })
+    }
+}
 
 impl Raid1 {
     /// Creates a new array over `legs` (at least 2): writes fresh superblocks and empty
@@ -104,6 +262,7 @@ impl Raid1 {
         if cfg.depth == 0 || cfg.depth > u32::MAX as usize {
             return Err(Raid1Error::Config("depth".into()));
         }
+        let nr_given = legs.len();
         let mut found = Vec::with_capacity(legs.len());
         let mut warnings = Vec::new();
         // Legs whose superblock is torn or unreadable: assembled without, then recovered.
@@ -128,10 +287,22 @@ impl Raid1 {
                 }
             }
         }
-        let newest = choose_newest(&found, &mut warnings)?;
-        let found: Vec<_> = found.into_iter().map(|(_, d, sb)| (d, sb)).collect();
+        let mut given: Vec<Option<&Superblock>> = vec![None; nr_given];
+        for (i, _, sb) in &found {
+            given[*i] = Some(sb);
+        }
+        let assembly = Assembly::decide(&given)?;
+        for w in &assembly.warnings {
+            tracing::warn!("raid1: {w}");
+        }
+        warnings.extend(assembly.warnings);
+        let newest = found
+            .iter()
+            .find(|(i, _, _)| *i == assembly.newest)
+            .map(|(_, _, sb)| sb.clone())
+            .expect("the newest superblock is one of those read");
         let nr_slots = newest.legs.len();
-        let lims: Vec<Limits> = found.iter().map(|(d, _)| d.limits()).collect();
+        let lims: Vec<Limits> = found.iter().map(|(_, d, _)| d.limits()).collect();
         let lbs = lims
             .iter()
             .map(|l| l.logical_block_size)
@@ -144,23 +315,15 @@ impl Raid1 {
             .min()
             .unwrap_or(cfg.max_io_bytes);
         let mut placed: Vec<Placed> = Vec::new();
-        for (i, (dev, sb)) in found.into_iter().enumerate() {
-            if sb.array_uuid != newest.array_uuid {
-                return Err(Raid1Error::Slot(i, "leg belongs to another array"));
-            }
+        for (i, dev, sb) in found {
             if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
                 return Err(Raid1Error::Slot(i, "leg smaller than the array"));
             }
-            let Role::Slot(n) = sb.role else {
-                continue; // spares are added later with add_leg
+            // Spares (added later with add_leg) and legs replaced since take no slot.
+            let Some(n) = assembly.slots[i] else {
+                continue;
             };
-            let n = n as usize;
-            let Some(info) = newest.legs.get(n).filter(|l| l.uuid == sb.leg_uuid) else {
-                continue; // replaced in its slot since: not part of the array any more
-            };
-            if placed.iter().any(|p| p.slot == n) {
-                return Err(Raid1Error::Slot(i, "two legs claim the same slot"));
-            }
+            let info = &newest.legs[n];
             let mut state = PRESENT;
             if info.faulty {
                 state |= FAULTY;
@@ -207,8 +370,8 @@ impl Raid1 {
                     newest.bitmap.offset >> SECTOR_SHIFT,
                     Buffer::new(len),
                 );
-                let (back, r) = sync_io(p.dev.as_ref(), b);
-                if let (Ok(()), Some(buf)) = (r, back.and_then(|b| b.buf)) {
+                let (back, r) = submit_wait(p.dev.as_ref(), b);
+                if let (Ok(()), Some(buf)) = (r, back.buf) {
                     loaded |= bm.load(buf.as_slice()).is_ok();
                 }
             }
@@ -265,9 +428,9 @@ impl Raid1 {
             SB_OFFSET >> SECTOR_SHIFT,
             Buffer::new(crate::superblock::SB_SIZE),
         );
-        let (back, r) = sync_io(dev, b);
+        let (back, r) = submit_wait(dev, b);
         r.map_err(|e| Raid1Error::Config(format!("superblock read error: {e}")))?;
-        let buf = back.and_then(|b| b.buf).ok_or(Raid1Error::Config(
+        let buf = back.buf.ok_or(Raid1Error::Config(
             "superblock read returned no data".into(),
         ))?;
         Ok(Superblock::decode(buf.as_slice())?)
@@ -366,61 +529,46 @@ fn records_failed(sb: &Superblock, n: usize) -> bool {
     sb.legs.get(n).is_some_and(|l| l.faulty || !l.in_sync)
 }
 
-/// The superblock whose view of the array wins (md compares events first): the highest
-/// `events`; among superblocks with those events that disagree (a leg failed while they were
-/// being written), never one whose own leg another records as failed (that leg missed writes
-/// the other saw), then the one recording the most failed legs, then the lowest slot: the
-/// same choice in any argument order. Two legs that each record the other as failed (split
-/// brain: each may hold writes the other lacks) are refused.
+/// The position of the superblock whose view wins, among `found` (one array's legs, with
+/// their positions among the legs given): step 2 of [`Assembly::decide`].
 fn choose_newest(
-    found: &[(usize, StdArc<dyn Device>, Superblock)],
+    found: &[(usize, &Superblock)],
     warnings: &mut Vec<String>,
-) -> Result<Superblock, Raid1Error> {
+) -> Result<usize, AssemblyError> {
     let max = found
         .iter()
-        .map(|(_, _, sb)| sb.events)
+        .map(|(_, sb)| sb.events)
         .max()
-        .ok_or(Raid1Error::Config(
-            "no leg with a readable superblock".into(),
-        ))?;
-    let top: Vec<&(usize, StdArc<dyn Device>, Superblock)> =
-        found.iter().filter(|(_, _, sb)| sb.events == max).collect();
+        .ok_or(AssemblyError::NoSuperblock)?;
+    let top: Vec<&(usize, &Superblock)> = found.iter().filter(|(_, sb)| sb.events == max).collect();
     let slot = |sb: &Superblock| match sb.role {
         Role::Slot(n) => n as usize,
         Role::Spare => usize::MAX,
     };
-    if top.iter().all(|(_, _, sb)| sb.legs == top[0].2.legs) {
-        return Ok(top[0].2.clone());
+    if top.iter().all(|(_, sb)| sb.legs == top[0].1.legs) {
+        return Ok(top[0].0);
     }
     let refuted = |sb: &Superblock| {
         top.iter()
-            .any(|(_, _, other)| other.leg_uuid != sb.leg_uuid && records_failed(other, slot(sb)))
+            .any(|(_, other)| other.leg_uuid != sb.leg_uuid && records_failed(other, slot(sb)))
     };
     let best = top
         .iter()
-        .filter(|(_, _, sb)| !refuted(sb))
-        .min_by_key(|(_, _, sb)| {
+        .filter(|(_, sb)| !refuted(sb))
+        .min_by_key(|(_, sb)| {
             let failed = (0..sb.legs.len())
                 .filter(|&n| records_failed(sb, n))
                 .count();
             (std::cmp::Reverse(failed), slot(sb))
         });
-    let args = top
-        .iter()
-        .map(|(i, _, _)| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let Some((i, _, sb)) = best else {
-        return Err(Raid1Error::Config(format!(
-            "legs {args} have the same events ({max}) and each records another as failed \
-             (split brain): refusing to assemble; assemble from the legs you trust"
-        )));
+    let legs: Vec<usize> = top.iter().map(|(i, _)| *i).collect();
+    let Some((i, _)) = best else {
+        return Err(AssemblyError::SplitBrain { legs, events: max });
     };
-    let w = format!(
-        "legs {args} have the same events ({max}) but disagree on the array's state (a leg \
-         failed while the superblocks were written); using leg {i}'s, which records the failure"
-    );
-    tracing::warn!("raid1: {w}");
-    warnings.push(w);
-    Ok(sb.clone())
+    warnings.push(format!(
+        "legs {} have the same events ({max}) but disagree on the array's state (a leg \
+         failed while the superblocks were written); using leg {i}'s, which records the failure",
+        join(&legs)
+    ));
+    Ok(*i)
 }

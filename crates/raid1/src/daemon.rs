@@ -8,11 +8,11 @@
 
 use std::time::Instant;
 
-use blk::{Bio, BioFlags, Buffer, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, BioFlags, Buffer, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
-use crate::device::{eio, sync_io, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{eio, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
 impl Inner {
@@ -41,8 +41,8 @@ impl Inner {
             };
             let buf = o.buf.take().unwrap_or_else(|| Buffer::new(o.len as usize));
             let lb = self.leg_bio(&o, Some(buf), id);
-            let (back, r) = sync_io(dev.as_ref(), lb);
-            o.buf = back.and_then(|mut b| b.buf.take());
+            let (back, r) = submit_wait(dev.as_ref(), lb);
+            o.buf = back.buf;
             if r.is_ok() {
                 good = Some(leg);
                 break;
@@ -65,7 +65,7 @@ impl Inner {
                 let mut wb = self.leg_bio(&o, Some(copy), id);
                 wb.op = Op::Write;
                 wb.flags = BioFlags::NONE;
-                if sync_io(dev.as_ref(), wb).1.is_err() {
+                if submit_wait(dev.as_ref(), wb).1.is_err() {
                     self.leg_write_failed(leg, "the last in-sync leg failed a read repair");
                 }
             }
@@ -188,9 +188,9 @@ impl Inner {
                 sb.encode_into(buf.as_mut_slice())?;
                 let mut b = Bio::with_buf(Op::Write, SB_OFFSET >> SECTOR_SHIFT, buf);
                 b.flags = BioFlags::FUA;
-                let r = sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0))
+                let r = submit_wait(dev.as_ref(), Bio::new(Op::Flush, 0, 0))
                     .1
-                    .and_then(|()| sync_io(dev.as_ref(), b).1);
+                    .and_then(|()| submit_wait(dev.as_ref(), b).1);
                 if let Err(e) = r {
                     self.leg_write_failed(i, "the last in-sync leg failed a superblock write");
                     first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
@@ -232,9 +232,9 @@ impl Inner {
                 crate::superblock::BITMAP_OFFSET >> SECTOR_SHIFT,
                 buf,
             );
-            let r = sync_io(dev.as_ref(), b)
+            let r = submit_wait(dev.as_ref(), b)
                 .1
-                .and_then(|()| sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1);
+                .and_then(|()| submit_wait(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1);
             match r {
                 Ok(()) => ok += 1,
                 Err(e) => {
@@ -259,7 +259,10 @@ impl Inner {
                 continue;
             }
             if let Some(dev) = l.dev() {
-                if sync_io(dev.as_ref(), Bio::new(Op::Flush, 0, 0)).1.is_err() {
+                if submit_wait(dev.as_ref(), Bio::new(Op::Flush, 0, 0))
+                    .1
+                    .is_err()
+                {
                     all = false;
                     self.leg_write_failed(
                         i,

@@ -23,7 +23,7 @@ use blkq_sync::{thread, Mutex};
 use crate::slot::AdmittedCell;
 
 use uuid::Uuid;
-use waitq::{Completion, WaitQueue};
+use waitq::WaitQueue;
 
 use crate::barrier::{BarrierMode, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
@@ -94,6 +94,9 @@ pub enum Raid1Error {
         "the array has failed ({0}): its legs no longer change; stop it and assemble it again"
     )]
     Failed(&'static str),
+    /// The legs given to [`Raid1::assemble`] do not form one array.
+    #[error(transparent)]
+    Assembly(#[from] crate::assemble::AssemblyError),
 }
 
 /// Configuration of a [`Raid1`].
@@ -198,11 +201,11 @@ pub struct LegStatus {
 
 pub(crate) struct Leg {
     /// The device, for slow paths (raid1d, sync thread, flushes, tools). Its lock also orders
-    /// the writers of `fast`.
+    /// the writers of `admitted_dev`.
     pub(crate) dev: Mutex<Option<StdArc<dyn Device>>>,
-    /// The same device for barrier-admitted regular I/O: read without a lock, replaced only
-    /// with the array frozen and `dev` locked (see `slot`).
-    pub(crate) fast: AdmittedCell<Option<StdArc<dyn Device>>>,
+    /// The same device as regular I/O reads it, under a barrier admission: read without a
+    /// lock, replaced only with the array frozen and `dev` locked (see `slot`).
+    pub(crate) admitted_dev: AdmittedCell<Option<StdArc<dyn Device>>>,
     pub(crate) uuid: Mutex<Uuid>,
     pub(crate) state: AtomicU32,
     /// Requests in flight (read balancing hint).
@@ -222,7 +225,7 @@ impl Leg {
     pub(crate) fn empty() -> Self {
         Self {
             dev: Mutex::new(None),
-            fast: AdmittedCell::new(None),
+            admitted_dev: AdmittedCell::new(None),
             uuid: Mutex::new(Uuid::nil()),
             state: AtomicU32::new(0),
             pending: AtomicUsize::new(0),
@@ -252,7 +255,7 @@ impl Leg {
         // raised window reads it after this change.
         self.gen.fetch_add(1, Ordering::AcqRel);
         // SAFETY: frozen by the caller; `g` orders the writers.
-        let _ = unsafe { self.fast.replace_frozen(dev.clone()) };
+        let _ = unsafe { self.admitted_dev.replace_frozen(dev.clone()) };
         std::mem::replace(&mut *g, dev)
     }
 
@@ -264,7 +267,7 @@ impl Leg {
     #[inline]
     pub(crate) unsafe fn with_dev<R>(&self, f: impl FnOnce(Option<&dyn Device>) -> R) -> R {
         // SAFETY: the caller's admission (see `slot`).
-        unsafe { self.fast.with_admitted(|d| f(d.as_deref())) }
+        unsafe { self.admitted_dev.with_admitted(|d| f(d.as_deref())) }
     }
 }
 
@@ -413,35 +416,6 @@ impl std::fmt::Debug for Raid1 {
 
 pub(crate) fn eio(what: &'static str) -> Error {
     Error::Io(std::io::Error::other(what))
-}
-
-/// Completion for synchronous (slow path) I/O.
-struct SyncEnd {
-    done: Completion,
-    out: Mutex<Option<(Bio, Result<(), Error>)>>,
-}
-
-impl EndIo for SyncEnd {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        *self.out.lock() = Some((bio, res));
-        self.done.complete();
-    }
-}
-
-/// Submits `bio` to `dev` and waits for it (allocates: slow paths only).
-pub(crate) fn sync_io(dev: &dyn Device, bio: Bio) -> (Option<Bio>, Result<(), Error>) {
-    let se = StdArc::new(SyncEnd {
-        done: Completion::new(),
-        out: Mutex::new(None),
-    });
-    let end: StdArc<dyn EndIo> = se.clone();
-    dev.submit(bio, &end);
-    se.done.wait();
-    let out = se.out.lock().take();
-    match out {
-        Some((b, r)) => (Some(b), r),
-        None => (None, Err(eio("lost completion"))),
-    }
 }
 
 impl Raid1 {

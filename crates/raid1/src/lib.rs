@@ -100,6 +100,7 @@ pub mod slot;
 pub mod superblock;
 pub mod sync;
 
+pub use assemble::{Assembly, AssemblyError};
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{ChunkSet, WriteIntentBitmap};
 pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};

@@ -1,23 +1,17 @@
 //! Synchronous I/O on any `blk::Device`, for tests: submit one bio and wait for it (with the
 //! suite's [`PROMPT`] deadline, failing the test rather than hanging), or read and write bytes.
 
-use std::sync::Arc;
+use std::time::Instant;
 
-use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+use blk::{Bio, Buffer, Device, Error, Op, SECTOR_SHIFT};
 
-use crate::Collect;
-#[cfg(doc)]
 use crate::PROMPT;
 
-/// Submits `bio` to `dev` and waits for its completion; returns the bio (with its buffer) and
-/// its status. Panics if it does not complete within [`PROMPT`].
+/// Submits `bio` to `dev` and waits for its completion ([`blk::submit_wait_until`]); returns
+/// the bio (with its buffer) and its status. Panics if it does not complete within [`PROMPT`].
 pub fn submit_wait(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
-    let done = Arc::new(Collect::default());
-    let end: Arc<dyn EndIo> = done.clone();
-    dev.submit(bio, &end);
-    done.wait_for(1)
-        .pop()
-        .expect("Collect::wait_for(1) returns one completion")
+    blk::submit_wait_until(dev, bio, Instant::now() + PROMPT)
+        .unwrap_or_else(|| panic!("a bio did not complete within {PROMPT:?}"))
 }
 
 /// Writes `data` at byte `offset` (sector-aligned) and returns the status.

@@ -4,11 +4,13 @@
 //! `serialized` (one owner at a time; inserters that find it taken leave their requests in
 //! per-thread buckets; one dispatcher that finds it taken stands by for the owner's hand-off,
 //! the others leave) and `serialized-leave` (every dispatcher that finds it taken leaves).
+//! [`Scheduler`] is the trait the queue calls a scheduler through.
 
 use std::str::FromStr;
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
 
+use crate::queue::{QueueCore, Request, RequestToken};
 use crate::Error;
 
 pub mod deadline;
@@ -102,5 +104,56 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.ns.load(Ordering::Relaxed)
+    }
+}
+
+/// An I/O scheduler, between the plug and the driver (`none` is no scheduler at all: requests
+/// go straight to the driver). mq-deadline implements this ([`crate::sched::Deadline`]).
+///
+/// # Contract
+///
+/// The queue calls [`Scheduler::insert_batch`] with every batch (a flushed plug, or one bio of
+/// [`crate::Queue::submit`]) and then [`Scheduler::dispatch`] until it returns 0 or the driver has
+/// no room ([`Driver::can_queue`](crate::Driver::can_queue)). A scheduler may return 0 while it
+/// still holds requests only if another thread is inside its insert or dispatch and will
+/// dispatch them (mq-deadline's `serialized` lock), or the driver has no room. `sink` runs the
+/// driver: never call it while holding a lock that `insert_batch`, `dispatch` or `completed`
+/// take, since the driver may complete inline and the completion may submit again.
+pub trait Scheduler: Send + Sync {
+    /// The scheduler's name (`--sched`).
+    fn name(&self) -> &'static str;
+    /// Called once, when the queue that owns the scheduler is built: size per-request state
+    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
+    fn attach(&self, _q: &QueueCore) {}
+    /// Takes one request of a batch being flushed.
+    fn insert(&self, q: &QueueCore, rq: RequestToken);
+    /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
+    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
+        for r in rqs {
+            self.insert(q, r);
+        }
+    }
+    /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
+    /// every batch of inserts, until it hands out nothing.
+    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
+    /// The most tags of a pool of `depth` that *asynchronous* requests ([`crate::Op::is_sync`]
+    /// false: writes without FUA/SYNC, discards, write-zeroes) may hold at once, so that
+    /// synchronous ones always find a tag under a write flood (the kernel's `limit_depth`
+    /// hook; mq-deadline's `async_depth`). Read by the queue for every asynchronous request
+    /// before it allocates the tag, so a change applies to the next allocation. `None`, or
+    /// `depth` or more: no limit (the default).
+    fn async_depth(&self, _depth: u32) -> Option<u32> {
+        None
+    }
+    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
+    /// merge chain), before its bio is handed back. Must not block.
+    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
+    /// Acquisitions of the scheduler's lock, and how many found it taken.
+    fn lock_stats(&self) -> LockStats {
+        LockStats::default()
+    }
+    /// The scheduler as `Any`, to reach its own statistics (`None`: not supported).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
     }
 }

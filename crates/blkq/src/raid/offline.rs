@@ -2,15 +2,14 @@
 //! superblocks and bitmaps, and assembling a set of legs by content into a [`Plan`] and its
 //! offline [`ArrayReport`].
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use blk::{Bio, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
+use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use blkq_sync::{Arc, Mutex};
-use raid1::superblock::{ArrayState, Role, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
-use raid1::WriteIntentBitmap;
-use waitq::Completion;
+use blkq_sync::Arc;
+use raid1::superblock::{ArrayState, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
+use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 
 use super::report::{ArrayReport, BitmapReport, LegReport};
 
@@ -62,38 +61,15 @@ pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
         .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
-/// Completion of one synchronous read.
-struct ReadEnd {
-    done: Completion,
-    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
-}
-
-impl EndIo for ReadEnd {
-    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
-        *self.out.lock() = Some((bio, res));
-        self.done.complete();
-    }
-}
-
 /// Reads `len` bytes at byte `offset` of `dev` (a slow path: allocates).
 pub fn read_at(dev: &dyn Device, offset: u64, len: usize) -> Result<Vec<u8>> {
-    let end = Arc::new(ReadEnd {
-        done: Completion::new(),
-        out: Mutex::new(None),
-    });
-    let e: Arc<dyn EndIo> = end.clone();
-    dev.submit(
+    let Some((bio, res)) = blk::submit_wait_until(
+        dev,
         Bio::with_buf(Op::Read, offset >> SECTOR_SHIFT, Buffer::new(len)),
-        &e,
-    );
-    if !end.done.wait_timeout(Duration::from_secs(30)) {
+        Instant::now() + Duration::from_secs(30),
+    ) else {
         bail!("read of {len} bytes at {offset} timed out");
-    }
-    let (bio, res) = end
-        .out
-        .lock()
-        .take()
-        .ok_or_else(|| anyhow!("read completed without a result"))?;
+    };
     res.map_err(|e| anyhow!("read of {len} bytes at {offset}: {e}"))?;
     let buf = bio.buf.ok_or_else(|| anyhow!("read returned no data"))?;
     Ok(buf.as_slice().to_vec())
@@ -128,13 +104,16 @@ pub struct Found {
     pub dev: Arc<dyn Device>,
     /// Its superblock.
     pub sb: Superblock,
+    /// The slot it takes ([`raid1::Assembly::slots`]): `None` for a spare or a leg replaced
+    /// since.
+    pub slot: Option<usize>,
 }
 
 /// The result of checking a set of legs: they form one array (errors otherwise).
 pub struct Plan {
     /// The legs, in the order given.
     pub legs: Vec<Found>,
-    /// The newest superblock.
+    /// The newest superblock ([`raid1::Assembly::newest`]).
     pub newest: Superblock,
 }
 
@@ -157,6 +136,7 @@ pub fn plan(specs: &[String], ov: &QueueOverrides) -> Result<Option<Plan>> {
                 spec,
                 dev,
                 sb: *sb,
+                slot: None,
             }),
             Probe::Blank => bail!(
                 "leg {spec:?} carries no raid1 superblock while the other legs do: it is blank or not a blkq raid1 leg. \
@@ -168,56 +148,48 @@ pub fn plan(specs: &[String], ov: &QueueOverrides) -> Result<Option<Plan>> {
             ),
         }
     }
-    let newest = legs
-        .iter()
-        .max_by_key(|f| f.sb.events)
-        .map(|f| f.sb.clone())
-        .ok_or_else(|| anyhow!("no legs"))?;
-    // The array is the one most legs belong to (ties: the newest superblock's).
-    let count = |u: &raid1::superblock::Superblock| {
-        legs.iter()
-            .filter(|f| f.sb.array_uuid == u.array_uuid)
-            .count()
-    };
-    let main = legs
-        .iter()
-        .map(|f| &f.sb)
-        .max_by_key(|sb| (count(sb), sb.array_uuid == newest.array_uuid))
-        .cloned()
-        .ok_or_else(|| anyhow!("no legs"))?;
-    let newest = legs
-        .iter()
-        .filter(|f| f.sb.array_uuid == main.array_uuid)
-        .max_by_key(|f| f.sb.events)
-        .map(|f| f.sb.clone())
-        .unwrap_or(main);
-    if let Some(f) = legs.iter().find(|f| f.sb.array_uuid != newest.array_uuid) {
-        let ours: Vec<&str> = legs
-            .iter()
-            .filter(|g| g.sb.array_uuid == newest.array_uuid)
-            .map(|g| g.spec.as_str())
-            .collect();
-        bail!(
-            "leg {:?} belongs to another array (array UUID {}) than {} (array UUID {}): \
-             refusing a mixed set. Give only the legs of one array",
-            f.spec,
-            f.sb.array_uuid,
-            ours.join(", "),
-            newest.array_uuid
-        );
-    }
-    for (i, a) in legs.iter().enumerate() {
-        for b in &legs[i + 1..] {
-            if a.sb.leg_uuid == b.sb.leg_uuid {
-                bail!(
-                    "legs {:?} and {:?} are the same leg (leg UUID {}): give each leg once",
-                    a.spec,
-                    b.spec,
-                    a.sb.leg_uuid
-                );
-            }
+    // Which array, whose superblock speaks for it, which leg takes which slot: raid1's
+    // answer, the one `Raid1::assemble` acts on.
+    let sbs: Vec<Option<&Superblock>> = legs.iter().map(|f| Some(&f.sb)).collect();
+    let assembly = match Assembly::decide(&sbs) {
+        Ok(a) => a,
+        Err(AssemblyError::ForeignLeg {
+            leg,
+            its,
+            members,
+            array,
+        }) => {
+            let ours: Vec<&str> = members.iter().map(|&i| legs[i].spec.as_str()).collect();
+            bail!(
+                "leg {:?} belongs to another array (array UUID {its}) than {} (array UUID \
+                 {array}): refusing a mixed set. Give only the legs of one array",
+                legs[leg].spec,
+                ours.join(", "),
+            );
         }
+        Err(AssemblyError::DuplicateLeg {
+            first,
+            second,
+            leg_uuid,
+        }) => bail!(
+            "legs {:?} and {:?} are the same leg (leg UUID {leg_uuid}): give each leg once",
+            legs[first].spec,
+            legs[second].spec,
+        ),
+        Err(AssemblyError::SplitBrain { legs: top, events }) => {
+            let named: Vec<&str> = top.iter().map(|&i| legs[i].spec.as_str()).collect();
+            bail!(
+                "legs {} have the same events ({events}) and each records another as failed \
+                 (split brain): refusing to assemble; assemble from the legs you trust",
+                named.join(", ")
+            );
+        }
+        Err(e) => bail!("{e}"),
+    };
+    for (f, slot) in legs.iter_mut().zip(&assembly.slots) {
+        f.slot = *slot;
     }
+    let newest = legs[assembly.newest].sb.clone();
     Ok(Some(Plan { legs, newest }))
 }
 
@@ -230,27 +202,13 @@ fn array_state_name(s: ArrayState) -> &'static str {
 }
 
 impl Plan {
-    /// The slot a leg takes, if any (its superblock's role, confirmed by the newest
-    /// superblock's slot table).
-    fn slot_of(&self, f: &Found) -> Option<usize> {
-        let Role::Slot(n) = f.sb.role else {
-            return None;
-        };
-        let n = n as usize;
-        self.newest
-            .legs
-            .get(n)
-            .filter(|l| l.uuid == f.sb.leg_uuid)
-            .map(|_| n)
-    }
-
     /// The offline report: what assembling these legs gives.
     pub fn report(&self) -> Result<ArrayReport> {
         let nb = &self.newest;
         let mut notes = Vec::new();
         let mut legs = Vec::new();
         for (n, info) in nb.legs.iter().enumerate() {
-            let here = self.legs.iter().find(|f| self.slot_of(f) == Some(n));
+            let here = self.legs.iter().find(|f| f.slot == Some(n));
             let state = match here {
                 _ if info.uuid.is_nil() => "empty",
                 None => "missing",
@@ -291,7 +249,7 @@ impl Plan {
             });
         }
         for f in &self.legs {
-            if self.slot_of(f).is_none() {
+            if f.slot.is_none() {
                 notes.push(format!(
                     "leg {:?} holds no slot of this array any more (a spare, or replaced since): it is ignored",
                     f.spec
@@ -306,7 +264,7 @@ impl Plan {
                 .map_err(|e| anyhow!("bitmap: {e}"))?;
             // The union of the bitmaps of the legs that are in use.
             for f in &self.legs {
-                if self.slot_of(f).is_some() {
+                if f.slot.is_some() {
                     if let Ok(b) = read_at(f.dev.as_ref(), nb.bitmap.offset, bm.disk_len()) {
                         let _ = bm.load(&b);
                     }

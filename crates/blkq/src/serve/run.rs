@@ -156,7 +156,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
-    let report = server.wait_report();
+    let report = server.wait();
     for cs in control_servers {
         cs.shutdown();
     }

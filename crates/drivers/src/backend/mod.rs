@@ -24,12 +24,6 @@ pub(crate) use blk::error::with_context;
 pub use blk::Extent;
 use blk::{Bio, BioFlags, Error, Op};
 
-// Kept where backends and their tests have always found them.
-pub use crate::engine::{
-    Callback, EngineFiles, EngineKind, FileEngine, PoolEngine, SubmitError, UringEngine, UringOp,
-    UringOpKind,
-};
-
 /// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
 ///
 /// FUA: a write passes it to [`Backend::write_at`] (which makes just that write durable); a

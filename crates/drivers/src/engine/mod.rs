@@ -34,7 +34,7 @@ use std::io;
 use blk::Error;
 use blkq_sync::atomic::AtomicBool;
 
-use crate::backend::file::FileIo;
+use crate::fd_io::FileIo;
 
 pub mod pool;
 pub mod uring;

@@ -9,7 +9,7 @@ use blkq_sync::{Arc, Mutex};
 use waitq::WaitQueue;
 
 use super::{Callback, EngineFiles, SubmitError, UringOp, UringOpKind};
-use crate::backend::file::FileIo;
+use crate::fd_io::FileIo;
 use blk::error::with_context;
 
 struct PShared {

@@ -10,7 +10,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 use waitq::WaitQueue;
 
 use super::{Callback, EngineFiles, SubmitError, UringOp, UringOpKind};
-use crate::backend::file::FileIo;
+use crate::fd_io::FileIo;
 use blk::error::with_context;
 
 /// `user_data` of the NOP that wakes the reaper at shutdown.

@@ -6,9 +6,9 @@
 //! # Waiting
 //!
 //! Two waits, both on `waitq` wait queues:
-//! - a synchronous I/O on the inner device (`sync_io`: undo reads, roll back writes, the final
-//!   flush) waits on its `SyncIo`'s queue for the completion to be stored in `done`; the
-//!   completion stores it under the mutex, drops the mutex, then wakes;
+//! - a synchronous I/O on the inner device (`blk::submit_wait`: undo reads, roll back writes,
+//!   the final flush) waits on its `blk::PendingBio`'s queue for the completion to be stored;
+//!   the completion stores it under the mutex, drops the mutex, then wakes;
 //! - a crash waits on `Shared::idle_wq` until `State::in_flight` is 0 and takes the undo log
 //!   in the same look (under the state lock), so no forwarded I/O can still acknowledge into
 //!   it; `on_inner_done` wakes it after dropping the state lock. New I/Os cannot raise
@@ -16,10 +16,8 @@
 //!   lock before counting an I/O in flight.
 
 use blk::error::with_context;
-use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::DynArc as Arc;
-use blkq_sync::Mutex;
-use waitq::WaitQueue;
 
 use super::{bio_range, bump, errno_err, modifies, Ack, FaultHandle, Shared};
 
@@ -44,30 +42,6 @@ pub(super) struct State {
     pub(super) acks: u64,
     pub(super) next_undo: u64,
     pub(super) undo: Vec<UndoEntry>,
-}
-
-/// Waits for one I/O on the inner device (undo reads, roll back).
-#[derive(Default)]
-struct SyncIo {
-    done: Mutex<Option<(Bio, Result<(), Error>)>>,
-    wq: WaitQueue,
-}
-
-impl EndIo for SyncIo {
-    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        *self.done.lock() = Some((bio, res));
-        // The lock is dropped: wake outside it. `self` stays alive through the inner device's
-        // clone of the `Arc` until this returns, even if the waiter has already left.
-        self.wq.wake_one();
-    }
-}
-
-/// Submits `bio` to `dev` and waits for its completion (the crash model only: it allocates).
-fn sync_io(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
-    let w = Arc::new(SyncIo::default());
-    let end: Arc<dyn EndIo> = w.clone();
-    dev.submit(bio, &end);
-    w.wq.wait_for(|| w.done.lock().take())
 }
 
 impl Shared {
@@ -123,7 +97,7 @@ impl Shared {
                 (off + pos) >> SECTOR_SHIFT,
                 Buffer::new(n as usize),
             );
-            let (rd, res) = sync_io(inner, rd);
+            let (rd, res) = submit_wait(inner, rd);
             res?;
             chunks.push(rd.buf.ok_or(Error::NoBuffer)?);
             pos += n;
@@ -234,7 +208,7 @@ impl FaultHandle {
                 let n = c.len() as u64;
                 let mut w = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, c);
                 w.flags = BioFlags::FUA;
-                let (_, res) = sync_io(&*inner, w);
+                let (_, res) = submit_wait(&*inner, w);
                 match res {
                     Ok(()) => report.bytes_restored += n,
                     Err(err) => {
@@ -244,7 +218,7 @@ impl FaultHandle {
                 off += n;
             }
         }
-        if let (_, Err(err)) = sync_io(&*inner, Bio::new(Op::Flush, 0, 0)) {
+        if let (_, Err(err)) = submit_wait(&*inner, Bio::new(Op::Flush, 0, 0)) {
             first_err.get_or_insert(err);
         }
         match first_err {

@@ -21,7 +21,12 @@
 //! reading (or stall in mid-request), and one memory budget (`MemoryBudget`) over the
 //! payload buffers of all connections.
 //!
-//! Shutdown ([`Server::shutdown`], or [`Stopper::stop`] + [`Server::wait`]) always ends:
+//! The configuration types ([`Export`], [`Tuning`], [`ServerConfig`]) are in `config.rs`;
+//! this file is the server's lifecycle: [`Server::start`], then one of two ways to stop,
+//! [`Server::shutdown`] (now) or [`Server::wait`] (once a [`Stopper`] asks), both returning
+//! a [`ShutdownReport`]; dropping a server shuts it down the same way.
+//!
+//! Shutdown always ends:
 //! 1. stop accepting: `shutdown(SHUT_RDWR)` on each listening socket (through a descriptor of
 //!    its own, duplicated at start) wakes its acceptor out of `accept(2)` with `EINVAL` on
 //!    Linux, TCP and Unix alike; nothing connects to the socket path, which may have been
@@ -39,11 +44,12 @@
 //! 4. remove the Unix socket (only if it is still ours).
 //!
 //! So shutdown takes at most twice `drain_timeout` plus [`STUCK_GRACE`], whatever the devices
-//! do. Waiting for a stop, and for a bio in [`submit_sync`], goes through a
-//! [`waitq::Completion`].
+//! do. Waiting for a stop goes through a [`waitq::Completion`], and for the final flushes
+//! through [`blk::PendingBio`] (a `waitq` wait queue).
 
 mod accept;
 mod access;
+mod config;
 mod conn;
 mod handshake;
 mod limits;
@@ -53,6 +59,9 @@ use self::accept::{accept_loop, remove_stale_socket, Listener};
 pub use self::access::{
     parse_cidr, parse_subject_rule, Access, CidrError, Identity, IpNet, Peer, Refusal, SubjectRule,
     SubjectRuleError,
+};
+pub use self::config::{
+    Export, ServerConfig, Tuning, DEFAULT_TCP_ADDR, DEFAULT_UNIX_MODE, DEFAULT_UNIX_PATH,
 };
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 pub(crate) use self::stats::ServerCounters;
@@ -67,187 +76,13 @@ use std::path::{Path, PathBuf};
 use blkq_sync::DynArc as Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Device, EndIo, Op};
+use blk::{Bio, Op, PendingBio};
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::Mutex;
 use tracing::{info, warn};
 use waitq::Completion;
 
 use crate::stream::Stream;
-
-/// The default permission bits of the Unix socket: only the server's user may connect.
-pub const DEFAULT_UNIX_MODE: u32 = 0o600;
-
-/// The default TCP address: loopback only, on the IANA NBD port.
-pub const DEFAULT_TCP_ADDR: &str = "127.0.0.1:10809";
-/// The default Unix socket path (relative to the working directory).
-pub const DEFAULT_UNIX_PATH: &str = "./blkq.sock";
-
-/// One exported device.
-#[derive(Clone)]
-pub struct Export {
-    /// The export name clients ask for (`""` is the default export).
-    pub name: String,
-    /// A description for humans (`NBD_INFO_DESCRIPTION`, `NBD_OPT_LIST`).
-    pub description: String,
-    /// The device.
-    pub device: Arc<dyn Device>,
-    /// Refuse writes, trims and zeroes (`NBD_FLAG_READ_ONLY`, `NBD_EPERM`).
-    pub read_only: bool,
-    /// With structured replies, ask the device for its allocation map on each read and send
-    /// holes as `OFFSET_HOLE` chunks without reading them (one `extents()` call per read).
-    pub sparse_reads: bool,
-    /// Who may use the export (default: everyone who can connect); see [`Access`].
-    pub access: Access,
-}
-
-impl Export {
-    /// An export of `device` named `name`, writable, with sparse reads.
-    pub fn new(name: impl Into<String>, device: Arc<dyn Device>) -> Self {
-        Self {
-            name: name.into(),
-            description: String::new(),
-            device,
-            read_only: false,
-            sparse_reads: true,
-            access: Access::default(),
-        }
-    }
-
-    /// With an access policy.
-    pub fn access(mut self, access: Access) -> Self {
-        self.access = access;
-        self
-    }
-
-    /// With a description.
-    pub fn description(mut self, d: impl Into<String>) -> Self {
-        self.description = d.into();
-        self
-    }
-
-    /// Read-only or not.
-    pub fn read_only(mut self, ro: bool) -> Self {
-        self.read_only = ro;
-        self
-    }
-}
-
-impl std::fmt::Debug for Export {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Export")
-            .field("name", &self.name)
-            .field("description", &self.description)
-            .field("limits", &self.device.limits())
-            .field("read_only", &self.read_only)
-            .field("access", &self.access)
-            .finish()
-    }
-}
-
-/// Knobs of the data path. The defaults suit the CLI; tests shrink them.
-#[derive(Debug, Clone)]
-pub struct Tuning {
-    /// Bytes of each connection's receive buffer (requests are decoded from it in batches).
-    pub recv_buf: usize,
-    /// Requests a connection may have in flight (submitted or waiting for their reply to be
-    /// written); the reader stops reading when they are all taken.
-    pub slots: usize,
-    /// Data bytes (read and write payloads) a connection may have in flight.
-    pub max_bytes_in_flight: u64,
-    /// The maximum block size advertised (largest read or write), bytes.
-    pub max_block: u32,
-    /// A write payload the server refuses (too long, out of range, read-only) is read and
-    /// discarded up to this many bytes; a longer one closes the connection instead.
-    pub discard_limit: u64,
-    /// At shutdown, how long connections get to finish their in-flight requests before their
-    /// sockets are shut down in both directions (a connection still busy [`STUCK_GRACE`]
-    /// after that is given up as stuck), and again how long the final flushes get.
-    pub drain_timeout: Duration,
-    /// Connections open at once (handshake or transmission); a socket accepted beyond it is
-    /// closed at once. Default: [`default_max_connections`].
-    pub max_connections: usize,
-    /// A socket that has not finished option haggling this long after it was accepted is
-    /// closed (a deadline over the whole handshake, not per read).
-    pub handshake_timeout: Duration,
-    /// Options a client may send in one handshake; one more closes the connection.
-    pub max_options: u32,
-    /// Bytes of option data (skipped over-long options included) a client may send in one
-    /// handshake; more closes the connection.
-    pub max_option_bytes: u64,
-    /// A connection with no request in flight that receives nothing for this long is closed
-    /// (`None`: never).
-    pub idle_timeout: Option<Duration>,
-    /// A client that reads none of its replies for this long, or stops sending in the middle
-    /// of a request, is closed and its buffers freed.
-    pub send_timeout: Duration,
-    /// Bytes of request and reply payload buffers (reads and writes in flight) across all
-    /// connections; a connection that would go over it stops reading requests until memory
-    /// is returned. Default: [`default_memory_budget`].
-    pub memory_budget: u64,
-    /// How the memory budget keeps its count (the lock-free counter, or the locked version
-    /// it replaces, for comparison).
-    pub budget_impl: BudgetImpl,
-    /// How the handshake learns who a client is, for access rules ([`Access`]): by default
-    /// [`Identity::of`] (the peer's address and TLS certificate subject). Called at each
-    /// option that names an export, so after STARTTLS it sees the certificate. Tests put a
-    /// fake identity here.
-    pub identify: fn(&Stream) -> Identity,
-}
-
-impl Default for Tuning {
-    fn default() -> Self {
-        Self {
-            recv_buf: 1 << 20,
-            slots: 1024,
-            max_bytes_in_flight: 256 << 20,
-            max_block: 32 << 20,
-            discard_limit: 1 << 30,
-            drain_timeout: Duration::from_secs(10),
-            max_connections: default_max_connections(),
-            handshake_timeout: Duration::from_secs(10),
-            max_options: 256,
-            max_option_bytes: 1 << 20,
-            idle_timeout: None,
-            send_timeout: Duration::from_secs(30),
-            memory_budget: default_memory_budget(),
-            budget_impl: BudgetImpl::Atomic,
-            identify: Identity::of,
-        }
-    }
-}
-
-/// What to serve and where.
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    /// The exports (names must be distinct).
-    pub exports: Vec<Export>,
-    /// TCP address to listen on (`None`: no TCP listener).
-    pub tcp: Option<SocketAddr>,
-    /// Unix socket path to listen on (`None`: no Unix listener). A stale socket file there is
-    /// removed at start; the file is removed at shutdown.
-    pub unix: Option<PathBuf>,
-    /// Permission bits of the Unix socket (default 0o600: only our user may connect).
-    pub unix_mode: u32,
-    /// Data path knobs.
-    pub tuning: Tuning,
-    /// TLS (`NBD_OPT_STARTTLS`): `None` is `--tls=off`.
-    pub tls: Option<crate::tls::TlsSettings>,
-}
-
-impl ServerConfig {
-    /// A configuration serving `exports` with no listener yet.
-    pub fn new(exports: Vec<Export>) -> Self {
-        Self {
-            exports,
-            tcp: None,
-            unix: None,
-            unix_mode: DEFAULT_UNIX_MODE,
-            tuning: Tuning::default(),
-            tls: None,
-        }
-    }
-}
 
 /// Errors of starting a server.
 #[derive(Debug, thiserror::Error)]
@@ -290,7 +125,7 @@ pub(crate) struct ExportState {
     /// Sticky write error (see [`StickyError`]), shared by every connection to the export.
     pub(crate) failed: Arc<StickyError>,
     /// Disk counters kept by the server, for a device that keeps none of its own
-    /// ([`Device::stats`] is `None`); `None` when the device counts.
+    /// ([`blk::Device::stats`] is `None`); `None` when the device counts.
     pub(crate) disk: Option<Arc<blk::stats::DiskCounters>>,
 }
 
@@ -579,42 +414,20 @@ impl Server {
         Stopper(self.stop_requested.clone())
     }
 
-    /// Blocks until a [`Stopper`] asks the server to stop, then shuts it down.
-    pub fn wait(self) {
-        self.stop_requested.wait();
-        self.shutdown();
-    }
-
-    /// Like [`Server::wait`], but returns the names of the exports whose data may be lost
-    /// (a sticky write error, or the final flush failed); empty when all is durable.
-    pub fn wait_checked(self) -> Vec<String> {
-        self.wait_report().failed
-    }
-
-    /// Like [`Server::wait`], but returns what the shutdown found: the exports that failed
-    /// and those left stuck (see [`ShutdownReport`]).
-    pub fn wait_report(mut self) -> ShutdownReport {
+    /// Blocks until a [`Stopper`] asks the server to stop, then shuts it down as
+    /// [`Server::shutdown`] does and returns what the shutdown found.
+    pub fn wait(mut self) -> ShutdownReport {
         self.stop_requested.wait();
         self.do_shutdown();
         self.report.clone()
     }
 
-    /// Stops accepting, lets every connection finish its in-flight requests, flushes every
-    /// device and removes the Unix socket.
-    pub fn shutdown(mut self) {
-        self.do_shutdown();
-    }
-
-    /// Like [`Server::shutdown`], but returns the names of the exports that failed (see
-    /// [`Server::failed_exports`]), the final flush included.
-    pub fn shutdown_checked(mut self) -> Vec<String> {
-        self.do_shutdown();
-        self.failed_exports()
-    }
-
-    /// Like [`Server::shutdown`], but returns what the shutdown found (see
-    /// [`ShutdownReport`]).
-    pub fn shutdown_report(mut self) -> ShutdownReport {
+    /// Stops now: stops accepting, lets every connection finish its in-flight requests (up
+    /// to [`Tuning::drain_timeout`], then [`STUCK_GRACE`]), flushes every device and removes
+    /// the Unix socket (module docs). Returns what it found: the exports that failed and
+    /// those left stuck ([`ShutdownReport`]; `failed` is [`Server::failed_exports`] at the
+    /// end, the final flush included). Dropping a server does the same, reporting nothing.
+    pub fn shutdown(mut self) -> ShutdownReport {
         self.do_shutdown();
         self.report.clone()
     }
@@ -753,7 +566,7 @@ impl Server {
     /// `timeout` for them. A failed flush marks every export of its device failed. Returns
     /// the indices of the exports whose flush did not complete in time.
     fn flush_all(&self, timeout: Duration) -> Vec<usize> {
-        let mut pending: Vec<(usize, Arc<SyncEnd>)> = Vec::new();
+        let mut pending: Vec<(usize, PendingBio)> = Vec::new();
         for (i, e) in self.shared.exports.iter().enumerate() {
             let dev = &e.export.device;
             let seen = self.shared.exports[..i]
@@ -762,22 +575,18 @@ impl Server {
             if e.export.read_only || seen {
                 continue;
             }
-            let end = Arc::new(SyncEnd::default());
-            let eio: Arc<dyn EndIo> = end.clone();
-            dev.submit(Bio::new(Op::Flush, 0, 0), &eio);
-            pending.push((i, end));
+            pending.push((
+                i,
+                PendingBio::submit(dev.as_ref(), Bio::new(Op::Flush, 0, 0)),
+            ));
         }
         let deadline = Instant::now() + timeout;
         let mut late = Vec::new();
-        for (i, end) in pending {
+        for (i, flush) in pending {
             let dev = &self.shared.exports[i].export.device;
             let name = &self.shared.exports[i].export.name;
-            let res = if end.done.wait_deadline(deadline) {
-                end.status.lock().take().unwrap_or_else(|| {
-                    Err(blk::Error::from(io::Error::other(
-                        "bio completed without a status",
-                    )))
-                })
+            let res = if let Some((_, res)) = flush.wait_until(deadline) {
+                res
             } else {
                 warn!(
                     export = %name,
@@ -808,35 +617,4 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.do_shutdown();
     }
-}
-
-/// Completion of one synchronous bio: its status, then the [`Completion`] that wakes the
-/// submitter.
-#[derive(Default)]
-struct SyncEnd {
-    status: Mutex<Option<Result<(), blk::Error>>>,
-    done: Completion,
-}
-
-impl EndIo for SyncEnd {
-    fn end_io(&self, _bio: Bio, res: Result<(), blk::Error>) {
-        // The status is stored (and its lock released) before `complete`, so the waiter, which
-        // reads it only after `wait` returns, always finds it.
-        *self.status.lock() = Some(res);
-        self.done.complete();
-    }
-}
-
-/// Submits one bio and waits for it (flushes at shutdown; tests).
-pub fn submit_sync(dev: &dyn Device, bio: Bio) -> Result<(), blk::Error> {
-    let end = Arc::new(SyncEnd::default());
-    let e: Arc<dyn EndIo> = end.clone();
-    dev.submit(bio, &e);
-    end.done.wait();
-    let status = end.status.lock().take();
-    status.unwrap_or_else(|| {
-        Err(blk::Error::from(io::Error::other(
-            "bio completed without a status",
-        )))
-    })
 }

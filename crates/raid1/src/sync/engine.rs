@@ -5,11 +5,11 @@
 use blkq_sync::DynArc as StdArc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
-use crate::device::{sync_io, Inner, FAULTY, IN_SYNC, PRESENT};
+use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT};
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -31,7 +31,9 @@ enum PassEnd {
     Failed,
 }
 
-fn good(st: u32) -> bool {
+/// Whether a leg state is present, in sync and not faulty: the leg holds the array's data (a
+/// sync source, or a leg a check compares).
+fn is_in_sync(st: u32) -> bool {
     st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
 }
 
@@ -51,7 +53,7 @@ impl Inner {
         let mut partial = 0;
         for l in self.legs.iter() {
             let st = l.state.load(Ordering::Acquire);
-            if good(st) {
+            if is_in_sync(st) {
                 in_sync += 1;
             } else if Self::writable(st) && l.recovery_offset.load(Ordering::Acquire) > 0 {
                 partial += 1;
@@ -225,7 +227,7 @@ impl Inner {
     /// The first in-sync leg (the source), skipping `tried`.
     fn source_leg(&self, tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
         self.legs.iter().enumerate().find_map(|(i, l)| {
-            (tried & (1 << i) == 0 && good(l.state.load(Ordering::Acquire)))
+            (tried & (1 << i) == 0 && is_in_sync(l.state.load(Ordering::Acquire)))
                 .then(|| l.dev().map(|d| (i, d)))
                 .flatten()
         })
@@ -242,8 +244,8 @@ impl Inner {
     ) -> Result<(), blk::Error> {
         let mut b = Bio::new(op, (pos + self.data_offset) >> SECTOR_SHIFT, len);
         b.buf = buf.take();
-        let (back, r) = sync_io(dev, b);
-        *buf = back.and_then(|b| b.buf);
+        let (back, r) = submit_wait(dev, b);
+        *buf = back.buf;
         if buf.is_none() {
             *buf = Some(Buffer::new(len as usize));
         }
@@ -335,7 +337,7 @@ impl Inner {
             let r = self.window(job, pos, len, target, &mut src_buf, &mut cmp_buf);
             if r {
                 if let Some((t, _)) = target {
-                    // Release, after the window's writes completed (sync_io waited for them);
+                    // Release, after the window's writes completed (submit_wait waited for them);
                     // the Acquire load in `choose_read_leg` then admits reads below it to this
                     // leg, and any read submitted after that load reaches the leg after those
                     // writes. Regular writes above it already go to the leg, so nothing below
@@ -486,7 +488,7 @@ impl Inner {
                     let st = l.state.load(Ordering::Acquire);
                     let target = match job {
                         Job::Resync => Self::writable(st),
-                        _ => good(st),
+                        _ => is_in_sync(st),
                     };
                     if i != src && target {
                         others[i] = l.dev();

@@ -105,8 +105,8 @@ use blkq_sync::DynArc as Arc;
 use super::lock::{LockMode, LockStats, SchedLock};
 use super::{Clock, MonotonicClock};
 use crate::bio::{BioFlags, IoPrio, Op, SECTOR_SHIFT};
-use crate::device::Scheduler;
 use crate::queue::{QueueCore, Request, RequestToken};
+use crate::sched::Scheduler;
 
 mod state;
 mod tree;

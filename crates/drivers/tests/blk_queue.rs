@@ -1,5 +1,5 @@
-//! The request queue: validation errors, data round trips, completion modes, and the promise
-//! of each pool-full policy.
+//! blk's request queue, driven through the drivers (built from device specs): validation
+//! errors, data round trips, completion modes, and the promise of each pool-full policy.
 // A plain threaded test or benchmark, never a loom model: its own harness (std locks, atomics,
 // condition variables, baselines) is not what a model must explore, so it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]

@@ -1,0 +1,75 @@
+//! The driver side of the queue: what a block driver implements ([`Driver`]). The queue calls
+//! it; the drivers themselves live in the `blk-drivers` crate.
+
+use std::os::fd::BorrowedFd;
+
+use blkq_sync::DynArc as Arc;
+
+use super::{QueueCore, RequestToken};
+use crate::device::Extent;
+use crate::Error;
+
+/// A block driver: executes requests and reports their completion.
+pub trait Driver: Send + Sync {
+    /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
+    /// until [`Driver::stop`]).
+    fn start(&self, _q: &Arc<QueueCore>) {}
+    /// Takes a request; the driver completes it later (or right away) with
+    /// [`QueueCore::complete`].
+    fn queue_rq(&self, q: &QueueCore, rq: RequestToken);
+    /// The end of a batch of `queue_rq` calls (ring the doorbell).
+    fn commit(&self, _q: &QueueCore) {}
+    /// Stops completion threads; called when the queue is dropped.
+    fn stop(&self) {}
+    /// The allocation map, for devices that know it (default: everything allocated), into
+    /// `out` as [`Device::extents_into`](crate::Device::extents_into) describes: cleared, then
+    /// filled, allocating nothing once `out` has room.
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        out.clear();
+        if len > 0 && max > 0 {
+            out.push(Extent {
+                offset,
+                len,
+                allocated: true,
+            });
+        }
+        Ok(())
+    }
+    /// Zero-copy reads ([`Device::splice_read`](crate::Device::splice_read)): whether this
+    /// driver can move its bytes into a pipe by reference. Default: no.
+    fn can_splice(&self) -> bool {
+        false
+    }
+    /// Moves up to `len` bytes of the device at `offset` into the pipe whose write end is
+    /// `pipe` ([`Device::splice_read`](crate::Device::splice_read) says what that promises);
+    /// returns how many it moved.
+    fn splice_read(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _pipe: BorrowedFd<'_>,
+    ) -> Result<usize, Error> {
+        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+    }
+    /// One line describing the driver and its options.
+    fn describe(&self) -> String;
+    /// The most bios one request may carry as a merge chain (module docs). The default, 1,
+    /// means the driver executes exactly one bio per request and the queue must not merge.
+    fn max_merge(&self) -> u32 {
+        1
+    }
+    /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
+    /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
+    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
+    /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
+    /// queue does not ask. Default: no limit.
+    fn can_queue(&self) -> usize {
+        usize::MAX
+    }
+}
