@@ -135,10 +135,11 @@ pub struct ServerArgs {
     #[arg(long)]
     #[serde(deserialize_with = "parsed_option")]
     pub policy: Option<PoolPolicy>,
-    /// I/O scheduler: none or mq-deadline.
-    #[arg(long, default_value = "none")]
-    #[serde(deserialize_with = "parsed")]
-    pub sched: SchedChoice,
+    /// I/O scheduler of every device: none or mq-deadline (default: each device's own
+    /// sched= option, none when it gives none).
+    #[arg(long)]
+    #[serde(deserialize_with = "parsed_option")]
+    pub sched: Option<SchedChoice>,
     /// mq-deadline's locking: locked or serialized.
     #[arg(long)]
     #[serde(deserialize_with = "parsed_option")]
@@ -547,6 +548,7 @@ mod tests {
                 .map(|v| v.to_string_lossy().into_owned())
                 .unwrap_or_else(|| match id {
                     "policy" => "fifo".into(),
+                    "sched" => "none".into(),
                     "sched_lock" => "locked".into(),
                     _ => "1".into(),
                 });

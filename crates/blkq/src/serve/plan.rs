@@ -245,6 +245,40 @@ mod tests {
         })
     }
 
+    /// A device's own scheduler options hold unless `--sched` is given.
+    #[test]
+    fn a_device_keeps_its_scheduler_unless_told() {
+        use crate::serve::args::parse_serve_flags;
+        use crate::serve::config::{Config, Source};
+        use crate::serve::settings::check;
+        // Whether the first export's queue runs a scheduler.
+        let scheduled = |flags: &[&str]| {
+            let cfg = Config::from_args(&parse_serve_flags(flags).unwrap()).unwrap();
+            open(&check(&cfg, &Source::CommandLine).unwrap()).map(|o| {
+                let dev = o.server.exports[0].device.clone();
+                let q = dev.as_queue().expect("a plain device is a queue");
+                q.scheduler().is_some()
+            })
+        };
+        let spec = "null:16M,sched=mq-deadline,fifo_batch=8";
+        assert!(scheduled(&["--device", spec, "--no-unix"]).unwrap());
+        assert!(!scheduled(&["--device", "null:16M", "--no-unix"]).unwrap());
+        assert!(scheduled(&[
+            "--device",
+            "null:16M",
+            "--sched",
+            "mq-deadline",
+            "--no-unix"
+        ])
+        .unwrap());
+        // Told otherwise, the device's tunables have no scheduler to go to: said so.
+        let e = scheduled(&["--device", spec, "--sched", "none", "--no-unix"]).err();
+        assert!(
+            format!("{e:?}").contains("without sched=mq-deadline"),
+            "{e:?}"
+        );
+    }
+
     #[test]
     fn exposure_warnings() {
         let lo: SocketAddr = "127.0.0.1:10809".parse().unwrap();

@@ -101,7 +101,7 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         hw_queues: s.hw_queues,
         queue_depth: s.queue_depth,
         policy: s.policy,
-        sched: Some(s.sched),
+        sched: s.sched,
         sched_lock: s.sched_lock,
         ..QueueOverrides::default()
     };
