@@ -14,7 +14,7 @@
 #    sequential read and write at iodepth 16, one connection. Issue #12's target: map >= 1.3x
 #    nbdkit at 1 MiB.
 # 3. The striped region locks' own cost (LOCKCOST=0 skips): the `lock_cost` measurement of
-#    crates/drivers/tests/backend_map.rs, in release (an uncontended lock next to the copies).
+#    crates/blk-drivers/tests/backend_map.rs, in release (an uncontended lock next to the copies).
 #
 # Every cell runs REPEATS times, the stores interleaved (in order on even rounds, reversed on
 # odd ones) so drift hits all; prints mean, spread (min..max) and the first store's mean over
@@ -137,7 +137,7 @@ EOF
 # --- 3. the locks' own cost ----------------------------------------------------------------
 if [[ $LOCKCOST == 1 ]] && command -v cargo >/dev/null; then
   echo
-  echo "striped-lock cost (release, uncontended; crates/drivers/tests/backend_map.rs lock_cost):"
+  echo "striped-lock cost (release, uncontended; crates/blk-drivers/tests/backend_map.rs lock_cost):"
   cargo test -q --release -p blk-drivers --test backend_map lock_cost -- --ignored --nocapture 2>/dev/null |
     grep -E 'RwLock|B:' || echo "(lock_cost did not run)"
 fi
