@@ -164,13 +164,9 @@ struct AddArgs {
 struct ReplaceArgs {
     /// The leg to replace: its slot number or its device spec.
     leg: Leg,
-    /// The new leg: a device spec (blank, as for `add`, unless --force).
-    spec: String,
-    /// As for `add`.
-    #[arg(long)]
-    force: bool,
+    /// The new leg, as `add` takes it.
     #[command(flatten)]
-    ctl: ControlArg,
+    new: AddArgs,
 }
 
 #[derive(Args, Debug)]
@@ -317,11 +313,11 @@ pub fn run(a: RaidArgs) -> Result<()> {
             },
         ),
         RaidCmd::Replace(r) => client::run(
-            &r.ctl.control,
+            &r.new.ctl.control,
             &Command::Replace {
-                force: r.force,
+                force: r.new.force,
                 leg: r.leg,
-                spec: r.spec,
+                spec: r.new.spec,
             },
         ),
         RaidCmd::Idle(c) => client::run(&c.control, &Command::Idle),
