@@ -272,9 +272,9 @@ fn overrides(cfg: &RunCfg) -> QueueOverrides {
 
 pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
     let spec: DeviceSpec = cfg.device.parse()?;
-    let ov = overrides(cfg);
+    let queue_settings = overrides(cfg);
     let q = spec
-        .build(&ov)
+        .build(&queue_settings)
         .with_context(|| format!("building device {}", cfg.device))?;
     for p in q.pools() {
         p.set_batch(cfg.batch_requests, cfg.batch_time);
@@ -288,10 +288,10 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
 pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
     let legs = crate::raid::offline::split_legs(legs)?;
     let rc = crate::raid::offline::raid1_config(&cfg.raid1_options)?;
-    let ov = overrides(cfg);
+    let queue_settings = overrides(cfg);
     let devs = legs
         .iter()
-        .map(|l| crate::raid::offline::open_leg(l, &ov))
+        .map(|l| crate::raid::offline::open_leg(l, &queue_settings))
         .collect::<Result<Vec<_>>>()?;
     let r = raid1::Raid1::create(devs, rc).context("--raid1: creating the array")?;
     Ok(Arc::new(r))

@@ -188,10 +188,10 @@ fn bitmap_chunk(s: &str) -> Result<u64> {
 }
 
 fn create(a: CreateArgs) -> Result<()> {
-    let ov = QueueOverrides::default();
+    let overrides = QueueOverrides::default();
     let mut devs = Vec::new();
     for spec in &a.legs {
-        let dev = open_leg(spec, &ov)?;
+        let dev = open_leg(spec, &overrides)?;
         match probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
             Probe::Blank => {}
             Probe::Member(sb) if !a.force => bail!(

@@ -51,13 +51,13 @@ pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
 }
 
 /// Opens a leg from its device spec.
-pub fn open_leg(spec: &str, ov: &QueueOverrides) -> Result<Arc<dyn Device>> {
+pub fn open_leg(spec: &str, overrides: &QueueOverrides) -> Result<Arc<dyn Device>> {
     let parsed: DeviceSpec = spec
         .parse()
         .with_context(|| format!("leg {spec:?}: bad device spec"))?;
     // build_device: a leg may carry `fault.` options (wrapped in a fault device).
     parsed
-        .build_device(ov)
+        .build_device(overrides)
         .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
@@ -118,10 +118,10 @@ pub struct Plan {
 }
 
 /// Opens and probes `specs`. `Ok(None)`: every leg is blank (a new array).
-pub fn plan(specs: &[String], ov: &QueueOverrides) -> Result<Option<Plan>> {
+pub fn plan(specs: &[String], overrides: &QueueOverrides) -> Result<Option<Plan>> {
     let mut opened = Vec::new();
     for spec in specs {
-        let dev = open_leg(spec, ov)?;
+        let dev = open_leg(spec, overrides)?;
         let p =
             probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading its superblock"))?;
         opened.push((spec.clone(), dev, p));
