@@ -14,7 +14,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const LEG_SIZE: u64 = 8 << 20;
 /// Connections served at once (`control::SLOTS`).
@@ -49,12 +49,6 @@ fn server_pid(ctl: &str) -> i32 {
     };
     assert_eq!(r, 0, "SO_PEERCRED");
     cred.pid
-}
-
-fn threads_of(pid: i32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .count()
 }
 
 /// Sends `req` on a new connection, returns what comes back until the server closes.
@@ -97,35 +91,9 @@ fn a_trickler_is_cut_at_the_deadline() {
     let d = tempfile::tempdir().unwrap();
     let s = serve(d.path());
     let mut c = UnixStream::connect(s.ctl()).unwrap();
-    let t0 = Instant::now();
     c.set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
-    let mut got = Vec::new();
-    let mut next_byte = t0;
-    let cut = loop {
-        if Instant::now() >= next_byte {
-            if c.write_all(b"s").is_err() {
-                break t0.elapsed();
-            }
-            next_byte += Duration::from_secs(1);
-        }
-        let mut b = [0u8; 512];
-        match c.read(&mut b) {
-            Ok(0) => break t0.elapsed(),
-            Ok(n) => got.extend_from_slice(&b[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => break t0.elapsed(),
-        }
-        assert!(
-            t0.elapsed() < DEADLINE * 2,
-            "a trickler is still connected after {:?}",
-            t0.elapsed()
-        );
-    };
-    assert!(
-        cut >= DEADLINE - Duration::from_millis(500) && cut < DEADLINE + Duration::from_secs(2),
-        "cut after {cut:?}, the deadline is {DEADLINE:?}"
-    );
+    let got = common::trickle_until_cut(&mut c, b's', Duration::from_secs(1), DEADLINE);
     let got = String::from_utf8_lossy(&got);
     assert!(got.contains("\"ok\":false") && got.contains("5 s"), "{got}");
 }
@@ -139,12 +107,12 @@ fn a_flood_of_idle_connections_takes_slots_not_threads() {
     let s = serve(d.path());
     let pid = server_pid(s.ctl());
     std::thread::sleep(Duration::from_millis(200));
-    let before = threads_of(pid);
+    let before = common::threads_of(pid as u32);
     let idle: Vec<UnixStream> = (0..64)
         .map(|_| UnixStream::connect(s.ctl()).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    let during = threads_of(pid);
+    let during = common::threads_of(pid as u32);
     assert!(
         during <= before + SLOTS + 1,
         "{} idle connections: {before} threads before, {during} during",

@@ -64,12 +64,6 @@ fn scrape_within(addr: &str, limit: Duration) {
     assert!(r.ends_with("# EOF\n"), "{r}");
 }
 
-fn threads_of(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .count()
-}
-
 /// Bound: slots. With more idle connections than [`SLOTS`] open (they send nothing), a scrape
 /// is answered within 2 s (served one at a time, 5 s each, five of them delayed it 25 s).
 #[test]
@@ -113,34 +107,9 @@ fn a_trickler_is_cut_at_the_deadline() {
     let d = tempfile::tempdir().unwrap();
     let (_s, addr) = serve(d.path());
     let mut c = TcpStream::connect(&addr).unwrap();
-    let t0 = Instant::now();
     c.set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
-    let mut next_byte = t0;
-    let cut = loop {
-        if Instant::now() >= next_byte {
-            if c.write_all(b"G").is_err() {
-                break t0.elapsed();
-            }
-            next_byte += Duration::from_millis(500);
-        }
-        let mut b = [0u8; 512];
-        match c.read(&mut b) {
-            Ok(0) => break t0.elapsed(),
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => break t0.elapsed(),
-        }
-        assert!(
-            t0.elapsed() < DEADLINE * 2,
-            "a trickler is still connected after {:?}",
-            t0.elapsed()
-        );
-    };
-    assert!(
-        cut >= DEADLINE - Duration::from_millis(500) && cut < DEADLINE + Duration::from_secs(2),
-        "cut after {cut:?}, the deadline is {DEADLINE:?}"
-    );
+    common::trickle_until_cut(&mut c, b'G', Duration::from_millis(500), DEADLINE);
 }
 
 /// Bounds: slots and memory (threads). Sixty-four connections that send nothing take at most
@@ -151,12 +120,12 @@ fn a_flood_of_idle_connections_takes_slots_not_threads() {
     let (s, addr) = serve(d.path());
     let pid = s.id();
     std::thread::sleep(Duration::from_millis(200));
-    let before = threads_of(pid);
+    let before = common::threads_of(pid);
     let idle: Vec<TcpStream> = (0..64)
         .map(|_| TcpStream::connect(&addr).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    let during = threads_of(pid);
+    let during = common::threads_of(pid);
     assert!(
         during <= before + SLOTS + 1,
         "{} idle connections: {before} threads before, {during} during",

@@ -301,3 +301,50 @@ impl Drop for Tricklers {
         }
     }
 }
+
+/// Sends `byte` on `c` every `every` (never finishing a request) and keeps what comes back,
+/// until the server closes the connection: returns what was read. Fails the test if the connection is still open after twice
+/// `deadline`, and unless it was cut within half a second before to 2 s after `deadline`.
+/// `c` has a read timeout of about 100 ms, so that the bytes go out on time.
+pub fn trickle_until_cut<S: std::io::Read + std::io::Write>(
+    c: &mut S,
+    byte: u8,
+    every: Duration,
+    deadline: Duration,
+) -> Vec<u8> {
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let mut next_byte = t0;
+    let cut = loop {
+        if Instant::now() >= next_byte {
+            if c.write_all(&[byte]).is_err() {
+                break t0.elapsed();
+            }
+            next_byte += every;
+        }
+        let mut b = [0u8; 512];
+        match c.read(&mut b) {
+            Ok(0) => break t0.elapsed(),
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break t0.elapsed(),
+        }
+        assert!(
+            t0.elapsed() < deadline * 2,
+            "a trickler is still connected after {:?}",
+            t0.elapsed()
+        );
+    };
+    assert!(
+        cut >= deadline - Duration::from_millis(500) && cut < deadline + Duration::from_secs(2),
+        "cut after {cut:?}, the deadline is {deadline:?}"
+    );
+    got
+}
+
+/// Threads of process `pid` (from /proc).
+pub fn threads_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count()
+}
