@@ -213,6 +213,21 @@ fn reads_writes_flushes_trims_and_zeroes() {
 }
 
 #[test]
+fn over_tcp() {
+    let mut cfg = ServerConfig::new(vec![Export::new("disk", device("mem:16M"))]);
+    cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+    let server = Server::start(cfg).unwrap();
+    let addr = server.tcp_addr().unwrap();
+    let dev = RemoteDevice::open(&format!("nbd://{addr}/disk,timeout=5")).unwrap();
+    assert_eq!(dev.limits().capacity, 16 * MIB);
+    let a = pattern(5, 128 << 10);
+    write(&dev, 4096, &a, BioFlags::FUA).unwrap();
+    assert_eq!(read(&dev, 4096, a.len()).unwrap(), a);
+    drop(dev);
+    server.shutdown();
+}
+
+#[test]
 fn a_read_only_export_refuses_writes() {
     let srv = TestServer::start();
     let dev = RemoteDevice::open(&srv.uri("ro", "")).unwrap();
