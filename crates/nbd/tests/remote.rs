@@ -374,44 +374,108 @@ fn dropping_the_device_fails_what_is_in_flight() {
     }
 }
 
+/// nbdkit on a Unix socket in `dir` with `args` (plugin, filters, parameters), killed on
+/// drop; `None` when nbdkit is not installed.
+struct Kit {
+    child: std::process::Child,
+    sock: PathBuf,
+}
+
+impl Kit {
+    fn start(dir: &Path, args: &[&str]) -> Option<Self> {
+        if std::process::Command::new("nbdkit")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: nbdkit is not on PATH");
+            return None;
+        }
+        let sock = dir.join("kit.sock");
+        let child = std::process::Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(&sock)
+            .args(args)
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Self { child, sock })
+    }
+
+    fn open(&self) -> RemoteDevice {
+        RemoteDevice::open(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
+    }
+}
+
+impl Drop for Kit {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// nbdkit's memory plugin as the remote server (skipped when nbdkit is not installed).
 #[test]
 fn another_server_nbdkit() {
-    if std::process::Command::new("nbdkit")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: nbdkit is not on PATH");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("kit.sock");
-    let mut child = std::process::Command::new("nbdkit")
-        .args(["-f", "-U"])
-        .arg(&sock)
-        .args(["memory", "64M"])
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let r = (|| {
-        let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}", sock.display()))?;
-        assert_eq!(dev.limits().capacity, 64 * MIB);
-        let a = pattern(9, 256 << 10);
-        write(&dev, MIB, &a, BioFlags::FUA).unwrap();
-        op(&dev, Op::Flush, 0, 0, BioFlags::NONE).unwrap();
-        assert_eq!(read(&dev, MIB, a.len()).unwrap(), a);
-        op(&dev, Op::Discard, MIB, 4096, BioFlags::NONE).unwrap();
-        op(&dev, Op::WriteZeroes, MIB + 4096, 4096, BioFlags::NONE).unwrap();
-        let got = read(&dev, MIB, 12288).unwrap();
-        assert!(got[..8192].iter().all(|&x| x == 0));
-        assert_eq!(got[8192..], a[8192..12288]);
-        Ok::<_, RemoteError>(())
-    })();
-    let _ = child.kill();
-    let _ = child.wait();
-    r.unwrap();
+    let Some(kit) = Kit::start(dir.path(), &["memory", "64M"]) else {
+        return;
+    };
+    let dev = kit.open();
+    assert_eq!(dev.limits().capacity, 64 * MIB);
+    let a = pattern(9, 256 << 10);
+    write(&dev, MIB, &a, BioFlags::FUA).unwrap();
+    op(&dev, Op::Flush, 0, 0, BioFlags::NONE).unwrap();
+    assert_eq!(read(&dev, MIB, a.len()).unwrap(), a);
+    op(&dev, Op::Discard, MIB, 4096, BioFlags::NONE).unwrap();
+    op(&dev, Op::WriteZeroes, MIB + 4096, 4096, BioFlags::NONE).unwrap();
+    let got = read(&dev, MIB, 12288).unwrap();
+    assert!(got[..8192].iter().all(|&x| x == 0));
+    assert_eq!(got[8192..], a[8192..12288]);
+}
+
+/// The server's block sizes become the limits; a command it does not offer fails with
+/// ENOTSUP before the wire; an error it answers fails that request only.
+#[test]
+fn block_sizes_missing_commands_and_server_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(kit) = Kit::start(
+        dir.path(),
+        &[
+            "--filter=error",
+            "--filter=blocksize-policy",
+            "--filter=nozero",
+            "memory",
+            "64M",
+            "blocksize-minimum=4096",
+            "blocksize-preferred=65536",
+            "blocksize-maximum=1M",
+            "error-pread=ENOSPC",
+            "error-pread-rate=100%",
+        ],
+    ) else {
+        return;
+    };
+    let dev = kit.open();
+    let l = dev.limits();
+    assert_eq!(
+        (l.capacity, l.logical_block_size, l.max_io_bytes),
+        (64 * MIB, 4096, MIB as u32)
+    );
+    assert_eq!(dev.preferred_block_size(), 65536);
+    assert!(matches!(
+        write(&dev, 512, &[1; 4096], BioFlags::NONE),
+        Err(blk::Error::Misaligned { .. })
+    ));
+    let e = op(&dev, Op::WriteZeroes, 0, 4096, BioFlags::NONE).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOTSUP, "{e}");
+    write(&dev, 0, &[1; 4096], BioFlags::FUA).unwrap();
+    let e = read(&dev, 0, 4096).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+    // The connection goes on.
+    assert!(!dev.is_broken());
+    write(&dev, 4096, &[2; 4096], BioFlags::NONE).unwrap();
 }
