@@ -351,6 +351,13 @@ impl Handshake {
         Client::new(self.stream, self.mode, details, self.meta_id)
     }
 
+    /// The socket and the negotiated transmission mode, after a successful [`go`](Self::go):
+    /// for a caller that runs the transmission phase itself (the remote device splits the
+    /// socket between its submitters and one receiver thread).
+    pub fn into_parts(self) -> (Stream, TransmissionMode) {
+        (self.stream, self.mode)
+    }
+
     /// `NBD_OPT_EXPORT_NAME`: enters transmission (the server closes the connection if the
     /// export does not exist).
     pub fn export_name(mut self, name: &str) -> Result<Client, ClientError> {

@@ -4,6 +4,7 @@
 //! - [`server`]: the NBD server (TCP and Unix listeners, a thread per connection, batched
 //!   submission to a [`blk::Device`], coalesced replies).
 //! - [`client`]: a small blocking client (tests; later a remote RAID leg).
+//! - [`remote`]: an export on another NBD server as a [`blk::Device`] (`nbd://`, `nbd+unix://`).
 //! - [`stream`]: one type over TCP and Unix stream sockets.
 //! - [`unix_listener`]: Unix sockets bound private from their first moment.
 //!
@@ -18,6 +19,7 @@ pub mod client;
 #[cfg(not(blkq_loom))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod remote;
 pub mod server;
 pub mod stream;
 mod sys;

@@ -14,20 +14,22 @@ use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 use super::report::{ArrayReport, BitmapReport, LegReport};
 
 /// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (`file:`,
-/// `mem:`, `null:`) begins a leg; any other part (`key=value`) is an option of the leg before.
+/// `mem:`, `null:`, `nbd://`, `nbd+unix://`) begins a leg; any other part (`key=value`) is
+/// an option of the leg before.
 pub fn split_legs(s: &str) -> Result<Vec<String>> {
     let mut legs: Vec<String> = Vec::new();
     for part in s.split(',').filter(|p| !p.is_empty()) {
         let starts_leg = ["file:", "mem:", "null:"]
             .iter()
-            .any(|k| part.starts_with(k));
+            .any(|k| part.starts_with(k))
+            || nbd::remote::RemoteSpec::is_remote(part);
         if starts_leg {
             legs.push(part.to_string());
         } else if let Some(last) = legs.last_mut() {
             last.push(',');
             last.push_str(part);
         } else {
-            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE or null:SIZE)");
+            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE, null:SIZE or nbd://HOST/EXPORT)");
         }
     }
     if legs.len() < 2 {
@@ -50,8 +52,14 @@ pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
     Ok(cfg)
 }
 
-/// Opens a leg from its device spec.
+/// Opens a leg from its device spec: a local device, or an export on another NBD server
+/// (`nbd://`, `nbd+unix://`).
 pub fn open_leg(spec: &str, overrides: &QueueOverrides) -> Result<Arc<dyn Device>> {
+    if nbd::remote::RemoteSpec::is_remote(spec) {
+        let dev = nbd::remote::RemoteDevice::open(spec)
+            .with_context(|| format!("leg {spec:?}: cannot open it"))?;
+        return Ok(Arc::new(dev));
+    }
     let parsed: DeviceSpec = spec
         .parse()
         .with_context(|| format!("leg {spec:?}: bad device spec"))?;
@@ -319,6 +327,14 @@ mod tests {
             vec!["file:/a.img,direct=1", "file:/b.img"]
         );
         assert_eq!(split_legs("mem:64M,mem:64M,mem:64M").unwrap().len(), 3);
+        assert_eq!(
+            split_legs("file:/a.img,nbd://h:1/leg,timeout=5,nbd+unix:///?socket=/s").unwrap(),
+            [
+                "file:/a.img",
+                "nbd://h:1/leg,timeout=5",
+                "nbd+unix:///?socket=/s"
+            ]
+        );
         assert!(split_legs("file:/a.img").is_err());
         assert!(split_legs("direct=1,file:/a.img,file:/b").is_err());
     }

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use blk::{Device, Queue};
 use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use blkq_sync::DynArc as Arc;
+use nbd::remote::{RemoteDevice, RemoteSpec};
 use nbd::server::{Export, ServerConfig};
 use nbd::tls::TlsMode;
 use raid1::Raid1;
@@ -65,6 +66,21 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                 mirrors.push((e.name.clone(), ctl));
                 let dev: Arc<dyn Device> = r;
                 (dev, full, "raid1", e.read_only)
+            }
+            Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
+                let dev =
+                    RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
+                let read_only = e.read_only
+                    || dev
+                        .details()
+                        .flags
+                        .contains(nbd::TransmissionFlags::READ_ONLY);
+                let full = format!(
+                    "{spec} (remote NBD export, {} bytes)",
+                    dev.limits().capacity
+                );
+                let dev: Arc<dyn Device> = Arc::new(dev);
+                (dev, full, "nbd", read_only)
             }
             Backing::Device(spec) => {
                 let name = &e.name;

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use nbd::remote::RemoteSpec;
 use nbd::server::{parse_cidr, parse_subject_rule, Access};
 use nbd::tls::TlsMode;
 use toml::Spanned;
@@ -74,6 +75,19 @@ pub enum Backing {
     },
 }
 
+/// Checks a device spec without opening it: an export on another NBD server (`nbd://`,
+/// `nbd+unix://`) with [`RemoteSpec::parse`], a local one with [`DeviceSpec`] (its fault
+/// options included).
+fn check_device(spec: &str) -> Result<()> {
+    if RemoteSpec::is_remote(spec) {
+        RemoteSpec::parse(spec)?;
+        return Ok(());
+    }
+    let parsed: DeviceSpec = spec.parse()?;
+    parsed.fault_config()?;
+    Ok(())
+}
+
 /// Validates everything that can be without opening a device.
 pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     let s = &cfg.server;
@@ -133,10 +147,7 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
                  line)"
             );
         }
-        let parsed: DeviceSpec = spec.parse().with_context(|| format!("{at} {spec:?}"))?;
-        parsed
-            .fault_config()
-            .with_context(|| format!("{at} {spec:?}"))?;
+        check_device(spec).with_context(|| format!("{at} {spec:?}"))?;
         exports.push(ExportSettings {
             name,
             description: e.description.clone(),
@@ -153,7 +164,7 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         }
         for leg in r.legs.get_ref() {
             let spec = leg.get_ref();
-            spec.parse::<DeviceSpec>()
+            check_device(spec)
                 .with_context(|| format!("{} {spec:?}", src.at(leg, "legs", "raid1")))?;
         }
         for o in &r.options {

@@ -1,0 +1,481 @@
+//! `nbd::remote::RemoteDevice` against the in-process blkq NBD server (directly, and through a
+//! proxy that can hold back, corrupt or cut the server's replies), and against nbdkit when it
+//! is installed.
+// A plain threaded test, never a loom model: its own harness (std locks and atomics) is not
+// what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use blk::{Bio, BioFlags, Buffer, Device, Op, PendingBio, SECTOR_SHIFT};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use nbd::remote::{RemoteDevice, RemoteError};
+use nbd::server::{Export, Server, ServerConfig};
+use testkit::pattern;
+
+const MIB: u64 = 1 << 20;
+
+fn device(spec: &str) -> Arc<dyn Device> {
+    let s: DeviceSpec = spec.parse().unwrap();
+    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+}
+
+/// A blkq NBD server on a Unix socket in its own temporary folder.
+struct TestServer {
+    server: Option<Server>,
+    dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl TestServer {
+    fn start() -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nbd.sock");
+        let mut cfg = ServerConfig::new(vec![
+            Export::new("", device("mem:64M")),
+            Export::new("ro", device("mem:1M")).read_only(true),
+        ]);
+        cfg.unix = Some(path.clone());
+        cfg.tuning.drain_timeout = Duration::from_secs(2);
+        let server = Server::start(cfg).unwrap();
+        Self {
+            server: Some(server),
+            dir,
+            path,
+        }
+    }
+
+    fn uri(&self, export: &str, opts: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}{opts}", self.path.display())
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
+    }
+}
+
+const PASS: u8 = 0;
+const HOLD: u8 = 1;
+const CORRUPT: u8 = 2;
+
+/// A Unix socket proxy in front of a server: passes the client's bytes through, and the
+/// server's as `mode` says (pass, hold back for ever, or corrupt); `cut` shuts every
+/// connection down.
+struct Proxy {
+    path: PathBuf,
+    mode: Arc<AtomicU8>,
+    socks: Arc<Mutex<Vec<UnixStream>>>,
+}
+
+impl Proxy {
+    fn start(upstream: &Path, dir: &Path) -> Self {
+        let path = dir.join("proxy.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let mode = Arc::new(AtomicU8::new(PASS));
+        let socks = Arc::new(Mutex::new(Vec::new()));
+        let (m, s, up) = (mode.clone(), socks.clone(), upstream.to_path_buf());
+        std::thread::spawn(move || {
+            for c in listener.incoming() {
+                let Ok(c) = c else { return };
+                let u = UnixStream::connect(&up).unwrap();
+                s.lock().unwrap().push(c.try_clone().unwrap());
+                s.lock().unwrap().push(u.try_clone().unwrap());
+                let pass = Arc::new(AtomicU8::new(PASS));
+                copy(c.try_clone().unwrap(), u.try_clone().unwrap(), pass);
+                copy(u, c, m.clone());
+            }
+        });
+        Self { path, mode, socks }
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, Ordering::SeqCst);
+    }
+
+    fn cut(&self) {
+        for s in self.socks.lock().unwrap().iter() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn uri(&self, opts: &str) -> String {
+        format!("nbd+unix:///?socket={}{opts}", self.path.display())
+    }
+}
+
+fn copy(mut from: UnixStream, mut to: UnixStream, mode: Arc<AtomicU8>) {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            match mode.load(Ordering::SeqCst) {
+                HOLD => continue,
+                CORRUPT => buf[0] ^= 0xff,
+                _ => {}
+            }
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Both);
+    });
+}
+
+fn buf_of(data: &[u8]) -> Buffer {
+    let mut b = Buffer::new(data.len());
+    b.as_mut_slice().copy_from_slice(data);
+    b
+}
+
+fn write(dev: &dyn Device, off: u64, data: &[u8], flags: BioFlags) -> Result<(), blk::Error> {
+    let mut bio = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, buf_of(data));
+    bio.flags = flags;
+    blk::submit_wait(dev, bio).1
+}
+
+fn read(dev: &dyn Device, off: u64, len: usize) -> Result<Vec<u8>, blk::Error> {
+    let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len));
+    let (bio, r) = blk::submit_wait(dev, bio);
+    r.map(|()| bio.buf.unwrap().as_slice().to_vec())
+}
+
+fn op(dev: &dyn Device, op: Op, off: u64, len: u32, flags: BioFlags) -> Result<(), blk::Error> {
+    let mut bio = Bio::new(op, off >> SECTOR_SHIFT, len);
+    bio.flags = flags;
+    blk::submit_wait(dev, bio).1
+}
+
+#[test]
+fn reads_writes_flushes_trims_and_zeroes() {
+    let srv = TestServer::start();
+    let dev = RemoteDevice::open(&srv.uri("", ",timeout=10,depth=8")).unwrap();
+    let l = dev.limits();
+    assert_eq!(l.capacity, 64 * MIB);
+    assert!(l.logical_block_size >= 512 && l.logical_block_size.is_power_of_two());
+    assert!(l.max_io_bytes >= MIB as u32, "{l:?}");
+    assert_eq!(dev.spec().depth, 8);
+
+    let a = pattern(1, MIB as usize);
+    write(&dev, 0, &a, BioFlags::NONE).unwrap();
+    assert_eq!(read(&dev, 0, MIB as usize).unwrap(), a);
+    let b = pattern(2, 64 << 10);
+    write(&dev, 3 * MIB, &b, BioFlags::FUA).unwrap();
+    op(&dev, Op::Flush, 0, 0, BioFlags::NONE).unwrap();
+    assert_eq!(read(&dev, 3 * MIB, b.len()).unwrap(), b);
+
+    // Trim, then the range reads as zeros (the mem device frees it).
+    op(&dev, Op::Discard, 0, MIB as u32, BioFlags::NONE).unwrap();
+    assert!(read(&dev, 0, MIB as usize).unwrap().iter().all(|&x| x == 0));
+    // Write zeroes, with and without NO_HOLE.
+    write(&dev, 2 * MIB, &a, BioFlags::NONE).unwrap();
+    op(&dev, Op::WriteZeroes, 2 * MIB, 4096, BioFlags::NONE).unwrap();
+    op(
+        &dev,
+        Op::WriteZeroes,
+        2 * MIB + 8192,
+        4096,
+        BioFlags::NO_HOLE,
+    )
+    .unwrap();
+    let got = read(&dev, 2 * MIB, 16384).unwrap();
+    assert!(got[..4096].iter().all(|&x| x == 0));
+    assert_eq!(got[4096..8192], a[4096..8192]);
+    assert!(got[8192..12288].iter().all(|&x| x == 0));
+    assert_eq!(got[12288..], a[12288..16384]);
+
+    // What blk checks fails before the wire: out of range, misaligned.
+    assert!(matches!(
+        read(&dev, 64 * MIB, 4096),
+        Err(blk::Error::OutOfRange { .. })
+    ));
+    let e = op(&dev, Op::Read, 0, 0, BioFlags::NONE).unwrap_err();
+    assert!(matches!(e, blk::Error::Misaligned { .. }), "{e:?}");
+    assert_eq!(dev.extents(0, MIB, 8).unwrap().len(), 1);
+    assert_eq!(dev.in_flight(), 0);
+    assert!(!dev.is_broken());
+}
+
+#[test]
+fn over_tcp() {
+    let mut cfg = ServerConfig::new(vec![Export::new("disk", device("mem:16M"))]);
+    cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+    let server = Server::start(cfg).unwrap();
+    let addr = server.tcp_addr().unwrap();
+    let dev = RemoteDevice::open(&format!("nbd://{addr}/disk,timeout=5")).unwrap();
+    assert_eq!(dev.limits().capacity, 16 * MIB);
+    let a = pattern(5, 128 << 10);
+    write(&dev, 4096, &a, BioFlags::FUA).unwrap();
+    assert_eq!(read(&dev, 4096, a.len()).unwrap(), a);
+    drop(dev);
+    server.shutdown();
+}
+
+#[test]
+fn a_read_only_export_refuses_writes() {
+    let srv = TestServer::start();
+    let dev = RemoteDevice::open(&srv.uri("ro", "")).unwrap();
+    assert_eq!(dev.limits().capacity, MIB);
+    assert!(matches!(
+        write(&dev, 0, &[1; 4096], BioFlags::NONE),
+        Err(blk::Error::ReadOnly)
+    ));
+    assert_eq!(read(&dev, 0, 4096).unwrap(), vec![0; 4096]);
+    let e = RemoteDevice::open(&srv.uri("nosuch", "")).unwrap_err();
+    assert!(matches!(e, RemoteError::Handshake { .. }), "{e}");
+    let e = RemoteDevice::open("nbds://127.0.0.1/x").unwrap_err();
+    assert!(e.to_string().contains("not supported yet"), "{e}");
+}
+
+#[test]
+fn many_bios_from_several_threads() {
+    let srv = TestServer::start();
+    // A depth smaller than what is submitted: submitters wait for slots.
+    let dev = Arc::new(RemoteDevice::open(&srv.uri("", ",depth=16")).unwrap());
+    const THREADS: u64 = 4;
+    const PER: u64 = 16;
+    const LEN: usize = 64 << 10;
+    let run = |write: bool| {
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let dev = dev.clone();
+                s.spawn(move || {
+                    let pending: Vec<_> = (0..PER)
+                        .map(|k| {
+                            let n = t * PER + k;
+                            let sector = (n * LEN as u64) >> SECTOR_SHIFT;
+                            let bio = if write {
+                                Bio::with_buf(Op::Write, sector, buf_of(&pattern(n, LEN)))
+                            } else {
+                                Bio::with_buf(Op::Read, sector, Buffer::new(LEN))
+                            };
+                            (n, PendingBio::submit(&*dev, bio))
+                        })
+                        .collect();
+                    for (n, p) in pending {
+                        let (bio, r) = p.wait();
+                        r.unwrap();
+                        if !write {
+                            assert_eq!(bio.buf.unwrap().as_slice(), &pattern(n, LEN)[..]);
+                        }
+                    }
+                });
+            }
+        });
+    };
+    run(true);
+    run(false);
+    assert_eq!(dev.in_flight(), 0);
+}
+
+/// Submits `n` reads and returns their pending completions.
+fn submit_reads(dev: &dyn Device, n: u64) -> Vec<PendingBio> {
+    (0..n)
+        .map(|k| PendingBio::submit(dev, Bio::with_buf(Op::Read, k * 8, Buffer::new(4096))))
+        .collect()
+}
+
+#[test]
+fn a_cut_connection_fails_everything_in_flight_and_after() {
+    let srv = TestServer::start();
+    let proxy = Proxy::start(&srv.path, srv.dir.path());
+    let dev = RemoteDevice::open(&proxy.uri(",timeout=30")).unwrap();
+    write(&dev, 0, &[7; 4096], BioFlags::NONE).unwrap();
+    proxy.set(HOLD);
+    let pending = submit_reads(&dev, 20);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(dev.in_flight(), 20);
+    let t = Instant::now();
+    proxy.cut();
+    for p in pending {
+        let (_, r) = p
+            .wait_until(Instant::now() + Duration::from_secs(5))
+            .expect("a bio in flight hangs after the cut");
+        let e = r.unwrap_err();
+        assert_eq!(e.errno(), libc::EIO, "{e}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(dev.is_broken());
+    assert_eq!(dev.in_flight(), 0);
+    let t = Instant::now();
+    let e = read(&dev, 0, 4096).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    assert!(e.to_string().contains("connection"), "{e}");
+    let e = write(&dev, 0, &[1; 4096], BioFlags::NONE).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    assert!(t.elapsed() < Duration::from_millis(500));
+}
+
+#[test]
+fn a_silent_server_times_requests_out() {
+    let srv = TestServer::start();
+    let proxy = Proxy::start(&srv.path, srv.dir.path());
+    let dev = RemoteDevice::open(&proxy.uri(",timeout=1")).unwrap();
+    proxy.set(HOLD);
+    let t = Instant::now();
+    let e = read(&dev, 0, 4096).unwrap_err();
+    let took = t.elapsed();
+    assert_eq!(e.errno(), libc::ETIMEDOUT, "{e}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
+        "{took:?}"
+    );
+    assert!(dev.is_broken());
+    let t = Instant::now();
+    assert!(read(&dev, 0, 4096).is_err());
+    assert!(t.elapsed() < Duration::from_millis(500));
+}
+
+#[test]
+fn a_malformed_reply_fails_requests_and_drops_the_connection() {
+    let srv = TestServer::start();
+    let proxy = Proxy::start(&srv.path, srv.dir.path());
+    let dev = RemoteDevice::open(&proxy.uri(",timeout=10")).unwrap();
+    proxy.set(CORRUPT);
+    let pending = submit_reads(&dev, 8);
+    for p in pending {
+        let (_, r) = p
+            .wait_until(Instant::now() + Duration::from_secs(5))
+            .expect("a bio hangs after a malformed reply");
+        assert_eq!(r.unwrap_err().errno(), libc::EIO);
+    }
+    assert!(dev.is_broken());
+}
+
+#[test]
+fn dropping_the_device_fails_what_is_in_flight() {
+    let srv = TestServer::start();
+    let proxy = Proxy::start(&srv.path, srv.dir.path());
+    let dev = RemoteDevice::open(&proxy.uri("")).unwrap();
+    proxy.set(HOLD);
+    let pending = submit_reads(&dev, 4);
+    drop(dev);
+    for p in pending {
+        let (_, r) = p
+            .wait_until(Instant::now() + Duration::from_secs(5))
+            .expect("a bio hangs after drop");
+        assert!(r.is_err());
+    }
+}
+
+/// nbdkit on a Unix socket in `dir` with `args` (plugin, filters, parameters), killed on
+/// drop; `None` when nbdkit is not installed.
+struct Kit {
+    child: std::process::Child,
+    sock: PathBuf,
+}
+
+impl Kit {
+    fn start(dir: &Path, args: &[&str]) -> Option<Self> {
+        if std::process::Command::new("nbdkit")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: nbdkit is not on PATH");
+            return None;
+        }
+        let sock = dir.join("kit.sock");
+        let child = std::process::Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(&sock)
+            .args(args)
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Self { child, sock })
+    }
+
+    fn open(&self) -> RemoteDevice {
+        RemoteDevice::open(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
+    }
+}
+
+impl Drop for Kit {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// nbdkit's memory plugin as the remote server (skipped when nbdkit is not installed).
+#[test]
+fn another_server_nbdkit() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(kit) = Kit::start(dir.path(), &["memory", "64M"]) else {
+        return;
+    };
+    let dev = kit.open();
+    assert_eq!(dev.limits().capacity, 64 * MIB);
+    let a = pattern(9, 256 << 10);
+    write(&dev, MIB, &a, BioFlags::FUA).unwrap();
+    op(&dev, Op::Flush, 0, 0, BioFlags::NONE).unwrap();
+    assert_eq!(read(&dev, MIB, a.len()).unwrap(), a);
+    op(&dev, Op::Discard, MIB, 4096, BioFlags::NONE).unwrap();
+    op(&dev, Op::WriteZeroes, MIB + 4096, 4096, BioFlags::NONE).unwrap();
+    let got = read(&dev, MIB, 12288).unwrap();
+    assert!(got[..8192].iter().all(|&x| x == 0));
+    assert_eq!(got[8192..], a[8192..12288]);
+}
+
+/// The server's block sizes become the limits; a command it does not offer fails with
+/// ENOTSUP before the wire; an error it answers fails that request only.
+#[test]
+fn block_sizes_missing_commands_and_server_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(kit) = Kit::start(
+        dir.path(),
+        &[
+            "--filter=error",
+            "--filter=blocksize-policy",
+            "--filter=nozero",
+            "memory",
+            "64M",
+            "blocksize-minimum=4096",
+            "blocksize-preferred=65536",
+            "blocksize-maximum=1M",
+            "error-pread=ENOSPC",
+            "error-pread-rate=100%",
+        ],
+    ) else {
+        return;
+    };
+    let dev = kit.open();
+    let l = dev.limits();
+    assert_eq!(
+        (l.capacity, l.logical_block_size, l.max_io_bytes),
+        (64 * MIB, 4096, MIB as u32)
+    );
+    assert_eq!(dev.preferred_block_size(), 65536);
+    assert!(matches!(
+        write(&dev, 512, &[1; 4096], BioFlags::NONE),
+        Err(blk::Error::Misaligned { .. })
+    ));
+    let e = op(&dev, Op::WriteZeroes, 0, 4096, BioFlags::NONE).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOTSUP, "{e}");
+    write(&dev, 0, &[1; 4096], BioFlags::FUA).unwrap();
+    let e = read(&dev, 0, 4096).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC, "{e}");
+    // The connection goes on.
+    assert!(!dev.is_broken());
+    write(&dev, 4096, &[2; 4096], BioFlags::NONE).unwrap();
+}

@@ -1,0 +1,113 @@
+//! `RemoteDevice` allocates nothing per request in the steady state: reads, writes and flushes
+//! against nbdkit's memory plugin (another process, so that every allocation counted is the
+//! device's: the submitting test thread and the receiver thread). Skipped without nbdkit.
+// A plain threaded test, never a loom model: its own harness may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op};
+use nbd::remote::RemoteDevice;
+use testkit::alloc::CountingAlloc;
+use waitq::WaitQueue;
+
+#[global_allocator]
+static COUNT: CountingAlloc = CountingAlloc::new();
+
+/// One completion, reused for every request (a `PendingBio` allocates its own).
+#[derive(Default)]
+struct Done {
+    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
+    wq: WaitQueue,
+}
+
+impl EndIo for Done {
+    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
+        *self.out.lock().unwrap() = Some((bio, res));
+        self.wq.wake_one();
+    }
+}
+
+fn run(dev: &dyn Device, end: &Arc<dyn EndIo>, done: &Done, bio: Bio) -> Bio {
+    dev.submit(bio, end);
+    let (bio, r) = done.wq.wait_for(|| done.out.lock().unwrap().take());
+    r.unwrap();
+    bio
+}
+
+#[test]
+fn no_allocation_per_request() {
+    if std::process::Command::new("nbdkit")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: nbdkit is not on PATH");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("kit.sock");
+    let mut child = std::process::Command::new("nbdkit")
+        .args(["-f", "-U"])
+        .arg(&sock)
+        .args(["memory", "64M"])
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}", sock.display())).unwrap();
+    let done = Arc::new(Done::default());
+    let end: Arc<dyn EndIo> = done.clone();
+    let mut wbio = Bio::with_buf(Op::Write, 0, Buffer::new(64 << 10));
+    let mut rbio = Bio::with_buf(Op::Read, 0, Buffer::new(64 << 10));
+    let mut fbio = Bio::new(Op::Flush, 0, 0);
+    let mut round = |i: u64| {
+        let sector = (i % 512) * 128;
+        wbio.sector = sector;
+        wbio.flags = if i.is_multiple_of(4) {
+            BioFlags::FUA
+        } else {
+            BioFlags::NONE
+        };
+        wbio = run(
+            &dev,
+            &end,
+            &done,
+            std::mem::replace(&mut wbio, Bio::new(Op::Flush, 0, 0)),
+        );
+        rbio.sector = sector;
+        rbio = run(
+            &dev,
+            &end,
+            &done,
+            std::mem::replace(&mut rbio, Bio::new(Op::Flush, 0, 0)),
+        );
+        if i.is_multiple_of(16) {
+            fbio = run(
+                &dev,
+                &end,
+                &done,
+                std::mem::replace(&mut fbio, Bio::new(Op::Flush, 0, 0)),
+            );
+        }
+    };
+    for i in 0..200 {
+        round(i);
+    }
+    COUNT.start();
+    for i in 0..2000 {
+        round(i);
+    }
+    let n = COUNT.stop();
+    drop(dev);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(
+        n, 0,
+        "allocations in 2000 rounds of write, read (and flush)"
+    );
+}
