@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# bench/proxy.sh: what an nbd:// device costs. Direct against proxied: fio's nbd engine, 4 KiB randread and randwrite, qd 1 and 32, one connection,
-# against blkq serve mem:1G on a Unix socket, and through a second blkq serve whose device is
-# nbd+unix:// of the first. Interleaved rounds.
+# bench/proxy.sh: what an nbd:// device costs (docs/bench.md section 15). fio's nbd engine,
+# 4 KiB randread and randwrite at queue depth 1 and 32, one connection, against `blkq serve
+# --device mem:1G` on a Unix socket, directly and through a second blkq serve whose device is
+# nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us.
+# B=PATH picks the binary (default target/release/blkq).
 set -euo pipefail
 B=${B:-target/release/blkq}
 D=$(mktemp -d /tmp/pb.XXXX)
