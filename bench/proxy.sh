@@ -5,6 +5,7 @@
 # nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us.
 # B=PATH picks the binary (default target/release/blkq).
 set -euo pipefail
+echo "# bench/proxy.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary ${B:-target/release/blkq}"
 B=${B:-target/release/blkq}
 D=$(mktemp -d /tmp/pb.XXXX)
 $B serve --device mem:1G --socket $D/a.sock --no-tcp >/dev/null 2>&1 & P1=$!
