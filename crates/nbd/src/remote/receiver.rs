@@ -1,0 +1,274 @@
+//! The receiver thread of a [`super::RemoteDevice`]: reads the server's replies, receives read
+//! data into the bios' buffers, completes requests, and breaks the connection on a timeout or
+//! a malformed reply.
+
+use std::io::{self, Read};
+use std::time::{Duration, Instant};
+
+use blk::Op;
+use blkq_sync::atomic::Ordering;
+use blkq_sync::DynArc;
+
+use super::table::{Shared, Status};
+use crate::proto::{TransmissionMode, NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN};
+use crate::stream::Stream;
+use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
+use crate::Decoded;
+
+/// Bytes of a non-data reply chunk the receiver accepts (an error chunk's message is at most
+/// 4 KiB); a longer one is a malformed reply.
+pub(super) const SCRATCH: usize = 8 << 10;
+
+/// Why the receiver stopped.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Stop {
+    /// The server closed the connection.
+    #[error("the server closed the connection")]
+    Closed,
+    /// The device is being dropped.
+    #[error("closing")]
+    Closing,
+    /// A socket error.
+    #[error("socket error: {0}")]
+    Io(io::Error),
+    /// A malformed reply.
+    #[error("malformed reply: {0}")]
+    Malformed(String),
+    /// Requests started at or before this instant timed out.
+    #[error("a request timed out")]
+    TimedOut(Instant),
+}
+
+pub(super) struct Receiver {
+    pub(super) sh: DynArc<Shared>,
+    pub(super) stream: Stream,
+    pub(super) scratch: Vec<u8>,
+    pub(super) tick: Duration,
+    pub(super) last_check: Instant,
+}
+
+impl Receiver {
+    pub(super) fn run(mut self) {
+        let stop = loop {
+            if let Err(s) = self.one_reply() {
+                break s;
+            }
+        };
+        let (errno, expired) = match &stop {
+            Stop::TimedOut(t) => (libc::EIO, Some(*t)),
+            _ => (libc::EIO, None),
+        };
+        if !self.sh.closing.load(Ordering::SeqCst) {
+            tracing::warn!(uri = %self.sh.uri, "the connection to the NBD server broke: {stop}");
+        }
+        self.sh.break_connection(errno, expired);
+    }
+
+    /// Fails if the device is closing or a request has been in flight longer than the
+    /// timeout.
+    fn check(&mut self) -> Result<(), Stop> {
+        self.last_check = Instant::now();
+        if self.sh.closing.load(Ordering::SeqCst) {
+            return Err(Stop::Closing);
+        }
+        let Some(limit) = self.last_check.checked_sub(self.sh.timeout) else {
+            return Ok(());
+        };
+        let t = self.sh.table.lock();
+        if t.slots
+            .iter()
+            .any(|s| s.busy && s.status.is_none() && s.started <= limit)
+        {
+            return Err(Stop::TimedOut(limit));
+        }
+        Ok(())
+    }
+
+    /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick.
+    fn read_full(&mut self, buf: &mut [u8]) -> Result<(), Stop> {
+        let mut at = 0;
+        while at < buf.len() {
+            match self.stream.read(&mut buf[at..]) {
+                Ok(0) => return Err(Stop::Closed),
+                Ok(n) => at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    self.check()?
+                }
+                Err(e) => return Err(Stop::Io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_scratch(&mut self, n: usize) -> Result<(), Stop> {
+        let mut s = std::mem::take(&mut self.scratch);
+        let r = match s.get_mut(..n) {
+            Some(b) => self.read_full(b),
+            None => Err(Stop::Malformed(format!("a reply chunk of {n} bytes"))),
+        };
+        self.scratch = s;
+        r
+    }
+
+    /// Receives `n` bytes straight into slot `i`'s bio buffer at `at`.
+    fn read_into_bio(&mut self, i: usize, at: u64, n: u64) -> Result<(), Stop> {
+        let bio = self
+            .sh
+            .table
+            .lock()
+            .slots
+            .get_mut(i)
+            .and_then(|s| s.bio.take());
+        let Some(mut bio) = bio else {
+            return Err(Stop::Malformed(
+                "read data for a slot without its bio".into(),
+            ));
+        };
+        let range = usize::try_from(at)
+            .ok()
+            .zip(usize::try_from(at + n).ok())
+            .and_then(|(a, b)| bio.buf.as_mut()?.as_mut_slice().get_mut(a..b));
+        let r = match range {
+            Some(dst) => self.read_full(dst),
+            None => Err(Stop::Malformed("read data outside the buffer".into())),
+        };
+        self.sh.table.lock().slots[i].bio = Some(bio);
+        r
+    }
+
+    fn lookup(&self, cookie: u64) -> Result<(usize, Op, u64, u64), Stop> {
+        let t = self.sh.table.lock();
+        let i = t.lookup(cookie).ok_or_else(|| {
+            Stop::Malformed(format!(
+                "a reply for cookie {cookie:#x}, which is not in flight"
+            ))
+        })?;
+        let s = &t.slots[i];
+        Ok((i, s.op, s.offset, s.len))
+    }
+
+    fn one_reply(&mut self) -> Result<(), Stop> {
+        if self.last_check.elapsed() >= self.tick {
+            self.check()?;
+        }
+        let mut hdr = [0u8; 32];
+        self.read_full(&mut hdr[..SIMPLE_REPLY_LEN])?;
+        let mut have = SIMPLE_REPLY_LEN;
+        let header = loop {
+            match decode_reply_header(&hdr[..have], self.sh.mode) {
+                Ok(Decoded::Complete { value, .. }) => break value,
+                Ok(Decoded::Incomplete(n)) if n > have && n <= hdr.len() => {
+                    let mut more = [0u8; 32];
+                    self.read_full(&mut more[..n - have])?;
+                    hdr[have..n].copy_from_slice(&more[..n - have]);
+                    have = n;
+                }
+                Ok(Decoded::Incomplete(n)) => {
+                    return Err(Stop::Malformed(format!("a reply header of {n} bytes")))
+                }
+                Err(e) => return Err(Stop::Malformed(e.to_string())),
+            }
+        };
+        match header {
+            ReplyHeader::Simple(r) => {
+                let (i, op, _, len) = self.lookup(r.cookie)?;
+                if r.error != 0 {
+                    self.sh.finish(i, Status::Nbd(r.error));
+                } else {
+                    if op == Op::Read {
+                        if self.sh.mode != TransmissionMode::Simple {
+                            return Err(Stop::Malformed(
+                                "a simple reply to a successful read in structured mode".into(),
+                            ));
+                        }
+                        self.read_into_bio(i, 0, len)?;
+                    }
+                    self.sh.finish(i, Status::Ok);
+                }
+            }
+            ReplyHeader::Chunk(h) => {
+                let (i, op, off, len) = self.lookup(h.cookie)?;
+                let inside = |o: u64, n: u64| -> Result<u64, Stop> {
+                    match (o.checked_sub(off), o.checked_add(n)) {
+                        (Some(at), Some(e)) if op == Op::Read && e <= off + len => Ok(at),
+                        _ => Err(Stop::Malformed(format!(
+                            "data {o}+{n} outside the request {off}+{len}"
+                        ))),
+                    }
+                };
+                if h.reply_type == NBD_REPLY_TYPE_OFFSET_DATA {
+                    if h.length <= 8 {
+                        return Err(Stop::Malformed("a data chunk without data".into()));
+                    }
+                    let mut o = [0u8; 8];
+                    self.read_full(&mut o)?;
+                    let n = h.length - 8;
+                    let at = inside(u64::from_be_bytes(o), n)?;
+                    self.read_into_bio(i, at, n)?;
+                    self.sh.table.lock().slots[i].covered += n;
+                } else {
+                    let n = usize::try_from(h.length).unwrap_or(usize::MAX);
+                    self.read_scratch(n)?;
+                    let payload = self.scratch.get(..n).unwrap_or(&[]);
+                    let (error, hole) = match parse_chunk(&h, payload) {
+                        Ok(Chunk::None) => (0, None),
+                        Ok(Chunk::OffsetHole { offset, size }) => (0, Some((offset, size))),
+                        Ok(
+                            Chunk::Error { error, .. }
+                            | Chunk::ErrorOffset { error, .. }
+                            | Chunk::OtherError { error, .. },
+                        ) => (error.max(1), None),
+                        Ok(other) => {
+                            return Err(Stop::Malformed(format!("an unasked-for chunk {other:?}")))
+                        }
+                        Err(e) => return Err(Stop::Malformed(e.to_string())),
+                    };
+                    if let Some((o, size)) = hole {
+                        let at = inside(o, u64::from(size))? as usize;
+                        let mut t = self.sh.table.lock();
+                        let s = &mut t.slots[i];
+                        let dst = s
+                            .bio
+                            .as_mut()
+                            .and_then(|b| b.buf.as_mut())
+                            .and_then(|b| b.as_mut_slice().get_mut(at..at + size as usize));
+                        let Some(dst) = dst else {
+                            return Err(Stop::Malformed("a hole outside the buffer".into()));
+                        };
+                        dst.fill(0);
+                        s.covered += u64::from(size);
+                    }
+                    if error != 0 {
+                        let mut t = self.sh.table.lock();
+                        if t.slots[i].error == 0 {
+                            t.slots[i].error = error;
+                        }
+                    }
+                }
+                if h.is_done() {
+                    let (error, covered) = {
+                        let t = self.sh.table.lock();
+                        (t.slots[i].error, t.slots[i].covered)
+                    };
+                    let status = if error != 0 {
+                        Status::Nbd(error)
+                    } else if op == Op::Read && covered != len {
+                        return Err(Stop::Malformed(format!(
+                            "a read of {len} bytes answered with {covered}"
+                        )));
+                    } else {
+                        Status::Ok
+                    };
+                    self.sh.finish(i, status);
+                }
+            }
+        }
+        Ok(())
+    }
+}
