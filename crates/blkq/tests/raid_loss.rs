@@ -8,7 +8,6 @@
 mod common;
 use common::*;
 
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -17,7 +16,6 @@ use std::time::{Duration, Instant};
 use nbd::proto::CmdFlags;
 
 const LEG_SIZE: u64 = 64 << 20;
-const MB: u64 = 1 << 20;
 /// Bitmap bits stay set for the whole test (no clearing behind its back).
 const QUIET: &str = "bitmap_quiet_ms=600000";
 
@@ -35,30 +33,6 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 /// bitmap chunks), 4 KiB to 64 KiB long.
 fn nth_write(i: u64) -> (u64, Vec<u8>) {
     (i * (64 << 10), pattern(i, 4096 * (1 + (i % 16) as usize)))
-}
-
-/// The data areas of two leg files compare equal (superblock and bitmap region skipped).
-fn assert_leg_files_equal(a: &Path, b: &Path, data_offset: u64, capacity: u64) {
-    let (fa, fb) = (
-        std::fs::File::open(a).unwrap(),
-        std::fs::File::open(b).unwrap(),
-    );
-    let (mut ba, mut bb) = (vec![0u8; MB as usize], vec![0u8; MB as usize]);
-    let mut pos = 0;
-    while pos < capacity {
-        let n = MB.min(capacity - pos) as usize;
-        fa.read_exact_at(&mut ba[..n], data_offset + pos).unwrap();
-        fb.read_exact_at(&mut bb[..n], data_offset + pos).unwrap();
-        assert!(ba[..n] == bb[..n], "legs differ in the MiB at {pos}");
-        pos += n as u64;
-    }
-}
-
-fn geometry(v: &serde_json::Value) -> (u64, u64) {
-    (
-        v["data_offset"].as_u64().unwrap(),
-        v["capacity"].as_u64().unwrap(),
-    )
 }
 
 #[test]

@@ -50,14 +50,28 @@ pub struct Launch {
 impl Launch {
     /// `blkq ARGS`.
     pub fn new<S: AsRef<OsStr>>(args: impl IntoIterator<Item = S>) -> Self {
-        let mut cmd = Command::new(BIN);
+        Self::program(BIN, args)
+    }
+
+    /// Another program (a peer server such as nbdkit), started and awaited the same way.
+    pub fn program<S: AsRef<OsStr>>(
+        program: impl AsRef<OsStr>,
+        args: impl IntoIterator<Item = S>,
+    ) -> Self {
+        let program = program.as_ref();
+        let mut cmd = Command::new(program);
         cmd.env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        let what = Path::new(program)
+            .file_name()
+            .unwrap_or(program)
+            .to_string_lossy()
+            .into_owned();
         Self {
             cmd,
-            what: "blkq".into(),
+            what,
             stderr: None,
             line: None,
             ready: Vec::new(),
@@ -108,6 +122,26 @@ impl Launch {
         unsafe {
             self.cmd.pre_exec(move || {
                 libc::umask(mask);
+                Ok(())
+            });
+        }
+        self
+    }
+
+    /// Runs the program in the network namespace `ns` (a path such as
+    /// `/run/netns/NAME`, opened here; `setns(2)` between fork and exec).
+    pub fn in_netns(mut self, ns: &Path) -> Self {
+        use std::os::fd::{AsRawFd, OwnedFd};
+        let fd: OwnedFd = std::fs::File::open(ns)
+            .unwrap_or_else(|e| panic!("open {}: {e}", ns.display()))
+            .into();
+        // SAFETY: setns(2) is a plain system call (async-signal-safe) on a descriptor the
+        // closure owns, which stays open until the Command (and so the closure) is dropped.
+        unsafe {
+            self.cmd.pre_exec(move || {
+                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }

@@ -3,7 +3,7 @@
 //! and on it a running `blkq serve` on a socket ([`Serving`]) and a `blkq serve --raid1
 //! --control` driven through its control socket ([`Server`]). Bounded waits only (no timing
 //! assertions).
-#![allow(dead_code)] // each test file uses its own subset
+#![allow(dead_code, unused_imports)] // each test file uses its own subset
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -13,8 +13,12 @@ use nbd::client::{Client, ClientOptions, Endpoint};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_blkq");
 
+mod hosts;
 mod launch;
+mod load;
+pub use hosts::{hosts_or_skip, Hosts, BACK_IP, FRONT_IP};
 pub use launch::{Launch, Running};
+pub use load::{Ledger, Load, BLOCK};
 
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
 pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
@@ -90,11 +94,21 @@ pub struct Server {
 impl Server {
     /// Starts the server and waits until both sockets exist (without connecting to them).
     pub fn start(dir: &Path, legs: &str, extra: &[&str]) -> Self {
+        Self::launch(dir, legs, extra, |l| l)
+    }
+
+    /// As [`Server::start`], with more settings (a network namespace, ...) from `more`.
+    pub fn launch(
+        dir: &Path,
+        legs: &str,
+        extra: &[&str],
+        more: impl FnOnce(Launch) -> Launch,
+    ) -> Self {
         let nbd = dir.join("nbd.sock");
         let ctl = dir.join("ctl.sock");
         let _ = std::fs::remove_file(&nbd);
         let _ = std::fs::remove_file(&ctl);
-        let proc = Launch::serve(["--raid1", legs, "--no-tcp", "--socket"])
+        let l = Launch::serve(["--raid1", legs, "--no-tcp", "--socket"])
             .arg(&nbd)
             .arg("--control")
             .arg(&ctl)
@@ -102,8 +116,8 @@ impl Server {
             .stderr_to(&dir.join("serve.stderr"))
             .ready_when_exists(&ctl)
             .ready_when_exists(&nbd)
-            .poll_every(Duration::from_millis(50))
-            .start();
+            .poll_every(Duration::from_millis(50));
+        let proc = more(l).start();
         Self { proc, nbd, ctl }
     }
 
@@ -193,6 +207,34 @@ impl Serving {
         )
         .unwrap()
     }
+}
+
+/// The data areas of two leg files compare equal (superblock and bitmap region skipped):
+/// `data_offset` and `capacity` as `raid status --json` gives them ([`geometry`]).
+pub fn assert_leg_files_equal(a: &Path, b: &Path, data_offset: u64, capacity: u64) {
+    use std::os::unix::fs::FileExt;
+    const MB: u64 = 1 << 20;
+    let (fa, fb) = (
+        std::fs::File::open(a).unwrap(),
+        std::fs::File::open(b).unwrap(),
+    );
+    let (mut ba, mut bb) = (vec![0u8; MB as usize], vec![0u8; MB as usize]);
+    let mut pos = 0;
+    while pos < capacity {
+        let n = MB.min(capacity - pos) as usize;
+        fa.read_exact_at(&mut ba[..n], data_offset + pos).unwrap();
+        fb.read_exact_at(&mut bb[..n], data_offset + pos).unwrap();
+        assert!(ba[..n] == bb[..n], "legs differ in the MiB at {pos}");
+        pos += n as u64;
+    }
+}
+
+/// `data_offset` and `capacity` of an array's `raid status --json`.
+pub fn geometry(v: &serde_json::Value) -> (u64, u64) {
+    (
+        v["data_offset"].as_u64().unwrap(),
+        v["capacity"].as_u64().unwrap(),
+    )
 }
 
 /// The address in a file `blkq` wrote whole (`--metrics-addr-file`; wait for it with
