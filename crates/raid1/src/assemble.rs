@@ -23,6 +23,7 @@ use crate::device::{
     ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
     IN_SYNC, PRESENT, WRITE_MOSTLY,
 };
+use crate::generation::Kinship;
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 use uuid::Uuid;
 
@@ -87,6 +88,30 @@ pub enum AssemblyError {
         /// Their events.
         events: u64,
     },
+    /// The legs carry histories that went apart (see [`crate::generation`]): each side ran
+    /// without the other and holds writes the other lacks, whatever their events say.
+    #[error(
+        "the legs' histories diverged: {}: each side ran without the other and holds writes \
+         the other lacks; refusing to pick a side: assemble from the side to keep (allowing a \
+         degraded start), then add the other with --discard (only the chunks either side \
+         changed are copied)",
+        name_sides(.sides)
+    )]
+    Diverged {
+        /// Each side: its legs (positions among the legs given) and its generation.
+        sides: Vec<(Vec<usize>, u64)>,
+    },
+}
+
+fn name_sides(sides: &[(Vec<usize>, u64)]) -> String {
+    sides
+        .iter()
+        .map(|(legs, g)| {
+            let which = if legs.len() == 1 { "leg" } else { "legs" };
+            format!("{which} {} at generation {g:016x}", join(legs))
+        })
+        .collect::<Vec<_>>()
+        .join(" and ")
 }
 
 fn join(legs: &[usize]) -> String {
@@ -103,14 +128,18 @@ impl Assembly {
     ///    events, then to the earlier leg's); a leg of another array is refused
     ///    ([`AssemblyError::ForeignLeg`]), and so is a leg given twice
     ///    ([`AssemblyError::DuplicateLeg`]);
-    /// 2. the newest superblock among the array's (md compares events first): the highest
+    /// 2. the newest history: legs whose generation is an earlier point of another leg's
+    ///    history are stale whatever their events; two legs whose histories went apart are
+    ///    refused ([`AssemblyError::Diverged`]: each side ran without the other);
+    /// 3. the newest superblock among the legs at that point (md compares events first): the
+    ///    highest
     ///    `events`; among superblocks with those events that disagree (a leg failed while they
     ///    were being written), never one whose own leg another records as failed (that leg
     ///    missed writes the other saw), then the one recording the most failed legs, then the
     ///    lowest slot: the same choice in any order. Two legs that each record the other as
     ///    failed (split brain: each may hold writes the other lacks) are refused
     ///    ([`AssemblyError::SplitBrain`]);
-    /// 3. each leg's slot: its superblock's role, where the newest superblock's slot table
+    /// 4. each leg's slot: its superblock's role, where the newest superblock's slot table
     ///    still holds that leg.
     pub fn decide(sbs: &[Option<&Superblock>]) -> Result<Assembly, AssemblyError> {
         let given: Vec<(usize, &Superblock)> = sbs
@@ -156,8 +185,16 @@ impl Assembly {
                 });
             }
         }
+        // Only the legs at the newest point of the history speak for the array; legs at an
+        // earlier point are stale, whatever their events; two newest points are refused.
+        let heads = newest_generation(&given)?;
+        let at_head: Vec<(usize, &Superblock)> = given
+            .iter()
+            .filter(|(_, sb)| sb.lineage.current.id == heads)
+            .copied()
+            .collect();
         let mut warnings = Vec::new();
-        let newest = choose_newest(&given, &mut warnings)?;
+        let newest = choose_newest(&at_head, &mut warnings)?;
         let nb = sbs[newest].expect("the newest superblock is one of those given");
         let slots = sbs
             .iter()
@@ -186,7 +223,8 @@ impl Raid1 {
         if legs.len() < 2 {
             return Err(Raid1Error::Config("raid1 needs at least 2 legs".into()));
         }
-        let nr_slots = legs.len() + cfg.spare_slots;
+        let nr_legs = legs.len();
+        let nr_slots = nr_legs + cfg.spare_slots;
         if nr_slots > MAX_LEGS {
             return Err(Raid1Error::Config(format!("at most {MAX_LEGS} slots")));
         }
@@ -232,6 +270,7 @@ impl Raid1 {
                 sb_events: 1,
                 was_in_sync: true,
                 readd: false,
+                generation: sbs[i].lineage.current.id,
             })
             .collect();
         Self::launch(Launch {
@@ -240,6 +279,8 @@ impl Raid1 {
             slot_uuids: Vec::new(),
             array_uuid: sb0.array_uuid,
             events: 1,
+            lineage: sb0.lineage.clone(),
+            members: (1u64 << nr_legs) - 1,
             data_offset,
             capacity,
             lbs,
@@ -315,12 +356,20 @@ impl Raid1 {
             .min()
             .unwrap_or(cfg.max_io_bytes);
         let mut placed: Vec<Placed> = Vec::new();
+        let mut left_out = Vec::new();
         for (i, dev, sb) in found {
             if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
                 return Err(Raid1Error::Slot(i, "leg smaller than the array"));
             }
-            // Spares (added later with add_leg) and legs replaced since take no slot.
+            // Spares (added later with add_leg) and legs replaced since take no slot. A leg
+            // whose slot the newest superblock leaves empty (it ran without it) comes back
+            // through add_leg, which lets it in only if its history allows.
             let Some(n) = assembly.slots[i] else {
+                if let Role::Slot(n) = sb.role {
+                    if newest.legs.get(n as usize).is_some_and(|l| l.uuid.is_nil()) {
+                        left_out.push((i, dev));
+                    }
+                }
                 continue;
             };
             let info = &newest.legs[n];
@@ -331,7 +380,8 @@ impl Raid1 {
             if info.write_mostly {
                 state |= WRITE_MOSTLY;
             }
-            let current = sb.events == newest.events;
+            let current =
+                sb.events == newest.events && sb.lineage.current.id == newest.lineage.current.id;
             if info.in_sync && current {
                 state |= IN_SYNC;
             }
@@ -348,7 +398,21 @@ impl Raid1 {
                 sb_events: sb.events,
                 was_in_sync: sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty),
                 readd: false,
+                generation: sb.lineage.current.id,
             });
+        }
+        let in_sync_recorded = newest
+            .legs
+            .iter()
+            .filter(|l| l.in_sync && !l.faulty)
+            .count();
+        if nr_given < in_sync_recorded && !cfg.allow_degraded {
+            return Err(Raid1Error::Config(format!(
+                "{in_sync_recorded} legs are in sync in this array but {nr_given} given: \
+                 starting without the others makes this side a new history, which they can \
+                 rejoin only by discarding their writes (a failover); set allow_degraded \
+                 (blkq serve --raid1-degraded) to do that"
+            )));
         }
         if !placed
             .iter()
@@ -386,11 +450,21 @@ impl Raid1 {
             // recovery (md's re-add); any other recovering leg recovers fully.
             let cleared = bm.events_cleared();
             for p in placed.iter_mut() {
+                // A leg of the newest generation: md's rule; of an earlier one: no bit cleared
+                // since the array left it (see `Raid1::add_leg`).
+                let covered = if p.generation == newest.lineage.current.id {
+                    p.sb_events >= cleared
+                } else {
+                    newest
+                        .lineage
+                        .left_at(p.generation)
+                        .is_some_and(|left| cleared < left)
+                };
                 p.readd = loaded
                     && p.state & (IN_SYNC | FAULTY) == 0
                     && p.recovery_offset == 0
                     && p.was_in_sync
-                    && p.sb_events >= cleared;
+                    && covered;
             }
             Some(bm)
         };
@@ -400,6 +474,13 @@ impl Raid1 {
             slot_uuids: newest.legs.iter().map(|l| l.uuid).collect(),
             array_uuid: newest.array_uuid,
             events: newest.events,
+            lineage: newest.lineage.clone(),
+            members: newest
+                .legs
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.in_sync && !l.faulty)
+                .fold(0, |m, (i, _)| m | 1 << i),
             data_offset: newest.data_offset,
             capacity,
             lbs,
@@ -408,6 +489,17 @@ impl Raid1 {
             cfg,
             resync: newest.array_state != ArrayState::Clean,
         })?;
+        for (i, dev) in left_out {
+            // A former leg of an emptied slot: a re-add when its history allows it.
+            match r.add_leg(dev) {
+                Ok(slot) => tracing::info!("raid1: leg {i}: back into slot {slot}, recovering"),
+                Err(e) => {
+                    let w = format!("leg {i}: left out ({e})");
+                    tracing::warn!("raid1: {w}");
+                    warnings.push(w);
+                }
+            }
+        }
         for (i, dev) in unreadable {
             // A new leg to the array: fresh UUID, full recovery. One that cannot even take a
             // superblock stays out; the array runs without it.
@@ -467,6 +559,8 @@ impl Raid1 {
                 array_uuid: a.array_uuid,
                 events: a.events,
                 state: ArrayState::Active,
+                lineage: a.lineage,
+                members: a.members,
             }),
             fail_lock: Mutex::new(()),
             fail_gen: AtomicU64::new(0),
@@ -521,6 +615,30 @@ impl Raid1 {
             crashed: false,
             warnings: Vec::new(),
         })
+    }
+}
+
+/// The generation of the newest history among `found` (one array's legs): the one no other
+/// leg's history has gone past. Step 2 of [`Assembly::decide`].
+fn newest_generation(found: &[(usize, &Superblock)]) -> Result<u64, AssemblyError> {
+    let mut heads: Vec<(Vec<usize>, u64)> = Vec::new();
+    for (i, sb) in found {
+        let passed = found
+            .iter()
+            .any(|(_, o)| o.lineage.kinship(&sb.lineage) == Kinship::Ancestor);
+        if passed {
+            continue;
+        }
+        let g = sb.lineage.current.id;
+        match heads.iter_mut().find(|(_, h)| *h == g) {
+            Some((legs, _)) => legs.push(*i),
+            None => heads.push((vec![*i], g)),
+        }
+    }
+    match heads.len() {
+        0 => Err(AssemblyError::NoSuperblock),
+        1 => Ok(heads[0].1),
+        _ => Err(AssemblyError::Diverged { sides: heads }),
     }
 }
 

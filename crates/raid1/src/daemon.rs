@@ -131,7 +131,40 @@ impl Inner {
             events: meta.events,
             bitmap,
             legs,
+            lineage: meta.lineage.clone(),
         }
+    }
+
+    /// The slots whose leg is present, in sync and not faulty (a bit per slot).
+    pub(crate) fn in_sync_mask(&self) -> u64 {
+        self.legs
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| {
+                l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
+            })
+            .fold(0, |m, (i, _)| m | 1 << i)
+    }
+
+    /// Bumps `events` for a superblock write; when a slot of the current generation is no
+    /// longer in sync, starts a new generation at these events (see `generation`): the leg
+    /// that left keeps the old one, which the new history remembers.
+    fn next_events(&self) {
+        let in_sync = self.in_sync_mask();
+        let mut m = self.meta.lock();
+        m.events += 1;
+        if m.members & !in_sync != 0 {
+            let events = m.events;
+            let before = m.lineage.current.id;
+            m.lineage.rotate(events);
+            tracing::info!(
+                "raid1: slots {:#b} in sync (were {:#b}): new generation {:016x} after {before:016x}",
+                in_sync,
+                m.members,
+                m.lineage.current.id
+            );
+        }
+        m.members = in_sync;
     }
 
     pub(crate) fn write_superblocks_state(&self, state: ArrayState) -> Result<(), Raid1Error> {
@@ -164,7 +197,7 @@ impl Inner {
                 let _f = self.fail_lock.lock();
                 self.fail_gen.load(Ordering::Acquire)
             };
-            self.meta.lock().events += 1;
+            self.next_events();
             let mut first_err = None;
             // One look at the states: the in-sync legs, then the others.
             let mut order: Vec<(bool, usize)> = (0..self.legs.len())

@@ -27,6 +27,7 @@ use waitq::WaitQueue;
 
 use crate::barrier::{BarrierMode, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
+use crate::generation::{Kinship, Lineage};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError};
 
 // Leg state: one `AtomicU32` per slot (`Leg::state`), read without a lock on every I/O
@@ -97,6 +98,24 @@ pub enum Raid1Error {
     /// The legs given to [`Raid1::assemble`] do not form one array.
     #[error(transparent)]
     Assembly(#[from] crate::assemble::AssemblyError),
+    /// A leg offered to [`Raid1::add_leg`] went on without this array (see
+    /// [`crate::generation`]): it holds writes the array lacks.
+    #[error(
+        "the leg's history {} the array's (leg at generation {leg:016x}, array at {array:016x}): \
+         it ran without this array and holds writes the array lacks; refusing to overwrite \
+         them: add it with --discard (add_leg_discarding) to discard them, which copies only \
+         the chunks either side changed",
+        if *.newer { "is newer than" } else { "diverged from" }
+    )]
+    Diverged {
+        /// The leg's current generation.
+        leg: u64,
+        /// The array's current generation.
+        array: u64,
+        /// The array's generation is an earlier point of the leg's history (the leg is
+        /// newer), rather than another branch.
+        newer: bool,
+    },
 }
 
 /// Configuration of a [`Raid1`].
@@ -118,6 +137,10 @@ pub struct Raid1Config {
     pub read_error_limit: u32,
     /// Extra empty slots for legs added at run time.
     pub spare_slots: usize,
+    /// [`Raid1::assemble`] may start without legs the newest superblock records in sync
+    /// (`allow_degraded=true`; `blkq serve --raid1-degraded`): this side then runs as a new
+    /// generation, and the legs left out are refused later unless their side is discarded.
+    pub allow_degraded: bool,
 }
 
 impl Default for Raid1Config {
@@ -131,6 +154,7 @@ impl Default for Raid1Config {
             max_io_bytes: 1 << 20,
             read_error_limit: 20,
             spare_slots: 1,
+            allow_degraded: false,
         }
     }
 }
@@ -149,7 +173,7 @@ fn parse_size(v: &str) -> Option<u64> {
 impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
-    /// `read_errors=N`, `spare_slots=N`.
+    /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`.
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -176,6 +200,7 @@ impl Raid1Config {
             }
             "read_errors" => self.read_error_limit = value.parse().map_err(|_| bad())?,
             "spare_slots" => self.spare_slots = value.parse().map_err(|_| bad())?,
+            "allow_degraded" => self.allow_degraded = value.parse().map_err(|_| bad())?,
             _ => return Err(Raid1Error::Config(format!("raid1: unknown option {key}"))),
         }
         Ok(())
@@ -324,6 +349,8 @@ pub(crate) struct Placed {
     pub(crate) sb_events: u64,
     pub(crate) was_in_sync: bool,
     pub(crate) readd: bool,
+    /// Its own superblock's generation.
+    pub(crate) generation: u64,
 }
 
 /// What `launch` needs.
@@ -334,6 +361,10 @@ pub(crate) struct Launch {
     pub(crate) slot_uuids: Vec<Uuid>,
     pub(crate) array_uuid: Uuid,
     pub(crate) events: u64,
+    /// The history the array continues (see `generation`).
+    pub(crate) lineage: Lineage,
+    /// The slots in sync in that generation (a bit per slot).
+    pub(crate) members: u64,
     pub(crate) data_offset: u64,
     pub(crate) capacity: u64,
     pub(crate) lbs: u32,
@@ -348,6 +379,12 @@ pub(crate) struct ArrayMeta {
     pub(crate) array_uuid: Uuid,
     pub(crate) events: u64,
     pub(crate) state: ArrayState,
+    /// The array's generations (see `generation`): a new one starts when a slot leaves
+    /// `members`.
+    pub(crate) lineage: Lineage,
+    /// The slots in sync in the current generation (a bit per slot), as of the last
+    /// superblock write.
+    pub(crate) members: u64,
 }
 
 pub(crate) struct Inner {
@@ -529,29 +566,39 @@ impl Raid1 {
     /// superblock and bitmap.
     ///
     /// A re-add (md's `--re-add`): when `dev`'s own superblock says it held slot `n` of this
-    /// array, slot `n` is empty and still names it, it was in sync when it left, and the
-    /// bitmap's `events_cleared` is not past its events, it goes back into slot `n` and
+    /// array, slot `n` is empty and still names it, it was in sync when it left, and no bit
+    /// of the bitmap was cleared since (its generation is this array's and the bitmap's
+    /// `events_cleared` is not past its events, or its generation is an earlier one of this
+    /// array's and no bit was cleared since the array left it), it goes back into slot `n` and
     /// recovers only the bitmap's dirty chunks. Any other leg gets a fresh UUID and a full
     /// recovery.
+    ///
+    /// A leg of this array whose history went on without it (see [`crate::generation`]) is
+    /// refused ([`Raid1Error::Diverged`]): it holds writes the array lacks.
     pub fn add_leg(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.add_leg_with(dev, false)
+    }
+
+    /// As [`Raid1::add_leg`], and a leg whose history diverged from the array's is taken
+    /// too, its writes discarded (the operator's choice of side, `blkq raid add --discard`):
+    /// the array's bitmap takes the union of both sides' dirty chunks, and recovery copies
+    /// those, so both legs end equal to the array. When either side cleared bits since they
+    /// parted, the union may miss a change, and the leg is recovered in full instead.
+    pub fn add_leg_discarding(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.add_leg_with(dev, true)
+    }
+
+    fn add_leg_with(&self, dev: StdArc<dyn Device>, discard: bool) -> Result<usize, Raid1Error> {
         let inner = &self.inner;
         inner.refuse_if_failed()?;
         if dev.limits().capacity < inner.data_offset + inner.capacity {
             return Err(Raid1Error::Config("new leg is too small".into()));
         }
         let old_sb = Self::read_superblock(dev.as_ref()).ok();
-        let array_uuid = inner.meta.lock().array_uuid;
-        let readd_slot = old_sb.as_ref().and_then(|sb| {
-            let bm = inner.bitmap.as_ref()?;
-            let Role::Slot(n) = sb.role else { return None };
-            let n = n as usize;
-            let l = inner.legs.get(n)?;
-            let ok = sb.array_uuid == array_uuid
-                && *l.uuid.lock() == sb.leg_uuid
-                && sb.legs.get(n).is_some_and(|i| i.in_sync && !i.faulty)
-                && sb.events >= bm.events_cleared();
-            ok.then_some(n)
-        });
+        let readd_slot = match &old_sb {
+            Some(sb) => self.readd_slot(dev.as_ref(), sb, discard)?,
+            None => None,
+        };
         inner.barriers.freeze_array(0);
         let free = |i: usize| inner.legs[i].state.load(Ordering::Acquire) & PRESENT == 0;
         let (slot, readd) = match readd_slot.filter(|&n| free(n)) {
@@ -564,9 +611,11 @@ impl Raid1 {
             // SAFETY: frozen above.
             let _ = unsafe { l.set_dev_frozen(Some(dev)) };
             old_uuid = *l.uuid.lock();
-            if !readd {
-                *l.uuid.lock() = Uuid::new_v4();
-            }
+            *l.uuid.lock() = match (&old_sb, readd) {
+                // A re-add into a slot that may name no leg any more: its own UUID.
+                (Some(sb), true) => sb.leg_uuid,
+                _ => Uuid::new_v4(),
+            };
             l.recovery_offset.store(0, Ordering::Release);
             l.bitmap_recovery.store(readd, Ordering::Release);
             l.read_errors.store(0, Ordering::Relaxed);
@@ -587,6 +636,124 @@ impl Raid1 {
             return Err(e);
         }
         Ok(i)
+    }
+
+    /// The slot `dev` (whose superblock is `sb`) goes back into with a bitmap recovery, if
+    /// any (see [`Raid1::add_leg`] and [`Raid1::add_leg_discarding`]); a diverged leg is an
+    /// error unless `discard`, and then its bitmap's bits join the array's.
+    fn readd_slot(
+        &self,
+        dev: &dyn Device,
+        sb: &Superblock,
+        discard: bool,
+    ) -> Result<Option<usize>, Raid1Error> {
+        let inner = &self.inner;
+        let (array_uuid, lineage) = {
+            let m = inner.meta.lock();
+            (m.array_uuid, m.lineage.clone())
+        };
+        if sb.array_uuid != array_uuid {
+            return Ok(None);
+        }
+        let kin = lineage.kinship(&sb.lineage);
+        if !discard && matches!(kin, Kinship::Diverged | Kinship::Descendant) {
+            return Err(Raid1Error::Diverged {
+                leg: sb.lineage.current.id,
+                array: lineage.current.id,
+                newer: kin == Kinship::Descendant,
+            });
+        }
+        let Some(bm) = inner.bitmap.as_ref() else {
+            return Ok(None);
+        };
+        let Role::Slot(n) = sb.role else {
+            return Ok(None);
+        };
+        let n = n as usize;
+        let Some(l) = inner.legs.get(n) else {
+            return Ok(None);
+        };
+        // The slot still names the leg, or names none (a slot emptied by a restart without
+        // its leg: the generations below tell whether the leg may come back).
+        let named = *l.uuid.lock();
+        if !(named == sb.leg_uuid || named.is_nil())
+            || !sb.legs.get(n).is_some_and(|i| i.in_sync && !i.faulty)
+        {
+            return Ok(None);
+        }
+        let cleared = bm.events_cleared();
+        // No bit cleared since `history` left generation `id` (strictly before: a clear at
+        // the events of the new generation's start came after it).
+        let untouched_since = |history: &Lineage, id: u64, cleared: u64| {
+            history.left_at(id).is_some_and(|left| cleared < left)
+        };
+        let ok = match kin {
+            Kinship::Same => sb.events >= cleared,
+            Kinship::Ancestor => {
+                // Its own dirty bits join: writes it took that the array may lack (it
+                // stopped with them in flight).
+                let ok = untouched_since(&lineage, sb.lineage.current.id, cleared);
+                if ok {
+                    if let Some((bits, _)) = self.leg_bitmap(dev, sb)? {
+                        bm.load(bits.as_slice())?;
+                    }
+                }
+                ok
+            }
+            Kinship::Diverged | Kinship::Descendant => {
+                let common = lineage.common(&sb.lineage);
+                // A descendant left the array's current generation while the array was
+                // stopped (it would have started a new one otherwise): the array cleared
+                // nothing since.
+                let ours_whole =
+                    kin == Kinship::Descendant || untouched_since(&lineage, common, cleared);
+                let theirs = self
+                    .leg_bitmap(dev, sb)?
+                    .filter(|(_, t)| untouched_since(&sb.lineage, common, t.events_cleared()));
+                match theirs {
+                    Some((bits, _)) if ours_whole => {
+                        bm.load(bits.as_slice())?;
+                        tracing::info!(
+                            "raid1: slot {n}: discarding the leg's writes since generation \
+                             {common:016x}: the chunks either side changed are recovered"
+                        );
+                        true
+                    }
+                    _ => {
+                        tracing::warn!(
+                            "raid1: slot {n}: discarding the leg's writes, but a side's \
+                             bitmap cannot show every chunk changed since they parted: full \
+                             recovery"
+                        );
+                        false
+                    }
+                }
+            }
+        };
+        Ok(ok.then_some(n))
+    }
+
+    /// The write-intent bitmap on leg `dev` (superblock `sb`) of this array, as bytes and
+    /// loaded; None when it cannot be read or is damaged.
+    fn leg_bitmap(
+        &self,
+        dev: &dyn Device,
+        sb: &Superblock,
+    ) -> Result<Option<(blk::Buffer, WriteIntentBitmap)>, Raid1Error> {
+        let Some(bm) = self.inner.bitmap.as_ref() else {
+            return Ok(None);
+        };
+        let theirs = WriteIntentBitmap::new(self.inner.capacity, bm.chunk_size())?;
+        let b = Bio::with_buf(
+            blk::Op::Read,
+            sb.bitmap.offset >> SECTOR_SHIFT,
+            blk::Buffer::new(theirs.disk_len()),
+        );
+        let (back, r) = blk::submit_wait(dev, b);
+        Ok(r.ok()
+            .and(back.buf)
+            .filter(|bits| theirs.load(bits.as_slice()).is_ok())
+            .map(|bits| (bits, theirs)))
     }
 
     /// Takes the leg just put into slot `i` back out (its addition failed).

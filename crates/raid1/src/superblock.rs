@@ -27,10 +27,16 @@
 //! | 80     | 8    | bitmap offset, bytes from the start of the leg           |
 //! | 88     | 8    | bitmap length, bytes                                     |
 //! | 96     | 8    | bitmap chunk size, bytes                                 |
+//! | 104    | 8    | current generation (0: none recorded; see [`crate::generation`]) |
+//! | 112    | 8    | events at which the current generation began            |
+//! | 120    | 4    | number of earlier generations, <= [`HISTORY`]           |
 //! | 128    | 32*n | per slot: leg UUID (16), state bits (4), 0 (4), recovery offset (8) |
+//! | 1152   | 16*h | earlier generations, newest first: id (8), events at which it began (8) |
 //! | 4092   | 4    | crc32c of bytes 0..4092                                  |
 
 use uuid::Uuid;
+
+use crate::generation::{Generation, Lineage, HISTORY};
 
 /// Byte offset of the superblock on a leg.
 pub const SB_OFFSET: u64 = 4096;
@@ -50,6 +56,8 @@ pub const VERSION: u32 = 1;
 const LEGS_AT: usize = 128;
 const LEG_ENTRY: usize = 32;
 const CRC_AT: usize = SB_SIZE - 4;
+const HISTORY_AT: usize = LEGS_AT + MAX_LEGS * LEG_ENTRY;
+const GENERATION: usize = 16;
 
 const ST_IN_SYNC: u32 = 1;
 const ST_FAULTY: u32 = 2;
@@ -151,6 +159,8 @@ pub struct Superblock {
     pub bitmap: BitmapLocation,
     /// Per slot.
     pub legs: Vec<LegInfo>,
+    /// The array's history as this leg last knew it (see [`crate::generation`]).
+    pub lineage: Lineage,
 }
 
 impl std::fmt::Display for Superblock {
@@ -158,8 +168,8 @@ impl std::fmt::Display for Superblock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:?} events {} {:?} legs {:?}",
-            self.role, self.events, self.array_state, self.legs
+            "{:?} events {} {} {:?} legs {:?}",
+            self.role, self.events, self.lineage, self.array_state, self.legs
         )
     }
 }
@@ -224,6 +234,7 @@ impl Superblock {
         }
         let (bitmap, data_offset, data_size) = layout(leg_size, chunk_size)?;
         let array_uuid = Uuid::new_v4();
+        let lineage = Lineage::new_at(1);
         let legs: Vec<LegInfo> = (0..nr_legs)
             .map(|_| LegInfo {
                 uuid: Uuid::new_v4(),
@@ -242,6 +253,7 @@ impl Superblock {
                 events: 1,
                 bitmap,
                 legs: legs.clone(),
+                lineage: lineage.clone(),
             })
             .collect())
     }
@@ -265,6 +277,9 @@ impl Superblock {
         }
         if self.legs.len() > MAX_LEGS {
             return Err(SuperblockError::Invalid("number of legs"));
+        }
+        if self.lineage.history.len() > HISTORY {
+            return Err(SuperblockError::Invalid("generation history"));
         }
         let b = &mut b[..SB_SIZE];
         b.fill(0);
@@ -296,6 +311,14 @@ impl Superblock {
         put_u64(b, 80, self.bitmap.offset);
         put_u64(b, 88, self.bitmap.len);
         put_u64(b, 96, self.bitmap.chunk_size);
+        put_u64(b, 104, self.lineage.current.id);
+        put_u64(b, 112, self.lineage.current.since);
+        put_u32(b, 120, self.lineage.history.len() as u32);
+        for (i, g) in self.lineage.history.iter().enumerate() {
+            let at = HISTORY_AT + i * GENERATION;
+            put_u64(b, at, g.id);
+            put_u64(b, at + 8, g.since);
+        }
         for (i, l) in self.legs.iter().enumerate() {
             let at = LEGS_AT + i * LEG_ENTRY;
             b[at..at + 16].copy_from_slice(l.uuid.as_bytes());
@@ -376,6 +399,20 @@ impl Superblock {
                 recovery_offset,
             });
         }
+        let nr_history = get_u32(b, 120) as usize;
+        if nr_history > HISTORY || get_u32(b, 124) != 0 {
+            return Err(SuperblockError::Invalid("generation history"));
+        }
+        let generation = |at: usize| Generation {
+            id: get_u64(b, at),
+            since: get_u64(b, at + 8),
+        };
+        let lineage = Lineage {
+            current: generation(104),
+            history: (0..nr_history)
+                .map(|i| generation(HISTORY_AT + i * GENERATION))
+                .collect(),
+        };
         Ok(Superblock {
             array_uuid: get_uuid(b, 16),
             leg_uuid: get_uuid(b, 32),
@@ -390,6 +427,7 @@ impl Superblock {
                 chunk_size: get_u64(b, 96),
             },
             legs,
+            lineage,
         })
     }
 }
@@ -458,30 +496,46 @@ mod tests {
             any::<(u32, bool, u8)>(),
             any::<(u64, u64, u64)>(),
             any::<(u64, u64, u64)>(),
+            (
+                any::<(u64, u64)>(),
+                proptest::collection::vec(any::<(u64, u64)>(), 0..=HISTORY),
+            ),
         )
             .prop_map(
-                |(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc))| Superblock {
-                    array_uuid: Uuid::from_u128(a),
-                    leg_uuid: Uuid::from_u128(l),
-                    role: if spare {
-                        Role::Spare
-                    } else {
-                        Role::Slot(slot % legs.len() as u32)
-                    },
-                    array_state: match st % 3 {
-                        0 => ArrayState::Clean,
-                        1 => ArrayState::Active,
-                        _ => ArrayState::Degraded,
-                    },
-                    data_offset: d,
-                    data_size: s,
-                    events: e,
-                    bitmap: BitmapLocation {
-                        offset: bo,
-                        len: bl,
-                        chunk_size: bc,
-                    },
-                    legs,
+                |(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc), (cur, hist))| {
+                    Superblock {
+                        array_uuid: Uuid::from_u128(a),
+                        leg_uuid: Uuid::from_u128(l),
+                        role: if spare {
+                            Role::Spare
+                        } else {
+                            Role::Slot(slot % legs.len() as u32)
+                        },
+                        array_state: match st % 3 {
+                            0 => ArrayState::Clean,
+                            1 => ArrayState::Active,
+                            _ => ArrayState::Degraded,
+                        },
+                        data_offset: d,
+                        data_size: s,
+                        events: e,
+                        bitmap: BitmapLocation {
+                            offset: bo,
+                            len: bl,
+                            chunk_size: bc,
+                        },
+                        legs,
+                        lineage: Lineage {
+                            current: Generation {
+                                id: cur.0,
+                                since: cur.1,
+                            },
+                            history: hist
+                                .into_iter()
+                                .map(|(id, since)| Generation { id, since })
+                                .collect(),
+                        },
+                    }
                 },
             )
     }

@@ -378,8 +378,12 @@ fn leg_missing_at_assemble_is_readded_with_a_bitmap_recovery() {
         let r = Raid1::create(vec![a.clone(), b.clone()], cfg()).unwrap();
         write(&r, 0, &pattern(1, 4096));
     }
-    // b is missing at the next start; writes it misses.
-    let r = Raid1::assemble(vec![a.clone()], cfg()).unwrap();
+    // b is missing at the next start (allowed: a new generation); writes it misses.
+    let alone = Raid1Config {
+        allow_degraded: true,
+        ..cfg()
+    };
+    let r = Raid1::assemble(vec![a.clone()], alone).unwrap();
     assert!(r.is_degraded());
     write(&r, 2 * MB, &pattern(2, 4096));
     write(&r, 5 * MB, &pattern(3, 4096));

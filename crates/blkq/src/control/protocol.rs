@@ -76,6 +76,8 @@ pub enum Command {
     Add {
         /// Take a leg with data or a damaged superblock.
         force: bool,
+        /// Take a former leg whose history diverged, discarding its writes.
+        discard: bool,
         /// Its device spec (the rest of the line: it may hold spaces).
         spec: String,
     },
@@ -103,7 +105,7 @@ pub enum Command {
     },
 }
 
-const COMMANDS: &str = "status, detail, fail LEG, remove LEG, add [--force] SPEC, \
+const COMMANDS: &str = "status, detail, fail LEG, remove LEG, add [--force] [--discard] SPEC, \
                         replace [--force] LEG SPEC, check, repair, idle, speed-limit MIN MAX \
                         (LEG: a slot number or the leg's device spec)";
 
@@ -115,15 +117,26 @@ impl Command {
             Some((c, r)) => (c, r.trim()),
             None => (line, ""),
         };
-        let (force, rest) = match rest.strip_prefix("--force") {
-            Some(r)
-                if matches!(cmd, "add" | "replace")
-                    && (r.is_empty() || r.starts_with(char::is_whitespace)) =>
-            {
-                (true, r.trim())
+        // Leading flags: --force (add, replace) and --discard (add), in any order.
+        let (mut force, mut discard, mut rest) = (false, false, rest);
+        loop {
+            let flag = |f: &str| {
+                rest.strip_prefix(f)
+                    .filter(|r| r.is_empty() || r.starts_with(char::is_whitespace))
+                    .map(str::trim)
+            };
+            match (flag("--force"), flag("--discard")) {
+                (Some(r), _) if matches!(cmd, "add" | "replace") && !force => {
+                    force = true;
+                    rest = r;
+                }
+                (_, Some(r)) if cmd == "add" && !discard => {
+                    discard = true;
+                    rest = r;
+                }
+                _ => break,
             }
-            _ => (false, rest),
-        };
+        }
         let leg = |usage: &str| -> Result<Leg> {
             match rest {
                 "" => bail!("usage: {usage}"),
@@ -139,10 +152,11 @@ impl Command {
                 Command::Remove(leg("remove LEG (a slot number or the leg's device spec)")?)
             }
             "add" if rest.is_empty() => {
-                bail!("usage: add [--force] SPEC (e.g. add file:/srv/c.img)")
+                bail!("usage: add [--force] [--discard] SPEC (e.g. add file:/srv/c.img)")
             }
             "add" => Command::Add {
                 force,
+                discard,
                 spec: rest.to_string(),
             },
             "replace" => match words[..] {
@@ -184,7 +198,14 @@ impl fmt::Display for Command {
             Command::Detail => f.write_str("detail"),
             Command::Fail(l) => write!(f, "fail {l}"),
             Command::Remove(l) => write!(f, "remove {l}"),
-            Command::Add { force: x, spec } => write!(f, "add {}{spec}", force(*x)),
+            Command::Add {
+                force: x,
+                discard,
+                spec,
+            } => {
+                let discard = if *discard { "--discard " } else { "" };
+                write!(f, "add {}{discard}{spec}", force(*x))
+            }
             Command::Replace {
                 force: x,
                 leg,
@@ -211,10 +232,22 @@ mod tests {
             Command::Remove(Leg::Spec("file:/srv/b.img".into())),
             Command::Add {
                 force: true,
+                discard: false,
                 spec: "file:/srv/my disk.img".into(),
             },
             Command::Add {
                 force: false,
+                discard: false,
+                spec: "file:/c".into(),
+            },
+            Command::Add {
+                force: true,
+                discard: true,
+                spec: "nbd://b:10809/leg".into(),
+            },
+            Command::Add {
+                force: false,
+                discard: true,
                 spec: "file:/c".into(),
             },
             Command::Replace {

@@ -319,11 +319,27 @@ impl Control {
                 }
                 ok(format!("{name} removed"))
             }
-            Command::Add { force, spec } => {
+            Command::Add {
+                force,
+                discard,
+                spec,
+            } => {
                 let dev = self.open_new_leg(&spec, force)?;
-                let n = r.add_leg(dev).with_context(|| {
-                    format!("cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?")
-                })?;
+                let added = if discard {
+                    r.add_leg_discarding(dev)
+                } else {
+                    r.add_leg(dev)
+                };
+                let n = match added {
+                    Ok(n) => n,
+                    // Says itself what to do.
+                    Err(e @ raid1::Raid1Error::Diverged { .. }) => {
+                        return Err(anyhow::Error::new(e).context(format!("cannot add {spec:?}")))
+                    }
+                    Err(e) => return Err(anyhow::Error::new(e).context(format!(
+                        "cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?"
+                    ))),
+                };
                 if let Some(s) = self.specs.lock().get_mut(n) {
                     *s = Some(spec.clone());
                 }

@@ -54,7 +54,7 @@ enum RaidCmd {
     /// Online: take a faulty or recovering leg out of its slot (by slot number or device spec).
     Remove(LegTarget),
     /// Online: add a leg (device spec) into an empty slot; recovery copies the data to it.
-    Add(AddArgs),
+    Add(AddCmd),
     /// Online: replace a leg (by slot number or device spec) by a new one (copied while the
     /// old one still serves).
     Replace(ReplaceArgs),
@@ -158,6 +158,17 @@ struct AddArgs {
     force: bool,
     #[command(flatten)]
     ctl: ControlArg,
+}
+
+#[derive(Args, Debug)]
+struct AddCmd {
+    #[command(flatten)]
+    new: AddArgs,
+    /// Take a former leg of this array that ran without it (after a failover: its history
+    /// diverged), discarding its writes since they parted: only the chunks either side
+    /// changed are copied to it (the union of both sides' bitmaps).
+    #[arg(long)]
+    discard: bool,
 }
 
 #[derive(Args, Debug)]
@@ -306,10 +317,11 @@ pub fn run(a: RaidArgs) -> Result<()> {
         RaidCmd::Fail(t) => client::run(&t.ctl.control, &Command::Fail(t.leg)),
         RaidCmd::Remove(t) => client::run(&t.ctl.control, &Command::Remove(t.leg)),
         RaidCmd::Add(a) => client::run(
-            &a.ctl.control,
+            &a.new.ctl.control,
             &Command::Add {
-                force: a.force,
-                spec: a.spec,
+                force: a.new.force,
+                discard: a.discard,
+                spec: a.new.spec,
             },
         ),
         RaidCmd::Replace(r) => client::run(

@@ -95,6 +95,12 @@ pub struct ExportArgs {
     /// leg already carries a raid1 superblock).
     #[arg(long, requires = "raid1")]
     pub raid1_create: bool,
+    /// With --raid1: start even though legs the array has in sync are missing (a failover:
+    /// serve the legs at hand alone). This side becomes a new generation; a missing leg that
+    /// later ran on its own is then refused until one side is discarded (`blkq raid add
+    /// --discard`). Same as --raid1-option allow_degraded=true.
+    #[arg(long, requires = "raid1", conflicts_with = "raid1_create")]
+    pub raid1_degraded: bool,
     /// With --raid1: an array option, KEY=VALUE (barrier=locked, bitmap_chunk=64M,
     /// spare_slots=1, ...; repeatable).
     #[arg(long = "raid1-option", value_name = "KEY=VALUE", requires = "raid1")]

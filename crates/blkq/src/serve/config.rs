@@ -320,7 +320,13 @@ impl Config {
                 description: None,
                 legs: cli(legs.into_iter().map(cli).collect()),
                 create: e.raid1_create,
-                options: e.raid1_options.iter().cloned().map(cli).collect(),
+                options: e
+                    .raid1_options
+                    .iter()
+                    .cloned()
+                    .chain(e.raid1_degraded.then(|| "allow_degraded=true".to_string()))
+                    .map(cli)
+                    .collect(),
                 control: e.control.clone(),
                 read_only: e.read_only,
                 allow,
