@@ -346,7 +346,7 @@ impl Raid1 {
                     0
                 },
                 sb_events: sb.events,
-                was_in_sync: sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty),
+                was_in_sync: left_in_sync(&sb, n),
                 readd: false,
             });
         }
@@ -383,14 +383,13 @@ impl Raid1 {
                 });
             }
             // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
-            // recovery (md's re-add); any other recovering leg recovers fully.
+            // recovery (md's re-add, `readd_rule`); any other recovering leg recovers fully.
             let cleared = bm.events_cleared();
             for p in placed.iter_mut() {
                 p.readd = loaded
                     && p.state & (IN_SYNC | FAULTY) == 0
                     && p.recovery_offset == 0
-                    && p.was_in_sync
-                    && p.sb_events >= cleared;
+                    && readd_rule(p.was_in_sync, p.sb_events, cleared);
             }
             Some(bm)
         };
@@ -480,6 +479,8 @@ impl Raid1 {
             pool,
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
+            readd: crate::readd::ReaddState::new(a.nr_slots),
+            me: weak.clone(),
             cfg,
         });
         // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
@@ -500,6 +501,12 @@ impl Raid1 {
             l.state.store(p.state, Ordering::Release);
         }
         let _ = inner.barriers.unfreeze_array();
+        // Found faulty: nobody knows why it failed, so it is never re-added by itself.
+        for i in 0..a.nr_slots {
+            if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {
+                inner.mark_manual(i);
+            }
+        }
         if let Some(bm) = &inner.bitmap {
             bm.set_degraded(inner.is_degraded());
         }
@@ -522,6 +529,20 @@ impl Raid1 {
             warnings: Vec::new(),
         })
     }
+}
+
+/// Whether a leg whose own superblock is `sb` left slot `n` in sync (its last superblock,
+/// written while it was a member, records it in sync and not failed).
+pub(crate) fn left_in_sync(sb: &Superblock, n: usize) -> bool {
+    sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty)
+}
+
+/// md's re-add rule: a returning leg of this array's slot needs only the bitmap's dirty
+/// chunks if it left in sync ([`left_in_sync`]) and its events (`events`, its own
+/// superblock's) are not behind the bitmap's `events_cleared` (no bit it would need was
+/// cleared since it left). Assembly, `add_leg` and the automatic re-add all ask this.
+pub(crate) fn readd_rule(left_in_sync: bool, events: u64, events_cleared: u64) -> bool {
+    left_in_sync && events >= events_cleared
 }
 
 /// Whether `sb` records slot `n` as failed or not in sync.
