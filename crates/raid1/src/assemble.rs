@@ -23,7 +23,7 @@ use crate::device::{
     ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
     IN_SYNC, PRESENT, WRITE_MOSTLY,
 };
-use crate::generation::Kinship;
+use crate::generation::{Kinship, Lineage};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 use uuid::Uuid;
 
@@ -396,7 +396,7 @@ impl Raid1 {
                     0
                 },
                 sb_events: sb.events,
-                was_in_sync: sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty),
+                was_in_sync: left_in_sync(&sb, n),
                 readd: false,
                 generation: sb.lineage.current.id,
             });
@@ -447,23 +447,21 @@ impl Raid1 {
                 });
             }
             // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
-            // recovery (md's re-add); any other recovering leg recovers fully.
+            // recovery (md's re-add, `readd_rule`); any other recovering leg recovers fully.
             let cleared = bm.events_cleared();
             for p in placed.iter_mut() {
                 // A leg of the newest generation: md's rule; of an earlier one: no bit cleared
                 // since the array left it (see `Raid1::add_leg`).
-                let covered = if p.generation == newest.lineage.current.id {
-                    p.sb_events >= cleared
-                } else {
-                    newest
-                        .lineage
-                        .left_at(p.generation)
-                        .is_some_and(|left| cleared < left)
-                };
+                let covered = readd_covers(
+                    &newest.lineage,
+                    p.generation,
+                    p.was_in_sync,
+                    p.sb_events,
+                    cleared,
+                );
                 p.readd = loaded
                     && p.state & (IN_SYNC | FAULTY) == 0
                     && p.recovery_offset == 0
-                    && p.was_in_sync
                     && covered;
             }
             Some(bm)
@@ -574,6 +572,8 @@ impl Raid1 {
             pool,
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
+            readd: crate::readd::ReaddState::new(a.nr_slots),
+            me: weak.clone(),
             cfg,
         });
         // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
@@ -594,6 +594,12 @@ impl Raid1 {
             l.state.store(p.state, Ordering::Release);
         }
         let _ = inner.barriers.unfreeze_array();
+        // Found faulty: nobody knows why it failed, so it is never re-added by itself.
+        for i in 0..a.nr_slots {
+            if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {
+                inner.mark_manual(i);
+            }
+        }
         if let Some(bm) = &inner.bitmap {
             bm.set_degraded(inner.is_degraded());
         }
@@ -639,6 +645,44 @@ fn newest_generation(found: &[(usize, &Superblock)]) -> Result<u64, AssemblyErro
         0 => Err(AssemblyError::NoSuperblock),
         1 => Ok(heads[0].1),
         _ => Err(AssemblyError::Diverged { sides: heads }),
+    }
+}
+
+/// Whether a leg whose own superblock is `sb` left slot `n` in sync (its last superblock,
+/// written while it was a member, records it in sync and not failed).
+pub(crate) fn left_in_sync(sb: &Superblock, n: usize) -> bool {
+    sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty)
+}
+
+/// md's re-add rule: a returning leg of this array's slot needs only the bitmap's dirty
+/// chunks if it left in sync ([`left_in_sync`]) and its events (`events`, its own
+/// superblock's) are not behind the bitmap's `events_cleared` (no bit it would need was
+/// cleared since it left). Assembly, `add_leg` and the automatic re-add all ask this.
+pub(crate) fn readd_rule(left_in_sync: bool, events: u64, events_cleared: u64) -> bool {
+    left_in_sync && events >= events_cleared
+}
+
+/// The re-add rule across generations (see `generation`): a returning leg at `generation`
+/// (its own superblock's, with its `events` and whether it left in sync) of an array whose
+/// history is `lineage` needs only the bitmap's dirty chunks when it is of the array's
+/// generation and md's rule holds ([`readd_rule`]), or of an earlier one that it left in sync
+/// and no bit was cleared since the array left that generation. Assembly, `add_leg` and the
+/// automatic re-add all ask this.
+pub(crate) fn readd_covers(
+    lineage: &Lineage,
+    generation: u64,
+    left_in_sync: bool,
+    events: u64,
+    events_cleared: u64,
+) -> bool {
+    if generation == lineage.current.id {
+        readd_rule(left_in_sync, events, events_cleared)
+    } else {
+        // Strictly before: a clear at the new generation's first events came after it.
+        left_in_sync
+            && lineage
+                .left_at(generation)
+                .is_some_and(|left| events_cleared < left)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The array thread (md's raid1d): read-error repair (`fix_read`, with the array frozen),
-//! superblock writes after state changes, bitmap persistence and the lazy clearing of quiet
-//! bitmap bits.
+//! superblock writes after state changes, bitmap persistence, the lazy clearing of quiet
+//! bitmap bits, and the probes of the automatic re-add (`readd.rs`).
 //!
 //! `daemon` runs on the `raid1d` thread. `write_superblocks`, `persist_bitmap` and
 //! `flush_legs` are slow paths also called from the caller's thread (start-up, leg
@@ -327,7 +327,11 @@ impl Inner {
             if self.sb_dirty.load(Ordering::Acquire) {
                 let _ = self.write_superblocks();
             }
-            if Instant::now() >= next_tick {
+            let tick = Instant::now() >= next_tick;
+            if tick || self.readd.done.load(Ordering::Acquire) {
+                self.probe_legs();
+            }
+            if tick {
                 next_tick = Instant::now() + self.cfg.tick;
                 if let Some(bm) = &self.bitmap {
                     if !bm.dirty_chunks().is_empty() && !self.is_degraded() {
@@ -346,6 +350,7 @@ impl Inner {
                 || {
                     (self.stop.load(Ordering::Acquire)
                         || self.sb_dirty.load(Ordering::Acquire)
+                        || self.readd.done.load(Ordering::Acquire)
                         || !self.retry.lock().is_empty()
                         || !self.held.lock().is_empty())
                     .then_some(())

@@ -141,6 +141,10 @@ pub struct Raid1Config {
     /// (`allow_degraded=true`; `blkq serve --raid1-degraded`): this side then runs as a new
     /// generation, and the legs left out are refused later unless their side is discarded.
     pub allow_degraded: bool,
+    /// Automatic re-add of a leg that failed on an I/O error and answers again
+    /// (`readd=auto|off`, `readd_interval_ms=N`): the period of its probe, or None (off).
+    /// See `readd`.
+    pub readd_interval: Option<Duration>,
 }
 
 impl Default for Raid1Config {
@@ -155,6 +159,7 @@ impl Default for Raid1Config {
             read_error_limit: 20,
             spare_slots: 1,
             allow_degraded: false,
+            readd_interval: None,
         }
     }
 }
@@ -173,7 +178,8 @@ fn parse_size(v: &str) -> Option<u64> {
 impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
-    /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`.
+    /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
+    /// `readd_interval_ms=N` (also turns it on).
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -201,6 +207,22 @@ impl Raid1Config {
             "read_errors" => self.read_error_limit = value.parse().map_err(|_| bad())?,
             "spare_slots" => self.spare_slots = value.parse().map_err(|_| bad())?,
             "allow_degraded" => self.allow_degraded = value.parse().map_err(|_| bad())?,
+            "readd" => {
+                self.readd_interval = match value {
+                    "auto" => self
+                        .readd_interval
+                        .or(Some(crate::readd::DEFAULT_READD_INTERVAL)),
+                    "off" => None,
+                    _ => return Err(bad()),
+                }
+            }
+            "readd_interval_ms" => {
+                let ms: u64 = value.parse().map_err(|_| bad())?;
+                if ms == 0 {
+                    return Err(bad());
+                }
+                self.readd_interval = Some(Duration::from_millis(ms));
+            }
             _ => return Err(Raid1Error::Config(format!("raid1: unknown option {key}"))),
         }
         Ok(())
@@ -429,6 +451,10 @@ pub(crate) struct Inner {
     pub(crate) origin_ns: u64,
     /// The sync thread's state (see `sync`).
     pub(crate) sync: crate::sync::SyncState,
+    /// The automatic re-add's probes (see `readd`).
+    pub(crate) readd: crate::readd::ReaddState,
+    /// This array, for completions raid1d hands out (a probe's).
+    pub(crate) me: Weak<Inner>,
 }
 
 /// A RAID1 array over two or more legs. See the crate docs.
@@ -524,9 +550,13 @@ impl Raid1 {
             return Err(Raid1Error::Slot(i, "no such slot"));
         }
         self.inner.refuse_if_failed()?;
+        // Before the bit: raid1d must never see it faulty and not failed by hand (it would
+        // re-add it).
+        let was = self.inner.mark_manual(i);
         if self.inner.fail_leg(i) {
             Ok(())
         } else {
+            self.inner.unmark_manual(i, was);
             Err(Raid1Error::Slot(i, "last in-sync leg, or not present"))
         }
     }
@@ -608,19 +638,14 @@ impl Raid1 {
         let mut old_uuid = Uuid::nil();
         if let Some(i) = slot {
             let l = &inner.legs[i];
-            // SAFETY: frozen above.
-            let _ = unsafe { l.set_dev_frozen(Some(dev)) };
             old_uuid = *l.uuid.lock();
             *l.uuid.lock() = match (&old_sb, readd) {
                 // A re-add into a slot that may name no leg any more: its own UUID.
                 (Some(sb), true) => sb.leg_uuid,
                 _ => Uuid::new_v4(),
             };
-            l.recovery_offset.store(0, Ordering::Release);
-            l.bitmap_recovery.store(readd, Ordering::Release);
-            l.read_errors.store(0, Ordering::Relaxed);
-            l.head.store(u64::MAX, Ordering::Relaxed);
-            l.state.store(PRESENT, Ordering::Release);
+            // SAFETY: frozen above.
+            unsafe { inner.place_frozen(i, dev, readd, 0) };
         }
         let _ = inner.barriers.unfreeze_array();
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
@@ -688,11 +713,17 @@ impl Raid1 {
             history.left_at(id).is_some_and(|left| cleared < left)
         };
         let ok = match kin {
-            Kinship::Same => sb.events >= cleared,
+            Kinship::Same => crate::assemble::readd_rule(true, sb.events, cleared),
             Kinship::Ancestor => {
                 // Its own dirty bits join: writes it took that the array may lack (it
                 // stopped with them in flight).
-                let ok = untouched_since(&lineage, sb.lineage.current.id, cleared);
+                let ok = crate::assemble::readd_covers(
+                    &lineage,
+                    sb.lineage.current.id,
+                    true,
+                    sb.events,
+                    cleared,
+                );
                 if ok {
                     if let Some((bits, _)) = self.leg_bitmap(dev, sb)? {
                         bm.load(bits.as_slice())?;
@@ -902,6 +933,30 @@ impl Device for Raid1 {
 }
 
 impl Inner {
+    /// Puts `dev` in slot `i` as a recovering leg (recovery offset 0, written and not read;
+    /// only the bitmap's dirty chunks recovered if `bitmap`), with `keep` (WRITE_MOSTLY or 0)
+    /// of its state bits. The one placement of `add_leg` and the automatic re-add.
+    ///
+    /// # Safety
+    ///
+    /// The caller has frozen the array with `freeze_array(0)` (the rule of `slot`).
+    pub(crate) unsafe fn place_frozen(
+        &self,
+        i: usize,
+        dev: StdArc<dyn Device>,
+        bitmap: bool,
+        keep: u32,
+    ) {
+        let l = &self.legs[i];
+        // SAFETY: frozen, by the caller.
+        let _ = unsafe { l.set_dev_frozen(Some(dev)) };
+        l.recovery_offset.store(0, Ordering::Release);
+        l.bitmap_recovery.store(bitmap, Ordering::Release);
+        l.read_errors.store(0, Ordering::Relaxed);
+        l.head.store(u64::MAX, Ordering::Relaxed);
+        l.state.store(PRESENT | keep, Ordering::Release);
+    }
+
     /// The bitmap's time (since `origin_ns`): the coarse clock, as the block layer's
     /// statistics read it ([`blk::stats::batch_ns`]: a write completing inline in a leg's
     /// dispatch shares that batch's one read, instead of a precise clock read per write). Its

@@ -38,6 +38,10 @@
 //!   writes and read repair are slow paths and may allocate).
 //! - **The array thread** (`raid1d`) also writes superblocks after state changes (`events`
 //!   bumped each time) and clears quiet bitmap bits every `tick` after a flush of every leg.
+//! - **Automatic re-add** (`readd.rs`, [`Raid1Config::readd_interval`]): raid1d probes the
+//!   superblock of each leg that failed on an I/O error and re-adds it in place when it
+//!   answers as this slot's leg of this array (a bitmap recovery under md's re-add rule); a
+//!   leg with another history is refused, named ([`Raid1::readd_status`]) and left untouched.
 //!
 //! # The sync thread ([`sync`])
 //!
@@ -85,7 +89,7 @@
 //!
 //! Source files: `device.rs` (types, leg management, `Drop`), `assemble.rs` (start-up),
 //! `io.rs` (the I/O path), `failure.rs` (durable leg failures, the failed array),
-//! `daemon.rs` (raid1d), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
+//! `daemon.rs` (raid1d), `readd.rs` (the automatic re-add), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
 //! (its passes).
 #![warn(missing_docs)]
 
@@ -97,6 +101,7 @@ mod device;
 mod failure;
 pub mod generation;
 mod io;
+mod readd;
 pub mod slot;
 pub mod superblock;
 pub mod sync;
@@ -106,4 +111,5 @@ pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{ChunkSet, WriteIntentBitmap};
 pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};
 pub use generation::{Kinship, Lineage};
+pub use readd::{ReaddStatus, DEFAULT_READD_INTERVAL};
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

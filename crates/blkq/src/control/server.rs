@@ -116,6 +116,7 @@ impl Control {
                 .as_ref()
                 .and_then(|s| s.legs.get(i))
                 .map_or(String::new(), |l| l.uuid.to_string());
+            let ra = r.readd_status(i).unwrap_or_default();
             legs.push(LegReport {
                 slot: i,
                 device: if st.present {
@@ -130,6 +131,10 @@ impl Control {
                     .then_some(st.recovery_offset),
                 events: st.present.then_some(events),
                 read_errors: st.read_errors,
+                probing: ra.probing,
+                probe_error: ra.last_error,
+                refused: ra.refused,
+                readds: ra.readds,
             });
         }
         let raid_disks = self.raid_disks.max(present);

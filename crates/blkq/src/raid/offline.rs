@@ -40,8 +40,13 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
 
 /// The array configuration of `--raid1-option KEY=VALUE`s (`blkq serve` and `blkq bench`),
 /// through `Raid1Config::set_option`, in order.
+///
+/// Served arrays re-add returning legs by themselves (`readd=auto`) unless told `readd=off`.
 pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
-    let mut cfg = raid1::Raid1Config::default();
+    let mut cfg = raid1::Raid1Config {
+        readd_interval: Some(raid1::DEFAULT_READD_INTERVAL),
+        ..raid1::Raid1Config::default()
+    };
     for o in options {
         let (k, v) = o
             .split_once('=')
@@ -254,6 +259,10 @@ impl Plan {
                 recovery_offset: info.recovery_offset,
                 events: here.map(|f| f.sb.events),
                 read_errors: 0,
+                probing: false,
+                probe_error: None,
+                refused: None,
+                readds: 0,
             });
         }
         for f in &self.legs {

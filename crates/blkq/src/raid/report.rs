@@ -24,6 +24,20 @@ pub struct LegReport {
     pub events: Option<u64>,
     /// Corrected read errors (online).
     pub read_errors: u32,
+    /// A faulty leg the array probes to re-add it when it answers again (online,
+    /// `readd=auto`).
+    #[serde(default)]
+    pub probing: bool,
+    /// Why the last probe of a faulty leg found no answer (online).
+    #[serde(default)]
+    pub probe_error: Option<String>,
+    /// Why a returning leg was refused (its superblock tells another history): it stays
+    /// faulty and untouched until its superblock changes (online).
+    #[serde(default)]
+    pub refused: Option<String>,
+    /// Automatic re-adds of this slot since the array started (online).
+    #[serde(default)]
+    pub readds: u64,
 }
 
 /// The write-intent bitmap, as reported.
@@ -221,6 +235,13 @@ impl ArrayReport {
             None => o.push_str("      bitmap: none\n"),
         }
         o.push_str(&format!("      uuid: {}\n", self.array_uuid));
+        for l in &self.legs {
+            if let Some(why) = &l.refused {
+                o.push_str(&format!("      leg {} refused: {why}\n", l.slot));
+            } else if let Some(e) = &l.probe_error {
+                o.push_str(&format!("      leg {} unreachable: {e}\n", l.slot));
+            }
+        }
         for n in &self.notes {
             o.push_str(&format!("      note: {n}\n"));
         }
@@ -282,6 +303,19 @@ impl ArrayReport {
                 l.uuid,
                 l.device.as_deref().unwrap_or("-")
             ));
+            if let Some(why) = &l.refused {
+                o.push_str(&format!("          refused : {why}\n"));
+            }
+            if let Some(e) = &l.probe_error {
+                o.push_str(&format!("       last probe : {e}\n"));
+            }
+            if l.probing || l.readds > 0 {
+                o.push_str(&format!(
+                    "           re-add : {}, {} automatic re-adds\n",
+                    if l.probing { "probing" } else { "-" },
+                    l.readds
+                ));
+            }
         }
         for n in &self.notes {
             o.push_str(&format!("    note: {n}\n"));
@@ -304,6 +338,10 @@ mod tests {
             recovery_offset: None,
             events: None,
             read_errors: 0,
+            probing: false,
+            probe_error: None,
+            refused: None,
+            readds: 0,
         }
     }
 

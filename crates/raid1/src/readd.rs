@@ -1,0 +1,403 @@
+//! Automatic re-add of a returning leg (`readd=auto`): raid1d probes every leg that failed
+//! on an I/O error and whose device the array still holds, and puts it back when it answers
+//! with this array's superblock.
+//!
+//! # The probe
+//!
+//! Every `readd_interval`, raid1d reads the superblock of each such leg with one bio of its
+//! own (never more than one per leg in flight; its completion wakes raid1d, which never
+//! waits for it, so a leg that hangs holds up nothing). A probe still unanswered after an
+//! interval is reported as such and no other is sent until it ends. A read error leaves the
+//! leg faulty, silently; the last one is kept for `detail` ([`Raid1::readd_status`]).
+//!
+//! # The verdict
+//!
+//! The returned superblock is judged against the array's own (another slot's, as assembly
+//! would see both: [`Assembly::decide`]):
+//! - another array, another slot, another leg of this slot, no superblock at all, or events
+//!   past the array's (it was assembled and written without this array: it moved on) is a
+//!   *different history*: the leg is refused and not touched, one line names it and why, the
+//!   refusal shows in `status`/`detail`, and it is not judged again until its superblock
+//!   changes (the probe keeps reading it, and compares the bytes);
+//! - else it is this slot's leg: re-added in place as [`Raid1::add_leg`] re-adds (recovering,
+//!   recovery offset 0, its write-mostly flag kept), with a recovery of only the bitmap's
+//!   dirty chunks when the re-add rule holds ([`readd_covers`]: it was in sync when it left
+//!   and no bit was cleared since: md's events rule within a generation, the generation's
+//!   end across them), in full otherwise. A leg whose history diverged from the array's
+//!   (`generation`) is refused: only the operator discards a side (`add_leg_discarding`).
+//!
+//! Bits are never cleared while the array is degraded, so the dirty chunks cover every write
+//! the leg missed while it was away.
+//!
+//! # What is never re-added automatically
+//!
+//! A leg failed by the operator ([`Raid1::fail_leg`]) or found faulty at assembly (nobody
+//! knows then why it failed) stays faulty until it is removed and added. The rule is per
+//! placement: a new device in the slot (`gen`) starts afresh.
+
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
+use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::DynArc as StdArc;
+use blkq_sync::Mutex;
+
+use crate::assemble::{left_in_sync, readd_covers, Assembly, AssemblyError};
+use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
+
+/// `readd=auto`'s probe period unless `readd_interval_ms` says otherwise.
+pub const DEFAULT_READD_INTERVAL: Duration = Duration::from_secs(5);
+
+/// What the automatic re-add knows of a slot ([`Raid1::readd_status`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReaddStatus {
+    /// The leg is faulty and probed (not failed by the operator or found faulty at assembly).
+    pub probing: bool,
+    /// Why the last probe found no answer (a read error, or no answer within the interval).
+    pub last_error: Option<String>,
+    /// Why the returning leg was refused (a different history); cleared when its superblock
+    /// changes.
+    pub refused: Option<String>,
+    /// Automatic re-adds of this slot since the array started.
+    pub readds: u64,
+}
+
+/// The completion of one probe: raid1d reads `out` on its next pass.
+struct ProbeEnd {
+    out: Mutex<Option<(Bio, Result<(), Error>)>>,
+    inner: Weak<Inner>,
+}
+
+impl EndIo for ProbeEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.out.lock() = Some((bio, res));
+        if let Some(inner) = self.inner.upgrade() {
+            // Release: raid1d's Acquire swap of `done` then finds the result stored above
+            // (it also takes `out`'s lock, which orders it on its own).
+            inner.readd.done.store(true, Ordering::Release);
+            inner.daemon_wq.wake_all();
+        }
+    }
+}
+
+struct InFlight {
+    end: StdArc<ProbeEnd>,
+    since: Instant,
+    timed_out: bool,
+}
+
+/// One slot's probe state (raid1d's; `status` reads it).
+#[derive(Default)]
+struct Probe {
+    /// The placement (`Leg::gen`) this state belongs to; another one resets it.
+    gen: u64,
+    /// Never probed: failed by the operator or found faulty at assembly.
+    manual: bool,
+    in_flight: Option<InFlight>,
+    next: Option<Instant>,
+    last_error: Option<String>,
+    /// The refused superblock's bytes and why.
+    refused: Option<(Vec<u8>, String)>,
+    readds: u64,
+}
+
+/// The array's re-add state: one [`Probe`] per slot.
+pub(crate) struct ReaddState {
+    probes: Box<[Mutex<Probe>]>,
+    /// A probe completed since raid1d last looked.
+    pub(crate) done: AtomicBool,
+}
+
+impl ReaddState {
+    pub(crate) fn new(slots: usize) -> Self {
+        Self {
+            probes: (0..slots).map(|_| Mutex::new(Probe::default())).collect(),
+            done: AtomicBool::new(false),
+        }
+    }
+}
+
+/// What a probe's answer decides.
+enum Verdict {
+    Down(String),
+    Unchanged,
+    Refuse(Vec<u8>, String),
+    Readd { bitmap: bool },
+}
+
+impl Inner {
+    /// Leg `i` (placement `gen`) is failed by hand (or found faulty at assembly): never
+    /// probed. Returns what it was, for [`Inner::unmark_manual`].
+    pub(crate) fn mark_manual(&self, i: usize) -> bool {
+        let gen = self.legs[i].gen.load(Ordering::Acquire);
+        let mut p = self.readd.probes[i].lock();
+        if p.gen != gen {
+            *p = Probe {
+                gen,
+                ..Probe::default()
+            };
+        }
+        std::mem::replace(&mut p.manual, true)
+    }
+
+    pub(crate) fn unmark_manual(&self, i: usize, was: bool) {
+        self.readd.probes[i].lock().manual = was;
+    }
+
+    /// raid1d, every tick and when a probe completes: sends the probes that are due, and
+    /// acts on the answers (see the module docs).
+    pub(crate) fn probe_legs(&self) {
+        let Some(interval) = self.cfg.readd_interval else {
+            return;
+        };
+        // Acquire: pairs with `ProbeEnd::end_io`'s Release.
+        self.readd.done.swap(false, Ordering::Acquire);
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        for i in 0..self.legs.len() {
+            let l = &self.legs[i];
+            let st = l.state.load(Ordering::Acquire);
+            let gen = l.gen.load(Ordering::Acquire);
+            let Some(dev) = l.dev() else { continue };
+            let verdict = {
+                let mut p = self.readd.probes[i].lock();
+                if p.gen != gen {
+                    let readds = p.readds;
+                    *p = Probe {
+                        gen,
+                        readds,
+                        ..Probe::default()
+                    };
+                }
+                if st & (PRESENT | FAULTY) != PRESENT | FAULTY || p.manual {
+                    p.in_flight = None;
+                    p.next = None;
+                    continue;
+                }
+                match p.in_flight.as_mut() {
+                    Some(f) => {
+                        let out = f.end.out.lock().take();
+                        let Some((bio, res)) = out else {
+                            if !f.timed_out && now.duration_since(f.since) >= interval {
+                                f.timed_out = true;
+                                p.last_error = Some(format!(
+                                    "no answer to a superblock read within {} ms",
+                                    interval.as_millis()
+                                ));
+                            }
+                            continue;
+                        };
+                        p.in_flight = None;
+                        p.next = Some(now + interval);
+                        self.judge(i, res.map(|()| bio.buf), p.refused.as_ref())
+                    }
+                    None => {
+                        if p.next.is_some_and(|t| now < t) {
+                            continue;
+                        }
+                        let end = StdArc::new(ProbeEnd {
+                            out: Mutex::new(None),
+                            inner: self.me.clone(),
+                        });
+                        p.in_flight = Some(InFlight {
+                            end: end.clone(),
+                            since: now,
+                            timed_out: false,
+                        });
+                        p.next = Some(now + interval);
+                        let b = Bio::with_buf(
+                            Op::Read,
+                            SB_OFFSET >> SECTOR_SHIFT,
+                            Buffer::new(SB_SIZE),
+                        );
+                        let e: StdArc<dyn EndIo> = end;
+                        // May complete inline: `end_io` takes only `out`'s lock.
+                        dev.submit(b, &e);
+                        continue;
+                    }
+                }
+            };
+            self.act(i, gen, &dev, verdict);
+        }
+    }
+
+    /// Judges a probe's answer for slot `i` (see the module docs).
+    fn judge(
+        &self,
+        i: usize,
+        res: Result<Option<Buffer>, Error>,
+        refused: Option<&(Vec<u8>, String)>,
+    ) -> Verdict {
+        let buf = match res {
+            Err(e) => return Verdict::Down(format!("superblock read: {e}")),
+            Ok(None) => return Verdict::Down("superblock read returned no data".into()),
+            Ok(Some(b)) => b,
+        };
+        let bytes = buf.as_slice();
+        if refused.is_some_and(|(r, _)| r.as_slice() == bytes) {
+            return Verdict::Unchanged;
+        }
+        let refuse = |why: String| Verdict::Refuse(bytes.to_vec(), why);
+        let sb = match Superblock::decode(bytes) {
+            Ok(sb) => sb,
+            Err(e) => return refuse(format!("it carries no superblock of this array ({e})")),
+        };
+        // The array's view, as another slot carries it (assembly sees the two side by side;
+        // the slot's own view would share the leg's UUID).
+        let Some(other) = (0..self.legs.len()).find(|&j| {
+            j != i
+                && self.legs[j].state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
+                    == PRESENT | IN_SYNC
+        }) else {
+            return Verdict::Down("no in-sync leg to compare its superblock with".into());
+        };
+        let ours = self.superblock_for(other);
+        let slot = |sb: &Superblock| match sb.role {
+            Role::Slot(n) => format!("slot {n}"),
+            Role::Spare => "a spare".to_string(),
+        };
+        match Assembly::decide(&[Some(&ours), Some(&sb)]) {
+            Err(AssemblyError::ForeignLeg { .. }) => refuse(format!(
+                "its superblock belongs to array {}, not {}",
+                sb.array_uuid, ours.array_uuid
+            )),
+            Err(AssemblyError::DuplicateLeg { .. }) => refuse(format!(
+                "its superblock names leg {}, which is slot {other}'s",
+                sb.leg_uuid
+            )),
+            Err(e) => refuse(e.to_string()),
+            Ok(a) if a.newest != 0 => refuse(format!(
+                "its events ({}) are past the array's ({}): it was written without this array",
+                sb.events, ours.events
+            )),
+            Ok(a) if a.slots[1] != Some(i) => refuse(format!(
+                "its superblock is {} (leg {}), not slot {i}'s leg ({})",
+                slot(&sb),
+                sb.leg_uuid,
+                ours.legs.get(i).map_or(uuid::Uuid::nil(), |l| l.uuid)
+            )),
+            Ok(_) => Verdict::Readd {
+                bitmap: self.bitmap.as_ref().is_some_and(|bm| {
+                    readd_covers(
+                        &ours.lineage,
+                        sb.lineage.current.id,
+                        left_in_sync(&sb, i),
+                        sb.events,
+                        bm.events_cleared(),
+                    )
+                }),
+            },
+        }
+    }
+
+    fn act(&self, i: usize, gen: u64, dev: &StdArc<dyn Device>, verdict: Verdict) {
+        let probes = &self.readd.probes[i];
+        match verdict {
+            Verdict::Down(why) => {
+                tracing::debug!("raid1: leg {i} still down: {why}");
+                probes.lock().last_error = Some(why);
+            }
+            Verdict::Unchanged => {}
+            Verdict::Refuse(bytes, why) => {
+                tracing::warn!(
+                    "raid1: leg {i} answers again but is refused, left faulty and untouched: \
+                     {why}"
+                );
+                let mut p = probes.lock();
+                p.last_error = None;
+                p.refused = Some((bytes, why));
+            }
+            Verdict::Readd { bitmap } => match self.readd_in_place(i, dev, gen, bitmap) {
+                Ok(true) => {
+                    let dirty = self.bitmap.as_ref().map_or(0, |b| {
+                        b.dirty_chunks().iter().map(|c| c.end - c.first).sum()
+                    });
+                    if bitmap {
+                        tracing::info!(
+                            "raid1: leg {i} answers again: re-added, recovering the \
+                                 bitmap's {dirty} dirty chunks"
+                        );
+                    } else {
+                        tracing::info!(
+                            "raid1: leg {i} answers again: re-added, recovering in full \
+                                 (it was not in sync when it left, or is behind the bitmap)"
+                        );
+                    }
+                    let mut p = probes.lock();
+                    p.readds += 1;
+                    p.last_error = None;
+                    p.refused = None;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!("raid1: leg {i}: re-add failed: {e}");
+                    probes.lock().last_error = Some(format!("re-add failed: {e}"));
+                }
+            },
+        }
+    }
+
+    /// Puts faulty leg `i` back as a recovering leg, as `add_leg` re-adds, if the slot still
+    /// holds `dev` in placement `gen` and it is still faulty. Returns whether it did.
+    fn readd_in_place(
+        &self,
+        i: usize,
+        dev: &StdArc<dyn Device>,
+        gen: u64,
+        bitmap: bool,
+    ) -> Result<bool, Raid1Error> {
+        let l = &self.legs[i];
+        self.barriers.freeze_array(0);
+        let st = l.state.load(Ordering::Acquire);
+        let ours = !self.failed.load(Ordering::Acquire)
+            && st & (PRESENT | FAULTY) == PRESENT | FAULTY
+            && l.gen.load(Ordering::Acquire) == gen
+            && l.dev().is_some_and(|d| StdArc::ptr_eq(&d, dev));
+        if ours {
+            // SAFETY: frozen above.
+            unsafe { self.place_frozen(i, dev.clone(), bitmap, st & WRITE_MOSTLY) };
+        }
+        let _ = self.barriers.unfreeze_array();
+        if !ours {
+            return Ok(false);
+        }
+        // The new placement keeps its history (manual stays off).
+        {
+            let mut p = self.readd.probes[i].lock();
+            p.gen = l.gen.load(Ordering::Acquire);
+        }
+        self.sync.ctl.lock().recovery_blocked = false;
+        self.state_changed();
+        self.write_superblocks()?;
+        self.persist_bitmap()?;
+        Ok(true)
+    }
+}
+
+impl Raid1 {
+    /// What the automatic re-add knows of slot `i` (see `readd=`), or None for no such slot.
+    pub fn readd_status(&self, i: usize) -> Option<ReaddStatus> {
+        let inner = &self.inner;
+        let l = inner.legs.get(i)?;
+        let st = l.state.load(Ordering::Acquire);
+        let gen = l.gen.load(Ordering::Acquire);
+        let p = inner.readd.probes[i].lock();
+        let current = p.gen == gen;
+        Some(ReaddStatus {
+            probing: inner.cfg.readd_interval.is_some()
+                && st & (PRESENT | FAULTY) == PRESENT | FAULTY
+                && !(current && p.manual),
+            last_error: p.last_error.clone().filter(|_| current),
+            refused: p
+                .refused
+                .as_ref()
+                .filter(|_| current)
+                .map(|(_, w)| w.clone()),
+            readds: p.readds,
+        })
+    }
+}
