@@ -32,8 +32,8 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
             bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE, null:SIZE or nbd://HOST/EXPORT)");
         }
     }
-    if legs.len() < 2 {
-        bail!("--raid1 {s:?}: a mirror needs at least two legs, comma-separated (e.g. file:/srv/a.img,file:/srv/b.img)");
+    if legs.is_empty() {
+        bail!("--raid1 {s:?}: no leg given (legs are comma-separated device specs, e.g. file:/srv/a.img,file:/srv/b.img)");
     }
     Ok(legs)
 }
@@ -344,7 +344,8 @@ mod tests {
                 "nbd+unix:///?socket=/s"
             ]
         );
-        assert!(split_legs("file:/a.img").is_err());
+        assert_eq!(split_legs("file:/a.img").unwrap().len(), 1);
+        assert!(split_legs("").is_err());
         assert!(split_legs("direct=1,file:/a.img,file:/b").is_err());
     }
 }

@@ -159,8 +159,10 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     for r in &cfg.arrays {
         let name = add_name(&r.name, r.legs.span())?;
         let at = src.at(&r.legs, "legs", "raid1");
-        if r.legs.get_ref().len() < 2 {
-            bail!("{at}: a mirror needs at least two legs");
+        // One leg serves an existing array alone (a failover: the array itself asks for
+        // allow_degraded); a new one needs two.
+        if r.create && r.legs.get_ref().len() < 2 {
+            bail!("{at}: creating a mirror needs at least two legs");
         }
         for leg in r.legs.get_ref() {
             let spec = leg.get_ref();
@@ -456,7 +458,7 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
                 "budget_impl",
             ),
             (
-                "[[raid1]]\nlegs = [\"file:/a\"]\n",
+                "[[raid1]]\nlegs = [\"file:/a\"]\ncreate = true\n",
                 "blkq.toml:2: legs",
                 "two legs",
             ),

@@ -209,6 +209,16 @@ impl Serving {
     }
 }
 
+/// `blkq serve --device SPEC` on TCP `addr` only, in the network namespace `ns` (a host of
+/// [`Hosts`]), its stderr in `DIR/NAME.stderr`; ready once it printed its banner.
+pub fn serve_on(ns: &Path, dir: &Path, name: &str, spec: &str, addr: &str) -> Running {
+    Launch::serve(["--device", spec, "--no-unix", "--listen", addr])
+        .stderr_to(&dir.join(format!("{name}.stderr")))
+        .in_netns(ns)
+        .ready_after_line("Ctrl-C")
+        .start()
+}
+
 /// The data areas of two leg files compare equal (superblock and bitmap region skipped):
 /// `data_offset` and `capacity` as `raid status --json` gives them ([`geometry`]).
 pub fn assert_leg_files_equal(a: &Path, b: &Path, data_offset: u64, capacity: u64) {
