@@ -1,9 +1,10 @@
 //! A mirror whose second leg lives on another host: two network namespaces joined by a veth
-//! pair (`common::Hosts`), `blkq serve --raid1 file:LOCAL,nbd://BACK/` in the front one, the
-//! leg's server in the back one. Under a verified write load the link is cut (or the leg's
-//! server killed) and restored: the array never stops serving, the leg comes back and is
-//! recovered by copying exactly the chunks written while it was away, and the legs compare
-//! equal. Skipped, saying why, where namespaces cannot be made (they can where CI runs).
+//! pair (`common::Hosts`), `blkq serve --raid1 file:LOCAL,nbd://BACK/leg` in the front one,
+//! the leg's server in the back one: another blkq, nbdkit's file plugin or
+//! qemu-storage-daemon (any NBD server is a leg). Under a verified write load the link is cut
+//! and restored: the array never stops serving, the leg comes back and is recovered by
+//! copying exactly the chunks written while it was away, and the legs compare equal. Skipped,
+//! saying why, where namespaces cannot be made (they can where CI runs) or a peer is missing.
 
 mod common;
 use common::*;
@@ -24,16 +25,77 @@ fn blocks_in(chunks: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// `blkq serve --device file:PATH` on the back host, TCP only.
-fn serve_leg(hosts: &Hosts, dir: &Path, path: &Path) -> Running {
-    let spec = format!("file:{}", path.display());
-    serve_on(
-        &hosts.back(),
-        dir,
-        "leg",
-        &spec,
-        &format!("{BACK_IP}:{PORT}"),
+/// Who serves the remote leg.
+#[derive(Clone, Copy, Debug)]
+enum Peer {
+    Blkq,
+    Nbdkit,
+    QemuStorageDaemon,
+}
+
+/// The leg file at `path` served as the export `leg` on the back host by `peer`, TCP only;
+/// None (with the reason printed) when the peer is not installed.
+fn serve_leg(peer: Peer, hosts: &Hosts, dir: &Path, path: &Path) -> Option<Running> {
+    let addr = format!("{BACK_IP}:{PORT}");
+    let file = path.display().to_string();
+    let (program, args): (&str, Vec<String>) = match peer {
+        Peer::Blkq => {
+            let spec = format!("file:{file}");
+            let l = Launch::serve(["--device", &spec, "--export", "leg", "--no-unix"])
+                .args(["--listen", &addr]);
+            return Some(
+                l.stderr_to(&dir.join("leg.stderr"))
+                    .in_netns(&hosts.back())
+                    .ready_when_tcp_in(&hosts.back(), &addr)
+                    .start(),
+            );
+        }
+        Peer::Nbdkit => (
+            "nbdkit",
+            [
+                "--foreground",
+                "--ipaddr",
+                BACK_IP,
+                "--port",
+                &PORT.to_string(),
+            ]
+            .into_iter()
+            .map(String::from)
+            .chain(["file".to_string(), format!("file={file}")])
+            .collect(),
+        ),
+        Peer::QemuStorageDaemon => (
+            "qemu-storage-daemon",
+            vec![
+                "--blockdev".into(),
+                format!("driver=file,node-name=leg0,filename={file}"),
+                "--nbd-server".into(),
+                format!("addr.type=inet,addr.host={BACK_IP},addr.port={PORT}"),
+                "--export".into(),
+                "type=nbd,id=exp0,node-name=leg0,name=leg,writable=on".into(),
+            ],
+        ),
+    };
+    if std::process::Command::new(program)
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED ({peer:?} leg): {program} is not installed");
+        return None;
+    }
+    Some(
+        Launch::program(program, args)
+            .stderr_to(&dir.join("leg.stderr"))
+            .in_netns(&hosts.back())
+            .ready_when_tcp_in(&hosts.back(), &addr)
+            .start(),
     )
+}
+
+/// The front's spec of the remote leg.
+fn leg_spec() -> String {
+    format!("nbd://{BACK_IP}:{PORT}/leg,timeout=2")
 }
 
 fn leg_state(v: &serde_json::Value, slot: usize) -> String {
@@ -48,10 +110,9 @@ fn in_sync_and_idle(v: &serde_json::Value) -> bool {
 /// so a lost leg is noticed within seconds, a 1 MiB bitmap chunk, bits cleared after 200 ms
 /// of quiet (never while degraded).
 fn serve_front(hosts: &Hosts, dir: &Path, local: &str) -> Server {
-    let remote = format!("nbd://{BACK_IP}:{PORT}/,timeout=2");
     Server::launch(
         dir,
-        &format!("{local},{remote}"),
+        &format!("{local},{}", leg_spec()),
         &[
             "--raid1-create",
             "--raid1-option",
@@ -64,14 +125,31 @@ fn serve_front(hosts: &Hosts, dir: &Path, local: &str) -> Server {
 }
 
 #[test]
-fn cutting_the_link_to_the_remote_leg_loses_nothing_and_copies_only_what_it_missed() {
-    let Some(hosts) = hosts_or_skip("cutting_the_link_to_the_remote_leg") else {
+fn cutting_the_link_to_a_blkq_leg_loses_nothing_and_copies_only_what_it_missed() {
+    cut_and_restore(Peer::Blkq);
+}
+
+#[test]
+fn cutting_the_link_to_an_nbdkit_leg_loses_nothing_and_copies_only_what_it_missed() {
+    cut_and_restore(Peer::Nbdkit);
+}
+
+#[test]
+fn cutting_the_link_to_a_qemu_storage_daemon_leg_loses_nothing_and_copies_only_what_it_missed() {
+    cut_and_restore(Peer::QemuStorageDaemon);
+}
+
+/// The link to `peer`'s leg cut under load and restored (see the module docs).
+fn cut_and_restore(peer: Peer) {
+    let Some(hosts) = hosts_or_skip(&format!("cutting the link to a {peer:?} leg")) else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
     let (local_path, local) = leg_file(d.path(), "local.img", LEG_SIZE);
     let (leg_path, _) = leg_file(d.path(), "leg.img", LEG_SIZE);
-    let _leg = serve_leg(&hosts, d.path(), &leg_path);
+    let Some(_leg) = serve_leg(peer, &hosts, d.path(), &leg_path) else {
+        return;
+    };
     let s = serve_front(&hosts, d.path(), &local);
 
     // Before: both legs take the writes; then the bitmap goes clean. (Into chunks that are
@@ -98,13 +176,7 @@ fn cutting_the_link_to_the_remote_leg_loses_nothing_and_copies_only_what_it_miss
     load.wait_more(100);
     let ctl = s.ctl().to_string();
     ok(&["raid", "remove", "1", "--control", &ctl]);
-    ok(&[
-        "raid",
-        "add",
-        &format!("nbd://{BACK_IP}:{PORT}/,timeout=2"),
-        "--control",
-        &ctl,
-    ]);
+    ok(&["raid", "add", &leg_spec(), "--control", &ctl]);
     let v = s.wait_for(&in_sync_and_idle, "the remote leg recovered");
     load.wait_more(100);
     let ledger = load.stop();

@@ -21,6 +21,8 @@ enum Ready {
     Exists(PathBuf),
     /// A file whose text ends with a newline (an address file written whole).
     Written(PathBuf),
+    /// A TCP address that accepts a connection from inside a network namespace.
+    TcpIn(PathBuf, std::net::SocketAddr),
 }
 
 impl Ready {
@@ -29,8 +31,27 @@ impl Ready {
             Ready::Connects(p) => std::os::unix::net::UnixStream::connect(p).is_ok(),
             Ready::Exists(p) => p.exists(),
             Ready::Written(p) => std::fs::read_to_string(p).is_ok_and(|t| t.ends_with('\n')),
+            Ready::TcpIn(ns, addr) => connects_in(ns, *addr),
         }
     }
+}
+
+/// Whether a TCP connection to `addr` succeeds from the network namespace `ns` (on a thread
+/// of its own: a namespace is per thread).
+fn connects_in(ns: &Path, addr: std::net::SocketAddr) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open(ns) else {
+        return false;
+    };
+    std::thread::spawn(move || {
+        // SAFETY: setns(2) on a descriptor this thread owns; it moves only this thread.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return false;
+        }
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok()
+    })
+    .join()
+    .unwrap_or(false)
 }
 
 /// A builder for a long-running `blkq ARGS`: its arguments and environment (always
@@ -165,6 +186,14 @@ impl Launch {
     /// Ready once `path` exists (without connecting to it).
     pub fn ready_when_exists(mut self, path: &Path) -> Self {
         self.ready.push(Ready::Exists(path.into()));
+        self
+    }
+
+    /// Ready once `addr` accepts a TCP connection from the network namespace `ns` (the probe
+    /// is a connection the server sees).
+    pub fn ready_when_tcp_in(mut self, ns: &Path, addr: &str) -> Self {
+        self.ready
+            .push(Ready::TcpIn(ns.into(), addr.parse().expect("an IP:PORT")));
         self
     }
 
