@@ -12,7 +12,10 @@
 //! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
 //!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
 //!   It also enforces the request timeout: the socket's receive timeout wakes it every tick,
-//!   and a request in flight longer than `timeout` breaks the connection.
+//!   and a request unanswered for `timeout` declares the connection dead. When the connection
+//!   breaks, the same thread re-establishes it (`reconnect`).
+//! - **One sender thread** sends what no submitter is there to send: the requests waiting
+//!   when a connection comes back, and the flush of an emulated FUA write (`sender`).
 //!
 //! No thread per request and no allocation per request: the table is sized at connect
 //! (`depth=`, default 64), and a submitter finding it full waits for a slot, at most the
@@ -21,84 +24,69 @@
 //! # A broken connection
 //!
 //! The connection breaks when the server closes it, the socket fails, a reply is malformed
-//! (unknown cookie, a chunk outside its request, bad magic, ...), or a request times out. Then
-//! every request in flight completes with `EIO` (`ETIMEDOUT` for those that timed out), the
-//! receiver thread exits, and every later submit fails at once with `EIO`. Nothing panics on
-//! what the server sends.
+//! (unknown cookie, a chunk outside its request, bad magic, ...), or a request is unanswered
+//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away). Then the
+//! requests keep their slots (a write its bio and buffer), and the receiver reconnects with
+//! exponential backoff (50 ms doubling, at most 2 s apart; a connection that broke within a
+//! second of coming up does not reset it), negotiates again, and, if the export's size and
+//! block sizes are unchanged, every request still waiting is sent again on the new
+//! connection: the commands used (read, write, flush, trim, write zeroes) are idempotent by
+//! offset. If the export changed, the device fails every request, now and later, with `EIO`
+//! and an error naming both sizes.
 //!
-//! Not yet done (later steps): reconnecting with backoff and re-sending what was in flight
-//! (`reconnect_deadline=`); several connections (multi-conn); TLS (`nbds://`); block status
-//! for [`Device::extents_into`] (every range is reported allocated).
+//! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
+//! with `EIO`, and while still disconnected new requests fail at once. Reconnecting goes on in
+//! the background, and once connected the same device serves again (a mirror can take the leg
+//! back). A request outstanding for `timeout` plus the deadline, however many times it was
+//! sent, fails with `ETIMEDOUT`. [`RemoteDevice::is_connected`] and
+//! [`RemoteDevice::reconnects`] report the state. Nothing panics on what the server sends.
+//!
+//! # FUA
+//!
+//! A FUA write to a server with `NBD_CMD_FLUSH` but not `NBD_CMD_FLAG_FUA` is emulated: the
+//! write is sent without the flag; once it is answered the sender sends a flush on the same
+//! slot, and the bio completes when the flush is answered. A server without flush has no write
+//! cache: a write is durable when answered, and FUA is dropped.
+//!
+//! Not yet done: several connections (multi-conn); TLS (`nbds://`); block status for
+//! [`Device::extents_into`] (every range is reported allocated).
 
-// Files: `spec` (the URI), `table` (what submitters and the receiver share: the slots, the
-// socket's write half, completion and breaking), `receiver` (the receiver thread); this file
-// opens the connection and submits.
+// Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
+// the threads share: the slots, the socket's write half, sending, completion, failing),
+// `receiver` (receiving on one connection), `reconnect` (the receiver thread's loop around
+// it), `sender` (the sender thread); this file opens the device and submits.
+mod connect;
 mod receiver;
+mod reconnect;
+mod sender;
 mod spec;
 mod table;
 
+pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
-    RemoteAddr, RemoteSpec, SpecError, DEFAULT_DEPTH, DEFAULT_TIMEOUT, MAX_DEPTH, MAX_TIMEOUT_SECS,
+    RemoteAddr, RemoteSpec, SpecError, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE, DEFAULT_TIMEOUT,
+    MAX_DEPTH, MAX_TIMEOUT_SECS,
 };
 
 use std::io;
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op};
-use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
 
-use crate::client::{ClientError, ExportDetails, Handshake};
+use crate::client::ExportDetails;
 use crate::proto::{CmdFlags, Command, TransmissionFlags};
-use crate::stream::Stream;
-use crate::transmission::Request;
 use receiver::{Receiver, SCRATCH};
-use table::{Shared, Status, Table, Writer};
-
-/// Largest read or write sent when the server gives no maximum (the NBD spec's advice: 32 MiB
-/// is what any server accepts).
-pub const DEFAULT_MAX_IO: u32 = 32 << 20;
-
-/// Errors of [`RemoteDevice::connect`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RemoteError {
-    /// The spec does not parse.
-    #[error(transparent)]
-    Spec(#[from] SpecError),
-    /// The server cannot be reached.
-    #[error("{uri}: cannot connect: {source}")]
-    Connect {
-        /// The URI.
-        uri: String,
-        /// Why.
-        source: io::Error,
-    },
-    /// The handshake failed (the export does not exist, the server refused, ...).
-    #[error("{uri}: handshake: {source}")]
-    Handshake {
-        /// The URI.
-        uri: String,
-        /// Why.
-        source: ClientError,
-    },
-    /// The export's constraints cannot be met.
-    #[error("{uri}: {reason}")]
-    Unusable {
-        /// The URI.
-        uri: String,
-        /// Why.
-        reason: String,
-    },
-}
+use reconnect::Supervisor;
+use table::{Conn, Shared, Status, Table, Writer};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
     sh: DynArc<Shared>,
     receiver: Option<std::thread::JoinHandle<()>>,
+    sender: Option<std::thread::JoinHandle<()>>,
     details: ExportDetails,
     spec: RemoteSpec,
 }
@@ -112,51 +100,6 @@ impl std::fmt::Debug for RemoteDevice {
     }
 }
 
-/// Connects to `addr`, each attempt bounded by `timeout` (TCP) where the host allows.
-fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
-    match addr {
-        RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
-        RemoteAddr::Tcp { host, port } => {
-            let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
-            for a in (host.as_str(), *port).to_socket_addrs()? {
-                match TcpStream::connect_timeout(&a, timeout) {
-                    Ok(s) => {
-                        s.set_nodelay(true)?;
-                        return Ok(Stream::Tcp(s));
-                    }
-                    Err(e) => last = e,
-                }
-            }
-            Err(last)
-        }
-    }
-}
-
-/// The export's constraints as [`Limits`]: the logical block is the server's minimum block
-/// (at least 512 bytes), the largest I/O its maximum payload (at most [`DEFAULT_MAX_IO`]).
-fn limits_of(details: &ExportDetails) -> Result<Limits, String> {
-    let (min, max) = details
-        .block_size
-        .map_or((1, u32::MAX), |b| (b.min.max(1), b.max));
-    let lbs = min.max(512);
-    if !lbs.is_power_of_two() {
-        return Err(format!(
-            "the minimum block size {min} is not a power of two"
-        ));
-    }
-    let max_io = max.min(DEFAULT_MAX_IO) / lbs * lbs;
-    if max_io == 0 {
-        return Err(format!(
-            "the maximum payload {max} is smaller than the block size {lbs}"
-        ));
-    }
-    Ok(Limits {
-        capacity: details.size,
-        logical_block_size: lbs,
-        max_io_bytes: max_io,
-    })
-}
-
 impl RemoteDevice {
     /// Parses `spec` and connects ([`RemoteDevice::connect`]).
     pub fn open(spec: &str) -> Result<Self, RemoteError> {
@@ -164,38 +107,22 @@ impl RemoteDevice {
     }
 
     /// Connects, negotiates (structured replies if the server has them, `NBD_OPT_GO` on the
-    /// spec's export), and starts the receiver thread. Every step of the handshake is bounded
-    /// by the spec's timeout.
+    /// spec's export), and starts the receiver and sender threads. Every step of the
+    /// handshake is bounded by the spec's timeout. A server that cannot be reached now is an
+    /// error (reconnecting is for a connection that was established once).
     pub fn connect(spec: RemoteSpec) -> Result<Self, RemoteError> {
         let uri = spec.to_string();
-        let stream = dial(&spec.addr, spec.timeout).map_err(|source| RemoteError::Connect {
+        let opened = connect::open(&spec)?;
+        let io_err = |e: io::Error| RemoteError::Connect {
             uri: uri.clone(),
-            source,
-        })?;
-        let hs_err = |source: ClientError| RemoteError::Handshake {
-            uri: uri.clone(),
-            source,
+            source: e,
         };
-        let io_err = |e: io::Error| hs_err(ClientError::Io(e));
-        stream
-            .set_read_timeout(Some(spec.timeout))
-            .map_err(io_err)?;
-        stream
-            .set_write_timeout(Some(spec.timeout))
-            .map_err(io_err)?;
-        let mut hs = Handshake::start(stream).map_err(hs_err)?;
-        match hs.structured_replies() {
-            Ok(()) => {}
-            // A server without structured replies: simple replies do.
-            Err(e) if e.option_error().is_some() => {}
-            Err(e) => return Err(hs_err(e)),
-        }
-        let details = hs.go(&spec.export).map_err(hs_err)?;
-        let (stream, mode) = hs.into_parts();
-        let limits = limits_of(&details).map_err(|reason| RemoteError::Unusable {
-            uri: uri.clone(),
-            reason,
-        })?;
+        let connect::Opened {
+            stream,
+            mode,
+            details,
+            limits,
+        } = opened;
         // The receiver wakes every tick to check the requests' ages.
         let tick = (spec.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         stream.set_read_timeout(Some(tick)).map_err(io_err)?;
@@ -205,34 +132,53 @@ impl RemoteDevice {
             uri: uri.clone(),
             table: Mutex::new(Table::new(spec.depth)),
             writer: Mutex::new(Writer {
-                stream,
+                stream: Some(stream),
+                mode,
                 header: [0; 32],
             }),
             slot_freed: WaitQueue::new(),
-            mode,
-            flags: details.flags,
+            sender_wq: WaitQueue::new(),
+            backoff_wq: WaitQueue::new(),
+            flags: AtomicU32::new(u32::from(details.flags.bits())),
             limits,
             timeout: spec.timeout,
+            reconnect_deadline: spec.reconnect_deadline,
             closing: AtomicBool::new(false),
-            sock,
+            sock: Mutex::new(Some(sock)),
+            reconnects: AtomicU64::new(0),
+            fatal: Mutex::new(None),
         });
-        let rx = Receiver {
-            sh: sh.clone(),
-            stream: reader,
-            scratch: vec![0; SCRATCH],
-            tick,
-            last_check: Instant::now(),
-        };
-        let receiver = std::thread::Builder::new()
-            .name("blkq-nbd-remote".into())
-            .spawn(move || rx.run())
+        let sup = Supervisor::new(
+            Receiver {
+                sh: sh.clone(),
+                stream: reader,
+                mode,
+                scratch: vec![0; SCRATCH],
+                tick,
+                last_check: Instant::now(),
+            },
+            spec.clone(),
+        );
+        let sh2 = sh.clone();
+        let sender = std::thread::Builder::new()
+            .name("blkq-nbd-send".into())
+            .spawn(move || sender::run(sh2))
             .map_err(io_err)?;
-        Ok(Self {
+        let mut dev = Self {
             sh,
-            receiver: Some(receiver),
+            receiver: None,
+            sender: Some(sender),
             details,
             spec,
-        })
+        };
+        // On failure `dev`'s drop stops the sender.
+        dev.receiver = Some(
+            std::thread::Builder::new()
+                .name("blkq-nbd-remote".into())
+                .spawn(move || sup.run())
+                .map_err(io_err)?,
+        );
+        Ok(dev)
     }
 
     /// What the handshake said about the export (size, flags, block sizes, name).
@@ -250,9 +196,21 @@ impl RemoteDevice {
         self.details.block_size.map_or(4096, |b| b.preferred)
     }
 
-    /// Whether the connection is broken (every submit fails).
+    /// Whether the device is dead for good: it is closing, or the export changed under it
+    /// while reconnecting (every submit fails).
     pub fn is_broken(&self) -> bool {
-        self.sh.table.lock().broken.is_some()
+        self.sh.table.lock().conn == Conn::Dead
+    }
+
+    /// Whether a connection is established now (false while reconnecting, and once dead).
+    pub fn is_connected(&self) -> bool {
+        self.sh.table.lock().conn == Conn::Up
+    }
+
+    /// Connections re-established since the device was opened.
+    pub fn reconnects(&self) -> u64 {
+        // Relaxed: a statistic (see the field).
+        self.sh.reconnects.load(Ordering::Relaxed)
     }
 
     /// Requests in flight.
@@ -263,8 +221,8 @@ impl RemoteDevice {
 
     /// The command and flags for `bio`, `Ok(None)` when it completes at once without asking
     /// the server (a flush to a server without a write cache), or why it fails.
-    fn command(&self, bio: &Bio) -> Result<Option<(Command, CmdFlags)>, Error> {
-        let f = self.sh.flags;
+    fn command(&self, bio: &Bio) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
+        let f = self.sh.flags();
         let has = |x| f.contains(x);
         self.sh.limits.validate(bio)?;
         if bio.op != Op::Read && bio.op != Op::Flush && has(TransmissionFlags::READ_ONLY) {
@@ -278,12 +236,19 @@ impl RemoteDevice {
             } else if !has(TransmissionFlags::SEND_FLUSH) {
                 // No write cache: every write is durable when acknowledged.
                 Ok(flags)
+            } else if bio.op == Op::Write {
+                // Emulated: the write, then a flush (see `fua_flush` below).
+                Ok(flags)
             } else {
                 Err(Error::NotSupported(
-                    "FUA (the server offers flush but not FUA)",
+                    "FUA on a discard or write zeroes (the server offers flush but not FUA)",
                 ))
             }
         };
+        let fua_flush = bio.op == Op::Write
+            && bio.flags.contains(BioFlags::FUA)
+            && has(TransmissionFlags::SEND_FLUSH)
+            && !has(TransmissionFlags::SEND_FUA);
         Ok(Some(match bio.op {
             Op::Read | Op::Write => {
                 if bio.buf.is_none() {
@@ -294,14 +259,14 @@ impl RemoteDevice {
                 } else {
                     Command::Write
                 };
-                (cmd, fua(CmdFlags::empty())?)
+                (cmd, fua(CmdFlags::empty())?, fua_flush)
             }
             Op::Flush if !has(TransmissionFlags::SEND_FLUSH) => return Ok(None),
-            Op::Flush => (Command::Flush, CmdFlags::empty()),
+            Op::Flush => (Command::Flush, CmdFlags::empty(), false),
             Op::Discard if !has(TransmissionFlags::SEND_TRIM) => {
                 return Err(Error::NotSupported("discard (the server does not trim)"))
             }
-            Op::Discard => (Command::Trim, fua(CmdFlags::empty())?),
+            Op::Discard => (Command::Trim, fua(CmdFlags::empty())?, false),
             Op::WriteZeroes => {
                 if !has(TransmissionFlags::SEND_WRITE_ZEROES) {
                     return Err(Error::NotSupported(
@@ -318,7 +283,7 @@ impl RemoteDevice {
                     }
                     flags |= CmdFlags::FAST_ZERO;
                 }
-                (Command::WriteZeroes, fua(flags)?)
+                (Command::WriteZeroes, fua(flags)?, false)
             }
         }))
     }
@@ -326,7 +291,7 @@ impl RemoteDevice {
 
 impl Device for RemoteDevice {
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
-        let (cmd, flags) = match self.command(&bio) {
+        let (cmd, flags, fua_flush) = match self.command(&bio) {
             Ok(Some(c)) => c,
             Ok(None) => return end.end_io(bio, Ok(())),
             Err(e) => return end.end_io(bio, Err(e)),
@@ -335,12 +300,14 @@ impl Device for RemoteDevice {
         let (offset, len) = (bio.offset(), u64::from(bio.len));
         let keep = op == Op::Write;
         let mut held = Some(bio);
-        let deadline = Instant::now() + self.sh.timeout;
+        let now = Instant::now();
+        let deadline = now + self.sh.timeout;
         let taken = self.sh.slot_freed.wait_for_until(
             || {
                 let mut t = self.sh.table.lock();
-                if let Some(errno) = t.broken {
-                    return Some(Err(errno));
+                match t.conn {
+                    Conn::Dead | Conn::Down { expired: true, .. } => return Some(Err(libc::EIO)),
+                    Conn::Up | Conn::Down { expired: false, .. } => {}
                 }
                 let i = t.free.pop()? as usize;
                 let s = &mut t.slots[i];
@@ -348,18 +315,20 @@ impl Device for RemoteDevice {
                 s.busy = true;
                 s.status = None;
                 s.end = Some(end.clone());
-                (s.op, s.offset, s.len) = (op, offset, len);
-                s.started = Instant::now();
+                (s.op, s.cmd, s.flags, s.fua_flush) = (op, cmd, flags, fua_flush);
+                (s.offset, s.len) = (offset, len);
+                s.submitted = now;
+                s.sent_epoch = 0;
                 s.covered = 0;
                 s.error = 0;
                 if !keep {
                     s.bio = held.take();
                 }
-                Some(Ok((i, (u64::from(s.gen) << 32) | i as u64)))
+                Some(Ok((i, s.gen)))
             },
             deadline,
         );
-        let (i, cookie) = match taken {
+        let (i, gen) = match taken {
             Some(Ok(t)) => t,
             Some(Err(errno)) => {
                 if let Some(bio) = held {
@@ -379,22 +348,20 @@ impl Device for RemoteDevice {
                 return;
             }
         };
-        let req = Request::new(cmd, cookie, offset, len).with_flags(flags);
+        // Sent now if the connection is up; else it waits in its slot (a write with its bio)
+        // and the sender sends it once a connection is back.
         let payload = held
             .as_ref()
             .and_then(|b| b.buf.as_ref())
             .and_then(|b| b.as_slice().get(..len as usize))
             .unwrap_or(&[]);
-        let sent = self.sh.send(&req, payload);
-        if keep {
+        let sent = self.sh.send_slot(i, Some(gen), payload);
+        if let Some(bio) = held.take() {
             // Still our slot: it is not freed while its bio is away.
-            self.sh.table.lock().slots[i].bio = held.take();
+            self.sh.put_back(i, bio);
         }
         if let Err(e) = sent {
-            tracing::warn!(uri = %self.sh.uri, "sending a request failed: {e}");
-            self.sh.break_connection(libc::EIO, None);
-        } else if keep {
-            self.sh.complete(i);
+            tracing::debug!(uri = %self.sh.uri, "sending a request failed: {e}");
         }
     }
 
@@ -433,11 +400,20 @@ impl Device for RemoteDevice {
 
 impl Drop for RemoteDevice {
     /// Shuts the socket down and joins the receiver, which fails what is still in flight
-    /// with `EIO`.
+    /// with `EIO`, then the sender.
     fn drop(&mut self) {
+        // SeqCst: see `Shared::closing`.
         self.sh.closing.store(true, Ordering::SeqCst);
-        let _ = self.sh.sock.shutdown(Shutdown::Both);
+        self.sh.shut_socket();
+        self.sh.backoff_wq.wake_all();
+        self.sh.sender_wq.wake_all();
         if let Some(h) = self.receiver.take() {
+            let _ = h.join();
+        } else {
+            // The receiver never started: nobody else fails what is waiting.
+            self.sh.kill(None);
+        }
+        if let Some(h) = self.sender.take() {
             let _ = h.join();
         }
     }

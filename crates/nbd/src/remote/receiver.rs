@@ -1,6 +1,7 @@
-//! The receiver thread of a [`super::RemoteDevice`]: reads the server's replies, receives read
-//! data into the bios' buffers, completes requests, and breaks the connection on a timeout or
-//! a malformed reply.
+//! What the receiver thread of a [`super::RemoteDevice`] does on one connection: reads the
+//! server's replies, receives read data into the bios' buffers, completes requests (or hands
+//! an emulated FUA write's flush to the sender), and stops on a timeout, a malformed reply, a
+//! closed or failed socket. What happens after it stops is `reconnect`'s.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
@@ -10,7 +11,10 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
 use super::table::{Shared, Status};
-use crate::proto::{TransmissionMode, NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN};
+use crate::proto::{
+    CmdFlags, Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_OFFSET_DATA,
+    SIMPLE_REPLY_LEN,
+};
 use crate::stream::Stream;
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
 use crate::Decoded;
@@ -34,38 +38,36 @@ pub(super) enum Stop {
     /// A malformed reply.
     #[error("malformed reply: {0}")]
     Malformed(String),
-    /// Requests started at or before this instant timed out.
-    #[error("a request timed out")]
-    TimedOut(Instant),
+    /// The server answered `NBD_ESHUTDOWN`: it is shutting down, and the request is to be
+    /// sent again on the next connection.
+    #[error("the server is shutting down (it answered ESHUTDOWN)")]
+    ShuttingDown,
+    /// A request sent on this connection went unanswered for the timeout.
+    #[error("a request was unanswered for {0:?}: the connection is declared dead")]
+    TimedOut(Duration),
 }
 
 pub(super) struct Receiver {
     pub(super) sh: DynArc<Shared>,
     pub(super) stream: Stream,
+    pub(super) mode: TransmissionMode,
     pub(super) scratch: Vec<u8>,
     pub(super) tick: Duration,
     pub(super) last_check: Instant,
 }
 
 impl Receiver {
-    pub(super) fn run(mut self) {
-        let stop = loop {
+    /// Receives replies on the current connection until it stops, and says why.
+    pub(super) fn receive(&mut self) -> Stop {
+        loop {
             if let Err(s) = self.one_reply() {
-                break s;
+                return s;
             }
-        };
-        let (errno, expired) = match &stop {
-            Stop::TimedOut(t) => (libc::EIO, Some(*t)),
-            _ => (libc::EIO, None),
-        };
-        if !self.sh.closing.load(Ordering::SeqCst) {
-            tracing::warn!(uri = %self.sh.uri, "the connection to the NBD server broke: {stop}");
         }
-        self.sh.break_connection(errno, expired);
     }
 
-    /// Fails if the device is closing or a request has been in flight longer than the
-    /// timeout.
+    /// Fails if the device is closing or a request sent on this connection has been
+    /// unanswered longer than the timeout.
     fn check(&mut self) -> Result<(), Stop> {
         self.last_check = Instant::now();
         if self.sh.closing.load(Ordering::SeqCst) {
@@ -75,13 +77,50 @@ impl Receiver {
             return Ok(());
         };
         let t = self.sh.table.lock();
+        let epoch = t.epoch;
         if t.slots
             .iter()
-            .any(|s| s.busy && s.status.is_none() && s.started <= limit)
+            .any(|s| s.busy && s.status.is_none() && s.sent_epoch == epoch && s.sent_at <= limit)
         {
-            return Err(Stop::TimedOut(limit));
+            return Err(Stop::TimedOut(self.sh.timeout));
         }
         Ok(())
+    }
+
+    /// An error reply to slot `i`: it completes with the error, except `NBD_ESHUTDOWN` (the
+    /// server is going away, as the NBD spec has it, and a reconnection may succeed): the
+    /// slot stays waiting and the connection is taken down, to send it again on the next.
+    fn failed(&self, i: usize, error: u32) -> Result<(), Stop> {
+        if error == NBD_ESHUTDOWN {
+            return Err(Stop::ShuttingDown);
+        }
+        self.sh.finish(i, Status::Nbd(error));
+        Ok(())
+    }
+
+    /// A successful reply to slot `i`: it completes, unless it is the write of an emulated
+    /// FUA write, which becomes its flush (a new cookie, due again) for the sender to send;
+    /// the receiver never sends (it must keep reading whatever the server's send buffer
+    /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
+    fn succeeded(&self, i: usize) {
+        let flush = {
+            let mut t = self.sh.table.lock();
+            let s = &mut t.slots[i];
+            let flush = s.fua_flush && s.cmd == Command::Write;
+            if flush {
+                s.cmd = Command::Flush;
+                s.flags = CmdFlags::empty();
+                s.gen = s.gen.wrapping_add(1);
+                s.sent_epoch = 0;
+                t.send_needed = true;
+            }
+            flush
+        };
+        if flush {
+            self.sh.sender_wq.wake_one();
+        } else {
+            self.sh.finish(i, Status::Ok);
+        }
     }
 
     /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick.
@@ -138,7 +177,7 @@ impl Receiver {
             Some(dst) => self.read_full(dst),
             None => Err(Stop::Malformed("read data outside the buffer".into())),
         };
-        self.sh.table.lock().slots[i].bio = Some(bio);
+        self.sh.put_back(i, bio);
         r
     }
 
@@ -161,7 +200,7 @@ impl Receiver {
         self.read_full(&mut hdr[..SIMPLE_REPLY_LEN])?;
         let mut have = SIMPLE_REPLY_LEN;
         let header = loop {
-            match decode_reply_header(&hdr[..have], self.sh.mode) {
+            match decode_reply_header(&hdr[..have], self.mode) {
                 Ok(Decoded::Complete { value, .. }) => break value,
                 Ok(Decoded::Incomplete(n)) if n > have && n <= hdr.len() => {
                     let mut more = [0u8; 32];
@@ -179,17 +218,17 @@ impl Receiver {
             ReplyHeader::Simple(r) => {
                 let (i, op, _, len) = self.lookup(r.cookie)?;
                 if r.error != 0 {
-                    self.sh.finish(i, Status::Nbd(r.error));
+                    self.failed(i, r.error)?;
                 } else {
                     if op == Op::Read {
-                        if self.sh.mode != TransmissionMode::Simple {
+                        if self.mode != TransmissionMode::Simple {
                             return Err(Stop::Malformed(
                                 "a simple reply to a successful read in structured mode".into(),
                             ));
                         }
                         self.read_into_bio(i, 0, len)?;
                     }
-                    self.sh.finish(i, Status::Ok);
+                    self.succeeded(i);
                 }
             }
             ReplyHeader::Chunk(h) => {
@@ -256,16 +295,15 @@ impl Receiver {
                         let t = self.sh.table.lock();
                         (t.slots[i].error, t.slots[i].covered)
                     };
-                    let status = if error != 0 {
-                        Status::Nbd(error)
+                    if error != 0 {
+                        self.failed(i, error)?;
                     } else if op == Op::Read && covered != len {
                         return Err(Stop::Malformed(format!(
                             "a read of {len} bytes answered with {covered}"
                         )));
                     } else {
-                        Status::Ok
-                    };
-                    self.sh.finish(i, status);
+                        self.succeeded(i);
+                    }
                 }
             }
         }

@@ -3,9 +3,23 @@
 //! device's own options after commas.
 //!
 //! ```text
-//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N]
-//! nbd+unix:///[EXPORT]?socket=PATH[,timeout=SECS][,depth=N]
+//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N][,reconnect_deadline=SECS]
+//! nbd+unix:///[EXPORT]?socket=PATH[,timeout=SECS][,depth=N][,reconnect_deadline=SECS]
 //! ```
+//!
+//! - `timeout=SECS` (1..=86400, default 30): a request unanswered this long on a connection
+//!   declares the connection dead; it is broken and re-established. Also the longest a
+//!   submitter waits for a free slot (then `ETIMEDOUT`).
+//! - `depth=N` (1..=4096, default 64): requests in flight at once (the slot table).
+//! - `reconnect_deadline=SECS` (0..=86400, default 15): how long requests wait for a broken
+//!   connection to be re-established before they fail with `EIO`; past it, and while still
+//!   disconnected, new requests fail at once. The device keeps reconnecting in the
+//!   background either way and serves again once connected. `0` fails what is in flight at
+//!   once when the connection breaks. The default is long enough for a server process to
+//!   restart or a network path to fail over, and short enough that a mirror above this device
+//!   marks the leg faulty and goes on serving within seconds instead of stalling its writers;
+//!   a request is failed with `ETIMEDOUT` once it has been outstanding for `timeout` plus the
+//!   deadline, whatever the reconnections did meanwhile.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing
@@ -25,8 +39,10 @@ pub const DEFAULT_DEPTH: usize = 64;
 pub const MAX_DEPTH: usize = 4096;
 /// Longest request timeout, seconds (a day).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+/// Default `reconnect_deadline=` (see the module documentation for why).
+pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(15);
 
-const OPTIONS: [&str; 2] = ["timeout", "depth"];
+const OPTIONS: [&str; 3] = ["timeout", "depth", "reconnect_deadline"];
 
 /// Errors of [`RemoteSpec::parse`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,6 +132,9 @@ pub struct RemoteSpec {
     pub timeout: Duration,
     /// In-flight slots (`depth=N`).
     pub depth: usize,
+    /// How long requests wait for a reconnection (`reconnect_deadline=SECS`; zero: not at
+    /// all).
+    pub reconnect_deadline: Duration,
 }
 
 impl RemoteSpec {
@@ -132,6 +151,7 @@ impl RemoteSpec {
     pub fn parse(s: &str) -> Result<Self, SpecError> {
         let mut timeout = DEFAULT_TIMEOUT;
         let mut depth = DEFAULT_DEPTH;
+        let mut reconnect_deadline = DEFAULT_RECONNECT_DEADLINE;
         let mut uri = s;
         let mut seen = [false; OPTIONS.len()];
         while let Some((head, tail)) = uri.rsplit_once(',') {
@@ -146,7 +166,8 @@ impl RemoteSpec {
                 seen[i] = true;
                 match OPTIONS[i] {
                     "timeout" => timeout = parse_timeout(v)?,
-                    _ => depth = parse_depth(v)?,
+                    "depth" => depth = parse_depth(v)?,
+                    _ => reconnect_deadline = parse_deadline(v)?,
                 }
             }
             uri = head;
@@ -166,6 +187,7 @@ impl RemoteSpec {
             export,
             timeout,
             depth,
+            reconnect_deadline,
         })
     }
 }
@@ -203,6 +225,17 @@ fn parse_timeout(v: &str) -> Result<Duration, SpecError> {
         return Err(bad(&format!("expected 1..={MAX_TIMEOUT_SECS} seconds")));
     }
     Ok(Duration::from_secs(secs))
+}
+
+fn parse_deadline(v: &str) -> Result<Duration, SpecError> {
+    match v.parse::<u64>() {
+        Ok(n) if n <= MAX_TIMEOUT_SECS => Ok(Duration::from_secs(n)),
+        _ => Err(SpecError::BadOption {
+            key: "reconnect_deadline",
+            value: v.to_string(),
+            reason: format!("expected 0..={MAX_TIMEOUT_SECS} whole seconds"),
+        }),
+    }
 }
 
 fn parse_depth(v: &str) -> Result<usize, SpecError> {
@@ -351,6 +384,7 @@ mod tests {
         assert_eq!(s.addr, tcp("127.0.0.1", 10810));
         assert_eq!(s.export, "disk");
         assert_eq!((s.timeout, s.depth), (DEFAULT_TIMEOUT, DEFAULT_DEPTH));
+        assert_eq!(s.reconnect_deadline, DEFAULT_RECONNECT_DEADLINE);
         let s = RemoteSpec::parse("nbd://other").unwrap();
         assert_eq!((s.addr, s.export), (tcp("other", 10809), String::new()));
         let s = RemoteSpec::parse("nbd://[::1]:99/a%20b,timeout=10,depth=32").unwrap();
@@ -359,6 +393,10 @@ mod tests {
         assert_eq!(s.timeout, Duration::from_secs(10));
         assert_eq!(s.depth, 32);
         assert_eq!(s.to_string(), "nbd://[::1]:99/a b");
+        let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=0,timeout=2").unwrap();
+        assert_eq!(s.reconnect_deadline, Duration::ZERO);
+        let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=90").unwrap();
+        assert_eq!(s.reconnect_deadline, Duration::from_secs(90));
         let s = RemoteSpec::parse("nbd://h/").unwrap();
         assert_eq!(s.export, "");
     }
@@ -400,6 +438,8 @@ mod tests {
             "nbd://h/d,timeout=x",
             "nbd://h/d,depth=0",
             "nbd://h/d,depth=100000",
+            "nbd://h/d,reconnect_deadline=-1",
+            "nbd://h/d,reconnect_deadline=86401",
             "mem:1M",
         ] {
             assert!(RemoteSpec::parse(bad).is_err(), "{bad}");
