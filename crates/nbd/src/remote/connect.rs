@@ -1,6 +1,6 @@
 //! Opening one connection to the remote export: dialing, the handshake (structured replies
-//! when the server has them, `NBD_OPT_GO` with block-size information), and the limits the
-//! export's constraints give. Used at connect and at every reconnection.
+//! and the `base:allocation` metadata context when the server has them, `NBD_OPT_GO` with
+//! block-size information), and the limits the export's constraints give. Used at connect and at every reconnection.
 
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
@@ -17,6 +17,9 @@ use crate::stream::Stream;
 /// Largest read or write sent when the server gives no maximum (the NBD spec's advice: 32 MiB
 /// is what any server accepts).
 pub const DEFAULT_MAX_IO: u32 = 32 << 20;
+
+/// The metadata context block status is asked for.
+const BASE_ALLOCATION: &str = "base:allocation";
 
 /// Errors of [`super::RemoteDevice::connect`].
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +60,9 @@ pub(super) struct Opened {
     pub(super) mode: TransmissionMode,
     pub(super) details: ExportDetails,
     pub(super) limits: Limits,
+    /// The `base:allocation` context id, when the server has structured replies and the
+    /// context.
+    pub(super) meta_id: Option<u32>,
 }
 
 /// Connects to `addr`, each attempt bounded by `timeout` (TCP) where the host allows.
@@ -95,11 +101,25 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
         .set_write_timeout(Some(spec.timeout))
         .map_err(io_err)?;
     let mut hs = Handshake::start(stream).map_err(hs_err)?;
-    match hs.structured_replies() {
-        Ok(()) => {}
+    let structured = match hs.structured_replies() {
+        Ok(()) => true,
         // A server without structured replies: simple replies do.
-        Err(e) if e.option_error().is_some() => {}
+        Err(e) if e.option_error().is_some() => false,
         Err(e) => return Err(hs_err(e)),
+    };
+    let mut meta_id = None;
+    if structured {
+        match hs.meta_context(&spec.export, &[BASE_ALLOCATION], true) {
+            Ok(ctx) => {
+                meta_id = ctx
+                    .iter()
+                    .find(|(_, n)| n == BASE_ALLOCATION)
+                    .map(|(id, _)| *id);
+            }
+            // A server without block status: every range reads as allocated.
+            Err(e) if e.option_error().is_some() => {}
+            Err(e) => return Err(hs_err(e)),
+        }
     }
     let details = hs.go(&spec.export).map_err(hs_err)?;
     let (stream, mode) = hs.into_parts();
@@ -112,6 +132,7 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
         mode,
         details,
         limits,
+        meta_id,
     })
 }
 

@@ -48,18 +48,26 @@
 //! slot, and the bio completes when the flush is answered. A server without flush has no write
 //! cache: a write is durable when answered, and FUA is dropped.
 //!
-//! Not yet done: several connections (multi-conn); TLS (`nbds://`); block status for
-//! [`Device::extents_into`] (every range is reported allocated).
+//! # Extents
+//!
+//! When the server has structured replies and the `base:allocation` metadata context, it is
+//! negotiated and [`Device::extents_into`] asks `NBD_CMD_BLOCK_STATUS`; otherwise every range
+//! is reported allocated.
+//!
+//! Not yet done: several connections (multi-conn); TLS (`nbds://`).
 
 // Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
 // the threads share: the slots, the socket's write half, sending, completion, failing),
-// `receiver` (receiving on one connection), `reconnect` (the receiver thread's loop around
-// it), `sender` (the sender thread); this file opens the device and submits.
+// `submit` (taking a slot and the first send), `extents` (block status), `receiver` (receiving on one connection),
+// `reconnect` (the receiver thread's loop around it), `sender` (the sender thread); this file
+// opens the device and maps bios to commands.
 mod connect;
+mod extents;
 mod receiver;
 mod reconnect;
 mod sender;
 mod spec;
+mod submit;
 mod table;
 
 pub use connect::{RemoteError, DEFAULT_MAX_IO};
@@ -80,7 +88,8 @@ use crate::client::ExportDetails;
 use crate::proto::{CmdFlags, Command, TransmissionFlags};
 use receiver::{Receiver, SCRATCH};
 use reconnect::Supervisor;
-use table::{Conn, Shared, Status, Table, Writer};
+use submit::Req;
+use table::{Conn, Shared, Table, Writer};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
@@ -122,7 +131,10 @@ impl RemoteDevice {
             mode,
             details,
             limits,
+            meta_id,
         } = opened;
+        let mut table = Table::new(spec.depth);
+        table.meta_id = meta_id;
         // The receiver wakes every tick to check the requests' ages.
         let tick = (spec.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         stream.set_read_timeout(Some(tick)).map_err(io_err)?;
@@ -130,7 +142,7 @@ impl RemoteDevice {
         let sock = stream.try_clone().map_err(io_err)?;
         let sh = DynArc::new(Shared {
             uri: uri.clone(),
-            table: Mutex::new(Table::new(spec.depth)),
+            table: Mutex::new(table),
             writer: Mutex::new(Writer {
                 stream: Some(stream),
                 mode,
@@ -296,81 +308,22 @@ impl Device for RemoteDevice {
             Ok(None) => return end.end_io(bio, Ok(())),
             Err(e) => return end.end_io(bio, Err(e)),
         };
-        let op = bio.op;
-        let (offset, len) = (bio.offset(), u64::from(bio.len));
-        let keep = op == Op::Write;
-        let mut held = Some(bio);
-        let now = Instant::now();
-        let deadline = now + self.sh.timeout;
-        let taken = self.sh.slot_freed.wait_for_until(
-            || {
-                let mut t = self.sh.table.lock();
-                match t.conn {
-                    Conn::Dead | Conn::Down { expired: true, .. } => return Some(Err(libc::EIO)),
-                    Conn::Up | Conn::Down { expired: false, .. } => {}
-                }
-                let i = t.free.pop()? as usize;
-                let s = &mut t.slots[i];
-                s.gen = s.gen.wrapping_add(1);
-                s.busy = true;
-                s.status = None;
-                s.end = Some(end.clone());
-                (s.op, s.cmd, s.flags, s.fua_flush) = (op, cmd, flags, fua_flush);
-                (s.offset, s.len) = (offset, len);
-                s.submitted = now;
-                s.sent_epoch = 0;
-                s.covered = 0;
-                s.error = 0;
-                if !keep {
-                    s.bio = held.take();
-                }
-                Some(Ok((i, s.gen)))
-            },
-            deadline,
-        );
-        let (i, gen) = match taken {
-            Some(Ok(t)) => t,
-            Some(Err(errno)) => {
-                if let Some(bio) = held {
-                    end.end_io(bio, self.sh.result(Status::Lost(errno)));
-                }
-                return;
-            }
-            None => {
-                if let Some(bio) = held {
-                    let e = io::Error::from_raw_os_error(libc::ETIMEDOUT);
-                    let e = blk::error::with_context(
-                        e,
-                        format!("{}: no free request slot within the timeout", self.sh.uri),
-                    );
-                    end.end_io(bio, Err(Error::Io(e)));
-                }
-                return;
-            }
+        let req = Req {
+            cmd,
+            flags,
+            fua_flush,
+            offset: bio.offset(),
+            len: u64::from(bio.len),
         };
-        // Sent now if the connection is up; else it waits in its slot (a write with its bio)
-        // and the sender sends it once a connection is back.
-        let payload = held
-            .as_ref()
-            .and_then(|b| b.buf.as_ref())
-            .and_then(|b| b.as_slice().get(..len as usize))
-            .unwrap_or(&[]);
-        let sent = self.sh.send_slot(i, Some(gen), payload);
-        if let Some(bio) = held.take() {
-            // Still our slot: it is not freed while its bio is away.
-            self.sh.put_back(i, bio);
-        }
-        if let Err(e) = sent {
-            tracing::debug!(uri = %self.sh.uri, "sending a request failed: {e}");
-        }
+        self.sh.submit(bio, end, req);
     }
 
     fn limits(&self) -> Limits {
         self.sh.limits
     }
 
-    /// Reports the whole range as one allocated extent: block status (`base:allocation`) is
-    /// not asked of the server yet, so holes are not known here.
+    /// From `NBD_CMD_BLOCK_STATUS` (`base:allocation`) when the server offers it; every
+    /// range is allocated otherwise (see `extents`).
     fn extents_into(
         &self,
         offset: u64,
@@ -378,23 +331,7 @@ impl Device for RemoteDevice {
         max: usize,
         out: &mut Vec<Extent>,
     ) -> Result<(), Error> {
-        out.clear();
-        let cap = self.sh.limits.capacity;
-        if offset.checked_add(len).is_none_or(|e| e > cap) {
-            return Err(Error::OutOfRange {
-                offset,
-                len,
-                capacity: cap,
-            });
-        }
-        if len > 0 && max > 0 {
-            out.push(Extent {
-                offset,
-                len,
-                allocated: true,
-            });
-        }
-        Ok(())
+        self.sh.extents_into(offset, len, max, out)
     }
 }
 

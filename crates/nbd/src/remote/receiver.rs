@@ -6,14 +6,14 @@
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
 
-use blk::Op;
+use blk::Bio;
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
 use super::table::{Shared, Status};
 use crate::proto::{
-    CmdFlags, Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_OFFSET_DATA,
-    SIMPLE_REPLY_LEN,
+    CmdFlags, Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
+    NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
 };
 use crate::stream::Stream;
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
@@ -181,7 +181,63 @@ impl Receiver {
         r
     }
 
-    fn lookup(&self, cookie: u64) -> Result<(usize, Op, u64, u64), Stop> {
+    /// A block-status chunk for slot `i` (`length` bytes: the context id, then descriptors of
+    /// 8 bytes): the descriptors go into the bio's buffer after those already received, as
+    /// many as fit, followed by a zero descriptor when there is room (the end mark); the rest
+    /// is read and dropped (the caller asked for at most that many extents).
+    fn block_status(&mut self, i: usize, cmd: Command, length: u64) -> Result<(), Stop> {
+        if cmd != Command::BlockStatus || length < 4 || !(length - 4).is_multiple_of(8) {
+            return Err(Stop::Malformed(format!(
+                "a block status chunk of {length} bytes for {cmd:?}"
+            )));
+        }
+        let mut id = [0u8; 4];
+        self.read_full(&mut id)?;
+        let (bio, at, meta) = {
+            let mut t = self.sh.table.lock();
+            let meta = t.meta_id;
+            let s = &mut t.slots[i];
+            (s.bio.take(), s.covered as usize, meta)
+        };
+        let Some(mut bio) = bio else {
+            return Err(Stop::Malformed(
+                "block status for a slot without its bio".into(),
+            ));
+        };
+        let r = if meta != Some(u32::from_be_bytes(id)) {
+            Err(Stop::Malformed(format!(
+                "block status for context {}, which was not asked for",
+                u32::from_be_bytes(id)
+            )))
+        } else {
+            self.descriptors_into(&mut bio, at, length - 4)
+        };
+        self.sh.put_back(i, bio);
+        let kept = r?;
+        self.sh.table.lock().slots[i].covered += kept as u64;
+        Ok(())
+    }
+
+    /// Reads `n` bytes of descriptors, keeping what fits in `bio`'s buffer from `at`; returns
+    /// the bytes kept.
+    fn descriptors_into(&mut self, bio: &mut Bio, at: usize, n: u64) -> Result<usize, Stop> {
+        let buf = bio.buf.as_mut().map_or(&mut [][..], |b| b.as_mut_slice());
+        let room = buf.len().saturating_sub(at) / 8 * 8;
+        let keep = usize::try_from(n).unwrap_or(usize::MAX).min(room);
+        self.read_full(&mut buf[at..at + keep])?;
+        if let Some(end) = buf.get_mut(at + keep..at + keep + 8) {
+            end.fill(0);
+        }
+        let mut rest = n - keep as u64;
+        while rest > 0 {
+            let k = rest.min(SCRATCH as u64) as usize;
+            self.read_scratch(k)?;
+            rest -= k as u64;
+        }
+        Ok(keep)
+    }
+
+    fn lookup(&self, cookie: u64) -> Result<(usize, Command, u64, u64), Stop> {
         let t = self.sh.table.lock();
         let i = t.lookup(cookie).ok_or_else(|| {
             Stop::Malformed(format!(
@@ -189,7 +245,7 @@ impl Receiver {
             ))
         })?;
         let s = &t.slots[i];
-        Ok((i, s.op, s.offset, s.len))
+        Ok((i, s.cmd, s.offset, s.len))
     }
 
     fn one_reply(&mut self) -> Result<(), Stop> {
@@ -216,11 +272,16 @@ impl Receiver {
         };
         match header {
             ReplyHeader::Simple(r) => {
-                let (i, op, _, len) = self.lookup(r.cookie)?;
+                let (i, cmd, _, len) = self.lookup(r.cookie)?;
                 if r.error != 0 {
                     self.failed(i, r.error)?;
                 } else {
-                    if op == Op::Read {
+                    if cmd == Command::BlockStatus {
+                        return Err(Stop::Malformed(
+                            "a simple reply to a successful block status".into(),
+                        ));
+                    }
+                    if cmd == Command::Read {
                         if self.mode != TransmissionMode::Simple {
                             return Err(Stop::Malformed(
                                 "a simple reply to a successful read in structured mode".into(),
@@ -232,10 +293,10 @@ impl Receiver {
                 }
             }
             ReplyHeader::Chunk(h) => {
-                let (i, op, off, len) = self.lookup(h.cookie)?;
+                let (i, cmd, off, len) = self.lookup(h.cookie)?;
                 let inside = |o: u64, n: u64| -> Result<u64, Stop> {
                     match (o.checked_sub(off), o.checked_add(n)) {
-                        (Some(at), Some(e)) if op == Op::Read && e <= off + len => Ok(at),
+                        (Some(at), Some(e)) if cmd == Command::Read && e <= off + len => Ok(at),
                         _ => Err(Stop::Malformed(format!(
                             "data {o}+{n} outside the request {off}+{len}"
                         ))),
@@ -251,6 +312,8 @@ impl Receiver {
                     let at = inside(u64::from_be_bytes(o), n)?;
                     self.read_into_bio(i, at, n)?;
                     self.sh.table.lock().slots[i].covered += n;
+                } else if h.reply_type == NBD_REPLY_TYPE_BLOCK_STATUS {
+                    self.block_status(i, cmd, h.length)?;
                 } else {
                     let n = usize::try_from(h.length).unwrap_or(usize::MAX);
                     self.read_scratch(n)?;
@@ -297,7 +360,7 @@ impl Receiver {
                     };
                     if error != 0 {
                         self.failed(i, error)?;
-                    } else if op == Op::Read && covered != len {
+                    } else if cmd == Command::Read && covered != len {
                         return Err(Stop::Malformed(format!(
                             "a read of {len} bytes answered with {covered}"
                         )));

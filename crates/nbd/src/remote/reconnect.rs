@@ -219,6 +219,7 @@ impl Supervisor {
             stream,
             mode,
             details,
+            meta_id,
             ..
         } = opened;
         let clones = stream
@@ -242,6 +243,7 @@ impl Supervisor {
             w.mode = mode;
             let mut t = sh.table.lock();
             t.epoch += 1;
+            t.meta_id = meta_id;
             t.conn = Conn::Up;
             t.send_needed = true;
         }

@@ -6,7 +6,7 @@ use std::io::{self, IoSlice, Write};
 use std::net::Shutdown;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, EndIo, Error, Limits, Op};
+use blk::{Bio, EndIo, Error, Limits};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
@@ -94,7 +94,6 @@ pub(super) struct Slot {
     pub(super) status: Option<Status>,
     pub(super) bio: Option<Bio>,
     pub(super) end: Option<DynArc<dyn EndIo>>,
-    pub(super) op: Op,
     /// What is sent: the command (a write of an emulated FUA write becomes `Flush` once the
     /// write is answered) and its flags.
     pub(super) cmd: Command,
@@ -109,7 +108,8 @@ pub(super) struct Slot {
     pub(super) sent_at: Instant,
     /// The connection it was last sent on (0: never).
     pub(super) sent_epoch: u64,
-    /// Read bytes received so far (data and holes).
+    /// Read bytes received so far (data and holes); for a block-status query, descriptor
+    /// bytes kept.
     pub(super) covered: u64,
     /// The first error chunk's value (structured replies).
     pub(super) error: u32,
@@ -134,6 +134,8 @@ pub(super) struct Table {
     pub(super) conn: Conn,
     /// The current connection's number (the first is 1).
     pub(super) epoch: u64,
+    /// The current connection's `base:allocation` context id, if the server has one.
+    pub(super) meta_id: Option<u32>,
     /// Some slot may be due and have no holder to send it: the sender thread looks.
     pub(super) send_needed: bool,
 }
@@ -152,7 +154,6 @@ impl Table {
                     status: None,
                     bio: None,
                     end: None,
-                    op: Op::Flush,
                     cmd: Command::Flush,
                     flags: CmdFlags::empty(),
                     fua_flush: false,
@@ -169,6 +170,7 @@ impl Table {
             free: (0..depth as u32).rev().collect(),
             conn: Conn::Up,
             epoch: 1,
+            meta_id: None,
             send_needed: false,
         }
     }
