@@ -88,7 +88,7 @@ fn a_mirror_with_a_remote_leg() {
 #[test]
 fn remote_specs_are_checked_before_anything_starts() {
     let out = common::fails(&["serve", "--no-tcp", "--device", "nbds://127.0.0.1/x"]);
-    assert!(out.contains("not supported yet"), "{out}");
+    assert!(out.contains("tls-certificates=DIR"), "{out}");
     let out = common::fails(&["serve", "--no-tcp", "--device", "nbd://h:0/x"]);
     assert!(out.contains("bad port"), "{out}");
     let out = common::fails(&["serve", "--no-tcp", "--device", "nbd+unix:///x"]);
@@ -100,4 +100,42 @@ fn remote_specs_are_checked_before_anything_starts() {
         "nbd+unix:///?socket=/nonexistent/blkq.sock",
     ]);
     assert!(out.contains("cannot connect"), "{out}");
+}
+
+/// A plaintext proxy in front of `blkq serve --tls require` (certificates from `blkq certs`),
+/// reaching it with `nbds+unix://...&tls-certificates=DIR`; the same back reached without TLS
+/// is refused.
+#[test]
+fn a_proxy_in_front_of_a_tls_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let pki_s = pki.to_str().unwrap();
+    common::ok(&["certs", pki_s, "--client", "client1"]);
+    let back = Serving::start(
+        dir.path(),
+        "back",
+        &[
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            pki_s,
+        ],
+    );
+    let spec = format!(
+        "nbds+unix:///?socket={}&tls-certificates={pki_s},timeout=10",
+        back.sock.display()
+    );
+    let front = Serving::start(dir.path(), "front", &["--device", &spec]);
+    let mut c = front.client();
+    let data: Vec<u8> = (0..256 << 10).map(|i| (i % 253) as u8).collect();
+    c.write(1 << 20, &data, CmdFlags::FUA).unwrap();
+    c.flush().unwrap();
+    assert_eq!(c.read(1 << 20, data.len() as u64).unwrap(), data);
+    drop(c);
+    drop(front);
+    // Plaintext to the TLS-only back: refused at the handshake.
+    let out = common::fails(&["serve", "--no-tcp", "--device", &remote(&back.sock)]);
+    assert!(out.contains("handshake"), "{out}");
 }

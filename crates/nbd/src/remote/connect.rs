@@ -101,6 +101,14 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
         .set_write_timeout(Some(spec.timeout))
         .map_err(io_err)?;
     let mut hs = Handshake::start(stream).map_err(hs_err)?;
+    if let Some(tls) = &spec.tls {
+        let config =
+            crate::tls::client_config(&tls.certificates).map_err(|e| RemoteError::Unusable {
+                uri: uri.clone(),
+                reason: format!("TLS certificates in {}: {e}", tls.certificates.display()),
+            })?;
+        hs.start_tls(&config, &tls.hostname).map_err(hs_err)?;
+    }
     let structured = match hs.structured_replies() {
         Ok(()) => true,
         // A server without structured replies: simple replies do.

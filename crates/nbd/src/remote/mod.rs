@@ -54,7 +54,15 @@
 //! negotiated and [`Device::extents_into`] asks `NBD_CMD_BLOCK_STATUS`; otherwise every range
 //! is reported allocated.
 //!
-//! Not yet done: several connections (multi-conn); TLS (`nbds://`).
+//! # TLS
+//!
+//! `nbds://` and `nbds+unix://` start TLS (`NBD_OPT_STARTTLS`) before anything else, at
+//! connect and at every reconnection, with the certificates of `tls-certificates=DIR` (read
+//! again each time). The split works as on a plain socket: the receiver decrypts on its
+//! handle, the submitters and the sender encrypt and send on theirs under the writer lock,
+//! and the TLS session's own lock is never held across a socket call (see `crate::tls`).
+//!
+//! Not yet done: several connections (multi-conn).
 
 // Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
 // the threads share: the slots, the socket's write half, sending, completion, failing),
@@ -72,8 +80,8 @@ mod table;
 
 pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
-    RemoteAddr, RemoteSpec, SpecError, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE, DEFAULT_TIMEOUT,
-    MAX_DEPTH, MAX_TIMEOUT_SECS,
+    RemoteAddr, RemoteSpec, SpecError, TlsSpec, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE,
+    DEFAULT_TIMEOUT, MAX_DEPTH, MAX_TIMEOUT_SECS,
 };
 
 use std::io;
