@@ -62,15 +62,23 @@
 //! handle, the submitters and the sender encrypt and send on theirs under the writer lock,
 //! and the TLS session's own lock is never held across a socket call (see `crate::tls`).
 //!
-//! Not yet done: several connections (multi-conn).
+//! # Several connections
+//!
+//! With `conns=N` and a server offering multi-conn, the device opens N connections, each a
+//! `link` with its own slot table, receiver and sender, reconnecting on its own. Requests go
+//! round-robin, passing over a connection that is down. An emulated FUA write's flush goes on
+//! the connection of its write; a flush on any connection covers the writes completed on all
+//! (what multi-conn promises).
 
 // Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
 // the threads share: the slots, the socket's write half, sending, completion, failing),
-// `submit` (taking a slot and the first send), `extents` (block status), `receiver` (receiving on one connection),
-// `reconnect` (the receiver thread's loop around it), `sender` (the sender thread); this file
-// opens the device and maps bios to commands.
+// `link` (one connection's shared state and threads), `submit` (taking a slot and the first
+// send), `extents` (block status), `receiver` (receiving on one connection), `reconnect` (the
+// receiver thread's loop around it), `sender` (the sender thread); this file opens the
+// device's connections, spreads requests over them and maps bios to commands.
 mod connect;
 mod extents;
+mod link;
 mod receiver;
 mod reconnect;
 mod sender;
@@ -81,29 +89,25 @@ mod table;
 pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
     RemoteAddr, RemoteSpec, SpecError, TlsSpec, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE,
-    DEFAULT_TIMEOUT, MAX_DEPTH, MAX_TIMEOUT_SECS,
+    DEFAULT_TIMEOUT, MAX_CONNS, MAX_DEPTH, MAX_TIMEOUT_SECS,
 };
 
-use std::io;
-use std::time::{Duration, Instant};
-
 use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op};
-use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use blkq_sync::{DynArc, Mutex};
-use waitq::WaitQueue;
+use blkq_sync::atomic::{AtomicUsize, Ordering};
+use blkq_sync::DynArc;
 
 use crate::client::ExportDetails;
 use crate::proto::{CmdFlags, Command, TransmissionFlags};
-use receiver::{Receiver, SCRATCH};
-use reconnect::Supervisor;
+use link::Link;
 use submit::Req;
-use table::{Conn, Shared, Table, Writer};
+use table::{Conn, Shared};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
-    sh: DynArc<Shared>,
-    receiver: Option<std::thread::JoinHandle<()>>,
-    sender: Option<std::thread::JoinHandle<()>>,
+    /// One per connection (`conns=`); never empty.
+    links: Vec<Link>,
+    /// Round-robin over `links`. Relaxed: only spreads requests, orders nothing.
+    next: AtomicUsize,
     details: ExportDetails,
     spec: RemoteSpec,
 }
@@ -111,8 +115,9 @@ pub struct RemoteDevice {
 impl std::fmt::Debug for RemoteDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteDevice")
-            .field("uri", &self.sh.uri)
-            .field("limits", &self.sh.limits)
+            .field("uri", &self.links[0].sh.uri)
+            .field("limits", &self.links[0].sh.limits)
+            .field("conns", &self.links.len())
             .finish()
     }
 }
@@ -129,76 +134,39 @@ impl RemoteDevice {
     /// error (reconnecting is for a connection that was established once).
     pub fn connect(spec: RemoteSpec) -> Result<Self, RemoteError> {
         let uri = spec.to_string();
-        let opened = connect::open(&spec)?;
-        let io_err = |e: io::Error| RemoteError::Connect {
-            uri: uri.clone(),
-            source: e,
-        };
-        let connect::Opened {
-            stream,
-            mode,
-            details,
-            limits,
-            meta_id,
-        } = opened;
-        let mut table = Table::new(spec.depth);
-        table.meta_id = meta_id;
-        // The receiver wakes every tick to check the requests' ages.
-        let tick = (spec.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        stream.set_read_timeout(Some(tick)).map_err(io_err)?;
-        let reader = stream.try_clone().map_err(io_err)?;
-        let sock = stream.try_clone().map_err(io_err)?;
-        let sh = DynArc::new(Shared {
-            uri: uri.clone(),
-            table: Mutex::new(table),
-            writer: Mutex::new(Writer {
-                stream: Some(stream),
-                mode,
-                header: [0; 32],
-            }),
-            slot_freed: WaitQueue::new(),
-            sender_wq: WaitQueue::new(),
-            backoff_wq: WaitQueue::new(),
-            flags: AtomicU32::new(u32::from(details.flags.bits())),
-            limits,
-            timeout: spec.timeout,
-            reconnect_deadline: spec.reconnect_deadline,
-            closing: AtomicBool::new(false),
-            sock: Mutex::new(Some(sock)),
-            reconnects: AtomicU64::new(0),
-            fatal: Mutex::new(None),
-        });
-        let sup = Supervisor::new(
-            Receiver {
-                sh: sh.clone(),
-                stream: reader,
-                mode,
-                scratch: vec![0; SCRATCH],
-                tick,
-                last_check: Instant::now(),
-            },
-            spec.clone(),
-        );
-        let sh2 = sh.clone();
-        let sender = std::thread::Builder::new()
-            .name("blkq-nbd-send".into())
-            .spawn(move || sender::run(sh2))
-            .map_err(io_err)?;
-        let mut dev = Self {
-            sh,
-            receiver: None,
-            sender: Some(sender),
+        let first = connect::open(&spec)?;
+        let details = first.details.clone();
+        let limits = first.limits;
+        let mut n = spec.conns;
+        if n > 1 && !details.flags.contains(TransmissionFlags::CAN_MULTI_CONN) {
+            tracing::warn!(
+                uri = %uri,
+                "conns={n}: the server does not offer multi-conn (NBD_FLAG_CAN_MULTI_CONN); \
+                 using one connection"
+            );
+            n = 1;
+        }
+        let mut links = Vec::with_capacity(n);
+        links.push(Link::start(&spec, first, 0)?);
+        for k in 1..n {
+            let more = connect::open(&spec)?;
+            if more.limits != limits {
+                return Err(RemoteError::Unusable {
+                    uri,
+                    reason: format!(
+                        "connection {k} sees the export as {:?}, the first as {limits:?}",
+                        more.limits
+                    ),
+                });
+            }
+            links.push(Link::start(&spec, more, k)?);
+        }
+        Ok(Self {
+            links,
+            next: AtomicUsize::new(0),
             details,
             spec,
-        };
-        // On failure `dev`'s drop stops the sender.
-        dev.receiver = Some(
-            std::thread::Builder::new()
-                .name("blkq-nbd-remote".into())
-                .spawn(move || sup.run())
-                .map_err(io_err)?,
-        );
-        Ok(dev)
+        })
     }
 
     /// What the handshake said about the export (size, flags, block sizes, name).
@@ -216,35 +184,76 @@ impl RemoteDevice {
         self.details.block_size.map_or(4096, |b| b.preferred)
     }
 
-    /// Whether the device is dead for good: it is closing, or the export changed under it
-    /// while reconnecting (every submit fails).
+    /// Whether the device is dead for good: it is closing, or the export changed under one
+    /// of its connections while reconnecting (every submit fails).
     pub fn is_broken(&self) -> bool {
-        self.sh.table.lock().conn == Conn::Dead
+        self.links
+            .iter()
+            .any(|l| l.sh.table.lock().conn == Conn::Dead)
     }
 
-    /// Whether a connection is established now (false while reconnecting, and once dead).
+    /// Whether every connection is established now (false while one is reconnecting, and
+    /// once dead).
     pub fn is_connected(&self) -> bool {
-        self.sh.table.lock().conn == Conn::Up
+        self.connections_up() == self.links.len()
     }
 
-    /// Connections re-established since the device was opened.
+    /// Connections established now (of [`RemoteDevice::connections`]).
+    pub fn connections_up(&self) -> usize {
+        self.links
+            .iter()
+            .filter(|l| l.sh.table.lock().conn == Conn::Up)
+            .count()
+    }
+
+    /// Connections the device keeps (`conns=`, or 1 when the server has no multi-conn).
+    pub fn connections(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Connections re-established since the device was opened (all of them together).
     pub fn reconnects(&self) -> u64 {
         // Relaxed: a statistic (see the field).
-        self.sh.reconnects.load(Ordering::Relaxed)
+        self.links
+            .iter()
+            .map(|l| l.sh.reconnects.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        let t = self.sh.table.lock();
-        t.slots.len() - t.free.len()
+        self.links
+            .iter()
+            .map(|l| {
+                let t = l.sh.table.lock();
+                t.slots.len() - t.free.len()
+            })
+            .sum()
+    }
+
+    /// The connection for the next request: round-robin, passing over a connection that is
+    /// not up when another is (its requests would wait for its reconnection).
+    fn pick(&self) -> &Shared {
+        let n = self.links.len();
+        // Relaxed: see the field.
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        if n > 1 {
+            for k in 0..n {
+                let l = &self.links[(start + k) % n];
+                if l.sh.is_up() {
+                    return &l.sh;
+                }
+            }
+        }
+        &self.links[start].sh
     }
 
     /// The command and flags for `bio`, `Ok(None)` when it completes at once without asking
     /// the server (a flush to a server without a write cache), or why it fails.
-    fn command(&self, bio: &Bio) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
-        let f = self.sh.flags();
+    fn command(&self, sh: &Shared, bio: &Bio) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
+        let f = sh.flags();
         let has = |x| f.contains(x);
-        self.sh.limits.validate(bio)?;
+        sh.limits.validate(bio)?;
         if bio.op != Op::Read && bio.op != Op::Flush && has(TransmissionFlags::READ_ONLY) {
             return Err(Error::ReadOnly);
         }
@@ -311,7 +320,8 @@ impl RemoteDevice {
 
 impl Device for RemoteDevice {
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
-        let (cmd, flags, fua_flush) = match self.command(&bio) {
+        let sh = self.pick();
+        let (cmd, flags, fua_flush) = match self.command(sh, &bio) {
             Ok(Some(c)) => c,
             Ok(None) => return end.end_io(bio, Ok(())),
             Err(e) => return end.end_io(bio, Err(e)),
@@ -323,11 +333,11 @@ impl Device for RemoteDevice {
             offset: bio.offset(),
             len: u64::from(bio.len),
         };
-        self.sh.submit(bio, end, req);
+        sh.submit(bio, end, req);
     }
 
     fn limits(&self) -> Limits {
-        self.sh.limits
+        self.links[0].sh.limits
     }
 
     /// From `NBD_CMD_BLOCK_STATUS` (`base:allocation`) when the server offers it; every
@@ -339,27 +349,6 @@ impl Device for RemoteDevice {
         max: usize,
         out: &mut Vec<Extent>,
     ) -> Result<(), Error> {
-        self.sh.extents_into(offset, len, max, out)
-    }
-}
-
-impl Drop for RemoteDevice {
-    /// Shuts the socket down and joins the receiver, which fails what is still in flight
-    /// with `EIO`, then the sender.
-    fn drop(&mut self) {
-        // SeqCst: see `Shared::closing`.
-        self.sh.closing.store(true, Ordering::SeqCst);
-        self.sh.shut_socket();
-        self.sh.backoff_wq.wake_all();
-        self.sh.sender_wq.wake_all();
-        if let Some(h) = self.receiver.take() {
-            let _ = h.join();
-        } else {
-            // The receiver never started: nobody else fails what is waiting.
-            self.sh.kill(None);
-        }
-        if let Some(h) = self.sender.take() {
-            let _ = h.join();
-        }
+        self.pick().extents_into(offset, len, max, out)
     }
 }

@@ -85,6 +85,8 @@ impl Supervisor {
             let mut t = sh.table.lock();
             t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
         }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(false, Ordering::Relaxed);
         sh.complete_all();
         if sh.reconnect_deadline.is_zero() {
             self.expire();
@@ -247,6 +249,8 @@ impl Supervisor {
             t.conn = Conn::Up;
             t.send_needed = true;
         }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(true, Ordering::Relaxed);
         // Relaxed: a statistic (see the field).
         let n = sh.reconnects.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(uri = %sh.uri, reconnects = n, "reconnected to the NBD server");

@@ -3,8 +3,8 @@
 //! device's own options after commas.
 //!
 //! ```text
-//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N][,reconnect_deadline=SECS]
-//! nbd+unix:///[EXPORT]?socket=PATH[,timeout=SECS][,depth=N][,reconnect_deadline=SECS]
+//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N][,reconnect_deadline=SECS][,conns=N]
+//! nbd+unix:///[EXPORT]?socket=PATH[,OPTIONS]
 //! nbds://HOST[:PORT][/EXPORT]?tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
 //! nbds+unix:///[EXPORT]?socket=PATH&tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
 //! ```
@@ -21,7 +21,12 @@
 //! - `timeout=SECS` (1..=86400, default 30): a request unanswered this long on a connection
 //!   declares the connection dead; it is broken and re-established. Also the longest a
 //!   submitter waits for a free slot (then `ETIMEDOUT`).
-//! - `depth=N` (1..=4096, default 64): requests in flight at once (the slot table).
+//! - `depth=N` (1..=4096, default 64): requests in flight at once on each connection (the
+//!   slot table).
+//! - `conns=N` (1..=16, default 1): connections to open when the server offers multi-conn
+//!   (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one covers writes completed on all); requests
+//!   are spread over them round-robin, passing over one that is reconnecting. A server
+//!   without multi-conn gets one connection (logged).
 //! - `reconnect_deadline=SECS` (0..=86400, default 15): how long requests wait for a broken
 //!   connection to be re-established before they fail with `EIO`; past it, and while still
 //!   disconnected, new requests fail at once. The device keeps reconnecting in the
@@ -49,10 +54,12 @@ pub const DEFAULT_DEPTH: usize = 64;
 pub const MAX_DEPTH: usize = 4096;
 /// Longest request timeout, seconds (a day).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+/// Most connections `conns=` may ask for.
+pub const MAX_CONNS: usize = 16;
 /// Default `reconnect_deadline=` (see the module documentation for why).
 pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(15);
 
-const OPTIONS: [&str; 3] = ["timeout", "depth", "reconnect_deadline"];
+const OPTIONS: [&str; 4] = ["timeout", "depth", "reconnect_deadline", "conns"];
 
 /// Errors of [`RemoteSpec::parse`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -148,6 +155,8 @@ pub struct RemoteSpec {
     /// TLS (`nbds`): where the certificates are, and the name the server's certificate must
     /// carry.
     pub tls: Option<TlsSpec>,
+    /// Connections when the server offers multi-conn (`conns=N`).
+    pub conns: usize,
 }
 
 /// The TLS part of an `nbds://` or `nbds+unix://` spec.
@@ -181,6 +190,7 @@ impl RemoteSpec {
         let mut timeout = DEFAULT_TIMEOUT;
         let mut depth = DEFAULT_DEPTH;
         let mut reconnect_deadline = DEFAULT_RECONNECT_DEADLINE;
+        let mut conns = 1;
         let mut uri = s;
         let mut seen = [false; OPTIONS.len()];
         while let Some((head, tail)) = uri.rsplit_once(',') {
@@ -196,6 +206,7 @@ impl RemoteSpec {
                 match OPTIONS[i] {
                     "timeout" => timeout = parse_timeout(v)?,
                     "depth" => depth = parse_depth(v)?,
+                    "conns" => conns = parse_conns(v)?,
                     _ => reconnect_deadline = parse_deadline(v)?,
                 }
             }
@@ -233,6 +244,7 @@ impl RemoteSpec {
             depth,
             reconnect_deadline,
             tls,
+            conns,
         })
     }
 }
@@ -307,6 +319,17 @@ fn parse_deadline(v: &str) -> Result<Duration, SpecError> {
             key: "reconnect_deadline",
             value: v.to_string(),
             reason: format!("expected 0..={MAX_TIMEOUT_SECS} whole seconds"),
+        }),
+    }
+}
+
+fn parse_conns(v: &str) -> Result<usize, SpecError> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_CONNS).contains(&n) => Ok(n),
+        _ => Err(SpecError::BadOption {
+            key: "conns",
+            value: v.to_string(),
+            reason: format!("expected 1..={MAX_CONNS}"),
         }),
     }
 }
@@ -452,6 +475,8 @@ mod tests {
         assert_eq!(s.reconnect_deadline, Duration::ZERO);
         let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=90").unwrap();
         assert_eq!(s.reconnect_deadline, Duration::from_secs(90));
+        assert_eq!(s.conns, 1);
+        assert_eq!(RemoteSpec::parse("nbd://h/d,conns=4").unwrap().conns, 4);
         let s = RemoteSpec::parse("nbd://h/").unwrap();
         assert_eq!(s.export, "");
     }
@@ -527,6 +552,8 @@ mod tests {
             "nbd://h/d,depth=100000",
             "nbd://h/d,reconnect_deadline=-1",
             "nbd://h/d,reconnect_deadline=86401",
+            "nbd://h/d,conns=0",
+            "nbd://h/d,conns=17",
             "mem:1M",
         ] {
             assert!(RemoteSpec::parse(bad).is_err(), "{bad}");

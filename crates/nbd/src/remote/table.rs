@@ -279,6 +279,11 @@ pub(super) struct Shared {
     /// that, load it. SeqCst is more than that needs and costs nothing here (once per wake-up
     /// of those threads, never per I/O).
     pub(super) closing: AtomicBool,
+    /// Whether the connection is up: a hint for spreading requests over connections, kept
+    /// with `Table::conn` (stored after it changes). Relaxed: a request sent to a connection
+    /// that just went down waits for its reconnection like any other; nothing is ordered by
+    /// it.
+    pub(super) up: AtomicBool,
     /// A handle on the current socket to shut it down (the writer's may be held by a stuck
     /// sender).
     pub(super) sock: Mutex<Option<Stream>>,
@@ -292,6 +297,11 @@ impl Shared {
     pub(super) fn flags(&self) -> TransmissionFlags {
         // Relaxed: see the field.
         TransmissionFlags::from_bits(self.flags.load(Ordering::Relaxed) as u16)
+    }
+
+    pub(super) fn is_up(&self) -> bool {
+        // Relaxed: see the field.
+        self.up.load(Ordering::Relaxed)
     }
 
     pub(super) fn is_closing(&self) -> bool {
@@ -410,6 +420,8 @@ impl Shared {
         self.shut_socket();
         self.writer.lock().stream = None;
         self.table.lock().conn = Conn::Dead;
+        // Relaxed: see the field.
+        self.up.store(false, Ordering::Relaxed);
         self.fail_waiting();
     }
 }
