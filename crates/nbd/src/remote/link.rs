@@ -14,7 +14,7 @@ use super::receiver::{Receiver, SCRATCH};
 use super::reconnect::Supervisor;
 use super::sender;
 use super::spec::RemoteSpec;
-use super::table::{Shared, Table, Writer};
+use super::table::{Durability, Shared, Table, Writer};
 
 pub(super) struct Link {
     pub(super) sh: DynArc<Shared>,
@@ -23,8 +23,14 @@ pub(super) struct Link {
 }
 
 impl Link {
-    /// Starts the threads of connection number `k` on `opened`.
-    pub(super) fn start(spec: &RemoteSpec, opened: Opened, k: usize) -> Result<Self, RemoteError> {
+    /// Starts the threads of connection number `k` on `opened`; `durability` is shared by
+    /// the device's connections.
+    pub(super) fn start(
+        spec: &RemoteSpec,
+        opened: Opened,
+        k: usize,
+        durability: &DynArc<Durability>,
+    ) -> Result<Self, RemoteError> {
         let uri = spec.to_string();
         let io_err = |e: io::Error| RemoteError::Connect {
             uri: uri.clone(),
@@ -64,6 +70,7 @@ impl Link {
             sock: Mutex::new(Some(sock)),
             reconnects: AtomicU64::new(0),
             fatal: Mutex::new(None),
+            durability: durability.clone(),
         });
         let sup = Supervisor::new(
             Receiver {

@@ -34,6 +34,12 @@
 //! offset. If the export changed, the device fails every request, now and later, with `EIO`
 //! and an error naming both sizes.
 //!
+//! Re-sending cannot bring back what a server lost: writes it acknowledged on the lost
+//! connection and had not flushed may have been in a cache that died with it. So when a
+//! connection to a server with a write cache is lost with such writes, the next flush fails
+//! with `EIO` (once) instead of vouching for them (`Durability` in `table`). FUA writes, and
+//! writes a completed flush covers, are not affected.
+//!
 //! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
 //! with `EIO`, and while still disconnected new requests fail at once. Reconnecting goes on in
 //! the background, and once connected the same device serves again (a mirror can take the leg
@@ -100,7 +106,7 @@ use crate::client::ExportDetails;
 use crate::proto::{CmdFlags, Command, TransmissionFlags};
 use link::Link;
 use submit::Req;
-use table::{Conn, Shared};
+use table::{Conn, Durability, Shared};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
@@ -146,8 +152,9 @@ impl RemoteDevice {
             );
             n = 1;
         }
+        let durability = DynArc::new(Durability::default());
         let mut links = Vec::with_capacity(n);
-        links.push(Link::start(&spec, first, 0)?);
+        links.push(Link::start(&spec, first, 0, &durability)?);
         for k in 1..n {
             let more = connect::open(&spec)?;
             if more.limits != limits {
@@ -159,7 +166,7 @@ impl RemoteDevice {
                     ),
                 });
             }
-            links.push(Link::start(&spec, more, k)?);
+            links.push(Link::start(&spec, more, k, &durability)?);
         }
         Ok(Self {
             links,

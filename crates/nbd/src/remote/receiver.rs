@@ -10,9 +10,9 @@ use blk::Bio;
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
-use super::table::{Shared, Status};
+use super::table::{Shared, Status, Success};
 use crate::proto::{
-    CmdFlags, Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
+    Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
     NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
 };
 use crate::stream::Stream;
@@ -103,23 +103,12 @@ impl Receiver {
     /// the receiver never sends (it must keep reading whatever the server's send buffer
     /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
     fn succeeded(&self, i: usize) {
-        let flush = {
-            let mut t = self.sh.table.lock();
-            let s = &mut t.slots[i];
-            let flush = s.fua_flush && s.cmd == Command::Write;
-            if flush {
-                s.cmd = Command::Flush;
-                s.flags = CmdFlags::empty();
-                s.gen = s.gen.wrapping_add(1);
-                s.sent_epoch = 0;
-                t.send_needed = true;
+        let what = self.sh.table.lock().succeeded(i, &self.sh.durability);
+        match what {
+            Success::FlushNext => {
+                self.sh.sender_wq.wake_one();
             }
-            flush
-        };
-        if flush {
-            self.sh.sender_wq.wake_one();
-        } else {
-            self.sh.finish(i, Status::Ok);
+            Success::Complete(status) => self.sh.finish(i, status),
         }
     }
 

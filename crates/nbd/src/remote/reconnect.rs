@@ -23,6 +23,7 @@ use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
 use super::table::Conn;
+use crate::proto::TransmissionFlags;
 
 /// First wait between reconnection attempts; it doubles after each failed attempt.
 const BACKOFF_START: Duration = Duration::from_millis(50);
@@ -84,6 +85,13 @@ impl Supervisor {
             w.stream = None;
             let mut t = sh.table.lock();
             t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
+        }
+        if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
+            tracing::warn!(
+                uri = %sh.uri,
+                "writes acknowledged and not flushed were on the lost connection: the next \
+                 flush fails (their durability is unknown)"
+            );
         }
         // Relaxed: see `Shared::up`.
         sh.up.store(false, Ordering::Relaxed);

@@ -78,6 +78,18 @@ pub(super) enum Status {
     Nbd(u32),
     /// The connection broke (or was not re-established in time): this errno.
     Lost(i32),
+    /// A flush that cannot vouch for writes acknowledged on a lost connection (see
+    /// `Table::unflushed_lost`).
+    Unflushed,
+}
+
+/// What a successful reply does to its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Success {
+    /// The request completes with this status.
+    Complete(Status),
+    /// The write of an emulated FUA write: its flush is due next.
+    FlushNext,
 }
 
 /// The connection's state (see the comment above).
@@ -113,6 +125,8 @@ pub(super) struct Slot {
     pub(super) covered: u64,
     /// The first error chunk's value (structured replies).
     pub(super) error: u32,
+    /// A flush: `Table::acked` when it was sent (the writes it covers for sure).
+    pub(super) cover: u64,
 }
 
 impl Slot {
@@ -140,6 +154,46 @@ pub(super) struct Table {
     pub(super) send_needed: bool,
 }
 
+/// What a flush can vouch for, shared by every connection of a device (with multi-conn a
+/// flush on one covers the writes completed on all).
+///
+/// When a connection to a server with a write cache is lost while writes acknowledged on it
+/// are not covered by a flush, the server may have lost them (a crash loses its cache): the
+/// next flush to complete cannot say they are durable, and fails with `EIO` instead, once.
+/// Re-sending the flush on the new connection would vouch only for what that server holds.
+/// Conservative: the counts are device-wide, so a lost connection poisons the next flush if
+/// any connection had unflushed writes.
+///
+/// Orderings: the counters publish no data; what matters is that a write whose reply was
+/// received before a flush was sent is counted in that flush's `cover`. The receiver counts
+/// the write (`acked`, Release) after receiving its reply, and the flush's sender reads
+/// `acked` (Acquire) before sending it: a read that sees the count saw the reply first, and
+/// one that does not leaves the write uncovered (conservative). `flushed` only grows
+/// (`fetch_max`) and is compared with `acked` when a connection is lost, on the receiver,
+/// with the same pairing. `poisoned` is set and taken with `swap` (AcqRel): exactly one flush
+/// takes it.
+#[derive(Default)]
+pub(super) struct Durability {
+    /// Writes (trims, zeroes) acknowledged without FUA.
+    pub(super) acked: AtomicU64,
+    /// How many of them a completed flush covers.
+    pub(super) flushed: AtomicU64,
+    /// Writes acknowledged and not flushed were on a lost connection.
+    pub(super) poisoned: AtomicBool,
+}
+
+impl Durability {
+    /// A connection to a server with a write cache was lost.
+    pub(super) fn connection_lost(&self) -> bool {
+        let acked = self.acked.load(Ordering::Acquire);
+        if acked > self.flushed.fetch_max(acked, Ordering::AcqRel) {
+            self.poisoned.store(true, Ordering::Release);
+            return true;
+        }
+        false
+    }
+}
+
 /// A completion to deliver once the table lock is dropped.
 pub(super) type Done = (Bio, DynArc<dyn EndIo>, Status);
 
@@ -164,6 +218,7 @@ impl Table {
                     sent_epoch: 0,
                     covered: 0,
                     error: 0,
+                    cover: 0,
                 })
                 .collect(),
             // Popped from the end: slot 0 first.
@@ -217,6 +272,38 @@ impl Table {
                 s.status = Some(status);
             }
         }
+    }
+
+    /// A successful reply to slot `i`: an emulated FUA write's write turns into its flush
+    /// (a new cookie, due again); a write counts as acknowledged; a flush covers what was
+    /// acknowledged when it was sent, or fails once after unflushed writes were lost.
+    pub(super) fn succeeded(&mut self, i: usize, d: &Durability) -> Success {
+        let s = &mut self.slots[i];
+        if s.fua_flush && s.cmd == Command::Write {
+            s.cmd = Command::Flush;
+            s.flags = CmdFlags::empty();
+            s.gen = s.gen.wrapping_add(1);
+            s.sent_epoch = 0;
+            self.send_needed = true;
+            return Success::FlushNext;
+        }
+        match s.cmd {
+            Command::Write | Command::Trim | Command::WriteZeroes
+                if !s.flags.contains(CmdFlags::FUA) =>
+            {
+                // Release: see `Durability`.
+                d.acked.fetch_add(1, Ordering::Release);
+            }
+            Command::Flush => {
+                // AcqRel: see `Durability`.
+                d.flushed.fetch_max(s.cover, Ordering::AcqRel);
+                if !s.fua_flush && d.poisoned.swap(false, Ordering::AcqRel) {
+                    return Success::Complete(Status::Unflushed);
+                }
+            }
+            _ => {}
+        }
+        Success::Complete(Status::Ok)
     }
 
     /// The connection broke at `now`: it is down; what was sent is to be sent again on the
@@ -291,6 +378,8 @@ pub(super) struct Shared {
     pub(super) reconnects: AtomicU64,
     /// Why the device is dead, when the export changed under it.
     pub(super) fatal: Mutex<Option<String>>,
+    /// What a flush can vouch for (shared by the device's connections).
+    pub(super) durability: DynArc<Durability>,
 }
 
 impl Shared {
@@ -314,6 +403,15 @@ impl Shared {
         match status {
             Status::Ok => Ok(()),
             Status::Nbd(e) => Err(nbd_error(e)),
+            Status::Unflushed => Err(Error::Io(blk::error::with_context(
+                io::Error::from_raw_os_error(libc::EIO),
+                format!(
+                    "{}: writes acknowledged on a connection that was lost had not been \
+                     flushed; the server may have lost them, so this flush cannot vouch for \
+                     them",
+                    self.uri
+                ),
+            ))),
             Status::Lost(errno) => {
                 let why = match &*self.fatal.lock() {
                     Some(f) => f.clone(),
@@ -469,6 +567,10 @@ impl Shared {
             }
             s.sent_epoch = epoch;
             s.sent_at = Instant::now();
+            if s.cmd == Command::Flush {
+                // Acquire: see `Durability`.
+                s.cover = self.durability.acked.load(Ordering::Acquire);
+            }
             s.request(i)
         };
         let payload = if req.kind == Command::Write {
