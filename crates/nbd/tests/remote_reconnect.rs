@@ -325,3 +325,49 @@ fn a_flush_after_losing_unflushed_writes_fails_once() {
     drop(dev);
     server.shutdown();
 }
+
+/// While the server is gone, requests beyond the depth wait for a slot; at the deadline the
+/// ones in slots and the ones waiting for a slot all fail. Dropping a device that is
+/// reconnecting fails what waits and returns (no wait for the backoff or the deadline).
+#[test]
+fn the_deadline_fails_slot_waiters_too_and_drop_does_not_wait() {
+    log();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let server = serve(&path, &device("mem:16M"));
+    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,depth=2,reconnect_deadline=1")).unwrap();
+    server.shutdown();
+    let pending: Vec<_> = (0..6u64)
+        .map(|k| {
+            let mut b = Buffer::new(4096);
+            b.as_mut_slice().copy_from_slice(&pattern(k, 4096));
+            PendingBio::submit(&dev, Bio::with_buf(Op::Write, k * 8, b))
+        })
+        .collect();
+    for p in pending {
+        let (_, r) = p
+            .wait_until(Instant::now() + Duration::from_secs(10))
+            .expect("a request outlives the reconnect deadline");
+        assert_eq!(r.unwrap_err().errno(), libc::EIO);
+    }
+    assert_eq!(dev.in_flight(), 0);
+
+    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,reconnect_deadline=60"));
+    assert!(dev.is_err(), "nothing listens: opening fails at once");
+    let server = serve(&path, &device("mem:16M"));
+    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,reconnect_deadline=60")).unwrap();
+    server.shutdown();
+    let waiting = PendingBio::submit(&dev, Bio::with_buf(Op::Read, 0, Buffer::new(4096)));
+    wait_until("disconnected", || !dev.is_connected());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(dev);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("dropping a reconnecting device hangs");
+    let (_, r) = waiting
+        .wait_until(Instant::now() + Duration::from_secs(1))
+        .expect("the waiting read was not failed by the drop");
+    assert_eq!(r.unwrap_err().errno(), libc::EIO);
+}

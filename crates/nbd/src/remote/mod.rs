@@ -1,10 +1,12 @@
 //! A [`blk::Device`] backed by an export on another NBD server: [`RemoteDevice`], opened from
-//! an `nbd://` or `nbd+unix://` spec ([`RemoteSpec`]).
+//! an `nbd://`, `nbd+unix://`, `nbds://` or `nbds+unix://` spec ([`RemoteSpec`]).
 //!
 //! # Shape
 //!
-//! One connection, negotiated with the blocking client's [`Handshake`] (structured replies
-//! when the server has them, `NBD_OPT_GO` with block-size information), then split:
+//! A connection (one by default, see "Several connections"), negotiated with the blocking
+//! client's [`Handshake`](crate::client::Handshake) (TLS for `nbds`, structured replies and
+//! `base:allocation` when the server has them, `NBD_OPT_GO` with block-size information),
+//! then split:
 //!
 //! - **Submitters** (any thread calling [`Device::submit`]) take a free slot of a fixed table,
 //!   then send the request header and, for a write, the payload straight from the bio's

@@ -478,11 +478,11 @@ impl Shared {
         }
     }
 
-    /// Sets slot `i`'s status and completes it if its bio is in place.
+    /// Sets slot `i`'s status (if it has none) and completes it if its bio is in place.
     pub(super) fn finish(&self, i: usize, status: Status) {
         let done = {
             let mut t = self.table.lock();
-            if let Some(s) = t.slots.get_mut(i) {
+            if let Some(s) = t.slots.get_mut(i).filter(|s| s.busy && s.status.is_none()) {
                 s.status = Some(status);
             }
             t.take_done(i)
