@@ -158,8 +158,8 @@ impl Supervisor {
                 self.rx.sh.kill(None);
                 return false;
             }
-            match self.attempt() {
-                Ok(opened) => return self.bring_up(opened),
+            match self.attempt().and_then(|opened| self.bring_up(opened)) {
+                Ok(up) => return up,
                 Err(e) => {
                     failures += 1;
                     if failures == 1 {
@@ -205,8 +205,9 @@ impl Supervisor {
 
     /// A new connection is negotiated: if the export is the same, make it current, flag
     /// everything waiting as due for the sender, and receive on it (true). If its size or
-    /// block sizes changed, the device dies with an error naming both (false).
-    fn bring_up(&mut self, opened: Opened) -> bool {
+    /// block sizes changed, the device dies with an error naming both (false). An error is a
+    /// failed attempt (the socket is dropped; the next attempt follows).
+    fn bring_up(&mut self, opened: Opened) -> Result<bool, connect::RemoteError> {
         let sh = self.rx.sh.clone();
         if opened.limits != sh.limits {
             let (was, now) = (sh.limits, opened.limits);
@@ -223,7 +224,7 @@ impl Supervisor {
             );
             tracing::error!(uri = %sh.uri, "{why}");
             sh.kill(Some(why));
-            return false;
+            return Ok(false);
         }
         let Opened {
             stream,
@@ -235,14 +236,10 @@ impl Supervisor {
         let clones = stream
             .set_read_timeout(Some(self.rx.tick))
             .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)));
-        let (reader, sock) = match clones {
-            Ok(c) => c,
-            Err(e) => {
-                // As a failed attempt: the socket is dropped, the next attempt follows.
-                tracing::warn!(uri = %sh.uri, "reconnecting: {e}");
-                return self.reconnect();
-            }
-        };
+        let (reader, sock) = clones.map_err(|source| connect::RemoteError::Connect {
+            uri: sh.uri.clone(),
+            source,
+        })?;
         *sh.sock.lock() = Some(sock);
         // Relaxed: see `Shared::flags`.
         sh.flags
@@ -267,6 +264,6 @@ impl Supervisor {
         self.rx.mode = mode;
         self.rx.last_check = Instant::now();
         self.up_since = Instant::now();
-        true
+        Ok(true)
     }
 }
