@@ -34,26 +34,30 @@ pub(super) fn run(sh: DynArc<Shared>) {
 
 /// Sends every due slot. A write's bio is taken out of its slot while its payload is sent
 /// (the sender is then its holder); a write whose bio is away is its holder's, who raises
-/// `send_needed` again when it puts the bio back.
+/// `send_needed` again when it puts the bio back. One look at the table finds the next due
+/// slot, so a wake-up for one flush costs one pass, not a lock per slot.
 fn send_due(sh: &Shared) {
-    let depth = sh.table.lock().slots.len();
-    for i in 0..depth {
-        let (bio, len): (Option<Bio>, usize) = {
+    let mut from = 0;
+    loop {
+        let next = {
             let mut t = sh.table.lock();
-            if !t.due(i) {
-                continue;
-            }
-            let s = &mut t.slots[i];
-            let len = s.len as usize;
-            if s.cmd == Command::Write {
-                match s.bio.take() {
-                    Some(b) => (Some(b), len),
-                    None => continue,
-                }
-            } else {
-                (None, len)
-            }
+            let found = (from..t.slots.len()).find(|&j| {
+                t.due(j) && (t.slots[j].cmd != Command::Write || t.slots[j].bio.is_some())
+            });
+            found.map(|i| {
+                let s = &mut t.slots[i];
+                let bio: Option<Bio> = if s.cmd == Command::Write {
+                    s.bio.take()
+                } else {
+                    None
+                };
+                (i, bio, s.len as usize)
+            })
         };
+        let Some((i, bio, len)) = next else {
+            return;
+        };
+        from = i + 1;
         let payload = bio
             .as_ref()
             .and_then(|b| b.buf.as_ref())
