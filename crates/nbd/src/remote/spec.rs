@@ -31,7 +31,9 @@
 //!   connection to be re-established before they fail with `EIO`; past it, and while still
 //!   disconnected, new requests fail at once. The device keeps reconnecting in the
 //!   background either way and serves again once connected. `0` fails what is in flight at
-//!   once when the connection breaks. The default is long enough for a server process to
+//!   once when the connection breaks. The deadline is checked between reconnection
+//!   attempts, and one attempt (to a server that accepts and never answers) may take up to
+//!   `timeout`, so requests fail at most that much after it. The default is long enough for a server process to
 //!   restart or a network path to fail over, and short enough that a mirror above this device
 //!   marks the leg faulty and goes on serving within seconds instead of stalling its writers;
 //!   a request is failed with `ETIMEDOUT` once it has been outstanding for `timeout` plus the
