@@ -25,6 +25,7 @@ use anyhow::{Context, Result};
 use blk::stats::DiskStats;
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::{thread, Arc};
+use nbd::remote::RemoteDevice;
 use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
@@ -52,6 +53,9 @@ pub struct Sources {
     pub nbd: NbdMetrics,
     /// A RAID1 array: its export name and its control (reports its state).
     pub raid1: Vec<(String, Arc<Control>)>,
+    /// A remote export (`nbd://...` device): its export name and the device (its
+    /// connections' state).
+    pub remote: Vec<(String, Arc<RemoteDevice>)>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -60,6 +64,10 @@ impl std::fmt::Debug for Sources {
             .field(
                 "raid1",
                 &self.raid1.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field(
+                "remote",
+                &self.remote.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
     }
@@ -113,8 +121,9 @@ pub fn start_for_serve(
     addr_file: Option<&std::path::Path>,
     nbd: NbdMetrics,
     raid1: Vec<(String, Arc<Control>)>,
+    remote: Vec<(String, Arc<RemoteDevice>)>,
 ) -> Result<MetricsServer> {
-    let m = MetricsServer::start(addr, Sources { nbd, raid1 })?;
+    let m = MetricsServer::start(addr, Sources { nbd, raid1, remote })?;
     let bound = m.addr();
     if !bound.ip().is_loopback() {
         tracing::warn!(
@@ -625,6 +634,39 @@ impl Collector for BlkqCollector {
                 .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
         )?;
 
+        // Remote exports: their connections now, and how often they were re-established.
+        let remote = |name: &String| vec![("export", name.clone())];
+        family(
+            &mut enc,
+            "blkq_remote_connections",
+            "Connections a remote export (nbd:// device) keeps to its server.",
+            None,
+            self.0
+                .remote
+                .iter()
+                .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
+        )?;
+        family(
+            &mut enc,
+            "blkq_remote_connections_up",
+            "Of those, the ones established now (the others are reconnecting).",
+            None,
+            self.0
+                .remote
+                .iter()
+                .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
+        )?;
+        family(
+            &mut enc,
+            "blkq_remote_reconnects",
+            "Connections of a remote export re-established after they broke.",
+            None,
+            self.0
+                .remote
+                .iter()
+                .map(|(n, d)| (remote(n), counter(d.reconnects()))),
+        )?;
+
         family(
             &mut enc,
             "blkq_waitq_wakeups",
@@ -747,6 +789,7 @@ mod tests {
             Sources {
                 nbd: server.metrics(),
                 raid1: Vec::new(),
+                remote: Vec::new(),
             },
         )
         .unwrap();

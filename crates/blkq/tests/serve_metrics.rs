@@ -239,3 +239,46 @@ fn raid1_arrays_have_the_md_shape() {
     assert_eq!(value(&after, &e("io_now")), 0.0);
     cl.disconnect().unwrap();
 }
+
+/// A remote export (`--device nbd+unix://...`) reports its connections and reconnections:
+/// one up, none re-established; its server restarted, one re-established and up again.
+#[test]
+fn a_remote_export_reports_its_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let back_dir = dir.path().join("back");
+    std::fs::create_dir_all(&back_dir).unwrap();
+    let back = Serving::start(&back_dir, "back", &["--device", "mem:16M"]);
+    let spec = format!(
+        "nbd+unix:///?socket={},timeout=10,reconnect_deadline=30",
+        back.sock.display()
+    );
+    let addr_file = dir.path().join("metrics.addr");
+    let _front = Serving::launch(
+        dir.path(),
+        "front",
+        &[
+            "--device",
+            &spec,
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            addr_file.to_str().unwrap(),
+        ],
+        |l| l.ready_when_written(&addr_file),
+    );
+    let addr = written_addr(&addr_file);
+    let up = "blkq_remote_connections_up{export=\"\"}";
+    let n = "blkq_remote_connections{export=\"\"}";
+    let re = "blkq_remote_reconnects_total{export=\"\"}";
+    let m = scrape(&addr);
+    assert_eq!(
+        (value(&m, n), value(&m, up), value(&m, re)),
+        (1.0, 1.0, 0.0)
+    );
+    drop(back);
+    let back = Serving::start(&back_dir, "back", &["--device", "mem:16M"]);
+    scrape_until(&addr, "the remote export never reconnected", |m| {
+        value(m, re) == 1.0 && value(m, up) == 1.0
+    });
+    drop(back);
+}

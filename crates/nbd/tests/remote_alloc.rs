@@ -1,6 +1,8 @@
 //! `RemoteDevice` allocates nothing per request in the steady state: reads, writes and flushes
 //! against nbdkit's memory plugin (another process, so that every allocation counted is the
-//! device's: the submitting test thread and the receiver thread). Skipped without nbdkit.
+//! device's: the submitting test thread, the receiver and the sender), with FUA native and
+//! emulated (nbdkit's fua filter hides it: the sender sends the flushes), over one
+//! connection and two. Skipped without nbdkit.
 // A plain threaded test, never a loom model: its own harness may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -37,29 +39,32 @@ fn run(dev: &dyn Device, end: &Arc<dyn EndIo>, done: &Done, bio: Bio) -> Bio {
     bio
 }
 
-#[test]
-fn no_allocation_per_request() {
+/// Allocations in 2000 rounds of write (every fourth FUA), read, and every sixteenth a
+/// flush, against nbdkit with `args`, the device opened with `opts`; `None` without nbdkit.
+fn steady_state(args: &[&str], opts: &str) -> Option<u64> {
     if std::process::Command::new("nbdkit")
         .arg("--version")
         .output()
         .is_err()
     {
         eprintln!("skipped: nbdkit is not on PATH");
-        return;
+        return None;
     }
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("kit.sock");
     let mut child = std::process::Command::new("nbdkit")
         .args(["-f", "-U"])
         .arg(&sock)
-        .args(["memory", "64M"])
+        .args(args)
         .spawn()
         .unwrap();
     let t = Instant::now();
-    while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
+    while std::os::unix::net::UnixStream::connect(&sock).is_err()
+        && t.elapsed() < Duration::from_secs(10)
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}", sock.display())).unwrap();
+    let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}{opts}", sock.display())).unwrap();
     let done = Arc::new(Done::default());
     let end: Arc<dyn EndIo> = done.clone();
     let mut wbio = Bio::with_buf(Op::Write, 0, Buffer::new(64 << 10));
@@ -106,8 +111,24 @@ fn no_allocation_per_request() {
     drop(dev);
     let _ = child.kill();
     let _ = child.wait();
-    assert_eq!(
-        n, 0,
-        "allocations in 2000 rounds of write, read (and flush)"
-    );
+    Some(n)
+}
+
+/// One test, the configurations one after the other: the count is process-wide, so two
+/// windows must not overlap.
+#[test]
+fn no_allocation_per_request() {
+    if let Some(n) = steady_state(&["memory", "64M"], "") {
+        assert_eq!(
+            n, 0,
+            "allocations in 2000 rounds of write, read (and flush)"
+        );
+    }
+    // The sender's path (the flush of an emulated FUA write) and two connections.
+    if let Some(n) = steady_state(&["--filter=fua", "memory", "64M"], ",conns=2") {
+        assert_eq!(
+            n, 0,
+            "allocations in 2000 rounds with FUA emulated, two connections"
+        );
+    }
 }

@@ -28,6 +28,8 @@ pub struct Opened {
     pub control_sockets: Vec<(PathBuf, Arc<Control>)>,
     /// Every mirror, by export name (for metrics), with its control (shared with its socket).
     pub mirrors: Vec<(String, Arc<Control>)>,
+    /// Every remote export (`--device nbd://...`), by export name (for metrics).
+    pub remotes: Vec<(String, Arc<RemoteDevice>)>,
 }
 
 /// Opens the devices and assembles the mirrors: the server's configuration.
@@ -36,6 +38,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
     let mut descriptions = Vec::new();
     let mut control_sockets = Vec::new();
     let mut mirrors = Vec::new();
+    let mut remotes = Vec::new();
     for e in &settings.exports {
         let overrides = QueueOverrides {
             read_only: e.read_only,
@@ -79,7 +82,9 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     "{spec} (remote NBD export, {} bytes)",
                     dev.limits().capacity
                 );
-                let dev: Arc<dyn Device> = Arc::new(dev);
+                let dev = Arc::new(dev);
+                remotes.push((e.name.clone(), dev.clone()));
+                let dev: Arc<dyn Device> = dev;
                 (dev, full, "nbd", read_only)
             }
             Backing::Device(spec) => {
@@ -147,6 +152,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
         descriptions,
         control_sockets,
         mirrors,
+        remotes,
     })
 }
 

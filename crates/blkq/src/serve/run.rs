@@ -108,6 +108,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             a.report.metrics_addr_file.as_deref(),
             server.metrics(),
             opened.mirrors.clone(),
+            opened.remotes.clone(),
         )?),
         None => None,
     };

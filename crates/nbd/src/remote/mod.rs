@@ -1,10 +1,12 @@
 //! A [`blk::Device`] backed by an export on another NBD server: [`RemoteDevice`], opened from
-//! an `nbd://` or `nbd+unix://` spec ([`RemoteSpec`]).
+//! an `nbd://`, `nbd+unix://`, `nbds://` or `nbds+unix://` spec ([`RemoteSpec`]).
 //!
 //! # Shape
 //!
-//! One connection, negotiated with the blocking client's [`Handshake`] (structured replies
-//! when the server has them, `NBD_OPT_GO` with block-size information), then split:
+//! A connection (one by default, see "Several connections"), negotiated with the blocking
+//! client's [`Handshake`](crate::client::Handshake) (TLS for `nbds`, structured replies and
+//! `base:allocation` when the server has them, `NBD_OPT_GO` with block-size information),
+//! then split:
 //!
 //! - **Submitters** (any thread calling [`Device::submit`]) take a free slot of a fixed table,
 //!   then send the request header and, for a write, the payload straight from the bio's
@@ -12,7 +14,10 @@
 //! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
 //!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
 //!   It also enforces the request timeout: the socket's receive timeout wakes it every tick,
-//!   and a request in flight longer than `timeout` breaks the connection.
+//!   and a request unanswered for `timeout` declares the connection dead. When the connection
+//!   breaks, the same thread re-establishes it (`reconnect`).
+//! - **One sender thread** sends what no submitter is there to send: the requests waiting
+//!   when a connection comes back, and the flush of an emulated FUA write (`sender`).
 //!
 //! No thread per request and no allocation per request: the table is sized at connect
 //! (`depth=`, default 64), and a submitter finding it full waits for a slot, at most the
@@ -21,84 +26,96 @@
 //! # A broken connection
 //!
 //! The connection breaks when the server closes it, the socket fails, a reply is malformed
-//! (unknown cookie, a chunk outside its request, bad magic, ...), or a request times out. Then
-//! every request in flight completes with `EIO` (`ETIMEDOUT` for those that timed out), the
-//! receiver thread exits, and every later submit fails at once with `EIO`. Nothing panics on
-//! what the server sends.
+//! (unknown cookie, a chunk outside its request, bad magic, ...), or a request is unanswered
+//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away). Then the
+//! requests keep their slots (a write its bio and buffer), and the receiver reconnects with
+//! exponential backoff (50 ms doubling, at most 2 s apart; a connection that broke within a
+//! second of coming up does not reset it), negotiates again, and, if the export's size and
+//! block sizes are unchanged, every request still waiting is sent again on the new
+//! connection: the commands used (read, write, flush, trim, write zeroes) are idempotent by
+//! offset. If the export changed, the device fails every request, now and later, with `EIO`
+//! and an error naming both sizes.
 //!
-//! Not yet done (later steps): reconnecting with backoff and re-sending what was in flight
-//! (`reconnect_deadline=`); several connections (multi-conn); TLS (`nbds://`); block status
-//! for [`Device::extents_into`] (every range is reported allocated).
+//! Re-sending cannot bring back what a server lost: writes it acknowledged on the lost
+//! connection and had not flushed may have been in a cache that died with it. So when a
+//! connection to a server with a write cache is lost with such writes, the next flush fails
+//! with `EIO` (once) instead of vouching for them (`Durability` in `table`). FUA writes, and
+//! writes a completed flush covers, are not affected.
+//!
+//! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
+//! with `EIO`, and while still disconnected new requests fail at once. Reconnecting goes on in
+//! the background, and once connected the same device serves again (a mirror can take the leg
+//! back). A request outstanding for `timeout` plus the deadline, however many times it was
+//! sent, fails with `ETIMEDOUT`. [`RemoteDevice::is_connected`] and
+//! [`RemoteDevice::reconnects`] report the state. Nothing panics on what the server sends.
+//!
+//! # FUA
+//!
+//! A FUA write to a server with `NBD_CMD_FLUSH` but not `NBD_CMD_FLAG_FUA` is emulated: the
+//! write is sent without the flag; once it is answered the sender sends a flush on the same
+//! slot, and the bio completes when the flush is answered. A server without flush has no write
+//! cache: a write is durable when answered, and FUA is dropped.
+//!
+//! # Extents
+//!
+//! When the server has structured replies and the `base:allocation` metadata context, it is
+//! negotiated and [`Device::extents_into`] asks `NBD_CMD_BLOCK_STATUS`; otherwise every range
+//! is reported allocated.
+//!
+//! # TLS
+//!
+//! `nbds://` and `nbds+unix://` start TLS (`NBD_OPT_STARTTLS`) before anything else, at
+//! connect and at every reconnection, with the certificates of `tls-certificates=DIR` (read
+//! again each time). The split works as on a plain socket: the receiver decrypts on its
+//! handle, the submitters and the sender encrypt and send on theirs under the writer lock,
+//! and the TLS session's own lock is never held across a socket call (see `crate::tls`).
+//!
+//! # Several connections
+//!
+//! With `conns=N` and a server offering multi-conn, the device opens N connections, each a
+//! `link` with its own slot table, receiver and sender, reconnecting on its own. Requests go
+//! round-robin, passing over a connection that is down. An emulated FUA write's flush goes on
+//! the connection of its write; a flush on any connection covers the writes completed on all
+//! (what multi-conn promises).
 
-// Files: `spec` (the URI), `table` (what submitters and the receiver share: the slots, the
-// socket's write half, completion and breaking), `receiver` (the receiver thread); this file
-// opens the connection and submits.
+// Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
+// the threads share: the slots, the socket's write half, sending, completion, failing),
+// `link` (one connection's shared state and threads), `submit` (taking a slot and the first
+// send), `extents` (block status), `receiver` (receiving on one connection), `reconnect` (the
+// receiver thread's loop around it), `sender` (the sender thread); this file opens the
+// device's connections, spreads requests over them and maps bios to commands.
+mod connect;
+mod extents;
+mod link;
 mod receiver;
+mod reconnect;
+mod sender;
 mod spec;
+mod submit;
 mod table;
 
+pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
-    RemoteAddr, RemoteSpec, SpecError, DEFAULT_DEPTH, DEFAULT_TIMEOUT, MAX_DEPTH, MAX_TIMEOUT_SECS,
+    RemoteAddr, RemoteSpec, SpecError, TlsSpec, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE,
+    DEFAULT_TIMEOUT, MAX_CONNS, MAX_DEPTH, MAX_TIMEOUT_SECS,
 };
 
-use std::io;
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::unix::net::UnixStream;
-use std::time::{Duration, Instant};
-
 use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op};
-use blkq_sync::atomic::{AtomicBool, Ordering};
-use blkq_sync::{DynArc, Mutex};
-use waitq::WaitQueue;
+use blkq_sync::atomic::{AtomicUsize, Ordering};
+use blkq_sync::DynArc;
 
-use crate::client::{ClientError, ExportDetails, Handshake};
+use crate::client::ExportDetails;
 use crate::proto::{CmdFlags, Command, TransmissionFlags};
-use crate::stream::Stream;
-use crate::transmission::Request;
-use receiver::{Receiver, SCRATCH};
-use table::{Shared, Status, Table, Writer};
-
-/// Largest read or write sent when the server gives no maximum (the NBD spec's advice: 32 MiB
-/// is what any server accepts).
-pub const DEFAULT_MAX_IO: u32 = 32 << 20;
-
-/// Errors of [`RemoteDevice::connect`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RemoteError {
-    /// The spec does not parse.
-    #[error(transparent)]
-    Spec(#[from] SpecError),
-    /// The server cannot be reached.
-    #[error("{uri}: cannot connect: {source}")]
-    Connect {
-        /// The URI.
-        uri: String,
-        /// Why.
-        source: io::Error,
-    },
-    /// The handshake failed (the export does not exist, the server refused, ...).
-    #[error("{uri}: handshake: {source}")]
-    Handshake {
-        /// The URI.
-        uri: String,
-        /// Why.
-        source: ClientError,
-    },
-    /// The export's constraints cannot be met.
-    #[error("{uri}: {reason}")]
-    Unusable {
-        /// The URI.
-        uri: String,
-        /// Why.
-        reason: String,
-    },
-}
+use link::Link;
+use submit::Req;
+use table::{Conn, Durability, Shared};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
-    sh: DynArc<Shared>,
-    receiver: Option<std::thread::JoinHandle<()>>,
+    /// One per connection (`conns=`); never empty.
+    links: Vec<Link>,
+    /// Round-robin over `links`. Relaxed: only spreads requests, orders nothing.
+    next: AtomicUsize,
     details: ExportDetails,
     spec: RemoteSpec,
 }
@@ -106,55 +123,11 @@ pub struct RemoteDevice {
 impl std::fmt::Debug for RemoteDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteDevice")
-            .field("uri", &self.sh.uri)
-            .field("limits", &self.sh.limits)
+            .field("uri", &self.links[0].sh.uri)
+            .field("limits", &self.links[0].sh.limits)
+            .field("conns", &self.links.len())
             .finish()
     }
-}
-
-/// Connects to `addr`, each attempt bounded by `timeout` (TCP) where the host allows.
-fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
-    match addr {
-        RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
-        RemoteAddr::Tcp { host, port } => {
-            let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
-            for a in (host.as_str(), *port).to_socket_addrs()? {
-                match TcpStream::connect_timeout(&a, timeout) {
-                    Ok(s) => {
-                        s.set_nodelay(true)?;
-                        return Ok(Stream::Tcp(s));
-                    }
-                    Err(e) => last = e,
-                }
-            }
-            Err(last)
-        }
-    }
-}
-
-/// The export's constraints as [`Limits`]: the logical block is the server's minimum block
-/// (at least 512 bytes), the largest I/O its maximum payload (at most [`DEFAULT_MAX_IO`]).
-fn limits_of(details: &ExportDetails) -> Result<Limits, String> {
-    let (min, max) = details
-        .block_size
-        .map_or((1, u32::MAX), |b| (b.min.max(1), b.max));
-    let lbs = min.max(512);
-    if !lbs.is_power_of_two() {
-        return Err(format!(
-            "the minimum block size {min} is not a power of two"
-        ));
-    }
-    let max_io = max.min(DEFAULT_MAX_IO) / lbs * lbs;
-    if max_io == 0 {
-        return Err(format!(
-            "the maximum payload {max} is smaller than the block size {lbs}"
-        ));
-    }
-    Ok(Limits {
-        capacity: details.size,
-        logical_block_size: lbs,
-        max_io_bytes: max_io,
-    })
 }
 
 impl RemoteDevice {
@@ -164,72 +137,42 @@ impl RemoteDevice {
     }
 
     /// Connects, negotiates (structured replies if the server has them, `NBD_OPT_GO` on the
-    /// spec's export), and starts the receiver thread. Every step of the handshake is bounded
-    /// by the spec's timeout.
+    /// spec's export), and starts the receiver and sender threads. Every step of the
+    /// handshake is bounded by the spec's timeout. A server that cannot be reached now is an
+    /// error (reconnecting is for a connection that was established once).
     pub fn connect(spec: RemoteSpec) -> Result<Self, RemoteError> {
         let uri = spec.to_string();
-        let stream = dial(&spec.addr, spec.timeout).map_err(|source| RemoteError::Connect {
-            uri: uri.clone(),
-            source,
-        })?;
-        let hs_err = |source: ClientError| RemoteError::Handshake {
-            uri: uri.clone(),
-            source,
-        };
-        let io_err = |e: io::Error| hs_err(ClientError::Io(e));
-        stream
-            .set_read_timeout(Some(spec.timeout))
-            .map_err(io_err)?;
-        stream
-            .set_write_timeout(Some(spec.timeout))
-            .map_err(io_err)?;
-        let mut hs = Handshake::start(stream).map_err(hs_err)?;
-        match hs.structured_replies() {
-            Ok(()) => {}
-            // A server without structured replies: simple replies do.
-            Err(e) if e.option_error().is_some() => {}
-            Err(e) => return Err(hs_err(e)),
+        let first = connect::open(&spec)?;
+        let details = first.details.clone();
+        let limits = first.limits;
+        let mut n = spec.conns;
+        if n > 1 && !details.flags.contains(TransmissionFlags::CAN_MULTI_CONN) {
+            tracing::warn!(
+                uri = %uri,
+                "conns={n}: the server does not offer multi-conn (NBD_FLAG_CAN_MULTI_CONN); \
+                 using one connection"
+            );
+            n = 1;
         }
-        let details = hs.go(&spec.export).map_err(hs_err)?;
-        let (stream, mode) = hs.into_parts();
-        let limits = limits_of(&details).map_err(|reason| RemoteError::Unusable {
-            uri: uri.clone(),
-            reason,
-        })?;
-        // The receiver wakes every tick to check the requests' ages.
-        let tick = (spec.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        stream.set_read_timeout(Some(tick)).map_err(io_err)?;
-        let reader = stream.try_clone().map_err(io_err)?;
-        let sock = stream.try_clone().map_err(io_err)?;
-        let sh = DynArc::new(Shared {
-            uri: uri.clone(),
-            table: Mutex::new(Table::new(spec.depth)),
-            writer: Mutex::new(Writer {
-                stream,
-                header: [0; 32],
-            }),
-            slot_freed: WaitQueue::new(),
-            mode,
-            flags: details.flags,
-            limits,
-            timeout: spec.timeout,
-            closing: AtomicBool::new(false),
-            sock,
-        });
-        let rx = Receiver {
-            sh: sh.clone(),
-            stream: reader,
-            scratch: vec![0; SCRATCH],
-            tick,
-            last_check: Instant::now(),
-        };
-        let receiver = std::thread::Builder::new()
-            .name("blkq-nbd-remote".into())
-            .spawn(move || rx.run())
-            .map_err(io_err)?;
+        let durability = DynArc::new(Durability::default());
+        let mut links = Vec::with_capacity(n);
+        links.push(Link::start(&spec, first, 0, &durability)?);
+        for k in 1..n {
+            let more = connect::open(&spec)?;
+            if more.limits != limits {
+                return Err(RemoteError::Unusable {
+                    uri,
+                    reason: format!(
+                        "connection {k} sees the export as {:?}, the first as {limits:?}",
+                        more.limits
+                    ),
+                });
+            }
+            links.push(Link::start(&spec, more, k, &durability)?);
+        }
         Ok(Self {
-            sh,
-            receiver: Some(receiver),
+            links,
+            next: AtomicUsize::new(0),
             details,
             spec,
         })
@@ -250,23 +193,76 @@ impl RemoteDevice {
         self.details.block_size.map_or(4096, |b| b.preferred)
     }
 
-    /// Whether the connection is broken (every submit fails).
+    /// Whether the device is dead for good: it is closing, or the export changed under one
+    /// of its connections while reconnecting (every submit fails).
     pub fn is_broken(&self) -> bool {
-        self.sh.table.lock().broken.is_some()
+        self.links
+            .iter()
+            .any(|l| l.sh.table.lock().conn == Conn::Dead)
+    }
+
+    /// Whether every connection is established now (false while one is reconnecting, and
+    /// once dead).
+    pub fn is_connected(&self) -> bool {
+        self.connections_up() == self.links.len()
+    }
+
+    /// Connections established now (of [`RemoteDevice::connections`]).
+    pub fn connections_up(&self) -> usize {
+        self.links
+            .iter()
+            .filter(|l| l.sh.table.lock().conn == Conn::Up)
+            .count()
+    }
+
+    /// Connections the device keeps (`conns=`, or 1 when the server has no multi-conn).
+    pub fn connections(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Connections re-established since the device was opened (all of them together).
+    pub fn reconnects(&self) -> u64 {
+        // Relaxed: a statistic (see the field).
+        self.links
+            .iter()
+            .map(|l| l.sh.reconnects.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        let t = self.sh.table.lock();
-        t.slots.len() - t.free.len()
+        self.links
+            .iter()
+            .map(|l| {
+                let t = l.sh.table.lock();
+                t.slots.len() - t.free.len()
+            })
+            .sum()
+    }
+
+    /// The connection for the next request: round-robin, passing over a connection that is
+    /// not up when another is (its requests would wait for its reconnection).
+    fn pick(&self) -> &Shared {
+        let n = self.links.len();
+        // Relaxed: see the field.
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        if n > 1 {
+            for k in 0..n {
+                let l = &self.links[(start + k) % n];
+                if l.sh.is_up() {
+                    return &l.sh;
+                }
+            }
+        }
+        &self.links[start].sh
     }
 
     /// The command and flags for `bio`, `Ok(None)` when it completes at once without asking
     /// the server (a flush to a server without a write cache), or why it fails.
-    fn command(&self, bio: &Bio) -> Result<Option<(Command, CmdFlags)>, Error> {
-        let f = self.sh.flags;
+    fn command(&self, sh: &Shared, bio: &Bio) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
+        let f = sh.flags();
         let has = |x| f.contains(x);
-        self.sh.limits.validate(bio)?;
+        sh.limits.validate(bio)?;
         if bio.op != Op::Read && bio.op != Op::Flush && has(TransmissionFlags::READ_ONLY) {
             return Err(Error::ReadOnly);
         }
@@ -278,12 +274,19 @@ impl RemoteDevice {
             } else if !has(TransmissionFlags::SEND_FLUSH) {
                 // No write cache: every write is durable when acknowledged.
                 Ok(flags)
+            } else if bio.op == Op::Write {
+                // Emulated: the write, then a flush (see `fua_flush` below).
+                Ok(flags)
             } else {
                 Err(Error::NotSupported(
-                    "FUA (the server offers flush but not FUA)",
+                    "FUA on a discard or write zeroes (the server offers flush but not FUA)",
                 ))
             }
         };
+        let fua_flush = bio.op == Op::Write
+            && bio.flags.contains(BioFlags::FUA)
+            && has(TransmissionFlags::SEND_FLUSH)
+            && !has(TransmissionFlags::SEND_FUA);
         Ok(Some(match bio.op {
             Op::Read | Op::Write => {
                 if bio.buf.is_none() {
@@ -294,14 +297,14 @@ impl RemoteDevice {
                 } else {
                     Command::Write
                 };
-                (cmd, fua(CmdFlags::empty())?)
+                (cmd, fua(CmdFlags::empty())?, fua_flush)
             }
             Op::Flush if !has(TransmissionFlags::SEND_FLUSH) => return Ok(None),
-            Op::Flush => (Command::Flush, CmdFlags::empty()),
+            Op::Flush => (Command::Flush, CmdFlags::empty(), false),
             Op::Discard if !has(TransmissionFlags::SEND_TRIM) => {
                 return Err(Error::NotSupported("discard (the server does not trim)"))
             }
-            Op::Discard => (Command::Trim, fua(CmdFlags::empty())?),
+            Op::Discard => (Command::Trim, fua(CmdFlags::empty())?, false),
             Op::WriteZeroes => {
                 if !has(TransmissionFlags::SEND_WRITE_ZEROES) {
                     return Err(Error::NotSupported(
@@ -318,7 +321,7 @@ impl RemoteDevice {
                     }
                     flags |= CmdFlags::FAST_ZERO;
                 }
-                (Command::WriteZeroes, fua(flags)?)
+                (Command::WriteZeroes, fua(flags)?, false)
             }
         }))
     }
@@ -326,84 +329,28 @@ impl RemoteDevice {
 
 impl Device for RemoteDevice {
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
-        let (cmd, flags) = match self.command(&bio) {
+        let sh = self.pick();
+        let (cmd, flags, fua_flush) = match self.command(sh, &bio) {
             Ok(Some(c)) => c,
             Ok(None) => return end.end_io(bio, Ok(())),
             Err(e) => return end.end_io(bio, Err(e)),
         };
-        let op = bio.op;
-        let (offset, len) = (bio.offset(), u64::from(bio.len));
-        let keep = op == Op::Write;
-        let mut held = Some(bio);
-        let deadline = Instant::now() + self.sh.timeout;
-        let taken = self.sh.slot_freed.wait_for_until(
-            || {
-                let mut t = self.sh.table.lock();
-                if let Some(errno) = t.broken {
-                    return Some(Err(errno));
-                }
-                let i = t.free.pop()? as usize;
-                let s = &mut t.slots[i];
-                s.gen = s.gen.wrapping_add(1);
-                s.busy = true;
-                s.status = None;
-                s.end = Some(end.clone());
-                (s.op, s.offset, s.len) = (op, offset, len);
-                s.started = Instant::now();
-                s.covered = 0;
-                s.error = 0;
-                if !keep {
-                    s.bio = held.take();
-                }
-                Some(Ok((i, (u64::from(s.gen) << 32) | i as u64)))
-            },
-            deadline,
-        );
-        let (i, cookie) = match taken {
-            Some(Ok(t)) => t,
-            Some(Err(errno)) => {
-                if let Some(bio) = held {
-                    end.end_io(bio, self.sh.result(Status::Lost(errno)));
-                }
-                return;
-            }
-            None => {
-                if let Some(bio) = held {
-                    let e = io::Error::from_raw_os_error(libc::ETIMEDOUT);
-                    let e = blk::error::with_context(
-                        e,
-                        format!("{}: no free request slot within the timeout", self.sh.uri),
-                    );
-                    end.end_io(bio, Err(Error::Io(e)));
-                }
-                return;
-            }
+        let req = Req {
+            cmd,
+            flags,
+            fua_flush,
+            offset: bio.offset(),
+            len: u64::from(bio.len),
         };
-        let req = Request::new(cmd, cookie, offset, len).with_flags(flags);
-        let payload = held
-            .as_ref()
-            .and_then(|b| b.buf.as_ref())
-            .and_then(|b| b.as_slice().get(..len as usize))
-            .unwrap_or(&[]);
-        let sent = self.sh.send(&req, payload);
-        if keep {
-            // Still our slot: it is not freed while its bio is away.
-            self.sh.table.lock().slots[i].bio = held.take();
-        }
-        if let Err(e) = sent {
-            tracing::warn!(uri = %self.sh.uri, "sending a request failed: {e}");
-            self.sh.break_connection(libc::EIO, None);
-        } else if keep {
-            self.sh.complete(i);
-        }
+        sh.submit(bio, end, req);
     }
 
     fn limits(&self) -> Limits {
-        self.sh.limits
+        self.links[0].sh.limits
     }
 
-    /// Reports the whole range as one allocated extent: block status (`base:allocation`) is
-    /// not asked of the server yet, so holes are not known here.
+    /// From `NBD_CMD_BLOCK_STATUS` (`base:allocation`) when the server offers it; every
+    /// range is allocated otherwise (see `extents`).
     fn extents_into(
         &self,
         offset: u64,
@@ -411,34 +358,6 @@ impl Device for RemoteDevice {
         max: usize,
         out: &mut Vec<Extent>,
     ) -> Result<(), Error> {
-        out.clear();
-        let cap = self.sh.limits.capacity;
-        if offset.checked_add(len).is_none_or(|e| e > cap) {
-            return Err(Error::OutOfRange {
-                offset,
-                len,
-                capacity: cap,
-            });
-        }
-        if len > 0 && max > 0 {
-            out.push(Extent {
-                offset,
-                len,
-                allocated: true,
-            });
-        }
-        Ok(())
-    }
-}
-
-impl Drop for RemoteDevice {
-    /// Shuts the socket down and joins the receiver, which fails what is still in flight
-    /// with `EIO`.
-    fn drop(&mut self) {
-        self.sh.closing.store(true, Ordering::SeqCst);
-        let _ = self.sh.sock.shutdown(Shutdown::Both);
-        if let Some(h) = self.receiver.take() {
-            let _ = h.join();
-        }
+        self.pick().extents_into(offset, len, max, out)
     }
 }

@@ -1,16 +1,20 @@
-//! The receiver thread of a [`super::RemoteDevice`]: reads the server's replies, receives read
-//! data into the bios' buffers, completes requests, and breaks the connection on a timeout or
-//! a malformed reply.
+//! What the receiver thread of a [`super::RemoteDevice`] does on one connection: reads the
+//! server's replies, receives read data into the bios' buffers, completes requests (or hands
+//! an emulated FUA write's flush to the sender), and stops on a timeout, a malformed reply, a
+//! closed or failed socket. What happens after it stops is `reconnect`'s.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
 
-use blk::Op;
+use blk::Bio;
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
-use super::table::{Shared, Status};
-use crate::proto::{TransmissionMode, NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN};
+use super::table::{Shared, Status, Success};
+use crate::proto::{
+    Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
+    NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
+};
 use crate::stream::Stream;
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
 use crate::Decoded;
@@ -34,38 +38,36 @@ pub(super) enum Stop {
     /// A malformed reply.
     #[error("malformed reply: {0}")]
     Malformed(String),
-    /// Requests started at or before this instant timed out.
-    #[error("a request timed out")]
-    TimedOut(Instant),
+    /// The server answered `NBD_ESHUTDOWN`: it is shutting down, and the request is to be
+    /// sent again on the next connection.
+    #[error("the server is shutting down (it answered ESHUTDOWN)")]
+    ShuttingDown,
+    /// A request sent on this connection went unanswered for the timeout.
+    #[error("a request was unanswered for {0:?}: the connection is declared dead")]
+    TimedOut(Duration),
 }
 
 pub(super) struct Receiver {
     pub(super) sh: DynArc<Shared>,
     pub(super) stream: Stream,
+    pub(super) mode: TransmissionMode,
     pub(super) scratch: Vec<u8>,
     pub(super) tick: Duration,
     pub(super) last_check: Instant,
 }
 
 impl Receiver {
-    pub(super) fn run(mut self) {
-        let stop = loop {
+    /// Receives replies on the current connection until it stops, and says why.
+    pub(super) fn receive(&mut self) -> Stop {
+        loop {
             if let Err(s) = self.one_reply() {
-                break s;
+                return s;
             }
-        };
-        let (errno, expired) = match &stop {
-            Stop::TimedOut(t) => (libc::EIO, Some(*t)),
-            _ => (libc::EIO, None),
-        };
-        if !self.sh.closing.load(Ordering::SeqCst) {
-            tracing::warn!(uri = %self.sh.uri, "the connection to the NBD server broke: {stop}");
         }
-        self.sh.break_connection(errno, expired);
     }
 
-    /// Fails if the device is closing or a request has been in flight longer than the
-    /// timeout.
+    /// Fails if the device is closing or a request sent on this connection has been
+    /// unanswered longer than the timeout.
     fn check(&mut self) -> Result<(), Stop> {
         self.last_check = Instant::now();
         if self.sh.closing.load(Ordering::SeqCst) {
@@ -75,13 +77,39 @@ impl Receiver {
             return Ok(());
         };
         let t = self.sh.table.lock();
+        let epoch = t.epoch;
         if t.slots
             .iter()
-            .any(|s| s.busy && s.status.is_none() && s.started <= limit)
+            .any(|s| s.busy && s.status.is_none() && s.sent_epoch == epoch && s.sent_at <= limit)
         {
-            return Err(Stop::TimedOut(limit));
+            return Err(Stop::TimedOut(self.sh.timeout));
         }
         Ok(())
+    }
+
+    /// An error reply to slot `i`: it completes with the error, except `NBD_ESHUTDOWN` (the
+    /// server is going away, as the NBD spec has it, and a reconnection may succeed): the
+    /// slot stays waiting and the connection is taken down, to send it again on the next.
+    fn failed(&self, i: usize, error: u32) -> Result<(), Stop> {
+        if error == NBD_ESHUTDOWN {
+            return Err(Stop::ShuttingDown);
+        }
+        self.sh.finish(i, Status::Nbd(error));
+        Ok(())
+    }
+
+    /// A successful reply to slot `i`: it completes, unless it is the write of an emulated
+    /// FUA write, which becomes its flush (a new cookie, due again) for the sender to send;
+    /// the receiver never sends (it must keep reading whatever the server's send buffer
+    /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
+    fn succeeded(&self, i: usize) {
+        let what = self.sh.table.lock().succeeded(i, &self.sh.durability);
+        match what {
+            Success::FlushNext => {
+                self.sh.sender_wq.wake_one();
+            }
+            Success::Complete(status) => self.sh.finish(i, status),
+        }
     }
 
     /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick.
@@ -138,11 +166,67 @@ impl Receiver {
             Some(dst) => self.read_full(dst),
             None => Err(Stop::Malformed("read data outside the buffer".into())),
         };
-        self.sh.table.lock().slots[i].bio = Some(bio);
+        self.sh.put_back(i, bio);
         r
     }
 
-    fn lookup(&self, cookie: u64) -> Result<(usize, Op, u64, u64), Stop> {
+    /// A block-status chunk for slot `i` (`length` bytes: the context id, then descriptors of
+    /// 8 bytes): the descriptors go into the bio's buffer after those already received, as
+    /// many as fit, followed by a zero descriptor when there is room (the end mark); the rest
+    /// is read and dropped (the caller asked for at most that many extents).
+    fn block_status(&mut self, i: usize, cmd: Command, length: u64) -> Result<(), Stop> {
+        if cmd != Command::BlockStatus || length < 4 || !(length - 4).is_multiple_of(8) {
+            return Err(Stop::Malformed(format!(
+                "a block status chunk of {length} bytes for {cmd:?}"
+            )));
+        }
+        let mut id = [0u8; 4];
+        self.read_full(&mut id)?;
+        let (bio, at, meta) = {
+            let mut t = self.sh.table.lock();
+            let meta = t.meta_id;
+            let s = &mut t.slots[i];
+            (s.bio.take(), s.covered as usize, meta)
+        };
+        let Some(mut bio) = bio else {
+            return Err(Stop::Malformed(
+                "block status for a slot without its bio".into(),
+            ));
+        };
+        let r = if meta != Some(u32::from_be_bytes(id)) {
+            Err(Stop::Malformed(format!(
+                "block status for context {}, which was not asked for",
+                u32::from_be_bytes(id)
+            )))
+        } else {
+            self.descriptors_into(&mut bio, at, length - 4)
+        };
+        self.sh.put_back(i, bio);
+        let kept = r?;
+        self.sh.table.lock().slots[i].covered += kept as u64;
+        Ok(())
+    }
+
+    /// Reads `n` bytes of descriptors, keeping what fits in `bio`'s buffer from `at`; returns
+    /// the bytes kept.
+    fn descriptors_into(&mut self, bio: &mut Bio, at: usize, n: u64) -> Result<usize, Stop> {
+        let buf = bio.buf.as_mut().map_or(&mut [][..], |b| b.as_mut_slice());
+        let room = buf.len().saturating_sub(at) / 8 * 8;
+        let keep = usize::try_from(n).unwrap_or(usize::MAX).min(room);
+        self.read_full(&mut buf[at..at + keep])?;
+        if let Some(end) = buf.get_mut(at + keep..at + keep + 8) {
+            end.fill(0);
+        }
+        let mut rest = n - keep as u64;
+        while rest > 0 {
+            let k = rest.min(SCRATCH as u64) as usize;
+            self.read_scratch(k)?;
+            rest -= k as u64;
+        }
+        Ok(keep)
+    }
+
+    fn lookup(&self, cookie: u64) -> Result<(usize, Command, u64, u64), Stop> {
         let t = self.sh.table.lock();
         let i = t.lookup(cookie).ok_or_else(|| {
             Stop::Malformed(format!(
@@ -150,7 +234,7 @@ impl Receiver {
             ))
         })?;
         let s = &t.slots[i];
-        Ok((i, s.op, s.offset, s.len))
+        Ok((i, s.cmd, s.offset, s.len))
     }
 
     fn one_reply(&mut self) -> Result<(), Stop> {
@@ -161,7 +245,7 @@ impl Receiver {
         self.read_full(&mut hdr[..SIMPLE_REPLY_LEN])?;
         let mut have = SIMPLE_REPLY_LEN;
         let header = loop {
-            match decode_reply_header(&hdr[..have], self.sh.mode) {
+            match decode_reply_header(&hdr[..have], self.mode) {
                 Ok(Decoded::Complete { value, .. }) => break value,
                 Ok(Decoded::Incomplete(n)) if n > have && n <= hdr.len() => {
                     let mut more = [0u8; 32];
@@ -177,26 +261,31 @@ impl Receiver {
         };
         match header {
             ReplyHeader::Simple(r) => {
-                let (i, op, _, len) = self.lookup(r.cookie)?;
+                let (i, cmd, _, len) = self.lookup(r.cookie)?;
                 if r.error != 0 {
-                    self.sh.finish(i, Status::Nbd(r.error));
+                    self.failed(i, r.error)?;
                 } else {
-                    if op == Op::Read {
-                        if self.sh.mode != TransmissionMode::Simple {
+                    if cmd == Command::BlockStatus {
+                        return Err(Stop::Malformed(
+                            "a simple reply to a successful block status".into(),
+                        ));
+                    }
+                    if cmd == Command::Read {
+                        if self.mode != TransmissionMode::Simple {
                             return Err(Stop::Malformed(
                                 "a simple reply to a successful read in structured mode".into(),
                             ));
                         }
                         self.read_into_bio(i, 0, len)?;
                     }
-                    self.sh.finish(i, Status::Ok);
+                    self.succeeded(i);
                 }
             }
             ReplyHeader::Chunk(h) => {
-                let (i, op, off, len) = self.lookup(h.cookie)?;
+                let (i, cmd, off, len) = self.lookup(h.cookie)?;
                 let inside = |o: u64, n: u64| -> Result<u64, Stop> {
                     match (o.checked_sub(off), o.checked_add(n)) {
-                        (Some(at), Some(e)) if op == Op::Read && e <= off + len => Ok(at),
+                        (Some(at), Some(e)) if cmd == Command::Read && e <= off + len => Ok(at),
                         _ => Err(Stop::Malformed(format!(
                             "data {o}+{n} outside the request {off}+{len}"
                         ))),
@@ -212,6 +301,8 @@ impl Receiver {
                     let at = inside(u64::from_be_bytes(o), n)?;
                     self.read_into_bio(i, at, n)?;
                     self.sh.table.lock().slots[i].covered += n;
+                } else if h.reply_type == NBD_REPLY_TYPE_BLOCK_STATUS {
+                    self.block_status(i, cmd, h.length)?;
                 } else {
                     let n = usize::try_from(h.length).unwrap_or(usize::MAX);
                     self.read_scratch(n)?;
@@ -256,16 +347,15 @@ impl Receiver {
                         let t = self.sh.table.lock();
                         (t.slots[i].error, t.slots[i].covered)
                     };
-                    let status = if error != 0 {
-                        Status::Nbd(error)
-                    } else if op == Op::Read && covered != len {
+                    if error != 0 {
+                        self.failed(i, error)?;
+                    } else if cmd == Command::Read && covered != len {
                         return Err(Stop::Malformed(format!(
                             "a read of {len} bytes answered with {covered}"
                         )));
                     } else {
-                        Status::Ok
-                    };
-                    self.sh.finish(i, status);
+                        self.succeeded(i);
+                    }
                 }
             }
         }

@@ -3,15 +3,46 @@
 //! device's own options after commas.
 //!
 //! ```text
-//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N]
-//! nbd+unix:///[EXPORT]?socket=PATH[,timeout=SECS][,depth=N]
+//! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N][,reconnect_deadline=SECS][,conns=N]
+//! nbd+unix:///[EXPORT]?socket=PATH[,OPTIONS]
+//! nbds://HOST[:PORT][/EXPORT]?tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
+//! nbds+unix:///[EXPORT]?socket=PATH&tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
 //! ```
+//!
+//! `nbds` is TLS (`NBD_OPT_STARTTLS`, required: a server that refuses it is an error, never a
+//! fall-back to plaintext). The query parameters are libnbd's: `tls-certificates=DIR` holds
+//! `ca-cert.pem` (the CA the server's certificate must chain to) and, for a client
+//! certificate, `client-cert.pem` and `client-key.pem` (the layout `blkq certs`, qemu and
+//! nbdkit use); it is read again at every reconnection, so renewed certificates are picked
+//! up. `tls-hostname=NAME` is the name checked against the server's certificate (default:
+//! the host of the URI; `localhost` for a Unix socket). TLS parameters on a plaintext URI are
+//! refused.
+//!
+//! - `timeout=SECS` (1..=86400, default 30): a request unanswered this long on a connection
+//!   declares the connection dead; it is broken and re-established. Also the longest a
+//!   submitter waits for a free slot (then `ETIMEDOUT`).
+//! - `depth=N` (1..=4096, default 64): requests in flight at once on each connection (the
+//!   slot table).
+//! - `conns=N` (1..=16, default 1): connections to open when the server offers multi-conn
+//!   (`NBD_FLAG_CAN_MULTI_CONN`: a flush on one covers writes completed on all); requests
+//!   are spread over them round-robin, passing over one that is reconnecting. A server
+//!   without multi-conn gets one connection (logged).
+//! - `reconnect_deadline=SECS` (0..=86400, default 15): how long requests wait for a broken
+//!   connection to be re-established before they fail with `EIO`; past it, and while still
+//!   disconnected, new requests fail at once. The device keeps reconnecting in the
+//!   background either way and serves again once connected. `0` fails what is in flight at
+//!   once when the connection breaks. The deadline is checked between reconnection
+//!   attempts, and one attempt (to a server that accepts and never answers) may take up to
+//!   `timeout`, so requests fail at most that much after it. The default is long enough for a server process to
+//!   restart or a network path to fail over, and short enough that a mirror above this device
+//!   marks the leg faulty and goes on serving within seconds instead of stalling its writers;
+//!   a request is failed with `ETIMEDOUT` once it has been outstanding for `timeout` plus the
+//!   deadline, whatever the reconnections did meanwhile.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing
 //! `,KEY=VALUE` whose key is a known option is an option, anything before it is the URI (so a
-//! comma inside a socket path or an export name stays part of it). `nbds://` and
-//! `nbds+unix://` (TLS) are recognised and refused: not yet supported.
+//! comma inside a socket path or an export name stays part of it).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -25,8 +56,12 @@ pub const DEFAULT_DEPTH: usize = 64;
 pub const MAX_DEPTH: usize = 4096;
 /// Longest request timeout, seconds (a day).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+/// Most connections `conns=` may ask for.
+pub const MAX_CONNS: usize = 16;
+/// Default `reconnect_deadline=` (see the module documentation for why).
+pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(15);
 
-const OPTIONS: [&str; 2] = ["timeout", "depth"];
+const OPTIONS: [&str; 4] = ["timeout", "depth", "reconnect_deadline", "conns"];
 
 /// Errors of [`RemoteSpec::parse`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -35,12 +70,12 @@ pub enum SpecError {
     /// Not an `nbd://` or `nbd+unix://` URI.
     #[error("{0:?} is not an nbd:// or nbd+unix:// URI")]
     NotRemote(String),
-    /// A TLS URI; TLS to a remote export is not supported yet.
+    /// A TLS URI without `tls-certificates=DIR`.
     #[error(
-        "{0}: TLS to a remote export (nbds://, nbds+unix://) is not supported yet; use \
-         nbd:// over a trusted network or a tunnel"
+        "{0}: nbds:// needs ?tls-certificates=DIR (holding ca-cert.pem, and client-cert.pem \
+         and client-key.pem for a client certificate)"
     )]
-    TlsNotYet(String),
+    TlsNeedsCertificates(String),
     /// The host part is missing or malformed.
     #[error("bad host in {uri:?}: {reason}")]
     BadHost {
@@ -116,12 +151,36 @@ pub struct RemoteSpec {
     pub timeout: Duration,
     /// In-flight slots (`depth=N`).
     pub depth: usize,
+    /// How long requests wait for a reconnection (`reconnect_deadline=SECS`; zero: not at
+    /// all).
+    pub reconnect_deadline: Duration,
+    /// TLS (`nbds`): where the certificates are, and the name the server's certificate must
+    /// carry.
+    pub tls: Option<TlsSpec>,
+    /// Connections when the server offers multi-conn (`conns=N`).
+    pub conns: usize,
+}
+
+/// The TLS part of an `nbds://` or `nbds+unix://` spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSpec {
+    /// `tls-certificates=DIR`.
+    pub certificates: PathBuf,
+    /// `tls-hostname=NAME`, or the URI's host (`localhost` for a Unix socket).
+    pub hostname: String,
+}
+
+/// What the query string said.
+#[derive(Default)]
+struct Query {
+    socket: Option<String>,
+    certificates: Option<String>,
+    hostname: Option<String>,
 }
 
 impl RemoteSpec {
-    /// Whether `s` names a remote export (TLS forms included, which [`RemoteSpec::parse`]
-    /// refuses with a clear error): what a caller checks before choosing this parser over
-    /// a local device spec's.
+    /// Whether `s` names a remote export (TLS forms included): what a caller checks before
+    /// choosing this parser over a local device spec's.
     pub fn is_remote(s: &str) -> bool {
         ["nbd://", "nbd+unix://", "nbds://", "nbds+unix://"]
             .iter()
@@ -132,6 +191,8 @@ impl RemoteSpec {
     pub fn parse(s: &str) -> Result<Self, SpecError> {
         let mut timeout = DEFAULT_TIMEOUT;
         let mut depth = DEFAULT_DEPTH;
+        let mut reconnect_deadline = DEFAULT_RECONNECT_DEADLINE;
+        let mut conns = 1;
         let mut uri = s;
         let mut seen = [false; OPTIONS.len()];
         while let Some((head, tail)) = uri.rsplit_once(',') {
@@ -146,26 +207,46 @@ impl RemoteSpec {
                 seen[i] = true;
                 match OPTIONS[i] {
                     "timeout" => timeout = parse_timeout(v)?,
-                    _ => depth = parse_depth(v)?,
+                    "depth" => depth = parse_depth(v)?,
+                    "conns" => conns = parse_conns(v)?,
+                    _ => reconnect_deadline = parse_deadline(v)?,
                 }
             }
             uri = head;
         }
-        if uri.starts_with("nbds://") || uri.starts_with("nbds+unix://") {
-            return Err(SpecError::TlsNotYet(uri.to_string()));
-        }
-        let (addr, export) = if let Some(rest) = uri.strip_prefix("nbd+unix://") {
-            parse_unix(uri, rest)?
-        } else if let Some(rest) = uri.strip_prefix("nbd://") {
-            parse_tcp(uri, rest)?
+        let (tls, unix, rest) = [
+            ("nbd+unix://", false, true),
+            ("nbd://", false, false),
+            ("nbds+unix://", true, true),
+            ("nbds://", true, false),
+        ]
+        .iter()
+        .find_map(|(p, tls, unix)| Some((*tls, *unix, uri.strip_prefix(p)?)))
+        .ok_or_else(|| SpecError::NotRemote(s.to_string()))?;
+        let (addr, export, q) = if unix {
+            parse_unix(uri, rest, tls)?
         } else {
-            return Err(SpecError::NotRemote(s.to_string()));
+            parse_tcp(uri, rest, tls)?
+        };
+        let tls = match (tls, q.certificates) {
+            (false, _) => None,
+            (true, None) => return Err(SpecError::TlsNeedsCertificates(uri.to_string())),
+            (true, Some(dir)) => Some(TlsSpec {
+                certificates: PathBuf::from(dir),
+                hostname: q.hostname.unwrap_or_else(|| match &addr {
+                    RemoteAddr::Tcp { host, .. } => host.clone(),
+                    RemoteAddr::Unix(_) => "localhost".into(),
+                }),
+            }),
         };
         Ok(Self {
             addr,
             export,
             timeout,
             depth,
+            reconnect_deadline,
+            tls,
+            conns,
         })
     }
 }
@@ -177,19 +258,47 @@ impl std::str::FromStr for RemoteSpec {
     }
 }
 
-/// The URI without options (the export name and socket path as given, unescaped).
+/// The URI without options and TLS parameters (the export name and socket path as given,
+/// unescaped).
 impl fmt::Display for RemoteSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = if self.tls.is_some() { "s" } else { "" };
         match &self.addr {
             RemoteAddr::Tcp { host, port } if host.contains(':') => {
-                write!(f, "nbd://[{host}]:{port}/{}", self.export)
+                write!(f, "nbd{s}://[{host}]:{port}/{}", self.export)
             }
-            RemoteAddr::Tcp { host, port } => write!(f, "nbd://{host}:{port}/{}", self.export),
+            RemoteAddr::Tcp { host, port } => {
+                write!(f, "nbd{s}://{host}:{port}/{}", self.export)
+            }
             RemoteAddr::Unix(p) => {
-                write!(f, "nbd+unix:///{}?socket={}", self.export, p.display())
+                write!(f, "nbd{s}+unix:///{}?socket={}", self.export, p.display())
             }
         }
     }
+}
+
+/// Parses a query string: `socket` (Unix only), `tls-certificates` and `tls-hostname` (TLS
+/// only); anything else is refused.
+fn parse_query(uri: &str, query: Option<&str>, unix: bool, tls: bool) -> Result<Query, SpecError> {
+    let mut q = Query::default();
+    for param in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let slot = match param.split_once('=') {
+            Some(("socket", v)) if unix => Some((&mut q.socket, v)),
+            Some(("tls-certificates", v)) if tls => Some((&mut q.certificates, v)),
+            Some(("tls-hostname", v)) if tls => Some((&mut q.hostname, v)),
+            _ => None,
+        };
+        match slot {
+            Some((field, v)) => *field = Some(unescape(uri, v)?).filter(|v| !v.is_empty()),
+            None => {
+                return Err(SpecError::UnsupportedQuery {
+                    uri: uri.to_string(),
+                    param: param.to_string(),
+                })
+            }
+        }
+    }
+    Ok(q)
 }
 
 fn parse_timeout(v: &str) -> Result<Duration, SpecError> {
@@ -203,6 +312,28 @@ fn parse_timeout(v: &str) -> Result<Duration, SpecError> {
         return Err(bad(&format!("expected 1..={MAX_TIMEOUT_SECS} seconds")));
     }
     Ok(Duration::from_secs(secs))
+}
+
+fn parse_deadline(v: &str) -> Result<Duration, SpecError> {
+    match v.parse::<u64>() {
+        Ok(n) if n <= MAX_TIMEOUT_SECS => Ok(Duration::from_secs(n)),
+        _ => Err(SpecError::BadOption {
+            key: "reconnect_deadline",
+            value: v.to_string(),
+            reason: format!("expected 0..={MAX_TIMEOUT_SECS} whole seconds"),
+        }),
+    }
+}
+
+fn parse_conns(v: &str) -> Result<usize, SpecError> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_CONNS).contains(&n) => Ok(n),
+        _ => Err(SpecError::BadOption {
+            key: "conns",
+            value: v.to_string(),
+            reason: format!("expected 1..={MAX_CONNS}"),
+        }),
+    }
 }
 
 fn parse_depth(v: &str) -> Result<usize, SpecError> {
@@ -252,7 +383,7 @@ fn export_and_query<'a>(uri: &str, rest: &'a str) -> Result<(String, Option<&'a 
     Ok((export, query))
 }
 
-fn parse_tcp(uri: &str, rest: &str) -> Result<(RemoteAddr, String), SpecError> {
+fn parse_tcp(uri: &str, rest: &str, tls: bool) -> Result<(RemoteAddr, String, Query), SpecError> {
     let end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, rest) = rest.split_at(end);
     let bad_host = |reason| SpecError::BadHost {
@@ -295,17 +426,12 @@ fn parse_tcp(uri: &str, rest: &str) -> Result<(RemoteAddr, String), SpecError> {
         },
     };
     let (export, query) = export_and_query(uri, rest)?;
-    if let Some(q) = query.filter(|q| !q.is_empty()) {
-        return Err(SpecError::UnsupportedQuery {
-            uri: uri.to_string(),
-            param: q.split('&').next().unwrap_or(q).to_string(),
-        });
-    }
+    let q = parse_query(uri, query, false, tls)?;
     let host = unescape(uri, host)?;
-    Ok((RemoteAddr::Tcp { host, port }, export))
+    Ok((RemoteAddr::Tcp { host, port }, export, q))
 }
 
-fn parse_unix(uri: &str, rest: &str) -> Result<(RemoteAddr, String), SpecError> {
+fn parse_unix(uri: &str, rest: &str, tls: bool) -> Result<(RemoteAddr, String, Query), SpecError> {
     let bad = |reason| SpecError::BadUnix {
         uri: uri.to_string(),
         reason,
@@ -316,22 +442,9 @@ fn parse_unix(uri: &str, rest: &str) -> Result<(RemoteAddr, String), SpecError> 
         ));
     }
     let (export, query) = export_and_query(uri, rest)?;
-    let mut socket = None;
-    for param in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        match param.split_once('=') {
-            Some(("socket", v)) => socket = Some(unescape(uri, v)?),
-            _ => {
-                return Err(SpecError::UnsupportedQuery {
-                    uri: uri.to_string(),
-                    param: param.to_string(),
-                })
-            }
-        }
-    }
-    let socket = socket
-        .filter(|s| !s.is_empty())
-        .ok_or(bad("no ?socket=PATH"))?;
-    Ok((RemoteAddr::Unix(PathBuf::from(socket)), export))
+    let mut q = parse_query(uri, query, true, tls)?;
+    let socket = q.socket.take().ok_or(bad("no ?socket=PATH"))?;
+    Ok((RemoteAddr::Unix(PathBuf::from(socket)), export, q))
 }
 
 #[cfg(all(test, not(blkq_loom)))]
@@ -351,6 +464,7 @@ mod tests {
         assert_eq!(s.addr, tcp("127.0.0.1", 10810));
         assert_eq!(s.export, "disk");
         assert_eq!((s.timeout, s.depth), (DEFAULT_TIMEOUT, DEFAULT_DEPTH));
+        assert_eq!(s.reconnect_deadline, DEFAULT_RECONNECT_DEADLINE);
         let s = RemoteSpec::parse("nbd://other").unwrap();
         assert_eq!((s.addr, s.export), (tcp("other", 10809), String::new()));
         let s = RemoteSpec::parse("nbd://[::1]:99/a%20b,timeout=10,depth=32").unwrap();
@@ -359,6 +473,12 @@ mod tests {
         assert_eq!(s.timeout, Duration::from_secs(10));
         assert_eq!(s.depth, 32);
         assert_eq!(s.to_string(), "nbd://[::1]:99/a b");
+        let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=0,timeout=2").unwrap();
+        assert_eq!(s.reconnect_deadline, Duration::ZERO);
+        let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=90").unwrap();
+        assert_eq!(s.reconnect_deadline, Duration::from_secs(90));
+        assert_eq!(s.conns, 1);
+        assert_eq!(RemoteSpec::parse("nbd://h/d,conns=4").unwrap().conns, 4);
         let s = RemoteSpec::parse("nbd://h/").unwrap();
         assert_eq!(s.export, "");
     }
@@ -382,10 +502,42 @@ mod tests {
     }
 
     #[test]
+    fn tls_forms() {
+        let s = RemoteSpec::parse("nbds://h:99/disk?tls-certificates=/etc/pki,depth=4").unwrap();
+        assert_eq!(s.addr, tcp("h", 99));
+        assert_eq!(s.depth, 4);
+        let t = s.tls.clone().unwrap();
+        assert_eq!(t.certificates, PathBuf::from("/etc/pki"));
+        assert_eq!(t.hostname, "h");
+        assert_eq!(s.to_string(), "nbds://h:99/disk");
+        let s = RemoteSpec::parse(
+            "nbds+unix:///d?socket=/tmp/s&tls-certificates=/c%20d&tls-hostname=srv.example",
+        )
+        .unwrap();
+        assert_eq!(s.addr, RemoteAddr::Unix("/tmp/s".into()));
+        let t = s.tls.unwrap();
+        assert_eq!(t.certificates, PathBuf::from("/c d"));
+        assert_eq!(t.hostname, "srv.example");
+        let s = RemoteSpec::parse("nbds+unix:///?tls-certificates=/c&socket=/s").unwrap();
+        assert_eq!(s.tls.unwrap().hostname, "localhost");
+        assert!(RemoteSpec::parse("nbd://h/d").unwrap().tls.is_none());
+    }
+
+    #[test]
     fn refusals() {
         let e = RemoteSpec::parse("nbds://h/disk").unwrap_err();
-        assert!(matches!(e, SpecError::TlsNotYet(_)));
-        assert!(e.to_string().contains("not supported yet"), "{e}");
+        assert!(matches!(e, SpecError::TlsNeedsCertificates(_)));
+        assert!(e.to_string().contains("tls-certificates=DIR"), "{e}");
+        for bad in [
+            "nbds+unix:///?socket=/a",
+            "nbds://h/d?tls-certificates=",
+            "nbds://h/d?tls-certificates=/c&socket=/s",
+            "nbds://h/d?tls-certificates=/c&tls-psk-file=/k",
+            "nbd+unix:///?socket=/a&tls-certificates=/c",
+            "nbd://h/d?tls-hostname=x",
+        ] {
+            assert!(RemoteSpec::parse(bad).is_err(), "{bad}");
+        }
         assert!(RemoteSpec::is_remote("nbds+unix:///?socket=/a"));
         assert!(!RemoteSpec::is_remote("mem:1M"));
         for bad in [
@@ -400,6 +552,10 @@ mod tests {
             "nbd://h/d,timeout=x",
             "nbd://h/d,depth=0",
             "nbd://h/d,depth=100000",
+            "nbd://h/d,reconnect_deadline=-1",
+            "nbd://h/d,reconnect_deadline=86401",
+            "nbd://h/d,conns=0",
+            "nbd://h/d,conns=17",
             "mem:1M",
         ] {
             assert!(RemoteSpec::parse(bad).is_err(), "{bad}");

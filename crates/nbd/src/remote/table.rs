@@ -1,17 +1,17 @@
-//! The state a [`super::RemoteDevice`] shares between its submitters and its receiver: the
-//! table of requests in flight, the socket's write half, and how a request completes or the
-//! connection breaks.
+//! The state a [`super::RemoteDevice`] shares between its submitters, its receiver and its
+//! sender: the table of requests in flight, the socket's write half, how a request is sent
+//! and completes, and how the device fails.
 
 use std::io::{self, IoSlice, Write};
 use std::net::Shutdown;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, EndIo, Error, Limits, Op};
-use blkq_sync::atomic::AtomicBool;
+use blk::{Bio, EndIo, Error, Limits};
+use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
 
-use crate::proto::{TransmissionFlags, TransmissionMode};
+use crate::proto::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use crate::stream::Stream;
 use crate::transmission::Request;
 
@@ -20,27 +20,55 @@ use crate::transmission::Request;
 // `Table::slots` has `depth` entries, fixed at connect; `Table::free` holds the indices of the
 // free ones (a stack with room for all, so pushing never allocates).
 //
-// - A cookie is `gen << 32 | index`. `gen` is bumped each time the slot is taken, so a reply
-//   for an earlier use of the slot does not match: the receiver accepts a reply only for a
-//   busy slot whose `gen` matches and whose `status` is not yet known; anything else is a
-//   malformed reply, which breaks the connection.
+// - A cookie is `gen << 32 | index`. `gen` is bumped each time the slot is taken (and when an
+//   emulated FUA write turns into its flush), so a reply for an earlier use does not match:
+//   the receiver accepts a reply only for a busy slot whose `gen` matches, whose `status` is
+//   not yet known and which was sent on the receiver's connection (`sent_epoch == epoch`);
+//   anything else is a malformed reply, which breaks the connection.
 // - Free: `busy == false`, no bio, no completion; its index is in `free`.
 // - Taken by a submitter (under the table lock): `busy`, `status == None`, `end` set, `gen`
-//   bumped. For a request without payload the bio goes into the slot at once, before the
-//   request is sent; from then on the submitter never touches the slot again (the reply may
-//   complete and free it before the submitter's send returns). For a write the submitter
-//   keeps the bio (`bio == None` in the slot) while it sends the payload from the bio's
-//   buffer, then puts it back; a slot whose bio is away is never freed, so it is still the
-//   submitter's slot when it comes back.
-// - The receiver takes a read's bio out of its slot while it receives data into the buffer
-//   (table lock not held), and puts it back before it looks at anything else.
-// - A slot completes when its `status` is known and its bio is in it: whoever supplies the
-//   second of the two (the receiver with the status, the submitter with the bio, a break)
-//   takes the bio and completion out, frees the slot, and calls `end_io` after dropping the
-//   lock, then wakes one submitter waiting for a slot.
-// - A break sets `Table::broken` and a status (`Lost`) on every busy slot without one; each
-//   slot whose bio is in place completes at once, the others when their holder puts the bio
-//   back. With `broken` set, no slot is taken again: every later submit fails at once.
+//   bumped, `sent_epoch == 0` (not sent). For a request without payload the bio goes into the
+//   slot at once; for a write the submitter keeps the bio while it sends the payload from the
+//   bio's buffer, then puts it back.
+//
+// # Who holds a bio, who sends
+//
+// A bio is either in its slot or *away* with exactly one holder: the submitter (a write it is
+// sending), the sender thread (a write it is re-sending) or the receiver (a read whose data it
+// is receiving). A slot whose bio is away is never freed, so it is still the holder's slot when
+// the holder puts the bio back ([`Shared::put_back`]).
+//
+// Every send happens under the writer lock, and marks the slot sent on the current connection
+// (`sent_epoch = epoch`, under the table lock, while the writer lock is held): whoever comes
+// second on the same connection sees the mark and does not send. So a request is sent at most
+// once per connection. A request is due when it is busy, without status, and not sent on the
+// current connection; it is sent by the submitter (first send), or by the sender thread (after
+// a reconnection, the flush of an emulated FUA write, a write whose bio came back while the
+// sender looked for it). A write whose bio is away is left to its holder, who flags the sender
+// when it puts the bio back and the slot is still due.
+//
+// # Completion: exactly once
+//
+// A slot completes when its `status` is known and its bio is in it: whoever supplies the second
+// of the two (the receiver with the status, a holder with the bio, a failure) takes the bio
+// and completion out and frees the slot under the table lock, so only one of them can, and
+// calls `end_io` after dropping every lock. A status is set only on a slot without one, so a
+// request is never completed twice: once `status` is set no reply matches the slot, and the
+// slot's `gen` changes before it can be matched again.
+//
+// # The connection's states (`Table::conn`)
+//
+// - `Up`: requests are sent as they come.
+// - `Down { since, expired }`: the receiver is reconnecting. Nothing is sent; the requests in
+//   the table stay, bios in place, and are sent again (`sent_epoch` is older than the next
+//   connection's epoch) once a connection is back. New requests take slots and wait too.
+//   `expired` is set `reconnect_deadline` after `since`: everything waiting fails with `EIO`
+//   and new requests fail at once, until the connection is back (then `Up` again).
+// - `Dead`: the device is closing, or the export changed under it (`fatal` says how): every
+//   request fails with `EIO`, for good.
+//
+// Lock order: the writer lock before the table lock; `sock` and `fatal` are leaves. No
+// `end_io` runs under any of them.
 
 /// How a request ended, once known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,8 +76,28 @@ pub(super) enum Status {
     Ok,
     /// The server's error value.
     Nbd(u32),
-    /// The connection broke: this errno.
+    /// The connection broke (or was not re-established in time): this errno.
     Lost(i32),
+    /// A flush that cannot vouch for writes acknowledged on a lost connection (see
+    /// `Table::unflushed_lost`).
+    Unflushed,
+}
+
+/// What a successful reply does to its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Success {
+    /// The request completes with this status.
+    Complete(Status),
+    /// The write of an emulated FUA write: its flush is due next.
+    FlushNext,
+}
+
+/// The connection's state (see the comment above).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Conn {
+    Up,
+    Down { since: Instant, expired: bool },
+    Dead,
 }
 
 pub(super) struct Slot {
@@ -58,22 +106,92 @@ pub(super) struct Slot {
     pub(super) status: Option<Status>,
     pub(super) bio: Option<Bio>,
     pub(super) end: Option<DynArc<dyn EndIo>>,
-    pub(super) op: Op,
+    /// What is sent: the command (a write of an emulated FUA write becomes `Flush` once the
+    /// write is answered) and its flags.
+    pub(super) cmd: Command,
+    pub(super) flags: CmdFlags,
+    /// A FUA write to a server with flush but not FUA: a write, then a flush.
+    pub(super) fua_flush: bool,
     /// Start and length of the request, bytes.
     pub(super) offset: u64,
     pub(super) len: u64,
-    pub(super) started: Instant,
-    /// Read bytes received so far (data and holes).
+    /// When the request was submitted, and last sent.
+    pub(super) submitted: Instant,
+    pub(super) sent_at: Instant,
+    /// The connection it was last sent on (0: never).
+    pub(super) sent_epoch: u64,
+    /// Read bytes received so far (data and holes); for a block-status query, descriptor
+    /// bytes kept.
     pub(super) covered: u64,
     /// The first error chunk's value (structured replies).
     pub(super) error: u32,
+    /// A flush: `Table::acked` when it was sent (the writes it covers for sure).
+    pub(super) cover: u64,
+}
+
+impl Slot {
+    /// The request to send for this slot, with cookie `gen << 32 | i`.
+    pub(super) fn request(&self, i: usize) -> Request {
+        let cookie = (u64::from(self.gen) << 32) | i as u64;
+        let (offset, len) = if self.cmd == Command::Flush {
+            (0, 0)
+        } else {
+            (self.offset, self.len)
+        };
+        Request::new(self.cmd, cookie, offset, len).with_flags(self.flags)
+    }
 }
 
 pub(super) struct Table {
     pub(super) slots: Vec<Slot>,
     pub(super) free: Vec<u32>,
-    /// Set once, when the connection breaks: the errno later submits fail with.
-    pub(super) broken: Option<i32>,
+    pub(super) conn: Conn,
+    /// The current connection's number (the first is 1).
+    pub(super) epoch: u64,
+    /// The current connection's `base:allocation` context id, if the server has one.
+    pub(super) meta_id: Option<u32>,
+    /// Some slot may be due and have no holder to send it: the sender thread looks.
+    pub(super) send_needed: bool,
+}
+
+/// What a flush can vouch for, shared by every connection of a device (with multi-conn a
+/// flush on one covers the writes completed on all).
+///
+/// When a connection to a server with a write cache is lost while writes acknowledged on it
+/// are not covered by a flush, the server may have lost them (a crash loses its cache): the
+/// next flush to complete cannot say they are durable, and fails with `EIO` instead, once.
+/// Re-sending the flush on the new connection would vouch only for what that server holds.
+/// Conservative: the counts are device-wide, so a lost connection poisons the next flush if
+/// any connection had unflushed writes.
+///
+/// Orderings: the counters publish no data; what matters is that a write whose reply was
+/// received before a flush was sent is counted in that flush's `cover`. The receiver counts
+/// the write (`acked`, Release) after receiving its reply, and the flush's sender reads
+/// `acked` (Acquire) before sending it: a read that sees the count saw the reply first, and
+/// one that does not leaves the write uncovered (conservative). `flushed` only grows
+/// (`fetch_max`) and is compared with `acked` when a connection is lost, on the receiver,
+/// with the same pairing. `poisoned` is set and taken with `swap` (AcqRel): exactly one flush
+/// takes it.
+#[derive(Default)]
+pub(super) struct Durability {
+    /// Writes (trims, zeroes) acknowledged without FUA.
+    pub(super) acked: AtomicU64,
+    /// How many of them a completed flush covers.
+    pub(super) flushed: AtomicU64,
+    /// Writes acknowledged and not flushed were on a lost connection.
+    pub(super) poisoned: AtomicBool,
+}
+
+impl Durability {
+    /// A connection to a server with a write cache was lost.
+    pub(super) fn connection_lost(&self) -> bool {
+        let acked = self.acked.load(Ordering::Acquire);
+        if acked > self.flushed.fetch_max(acked, Ordering::AcqRel) {
+            self.poisoned.store(true, Ordering::Release);
+            return true;
+        }
+        false
+    }
 }
 
 /// A completion to deliver once the table lock is dropped.
@@ -90,25 +208,47 @@ impl Table {
                     status: None,
                     bio: None,
                     end: None,
-                    op: Op::Flush,
+                    cmd: Command::Flush,
+                    flags: CmdFlags::empty(),
+                    fua_flush: false,
                     offset: 0,
                     len: 0,
-                    started: now,
+                    submitted: now,
+                    sent_at: now,
+                    sent_epoch: 0,
                     covered: 0,
                     error: 0,
+                    cover: 0,
                 })
                 .collect(),
             // Popped from the end: slot 0 first.
             free: (0..depth as u32).rev().collect(),
-            broken: None,
+            conn: Conn::Up,
+            epoch: 1,
+            meta_id: None,
+            send_needed: false,
         }
     }
 
-    /// The slot a reply's cookie names, if it is awaiting a reply.
+    /// Whether slot `i` is due: busy, unanswered, not sent on the current connection, and the
+    /// connection is up.
+    pub(super) fn due(&self, i: usize) -> bool {
+        self.conn == Conn::Up
+            && self
+                .slots
+                .get(i)
+                .is_some_and(|s| s.busy && s.status.is_none() && s.sent_epoch != self.epoch)
+    }
+
+    /// The slot a reply's cookie names, if it is awaiting a reply on the current connection.
     pub(super) fn lookup(&self, cookie: u64) -> Option<usize> {
         let i = (cookie & 0xffff_ffff) as usize;
         let s = self.slots.get(i)?;
-        (s.busy && u64::from(s.gen) == cookie >> 32 && s.status.is_none()).then_some(i)
+        (s.busy
+            && u64::from(s.gen) == cookie >> 32
+            && s.status.is_none()
+            && s.sent_epoch == self.epoch)
+            .then_some(i)
     }
 
     /// Takes slot `i`'s completion out and frees the slot, if its status is known and its bio
@@ -125,28 +265,79 @@ impl Table {
         Some((bio, end, status))
     }
 
-    /// Breaks the connection: every busy slot without a status gets `Lost(errno)`, or
-    /// `Lost(ETIMEDOUT)` if it started before `expired_before`.
-    pub(super) fn break_all(&mut self, errno: i32, expired_before: Option<Instant>) {
-        if self.broken.is_none() {
-            self.broken = Some(libc::EIO);
+    /// Sets `status` on every busy slot without one for which `pick` says so.
+    pub(super) fn fail_where(&mut self, status: Status, pick: impl Fn(&Slot) -> bool) {
+        for s in &mut self.slots {
+            if s.busy && s.status.is_none() && pick(s) {
+                s.status = Some(status);
+            }
         }
+    }
+
+    /// A successful reply to slot `i`: an emulated FUA write's write turns into its flush
+    /// (a new cookie, due again); a write counts as acknowledged; a flush covers what was
+    /// acknowledged when it was sent, or fails once after unflushed writes were lost.
+    pub(super) fn succeeded(&mut self, i: usize, d: &Durability) -> Success {
+        let s = &mut self.slots[i];
+        if s.fua_flush && s.cmd == Command::Write {
+            s.cmd = Command::Flush;
+            s.flags = CmdFlags::empty();
+            s.gen = s.gen.wrapping_add(1);
+            s.sent_epoch = 0;
+            self.send_needed = true;
+            return Success::FlushNext;
+        }
+        match s.cmd {
+            Command::Write | Command::Trim | Command::WriteZeroes
+                if !s.flags.contains(CmdFlags::FUA) =>
+            {
+                // Release: see `Durability`.
+                d.acked.fetch_add(1, Ordering::Release);
+            }
+            Command::Flush => {
+                // AcqRel: see `Durability`.
+                d.flushed.fetch_max(s.cover, Ordering::AcqRel);
+                if !s.fua_flush && d.poisoned.swap(false, Ordering::AcqRel) {
+                    return Success::Complete(Status::Unflushed);
+                }
+            }
+            _ => {}
+        }
+        Success::Complete(Status::Ok)
+    }
+
+    /// The connection broke at `now`: it is down; what was sent is to be sent again on the
+    /// next connection (a read's partial data discarded, an emulated FUA write's flush turned
+    /// back into its write), except what has been outstanding longer than `budget` (the
+    /// timeout plus the reconnect deadline), which fails with `ETIMEDOUT`.
+    pub(super) fn disconnect(&mut self, now: Instant, budget: Duration) {
+        if self.conn == Conn::Dead {
+            return;
+        }
+        self.conn = Conn::Down {
+            since: now,
+            expired: false,
+        };
+        self.fail_where(Status::Lost(libc::ETIMEDOUT), |s| {
+            s.submitted + budget <= now
+        });
         for s in &mut self.slots {
             if s.busy && s.status.is_none() {
-                let timed_out = expired_before.is_some_and(|t| s.started <= t);
-                s.status = Some(Status::Lost(if timed_out {
-                    libc::ETIMEDOUT
-                } else {
-                    errno
-                }));
+                s.covered = 0;
+                s.error = 0;
+                if s.fua_flush && s.cmd == Command::Flush {
+                    s.cmd = Command::Write;
+                }
             }
         }
     }
 }
 
-/// The socket's write half and the buffer a request header is encoded into.
+/// The socket's write half (none while disconnected), the mode its requests are encoded in,
+/// and the buffer a request header is encoded into.
 pub(super) struct Writer {
-    pub(super) stream: Stream,
+    pub(super) stream: Option<Stream>,
+    pub(super) mode: TransmissionMode,
     pub(super) header: [u8; 32],
 }
 
@@ -154,33 +345,91 @@ pub(super) struct Shared {
     pub(super) uri: String,
     pub(super) table: Mutex<Table>,
     pub(super) writer: Mutex<Writer>,
-    /// Submitters waiting for a free slot.
+    /// Submitters waiting for a free slot, or for the connection to fail or come back.
     pub(super) slot_freed: WaitQueue,
-    pub(super) mode: TransmissionMode,
-    pub(super) flags: TransmissionFlags,
+    /// The sender thread waits here for `Table::send_needed` or closing.
+    pub(super) sender_wq: WaitQueue,
+    /// The receiver waits here between reconnection attempts (woken by closing).
+    pub(super) backoff_wq: WaitQueue,
+    /// The export's transmission flags (`TransmissionFlags` bits), as the last handshake
+    /// said. Relaxed: a standalone value, read once per request to choose its command; a
+    /// request that reads the previous connection's flags is answered by the server (an
+    /// error if it no longer supports it), never misread.
+    pub(super) flags: AtomicU32,
     pub(super) limits: Limits,
     pub(super) timeout: Duration,
-    /// Set by `Drop`: the receiver leaves at its next look. Ordering: the flag publishes no
-    /// data (the table has its own lock) and only decides whether a broken connection is
-    /// logged and when the receiver stops reading; `Drop` stores it before it shuts the socket
-    /// down, and the receiver, woken by that shutdown, loads it. SeqCst is more than that
-    /// needs and costs nothing here (once per receiver wake-up, never per I/O).
+    pub(super) reconnect_deadline: Duration,
+    /// Set by `Drop`: the receiver and the sender leave at their next look. Ordering: the flag
+    /// publishes no data (the table has its own lock) and only decides whether a broken
+    /// connection is logged, re-established, and when the threads stop; `Drop` stores it
+    /// before it shuts the socket down and wakes the wait queues, and the threads, woken by
+    /// that, load it. SeqCst is more than that needs and costs nothing here (once per wake-up
+    /// of those threads, never per I/O).
     pub(super) closing: AtomicBool,
-    /// A handle on the socket to shut it down (the writer's may be held by a stuck
-    /// submitter).
-    pub(super) sock: Stream,
+    /// Whether the connection is up: a hint for spreading requests over connections, kept
+    /// with `Table::conn` (stored after it changes). Relaxed: a request sent to a connection
+    /// that just went down waits for its reconnection like any other; nothing is ordered by
+    /// it.
+    pub(super) up: AtomicBool,
+    /// A handle on the current socket to shut it down (the writer's may be held by a stuck
+    /// sender).
+    pub(super) sock: Mutex<Option<Stream>>,
+    /// Connections re-established. Relaxed: a statistic, read by nobody who acts on it.
+    pub(super) reconnects: AtomicU64,
+    /// Why the device is dead, when the export changed under it.
+    pub(super) fatal: Mutex<Option<String>>,
+    /// What a flush can vouch for (shared by the device's connections).
+    pub(super) durability: DynArc<Durability>,
 }
 
 impl Shared {
+    pub(super) fn flags(&self) -> TransmissionFlags {
+        // Relaxed: see the field.
+        TransmissionFlags::from_bits(self.flags.load(Ordering::Relaxed) as u16)
+    }
+
+    pub(super) fn is_up(&self) -> bool {
+        // Relaxed: see the field.
+        self.up.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn is_closing(&self) -> bool {
+        // SeqCst: see the field.
+        self.closing.load(Ordering::SeqCst)
+    }
+
     /// The error a bio completes with.
     pub(super) fn result(&self, status: Status) -> Result<(), Error> {
         match status {
             Status::Ok => Ok(()),
             Status::Nbd(e) => Err(nbd_error(e)),
-            Status::Lost(errno) => Err(Error::Io(blk::error::with_context(
-                io::Error::from_raw_os_error(errno),
-                format!("{}: connection to the NBD server lost", self.uri),
+            Status::Unflushed => Err(Error::Io(blk::error::with_context(
+                io::Error::from_raw_os_error(libc::EIO),
+                format!(
+                    "{}: writes acknowledged on a connection that was lost had not been \
+                     flushed; the server may have lost them, so this flush cannot vouch for \
+                     them",
+                    self.uri
+                ),
             ))),
+            Status::Lost(errno) => {
+                let why = match &*self.fatal.lock() {
+                    Some(f) => f.clone(),
+                    None if errno == libc::ETIMEDOUT => format!(
+                        "{}: request unanswered within the timeout and the reconnect deadline",
+                        self.uri
+                    ),
+                    None => format!(
+                        "{}: connection to the NBD server lost (reconnect_deadline={}s)",
+                        self.uri,
+                        self.reconnect_deadline.as_secs()
+                    ),
+                };
+                Err(Error::Io(blk::error::with_context(
+                    io::Error::from_raw_os_error(errno),
+                    why,
+                )))
+            }
         }
     }
 
@@ -198,11 +447,42 @@ impl Shared {
         }
     }
 
-    /// Sets slot `i`'s status and completes it if its bio is in place.
+    /// Completes every slot that can be.
+    pub(super) fn complete_all(&self) {
+        let depth = self.table.lock().slots.len();
+        for i in 0..depth {
+            self.complete(i);
+        }
+    }
+
+    /// Puts a bio its holder had away back into slot `i`, then completes the slot if its
+    /// status is known, or flags the sender if it is due (it was skipped while away).
+    pub(super) fn put_back(&self, i: usize, bio: Bio) {
+        let (done, wake) = {
+            let mut t = self.table.lock();
+            if let Some(s) = t.slots.get_mut(i) {
+                s.bio = Some(bio);
+            }
+            let done = t.take_done(i);
+            let wake = done.is_none() && t.due(i);
+            if wake {
+                t.send_needed = true;
+            }
+            (done, wake)
+        };
+        if let Some(d) = done {
+            self.deliver(d);
+        }
+        if wake {
+            self.sender_wq.wake_one();
+        }
+    }
+
+    /// Sets slot `i`'s status (if it has none) and completes it if its bio is in place.
     pub(super) fn finish(&self, i: usize, status: Status) {
         let done = {
             let mut t = self.table.lock();
-            if let Some(s) = t.slots.get_mut(i) {
+            if let Some(s) = t.slots.get_mut(i).filter(|s| s.busy && s.status.is_none()) {
                 s.status = Some(status);
             }
             t.take_done(i)
@@ -212,20 +492,35 @@ impl Shared {
         }
     }
 
-    /// Breaks the connection (see [`Table::break_all`]), completes every slot that can be,
-    /// shuts the socket down (the receiver wakes and leaves) and wakes every submitter waiting
-    /// for a slot (they fail).
-    pub(super) fn break_connection(&self, errno: i32, expired_before: Option<Instant>) {
-        let depth = {
-            let mut t = self.table.lock();
-            t.break_all(errno, expired_before);
-            t.slots.len()
-        };
-        for i in 0..depth {
-            self.complete(i);
+    /// Shuts the current socket down: the receiver wakes and handles the break.
+    pub(super) fn shut_socket(&self) {
+        if let Some(s) = &*self.sock.lock() {
+            let _ = s.shutdown(Shutdown::Both);
         }
-        let _ = self.sock.shutdown(Shutdown::Both);
+    }
+
+    /// Fails every request waiting in the table with `Lost(EIO)`, completes what can be and
+    /// wakes every submitter waiting for a slot (they look again, and fail or take one).
+    pub(super) fn fail_waiting(&self) {
+        self.table
+            .lock()
+            .fail_where(Status::Lost(libc::EIO), |_| true);
+        self.complete_all();
         self.slot_freed.wake_all();
+    }
+
+    /// The device is dead for good (closing, or the export changed: `why`): every request
+    /// fails, now and later.
+    pub(super) fn kill(&self, why: Option<String>) {
+        if let Some(w) = why {
+            *self.fatal.lock() = Some(w);
+        }
+        self.shut_socket();
+        self.writer.lock().stream = None;
+        self.table.lock().conn = Conn::Dead;
+        // Relaxed: see the field.
+        self.up.store(false, Ordering::Relaxed);
+        self.fail_waiting();
     }
 }
 
@@ -246,14 +541,55 @@ pub(super) fn nbd_error(e: u32) -> Error {
 }
 
 impl Shared {
-    /// Sends one request (header, then the payload if any) under the writer lock.
-    pub(super) fn send(&self, req: &Request, payload: &[u8]) -> io::Result<()> {
+    /// Sends slot `i` (the submitter's `gen`, or any when `None`) if it is due, with
+    /// `payload`, under the writer lock. `Ok(false)`: not due (sent already, answered, or the
+    /// connection is down). A socket error shuts the socket down (the receiver handles the
+    /// break) and is returned.
+    pub(super) fn send_slot(&self, i: usize, gen: Option<u32>, payload: &[u8]) -> io::Result<bool> {
         let mut w = self.writer.lock();
-        let Writer { stream, header } = &mut *w;
-        let n = req
-            .encode_into(self.mode, header)
-            .map_err(io::Error::other)?;
-        write_all2(stream, &header[..n], payload)
+        let Writer {
+            stream,
+            mode,
+            header,
+        } = &mut *w;
+        let Some(stream) = stream else {
+            return Ok(false);
+        };
+        let req = {
+            let mut t = self.table.lock();
+            if !t.due(i) {
+                return Ok(false);
+            }
+            let epoch = t.epoch;
+            let s = &mut t.slots[i];
+            if gen.is_some_and(|g| g != s.gen) {
+                return Ok(false);
+            }
+            s.sent_epoch = epoch;
+            s.sent_at = Instant::now();
+            if s.cmd == Command::Flush {
+                // Acquire: see `Durability`.
+                s.cover = self.durability.acked.load(Ordering::Acquire);
+            }
+            s.request(i)
+        };
+        let payload = if req.kind == Command::Write {
+            payload
+        } else {
+            &[]
+        };
+        let r = req
+            .encode_into(*mode, header)
+            .map_err(io::Error::other)
+            .and_then(|n| write_all2(stream, &header[..n], payload));
+        drop(w);
+        match r {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                self.shut_socket();
+                Err(e)
+            }
+        }
     }
 }
 

@@ -1,0 +1,179 @@
+//! Opening one connection to the remote export: dialing, the handshake (structured replies
+//! and the `base:allocation` metadata context when the server has them, `NBD_OPT_GO` with
+//! block-size information), and the limits the export's constraints give. Used at connect and at every reconnection.
+
+use std::io;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use blk::Limits;
+
+use super::spec::{RemoteAddr, RemoteSpec, SpecError};
+use crate::client::{ClientError, ExportDetails, Handshake};
+use crate::proto::TransmissionMode;
+use crate::stream::Stream;
+
+/// Largest read or write sent when the server gives no maximum (the NBD spec's advice: 32 MiB
+/// is what any server accepts).
+pub const DEFAULT_MAX_IO: u32 = 32 << 20;
+
+/// The metadata context block status is asked for.
+const BASE_ALLOCATION: &str = "base:allocation";
+
+/// Errors of [`super::RemoteDevice::connect`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteError {
+    /// The spec does not parse.
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    /// The server cannot be reached.
+    #[error("{uri}: cannot connect: {source}")]
+    Connect {
+        /// The URI.
+        uri: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// The handshake failed (the export does not exist, the server refused, ...).
+    #[error("{uri}: handshake: {source}")]
+    Handshake {
+        /// The URI.
+        uri: String,
+        /// Why.
+        source: ClientError,
+    },
+    /// The export's constraints cannot be met.
+    #[error("{uri}: {reason}")]
+    Unusable {
+        /// The URI.
+        uri: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A negotiated connection, in transmission phase.
+pub(super) struct Opened {
+    pub(super) stream: Stream,
+    pub(super) mode: TransmissionMode,
+    pub(super) details: ExportDetails,
+    pub(super) limits: Limits,
+    /// The `base:allocation` context id, when the server has structured replies and the
+    /// context.
+    pub(super) meta_id: Option<u32>,
+}
+
+/// Connects to `addr`, each attempt bounded by `timeout` (TCP) where the host allows.
+pub(super) fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
+    match addr {
+        RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
+        RemoteAddr::Tcp { host, port } => {
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
+            for a in (host.as_str(), *port).to_socket_addrs()? {
+                match TcpStream::connect_timeout(&a, timeout) {
+                    Ok(s) => {
+                        s.set_nodelay(true)?;
+                        return Ok(Stream::Tcp(s));
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        }
+    }
+}
+
+/// Negotiates on a dialed `stream`: every step bounded by the spec's timeout; the stream's
+/// read timeout is left at that timeout.
+pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, RemoteError> {
+    let uri = spec.to_string();
+    let hs_err = |source: ClientError| RemoteError::Handshake {
+        uri: uri.clone(),
+        source,
+    };
+    let io_err = |e: io::Error| hs_err(ClientError::Io(e));
+    stream
+        .set_read_timeout(Some(spec.timeout))
+        .map_err(io_err)?;
+    stream
+        .set_write_timeout(Some(spec.timeout))
+        .map_err(io_err)?;
+    let mut hs = Handshake::start(stream).map_err(hs_err)?;
+    if let Some(tls) = &spec.tls {
+        let config =
+            crate::tls::client_config(&tls.certificates).map_err(|e| RemoteError::Unusable {
+                uri: uri.clone(),
+                reason: format!("TLS certificates in {}: {e}", tls.certificates.display()),
+            })?;
+        hs.start_tls(&config, &tls.hostname).map_err(hs_err)?;
+    }
+    let structured = match hs.structured_replies() {
+        Ok(()) => true,
+        // A server without structured replies: simple replies do.
+        Err(e) if e.option_error().is_some() => false,
+        Err(e) => return Err(hs_err(e)),
+    };
+    let mut meta_id = None;
+    if structured {
+        match hs.meta_context(&spec.export, &[BASE_ALLOCATION], true) {
+            Ok(ctx) => {
+                meta_id = ctx
+                    .iter()
+                    .find(|(_, n)| n == BASE_ALLOCATION)
+                    .map(|(id, _)| *id);
+            }
+            // A server without block status: every range reads as allocated.
+            Err(e) if e.option_error().is_some() => {}
+            Err(e) => return Err(hs_err(e)),
+        }
+    }
+    let details = hs.go(&spec.export).map_err(hs_err)?;
+    let (stream, mode) = hs.into_parts();
+    let limits = limits_of(&details).map_err(|reason| RemoteError::Unusable {
+        uri: uri.clone(),
+        reason,
+    })?;
+    Ok(Opened {
+        stream,
+        mode,
+        details,
+        limits,
+        meta_id,
+    })
+}
+
+/// Dials and negotiates.
+pub(super) fn open(spec: &RemoteSpec) -> Result<Opened, RemoteError> {
+    let stream = dial(&spec.addr, spec.timeout).map_err(|source| RemoteError::Connect {
+        uri: spec.to_string(),
+        source,
+    })?;
+    handshake(stream, spec)
+}
+
+/// The export's constraints as [`Limits`]: the logical block is the server's minimum block
+/// (at least 512 bytes), the largest I/O its maximum payload (at most [`DEFAULT_MAX_IO`]).
+pub(super) fn limits_of(details: &ExportDetails) -> Result<Limits, String> {
+    let (min, max) = details
+        .block_size
+        .map_or((1, u32::MAX), |b| (b.min.max(1), b.max));
+    let lbs = min.max(512);
+    if !lbs.is_power_of_two() {
+        return Err(format!(
+            "the minimum block size {min} is not a power of two"
+        ));
+    }
+    let max_io = max.min(DEFAULT_MAX_IO) / lbs * lbs;
+    if max_io == 0 {
+        return Err(format!(
+            "the maximum payload {max} is smaller than the block size {lbs}"
+        ));
+    }
+    Ok(Limits {
+        capacity: details.size,
+        logical_block_size: lbs,
+        max_io_bytes: max_io,
+    })
+}

@@ -1,0 +1,269 @@
+//! The receiver thread's outer loop: receive on the connection until it stops, then take the
+//! connection down, re-establish it with exponential backoff, check that the export is the
+//! same, and hand what was in flight to the sender to be sent again; fail what waited past the
+//! reconnect deadline; and fail everything for good when the device closes or the export
+//! changed under it.
+//!
+//! # Invariants
+//!
+//! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`) and sets
+//!   a `Lost` status, so nothing fails a request while the receiver is in the middle of its
+//!   reply (a submitter or the sender that meets a socket error only shuts the socket down).
+//! - Taking the connection down and bringing a new one up each happen under the writer lock
+//!   and the table lock together: no request is ever sent on a connection the table does not
+//!   call current, and every request still waiting when a connection comes up is due on it.
+//! - During a reconnection the requests keep their slots, and a write's slot keeps its bio
+//!   and buffer: re-sending needs nothing that was given back.
+
+use std::time::{Duration, Instant};
+
+use blkq_sync::atomic::Ordering;
+
+use super::connect::{self, Opened};
+use super::receiver::{Receiver, Stop};
+use super::spec::RemoteSpec;
+use super::table::Conn;
+use crate::proto::TransmissionFlags;
+
+/// First wait between reconnection attempts; it doubles after each failed attempt.
+const BACKOFF_START: Duration = Duration::from_millis(50);
+/// Longest wait between reconnection attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// A connection that lived at least this long resets the backoff; one that broke sooner (a
+/// server that accepts and then fails at once, or keeps answering `ESHUTDOWN`) is followed
+/// by the backoff, so the device never reconnects in a tight loop.
+const STABLE: Duration = Duration::from_secs(1);
+
+pub(super) struct Supervisor {
+    pub(super) rx: Receiver,
+    pub(super) spec: RemoteSpec,
+    /// The wait before the next attempt.
+    pub(super) backoff: Duration,
+    /// When the current connection came up.
+    pub(super) up_since: Instant,
+}
+
+impl Supervisor {
+    pub(super) fn new(rx: Receiver, spec: RemoteSpec) -> Self {
+        Self {
+            rx,
+            spec,
+            backoff: BACKOFF_START,
+            up_since: Instant::now(),
+        }
+    }
+}
+
+impl Supervisor {
+    pub(super) fn run(mut self) {
+        loop {
+            let stop = self.rx.receive();
+            if matches!(stop, Stop::Closing) || self.rx.sh.is_closing() {
+                self.rx.sh.kill(None);
+                return;
+            }
+            tracing::warn!(
+                uri = %self.rx.sh.uri,
+                "the connection to the NBD server broke: {stop}; reconnecting"
+            );
+            self.take_down();
+            if !self.reconnect() {
+                return;
+            }
+        }
+    }
+
+    /// The connection is down: nothing is sent until the next one; what has been outstanding
+    /// past its budget fails with `ETIMEDOUT`; with no reconnect deadline, everything
+    /// waiting fails at once.
+    fn take_down(&mut self) {
+        let sh = &self.rx.sh;
+        sh.shut_socket();
+        {
+            let mut w = sh.writer.lock();
+            w.stream = None;
+            let mut t = sh.table.lock();
+            t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
+        }
+        if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
+            tracing::warn!(
+                uri = %sh.uri,
+                "writes acknowledged and not flushed were on the lost connection: the next \
+                 flush fails (their durability is unknown)"
+            );
+        }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(false, Ordering::Relaxed);
+        sh.complete_all();
+        if sh.reconnect_deadline.is_zero() {
+            self.expire();
+        }
+    }
+
+    /// The reconnect deadline has passed: everything waiting fails with `EIO`, and so does
+    /// every new request until a connection is back.
+    fn expire(&self) {
+        let sh = &self.rx.sh;
+        {
+            let mut t = sh.table.lock();
+            if let Conn::Down { since, .. } = t.conn {
+                t.conn = Conn::Down {
+                    since,
+                    expired: true,
+                };
+            }
+        }
+        tracing::warn!(
+            uri = %sh.uri,
+            "not reconnected within reconnect_deadline={}s: failing requests until the \
+             server is back",
+            sh.reconnect_deadline.as_secs()
+        );
+        sh.fail_waiting();
+    }
+
+    /// When the deadline expires, if it has not.
+    fn expiry(&self) -> Option<Instant> {
+        match self.rx.sh.table.lock().conn {
+            Conn::Down {
+                since,
+                expired: false,
+            } => Some(since + self.rx.sh.reconnect_deadline),
+            _ => None,
+        }
+    }
+
+    fn expire_if_due(&self) {
+        if self.expiry().is_some_and(|e| e <= Instant::now()) {
+            self.expire();
+        }
+    }
+
+    /// Reconnects until it succeeds (true), or the device closes or the export changed
+    /// (false: the device is dead).
+    fn reconnect(&mut self) -> bool {
+        let mut failures = 0u32;
+        let mut wait_first = self.up_since.elapsed() < STABLE;
+        if !wait_first {
+            self.backoff = BACKOFF_START;
+        }
+        loop {
+            if wait_first {
+                self.wait_backoff();
+            }
+            wait_first = true;
+            self.expire_if_due();
+            if self.rx.sh.is_closing() {
+                self.rx.sh.kill(None);
+                return false;
+            }
+            match self.attempt().and_then(|opened| self.bring_up(opened)) {
+                Ok(up) => return up,
+                Err(e) => {
+                    failures += 1;
+                    if failures == 1 {
+                        tracing::warn!(uri = %self.rx.sh.uri, "reconnecting: {e}");
+                    } else {
+                        tracing::debug!(uri = %self.rx.sh.uri, failures, "reconnecting: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits the backoff (cut short by the deadline's expiry or by closing), then doubles
+    /// it.
+    fn wait_backoff(&mut self) {
+        self.expire_if_due();
+        let mut until = Instant::now() + self.backoff;
+        if let Some(e) = self.expiry() {
+            until = until.min(e);
+        }
+        let sh = &self.rx.sh;
+        sh.backoff_wq
+            .wait_for_until(|| sh.is_closing().then_some(()), until);
+        self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+    }
+
+    /// One attempt: dial, then negotiate with the socket registered for `Drop` to shut down
+    /// (so closing the device does not wait for a silent server's handshake).
+    fn attempt(&self) -> Result<Opened, connect::RemoteError> {
+        let sh = &self.rx.sh;
+        let stream = connect::dial(&self.spec.addr, self.spec.timeout).map_err(|source| {
+            connect::RemoteError::Connect {
+                uri: sh.uri.clone(),
+                source,
+            }
+        })?;
+        *sh.sock.lock() = stream.try_clone().ok();
+        if sh.is_closing() {
+            sh.shut_socket();
+        }
+        connect::handshake(stream, &self.spec)
+    }
+
+    /// A new connection is negotiated: if the export is the same, make it current, flag
+    /// everything waiting as due for the sender, and receive on it (true). If its size or
+    /// block sizes changed, the device dies with an error naming both (false). An error is a
+    /// failed attempt (the socket is dropped; the next attempt follows).
+    fn bring_up(&mut self, opened: Opened) -> Result<bool, connect::RemoteError> {
+        let sh = self.rx.sh.clone();
+        if opened.limits != sh.limits {
+            let (was, now) = (sh.limits, opened.limits);
+            let why = format!(
+                "{}: the export changed while reconnecting: size {} bytes (block {}, largest \
+                 I/O {}) before, {} bytes (block {}, largest I/O {}) now; not resuming",
+                sh.uri,
+                was.capacity,
+                was.logical_block_size,
+                was.max_io_bytes,
+                now.capacity,
+                now.logical_block_size,
+                now.max_io_bytes
+            );
+            tracing::error!(uri = %sh.uri, "{why}");
+            sh.kill(Some(why));
+            return Ok(false);
+        }
+        let Opened {
+            stream,
+            mode,
+            details,
+            meta_id,
+            ..
+        } = opened;
+        let clones = stream
+            .set_read_timeout(Some(self.rx.tick))
+            .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)));
+        let (reader, sock) = clones.map_err(|source| connect::RemoteError::Connect {
+            uri: sh.uri.clone(),
+            source,
+        })?;
+        *sh.sock.lock() = Some(sock);
+        // Relaxed: see `Shared::flags`.
+        sh.flags
+            .store(u32::from(details.flags.bits()), Ordering::Relaxed);
+        {
+            let mut w = sh.writer.lock();
+            w.stream = Some(stream);
+            w.mode = mode;
+            let mut t = sh.table.lock();
+            t.epoch += 1;
+            t.meta_id = meta_id;
+            t.conn = Conn::Up;
+            t.send_needed = true;
+        }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(true, Ordering::Relaxed);
+        // Relaxed: a statistic (see the field).
+        let n = sh.reconnects.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!(uri = %sh.uri, reconnects = n, "reconnected to the NBD server");
+        sh.sender_wq.wake_one();
+        self.rx.stream = reader;
+        self.rx.mode = mode;
+        self.rx.last_check = Instant::now();
+        self.up_since = Instant::now();
+        Ok(true)
+    }
+}

@@ -1,0 +1,130 @@
+//! `nbd::remote::RemoteDevice` with several connections (`conns=N`): opened when the server
+//! offers multi-conn, one connection otherwise; requests spread over them.
+// A plain threaded test, never a loom model: its own harness (std locks and atomics) is not
+// what a model must explore, so it may use std::sync.
+#![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![cfg(not(blkq_loom))]
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blk::{Bio, Buffer, Device, Op, PendingBio, SECTOR_SHIFT};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use nbd::remote::RemoteDevice;
+use nbd::server::{Export, Server, ServerConfig};
+use testkit::io::{flush, read_at};
+use testkit::{pattern, wait_until};
+
+fn device(spec: &str) -> Arc<dyn Device> {
+    let s: DeviceSpec = spec.parse().unwrap();
+    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+}
+
+fn serve(path: &Path, disk: &Arc<dyn Device>) -> Server {
+    let mut cfg = ServerConfig::new(vec![Export::new("", disk.clone())]);
+    cfg.unix = Some(path.to_path_buf());
+    cfg.tuning.drain_timeout = Duration::from_millis(200);
+    Server::start(cfg).unwrap()
+}
+
+/// 4 threads × 32 writes of 64 KiB, all in flight, then the same reads checked.
+fn load(dev: &Arc<RemoteDevice>) {
+    const LEN: usize = 64 << 10;
+    let run = |write: bool| {
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let dev = dev.clone();
+                s.spawn(move || {
+                    let pending: Vec<_> = (0..32u64)
+                        .map(|k| {
+                            let n = t * 32 + k;
+                            let sector = (n * LEN as u64) >> SECTOR_SHIFT;
+                            let bio = if write {
+                                let mut b = Buffer::new(LEN);
+                                b.as_mut_slice().copy_from_slice(&pattern(n, LEN));
+                                Bio::with_buf(Op::Write, sector, b)
+                            } else {
+                                Bio::with_buf(Op::Read, sector, Buffer::new(LEN))
+                            };
+                            (n, PendingBio::submit(&*dev, bio))
+                        })
+                        .collect();
+                    for (n, p) in pending {
+                        let (bio, r) = p.wait();
+                        r.unwrap();
+                        if !write {
+                            assert!(bio.buf.unwrap().as_slice() == &pattern(n, LEN)[..]);
+                        }
+                    }
+                });
+            }
+        });
+    };
+    run(true);
+    flush(&**dev).unwrap();
+    run(false);
+}
+
+#[test]
+fn four_connections_to_a_multi_conn_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let server = serve(&path, &device("mem:64M"));
+    let uri = format!("nbd+unix:///?socket={},conns=4,depth=8", path.display());
+    let dev = Arc::new(RemoteDevice::open(&uri).unwrap());
+    assert_eq!(dev.connections(), 4);
+    assert!(dev.is_connected());
+    wait_until("4 connections at the server", || server.connections() == 4);
+    load(&dev);
+    assert_eq!(dev.in_flight(), 0);
+    // The server goes away and comes back: every connection reconnects, the device serves.
+    server.shutdown();
+    let server = serve(&path, &device("mem:64M"));
+    wait_until("all reconnected", || dev.is_connected());
+    assert!(dev.reconnects() >= 4, "{}", dev.reconnects());
+    load(&dev);
+    drop(dev);
+    server.shutdown();
+}
+
+/// nbdkit with multi-conn hidden (its multi-conn filter): one connection, and it works.
+/// Skipped when nbdkit is not installed.
+#[test]
+fn a_server_without_multi_conn_gets_one_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("kit.sock");
+    let Ok(mut kit) = std::process::Command::new("nbdkit")
+        .args(["-f", "-U"])
+        .arg(&sock)
+        .args([
+            "--filter=multi-conn",
+            "memory",
+            "64M",
+            "multi-conn-mode=disable",
+        ])
+        .spawn()
+    else {
+        eprintln!("skipped: nbdkit is not on PATH");
+        return;
+    };
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "nbdkit did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let uri = format!("nbd+unix:///?socket={},conns=4", sock.display());
+    let dev = Arc::new(RemoteDevice::open(&uri).unwrap());
+    assert_eq!(dev.connections(), 1);
+    load(&dev);
+    assert_eq!(
+        read_at(&*dev, 0, 4096).unwrap(),
+        pattern(0, 64 << 10)[..4096]
+    );
+    drop(dev);
+    let _ = kit.kill();
+    let _ = kit.wait();
+}
