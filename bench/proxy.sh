@@ -2,7 +2,9 @@
 # bench/proxy.sh: what an nbd:// device costs (docs/bench.md section 15). fio's nbd engine,
 # 4 KiB randread and randwrite at queue depth 1 and 32, one connection, against `blkq serve
 # --device mem:1G` on a Unix socket, directly and through a second blkq serve whose device is
-# nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us.
+# nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us
+# cpu_us_per_io (user+system time of the serving processes, the back alone for direct, back
+# and proxy for proxied, from /proc/PID/stat, over the I/Os fio completed).
 # B=PATH picks the binary (default target/release/blkq).
 set -euo pipefail
 echo "# bench/proxy.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary ${B:-target/release/blkq}"
@@ -13,20 +15,34 @@ sleep 1
 $B serve --device "nbd+unix:///?socket=$D/a.sock" --socket $D/b.sock --no-tcp >/dev/null 2>&1 & P2=$!
 sleep 1
 fio --name=prefill --ioengine=nbd --uri="nbd+unix:///?socket=$D/a.sock" --rw=write --bs=1M --size=1G --output-format=json >/dev/null 2>&1 || true
-run() { # URI RW QD
-  fio --name=x --ioengine=nbd --uri="$1" --rw=$2 --bs=4k --iodepth=$3 --numjobs=1 --size=1G \
+TCK=$(getconf CLK_TCK)
+ticks() { # PIDS...: user+system clock ticks of all of them
+  local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' /proc/$p/stat))); done; echo $t
+}
+run() { # URI RW QD PIDS...
+  local uri=$1 rw=$2 qd=$3; shift 3
+  local c0; c0=$(ticks "$@")
+  fio --name=x --ioengine=nbd --uri="$uri" --rw=$rw --bs=4k --iodepth=$qd --numjobs=1 --size=1G \
     --norandommap --randrepeat=0 --time_based --runtime=5 --output-format=json 2>/dev/null \
-  | sed -n '/^{/,$p' | /usr/bin/python3 -c '
+  | sed -n '/^{/,$p' > $D/out.json
+  local c1; c1=$(ticks "$@")
+  /usr/bin/python3 -c '
 import json,sys
-j=json.load(sys.stdin)["jobs"][0]
+j=json.load(open(sys.argv[1]))["jobs"][0]
 k="read" if j["read"]["io_bytes"]>0 else "write"
-print(int(j[k]["iops"]), int(j[k]["clat_ns"]["percentile"]["99.000000"]/1000))'
+ios=j[k]["total_ios"]
+cpu_us=(int(sys.argv[3])-int(sys.argv[2]))/int(sys.argv[4])*1e6
+print(int(j[k]["iops"]), int(j[k]["clat_ns"]["percentile"]["99.000000"]/1000), round(cpu_us/ios,1))' \
+    $D/out.json $c0 $c1 $TCK
 }
 for r in 1 2 3; do
   for rw in randread randwrite; do for qd in 1 32; do
     for which in direct proxy; do
-      [ $which = direct ] && u="nbd+unix:///?socket=$D/a.sock" || u="nbd+unix:///?socket=$D/b.sock"
-      echo "$r $rw $qd $which $(run $u $rw $qd)"
+      if [ $which = direct ]; then
+        echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/a.sock" $rw $qd $P1)"
+      else
+        echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/b.sock" $rw $qd $P1 $P2)"
+      fi
     done
   done; done
 done

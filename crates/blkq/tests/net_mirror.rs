@@ -2,8 +2,9 @@
 //! pair (`common::Hosts`), `blkq serve --raid1 file:LOCAL,nbd://BACK/leg` in the front one,
 //! the leg's server in the back one: another blkq, nbdkit's file plugin or
 //! qemu-storage-daemon (any NBD server is a leg). Under a verified write load the link is cut
-//! and restored: the array never stops serving, the leg comes back and is recovered by
-//! copying exactly the chunks written while it was away, and the legs compare equal. Skipped,
+//! and restored, or the leg's server killed and started again: the array never stops serving, the leg comes back by itself (the device
+//! reconnects, the array's probe re-adds it) and is recovered by copying exactly the chunks
+//! written while it was away, and the legs compare equal. Skipped,
 //! saying why, where namespaces cannot be made (they can where CI runs) or a peer is missing.
 
 mod common;
@@ -93,9 +94,10 @@ fn serve_leg(peer: Peer, hosts: &Hosts, dir: &Path, path: &Path) -> Option<Runni
     )
 }
 
-/// The front's spec of the remote leg.
+/// The front's spec of the remote leg: a request unanswered for 2 s breaks the connection,
+/// and requests fail (the leg with them) after 1 s more without one.
 fn leg_spec() -> String {
-    format!("nbd://{BACK_IP}:{PORT}/leg,timeout=2")
+    format!("nbd://{BACK_IP}:{PORT}/leg,timeout=2,reconnect_deadline=1")
 }
 
 fn leg_state(v: &serde_json::Value, slot: usize) -> String {
@@ -119,6 +121,8 @@ fn serve_front(hosts: &Hosts, dir: &Path, local: &str) -> Server {
             "bitmap_chunk=1M",
             "--raid1-option",
             "bitmap_quiet_ms=200",
+            "--raid1-option",
+            "readd_interval_ms=300",
         ],
         |l| l.in_netns(&hosts.front()),
     )
@@ -126,28 +130,47 @@ fn serve_front(hosts: &Hosts, dir: &Path, local: &str) -> Server {
 
 #[test]
 fn cutting_the_link_to_a_blkq_leg_loses_nothing_and_copies_only_what_it_missed() {
-    cut_and_restore(Peer::Blkq);
+    lose_and_return(Peer::Blkq, Loss::Link);
 }
 
 #[test]
 fn cutting_the_link_to_an_nbdkit_leg_loses_nothing_and_copies_only_what_it_missed() {
-    cut_and_restore(Peer::Nbdkit);
+    lose_and_return(Peer::Nbdkit, Loss::Link);
 }
 
 #[test]
 fn cutting_the_link_to_a_qemu_storage_daemon_leg_loses_nothing_and_copies_only_what_it_missed() {
-    cut_and_restore(Peer::QemuStorageDaemon);
+    lose_and_return(Peer::QemuStorageDaemon, Loss::Link);
 }
 
-/// The link to `peer`'s leg cut under load and restored (see the module docs).
-fn cut_and_restore(peer: Peer) {
-    let Some(hosts) = hosts_or_skip(&format!("cutting the link to a {peer:?} leg")) else {
+#[test]
+fn killing_a_blkq_legs_server_loses_nothing_and_copies_only_what_it_missed() {
+    lose_and_return(Peer::Blkq, Loss::Server);
+}
+
+#[test]
+fn killing_an_nbdkit_legs_server_loses_nothing_and_copies_only_what_it_missed() {
+    lose_and_return(Peer::Nbdkit, Loss::Server);
+}
+
+/// How the leg is lost.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// The link is cut (`ip link set down`), then brought back up.
+    Link,
+    /// The leg's server is killed (SIGKILL), then started again on the same file.
+    Server,
+}
+
+/// `peer`'s leg lost under load and back (see the module docs).
+fn lose_and_return(peer: Peer, loss: Loss) {
+    let Some(hosts) = hosts_or_skip(&format!("{loss:?} lost to a {peer:?} leg")) else {
         return;
     };
     let d = tempfile::tempdir().unwrap();
     let (local_path, local) = leg_file(d.path(), "local.img", LEG_SIZE);
     let (leg_path, _) = leg_file(d.path(), "leg.img", LEG_SIZE);
-    let Some(_leg) = serve_leg(peer, &hosts, d.path(), &leg_path) else {
+    let Some(mut leg) = serve_leg(peer, &hosts, d.path(), &leg_path) else {
         return;
     };
     let s = serve_front(&hosts, d.path(), &local);
@@ -164,20 +187,27 @@ fn cut_and_restore(peer: Peer) {
         "a clean bitmap before the cut",
     );
 
-    // The cut, under load: the remote leg is failed, the array keeps serving.
-    hosts.cut();
+    // The loss, under load: the remote leg is failed, the array keeps serving.
+    match loss {
+        Loss::Link => hosts.cut(),
+        Loss::Server => leg.kill(),
+    }
     let load = Load::start(s.client(), blocks_in(&away), ledger);
     let v = s.wait_for(&|v| leg_state(v, 1) == "faulty", "the remote leg failed");
     assert_eq!(leg_state(&v, 0), "in_sync", "{v}");
     load.wait_more(300);
 
-    // The link back, still under load (only into chunks already written while away).
-    hosts.restore();
-    load.wait_more(100);
-    let ctl = s.ctl().to_string();
-    ok(&["raid", "remove", "1", "--control", &ctl]);
-    ok(&["raid", "add", &leg_spec(), "--control", &ctl]);
-    let v = s.wait_for(&in_sync_and_idle, "the remote leg recovered");
+    // The leg back, still under load (only into chunks already written while away): the
+    // remote device reconnects, the array's probe finds the leg's superblock and re-adds it.
+    let _leg = match loss {
+        Loss::Link => {
+            hosts.restore();
+            leg
+        }
+        Loss::Server => serve_leg(peer, &hosts, d.path(), &leg_path).unwrap(),
+    };
+    let v = s.wait_for(&in_sync_and_idle, "the remote leg re-added and recovered");
+    assert_eq!(v["legs"][1]["readds"], 1, "{v}");
     load.wait_more(100);
     let ledger = load.stop();
 
