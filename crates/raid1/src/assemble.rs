@@ -437,6 +437,11 @@ impl Raid1 {
 
     pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
         let cfg = a.cfg;
+        if cfg.write_behind > 0 && a.bitmap.is_none() {
+            return Err(Raid1Error::Config(
+                "raid1: write_behind needs a write-intent bitmap".into(),
+            ));
+        }
         let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
             legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
@@ -480,6 +485,7 @@ impl Raid1 {
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
             readd: crate::readd::ReaddState::new(a.nr_slots),
+            wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth),
             me: weak.clone(),
             cfg,
         });

@@ -122,6 +122,10 @@ pub struct Raid1Config {
     /// (`readd=auto|off`, `readd_interval_ms=N`): the period of its probe, or None (off).
     /// See `readd`.
     pub readd_interval: Option<Duration>,
+    /// Write-behind (`write_behind=N`, md's `--write-behind`; needs a bitmap): writes still
+    /// in flight to write-mostly legs after their acknowledgement, at most (0: off). See
+    /// `behind`.
+    pub write_behind: u32,
 }
 
 impl Default for Raid1Config {
@@ -136,6 +140,7 @@ impl Default for Raid1Config {
             read_error_limit: 20,
             spare_slots: 1,
             readd_interval: None,
+            write_behind: 0,
         }
     }
 }
@@ -155,7 +160,7 @@ impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
     /// `read_errors=N`, `spare_slots=N`, `readd=auto|off`, `readd_interval_ms=N` (also turns
-    /// it on).
+    /// it on), `write_behind=N`.
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -191,6 +196,7 @@ impl Raid1Config {
                     _ => return Err(bad()),
                 }
             }
+            "write_behind" => self.write_behind = value.parse().map_err(|_| bad())?,
             "readd_interval_ms" => {
                 let ms: u64 = value.parse().map_err(|_| bad())?;
                 if ms == 0 {
@@ -318,6 +324,17 @@ pub(crate) struct Io {
     pub(crate) counted: u32,
     /// The leg whose bio carries the original buffer.
     pub(crate) primary: usize,
+    /// Write-behind legs of this write or flush (see `behind`).
+    pub(crate) wb_legs: u32,
+    /// A write holding a place among the N (see `behind`).
+    pub(crate) behind: bool,
+    /// Legs not write-behind still to complete.
+    pub(crate) sync_left: u32,
+    /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
+    /// what the write covered).
+    pub(crate) acked: bool,
+    /// A write's first sector and length, for its late bookkeeping.
+    pub(crate) span: (u64, u32),
 }
 
 /// Completion of a leg bio: the bio's cookie names the `Io` slot.
@@ -418,6 +435,8 @@ pub(crate) struct Inner {
     pub(crate) readd: crate::readd::ReaddState,
     /// This array, for completions raid1d hands out (a probe's).
     pub(crate) me: Weak<Inner>,
+    /// Write-behind (see `behind`).
+    pub(crate) wb: crate::behind::WriteBehind,
 }
 
 /// A RAID1 array over two or more legs. See the crate docs.
@@ -500,6 +519,12 @@ impl Raid1 {
         } else {
             None
         }
+    }
+
+    /// Writes acknowledged and still in flight to the write-behind legs (`write_behind=N`:
+    /// at most N).
+    pub fn write_behind_outstanding(&self) -> u32 {
+        self.inner.wb.outstanding()
     }
 
     /// Whether the array runs with a slot faulty or not in sync.
