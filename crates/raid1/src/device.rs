@@ -225,6 +225,14 @@ pub struct LegStatus {
     pub recovery_offset: u64,
     /// Corrected read errors so far.
     pub read_errors: u32,
+    /// Round-trip time of the leg's reads and writes: an EWMA (weight 1/8) of their
+    /// completion latency, in ns, on the coarse clock (`blk::stats::batch_ns`: 1-4 ms
+    /// resolution, so it tells remote legs from local ones and slow links from fast ones,
+    /// not a local disk's microseconds). 0 before the first sample.
+    pub rtt_ns: u64,
+    /// Writes acknowledged and still in flight to this leg (`write_behind=N`: a write-mostly
+    /// leg; 0 for the others).
+    pub write_behind: u32,
 }
 
 pub(crate) struct Leg {
@@ -241,6 +249,9 @@ pub(crate) struct Leg {
     /// End sector of the last read sent here (sequential-stream detection).
     pub(crate) head: AtomicU64,
     pub(crate) read_errors: AtomicU32,
+    /// `LegStatus::rtt_ns`. Relaxed load and store by the completions: a statistic, two
+    /// completions at once may lose one sample, and it publishes nothing else.
+    pub(crate) rtt_ns: AtomicU64,
     pub(crate) recovery_offset: AtomicU64,
     /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
     pub(crate) bitmap_recovery: AtomicBool,
@@ -259,6 +270,7 @@ impl Leg {
             pending: AtomicUsize::new(0),
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
+            rtt_ns: AtomicU64::new(0),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
             gen: AtomicU64::new(0),
@@ -267,6 +279,19 @@ impl Leg {
 
     pub(crate) fn dev(&self) -> Option<StdArc<dyn Device>> {
         self.dev.lock().clone()
+    }
+
+    /// One bio's round trip: `rtt += (sample - rtt) / 8` (the first sample is taken whole).
+    #[inline]
+    pub(crate) fn note_rtt(&self, sample_ns: u64) {
+        // Relaxed: see `rtt_ns`.
+        let old = self.rtt_ns.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            sample_ns.max(1)
+        } else {
+            (old - old / 8 + sample_ns / 8).max(1)
+        };
+        self.rtt_ns.store(new, Ordering::Relaxed);
     }
 
     /// Puts `dev` in the slot (or empties it), returning what was there.
@@ -335,6 +360,8 @@ pub(crate) struct Io {
     pub(crate) acked: bool,
     /// A write's first sector and length, for its late bookkeeping.
     pub(crate) span: (u64, u32),
+    /// When its leg bios were submitted (`blk::stats::batch_ns`), for the legs' round trips.
+    pub(crate) sent_ns: u64,
 }
 
 /// Completion of a leg bio: the bio's cookie names the `Io` slot.
@@ -495,6 +522,12 @@ impl Raid1 {
             write_mostly: st & WRITE_MOSTLY != 0,
             recovery_offset: l.recovery_offset.load(Ordering::Acquire),
             read_errors: l.read_errors.load(Ordering::Relaxed),
+            rtt_ns: l.rtt_ns.load(Ordering::Relaxed),
+            write_behind: if self.inner.wb.limit > 0 && st & WRITE_MOSTLY != 0 {
+                self.inner.wb.outstanding()
+            } else {
+                0
+            },
         })
     }
 

@@ -173,6 +173,7 @@ impl Inner {
                     let mut io = self.ios[id as usize].lock();
                     *io = Io {
                         kind: Kind::Read,
+                        sent_ns: blk::stats::batch_ns(),
                         orig: Some(bio),
                         end: Some(end.clone()),
                         remaining: 1,
@@ -330,6 +331,7 @@ impl Inner {
             let mut io = self.ios[id as usize].lock();
             *io = Io {
                 kind: Kind::Write,
+                sent_ns: blk::stats::batch_ns(),
                 span: (bio.sector, bio.len),
                 orig: Some(bio),
                 end: Some(end.clone()),
@@ -523,6 +525,9 @@ impl Inner {
         };
         let id = bio.cookie as u32;
         let mut io = slot.lock();
+        if matches!(io.kind, Kind::Read | Kind::Write) {
+            self.legs[leg].note_rtt(blk::stats::batch_ns().saturating_sub(io.sent_ns));
+        }
         match io.kind {
             Kind::Free => {}
             Kind::Read => {

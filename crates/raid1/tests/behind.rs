@@ -179,6 +179,8 @@ fn writes_are_acknowledged_before_the_slow_leg_never_more_than_n_behind() {
     wait_until_within("N acknowledged", SOON, || acked.len() == N as usize);
     assert_eq!(s.slow.hook().writes_done.load(Ordering::SeqCst), 0);
     assert_eq!(s.r.write_behind_outstanding(), N);
+    assert_eq!(s.r.leg_status(1).unwrap().write_behind, N);
+    assert_eq!(s.r.leg_status(0).unwrap().write_behind, 0);
     assert_eq!(acked.len(), N as usize, "never more than N behind");
     for (_, res) in acked.take_all() {
         res.unwrap();
@@ -353,4 +355,29 @@ fn a_chunks_bit_stays_set_until_the_slow_leg_has_the_write() {
     wait_until_within("the bit cleared once the slow leg has it", SOON, || {
         dirty(&r) == 0
     });
+}
+
+#[test]
+fn leg_status_reports_each_legs_round_trip() {
+    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+    let slow = FaultDevice::new(mem("16M"), FaultConfig::default());
+    let h = slow.handle();
+    let r = Raid1::create(vec![mem("16M"), Arc::new(slow) as Arc<dyn Device>], cfg()).unwrap();
+    assert_eq!(r.leg_status(1).unwrap().rtt_ns, 0, "no sample yet");
+    // Every data write to leg 1 takes 30 ms; leg 0 answers at once.
+    h.add(Rule::delay(
+        OpSet::WRITE,
+        Duration::from_millis(30),
+        Duration::ZERO,
+    ));
+    for i in 0..6u64 {
+        write(&r, i * 65536, &pattern(i as u8, 4096));
+    }
+    let (fast, slow) = (r.leg_status(0).unwrap(), r.leg_status(1).unwrap());
+    // The coarse clock is 1-4 ms: far below the 30 ms a round trip takes.
+    assert!(slow.rtt_ns >= 20_000_000, "{slow:?}");
+    assert!(
+        fast.rtt_ns > 0 && fast.rtt_ns < slow.rtt_ns,
+        "{fast:?} {slow:?}"
+    );
 }
