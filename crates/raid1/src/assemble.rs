@@ -19,9 +19,10 @@ use waitq::WaitQueue;
 
 use crate::barrier::Barriers;
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
+use crate::config::Raid1Config;
 use crate::device::{
-    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
-    IN_SYNC, PRESENT, WRITE_MOSTLY,
+    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT,
+    WRITE_MOSTLY,
 };
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 use uuid::Uuid;

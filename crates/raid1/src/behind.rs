@@ -36,6 +36,9 @@
 //!    write-mostly leg while writes are behind lets its admission go, waits for `outstanding`
 //!    to reach 0 (`wait_drained`, woken by `release`), and chooses again. It never sleeps
 //!    admitted (a freeze would wait for it while the writes it waits for wait for nothing).
+//!    While it waits it counts in `flush_waiting` too, so no new write goes behind and the
+//!    count drains (a read can reach a write-mostly leg while another leg takes writes: the
+//!    resync's reads go to the first in-sync leg, whichever it is).
 //! 6. **No allocation per I/O**: a counter and a queue preallocated for `depth` flushes.
 
 use std::collections::VecDeque;
@@ -51,7 +54,8 @@ pub(crate) struct WriteBehind {
     /// Behind writes whose write-behind legs have not all completed: reserved before the
     /// write is submitted, released when every leg has it.
     outstanding: AtomicU32,
-    /// Flushes waiting for `outstanding` to reach 0; while non-zero no write goes behind.
+    /// Flushes and reads waiting for `outstanding` to reach 0; while non-zero no write goes
+    /// behind.
     flush_waiting: AtomicU32,
     /// Those flushes: (per-I/O slot, write-behind legs still to flush).
     deferred: Mutex<VecDeque<(u32, u32)>>,
@@ -150,7 +154,10 @@ impl WriteBehind {
 
     /// Waits (not admitted) until no write is behind (invariant 5).
     pub(crate) fn wait_drained(&self) {
+        // AcqRel: seen by `try_reserve`'s Acquire load (no new write goes behind).
+        self.flush_waiting.fetch_add(1, Ordering::AcqRel);
         self.drained
             .wait_for(|| (self.outstanding() == 0).then_some(()));
+        self.flush_waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }

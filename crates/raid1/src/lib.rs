@@ -91,7 +91,8 @@
 //! a resync starts if it was not stopped cleanly). [`Raid1::crash_for_test`] stops an array
 //! without marking it clean.
 //!
-//! Source files: `device.rs` (types, leg management, `Drop`), `assemble.rs` (start-up),
+//! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
+//! management, `Drop`), `assemble.rs` (start-up),
 //! `io.rs` (the I/O path), `failure.rs` (durable leg failures, the failed array),
 //! `daemon.rs` (raid1d), `readd.rs` (the automatic re-add), `behind.rs` (write-behind), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
 //! (its passes).
@@ -101,6 +102,7 @@ mod assemble;
 pub mod barrier;
 mod behind;
 pub mod bitmap;
+mod config;
 mod daemon;
 mod device;
 mod failure;
@@ -113,6 +115,7 @@ pub mod sync;
 pub use assemble::{Assembly, AssemblyError};
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{ChunkSet, WriteIntentBitmap};
-pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};
+pub use config::Raid1Config;
+pub use device::{LegStatus, Raid1, Raid1Error};
 pub use readd::{ReaddStatus, DEFAULT_READD_INTERVAL};
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};
