@@ -560,6 +560,36 @@ fn md_families(
         None,
         [(dev(None), gauge(synced))],
     )?;
+    // Per leg (what only blkq knows): labelled by slot.
+    let slot = |l: &crate::raid::report::LegReport| {
+        vec![("device", name.to_string()), ("slot", l.slot.to_string())]
+    };
+    let present = || rep.legs.iter().filter(|l| l.state != "empty");
+    family(
+        enc,
+        "blkq_raid1_leg_rtt",
+        "A leg's round-trip time: an EWMA of its reads' and writes' latency (coarse clock, \
+         1-4 ms resolution).",
+        Some(&Unit::Seconds),
+        present().filter_map(|l| {
+            let ns = l.rtt_ns?;
+            Some((slot(l), ConstGauge::new(ns as f64 / 1e9)))
+        }),
+    )?;
+    family(
+        enc,
+        "blkq_raid1_leg_write_behind",
+        "Writes acknowledged and still in flight to a write-mostly leg (write_behind=N).",
+        None,
+        present().map(|l| (slot(l), gauge(u64::from(l.write_behind)))),
+    )?;
+    family(
+        enc,
+        "blkq_raid1_leg_readds",
+        "Automatic re-adds of a leg that failed and answered again (readd=auto).",
+        None,
+        present().map(|l| (slot(l), counter(l.readds))),
+    )?;
     Ok(())
 }
 

@@ -53,6 +53,11 @@ fn a_remote_leg_whose_server_dies_is_failed_shown_unreachable_and_the_mirror_kee
     );
     let mut c = front.client();
     c.write(0, &[1u8; 65536], nbd::CmdFlags::FUA).unwrap();
+    // Both legs have a round trip now.
+    let v = front.status_json();
+    assert!(v["legs"][0]["rtt_ns"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["legs"][1]["rtt_ns"].as_u64().unwrap() > 0, "{v}");
+    assert!(front.status().contains("rtt: [0] "));
     back.kill();
     // Keeps serving: the write fails on the remote leg, which is failed, and succeeds.
     c.write(MB, &[2u8; 65536], nbd::CmdFlags::FUA).unwrap();
@@ -66,6 +71,39 @@ fn a_remote_leg_whose_server_dies_is_failed_shown_unreachable_and_the_mirror_kee
     let st = front.status();
     assert!(st.contains("[U_]"), "{st}");
     assert!(st.contains("leg 1 unreachable: superblock read"), "{st}");
+}
+
+#[test]
+fn a_write_behind_remote_leg_is_served_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = leg_file(dir.path(), "b.img", 64 * MB);
+    let (_, a) = leg_file(dir.path(), "a.img", 64 * MB);
+    let back = Serving::start(dir.path(), "leg", &["--device", &b]);
+    let rleg = format!("{},timeout=5", remote(&back.sock));
+    common::ok(&["raid", "create", &a, &rleg, "--write-mostly", "1"]);
+    let legs = format!("{a},{rleg}");
+    let front = common::Server::start(dir.path(), &legs, &["--raid1-option", "write_behind=8"]);
+    let mut c = front.client();
+    for i in 0..32u64 {
+        c.write(i * 65536, &[i as u8 + 1; 65536], nbd::CmdFlags::empty())
+            .unwrap();
+    }
+    c.flush().unwrap();
+    for i in 0..32u64 {
+        assert_eq!(c.read(i * 65536, 65536).unwrap(), vec![i as u8 + 1; 65536]);
+    }
+    let v = front.status_json();
+    assert_eq!(v["legs"][1]["write_mostly"], true, "{v}");
+    assert!(v["legs"][1]["write_behind"].as_u64().unwrap() <= 8, "{v}");
+    let d = common::ok(&["raid", "detail", "--control", front.ctl()]);
+    assert!(d.contains("write-behind :"), "{d}");
+    // What was flushed is on the remote leg too: a check finds the legs equal.
+    common::ok(&["raid", "check", "--control", front.ctl()]);
+    let v = front.wait_for(
+        &|v| v["sync"]["action"] == "idle" && v["sync"]["total_bytes"].as_u64() > Some(0),
+        "the check",
+    );
+    assert_eq!(v["sync"]["mismatch_cnt"], 0, "{v}");
 }
 
 /// A leg on another NBD server that dials it again after a failed request.

@@ -228,6 +228,19 @@ fn raid1_arrays_have_the_md_shape() {
         .map(|st| value(&after, &dev("node_md_state", Some(st))))
         .sum();
     assert_eq!(on, 1.0, "exactly one state is 1");
+    // Per leg: a round trip once it has served I/O, nothing behind, no re-add.
+    let leg = |name: &str, slot: u32| format!("{name}{{device=\"mirror\",slot=\"{slot}\"}}");
+    for slot in 0..2 {
+        assert!(value(&after, &leg("blkq_raid1_leg_rtt_seconds", slot)) > 0.0);
+        assert_eq!(
+            value(&after, &leg("blkq_raid1_leg_write_behind", slot)),
+            0.0
+        );
+        assert_eq!(
+            value(&after, &leg("blkq_raid1_leg_readds_total", slot)),
+            0.0
+        );
+    }
     // The mirror keeps no disk counters of its own: the server counts its requests.
     let delta = |k: &str| value(&after, k) - value(&before, k);
     let e = |name: &str| format!("blkq_disk_{name}{{export=\"mirror\"}}");

@@ -19,9 +19,10 @@ use waitq::WaitQueue;
 
 use crate::barrier::Barriers;
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
+use crate::config::Raid1Config;
 use crate::device::{
-    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Config, Raid1Error, FAULTY,
-    IN_SYNC, PRESENT, WRITE_MOSTLY,
+    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT,
+    WRITE_MOSTLY,
 };
 use crate::generation::{Kinship, Lineage};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
@@ -528,6 +529,11 @@ impl Raid1 {
 
     pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
         let cfg = a.cfg;
+        if cfg.write_behind > 0 && a.bitmap.is_none() {
+            return Err(Raid1Error::Config(
+                "raid1: write_behind needs a write-intent bitmap".into(),
+            ));
+        }
         let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
             legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
@@ -573,6 +579,7 @@ impl Raid1 {
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
             readd: crate::readd::ReaddState::new(a.nr_slots),
+            wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth),
             me: weak.clone(),
             cfg,
         });

@@ -13,7 +13,6 @@
 use blkq_sync::DynArc as StdArc;
 use std::collections::VecDeque;
 use std::sync::Weak;
-use std::time::Duration;
 
 use blk::Extent;
 use blk::{Bio, BufferPool, Device, EndIo, Error, Limits, SECTOR_SHIFT};
@@ -25,8 +24,9 @@ use crate::slot::AdmittedCell;
 use uuid::Uuid;
 use waitq::WaitQueue;
 
-use crate::barrier::{BarrierMode, Barriers};
-use crate::bitmap::{BitmapError, WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
+use crate::barrier::Barriers;
+use crate::bitmap::{BitmapError, WriteIntentBitmap};
+use crate::config::Raid1Config;
 use crate::generation::{Kinship, Lineage};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError};
 
@@ -118,117 +118,6 @@ pub enum Raid1Error {
     },
 }
 
-/// Configuration of a [`Raid1`].
-#[derive(Debug, Clone)]
-pub struct Raid1Config {
-    /// Barrier implementation (`barrier=locked|lockless`).
-    pub barrier: BarrierMode,
-    /// Write-intent bitmap chunk size, bytes (0: no bitmap).
-    pub bitmap_chunk: u64,
-    /// Time a bitmap chunk must be quiet before its bit is cleared.
-    pub bitmap_quiet: Duration,
-    /// Period of the background thread's bitmap clearing.
-    pub tick: Duration,
-    /// Preallocated per-I/O states (the most regular I/Os in flight).
-    pub depth: usize,
-    /// Largest I/O, bytes (also the size of the copy buffers for extra legs).
-    pub max_io_bytes: u32,
-    /// Read errors (corrected) a leg may have before it is failed.
-    pub read_error_limit: u32,
-    /// Extra empty slots for legs added at run time.
-    pub spare_slots: usize,
-    /// [`Raid1::assemble`] may start without legs the newest superblock records in sync
-    /// (`allow_degraded=true`; `blkq serve --raid1-degraded`): this side then runs as a new
-    /// generation, and the legs left out are refused later unless their side is discarded.
-    pub allow_degraded: bool,
-    /// Automatic re-add of a leg that failed on an I/O error and answers again
-    /// (`readd=auto|off`, `readd_interval_ms=N`): the period of its probe, or None (off).
-    /// See `readd`.
-    pub readd_interval: Option<Duration>,
-}
-
-impl Default for Raid1Config {
-    fn default() -> Self {
-        Self {
-            barrier: BarrierMode::Lockless,
-            bitmap_chunk: DEFAULT_CHUNK_SIZE,
-            bitmap_quiet: crate::bitmap::DEFAULT_QUIET,
-            tick: Duration::from_secs(1),
-            depth: 256,
-            max_io_bytes: 1 << 20,
-            read_error_limit: 20,
-            spare_slots: 1,
-            allow_degraded: false,
-            readd_interval: None,
-        }
-    }
-}
-
-fn parse_size(v: &str) -> Option<u64> {
-    let v = v.trim();
-    let (num, shift) = match v.chars().last()? {
-        'k' | 'K' => (&v[..v.len() - 1], 10),
-        'm' | 'M' => (&v[..v.len() - 1], 20),
-        'g' | 'G' => (&v[..v.len() - 1], 30),
-        _ => (v, 0),
-    };
-    num.parse::<u64>().ok()?.checked_mul(1 << shift)
-}
-
-impl Raid1Config {
-    /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
-    /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
-    /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
-    /// `readd_interval_ms=N` (also turns it on).
-    pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
-        let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
-        match key {
-            "barrier" => {
-                self.barrier = value
-                    .parse()
-                    .map_err(|e: crate::barrier::BarrierError| Raid1Error::Config(e.to_string()))?
-            }
-            "bitmap_chunk" => {
-                self.bitmap_chunk = if value == "none" {
-                    0
-                } else {
-                    parse_size(value).ok_or_else(bad)?
-                }
-            }
-            "bitmap_quiet_ms" => {
-                self.bitmap_quiet = Duration::from_millis(value.parse().map_err(|_| bad())?)
-            }
-            "depth" => self.depth = value.parse().map_err(|_| bad())?,
-            "max_io" => {
-                self.max_io_bytes = parse_size(value)
-                    .and_then(|v| u32::try_from(v).ok())
-                    .ok_or_else(bad)?
-            }
-            "read_errors" => self.read_error_limit = value.parse().map_err(|_| bad())?,
-            "spare_slots" => self.spare_slots = value.parse().map_err(|_| bad())?,
-            "allow_degraded" => self.allow_degraded = value.parse().map_err(|_| bad())?,
-            "readd" => {
-                self.readd_interval = match value {
-                    "auto" => self
-                        .readd_interval
-                        .or(Some(crate::readd::DEFAULT_READD_INTERVAL)),
-                    "off" => None,
-                    _ => return Err(bad()),
-                }
-            }
-            "readd_interval_ms" => {
-                let ms: u64 = value.parse().map_err(|_| bad())?;
-                if ms == 0 {
-                    return Err(bad());
-                }
-                self.readd_interval = Some(Duration::from_millis(ms));
-            }
-            _ => return Err(Raid1Error::Config(format!("raid1: unknown option {key}"))),
-        }
-        Ok(())
-    }
-}
-
 /// The run-time state of one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LegStatus {
@@ -244,6 +133,14 @@ pub struct LegStatus {
     pub recovery_offset: u64,
     /// Corrected read errors so far.
     pub read_errors: u32,
+    /// Round-trip time of the leg's reads and writes: an EWMA (weight 1/8) of their
+    /// completion latency, in ns, on the coarse clock (`blk::stats::batch_ns`: 1-4 ms
+    /// resolution, so it tells remote legs from local ones and slow links from fast ones,
+    /// not a local disk's microseconds). 0 before the first sample.
+    pub rtt_ns: u64,
+    /// Writes acknowledged and still in flight to this leg (`write_behind=N`: a write-mostly
+    /// leg; 0 for the others).
+    pub write_behind: u32,
 }
 
 pub(crate) struct Leg {
@@ -260,6 +157,9 @@ pub(crate) struct Leg {
     /// End sector of the last read sent here (sequential-stream detection).
     pub(crate) head: AtomicU64,
     pub(crate) read_errors: AtomicU32,
+    /// `LegStatus::rtt_ns`. Relaxed load and store by the completions: a statistic, two
+    /// completions at once may lose one sample, and it publishes nothing else.
+    pub(crate) rtt_ns: AtomicU64,
     pub(crate) recovery_offset: AtomicU64,
     /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
     pub(crate) bitmap_recovery: AtomicBool,
@@ -278,6 +178,7 @@ impl Leg {
             pending: AtomicUsize::new(0),
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
+            rtt_ns: AtomicU64::new(0),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
             gen: AtomicU64::new(0),
@@ -286,6 +187,19 @@ impl Leg {
 
     pub(crate) fn dev(&self) -> Option<StdArc<dyn Device>> {
         self.dev.lock().clone()
+    }
+
+    /// One bio's round trip: `rtt += (sample - rtt) / 8` (the first sample is taken whole).
+    #[inline]
+    pub(crate) fn note_rtt(&self, sample_ns: u64) {
+        // Relaxed: see `rtt_ns`.
+        let old = self.rtt_ns.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            sample_ns.max(1)
+        } else {
+            (old - old / 8 + sample_ns / 8).max(1)
+        };
+        self.rtt_ns.store(new, Ordering::Relaxed);
     }
 
     /// Puts `dev` in the slot (or empties it), returning what was there.
@@ -343,6 +257,19 @@ pub(crate) struct Io {
     pub(crate) counted: u32,
     /// The leg whose bio carries the original buffer.
     pub(crate) primary: usize,
+    /// Write-behind legs of this write or flush (see `behind`).
+    pub(crate) wb_legs: u32,
+    /// A write holding a place among the N (see `behind`).
+    pub(crate) behind: bool,
+    /// Legs not write-behind still to complete.
+    pub(crate) sync_left: u32,
+    /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
+    /// what the write covered).
+    pub(crate) acked: bool,
+    /// A write's first sector and length, for its late bookkeeping.
+    pub(crate) span: (u64, u32),
+    /// When its leg bios were submitted (`blk::stats::batch_ns`), for the legs' round trips.
+    pub(crate) sent_ns: u64,
 }
 
 /// Completion of a leg bio: the bio's cookie names the `Io` slot.
@@ -455,6 +382,8 @@ pub(crate) struct Inner {
     pub(crate) readd: crate::readd::ReaddState,
     /// This array, for completions raid1d hands out (a probe's).
     pub(crate) me: Weak<Inner>,
+    /// Write-behind (see `behind`).
+    pub(crate) wb: crate::behind::WriteBehind,
 }
 
 /// A RAID1 array over two or more legs. See the crate docs.
@@ -513,6 +442,12 @@ impl Raid1 {
             write_mostly: st & WRITE_MOSTLY != 0,
             recovery_offset: l.recovery_offset.load(Ordering::Acquire),
             read_errors: l.read_errors.load(Ordering::Relaxed),
+            rtt_ns: l.rtt_ns.load(Ordering::Relaxed),
+            write_behind: if self.inner.wb.limit > 0 && st & WRITE_MOSTLY != 0 {
+                self.inner.wb.outstanding()
+            } else {
+                0
+            },
         })
     }
 
@@ -537,6 +472,12 @@ impl Raid1 {
         } else {
             None
         }
+    }
+
+    /// Writes acknowledged and still in flight to the write-behind legs (`write_behind=N`:
+    /// at most N).
+    pub fn write_behind_outstanding(&self) -> u32 {
+        self.inner.wb.outstanding()
     }
 
     /// Whether the array runs with a slot faulty or not in sync.

@@ -8,7 +8,7 @@
 
 use blkq_sync::DynArc as StdArc;
 
-use blk::{Bio, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use crate::barrier::BARRIER_UNIT_SECTOR_BITS;
@@ -135,12 +135,26 @@ impl Inner {
         // The slot before the admission: never sleep for a slot while admitted (see
         // `get_slot`).
         let id = self.get_slot();
-        self.barriers.wait_read_barrier(sector);
-        let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0) else {
-            let _ = self.barriers.allow_barrier(sector);
-            self.put_slot(id);
-            end.end_io(bio, Err(eio("raid1: no readable leg")));
-            return;
+        let leg = loop {
+            self.barriers.wait_read_barrier(sector);
+            let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0)
+            else {
+                let _ = self.barriers.allow_barrier(sector);
+                self.put_slot(id);
+                end.end_io(bio, Err(eio("raid1: no readable leg")));
+                return;
+            };
+            // Never a write-mostly leg while writes to it are behind: wait for them, not
+            // admitted, and choose again (invariant 5 of `behind`).
+            if self.wb.limit > 0
+                && self.legs[leg].state.load(Ordering::Acquire) & WRITE_MOSTLY != 0
+                && self.wb.outstanding() > 0
+            {
+                let _ = self.barriers.allow_barrier(sector);
+                self.wb.wait_drained();
+                continue;
+            }
+            break leg;
         };
         // The submitter's own admission, held until the leg's `submit` has returned: the
         // read's may end inside it (see `slot`).
@@ -159,6 +173,7 @@ impl Inner {
                     let mut io = self.ios[id as usize].lock();
                     *io = Io {
                         kind: Kind::Read,
+                        sent_ns: blk::stats::batch_ns(),
                         orig: Some(bio),
                         end: Some(end.clone()),
                         remaining: 1,
@@ -256,12 +271,16 @@ impl Inner {
         // Only the in-sync legs' successes count (D2 in docs/design.md).
         let mut mask = 0u32;
         let mut counted = 0u32;
+        let mut mostly = 0u32;
         for (i, l) in self.legs.iter().enumerate() {
             let st = l.state.load(Ordering::Acquire);
             if Self::writable(st) {
                 mask |= 1 << i;
                 if st & IN_SYNC != 0 {
                     counted |= 1 << i;
+                }
+                if st & WRITE_MOSTLY != 0 {
+                    mostly |= 1 << i;
                 }
             }
         }
@@ -271,7 +290,22 @@ impl Inner {
             end.end_io(bio, Err(eio("raid1: no writable leg")));
             return;
         }
-        let primary = mask.trailing_zeros() as usize;
+        // Write-behind (invariant 1 of `behind`): the write-mostly legs may complete after
+        // the acknowledgement, if a counted leg that is not write-mostly takes it first.
+        let wb_legs = if self.wb.limit > 0 { mask & mostly } else { 0 };
+        let behind = wb_legs != 0
+            && bio.op == Op::Write
+            && !bio.flags.contains(BioFlags::FUA)
+            && counted & !wb_legs != 0
+            && self.wb.try_reserve();
+        let wb_legs = if behind { wb_legs } else { 0 };
+        // The caller's buffer goes to a leg that is not write-mostly when there is one: a
+        // write-behind leg writes a copy the array owns (invariant 2).
+        let primary = if mask & !mostly != 0 {
+            (mask & !mostly).trailing_zeros() as usize
+        } else {
+            mask.trailing_zeros() as usize
+        };
         // Copies for the extra legs first, then the original buffer goes to the primary.
         let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
         for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
@@ -297,9 +331,14 @@ impl Inner {
             let mut io = self.ios[id as usize].lock();
             *io = Io {
                 kind: Kind::Write,
+                sent_ns: blk::stats::batch_ns(),
+                span: (bio.sector, bio.len),
                 orig: Some(bio),
                 end: Some(end.clone()),
                 remaining: mask.count_ones(),
+                sync_left: (mask & !wb_legs).count_ones(),
+                wb_legs,
+                behind,
                 primary,
                 counted,
                 ..Io::default()
@@ -342,6 +381,7 @@ impl Inner {
         self.barriers.wait_read_barrier(FLUSH_SECTOR);
         let mut mask = 0u32;
         let mut counted = 0u32;
+        let mut mostly = 0u32;
         let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
             let st = l.state.load(Ordering::Acquire);
@@ -351,6 +391,9 @@ impl Inner {
                     mask |= 1 << i;
                     if st & IN_SYNC != 0 {
                         counted |= 1 << i;
+                    }
+                    if st & WRITE_MOSTLY != 0 {
+                        mostly |= 1 << i;
                     }
                 }
             }
@@ -373,7 +416,18 @@ impl Inner {
                 ..Io::default()
             };
         }
+        // The write-mostly legs' flushes wait for the writes behind (invariant 4 of
+        // `behind`); after the `Io` is set up, since `release` may submit them at once.
+        let wb_legs = if self.wb.limit > 0 { mask & mostly } else { 0 };
+        let deferred = if self.wb.defer_flush(id, wb_legs) {
+            wb_legs
+        } else {
+            0
+        };
         for (i, d) in devs.iter_mut().enumerate() {
+            if deferred & (1 << i) != 0 {
+                continue;
+            }
             if let Some(d) = d.take() {
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
@@ -381,6 +435,25 @@ impl Inner {
                 d.submit(b, &self.ends[i]);
             }
         }
+    }
+
+    /// A behind write completed on every leg: its place among the N is free; the last one
+    /// out submits the flushes that waited (see `behind`).
+    fn wb_release(&self) {
+        self.wb.release(|id, legs| {
+            for (i, l) in self.legs.iter().enumerate() {
+                if legs & (1 << i) == 0 {
+                    continue;
+                }
+                let mut b = Bio::new(Op::Flush, 0, 0);
+                b.cookie = u64::from(id);
+                l.pending.fetch_add(1, Ordering::Relaxed);
+                match l.dev() {
+                    Some(d) => d.submit(b, &self.ends[i]),
+                    None => self.leg_done(i, b, Err(eio("raid1: leg vanished"))),
+                }
+            }
+        });
     }
 
     pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
@@ -452,6 +525,9 @@ impl Inner {
         };
         let id = bio.cookie as u32;
         let mut io = slot.lock();
+        if matches!(io.kind, Kind::Read | Kind::Write) {
+            self.legs[leg].note_rtt(blk::stats::batch_ns().saturating_sub(io.sent_ns));
+        }
         match io.kind {
             Kind::Free => {}
             Kind::Read => {
@@ -502,9 +578,41 @@ impl Inner {
                     }
                 }
                 io.remaining -= 1;
+                if io.wb_legs & (1 << leg) == 0 {
+                    io.sync_left = io.sync_left.saturating_sub(1);
+                }
                 if io.remaining > 0 {
+                    // Write-behind: acknowledged once the legs that are not write-behind
+                    // have it and a counted one succeeded (invariant 3 of `behind`).
+                    if io.behind
+                        && !io.acked
+                        && io.sync_left == 0
+                        && io.ok > 0
+                        && self.failed_error().is_none()
+                        && !self.failure_pending()
+                    {
+                        if let Some(o) = io.orig.take() {
+                            let end = io.end.take();
+                            io.acked = true;
+                            drop(io);
+                            if let Some(e) = end {
+                                e.end_io(o, Ok(()));
+                            }
+                        }
+                    }
                     return;
                 }
+                if io.acked {
+                    // The write-behind legs have it too: the late bookkeeping.
+                    let (sector, len) = io.span;
+                    *io = Io::default();
+                    drop(io);
+                    self.put_slot(id);
+                    self.write_finished(sector << SECTOR_SHIFT, u64::from(len), sector);
+                    self.wb_release();
+                    return;
+                }
+                let behind = io.behind;
                 let kind = io.kind;
                 let res = match self.failed_error() {
                     Some(e) => Err(e),
@@ -515,6 +623,10 @@ impl Inner {
                     if let Some(o) = io.orig.as_ref() {
                         // Completed later by raid1d; the slot keeps the request meanwhile.
                         self.hold_for_superblock(id, kind, o);
+                        drop(io);
+                        if behind {
+                            self.wb_release();
+                        }
                         return;
                     }
                 }
@@ -522,6 +634,9 @@ impl Inner {
                 let end = io.end.take();
                 *io = Io::default();
                 drop(io);
+                if behind {
+                    self.wb_release();
+                }
                 self.finish(id, kind, orig, end, res);
             }
         }

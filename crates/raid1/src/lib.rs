@@ -38,6 +38,10 @@
 //!   writes and read repair are slow paths and may allocate).
 //! - **The array thread** (`raid1d`) also writes superblocks after state changes (`events`
 //!   bumped each time) and clears quiet bitmap bits every `tick` after a flush of every leg.
+//! - **Write-behind** (`behind.rs`, [`Raid1Config::write_behind`], md's `--write-behind`):
+//!   with a bitmap, a write is acknowledged once the legs that are not write-mostly have it,
+//!   at most N writes staying behind on the write-mostly legs (their bits stay set until
+//!   those legs have them; FUA writes and FLUSH wait for every leg).
 //! - **Automatic re-add** (`readd.rs`, [`Raid1Config::readd_interval`]): raid1d probes the
 //!   superblock of each leg that failed on an I/O error and re-adds it in place when it
 //!   answers as this slot's leg of this array (a bitmap recovery under md's re-add rule); a
@@ -87,15 +91,18 @@
 //! a resync starts if it was not stopped cleanly). [`Raid1::crash_for_test`] stops an array
 //! without marking it clean.
 //!
-//! Source files: `device.rs` (types, leg management, `Drop`), `assemble.rs` (start-up),
+//! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
+//! management, `Drop`), `assemble.rs` (start-up),
 //! `io.rs` (the I/O path), `failure.rs` (durable leg failures, the failed array),
-//! `daemon.rs` (raid1d), `readd.rs` (the automatic re-add), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
+//! `daemon.rs` (raid1d), `readd.rs` (the automatic re-add), `behind.rs` (write-behind), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
 //! (its passes).
 #![warn(missing_docs)]
 
 mod assemble;
 pub mod barrier;
+mod behind;
 pub mod bitmap;
+mod config;
 mod daemon;
 mod device;
 mod failure;
@@ -109,7 +116,8 @@ pub mod sync;
 pub use assemble::{Assembly, AssemblyError};
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{ChunkSet, WriteIntentBitmap};
-pub use device::{LegStatus, Raid1, Raid1Config, Raid1Error};
+pub use config::Raid1Config;
+pub use device::{LegStatus, Raid1, Raid1Error};
 pub use generation::{Kinship, Lineage};
 pub use readd::{ReaddStatus, DEFAULT_READD_INTERVAL};
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

@@ -135,6 +135,8 @@ impl Control {
                 probe_error: ra.last_error,
                 refused: ra.refused,
                 readds: ra.readds,
+                rtt_ns: (st.present && st.rtt_ns > 0).then_some(st.rtt_ns),
+                write_behind: st.write_behind,
             });
         }
         let raid_disks = self.raid_disks.max(present);

@@ -263,6 +263,8 @@ impl Plan {
                 probe_error: None,
                 refused: None,
                 readds: 0,
+                rtt_ns: None,
+                write_behind: 0,
             });
         }
         for f in &self.legs {

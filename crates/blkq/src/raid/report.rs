@@ -38,6 +38,18 @@ pub struct LegReport {
     /// Automatic re-adds of this slot since the array started (online).
     #[serde(default)]
     pub readds: u64,
+    /// Round-trip time of the leg's reads and writes, ns: an EWMA of their latency on the
+    /// coarse clock (1-4 ms resolution); none before the first (online).
+    #[serde(default)]
+    pub rtt_ns: Option<u64>,
+    /// Writes acknowledged and still in flight to this leg (`write_behind=N`) (online).
+    #[serde(default)]
+    pub write_behind: u32,
+}
+
+/// A round trip for people: `12.3ms`.
+fn ms(ns: u64) -> String {
+    format!("{:.1}ms", ns as f64 / 1e6)
 }
 
 /// The write-intent bitmap, as reported.
@@ -235,6 +247,21 @@ impl ArrayReport {
             None => o.push_str("      bitmap: none\n"),
         }
         o.push_str(&format!("      uuid: {}\n", self.array_uuid));
+        let rtts: Vec<String> = self
+            .legs
+            .iter()
+            .filter_map(|l| {
+                let rtt = l.rtt_ns?;
+                let mut s = format!("[{}] {}", l.slot, ms(rtt));
+                if l.write_behind > 0 {
+                    s.push_str(&format!(" ({} behind)", l.write_behind));
+                }
+                Some(s)
+            })
+            .collect();
+        if !rtts.is_empty() {
+            o.push_str(&format!("      rtt: {}\n", rtts.join(" ")));
+        }
         for l in &self.legs {
             if let Some(why) = &l.refused {
                 o.push_str(&format!("      leg {} refused: {why}\n", l.slot));
@@ -303,6 +330,13 @@ impl ArrayReport {
                 l.uuid,
                 l.device.as_deref().unwrap_or("-")
             ));
+            if let Some(rtt) = l.rtt_ns {
+                o.push_str(&format!(
+                    "       round trip : {}, write-behind : {}\n",
+                    ms(rtt),
+                    l.write_behind
+                ));
+            }
             if let Some(why) = &l.refused {
                 o.push_str(&format!("          refused : {why}\n"));
             }
@@ -342,6 +376,8 @@ mod tests {
             probe_error: None,
             refused: None,
             readds: 0,
+            rtt_ns: None,
+            write_behind: 0,
         }
     }
 
