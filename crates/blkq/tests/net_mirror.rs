@@ -11,6 +11,7 @@ mod common;
 use common::*;
 
 use std::path::Path;
+use std::time::Duration;
 
 const LEG_SIZE: u64 = 64 << 20;
 const CHUNK: u64 = 1 << 20;
@@ -236,4 +237,61 @@ fn namespaces_are_removed_with_the_hosts() {
         f.display(),
         b.display()
     );
+}
+
+#[test]
+fn over_a_slow_link_write_behind_runs_ahead_of_the_remote_leg_and_a_flush_catches_up() {
+    let Some(hosts) = hosts_or_skip("write-behind over a slow link") else {
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    let (local_path, local) = leg_file(d.path(), "local.img", LEG_SIZE);
+    let (leg_path, _) = leg_file(d.path(), "leg.img", LEG_SIZE);
+    let Some(_leg) = serve_leg(Peer::Blkq, &hosts, d.path(), &leg_path) else {
+        return;
+    };
+    // About 120 writes of 4 KiB a second reach the back; the local leg takes thousands.
+    hosts.limit_rate("4mbit");
+    ok_in(
+        &hosts.front(),
+        &["raid", "create", &local, &leg_spec(), "--write-mostly", "1"],
+    );
+    const BEHIND: u64 = 32;
+    let s = Server::launch(
+        d.path(),
+        &format!("{local},{}", leg_spec()),
+        &["--raid1-option", &format!("write_behind={BEHIND}")],
+        |l| l.in_netns(&hosts.front()),
+    );
+    // Writes without flushes: acknowledged once the local leg has them, up to BEHIND still
+    // on their way to the remote leg, never more.
+    let load = Load::start_flushing_every(
+        s.client(),
+        blocks_in(&[10, 11, 12, 13]),
+        Ledger::default(),
+        u64::MAX,
+    );
+    let mut most = 0;
+    testkit::wait_until_within(
+        "writes behind the remote leg",
+        Duration::from_secs(60),
+        || {
+            let v = s.status_json();
+            let behind = v["legs"][1]["write_behind"].as_u64().unwrap_or(0);
+            assert!(
+                behind <= BEHIND,
+                "{behind} writes behind, at most {BEHIND}: {v}"
+            );
+            most = most.max(behind);
+            most > 0
+        },
+    );
+    load.wait_more(300);
+    // The load's last flush waits for the writes behind: then the remote leg has them all.
+    let ledger = load.stop();
+    let v = s.status_json();
+    assert_eq!(v["legs"][1]["write_behind"], 0, "{v}");
+    assert_eq!(ledger.verify(&mut s.client()), 32);
+    let (doff, cap) = geometry(&v);
+    assert_leg_files_equal(&local_path, &leg_path, doff, cap);
 }

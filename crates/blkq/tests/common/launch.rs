@@ -36,6 +36,25 @@ impl Ready {
     }
 }
 
+/// Makes `cmd` run in the network namespace `ns` (opened here; `setns(2)` between fork and
+/// exec).
+pub fn enter_netns(cmd: &mut Command, ns: &Path) {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let fd: OwnedFd = std::fs::File::open(ns)
+        .unwrap_or_else(|e| panic!("open {}: {e}", ns.display()))
+        .into();
+    // SAFETY: setns(2) is a plain system call (async-signal-safe) on a descriptor the
+    // closure owns, which stays open until the Command (and so the closure) is dropped.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Whether a TCP connection to `addr` succeeds from the network namespace `ns` (on a thread
 /// of its own: a namespace is per thread).
 fn connects_in(ns: &Path, addr: std::net::SocketAddr) -> bool {
@@ -149,23 +168,9 @@ impl Launch {
         self
     }
 
-    /// Runs the program in the network namespace `ns` (a path such as
-    /// `/run/netns/NAME`, opened here; `setns(2)` between fork and exec).
+    /// Runs the program in the network namespace `ns` (a path such as `/run/netns/NAME`).
     pub fn in_netns(mut self, ns: &Path) -> Self {
-        use std::os::fd::{AsRawFd, OwnedFd};
-        let fd: OwnedFd = std::fs::File::open(ns)
-            .unwrap_or_else(|e| panic!("open {}: {e}", ns.display()))
-            .into();
-        // SAFETY: setns(2) is a plain system call (async-signal-safe) on a descriptor the
-        // closure owns, which stays open until the Command (and so the closure) is dropped.
-        unsafe {
-            self.cmd.pre_exec(move || {
-                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        enter_netns(&mut self.cmd, ns);
         self
     }
 

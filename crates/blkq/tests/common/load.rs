@@ -14,7 +14,7 @@ use nbd::proto::CmdFlags;
 
 /// The size of every write of the load.
 pub const BLOCK: u64 = 4096;
-/// Writes between two flushes.
+/// Writes between two flushes, by default.
 const FLUSH_EVERY: u64 = 16;
 
 /// The last acknowledged write of each block a load wrote.
@@ -56,8 +56,20 @@ pub struct Load {
 }
 
 impl Load {
-    /// Starts writing round-robin over `blocks` through `c`, continuing `ledger`.
-    pub fn start(mut c: Client, blocks: Vec<u64>, mut ledger: Ledger) -> Self {
+    /// Starts writing round-robin over `blocks` through `c`, continuing `ledger`, with a
+    /// flush every 16 writes.
+    pub fn start(c: Client, blocks: Vec<u64>, ledger: Ledger) -> Self {
+        Self::start_flushing_every(c, blocks, ledger, FLUSH_EVERY)
+    }
+
+    /// As [`Load::start`], with a flush every `flush_every` writes (`u64::MAX`: only when
+    /// stopped).
+    pub fn start_flushing_every(
+        mut c: Client,
+        blocks: Vec<u64>,
+        mut ledger: Ledger,
+        flush_every: u64,
+    ) -> Self {
         assert!(!blocks.is_empty());
         let stop = Arc::new(AtomicBool::new(false));
         let writes = Arc::new(AtomicU64::new(0));
@@ -74,7 +86,7 @@ impl Load {
                 }
                 ledger.last.insert(block, ledger.seq);
                 n += 1;
-                if n.is_multiple_of(FLUSH_EVERY) {
+                if n.is_multiple_of(flush_every) {
                     if let Err(e) = c.flush() {
                         panic!("flush after write {n} failed: {e}");
                     }

@@ -17,7 +17,7 @@ mod hosts;
 mod launch;
 mod load;
 pub use hosts::{hosts_or_skip, Hosts, BACK_IP, FRONT_IP};
-pub use launch::{Launch, Running};
+pub use launch::{enter_netns, Launch, Running};
 pub use load::{Ledger, Load, BLOCK};
 
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
@@ -37,6 +37,23 @@ pub fn blkq(args: &[&str]) -> Output {
         .stdin(Stdio::null())
         .output()
         .unwrap()
+}
+
+/// Runs `blkq ARGS` to completion in the network namespace `ns`; it must succeed.
+pub fn ok_in(ns: &Path, args: &[&str]) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null());
+    enter_netns(&mut cmd, ns);
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "blkq {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
 }
 
 /// Runs `blkq ARGS`, which must succeed; returns its stdout.
