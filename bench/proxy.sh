@@ -4,15 +4,20 @@
 # --device mem:1G` on a Unix socket, directly and through a second blkq serve whose device is
 # nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us
 # cpu_us_per_io (user+system time of the serving processes, the back alone for direct, back
-# and proxy for proxied, from /proc/PID/stat, over the I/Os fio completed).
-# B=PATH picks the binary (default target/release/blkq).
+# and proxy otherwise, from /proc/PID/stat, over the I/Os fio completed).
+# B=PATH picks the binary (default target/release/blkq). BASE=PATH adds a third server, a
+# proxy run by that binary (an earlier build), measured interleaved as `base`.
 set -euo pipefail
-echo "# bench/proxy.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary ${B:-target/release/blkq}"
+echo "# bench/proxy.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary ${B:-target/release/blkq}${BASE:+, base $BASE}"
 B=${B:-target/release/blkq}
 D=$(mktemp -d /tmp/pb.XXXX)
 $B serve --device mem:1G --socket $D/a.sock --no-tcp >/dev/null 2>&1 & P1=$!
 sleep 1
 $B serve --device "nbd+unix:///?socket=$D/a.sock" --socket $D/b.sock --no-tcp >/dev/null 2>&1 & P2=$!
+P3=
+if [ -n "${BASE:-}" ]; then
+  $BASE serve --device "nbd+unix:///?socket=$D/a.sock" --socket $D/c.sock --no-tcp >/dev/null 2>&1 & P3=$!
+fi
 sleep 1
 fio --name=prefill --ioengine=nbd --uri="nbd+unix:///?socket=$D/a.sock" --rw=write --bs=1M --size=1G --output-format=json >/dev/null 2>&1 || true
 TCK=$(getconf CLK_TCK)
@@ -37,13 +42,13 @@ print(int(j[k]["iops"]), int(j[k]["clat_ns"]["percentile"]["99.000000"]/1000), r
 }
 for r in 1 2 3; do
   for rw in randread randwrite; do for qd in 1 32; do
-    for which in direct proxy; do
-      if [ $which = direct ]; then
-        echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/a.sock" $rw $qd $P1)"
-      else
-        echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/b.sock" $rw $qd $P1 $P2)"
-      fi
+    for which in direct proxy ${BASE:+base}; do
+      case $which in
+        direct) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/a.sock" $rw $qd $P1)" ;;
+        proxy) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/b.sock" $rw $qd $P1 $P2)" ;;
+        base) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/c.sock" $rw $qd $P1 $P3)" ;;
+      esac
     done
   done; done
 done
-kill -TERM $P2 $P1; wait
+kill -TERM $P2 $P1 $P3; wait

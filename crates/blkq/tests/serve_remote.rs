@@ -193,3 +193,64 @@ fn a_mirror_rides_out_a_remote_leg_restart() {
     let has = |d: &[u8]| head.windows(4096).any(|w| w == &d[..4096]);
     assert!(has(&a) && has(&b), "the remote leg misses a write");
 }
+
+/// Through a proxy, reads ask the remote server for no block status (sparse reads are off
+/// for a remote export: each would cost a round trip); a client's own block status is
+/// answered from the remote's (`base:allocation`). nbdkit's log filter, behind the proxy,
+/// records what the proxy sends. Skipped without nbdkit.
+#[test]
+fn a_proxy_reads_without_block_status_and_maps_from_the_remote() {
+    if !have("nbdkit") {
+        eprintln!("skipped: nbdkit is not on PATH");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("kit.sock");
+    let log = dir.path().join("kit.log");
+    let mut kit = Command::new("nbdkit")
+        .args(["-f", "-U"])
+        .arg(&sock)
+        .args(["--filter=log", "memory", "16M"])
+        .arg(format!("logfile={}", log.display()))
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(t.elapsed().as_secs() < 10, "nbdkit did not start");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let front = Serving::start(dir.path(), "front", &["--device", &remote(&sock)]);
+    let mut c = front.client();
+    c.write(1 << 20, &[7; 65536], CmdFlags::empty()).unwrap();
+    for k in 0..16u64 {
+        c.read(k * 65536, 65536).unwrap();
+    }
+    let statuses = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(" Extents id="))
+            .count()
+    };
+    assert_eq!(
+        statuses(),
+        0,
+        "a read through the proxy asked for block status"
+    );
+    // The client's own map comes from the remote: a hole, the data, a hole.
+    let map = c.block_status(0, 4 << 20, CmdFlags::empty()).unwrap();
+    assert!(statuses() >= 1);
+    let hole = u64::from(nbd::proto::NBD_STATE_HOLE);
+    assert!(map[0].1 & hole != 0, "{map:?}");
+    let mut at = 0;
+    let data = map.iter().find(|(len, flags)| {
+        let here = at;
+        at += len;
+        flags & hole == 0 && here <= 1 << 20
+    });
+    assert!(data.is_some(), "{map:?}");
+    drop(c);
+    drop(front);
+    let _ = kit.kill();
+    let _ = kit.wait();
+}

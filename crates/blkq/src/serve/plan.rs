@@ -131,12 +131,19 @@ pub fn open(settings: &Settings) -> Result<Opened> {
             None if settings.describe_paths => full.clone(),
             None => neutral_description(kind, dev.limits().capacity),
         };
-        exports.push(
-            Export::new(e.name.clone(), dev)
-                .description(description)
-                .read_only(read_only)
-                .access(e.access.clone()),
-        );
+        let mut export = Export::new(e.name.clone(), dev)
+            .description(description)
+            .read_only(read_only)
+            .access(e.access.clone());
+        // Sparse reads ask the device's allocation on every read; a remote device (or a
+        // mirror that may read from one) answers it with a block-status round trip to its
+        // server, synchronous in the connection's reader: that would cost every read a round
+        // trip and stall the pipeline behind it. Its holes reach the client as zeros instead.
+        export.sparse_reads = !match &e.backing {
+            Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
+            Backing::Device(spec) => RemoteSpec::is_remote(spec),
+        };
+        exports.push(export);
         descriptions.push(full);
     }
     let mut cfg = ServerConfig::new(exports);

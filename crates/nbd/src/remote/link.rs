@@ -55,6 +55,7 @@ impl Link {
             table: Mutex::new(table),
             writer: Mutex::new(Writer {
                 stream: Some(stream),
+                epoch: 1,
                 mode,
                 header: [0; 32],
             }),

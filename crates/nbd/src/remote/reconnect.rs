@@ -250,6 +250,7 @@ impl Supervisor {
             w.mode = mode;
             let mut t = sh.table.lock();
             t.epoch += 1;
+            w.epoch = t.epoch;
             t.meta_id = meta_id;
             t.conn = Conn::Up;
             t.send_needed = true;

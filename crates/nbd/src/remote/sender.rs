@@ -63,7 +63,7 @@ fn send_due(sh: &Shared) {
             .and_then(|b| b.buf.as_ref())
             .and_then(|b| b.as_slice().get(..len))
             .unwrap_or(&[]);
-        let r = sh.send_slot(i, None, payload);
+        let r = sh.send_slot(i, payload);
         if let Some(b) = bio {
             sh.put_back(i, b);
         }

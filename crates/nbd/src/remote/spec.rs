@@ -1,4 +1,4 @@
-//! `nbd://` and `nbd+unix://` device specs (the NBD URI format,
+//! `nbd://`, `nbd+unix://`, `nbds://` and `nbds+unix://` device specs (the NBD URI format,
 //! <https://github.com/NetworkBlockDevice/nbd/blob/master/doc/uri.md>), with the remote
 //! device's own options after commas.
 //!
@@ -33,11 +33,11 @@
 //!   background either way and serves again once connected. `0` fails what is in flight at
 //!   once when the connection breaks. The deadline is checked between reconnection
 //!   attempts, and one attempt (to a server that accepts and never answers) may take up to
-//!   `timeout`, so requests fail at most that much after it. The default is long enough for a server process to
-//!   restart or a network path to fail over, and short enough that a mirror above this device
-//!   marks the leg faulty and goes on serving within seconds instead of stalling its writers;
-//!   a request is failed with `ETIMEDOUT` once it has been outstanding for `timeout` plus the
-//!   deadline, whatever the reconnections did meanwhile.
+//!   `timeout`, so requests fail at most that much after it. The default is long enough for
+//!   a server process to restart or a network path to fail over, and short enough that a
+//!   mirror above this device marks the leg faulty and goes on serving within seconds
+//!   instead of stalling its writers. A request outstanding for `timeout` plus the deadline
+//!   when a connection breaks fails with `ETIMEDOUT`, however many times it was sent.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing

@@ -54,11 +54,14 @@ impl Shared {
                 if !keep {
                     s.bio = held.take();
                 }
-                Some(Ok((i, s.gen)))
+                // Up: claimed now, in the same hold of the lock (the send below takes only
+                // the writer lock). Down: the sender sends it once a connection is back.
+                let claim = (t.conn == Conn::Up).then(|| self.claim(&mut t, i));
+                Some(Ok((i, claim)))
             },
             deadline,
         );
-        let (i, gen) = match taken {
+        let (i, claim) = match taken {
             Some(Ok(t)) => t,
             Some(Err(errno)) => {
                 if let Some(bio) = held {
@@ -83,7 +86,10 @@ impl Shared {
             .and_then(|b| b.buf.as_ref())
             .and_then(|b| b.as_slice().get(..req.len as usize))
             .unwrap_or(&[]);
-        let sent = self.send_slot(i, Some(gen), payload);
+        let sent = match &claim {
+            Some((epoch, r)) => self.send_claimed(*epoch, r, payload),
+            None => Ok(false),
+        };
         if let Some(bio) = held.take() {
             // Still our slot: it is not freed while its bio is away.
             self.put_back(i, bio);

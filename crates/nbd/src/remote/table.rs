@@ -38,10 +38,13 @@ use crate::transmission::Request;
 // is receiving). A slot whose bio is away is never freed, so it is still the holder's slot when
 // the holder puts the bio back ([`Shared::put_back`]).
 //
-// Every send happens under the writer lock, and marks the slot sent on the current connection
-// (`sent_epoch = epoch`, under the table lock, while the writer lock is held): whoever comes
-// second on the same connection sees the mark and does not send. So a request is sent at most
-// once per connection. A request is due when it is busy, without status, and not sent on the
+// A send is claimed first: the slot is marked sent on the current connection (`sent_epoch =
+// epoch`, under the table lock; the submitter does it when it takes the slot, the sender while
+// it holds the writer lock), then written under the writer lock only if the writer's
+// connection is still that one (`Writer::epoch`). Whoever comes second on the same connection
+// finds the slot not due and does not send; a claim made for a connection that went away is
+// not written, and the slot is due again on the next one. So a request is sent at most once
+// per connection, and never on a connection other than the one it is marked with. A request is due when it is busy, without status, and not sent on the
 // current connection; it is sent by the submitter (first send), or by the sender thread (after
 // a reconnection, the flush of an emulated FUA write, a write whose bio came back while the
 // sender looked for it). A write whose bio is away is left to its holder, who flags the sender
@@ -337,6 +340,8 @@ impl Table {
 /// and the buffer a request header is encoded into.
 pub(super) struct Writer {
     pub(super) stream: Option<Stream>,
+    /// The connection `stream` is (`Table::epoch` when it was made current).
+    pub(super) epoch: u64,
     pub(super) mode: TransmissionMode,
     pub(super) header: [u8; 32],
 }
@@ -541,37 +546,68 @@ pub(super) fn nbd_error(e: u32) -> Error {
 }
 
 impl Shared {
-    /// Sends slot `i` (the submitter's `gen`, or any when `None`) if it is due, with
-    /// `payload`, under the writer lock. `Ok(false)`: not due (sent already, answered, or the
-    /// connection is down). A socket error shuts the socket down (the receiver handles the
-    /// break) and is returned.
-    pub(super) fn send_slot(&self, i: usize, gen: Option<u32>, payload: &[u8]) -> io::Result<bool> {
+    /// Marks slot `i` sent on the current connection and returns its request (a flush also
+    /// records what it covers). Under the table lock, by whoever is about to send it.
+    pub(super) fn claim(&self, t: &mut Table, i: usize) -> (u64, Request) {
+        let epoch = t.epoch;
+        let s = &mut t.slots[i];
+        s.sent_epoch = epoch;
+        s.sent_at = Instant::now();
+        if s.cmd == Command::Flush {
+            // Acquire: see `Durability`.
+            s.cover = self.durability.acked.load(Ordering::Acquire);
+        }
+        (epoch, s.request(i))
+    }
+
+    /// Sends `req`, claimed for connection `epoch` ([`Shared::claim`]), with `payload` (a
+    /// write's), under the writer lock, if that connection is still the writer's: after a
+    /// reconnection the slot is due again and the sender sends it. `Ok(false)`: not sent. A
+    /// socket error shuts the socket down (the receiver handles the break) and is returned.
+    pub(super) fn send_claimed(
+        &self,
+        epoch: u64,
+        req: &Request,
+        payload: &[u8],
+    ) -> io::Result<bool> {
         let mut w = self.writer.lock();
+        self.write_request(&mut w, epoch, req, payload)
+    }
+
+    /// Sends slot `i` if it is due (the sender's path): claimed under the table lock while
+    /// the writer lock is held, so the connection cannot change in between.
+    pub(super) fn send_slot(&self, i: usize, payload: &[u8]) -> io::Result<bool> {
+        let mut w = self.writer.lock();
+        if w.stream.is_none() {
+            return Ok(false);
+        }
+        let claimed = {
+            let mut t = self.table.lock();
+            t.due(i).then(|| self.claim(&mut t, i))
+        };
+        match claimed {
+            Some((epoch, req)) => self.write_request(&mut w, epoch, &req, payload),
+            None => Ok(false),
+        }
+    }
+
+    /// Writes `req` (and a write's `payload`) on `w`'s stream if it is connection `epoch`.
+    /// On a socket error the socket is shut down (`sock` is a leaf lock).
+    fn write_request(
+        &self,
+        w: &mut Writer,
+        epoch: u64,
+        req: &Request,
+        payload: &[u8],
+    ) -> io::Result<bool> {
         let Writer {
             stream,
             mode,
             header,
-        } = &mut *w;
-        let Some(stream) = stream else {
+            epoch: current,
+        } = w;
+        let Some(stream) = stream.as_mut().filter(|_| *current == epoch) else {
             return Ok(false);
-        };
-        let req = {
-            let mut t = self.table.lock();
-            if !t.due(i) {
-                return Ok(false);
-            }
-            let epoch = t.epoch;
-            let s = &mut t.slots[i];
-            if gen.is_some_and(|g| g != s.gen) {
-                return Ok(false);
-            }
-            s.sent_epoch = epoch;
-            s.sent_at = Instant::now();
-            if s.cmd == Command::Flush {
-                // Acquire: see `Durability`.
-                s.cover = self.durability.acked.load(Ordering::Acquire);
-            }
-            s.request(i)
         };
         let payload = if req.kind == Command::Write {
             payload
@@ -582,7 +618,6 @@ impl Shared {
             .encode_into(*mode, header)
             .map_err(io::Error::other)
             .and_then(|n| write_all2(stream, &header[..n], payload));
-        drop(w);
         match r {
             Ok(()) => Ok(true),
             Err(e) => {
