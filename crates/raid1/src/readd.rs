@@ -319,10 +319,6 @@ impl Inner {
                                  (it was not in sync when it left, or is behind the bitmap)"
                         );
                     }
-                    let mut p = probes.lock();
-                    p.readds += 1;
-                    p.last_error = None;
-                    p.refused = None;
                 }
                 Ok(false) => {}
                 Err(e) => {
@@ -352,15 +348,18 @@ impl Inner {
         if ours {
             // SAFETY: frozen above.
             unsafe { self.place_frozen(i, dev.clone(), bitmap, st & WRITE_MOSTLY) };
+            // The new placement keeps its history (manual stays off); recorded while frozen,
+            // before the sync thread can recover it, so a status that shows it back shows
+            // the re-add too.
+            let mut p = self.readd.probes[i].lock();
+            p.gen = l.gen.load(Ordering::Acquire);
+            p.readds += 1;
+            p.last_error = None;
+            p.refused = None;
         }
         let _ = self.barriers.unfreeze_array();
         if !ours {
             return Ok(false);
-        }
-        // The new placement keeps its history (manual stays off).
-        {
-            let mut p = self.readd.probes[i].lock();
-            p.gen = l.gen.load(Ordering::Acquire);
         }
         self.sync.ctl.lock().recovery_blocked = false;
         self.state_changed();
