@@ -68,6 +68,8 @@ pub struct Shape {
     pub concurrent: bool,
     /// `write_behind=N` with the last leg write-mostly (with a bitmap only; 0: off).
     pub write_behind: u32,
+    /// `readd=auto`: legs failed by fault rules come back by themselves when they answer.
+    pub readd: bool,
 }
 
 impl Shape {
@@ -88,14 +90,18 @@ impl Shape {
             },
             concurrent: rng.chance(500),
             write_behind: 0,
+            readd: false,
         }
-        .with_write_behind(rng)
+        .with_remote_options(rng)
     }
 
-    fn with_write_behind(mut self, rng: &mut Rng) -> Self {
+    /// The options of a mirror with a leg on another host, drawn after the others (so the
+    /// rest of a seed's shape stays what it was).
+    fn with_remote_options(mut self, rng: &mut Rng) -> Self {
         if self.bitmap_chunk != 0 && rng.chance(500) {
             self.write_behind = 1 + rng.below(8) as u32;
         }
+        self.readd = rng.chance(500);
         self
     }
 
@@ -108,6 +114,7 @@ impl Shape {
             depth: 32,
             spare_slots: 1,
             write_behind: self.write_behind,
+            readd_interval: self.readd.then_some(Duration::from_millis(30)),
             ..Raid1Config::default()
         }
     }
