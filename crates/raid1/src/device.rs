@@ -784,11 +784,16 @@ impl Raid1 {
             .legs
             .get(i)
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
+        // Frozen: no write is behind on the leg (a write behind holds its admission until
+        // every leg has it) and no read is admitted, so a read that may now choose it finds
+        // every write there (invariant 5 of `behind`).
+        self.inner.barriers.freeze_array(0);
         if on {
             l.state.fetch_or(WRITE_MOSTLY, Ordering::AcqRel);
         } else {
             l.state.fetch_and(!WRITE_MOSTLY, Ordering::AcqRel);
         }
+        let _ = self.inner.barriers.unfreeze_array();
         self.inner.state_changed();
         Ok(())
     }

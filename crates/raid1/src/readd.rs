@@ -4,8 +4,10 @@
 //!
 //! # The probe
 //!
-//! Every `readd_interval`, raid1d reads the superblock of each such leg with one bio of its
-//! own (never more than one per leg in flight; its completion wakes raid1d, which never
+//! An interval after the failure, then every `readd_interval` (the first wait doubles each
+//! time a re-added leg fails again before it is back in sync, up to 64 intervals: a local
+//! disk with a bad sector is not re-added in a loop), raid1d reads the superblock of each
+//! such leg with one bio of its own (never more than one per leg in flight; its completion wakes raid1d, which never
 //! waits for it, so a leg that hangs holds up nothing). A probe still unanswered after an
 //! interval is reported as such and no other is sent until it ends. A read error leaves the
 //! leg faulty, silently; the last one is kept for `detail` ([`Raid1::readd_status`]).
@@ -62,6 +64,9 @@ pub struct ReaddStatus {
     pub refused: Option<String>,
     /// Automatic re-adds of this slot since the array started.
     pub readds: u64,
+    /// Automatic re-adds since the leg was last in sync: each doubles the wait before the
+    /// first probe after its next failure (up to 64 intervals).
+    pub backoff: u32,
 }
 
 /// The completion of one probe: raid1d reads `out` on its next pass.
@@ -101,6 +106,9 @@ struct Probe {
     /// The refused superblock's bytes and why.
     refused: Option<(Vec<u8>, String)>,
     readds: u64,
+    /// Re-adds since the leg was last in sync: the first probe after a failure waits
+    /// `interval << backoff` (at most 64 intervals).
+    backoff: u32,
 }
 
 /// The array's re-add state: one [`Probe`] per slot.
@@ -166,12 +174,16 @@ impl Inner {
             let verdict = {
                 let mut p = self.readd.probes[i].lock();
                 if p.gen != gen {
-                    let readds = p.readds;
+                    let (readds, backoff) = (p.readds, p.backoff);
                     *p = Probe {
                         gen,
                         readds,
+                        backoff,
                         ..Probe::default()
                     };
+                }
+                if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
+                    p.backoff = 0; // back in sync: the next failure is probed at once again
                 }
                 if st & (PRESENT | FAULTY) != PRESENT | FAULTY || p.manual {
                     p.in_flight = None;
@@ -196,7 +208,14 @@ impl Inner {
                         self.judge(i, res.map(|()| bio.buf), p.refused.as_ref())
                     }
                     None => {
-                        if p.next.is_some_and(|t| now < t) {
+                        let Some(next) = p.next else {
+                            // Just failed: the first probe after an interval, longer each
+                            // time a re-added leg failed again before it was back in sync
+                            // (a local disk with a bad sector in a dirty chunk), up to 64.
+                            p.next = Some(now + interval * (1u32 << p.backoff.min(6)));
+                            continue;
+                        };
+                        if now < next {
                             continue;
                         }
                         let end = StdArc::new(ProbeEnd {
@@ -209,13 +228,16 @@ impl Inner {
                             timed_out: false,
                         });
                         p.next = Some(now + interval);
+                        drop(p);
                         let b = Bio::with_buf(
                             Op::Read,
                             SB_OFFSET >> SECTOR_SHIFT,
                             Buffer::new(SB_SIZE),
                         );
                         let e: StdArc<dyn EndIo> = end;
-                        // May complete inline: `end_io` takes only `out`'s lock.
+                        // Not under the probe's lock (a device may take its time to take a
+                        // bio; `status` reads that lock). May complete inline: `end_io`
+                        // takes only `out`'s lock.
                         dev.submit(b, &e);
                         continue;
                     }
@@ -327,10 +349,6 @@ impl Inner {
                                  (it was not in sync when it left, or is behind the bitmap)"
                         );
                     }
-                    let mut p = probes.lock();
-                    p.readds += 1;
-                    p.last_error = None;
-                    p.refused = None;
                 }
                 Ok(false) => {}
                 Err(e) => {
@@ -360,15 +378,19 @@ impl Inner {
         if ours {
             // SAFETY: frozen above.
             unsafe { self.place_frozen(i, dev.clone(), bitmap, st & WRITE_MOSTLY) };
+            // The new placement keeps its history (manual stays off); recorded while frozen,
+            // before the sync thread can recover it, so a status that shows it back shows
+            // the re-add too.
+            let mut p = self.readd.probes[i].lock();
+            p.gen = l.gen.load(Ordering::Acquire);
+            p.readds += 1;
+            p.backoff += 1;
+            p.last_error = None;
+            p.refused = None;
         }
         let _ = self.barriers.unfreeze_array();
         if !ours {
             return Ok(false);
-        }
-        // The new placement keeps its history (manual stays off).
-        {
-            let mut p = self.readd.probes[i].lock();
-            p.gen = l.gen.load(Ordering::Acquire);
         }
         self.sync.ctl.lock().recovery_blocked = false;
         self.state_changed();
@@ -398,6 +420,7 @@ impl Raid1 {
                 .filter(|_| current)
                 .map(|(_, w)| w.clone()),
             readds: p.readds,
+            backoff: p.backoff,
         })
     }
 }

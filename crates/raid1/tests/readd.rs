@@ -293,3 +293,36 @@ fn readd_options_parse() {
     assert!(c.set_option("readd", "maybe").is_err());
     assert!(c.set_option("readd_interval_ms", "0").is_err());
 }
+
+#[test]
+fn a_leg_that_keeps_failing_its_recovery_is_probed_less_and_less_often() {
+    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+    let a = mem("16M");
+    let f = FaultDevice::new(mem("16M"), FaultConfig::default());
+    let h = f.handle();
+    let b: Arc<dyn Device> = Arc::new(f);
+    let r = Raid1::create(vec![a, b.clone()], readd_cfg()).unwrap();
+    // A bad area in leg 1's data: its superblock answers, its recovery never gets through.
+    let rule = h.add(Rule::fail(OpSet::WRITE).in_range(r.data_offset(), 8 * MB));
+    write(&r, 0, &pattern(1, 4096));
+    wait_until_within("three re-adds that failed again", SOON, || {
+        r.readd_status(1).unwrap().readds >= 3
+    });
+    let rs = r.readd_status(1).unwrap();
+    assert!(!r.leg_status(1).unwrap().in_sync);
+    assert!(
+        rs.backoff >= 3 && u64::from(rs.backoff) == rs.readds,
+        "{rs:?}"
+    );
+    // Repaired: the next re-add gets through, and the wait is back to one interval.
+    h.remove(rule);
+    wait_until_within("leg 1 back in sync", SOON, || {
+        let st = r.leg_status(1).unwrap();
+        st.in_sync && !st.faulty
+    });
+    wait_until_within("the backoff forgotten", SOON, || {
+        r.readd_status(1).unwrap().backoff == 0
+    });
+    assert!(r.wait_sync_idle(IDLE));
+    assert_eq!(check_mismatches(&r), 0);
+}

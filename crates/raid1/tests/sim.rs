@@ -1,5 +1,6 @@
 //! A deterministic simulator of the mirror (in the spirit of FoundationDB's simulation tests
-//! and TigerBeetle's VOPR): one seed drives the array's shape, every operation (reads,
+//! and TigerBeetle's VOPR): one seed drives the array's shape (with, for half the seeds,
+//! write-behind to a write-mostly last leg, and the automatic re-add), every operation (reads,
 //! writes, FUA writes, FLUSH, TRIM, WRITE_ZEROES of seeded sizes and offsets, many straddling
 //! bitmap chunks and barrier units), leg management (fail, remove, add, re-add, replace),
 //! check and repair, speed limits, fault rules on any leg (failed reads, writes, flushes and

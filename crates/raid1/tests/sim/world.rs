@@ -66,6 +66,10 @@ pub struct Shape {
     pub bitmap_chunk: u64,
     pub barrier: BarrierMode,
     pub concurrent: bool,
+    /// `write_behind=N` with the last leg write-mostly (with a bitmap only; 0: off).
+    pub write_behind: u32,
+    /// `readd=auto`: legs failed by fault rules come back by themselves when they answer.
+    pub readd: bool,
 }
 
 impl Shape {
@@ -85,7 +89,20 @@ impl Shape {
                 BarrierMode::Locked
             },
             concurrent: rng.chance(500),
+            write_behind: 0,
+            readd: false,
         }
+        .with_remote_options(rng)
+    }
+
+    /// The options of a mirror with a leg on another host, drawn after the others (so the
+    /// rest of a seed's shape stays what it was).
+    fn with_remote_options(mut self, rng: &mut Rng) -> Self {
+        if self.bitmap_chunk != 0 && rng.chance(500) {
+            self.write_behind = 1 + rng.below(8) as u32;
+        }
+        self.readd = rng.chance(500);
+        self
     }
 
     fn cfg(&self) -> Raid1Config {
@@ -96,6 +113,8 @@ impl Shape {
             tick: Duration::from_millis(20),
             depth: 32,
             spare_slots: 1,
+            write_behind: self.write_behind,
+            readd_interval: self.readd.then_some(Duration::from_millis(30)),
             ..Raid1Config::default()
         }
     }
@@ -168,6 +187,10 @@ impl World {
         };
         let devs: Vec<Arc<dyn Device>> = (0..shape.legs).map(|_| w.new_leg()).collect();
         let r = Raid1::create(devs, shape.cfg()).expect("create");
+        if shape.write_behind > 0 {
+            r.set_write_mostly(shape.legs - 1, true)
+                .expect("write-mostly");
+        }
         let cap = r.limits().capacity;
         w.lbs = u64::from(r.limits().logical_block_size);
         w.model = Model::new(cap / SECTOR as u64);
