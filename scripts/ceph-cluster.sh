@@ -9,12 +9,13 @@
 #       available and the health is HEALTH_OK, then creates the pool `rbd` (`rbd pool init`).
 #       Prints `CEPH_CONF=DIR/ceph.conf` on its last line of stdout, and writes the same to
 #       DIR/env. With --owner PID, a watcher stops the cluster once PID has exited (what the
-#       tests use, so that no daemon outlives a test binary however it ends).
+#       tests use, so that no daemon outlives a test binary however it ends), and then removes
+#       DIR (kept with BLKQ_KEEP_CEPH=1, for its logs).
 #       Fails (exit 2) with the reason on stderr when the packages are missing and cannot be
 #       installed; exit 1 when the cluster does not come up (the daemons' logs are in DIR/log,
 #       and the daemons are stopped).
 #   scripts/ceph-cluster.sh stop DIR
-#       Stops every daemon of DIR by PID (SIGTERM, then SIGKILL after 5 s), whatever state
+#       Stops every daemon of DIR by PID (SIGTERM, then SIGKILL after 2 s), whatever state
 #       they are in. Leaves DIR (logs) for the caller to remove.
 #   scripts/ceph-cluster.sh kill-osd DIR / start-osd DIR
 #       SIGKILLs the OSD / starts it again (the fault tests).
@@ -80,7 +81,7 @@ stop_one() {
   rm -f "$f"
   [[ $pid =~ ^[0-9]+$ ]] || return 0
   kill -TERM "$pid" 2>/dev/null || return 0
-  for _ in $(seq 50); do
+  for _ in $(seq 20); do
     kill -0 "$pid" 2>/dev/null || return 0
     sleep 0.1
   done
@@ -215,6 +216,7 @@ EOF
       while kill -0 "$OWNER" 2>/dev/null; do sleep 1; done
       rm -f "$DIR/pids/watcher"
       stop_cluster
+      [[ ${BLKQ_KEEP_CEPH:-0} == 1 ]] || rm -rf "$DIR"
     ) </dev/null >/dev/null 2>&1 &
     echo $! >"$DIR/pids/watcher"
   fi
