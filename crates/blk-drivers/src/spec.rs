@@ -121,11 +121,9 @@ impl FromStr for DeviceSpec {
             "mem" => Kind::Mem(parse_size(arg)?),
             "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
             "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
-            _ => {
-                return Err(Error::Config(format!(
-                    "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-                )))
-            }
+            _ => return Err(Error::Config(format!(
+                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
+            ))),
         };
         let mut options = vec![];
         for kv in rest
@@ -373,7 +371,8 @@ impl DeviceSpec {
                         c.no_lock = !parse_bool(k, v)?;
                     }
                 }
-                (k, Kind::Rbd(_)) if rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
+                (k, Kind::Rbd(_))
+                    if rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option {k:?} for a {} device",
@@ -452,7 +451,9 @@ impl DeviceSpec {
                 Box::new(FileDriver::new(be, file_cfg)?)
             }
             Kind::Rbd(_) => {
-                let c = rbd.as_ref().ok_or_else(|| Error::Config("rbd: no target".into()))?;
+                let c = rbd
+                    .as_ref()
+                    .ok_or_else(|| Error::Config("rbd: no target".into()))?;
                 let (driver, size, obj_size) = crate::rbd::open(c)?;
                 cfg.limits.capacity = size;
                 if !max_io_given {

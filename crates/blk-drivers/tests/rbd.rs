@@ -22,7 +22,10 @@ fn zeroed(dev: &dyn Device, op: Op, offset: u64, len: u32, flags: BioFlags) {
     let (_, r) = submit_wait(dev, b);
     r.unwrap_or_else(|e| panic!("{op:?} at {offset}: {e}"));
     assert!(
-        read_at(dev, offset, len as usize).unwrap().iter().all(|&x| x == 0),
+        read_at(dev, offset, len as usize)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 0),
         "{op:?} at {offset} left data"
     );
 }
@@ -36,7 +39,11 @@ fn every_op_round_trips_through_librbd() {
     let dev = open(&c.spec("ops", "")).unwrap();
     let l = dev.limits();
     assert_eq!(l.capacity, 64 << 20);
-    assert_eq!(l.max_io_bytes, 4 << 20, "one 4 MiB object per I/O by default");
+    assert_eq!(
+        l.max_io_bytes,
+        4 << 20,
+        "one 4 MiB object per I/O by default"
+    );
     // A fresh image is all holes.
     let ext = dev.extents(0, 64 << 20, 16).unwrap();
     assert!(ext.iter().all(|e| !e.allocated), "{ext:?}");
@@ -69,7 +76,10 @@ fn every_op_round_trips_through_librbd() {
 
     // The allocation map: written objects allocated, the rest holes.
     let ext = dev.extents(0, 64 << 20, 64).unwrap();
-    assert!(ext.iter().any(|e| e.allocated && e.offset <= 12 << 20), "{ext:?}");
+    assert!(
+        ext.iter().any(|e| e.allocated && e.offset <= 12 << 20),
+        "{ext:?}"
+    );
     assert!(ext.iter().any(|e| !e.allocated), "{ext:?}");
     assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), 64 << 20, "{ext:?}");
     let two = dev.extents(0, 64 << 20, 2).unwrap();
@@ -78,8 +88,18 @@ fn every_op_round_trips_through_librbd() {
     // Discard (a whole object: deallocated) and write-zeroes (with and without a hole).
     zeroed(&*dev, Op::Discard, 12 << 20, 4 << 20, BioFlags::NONE);
     zeroed(&*dev, Op::WriteZeroes, 0, 4096, BioFlags::NONE);
-    zeroed(&*dev, Op::WriteZeroes, (4 << 20) - 4096, 8192, BioFlags::NO_HOLE);
-    assert_eq!(read_at(&*dev, 8192, 512).unwrap(), pattern(2, 512), "neighbour kept");
+    zeroed(
+        &*dev,
+        Op::WriteZeroes,
+        (4 << 20) - 4096,
+        8192,
+        BioFlags::NO_HOLE,
+    );
+    assert_eq!(
+        read_at(&*dev, 8192, 512).unwrap(),
+        pattern(2, 512),
+        "neighbour kept"
+    );
 
     // Beyond the end: refused by the queue, nothing sent.
     let (_, r) = submit_wait(
@@ -93,14 +113,20 @@ fn every_op_round_trips_through_librbd() {
         .map(|i| {
             let mut buf = Buffer::new(4096);
             buf.as_mut_slice().copy_from_slice(&pattern(100 + i, 4096));
-            blk::PendingBio::submit(&*dev, Bio::with_buf(Op::Write, (i * 8192) >> SECTOR_SHIFT, buf))
+            blk::PendingBio::submit(
+                &*dev,
+                Bio::with_buf(Op::Write, (i * 8192) >> SECTOR_SHIFT, buf),
+            )
         })
         .collect();
     for p in pending {
         p.wait().1.unwrap();
     }
     for i in 0..64u64 {
-        assert_eq!(read_at(&*dev, i * 8192, 4096).unwrap(), pattern(100 + i, 4096));
+        assert_eq!(
+            read_at(&*dev, i * 8192, 4096).unwrap(),
+            pattern(100 + i, 4096)
+        );
     }
     drop(dev);
     // Reopened: the data is in the cluster.
@@ -152,10 +178,22 @@ fn a_snapshot_is_read_only_and_errors_name_the_image() {
     assert_eq!(e.errno(), libc::EROFS, "{e}");
     flush(&*snap).unwrap();
 
-    let e = open(&c.spec("nosuch", "")).map(|_| ()).unwrap_err().to_string();
-    assert!(e.contains("rbd:rbd/nosuch") && e.contains("opening the image"), "{e}");
-    let e = open("rbd:rbd/x,conf=/nonexistent/ceph.conf").map(|_| ()).unwrap_err().to_string();
+    let e = open(&c.spec("nosuch", ""))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rbd:rbd/nosuch") && e.contains("opening the image"),
+        "{e}"
+    );
+    let e = open("rbd:rbd/x,conf=/nonexistent/ceph.conf")
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("/nonexistent/ceph.conf"), "{e}");
-    let e = open(&c.spec("snapped", ",bogus=1")).map(|_| ()).unwrap_err().to_string();
+    let e = open(&c.spec("snapped", ",bogus=1"))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("bogus") && e.contains("rbd"), "{e}");
 }

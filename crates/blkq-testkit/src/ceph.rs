@@ -28,7 +28,10 @@ static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
 impl Cluster {
     /// The test binary's cluster, started on first use; `Err(why)` where there is none.
     pub fn shared() -> Result<&'static Cluster, String> {
-        let r = CLUSTER.get_or_init(Self::start).as_ref().map_err(Clone::clone);
+        let r = CLUSTER
+            .get_or_init(Self::start)
+            .as_ref()
+            .map_err(Clone::clone);
         if let Err(why) = &r {
             assert!(
                 std::env::var("BLKQ_REQUIRE_CEPH").map_or(true, |v| v != "1"),

@@ -327,7 +327,11 @@ fn lock_owners(image: ffi::rbd_image_t) -> String {
         .iter()
         .filter(|p| !p.is_null())
         // SAFETY: librbd filled the first `n` entries with NUL-terminated strings.
-        .map(|&p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        .map(|&p| {
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .into_owned()
+        })
         .collect();
     // SAFETY: the `n` entries librbd filled, freed once.
     unsafe { ffi::rbd_lock_get_owners_cleanup(owners.as_mut_ptr(), n) };
@@ -461,7 +465,9 @@ impl Shared {
                 Op::Write => ffi::rbd_aio_write(image, off, len as usize, buf.cast(), c),
                 Op::Flush => ffi::rbd_aio_flush(image, c),
                 Op::Discard => ffi::rbd_aio_discard(image, off, len, c),
-                Op::WriteZeroes => ffi::rbd_aio_write_zeroes(image, off, len as usize, c, zero_flags, 0),
+                Op::WriteZeroes => {
+                    ffi::rbd_aio_write_zeroes(image, off, len as usize, c, zero_flags, 0)
+                }
             }
         };
         if r < 0 {
@@ -515,10 +521,7 @@ impl Driver for RbdDriver {
                 })
                 .collect(),
         );
-        let _ = self
-            .shared
-            .core
-            .set(CorePtr(blkq_sync::DynArc::as_ptr(q)));
+        let _ = self.shared.core.set(CorePtr(blkq_sync::DynArc::as_ptr(q)));
     }
 
     fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
