@@ -19,6 +19,8 @@
 #       they are in. Leaves DIR (logs) for the caller to remove.
 #   scripts/ceph-cluster.sh kill-osd DIR / start-osd DIR
 #       SIGKILLs the OSD / starts it again (the fault tests).
+#   scripts/ceph-cluster.sh install
+#       Only installs the packages when missing (exit 2 with the reason when it cannot).
 #
 # Environment: CEPH_MON_PORT (default: a free port from 3300 up; the monitor speaks msgr2
 # only), CEPH_OSD_SIZE (default 4G), CEPH_WAIT_SECS (default 120).
@@ -226,7 +228,7 @@ EOF
 
 cmd=${1:-}
 DIR=${2:-}
-[[ -n $cmd && -n $DIR ]] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
+[[ -n $cmd && ( -n $DIR || $cmd == install ) ]] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
 OWNER=
 if [[ ${3:-} == --owner ]]; then
   OWNER=${4:?--owner needs a PID}
@@ -241,7 +243,16 @@ esac
 case $cmd in
   start) start_cluster ;;
   stop) DIR=$(cd "$DIR" 2>/dev/null && pwd) || exit 0; stop_cluster ;;
-  kill-osd) [[ -f $DIR/pids/osd.0 ]] && kill -KILL "$(cat "$DIR/pids/osd.0")" ;;
+  kill-osd)
+    pid=$(cat "$DIR/pids/osd.0") || die "no OSD running in $DIR"
+    kill -KILL "$pid"
+    # Gone (or a zombie) before the OSD is started again on the same store.
+    for _ in $(seq 100); do
+      state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || break
+      [[ $state == Z ]] && break
+      sleep 0.05
+    done
+    ;;
   start-osd)
     DIR=$(cd "$DIR" && pwd)
     start_osd

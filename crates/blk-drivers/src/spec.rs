@@ -121,9 +121,11 @@ impl FromStr for DeviceSpec {
             "mem" => Kind::Mem(parse_size(arg)?),
             "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
             "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
-            _ => return Err(Error::Config(format!(
+            _ => {
+                return Err(Error::Config(format!(
                 "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-            ))),
+            )))
+            }
         };
         let mut options = vec![];
         for kv in rest

@@ -264,3 +264,64 @@ fn the_osd_killed_under_verified_writes() {
         "a flush after a failed write must not claim durability"
     );
 }
+
+#[test]
+fn a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg() {
+    let Some(c) = Cluster::or_skip("a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg") else {
+        return;
+    };
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    c.create_image("mirror", "64M");
+    let dir = tempfile::tempdir().unwrap();
+    let (_, local) = common::leg_file(dir.path(), "local.img", 64 << 20);
+    let remote = c.spec("mirror", "");
+    common::ok(&[
+        "raid",
+        "create",
+        &local,
+        &remote,
+        "--write-mostly",
+        "1",
+        "--bitmap-chunk",
+        "1M",
+    ]);
+    let mut s = common::Server::start(dir.path(), &format!("{local},{remote}"), &[]);
+    let detail = common::ok(&["raid", "detail", "--control", s.ctl()]);
+    let row = detail
+        .lines()
+        .find(|l| l.contains("rbd:rbd/mirror"))
+        .unwrap_or("");
+    assert!(
+        row.contains(" W "),
+        "the RBD leg is write-mostly (WM column): {detail}"
+    );
+    let a = pattern(1, 1 << 20);
+    let b = pattern(2, 1 << 20);
+    s.client().write(0, &a, CmdFlags::FUA).unwrap();
+
+    // The RBD leg fails; writes go on to the local leg, the bitmap marks them.
+    common::ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    s.client().write(8 << 20, &b, CmdFlags::FUA).unwrap();
+    common::ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    // Re-added (its image lock released with the removed leg): recovered from the bitmap.
+    let m = common::ok(&["raid", "add", &remote, "--control", s.ctl()]);
+    assert!(m.contains("slot 1"), "{m}");
+    let v = s.wait_for(
+        &|v| {
+            v["legs"][0]["state"] == "in_sync"
+                && v["legs"][1]["state"] == "in_sync"
+                && v["sync"]["action"] == "idle"
+        },
+        "the RBD leg back in sync",
+    );
+    // From the bitmap: only the chunks written while it was out were copied.
+    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
+    assert!(copied >= 1 && copied < 63, "{v}");
+    // The local leg fails: every read now comes from the RBD leg, which has it all.
+    common::ok(&["raid", "fail", "0", "--control", s.ctl()]);
+    let mut cl = s.client();
+    assert_eq!(cl.read(0, 1 << 20).unwrap(), a);
+    assert_eq!(cl.read(8 << 20, 1 << 20).unwrap(), b);
+    drop(cl);
+    assert!(s.stop(), "serve did not exit cleanly: {}", s.stderr_text());
+}
