@@ -76,8 +76,10 @@ struct Shared {
     core: OnceLock<CorePtr>,
     /// One per request of the queue, allocated by `start` (set once, before any request).
     slots: OnceLock<Box<[Slot]>>,
-    /// Requests handed to librbd and not yet completed. Ordering: AcqRel on both sides, so the
-    /// drain that sees 0 also sees every callback's last access to the slots and the queue.
+    /// Requests handed to librbd and not yet completed. Ordering: AcqRel when a callback
+    /// decrements it and SeqCst when the drain reads it, so the drain that sees 0 also sees
+    /// every callback's last access to the slots and the queue; SeqCst where `queue_rq`
+    /// increments it (against `stop`, see there).
     in_flight: AtomicUsize,
     /// Woken when `in_flight` drops to 0 (the drain waits there).
     idle: WaitQueue,
@@ -104,6 +106,7 @@ pub struct RbdDriver {
     shared: Arc<Shared>,
     size: u64,
     obj_size: u64,
+    /// Set once by `stop`; `queue_rq` fails requests from then on (orderings: there).
     stopped: AtomicBool,
 }
 
@@ -504,7 +507,7 @@ impl Shared {
     /// Waits until no request is in flight.
     fn drain(&self) {
         self.idle
-            .wait_for(|| (self.in_flight.load(Ordering::Acquire) == 0).then_some(()));
+            .wait_for(|| (self.in_flight.load(Ordering::SeqCst) == 0).then_some(()));
     }
 }
 
@@ -529,9 +532,6 @@ impl Driver for RbdDriver {
         let Some(slot) = sh.slot(r.index()) else {
             return self.fail_now(q, r, Error::Io(io::Error::other("rbd driver not started")));
         };
-        if self.stopped.load(Ordering::Relaxed) {
-            return self.fail_now(q, r, Error::Io(io::Error::other("rbd driver is stopped")));
-        }
         let rq = q.rq_mut(&mut r);
         let Some(bio) = rq.bio_mut() else {
             return q.complete(r, Ok(()));
@@ -564,7 +564,17 @@ impl Driver for RbdDriver {
         };
         let fua = op == Op::Write && bio.flags.contains(BioFlags::FUA);
         slot.then_flush.store(fua, Ordering::Relaxed);
-        sh.in_flight.fetch_add(1, Ordering::AcqRel);
+        // Counted before `stopped` is read, and `stop` sets `stopped` before it reads the
+        // count (both SeqCst: a store-then-load on each side, so at least one sees the
+        // other): a request either fails here, or is counted and drained before the image
+        // is closed.
+        sh.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.stopped.load(Ordering::SeqCst) {
+            if sh.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                sh.idle.wake_all();
+            }
+            return self.fail_now(q, r, Error::Io(io::Error::other("rbd driver is stopped")));
+        }
         // The token is given up: the slot (its index) carries the request from here on.
         std::mem::forget(r);
         if let Err(e) = sh.submit(slot, op, flags, off, len, buf) {
@@ -574,7 +584,8 @@ impl Driver for RbdDriver {
     }
 
     fn stop(&self) {
-        if self.stopped.swap(true, Ordering::AcqRel) {
+        // SeqCst: see `queue_rq`.
+        if self.stopped.swap(true, Ordering::SeqCst) {
             return;
         }
         self.shared.drain();

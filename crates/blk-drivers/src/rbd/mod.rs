@@ -193,3 +193,23 @@ mod tests {
         assert_eq!(c.to_string(), "rbd:rbd/img@s1");
     }
 }
+
+#[cfg(all(test, not(blkq_loom), not(blkq_rbd)))]
+mod without_librbd {
+    use crate::spec::{DeviceSpec, QueueOverrides};
+
+    #[test]
+    fn an_rbd_spec_says_the_build_has_no_librbd_and_how_to_get_it() {
+        let spec: DeviceSpec = "rbd:rbd/img,conf=/etc/ceph/ceph.conf".parse().unwrap();
+        let e = spec
+            .build(&QueueOverrides::default())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rbd:rbd/img"), "{e}");
+        assert!(
+            e.contains("without librbd") && e.contains("librbd-dev"),
+            "{e}"
+        );
+    }
+}
