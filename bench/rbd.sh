@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bench/rbd.sh: blkq in front of Ceph (docs/bench.md section 16). A single-node cluster from
 # scripts/ceph-cluster.sh (one bluestore OSD on a sparse file), two 512 MiB images of the same
-# pool, each prefilled: one served by `blkq serve --device rbd:rbd/b`, the other by
-# qemu-storage-daemon's rbd driver exported over NBD (librbd under both, same ceph.conf, librbd
-# cache off). fio's nbd engine, one connection, untraced: 4 KiB randread and randwrite at
+# pool, each prefilled: one served by `blkq serve --device rbd:rbd/b`, the other by qemu's rbd
+# driver exported over NBD: qemu-storage-daemon, or qemu-nbd (QEMU_NBD) where this qemu has no
+# rbd module (librbd under both, same ceph.conf, librbd cache off). fio's nbd engine, one connection, untraced: 4 KiB randread and randwrite at
 # queue depth 1, 16 and 64, 1 MiB sequential read and write at queue depth 4; interleaved
 # (blkq, then qemu-storage-daemon, per cell), ROUNDS rounds (default 2), 5 s each. Then reads
 # of a mirror (a local file leg + a write-mostly rbd: leg) against the rbd: device alone.
@@ -34,7 +34,22 @@ PB=$!; PIDS+=($PB)
 qemu-storage-daemon --blockdev "driver=rbd,node-name=disk,pool=rbd,image=q,conf=$CONF,cache.direct=on" \
   --nbd-server "addr.type=unix,addr.path=$D/q.sock" \
   --export "type=nbd,id=e,node-name=disk,name=,writable=on" >"$D/q.log" 2>&1 &
-PQ=$!; PIDS+=($PQ)
+PQ=$!
+PEER=qemu-storage-daemon
+sleep 2
+if ! kill -0 $PQ 2>/dev/null; then
+  # This qemu has no rbd module (Debian's is in qemu-block-extra, which must match qemu-utils'
+  # version): qemu-nbd with a module that loads, e.g. bookworm's 7.2 unpacked with
+  # `apt-get download qemu-utils qemu-block-extra` and `dpkg -x`, given as QEMU_NBD and
+  # QEMU_MODULE_DIR.
+  echo "# qemu-storage-daemon: $(tail -1 "$D/q.log"); peer: ${QEMU_NBD:-qemu-nbd}"
+  "${QEMU_NBD:-qemu-nbd}" -k "$D/q.sock" -t -e 4 -f raw --cache=none "rbd:rbd/q:conf=$CONF" \
+    >"$D/q.log" 2>&1 &
+  PQ=$!
+  PEER="qemu-nbd $("${QEMU_NBD:-qemu-nbd}" --version | head -1 | awk '{print $2}')"
+fi
+PIDS+=($PQ)
+echo "# peer: $PEER (qemu's rbd driver, librbd $(dpkg-query -W -f '${Version}' librbd1 2>/dev/null))"
 waitsock "$D/b.sock"; waitsock "$D/q.sock"
 for s in b q; do
   fio --name=prefill --ioengine=nbd --uri="nbd+unix:///?socket=$D/$s.sock" --rw=write --bs=1M \
@@ -64,7 +79,7 @@ for r in $(seq "$ROUNDS"); do
   for cell in "${CELLS[@]}"; do
     read -r rw bs qd <<<"$cell"
     echo "$r $rw $bs $qd blkq $(run "nbd+unix:///?socket=$D/b.sock" "$rw" "$bs" "$qd" "$PB")"
-    echo "$r $rw $bs $qd qsd $(run "nbd+unix:///?socket=$D/q.sock" "$rw" "$bs" "$qd" "$PQ")"
+    echo "$r $rw $bs $qd qemu $(run "nbd+unix:///?socket=$D/q.sock" "$rw" "$bs" "$qd" "$PQ")"
   done
 done
 # The mirror: a local file leg + a write-mostly rbd: leg, against the rbd: device alone (b).

@@ -8,7 +8,7 @@ use std::ptr;
 use std::sync::OnceLock;
 
 use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use blkq_sync::Arc;
+use blkq_sync::DynArc;
 use waitq::WaitQueue;
 
 use blk::error::with_context;
@@ -30,8 +30,8 @@ struct Slot {
     then_flush: AtomicBool,
 }
 
-// SAFETY: `shared` points into an `Arc` that lives as long as the slot (the slots are a field
-// of that same `Shared`), and what it points to is `Sync`; the other fields are `Send + Sync`.
+// SAFETY: `shared` points into the `DynArc` that owns the slot (the slots are a field of that
+// same `Shared`), and what it points to is `Sync`; the other fields are `Send + Sync`.
 unsafe impl Send for Slot {}
 // SAFETY: as for `Send`: the slot is only read through `&`, its one mutable field an atomic.
 unsafe impl Sync for Slot {}
@@ -103,7 +103,9 @@ unsafe impl Sync for Shared {}
 
 /// The `rbd` driver (see the [module docs](super)).
 pub struct RbdDriver {
-    shared: Arc<Shared>,
+    /// A `DynArc` (always std's `Arc`): the completion callback takes counts of it from its
+    /// raw pointer.
+    shared: DynArc<Shared>,
     size: u64,
     obj_size: u64,
     /// Set once by `stop`; `queue_rq` fails requests from then on (orderings: there).
@@ -143,7 +145,7 @@ impl RbdDriver {
         };
         match Self::open_handles(cfg, &name, &mut h) {
             Ok((size, obj_size)) => Ok(Self {
-                shared: Arc::new(Shared {
+                shared: DynArc::new(Shared {
                     name,
                     image: h.image,
                     read_only: cfg.is_read_only(),
@@ -347,8 +349,17 @@ unsafe extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
     // completion; the slots live until `Shared::drain` has seen this request finish, which is
     // after this callback returns.
     let slot = unsafe { &*(arg as *const Slot) };
-    // SAFETY: `slot.shared` points to the `Shared` that owns the slot (as above).
-    let sh = unsafe { &*slot.shared };
+    // A strong count of this callback's own, so that `Shared` (and `slot` in it) outlives
+    // this call even once the drain has seen the request finish and the driver has gone:
+    // completing the request is not this callback's last access to them.
+    // SAFETY: `slot.shared` is the pointer of the driver's `DynArc<Shared>`, which is alive:
+    // this request is still counted in `in_flight`, and the driver keeps its `DynArc` until
+    // the drain has seen the count reach 0. The count taken here is given back by the
+    // `from_raw` value's drop.
+    let sh = unsafe {
+        DynArc::increment_strong_count(slot.shared);
+        DynArc::from_raw(slot.shared)
+    };
     // SAFETY: `c` is the completion librbd calls back for, released exactly once, here.
     let ret = unsafe {
         let ret = ffi::rbd_aio_get_return_value(c);
@@ -512,8 +523,8 @@ impl Shared {
 }
 
 impl Driver for RbdDriver {
-    fn start(&self, q: &blkq_sync::DynArc<QueueCore>) {
-        let base = Arc::as_ptr(&self.shared);
+    fn start(&self, q: &DynArc<QueueCore>) {
+        let base = DynArc::as_ptr(&self.shared);
         let n = q.nr_requests() as u32;
         let _ = self.shared.slots.set(
             (0..n)
@@ -524,7 +535,7 @@ impl Driver for RbdDriver {
                 })
                 .collect(),
         );
-        let _ = self.shared.core.set(CorePtr(blkq_sync::DynArc::as_ptr(q)));
+        let _ = self.shared.core.set(CorePtr(DynArc::as_ptr(q)));
     }
 
     fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
