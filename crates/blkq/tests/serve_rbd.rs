@@ -12,6 +12,7 @@ mod common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
+#[allow(clippy::disallowed_types)] // TURN, below
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -20,8 +21,20 @@ use nbd::CmdFlags;
 use testkit::ceph::Cluster;
 use testkit::pattern;
 
-/// The tests take turns on the cluster (one kills the OSD).
+/// The tests take turns on the cluster (one kills the OSD). A std `Mutex`: test scaffolding,
+/// never inside a loom model.
+#[allow(clippy::disallowed_types)]
 static TURN: Mutex<()> = Mutex::new(());
+
+/// The cluster, or `None` after saying why the test skips (no cluster, or a blkq built
+/// without librbd).
+fn cluster(test: &str) -> Option<&'static Cluster> {
+    if !blk_drivers::rbd::AVAILABLE {
+        eprintln!("SKIPPED {test}: {}", blk_drivers::rbd::NOT_BUILT);
+        return None;
+    }
+    Cluster::or_skip(test)
+}
 
 fn have(tool: &str) -> bool {
     Command::new(tool)
@@ -67,7 +80,7 @@ fn fio_verify(dir: &Path, uri: &str, size: &str) -> Command {
 
 #[test]
 fn real_clients_through_an_rbd_export() {
-    let Some(c) = Cluster::or_skip("real_clients_through_an_rbd_export") else {
+    let Some(c) = cluster("real_clients_through_an_rbd_export") else {
         return;
     };
     let missing: Vec<_> = ["qemu-img", "qemu-io", "nbdcopy", "fio"]
@@ -146,7 +159,7 @@ fn real_clients_through_an_rbd_export() {
 
 #[test]
 fn a_second_server_on_the_same_image_is_refused() {
-    let Some(c) = Cluster::or_skip("a_second_server_on_the_same_image_is_refused") else {
+    let Some(c) = cluster("a_second_server_on_the_same_image_is_refused") else {
         return;
     };
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
@@ -182,7 +195,7 @@ fn a_second_server_on_the_same_image_is_refused() {
 
 #[test]
 fn the_osd_killed_under_verified_writes() {
-    let Some(c) = Cluster::or_skip("the_osd_killed_under_verified_writes") else {
+    let Some(c) = cluster("the_osd_killed_under_verified_writes") else {
         return;
     };
     if !have("fio") {
@@ -267,7 +280,7 @@ fn the_osd_killed_under_verified_writes() {
 
 #[test]
 fn a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg() {
-    let Some(c) = Cluster::or_skip("a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg") else {
+    let Some(c) = cluster("a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg") else {
         return;
     };
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
@@ -316,7 +329,7 @@ fn a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg() {
     );
     // From the bitmap: only the chunks written while it was out were copied.
     let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
-    assert!(copied >= 1 && copied < 63, "{v}");
+    assert!((1..63).contains(&copied), "{v}");
     // The local leg fails: every read now comes from the RBD leg, which has it all.
     common::ok(&["raid", "fail", "0", "--control", s.ctl()]);
     let mut cl = s.client();

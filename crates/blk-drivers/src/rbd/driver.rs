@@ -331,8 +331,8 @@ fn lock_owners(image: ffi::rbd_image_t) -> String {
     let names: Vec<String> = owners[..n]
         .iter()
         .filter(|p| !p.is_null())
-        // SAFETY: librbd filled the first `n` entries with NUL-terminated strings.
         .map(|&p| {
+            // SAFETY: librbd filled the first `n` entries with NUL-terminated strings.
             unsafe { std::ffi::CStr::from_ptr(p) }
                 .to_string_lossy()
                 .into_owned()
@@ -587,7 +587,9 @@ impl Driver for RbdDriver {
             return self.fail_now(q, r, Error::Io(io::Error::other("rbd driver is stopped")));
         }
         // The token is given up: the slot (its index) carries the request from here on.
-        std::mem::forget(r);
+        {
+            let _given_up: RequestToken = r;
+        }
         if let Err(e) = sh.submit(slot, op, flags, off, len, buf) {
             slot.then_flush.store(false, Ordering::Relaxed);
             sh.finish(slot, e as isize);
