@@ -140,6 +140,27 @@ fn real_clients_through_an_rbd_export() {
     assert!(!io.contains("Pattern verification failed"), "{io}");
     assert!(io.contains("read 1048576/1048576"), "{io}");
 
+    // Block status from librbd's diff: the discarded object (48M..52M) is a hole, the
+    // written ones data.
+    if have("nbdinfo") {
+        let map = run(Command::new("nbdinfo").arg("--map").arg(&u));
+        let kind_at = |off: u64| {
+            map.lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    let (o, n) = (
+                        f.first()?.parse::<u64>().ok()?,
+                        f.get(1)?.parse::<u64>().ok()?,
+                    );
+                    (o <= off && off < o + n).then(|| l.to_string())
+                })
+                .next()
+                .unwrap_or_default()
+        };
+        assert!(kind_at(48 << 20).contains("hole"), "{map}");
+        assert!(kind_at(40 << 20).contains("data"), "{map}");
+    }
+
     // nbdcopy out, then compared with the export by qemu-img.
     let out = dir.path().join("out.img");
     run(Command::new("nbdcopy")
