@@ -30,6 +30,17 @@ if [[ $need_tools == 1 ]]; then
   fi
 fi
 
+step "Ceph packages for the rbd tests (scripts/ceph-cluster.sh)"
+# ceph-mon, ceph-mgr, ceph-osd, ceph-common, librbd-dev: the rbd: device is built where librbd
+# is installed, and its tests run a single-node cluster. Installed only when missing, and only
+# where we can; once they are here, a test that cannot start the cluster fails rather than
+# skipping (BLKQ_REQUIRE_CEPH=1).
+if scripts/ceph-cluster.sh install; then
+  export BLKQ_REQUIRE_CEPH=1
+else
+  echo "the rbd tests will skip: the Ceph packages are missing and cannot be installed" >&2
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -6,6 +6,7 @@
 //!   ([`backend::MapBackend`], the default) or sparse pages ([`backend::MemBackend`]).
 //! - [`file`](mod@file): a regular file or block device through one of the engines of [`engine`]
 //!   (io_uring, a thread pool, or synchronous; one [`EngineKind`] picks).
+//! - [`rbd`]: a Ceph RBD image through librbd's asynchronous API (in builds with librbd).
 //! - [`backend`]: where the bytes live (memory, file), synchronous and thread-safe.
 //! - [`spec`]: the device-spec parser (`null:1G,completion=thread`, `file:/path,engine=pool`)
 //!   that builds a queue with one of these drivers.
@@ -21,6 +22,7 @@ mod fd_io;
 pub mod file;
 pub mod mem;
 pub mod null;
+pub mod rbd;
 pub mod spec;
 
 pub use backend::{exec_on_backend, Backend, FileBackend, FileOptions, MapBackend, MemBackend};

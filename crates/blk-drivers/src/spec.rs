@@ -54,6 +54,7 @@ use crate::fault::{FaultConfig, FaultDevice};
 use crate::file::{FileDriver, FileDriverConfig, MAX_ENTRIES};
 use crate::mem::{BackendDriver, MemStore};
 use crate::null::{NullConfig, NullDriver};
+use crate::rbd::RbdConfig;
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix (powers of 1024;
 /// an optional trailing `B` or `iB` is accepted).
@@ -90,6 +91,8 @@ pub enum Kind {
     Mem(u64),
     /// `file:PATH`.
     File(PathBuf),
+    /// `rbd:POOL/IMAGE` (its options are filled in by [`DeviceSpec::build`]).
+    Rbd(RbdConfig),
 }
 
 /// A parsed device spec.
@@ -110,17 +113,18 @@ impl FromStr for DeviceSpec {
         };
         let (kind, arg) = head.split_once(':').ok_or_else(|| {
             Error::Config(format!(
-                "bad device spec {s:?}: expected null:SIZE, mem:SIZE or file:PATH"
+                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
             ))
         })?;
         let kind = match kind {
             "null" => Kind::Null(parse_size(arg)?),
             "mem" => Kind::Mem(parse_size(arg)?),
             "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
+            "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
             _ => {
                 return Err(Error::Config(format!(
-                    "bad device spec {s:?}: expected null:SIZE, mem:SIZE or file:PATH"
-                )))
+                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
+            )))
             }
         };
         let mut options = vec![];
@@ -238,7 +242,8 @@ impl DeviceSpec {
     pub fn is_read_only(&self, overrides: &QueueOverrides) -> bool {
         overrides.read_only
             || self.options.iter().any(|(k, v)| {
-                matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false)
+                (matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false))
+                    || (k == "snap" && matches!(self.kind, Kind::Rbd(_)))
             })
     }
 
@@ -308,6 +313,14 @@ impl DeviceSpec {
         };
         let mut file_cfg = FileDriverConfig::default();
         let mut entries: Option<u32> = None;
+        let mut rbd = match &self.kind {
+            Kind::Rbd(c) => Some(RbdConfig {
+                read_only: overrides.read_only,
+                ..c.clone()
+            }),
+            _ => None,
+        };
+        let mut max_io_given = false;
         let mut cfg = QueueConfig::new(0);
         let mut sched = SchedChoice::None;
         let mut sched_lock = LockMode::default();
@@ -332,7 +345,10 @@ impl DeviceSpec {
                 ("wake", _) => cfg.wake = v.parse()?,
                 ("policy", _) => cfg.policy = v.parse()?,
                 ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
-                ("max_io", _) => cfg.limits.max_io_bytes = parse_max_io(v)?,
+                ("max_io", _) => {
+                    cfg.limits.max_io_bytes = parse_max_io(v)?;
+                    max_io_given = true;
+                }
                 ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
                 ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
                 ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
@@ -347,6 +363,18 @@ impl DeviceSpec {
                 ("inline", Kind::File(_)) => file_cfg.inline = parse_bool(k, v)?,
                 ("splice", Kind::File(_)) => file_cfg.splice = parse_bool(k, v)?,
                 ("splice", Kind::Mem(_)) => mem_splice = parse_bool(k, v)?,
+                ("ro" | "read_only", Kind::Rbd(_)) => {
+                    if let Some(c) = rbd.as_mut() {
+                        c.read_only |= parse_bool(k, v)?;
+                    }
+                }
+                ("lock", Kind::Rbd(_)) => {
+                    if let Some(c) = rbd.as_mut() {
+                        c.no_lock = !parse_bool(k, v)?;
+                    }
+                }
+                (k, Kind::Rbd(_))
+                    if rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown option {k:?} for a {} device",
@@ -354,6 +382,7 @@ impl DeviceSpec {
                             Kind::Null(_) => "null",
                             Kind::Mem(_) => "mem",
                             Kind::File(_) => "file",
+                            Kind::Rbd(_) => "rbd",
                         }
                     )))
                 }
@@ -422,6 +451,20 @@ impl DeviceSpec {
                 file_cfg.entries = entries
                     .unwrap_or_else(|| pools.saturating_mul(cfg.queue_depth).clamp(2, MAX_ENTRIES));
                 Box::new(FileDriver::new(be, file_cfg)?)
+            }
+            Kind::Rbd(_) => {
+                let c = rbd
+                    .as_ref()
+                    .ok_or_else(|| Error::Config("rbd: no target".into()))?;
+                let (driver, size, obj_size) = crate::rbd::open(c)?;
+                cfg.limits.capacity = size;
+                if !max_io_given {
+                    // One object per I/O by default, at least a block, at most u32.
+                    cfg.limits.max_io_bytes = u32::try_from(obj_size)
+                        .unwrap_or(u32::MAX)
+                        .max(cfg.limits.logical_block_size);
+                }
+                driver
             }
         };
         Queue::with_scheduler(cfg, driver, sched)

@@ -7,6 +7,7 @@
 //!   binary (loom aborts the process when a failing model unwinds);
 //! - [`baseline`]: the `Mutex` + `Condvar` baselines the criterion benches measure against,
 //!   and their shared criterion configuration;
+//! - [`ceph`]: a single-node Ceph cluster per test binary (`scripts/ceph-cluster.sh`);
 //! - `Collect` (feature `blk`): an end-io that collects completed bios;
 //! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device;
 //! - `Forward` (feature `blk`): a device that forwards to another, with a hook for the one
@@ -23,6 +24,7 @@
 pub mod alloc;
 #[cfg(not(blkq_loom))]
 pub mod baseline;
+pub mod ceph;
 #[cfg(feature = "blk")]
 mod collect;
 #[cfg(feature = "blk")]

@@ -54,7 +54,7 @@ impl Rw {
 pub struct BenchArgs {
     #[command(subcommand)]
     pub cmd: Option<BenchCmd>,
-    /// Device spec: null:SIZE, mem:SIZE or file:PATH, with ,key=value options.
+    /// Device spec: null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE, with ,key=value options.
     #[arg(long, default_value = "null:1G", conflicts_with = "raid1")]
     pub device: String,
     /// Bench a RAID1 mirror over these legs instead of --device: device specs,

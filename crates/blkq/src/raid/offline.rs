@@ -14,12 +14,12 @@ use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 use super::report::{ArrayReport, BitmapReport, LegReport};
 
 /// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (`file:`,
-/// `mem:`, `null:`, `nbd://`, `nbd+unix://`) begins a leg; any other part (`key=value`) is
+/// `mem:`, `null:`, `rbd:`, `nbd://`, `nbd+unix://`) begins a leg; any other part (`key=value`) is
 /// an option of the leg before.
 pub fn split_legs(s: &str) -> Result<Vec<String>> {
     let mut legs: Vec<String> = Vec::new();
     for part in s.split(',').filter(|p| !p.is_empty()) {
-        let starts_leg = ["file:", "mem:", "null:"]
+        let starts_leg = ["file:", "mem:", "null:", "rbd:"]
             .iter()
             .any(|k| part.starts_with(k))
             || nbd::remote::RemoteSpec::is_remote(part);
@@ -29,7 +29,7 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
             last.push(',');
             last.push_str(part);
         } else {
-            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE, null:SIZE or nbd://HOST/EXPORT)");
+            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE, null:SIZE, rbd:POOL/IMAGE or nbd://HOST/EXPORT)");
         }
     }
     if legs.is_empty() {
@@ -345,6 +345,10 @@ mod tests {
                 "nbd://h:1/leg,timeout=5",
                 "nbd+unix:///?socket=/s"
             ]
+        );
+        assert_eq!(
+            split_legs("file:/a.img,rbd:rbd/img,conf=/c.conf,lock=on").unwrap(),
+            ["file:/a.img", "rbd:rbd/img,conf=/c.conf,lock=on"]
         );
         assert_eq!(split_legs("file:/a.img").unwrap().len(), 1);
         assert!(split_legs("").is_err());

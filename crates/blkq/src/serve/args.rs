@@ -62,8 +62,8 @@ pub struct ServeArgs {
 /// tables instead).
 #[derive(Args, Debug, Clone, Default)]
 pub struct ExportArgs {
-    /// Device to export (repeatable): null:SIZE, mem:SIZE or file:PATH, with ,key=value
-    /// options. Default: mem:1G.
+    /// Device to export (repeatable): null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE, with
+    /// ,key=value options, or nbd://HOST/EXPORT. Default: mem:1G.
     #[arg(long = "device", value_name = "SPEC")]
     pub devices: Vec<String>,
     /// Export name of the --device in the same position (a single --device without --export

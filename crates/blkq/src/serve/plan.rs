@@ -121,6 +121,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     Kind::Null(_) => "null",
                     Kind::Mem(_) => "mem",
                     Kind::File(_) => "file",
+                    Kind::Rbd(_) => "rbd",
                 };
                 let ro = e.read_only || parsed.is_read_only(&overrides);
                 (dev, format!("{spec} ({describe})"), kind, ro)

@@ -1,0 +1,199 @@
+//! The `rbd:` device against a real single-node Ceph cluster (`testkit::ceph`, started once
+//! for this binary by `scripts/ceph-cluster.sh`): every op round-trips through librbd, the
+//! image's size and object size are the limits, the exclusive lock refuses a second user, and
+//! a snapshot is read-only. Skips, saying why, where no cluster can be had.
+#![cfg(all(not(blkq_loom), blkq_rbd))]
+
+use blk::{Bio, BioFlags, Buffer, Device, Error, Op, SECTOR_SHIFT};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blkq_sync::DynArc;
+use testkit::ceph::Cluster;
+use testkit::io::{flush, read_at, submit_wait, write_at};
+use testkit::pattern;
+
+fn open(spec: &str) -> Result<DynArc<dyn Device>, Error> {
+    spec.parse::<DeviceSpec>()?
+        .build_device(&QueueOverrides::default())
+}
+
+fn zeroed(dev: &dyn Device, op: Op, offset: u64, len: u32, flags: BioFlags) {
+    let mut b = Bio::new(op, offset >> SECTOR_SHIFT, len);
+    b.flags = flags;
+    let (_, r) = submit_wait(dev, b);
+    r.unwrap_or_else(|e| panic!("{op:?} at {offset}: {e}"));
+    assert!(
+        read_at(dev, offset, len as usize)
+            .unwrap()
+            .iter()
+            .all(|&x| x == 0),
+        "{op:?} at {offset} left data"
+    );
+}
+
+#[test]
+fn every_op_round_trips_through_librbd() {
+    let Some(c) = Cluster::or_skip("every_op_round_trips_through_librbd") else {
+        return;
+    };
+    c.create_image("ops", "64M");
+    let dev = open(&c.spec("ops", "")).unwrap();
+    let l = dev.limits();
+    assert_eq!(l.capacity, 64 << 20);
+    assert_eq!(
+        l.max_io_bytes,
+        4 << 20,
+        "one 4 MiB object per I/O by default"
+    );
+    // A fresh image is all holes.
+    let ext = dev.extents(0, 64 << 20, 16).unwrap();
+    assert!(ext.iter().all(|e| !e.allocated), "{ext:?}");
+
+    // Writes of every size up to the largest, across object boundaries, read back.
+    for (i, (off, len)) in [
+        (0u64, 4096usize),
+        (8192, 512),
+        ((4 << 20) - 4096, 8192),
+        (12 << 20, 4 << 20),
+        ((64 << 20) - 65536, 65536),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = pattern(i as u64 + 1, len);
+        write_at(&*dev, off, &data).unwrap();
+        assert_eq!(read_at(&*dev, off, len).unwrap(), data, "at {off}+{len}");
+    }
+    flush(&*dev).unwrap();
+
+    // FUA: a write then a flush, completed once.
+    let data = pattern(9, 65536);
+    let mut buf = Buffer::new(data.len());
+    buf.as_mut_slice().copy_from_slice(&data);
+    let mut b = Bio::with_buf(Op::Write, (20 << 20) >> SECTOR_SHIFT, buf);
+    b.flags = BioFlags::FUA;
+    submit_wait(&*dev, b).1.unwrap();
+    assert_eq!(read_at(&*dev, 20 << 20, data.len()).unwrap(), data);
+
+    // The allocation map: written objects allocated, the rest holes.
+    let ext = dev.extents(0, 64 << 20, 64).unwrap();
+    assert!(
+        ext.iter().any(|e| e.allocated && e.offset <= 12 << 20),
+        "{ext:?}"
+    );
+    assert!(ext.iter().any(|e| !e.allocated), "{ext:?}");
+    assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), 64 << 20, "{ext:?}");
+    let two = dev.extents(0, 64 << 20, 2).unwrap();
+    assert!(two.len() <= 2, "{two:?}");
+
+    // Discard (a whole object: deallocated) and write-zeroes (with and without a hole).
+    zeroed(&*dev, Op::Discard, 12 << 20, 4 << 20, BioFlags::NONE);
+    zeroed(&*dev, Op::WriteZeroes, 0, 4096, BioFlags::NONE);
+    zeroed(
+        &*dev,
+        Op::WriteZeroes,
+        (4 << 20) - 4096,
+        8192,
+        BioFlags::NO_HOLE,
+    );
+    assert_eq!(
+        read_at(&*dev, 8192, 512).unwrap(),
+        pattern(2, 512),
+        "neighbour kept"
+    );
+
+    // Beyond the end: refused by the queue, nothing sent.
+    let (_, r) = submit_wait(
+        &*dev,
+        Bio::with_buf(Op::Read, (64 << 20) >> SECTOR_SHIFT, Buffer::new(4096)),
+    );
+    assert!(r.is_err());
+
+    // Many in flight at once: every one completes with its own data.
+    let pending: Vec<_> = (0..64u64)
+        .map(|i| {
+            let mut buf = Buffer::new(4096);
+            buf.as_mut_slice().copy_from_slice(&pattern(100 + i, 4096));
+            blk::PendingBio::submit(
+                &*dev,
+                Bio::with_buf(Op::Write, (i * 8192) >> SECTOR_SHIFT, buf),
+            )
+        })
+        .collect();
+    for p in pending {
+        p.wait().1.unwrap();
+    }
+    for i in 0..64u64 {
+        assert_eq!(
+            read_at(&*dev, i * 8192, 4096).unwrap(),
+            pattern(100 + i, 4096)
+        );
+    }
+    drop(dev);
+    // Reopened: the data is in the cluster.
+    let dev = open(&c.spec("ops", "")).unwrap();
+    assert_eq!(read_at(&*dev, 63 * 8192, 4096).unwrap(), pattern(163, 4096));
+}
+
+#[test]
+fn a_second_user_of_the_image_is_refused_naming_it() {
+    let Some(c) = Cluster::or_skip("a_second_user_of_the_image_is_refused_naming_it") else {
+        return;
+    };
+    c.create_image("locked", "16M");
+    let first = open(&c.spec("locked", "")).unwrap();
+    write_at(&*first, 0, &pattern(1, 4096)).unwrap();
+    let e = match open(&c.spec("locked", "")) {
+        Ok(_) => panic!("a second open of rbd/locked was allowed"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("rbd:rbd/locked"), "{e}");
+    assert!(e.contains("in use"), "{e}");
+    // The first keeps its lock and goes on writing.
+    write_at(&*first, 4096, &pattern(2, 4096)).unwrap();
+    assert_eq!(read_at(&*first, 4096, 4096).unwrap(), pattern(2, 4096));
+    drop(first);
+    // Released with the device: the next user gets it.
+    let again = open(&c.spec("locked", "")).unwrap();
+    assert_eq!(read_at(&*again, 0, 4096).unwrap(), pattern(1, 4096));
+}
+
+#[test]
+fn a_snapshot_is_read_only_and_errors_name_the_image() {
+    let Some(c) = Cluster::or_skip("a_snapshot_is_read_only_and_errors_name_the_image") else {
+        return;
+    };
+    c.create_image("snapped", "16M");
+    {
+        let dev = open(&c.spec("snapped", "")).unwrap();
+        write_at(&*dev, 0, &pattern(5, 4096)).unwrap();
+    }
+    c.rbd(&["snap", "create", "rbd/snapped@s1"]).unwrap();
+    {
+        let dev = open(&c.spec("snapped", "")).unwrap();
+        write_at(&*dev, 0, &pattern(6, 4096)).unwrap();
+    }
+    let snap = open(&c.spec("snapped", ",snap=s1")).unwrap();
+    assert_eq!(read_at(&*snap, 0, 4096).unwrap(), pattern(5, 4096));
+    let e = write_at(&*snap, 0, &pattern(7, 4096)).unwrap_err();
+    assert_eq!(e.errno(), libc::EROFS, "{e}");
+    flush(&*snap).unwrap();
+
+    let e = open(&c.spec("nosuch", ""))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rbd:rbd/nosuch") && e.contains("opening the image"),
+        "{e}"
+    );
+    let e = open("rbd:rbd/x,conf=/nonexistent/ceph.conf")
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/nonexistent/ceph.conf"), "{e}");
+    let e = open(&c.spec("snapped", ",bogus=1"))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bogus") && e.contains("rbd"), "{e}");
+}
