@@ -123,17 +123,24 @@ fn a_front_cut_off_that_went_on_writing_is_refused_then_discarded_by_the_union()
     );
     load.wait_more(100);
     let acked = load.stop();
+    let shared = p.front.status_json()["generation"].clone();
 
-    // The link goes; the front fails its remote leg and goes on writing alone.
+    // The link goes; the front fails its remote leg and goes on writing alone: a new
+    // generation.
     hosts.cut();
     let front_load = Load::start(p.front.client(), blocks_in(&front_only), Ledger::default());
-    p.front
+    let v = p
+        .front
         .wait_for(&|v| leg_state(v, 1) == "faulty", "the front lost its leg");
+    let front_gen = v["generation"].clone();
+    assert_ne!(front_gen, shared, "{v}");
     front_load.wait_more(100);
     let front_writes = front_load.stop();
 
     // Failover: the back serves its leg alone; every write the front acknowledged is there.
     let back = promote(&hosts, d.path(), &mut p);
+    let back_gen = back.status_json()["generation"].clone();
+    assert!(back_gen != shared && back_gen != front_gen, "{back_gen}");
     assert_eq!(acked.verify(&mut back.client()), 8);
     let load = Load::start(back.client(), blocks_in(&back_only), acked);
     load.wait_more(200);

@@ -130,6 +130,7 @@ impl Control {
                 recovery_offset: (st.present && !st.in_sync && !st.faulty)
                     .then_some(st.recovery_offset),
                 events: st.present.then_some(events),
+                generation: None,
                 read_errors: st.read_errors,
                 probing: ra.probing,
                 probe_error: ra.last_error,
@@ -157,6 +158,9 @@ impl Control {
             }
             .to_string(),
             events,
+            generation: sb0
+                .as_ref()
+                .map_or(String::new(), |s| format!("{:016x}", s.lineage.current.id)),
             capacity: lim.capacity,
             data_offset: r.data_offset(),
             raid_disks,

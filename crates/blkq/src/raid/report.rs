@@ -22,6 +22,10 @@ pub struct LegReport {
     pub recovery_offset: Option<u64>,
     /// The events count of the leg's own superblock (offline), or the array's (online).
     pub events: Option<u64>,
+    /// The generation of the leg's own superblock, in hex (offline): legs of one history
+    /// share it; see `raid1::generation`.
+    #[serde(default)]
+    pub generation: Option<String>,
     /// Corrected read errors (online).
     pub read_errors: u32,
     /// A faulty leg the array probes to re-add it when it answers again (online,
@@ -133,6 +137,10 @@ pub struct ArrayReport {
     pub state: String,
     /// Events of the newest superblock.
     pub events: u64,
+    /// The array's generation, in hex (a new one starts whenever a leg in sync leaves; see
+    /// `raid1::generation`).
+    #[serde(default)]
+    pub generation: String,
     /// Array bytes.
     pub capacity: u64,
     /// Where data starts on every leg.
@@ -281,6 +289,7 @@ impl ArrayReport {
         o.push_str(&format!("        Array UUID : {}\n", self.array_uuid));
         o.push_str(&format!("             State : {}\n", self.state));
         o.push_str(&format!("            Events : {}\n", self.events));
+        o.push_str(&format!("        Generation : {}\n", self.generation));
         o.push_str(&format!(
             "        Array Size : {} bytes ({} MiB)\n",
             self.capacity,
@@ -337,6 +346,9 @@ impl ArrayReport {
                     l.write_behind
                 ));
             }
+            if let Some(g) = l.generation.as_ref().filter(|g| **g != self.generation) {
+                o.push_str(&format!("       generation : {g} (not the array's)\n"));
+            }
             if let Some(why) = &l.refused {
                 o.push_str(&format!("          refused : {why}\n"));
             }
@@ -371,6 +383,7 @@ mod tests {
             write_mostly: false,
             recovery_offset: None,
             events: None,
+            generation: None,
             read_errors: 0,
             probing: false,
             probe_error: None,
@@ -387,6 +400,7 @@ mod tests {
             array_uuid: String::new(),
             state: "active".into(),
             events: 1,
+            generation: String::new(),
             capacity: 0,
             data_offset: 0,
             raid_disks: 2,
