@@ -92,12 +92,14 @@
 //! without marking it clean.
 //!
 //! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
-//! management, `Drop`), `assemble.rs` (start-up),
-//! `io.rs` (the I/O path), `failure.rs` (durable leg failures, the failed array),
-//! `daemon.rs` (raid1d), `readd.rs` (the automatic re-add), `behind.rs` (write-behind), `sync.rs` (the sync thread's control surface) and `sync/engine.rs`
-//! (its passes).
+//! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
+//! `generation.rs` (histories), `assemble.rs` (start-up), `io.rs` (the I/O path),
+//! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
+//! (the automatic re-add), `behind.rs` (write-behind), `sync.rs` (the sync thread's control
+//! surface) and `sync/engine.rs` (its passes).
 #![warn(missing_docs)]
 
+mod add;
 mod assemble;
 pub mod barrier;
 mod behind;

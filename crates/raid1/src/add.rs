@@ -1,0 +1,227 @@
+//! Adding a leg to a running array: where it goes (a re-add into its old slot with a bitmap
+//! recovery, or a fresh leg with a full one), which history it may come from (see
+//! `generation`: a leg that diverged is refused unless its side is discarded, and then the two
+//! sides' bitmaps are joined), and taking it back out when its addition cannot be recorded.
+
+use blk::{Bio, Device, SECTOR_SHIFT};
+use blkq_sync::atomic::Ordering;
+use blkq_sync::DynArc as StdArc;
+use uuid::Uuid;
+
+use crate::bitmap::WriteIntentBitmap;
+use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT};
+use crate::generation::{Kinship, Lineage};
+use crate::superblock::{Role, Superblock};
+
+impl Raid1 {
+    /// Puts `dev` into an empty slot as a recovering leg (recovery offset 0: written, not
+    /// read) and wakes the sync thread, which recovers it. Returns the slot. Writes its
+    /// superblock and bitmap.
+    ///
+    /// A re-add (md's `--re-add`): when `dev`'s own superblock says it held slot `n` of this
+    /// array, slot `n` is empty and still names it, it was in sync when it left, and no bit
+    /// of the bitmap was cleared since (its generation is this array's and the bitmap's
+    /// `events_cleared` is not past its events, or its generation is an earlier one of this
+    /// array's and no bit was cleared since the array left it), it goes back into slot `n` and
+    /// recovers only the bitmap's dirty chunks. Any other leg gets a fresh UUID and a full
+    /// recovery.
+    ///
+    /// A leg of this array whose history went on without it (see [`crate::generation`]) is
+    /// refused ([`Raid1Error::Diverged`]): it holds writes the array lacks.
+    pub fn add_leg(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.add_leg_with(dev, false)
+    }
+
+    /// As [`Raid1::add_leg`], and a leg whose history diverged from the array's is taken
+    /// too, its writes discarded (the operator's choice of side, `blkq raid add --discard`):
+    /// the array's bitmap takes the union of both sides' dirty chunks, and recovery copies
+    /// those, so both legs end equal to the array. When either side cleared bits since they
+    /// parted, the union may miss a change, and the leg is recovered in full instead.
+    pub fn add_leg_discarding(&self, dev: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+        self.add_leg_with(dev, true)
+    }
+
+    fn add_leg_with(&self, dev: StdArc<dyn Device>, discard: bool) -> Result<usize, Raid1Error> {
+        let inner = &self.inner;
+        inner.refuse_if_failed()?;
+        if dev.limits().capacity < inner.data_offset + inner.capacity {
+            return Err(Raid1Error::Config("new leg is too small".into()));
+        }
+        let old_sb = Self::read_superblock(dev.as_ref()).ok();
+        let readd_slot = match &old_sb {
+            Some(sb) => self.readd_slot(dev.as_ref(), sb, discard)?,
+            None => None,
+        };
+        inner.barriers.freeze_array(0);
+        let free = |i: usize| inner.legs[i].state.load(Ordering::Acquire) & PRESENT == 0;
+        let (slot, readd) = match readd_slot.filter(|&n| free(n)) {
+            Some(n) => (Some(n), true),
+            None => ((0..inner.legs.len()).find(|&i| free(i)), false),
+        };
+        let mut old_uuid = Uuid::nil();
+        if let Some(i) = slot {
+            let l = &inner.legs[i];
+            old_uuid = *l.uuid.lock();
+            *l.uuid.lock() = match (&old_sb, readd) {
+                // A re-add into a slot that may name no leg any more: its own UUID.
+                (Some(sb), true) => sb.leg_uuid,
+                _ => Uuid::new_v4(),
+            };
+            // SAFETY: frozen above.
+            unsafe { inner.place_frozen(i, dev, readd, 0) };
+        }
+        let _ = inner.barriers.unfreeze_array();
+        let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
+        inner.sync.ctl.lock().recovery_blocked = false;
+        inner.state_changed();
+        if let Err(e) = inner
+            .write_superblocks()
+            .and_then(|()| inner.persist_bitmap())
+        {
+            // Not recorded: the leg is not part of the array (a crash now would find it with
+            // no superblock, and assembly refuses such a device).
+            self.unplace(i, old_uuid);
+            return Err(e);
+        }
+        Ok(i)
+    }
+
+    /// The slot `dev` (whose superblock is `sb`) goes back into with a bitmap recovery, if
+    /// any (see [`Raid1::add_leg`] and [`Raid1::add_leg_discarding`]); a diverged leg is an
+    /// error unless `discard`, and then its bitmap's bits join the array's.
+    fn readd_slot(
+        &self,
+        dev: &dyn Device,
+        sb: &Superblock,
+        discard: bool,
+    ) -> Result<Option<usize>, Raid1Error> {
+        let inner = &self.inner;
+        let (array_uuid, lineage) = {
+            let m = inner.meta.lock();
+            (m.array_uuid, m.lineage.clone())
+        };
+        if sb.array_uuid != array_uuid {
+            return Ok(None);
+        }
+        let kin = lineage.kinship(&sb.lineage);
+        if !discard && matches!(kin, Kinship::Diverged | Kinship::Descendant) {
+            return Err(Raid1Error::Diverged {
+                leg: sb.lineage.current.id,
+                array: lineage.current.id,
+                newer: kin == Kinship::Descendant,
+            });
+        }
+        let Some(bm) = inner.bitmap.as_ref() else {
+            return Ok(None);
+        };
+        let Role::Slot(n) = sb.role else {
+            return Ok(None);
+        };
+        let n = n as usize;
+        let Some(l) = inner.legs.get(n) else {
+            return Ok(None);
+        };
+        // The slot still names the leg, or names none (a slot emptied by a restart without
+        // its leg: the generations below tell whether the leg may come back).
+        let named = *l.uuid.lock();
+        if !(named == sb.leg_uuid || named.is_nil())
+            || !sb.legs.get(n).is_some_and(|i| i.in_sync && !i.faulty)
+        {
+            return Ok(None);
+        }
+        let cleared = bm.events_cleared();
+        // No bit cleared since `history` left generation `id` (strictly before: a clear at
+        // the events of the new generation's start came after it).
+        let untouched_since = |history: &Lineage, id: u64, cleared: u64| {
+            history.left_at(id).is_some_and(|left| cleared < left)
+        };
+        let ok = match kin {
+            Kinship::Same => crate::assemble::readd_rule(true, sb.events, cleared),
+            Kinship::Ancestor => {
+                // Its own dirty bits join: writes it took that the array may lack (it
+                // stopped with them in flight).
+                let ok = crate::assemble::readd_covers(
+                    &lineage,
+                    sb.lineage.current.id,
+                    true,
+                    sb.events,
+                    cleared,
+                );
+                if ok {
+                    if let Some((bits, _)) = self.leg_bitmap(dev, sb)? {
+                        bm.load(bits.as_slice())?;
+                    }
+                }
+                ok
+            }
+            Kinship::Diverged | Kinship::Descendant => {
+                let common = lineage.common(&sb.lineage);
+                // A descendant left the array's current generation while the array was
+                // stopped (it would have started a new one otherwise): the array cleared
+                // nothing since.
+                let ours_whole =
+                    kin == Kinship::Descendant || untouched_since(&lineage, common, cleared);
+                let theirs = self
+                    .leg_bitmap(dev, sb)?
+                    .filter(|(_, t)| untouched_since(&sb.lineage, common, t.events_cleared()));
+                match theirs {
+                    Some((bits, _)) if ours_whole => {
+                        bm.load(bits.as_slice())?;
+                        tracing::info!(
+                            "raid1: slot {n}: discarding the leg's writes since generation \
+                             {common:016x}: the chunks either side changed are recovered"
+                        );
+                        true
+                    }
+                    _ => {
+                        tracing::warn!(
+                            "raid1: slot {n}: discarding the leg's writes, but a side's \
+                             bitmap cannot show every chunk changed since they parted: full \
+                             recovery"
+                        );
+                        false
+                    }
+                }
+            }
+        };
+        Ok(ok.then_some(n))
+    }
+
+    /// The write-intent bitmap on leg `dev` (superblock `sb`) of this array, as bytes and
+    /// loaded; None when it cannot be read or is damaged.
+    fn leg_bitmap(
+        &self,
+        dev: &dyn Device,
+        sb: &Superblock,
+    ) -> Result<Option<(blk::Buffer, WriteIntentBitmap)>, Raid1Error> {
+        let Some(bm) = self.inner.bitmap.as_ref() else {
+            return Ok(None);
+        };
+        let theirs = WriteIntentBitmap::new(self.inner.capacity, bm.chunk_size())?;
+        let b = Bio::with_buf(
+            blk::Op::Read,
+            sb.bitmap.offset >> SECTOR_SHIFT,
+            blk::Buffer::new(theirs.disk_len()),
+        );
+        let (back, r) = blk::submit_wait(dev, b);
+        Ok(r.ok()
+            .and(back.buf)
+            .filter(|bits| theirs.load(bits.as_slice()).is_ok())
+            .map(|bits| (bits, theirs)))
+    }
+
+    /// Takes the leg just put into slot `i` back out (its addition failed).
+    fn unplace(&self, i: usize, old_uuid: Uuid) {
+        let inner = &self.inner;
+        let l = &inner.legs[i];
+        inner.barriers.freeze_array(0);
+        if l.state.load(Ordering::Acquire) & IN_SYNC == 0 {
+            l.state.store(0, Ordering::Release);
+            // SAFETY: frozen above.
+            let _ = unsafe { l.set_dev_frozen(None) };
+            *l.uuid.lock() = old_uuid;
+        }
+        let _ = inner.barriers.unfreeze_array();
+        inner.state_changed();
+    }
+}
