@@ -144,7 +144,8 @@ impl Poller {
         self.wake.stop.store(true, Ordering::Release);
         signal(&self.wake.efd);
         if t.thread().id() == std::thread::current().id() {
-            // Stopped from a completion on the thread itself: it returns when this does.
+            // Not reached through the driver (its drain, before this, would wait for the very
+            // request this thread is completing); joining itself would fail, so detach.
             return;
         }
         let _ = t.join();
