@@ -81,9 +81,10 @@ struct Shared {
     core: OnceLock<CorePtr>,
     /// One per request of the queue, allocated by `start` (set once, before any request).
     slots: OnceLock<Box<[Slot]>>,
-    /// Requests handed to librbd and not yet completed. Ordering: AcqRel when a callback
-    /// decrements it and SeqCst when the drain reads it, so the drain that sees 0 also sees
-    /// every callback's last access to the slots and the queue; SeqCst where `queue_rq`
+    /// Requests handed to librbd and not yet completed. Ordering: AcqRel when a completion (a
+    /// callback, or the completion thread) decrements it and SeqCst when the drain reads it, so
+    /// the drain that sees 0 also sees every completion's last access to the slots and the
+    /// queue; SeqCst where `queue_rq`
     /// increments it (against `stop`, see there).
     in_flight: AtomicUsize,
     /// Woken when `in_flight` drops to 0 (the drain waits there).
