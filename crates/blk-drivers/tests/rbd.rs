@@ -1,10 +1,13 @@
 //! The `rbd:` device against a real single-node Ceph cluster (`testkit::ceph`, started once
 //! for this binary by `scripts/ceph-cluster.sh`): every op round-trips through librbd, the
 //! image's size and object size are the limits, the exclusive lock refuses a second user, and
-//! a snapshot is read-only. Skips, saying why, where no cluster can be had.
+//! a snapshot is read-only, in both completion modes (`completion=poll`, the default, and
+//! `completion=callback`); the polled completions come in batches. Skips, saying why, where no
+//! cluster can be had.
 #![cfg(all(not(blkq_loom), blkq_rbd))]
 
-use blk::{Bio, BioFlags, Buffer, Device, Error, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, Device, Error, Op, Queue, QueueConfig, SECTOR_SHIFT};
+use blk_drivers::rbd::{CompletionMode, RbdConfig, RbdDriver};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blkq_sync::DynArc;
 use testkit::ceph::Cluster;
@@ -31,12 +34,26 @@ fn zeroed(dev: &dyn Device, op: Op, offset: u64, len: u32, flags: BioFlags) {
 }
 
 #[test]
-fn every_op_round_trips_through_librbd() {
-    let Some(c) = Cluster::or_skip("every_op_round_trips_through_librbd") else {
+fn every_op_round_trips_through_librbd_with_polled_completions() {
+    let Some(c) = Cluster::or_skip("every_op_round_trips_through_librbd_with_polled_completions")
+    else {
         return;
     };
-    c.create_image("ops", "64M");
-    let dev = open(&c.spec("ops", "")).unwrap();
+    // The default.
+    round_trips(c, "ops-poll", "");
+}
+
+#[test]
+fn every_op_round_trips_through_librbd_with_callbacks() {
+    let Some(c) = Cluster::or_skip("every_op_round_trips_through_librbd_with_callbacks") else {
+        return;
+    };
+    round_trips(c, "ops-callback", ",completion=callback");
+}
+
+fn round_trips(c: &Cluster, image: &str, opts: &str) {
+    c.create_image(image, "64M");
+    let dev = open(&c.spec(image, opts)).unwrap();
     let l = dev.limits();
     assert_eq!(l.capacity, 64 << 20);
     assert_eq!(
@@ -130,7 +147,7 @@ fn every_op_round_trips_through_librbd() {
     }
     drop(dev);
     // Reopened: the data is in the cluster.
-    let dev = open(&c.spec("ops", "")).unwrap();
+    let dev = open(&c.spec(image, opts)).unwrap();
     assert_eq!(read_at(&*dev, 63 * 8192, 4096).unwrap(), pattern(163, 4096));
 }
 
@@ -172,7 +189,7 @@ fn a_snapshot_is_read_only_and_errors_name_the_image() {
         let dev = open(&c.spec("snapped", "")).unwrap();
         write_at(&*dev, 0, &pattern(6, 4096)).unwrap();
     }
-    let snap = open(&c.spec("snapped", ",snap=s1")).unwrap();
+    let snap = open(&c.spec("snapped", ",snap=s1,completion=callback")).unwrap();
     assert_eq!(read_at(&*snap, 0, 4096).unwrap(), pattern(5, 4096));
     let e = write_at(&*snap, 0, &pattern(7, 4096)).unwrap_err();
     assert_eq!(e.errno(), libc::EROFS, "{e}");
@@ -191,9 +208,92 @@ fn a_snapshot_is_read_only_and_errors_name_the_image() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("/nonexistent/ceph.conf"), "{e}");
+    let e = open(&c.spec("snapped", ",completion=sometimes"))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("completion") && e.contains("sometimes"), "{e}");
     let e = open(&c.spec("snapped", ",bogus=1"))
         .map(|_| ())
         .unwrap_err()
         .to_string();
     assert!(e.contains("bogus") && e.contains("rbd"), "{e}");
+}
+
+#[test]
+fn polled_completions_come_in_batches_under_a_deep_load() {
+    let Some(c) = Cluster::or_skip("polled_completions_come_in_batches_under_a_deep_load") else {
+        return;
+    };
+    c.create_image("batched", "64M");
+    let mut cfg = RbdConfig::parse_target("rbd/batched").unwrap();
+    cfg.conf = Some(c.conf().to_path_buf());
+    assert_eq!(cfg.completion, CompletionMode::Poll, "the default");
+    let d = RbdDriver::open(&cfg).unwrap();
+    let counters = d.batch_counters();
+    let mut qc = QueueConfig::new(d.size());
+    qc.queue_depth = 64;
+    let dev: DynArc<dyn Device> = DynArc::new(Queue::new(qc, Box::new(d)).unwrap());
+    // Rounds of 64 writes in flight at once, each with its own data.
+    let mut total = 0u64;
+    for round in 0..8u64 {
+        let pending: Vec<_> = (0..64u64)
+            .map(|i| {
+                let mut buf = Buffer::new(4096);
+                buf.as_mut_slice()
+                    .copy_from_slice(&pattern(round * 64 + i, 4096));
+                blk::PendingBio::submit(
+                    &*dev,
+                    Bio::with_buf(Op::Write, (i * 65536) >> SECTOR_SHIFT, buf),
+                )
+            })
+            .collect();
+        for p in pending {
+            p.wait().1.unwrap();
+        }
+        total += 64;
+        if counters.largest() > 1 {
+            break;
+        }
+    }
+    eprintln!(
+        "{} completions in {} wake-ups, at most {} in one",
+        counters.completions(),
+        counters.wakeups(),
+        counters.largest()
+    );
+    assert!(
+        counters.completions() >= total,
+        "every completion came through the completion thread: {} of {total}",
+        counters.completions()
+    );
+    assert!(
+        counters.largest() > 1,
+        "one wake-up took more than one completion ({} wake-ups for {} completions)",
+        counters.wakeups(),
+        counters.completions()
+    );
+    assert!(counters.wakeups() < counters.completions());
+    for i in 0..64u64 {
+        let got = read_at(&*dev, i * 65536, 4096).unwrap();
+        assert!((0..8).any(|r| got == pattern(r * 64 + i, 4096)), "at {i}");
+    }
+}
+
+#[test]
+fn callbacks_leave_the_completion_thread_unused() {
+    let Some(c) = Cluster::or_skip("callbacks_leave_the_completion_thread_unused") else {
+        return;
+    };
+    c.create_image("called", "16M");
+    let mut cfg = RbdConfig::parse_target("rbd/called").unwrap();
+    cfg.conf = Some(c.conf().to_path_buf());
+    cfg.completion = CompletionMode::Callback;
+    let d = RbdDriver::open(&cfg).unwrap();
+    let counters = d.batch_counters();
+    let dev: DynArc<dyn Device> =
+        DynArc::new(Queue::new(QueueConfig::new(d.size()), Box::new(d)).unwrap());
+    write_at(&*dev, 0, &pattern(3, 4096)).unwrap();
+    assert_eq!(read_at(&*dev, 0, 4096).unwrap(), pattern(3, 4096));
+    assert_eq!(counters.completions(), 0);
 }

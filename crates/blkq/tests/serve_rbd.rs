@@ -4,7 +4,9 @@
 //! verification. Then a second server on the same image (refused), the OSD SIGKILLed under a
 //! verified write load and restarted (the requests wait and complete, nothing acknowledged
 //! is lost), and the same with `timeout=` (requests fail, and what was acknowledged before
-//! is still there). Skips, saying why, where no cluster can be had. The tests share the
+//! is still there). The client and OSD-kill tests run once per completion mode
+//! (`completion=poll`, the default, and `completion=callback`). Skips, saying why, where no
+//! cluster can be had. The tests share the
 //! cluster and one of them kills its OSD, so they run one at a time.
 #![cfg(not(blkq_loom))]
 
@@ -80,7 +82,21 @@ fn fio_verify(dir: &Path, uri: &str, size: &str) -> Command {
 
 #[test]
 fn real_clients_through_an_rbd_export() {
-    let Some(c) = cluster("real_clients_through_an_rbd_export") else {
+    real_clients("real_clients_through_an_rbd_export", "clients", "");
+}
+
+#[test]
+fn real_clients_through_an_rbd_export_with_callbacks() {
+    real_clients(
+        "real_clients_through_an_rbd_export_with_callbacks",
+        "clients-cb",
+        ",completion=callback",
+    );
+}
+
+/// The client tools against an export of `image` served with the spec options `opts`.
+fn real_clients(test: &str, image: &str, opts: &str) {
+    let Some(c) = cluster(test) else {
         return;
     };
     let missing: Vec<_> = ["qemu-img", "qemu-io", "nbdcopy", "fio"]
@@ -88,13 +104,13 @@ fn real_clients_through_an_rbd_export() {
         .filter(|t| !have(t))
         .collect();
     if !missing.is_empty() {
-        eprintln!("SKIPPED real_clients_through_an_rbd_export: missing {missing:?} (scripts/test.sh installs them)");
+        eprintln!("SKIPPED {test}: missing {missing:?} (scripts/test.sh installs them)");
         return;
     }
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
-    c.create_image("clients", "64M");
+    c.create_image(image, "64M");
     let dir = tempfile::tempdir().unwrap();
-    let srv = Serving::start(dir.path(), "rbd", &["--device", &c.spec("clients", "")]);
+    let srv = Serving::start(dir.path(), "rbd", &["--device", &c.spec(image, opts)]);
     let u = uri(&srv.sock);
 
     // qemu-img convert a 64 MiB image with data and holes in, then compare.
@@ -216,20 +232,36 @@ fn a_second_server_on_the_same_image_is_refused() {
 
 #[test]
 fn the_osd_killed_under_verified_writes() {
-    let Some(c) = cluster("the_osd_killed_under_verified_writes") else {
+    osd_killed("the_osd_killed_under_verified_writes", "killed", "");
+}
+
+#[test]
+fn the_osd_killed_under_verified_writes_with_callbacks() {
+    osd_killed(
+        "the_osd_killed_under_verified_writes_with_callbacks",
+        "killed-cb",
+        ",completion=callback",
+    );
+}
+
+/// The OSD killed under a verified write load against `image` served with the spec options
+/// `opts`, without and with `timeout=`.
+fn osd_killed(test: &str, image: &str, opts: &str) {
+    let Some(c) = cluster(test) else {
         return;
     };
     if !have("fio") {
-        eprintln!("SKIPPED the_osd_killed_under_verified_writes: fio is missing");
+        eprintln!("SKIPPED {test}: fio is missing");
         return;
     }
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
-    c.create_image("killed", "64M");
+    c.create_image(image, "64M");
     let dir = tempfile::tempdir().unwrap();
+    let pool_image = format!("rbd/{image}");
 
     // No timeout: the requests wait for the OSD and complete; fio verifies every block.
     {
-        let mut srv = Serving::start(dir.path(), "wait", &["--device", &c.spec("killed", "")]);
+        let mut srv = Serving::start(dir.path(), "wait", &["--device", &c.spec(image, opts)]);
         let fio = fio_verify(dir.path(), &uri(&srv.sock), "32m")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -238,7 +270,7 @@ fn the_osd_killed_under_verified_writes() {
         // Let writes be in flight, then kill the OSD under them, and bring it back.
         let mut cl = srv.client();
         testkit::wait_until("writes reach the image", || {
-            c.rbd(&["du", "--format", "json", "rbd/killed"])
+            c.rbd(&["du", "--format", "json", &pool_image])
                 .is_ok_and(|s| s.contains("\"used_size\":") && !s.contains("\"used_size\":0"))
         });
         c.kill_osd();
@@ -263,7 +295,7 @@ fn the_osd_killed_under_verified_writes() {
     let srv = Serving::start(
         dir.path(),
         "timeout",
-        &["--device", &c.spec("killed", ",timeout=3")],
+        &["--device", &c.spec(image, &format!("{opts},timeout=3"))],
     );
     let mut cl = srv.client();
     cl.write(60 << 20, &pattern(4, 65536), CmdFlags::FUA)

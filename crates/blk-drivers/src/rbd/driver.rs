@@ -15,7 +15,8 @@ use blk::error::with_context;
 use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
 use super::ffi;
-use super::RbdConfig;
+use super::poll::{BatchCounters, Poller};
+use super::{CompletionMode, RbdConfig};
 
 /// One request's slot: what a completion's callback argument points to.
 struct Slot {
@@ -24,9 +25,10 @@ struct Slot {
     /// The request's index ([`RequestToken::index`]).
     idx: u32,
     /// A FUA write whose flush is still to be sent. Ordering: written by `queue_rq` before it
-    /// hands the write to librbd and read by that write's callback; librbd's hand-off from the
-    /// submitting thread to its completion thread goes through its own locks, which order the
-    /// two, so Relaxed suffices; the atomic only makes the cell shareable.
+    /// hands the write to librbd and read when that write completes (its callback, or the
+    /// completion thread); librbd's hand-off from the submitting thread to its completion
+    /// thread (or its completion queue) goes through its own locks, which order the two, so
+    /// Relaxed suffices; the atomic only makes the cell shareable.
     then_flush: AtomicBool,
 }
 
@@ -70,15 +72,19 @@ struct Shared {
     name: String,
     image: ffi::rbd_image_t,
     read_only: bool,
+    /// How completions come back (`completion=`): with `Poll`, completions are created
+    /// without a callback and the [`Poller`] takes them.
+    mode: CompletionMode,
     /// The queue, set by `start` before any request arrives (a `OnceLock`: its `get` sees
     /// what `set` published). Not an `Arc`: the queue owns this driver, and it outlives every
     /// request in flight (it drains them through `stop` before it goes).
     core: OnceLock<CorePtr>,
     /// One per request of the queue, allocated by `start` (set once, before any request).
     slots: OnceLock<Box<[Slot]>>,
-    /// Requests handed to librbd and not yet completed. Ordering: AcqRel when a callback
-    /// decrements it and SeqCst when the drain reads it, so the drain that sees 0 also sees
-    /// every callback's last access to the slots and the queue; SeqCst where `queue_rq`
+    /// Requests handed to librbd and not yet completed. Ordering: AcqRel when a completion (a
+    /// callback, or the completion thread) decrements it and SeqCst when the drain reads it, so
+    /// the drain that sees 0 also sees every completion's last access to the slots and the
+    /// queue; SeqCst where `queue_rq`
     /// increments it (against `stop`, see there).
     in_flight: AtomicUsize,
     /// Woken when `in_flight` drops to 0 (the drain waits there).
@@ -110,6 +116,10 @@ pub struct RbdDriver {
     obj_size: u64,
     /// Set once by `stop`; `queue_rq` fails requests from then on (orderings: there).
     stopped: AtomicBool,
+    /// The completion thread (`completion=poll`), stopped by `stop` after the drain.
+    poller: blkq_sync::Mutex<Option<Poller>>,
+    /// The completion thread's counts (all zero with `completion=callback`).
+    counters: blkq_sync::Arc<BatchCounters>,
 }
 
 impl std::fmt::Debug for RbdDriver {
@@ -144,11 +154,12 @@ impl RbdDriver {
             image: ptr::null_mut(),
         };
         match Self::open_handles(cfg, &name, &mut h) {
-            Ok((size, obj_size)) => Ok(Self {
+            Ok((size, obj_size)) => Self {
                 shared: DynArc::new(Shared {
                     name,
                     image: h.image,
                     read_only: cfg.is_read_only(),
+                    mode: cfg.completion,
                     core: OnceLock::new(),
                     slots: OnceLock::new(),
                     in_flight: AtomicUsize::new(0),
@@ -158,7 +169,10 @@ impl RbdDriver {
                 size,
                 obj_size,
                 stopped: AtomicBool::new(false),
-            }),
+                poller: blkq_sync::Mutex::new(None),
+                counters: blkq_sync::Arc::new(BatchCounters::default()),
+            }
+            .start_poller(),
             Err(e) => {
                 h.close();
                 Err(e)
@@ -264,6 +278,53 @@ impl RbdDriver {
         Ok((info.size, info.obj_size))
     }
 
+    /// With `completion=poll`, registers the eventfd and starts the completion thread (before
+    /// any request can be submitted: from then on completions without a callback are polled).
+    /// On failure `self` is dropped, which closes the image.
+    fn start_poller(self) -> Result<Self, Error> {
+        if self.shared.mode != CompletionMode::Poll {
+            return Ok(self);
+        }
+        let sh = DynArc::clone(&self.shared);
+        let p = Poller::start(
+            self.shared.image,
+            blkq_sync::Arc::clone(&self.counters),
+            move |batch| {
+                for &c in batch {
+                    // SAFETY: `c` is a completion `rbd_poll_io_events` just handed out (once:
+                    // this thread alone polls), created by `submit` with a slot's address as
+                    // its argument; released exactly once, here.
+                    let (arg, ret) = unsafe {
+                        let arg = ffi::rbd_aio_get_arg(c);
+                        let ret = ffi::rbd_aio_get_return_value(c);
+                        ffi::rbd_aio_release(c);
+                        (arg, ret)
+                    };
+                    // SAFETY: `arg` is the address of a slot of `sh.slots`, which `sh` (held by
+                    // this thread) keeps alive.
+                    let slot = unsafe { &*(arg as *const Slot) };
+                    sh.completed(slot, ret);
+                }
+            },
+        )
+        .map_err(|e| {
+            Error::Io(with_context(
+                e,
+                format!(
+                    "{}: starting the completion thread (rbd_set_image_notification)",
+                    self.shared.name
+                ),
+            ))
+        })?;
+        *self.poller.lock() = Some(p);
+        Ok(self)
+    }
+
+    /// The completion thread's counts: completions per wake-up (`completion=poll`).
+    pub fn batch_counters(&self) -> blkq_sync::Arc<BatchCounters> {
+        blkq_sync::Arc::clone(&self.counters)
+    }
+
     /// The image's size, bytes.
     pub fn size(&self) -> u64 {
         self.size
@@ -366,15 +427,7 @@ unsafe extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
         ffi::rbd_aio_release(c);
         ret
     };
-    if ret >= 0 && slot.then_flush.swap(false, Ordering::Relaxed) {
-        // The FUA write is done: its flush completes the request. `submit` counts this second
-        // op nowhere: the request is still the one in flight.
-        if let Err(r) = sh.submit(slot, Op::Flush, BioFlags::NONE, 0, 0, ptr::null_mut()) {
-            sh.finish(slot, r as isize);
-        }
-        return;
-    }
-    sh.finish(slot, ret);
+    sh.completed(slot, ret);
 }
 
 /// Pointer to one of the diff callback's accumulators.
@@ -457,14 +510,16 @@ impl Shared {
             0
         };
         let mut c: ffi::rbd_completion_t = ptr::null_mut();
-        // SAFETY: `slot` lives until the callback has run (`drain`); `on_complete` matches
-        // librbd's callback type; `c` is a valid out-pointer.
+        // Without a callback, librbd queues the completion for the completion thread (the
+        // eventfd was registered before any request was submitted).
+        let cb: ffi::rbd_callback_t = match self.mode {
+            CompletionMode::Callback => Some(on_complete),
+            CompletionMode::Poll => None,
+        };
+        // SAFETY: `slot` lives until the completion has been handled (`drain`); `on_complete`
+        // matches librbd's callback type; `c` is a valid out-pointer.
         let r = unsafe {
-            ffi::rbd_aio_create_completion(
-                slot as *const Slot as *mut c_void,
-                Some(on_complete),
-                &mut c,
-            )
+            ffi::rbd_aio_create_completion(slot as *const Slot as *mut c_void, cb, &mut c)
         };
         if r < 0 {
             return Err(r);
@@ -492,6 +547,20 @@ impl Shared {
         Ok(())
     }
 
+    /// One op of the request of `slot` has completed with `ret`: a FUA write's flush is sent
+    /// now, anything else completes the request.
+    fn completed(&self, slot: &Slot, ret: isize) {
+        if ret >= 0 && slot.then_flush.swap(false, Ordering::Relaxed) {
+            // The FUA write is done: its flush completes the request. `submit` counts this
+            // second op nowhere: the request is still the one in flight.
+            if let Err(r) = self.submit(slot, Op::Flush, BioFlags::NONE, 0, 0, ptr::null_mut()) {
+                self.finish(slot, r as isize);
+            }
+            return;
+        }
+        self.finish(slot, ret);
+    }
+
     /// Completes the request of `slot` with librbd's result.
     fn finish(&self, slot: &Slot, ret: isize) {
         let Some(core) = self.core.get() else {
@@ -509,7 +578,8 @@ impl Shared {
         } else {
             Err(rbd_error(&self.name, "I/O", ret as c_int))
         };
-        q.complete_at(r, res, blk::stats::coarse_ns());
+        // The completion thread's clock batch, or a fresh clock read (a callback).
+        q.complete(r, res);
         if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle.wake_all();
         }
@@ -601,7 +671,10 @@ impl Driver for RbdDriver {
         if self.stopped.swap(true, Ordering::SeqCst) {
             return;
         }
+        // The shutdown order of `super::poll`: drain, stop the completion thread, close.
         self.shared.drain();
+        let poller = self.poller.lock().take();
+        drop(poller);
         self.shared.handles.lock().close();
     }
 

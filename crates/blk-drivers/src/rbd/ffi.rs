@@ -20,6 +20,8 @@ pub type rbd_callback_t = Option<unsafe extern "C" fn(cb: rbd_completion_t, arg:
 /// The callback of `rbd_diff_iterate2`: offset, length, whether the extent holds data, arg.
 pub type rbd_diff_cb = Option<unsafe extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int>;
 
+/// `EVENT_TYPE_EVENTFD`: `rbd_set_image_notification`'s fd is an eventfd.
+pub const EVENT_TYPE_EVENTFD: c_int = 2;
 /// `RBD_LOCK_MODE_EXCLUSIVE` of `rbd_lock_mode_t`.
 pub const RBD_LOCK_MODE_EXCLUSIVE: c_int = 0;
 /// `RBD_FEATURE_EXCLUSIVE_LOCK` (`rbd/features.h`).
@@ -105,6 +107,18 @@ extern "C" {
         c: *mut rbd_completion_t,
     ) -> c_int;
     pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
+    pub fn rbd_aio_get_arg(c: rbd_completion_t) -> *mut c_void;
+    /// Since librbd 1.12 (Ceph 12): once set, completions created without a callback are
+    /// queued for `rbd_poll_io_events` and the fd is signalled (an eventfd: written 1) as each
+    /// one completes.
+    pub fn rbd_set_image_notification(image: rbd_image_t, fd: c_int, type_: c_int) -> c_int;
+    /// Takes up to `numcomp` completed callback-less completions into `comps`; returns how
+    /// many (0: none queued), or a negative errno.
+    pub fn rbd_poll_io_events(
+        image: rbd_image_t,
+        comps: *mut rbd_completion_t,
+        numcomp: c_int,
+    ) -> c_int;
     pub fn rbd_aio_release(c: rbd_completion_t);
     pub fn rbd_aio_read(
         image: rbd_image_t,

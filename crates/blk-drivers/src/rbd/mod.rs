@@ -3,7 +3,7 @@
 //! A spec `rbd:POOL/IMAGE` with options `conf=PATH` (the cluster's `ceph.conf`; default:
 //! librados' own search, `$CEPH_CONF` then `/etc/ceph/ceph.conf`), `id=NAME` (the client's
 //! name, default `admin`), `keyring=PATH`, `snap=NAME` (open that snapshot, read-only),
-//! `ro=0|1`, `lock=on|off` and `timeout=SECS`.
+//! `ro=0|1`, `lock=on|off`, `timeout=SECS` and `completion=poll|callback`.
 //!
 //! # Data path
 //!
@@ -13,11 +13,20 @@
 //! queue starts, so nothing of ours is allocated per I/O (librbd allocates its own
 //! completion). The request's token is given up to the slot as its bare index, and the bio
 //! stays in its request cell, so a read lands straight in the bio's buffer and a write is
-//! sent from it. librbd calls the callback once, on its own completion thread(s): the callback
-//! rebuilds the token and completes the request there. No thread per request, no hand-off of
-//! ours: librbd's completion threads deliver completions one after another.
+//! sent from it. How the completions come back is the `completion=` option:
 //!
-//! A FUA write is a write, then a flush issued from the write's callback; the request
+//! - `poll` (the default): the completions are created without a callback, and librbd queues
+//!   them and signals an eventfd registered with the image (`rbd_set_image_notification`). One
+//!   completion thread per device waits on it and takes them in batches of up to
+//!   [`poll::POLL_BATCH`] (`rbd_poll_io_events`, into an array the thread owns), completing each
+//!   batch's requests under one clock read of the queue's statistics ([`blk::stats::ClockBatch`],
+//!   as every driver's completion thread does). [`poll`]'s docs state the invariants.
+//! - `callback`: librbd calls our callback once per completion, on its own finisher thread,
+//!   which rebuilds the token and completes that one request there. The simpler path, kept
+//!   beside the batched one.
+//!
+//! Either way no thread per request. A FUA write is a write, then a flush issued when the write
+//! has completed (from the completion thread, or from the write's callback); the request
 //! completes with the flush. A flush is `rbd_aio_flush` (librbd's cache, when the cluster's
 //! configuration turns it on, is written back; the OSDs acknowledge a write once it is
 //! durable).
@@ -56,6 +65,8 @@
 mod driver;
 #[cfg(blkq_rbd)]
 mod ffi;
+#[cfg(blkq_rbd)]
+pub mod poll;
 
 #[cfg(blkq_rbd)]
 pub use driver::RbdDriver;
@@ -72,6 +83,16 @@ pub const AVAILABLE: bool = cfg!(blkq_rbd);
 pub const NOT_BUILT: &str = "this blkq was built without librbd, so rbd: devices are not \
      available: install librbd-dev (apt-get install librbd-dev) and rebuild with the `rbd` \
      feature (on by default)";
+
+/// How librbd's completions reach the queue (`completion=`, module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CompletionMode {
+    /// One completion thread per device polls them in batches.
+    #[default]
+    Poll,
+    /// librbd's callback completes each request on librbd's own thread.
+    Callback,
+}
 
 /// An `rbd:` device's target and options (module docs).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -94,6 +115,8 @@ pub struct RbdConfig {
     pub no_lock: bool,
     /// `timeout=SECS`: librados' operation timeout (0 or absent: wait forever).
     pub timeout_secs: Option<u32>,
+    /// `completion=poll|callback`.
+    pub completion: CompletionMode,
 }
 
 impl RbdConfig {
@@ -132,6 +155,13 @@ impl RbdConfig {
             "timeout" => {
                 let n: u32 = v.parse().map_err(|_| bad("bad number of seconds"))?;
                 self.timeout_secs = (n > 0).then_some(n);
+            }
+            "completion" => {
+                self.completion = match v {
+                    "poll" => CompletionMode::Poll,
+                    "callback" => CompletionMode::Callback,
+                    _ => return Err(bad("expected poll or callback, not")),
+                }
             }
             _ => return Ok(false),
         }
@@ -189,6 +219,10 @@ mod tests {
         assert!(c.set("timeout", "x").is_err());
         assert!(c.set("timeout", "30").unwrap());
         assert_eq!(c.timeout_secs, Some(30));
+        assert_eq!(c.completion, CompletionMode::Poll);
+        assert!(c.set("completion", "callback").unwrap());
+        assert_eq!(c.completion, CompletionMode::Callback);
+        assert!(c.set("completion", "thread").is_err());
         assert!(!c.set("engine", "uring").unwrap());
         assert_eq!(c.to_string(), "rbd:rbd/img@s1");
     }
