@@ -14,10 +14,7 @@ set -euo pipefail
 B=$(readlink -f "${B:-target/release/blkq}")
 ROUNDS=${ROUNDS:-3}
 echo "# bench/net_mirror.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary $B ($(git rev-parse --short HEAD 2>/dev/null || echo ?))"
-D=$(mktemp -d /tmp/nm.XXXX)
-F=blkq-nm-$$-front
-K=blkq-nm-$$-back
-PIDS=""
+. "$(dirname "$0")/two_hosts.sh"
 stop_all() { # newest first: the front before its leg's server (else its clean stop waits
   # for the vanished leg until reconnect_deadline)
   local p n order=""
@@ -32,14 +29,6 @@ stop_all() { # newest first: the front before its leg's server (else its clean s
   done
   PIDS=""
 }
-cleanup() { kill -KILL $PIDS 2>/dev/null || true; ip netns del $F 2>/dev/null || true; ip netns del $K 2>/dev/null || true; rm -rf "$D"; }
-trap cleanup EXIT
-ip netns add $F
-ip netns add $K
-ip link add name veth0 netns $F type veth peer name veth0 netns $K
-ip -n $F addr add 10.0.0.1/24 dev veth0
-ip -n $K addr add 10.0.0.2/24 dev veth0
-for ns in $F $K; do ip -n $ns link set dev veth0 up; ip -n $ns link set dev lo up; done
 LEG="nbd://10.0.0.2:10809/leg"
 
 one() { # CASE

@@ -11,31 +11,16 @@
 set -euo pipefail
 B=$(readlink -f "${B:-target/release/blkq}")
 echo "# bench/net_recovery.sh: $(date -u +%FT%TZ), $(uname -n), $(nproc) CPUs, binary $B ($(git rev-parse --short HEAD 2>/dev/null || echo ?))"
-D=$(mktemp -d /tmp/nr.XXXX)
-F=blkq-nr-$$-front
-K=blkq-nr-$$-back
-cleanup() {
-  kill -KILL ${PIDS:-} 2>/dev/null || true
-  ip netns del $F 2>/dev/null || true
-  ip netns del $K 2>/dev/null || true
-  rm -rf "$D"
-}
-trap cleanup EXIT
-ip netns add $F
-ip netns add $K
-ip link add name veth0 netns $F type veth peer name veth0 netns $K
-ip -n $F addr add 10.0.0.1/24 dev veth0
-ip -n $K addr add 10.0.0.2/24 dev veth0
-for ns in $F $K; do ip -n $ns link set dev veth0 up; ip -n $ns link set dev lo up; done
-cut() { for ns in $F $K; do ip -n $ns link set dev veth0 "$1"; done; }
+. "$(dirname "$0")/two_hosts.sh"
 
 truncate -s 1G "$D/local.img" "$D/leg.img"
 ip netns exec $K "$B" serve --device "file:$D/leg.img" --export leg --listen 10.0.0.2:10809 \
   --no-unix >/dev/null 2>"$D/leg.err" &
-PIDS="$!"
+PIDS="$PIDS $!"
 disown
 sleep 1
-LEG="nbd://10.0.0.2:10809/leg,timeout=2"
+# A lost link fails the leg at the first request unanswered for 2 s (no reconnection wait).
+LEG="nbd://10.0.0.2:10809/leg,timeout=2,reconnect_deadline=0"
 ip netns exec $F "$B" serve --raid1 "file:$D/local.img,$LEG" --raid1-create \
   --raid1-option bitmap_chunk=1M --raid1-option bitmap_quiet_ms=500 --raid1-option readd=off \
   --control "$D/ctl.sock" --socket "$D/nbd.sock" --no-tcp >/dev/null 2>"$D/front.err" &
@@ -66,11 +51,11 @@ recover() { # SPEC: re-add the leg (slot 1) and time until in sync
 }
 for case in "5 20" "5 200" "20 200"; do
   set -- $case
-  cut down
+  link down
   fio --name=w --ioengine=nbd --uri="nbd+unix:///?socket=$D/nbd.sock" --rw=randwrite --bs=4k \
     --rate_iops=$2 --time_based --runtime=$1 --size=1000M >/dev/null 2>&1
   wait_for 'v["legs"][1]["state"]=="faulty"'
-  cut up
+  link up
   read -r chunks mib secs < <(recover "$LEG")
   echo "bitmap $1 $2 $chunks $mib $secs"
   wait_for '

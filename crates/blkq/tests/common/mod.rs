@@ -46,7 +46,11 @@ pub fn ok_in(ns: &Path, args: &[&str]) -> String {
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null());
     enter_netns(&mut cmd, ns);
-    let o = cmd.output().unwrap();
+    succeeded(args, cmd.output().unwrap())
+}
+
+/// The stdout of `blkq ARGS`, which must have succeeded.
+fn succeeded(args: &[&str], o: Output) -> String {
     assert!(
         o.status.success(),
         "blkq {args:?} failed: {}\n{}",
@@ -58,14 +62,7 @@ pub fn ok_in(ns: &Path, args: &[&str]) -> String {
 
 /// Runs `blkq ARGS`, which must succeed; returns its stdout.
 pub fn ok(args: &[&str]) -> String {
-    let o = blkq(args);
-    assert!(
-        o.status.success(),
-        "blkq {args:?} failed: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).unwrap()
+    succeeded(args, blkq(args))
 }
 
 /// Runs `blkq ARGS`, which must fail; returns its stderr.
