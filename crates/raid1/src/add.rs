@@ -9,7 +9,7 @@ use blkq_sync::DynArc as StdArc;
 use uuid::Uuid;
 
 use crate::bitmap::WriteIntentBitmap;
-use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT};
+use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::generation::{Kinship, Lineage};
 use crate::superblock::{Role, Superblock};
 
@@ -22,7 +22,8 @@ impl Raid1 {
     /// array, slot `n` is empty and still names it, it was in sync when it left, and no bit
     /// of the bitmap was cleared since (its generation is this array's and the bitmap's
     /// `events_cleared` is not past its events, or its generation is an earlier one of this
-    /// array's and no bit was cleared since the array left it), it goes back into slot `n` and
+    /// array's and no bit was cleared since the array left it), it goes back into slot `n`
+    /// (write-mostly if its superblock says so) and
     /// recovers only the bitmap's dirty chunks. Any other leg gets a fresh UUID and a full
     /// recovery.
     ///
@@ -67,8 +68,14 @@ impl Raid1 {
                 (Some(sb), true) => sb.leg_uuid,
                 _ => Uuid::new_v4(),
             };
+            // A re-add keeps the leg's write-mostly flag, as its own superblock records it (a
+            // remote leg stays one when it comes back).
+            let write_mostly = match (&old_sb, readd) {
+                (Some(sb), true) if sb.legs.get(i).is_some_and(|l| l.write_mostly) => WRITE_MOSTLY,
+                _ => 0,
+            };
             // SAFETY: frozen above.
-            unsafe { inner.place_frozen(i, dev, readd, 0) };
+            unsafe { inner.place_frozen(i, dev, readd, write_mostly) };
         }
         let _ = inner.barriers.unfreeze_array();
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;

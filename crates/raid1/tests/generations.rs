@@ -154,3 +154,24 @@ fn the_side_that_went_on_wins_over_one_that_stopped_without_noticing() {
     assert_eq!(read(&r, 9 * MB, 4096), pattern(3, 4096));
     assert_eq!(read(&r, 3 * MB, 4096), pattern(1, 4096));
 }
+
+#[test]
+fn a_write_mostly_leg_added_back_stays_write_mostly() {
+    let (a, b) = (mem("16M"), mem("16M"));
+    let r = Raid1::create(vec![a, b.clone()], cfg()).unwrap();
+    r.set_write_mostly(1, true).unwrap();
+    // On the leg's own superblock before it fails (raid1d writes it).
+    testkit::wait_until("the write-mostly flag on the leg's superblock", || {
+        superblock(b.as_ref()).legs[1].write_mostly
+    });
+    write(&r, MB, &pattern(4, 4096));
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    write(&r, 2 * MB, &pattern(5, 4096));
+    assert_eq!(r.add_leg(b).unwrap(), 1, "back in its slot");
+    assert!(r.wait_sync_idle(std::time::Duration::from_secs(60)));
+    let st = r.leg_status(1).unwrap();
+    assert!(st.in_sync, "{st:?}");
+    // Its own superblock says write-mostly (a remote leg stays one when it comes back).
+    assert!(st.write_mostly, "{st:?}");
+}
