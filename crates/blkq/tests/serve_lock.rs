@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fails, fails_within, leg_file, ok, Server, Serving};
+use common::{fails, leg_file, ok, serve_fails, Server, Serving};
 
 const EXIT_LIMIT: Duration = Duration::from_secs(120);
 
@@ -16,17 +16,7 @@ fn a_second_server_on_the_same_file_is_refused() {
     let (path, spec) = leg_file(dir.path(), "disk.img", 4 << 20);
     let mut first = Serving::start(dir.path(), "first", &["--device", &spec]);
     let other = dir.path().join("second.sock");
-    let err = fails_within(
-        &[
-            "serve",
-            "--device",
-            &spec,
-            "--no-tcp",
-            "--socket",
-            other.to_str().unwrap(),
-        ],
-        EXIT_LIMIT,
-    );
+    let err = serve_fails(&spec, &other, EXIT_LIMIT);
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("lock"), "{err}");
     assert!(
@@ -34,17 +24,7 @@ fn a_second_server_on_the_same_file_is_refused() {
         "the holder is named (or said unknown): {err}"
     );
     // Read-only is no way around a writer.
-    let err = fails_within(
-        &[
-            "serve",
-            "--device",
-            &format!("{spec},ro=1"),
-            "--no-tcp",
-            "--socket",
-            other.to_str().unwrap(),
-        ],
-        EXIT_LIMIT,
-    );
+    let err = serve_fails(&format!("{spec},ro=1"), &other, EXIT_LIMIT);
     assert!(err.contains("lock"), "{err}");
     first.signal(libc::SIGTERM);
     assert!(first.wait_exit(EXIT_LIMIT).success());
@@ -74,17 +54,7 @@ fn legs_of_a_served_mirror_cannot_be_assembled_elsewhere() {
     );
     // A plain --device on a leg of the served mirror is refused too.
     let other = dir.path().join("x.sock");
-    let err = fails_within(
-        &[
-            "serve",
-            "--device",
-            &a,
-            "--no-tcp",
-            "--socket",
-            other.to_str().unwrap(),
-        ],
-        EXIT_LIMIT,
-    );
+    let err = serve_fails(&a, &other, EXIT_LIMIT);
     assert!(err.contains("lock"), "{err}");
     assert!(s.stop(), "serve did not exit cleanly");
     // Once the server is gone, the legs are free again.

@@ -18,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{fails_within, Serving};
+use common::{serve_fails, Serving};
 use nbd::CmdFlags;
 use testkit::ceph::Cluster;
 use testkit::pattern;
@@ -205,17 +205,7 @@ fn a_second_server_on_the_same_image_is_refused() {
     let spec = c.spec("twice", "");
     let mut first = Serving::start(dir.path(), "first", &["--device", &spec]);
     let other = dir.path().join("second.sock");
-    let err = fails_within(
-        &[
-            "serve",
-            "--device",
-            &spec,
-            "--no-tcp",
-            "--socket",
-            other.to_str().unwrap(),
-        ],
-        Duration::from_secs(120),
-    );
+    let err = serve_fails(&spec, &other, Duration::from_secs(120));
     assert!(err.contains("rbd:rbd/twice"), "{err}");
     assert!(err.contains("in use") && err.contains("lock"), "{err}");
     // The first still serves.

@@ -6,6 +6,8 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -248,39 +250,7 @@ fn many_bios_from_several_threads() {
     let srv = TestServer::start();
     // A depth smaller than what is submitted: submitters wait for slots.
     let dev = Arc::new(RemoteDevice::open(&srv.uri("", ",depth=16")).unwrap());
-    const THREADS: u64 = 4;
-    const PER: u64 = 16;
-    const LEN: usize = 64 << 10;
-    let run = |write: bool| {
-        std::thread::scope(|s| {
-            for t in 0..THREADS {
-                let dev = dev.clone();
-                s.spawn(move || {
-                    let pending: Vec<_> = (0..PER)
-                        .map(|k| {
-                            let n = t * PER + k;
-                            let sector = (n * LEN as u64) >> SECTOR_SHIFT;
-                            let bio = if write {
-                                Bio::with_buf(Op::Write, sector, buf_of(&pattern(n, LEN)))
-                            } else {
-                                Bio::with_buf(Op::Read, sector, Buffer::new(LEN))
-                            };
-                            (n, PendingBio::submit(&*dev, bio))
-                        })
-                        .collect();
-                    for (n, p) in pending {
-                        let (bio, r) = p.wait();
-                        r.unwrap();
-                        if !write {
-                            assert_eq!(bio.buf.unwrap().as_slice(), &pattern(n, LEN)[..]);
-                        }
-                    }
-                });
-            }
-        });
-    };
-    run(true);
-    run(false);
+    common::load::parallel_writes_then_reads(&*dev, 4, 16, 64 << 10, false);
     assert_eq!(dev.in_flight(), 0);
 }
 

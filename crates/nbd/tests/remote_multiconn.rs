@@ -5,15 +5,17 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, Buffer, Device, Op, PendingBio, SECTOR_SHIFT};
+use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::remote::RemoteDevice;
 use nbd::server::{Export, Server, ServerConfig};
-use testkit::io::{flush, read_at};
+use testkit::io::read_at;
 use testkit::{pattern, wait_until};
 
 fn device(spec: &str) -> Arc<dyn Device> {
@@ -28,42 +30,9 @@ fn serve(path: &Path, disk: &Arc<dyn Device>) -> Server {
     Server::start(cfg).unwrap()
 }
 
-/// 4 threads × 32 writes of 64 KiB, all in flight, then the same reads checked.
+/// 4 threads × 32 writes of 64 KiB, all in flight, a flush, then the same reads checked.
 fn load(dev: &Arc<RemoteDevice>) {
-    const LEN: usize = 64 << 10;
-    let run = |write: bool| {
-        std::thread::scope(|s| {
-            for t in 0..4u64 {
-                let dev = dev.clone();
-                s.spawn(move || {
-                    let pending: Vec<_> = (0..32u64)
-                        .map(|k| {
-                            let n = t * 32 + k;
-                            let sector = (n * LEN as u64) >> SECTOR_SHIFT;
-                            let bio = if write {
-                                let mut b = Buffer::new(LEN);
-                                b.as_mut_slice().copy_from_slice(&pattern(n, LEN));
-                                Bio::with_buf(Op::Write, sector, b)
-                            } else {
-                                Bio::with_buf(Op::Read, sector, Buffer::new(LEN))
-                            };
-                            (n, PendingBio::submit(&*dev, bio))
-                        })
-                        .collect();
-                    for (n, p) in pending {
-                        let (bio, r) = p.wait();
-                        r.unwrap();
-                        if !write {
-                            assert!(bio.buf.unwrap().as_slice() == &pattern(n, LEN)[..]);
-                        }
-                    }
-                });
-            }
-        });
-    };
-    run(true);
-    flush(&**dev).unwrap();
-    run(false);
+    common::load::parallel_writes_then_reads(&**dev, 4, 32, 64 << 10, true);
 }
 
 #[test]

@@ -261,6 +261,16 @@ pub fn geometry(v: &serde_json::Value) -> (u64, u64) {
     )
 }
 
+/// Runs `blkq serve --device SPEC --no-tcp --socket SOCKET`, which must fail within
+/// `limit` (a device another server holds); returns its stderr.
+pub fn serve_fails(spec: &str, socket: &Path, limit: Duration) -> String {
+    let socket = socket.to_str().unwrap();
+    fails_within(
+        &["serve", "--device", spec, "--no-tcp", "--socket", socket],
+        limit,
+    )
+}
+
 /// The address in a file `blkq` wrote whole (`--metrics-addr-file`; wait for it with
 /// [`Launch::ready_when_written`]), without its newline.
 pub fn written_addr(path: &Path) -> String {

@@ -3,6 +3,7 @@
 
 use nbd::client::ClientOptions;
 
+pub mod load;
 pub mod pki;
 pub mod trickle;
 
