@@ -160,6 +160,11 @@ pub trait Device: Send + Sync {
     fn stats(&self) -> Option<crate::stats::DiskStats> {
         self.as_queue().map(Queue::stats)
     }
+    /// The device's named dirty bitmaps (changed-block tracking), if it keeps any. Default:
+    /// none. A wrapping device forwards its inner device's.
+    fn dirty_bitmaps(&self) -> Option<&dyn crate::DirtyBitmaps> {
+        None
+    }
 }
 
 /// A bio submitted by a thread that will wait for it: [`PendingBio::submit`], then

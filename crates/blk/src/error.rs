@@ -54,6 +54,14 @@ pub enum Error {
     /// Writing to a read-only device.
     #[error("device is read-only")]
     ReadOnly,
+    /// A named object (e.g. a dirty bitmap) that does not exist.
+    #[error("no such {kind}: {name}")]
+    NotFound {
+        /// What was looked for ("dirty bitmap").
+        kind: &'static str,
+        /// Its name.
+        name: String,
+    },
     /// The backend failed.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
@@ -96,6 +104,10 @@ impl Error {
             Error::NoBuffer => Error::NoBuffer,
             Error::NotSupported(s) => Error::NotSupported(s),
             Error::ReadOnly => Error::ReadOnly,
+            Error::NotFound { kind, name } => Error::NotFound {
+                kind,
+                name: name.clone(),
+            },
             Error::Io(e) => Error::Io(match os_error_code(e) {
                 Some(code) => with_context(std::io::Error::from_raw_os_error(code), e.to_string()),
                 None => std::io::Error::new(e.kind(), e.to_string()),
@@ -113,6 +125,7 @@ impl Error {
             | Error::BufferTooSmall { .. }
             | Error::NoBuffer
             | Error::Config(_)
+            | Error::NotFound { .. }
             | Error::Tags(_) => libc::EINVAL,
             Error::TooLarge { .. } => libc::EOVERFLOW,
             Error::NotSupported(_) => libc::ENOTSUP,

@@ -12,6 +12,7 @@
 
 pub mod bio;
 pub mod device;
+pub mod dirty;
 pub mod error;
 pub mod queue;
 pub mod sched;
@@ -20,6 +21,7 @@ pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
 pub use device::{submit_wait, submit_wait_until, Device, Extent, Limits, PendingBio};
+pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
 pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
 pub use sched::Scheduler;
