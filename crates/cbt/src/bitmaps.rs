@@ -29,13 +29,15 @@
 
 use std::path::PathBuf;
 
-use blkq_sync::{Arc, Mutex};
+use blkq_sync::{Arc, DynArc, Mutex};
 
 use crate::bits::{check_granularity, Bitmap};
 use crate::commit::{CommitStats, Committer, NoSink, Sink};
 use crate::gate::{Gate, Mode};
 use crate::identity::{self, ImageId};
-use crate::sidecar::{self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal};
+use crate::sidecar::{
+    self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal,
+};
 use crate::Error;
 
 /// Where an export's bitmaps are kept.
@@ -106,7 +108,7 @@ struct Slot {
 struct Ctl {
     /// The sidecar's header as last written (`None`: memory, or not created yet).
     header: Option<Header>,
-    file: Option<Arc<FileSink>>,
+    file: Option<DynArc<FileSink>>,
     image: Option<(PathBuf, ImageId)>,
     ident: Identity,
 }
@@ -136,9 +138,9 @@ impl Bitmaps {
     /// (a reset said so).
     pub fn open(capacity: u64, opts: &Options) -> Result<(Self, Vec<String>), Error> {
         let mut notes = Vec::new();
-        let (sink, ctl, slots): (Arc<dyn Sink>, Ctl, Vec<Slot>) = match &opts.store {
+        let (sink, ctl, slots): (DynArc<dyn Sink>, Ctl, Vec<Slot>) = match &opts.store {
             Store::Memory => (
-                Arc::new(NoSink),
+                DynArc::new(NoSink),
                 Ctl {
                     header: None,
                     file: None,
@@ -185,7 +187,7 @@ impl Bitmaps {
                         })?;
                     }
                 }
-                let sink: Arc<dyn Sink> = file.clone();
+                let sink: DynArc<dyn Sink> = file.clone();
                 (
                     sink,
                     Ctl {
@@ -268,7 +270,11 @@ impl Bitmaps {
 
     /// The sidecar's path, when the bitmaps persist to one.
     pub fn sidecar_path(&self) -> Option<PathBuf> {
-        self.ctl.lock().file.as_ref().map(|f| f.path().to_path_buf())
+        self.ctl
+            .lock()
+            .file
+            .as_ref()
+            .map(|f| f.path().to_path_buf())
     }
 
     fn find(&self, name: &str) -> Option<Arc<Bitmap>> {
@@ -462,7 +468,7 @@ impl Bitmaps {
 }
 
 /// What [`open_file`] found: the sidecar, its header (`None`: not created yet), the bitmaps.
-type Opened = (Arc<FileSink>, Option<Header>, Vec<Slot>);
+type Opened = (DynArc<FileSink>, Option<Header>, Vec<Slot>);
 
 /// Opens (or prepares to create) the sidecar at `path`; see [`Bitmaps::open`].
 fn open_file(
@@ -476,7 +482,11 @@ fn open_file(
         path: path.to_path_buf(),
         source: e,
     };
-    let f = match std::fs::OpenOptions::new().read(true).write(true).open(path) {
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if id.marked {
@@ -489,11 +499,15 @@ fn open_file(
                     path.display()
                 ));
             }
-            return Ok((Arc::new(FileSink::new(path.to_path_buf(), None)), None, Vec::new()));
+            return Ok((
+                DynArc::new(FileSink::new(path.to_path_buf(), None)),
+                None,
+                Vec::new(),
+            ));
         }
         Err(e) => return Err(io(e)),
     };
-    let file = Arc::new(FileSink::new(path.to_path_buf(), Some(f)));
+    let file = DynArc::new(FileSink::new(path.to_path_buf(), Some(f)));
     match sidecar::load(&file, id.ident)? {
         Ok((h, words)) => {
             let slots = h

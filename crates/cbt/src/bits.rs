@@ -51,7 +51,9 @@ pub struct Bitmap {
 }
 
 fn words(n: u64) -> Box<[AtomicU64]> {
-    (0..n.div_ceil(WORD_BITS)).map(|_| AtomicU64::new(0)).collect()
+    (0..n.div_ceil(WORD_BITS))
+        .map(|_| AtomicU64::new(0))
+        .collect()
 }
 
 impl Bitmap {
@@ -132,7 +134,10 @@ impl Bitmap {
         let Some((first, end)) = self.bit_range(offset, len) else {
             return true;
         };
-        let (w0, w1) = ((first / WORD_BITS) as usize, ((end - 1) / WORD_BITS + 1) as usize);
+        let (w0, w1) = (
+            (first / WORD_BITS) as usize,
+            ((end - 1) / WORD_BITS + 1) as usize,
+        );
         (w0..w1).all(|w| {
             let m = mask(first, end, w);
             self.durable[w].load(Ordering::Acquire) & m == m
@@ -303,6 +308,12 @@ mod tests {
         assert_eq!(b.dirty_bytes(), 65536 + 4096);
         let mut out = Vec::new();
         b.extents_into(0, u64::MAX, 8, &mut out);
-        assert_eq!(out, [DirtyExtent { len: 65536 + 4096, dirty: true }]);
+        assert_eq!(
+            out,
+            [DirtyExtent {
+                len: 65536 + 4096,
+                dirty: true
+            }]
+        );
     }
 }

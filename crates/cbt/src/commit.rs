@@ -18,7 +18,7 @@
 //! batch. Pages are written one leader at a time, so a later snapshot of a page never lands
 //! before an earlier one.
 
-use blkq_sync::{Arc, Mutex};
+use blkq_sync::{Arc, DynArc, Mutex};
 use waitq::WaitQueue;
 
 use crate::bits::Bitmap;
@@ -74,14 +74,14 @@ pub struct CommitStats {
 
 /// See the module docs.
 pub struct Committer {
-    sink: Arc<dyn Sink>,
+    sink: DynArc<dyn Sink>,
     st: Mutex<State>,
     done: WaitQueue,
 }
 
 impl Committer {
     /// A committer writing to `sink`.
-    pub fn new(sink: Arc<dyn Sink>) -> Self {
+    pub fn new(sink: DynArc<dyn Sink>) -> Self {
         Self {
             sink,
             st: Mutex::new(State {
@@ -100,7 +100,7 @@ impl Committer {
     }
 
     /// The sink.
-    pub fn sink(&self) -> &Arc<dyn Sink> {
+    pub fn sink(&self) -> &DynArc<dyn Sink> {
         &self.sink
     }
 

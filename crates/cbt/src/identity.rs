@@ -131,7 +131,10 @@ mod tests {
         assert!(!a.marked);
         let b = of_file(&p, 4096).unwrap();
         if a.in_xattr {
-            assert_ne!(a.ident.uuid, b.ident.uuid, "not stored yet: a new one each time");
+            assert_ne!(
+                a.ident.uuid, b.ident.uuid,
+                "not stored yet: a new one each time"
+            );
         }
         mark(&p, &a).unwrap();
         let c = of_file(&p, 4096).unwrap();

@@ -27,8 +27,8 @@
 //! - `tracked.rs`: the device wrapper.
 #![warn(missing_docs)]
 
-pub mod bits;
 pub mod bitmaps;
+pub mod bits;
 pub mod commit;
 pub mod gate;
 pub mod identity;

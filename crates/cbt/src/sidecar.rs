@@ -300,7 +300,11 @@ impl FileSink {
         while p < pages {
             let n = (pages - p).min(64);
             for i in 0..n {
-                encode_page(bm, p + i, &mut buf[i as usize * PAGE..(i as usize + 1) * PAGE]);
+                encode_page(
+                    bm,
+                    p + i,
+                    &mut buf[i as usize * PAGE..(i as usize + 1) * PAGE],
+                );
             }
             self.write_pages(bm.region() + p, &buf[..n as usize * PAGE])
                 .map_err(|e| self.io(e))?;
@@ -366,8 +370,13 @@ pub fn load(sink: &FileSink, ident: Identity) -> Result<Loaded, Error> {
         .filter_map(Result::ok)
         .max_by_key(|h| h.seq);
     let Some(h) = best else {
-        let why = decode_header(&heads[PAGE..]).err().unwrap_or("no valid header");
-        return Ok(Err((Refusal::Torn(format!("no valid header ({why})")), None)));
+        let why = decode_header(&heads[PAGE..])
+            .err()
+            .unwrap_or("no valid header");
+        return Ok(Err((
+            Refusal::Torn(format!("no valid header ({why})")),
+            None,
+        )));
     };
     if h.ident.size != ident.size {
         let why = format!(
