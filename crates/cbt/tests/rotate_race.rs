@@ -10,6 +10,7 @@ use std::time::Duration;
 use blk::{Bio, Device, EndIo, Error, Extent, Limits, Op};
 use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::DynArc as Arc;
+use blkq_sync::Mutex;
 use cbt::{Bitmaps, Mode, Options, Tracked};
 use testkit::io::write_at;
 
@@ -18,17 +19,16 @@ const BLOCKS: usize = 4096;
 
 /// Completes bios late, on its own thread, after recording that their block is written.
 struct Late {
-    tx: std::sync::Mutex<mpsc::Sender<(Bio, Arc<dyn EndIo>)>>,
+    tx: Mutex<mpsc::Sender<(Bio, Arc<dyn EndIo>)>>,
 }
 
-#[allow(clippy::disallowed_types)] // the test's own device, outside any loom model
 fn late(written: Arc<Vec<AtomicBool>>) -> Late {
     let (tx, rx) = mpsc::channel::<(Bio, Arc<dyn EndIo>)>();
     std::thread::spawn(move || {
         let mut n = 0u32;
         for (bio, end) in rx {
             n = n.wrapping_add(1);
-            if n % 7 == 0 {
+            if n.is_multiple_of(7) {
                 std::thread::sleep(Duration::from_micros(200));
             }
             if bio.op == Op::Write {
@@ -37,14 +37,12 @@ fn late(written: Arc<Vec<AtomicBool>>) -> Late {
             end.end_io(bio, Ok(()));
         }
     });
-    Late {
-        tx: std::sync::Mutex::new(tx),
-    }
+    Late { tx: Mutex::new(tx) }
 }
 
 impl Device for Late {
     fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-        self.tx.lock().unwrap().send((bio, end.clone())).unwrap();
+        self.tx.lock().send((bio, end.clone())).unwrap();
     }
     fn limits(&self) -> Limits {
         Limits {
@@ -105,7 +103,7 @@ fn race(mode: Mode) {
             if t.bitmaps().is_dirty(&old, i as u64 * BLOCK).unwrap() {
                 *c += 1;
                 assert!(
-                    i % 4 != 0 || written[i].load(Ordering::SeqCst),
+                    !i.is_multiple_of(4) || written[i].load(Ordering::SeqCst),
                     "{mode:?}: block {i} counted in {old} but not complete when rotate returned"
                 );
             }
