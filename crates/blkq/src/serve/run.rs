@@ -111,6 +111,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             server.metrics(),
             opened.mirrors.clone(),
             opened.remotes.clone(),
+            opened.tracked.clone(),
         )?),
         None => None,
     };
