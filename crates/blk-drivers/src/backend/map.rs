@@ -22,7 +22,8 @@
 //! A block device lets clients issue overlapping I/O concurrently, with undefined
 //! *contents*; but two threads copying the same plain bytes at once, one of them writing, is
 //! a data race, which Rust makes undefined *behaviour*. So every access to the mapping is
-//! made under a lock. The device is cut into 1 MiB regions ([`REGION_SIZE`]); region `r` is
+//! made under a lock (but the kernel's, below: zero-copy reads and writes received into the
+//! mapping). The device is cut into 1 MiB regions ([`REGION_SIZE`]); region `r` is
 //! guarded by reader-writer lock `r % STRIPES` of a fixed table of [`STRIPES`] cache-padded
 //! locks (`blkq_sync::RwLock`, so the facade's rules hold). A request is executed region by
 //! region, holding one lock at a time: reads and extent queries shared, writes, zeroing and
@@ -63,6 +64,20 @@
 //! kernel's read of the pages is not a Rust access, so it cannot race with a locked
 //! `memcpy` in the language's sense; a page given back by `MADV_DONTNEED` stays alive while
 //! the pipe holds it, with its old bytes.
+//!
+//! # Writes received into the mapping
+//!
+//! [`Backend::recv_at`] takes a write's payload from a socket straight into the mapping
+//! (`blk::Device::recv_home`, issue #22): `recv(2)` into the region's bytes, region by region,
+//! each call counted in the region's stripe as a receiver in flight ([`super::home`]) rather
+//! than under the region's lock, which a receive the client paces must not hold. The receiver
+//! marks the pages it filled allocated as it leaves, under the lock. The kernel's stores are
+//! not Rust accesses, and every other access to the mapping is a raw-pointer copy under the
+//! lock, so there is no data race; a read or write that overlaps the receive sees undefined
+//! bytes, as a block device allows for requests in flight together. What must not happen is a
+//! page given back or zeroed under a receive (the bytes already in it would be lost, even those
+//! of a neighbouring range sharing the page), so zeroing takes [`super::home::RegionGate::quiet`]:
+//! the lock exclusive once the stripe has no receiver in flight. Copying writes need not wait.
 //!
 //! # Limits
 //!
