@@ -15,6 +15,7 @@ pub mod home;
 mod host;
 pub mod map;
 pub mod mem;
+mod splice_in;
 
 pub use file::{FileBackend, FileOptions};
 pub use map::MapBackend;

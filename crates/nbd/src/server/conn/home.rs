@@ -39,9 +39,8 @@ impl Connection<'_> {
             && self.device().can_recv_home()
     }
 
-    /// Receives `len` payload bytes into the device at `offset`; the reason to close the
-    /// connection on failure.
-    pub(super) fn fill_home(&mut self, offset: u64, len: u64) -> Result<(), String> {
+    /// Receives `len` payload bytes into the device at `offset`.
+    pub(super) fn fill_home(&mut self, offset: u64, len: u64) -> Result<(), HomeFailure> {
         // Nothing of the payload is buffered (checked when it was staged).
         self.recv_pos = 0;
         self.recv_len = 0;
@@ -49,13 +48,26 @@ impl Connection<'_> {
         let mut src = HomeRecv {
             conn: self,
             reason: None,
+            got: 0,
         };
-        dev.recv_home(offset, len as usize, &mut src).map_err(|e| {
-            src.reason
-                .take()
-                .unwrap_or_else(|| format!("receiving a write into the device failed: {e}"))
-        })
+        dev.recv_home(offset, len as usize, &mut src)
+            .map_err(|e| match src.reason.take() {
+                Some(reason) => HomeFailure::Close(reason),
+                None => HomeFailure::Device {
+                    error: e,
+                    left: len.saturating_sub(src.got),
+                },
+            })
     }
+}
+
+/// Why a write received into its home stopped.
+pub(super) enum HomeFailure {
+    /// The connection stops (the client closed or stalled, a socket error): the reason.
+    Close(String),
+    /// The device failed: the write is answered with its error, and the `left` payload bytes
+    /// still in the socket are discarded as a refused write's are.
+    Device { error: blk::Error, left: u64 },
 }
 
 /// The connection as the source of a payload received into its home: the reader's socket,
@@ -64,6 +76,8 @@ struct HomeRecv<'c, 'a> {
     conn: &'c mut Connection<'a>,
     /// Why the connection stops (the reader's own words), when it is the source that stopped.
     reason: Option<String>,
+    /// Payload bytes taken from the socket so far.
+    got: u64,
 }
 
 impl HomeRecv<'_, '_> {
@@ -86,10 +100,13 @@ impl RecvSource for HomeRecv<'_, '_> {
             } else {
                 "client closed the connection in the middle of a write".into()
             })),
-            Ok(n) => match self.conn.received(n, Instant::now()) {
-                Some(reason) => Err(self.stop(reason)),
-                None => Ok(()),
-            },
+            Ok(n) => {
+                self.got += n as u64;
+                match self.conn.received(n, Instant::now()) {
+                    Some(reason) => Err(self.stop(reason)),
+                    None => Ok(()),
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
             Err(e) if is_timeout(&e) => match self.conn.recv_timed_out(true) {
                 Some(reason) => Err(self.stop(reason)),

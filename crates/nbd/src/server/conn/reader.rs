@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
 
+use super::home::HomeFailure;
 use super::inflight::{bio_cookie, InFlight, Part};
 use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
@@ -642,7 +643,19 @@ impl<'a> Connection<'a> {
             return Ok(());
         };
         let res = match p.home {
-            Some(offset) => self.fill_home(offset, p.remaining),
+            Some(offset) => match self.fill_home(offset, p.remaining) {
+                Ok(()) => Ok(()),
+                Err(HomeFailure::Close(reason)) => Err(reason),
+                Err(HomeFailure::Device { error, left }) => {
+                    // Answered with the device's error once the rest of the payload is read
+                    // off the socket, as a refused write's (`parse`).
+                    tracing::warn!("a write received into the device failed: {error}");
+                    p.entry.fail(Errno::from_errno(error.errno()));
+                    self.discard_left = left;
+                    self.discarding = Some(p.entry);
+                    return Ok(());
+                }
+            },
             None => self.fill(&mut p),
         };
         match res {
