@@ -282,3 +282,119 @@ fn a_client_gone_mid_payload_leaves_no_receiver_and_the_trim_completes() {
         c.disconnect().unwrap();
     }
 }
+
+#[test]
+fn buffered_file_writes_are_spliced_into_the_page_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("disk.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    let t = Setup::new(device(&format!("file:{}", img.display())), false);
+    let mut seed = 100;
+    for ep in [&t.unix, &t.tcp] {
+        for (name, opts) in modes() {
+            let mut c = connect(ep, &opts);
+            let before = t.homed();
+            let mut writes = Vec::new();
+            for (off, len) in [(0, MIB), (MIB + 512, 2 * MIB), (4 * MIB, 256 << 10), (5 * MIB, MIB)] {
+                seed += 1;
+                writes.push((off, len, seed));
+            }
+            write_all(&mut c, &writes, CmdFlags::empty());
+            check_all(&mut c, &writes, &format!("{ep:?} {name}"));
+            // What the file holds, read past the server.
+            c.flush().unwrap();
+            let on_disk = std::fs::read(&img).unwrap();
+            for &(off, len, seed) in &writes {
+                assert!(
+                    on_disk[off as usize..(off + len) as usize] == pattern(seed, len as usize)[..],
+                    "{ep:?} {name}: the file differs at {off}+{len}"
+                );
+            }
+            assert!(t.homed() - before >= writes.len() - 1, "{ep:?} {name}");
+            c.disconnect().unwrap();
+        }
+    }
+}
+
+/// Receives the first half of each write received home into the device, then fails: a device
+/// error in the middle of a payload.
+struct FailsHalfway;
+
+impl Hook for FailsHalfway {
+    fn submit_batch(
+        &self,
+        inner: &dyn Device,
+        bios: &mut dyn Iterator<Item = blk::Bio>,
+        end: &Arc<dyn blk::EndIo>,
+    ) {
+        inner.submit_batch(bios, end)
+    }
+    fn can_recv_home(&self, inner: &dyn Device) -> bool {
+        inner.can_recv_home()
+    }
+    fn recv_home(
+        &self,
+        inner: &dyn Device,
+        offset: u64,
+        len: usize,
+        src: &mut dyn RecvSource,
+    ) -> Result<(), blk::Error> {
+        inner.recv_home(offset, len / 2, src)?;
+        Err(blk::Error::Io(std::io::Error::from_raw_os_error(
+            libc::EIO,
+        )))
+    }
+}
+
+#[test]
+fn a_device_failing_mid_payload_answers_the_write_and_the_connection_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let dev: Arc<dyn Device> = Arc::new(Forward::with_hook(device("mem:16M"), FailsHalfway));
+    let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
+    cfg.unix = Some(sock.clone());
+    let server = Server::start(cfg).unwrap();
+    for (name, opts) in modes() {
+        let mut c = connect(&Endpoint::Unix(sock.clone()), &opts);
+        // Pipelined: the first may be copied (it succeeds); the next ones are received home
+        // and fail with EIO, their second halves discarded; the small writes after them (whose
+        // headers follow the discarded bytes) succeed.
+        let mut want = HashMap::new();
+        for i in 0..4u64 {
+            let cookie = c
+                .send(
+                    Request::new(Command::Write, 0, i * MIB, MIB),
+                    &pattern(i, MIB as usize),
+                )
+                .unwrap();
+            want.insert(cookie, i);
+        }
+        for i in 0..4u64 {
+            let small = c
+                .send(Request::new(Command::Write, 0, 8 * MIB + i * 4096, 4096), &[7u8; 4096])
+                .unwrap();
+            want.insert(small, 100);
+        }
+        let mut failed = 0;
+        while !want.is_empty() {
+            let r = match c.recv() {
+                Ok(r) => r,
+                Err(e) => panic!("{name}: {e}"),
+            };
+            let i = want.remove(&r.cookie).unwrap();
+            if i == 100 {
+                assert_eq!(r.error, 0, "{name}: a small write failed");
+            } else if r.error != 0 {
+                assert_eq!(r.error, libc::EIO as u32, "{name}");
+                failed += 1;
+            }
+        }
+        assert!(failed >= 3, "{name}: {failed} writes failed");
+        assert!(c.read(8 * MIB, 4 * 4096).unwrap().iter().all(|&b| b == 7));
+        c.disconnect().unwrap();
+    }
+    server.shutdown();
+}
