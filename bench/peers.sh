@@ -50,7 +50,8 @@
 #   BLKQ=PATH     blkq binary (default: cargo build --release -p blkq, target/release/blkq)
 #   SERVERS="blkq nbdkit qemu-nbd"   subset / order (blkq must stay for the ratio); add
 #                 nbd-server for the mem backend (it serves no file backend here), at the cost
-#                 of a quarter more mem runs
+#                 of a quarter more mem runs; blkq-copy is blkq with splice=0 (every payload
+#                 copied through the server's buffers), never counted as a peer
 #   Duration: R=3 ROUNDS=2 with the defaults is 312 runs, about 22 minutes on the 2-vCPU box
 #   (a run costs R plus about a second: fio start, perf attach, bookkeeping)
 #   TRANSPORTS="unix tcp"
@@ -108,7 +109,7 @@ die() {
 
 tools=(fio strace nbdinfo truncate "$PY")
 for s in $SERVERS; do
-  [[ $s == blkq ]] || tools+=("$s")
+  [[ $s == blkq* ]] || tools+=("$s")
 done
 for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null ||
@@ -191,8 +192,8 @@ servers_for() {
   local s out=()
   for s in $SERVERS; do
     case $1:$s in
-      mem:blkq | mem:nbdkit | mem:qemu-nbd | mem:nbd-server) out+=("$s") ;;
-      file-*:blkq | file-*:nbdkit | file-*:qemu-nbd) out+=("$s") ;;
+      mem:blkq | mem:blkq-copy | mem:nbdkit | mem:qemu-nbd | mem:nbd-server) out+=("$s") ;;
+      file-*:blkq | file-*:blkq-copy | file-*:nbdkit | file-*:qemu-nbd) out+=("$s") ;;
     esac
   done
   echo "${out[@]}"
@@ -224,12 +225,15 @@ start_server() {
     listen_qemu=(-b 127.0.0.1 -p "$port")
   fi
   case $name in
-    blkq)
-      local dev="mem:$SIZE"
+    blkq | blkq-copy)
+      # blkq-copy: every zero-copy path off (splice=0), payloads copied through buffers.
+      local dev="mem:$SIZE" opt=""
+      [[ $name == blkq-copy ]] && opt=",splice=0"
       if [[ $be != mem ]]; then
-        img=$(image "$be" blkq)
+        img=$(image "$be" "$name")
         dev="file:$img"
       fi
+      dev+=$opt
       "$BLKQ" serve --device "$dev" "${listen_blkq[@]}" >"$log" 2>&1 &
       spid=$!
       ;;
@@ -581,7 +585,7 @@ for be in backends:
         _, label, tr, conns, qd = key
         r = rows[key]
         cells = [label.replace("_", " "), tr, conns, qd] + [cell(r.get(s)) for s in present]
-        peers = [(med(r[s]["iops"]), s) for s in present if s != "blkq" and s in r and r[s]["iops"]]
+        peers = [(med(r[s]["iops"]), s) for s in present if not s.startswith("blkq") and s in r and r[s]["iops"]]
         b = r.get("blkq")
         if peers and b and b["iops"]:
             best, who = max(peers)
@@ -603,7 +607,7 @@ import statistics, sys
 v = {}
 for line in open(sys.argv[1]):
     be, label, tr, conns, qd, srv, rnd, iops, *_ = line.rstrip("\n").split("\t")
-    if (be, label, tr, conns, qd) == ("mem", "4k_randread", "unix", "1", "64") and srv != "blkq" and iops != "NA":
+    if (be, label, tr, conns, qd) == ("mem", "4k_randread", "unix", "1", "64") and not srv.startswith("blkq") and iops != "NA":
         v.setdefault(srv, []).append(float(iops))
 print(max(((statistics.median(x), s) for s, x in v.items()), default=(0, ""))[1])
 EOF

@@ -39,6 +39,7 @@
 //! `Device::extents` returns (one per structured read when the export has sparse reads, and
 //! per `NBD_CMD_BLOCK_STATUS`) and the plug `Queue::submit_batch` allocates per batch.
 
+mod home;
 mod inflight;
 mod reader;
 mod reply;
@@ -264,6 +265,9 @@ struct Connection<'a> {
     /// reads ask the socket for less, so that the payloads that follow land in their own
     /// buffers rather than in `recv_buf` (from which they would be copied once more).
     big_writes: bool,
+    /// The last request staged was a write received into its home (`home.rs`): the next
+    /// reads ask the socket for one request header, leaving the payload behind it there.
+    home_writes: bool,
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle timeout counts from here.
     last_recv: Instant,
@@ -386,6 +390,7 @@ impl<'a> Connection<'a> {
             extents_buf: Vec::new(),
             partial_write: None,
             big_writes: false,
+            home_writes: false,
             last_recv: Instant::now(),
             mid: reader::MidRequest::default(),
             stats: Stats::default(),
