@@ -44,6 +44,7 @@ mod inflight;
 mod reader;
 mod reply;
 mod splice;
+pub(super) mod splice_rule;
 mod transport;
 mod writer;
 
@@ -275,6 +276,10 @@ struct Connection<'a> {
     /// timeout counts from its start, not from its last byte.
     mid: reader::MidRequest,
     stats: Stats,
+    /// Which large reads are spliced (`splice_rule.rs`).
+    splice_chooser: splice_rule::SpliceChooser,
+    /// Requests of this connection in flight (slots taken) when the parse pass began.
+    in_flight: usize,
     /// `teardown` ran (the normal end); `Drop` cleans up after a panic otherwise.
     torn_down: bool,
 }
@@ -394,6 +399,8 @@ impl<'a> Connection<'a> {
             last_recv: Instant::now(),
             mid: reader::MidRequest::default(),
             stats: Stats::default(),
+            splice_chooser: splice_rule::SpliceChooser::new(tuning.splice_rule, Instant::now()),
+            in_flight: 0,
             torn_down: false,
         })
     }
@@ -411,6 +418,7 @@ impl<'a> Connection<'a> {
                 }
             }
             let (free_slots, budget_left) = self.wait_for_room();
+            self.in_flight = self.server.tuning.slots.saturating_sub(free_slots);
             let stop = self.parse(free_slots, budget_left);
             self.commit();
             match stop {

@@ -518,13 +518,19 @@ impl<'a> Connection<'a> {
             && !r.flags.contains(CmdFlags::DF)
             && self.export.export.sparse_reads;
         // Large reads on a plaintext connection to a device that can: spliced by the writer,
-        // no bio, no buffer (`splice.rs`).
+        // no bio, no buffer (`splice.rs`), when the rule says this client takes them faster
+        // that way (`splice_rule.rs`).
         let spliced = r.length >= SPLICE_MIN_BYTES
             && self
                 .core
                 .splice_dev
                 .as_ref()
-                .is_some_and(|d| d.can_splice());
+                .is_some_and(|d| d.can_splice())
+            && self.splice_chooser.choose(
+                r.length,
+                Instant::now(),
+                self.in_flight + self.staged.len(),
+            );
         let mut at = r.offset;
         if sparse {
             // The connection's reused vector, taken for the loop (which needs `&mut self`)
