@@ -340,3 +340,120 @@ fn a_removed_bitmap_fails_its_requests_and_the_connection_goes_on() {
         vec!["qemu:dirty-bitmap:kept".to_string()]
     );
 }
+
+/// Runs a client nobody here wrote; `None` (the check skipped, said on stderr) when it is not
+/// installed.
+fn run_client(program: &str, args: &[&str]) -> Option<String> {
+    let out = match std::process::Command::new(program).args(args).output() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("skipped the {program} check: {e}");
+            return None;
+        }
+    };
+    assert!(out.status.success(), "{program} {args:?}: {out:?}");
+    Some(String::from_utf8(out.stdout).unwrap())
+}
+
+/// Dirty granules of `size` bytes from (offset, length, dirty) runs, which must tile it.
+fn granules_of(runs: &[(u64, u64, bool)], size: u64) -> Vec<bool> {
+    let mut at = 0;
+    let mut out = Vec::new();
+    for &(offset, len, dirty) in runs {
+        assert_eq!(offset, at, "{runs:?}");
+        assert!(len % GRAIN == 0, "{runs:?}");
+        out.extend(std::iter::repeat_n(dirty, (len / GRAIN) as usize));
+        at += len;
+    }
+    assert_eq!(at, size, "{runs:?}");
+    out
+}
+
+#[test]
+fn real_clients_read_the_writes_from_the_bitmap() {
+    let dev = Tracking::new("mem:64M", &["backup"]);
+    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let Endpoint::Unix(sock) = &t.ep else {
+        unreachable!()
+    };
+    let sock = sock.to_str().unwrap();
+    let size = 64 * MIB;
+    // Writes of every shape: inside a granule, across two, a whole run of them, the last.
+    let mut c = t.connect("", false, &[]);
+    let mut touched = Vec::new();
+    for (i, (offset, len)) in [
+        (4096, 512),
+        (7 * GRAIN - 4096, 8192),
+        (20 * GRAIN, 10 * GRAIN),
+        (size - GRAIN, GRAIN),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        c.write(offset, &pattern(i as u64, len as usize), CmdFlags::empty())
+            .unwrap();
+        touched.extend(offset / GRAIN..=(offset + len - 1) / GRAIN);
+    }
+    c.disconnect().unwrap();
+    let want = dirty_at(size, &touched);
+    let context = "qemu:dirty-bitmap:backup";
+    let uri = format!("nbd+unix:///?socket={sock}");
+
+    // nbdinfo --map: "OFFSET LENGTH TYPE DESCRIPTION", type bit 0 dirty.
+    if let Some(out) = run_client("nbdinfo", &[&format!("--map={context}"), &uri]) {
+        let runs: Vec<(u64, u64, bool)> = out
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let ty: u32 = f[2].parse().unwrap();
+                (f[0].parse().unwrap(), f[1].parse().unwrap(), ty & 1 == 1)
+            })
+            .collect();
+        assert_eq!(granules_of(&runs, size), want, "nbdinfo:\n{out}");
+    }
+
+    // qemu's own reader: with x-dirty-bitmap, a dirty extent reads as `"data": false`.
+    let opts = format!("driver=nbd,server.type=unix,server.path={sock},x-dirty-bitmap={context}");
+    let qemu = ["map", "--output=json", "--image-opts", &opts];
+    if let Some(out) = run_client("qemu-img", &qemu) {
+        let field = |l: &str, k: &str| -> String {
+            let at = l.find(&format!("\"{k}\": ")).unwrap() + k.len() + 4;
+            l[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect()
+        };
+        let runs: Vec<(u64, u64, bool)> = out
+            .lines()
+            .filter(|l| l.contains("\"start\""))
+            .map(|l| {
+                let data = field(l, "data");
+                (
+                    field(l, "start").parse().unwrap(),
+                    field(l, "length").parse().unwrap(),
+                    data == "false",
+                )
+            })
+            .collect();
+        assert_eq!(granules_of(&runs, size), want, "qemu-img map:\n{out}");
+    }
+
+    // libnbd's block_status (Python), through the backup script's map: dirty runs only.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/cbt-backup.py");
+    if let Some(out) = run_client(script, &["--bitmap", "backup", "--map", &uri]) {
+        let mut runs = Vec::new();
+        let mut at = 0;
+        for l in out.lines() {
+            let f: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
+            if f[0] > at {
+                runs.push((at, f[0] - at, false));
+            }
+            runs.push((f[0], f[1], true));
+            at = f[0] + f[1];
+        }
+        if at < size {
+            runs.push((at, size - at, false));
+        }
+        assert_eq!(granules_of(&runs, size), want, "libnbd:\n{out}");
+    }
+}
