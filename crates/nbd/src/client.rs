@@ -428,6 +428,10 @@ impl Default for ClientOptions {
     }
 }
 
+/// One context's part of a block-status reply: its name, and its (length, flags)
+/// descriptors.
+pub type ContextStatus = (String, Vec<(u64, u64)>);
+
 /// A whole reply, as [`Client::recv`] returns it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Reply {
@@ -837,7 +841,7 @@ impl Client {
         offset: u64,
         len: u64,
         flags: CmdFlags,
-    ) -> Result<Vec<(String, Vec<(u64, u64)>)>, ClientError> {
+    ) -> Result<Vec<ContextStatus>, ClientError> {
         let req = Request::new(Command::BlockStatus, 0, offset, len).with_flags(flags);
         let reply = self.request(req, &[])?;
         let mut out = Vec::with_capacity(reply.contexts.len());
