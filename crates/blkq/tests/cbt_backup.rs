@@ -131,7 +131,7 @@ impl Backup {
         let mut g = Vec::new();
         for l in out.lines() {
             let f: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
-            assert!(f[0] % GRAIN == 0 && f[1] % GRAIN == 0, "{out}");
+            assert!(f[0].is_multiple_of(GRAIN) && f[1].is_multiple_of(GRAIN), "{out}");
             g.extend(f[0] / GRAIN..(f[0] + f[1]) / GRAIN);
         }
         g

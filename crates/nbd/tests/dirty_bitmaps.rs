@@ -84,7 +84,7 @@ fn names(v: Vec<(u32, String)>) -> Vec<String> {
 fn per_granule(extents: &[(u64, u64)], len: u64) -> Vec<bool> {
     let mut out = Vec::new();
     for &(l, flags) in extents {
-        assert!(l > 0 && l % GRAIN == 0, "extent of {l} bytes");
+        assert!(l > 0 && l.is_multiple_of(GRAIN), "extent of {l} bytes");
         out.extend(std::iter::repeat_n(flags & 1 == 1, (l / GRAIN) as usize));
     }
     assert_eq!(out.len() as u64, len / GRAIN, "extents {extents:?}");
@@ -361,7 +361,7 @@ fn granules_of(runs: &[(u64, u64, bool)], size: u64) -> Vec<bool> {
     let mut out = Vec::new();
     for &(offset, len, dirty) in runs {
         assert_eq!(offset, at, "{runs:?}");
-        assert!(len % GRAIN == 0, "{runs:?}");
+        assert!(len.is_multiple_of(GRAIN), "{runs:?}");
         out.extend(std::iter::repeat_n(dirty, (len / GRAIN) as usize));
         at += len;
     }
