@@ -1,0 +1,574 @@
+//! [`Bitmaps`]: an export's named dirty bitmaps, what the write path marks and what management
+//! (`add`, `remove`, `clear`, `rotate`, `list`) changes, with the store they persist to.
+//!
+//! # Every operation is durable before it returns, and a crash leaves a superset
+//!
+//! Management is serialized by one lock (`ctl`); the write path never takes it. Each
+//! operation writes the sidecar's header (double-buffered) and switches the gate's recording
+//! set in the order that keeps the on-disk bitmaps a superset of the writes after a crash at
+//! any point:
+//!
+//! - `add NAME`: a zeroed region, then the header naming it, then the gate (NAME recording).
+//!   A crash before the header: no NAME (the add did not return).
+//! - `remove NAME`: the header without NAME, then the gate. A crash between: NAME is gone.
+//!   Writes still counted in NAME persist into its unnamed region, reused only after the gate
+//!   drained them.
+//! - `rotate OLD NEW`: a zeroed region for NEW, then the header (OLD frozen, NEW recording),
+//!   then the gate switches OLD for NEW in one publish and waits for the writes counted in OLD
+//!   to complete. In memory every write is counted in exactly one of them. A crash between the
+//!   header and the gate: writes counted in OLD reached OLD's region, so the frozen OLD holds
+//!   them (the rotate did not return: the backup tool reads OLD, as it would have).
+//! - `clear NAME` (recording): a zeroed region for the fresh NAME, then the gate counts writes
+//!   in both the old and the fresh one (drained), then the header names the fresh one, then
+//!   the gate drops the old one (drained). Whichever header survives a crash, it names a
+//!   region holding every write since the clear began. A frozen NAME is just re-pointed.
+//!
+//! With `--bitmaps-reset`, a sidecar that is torn or from another image is rebuilt with the
+//! same names, every bit set (the next backup from each is a full one); a missing one starts
+//! empty. Both are said in the notes [`Bitmaps::open`] returns.
+
+use std::path::PathBuf;
+
+use blkq_sync::{Arc, DynArc, Mutex};
+
+use crate::bits::{check_granularity, Bitmap};
+use crate::commit::{CommitStats, Committer, NoSink, Sink};
+use crate::gate::{Gate, Mode};
+use crate::identity::{self, ImageId};
+use crate::sidecar::{
+    self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal,
+};
+use crate::Error;
+
+/// Where an export's bitmaps are kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Store {
+    /// In memory only (lost when the server stops).
+    Memory,
+    /// In a sidecar file.
+    File {
+        /// The sidecar's path.
+        path: PathBuf,
+        /// Whose sidecar it is.
+        image: Image,
+    },
+}
+
+/// The image a sidecar belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Image {
+    /// A `file:` image: its identity is its size and the UUID in its attribute
+    /// (see [`crate::identity`]).
+    File(PathBuf),
+    /// A fixed identity (a mirror's array UUID; a memory device's size with a nil UUID).
+    Fixed(Identity),
+}
+
+/// How to open an export's bitmaps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// Where.
+    pub store: Store,
+    /// Replace a missing, torn or foreign sidecar instead of refusing it.
+    pub reset: bool,
+    /// The gate's mode (the locked twin for comparisons).
+    pub mode: Mode,
+}
+
+impl Options {
+    /// Bitmaps in memory only, lock-free gate.
+    pub fn memory() -> Self {
+        Self {
+            store: Store::Memory,
+            reset: false,
+            mode: Mode::LockFree,
+        }
+    }
+}
+
+/// One bitmap as `list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Info {
+    /// Name.
+    pub name: String,
+    /// Bytes per bit.
+    pub granularity: u64,
+    /// `false` once frozen by `rotate`.
+    pub recording: bool,
+    /// Bytes marked dirty.
+    pub dirty_bytes: u64,
+}
+
+#[derive(Clone)]
+struct Slot {
+    bm: Arc<Bitmap>,
+    frozen: bool,
+}
+
+struct Ctl {
+    /// The sidecar's header as last written (`None`: memory, or not created yet).
+    header: Option<Header>,
+    file: Option<DynArc<FileSink>>,
+    image: Option<(PathBuf, ImageId)>,
+    ident: Identity,
+}
+
+/// An export's named dirty bitmaps. See the module docs.
+pub struct Bitmaps {
+    capacity: u64,
+    gate: Gate<Vec<Arc<Bitmap>>>,
+    committer: Committer,
+    ctl: Mutex<Ctl>,
+    /// What readers see: every bitmap, in creation order. Replaced under `ctl`, read briefly.
+    view: Mutex<Vec<Slot>>,
+}
+
+fn check_name(name: &str) -> Result<(), Error> {
+    if name.is_empty()
+        || name.len() > sidecar::MAX_NAME
+        || name.chars().any(|c| c.is_control() || c.is_whitespace())
+    {
+        return Err(Error::BadName(name.to_string()));
+    }
+    Ok(())
+}
+
+impl Bitmaps {
+    /// Opens the bitmaps of a device of `capacity` bytes; returns them and notes for the log
+    /// (a reset said so).
+    pub fn open(capacity: u64, opts: &Options) -> Result<(Self, Vec<String>), Error> {
+        let mut notes = Vec::new();
+        let (sink, ctl, slots): (DynArc<dyn Sink>, Ctl, Vec<Slot>) = match &opts.store {
+            Store::Memory => (
+                DynArc::new(NoSink),
+                Ctl {
+                    header: None,
+                    file: None,
+                    image: None,
+                    ident: Identity {
+                        size: capacity,
+                        uuid: [0; 16],
+                    },
+                },
+                Vec::new(),
+            ),
+            Store::File { path, image } => {
+                let (id, image) = match image {
+                    Image::File(p) => {
+                        let id = identity::of_file(p, capacity).map_err(|e| Error::Io {
+                            path: p.clone(),
+                            source: e,
+                        })?;
+                        if !id.in_xattr {
+                            notes.push(format!(
+                                "{}: no extended attributes here; the sidecar {} is matched to \
+                                 the image by device and inode numbers",
+                                p.display(),
+                                path.display()
+                            ));
+                        }
+                        (id, Some((p.clone(), id)))
+                    }
+                    Image::Fixed(ident) => (
+                        ImageId {
+                            ident: *ident,
+                            marked: false,
+                            in_xattr: false,
+                        },
+                        None,
+                    ),
+                };
+                let (file, header, slots) = open_file(path, id, capacity, opts.reset, &mut notes)?;
+                if header.is_some() {
+                    if let Some((p, id)) = &image {
+                        identity::mark(p, id).map_err(|e| Error::Io {
+                            path: p.clone(),
+                            source: e,
+                        })?;
+                    }
+                }
+                let sink: DynArc<dyn Sink> = file.clone();
+                (
+                    sink,
+                    Ctl {
+                        header,
+                        file: Some(file),
+                        image,
+                        ident: id.ident,
+                    },
+                    slots,
+                )
+            }
+        };
+        let recording: Vec<Arc<Bitmap>> = slots
+            .iter()
+            .filter(|s| !s.frozen)
+            .map(|s| s.bm.clone())
+            .collect();
+        Ok((
+            Self {
+                capacity,
+                gate: Gate::new(opts.mode, recording, Vec::new()),
+                committer: Committer::new(sink),
+                ctl: Mutex::new(ctl),
+                view: Mutex::new(slots),
+            },
+            notes,
+        ))
+    }
+
+    /// The device's size.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The gate's mode.
+    pub fn mode(&self) -> Mode {
+        self.gate.mode()
+    }
+
+    /// The write path: counts a write of `[offset, offset + len)` in every recording bitmap,
+    /// persisting bits that were clean, and returns the generation to pass to
+    /// [`Bitmaps::end_write`] once the device completed the write. `Err`: a persist failed;
+    /// the write must not go down (end it with the error, after `end_write`).
+    pub fn start_write(&self, offset: u64, len: u64) -> (u64, Result<(), blk::Error>) {
+        self.gate.enter(|set| {
+            for bm in set {
+                if let Some(words) = bm.mark(offset, len) {
+                    self.committer
+                        .persist(bm, words, offset, len)
+                        .map_err(|m| blk::Error::Io(std::io::Error::other(m)))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Ends a write started with [`Bitmaps::start_write`].
+    pub fn end_write(&self, gen: u64) {
+        self.gate.exit(gen)
+    }
+
+    /// What the committer did (persists, pages).
+    pub fn commit_stats(&self) -> CommitStats {
+        self.committer.stats()
+    }
+
+    /// The bitmaps, in creation order.
+    pub fn list(&self) -> Vec<Info> {
+        self.view
+            .lock()
+            .iter()
+            .map(|s| Info {
+                name: s.bm.name().to_string(),
+                granularity: s.bm.granularity(),
+                recording: !s.frozen,
+                dirty_bytes: s.bm.dirty_bytes(),
+            })
+            .collect()
+    }
+
+    /// The sidecar's path, when the bitmaps persist to one.
+    pub fn sidecar_path(&self) -> Option<PathBuf> {
+        self.ctl
+            .lock()
+            .file
+            .as_ref()
+            .map(|f| f.path().to_path_buf())
+    }
+
+    fn find(&self, name: &str) -> Option<Arc<Bitmap>> {
+        self.view
+            .lock()
+            .iter()
+            .find(|s| s.bm.name() == name)
+            .map(|s| s.bm.clone())
+    }
+
+    /// The dirty runs of bitmap `name` over `[offset, offset + len)` (see
+    /// [`blk::DirtyBitmaps::dirty_extents_into`]). Takes the readers' lock only to find the
+    /// bitmap; the bits are read with loads, never blocking a writer.
+    pub fn extents_into(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<blk::DirtyExtent>,
+    ) -> Result<(), Error> {
+        let bm = self
+            .find(name)
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        bm.extents_into(offset, len, max, out);
+        Ok(())
+    }
+
+    /// Whether bitmap `name` marks byte `offset` dirty (tests, tools).
+    pub fn is_dirty(&self, name: &str, offset: u64) -> Result<bool, Error> {
+        let bm = self
+            .find(name)
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        Ok(bm.is_dirty(offset >> bm.shift()))
+    }
+
+    /// Adds a clean, recording bitmap `name` with `granularity` bytes per bit.
+    pub fn add(&self, name: &str, granularity: u64) -> Result<(), Error> {
+        check_name(name)?;
+        let shift = check_granularity(granularity)?;
+        let mut ctl = self.ctl.lock();
+        let mut slots = self.view.lock().clone();
+        if slots.iter().any(|s| s.bm.name() == name) {
+            return Err(Error::Exists(name.to_string()));
+        }
+        if slots.len() >= sidecar::MAX_BITMAPS {
+            return Err(Error::TooMany(sidecar::MAX_BITMAPS));
+        }
+        let bm = self.new_bitmap(&mut ctl, name, shift, &[])?;
+        slots.push(Slot { bm, frozen: false });
+        self.write_header(&mut ctl, &slots)?;
+        self.switch(&slots, None);
+        Ok(())
+    }
+
+    /// Removes bitmap `name`.
+    pub fn remove(&self, name: &str) -> Result<(), Error> {
+        let mut ctl = self.ctl.lock();
+        let mut slots = self.view.lock().clone();
+        let i = slots
+            .iter()
+            .position(|s| s.bm.name() == name)
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        slots.remove(i);
+        self.write_header(&mut ctl, &slots)?;
+        self.switch(&slots, None);
+        Ok(())
+    }
+
+    /// Clears bitmap `name` (durably: see the module docs).
+    pub fn clear(&self, name: &str) -> Result<(), Error> {
+        let mut ctl = self.ctl.lock();
+        let mut slots = self.view.lock().clone();
+        let i = slots
+            .iter()
+            .position(|s| s.bm.name() == name)
+            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let old = slots[i].bm.clone();
+        let fresh = self.new_bitmap(&mut ctl, name, old.shift(), &[&old])?;
+        if !slots[i].frozen {
+            // Writes count in both while the header moves (module docs).
+            self.switch(&slots, Some(fresh.clone()));
+        }
+        slots[i].bm = fresh;
+        self.write_header(&mut ctl, &slots)?;
+        self.switch(&slots, None);
+        Ok(())
+    }
+
+    /// Freezes `old` and starts `new` (same granularity) at one instant: every write is
+    /// counted in exactly one of them, and when this returns every write counted in `old`
+    /// has completed.
+    pub fn rotate(&self, old: &str, new: &str) -> Result<(), Error> {
+        check_name(new)?;
+        let mut ctl = self.ctl.lock();
+        let mut slots = self.view.lock().clone();
+        let i = slots
+            .iter()
+            .position(|s| s.bm.name() == old)
+            .ok_or_else(|| Error::NotFound(old.to_string()))?;
+        if slots[i].frozen {
+            return Err(Error::Frozen(old.to_string()));
+        }
+        if slots.iter().any(|s| s.bm.name() == new) {
+            return Err(Error::Exists(new.to_string()));
+        }
+        if slots.len() >= sidecar::MAX_BITMAPS {
+            return Err(Error::TooMany(sidecar::MAX_BITMAPS));
+        }
+        let bm = self.new_bitmap(&mut ctl, new, slots[i].bm.shift(), &[])?;
+        slots[i].frozen = true;
+        slots.push(Slot { bm, frozen: false });
+        self.write_header(&mut ctl, &slots)?;
+        self.switch(&slots, None);
+        Ok(())
+    }
+
+    /// Publishes `slots` to readers and their recording bitmaps (plus `extra`) to the gate;
+    /// returns once the writes counted in the previous set have completed.
+    fn switch(&self, slots: &[Slot], extra: Option<Arc<Bitmap>>) {
+        let mut set: Vec<Arc<Bitmap>> = slots
+            .iter()
+            .filter(|s| !s.frozen)
+            .map(|s| s.bm.clone())
+            .collect();
+        set.extend(extra);
+        *self.view.lock() = slots.to_vec();
+        self.gate.publish(set);
+    }
+
+    /// A clean bitmap with a zeroed region in the sidecar (created first if need be), not
+    /// overlapping the regions of the header or of `busy`.
+    fn new_bitmap(
+        &self,
+        ctl: &mut Ctl,
+        name: &str,
+        shift: u32,
+        busy: &[&Arc<Bitmap>],
+    ) -> Result<Arc<Bitmap>, Error> {
+        let Some(file) = ctl.file.clone() else {
+            return Ok(Arc::new(Bitmap::new(name, self.capacity, shift, 0)));
+        };
+        if ctl.header.is_none() {
+            ctl.header = Some(file.create(ctl.ident)?);
+            if let Some((p, id)) = &ctl.image {
+                identity::mark(p, id).map_err(|e| Error::Io {
+                    path: p.clone(),
+                    source: e,
+                })?;
+            }
+        }
+        let h = ctl.header.as_ref().expect("created above");
+        let nbits = self.capacity.div_ceil(1 << shift);
+        let pages = region_pages(nbits);
+        let mut used = h.entries.clone();
+        used.extend(busy.iter().map(|b| Entry {
+            name: String::new(),
+            shift: b.shift(),
+            frozen: false,
+            region: b.region(),
+            pages: region_pages(b.nbits()),
+        }));
+        let region = alloc_region(&used, pages);
+        let bm = Arc::new(Bitmap::new(name, self.capacity, shift, region));
+        file.init_region(&bm)?;
+        Ok(bm)
+    }
+
+    fn write_header(&self, ctl: &mut Ctl, slots: &[Slot]) -> Result<(), Error> {
+        let (Some(file), Some(h)) = (ctl.file.clone(), ctl.header.as_mut()) else {
+            return Ok(());
+        };
+        let next = Header {
+            seq: h.seq + 1,
+            ident: h.ident,
+            entries: slots
+                .iter()
+                .map(|s| Entry {
+                    name: s.bm.name().to_string(),
+                    shift: s.bm.shift(),
+                    frozen: s.frozen,
+                    region: s.bm.region(),
+                    pages: region_pages(s.bm.nbits()),
+                })
+                .collect(),
+        };
+        file.write_header(&next)?;
+        *h = next;
+        Ok(())
+    }
+}
+
+/// What [`open_file`] found: the sidecar, its header (`None`: not created yet), the bitmaps.
+type Opened = (DynArc<FileSink>, Option<Header>, Vec<Slot>);
+
+/// Opens (or prepares to create) the sidecar at `path`; see [`Bitmaps::open`].
+fn open_file(
+    path: &std::path::Path,
+    id: ImageId,
+    capacity: u64,
+    reset: bool,
+    notes: &mut Vec<String>,
+) -> Result<Opened, Error> {
+    let io = |e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    };
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if id.marked {
+                if !reset {
+                    return Err(Error::Missing(path.to_path_buf()));
+                }
+                notes.push(format!(
+                    "--bitmaps-reset: the bitmap sidecar {} is missing although the image had \
+                     bitmaps: starting with none (every backup tool must take a full backup)",
+                    path.display()
+                ));
+            }
+            return Ok((
+                DynArc::new(FileSink::new(path.to_path_buf(), None)),
+                None,
+                Vec::new(),
+            ));
+        }
+        Err(e) => return Err(io(e)),
+    };
+    let file = DynArc::new(FileSink::new(path.to_path_buf(), Some(f)));
+    match sidecar::load(&file, id.ident)? {
+        Ok((h, words)) => {
+            let slots = h
+                .entries
+                .iter()
+                .zip(words)
+                .map(|(e, ws)| {
+                    let bm = Bitmap::new(&e.name, capacity, e.shift, e.region);
+                    for (w, v) in ws.into_iter().enumerate() {
+                        bm.load_word(w, v);
+                    }
+                    Slot {
+                        bm: Arc::new(bm),
+                        frozen: e.frozen,
+                    }
+                })
+                .collect();
+            Ok((file, Some(h), slots))
+        }
+        Err((refusal, known)) => {
+            let (err, why) = match refusal {
+                Refusal::Torn(w) => (Error::Torn(path.to_path_buf(), w.clone()), w),
+                Refusal::Foreign(w) => (Error::Foreign(path.to_path_buf(), w.clone()), w),
+            };
+            if !reset {
+                return Err(err);
+            }
+            let mut h = file.create(id.ident)?;
+            let mut slots = Vec::new();
+            let mut entries: Vec<Entry> = Vec::new();
+            for e in known.map(|k| k.entries).unwrap_or_default() {
+                let nbits = capacity.div_ceil(1 << e.shift.clamp(12, 26));
+                let pages = region_pages(nbits);
+                let region = alloc_region(&entries, pages);
+                let bm = Bitmap::new(&e.name, capacity, e.shift.clamp(12, 26), region);
+                bm.set_all();
+                file.init_region(&bm)?;
+                for w in 0..bm.nwords() {
+                    bm.set_durable(w, bm.dirty_word(w));
+                }
+                entries.push(Entry {
+                    region,
+                    pages,
+                    shift: bm.shift(),
+                    ..e
+                });
+                slots.push(Slot {
+                    bm: Arc::new(bm),
+                    frozen: entries.last().is_some_and(|e| e.frozen),
+                });
+            }
+            h.seq += 1;
+            h.entries = entries;
+            file.write_header(&h)?;
+            let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
+            notes.push(format!(
+                "--bitmaps-reset: the bitmap sidecar {} was refused ({why}); replaced with \
+                 every bit dirty in bitmaps {names:?}: the next backup from each is a full one",
+                path.display()
+            ));
+            Ok((file, Some(h), slots))
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The gate: which bitmaps a write is counted in, switched atomically by `add`, `remove`,
+//! `clear` and `rotate`, with a wait for the writes counted under the old set.
+//!
+//! A write [`Gate::enter`]s, reads the published set of recording bitmaps, sets its bits in
+//! each (persisting them when new), goes down to the device, and [`Gate::exit`]s when the
+//! device completed it. A publisher ([`Gate::publish`], serialized by the caller) installs a
+//! new set and returns once every write counted under the old one has exited. So each write is
+//! counted in exactly one published set (never none, never two), and once `publish` returns,
+//! every write counted in the old set is complete: a backup that reads a frozen bitmap's runs
+//! after `rotate` sees every write it counts.
+//!
+//! # State
+//!
+//! | field | meaning |
+//! |---|---|
+//! | `gen` | the published generation; only the publisher stores it |
+//! | `inflight[g & 1]` | writes counted under generation `g` and not yet exited, plus writers that looked at a stale generation and are about to back off |
+//! | `sets[g & 1]` | the set of generation `g`; written only by the publisher, while no writer can read it |
+//!
+//! # Orderings (a store-buffer pattern, hence `SeqCst`)
+//!
+//! - A writer increments `inflight[g & 1]`, then re-loads `gen`; the publisher stores `gen`,
+//!   then loads `inflight[old & 1]`. With all four `SeqCst`, one of them sees the other: either
+//!   the writer sees the new generation (and backs off, decrementing: it was counted in no set)
+//!   or the publisher sees the writer's count (and waits for its exit). A writer that re-loads
+//!   the generation it started with is counted in that generation's set, which cannot change
+//!   until its count is gone.
+//! - Before writing `sets[next & 1]`, the publisher waits for `inflight[next & 1] == 0`: the
+//!   writers of generation `next - 2` are gone (the previous publish waited for them), and a
+//!   writer still holding a stale `gen` that increments that counter now will see `gen !=` its
+//!   value and back off without reading the set. The `Release` of the `gen` store (part of
+//!   `SeqCst`) publishes the set; the writer's `SeqCst` re-load acquires it.
+//! - A writer's exit decrements (`SeqCst`), then loads `gen` (`SeqCst`): when it took the count
+//!   to zero and the generation moved on, a publisher may be waiting, so it wakes the drain
+//!   queue. If the load misses the publisher's store, the publisher's check (after its store)
+//!   sees the zero. The queue's own arm/re-check protocol covers the sleep itself.
+//!
+//! The locked twin ([`Mode::Locked`]) takes a mutex around the same steps instead of relying
+//! on the orderings: it is what the lock-free path replaces, kept to compare (`blkq bench`
+//! and crates/cbt/benches).
+
+use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::{CachePadded, Mutex, UnsafeCell};
+use waitq::WaitQueue;
+
+/// How writers enter the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Atomics only: a load, an increment and a load per write (the default).
+    #[default]
+    LockFree,
+    /// A mutex per enter and exit (the simple version, for comparison).
+    Locked,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "lockfree" | "lock-free" => Ok(Mode::LockFree),
+            "locked" => Ok(Mode::Locked),
+            _ => Err(format!("unknown gate mode {s:?} (lockfree | locked)")),
+        }
+    }
+}
+
+/// See the module docs.
+pub struct Gate<S> {
+    mode: Mode,
+    gen: CachePadded<AtomicU64>,
+    inflight: [CachePadded<AtomicU64>; 2],
+    sets: [UnsafeCell<S>; 2],
+    /// The locked twin's lock (also held by the publisher while it switches, in that mode).
+    lock: Mutex<()>,
+    drained: WaitQueue,
+}
+
+// SAFETY: `sets` is the only non-Sync field; a set is written only by the publisher while no
+// writer can be reading it, and read by writers only while their count pins it (module docs),
+// so `&Gate` may be shared when `S` itself may be sent and shared.
+unsafe impl<S: Send + Sync> Sync for Gate<S> {}
+// SAFETY: owning a Gate owns its sets.
+unsafe impl<S: Send> Send for Gate<S> {}
+
+impl<S> Gate<S> {
+    /// A gate whose generation 0 publishes `initial`; `spare` fills the other slot.
+    pub fn new(mode: Mode, initial: S, spare: S) -> Self {
+        Self {
+            mode,
+            gen: CachePadded(AtomicU64::new(0)),
+            inflight: [
+                CachePadded(AtomicU64::new(0)),
+                CachePadded(AtomicU64::new(0)),
+            ],
+            sets: [UnsafeCell::new(initial), UnsafeCell::new(spare)],
+            lock: Mutex::new(()),
+            drained: WaitQueue::new(),
+        }
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Counts a write in the published set and runs `f` on it; returns the generation to
+    /// [`Gate::exit`] with, and `f`'s result. Never blocks on a publisher.
+    pub fn enter<R>(&self, f: impl FnOnce(&S) -> R) -> (u64, R) {
+        if self.mode == Mode::Locked {
+            let g = {
+                let _l = self.lock.lock();
+                let g = self.gen.load(Ordering::Relaxed);
+                // Relaxed under the lock: the publisher reads the counters under it too.
+                self.inflight[(g & 1) as usize].fetch_add(1, Ordering::Relaxed);
+                g
+            };
+            return (g, self.read(g, f));
+        }
+        loop {
+            let g = self.gen.load(Ordering::SeqCst);
+            let c = &self.inflight[(g & 1) as usize];
+            // SeqCst: the store-buffer pair with `publish` (module docs).
+            c.fetch_add(1, Ordering::SeqCst);
+            if self.gen.load(Ordering::SeqCst) == g {
+                return (g, self.read(g, f));
+            }
+            // Stale: counted in no set. Back off and retry on the new generation.
+            self.exit(g);
+        }
+    }
+
+    fn read<R>(&self, g: u64, f: impl FnOnce(&S) -> R) -> R {
+        // SAFETY: our count in `inflight[g & 1]` with `gen == g` pins `sets[g & 1]`: the
+        // publisher writes it only after that counter was seen at zero while `gen != g`
+        // (module docs).
+        self.sets[(g & 1) as usize].with(|p| f(unsafe { &*p }))
+    }
+
+    /// Ends a write counted under generation `g`.
+    pub fn exit(&self, g: u64) {
+        let c = &self.inflight[(g & 1) as usize];
+        if self.mode == Mode::Locked {
+            let last = {
+                let _l = self.lock.lock();
+                c.fetch_sub(1, Ordering::Relaxed) == 1 && self.gen.load(Ordering::Relaxed) != g
+            };
+            if last {
+                self.drained.wake_all();
+            }
+            return;
+        }
+        // SeqCst: pairs with the publisher's store of `gen` and its check (module docs).
+        if c.fetch_sub(1, Ordering::SeqCst) == 1 && self.gen.load(Ordering::SeqCst) != g {
+            self.drained.wake_all();
+        }
+    }
+
+    fn wait_zero(&self, i: usize) {
+        self.drained.wait_for(|| {
+            let n = if self.mode == Mode::Locked {
+                let _l = self.lock.lock();
+                self.inflight[i].load(Ordering::Relaxed)
+            } else {
+                self.inflight[i].load(Ordering::SeqCst)
+            };
+            (n == 0).then_some(())
+        });
+    }
+
+    /// Publishes `set` and waits until every write counted under the previous set has exited;
+    /// returns the previous set's slot content replaced by... nothing: the old set stays in
+    /// its slot until the next publish overwrites it. Callers serialize publishes.
+    pub fn publish(&self, set: S) {
+        let g = self.gen.load(Ordering::Relaxed); // only publishers store it, serialized
+        let next = g + 1;
+        let slot = (next & 1) as usize;
+        self.wait_zero(slot);
+        // SAFETY: no writer reads `sets[slot]`: its counter was zero with `gen == g`, and any
+        // writer that counts there now holds a stale generation and backs off unread.
+        self.sets[slot].with_mut(|p| unsafe { *p = set });
+        if self.mode == Mode::Locked {
+            let _l = self.lock.lock();
+            self.gen.store(next, Ordering::Relaxed);
+        } else {
+            // SeqCst: publishes the set, and the store-buffer pair with `enter`.
+            self.gen.store(next, Ordering::SeqCst);
+        }
+        self.wait_zero((g & 1) as usize);
+    }
+
+    /// The published generation (tests, metrics).
+    pub fn generation(&self) -> u64 {
+        self.gen.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,213 @@
+//! [`Tracked`]: a [`Device`] that counts every write, discard and write-zeroes in its export's
+//! recording dirty bitmaps before forwarding it to the device it wraps, and answers
+//! [`Device::dirty_bitmaps`]. Reads, flushes, limits, allocation maps, zero-copy reads, the
+//! queue and its statistics are the inner device's.
+//!
+//! A changing bio is marked ([`Bitmaps::start_write`]: a clean granule's bit is made durable
+//! first), then forwarded with the device's own completion, which ends the bio's gate count
+//! ([`Bitmaps::end_write`]) before handing it back to the submitter. What the completion needs
+//! (the submitter's `EndIo`, its cookie, the generation) is kept in a slot table, and the bio's
+//! cookie carries the slot's index down and back (blk never reads cookies), so no I/O
+//! allocates once the table has grown to the most writes ever in flight.
+
+use std::os::fd::BorrowedFd;
+
+use blk::{Bio, Device, DirtyBitmaps, DirtyExtent, EndIo, Error, Extent, Limits, Op, Queue};
+use blkq_sync::DynArc;
+use blkq_sync::Mutex;
+
+use crate::bitmaps::Bitmaps;
+
+struct Pending {
+    end: DynArc<dyn EndIo>,
+    cookie: u64,
+    gen: u64,
+}
+
+#[derive(Default)]
+struct SlotTable {
+    slots: Vec<Option<Pending>>,
+    free: Vec<u32>,
+}
+
+struct Shared {
+    bitmaps: Bitmaps,
+    table: Mutex<SlotTable>,
+}
+
+/// The completion [`Tracked`] hands the inner device for every write.
+struct Completer(DynArc<Shared>);
+
+impl EndIo for Completer {
+    fn end_io(&self, mut bio: Bio, res: Result<(), Error>) {
+        let p = {
+            let mut t = self.0.table.lock();
+            let i = bio.cookie as usize;
+            let p = t.slots.get_mut(i).and_then(Option::take);
+            if p.is_some() {
+                t.free.push(i as u32);
+            }
+            p
+        };
+        // A completion for a slot we do not hold is a bug of the inner device; there is no
+        // submitter to tell, so it is dropped (logged) rather than panicking on a request path.
+        let Some(p) = p else {
+            tracing::error!(cookie = bio.cookie, "cbt: completion for an unknown write");
+            return;
+        };
+        bio.cookie = p.cookie;
+        self.0.bitmaps.end_write(p.gen);
+        p.end.end_io(bio, res);
+    }
+}
+
+/// See the module docs.
+pub struct Tracked {
+    inner: DynArc<dyn Device>,
+    shared: DynArc<Shared>,
+    completer: DynArc<dyn EndIo>,
+}
+
+fn changes(op: Op) -> bool {
+    matches!(op, Op::Write | Op::Discard | Op::WriteZeroes)
+}
+
+impl Tracked {
+    /// Wraps `inner`, counting its writes in `bitmaps`.
+    pub fn new(inner: DynArc<dyn Device>, bitmaps: Bitmaps) -> Self {
+        let shared = DynArc::new(Shared {
+            bitmaps,
+            table: Mutex::new(SlotTable::default()),
+        });
+        let completer: DynArc<dyn EndIo> = DynArc::new(Completer(shared.clone()));
+        Self {
+            inner,
+            shared,
+            completer,
+        }
+    }
+
+    /// The bitmaps (management: add, remove, clear, rotate, list).
+    pub fn bitmaps(&self) -> &Bitmaps {
+        &self.shared.bitmaps
+    }
+
+    /// The wrapped device.
+    pub fn inner(&self) -> &DynArc<dyn Device> {
+        &self.inner
+    }
+
+    /// Marks a changing bio and parks its completion in a slot; `None` when it was ended
+    /// here with an error (its bits could not be persisted).
+    fn prepare(&self, mut bio: Bio, end: &DynArc<dyn EndIo>) -> Option<Bio> {
+        let b = &self.shared.bitmaps;
+        let (gen, res) = b.start_write(bio.offset(), u64::from(bio.len));
+        if let Err(e) = res {
+            b.end_write(gen);
+            end.end_io(bio, Err(e));
+            return None;
+        }
+        let p = Pending {
+            end: end.clone(),
+            cookie: bio.cookie,
+            gen,
+        };
+        let mut t = self.shared.table.lock();
+        let i = match t.free.pop() {
+            Some(i) => {
+                t.slots[i as usize] = Some(p);
+                i
+            }
+            None => {
+                t.slots.push(Some(p));
+                (t.slots.len() - 1) as u32
+            }
+        };
+        bio.cookie = u64::from(i);
+        Some(bio)
+    }
+}
+
+impl Device for Tracked {
+    fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
+        if !changes(bio.op) {
+            return self.inner.submit(bio, end);
+        }
+        if let Some(bio) = self.prepare(bio, end) {
+            self.inner.submit(bio, &self.completer);
+        }
+    }
+
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &DynArc<dyn EndIo>) {
+        // Runs of reads and runs of writes go down as batches of their own (their completions
+        // differ), in order.
+        let mut bios = bios.peekable();
+        while let Some(first) = bios.next() {
+            if changes(first.op) {
+                let mut run = std::iter::once(first)
+                    .chain(std::iter::from_fn(|| bios.next_if(|b| changes(b.op))))
+                    .filter_map(|b| self.prepare(b, end));
+                self.inner.submit_batch(&mut run, &self.completer);
+            } else {
+                let mut run = std::iter::once(first)
+                    .chain(std::iter::from_fn(|| bios.next_if(|b| !changes(b.op))));
+                self.inner.submit_batch(&mut run, end);
+            }
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+
+    fn extents_into(
+        &self,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        self.inner.extents_into(offset, len, max, out)
+    }
+
+    fn can_splice(&self) -> bool {
+        self.inner.can_splice()
+    }
+
+    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
+        self.inner.splice_read(offset, len, pipe)
+    }
+
+    fn as_queue(&self) -> Option<&Queue> {
+        self.inner.as_queue()
+    }
+
+    fn stats(&self) -> Option<blk::stats::DiskStats> {
+        self.inner.stats()
+    }
+
+    fn dirty_bitmaps(&self) -> Option<&dyn DirtyBitmaps> {
+        Some(&self.shared.bitmaps)
+    }
+}
+
+impl DirtyBitmaps for Bitmaps {
+    fn names(&self) -> Vec<String> {
+        self.list().into_iter().map(|i| i.name).collect()
+    }
+
+    fn dirty_extents_into(
+        &self,
+        name: &str,
+        offset: u64,
+        len: u64,
+        max: usize,
+        out: &mut Vec<DirtyExtent>,
+    ) -> Result<(), Error> {
+        self.extents_into(name, offset, len, max, out)
+            .map_err(|_| Error::NotFound {
+                kind: "dirty bitmap",
+                name: name.to_string(),
+            })
+    }
+}

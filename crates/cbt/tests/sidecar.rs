@@ -1,0 +1,272 @@
+//! The sidecar through the public API: bits survive a reopen (with the writes that set them
+//! made through `Tracked`), management errors are named, and a sidecar that is torn, from
+//! another image or missing is refused with its path named, or with `reset` replaced by
+//! all-dirty bitmaps that say so.
+
+use std::path::{Path, PathBuf};
+
+use blk::{Device, DirtyBitmaps, DirtyExtent};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blkq_sync::DynArc as Arc;
+use cbt::{Bitmaps, Error, Image, Mode, Options, Store, Tracked};
+use testkit::io::write_at;
+
+const MIB: u64 = 1 << 20;
+const SIZE: u64 = 64 * MIB;
+
+fn image(dir: &Path) -> PathBuf {
+    let p = dir.join("disk.img");
+    std::fs::File::create(&p).unwrap().set_len(SIZE).unwrap();
+    p
+}
+
+fn opts(img: &Path, reset: bool) -> Options {
+    Options {
+        store: Store::File {
+            path: img.with_extension("bitmaps"),
+            image: Image::File(img.to_path_buf()),
+        },
+        reset,
+        mode: Mode::LockFree,
+    }
+}
+
+fn tracked(img: &Path, reset: bool) -> Result<(Tracked, Vec<String>), Error> {
+    let inner: Arc<dyn Device> = Arc::new(
+        format!("file:{}", img.display())
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap(),
+    );
+    let (b, notes) = Bitmaps::open(SIZE, &opts(img, reset))?;
+    Ok((Tracked::new(inner, b), notes))
+}
+
+fn dirty_runs(t: &Tracked, name: &str) -> Vec<DirtyExtent> {
+    let mut out = Vec::new();
+    t.dirty_bitmaps()
+        .unwrap()
+        .dirty_extents_into(name, 0, SIZE, 64, &mut out)
+        .unwrap();
+    out
+}
+
+fn d(len: u64, dirty: bool) -> DirtyExtent {
+    DirtyExtent { len, dirty }
+}
+
+#[test]
+fn bits_written_through_the_device_survive_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path());
+    {
+        let (t, notes) = tracked(&img, false).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        assert!(
+            !img.with_extension("bitmaps").exists(),
+            "no sidecar before the first bitmap"
+        );
+        t.bitmaps().add("a", 64 << 10).unwrap();
+        t.bitmaps().add("b", 1 << 20).unwrap();
+        write_at(&t, 3 * MIB + 4096, &[7u8; 4096]).unwrap();
+        let s0 = t.bitmaps().commit_stats();
+        assert!(
+            s0.batches >= 1,
+            "the first write to a clean granule persisted"
+        );
+        write_at(&t, 3 * MIB + 8192, &[7u8; 4096]).unwrap();
+        assert_eq!(
+            t.bitmaps().commit_stats(),
+            s0,
+            "a second write to a durable granule persists nothing"
+        );
+        assert_eq!(
+            dirty_runs(&t, "a"),
+            [
+                d(3 * MIB, false),
+                d(64 << 10, true),
+                d(SIZE - 3 * MIB - (64 << 10), false)
+            ]
+        );
+        t.bitmaps().rotate("a", "a2").unwrap();
+        write_at(&t, 10 * MIB, &[1u8; 512]).unwrap();
+        // A process that dies here leaves the sidecar as it is: nothing more is written.
+    }
+    let (t, _) = tracked(&img, false).unwrap();
+    let list = t.bitmaps().list();
+    let names: Vec<_> = list
+        .iter()
+        .map(|i| (i.name.as_str(), i.granularity, i.recording, i.dirty_bytes))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("a", 64 << 10, false, 64 << 10),
+            ("b", MIB, true, 2 * MIB),
+            ("a2", 64 << 10, true, 64 << 10)
+        ]
+    );
+    assert_eq!(t.dirty_bitmaps().unwrap().names(), ["a", "b", "a2"]);
+    assert_eq!(
+        dirty_runs(&t, "a2"),
+        [
+            d(10 * MIB, false),
+            d(64 << 10, true),
+            d(SIZE - 10 * MIB - (64 << 10), false)
+        ]
+    );
+    // A reloaded bit is durable: writing there again persists nothing.
+    write_at(&t, 10 * MIB + 512, &[1u8; 512]).unwrap();
+    assert_eq!(t.bitmaps().commit_stats().batches, 0);
+    // clear and remove are durable too.
+    t.bitmaps().clear("b").unwrap();
+    t.bitmaps().remove("a").unwrap();
+    drop(t);
+    let (t, _) = tracked(&img, false).unwrap();
+    let list: Vec<_> = t
+        .bitmaps()
+        .list()
+        .into_iter()
+        .map(|i| (i.name, i.dirty_bytes))
+        .collect();
+    assert_eq!(list, [("b".to_string(), 0), ("a2".to_string(), 64 << 10)]);
+}
+
+#[test]
+fn management_errors_name_what_is_wrong() {
+    let (b, _) = Bitmaps::open(SIZE, &Options::memory()).unwrap();
+    b.add("x", 65536).unwrap();
+    let e = b.add("x", 65536).unwrap_err();
+    assert!(matches!(e, Error::Exists(ref n) if n == "x"), "{e}");
+    assert!(e.to_string().contains("\"x\" already exists"), "{e}");
+    let e = b.remove("nope").unwrap_err();
+    assert!(e.to_string().contains("no dirty bitmap \"nope\""), "{e}");
+    assert!(matches!(b.clear("nope"), Err(Error::NotFound(_))));
+    assert!(matches!(b.rotate("nope", "y"), Err(Error::NotFound(_))));
+    for g in [1000, 2048, 3 << 20, 128 << 20] {
+        let e = b.add("g", g).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("bad granularity {g}")),
+            "{e}"
+        );
+    }
+    for n in ["", "a b", "tab\t", &"n".repeat(96)] {
+        assert!(matches!(b.add(n, 65536), Err(Error::BadName(_))), "{n:?}");
+    }
+    assert!(matches!(b.rotate("x", "x"), Err(Error::Exists(_))));
+    b.rotate("x", "y").unwrap();
+    assert!(matches!(b.rotate("x", "z"), Err(Error::Frozen(_))));
+    let mut out = Vec::new();
+    let e = b
+        .dirty_extents_into("gone", 0, 4096, 4, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(e, blk::Error::NotFound { kind: "dirty bitmap", ref name } if name == "gone"),
+        "{e}"
+    );
+}
+
+/// Flips one byte of the sidecar at `at`.
+fn flip(path: &Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+}
+
+fn with_one_bitmap(dir: &Path) -> PathBuf {
+    let img = image(dir);
+    let (t, _) = tracked(&img, false).unwrap();
+    t.bitmaps().add("daily", 65536).unwrap();
+    write_at(&t, 0, &[1u8; 4096]).unwrap();
+    img
+}
+
+#[test]
+fn a_torn_page_is_refused_naming_the_sidecar_and_reset_makes_it_all_dirty() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    flip(&side, 2 * 4096 + 100); // inside the first region page
+    let e = tracked(&img, false).err().expect("refused");
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Torn(..)), "{msg}");
+    assert!(
+        msg.contains(&side.display().to_string()) && msg.contains("--bitmaps-reset"),
+        "{msg}"
+    );
+    let (t, notes) = tracked(&img, true).unwrap();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("--bitmaps-reset") && n.contains("daily")),
+        "{notes:?}"
+    );
+    assert_eq!(dirty_runs(&t, "daily"), [d(SIZE, true)]);
+    drop(t);
+    // The replacement is itself a good sidecar.
+    let (t, notes) = tracked(&img, false).unwrap();
+    assert!(notes.is_empty());
+    assert_eq!(dirty_runs(&t, "daily"), [d(SIZE, true)]);
+}
+
+#[test]
+fn one_torn_header_copy_falls_back_to_the_other_and_two_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    // The newest header (seq 2: the add) is in page 0; tearing it leaves page 1 (seq 1, no
+    // bitmap): the add had not returned, as far as the disk knows.
+    flip(&side, 50);
+    let (t, _) = tracked(&img, false).unwrap();
+    assert!(t.bitmaps().list().is_empty());
+    drop(t);
+    flip(&side, 4096 + 50);
+    let e = tracked(&img, false).err().expect("refused");
+    assert!(
+        matches!(e, Error::Torn(ref p, ref w) if *p == side && w.contains("no valid header")),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_sidecar_of_another_image_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    // Another image put in the first one's place, with the old sidecar beside it.
+    let other = dir.path().join("other.img");
+    std::fs::File::create(&other)
+        .unwrap()
+        .set_len(SIZE)
+        .unwrap();
+    std::fs::rename(&other, &img).unwrap();
+    let e = tracked(&img, false).err().expect("refused");
+    assert!(matches!(e, Error::Foreign(ref p, _) if *p == side), "{e}");
+    assert!(e.to_string().contains("belongs to another image"), "{e}");
+    let (t, notes) = tracked(&img, true).unwrap();
+    assert!(notes.iter().any(|n| n.contains("refused")), "{notes:?}");
+    assert_eq!(dirty_runs(&t, "daily"), [d(SIZE, true)]);
+}
+
+#[test]
+fn a_missing_sidecar_of_an_image_that_had_bitmaps_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    if cbt::identity::of_file(&img, SIZE).unwrap().marked {
+        std::fs::remove_file(&side).unwrap();
+        let e = tracked(&img, false).err().expect("refused");
+        assert!(matches!(e, Error::Missing(ref p) if *p == side), "{e}");
+        assert!(e.to_string().contains("is missing"), "{e}");
+        let (t, notes) = tracked(&img, true).unwrap();
+        assert!(notes.iter().any(|n| n.contains("missing")), "{notes:?}");
+        assert!(t.bitmaps().list().is_empty());
+    }
+}
