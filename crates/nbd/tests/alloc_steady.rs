@@ -225,14 +225,14 @@ const ONE_OFF_GROWTH: u64 = 8;
 
 /// One test for every export, one after the other: the count is global, and a second test
 /// running beside this one (its server's warm-up) would count in this one's window. The
-/// third is a memory device that keeps two dirty bitmaps (`common::tracking`), both selected
+/// third is a memory device that keeps two dirty bitmaps (`cbt::Tracked`, `common::tracking`), both selected
 /// beside `base:allocation`: block status answers three contexts per request.
 #[test]
 fn steady_state_allocates_nothing_mem_then_null_then_dirty_bitmaps() {
     let plain = ClientOptions::default();
     steady_state_allocates_nothing("mem:64M", device("mem:64M"), &plain);
     steady_state_allocates_nothing("null:64M", device("null:64M"), &plain);
-    let tracked = common::tracking::Tracking::new("mem:64M", &["a", "b"]);
+    let tracked = common::tracking::tracked("mem:64M", &["a", "b"]);
     let contexts = ClientOptions {
         contexts: vec!["qemu:dirty-bitmap:a".into(), "qemu:dirty-bitmap:b".into()],
         ..ClientOptions::default()

@@ -4,10 +4,9 @@
 //! 64-bit descriptors and with `REQ_ONE`; a bitmap removed under a connection fails that
 //! connection's requests for it and nothing else.
 //!
-//! The device is a small tracker (`common::tracking`): a memory device whose writes,
-//! trims and zeroes mark the granules they touch in every bitmap, with the bitmaps held as one
-//! flag per granule. It answers `blk::DirtyBitmaps` as the trait asks (runs of equal state,
-//! clipped to the range, at most `max`), so these tests pin the server's side of the seam.
+//! The device is changed-block tracking (`cbt::Tracked`, bitmaps in memory, 64 KiB granules;
+//! `common::tracking`) over a memory device: its writes, trims and zeroes mark the granules
+//! they touch in every recording bitmap.
 // A plain threaded test, never a loom model: its harness may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -18,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use common::tracking::{Tracking, GRAIN};
+use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::tracking::{tracked, GRAIN};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
 use nbd::proto::*;
 use nbd::server::{Export, Server, ServerConfig};
@@ -75,6 +75,11 @@ impl Drop for TestServer {
     }
 }
 
+fn device(spec: &str) -> Arc<dyn Device> {
+    let s: DeviceSpec = spec.parse().unwrap();
+    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+}
+
 fn names(v: Vec<(u32, String)>) -> Vec<String> {
     v.into_iter().map(|(_, n)| n).collect()
 }
@@ -101,10 +106,10 @@ fn dirty_at(len: u64, granules: &[u64]) -> Vec<bool> {
 
 #[test]
 fn list_and_set_meta_context_name_every_bitmap() {
-    let dev = Tracking::new("mem:64M", &["daily", "weekly"]);
+    let dev = tracked("mem:64M", &["daily", "weekly"]);
     let t = TestServer::start(vec![
         Export::new("", dev.clone()),
-        Export::new("plain", Tracking::new("mem:16M", &[]) as Arc<dyn Device>),
+        Export::new("plain", device("mem:16M")),
     ]);
     let mut h = t.handshake();
     let all = vec![
@@ -187,12 +192,12 @@ fn list_and_set_meta_context_name_every_bitmap() {
 
 #[test]
 fn block_status_reports_the_writes_in_both_descriptor_forms() {
-    let dev = Tracking::new("mem:64M", &["a", "b"]);
+    let dev = tracked("mem:64M", &["a", "b"]);
     let t = TestServer::start(vec![Export::new("", dev.clone())]);
     let size = 64 * MIB;
     for extended in [false, true] {
         for name in ["a", "b"] {
-            dev.clear(name);
+            dev.bitmaps().clear(name).unwrap();
         }
         let ctx = [BASE, "qemu:dirty-bitmap:a", "qemu:dirty-bitmap:b"];
         let mut c = t.connect("", extended, &ctx);
@@ -236,7 +241,7 @@ fn block_status_reports_the_writes_in_both_descriptor_forms() {
         }
         assert!(data_at_3, "base:allocation {base:?}");
         // Clearing one bitmap leaves the other.
-        dev.clear("b");
+        dev.bitmaps().clear("b").unwrap();
         let status = c.block_status_all(0, size, CmdFlags::empty()).unwrap();
         assert_eq!(per_granule(&status[1].1, size), want);
         assert_eq!(per_granule(&status[2].1, size), dirty_at(size, &[]));
@@ -265,10 +270,10 @@ fn block_status_reports_the_writes_in_both_descriptor_forms() {
 #[test]
 fn a_bitmap_alone_is_enough_for_block_status() {
     // As qemu's reader negotiates it (x-dirty-bitmap): the bitmap, without base:allocation.
-    let dev = Tracking::new("mem:16M", &["only"]);
+    let dev = tracked("mem:16M", &["only"]);
     let t = TestServer::start(vec![Export::new("", dev.clone())]);
     for extended in [false, true] {
-        dev.clear("only");
+        dev.bitmaps().clear("only").unwrap();
         let mut c = t.connect("", extended, &["qemu:dirty-bitmap:only"]);
         assert_eq!(c.contexts().len(), 1);
         c.write(5 * GRAIN, &pattern(3, 512), CmdFlags::empty())
@@ -288,7 +293,7 @@ fn a_bitmap_alone_is_enough_for_block_status() {
 fn a_run_longer_than_32_bits_needs_extended_headers() {
     // 8 GiB, all clean: one run. Compact requests are at most 4 GiB - 1, and their one
     // descriptor covers the request; an extended request covers the whole run in one.
-    let dev = Tracking::new("null:8G", &["big"]);
+    let dev = tracked("null:8G", &["big"]);
     let t = TestServer::start(vec![Export::new("", dev)]);
     let size = 8u64 << 30;
     let mut c = t.connect("", false, &["qemu:dirty-bitmap:big"]);
@@ -304,7 +309,7 @@ fn a_run_longer_than_32_bits_needs_extended_headers() {
 
 #[test]
 fn a_removed_bitmap_fails_its_requests_and_the_connection_goes_on() {
-    let dev = Tracking::new("mem:16M", &["gone", "kept"]);
+    let dev = tracked("mem:16M", &["gone", "kept"]);
     let t = TestServer::start(vec![Export::new("", dev.clone())]);
     let mut both = t.connect(
         "",
@@ -319,7 +324,7 @@ fn a_removed_bitmap_fails_its_requests_and_the_connection_goes_on() {
             .len(),
         2
     );
-    dev.remove("gone");
+    dev.bitmaps().remove("gone").unwrap();
     match both.block_status_all(0, MIB, CmdFlags::empty()) {
         Err(ClientError::Request(e)) => assert_eq!(e, NBD_EINVAL),
         other => panic!("block status of a removed bitmap: {other:?}"),
@@ -371,7 +376,7 @@ fn granules_of(runs: &[(u64, u64, bool)], size: u64) -> Vec<bool> {
 
 #[test]
 fn real_clients_read_the_writes_from_the_bitmap() {
-    let dev = Tracking::new("mem:64M", &["backup"]);
+    let dev = tracked("mem:64M", &["backup"]);
     let t = TestServer::start(vec![Export::new("", dev.clone())]);
     let Endpoint::Unix(sock) = &t.ep else {
         unreachable!()
