@@ -1,8 +1,10 @@
-//! The `blkq` binary: `serve`, `bench`, `raid` and `certs` front-ends over the blkq crates.
+//! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap` and `certs` front-ends over the blkq
+//! crates.
 
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bitmap;
 mod certs;
 mod control;
 mod listen;
@@ -34,6 +36,9 @@ enum Command {
     /// Make TLS certificates for `serve --tls`: a CA, a server certificate and key, and
     /// optionally a client certificate and key (qemu's and nbdkit's file names).
     Certs(certs::CertsArgs),
+    /// Manage a running server's dirty bitmaps (changed-block tracking for incremental
+    /// backups) through its control socket.
+    Bitmap(bitmap::BitmapArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,5 +48,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(*a),
         Command::Raid(a) => raid::run(*a),
         Command::Certs(a) => certs::certs(&a),
+        Command::Bitmap(a) => bitmap::run(a),
     }
 }

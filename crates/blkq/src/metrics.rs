@@ -56,6 +56,8 @@ pub struct Sources {
     /// A remote export (`nbd://...` device): its export name and the device (its
     /// connections' state).
     pub remote: Vec<(String, Arc<RemoteDevice>)>,
+    /// Every export with dirty bitmaps: its name and its device (the bitmaps' dirty bytes).
+    pub tracked: Vec<(String, Arc<cbt::Tracked>)>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -122,8 +124,17 @@ pub fn start_for_serve(
     nbd: NbdMetrics,
     raid1: Vec<(String, Arc<Control>)>,
     remote: Vec<(String, Arc<RemoteDevice>)>,
+    tracked: Vec<(String, Arc<cbt::Tracked>)>,
 ) -> Result<MetricsServer> {
-    let m = MetricsServer::start(addr, Sources { nbd, raid1, remote })?;
+    let m = MetricsServer::start(
+        addr,
+        Sources {
+            nbd,
+            raid1,
+            remote,
+            tracked,
+        },
+    )?;
     let bound = m.addr();
     if !bound.ip().is_loopback() {
         tracing::warn!(
@@ -697,6 +708,26 @@ impl Collector for BlkqCollector {
                 .map(|(n, d)| (remote(n), counter(d.reconnects()))),
         )?;
 
+        // Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
+        let bitmaps: Vec<(String, cbt::Info)> = self
+            .0
+            .tracked
+            .iter()
+            .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
+            .collect();
+        family(
+            &mut enc,
+            "blkq_dirty_bitmap_bytes",
+            "Bytes a dirty bitmap marks changed (whole granules) since it was created or cleared.",
+            None,
+            bitmaps.iter().map(|(e, i)| {
+                (
+                    vec![("export", e.clone()), ("bitmap", i.name.clone())],
+                    gauge(i.dirty_bytes),
+                )
+            }),
+        )?;
+
         family(
             &mut enc,
             "blkq_waitq_wakeups",
@@ -820,6 +851,7 @@ mod tests {
                 nbd: server.metrics(),
                 raid1: Vec::new(),
                 remote: Vec::new(),
+                tracked: Vec::new(),
             },
         )
         .unwrap();

@@ -295,3 +295,44 @@ fn a_remote_export_reports_its_connection() {
     });
     drop(back);
 }
+
+/// `blkq_dirty_bitmap_bytes{export,bitmap}` is each bitmap's dirty bytes (whole granules), for
+/// every export, and follows writes, `rotate` and `remove`.
+#[test]
+fn dirty_bitmap_bytes_per_export_and_bitmap() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("metrics.addr");
+    let ctl = dir.path().join("ctl.sock");
+    let s = Serving::launch(
+        dir.path(),
+        "cbt",
+        &[
+            "--device",
+            "mem:16M",
+            "--control",
+            ctl.to_str().unwrap(),
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            addr_file.to_str().unwrap(),
+        ],
+        |l| l.ready_when_written(&addr_file).ready_when_exists(&ctl),
+    );
+    let addr = written_addr(&addr_file);
+    let c = ctl.to_str().unwrap();
+    common::ok(&["bitmap", "add", "a", "--control", c]);
+    common::ok(&["bitmap", "add", "b", "--granularity", "1M", "--control", c]);
+    let mut cl = s.client();
+    cl.write(65536, &[1u8; 4096], CmdFlags::empty()).unwrap();
+    let key = |b: &str| format!("blkq_dirty_bitmap_bytes{{export=\"\",bitmap=\"{b}\"}}");
+    let m = scrape(&addr);
+    assert_eq!(value(&m, &key("a")), 65536.0);
+    assert_eq!(value(&m, &key("b")), (1 << 20) as f64);
+    common::ok(&["bitmap", "rotate", "a", "a2", "--control", c]);
+    common::ok(&["bitmap", "remove", "b", "--control", c]);
+    cl.write(0, &[1u8; 512], CmdFlags::empty()).unwrap();
+    let m = scrape(&addr);
+    assert_eq!(value(&m, &key("a")), 65536.0);
+    assert_eq!(value(&m, &key("a2")), 65536.0);
+    assert!(!m.contains_key(&key("b")), "removed");
+}

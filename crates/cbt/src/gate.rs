@@ -17,10 +17,12 @@
 //! | `inflight[g & 1]` | writes counted under generation `g` and not yet exited, plus writers that looked at a stale generation and are about to back off |
 //! | `sets[g & 1]` | the set of generation `g`; written only by the publisher, while no writer can read it |
 //!
-//! # Orderings (a store-buffer pattern, hence `SeqCst`)
+//! # Orderings (a store-buffer pattern, hence `SeqCst` fences)
 //!
 //! - A writer increments `inflight[g & 1]`, then re-loads `gen`; the publisher stores `gen`,
-//!   then loads `inflight[old & 1]`. With all four `SeqCst`, one of them sees the other: either
+//!   then loads `inflight[old & 1]`. With a `SeqCst` fence between the two accesses on each
+//!   side (not just `SeqCst` accesses: loom models fences, and treats `SeqCst` accesses as
+//!   `AcqRel`, under which its model of this gate fails), one of them sees the other: either
 //!   the writer sees the new generation (and backs off, decrementing: it was counted in no set)
 //!   or the publisher sees the writer's count (and waits for its exit). A writer that re-loads
 //!   the generation it started with is counted in that generation's set, which cannot change
@@ -39,7 +41,7 @@
 //! on the orderings: it is what the lock-free path replaces, kept to compare (`blkq bench`
 //! and crates/cbt/benches).
 
-use blkq_sync::atomic::{AtomicU64, Ordering};
+use blkq_sync::atomic::{fence, AtomicU64, Ordering};
 use blkq_sync::{CachePadded, Mutex, UnsafeCell};
 use waitq::WaitQueue;
 
@@ -121,6 +123,7 @@ impl<S> Gate<S> {
             let c = &self.inflight[(g & 1) as usize];
             // SeqCst: the store-buffer pair with `publish` (module docs).
             c.fetch_add(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
             if self.gen.load(Ordering::SeqCst) == g {
                 return (g, self.read(g, f));
             }
@@ -149,9 +152,13 @@ impl<S> Gate<S> {
             }
             return;
         }
-        // SeqCst: pairs with the publisher's store of `gen` and its check (module docs).
-        if c.fetch_sub(1, Ordering::SeqCst) == 1 && self.gen.load(Ordering::SeqCst) != g {
-            self.drained.wake_all();
+        // SeqCst + fence: pairs with the publisher's store of `gen`, its fence and its check
+        // (module docs). Only the exit that reaches zero can be the one a publisher waits for.
+        if c.fetch_sub(1, Ordering::SeqCst) == 1 {
+            fence(Ordering::SeqCst);
+            if self.gen.load(Ordering::SeqCst) != g {
+                self.drained.wake_all();
+            }
         }
     }
 
@@ -167,9 +174,9 @@ impl<S> Gate<S> {
         });
     }
 
-    /// Publishes `set` and waits until every write counted under the previous set has exited;
-    /// returns the previous set's slot content replaced by... nothing: the old set stays in
-    /// its slot until the next publish overwrites it. Callers serialize publishes.
+    /// Publishes `set` and waits until every write counted under the previous set has exited.
+    /// The old set stays in its slot until the next publish overwrites it. Callers serialize
+    /// publishes.
     pub fn publish(&self, set: S) {
         let g = self.gen.load(Ordering::Relaxed); // only publishers store it, serialized
         let next = g + 1;
@@ -182,8 +189,10 @@ impl<S> Gate<S> {
             let _l = self.lock.lock();
             self.gen.store(next, Ordering::Relaxed);
         } else {
-            // SeqCst: publishes the set, and the store-buffer pair with `enter`.
+            // SeqCst: publishes the set; the fence is the store-buffer pair with `enter`'s and
+            // `exit`'s.
             self.gen.store(next, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
         }
         self.wait_zero((g & 1) as usize);
     }

@@ -35,9 +35,15 @@ pub fn request_line(path: &Path, line: &str) -> Result<String> {
 
 /// Sends `cmd`; returns the JSON reply's body, or the error the server reported.
 pub fn request(path: &Path, cmd: &Command) -> Result<serde_json::Value> {
-    let reply = request_line(path, &cmd.to_string()).with_context(|| {
+    request_text(path, &cmd.to_string(), "--raid1 ... ")
+}
+
+/// Sends the command line `line`; returns the JSON reply's body, or the error the server
+/// reported. `hint` is what the server needs on its command line besides `--control`.
+pub fn request_text(path: &Path, line: &str, hint: &str) -> Result<serde_json::Value> {
+    let reply = request_line(path, line).with_context(|| {
         format!(
-            "control socket {}: is `blkq serve --raid1 ... --control {}` running?",
+            "control socket {}: is `blkq serve {hint}--control {}` running?",
             path.display(),
             path.display()
         )

@@ -1,7 +1,9 @@
-//! The control socket of `blkq serve --raid1 ... --control PATH`: [`protocol`] (the command
-//! lines and replies, both ends), [`server`] (the socket and the array behind it) and
-//! [`client`] (what `blkq raid ... --control PATH` sends).
+//! The control socket of `blkq serve --control PATH`: [`protocol`] (the mirror's command
+//! lines and replies, both ends), [`bitmap`] (the dirty-bitmap commands, and the handler that
+//! serves every export's), [`server`] (the socket and the array behind it) and [`client`]
+//! (what `blkq raid ... --control PATH` and `blkq bitmap ... --control PATH` send).
 
+pub mod bitmap;
 pub mod client;
 pub mod protocol;
 pub mod server;

@@ -404,6 +404,19 @@ impl Control {
     }
 }
 
+/// What answers a control socket's lines: a mirror's [`Control`], or the server's handler
+/// (`super::bitmap::Handler`: bitmap commands, and a mirror's when it has one).
+pub trait Handle: Send + Sync {
+    /// Runs one command line; returns the JSON reply.
+    fn handle(&self, line: &str) -> serde_json::Value;
+}
+
+impl Handle for Control {
+    fn handle(&self, line: &str) -> serde_json::Value {
+        Control::handle(self, line)
+    }
+}
+
 /// The listening socket and its thread.
 pub struct ControlServer {
     path: PathBuf,
@@ -433,7 +446,7 @@ fn read_line(s: &mut Session<UnixStream>) -> std::result::Result<Option<String>,
 }
 
 /// Serves one connection: one line, one reply (see [`crate::listen`] for the bounds).
-fn serve_one(ctl: &Control, s: &mut Session<UnixStream>) {
+fn serve_one(ctl: &dyn Handle, s: &mut Session<UnixStream>) {
     let reply = match read_line(s) {
         Ok(Some(line)) => match s.work(|| ctl.handle(&line)) {
             Ok(r) => r,
@@ -451,7 +464,7 @@ fn serve_one(ctl: &Control, s: &mut Session<UnixStream>) {
 impl ControlServer {
     /// Binds `path` (mode 0600; a stale socket file is replaced, a live one or any other file
     /// is an error) and serves `ctl` on a thread.
-    pub fn start(path: &Path, ctl: Arc<Control>) -> Result<Self> {
+    pub fn start(path: &Path, ctl: Arc<dyn Handle>) -> Result<Self> {
         if let Ok(md) = std::fs::symlink_metadata(path) {
             if !md.file_type().is_socket() {
                 bail!(
@@ -479,7 +492,7 @@ impl ControlServer {
                 slots: SLOTS,
                 deadline: DEADLINE,
             };
-            let handler = Arc::new(move |s: &mut Session<UnixStream>| serve_one(&ctl, s));
+            let handler = Arc::new(move |s: &mut Session<UnixStream>| serve_one(ctl.as_ref(), s));
             thread::spawn(move || {
                 // The stop flag is stored with Release in `shutdown`, and looked at after each
                 // accept (the wake-up connection carries no data).

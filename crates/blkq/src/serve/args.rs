@@ -105,8 +105,9 @@ pub struct ExportArgs {
     /// spare_slots=1, ...; repeatable).
     #[arg(long = "raid1-option", value_name = "KEY=VALUE", requires = "raid1")]
     pub raid1_options: Vec<String>,
-    /// With --raid1: a control socket (mode 0600) for `blkq raid ... --control PATH`.
-    #[arg(long, value_name = "PATH", requires = "raid1")]
+    /// A control socket (mode 0600) for `blkq bitmap ... --control PATH` (every export's
+    /// dirty bitmaps) and, with --raid1, `blkq raid ... --control PATH`.
+    #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
 }
 
@@ -160,6 +161,30 @@ pub struct ServerArgs {
     /// the exit status is non-zero. Whole seconds, 1 to 86400.
     #[arg(long, value_name = "SECS", default_value = "30")]
     pub shutdown_timeout: ShutdownTimeout,
+    /// The server's control socket (`[server] control`; on the command line `--control`).
+    #[arg(skip)]
+    pub control: Option<PathBuf>,
+    /// Start even when an export's dirty-bitmap sidecar is missing, torn or from another
+    /// image: a torn or foreign one is replaced by bitmaps of the same names with every bit
+    /// dirty, a missing one by none (the next backups are full ones; the log says which).
+    #[arg(long)]
+    pub bitmaps_reset: bool,
+    /// How writes find the bitmaps they count in: lockfree, or locked (the simple version it
+    /// replaces, kept for comparison). A benchmark's switch: no key in a file.
+    #[arg(long, value_name = "IMPL", default_value = "lockfree", hide = true)]
+    #[serde(skip)]
+    pub bitmaps_gate: BitmapsGate,
+}
+
+/// `--bitmaps-gate`: [`cbt::Mode`] as a flag value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BitmapsGate(pub cbt::Mode);
+
+impl FromStr for BitmapsGate {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        s.parse().map(Self)
+    }
 }
 
 /// `[limits]`: resource limits against hostile or broken clients (see "Limits" in

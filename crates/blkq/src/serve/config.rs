@@ -246,6 +246,9 @@ impl Config {
         if let Some(p) = &mut self.server.socket {
             join(p);
         }
+        if let Some(p) = &mut self.server.control {
+            join(p);
+        }
         if let Some(p) = &mut self.tls.tls_certificates {
             join(p);
         }
@@ -293,6 +296,10 @@ impl Config {
             exports: Vec::new(),
             arrays: Vec::new(),
         };
+        if e.raid1.is_none() {
+            // Without a mirror, --control is the server's socket (bitmaps only).
+            cfg.server.control = e.control.clone();
+        }
         let mut names = export_names(e)?.into_iter();
         let allow: Vec<Spanned<String>> = e.allow.iter().cloned().map(cli).collect();
         let allow_subjects: Vec<Spanned<String>> =

@@ -4,6 +4,7 @@
 //! certificates loaded) and [`run`] (the server started, signals, shutdown).
 
 pub mod args;
+pub mod bitmaps;
 pub mod config;
 pub mod plan;
 pub mod run;

@@ -14,6 +14,7 @@ use nbd::server::{Export, ServerConfig};
 use nbd::tls::TlsMode;
 use raid1::Raid1;
 
+use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
 use super::settings::{Backing, Settings};
 use crate::control::server::Control;
 use crate::raid::offline;
@@ -24,8 +25,11 @@ pub struct Opened {
     pub server: ServerConfig,
     /// The full description of each export (printed locally).
     pub descriptions: Vec<String>,
-    /// Control sockets to start, one per mirror that asked for one.
-    pub control_sockets: Vec<(PathBuf, Arc<Control>)>,
+    /// Control sockets to start: the server's (no mirror of its own) and one per mirror that
+    /// asked for one. Each also serves every export's dirty bitmaps.
+    pub control_sockets: Vec<(PathBuf, Option<Arc<Control>>)>,
+    /// Every export with dirty bitmaps (all but `bitmaps=off`), by export name.
+    pub tracked: Vec<(String, Arc<cbt::Tracked>)>,
     /// Every mirror, by export name (for metrics), with its control (shared with its socket).
     pub mirrors: Vec<(String, Arc<Control>)>,
     /// Every remote export (`--device nbd://...`), by export name (for metrics).
@@ -39,12 +43,23 @@ pub fn open(settings: &Settings) -> Result<Opened> {
     let mut control_sockets = Vec::new();
     let mut mirrors = Vec::new();
     let mut remotes = Vec::new();
+    let mut tracked = Vec::new();
+    if let Some(path) = &settings.control {
+        control_sockets.push((path.clone(), None));
+    }
     for e in &settings.exports {
+        let (backing, bitmaps_opt) = match &e.backing {
+            Backing::Device(s) => {
+                let (s, o) = split_spec(s).with_context(|| format!("device spec {s:?}"))?;
+                (Backing::Device(s), o)
+            }
+            b => (b.clone(), BitmapsOpt::Default),
+        };
         let overrides = QueueOverrides {
             read_only: e.read_only,
             ..settings.overrides.clone()
         };
-        let (dev, full, kind, read_only): (Arc<dyn Device>, String, &str, bool) = match &e.backing {
+        let (dev, full, kind, read_only, store) = match &backing {
             Backing::Mirror {
                 legs,
                 create,
@@ -62,13 +77,15 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     legs.join(","),
                     uuid.unwrap_or_default()
                 );
+                let array_uuid = r.superblock(0).map(|s| *s.array_uuid.as_bytes());
+                let store = store_for_mirror(legs, array_uuid, r.limits().capacity);
                 let ctl = Arc::new(Control::new(r.clone(), specs, leg_overrides));
                 if let Some(path) = control {
-                    control_sockets.push((path.clone(), ctl.clone()));
+                    control_sockets.push((path.clone(), Some(ctl.clone())));
                 }
                 mirrors.push((e.name.clone(), ctl));
                 let dev: Arc<dyn Device> = r;
-                (dev, full, "raid1", e.read_only)
+                (dev, full, "raid1", e.read_only, Some(store))
             }
             Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
                 let dev =
@@ -85,7 +102,9 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                 let dev = Arc::new(dev);
                 remotes.push((e.name.clone(), dev.clone()));
                 let dev: Arc<dyn Device> = dev;
-                (dev, full, "nbd", read_only)
+                let store = (bitmaps_opt != BitmapsOpt::Off)
+                    .then(|| store_for(None, &bitmaps_opt, dev.limits().capacity));
+                (dev, full, "nbd", read_only, store)
             }
             Backing::Device(spec) => {
                 let name = &e.name;
@@ -124,8 +143,24 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     Kind::Rbd(_) => "rbd",
                 };
                 let ro = e.read_only || parsed.is_read_only(&overrides);
-                (dev, format!("{spec} ({describe})"), kind, ro)
+                let store = (bitmaps_opt != BitmapsOpt::Off)
+                    .then(|| store_for(Some(&parsed), &bitmaps_opt, dev.limits().capacity));
+                (dev, format!("{spec} ({describe})"), kind, ro, store)
             }
+        };
+        let dev: Arc<dyn Device> = match store {
+            Some(store) => {
+                let t = track(
+                    &e.name,
+                    dev,
+                    store,
+                    settings.bitmaps_reset,
+                    settings.bitmaps_gate,
+                )?;
+                tracked.push((e.name.clone(), t.clone()));
+                t
+            }
+            None => dev,
         };
         let description = match &e.description {
             Some(d) => d.clone(),
@@ -140,7 +175,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
         // mirror that may read from one) answers it with a block-status round trip to its
         // server, synchronous in the connection's reader: that would cost every read a round
         // trip and stall the pipeline behind it. Its holes reach the client as zeros instead.
-        export.sparse_reads = !match &e.backing {
+        export.sparse_reads = !match &backing {
             Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
             Backing::Device(spec) => RemoteSpec::is_remote(spec),
         };
@@ -159,6 +194,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
         server: cfg,
         descriptions,
         control_sockets,
+        tracked,
         mirrors,
         remotes,
     })

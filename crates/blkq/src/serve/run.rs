@@ -22,7 +22,9 @@ use super::config::{Config, Source};
 use super::plan::{exposure_warning, open};
 use super::settings::check;
 use super::tls::load as load_tls;
+use crate::control::bitmap::Handler;
 use crate::control::server::ControlServer;
+use blkq_sync::Arc;
 
 /// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns later).
 fn block_signals() -> Result<libc::sigset_t> {
@@ -109,13 +111,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
             server.metrics(),
             opened.mirrors.clone(),
             opened.remotes.clone(),
+            opened.tracked.clone(),
         )?),
         None => None,
     };
     let mut control_servers = Vec::new();
-    for (path, ctl) in opened.control_sockets {
-        control_servers.push(ControlServer::start(&path, ctl)?);
-        println!("raid1 control socket: {}", path.display());
+    for (path, mirror) in opened.control_sockets {
+        let what = if mirror.is_some() {
+            "raid1 control socket"
+        } else {
+            "control socket"
+        };
+        let handler = Arc::new(Handler {
+            mirror,
+            exports: opened.tracked.clone(),
+        });
+        control_servers.push(ControlServer::start(&path, handler)?);
+        println!("{what}: {}", path.display());
     }
 
     println!("blkq serve: {} export(s)", exports.len());

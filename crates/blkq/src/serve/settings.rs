@@ -40,6 +40,12 @@ pub struct Settings {
     pub tls: TlsArgs,
     /// The exports, in order.
     pub exports: Vec<ExportSettings>,
+    /// The server's control socket (`[server] control`), beside any mirror's own.
+    pub control: Option<PathBuf>,
+    /// Replace refused bitmap sidecars (`--bitmaps-reset`).
+    pub bitmaps_reset: bool,
+    /// The bitmaps' gate (`--bitmaps-gate`).
+    pub bitmaps_gate: cbt::Mode,
 }
 
 /// One validated export.
@@ -79,8 +85,9 @@ pub enum Backing {
 /// `nbd+unix://`) with [`RemoteSpec::parse`], a local one with [`DeviceSpec`] (its fault
 /// options included).
 fn check_device(spec: &str) -> Result<()> {
-    if RemoteSpec::is_remote(spec) {
-        RemoteSpec::parse(spec)?;
+    let (spec, _) = super::bitmaps::split_spec(spec)?;
+    if RemoteSpec::is_remote(&spec) {
+        RemoteSpec::parse(&spec)?;
         return Ok(());
     }
     let parsed: DeviceSpec = spec.parse()?;
@@ -203,6 +210,9 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         describe_paths: s.describe_paths,
         tls,
         exports,
+        control: s.control.clone(),
+        bitmaps_reset: s.bitmaps_reset,
+        bitmaps_gate: s.bitmaps_gate.0,
     })
 }
 
