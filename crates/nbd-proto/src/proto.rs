@@ -272,6 +272,9 @@ pub const NBD_ESHUTDOWN: u32 = 108;
 pub const NBD_STATE_HOLE: u32 = 1 << 0;
 /// `base:allocation` status flag bit 1: the extent reads as zeroes.
 pub const NBD_STATE_ZERO: u32 = 1 << 1;
+/// `qemu:dirty-bitmap:NAME` status flag bit 0: the extent changed since the bitmap was
+/// created or cleared.
+pub const NBD_STATE_DIRTY: u32 = 1 << 0;
 
 // ---------------------------------------------------------------------------------------------
 // Flag sets.

@@ -130,6 +130,8 @@ pub struct Handshake {
     no_zeroes: bool,
     mode: TransmissionMode,
     meta_id: Option<u32>,
+    /// The contexts the last SET selected: (id, name).
+    contexts: Vec<(u32, String)>,
     buf: Vec<u8>,
 }
 
@@ -157,6 +159,7 @@ impl Handshake {
             no_zeroes,
             mode: TransmissionMode::Simple,
             meta_id: None,
+            contexts: Vec::new(),
             buf: Vec::new(),
         })
     }
@@ -296,6 +299,7 @@ impl Handshake {
                 .iter()
                 .find(|(_, n)| n == "base:allocation")
                 .map(|(id, _)| *id);
+            self.contexts = out.clone();
         }
         Ok(out)
     }
@@ -348,7 +352,7 @@ impl Handshake {
 
     /// The transmission phase, after a successful [`go`](Self::go).
     pub fn into_client(self, details: ExportDetails) -> Result<Client, ClientError> {
-        Client::new(self.stream, self.mode, details, self.meta_id)
+        Client::new(self.stream, self.mode, details, self.meta_id, self.contexts)
     }
 
     /// The socket and the negotiated transmission mode, after a successful [`go`](Self::go):
@@ -378,7 +382,7 @@ impl Handshake {
             flags: info.flags,
             ..ExportDetails::default()
         };
-        Client::new(self.stream, self.mode, d, self.meta_id)
+        Client::new(self.stream, self.mode, d, self.meta_id, self.contexts)
     }
 
     /// `NBD_OPT_ABORT`, then closes.
@@ -404,6 +408,9 @@ pub struct ClientOptions {
     pub extended: bool,
     /// Select `base:allocation` (needs structured or extended).
     pub base_allocation: bool,
+    /// More metadata contexts to select (e.g. `qemu:dirty-bitmap:NAME`; needs structured or
+    /// extended).
+    pub contexts: Vec<String>,
     /// Enter transmission with `NBD_OPT_EXPORT_NAME` instead of `NBD_OPT_GO`.
     pub export_name: bool,
 }
@@ -415,10 +422,15 @@ impl Default for ClientOptions {
             structured: true,
             extended: false,
             base_allocation: true,
+            contexts: Vec::new(),
             export_name: false,
         }
     }
 }
+
+/// One context's part of a block-status reply: its name, and its (length, flags)
+/// descriptors.
+pub type ContextStatus = (String, Vec<(u64, u64)>);
 
 /// A whole reply, as [`Client::recv`] returns it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -429,8 +441,12 @@ pub struct Reply {
     pub error: u32,
     /// Read data (holes as zeros), the request's length.
     pub data: Vec<u8>,
-    /// Block status descriptors: (length, flags).
+    /// Block status descriptors of `base:allocation` (of the only context, when the client
+    /// did not select it): (length, flags).
     pub extents: Vec<(u64, u64)>,
+    /// Block status descriptors of every context, in the order of the chunks: (context id,
+    /// (length, flags) descriptors).
+    pub contexts: Vec<(u32, Vec<(u64, u64)>)>,
     /// Data chunks (`OFFSET_DATA`) received.
     pub data_chunks: u32,
     /// Hole chunks (`OFFSET_HOLE`) received.
@@ -451,6 +467,7 @@ pub struct Client {
     mode: TransmissionMode,
     details: ExportDetails,
     meta_id: Option<u32>,
+    contexts: Vec<(u32, String)>,
     next_cookie: u64,
     pending: HashMap<u64, Pending>,
     out: Vec<u8>,
@@ -462,6 +479,7 @@ impl Client {
         mode: TransmissionMode,
         details: ExportDetails,
         meta_id: Option<u32>,
+        contexts: Vec<(u32, String)>,
     ) -> Result<Self, ClientError> {
         let writer = stream.try_clone()?;
         Ok(Self {
@@ -470,6 +488,7 @@ impl Client {
             mode,
             details,
             meta_id,
+            contexts,
             next_cookie: 1,
             pending: HashMap::new(),
             out: Vec::new(),
@@ -484,8 +503,13 @@ impl Client {
         } else if opts.structured {
             h.structured_replies()?;
         }
-        if opts.base_allocation && (opts.extended || opts.structured) {
-            h.meta_context(&opts.export, &["base:allocation"], true)?;
+        if (opts.base_allocation || !opts.contexts.is_empty()) && (opts.extended || opts.structured)
+        {
+            let mut queries: Vec<&str> = opts.contexts.iter().map(String::as_str).collect();
+            if opts.base_allocation {
+                queries.insert(0, "base:allocation");
+            }
+            h.meta_context(&opts.export, &queries, true)?;
         }
         if opts.export_name {
             h.export_name(&opts.export)
@@ -664,7 +688,7 @@ impl Client {
                     if p.cmd == Command::Read && p.reply.data.is_empty() {
                         p.reply.data = vec![0u8; p.length as usize];
                     }
-                    Self::apply(p, chunk)?;
+                    Self::apply(p, chunk, self.meta_id)?;
                     if h.is_done() {
                         if let Some(p) = self.pending.remove(&h.cookie) {
                             return Ok(p.reply);
@@ -675,7 +699,7 @@ impl Client {
         }
     }
 
-    fn apply(p: &mut Pending, chunk: Chunk<'_>) -> Result<(), ClientError> {
+    fn apply(p: &mut Pending, chunk: Chunk<'_>, meta_id: Option<u32>) -> Result<(), ClientError> {
         let place = |p: &mut Pending, offset: u64, len: u64| -> Result<usize, ClientError> {
             let end = offset.checked_add(len);
             if offset < p.offset || end.is_none_or(|e| e > p.offset + p.length) {
@@ -698,14 +722,28 @@ impl Client {
                 p.reply.data[at..at + size as usize].fill(0);
                 p.reply.hole_chunks += 1;
             }
-            Chunk::BlockStatus { extents, .. } => {
-                p.reply.extents = extents
+            Chunk::BlockStatus {
+                context_id,
+                extents,
+            } => {
+                let extents: Vec<_> = extents
                     .iter()
                     .map(|e| (u64::from(e.length), u64::from(e.flags)))
                     .collect();
+                if meta_id.is_none_or(|id| id == context_id) {
+                    p.reply.extents = extents.clone();
+                }
+                p.reply.contexts.push((context_id, extents));
             }
-            Chunk::BlockStatusExt { extents, .. } => {
-                p.reply.extents = extents.iter().map(|e| (e.length, e.flags)).collect();
+            Chunk::BlockStatusExt {
+                context_id,
+                extents,
+            } => {
+                let extents: Vec<_> = extents.iter().map(|e| (e.length, e.flags)).collect();
+                if meta_id.is_none_or(|id| id == context_id) {
+                    p.reply.extents = extents.clone();
+                }
+                p.reply.contexts.push((context_id, extents));
             }
             Chunk::Error { error, .. }
             | Chunk::ErrorOffset { error, .. }
@@ -788,6 +826,34 @@ impl Client {
         }
         let req = Request::new(Command::BlockStatus, 0, offset, len).with_flags(flags);
         Ok(self.request(req, &[])?.extents)
+    }
+
+    /// The contexts the handshake selected: (id, name).
+    pub fn contexts(&self) -> &[(u32, String)] {
+        &self.contexts
+    }
+
+    /// Block status of every selected context: (context name, (length, flags) descriptors),
+    /// in the order of the reply's chunks. A chunk for an id the handshake did not give is
+    /// an error.
+    pub fn block_status_all(
+        &mut self,
+        offset: u64,
+        len: u64,
+        flags: CmdFlags,
+    ) -> Result<Vec<ContextStatus>, ClientError> {
+        let req = Request::new(Command::BlockStatus, 0, offset, len).with_flags(flags);
+        let reply = self.request(req, &[])?;
+        let mut out = Vec::with_capacity(reply.contexts.len());
+        for (id, extents) in reply.contexts {
+            let Some((_, name)) = self.contexts.iter().find(|(i, _)| *i == id) else {
+                return Err(ClientError::Unexpected(format!(
+                    "block status for context id {id}, which the handshake did not select"
+                )));
+            };
+            out.push((name.clone(), extents));
+        }
+        Ok(out)
     }
 
     /// Sends `NBD_CMD_DISC` and closes.

@@ -1,5 +1,6 @@
 //! No allocation per request in the server's steady state (issue #11 item 3): a `mem:` and a
-//! `null:` export served in-process on a Unix socket, driven by `nbd::client` with several
+//! `null:` export, and a `mem:` one keeping two dirty bitmaps (block status then answers
+//! `base:allocation` and both bitmaps), served in-process on a Unix socket, driven by `nbd::client` with several
 //! requests in flight (structured replies, `base:allocation`): after a warm-up, a window of
 //! 4 KiB reads (of data and of holes: sparse reads), 4 KiB writes and block status requests
 //! must allocate nothing per request on the server's threads: at most [`ONE_OFF_GROWTH`]
@@ -16,6 +17,8 @@
 // A plain threaded test, never a loom model: its harness may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
+
+mod common;
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::cell::Cell;
@@ -162,13 +165,13 @@ fn block_status_burst(c: &mut Client, rng: &mut Rng, n: usize) {
     }
 }
 
-fn steady_state_allocates_nothing(spec: &str) {
+fn steady_state_allocates_nothing(spec: &str, dev: Arc<dyn Device>, opts: &ClientOptions) {
     // The client (this thread) is not what is measured.
     CountingAlloc::exclude_current_thread();
     CLIENT.with(|c| c.set(true));
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
-    let mut cfg = ServerConfig::new(vec![Export::new("", device(spec))]);
+    let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
     cfg.unix = Some(path.clone());
     cfg.tuning.drain_timeout = Duration::from_secs(5);
     // Entries of the in-flight table are recycled, and a slot number used for the first time
@@ -178,7 +181,7 @@ fn steady_state_allocates_nothing(spec: &str) {
     // every slot has served every request shape before the count starts.
     cfg.tuning.slots = BURST;
     let server = Server::start(cfg).unwrap();
-    let mut c = Client::connect(&Endpoint::Unix(path), &ClientOptions::default()).unwrap();
+    let mut c = Client::connect(&Endpoint::Unix(path), opts).unwrap();
     let payload = vec![0x5au8; BLOCK as usize];
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     drive(&mut c, &mut rng, WARMUP, WINDOW, &payload);
@@ -220,10 +223,19 @@ fn steady_state_allocates_nothing(spec: &str) {
 /// tens of thousands here.
 const ONE_OFF_GROWTH: u64 = 8;
 
-/// One test for both exports, one after the other: the count is global, and a second test
-/// running beside this one (its server's warm-up) would count in this one's window.
+/// One test for every export, one after the other: the count is global, and a second test
+/// running beside this one (its server's warm-up) would count in this one's window. The
+/// third is a memory device that keeps two dirty bitmaps (`cbt::Tracked`, `common::tracking`), both selected
+/// beside `base:allocation`: block status answers three contexts per request.
 #[test]
-fn steady_state_allocates_nothing_mem_then_null() {
-    steady_state_allocates_nothing("mem:64M");
-    steady_state_allocates_nothing("null:64M");
+fn steady_state_allocates_nothing_mem_then_null_then_dirty_bitmaps() {
+    let plain = ClientOptions::default();
+    steady_state_allocates_nothing("mem:64M", device("mem:64M"), &plain);
+    steady_state_allocates_nothing("null:64M", device("null:64M"), &plain);
+    let tracked = common::tracking::tracked("mem:64M", &["a", "b"]);
+    let contexts = ClientOptions {
+        contexts: vec!["qemu:dirty-bitmap:a".into(), "qemu:dirty-bitmap:b".into()],
+        ..ClientOptions::default()
+    };
+    steady_state_allocates_nothing("mem:64M with two dirty bitmaps", tracked, &contexts);
 }

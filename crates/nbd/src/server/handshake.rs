@@ -31,22 +31,48 @@ use crate::stream::Stream;
 use crate::tls::TlsMode;
 use crate::{Decoded, Error};
 
-/// The id of `base:allocation`, the only metadata context served.
+/// The id of `base:allocation`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 /// Its name.
 pub(crate) const BASE_ALLOCATION: &str = "base:allocation";
+/// The id of the first dirty bitmap selected; the `i`-th (in the order of the SET's
+/// queries) is `FIRST_BITMAP_ID + i`, so ids are distinct on a connection.
+pub(crate) const FIRST_BITMAP_ID: u32 = 2;
+/// The prefix of a dirty bitmap's context (qemu's `docs/interop/nbd.txt`): the bitmap's name
+/// follows. Alone, as a LIST query, it lists every bitmap; so does `qemu:`.
+pub(crate) const DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+/// The longest context name the protocol allows.
+const MAX_CONTEXT_NAME: usize = 4096;
 /// An option announcing more data than this is not skipped: the connection is closed.
 const MAX_SKIPPED_OPTION: u32 = 16 << 20;
 
+/// The metadata contexts a `NBD_OPT_SET_META_CONTEXT` selected.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Selection {
+    /// `base:allocation`.
+    pub(crate) base_allocation: bool,
+    /// Dirty bitmaps by name (the context `qemu:dirty-bitmap:NAME` has id
+    /// [`FIRST_BITMAP_ID`] + its index).
+    pub(crate) bitmaps: Vec<String>,
+}
+
+impl Selection {
+    /// Whether any context was selected (`NBD_CMD_BLOCK_STATUS` allowed).
+    pub(crate) fn any(&self) -> bool {
+        self.base_allocation || !self.bitmaps.is_empty()
+    }
+}
+
 /// What the handshake agreed on.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Negotiated {
     /// Index of the export in [`Shared::exports`].
     pub(crate) export: usize,
     /// Simple, structured or extended.
     pub(crate) mode: TransmissionMode,
-    /// `base:allocation` was selected for this export (`NBD_CMD_BLOCK_STATUS` allowed).
-    pub(crate) base_allocation: bool,
+    /// The metadata contexts selected for this export (`NBD_CMD_BLOCK_STATUS` is allowed
+    /// when any is).
+    pub(crate) contexts: Selection,
     /// The option that entered transmission: `"go"` or `"export-name"`.
     pub(crate) via: &'static str,
 }
@@ -182,9 +208,8 @@ struct Haggler<'a, 'b> {
     /// The connection's id in the server's registry.
     conn: u64,
     mode: TransmissionMode,
-    /// The export named by the last `NBD_OPT_SET_META_CONTEXT`, and whether it selected
-    /// `base:allocation`.
-    meta: Option<(String, bool)>,
+    /// The export named by the last `NBD_OPT_SET_META_CONTEXT`, and what it selected.
+    meta: Option<(String, Selection)>,
     no_zeroes: bool,
     out: Vec<u8>,
     data: Vec<u8>,
@@ -504,12 +529,15 @@ impl Haggler<'_, '_> {
         Ok(self.enter(idx, name, "export-name"))
     }
 
-    fn enter(&self, export: usize, name: &str, via: &'static str) -> Negotiated {
-        let base_allocation = matches!(&self.meta, Some((n, true)) if n == name);
+    fn enter(&mut self, export: usize, name: &str, via: &'static str) -> Negotiated {
+        let contexts = match self.meta.take() {
+            Some((n, selection)) if n == name => selection,
+            _ => Selection::default(),
+        };
         Negotiated {
             export,
             mode: self.mode,
-            base_allocation,
+            contexts,
             via,
         }
     }
@@ -584,18 +612,22 @@ impl Haggler<'_, '_> {
         if self.allowed(idx, "a meta context option").is_err() {
             return self.refuse(option, req.name);
         }
-        let selected = if set {
-            // `base:` alone must be ignored by SET; unknown namespaces and leaves too.
-            req.queries.contains(&BASE_ALLOCATION)
+        // The export's bitmaps now (a snapshot: one removed later fails the requests that
+        // name it, `conn/reader.rs`).
+        let bitmaps = self.shared.exports[idx]
+            .export
+            .device
+            .dirty_bitmaps()
+            .map(|b| b.names())
+            .unwrap_or_default();
+        let selection = if set {
+            select(&req.queries, &bitmaps)
         } else {
-            req.queries.is_empty()
-                || req
-                    .queries
-                    .iter()
-                    .any(|q| *q == BASE_ALLOCATION || *q == "base:")
+            list(&req.queries, &bitmaps)
         };
         self.out.clear();
-        if selected {
+        let mut name = String::new();
+        if selection.base_allocation {
             let id = if set { BASE_ALLOCATION_ID } else { 0 };
             let r = OptionReply::MetaContext {
                 id,
@@ -603,12 +635,23 @@ impl Haggler<'_, '_> {
             };
             encode(option, &r, &mut self.out)?;
         }
+        for (i, bitmap) in selection.bitmaps.iter().enumerate() {
+            let id = if set { FIRST_BITMAP_ID + i as u32 } else { 0 };
+            name.clear();
+            name.push_str(DIRTY_BITMAP);
+            name.push_str(bitmap);
+            encode(
+                option,
+                &OptionReply::MetaContext { id, name: &name },
+                &mut self.out,
+            )?;
+        }
         encode(option, &OptionReply::Ack, &mut self.out)?;
         self.stream.write_all(&self.out)?;
+        debug!(set, contexts = ?selection, export = req.name, "meta context");
         if set {
-            self.meta = Some((req.name.to_string(), selected));
+            self.meta = Some((req.name.to_string(), selection));
         }
-        debug!(set, selected, export = req.name, "meta context");
         Ok(())
     }
 
@@ -686,6 +729,50 @@ impl Haggler<'_, '_> {
         encode(option, r, &mut self.out)?;
         self.stream.write_all(&self.out)?;
         Ok(())
+    }
+}
+
+/// The contexts `NBD_OPT_SET_META_CONTEXT` with `queries` selects, given the export's
+/// `bitmaps`: only whole names (`base:` and `qemu:dirty-bitmap:` alone select nothing, nor
+/// does an unknown namespace or an unknown bitmap), each once, in the order of the queries.
+pub(crate) fn select(queries: &[&str], bitmaps: &[String]) -> Selection {
+    let mut s = Selection::default();
+    for q in queries {
+        if *q == BASE_ALLOCATION {
+            s.base_allocation = true;
+        } else if let Some(leaf) = q.strip_prefix(DIRTY_BITMAP) {
+            if bitmaps.iter().any(|b| b == leaf) && !s.bitmaps.iter().any(|b| b == leaf) {
+                s.bitmaps.push(leaf.to_string());
+            }
+        }
+    }
+    s
+}
+
+/// The contexts `NBD_OPT_LIST_META_CONTEXT` with `queries` lists, given the export's
+/// `bitmaps`: all of them for no query; `base:allocation` for itself or `base:`; every
+/// bitmap for `qemu:` or `qemu:dirty-bitmap:`, one for its whole name. Bitmaps in the
+/// export's order, each once; a name too long for a context name is never listed.
+pub(crate) fn list(queries: &[&str], bitmaps: &[String]) -> Selection {
+    let all = queries.is_empty();
+    let base_allocation = all
+        || queries
+            .iter()
+            .any(|q| *q == BASE_ALLOCATION || *q == "base:");
+    let bitmaps = bitmaps
+        .iter()
+        .filter(|b| DIRTY_BITMAP.len() + b.len() <= MAX_CONTEXT_NAME)
+        .filter(|b| {
+            all || queries.iter().any(|q| match q.strip_prefix(DIRTY_BITMAP) {
+                Some(leaf) => leaf.is_empty() || leaf == b.as_str(),
+                None => *q == "qemu:",
+            })
+        })
+        .cloned()
+        .collect();
+    Selection {
+        base_allocation,
+        bitmaps,
     }
 }
 

@@ -5,6 +5,7 @@ use nbd::client::ClientOptions;
 
 pub mod load;
 pub mod pki;
+pub mod tracking;
 pub mod trickle;
 
 /// Client options for each transmission mode: simple replies, structured replies, extended

@@ -67,8 +67,12 @@ pub(super) struct InFlight {
     pub(super) budget_bytes: u64,
     /// Reads: the parts, in offset order.
     pub(super) parts: Vec<Part>,
-    /// Block status: the allocation map, already in the codec's terms.
+    /// Block status: the map of each context answered, in the codec's terms, one after the
+    /// other.
     pub(super) extents: Vec<ExtentExt>,
+    /// Block status: each context answered, in reply order: its id and its number of
+    /// extents in `extents`.
+    pub(super) contexts: Vec<(u32, u32)>,
     /// When the request reached the device (coarse clock, ns): set only for exports whose
     /// disk counters the server keeps ([`ConnCore::disk`]).
     pub(super) start_ns: u64,
@@ -110,6 +114,7 @@ impl InFlight {
     pub(super) fn clear_data(&mut self) {
         self.parts.clear();
         self.extents.clear();
+        self.contexts.clear();
     }
 
     /// The block op this request submits, for the server-side disk counters: `None` for

@@ -153,12 +153,13 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         %peer,
         export = %export.export.name,
         replies,
-        base_allocation = negotiated.base_allocation,
+        base_allocation = negotiated.contexts.base_allocation,
+        dirty_bitmaps = negotiated.contexts.bitmaps.len(),
         via = negotiated.via,
         tls,
         "connection open"
     );
-    let base_allocation = negotiated.base_allocation;
+    let base_allocation = negotiated.contexts.base_allocation;
     let (reason, stats) = match Connection::new(stream, &server, export, negotiated) {
         // A panic on the reader (a bug here, or in a device's `submit`, which runs on this
         // thread) fails this connection only: `Connection`'s `Drop` closes its socket, stops
@@ -233,7 +234,8 @@ struct Connection<'a> {
     server: &'a Shared,
     export: &'a ExportState,
     mode: TransmissionMode,
-    base_allocation: bool,
+    /// The metadata contexts selected: what `NBD_CMD_BLOCK_STATUS` answers.
+    contexts: handshake::Selection,
     min_block: u64,
     max_block: u64,
     /// Largest bio (and pooled buffer), a multiple of the block size.
@@ -261,6 +263,8 @@ struct Connection<'a> {
     /// The device's extents for a block status or a sparse read, reused from request to
     /// request (it grows to the largest map asked for, then allocates no more).
     extents_buf: Vec<blk::Extent>,
+    /// The same for a dirty bitmap's runs.
+    dirty_buf: Vec<blk::DirtyExtent>,
     partial_write: Option<PartialWrite>,
     /// The last write staged was a large one (`reader.rs`, [`reader::BIG_WRITE`]): the next
     /// reads ask the socket for less, so that the payloads that follow land in their own
@@ -377,7 +381,7 @@ impl<'a> Connection<'a> {
             server,
             export,
             mode: negotiated.mode,
-            base_allocation: negotiated.base_allocation,
+            contexts: negotiated.contexts,
             min_block: u64::from(min_block),
             max_block: u64::from(handshake::block_size(export, tuning.max_block).max),
             max_bio_bytes,
@@ -393,6 +397,7 @@ impl<'a> Connection<'a> {
             bios: Vec::with_capacity(tuning.slots),
             write_bios: Vec::new(),
             extents_buf: Vec::new(),
+            dirty_buf: Vec::new(),
             partial_write: None,
             big_writes: false,
             home_writes: false,

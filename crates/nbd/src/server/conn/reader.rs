@@ -11,13 +11,14 @@ use std::io::{self, IoSliceMut, Read};
 use std::time::{Duration, Instant};
 
 use blk::Extent as DevExtent;
-use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, BufferPool, Device, DirtyExtent, Op, SECTOR_SHIFT};
 
 use super::home::HomeFailure;
 use super::inflight::{bio_cookie, InFlight, Part};
 use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
-use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE, NBD_STATE_ZERO};
+use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_DIRTY, NBD_STATE_HOLE, NBD_STATE_ZERO};
+use crate::server::handshake::{BASE_ALLOCATION_ID, FIRST_BITMAP_ID};
 use crate::transmission::{decode_request, ExtentExt, Request};
 use crate::{Decoded, Error};
 
@@ -41,6 +42,15 @@ fn nbd_extent(e: &DevExtent) -> ExtentExt {
         } else {
             u64::from(NBD_STATE_HOLE | NBD_STATE_ZERO)
         },
+    }
+}
+
+/// The codec's view of a run of a dirty bitmap (`qemu:dirty-bitmap:NAME`: bit 0 is
+/// `NBD_STATE_DIRTY`).
+fn dirty_extent(e: &DirtyExtent) -> ExtentExt {
+    ExtentExt {
+        length: e.len,
+        flags: u64::from(if e.dirty { NBD_STATE_DIRTY } else { 0 }),
     }
 }
 
@@ -335,7 +345,7 @@ impl<'a> Connection<'a> {
             | Command::BlockStatus => {}
             _ => return Some(Errno::Inval),
         }
-        if r.kind == Command::BlockStatus && !self.base_allocation {
+        if r.kind == Command::BlockStatus && !self.contexts.any() {
             return Some(Errno::Inval);
         }
         let (off, len) = (r.offset, r.length);
@@ -410,33 +420,68 @@ impl<'a> Connection<'a> {
             Command::Trim => self.stage_range(&r, Op::Discard, entry),
             Command::WriteZeroes => self.stage_range(&r, Op::WriteZeroes, entry),
             Command::BlockStatus => {
-                let max = if r.flags.contains(CmdFlags::REQ_ONE) {
-                    1
-                } else {
-                    MAX_STATUS_EXTENTS
-                };
-                // Into the connection's reused vector, and then the entry's (recycled with it):
-                // both reserve the most this request's shape can need, so that they stop
-                // growing once warm, however fragmented the device becomes.
-                let bound = self.extent_bound(r.length, max);
-                let mut ext = std::mem::take(&mut self.extents_buf);
-                ext.clear();
-                ext.reserve(bound);
-                entry.extents.reserve(bound);
-                match self
-                    .device()
-                    .extents_into(r.offset, r.length, max, &mut ext)
-                {
-                    Ok(()) => entry.extents.extend(ext.iter().map(nbd_extent)),
-                    Err(e) => entry.fail(Errno::from_errno(e.errno())),
-                }
-                self.extents_buf = ext;
+                self.stage_block_status(&r, &mut entry);
                 self.staged.push(entry);
             }
             // Cache: nothing to prefetch in a block layer without a page cache.
             _ => self.staged.push(entry),
         }
         None
+    }
+
+    /// Block status: the map of each selected context, in the order of their ids
+    /// (`base:allocation`, then the dirty bitmaps), one after the other in `entry.extents`,
+    /// with their ids and lengths in `entry.contexts`. A context that fails (a bitmap removed
+    /// since the handshake: `EINVAL`) fails the request; the connection goes on.
+    fn stage_block_status(&mut self, r: &Request, entry: &mut InFlight) {
+        let max = if r.flags.contains(CmdFlags::REQ_ONE) {
+            1
+        } else {
+            MAX_STATUS_EXTENTS
+        };
+        // Into the connection's reused vectors, and then the entry's (recycled with it): all
+        // reserve the most this request's shape can need, so that they stop growing once
+        // warm, however fragmented the device or the bitmaps become.
+        let bound = self.extent_bound(r.length, max);
+        let nctx = usize::from(self.contexts.base_allocation) + self.contexts.bitmaps.len();
+        entry.extents.reserve(bound * nctx);
+        entry.contexts.reserve(nctx);
+        let device = self.device();
+        if self.contexts.base_allocation {
+            let mut ext = std::mem::take(&mut self.extents_buf);
+            ext.clear();
+            ext.reserve(bound);
+            match device.extents_into(r.offset, r.length, max, &mut ext) {
+                Ok(()) => {
+                    entry.extents.extend(ext.iter().map(nbd_extent));
+                    entry.contexts.push((BASE_ALLOCATION_ID, ext.len() as u32));
+                }
+                Err(e) => entry.fail(Errno::from_errno(e.errno())),
+            }
+            self.extents_buf = ext;
+        }
+        if self.contexts.bitmaps.is_empty() || entry.error.is_some() {
+            return;
+        }
+        let Some(bitmaps) = device.dirty_bitmaps() else {
+            // The device no longer keeps bitmaps at all: every one selected is gone.
+            entry.fail(Errno::Inval);
+            return;
+        };
+        let mut dirty = std::mem::take(&mut self.dirty_buf);
+        dirty.reserve(bound);
+        for (i, name) in self.contexts.bitmaps.iter().enumerate() {
+            dirty.clear();
+            if let Err(e) = bitmaps.dirty_extents_into(name, r.offset, r.length, max, &mut dirty) {
+                entry.fail(Errno::from_errno(e.errno()));
+                break;
+            }
+            entry.extents.extend(dirty.iter().map(dirty_extent));
+            entry
+                .contexts
+                .push((FIRST_BITMAP_ID + i as u32, dirty.len() as u32));
+        }
+        self.dirty_buf = dirty;
     }
 
     /// The most extents a map of `len` bytes can hold at the export's block size, capped at

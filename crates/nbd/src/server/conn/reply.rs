@@ -10,7 +10,7 @@ use blk::Buffer;
 use tracing::warn;
 
 use super::inflight::{InFlight, Part};
-use crate::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode};
+use crate::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode, NBD_STATE_DIRTY};
 use crate::server::handshake::BASE_ALLOCATION_ID;
 use crate::transmission::{Extent, ExtentExt, ReplyChunk, ReplyTo, SimpleReply};
 use crate::Error;
@@ -283,9 +283,10 @@ impl Output {
         Ok(())
     }
 
-    /// Block status for `base:allocation`: 64-bit descriptors with extended headers, else
-    /// 32-bit ones (a longer extent is cut to a multiple of the block size and ends the list,
-    /// which must stay contiguous from the request's offset).
+    /// Block status: one chunk per context answered (`entry.contexts`, in order), the last
+    /// with `DONE`; 64-bit descriptors with extended headers, else 32-bit ones (a longer
+    /// extent is cut to a multiple of the block size and ends that context's list, which must
+    /// stay contiguous from the request's offset). `REQ_ONE`: one extent per context.
     fn encode_block_status(
         &mut self,
         entry: &InFlight,
@@ -294,8 +295,49 @@ impl Output {
         min_block: u32,
     ) -> Result<(), Error> {
         let start = self.headers.len();
+        let mut at = 0usize;
+        for (i, &(context_id, count)) in entry.contexts.iter().enumerate() {
+            let end = at + count as usize;
+            let extents = entry.extents.get(at..end).unwrap_or_default();
+            at = end;
+            let done = if i + 1 == entry.contexts.len() {
+                ReplyFlags::DONE
+            } else {
+                ReplyFlags::empty()
+            };
+            self.encode_context(entry, context_id, extents, mode, to, done, min_block)?;
+        }
+        if entry.contexts.is_empty() {
+            // Nothing was answered (cannot happen for a validated request): an empty
+            // success rather than a reply the client could not match.
+            ReplyChunk::None.encode(mode, to, ReplyFlags::DONE, &mut self.headers)?;
+        }
+        self.push_headers(start);
+        Ok(())
+    }
+
+    /// One context's block-status chunk. An empty map (a device or bitmap that answered
+    /// nothing) is sent as one extent over the request with the state that promises least:
+    /// allocated (0) for `base:allocation`, dirty for a bitmap (which may say more than was
+    /// written, never less).
+    #[allow(clippy::too_many_arguments)]
+    fn encode_context(
+        &mut self,
+        entry: &InFlight,
+        context_id: u32,
+        extents: &[ExtentExt],
+        mode: TransmissionMode,
+        to: ReplyTo,
+        done: ReplyFlags,
+        min_block: u32,
+    ) -> Result<(), Error> {
         let req_one = entry.flags.contains(CmdFlags::REQ_ONE);
-        let present = entry.extents.iter().filter(|e| e.length > 0);
+        let present = extents.iter().filter(|e| e.length > 0);
+        let unknown = if context_id == BASE_ALLOCATION_ID {
+            0
+        } else {
+            NBD_STATE_DIRTY
+        };
         // Reserve what the entry reserved (the request's bound, `reader.rs`), not what this
         // map needs: the reused vectors then stop growing once warm.
         if mode == TransmissionMode::Extended {
@@ -310,14 +352,14 @@ impl Output {
             if self.extents64.is_empty() {
                 self.extents64.push(ExtentExt {
                     length: entry.length,
-                    flags: 0,
+                    flags: u64::from(unknown),
                 });
             }
             let chunk = ReplyChunk::BlockStatusExt {
-                context_id: BASE_ALLOCATION_ID,
+                context_id,
                 extents: &self.extents64,
             };
-            chunk.encode(mode, to, ReplyFlags::DONE, &mut self.headers)?;
+            chunk.encode(mode, to, done, &mut self.headers)?;
         } else {
             let cap = u64::from(u32::MAX / min_block * min_block);
             self.extents32.clear();
@@ -326,7 +368,7 @@ impl Output {
                 let len = e.length.min(cap);
                 self.extents32.push(Extent {
                     length: len as u32,
-                    // The flags of `base:allocation` are 32-bit values.
+                    // The flags of `base:allocation` and of dirty bitmaps are 32-bit values.
                     flags: e.flags as u32,
                 });
                 if req_one || len < e.length {
@@ -336,16 +378,15 @@ impl Output {
             if self.extents32.is_empty() {
                 self.extents32.push(Extent {
                     length: entry.length.min(cap) as u32,
-                    flags: 0,
+                    flags: unknown,
                 });
             }
             let chunk = ReplyChunk::BlockStatus {
-                context_id: BASE_ALLOCATION_ID,
+                context_id,
                 extents: &self.extents32,
             };
-            chunk.encode(mode, to, ReplyFlags::DONE, &mut self.headers)?;
+            chunk.encode(mode, to, done, &mut self.headers)?;
         }
-        self.push_headers(start);
         Ok(())
     }
 }
@@ -435,6 +476,7 @@ mod tests {
             length: 8 << 30,
             flags: u64::from(NBD_STATE_HOLE),
         });
+        status.contexts.push((BASE_ALLOCATION_ID, 1));
         out.shape(&mut status, TransmissionMode::Structured, 4096);
         assert_eq!(out.extents32.len(), 1);
         assert_eq!(
