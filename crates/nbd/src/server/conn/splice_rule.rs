@@ -182,7 +182,8 @@ impl SpliceChooser {
         } else {
             (self.other_rate, rate)
         };
-        let copy_wins = u128::from(copy_rate) * 100 > u128::from(splice_rate) * (100 + MARGIN_PCT as u128);
+        let copy_wins =
+            u128::from(copy_rate) * 100 > u128::from(splice_rate) * (100 + MARGIN_PCT as u128);
         let held = !self.splice; // the way measured first
         let decided = !copy_wins;
         // Rule 4: the same way again doubles the hold; a change starts it over.
@@ -300,7 +301,10 @@ mod tests {
         assert_eq!(c.chooser.skip, 7);
         c.read(7, MIB);
         assert_eq!(c.chooser.skip, 0);
-        assert!(c.chooser.start.is_none(), "the window opens at the next arrival");
+        assert!(
+            c.chooser.start.is_none(),
+            "the window opens at the next arrival"
+        );
     }
 
     #[test]
@@ -339,7 +343,11 @@ mod tests {
     fn the_same_way_winning_again_doubles_the_hold_up_to_the_most() {
         let mut c = Client::new(SpliceRule::Measure, 3000 * MIB, 1000 * MIB, 1);
         c.read(64, MIB);
-        assert_eq!(c.chooser.hold, HOLD_FIRST * 2, "splice held, and splice won");
+        assert_eq!(
+            c.chooser.hold,
+            HOLD_FIRST * 2,
+            "splice held, and splice won"
+        );
         for _ in 0..8 {
             let hold = c.chooser.hold;
             c.read((hold / MIB) as usize + 64, MIB);
