@@ -505,7 +505,11 @@ mod tests {
         assert_eq!(b.as_slice(), owner.as_slice());
         assert!(a.as_mut_slice().is_empty(), "an alias is read-only");
         drop((a, b));
-        assert_eq!(pool.free_count(), 0, "dropping aliases returns nothing to the pool");
+        assert_eq!(
+            pool.free_count(),
+            0,
+            "dropping aliases returns nothing to the pool"
+        );
         assert!(owner.as_slice().iter().all(|&x| x == 0x5A));
         drop(owner);
         assert_eq!(pool.free_count(), 1);

@@ -61,7 +61,7 @@ impl EndIo for Scribble {
 /// none, lengths 4 KiB to 64 KiB.
 fn load() -> Vec<(u64, usize, u8)> {
     (0..48u64)
-        .map(|i| (i * 128 << 10, ((i % 16 + 1) * 4096) as usize, i as u8))
+        .map(|i| ((i * 128) << 10, ((i % 16 + 1) * 4096) as usize, i as u8))
         .collect()
 }
 
@@ -209,8 +209,14 @@ fn a_write_behind_leg_writes_a_copy_in_both_modes() {
         for &(off, len, seed) in writes {
             let at = r.data_offset() + base + off;
             let want = pattern(seed, len);
-            assert!(read(a.as_ref(), at, len) == want, "share_writes={share}: leg 0 at {off}");
-            assert!(read(slow.as_ref(), at, len) == want, "share_writes={share}: leg 1 at {off}");
+            assert!(
+                read(a.as_ref(), at, len) == want,
+                "share_writes={share}: leg 0 at {off}"
+            );
+            assert!(
+                read(slow.as_ref(), at, len) == want,
+                "share_writes={share}: leg 1 at {off}"
+            );
         }
     }
 }
@@ -253,7 +259,10 @@ fn one_write(cfg: Raid1Config, write_mostly: bool) -> (usize, Vec<(usize, bool)>
     let (bio, res) = blk::submit_wait(&r, Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, buf));
     res.unwrap();
     assert_eq!(bio.buf.as_ref().unwrap().as_slice().as_ptr() as usize, addr);
-    assert!(!bio.buf.as_ref().unwrap().is_alias(), "the caller got an alias back");
+    assert!(
+        !bio.buf.as_ref().unwrap().is_alias(),
+        "the caller got an alias back"
+    );
     let (sa, sb) = (sa.lock().unwrap().clone(), sb.lock().unwrap().clone());
     assert_eq!((sa.len(), sb.len()), (1, 1), "one data write per leg");
     (addr, vec![sa[0], sb[0]])
@@ -262,10 +271,18 @@ fn one_write(cfg: Raid1Config, write_mostly: bool) -> (usize, Vec<(usize, bool)>
 #[test]
 fn shared_legs_read_the_callers_bytes_copy_legs_do_not() {
     let (addr, legs) = one_write(config(true), false);
-    assert_eq!(legs, vec![(addr, true), (addr, true)], "shared: one payload");
+    assert_eq!(
+        legs,
+        vec![(addr, true), (addr, true)],
+        "shared: one payload"
+    );
 
     let (addr, legs) = one_write(config(false), false);
-    assert_eq!(legs[0], (addr, false), "copy: the caller's buffer on the primary");
+    assert_eq!(
+        legs[0],
+        (addr, false),
+        "copy: the caller's buffer on the primary"
+    );
     assert!(
         legs[1].0 != addr && !legs[1].1,
         "copy: leg 1 writes its own copy"
@@ -280,7 +297,10 @@ fn shared_legs_read_the_callers_bytes_copy_legs_do_not() {
     };
     let (addr, legs) = one_write(behind, true);
     assert_eq!(legs[0], (addr, true));
-    assert!(legs[1].0 != addr && !legs[1].1, "the behind leg writes a copy");
+    assert!(
+        legs[1].0 != addr && !legs[1].1,
+        "the behind leg writes a copy"
+    );
 }
 
 #[test]
