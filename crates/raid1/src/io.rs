@@ -4,7 +4,8 @@
 //! `submit*` run on the submitter's thread; `leg_done` runs wherever a leg completes its bio
 //! (a leg's completion thread, or inline in `submit`). A failed read is handed to raid1d
 //! (`daemon.rs`). No heap allocation in the steady state: per-I/O state comes from the
-//! preallocated `ios` slots and copy buffers from the pool.
+//! preallocated `ios` slots; a write's legs read the caller's buffer through aliases (`lend`),
+//! and copies (`share_writes=0`, write-behind legs) come from the pool.
 
 use blkq_sync::DynArc as StdArc;
 

@@ -61,7 +61,7 @@ impl EndIo for Scribble {
 /// none, lengths 4 KiB to 64 KiB.
 fn load() -> Vec<(u64, usize, u8)> {
     (0..48u64)
-        .map(|i| (i * 128 << 10, ((i % 16 + 1) * 4096) as usize, i as u8))
+        .map(|i| ((i * 128) << 10, ((i % 16 + 1) * 4096) as usize, i as u8))
         .collect()
 }
 

@@ -65,8 +65,9 @@ pub struct BenchArgs {
     /// A raid1 option KEY=VALUE (repeatable), e.g. barrier=locked|lockless.
     #[arg(long = "raid1-option", value_name = "KEY=VALUE")]
     pub raid1_options: Vec<String>,
-    /// Drive --device as a --raid1 leg is driven: bio-based (built as a leg is), with data
-    /// buffers. The baseline of what a mirror costs over one leg.
+    /// Drive --device as a --raid1 leg is driven: bio-based (built as a leg is), one bio per
+    /// submit (no batch, no plug), with data buffers. The baseline of what a mirror costs
+    /// over one leg.
     #[arg(long, conflicts_with = "raid1")]
     pub as_leg: bool,
     /// read, write, randread, randwrite or randrw.
@@ -186,8 +187,8 @@ pub(super) struct RunCfg {
     pub(super) raid1: Option<String>,
     /// `--raid1-option`s, in order (a later one wins).
     pub(super) raid1_options: Vec<String>,
-    /// `--as-leg`: `device` built as a mirror's leg and driven through its bio path, with
-    /// data buffers.
+    /// `--as-leg`: `device` built as a mirror's leg and driven through its bio path, a bio per
+    /// submit, with data buffers.
     pub(super) as_leg: bool,
 }
 

@@ -211,6 +211,8 @@ pub(super) fn run_job(
             };
             match &target {
                 Target::Queue(q) => q.submit_plugged(&mut plug, bio, &end_dyn),
+                // One bio at a time, as a mirror submits to its legs (no plug).
+                Target::Device(d) if cfg.as_leg => d.submit(bio, &end_dyn),
                 Target::Device(_) => batch.push(bio),
             }
         }
