@@ -212,9 +212,10 @@ impl<'a> Connection<'a> {
     /// bytes past what it holds while large writes arrive (see [`BIG_WRITE`]).
     fn recv_end(&self) -> usize {
         let header = self.mode.request_header_len();
-        if self.home_writes && self.recv_len < header {
+        if self.home_writes && self.discard_left == 0 && self.recv_len < header {
             // One header at a time: the payload behind it stays in the socket for the device
-            // to take (`home.rs`).
+            // to take (`home.rs`). Not while a refused payload is skipped: that goes by the
+            // buffer.
             header
         } else if self.big_writes {
             (self.recv_len + RECV_AFTER_BIG_WRITE).min(self.recv_buf.len())
