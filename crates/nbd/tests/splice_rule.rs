@@ -137,9 +137,10 @@ fn reads_are_the_device_bytes_whichever_way_the_rule_sends_them() {
                 ways.copied.load(Ordering::Relaxed),
             );
             let mut c = Client::connect(ep, &opts).unwrap();
-            // 64 reads hold the splice window (9), the copy window after the reads in flight
-            // (4 + 9), then the chosen way. A pause of the test's own (a loaded machine)
-            // restarts a window, so batches go on until both ways were seen, up to a bound.
+            // The probe alternates windows of at least 8 MiB and 10 ms between the two
+            // ways, the first spliced; a pause of the test's own (a loaded machine) restarts
+            // a window, so batches of 64 reads go on until both ways have had a whole window
+            // (9 reads: the one that opens it and 8 MiB), up to a bound.
             let mut batches = 0;
             loop {
                 read_all(&mut c, &data, 64, 4, &format!("{ep:?} {name}"));

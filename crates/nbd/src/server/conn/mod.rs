@@ -202,6 +202,8 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         refused = stats.refused,
         bytes_read = stats.bytes_read,
         bytes_written = stats.bytes_written,
+        spliced_reads = stats.spliced_reads,
+        copied_large_reads = stats.copied_large_reads,
         duration_s = started.elapsed().as_secs_f64(),
         reason = %reason,
         "connection closed: {reason}"
@@ -220,6 +222,9 @@ struct Stats {
     /// Requests answered with an error before reaching the device (unknown command, bad
     /// range or flags); errors the device returns are not counted here.
     refused: u64,
+    /// Large reads spliced and copied by the splice rule's choice (`splice_rule.rs`).
+    spliced_reads: u64,
+    copied_large_reads: u64,
 }
 
 /// What the reader thread holds: the receive side, staging, and a handle on the shared core.
@@ -569,6 +574,8 @@ impl<'a> Connection<'a> {
     /// then stops the flusher.
     fn teardown(&mut self, reason: &str) {
         self.torn_down = true;
+        self.stats.spliced_reads = self.splice_chooser.spliced_reads;
+        self.stats.copied_large_reads = self.splice_chooser.copied_reads;
         debug!(peer = %self.stream, "tearing down: {reason}");
         // A write still arriving, or staged requests that never got a slot, are dropped,
         // and the memory budget they took is given back.

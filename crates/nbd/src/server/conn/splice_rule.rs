@@ -14,14 +14,17 @@
 //! The rule, per connection, on reads of at least [`SPLICE_MIN_BYTES`] to a device that can
 //! splice:
 //! 1. **Start spliced**, and measure: the bytes of large reads that arrive in a window of at
-//!    least [`WINDOW_BYTES`] and [`WINDOW_READS`] reads, over the time they took to arrive.
-//! 2. **Then copy, and measure the same.** The reads the client has in flight at the switch
-//!    were staged the old way, so that many arrivals are skipped before the window opens.
-//! 3. **Keep the faster**; copying must be more than [`MARGIN_PCT`] percent faster to be kept
-//!    (splicing spends less of the server's CPU, so it wins a tie).
-//! 4. **Hold it** for [`HOLD_FIRST`] bytes of large reads, then measure the held way and the
-//!    other again (steps 1-3 from the held way); each time the same way wins the hold
-//!    doubles, up to [`HOLD_MAX`], so a steady client pays for ever fewer probes.
+//!    least [`WINDOW_BYTES`], [`WINDOW_READS`] reads and [`WINDOW_TIME`], over the time they
+//!    took to arrive.
+//! 2. **Then copy, and measure the same**, and so on, alternating, [`WINDOWS`] windows in all
+//!    (a probe). The reads the client has in flight at a switch were staged the old way, so
+//!    that many arrivals are skipped before the next window opens.
+//! 3. **Keep the faster** on the probe's totals (bytes over time, per way); copying must be
+//!    more than [`MARGIN_PCT`] percent faster to be kept (splicing spends less of the
+//!    server's CPU, so it wins a tie).
+//! 4. **Hold it** for [`HOLD_FIRST`] bytes of large reads, then probe again from the held way
+//!    (steps 1-3); each time the same way wins the hold doubles, up to [`HOLD_MAX`], so a
+//!    steady client pays for ever fewer probes.
 //! 5. **A pause is not a rate.** Two arrivals more than [`GAP`] apart (the client stopped, or
 //!    did other work) restart the window, in the same way.
 //!
@@ -37,6 +40,13 @@ use super::splice::SPLICE_MIN_BYTES;
 pub(super) const WINDOW_BYTES: u64 = 8 << 20;
 /// Reads a window needs before its rate counts.
 pub(super) const WINDOW_READS: u32 = 4;
+/// The shortest window: a few scheduler ticks, so that one preemption of the client (or of
+/// the server) on a busy machine does not decide alone.
+pub(super) const WINDOW_TIME: Duration = Duration::from_millis(10);
+/// Windows of a probe, alternating between the two ways from the held one (even: as many of
+/// each); the ways are compared on their totals, so drift on the machine during the probe
+/// hits both alike.
+pub(super) const WINDOWS: u8 = 4;
 /// Copying is kept only if its rate beats splicing's by more than this many percent.
 pub(super) const MARGIN_PCT: u64 = 5;
 /// Bytes of large reads the first decision is held for.
@@ -70,9 +80,8 @@ impl std::str::FromStr for SpliceRule {
 /// Where the rule stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// Measuring the current way; `first` of the pair, or the second (then the first's rate
-    /// is in `other_rate`).
-    Measure { first: bool },
+    /// Measuring the current way: window `window` (from 0) of the [`WINDOWS`] of a probe.
+    Measure { window: u8 },
     /// The way is chosen; this many bytes of large reads before measuring again.
     Hold { left: u64 },
 }
@@ -90,8 +99,8 @@ pub(super) struct SpliceChooser {
     last: Instant,
     bytes: u64,
     reads: u32,
-    /// The first window's rate of a pair, bytes per second, and whether it was spliced.
-    other_rate: u64,
+    /// The probe's windows so far, per way (`[copied, spliced]`): bytes and nanoseconds.
+    seen: [(u64, u128); 2],
     /// The hold the next decision gets if the same way wins again.
     hold: u64,
     /// Large reads spliced and copied so far (for tests and logs).
@@ -104,13 +113,13 @@ impl SpliceChooser {
         Self {
             rule,
             splice: true,
-            phase: Phase::Measure { first: true },
+            phase: Phase::Measure { window: 0 },
             skip: 0,
             start: None,
             last: now,
             bytes: 0,
             reads: 0,
-            other_rate: 0,
+            seen: [(0, 0); 2],
             hold: HOLD_FIRST,
             spliced_reads: 0,
             copied_reads: 0,
@@ -128,8 +137,11 @@ impl SpliceChooser {
             Phase::Hold { left } if left > len => {
                 self.phase = Phase::Hold { left: left - len };
             }
-            Phase::Hold { .. } => self.open(true, 0),
-            Phase::Measure { first } => self.measure(first, len, now, in_flight),
+            Phase::Hold { .. } => {
+                self.seen = [(0, 0); 2];
+                self.open(0, 0);
+            }
+            Phase::Measure { window } => self.measure(window, len, now, in_flight),
         }
         if self.splice {
             self.spliced_reads += 1;
@@ -139,15 +151,14 @@ impl SpliceChooser {
         self.splice
     }
 
-    /// Starts measuring the current way: the first of a pair or the second, after `skip`
-    /// arrivals.
-    fn open(&mut self, first: bool, skip: usize) {
-        self.phase = Phase::Measure { first };
+    /// Starts window `window` of the current way, after `skip` arrivals.
+    fn open(&mut self, window: u8, skip: usize) {
+        self.phase = Phase::Measure { window };
         self.skip = skip;
         self.start = None;
     }
 
-    fn measure(&mut self, first: bool, len: u64, now: Instant, in_flight: usize) {
+    fn measure(&mut self, window: u8, len: u64, now: Instant, in_flight: usize) {
         if self.skip > 0 {
             self.skip -= 1;
             return;
@@ -163,28 +174,27 @@ impl SpliceChooser {
         self.last = now;
         self.bytes += len;
         self.reads += 1;
-        if self.bytes < WINDOW_BYTES || self.reads < WINDOW_READS {
+        let nanos = now.saturating_duration_since(start).as_nanos();
+        if self.bytes < WINDOW_BYTES || self.reads < WINDOW_READS || nanos < WINDOW_TIME.as_nanos()
+        {
             return;
         }
-        let nanos = now.saturating_duration_since(start).as_nanos().max(1);
-        let rate = (u128::from(self.bytes) * 1_000_000_000 / nanos).min(u128::from(u64::MAX));
-        let rate = rate as u64;
-        if first {
-            // Rule 2: now the other way, after the reads already staged this way.
-            self.other_rate = rate;
+        let way = &mut self.seen[usize::from(self.splice)];
+        way.0 += self.bytes;
+        way.1 += nanos;
+        if window + 1 < WINDOWS {
+            // Rule 2: the other way, after the reads already staged this way.
             self.splice = !self.splice;
-            self.open(false, in_flight);
+            self.open(window + 1, in_flight);
             return;
         }
-        // Rule 3: `rate` is this way's, `other_rate` the held way's.
-        let (splice_rate, copy_rate) = if self.splice {
-            (rate, self.other_rate)
-        } else {
-            (self.other_rate, rate)
-        };
-        let copy_wins =
-            u128::from(copy_rate) * 100 > u128::from(splice_rate) * (100 + MARGIN_PCT as u128);
-        let held = !self.splice; // the way measured first
+        // Rule 3, on the probe's totals: bytes per nanosecond, compared by cross-multiplying.
+        let [(copy_bytes, copy_ns), (splice_bytes, splice_ns)] = self.seen;
+        let copy_wins = u128::from(copy_bytes) * splice_ns * 100
+            > u128::from(splice_bytes) * copy_ns * (100 + u128::from(MARGIN_PCT));
+        // The probe began with the held way, and the windows alternate: an even number of
+        // them ends on the other way.
+        let held = !self.splice;
         let decided = !copy_wins;
         // Rule 4: the same way again doubles the hold; a change starts it over.
         self.hold = if decided == held {
@@ -245,6 +255,18 @@ mod tests {
             }
         }
 
+        /// Sends 1 MiB reads until the way is chosen (at most 1 GiB of them); returns how
+        /// many it took.
+        fn probe(&mut self) -> usize {
+            let mut n = 0;
+            while !self.chooser.holding() {
+                assert!(n < 1024, "no decision after 1 GiB");
+                self.read(1, MIB);
+                n += 1;
+            }
+            n
+        }
+
         /// Sends `n` reads of `len`; returns how many were spliced.
         fn read(&mut self, n: usize, len: u64) -> usize {
             let mut spliced = 0;
@@ -262,8 +284,8 @@ mod tests {
     fn a_client_that_receives_faster_from_copies_gets_copies() {
         // One fio process: 2.2 GB/s from copies, 1.3 from spliced pages.
         let mut c = Client::new(SpliceRule::Measure, 1300 * MIB, 2200 * MIB, 8);
-        c.read(64, MIB);
-        assert!(c.chooser.holding(), "decided within 64 MiB");
+        let n = c.probe();
+        assert!(n <= 128, "decided within 128 MiB, not {n}");
         assert!(!c.chooser.splicing());
         assert_eq!(c.read(512, MIB), 0, "copies while the decision holds");
     }
@@ -271,8 +293,7 @@ mod tests {
     #[test]
     fn a_client_that_receives_faster_from_spliced_pages_gets_them() {
         let mut c = Client::new(SpliceRule::Measure, 3000 * MIB, 1900 * MIB, 16);
-        c.read(64, MIB);
-        assert!(c.chooser.holding());
+        c.probe();
         assert!(c.chooser.splicing());
         assert_eq!(c.read(512, MIB), 512);
     }
@@ -281,8 +302,7 @@ mod tests {
     fn a_tie_within_the_margin_splices() {
         // Copying 4% faster: not enough to give up the server's saving.
         let mut c = Client::new(SpliceRule::Measure, 2000 * MIB, 2080 * MIB, 4);
-        c.read(64, MIB);
-        assert!(c.chooser.holding());
+        c.probe();
         assert!(c.chooser.splicing());
     }
 
@@ -290,7 +310,8 @@ mod tests {
     fn the_reads_in_flight_at_the_switch_are_not_measured() {
         // The switch to copying comes after the splice window; the next `qd - 1` arrivals
         // are skipped, so the copy window opens only after them.
-        let mut c = Client::new(SpliceRule::Measure, 1000 * MIB, 2000 * MIB, 8);
+        // 1 MiB per 4 ms: the window's bytes come before its time.
+        let mut c = Client::new(SpliceRule::Measure, 250 * MIB, 500 * MIB, 8);
         let mut n = 0;
         while c.chooser.splicing() {
             c.read(1, MIB);
@@ -322,9 +343,7 @@ mod tests {
     #[test]
     fn the_decision_is_measured_again_after_its_hold_and_follows_the_client() {
         let mut c = Client::new(SpliceRule::Measure, 1000 * MIB, 2000 * MIB, 2);
-        while !c.chooser.holding() {
-            c.read(1, MIB);
-        }
+        c.probe();
         assert!(!c.chooser.splicing());
         // The client changes: now spliced pages suit it better.
         c.splice_rate = 4000 * MIB;
@@ -334,15 +353,15 @@ mod tests {
             held += 1;
         }
         assert_eq!(held, HOLD_FIRST / MIB, "measuring again after the hold");
-        c.read(64, MIB);
-        assert!(c.chooser.holding() && c.chooser.splicing());
+        c.probe();
+        assert!(c.chooser.splicing());
         assert_eq!(c.chooser.hold, HOLD_FIRST, "a change starts the hold over");
     }
 
     #[test]
     fn the_same_way_winning_again_doubles_the_hold_up_to_the_most() {
         let mut c = Client::new(SpliceRule::Measure, 3000 * MIB, 1000 * MIB, 1);
-        c.read(64, MIB);
+        c.probe();
         assert_eq!(
             c.chooser.hold,
             HOLD_FIRST * 2,
@@ -350,8 +369,10 @@ mod tests {
         );
         for _ in 0..8 {
             let hold = c.chooser.hold;
-            c.read((hold / MIB) as usize + 64, MIB);
-            assert!(c.chooser.holding() && c.chooser.splicing());
+            c.read((hold / MIB) as usize, MIB);
+            assert!(!c.chooser.holding(), "probing again after the hold");
+            c.probe();
+            assert!(c.chooser.splicing());
         }
         assert_eq!(c.chooser.hold, HOLD_MAX);
     }
