@@ -131,7 +131,10 @@ impl Backup {
         let mut g = Vec::new();
         for l in out.lines() {
             let f: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
-            assert!(f[0].is_multiple_of(GRAIN) && f[1].is_multiple_of(GRAIN), "{out}");
+            assert!(
+                f[0].is_multiple_of(GRAIN) && f[1].is_multiple_of(GRAIN),
+                "{out}"
+            );
             g.extend(f[0] / GRAIN..(f[0] + f[1]) / GRAIN);
         }
         g
@@ -222,7 +225,10 @@ fn after_a_sigkill_the_bitmap_still_covers_every_write() {
         .filter(|g| dirty.binary_search(g).is_err())
         .copied()
         .collect();
-    assert!(missed.is_empty(), "granules written but clean after the crash: {missed:?}");
+    assert!(
+        missed.is_empty(),
+        "granules written but clean after the crash: {missed:?}"
+    );
     b.bitmap(&["rotate", "b0", "b1"]);
     let copied = b.incremental("b0", &copy);
     assert!(copied >= touched.len() as u64 * GRAIN);
