@@ -97,7 +97,10 @@ def main():
             while not h.aio_command_completed(cookie):  # raises if the read failed
                 h.poll(-1)
             pending.popleft()
-            os.pwrite(fd, buf.to_bytearray(), at)
+            view = memoryview(buf.to_buffer())  # the read's bytes, not a copy
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
 
     for offset, length in dirty_extents(h, context, size):
         runs += 1
