@@ -52,13 +52,14 @@ now() { date +%s.%N; }
 cell() { # cell RATE GRAN ROUND: prints "full_s incr_s incr_bytes"
   local rate=$1 gran=$2 round=$3 img="$SHM/disk.img" copy="$SHM/copy.img"
   local sock="$SHM/nbd.sock" ctl="$SHM/ctl.sock" uri t0 t1 t2 out
-  rm -f "$sock" "$ctl" "$copy" "$img".*
+  # A new image each time: the old one carries the identity of its (removed) sidecar.
+  rm -f "$sock" "$ctl" "$copy" "$img" "$img".*
   cp "$SHM/base.img" "$img"
   "$BLKQ" serve --device "file:$img" --no-tcp --socket "$sock" --control "$ctl" \
-    2>"$SHM/serve.log" &
+    >"$SHM/serve.log" 2>&1 &
   PID=$!
   for _ in $(seq 200); do [[ -S $sock && -S $ctl ]] && break; sleep 0.05; done
-  [[ -S $sock ]] || die "the server did not start: $(tail -5 "$SHM/serve.log")"
+  [[ -S $sock ]] || die "the server did not start: $(grep -v "^ " "$SHM/serve.log" | tail -5)"
   uri="nbd+unix:///?socket=$sock"
   "$BLKQ" bitmap add b0 --granularity "$gran" --control "$ctl" >/dev/null
   t0=$(now)
@@ -109,7 +110,7 @@ for rate in $RATES; do
     im=$(median "${i[@]}")
     bm=$(median "${b[@]}")
     printf '| %s%% | %s | %s | %s | %s MiB | %.3f | %.3f |\n' "$rate" "$gran" "$(stats "${f[@]}")" \
-      "$(stats "${i[@]}")" "$(echo "scale=1; $bm / 1048576" | bc)" \
+      "$(stats "${i[@]}")" "$(echo "$bm / 1048576" | bc -l | xargs printf "%.1f")" \
       "$(echo "$im / $fm" | bc -l)" "$(echo "$bm / $bytes" | bc -l)"
   done
 done

@@ -16,6 +16,7 @@ rotation and no later one).
 """
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -27,6 +28,8 @@ import nbd
 # size is 32 MiB; libnbd splits nothing).
 STATUS_SPAN = 1 << 30
 READ_SPAN = 8 << 20
+# Reads kept in flight (each answered, in order, by a pwrite onto the target).
+DEPTH = 16
 
 
 def dirty_extents(h, context, size):
@@ -85,6 +88,20 @@ def main():
         fd = os.open(a.target, os.O_WRONLY)
         if os.fstat(fd).st_size != size:
             sys.exit(f"cbt-backup: {a.target} is not {size} bytes (the export's size)")
+    pending = collections.deque()
+
+    def drain(keep):
+        # Waits for the oldest reads until at most `keep` are in flight, writing each out.
+        while len(pending) > keep:
+            cookie, buf, at = pending[0]
+            while not h.aio_command_completed(cookie):  # raises if the read failed
+                h.poll(-1)
+            pending.popleft()
+            view = memoryview(buf.to_buffer())  # the read's bytes, not a copy
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
+
     for offset, length in dirty_extents(h, context, size):
         runs += 1
         if a.map:
@@ -93,11 +110,13 @@ def main():
         end = offset + length
         while offset < end:
             n = min(READ_SPAN, end - offset)
-            buf = h.pread(n, offset)
-            os.pwrite(fd, buf, offset)
+            buf = nbd.Buffer(n)
+            pending.append((h.aio_pread(buf, offset), buf, offset))
+            drain(DEPTH - 1)
             offset += n
             copied += n
     if fd is not None:
+        drain(0)
         os.fsync(fd)
         os.close(fd)
     h.shutdown()
