@@ -6,7 +6,7 @@ use std::io::{self, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 
-use blk::{Device, DirtyBitmaps, DirtyExtent, RecvSource};
+use blk::{Device, DirtyExtent, RecvSource};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blkq_sync::DynArc as Arc;
 use cbt::{Bitmaps, Mode, Options, Store, Tracked};
