@@ -293,6 +293,8 @@ mod tests {
             seed: 7,
             raid1: None,
             raid1_options: vec![],
+            dirty_bitmaps: None,
+            dirty_bitmaps_gate: cbt::Mode::LockFree,
         };
         let r = RunResult {
             ios: 3000,
