@@ -9,9 +9,10 @@
 #   granules are all durable (one: the steady state, prefilled first), and the same with the
 #   locked gate (locked). Variants interleaved in every round, their order rotated.
 # first: the first write to a clean granule against a write to a durable one: 4 KiB random
-#   writes at iodepth 1 and 16 to distinct 4 KiB blocks (granularity 4K, fio's random map), a
-#   fresh bitmap (pass "first") then the same offsets again (pass "again"); the sidecar on the
-#   file system of $DIR (default: beside OUT).
+#   writes to distinct 4 KiB blocks (granularity 4K, fio's random map) at iodepth 1 and 16 on
+#   one connection and iodepth 4 on each of 4 connections (a quarter of the device each), a
+#   fresh bitmap (pass "first") then the same offsets again (pass "again"); the image and its
+#   sidecar in OUT.
 # sizes: the sidecar of one bitmap over null:1T at 4K, 64K, 1M and 64M against the format's
 #   formula, and the memory per TiB.
 # backup: a full copy of mem:$SIZE (nbdcopy) against an incremental one after $CHANGE% of it
@@ -98,16 +99,21 @@ first() {
   truncate -s "$SIZE" "$img"
   start "file:$img"
   for ((r = 0; r < ROUNDS; r++)); do
-    for qd in 1 16; do
+    local quarter
+    quarter=$(($(numfmt --from=iec "$SIZE") / 4))
+    for cell in "1 1" "16 1" "4 4"; do
+      local qd=${cell% *} jobs=${cell#* }
       bm add f --granularity 4K
       for pass in first again; do
-        echo "first round $r qd$qd: $pass" >&2
-        local j=$OUT/first-r$r-qd$qd-$pass.json
-        fio_json "$j" --rw=randwrite --bs=4k --iodepth="$qd" --size="$SIZE" \
-          --number_ios="$FIRST_IOS" --randrepeat=1 --randseed=$((r * 100 + qd))
-        printf 'first\t4k randwrite qd%s mean latency (us)\t%s\t%s\t%s\n' "$qd" "$pass" "$r" \
-          "$(field "$j" 'j["write"]["lat_ns"]["mean"] / 1000')" >>"$results"
-        printf 'first\t4k randwrite qd%s (IOPS)\t%s\t%s\t%s\n' "$qd" "$pass" "$r" \
+        echo "first round $r qd$qd x$jobs: $pass" >&2
+        local j=$OUT/first-r$r-qd$qd-j$jobs-$pass.json
+        # Each job (connection) its own quarter of the device: distinct blocks throughout.
+        fio_json "$j" --rw=randwrite --bs=4k --iodepth="$qd" --numjobs="$jobs" \
+          --group_reporting --size="$quarter" --offset_increment="$quarter" \
+          --number_ios=$((FIRST_IOS / jobs)) --randrepeat=1 --randseed=$((r * 100 + qd))
+        printf 'first\t4k randwrite qd%s x%s conns mean latency (us)\t%s\t%s\t%s\n' "$qd" "$jobs" \
+          "$pass" "$r" "$(field "$j" 'j["write"]["lat_ns"]["mean"] / 1000')" >>"$results"
+        printf 'first\t4k randwrite qd%s x%s conns (IOPS)\t%s\t%s\t%s\n' "$qd" "$jobs" "$pass" "$r" \
           "$(field "$j" 'j["write"]["iops"]')" >>"$results"
       done
       bm remove f
