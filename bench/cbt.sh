@@ -2,16 +2,22 @@
 # What a dirty bitmap costs (docs/bench.md section 21), against `blkq serve` over its Unix
 # socket with fio's nbd engine and libnbd, one binary:
 #
-#   bench/cbt.sh BLKQ_BINARY [steady|first|sizes|backup|all]
+#   bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|backup|all]
 #
 # steady: 4 KiB randwrite (iodepth 16) and 1 MiB sequential write (iodepth 4) on mem:$SIZE
 #   with no wrapper (bitmaps=off), the wrapper and no bitmap (zero), one 64 KiB bitmap whose
 #   granules are all durable (one: the steady state, prefilled first), and the same with the
 #   locked gate (locked). Variants interleaved in every round, their order rotated.
 # first: the first write to a clean granule against a write to a durable one: 4 KiB random
-#   writes at iodepth 1 and 16 to distinct 4 KiB blocks (granularity 4K, fio's random map), a
-#   fresh bitmap (pass "first") then the same offsets again (pass "again"); the sidecar on the
-#   file system of $DIR (default: beside OUT).
+#   writes to distinct 4 KiB blocks (granularity 4K, fio's random map) at iodepth 1 and 16 on
+#   one connection and iodepth 4 on each of 4 connections (a quarter of the device each), a
+#   fresh bitmap (pass "first") then the same offsets again (pass "again"); the image and its
+#   sidecar in OUT.
+# core: the wrapper's cost per I/O without NBD or fio (`blkq bench`, in-process, 4 KiB
+#   randwrite at iodepth 32 on null:1G per job): the queue driven as a bio-based device (bare)
+#   against the wrapper with 0 and 1 bitmaps (steady state) and 1 with the locked gate, for
+#   each of $JOBS jobs; variants interleaved per round. Runs where fio is missing (only
+#   BLKQ_BINARY is needed): `bench/cbt.sh BLKQ_BINARY core` with JOBS="1 4 16" on many cores.
 # sizes: the sidecar of one bitmap over null:1T at 4K, 64K, 1M and 64M against the format's
 #   formula, and the memory per TiB.
 # backup: a full copy of mem:$SIZE (nbdcopy) against an incremental one after $CHANGE% of it
@@ -21,17 +27,18 @@
 # Environment: ROUNDS=3, R=5 (seconds per fio run), SIZE=1G, CHANGE=5, FIRST_IOS=4000,
 # OUT=DIR (raw results; default a new /tmp/blkq-cbt.XXXXXX).
 set -euo pipefail
-BIN=${1:?usage: bench/cbt.sh BLKQ_BINARY [steady|first|sizes|backup|all]}
+BIN=${1:?usage: bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|backup|all]}
 WHAT=${2:-all}
 ROUNDS=${ROUNDS:-3}
 R=${R:-5}
 SIZE=${SIZE:-1G}
 CHANGE=${CHANGE:-5}
 FIRST_IOS=${FIRST_IOS:-4000}
+JOBS=${JOBS:-"1 2"}
 OUT=${OUT:-$(mktemp -d /tmp/blkq-cbt.XXXXXX)}
 mkdir -p "$OUT"
 PY=/usr/bin/python3
-for tool in fio nbdcopy "$PY"; do
+for tool in "$PY" $([[ $WHAT == core ]] || echo fio nbdcopy); do
   command -v "$tool" >/dev/null || { echo "cbt.sh: missing $tool" >&2; exit 1; }
 done
 SOCK=$OUT/cbt.sock
@@ -98,16 +105,21 @@ first() {
   truncate -s "$SIZE" "$img"
   start "file:$img"
   for ((r = 0; r < ROUNDS; r++)); do
-    for qd in 1 16; do
+    local quarter
+    quarter=$(($(numfmt --from=iec "$SIZE") / 4))
+    for cell in "1 1" "16 1" "4 4"; do
+      local qd=${cell% *} jobs=${cell#* }
       bm add f --granularity 4K
       for pass in first again; do
-        echo "first round $r qd$qd: $pass" >&2
-        local j=$OUT/first-r$r-qd$qd-$pass.json
-        fio_json "$j" --rw=randwrite --bs=4k --iodepth="$qd" --size="$SIZE" \
-          --number_ios="$FIRST_IOS" --randrepeat=1 --randseed=$((r * 100 + qd))
-        printf 'first\t4k randwrite qd%s mean latency (us)\t%s\t%s\t%s\n' "$qd" "$pass" "$r" \
-          "$(field "$j" 'j["write"]["lat_ns"]["mean"] / 1000')" >>"$results"
-        printf 'first\t4k randwrite qd%s (IOPS)\t%s\t%s\t%s\n' "$qd" "$pass" "$r" \
+        echo "first round $r qd$qd x$jobs: $pass" >&2
+        local j=$OUT/first-r$r-qd$qd-j$jobs-$pass.json
+        # Each job (connection) its own quarter of the device: distinct blocks throughout.
+        fio_json "$j" --rw=randwrite --bs=4k --iodepth="$qd" --numjobs="$jobs" \
+          --group_reporting --size="$quarter" --offset_increment="$quarter" \
+          --number_ios=$((FIRST_IOS / jobs)) --randrepeat=1 --randseed=$((r * 100 + qd))
+        printf 'first\t4k randwrite qd%s x%s conns mean latency (us)\t%s\t%s\t%s\n' "$qd" "$jobs" \
+          "$pass" "$r" "$(field "$j" 'j["write"]["lat_ns"]["mean"] / 1000')" >>"$results"
+        printf 'first\t4k randwrite qd%s x%s conns (IOPS)\t%s\t%s\t%s\n' "$qd" "$jobs" "$pass" "$r" \
           "$(field "$j" 'j["write"]["iops"]')" >>"$results"
       done
       bm remove f
@@ -115,6 +127,27 @@ first() {
   done
   stop
   rm -f "$img" "$img.bitmaps"
+}
+
+core() {
+  local variants=("bare" "0" "1" "1 locked")
+  for ((r = 0; r < ROUNDS; r++)); do
+    for jobs in $JOBS; do
+      local n=${#variants[@]}
+      for ((k = 0; k < n; k++)); do
+        local v=${variants[$(((k + r) % n))]}
+        local b=${v% *} gate=lockfree
+        [[ $v == *locked ]] && gate=locked
+        echo "core round $r jobs $jobs: $v" >&2
+        local iops
+        iops=$("$BIN" bench --device null:1G --rw randwrite --iodepth 32 --jobs "$jobs" \
+          --runtime "$R" --dirty-bitmaps "$b" --dirty-bitmaps-gate "$gate" --json |
+          "$PY" -c 'import json,sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])["iops"])')
+        printf 'core\tnull 4k randwrite qd32 x%s jobs (IOPS)\t%s\t%s\t%s\n' "$jobs" \
+          "${v/ /-}" "$r" "$iops" >>"$results"
+      done
+    done
+  done
 }
 
 sizes() {
@@ -213,10 +246,11 @@ EOF2
 
 case $WHAT in
   steady) steady ;;
+  core) core ;;
   first) first ;;
   sizes) sizes ;;
   backup) backup ;;
-  all) sizes; steady; first; backup ;;
+  all) sizes; core; steady; first; backup ;;
   *) echo "cbt.sh: unknown part $WHAT" >&2; exit 2 ;;
 esac
 

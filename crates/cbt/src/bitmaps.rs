@@ -248,7 +248,7 @@ impl Bitmaps {
     }
 
     /// The write path: counts a write of `[offset, offset + len)` in every recording bitmap,
-    /// persisting bits that were clean, and returns the generation to pass to
+    /// persisting bits that were clean, and returns the gate's token to pass to
     /// [`Bitmaps::end_write`] once the device completed the write. `Err`: a persist failed;
     /// the write must not go down (end it with the error, after `end_write`).
     pub fn start_write(&self, offset: u64, len: u64) -> (u64, Result<(), blk::Error>) {
@@ -265,8 +265,8 @@ impl Bitmaps {
     }
 
     /// Ends a write started with [`Bitmaps::start_write`].
-    pub fn end_write(&self, gen: u64) {
-        self.gate.exit(gen)
+    pub fn end_write(&self, token: u64) {
+        self.gate.exit(token)
     }
 
     /// What the committer did (persists, pages).

@@ -14,7 +14,7 @@
 //! | field | meaning |
 //! |---|---|
 //! | `gen` | the published generation; only the publisher stores it |
-//! | `inflight[g & 1]` | writes counted under generation `g` and not yet exited, plus writers that looked at a stale generation and are about to back off |
+//! | `inflight[g & 1][s]` | writes counted under generation `g` by threads of shard `s` (`thread_slot() % SHARDS`) and not yet exited, plus writers that looked at a stale generation and are about to back off; a generation's count is the sum over its shards |
 //! | `sets[g & 1]` | the set of generation `g`; written only by the publisher, while no writer can read it |
 //!
 //! # Orderings (a store-buffer pattern, hence `SeqCst` fences)
@@ -27,6 +27,14 @@
 //!   or the publisher sees the writer's count (and waits for its exit). A writer that re-loads
 //!   the generation it started with is counted in that generation's set, which cannot change
 //!   until its count is gone.
+//! - The counts are sharded by thread (percpu-refcount's idea): a write touches only its own
+//!   shard's cache line, so writers on many cores do not bounce one line. The argument above
+//!   holds per shard: the publisher loads every shard after its fence, and a counted writer's
+//!   increment is visible in its shard until its exit; a writer that increments a shard after
+//!   the publisher read it re-loads the generation after its fence, which then follows the
+//!   publisher's, so it sees the new generation and backs off. So once every shard was seen
+//!   at zero after the store, no write counted under the old generation is left. A token
+//!   returned by [`Gate::enter`] names the generation and the shard, for [`Gate::exit`].
 //! - Before writing `sets[next & 1]`, the publisher waits for `inflight[next & 1] == 0`: the
 //!   writers of generation `next - 2` are gone (the previous publish waited for them), and a
 //!   writer still holding a stale `gen` that increments that counter now will see `gen !=` its
@@ -66,11 +74,22 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// Shards of each generation's count (the locked twin uses the first only).
+pub const SHARDS: usize = 16;
+/// Bits of a token that name the shard.
+const SHARD_BITS: u32 = 8;
+
+type Counts = [CachePadded<AtomicU64>; SHARDS];
+
+fn counts() -> Counts {
+    std::array::from_fn(|_| CachePadded(AtomicU64::new(0)))
+}
+
 /// See the module docs.
 pub struct Gate<S> {
     mode: Mode,
     gen: CachePadded<AtomicU64>,
-    inflight: [CachePadded<AtomicU64>; 2],
+    inflight: [Counts; 2],
     sets: [UnsafeCell<S>; 2],
     /// The locked twin's lock (also held by the publisher while it switches, in that mode).
     lock: Mutex<()>,
@@ -90,10 +109,7 @@ impl<S> Gate<S> {
         Self {
             mode,
             gen: CachePadded(AtomicU64::new(0)),
-            inflight: [
-                CachePadded(AtomicU64::new(0)),
-                CachePadded(AtomicU64::new(0)),
-            ],
+            inflight: [counts(), counts()],
             sets: [UnsafeCell::new(initial), UnsafeCell::new(spare)],
             lock: Mutex::new(()),
             drained: WaitQueue::new(),
@@ -105,30 +121,40 @@ impl<S> Gate<S> {
         self.mode
     }
 
-    /// Counts a write in the published set and runs `f` on it; returns the generation to
-    /// [`Gate::exit`] with, and `f`'s result. Never blocks on a publisher.
+    /// Counts a write in the published set and runs `f` on it; returns the token to
+    /// [`Gate::exit`] with (its generation and shard), and `f`'s result. Never blocks on a
+    /// publisher.
     pub fn enter<R>(&self, f: impl FnOnce(&S) -> R) -> (u64, R) {
         if self.mode == Mode::Locked {
             let g = {
                 let _l = self.lock.lock();
                 let g = self.gen.load(Ordering::Relaxed);
                 // Relaxed under the lock: the publisher reads the counters under it too.
-                self.inflight[(g & 1) as usize].fetch_add(1, Ordering::Relaxed);
+                self.inflight[(g & 1) as usize][0].fetch_add(1, Ordering::Relaxed);
                 g
             };
-            return (g, self.read(g, f));
+            return (g << SHARD_BITS, self.read(g, f));
         }
+        self.enter_in(blkq_sync::thread_slot(), f)
+    }
+
+    /// [`Gate::enter`] counting in shard `shard % SHARDS` (the lock-free mode; what `enter`
+    /// does with the thread's slot, and what a model uses to put two threads in two shards,
+    /// since under loom every thread has slot 0).
+    pub fn enter_in<R>(&self, shard: usize, f: impl FnOnce(&S) -> R) -> (u64, R) {
+        let shard = shard % SHARDS;
         loop {
             let g = self.gen.load(Ordering::SeqCst);
-            let c = &self.inflight[(g & 1) as usize];
-            // SeqCst: the store-buffer pair with `publish` (module docs).
+            let c = &self.inflight[(g & 1) as usize][shard];
+            // SeqCst and the fence: the store-buffer pair with `publish` (module docs).
             c.fetch_add(1, Ordering::SeqCst);
             fence(Ordering::SeqCst);
+            let token = (g << SHARD_BITS) | shard as u64;
             if self.gen.load(Ordering::SeqCst) == g {
-                return (g, self.read(g, f));
+                return (token, self.read(g, f));
             }
             // Stale: counted in no set. Back off and retry on the new generation.
-            self.exit(g);
+            self.exit(token);
         }
     }
 
@@ -139,9 +165,11 @@ impl<S> Gate<S> {
         self.sets[(g & 1) as usize].with(|p| f(unsafe { &*p }))
     }
 
-    /// Ends a write counted under generation `g`.
-    pub fn exit(&self, g: u64) {
-        let c = &self.inflight[(g & 1) as usize];
+    /// Ends a write counted with `token` (from [`Gate::enter`]).
+    pub fn exit(&self, token: u64) {
+        let g = token >> SHARD_BITS;
+        let shard = (token & ((1 << SHARD_BITS) - 1)) as usize;
+        let c = &self.inflight[(g & 1) as usize][shard];
         if self.mode == Mode::Locked {
             let last = {
                 let _l = self.lock.lock();
@@ -164,13 +192,16 @@ impl<S> Gate<S> {
 
     fn wait_zero(&self, i: usize) {
         self.drained.wait_for(|| {
-            let n = if self.mode == Mode::Locked {
+            let zero = if self.mode == Mode::Locked {
                 let _l = self.lock.lock();
-                self.inflight[i].load(Ordering::Relaxed)
+                self.inflight[i][0].load(Ordering::Relaxed) == 0
             } else {
-                self.inflight[i].load(Ordering::SeqCst)
+                // Every shard seen at zero after the publisher's fence (module docs).
+                self.inflight[i]
+                    .iter()
+                    .all(|c| c.load(Ordering::SeqCst) == 0)
             };
-            (n == 0).then_some(())
+            zero.then_some(())
         });
     }
 

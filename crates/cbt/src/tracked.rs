@@ -7,22 +7,24 @@
 //! A changing bio is marked ([`Bitmaps::start_write`]: a clean granule's bit is made durable
 //! first), then forwarded with the device's own completion, which ends the bio's gate count
 //! ([`Bitmaps::end_write`]) before handing it back to the submitter. What the completion needs
-//! (the submitter's `EndIo`, its cookie, the generation) is kept in a slot table, and the bio's
-//! cookie carries the slot's index down and back (blk never reads cookies), so no I/O
-//! allocates once the table has grown to the most writes ever in flight.
+//! (the submitter's `EndIo`, its cookie, the gate's token) is kept in a slot table, and the
+//! bio's cookie carries the table's and the slot's index down and back (blk never reads
+//! cookies), so no I/O allocates once the tables have grown to the most writes ever in
+//! flight. There are [`TABLES`] tables, a submitting thread using the one of its thread slot,
+//! so that submitters on many cores do not share one lock.
 
 use std::os::fd::BorrowedFd;
 
 use blk::{Bio, Device, DirtyBitmaps, DirtyExtent, EndIo, Error, Extent, Limits, Op, Queue};
 use blkq_sync::DynArc;
-use blkq_sync::Mutex;
+use blkq_sync::{CachePadded, Mutex};
 
 use crate::bitmaps::Bitmaps;
 
 struct Pending {
     end: DynArc<dyn EndIo>,
     cookie: u64,
-    gen: u64,
+    token: u64,
 }
 
 #[derive(Default)]
@@ -31,9 +33,12 @@ struct SlotTable {
     free: Vec<u32>,
 }
 
+/// Slot tables per device (see the module docs).
+pub const TABLES: usize = 16;
+
 struct Shared {
     bitmaps: Bitmaps,
-    table: Mutex<SlotTable>,
+    tables: [CachePadded<Mutex<SlotTable>>; TABLES],
 }
 
 /// The completion [`Tracked`] hands the inner device for every write.
@@ -41,15 +46,16 @@ struct Completer(DynArc<Shared>);
 
 impl EndIo for Completer {
     fn end_io(&self, mut bio: Bio, res: Result<(), Error>) {
-        let p = {
-            let mut t = self.0.table.lock();
-            let i = bio.cookie as usize;
+        let p = (bio.cookie >> 32) as usize;
+        let p = self.0.tables.get(p).and_then(|t| {
+            let mut t = t.lock();
+            let i = bio.cookie as u32 as usize;
             let p = t.slots.get_mut(i).and_then(Option::take);
             if p.is_some() {
                 t.free.push(i as u32);
             }
             p
-        };
+        });
         // A completion for a slot we do not hold is a bug of the inner device; there is no
         // submitter to tell, so it is dropped (logged) rather than panicking on a request path.
         let Some(p) = p else {
@@ -57,7 +63,7 @@ impl EndIo for Completer {
             return;
         };
         bio.cookie = p.cookie;
-        self.0.bitmaps.end_write(p.gen);
+        self.0.bitmaps.end_write(p.token);
         p.end.end_io(bio, res);
     }
 }
@@ -78,7 +84,7 @@ impl Tracked {
     pub fn new(inner: DynArc<dyn Device>, bitmaps: Bitmaps) -> Self {
         let shared = DynArc::new(Shared {
             bitmaps,
-            table: Mutex::new(SlotTable::default()),
+            tables: std::array::from_fn(|_| CachePadded(Mutex::new(SlotTable::default()))),
         });
         let completer: DynArc<dyn EndIo> = DynArc::new(Completer(shared.clone()));
         Self {
@@ -102,18 +108,19 @@ impl Tracked {
     /// here with an error (its bits could not be persisted).
     fn prepare(&self, mut bio: Bio, end: &DynArc<dyn EndIo>) -> Option<Bio> {
         let b = &self.shared.bitmaps;
-        let (gen, res) = b.start_write(bio.offset(), u64::from(bio.len));
+        let (token, res) = b.start_write(bio.offset(), u64::from(bio.len));
         if let Err(e) = res {
-            b.end_write(gen);
+            b.end_write(token);
             end.end_io(bio, Err(e));
             return None;
         }
         let p = Pending {
             end: end.clone(),
             cookie: bio.cookie,
-            gen,
+            token,
         };
-        let mut t = self.shared.table.lock();
+        let table = blkq_sync::thread_slot() % TABLES;
+        let mut t = self.shared.tables[table].lock();
         let i = match t.free.pop() {
             Some(i) => {
                 t.slots[i as usize] = Some(p);
@@ -124,7 +131,7 @@ impl Tracked {
                 (t.slots.len() - 1) as u32
             }
         };
-        bio.cookie = u64::from(i);
+        bio.cookie = ((table as u64) << 32) | u64::from(i);
         Some(bio)
     }
 }

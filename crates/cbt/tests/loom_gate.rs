@@ -55,6 +55,48 @@ fn loom_write_vs_rotate_locked() {
     blkq_sync::model(|| write_vs_rotate(Mode::Locked));
 }
 
+/// Two writers counted in two shards against a publish: each reads exactly one set, and a
+/// writer that read the old set has exited when `publish` returns.
+fn two_shards_vs_publish() {
+    use cbt::gate::Gate;
+    let gate = Arc::new(Gate::new(Mode::LockFree, 1u32, 0u32));
+    let ended: Vec<_> = (0..2).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let saw: Vec<_> = (0..2)
+        .map(|_| Arc::new(blkq_sync::atomic::AtomicU32::new(0)))
+        .collect();
+    let hs: Vec<_> = (0..2)
+        .map(|i| {
+            let (gate, ended, saw) = (gate.clone(), ended[i].clone(), saw[i].clone());
+            thread::spawn(move || {
+                let (t, set) = gate.enter_in(i, |s| *s);
+                saw.store(set, Ordering::SeqCst);
+                ended.store(true, Ordering::SeqCst);
+                gate.exit(t);
+            })
+        })
+        .collect();
+    gate.publish(2);
+    for i in 0..2 {
+        if saw[i].load(Ordering::SeqCst) == 1 {
+            assert!(
+                ended[i].load(Ordering::SeqCst),
+                "writer {i} read the old set, not ended"
+            );
+        }
+    }
+    for h in hs {
+        h.join().unwrap();
+    }
+    for s in &saw {
+        assert!(matches!(s.load(Ordering::SeqCst), 1 | 2));
+    }
+}
+
+#[test]
+fn loom_two_shards_vs_publish() {
+    blkq_sync::model(two_shards_vs_publish);
+}
+
 /// A disk of one page: what was last written there.
 struct Disk(Mutex<u64>);
 

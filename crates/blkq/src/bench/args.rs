@@ -118,6 +118,16 @@ pub struct BenchArgs {
     /// Batch policy: how long a batch lasts, microseconds.
     #[arg(long, default_value_t = 10_000)]
     pub batch_time_us: u64,
+    /// Drive the device through changed-block tracking (as `blkq serve` wraps its exports):
+    /// `bare` drives the device as a bio-based device without the wrapper (the baseline),
+    /// N wraps it with N dirty bitmaps in memory (64K granularity, every granule dirty and
+    /// durable before the run: the steady state).
+    #[arg(long, value_name = "bare|N")]
+    pub dirty_bitmaps: Option<String>,
+    /// With --dirty-bitmaps N: how writes find their bitmaps, lockfree or locked (the simple
+    /// version it replaces, kept for comparison).
+    #[arg(long, value_name = "IMPL", default_value = "lockfree")]
+    pub dirty_bitmaps_gate: String,
     /// Write a pattern over the region, read it back and check it.
     #[arg(long)]
     pub verify: bool,
@@ -190,16 +200,48 @@ pub(super) struct RunCfg {
     /// `--as-leg`: `device` built as a mirror's leg and driven through its bio path, a bio per
     /// submit, with data buffers.
     pub(super) as_leg: bool,
+    /// `--dirty-bitmaps`: `None` not given; `Some(None)` bare; `Some(Some(n))` n bitmaps.
+    pub(super) dirty_bitmaps: Option<Option<usize>>,
+    /// `--dirty-bitmaps-gate`.
+    pub(super) dirty_bitmaps_gate: cbt::Mode,
+}
+
+/// Parses a `--dirty-bitmaps` value.
+pub(super) fn parse_dirty_bitmaps(v: &str) -> Result<Option<usize>> {
+    match v {
+        "bare" => Ok(None),
+        n => Ok(Some(n.parse().map_err(|_| {
+            anyhow::anyhow!("--dirty-bitmaps {n:?}: bare or a number of bitmaps")
+        })?)),
+    }
 }
 
 impl RunCfg {
     /// The label of the device in the output: the spec, or `raid1:LEGS [OPTIONS]`.
     pub(super) fn label(&self) -> String {
-        match &self.raid1 {
-            None if self.as_leg => format!("{} (as leg)", self.device),
-            None => self.device.clone(),
+        let base = match &self.raid1 {
+            None => {
+                // The spec alone (a label given before is dropped).
+                let spec = self.device.split(" [").next().unwrap_or_default();
+                if self.as_leg {
+                    format!("{spec} [as leg]")
+                } else {
+                    spec.to_string()
+                }
+            }
             Some(legs) if self.raid1_options.is_empty() => format!("raid1:{legs}"),
             Some(legs) => format!("raid1:{legs} [{}]", self.raid1_options.join(" ")),
+        };
+        match self.dirty_bitmaps {
+            None => base,
+            Some(None) => format!("{base} [bare]"),
+            Some(Some(n)) => format!(
+                "{base} [dirty bitmaps {n}, {}]",
+                match self.dirty_bitmaps_gate {
+                    cbt::Mode::LockFree => "lockfree",
+                    cbt::Mode::Locked => "locked",
+                }
+            ),
         }
     }
 }
@@ -229,10 +271,14 @@ pub(super) fn apply(cfg: &mut RunCfg, key: &str, val: &str) -> Result<()> {
         "barrier" | "share_writes" if cfg.raid1.is_some() => {
             cfg.raid1_options.push(format!("{key}={val}"))
         }
+        "dirty-bitmaps" | "dirty_bitmaps" => {
+            cfg.dirty_bitmaps = Some(parse_dirty_bitmaps(val)?);
+            cfg.device = cfg.label();
+        }
         _ => {
             bail!(
                 "cannot sweep {key:?} (queue-depth, iodepth, jobs, hw-queues, bs, max-in-flight, \
-                 barrier and share_writes with --raid1)"
+                 barrier and share_writes with --raid1, dirty-bitmaps)"
             )
         }
     }

@@ -303,6 +303,41 @@ pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
     Ok(Arc::new(r))
 }
 
+/// `--dirty-bitmaps`: the `--device` queue as a bio-based device, bare (`None`) or wrapped in
+/// `cbt::Tracked` with `n` dirty bitmaps in memory.
+fn build_tracked(cfg: &RunCfg, bitmaps: Option<usize>) -> Result<Arc<dyn Device>> {
+    let mut plain = cfg.clone();
+    plain.device = cfg
+        .device
+        .split(" [")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let q: Arc<dyn Device> = Arc::new(build_queue(&plain)?);
+    let Some(n) = bitmaps else {
+        return Ok(q);
+    };
+    let (b, _) = cbt::Bitmaps::open(
+        q.limits().capacity,
+        &cbt::Options {
+            mode: cfg.dirty_bitmaps_gate,
+            ..cbt::Options::memory()
+        },
+    )?;
+    for i in 0..n {
+        b.add(&format!("b{i}"), cbt::DEFAULT_GRANULARITY)?;
+    }
+    // Every granule dirty and durable before the run: the steady state, where a write costs
+    // the gate and one load per bitmap (the first-write cost is bench/cbt.sh's `first`).
+    let cap = q.limits().capacity;
+    for off in (0..cap).step_by(1 << 20) {
+        let (g, r) = b.start_write(off, (1 << 20).min(cap - off));
+        b.end_write(g);
+        r?;
+    }
+    Ok(Arc::new(cbt::Tracked::new(q, b)))
+}
+
 /// Builds what the jobs drive: the `--raid1` mirror, the `--device` built as a leg
 /// (`--as-leg`), the `--device` wrapped in its fault device when the spec has `fault.`
 /// options, or else the `--device` queue.
@@ -311,10 +346,15 @@ fn build_target(cfg: &RunCfg) -> Result<Target> {
         return Ok(Target::Device(build_raid1(cfg, legs)?));
     }
     if cfg.as_leg {
+        // The spec alone (the run's label may have been put in its place).
+        let spec = cfg.device.split(" [").next().unwrap_or_default();
         return Ok(Target::Device(crate::raid::offline::open_leg(
-            &cfg.device,
+            spec,
             &overrides(cfg),
         )?));
+    }
+    if let Some(bitmaps) = cfg.dirty_bitmaps {
+        return Ok(Target::Device(build_tracked(cfg, bitmaps)?));
     }
     let spec: DeviceSpec = cfg.device.parse()?;
     if spec.fault_config()?.is_some() {
@@ -560,6 +600,8 @@ mod tests {
             raid1: Some("mem:8M,mem:8M".into()),
             raid1_options: vec!["barrier=locked".into()],
             as_leg: false,
+            dirty_bitmaps: None,
+            dirty_bitmaps_gate: cbt::Mode::LockFree,
         }
     }
 

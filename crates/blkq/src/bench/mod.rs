@@ -85,9 +85,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         raid1: a.raid1.clone(),
         raid1_options: a.raid1_options.clone(),
         as_leg: a.as_leg,
+        dirty_bitmaps: a
+            .dirty_bitmaps
+            .as_deref()
+            .map(args::parse_dirty_bitmaps)
+            .transpose()?,
+        dirty_bitmaps_gate: a
+            .dirty_bitmaps_gate
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--dirty-bitmaps-gate: {e}"))?,
     };
     let mut base = base;
-    if base.raid1.is_some() {
+    if base.raid1.is_some() || base.dirty_bitmaps.is_some() {
         base.device = base.label();
     }
     if a.verify {

@@ -294,6 +294,8 @@ mod tests {
             raid1: None,
             raid1_options: vec![],
             as_leg: false,
+            dirty_bitmaps: None,
+            dirty_bitmaps_gate: cbt::Mode::LockFree,
         };
         let r = RunResult {
             ios: 3000,
