@@ -65,8 +65,14 @@ fn received_bytes_are_where_reads_find_them() {
     assert_eq!(m.receivers_in_flight(), 0);
     let mut got = vec![0u8; len as usize + 8192];
     m.read_at(off - 4096, &mut got).unwrap();
-    assert!(got[..4096].iter().all(|&b| b == 0), "bytes before the write");
-    assert!(got[4096..4096 + len as usize] == data[..], "the received bytes");
+    assert!(
+        got[..4096].iter().all(|&b| b == 0),
+        "bytes before the write"
+    );
+    assert!(
+        got[4096..4096 + len as usize] == data[..],
+        "the received bytes"
+    );
     assert!(got[4096 + len as usize..].iter().all(|&b| b == 0));
     // The pages it touched are allocated, and only those.
     let first = off / 4096 * 4096;
@@ -149,7 +155,10 @@ fn trims_racing_receives_in_the_same_region_lose_no_received_byte() {
         m.recv_at(0, len, &mut rx).unwrap();
         let mut got = vec![0u8; len];
         m.read_at(0, &mut got).unwrap();
-        assert!(got == pattern(r, len), "round {r}: received bytes were lost");
+        assert!(
+            got == pattern(r, len),
+            "round {r}: received bytes were lost"
+        );
     }
     sender.join().unwrap();
     trimmer.join().unwrap();
@@ -187,7 +196,10 @@ fn the_device_receives_home_where_the_spec_allows() {
     dev.recv_home(MIB, MIB as usize, &mut rx).unwrap();
     sender.join().unwrap();
     let st = dev.stats().unwrap();
-    assert_eq!((st.ios[1], st.sectors[1], st.in_flight[1]), (1, MIB >> 9, 0));
+    assert_eq!(
+        (st.ios[1], st.sectors[1], st.in_flight[1]),
+        (1, MIB >> 9, 0)
+    );
     let (bio, res) = blk::submit_wait(
         dev.as_ref(),
         blk::Bio::with_buf(blk::Op::Read, MIB >> 9, blk::Buffer::new(MIB as usize)),
@@ -238,7 +250,9 @@ fn a_file_device_splices_received_bytes_into_the_file() {
         let on_disk = std::fs::read(&img).unwrap();
         assert!(on_disk[0..MIB as usize] == pattern(2, MIB as usize)[..]);
         let a = (MIB + 512) as usize;
-        assert!(on_disk[a..a + (3 * MIB + 4096) as usize] == pattern(1, (3 * MIB + 4096) as usize)[..]);
+        assert!(
+            on_disk[a..a + (3 * MIB + 4096) as usize] == pattern(1, (3 * MIB + 4096) as usize)[..]
+        );
         // A peer gone mid-payload: an error, the torn bytes in the file, and the next receive
         // (through a fresh pipe or a clean one) lands whole.
         let (mut tx, mut rx) = pair();

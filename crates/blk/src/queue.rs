@@ -786,7 +786,11 @@ impl Device for Queue {
         let start = batch_ns();
         self.core.stats.started(Op::Write.dir(), start);
         let res = self.core.driver.recv_home(offset, len, src);
-        let sectors = if res.is_ok() { len as u64 >> SECTOR_SHIFT } else { 0 };
+        let sectors = if res.is_ok() {
+            len as u64 >> SECTOR_SHIFT
+        } else {
+            0
+        };
         self.core
             .stats
             .completed(Op::Write, sectors, start, batch_ns(), res.is_ok());

@@ -77,7 +77,10 @@ fn nbdcopy_and_qemu_io_write_through_every_path() {
             .arg(&back));
         let got = std::fs::read(&back).unwrap();
         assert_eq!(got.len(), 64 << 20, "{name}");
-        assert!(got[..data.len()] == data[..], "{name}: nbdcopy's bytes read back different");
+        assert!(
+            got[..data.len()] == data[..],
+            "{name}: nbdcopy's bytes read back different"
+        );
         assert!(got[data.len()..].iter().all(|&b| b == 0), "{name}");
         // qemu-io: large writes, unaligned to the MiB, one with FUA, each read back verified.
         let text = run(Command::new("qemu-io")
@@ -103,7 +106,10 @@ fn nbdcopy_and_qemu_io_write_through_every_path() {
             // On the file itself, past the server.
             drop(s);
             let f = std::fs::read(&img).unwrap();
-            assert!(f[..data.len()] == data[..], "the file differs from nbdcopy's bytes");
+            assert!(
+                f[..data.len()] == data[..],
+                "the file differs from nbdcopy's bytes"
+            );
             assert!(f[30 * MIB..34 * MIB].iter().all(|&b| b == 0xcd));
         }
     }

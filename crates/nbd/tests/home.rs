@@ -240,13 +240,13 @@ fn refused_writes_take_no_byte() {
         &pattern(3, MIB as usize),
     );
     assert!(matches!(r, Err(ClientError::Request(NBD_ENOSPC))), "{r:?}");
-    assert!(c
-        .read(15 * MIB, MIB)
-        .unwrap()
-        .iter()
-        .all(|&b| b == 0));
+    assert!(c.read(15 * MIB, MIB).unwrap().iter().all(|&b| b == 0));
     write_all(&mut c, &[(4 * MIB, MIB, 4)], CmdFlags::empty());
-    check_all(&mut c, &[(0, MIB, 1), (MIB, MIB, 2), (4 * MIB, MIB, 4)], "after");
+    check_all(
+        &mut c,
+        &[(0, MIB, 1), (MIB, MIB, 2), (4 * MIB, MIB, 4)],
+        "after",
+    );
     c.disconnect().unwrap();
 }
 
@@ -298,7 +298,12 @@ fn buffered_file_writes_are_spliced_into_the_page_cache() {
             let mut c = connect(ep, &opts);
             let before = t.homed();
             let mut writes = Vec::new();
-            for (off, len) in [(0, MIB), (MIB + 512, 2 * MIB), (4 * MIB, 256 << 10), (5 * MIB, MIB)] {
+            for (off, len) in [
+                (0, MIB),
+                (MIB + 512, 2 * MIB),
+                (4 * MIB, 256 << 10),
+                (5 * MIB, MIB),
+            ] {
                 seed += 1;
                 writes.push((off, len, seed));
             }
@@ -343,9 +348,7 @@ impl Hook for FailsHalfway {
         src: &mut dyn RecvSource,
     ) -> Result<(), blk::Error> {
         inner.recv_home(offset, len / 2, src)?;
-        Err(blk::Error::Io(std::io::Error::from_raw_os_error(
-            libc::EIO,
-        )))
+        Err(blk::Error::Io(std::io::Error::from_raw_os_error(libc::EIO)))
     }
 }
 
@@ -374,7 +377,10 @@ fn a_device_failing_mid_payload_answers_the_write_and_the_connection_goes_on() {
         }
         for i in 0..4u64 {
             let small = c
-                .send(Request::new(Command::Write, 0, 8 * MIB + i * 4096, 4096), &[7u8; 4096])
+                .send(
+                    Request::new(Command::Write, 0, 8 * MIB + i * 4096, 4096),
+                    &[7u8; 4096],
+                )
                 .unwrap();
             want.insert(small, 100);
         }

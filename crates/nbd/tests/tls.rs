@@ -421,7 +421,10 @@ impl testkit::Hook for CountHome {
 
 #[test]
 fn large_writes_over_tls_are_copied_never_received_home() {
-    let dev = Arc::new(testkit::Forward::with_hook(device("mem:64M"), CountHome::default()));
+    let dev = Arc::new(testkit::Forward::with_hook(
+        device("mem:64M"),
+        CountHome::default(),
+    ));
     let srv = TlsServer::start_with(
         TlsMode::On,
         false,
