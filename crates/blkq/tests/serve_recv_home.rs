@@ -67,7 +67,7 @@ fn nbdcopy_and_qemu_io_write_through_every_path() {
         let data = random(24 * MIB, 0x9e37_79b9_7f4a_7c15 ^ name.len() as u64);
         std::fs::write(&src, &data).unwrap();
         run(Command::new("nbdcopy")
-            .args(["--request-size=1M", "--requests=8", "--connections=1"])
+            .args(["--request-size=1048576", "--requests=8", "--connections=1"])
             .arg(&src)
             .arg(uri(&s.sock)));
         std::fs::File::create(&back).unwrap();

@@ -71,6 +71,14 @@ struct Setup {
 
 impl Setup {
     fn new(inner: Arc<dyn Device>, read_only: bool) -> Self {
+        Self::with_send_timeout(inner, read_only, None)
+    }
+
+    fn with_send_timeout(
+        inner: Arc<dyn Device>,
+        read_only: bool,
+        send_timeout: Option<std::time::Duration>,
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("nbd.sock");
         let dev = Arc::new(Forward::with_hook(inner, CountHome::default()));
@@ -78,6 +86,9 @@ impl Setup {
         let mut cfg = ServerConfig::new(vec![export]);
         cfg.unix = Some(sock.clone());
         cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+        if let Some(t) = send_timeout {
+            cfg.tuning.send_timeout = t;
+        }
         let server = Server::start(cfg).unwrap();
         let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
         Self {
@@ -264,11 +275,10 @@ fn a_client_gone_mid_payload_leaves_no_receiver_and_the_trim_completes() {
         c.send_raw_request(NBD_CMD_WRITE, CmdFlags::empty(), 4 * MIB, 2 * MIB)
             .unwrap();
         c.send_raw(&data).unwrap();
-        wait_until("the payload being received home", || {
-            t.homed() > before && be.allocated_bytes() > allocated
-        });
         drop(c);
         wait_until("the connection to end", || t.server().connections() == 0);
+        assert!(t.homed() > before, "the write was not received home");
+        assert!(be.allocated_bytes() > allocated, "nothing of it landed");
         assert_eq!(be.receivers_in_flight(), 0, "the receiver count leaked");
         assert_eq!(t.server().memory_in_use(), 0, "the write's budget leaked");
         // The torn write's bytes are there; a trim of the region completes and zeroes them.
@@ -403,4 +413,32 @@ fn a_device_failing_mid_payload_answers_the_write_and_the_connection_goes_on() {
         c.disconnect().unwrap();
     }
     server.shutdown();
+}
+
+#[test]
+fn a_client_stalling_mid_payload_is_timed_out_and_leaves_no_receiver() {
+    // The mid-request timeout (the send timeout) applies to a payload received home as to a
+    // buffered one: a client that stops halfway and stays connected is closed.
+    let (be, dev) = map_device(16 * MIB);
+    let t = Setup::with_send_timeout(dev, false, Some(std::time::Duration::from_millis(400)));
+    for ep in [&t.unix, &t.tcp] {
+        let mut c = connect(ep, &ClientOptions::default());
+        write_all(&mut c, &[(0, MIB, 1), (MIB, MIB, 2)], CmdFlags::empty());
+        let before = t.homed();
+        c.send_raw_request(NBD_CMD_WRITE, CmdFlags::empty(), 4 * MIB, 2 * MIB)
+            .unwrap();
+        c.send_raw(&pattern(3, 200_000)).unwrap();
+        // The client keeps its socket open and sends nothing more.
+        wait_until("the server to close the stalled connection", || {
+            t.server().connections() == 0
+        });
+        assert!(t.homed() > before, "the write was not received home");
+        assert_eq!(be.receivers_in_flight(), 0, "the receiver count leaked");
+        assert_eq!(t.server().memory_in_use(), 0, "the write's budget leaked");
+        drop(c);
+        let mut c = connect(ep, &ClientOptions::default());
+        c.trim(4 * MIB, 2 * MIB).unwrap();
+        check_all(&mut c, &[(0, MIB, 1), (MIB, MIB, 2)], "the writes before");
+        c.disconnect().unwrap();
+    }
 }

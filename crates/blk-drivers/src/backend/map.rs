@@ -523,7 +523,11 @@ impl MapBackend {
                     src.fd().as_raw_fd(),
                     self.data.base().add(at as usize).cast(),
                     want,
-                    0,
+                    // The rest of the region's share in one call where the client keeps
+                    // sending: one wake-up, one enter and one leave per region rather than per
+                    // burst. A timeout, a signal or the peer's close still end it early, with
+                    // what came (the source sees each, as without the flag).
+                    libc::MSG_WAITALL,
                 )
             };
             let res = if r < 0 {

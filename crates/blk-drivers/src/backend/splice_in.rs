@@ -106,10 +106,8 @@ impl PipePool {
             };
             let got = res.as_ref().map_or(0, |&n| n);
             let closed = matches!(res, Ok(0));
-            if let Err(e) = src.received(res) {
-                // Whatever reached the pipe goes with it.
-                return Err(e);
-            }
+            // On an error, whatever reached the pipe goes with it.
+            src.received(res)?;
             if closed {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
