@@ -9,17 +9,6 @@
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-/// One `recv(2)` with `MSG_DONTWAIT`: `ErrorKind::WouldBlock` when nothing is there.
-pub(crate) fn recv_dontwait(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is valid for `buf.len()` bytes of writes for the call.
-    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
-}
-
 /// Sends `bufs` with one `sendmsg(2)` and returns the bytes sent (possibly fewer than asked).
 ///
 /// With `dontwait`, a socket whose send buffer is full gives `ErrorKind::WouldBlock` instead of

@@ -200,11 +200,6 @@ pub struct LimitArgs {
     #[arg(long, value_name = "RULE", default_value = "measure", hide = true)]
     #[serde(skip)]
     pub splice_rule: SpliceRule,
-    /// Microseconds a connection polls its socket before it sleeps for the next request,
-    /// when the client's last one came that soon (a queue-depth-1 client): the request is
-    /// then taken without a wake-up, at the cost of that much CPU per wait. 0: never.
-    #[arg(long, value_name = "MICROS", default_value = "50")]
-    pub recv_spin: u64,
 }
 
 /// `[tls]`: TLS, with nbdkit's meaning of the modes.
@@ -286,7 +281,6 @@ impl LimitArgs {
         }
         t.budget_impl = self.budget_impl;
         t.splice_rule = self.splice_rule;
-        t.recv_spin = std::time::Duration::from_micros(self.recv_spin.min(10_000));
     }
 }
 

@@ -134,9 +134,6 @@ pub struct Tuning {
     /// Which large reads are spliced, where the device can (docs/design.md, "Large reads"):
     /// per connection the faster way for the client, or all of them.
     pub splice_rule: SpliceRule,
-    /// How long the reader polls the socket before it blocks, when the client's last
-    /// request came that soon (`Duration::ZERO`: never).
-    pub recv_spin: Duration,
     /// How the handshake learns who a client is, for access rules ([`Access`]): by default
     /// [`Identity::of`] (the peer's address and TLS certificate subject). Called at each
     /// option that names an export, so after STARTTLS it sees the certificate. Tests put a
@@ -162,7 +159,6 @@ impl Default for Tuning {
             memory_budget: default_memory_budget(),
             budget_impl: BudgetImpl::Atomic,
             splice_rule: SpliceRule::Measure,
-            recv_spin: Duration::from_micros(50),
             identify: Identity::of,
         }
     }

@@ -44,7 +44,6 @@ mod reader;
 mod reply;
 mod splice;
 pub(super) mod splice_rule;
-mod spin;
 mod transport;
 mod writer;
 
@@ -282,8 +281,6 @@ struct Connection<'a> {
     splice_chooser: splice_rule::SpliceChooser,
     /// Requests of this connection in flight (slots taken) when the parse pass began.
     in_flight: usize,
-    /// The spin before a blocking receive (`spin.rs`); `None` on TLS or when turned off.
-    recv_spin: Option<spin::RecvSpin>,
     /// `teardown` ran (the normal end); `Drop` cleans up after a panic otherwise.
     torn_down: bool,
 }
@@ -404,8 +401,6 @@ impl<'a> Connection<'a> {
             stats: Stats::default(),
             splice_chooser: splice_rule::SpliceChooser::new(tuning.splice_rule, Instant::now()),
             in_flight: 0,
-            recv_spin: (tls.is_none() && !tuning.recv_spin.is_zero())
-                .then(|| spin::RecvSpin::new(tuning.recv_spin)),
             torn_down: false,
         })
     }

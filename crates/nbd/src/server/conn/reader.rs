@@ -8,7 +8,6 @@
 //! `ConnCore::reader_wake` when every slot (or the in-flight byte budget) is taken.
 
 use std::io::{self, IoSliceMut, Read};
-use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use blk::Extent as DevExtent;
@@ -167,24 +166,7 @@ impl<'a> Connection<'a> {
         }
         loop {
             let end = self.recv_end();
-            let buf = &mut self.recv_buf[self.recv_len..end];
-            // First a short spin, when the client's last request came that soon (`spin.rs`).
-            let spun = match self.recv_spin.as_mut() {
-                Some(s) if s.armed() => s.spin(self.stream.as_raw_fd(), buf),
-                _ => None,
-            };
-            let got = match spun {
-                Some(r) => r,
-                None => {
-                    let waiting = Instant::now();
-                    let r = self.stream.read(buf);
-                    if let Some(s) = self.recv_spin.as_mut() {
-                        s.blocked(waiting.elapsed());
-                    }
-                    r
-                }
-            };
-            match got {
+            match self.stream.read(&mut self.recv_buf[self.recv_len..end]) {
                 Err(e) if is_timeout(&e) => {
                     if let Some(reason) = self.recv_timed_out(mid_request) {
                         return Err(reason);
