@@ -63,7 +63,7 @@ impl Hook for Counting {
     ) -> Result<usize, blk::Error> {
         // A reply of a 1 MiB aligned read is filled at once; count each read once, at its
         // start (the reads below are all MiB-aligned).
-        if offset % MIB == 0 {
+        if offset.is_multiple_of(MIB) {
             self.0.spliced.fetch_add(1, Ordering::Relaxed);
         }
         inner.splice_read(offset, len, pipe)
@@ -108,7 +108,9 @@ fn read_all(c: &mut Client, data: &[u8], n: u64, qd: usize, what: &str) {
         while sent < n && want.len() < qd {
             // A stride that visits every MiB of the data in a shuffled order.
             let off = (sent * 5 % (DATA / MIB)) * MIB;
-            let cookie = c.send(Request::new(Command::Read, 0, off, MIB), &[]).unwrap();
+            let cookie = c
+                .send(Request::new(Command::Read, 0, off, MIB), &[])
+                .unwrap();
             want.insert(cookie, off);
             sent += 1;
         }
@@ -152,9 +154,19 @@ fn reads_are_the_device_bytes_whichever_way_the_rule_sends_them() {
             c.disconnect().unwrap();
             let spliced = ways.spliced.load(Ordering::Relaxed) - before.0;
             let copied = ways.copied.load(Ordering::Relaxed) - before.1;
-            assert_eq!(spliced + copied, 64 * batches, "{ep:?} {name}: every read went one way");
-            assert!(spliced >= 9, "{ep:?} {name}: {spliced} spliced, fewer than a window");
-            assert!(copied >= 9, "{ep:?} {name}: {copied} copied, fewer than a window");
+            assert_eq!(
+                spliced + copied,
+                64 * batches,
+                "{ep:?} {name}: every read went one way"
+            );
+            assert!(
+                spliced >= 9,
+                "{ep:?} {name}: {spliced} spliced, fewer than a window"
+            );
+            assert!(
+                copied >= 9,
+                "{ep:?} {name}: {copied} copied, fewer than a window"
+            );
         }
     }
     server.shutdown();

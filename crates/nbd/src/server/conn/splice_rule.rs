@@ -322,7 +322,10 @@ mod tests {
         assert_eq!(c.chooser.skip, 7);
         c.read(7, MIB);
         assert_eq!(c.chooser.skip, 0);
-        assert!(c.chooser.start.is_none(), "the window opens at the next arrival");
+        assert!(
+            c.chooser.start.is_none(),
+            "the window opens at the next arrival"
+        );
     }
 
     #[test]
@@ -359,7 +362,11 @@ mod tests {
     fn the_same_way_winning_again_doubles_the_hold_up_to_the_most() {
         let mut c = Client::new(SpliceRule::Measure, 3000 * MIB, 1000 * MIB, 1);
         c.probe();
-        assert_eq!(c.chooser.hold, HOLD_FIRST * 2, "splice held, and splice won");
+        assert_eq!(
+            c.chooser.hold,
+            HOLD_FIRST * 2,
+            "splice held, and splice won"
+        );
         for _ in 0..8 {
             let hold = c.chooser.hold;
             c.read((hold / MIB) as usize, MIB);
