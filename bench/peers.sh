@@ -64,6 +64,7 @@
 #   WORKLOADS=REGEX   only the rows whose label matches (labels: 4k_randread, 4k_randwrite,
 #                 1M_read, 1M_write), e.g. WORKLOADS='1M_.*' (default: all)
 #   TCP_QD16=1    0 drops iodepth 16 over TCP (to shorten the run)
+#   QDS="1 16 64" iodepths of the 4k one-connection rows
 #   PERF=1        0: no counted runs (no syscall and context-switch columns); 1: one more run
 #                 per cell and server under perf stat, for those columns only
 #   PREFILL=1     0: the servers are not prefilled (a fresh, sparse device: reads of holes,
@@ -421,8 +422,8 @@ workloads() {
 
 all_workloads() {
   local rw qd
-  local qds="1 16 64"
-  [[ $QUICK == 1 ]] && qds="1 64"
+  local qds=${QDS:-"1 16 64"}
+  [[ $QUICK == 1 ]] && qds=${QDS:-"1 64"}
   for rw in randread randwrite; do
     for qd in $qds; do
       echo "4k_$rw $rw 4k $qd 1"

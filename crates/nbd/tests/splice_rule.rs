@@ -63,7 +63,7 @@ impl Hook for Counting {
     ) -> Result<usize, blk::Error> {
         // A reply of a 1 MiB aligned read is filled at once; count each read once, at its
         // start (the reads below are all MiB-aligned).
-        if offset % MIB == 0 {
+        if offset.is_multiple_of(MIB) {
             self.0.spliced.fetch_add(1, Ordering::Relaxed);
         }
         inner.splice_read(offset, len, pipe)
