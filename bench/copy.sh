@@ -9,13 +9,23 @@
 #                    (one connection, 8 coroutines, requests up to the export's maximum)
 #   nbdcopy --request-size=1048576 SRC null:   (its defaults: 4 connections when the server
 #                    allows multi-conn, 64 requests in flight)
+#   nbdcopy1: nbdcopy --connections=1 --threads=1 --requests=8 --request-size=1048576 SRC null:
+#                    (one receiving thread)
+#   fio1: one fio process, fio --ioengine=nbd --rw=read --bs=1M --iodepth=8 --size=SIZE
+#                    (one receiving thread, as in bench/peers.sh's 1 MiB read rows)
 #
 # Backends (as in bench/peers.sh): mem (blkq mem:SIZE, nbdkit memory allocator=malloc,
 # qemu-nbd on a raw image in /dev/shm) and file-shm (a raw image in /dev/shm for each server:
 # blkq file:IMG, nbdkit file, qemu-nbd --cache=writeback --aio=io_uring).
 #
+# blkq is served three ways: `blkq` (the default: per connection, the faster of zero-copy
+# and copied large reads, `--splice-rule measure`), `blkq-always` (every large read spliced,
+# `--splice-rule always`) and `blkq-copy` (`splice=0`: every read copied).
+#
 # Environment: SIZE=1G, ROUNDS=3 (servers alternated inside each cell, order rotated per
-# round), BACKENDS="mem file-shm", TRANSPORTS="unix tcp", CLIENTS="qemu-img nbdcopy",
+# round), BACKENDS="mem file-shm", TRANSPORTS="unix tcp", CLIENTS="qemu-img nbdcopy"
+# (add nbdcopy1, fio1), SERVERS="blkq blkq-always blkq-copy nbdkit qemu-nbd" (blkq and
+# blkq-copy must stay, and a peer),
 # BLKQ=PATH (default target/release/blkq, built if missing), OUT=DIR (raw results).
 # Prints one markdown table: per cell and server the median seconds (spread max-min over
 # median) and server CPU ms per GiB; then blkq's speed over the best peer's (nbdkit or
@@ -28,7 +38,7 @@ ROUNDS=${ROUNDS:-3}
 BACKENDS=${BACKENDS:-mem file-shm}
 TRANSPORTS=${TRANSPORTS:-unix tcp}
 CLIENTS=${CLIENTS:-qemu-img nbdcopy}
-SERVERS=(blkq blkq-copy nbdkit qemu-nbd)
+read -r -a SERVERS <<<"${SERVERS:-blkq blkq-always blkq-copy nbdkit qemu-nbd}"
 OUT=${OUT:-$(mktemp -d /tmp/blkq-copy.XXXXXX)}
 WORK=$(mktemp -d /tmp/blkq-copy-work.XXXXXX)
 SHM=$(mktemp -d /dev/shm/blkq-copy.XXXXXX)
@@ -70,6 +80,7 @@ start() { # start SERVER TRANSPORT BACKEND
   [[ $be == file-shm ]] && dev="file:$img"
   case $s in
     blkq) "$BLKQ" serve --device "$dev" "${blkq_listen[@]}" >"$OUT/$s-$tr-$be.log" 2>&1 & pid=$! ;;
+    blkq-always) "$BLKQ" serve --device "$dev" --splice-rule always "${blkq_listen[@]}" >"$OUT/$s-$tr-$be.log" 2>&1 & pid=$! ;;
     blkq-copy) "$BLKQ" serve --device "$dev,splice=0" "${blkq_listen[@]}" >"$OUT/$s-$tr-$be.log" 2>&1 & pid=$! ;;
     nbdkit)
       if [[ $be == mem ]]; then nbdkit -f "${kit_listen[@]}" memory "$SIZE" allocator=malloc >"$OUT/$s-$tr-$be.log" 2>&1 &
@@ -100,6 +111,9 @@ copy() { # copy CLIENT URI
   case $1 in
     qemu-img) qemu-img convert -n -f raw "$2" --target-image-opts "driver=null-co,size=$bytes" ;;
     nbdcopy) nbdcopy --request-size=1048576 "$2" null: ;;
+    nbdcopy1) nbdcopy --connections=1 --threads=1 --requests=8 --request-size=1048576 "$2" null: ;;
+    fio1) fio --name=fio1 --ioengine=nbd --uri="$2" --rw=read --bs=1M --iodepth=8 --size="$SIZE" \
+      --output=/dev/null ;;
   esac
 }
 
@@ -129,7 +143,7 @@ for be in $BACKENDS; do
   done
 done
 
-python3 - "$results" "$bytes" <<'EOF'
+python3 - "$results" "$bytes" "${SERVERS[*]}" <<'EOF'
 import sys, statistics as st
 from collections import defaultdict
 rows = defaultdict(list)
@@ -137,10 +151,12 @@ for line in open(sys.argv[1]):
     be, tr, c, s, secs, cpu = line.split("\t")
     rows[(be, tr, c, s)].append((float(secs), float(cpu)))
 gib = int(sys.argv[2]) / 2**30
-servers = ["blkq", "blkq-copy", "nbdkit", "qemu-nbd"]
+servers = sys.argv[3].split()
+always = "blkq-always" in servers
 print("| backend | transport | client | " + " | ".join(f"{s} (s / CPU ms per GiB)" for s in servers)
-      + " | blkq / best peer (speed) | blkq / blkq-copy (speed) |")
-print("|---|---|---|" + "--:|" * (len(servers) + 2))
+      + " | blkq / best peer (speed) | blkq / blkq-copy (speed) |"
+      + (" blkq-always / blkq-copy (speed) |" if always else ""))
+print("|---|---|---|" + "--:|" * (len(servers) + 2 + always))
 cells = sorted({k[:3] for k in rows}, key=lambda k: (k[0], k[1] != "unix", k[2]))
 for cell in cells:
     med, out = {}, []
@@ -157,5 +173,6 @@ for cell in cells:
         out.append(f"{m:.2f} ±{spread:.0f}% / {cpu:,.0f}")
     best = min((med[p], p) for p in ("nbdkit", "qemu-nbd") if p in med)
     print(f"| {cell[0]} | {cell[1]} | {cell[2]} | " + " | ".join(out)
-          + f" | {best[0] / med['blkq']:.2f} ({best[1]}) | {med['blkq-copy'] / med['blkq']:.2f} |")
+          + f" | {best[0] / med['blkq']:.2f} ({best[1]}) | {med['blkq-copy'] / med['blkq']:.2f} |"
+          + (f" {med['blkq-copy'] / med['blkq-always']:.2f} |" if always and "blkq-always" in med else ""))
 EOF

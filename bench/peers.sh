@@ -24,8 +24,11 @@
 # (max-min over median), the median p99 completion latency, the server's CPU time per I/O
 # (utime+stime of the server process over the run, from /proc, divided by the run's I/Os) and,
 # where perf can count the syscall tracepoints, the server's syscalls and context switches per
-# I/O (perf stat -p on the server, every run, all servers alike). Then blkq's IOPS over the best
-# peer's, and blkq's CPU per I/O over that peer's.
+# I/O. Those counts come from one more run per cell and server, after the measured rounds, with
+# perf stat -p attached to the server: the measured runs are never traced (a syscall
+# tracepoint taxes every system call, so tracing would move the ratio against the server that
+# makes more of them). Then blkq's IOPS over the best peer's, and blkq's CPU per I/O over that
+# peer's.
 #
 # Workloads (fio --ioengine=nbd, time-based, R seconds):
 #   4k randread and randwrite, 1 connection, iodepth 1, 16 and 64 (every backend)
@@ -50,16 +53,22 @@
 #   BLKQ=PATH     blkq binary (default: cargo build --release -p blkq, target/release/blkq)
 #   SERVERS="blkq nbdkit qemu-nbd"   subset / order (blkq must stay for the ratio); add
 #                 nbd-server for the mem backend (it serves no file backend here), at the cost
-#                 of a quarter more mem runs
+#                 of a quarter more mem runs; blkq-copy is blkq with splice=0 (every payload
+#                 copied through the server's buffers), never counted as a peer
 #   Duration: R=3 ROUNDS=2 with the defaults is 312 runs, about 22 minutes on the 2-vCPU box
-#   (a run costs R plus about a second: fio start, perf attach, bookkeeping)
+#   (a run costs R plus about a second: fio start, bookkeeping), plus one counted run per cell
+#   and server with PERF=1
 #   TRANSPORTS="unix tcp"
 #   MULTI=4       fio processes of the multi-process rows (0 leaves them out)
 #   QD_1M=8       iodepth of the 1 MiB rows
 #   WORKLOADS=REGEX   only the rows whose label matches (labels: 4k_randread, 4k_randwrite,
 #                 1M_read, 1M_write), e.g. WORKLOADS='1M_.*' (default: all)
 #   TCP_QD16=1    0 drops iodepth 16 over TCP (to shorten the run)
-#   PERF=1        0: no perf stat on the servers (no syscall and context-switch columns)
+#   PERF=1        0: no counted runs (no syscall and context-switch columns); 1: one more run
+#                 per cell and server under perf stat, for those columns only
+#   PREFILL=1     0: the servers are not prefilled (a fresh, sparse device: reads of holes,
+#                 writes that touch pages first; write rows come after the read rows, so they
+#                 fill it as they go)
 #   STRACE=1      0 skips the strace/perf syscall section at the end
 #   QUICK=1       a smoke run: R=1, ROUNDS=1, SIZE=256M, 4k qd1 and qd64, 1 MiB read and write,
 #                 MULTI rows with 2 processes, RETRIES=0, STRACE=0 (each overridable)
@@ -93,6 +102,7 @@ MULTI=${MULTI:-4}
 QD_1M=${QD_1M:-8}
 TCP_QD16=${TCP_QD16:-1}
 PERF=${PERF:-1}
+PREFILL=${PREFILL:-1}
 STRACE=${STRACE:-1}
 OTHER_MAX=${OTHER_MAX:-0.25}
 RETRIES=${RETRIES:-1}
@@ -108,7 +118,7 @@ die() {
 
 tools=(fio strace nbdinfo truncate "$PY")
 for s in $SERVERS; do
-  [[ $s == blkq ]] || tools+=("$s")
+  [[ $s == blkq* ]] || tools+=("$s")
 done
 for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null ||
@@ -191,8 +201,8 @@ servers_for() {
   local s out=()
   for s in $SERVERS; do
     case $1:$s in
-      mem:blkq | mem:nbdkit | mem:qemu-nbd | mem:nbd-server) out+=("$s") ;;
-      file-*:blkq | file-*:nbdkit | file-*:qemu-nbd) out+=("$s") ;;
+      mem:blkq | mem:blkq-copy | mem:nbdkit | mem:qemu-nbd | mem:nbd-server) out+=("$s") ;;
+      file-*:blkq | file-*:blkq-copy | file-*:nbdkit | file-*:qemu-nbd) out+=("$s") ;;
     esac
   done
   echo "${out[@]}"
@@ -224,12 +234,15 @@ start_server() {
     listen_qemu=(-b 127.0.0.1 -p "$port")
   fi
   case $name in
-    blkq)
-      local dev="mem:$SIZE"
+    blkq | blkq-copy)
+      # blkq-copy: every zero-copy path off (splice=0), payloads copied through buffers.
+      local dev="mem:$SIZE" opt=""
+      [[ $name == blkq-copy ]] && opt=",splice=0"
       if [[ $be != mem ]]; then
-        img=$(image "$be" blkq)
+        img=$(image "$be" "$name")
         dev="file:$img"
       fi
+      dev+=$opt
       "$BLKQ" serve --device "$dev" "${listen_blkq[@]}" >"$log" 2>&1 &
       spid=$!
       ;;
@@ -346,12 +359,13 @@ fio_run() {
 }
 
 # measure JSON RW BS QD JOBS: one run (fio_run) against $URI served by $SPID, with perf stat
-# on the server when PERF_OK; sets BUSY (all cores busy), SRV (the server), FIOC (fio, all its
+# on the server when COUNT=1 (the counted run; never on a measured one); sets BUSY (all cores
+# busy), SRV (the server), FIOC (fio, all its
 # processes) and OTHER (the rest of what processes used), in cores; STICKS (server CPU ticks);
 # NSYS and NCTX (server syscalls and context switches, NA without perf).
 measure() {
   local b0 k0 t0 b1 k1 t1 s0 s1 f0 f1 ppid="" pf="$1.perf"
-  if [[ $PERF_OK == 1 ]]; then
+  if [[ ${COUNT:-0} == 1 ]]; then
     perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$SPID" -o "$pf" 2>/dev/null &
     ppid=$!
     sleep 0.2 # perf attaches
@@ -428,7 +442,7 @@ for be in $BACKENDS; do
   for tr in $TRANSPORTS; do
     while read -r _ _ _ qd _; do
       [[ $tr == tcp && $TCP_QD16 == 0 && $qd == 16 ]] && continue
-      nruns=$((nruns + nsrv * ROUNDS))
+      nruns=$((nruns + nsrv * (ROUNDS + PERF)))
     done < <(workloads "$be")
   done
 done
@@ -439,22 +453,28 @@ for be in $BACKENDS; do
   for tr in $TRANSPORTS; do
     for s in "${srvs[@]}"; do
       start_server "$s" "$tr" "$be"
-      prefill "${URIS[$s]}"
+      [[ $PREFILL == 0 ]] || prefill "${URIS[$s]}"
     done
     mapfile -t wls < <(workloads "$be")
     for w in "${wls[@]}"; do
       read -r label rw bs qd conns <<<"$w"
       [[ $tr == tcp && $TCP_QD16 == 0 && $qd == 16 ]] && continue
-      for round in $(seq 1 "$ROUNDS"); do
-        # Servers alternated inside the cell, their order rotated each round.
+      rounds=$(seq 1 "$ROUNDS")
+      [[ $PERF_OK == 1 ]] && rounds+=" count"
+      for round in $rounds; do
+        # Servers alternated inside the cell, their order rotated each round. The last round,
+        # "count", is traced (perf stat on the server) and gives only the syscall and
+        # context-switch columns.
+        COUNT=0 rot=$round
+        [[ $round == count ]] && COUNT=1 rot=1
         n=${#srvs[@]}
         for i in $(seq 0 $((n - 1))); do
-          s=${srvs[$(((i + round - 1) % n))]}
+          s=${srvs[$(((i + rot - 1) % n))]}
           SPID=${SPIDS[$s]} URI=${URIS[$s]}
           json="$OUT/$be-$s-$tr-$label-c$conns-qd$qd-r$round.json"
           try=0
           while :; do
-            if measure "$json" "$rw" "$bs" "$qd" "$conns"; then
+            if COUNT=$COUNT measure "$json" "$rw" "$bs" "$qd" "$conns"; then
               read -r iops p99 ios fcpu < <(fio_stats "$json")
             else
               echo "peers.sh: fio failed against $s ($be, $tr, $label c$conns qd$qd): $(tail -n 3 "$json.err")" >&2
@@ -468,6 +488,7 @@ for be in $BACKENDS; do
             fi
             printf '  %-9s %-10s %-4s %-13s c%s qd%-2s r%s %8s IOPS  p99 %8s us  server %s us/IO, %s syscalls/IO, %s ctxsw/IO; cores: busy %s, server %s, fio %s, other %s\n' \
               "$be" "$s" "$tr" "$label" "$conns" "$qd" "$round" "$iops" "$p99" "$cpu_io" "$sys_io" "$ctx_io" "$BUSY" "$SRV" "$FIOC" "$OTHER" >&2
+            [[ $COUNT == 0 ]] || break
             awk -v o="$OTHER" -v m="$OTHER_MAX" 'BEGIN {exit !(o > m)}' || break
             try=$((try + 1))
             [[ $try -le $RETRIES && $RETRY_BUDGET -gt 0 ]] || break
@@ -504,7 +525,11 @@ for s in $SERVERS; do
   esac
 done
 echo "- $versions"
-echo "- backends, $SIZE each, every server prefilled (1 MiB writes over the whole device):"
+if [[ $PREFILL == 0 ]]; then
+  echo "- backends, $SIZE each, fresh: not prefilled (reads of holes until a write row fills them):"
+else
+  echo "- backends, $SIZE each, every server prefilled (1 MiB writes over the whole device):"
+fi
 for be in $BACKENDS; do
   case $be in
     mem) echo "  - mem: blkq mem:$SIZE; nbdkit memory allocator=malloc; qemu-nbd raw image in" \
@@ -519,7 +544,7 @@ echo "- each cell: $ROUNDS round(s) of ${R}s per server, servers alternated with
   "(order rotated per round); fio --ioengine=nbd --numjobs=conns (one process and one" \
   "connection per job) --group_reporting --norandommap"
 echo "- per server: median IOPS (spread: max-min over the median) / median p99 completion" \
-  "latency (clat) in us / server CPU us per I/O (utime+stime over the run)$([[ $PERF_OK == 1 ]] && echo " / server syscalls per I/O (perf stat)")"
+  "latency (clat) in us / server CPU us per I/O (utime+stime over the run)$([[ $PERF_OK == 1 ]] && echo " / server syscalls per I/O (perf stat, in one separate counted run per cell and server; the measured runs are untraced)")"
 echo "- last columns: blkq's median IOPS over the best peer's, and blkq's CPU per I/O over" \
   "that peer's (below 1: blkq spends less)"
 echo "- \\* : other processes (not the server, not fio) used more than $OTHER_MAX cores during" \
@@ -541,7 +566,12 @@ for line in open(sys.argv[1]):
         rows[key] = {}
         order.append(key)
     r = rows[key].setdefault(srv, {"iops": [], "p99": [], "cpu": [], "sys": [], "dirty": False})
-    for k, v in (("iops", iops), ("p99", p99), ("cpu", cpu_io), ("sys", sys_io)):
+    if rnd == "count":
+        # The traced run: its syscall count only; its IOPS, latency and CPU are taxed by perf.
+        if sys_io != "NA":
+            r["sys"].append(float(sys_io))
+        continue
+    for k, v in (("iops", iops), ("p99", p99), ("cpu", cpu_io)):
         if v != "NA":
             r[k].append(float(v))
     r["dirty"] |= float(other) > other_max
@@ -581,7 +611,7 @@ for be in backends:
         _, label, tr, conns, qd = key
         r = rows[key]
         cells = [label.replace("_", " "), tr, conns, qd] + [cell(r.get(s)) for s in present]
-        peers = [(med(r[s]["iops"]), s) for s in present if s != "blkq" and s in r and r[s]["iops"]]
+        peers = [(med(r[s]["iops"]), s) for s in present if not s.startswith("blkq") and s in r and r[s]["iops"]]
         b = r.get("blkq")
         if peers and b and b["iops"]:
             best, who = max(peers)
@@ -603,7 +633,7 @@ import statistics, sys
 v = {}
 for line in open(sys.argv[1]):
     be, label, tr, conns, qd, srv, rnd, iops, *_ = line.rstrip("\n").split("\t")
-    if (be, label, tr, conns, qd) == ("mem", "4k_randread", "unix", "1", "64") and srv != "blkq" and iops != "NA":
+    if (be, label, tr, conns, qd) == ("mem", "4k_randread", "unix", "1", "64") and not srv.startswith("blkq") and iops != "NA" and rnd != "count":
         v.setdefault(srv, []).append(float(iops))
 print(max(((statistics.median(x), s) for s, x in v.items()), default=(0, ""))[1])
 EOF

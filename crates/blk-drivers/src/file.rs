@@ -199,6 +199,9 @@ pub struct FileDriver {
     backend: FileBackend,
     mode: Mode,
     splice: SpliceGate,
+    /// Writes received into the page cache ([`blk::Device::recv_home`]): buffered, writable,
+    /// and not turned off by the spec's `splice=0`.
+    home: bool,
 }
 
 impl fmt::Debug for FileDriver {
@@ -292,12 +295,14 @@ impl FileDriver {
     /// up (threads, descriptors); `Auto` falls back to the pool instead.
     pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
         let splice = SpliceGate::new(cfg.splice && backend.can_splice());
+        let home = cfg.splice && backend.can_recv_home();
         let kind = match cfg.engine {
             EngineKind::Sync => {
                 return Ok(Self {
                     backend,
                     mode: Mode::Sync,
                     splice,
+                    home,
                 })
             }
             kind => kind,
@@ -383,6 +388,7 @@ impl FileDriver {
                 inline: cfg.inline,
             }),
             splice,
+            home,
         })
     }
 
@@ -557,6 +563,23 @@ impl Driver for FileDriver {
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(&self.backend, offset, len, pipe)
+    }
+
+    fn can_recv_home(&self) -> bool {
+        // A direct transfer that failed turns direct I/O off at run time: asked each time.
+        self.home && self.backend.can_recv_home()
+    }
+
+    fn recv_home(
+        &self,
+        offset: u64,
+        len: usize,
+        src: &mut dyn blk::RecvSource,
+    ) -> Result<(), Error> {
+        if !self.home {
+            return Err(Error::Io(std::io::ErrorKind::Unsupported.into()));
+        }
+        Ok(self.backend.recv_at(offset, len, src)?)
     }
 
     fn max_merge(&self) -> u32 {

@@ -6,7 +6,7 @@ use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
-use blk::{Driver, Error, Extent, QueueCore, RequestToken};
+use blk::{Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
 
@@ -77,6 +77,9 @@ pub struct BackendDriver {
     name: &'static str,
     backend: Arc<dyn Backend>,
     splice: SpliceGate,
+    /// Writes received into their home ([`blk::Device::recv_home`]): the backend has them
+    /// and the spec's `splice=0` did not turn them off.
+    home: bool,
 }
 
 impl BackendDriver {
@@ -84,18 +87,22 @@ impl BackendDriver {
     /// has them.
     pub fn new(name: &'static str, backend: Arc<dyn Backend>) -> Self {
         let splice = SpliceGate::new(backend.can_splice());
+        let home = backend.can_recv_home();
         Self {
             name,
             backend,
             splice,
+            home,
         }
     }
 
-    /// Zero-copy reads ([`blk::Device::splice_read`]) off, whatever the backend has (the
-    /// spec's `splice=0`).
+    /// Zero-copy reads ([`blk::Device::splice_read`]) and writes received into their home
+    /// ([`blk::Device::recv_home`]) off, whatever the backend has (the spec's `splice=0`):
+    /// every payload is copied through the server's buffers.
     pub fn without_splice(self) -> Self {
         Self {
             splice: SpliceGate::new(false),
+            home: false,
             ..self
         }
     }
@@ -120,6 +127,17 @@ impl Driver for BackendDriver {
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(self.backend.as_ref(), offset, len, pipe)
+    }
+
+    fn can_recv_home(&self) -> bool {
+        self.home
+    }
+
+    fn recv_home(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> Result<(), Error> {
+        if !self.home {
+            return Err(Error::Io(std::io::ErrorKind::Unsupported.into()));
+        }
+        Ok(self.backend.recv_at(offset, len, src)?)
     }
 
     fn extents_into(

@@ -17,7 +17,9 @@
 //!
 //! `splice=0|1` (`mem:` and `file:`, default 1): zero-copy reads where the store has them
 //! (`store=map`'s `vmsplice`, a buffered file's `splice`; [`blk::Device::splice_read`]), which
-//! the NBD server uses for large reads over plaintext connections.
+//! the NBD server uses for large reads over plaintext connections, and writes received into
+//! their home (`store=map`'s `recv` into the mapping; [`blk::Device::recv_home`]), which it
+//! uses for large writes. `splice=0` turns both off.
 //!
 //! Options of every device: the queue's (`hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `reserved_tags`, `wake`, `policy`, `block_size`, `max_io`) and its I/O scheduler:

@@ -174,22 +174,32 @@ pub const BUF_ALIGN: usize = 4096;
 
 /// An aligned, zero-initialised byte buffer, returned to its pool when dropped.
 ///
+/// A buffer either owns its bytes, or is a read-only *alias* of another buffer's bytes
+/// ([`Buffer::alias`]): a mirror lends the caller's payload to each leg of a write that way,
+/// instead of copying it.
+///
 /// # Invariants
 ///
-/// `ptr` points to `cap` bytes owned by this value: allocated with `Layout(cap, BUF_ALIGN)`,
-/// or, when `mapped`, an anonymous private mapping of `cap` bytes (page-aligned, so
-/// `BUF_ALIGN`-aligned); `len <= cap`.
+/// `ptr` points to `cap` bytes; `len <= cap`. Unless `alias`, they are owned by this value:
+/// allocated with `Layout(cap, BUF_ALIGN)`, or, when `mapped`, an anonymous private mapping
+/// of `cap` bytes (page-aligned, so `BUF_ALIGN`-aligned). An alias owns nothing: its owner
+/// outlives it and nobody writes the bytes while it lives (the contract of
+/// [`Buffer::alias`]); it never writes them itself ([`Buffer::as_mut_slice`] is empty) and
+/// never frees them.
 pub struct Buffer {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
     /// Memory from `mmap` (see [`Buffer::new_mapped`]): released with `munmap`.
     mapped: bool,
+    /// Borrowed bytes (see [`Buffer::alias`]): read-only, never freed.
+    alias: bool,
     pool: Option<Arc<PoolInner>>,
 }
 
 // SAFETY: a Buffer owns its allocation exclusively (see Invariants); moving it to another
-// thread moves that ownership.
+// thread moves that ownership. An alias only reads bytes that nobody writes while it lives
+// (the contract of `Buffer::alias`), from whichever thread.
 unsafe impl Send for Buffer {}
 // SAFETY: shared references only allow reads of the bytes.
 unsafe impl Sync for Buffer {}
@@ -218,6 +228,7 @@ impl Buffer {
             len,
             cap,
             mapped: false,
+            alias: false,
             pool: None,
         }
     }
@@ -255,8 +266,37 @@ impl Buffer {
             len,
             cap,
             mapped: true,
+            alias: false,
             pool: None,
         }
+    }
+
+    /// A read-only alias of this buffer's bytes (its length included): a buffer that reads
+    /// them without owning them, for a bio that only reads its buffer (a write). Dropping it
+    /// frees nothing; [`Buffer::as_mut_slice`] on it is empty. Allocates nothing.
+    ///
+    /// # Safety
+    ///
+    /// Until the alias (and every alias made from it) is dropped, `self` is neither dropped
+    /// nor written (no `as_mut_slice`, no `set_len` beyond what readers expect): the caller
+    /// keeps `self` where nothing else reaches it, and takes it back only after the last
+    /// alias is gone. A mirror keeps the caller's bio in its per-I/O slot and gives it back
+    /// once every leg that was lent an alias has completed its bio (`raid1::lend`).
+    pub unsafe fn alias(&self) -> Buffer {
+        Buffer {
+            ptr: self.ptr,
+            len: self.len,
+            cap: self.cap,
+            mapped: self.mapped,
+            alias: true,
+            pool: None,
+        }
+    }
+
+    /// Whether this is an alias of another buffer's bytes ([`Buffer::alias`]).
+    #[inline]
+    pub fn is_alias(&self) -> bool {
+        self.alias
     }
 
     /// Length in bytes.
@@ -291,16 +331,24 @@ impl Buffer {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    /// The bytes, mutably.
+    /// The bytes, mutably; empty for an alias ([`Buffer::alias`]), whose bytes other aliases
+    /// may be reading (only a read fills its buffer, and reads are never lent aliases).
     #[inline]
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
+        if self.alias {
+            return &mut [];
+        }
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive: an owner is
+        // not written while aliases of it live (the contract of `alias`), and this is not one.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        if self.alias {
+            return; // borrowed bytes: the owner frees them
+        }
         if let Some(pool) = self.pool.take() {
             let mut free = pool.free.lock();
             if free.len() < pool.max_free && self.cap == pool.buf_size {
@@ -309,6 +357,7 @@ impl Drop for Buffer {
                     len: 0,
                     cap: self.cap,
                     mapped: self.mapped,
+                    alias: false,
                     pool: None,
                 });
                 return;
@@ -441,6 +490,28 @@ mod tests {
         assert_eq!(c.as_slice()[999], 1, "a pooled buffer keeps its content");
         let d = pool.get(10).unwrap();
         drop((c, d));
+        assert_eq!(pool.free_count(), 1);
+    }
+
+    #[test]
+    fn an_alias_reads_the_owners_bytes_and_frees_nothing() {
+        let pool = BufferPool::new(4096, 1, 1);
+        let mut owner = pool.get(512).unwrap();
+        owner.as_mut_slice().fill(0x5A);
+        // SAFETY: `owner` is neither written nor dropped until both aliases are.
+        let (mut a, b) = unsafe { (owner.alias(), owner.alias()) };
+        assert!(a.is_alias() && !owner.is_alias());
+        assert_eq!(a.as_slice().as_ptr(), owner.as_slice().as_ptr());
+        assert_eq!(b.as_slice(), owner.as_slice());
+        assert!(a.as_mut_slice().is_empty(), "an alias is read-only");
+        drop((a, b));
+        assert_eq!(
+            pool.free_count(),
+            0,
+            "dropping aliases returns nothing to the pool"
+        );
+        assert!(owner.as_slice().iter().all(|&x| x == 0x5A));
+        drop(owner);
         assert_eq!(pool.free_count(), 1);
     }
 }

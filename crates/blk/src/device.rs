@@ -149,6 +149,33 @@ pub trait Device: Send + Sync {
         Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
     }
 
+    /// Whether [`Device::recv_home`] works on this device (default: no, and a wrapping device
+    /// that does not forward it keeps the default, so writes through it take the copying
+    /// path: correct, one copy slower). Asked per write.
+    fn can_recv_home(&self) -> bool {
+        false
+    }
+
+    /// A write received into its home (issue #22, [`crate::home`]): receives `len` bytes from
+    /// `src`'s socket straight into the device at `offset`, with no buffer in between, and
+    /// returns once all of them are in place (visible to reads, as a completed write is).
+    ///
+    /// The range is the caller's to validate first (in range, aligned, the export writable):
+    /// no byte may land outside it. No bio: no tag, no scheduler; the queue counts it in the
+    /// disk statistics as one write. Not durable by itself (no FUA): a caller that needs
+    /// durability sends such writes through bios. On an error (the peer closed halfway, a
+    /// timeout) the bytes received so far are in the device: a torn write, which a block
+    /// device allows for a write it never acknowledged; whatever the device holds to protect
+    /// its memory from concurrent trims is released either way.
+    fn recv_home(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _src: &mut dyn crate::RecvSource,
+    ) -> Result<(), Error> {
+        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+    }
+
     /// The request queue behind the device, if it is one (or wraps one): its tag pools,
     /// scheduler and statistics. Default: none.
     fn as_queue(&self) -> Option<&Queue> {

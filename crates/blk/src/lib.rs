@@ -14,6 +14,7 @@ pub mod bio;
 pub mod device;
 pub mod dirty;
 pub mod error;
+pub mod home;
 pub mod queue;
 pub mod sched;
 pub mod stats;
@@ -23,6 +24,7 @@ pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT
 pub use device::{submit_wait, submit_wait_until, Device, Extent, Limits, PendingBio};
 pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
+pub use home::RecvSource;
 pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
 pub use sched::Scheduler;
 pub use tags::{PoolPolicy, TagPool};

@@ -770,6 +770,33 @@ impl Device for Queue {
         );
         res
     }
+    fn can_recv_home(&self) -> bool {
+        self.core.driver.can_recv_home()
+    }
+
+    /// The driver's receive, counted as one write of `len` bytes (its sectors counted only
+    /// when it completes; started and completed around the driver's call, which includes the
+    /// time the client takes to send the payload, as a buffered write's would not).
+    fn recv_home(
+        &self,
+        offset: u64,
+        len: usize,
+        src: &mut dyn crate::RecvSource,
+    ) -> Result<(), Error> {
+        let start = batch_ns();
+        self.core.stats.started(Op::Write.dir(), start);
+        let res = self.core.driver.recv_home(offset, len, src);
+        let sectors = if res.is_ok() {
+            len as u64 >> SECTOR_SHIFT
+        } else {
+            0
+        };
+        self.core
+            .stats
+            .completed(Op::Write, sectors, start, batch_ns(), res.is_ok());
+        res
+    }
+
     fn as_queue(&self) -> Option<&Queue> {
         Some(self)
     }

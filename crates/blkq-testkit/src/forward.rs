@@ -4,7 +4,7 @@
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
-use blk::{Bio, Device, EndIo, Error, Extent, Limits, Queue};
+use blk::{Bio, Device, EndIo, Error, Extent, Limits, Queue, RecvSource};
 
 /// The part of a [`Forward`] device a test changes. Every method has a default, so a hook
 /// implements only what it intercepts; `inner` is the wrapped device.
@@ -45,6 +45,26 @@ pub trait Hook: Send + Sync {
     ) -> Result<usize, Error> {
         if self.can_splice(inner) {
             inner.splice_read(offset, len, pipe)
+        } else {
+            Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+        }
+    }
+    /// Whether writes received into their home work (default: no: they carry no bio either,
+    /// so by default writes through the wrapper take the copying path).
+    fn can_recv_home(&self, _inner: &dyn Device) -> bool {
+        false
+    }
+    /// A write received into its home (default: the inner device's where
+    /// [`Hook::can_recv_home`] allows, unsupported otherwise).
+    fn recv_home(
+        &self,
+        inner: &dyn Device,
+        offset: u64,
+        len: usize,
+        src: &mut dyn RecvSource,
+    ) -> Result<(), Error> {
+        if self.can_recv_home(inner) {
+            inner.recv_home(offset, len, src)
         } else {
             Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
         }
@@ -150,6 +170,12 @@ impl<H: Hook> Device for Forward<H> {
         self.hook
             .splice_read(self.inner.as_ref(), offset, len, pipe)
     }
+    fn can_recv_home(&self) -> bool {
+        self.hook.can_recv_home(self.inner.as_ref())
+    }
+    fn recv_home(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> Result<(), Error> {
+        self.hook.recv_home(self.inner.as_ref(), offset, len, src)
+    }
     fn as_queue(&self) -> Option<&Queue> {
         self.hook.as_queue(self.inner.as_ref())
     }
@@ -242,12 +268,13 @@ mod tests {
     }
 
     #[test]
-    fn a_plain_forwarder_hides_the_queue_and_zero_copy_reads() {
+    fn a_plain_forwarder_hides_the_queue_and_zero_copy_reads_and_writes() {
         let (seen_inside, dev) = inner();
         let f = Forward::new(dev);
         assert!(submit_wait(&f, Bio::new(Op::Read, 5, 512)).1.is_ok());
         assert_eq!(*seen_inside.0.lock().unwrap(), [5]);
         assert!(!f.can_splice() && f.as_queue().is_none() && f.stats().is_none());
+        assert!(!f.can_recv_home());
         assert!(Arc::ptr_eq(f.inner(), &(seen_inside as Arc<dyn Device>)));
     }
 

@@ -242,3 +242,27 @@ fn a_torn_sidecar_stops_the_server_naming_it_and_reset_makes_it_all_dirty() {
         s.stderr_text()
     );
 }
+
+/// A mirror's bitmaps persist beside its first file leg, matched to the array, and its control
+/// socket answers both `blkq bitmap` and `blkq raid`.
+#[test]
+fn a_mirror_keeps_its_bitmaps_beside_its_first_leg() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (a, sa) = common::leg_file(d, "a.img", 32 * MIB);
+    let (_, sb) = common::leg_file(d, "b.img", 32 * MIB);
+    let legs = format!("{sa},{sb}");
+    let mut s = common::Server::start(d, &legs, &["--raid1-create"]);
+    bitmap(d, &["add", "m"]);
+    let mut c = s.client();
+    c.write(MIB, &[3u8; 4096], CmdFlags::empty()).unwrap();
+    c.flush().unwrap();
+    drop(c);
+    assert_eq!(list(d), [("m".to_string(), 65536, true, 65536)]);
+    assert!(s.status().contains("[UU]"), "{}", s.status());
+    assert!(d.join("a.img.bitmaps").exists(), "{}", a.display());
+    assert!(s.stop(), "{}", s.stderr_text());
+    let s = common::Server::start(d, &legs, &[]);
+    assert_eq!(list(d), [("m".to_string(), 65536, true, 65536)]);
+    drop(s);
+}

@@ -217,6 +217,26 @@ impl Bitmaps {
         ))
     }
 
+    /// Bitmaps kept in memory whose pages go to `sink` as a sidecar's would (no header: what
+    /// fault-injection tests and benchmarks of the persist path use).
+    pub fn with_sink(capacity: u64, mode: Mode, sink: DynArc<dyn Sink>) -> Self {
+        Self {
+            capacity,
+            gate: Gate::new(mode, Vec::new(), Vec::new()),
+            committer: Committer::new(sink),
+            ctl: Mutex::new(Ctl {
+                header: None,
+                file: None,
+                image: None,
+                ident: Identity {
+                    size: capacity,
+                    uuid: [0; 16],
+                },
+            }),
+            view: Mutex::new(Vec::new()),
+        }
+    }
+
     /// The device's size.
     pub fn capacity(&self) -> u64 {
         self.capacity

@@ -1,6 +1,7 @@
 //! [`Tracked`]: a [`Device`] that counts every write, discard and write-zeroes in its export's
 //! recording dirty bitmaps before forwarding it to the device it wraps, and answers
-//! [`Device::dirty_bitmaps`]. Reads, flushes, limits, allocation maps, zero-copy reads, the
+//! [`Device::dirty_bitmaps`]. Writes received into their home ([`Device::recv_home`]) are
+//! counted the same way. Reads, flushes, limits, allocation maps, zero-copy reads, the
 //! queue and its statistics are the inner device's.
 //!
 //! A changing bio is marked ([`Bitmaps::start_write`]: a clean granule's bit is made durable
@@ -176,6 +177,25 @@ impl Device for Tracked {
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.inner.splice_read(offset, len, pipe)
+    }
+
+    fn can_recv_home(&self) -> bool {
+        self.inner.can_recv_home()
+    }
+
+    /// A write received into its home is counted as a bio is: its granules made durable
+    /// first, the gate held until the bytes are in place (a `rotate` waits for it).
+    fn recv_home(
+        &self,
+        offset: u64,
+        len: usize,
+        src: &mut dyn blk::RecvSource,
+    ) -> Result<(), Error> {
+        let b = &self.shared.bitmaps;
+        let (gen, res) = b.start_write(offset, len as u64);
+        let res = res.and_then(|()| self.inner.recv_home(offset, len, src));
+        b.end_write(gen);
+        res
     }
 
     fn as_queue(&self) -> Option<&Queue> {

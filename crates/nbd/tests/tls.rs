@@ -389,3 +389,56 @@ fn subject_rules_with_a_verified_client_certificate() {
     let mut hs = srv.handshake(&srv.unix);
     refused_with(hs.list(), NBD_REP_ERR_TLS_REQD);
 }
+
+/// Counts the writes a device is asked to receive into their home.
+#[derive(Default)]
+struct CountHome(std::sync::atomic::AtomicUsize);
+
+impl testkit::Hook for CountHome {
+    fn submit_batch(
+        &self,
+        inner: &dyn Device,
+        bios: &mut dyn Iterator<Item = blk::Bio>,
+        end: &Arc<dyn blk::EndIo>,
+    ) {
+        inner.submit_batch(bios, end)
+    }
+    fn can_recv_home(&self, inner: &dyn Device) -> bool {
+        inner.can_recv_home()
+    }
+    fn recv_home(
+        &self,
+        inner: &dyn Device,
+        offset: u64,
+        len: usize,
+        src: &mut dyn blk::RecvSource,
+    ) -> Result<(), blk::Error> {
+        // Relaxed: a test counter.
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        inner.recv_home(offset, len, src)
+    }
+}
+
+#[test]
+fn large_writes_over_tls_are_copied_never_received_home() {
+    let dev = Arc::new(testkit::Forward::with_hook(
+        device("mem:64M"),
+        CountHome::default(),
+    ));
+    let srv = TlsServer::start_with(
+        TlsMode::On,
+        false,
+        vec![Export::new("", dev.clone() as Arc<dyn Device>)],
+    );
+    round_trip(&srv, &srv.unix, false);
+    round_trip(&srv, &srv.tcp, false);
+    assert_eq!(dev.hook().0.load(std::sync::atomic::Ordering::Relaxed), 0);
+    // The same device over plaintext (`--tls=on` serves both) does receive home.
+    let mut c = nbd::client::Client::connect(&srv.unix, &Default::default()).unwrap();
+    for i in 0..3u64 {
+        c.write(i * MIB, &pattern(MIB as usize, i as u8), CmdFlags::empty())
+            .unwrap();
+    }
+    assert!(dev.hook().0.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    c.disconnect().unwrap();
+}

@@ -10,9 +10,11 @@
 //!    acknowledges it), no flush is waiting for a drain (`flush_waiting`, 4.), and a place
 //!    among the N is free (`try_reserve`, a CAS that never takes `outstanding` above N).
 //!    Anything else waits for every leg, as without write-behind (a write beyond N included).
-//! 2. **The caller's buffer** goes to a leg that is not write-behind (`primary`); the
+//! 2. **The caller's buffer** goes to a leg that is not write-behind (`primary`), or, with
+//!    `share_writes`, is lent to the legs that are not write-behind (`lend`); the
 //!    write-behind legs write copies the array owns (the pooled copy buffers), so the
-//!    buffer can be handed back at the acknowledgement.
+//!    buffer can be handed back at the acknowledgement. A write behind holds one payload
+//!    more than a plain write: that copy.
 //! 3. **Acknowledgement early, bookkeeping late.** When the last leg that is not
 //!    write-behind completes and one of the counted (in-sync) ones succeeded, with no leg
 //!    failure pending a superblock and the array not failed, the caller is completed

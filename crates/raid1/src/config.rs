@@ -39,6 +39,11 @@ pub struct Raid1Config {
     /// in flight to write-mostly legs after their acknowledgement, at most (0: off). See
     /// `behind`.
     pub write_behind: u32,
+    /// Every leg of a write reads the caller's buffer (`share_writes=1`, the default): one
+    /// payload per write in flight, no copy. `share_writes=0`: each extra leg writes a pooled
+    /// copy (the simple version, to compare against). Writes behind copy for their
+    /// write-behind legs either way. See `lend`.
+    pub share_writes: bool,
 }
 
 impl Default for Raid1Config {
@@ -55,6 +60,7 @@ impl Default for Raid1Config {
             allow_degraded: false,
             readd_interval: None,
             write_behind: 0,
+            share_writes: true,
         }
     }
 }
@@ -74,7 +80,7 @@ impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
     /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
-    /// `readd_interval_ms=N` (also turns it on), `write_behind=N`.
+    /// `readd_interval_ms=N` (also turns it on), `write_behind=N`, `share_writes=0|1`.
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -112,6 +118,13 @@ impl Raid1Config {
                 }
             }
             "write_behind" => self.write_behind = value.parse().map_err(|_| bad())?,
+            "share_writes" => {
+                self.share_writes = match value {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => return Err(bad()),
+                }
+            }
             "readd_interval_ms" => {
                 let ms: u64 = value.parse().map_err(|_| bad())?;
                 if ms == 0 {

@@ -245,7 +245,9 @@ pub(crate) enum Kind {
 #[derive(Default)]
 pub(crate) struct Io {
     pub(crate) kind: Kind,
-    pub(crate) orig: Option<Bio>,
+    /// The caller's bio; with `share_writes`, its buffer is lent to the write's legs (see
+    /// `lend`) and comes back only when none still reads it.
+    pub(crate) orig: crate::lend::Lent<Bio>,
     pub(crate) end: Option<StdArc<dyn EndIo>>,
     pub(crate) remaining: u32,
     pub(crate) ok: u32,
@@ -255,7 +257,8 @@ pub(crate) struct Io {
     /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
     /// submitted (md's rule: a recovering leg's copy does not count).
     pub(crate) counted: u32,
-    /// The leg whose bio carries the original buffer.
+    /// The leg whose bio carries the original buffer (`usize::MAX`: none, e.g. a shared
+    /// write, whose buffer stays in `orig`).
     pub(crate) primary: usize,
     /// Write-behind legs of this write or flush (see `behind`).
     pub(crate) wb_legs: u32,

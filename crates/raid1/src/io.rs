@@ -4,7 +4,8 @@
 //! `submit*` run on the submitter's thread; `leg_done` runs wherever a leg completes its bio
 //! (a leg's completion thread, or inline in `submit`). A failed read is handed to raid1d
 //! (`daemon.rs`). No heap allocation in the steady state: per-I/O state comes from the
-//! preallocated `ios` slots and copy buffers from the pool.
+//! preallocated `ios` slots; a write's legs read the caller's buffer through aliases (`lend`),
+//! and copies (`share_writes=0`, write-behind legs) come from the pool.
 
 use blkq_sync::DynArc as StdArc;
 
@@ -13,6 +14,7 @@ use blkq_sync::atomic::Ordering;
 
 use crate::barrier::BARRIER_UNIT_SECTOR_BITS;
 use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::lend::Lent;
 use crate::superblock::MAX_LEGS;
 
 /// The barrier units (as the first sector of each) that `len` bytes from `sector` touch: a
@@ -174,7 +176,7 @@ impl Inner {
                     *io = Io {
                         kind: Kind::Read,
                         sent_ns: blk::stats::batch_ns(),
-                        orig: Some(bio),
+                        orig: Lent::owned(bio),
                         end: Some(end.clone()),
                         remaining: 1,
                         tried: 1 << leg,
@@ -306,13 +308,26 @@ impl Inner {
         } else {
             mask.trailing_zeros() as usize
         };
-        // Copies for the extra legs first, then the original buffer goes to the primary.
+        // Shared (`share_writes`, see `lend`): every leg that is not write-behind reads the
+        // caller's buffer through an alias, the caller's bio stays in the slot until none
+        // does. Otherwise, and for the write-behind legs, copies for the extra legs, and the
+        // original buffer goes to the primary.
+        let share = self.cfg.share_writes && bio.op == Op::Write && bio.buf.is_some();
+        let mut lent = 0u32;
         let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
         for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
-            if mask & (1 << i) == 0 || i == primary {
+            if mask & (1 << i) == 0 || (!share && i == primary) {
                 continue;
             }
-            let copy = match &bio.buf {
+            let buf = match &bio.buf {
+                Some(src) if share && wb_legs & (1 << i) == 0 => {
+                    lent |= 1 << i;
+                    // SAFETY: `bio` goes into the slot's `Lent` below with leg i's bit set
+                    // before this leg bio is submitted, and the `Lent` neither gives it back
+                    // nor lets it be written (nor drops it) until leg i's bio has come back
+                    // to `leg_done` (invariants 1-3 of `lend`).
+                    Some(unsafe { src.alias() })
+                }
                 Some(src) if bio.op == Op::Write => {
                     let mut c = self
                         .pool
@@ -323,23 +338,27 @@ impl Inner {
                 }
                 _ => None,
             };
-            *slot = Some(self.leg_bio(&bio, copy, id));
+            *slot = Some(self.leg_bio(&bio, buf, id));
         }
-        let buf = bio.buf.take();
-        bios[primary] = Some(self.leg_bio(&bio, buf, id));
+        if !share {
+            let buf = bio.buf.take();
+            bios[primary] = Some(self.leg_bio(&bio, buf, id));
+        }
         {
+            let mut orig = Lent::owned(bio);
+            orig.lend(lent);
             let mut io = self.ios[id as usize].lock();
             *io = Io {
                 kind: Kind::Write,
                 sent_ns: blk::stats::batch_ns(),
-                span: (bio.sector, bio.len),
-                orig: Some(bio),
+                span: (sector, len as u32),
+                orig,
                 end: Some(end.clone()),
                 remaining: mask.count_ones(),
                 sync_left: (mask & !wb_legs).count_ones(),
                 wb_legs,
                 behind,
-                primary,
+                primary: if share { usize::MAX } else { primary },
                 counted,
                 ..Io::default()
             };
@@ -408,7 +427,7 @@ impl Inner {
             let mut io = self.ios[id as usize].lock();
             *io = Io {
                 kind: Kind::Flush,
-                orig: Some(bio),
+                orig: Lent::owned(bio),
                 end: Some(end.clone()),
                 remaining: mask.count_ones(),
                 primary: usize::MAX,
@@ -563,6 +582,12 @@ impl Inner {
                     if let Some(o) = io.orig.as_mut() {
                         o.buf = bio.buf.take();
                     }
+                }
+                // A shared write's leg: its device no longer reads the alias (it handed the
+                // bio back); drop it, then the leg's bit (invariant 2 of `lend`).
+                if io.orig.lent() & (1 << leg) != 0 {
+                    bio.buf = None;
+                    io.orig.returned(leg);
                 }
                 match res {
                     // Only legs in sync when it was submitted count (md's rule).

@@ -35,7 +35,9 @@
 //! - **Per-I/O state** comes from a preallocated pool of `depth` slots (the bio cookie of each
 //!   leg bio names the slot; one preallocated completion object per leg); no heap allocation
 //!   per I/O in the steady state (copy buffers are pooled; the bitmap persist, superblock
-//!   writes and read repair are slow paths and may allocate).
+//!   writes and read repair are slow paths and may allocate). A write's legs share the
+//!   caller's buffer through read-only aliases ([`lend`], [`Raid1Config::share_writes`]):
+//!   one payload per write in flight, plus a copy for the legs of a write behind.
 //! - **The array thread** (`raid1d`) also writes superblocks after state changes (`events`
 //!   bumped each time) and clears quiet bitmap bits every `tick` after a flush of every leg.
 //! - **Write-behind** (`behind.rs`, [`Raid1Config::write_behind`], md's `--write-behind`):
@@ -95,8 +97,8 @@
 //! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
 //! `generation.rs` (histories), `assemble.rs` (start-up), `io.rs` (the I/O path),
 //! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
-//! (the automatic re-add), `behind.rs` (write-behind), `sync.rs` (the sync thread's control
-//! surface) and `sync/engine.rs` (its passes).
+//! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
+//! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
 #![warn(missing_docs)]
 
 mod add;
@@ -110,6 +112,7 @@ mod device;
 mod failure;
 pub mod generation;
 mod io;
+pub mod lend;
 mod readd;
 pub mod slot;
 pub mod superblock;

@@ -48,7 +48,7 @@
 
 use std::fs::OpenOptions;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -61,7 +61,9 @@ use crate::fd_io::{cvt, fallocate, to_off, unsupported, FileIo};
 use super::host::{
     blk_logical_block_size, blk_size, blk_write_zeroes_supported, lock, on_memory_fs, HeldLock,
 };
+use super::splice_in::PipePool;
 use super::{check_range, with_context, Backend, Extent, ExtentBuilder};
+use blk::RecvSource;
 
 /// How to open a [`FileBackend`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -106,6 +108,8 @@ pub struct FileBackend {
     device_fast_zero: bool,
     /// The last data run `extents` found (see [`KnownData`]).
     known_data: Mutex<KnownData>,
+    /// Pipes of writes received into the page cache ([`Backend::recv_at`]).
+    pipes: PipePool,
     /// A regular file on tmpfs or ramfs, opened without `O_DIRECT`: its I/O is memory copies.
     memory_backed: bool,
     /// `preadv2(RWF_NOWAIT)` is worth trying (cleared when the file system refuses the flag).
@@ -261,6 +265,7 @@ impl FileBackend {
             seek_data_ok: AtomicBool::new(kind == Kind::Regular),
             device_fast_zero,
             known_data: Mutex::new(KnownData::default()),
+            pipes: PipePool::default(),
             memory_backed: kind == Kind::Regular && !options.direct && on_memory_fs(fd),
             nowait_ok: AtomicBool::new(true),
             nowait_misses: AtomicU32::new(0),
@@ -637,6 +642,22 @@ impl Backend for FileBackend {
     /// `direct=1` (its point is to keep the data out of the page cache).
     fn can_splice(&self) -> bool {
         !self.is_direct()
+    }
+
+    fn can_recv_home(&self) -> bool {
+        !self.is_direct() && !self.read_only
+    }
+
+    /// `splice(2)` from the socket through a pipe into the page cache (`splice_in.rs`).
+    fn recv_at(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> io::Result<()> {
+        check_range("receive", offset, len as u64, self.size)?;
+        if self.read_only {
+            return Err(io::ErrorKind::PermissionDenied.into());
+        }
+        self.pipes
+            .recv_into(self.io.buffered.as_fd(), offset, len, src, &|e| {
+                with_context(e, format!("splice into {}", self.path.display()))
+            })
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> io::Result<usize> {

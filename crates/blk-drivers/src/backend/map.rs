@@ -22,7 +22,8 @@
 //! A block device lets clients issue overlapping I/O concurrently, with undefined
 //! *contents*; but two threads copying the same plain bytes at once, one of them writing, is
 //! a data race, which Rust makes undefined *behaviour*. So every access to the mapping is
-//! made under a lock. The device is cut into 1 MiB regions ([`REGION_SIZE`]); region `r` is
+//! made under a lock (but the kernel's, below: zero-copy reads and writes received into the
+//! mapping). The device is cut into 1 MiB regions ([`REGION_SIZE`]); region `r` is
 //! guarded by reader-writer lock `r % STRIPES` of a fixed table of [`STRIPES`] cache-padded
 //! locks (`blkq_sync::RwLock`, so the facade's rules hold). A request is executed region by
 //! region, holding one lock at a time: reads and extent queries shared, writes, zeroing and
@@ -64,6 +65,20 @@
 //! `memcpy` in the language's sense; a page given back by `MADV_DONTNEED` stays alive while
 //! the pipe holds it, with its old bytes.
 //!
+//! # Writes received into the mapping
+//!
+//! [`Backend::recv_at`] takes a write's payload from a socket straight into the mapping
+//! (`blk::Device::recv_home`, issue #22): `recv(2)` into the region's bytes, region by region,
+//! each call counted in the region's stripe as a receiver in flight ([`super::home`]) rather
+//! than under the region's lock, which a receive the client paces must not hold. The receiver
+//! marks the pages it filled allocated as it leaves, under the lock. The kernel's stores are
+//! not Rust accesses, and every other access to the mapping is a raw-pointer copy under the
+//! lock, so there is no data race; a read or write that overlaps the receive sees undefined
+//! bytes, as a block device allows for requests in flight together. What must not happen is a
+//! page given back or zeroed under a receive (the bytes already in it would be lost, even those
+//! of a neighbouring range sharing the page), so zeroing takes [`super::home::RegionGate::quiet`]:
+//! the lock exclusive once the stripe has no receiver in flight. Copying writes need not wait.
+//!
 //! # Limits
 //!
 //! The device must fit in the address space (47 bits on x86-64, less what the process
@@ -78,9 +93,10 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 
+use blk::RecvSource;
 use blkq_sync::atomic::{AtomicU64, Ordering};
-use blkq_sync::{CachePadded, RwLock};
 
+use super::home::RegionGate;
 use super::{check_range, Backend, Extent, ExtentBuilder};
 
 /// Page size of the store and of the allocation map, bytes.
@@ -177,8 +193,9 @@ pub struct MapBackend {
     data: Mapping,
     /// The allocation bitmap: bit `p % 64` of word `p / 64` is page `p`.
     bits: Mapping,
-    /// Region `r` is guarded by `stripes[r % STRIPES]`.
-    stripes: Box<[CachePadded<RwLock<()>>]>,
+    /// Region `r` is guarded by stripe `r % STRIPES`, which also counts the writes being
+    /// received into it ("Writes received into the mapping").
+    gate: RegionGate,
     /// Pages whose bit is set. A statistic: changed with `Relaxed` read-modify-writes under
     /// the region locks (which order the bitmap itself), read without; nothing is published
     /// through it, so no ordering is needed.
@@ -241,12 +258,11 @@ impl MapBackend {
         };
         let data = reserve(data_len, "data", huge)?;
         let bits = reserve(bits_len, "allocation bitmap", false)?;
-        let stripes = (0..STRIPES).map(|_| CachePadded(RwLock::new(()))).collect();
         Ok(MapBackend {
             size,
             data,
             bits,
-            stripes,
+            gate: RegionGate::new(STRIPES),
             allocated_pages: AtomicU64::new(0),
         })
     }
@@ -285,10 +301,16 @@ impl MapBackend {
         Ok(resident << PAGE_SHIFT)
     }
 
-    /// The lock of the region holding byte `pos`.
+    /// The stripe of the region holding byte `pos`.
     #[inline]
-    fn stripe(&self, pos: u64) -> &RwLock<()> {
-        &self.stripes[((pos >> REGION_SHIFT) as usize) & (STRIPES - 1)]
+    fn stripe(pos: u64) -> usize {
+        ((pos >> REGION_SHIFT) as usize) & (STRIPES - 1)
+    }
+
+    /// Writes being received into the mapping now ([`Backend::recv_at`]), all regions: 0
+    /// whenever none is in flight, including after a client that closed mid-payload.
+    pub fn receivers_in_flight(&self) -> u64 {
+        self.gate.writers_total()
     }
 
     /// Runs `f(from, to)` on each region's share of `[offset, offset + len)`, in order, while
@@ -382,7 +404,7 @@ impl MapBackend {
     /// Reads bytes `[from, to)` of one region into `dst` (its length `to - from`): allocated
     /// runs copied, holes zero-filled, so never-written pages are never touched.
     fn read_region(&self, from: u64, to: u64, dst: &mut [u8]) {
-        let _g = self.stripe(from).read();
+        let _g = self.gate.read(Self::stripe(from));
         let (first, end) = Self::pages(from, to);
         let mut p = first;
         while p < end {
@@ -414,7 +436,7 @@ impl MapBackend {
     /// pages are still never touched). Returns the bytes moved; stops early when the pipe is
     /// full (`EAGAIN` after some bytes, or `Ok(0)` before any).
     fn splice_region(&self, from: u64, to: u64, pipe: BorrowedFd<'_>) -> io::Result<usize> {
-        let _g = self.stripe(from).read();
+        let _g = self.gate.read(Self::stripe(from));
         let (first, end) = Self::pages(from, to);
         let mut moved = 0usize;
         let mut p = first;
@@ -465,7 +487,7 @@ impl MapBackend {
 
     /// Writes `src` at bytes `[from, to)` of one region.
     fn write_region(&self, from: u64, to: u64, src: &[u8]) {
-        let _g = self.stripe(from).write();
+        let _g = self.gate.write(Self::stripe(from));
         // SAFETY: `[from, to)` is inside the mapping; the region's lock is held exclusive, so
         // nobody else reads or writes these bytes; `src` cannot overlap the mapping.
         unsafe {
@@ -478,6 +500,54 @@ impl MapBackend {
         let (first, end) = Self::pages(from, to);
         // SAFETY: the pages are this region's; its lock is held exclusive.
         unsafe { self.mark(first, end, true) };
+    }
+
+    /// Receives bytes `[from, to)` of one region from `src`'s socket straight into the
+    /// mapping ("Writes received into the mapping"): each `recv` counted in flight in the
+    /// region's stripe, with no lock held while it runs; the pages it filled marked
+    /// allocated as it leaves.
+    fn recv_region(&self, from: u64, to: u64, src: &mut dyn RecvSource) -> io::Result<()> {
+        let mut at = from;
+        while at < to {
+            let rx = self.gate.enter(Self::stripe(from));
+            let want = (to - at) as usize;
+            // SAFETY: `[at, to)` is inside the device, hence the mapping, which lives as long
+            // as `self`; the kernel stores at most `want` bytes there. No Rust reference to
+            // these bytes exists: other threads only copy them through raw pointers under the
+            // region's lock, and the kernel's stores are not Rust accesses, so there is no
+            // data race; their contents are undefined only to a read or write that overlaps
+            // this unacknowledged write, as a block device allows. No page of the range is
+            // given back meanwhile: zeroing waits for `rx` to leave (`home.rs`).
+            let r = unsafe {
+                libc::recv(
+                    src.fd().as_raw_fd(),
+                    self.data.base().add(at as usize).cast(),
+                    want,
+                    0,
+                )
+            };
+            let res = if r < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(r as usize)
+            };
+            let n = res.as_ref().map_or(0, |&n| n.min(want)) as u64;
+            rx.leave(|| {
+                if n > 0 {
+                    let (first, end) = Self::pages(at, at + n);
+                    // SAFETY: the pages are this region's; `leave` runs this under its
+                    // lock, exclusive.
+                    unsafe { self.mark(first, end, true) };
+                }
+            });
+            let closed = matches!(res, Ok(0));
+            src.received(res)?;
+            if closed {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            at += n;
+        }
+        Ok(())
     }
 
     /// Whether page `p`'s bytes are all zeros.
@@ -523,7 +593,8 @@ impl MapBackend {
     /// Zeroes bytes `[from, to)` of one region; with `unmap`, gives back the pages it covers
     /// (and partial pages left all zeros), else allocates the pages it touches.
     fn zero_region(&self, from: u64, to: u64, unmap: bool) {
-        let _g = self.stripe(from).write();
+        // Quiet: no receive is copying into the region while pages are zeroed or given back.
+        let _g = self.gate.quiet(Self::stripe(from));
         let (first, end) = Self::pages(from, to);
         if !unmap {
             // SAFETY: `[from, to)` is inside the mapping; the region's lock is held exclusive.
@@ -628,6 +699,20 @@ impl Backend for MapBackend {
         res.map(|()| moved)
     }
 
+    fn can_recv_home(&self) -> bool {
+        true
+    }
+
+    fn recv_at(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> io::Result<()> {
+        check_range("mem receive", offset, len as u64, self.size)?;
+        let mut res = Ok(());
+        self.for_regions(offset, len as u64, |from, to| {
+            res = self.recv_region(from, to, src);
+            res.is_ok()
+        });
+        res
+    }
+
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }
@@ -654,7 +739,7 @@ impl Backend for MapBackend {
         }
         let mut b = ExtentBuilder::new(out, offset, offset + len, max_extents);
         self.for_regions(offset, len, |from, to| {
-            let _g = self.stripe(from).read();
+            let _g = self.gate.read(Self::stripe(from));
             let (first, end) = Self::pages(from, to);
             let mut p = first;
             while p < end {
@@ -690,7 +775,7 @@ mod tests {
     #[test]
     fn runs_and_marks_across_words() {
         let m = MapBackend::new(REGION_SIZE).unwrap();
-        let _g = m.stripe(0).write();
+        let _g = m.gate.write(0);
         // SAFETY: (a test) region 0's lock is held exclusive; all pages are region 0's.
         unsafe {
             assert_eq!(m.mark(60, 130, true), 70);

@@ -11,9 +11,11 @@ use std::os::fd::BorrowedFd;
 use blkq_sync::atomic::{AtomicBool, Ordering};
 
 pub mod file;
+pub mod home;
 mod host;
 pub mod map;
 pub mod mem;
+mod splice_in;
 
 pub use file::{FileBackend, FileOptions};
 pub use map::MapBackend;
@@ -22,7 +24,7 @@ pub use mem::MemBackend;
 pub use blk::error::os_error_code;
 pub(crate) use blk::error::with_context;
 pub use blk::Extent;
-use blk::{Bio, BioFlags, Error, Op};
+use blk::{Bio, BioFlags, Error, Op, RecvSource};
 
 /// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
 ///
@@ -106,6 +108,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// blocking on the pipe: how many it moved, 0 when the pipe was full
     /// ([`blk::Device::splice_read`] says what the caller must do with them).
     fn splice_read(&self, _offset: u64, _len: usize, _pipe: BorrowedFd<'_>) -> io::Result<usize> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+    /// Whether [`Backend::recv_at`] works (default: no).
+    fn can_recv_home(&self) -> bool {
+        false
+    }
+    /// Receives `len` bytes from `src`'s socket straight into the store at `offset`
+    /// ([`blk::Device::recv_home`] says what it promises, torn writes on an error included).
+    fn recv_at(&self, _offset: u64, _len: usize, _src: &mut dyn RecvSource) -> io::Result<()> {
         Err(io::ErrorKind::Unsupported.into())
     }
 }

@@ -28,8 +28,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
 
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use blkq_sync::thread::JoinHandle;
 use blkq_sync::Arc;
+use std::thread::JoinHandle;
 
 use super::ffi;
 

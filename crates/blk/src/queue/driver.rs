@@ -57,6 +57,21 @@ pub trait Driver: Send + Sync {
     ) -> Result<usize, Error> {
         Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
     }
+    /// Writes received into their home ([`Device::recv_home`](crate::Device::recv_home)):
+    /// whether this driver can take a payload straight from a socket. Default: no.
+    fn can_recv_home(&self) -> bool {
+        false
+    }
+    /// Receives `len` bytes from `src` into the device at `offset`
+    /// ([`Device::recv_home`](crate::Device::recv_home) says what that promises).
+    fn recv_home(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _src: &mut dyn crate::RecvSource,
+    ) -> Result<(), Error> {
+        Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
+    }
     /// One line describing the driver and its options.
     fn describe(&self) -> String;
     /// The most bios one request may carry as a merge chain (module docs). The default, 1,

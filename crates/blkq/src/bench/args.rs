@@ -65,6 +65,11 @@ pub struct BenchArgs {
     /// A raid1 option KEY=VALUE (repeatable), e.g. barrier=locked|lockless.
     #[arg(long = "raid1-option", value_name = "KEY=VALUE")]
     pub raid1_options: Vec<String>,
+    /// Drive --device as a --raid1 leg is driven: bio-based (built as a leg is), one bio per
+    /// submit (no batch, no plug), with data buffers. The baseline of what a mirror costs
+    /// over one leg.
+    #[arg(long, conflicts_with = "raid1")]
+    pub as_leg: bool,
     /// read, write, randread, randwrite or randrw.
     #[arg(long, default_value = "randread")]
     pub rw: String,
@@ -182,12 +187,16 @@ pub(super) struct RunCfg {
     pub(super) raid1: Option<String>,
     /// `--raid1-option`s, in order (a later one wins).
     pub(super) raid1_options: Vec<String>,
+    /// `--as-leg`: `device` built as a mirror's leg and driven through its bio path, a bio per
+    /// submit, with data buffers.
+    pub(super) as_leg: bool,
 }
 
 impl RunCfg {
     /// The label of the device in the output: the spec, or `raid1:LEGS [OPTIONS]`.
     pub(super) fn label(&self) -> String {
         match &self.raid1 {
+            None if self.as_leg => format!("{} (as leg)", self.device),
             None => self.device.clone(),
             Some(legs) if self.raid1_options.is_empty() => format!("raid1:{legs}"),
             Some(legs) => format!("raid1:{legs} [{}]", self.raid1_options.join(" ")),
@@ -217,11 +226,13 @@ pub(super) fn apply(cfg: &mut RunCfg, key: &str, val: &str) -> Result<()> {
         "hw-queues" | "hw_queues" => cfg.hw_queues = Some(val.parse()?),
         "bs" => cfg.bs = parse_size(val)? as u32,
         "max-in-flight" | "max_in_flight" => cfg.max_in_flight = Some(val.parse()?),
-        "barrier" if cfg.raid1.is_some() => cfg.raid1_options.push(format!("barrier={val}")),
+        "barrier" | "share_writes" if cfg.raid1.is_some() => {
+            cfg.raid1_options.push(format!("{key}={val}"))
+        }
         _ => {
             bail!(
                 "cannot sweep {key:?} (queue-depth, iodepth, jobs, hw-queues, bs, max-in-flight, \
-                 barrier with --raid1)"
+                 barrier and share_writes with --raid1)"
             )
         }
     }

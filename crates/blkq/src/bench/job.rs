@@ -127,9 +127,13 @@ impl Target {
 }
 
 /// Whether bios need data buffers: every device but `null` without `memory_backed` reads or
-/// writes its buffer, and a RAID1 mirror refuses data bios without one (whatever its legs).
+/// writes its buffer, and a RAID1 mirror refuses data bios without one (whatever its legs);
+/// `--as-leg` carries them as a mirror does.
 fn needs_data(cfg: &RunCfg) -> bool {
-    cfg.raid1.is_some() || !cfg.device.starts_with("null") || cfg.device.contains("memory_backed=1")
+    cfg.raid1.is_some()
+        || cfg.as_leg
+        || !cfg.device.starts_with("null")
+        || cfg.device.contains("memory_backed=1")
 }
 
 pub(super) fn run_job(
@@ -207,6 +211,8 @@ pub(super) fn run_job(
             };
             match &target {
                 Target::Queue(q) => q.submit_plugged(&mut plug, bio, &end_dyn),
+                // One bio at a time, as a mirror submits to its legs (no plug).
+                Target::Device(d) if cfg.as_leg => d.submit(bio, &end_dyn),
                 Target::Device(_) => batch.push(bio),
             }
         }
@@ -297,11 +303,18 @@ pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
     Ok(Arc::new(r))
 }
 
-/// Builds what the jobs drive: the `--raid1` mirror, the `--device` wrapped in its fault
-/// device when the spec has `fault.` options, or else the `--device` queue.
+/// Builds what the jobs drive: the `--raid1` mirror, the `--device` built as a leg
+/// (`--as-leg`), the `--device` wrapped in its fault device when the spec has `fault.`
+/// options, or else the `--device` queue.
 fn build_target(cfg: &RunCfg) -> Result<Target> {
     if let Some(legs) = &cfg.raid1 {
         return Ok(Target::Device(build_raid1(cfg, legs)?));
+    }
+    if cfg.as_leg {
+        return Ok(Target::Device(crate::raid::offline::open_leg(
+            &cfg.device,
+            &overrides(cfg),
+        )?));
     }
     let spec: DeviceSpec = cfg.device.parse()?;
     if spec.fault_config()?.is_some() {
@@ -546,6 +559,7 @@ mod tests {
             seed: 1,
             raid1: Some("mem:8M,mem:8M".into()),
             raid1_options: vec!["barrier=locked".into()],
+            as_leg: false,
         }
     }
 
@@ -566,6 +580,12 @@ mod tests {
             assert_eq!(r.tag_wait_count, 0);
         }
         verify(&raid_cfg("randread")).unwrap();
+        // Both write paths, swept as `share_writes`, write what `--verify` reads back.
+        for share in ["0", "1"] {
+            let mut cfg = raid_cfg("randread");
+            apply(&mut cfg, "share_writes", share).unwrap();
+            verify(&cfg).unwrap();
+        }
         let mut bad = raid_cfg("randread");
         bad.raid1_options = vec!["barrier=spin".into()];
         assert!(run_once(&bad, None).is_err());
@@ -601,5 +621,23 @@ mod tests {
         let r = run_once(&cfg, None).unwrap();
         assert!(r.ios > 0);
         assert_eq!(r.errors, r.ios);
+    }
+
+    /// `--as-leg` drives one leg as the mirror drives it: bio-based, with data buffers (a
+    /// `mem` leg reads back what was written; a `null` one gets buffers too).
+    #[test]
+    fn bench_one_device_as_a_leg() {
+        let mut cfg = raid_cfg("randwrite");
+        cfg.raid1 = None;
+        cfg.as_leg = true;
+        cfg.device = "null:8M".into();
+        assert!(needs_data(&cfg));
+        assert_eq!(cfg.label(), "null:8M (as leg)");
+        assert!(matches!(build_target(&cfg).unwrap(), Target::Device(_)));
+        let r = run_once(&cfg, None).unwrap();
+        assert!(r.ios > 0);
+        assert_eq!(r.errors, 0);
+        cfg.device = "mem:8M".into();
+        verify(&cfg).unwrap();
     }
 }

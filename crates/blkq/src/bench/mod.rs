@@ -84,6 +84,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         seed: a.seed,
         raid1: a.raid1.clone(),
         raid1_options: a.raid1_options.clone(),
+        as_leg: a.as_leg,
     };
     let mut base = base;
     if base.raid1.is_some() {

@@ -293,6 +293,7 @@ mod tests {
             seed: 7,
             raid1: None,
             raid1_options: vec![],
+            as_leg: false,
         };
         let r = RunResult {
             ios: 3000,

@@ -23,7 +23,7 @@ use anyhow::{Context, Result};
 use blk::sched::{LockMode, SchedChoice};
 use blk::PoolPolicy;
 use clap::{Args, FromArgMatches};
-use nbd::server::BudgetImpl;
+use nbd::server::{BudgetImpl, SpliceRule};
 use nbd::tls::TlsMode;
 use serde::{Deserialize, Deserializer};
 
@@ -220,6 +220,11 @@ pub struct LimitArgs {
     #[arg(long, value_name = "IMPL", default_value = "atomic", hide = true)]
     #[serde(skip)]
     pub budget_impl: BudgetImpl,
+    /// Which large reads are spliced where the device can: measure (per connection, the way
+    /// the client takes faster) or always (every one). A benchmark's switch: no key in a file.
+    #[arg(long, value_name = "RULE", default_value = "measure", hide = true)]
+    #[serde(skip)]
+    pub splice_rule: SpliceRule,
 }
 
 /// `[tls]`: TLS, with nbdkit's meaning of the modes.
@@ -300,6 +305,7 @@ impl LimitArgs {
             t.memory_budget = b.0;
         }
         t.budget_impl = self.budget_impl;
+        t.splice_rule = self.splice_rule;
     }
 }
 

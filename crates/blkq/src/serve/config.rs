@@ -363,6 +363,7 @@ fn export_names(e: &ExportArgs) -> Result<Vec<String>> {
 /// `spec` with the path of a `file:` spec joined to `dir` when it is relative; other specs as
 /// they are.
 fn spec_from(spec: &str, dir: &Path) -> Result<String> {
+    let spec = &bitmaps_from(spec, dir)?;
     let Some(rest) = spec.strip_prefix("file:") else {
         return Ok(spec.to_string());
     };
@@ -387,9 +388,48 @@ fn spec_from(spec: &str, dir: &Path) -> Result<String> {
     })
 }
 
+/// A device spec whose relative `bitmaps=PATH` option (the dirty bitmaps' sidecar) is made
+/// relative to `dir`, as its `file:` path is.
+fn bitmaps_from(spec: &str, dir: &Path) -> Result<String> {
+    let mut parts = Vec::new();
+    for (i, part) in spec.split(',').enumerate() {
+        match part.strip_prefix("bitmaps=") {
+            Some(v) if i > 0 && !v.is_empty() && v != "off" && Path::new(v).is_relative() => {
+                let full = dir.join(v);
+                let Some(full) = full.to_str().filter(|f| !f.contains(',')) else {
+                    bail!(
+                        "bitmaps={v}: the path is relative to the config file's directory, {},                          whose name a device spec cannot hold: write the path absolute",
+                        dir.display()
+                    );
+                };
+                parts.push(format!("bitmaps={full}"));
+            }
+            _ => parts.push(part.to_string()),
+        }
+    }
+    Ok(parts.join(","))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_relative_bitmaps_sidecar_is_from_the_files_directory() {
+        let d = Path::new("/etc/blkq");
+        assert_eq!(
+            spec_from("file:vm.img,bitmaps=vm.bm,direct=1", d).unwrap(),
+            "file:/etc/blkq/vm.img,bitmaps=/etc/blkq/vm.bm,direct=1"
+        );
+        assert_eq!(
+            spec_from("mem:1G,bitmaps=off", d).unwrap(),
+            "mem:1G,bitmaps=off"
+        );
+        assert_eq!(
+            spec_from("mem:1G,bitmaps=/abs.bm", d).unwrap(),
+            "mem:1G,bitmaps=/abs.bm"
+        );
+    }
 
     fn args(devices: &[&str], exports: &[&str], raid1: Option<&str>) -> ExportArgs {
         ExportArgs {

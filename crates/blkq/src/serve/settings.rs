@@ -364,6 +364,34 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
         assert_eq!(f.limits.memory_budget.map(|b| b.0), Some(512 << 20));
     }
 
+    /// Without a mirror, `--control` is the server's socket, as `[server] control` is; the
+    /// `bitmaps=` option is checked with the spec; `--bitmaps-reset` is `[server]
+    /// bitmaps_reset`.
+    #[test]
+    fn the_servers_control_socket_and_bitmap_options() {
+        let f = file(
+            "[server]\ncontrol = \"/tmp/c.sock\"\nbitmaps_reset = true\n\n[[export]]\n\
+             device = \"file:/x.img,bitmaps=/y.bm\"\n",
+        )
+        .unwrap();
+        let c = flags(&[
+            "--device",
+            "file:/x.img,bitmaps=/y.bm",
+            "--control",
+            "/tmp/c.sock",
+            "--bitmaps-reset",
+        ])
+        .unwrap();
+        assert_eq!(format!("{f:?}"), format!("{c:?}"));
+        assert_eq!(c.control, Some("/tmp/c.sock".into()));
+        assert!(c.bitmaps_reset);
+        let e = err(flags(&["--device", "mem:1M,bitmaps="]));
+        assert!(e.contains("bitmaps= needs a path or off"), "{e}");
+        // With a mirror, --control stays the mirror's (which also serves the bitmaps).
+        let m = flags(&["--raid1", "file:/a,file:/b", "--control", "/tmp/m.sock"]).unwrap();
+        assert_eq!(m.control, None);
+    }
+
     #[test]
     fn defaults_are_the_command_lines() {
         let f = file("[[export]]\ndevice = \"mem:1G\"\n").unwrap();

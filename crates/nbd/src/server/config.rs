@@ -12,6 +12,7 @@ use blkq_sync::DynArc as Arc;
 use blk::Device;
 
 use super::access::{Access, Identity};
+use super::conn::splice_rule::SpliceRule;
 use super::limits::{default_max_connections, default_memory_budget, BudgetImpl};
 #[cfg(doc)]
 use super::STUCK_GRACE;
@@ -130,6 +131,9 @@ pub struct Tuning {
     /// How the memory budget keeps its count (the lock-free counter, or the locked version
     /// it replaces, for comparison).
     pub budget_impl: BudgetImpl,
+    /// Which large reads are spliced, where the device can (docs/design.md, "Large reads"):
+    /// per connection the faster way for the client, or all of them.
+    pub splice_rule: SpliceRule,
     /// How the handshake learns who a client is, for access rules ([`Access`]): by default
     /// [`Identity::of`] (the peer's address and TLS certificate subject). Called at each
     /// option that names an export, so after STARTTLS it sees the certificate. Tests put a
@@ -154,6 +158,7 @@ impl Default for Tuning {
             send_timeout: Duration::from_secs(30),
             memory_budget: default_memory_budget(),
             budget_impl: BudgetImpl::Atomic,
+            splice_rule: SpliceRule::Measure,
             identify: Identity::of,
         }
     }

@@ -63,6 +63,7 @@ pub use self::access::{
 pub use self::config::{
     Export, ServerConfig, Tuning, DEFAULT_TCP_ADDR, DEFAULT_UNIX_MODE, DEFAULT_UNIX_PATH,
 };
+pub use self::conn::splice_rule::SpliceRule;
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
 pub(crate) use self::stats::ServerCounters;
 pub use self::stats::{ExportMetrics, HandshakeFailure, Metrics, ServerSnapshot, StatsSource};

@@ -39,10 +39,12 @@
 //! `Device::extents` returns (one per structured read when the export has sparse reads, and
 //! per `NBD_CMD_BLOCK_STATUS`) and the plug `Queue::submit_batch` allocates per batch.
 
+mod home;
 mod inflight;
 mod reader;
 mod reply;
 mod splice;
+pub(super) mod splice_rule;
 mod transport;
 mod writer;
 
@@ -200,6 +202,8 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         refused = stats.refused,
         bytes_read = stats.bytes_read,
         bytes_written = stats.bytes_written,
+        spliced_reads = stats.spliced_reads,
+        copied_large_reads = stats.copied_large_reads,
         duration_s = started.elapsed().as_secs_f64(),
         reason = %reason,
         "connection closed: {reason}"
@@ -218,6 +222,9 @@ struct Stats {
     /// Requests answered with an error before reaching the device (unknown command, bad
     /// range or flags); errors the device returns are not counted here.
     refused: u64,
+    /// Large reads spliced and copied by the splice rule's choice (`splice_rule.rs`).
+    spliced_reads: u64,
+    copied_large_reads: u64,
 }
 
 /// What the reader thread holds: the receive side, staging, and a handle on the shared core.
@@ -268,6 +275,9 @@ struct Connection<'a> {
     /// reads ask the socket for less, so that the payloads that follow land in their own
     /// buffers rather than in `recv_buf` (from which they would be copied once more).
     big_writes: bool,
+    /// The last request staged was a write received into its home (`home.rs`): the next
+    /// reads ask the socket for one request header, leaving the payload behind it there.
+    home_writes: bool,
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle timeout counts from here.
     last_recv: Instant,
@@ -275,6 +285,10 @@ struct Connection<'a> {
     /// timeout counts from its start, not from its last byte.
     mid: reader::MidRequest,
     stats: Stats,
+    /// Which large reads are spliced (`splice_rule.rs`).
+    splice_chooser: splice_rule::SpliceChooser,
+    /// Requests of this connection in flight (slots taken) when the parse pass began.
+    in_flight: usize,
     /// `teardown` ran (the normal end); `Drop` cleans up after a panic otherwise.
     torn_down: bool,
 }
@@ -391,9 +405,12 @@ impl<'a> Connection<'a> {
             dirty_buf: Vec::new(),
             partial_write: None,
             big_writes: false,
+            home_writes: false,
             last_recv: Instant::now(),
             mid: reader::MidRequest::default(),
             stats: Stats::default(),
+            splice_chooser: splice_rule::SpliceChooser::new(tuning.splice_rule, Instant::now()),
+            in_flight: 0,
             torn_down: false,
         })
     }
@@ -411,6 +428,7 @@ impl<'a> Connection<'a> {
                 }
             }
             let (free_slots, budget_left) = self.wait_for_room();
+            self.in_flight = self.server.tuning.slots.saturating_sub(free_slots);
             let stop = self.parse(free_slots, budget_left);
             self.commit();
             match stop {
@@ -556,6 +574,8 @@ impl<'a> Connection<'a> {
     /// then stops the flusher.
     fn teardown(&mut self, reason: &str) {
         self.torn_down = true;
+        self.stats.spliced_reads = self.splice_chooser.spliced_reads;
+        self.stats.copied_large_reads = self.splice_chooser.copied_reads;
         debug!(peer = %self.stream, "tearing down: {reason}");
         // A write still arriving, or staged requests that never got a slot, are dropped,
         // and the memory budget they took is given back.

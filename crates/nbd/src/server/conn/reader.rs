@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use blk::Extent as DevExtent;
 use blk::{Bio, BioFlags, Buffer, BufferPool, Device, DirtyExtent, Op, SECTOR_SHIFT};
 
+use super::home::HomeFailure;
 use super::inflight::{bio_cookie, InFlight, Part};
 use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
@@ -132,6 +133,9 @@ pub(super) struct PartialWrite {
     filled: usize,
     /// Payload bytes still to read.
     remaining: u64,
+    /// Received into the device at this offset (`home.rs`), with no bios; `None`: into the
+    /// bios' buffers.
+    home: Option<u64>,
 }
 
 impl PartialWrite {
@@ -207,7 +211,13 @@ impl<'a> Connection<'a> {
     /// Where a read into `recv_buf` may stop: the whole buffer, or [`RECV_AFTER_BIG_WRITE`]
     /// bytes past what it holds while large writes arrive (see [`BIG_WRITE`]).
     fn recv_end(&self) -> usize {
-        if self.big_writes {
+        let header = self.mode.request_header_len();
+        if self.home_writes && self.discard_left == 0 && self.recv_len < header {
+            // One header at a time: the payload behind it stays in the socket for the device
+            // to take (`home.rs`). Not while a refused payload is skipped: that goes by the
+            // buffer.
+            header
+        } else if self.big_writes {
             (self.recv_len + RECV_AFTER_BIG_WRITE).min(self.recv_buf.len())
         } else {
             self.recv_buf.len()
@@ -397,6 +407,9 @@ impl<'a> Connection<'a> {
             Command::Write => self.stats.bytes_written += r.length,
             _ => {}
         }
+        if r.kind != Command::Write {
+            self.home_writes = false;
+        }
         match r.kind {
             Command::Read => self.stage_read(&r, entry),
             Command::Write => return self.stage_write(&r, entry),
@@ -551,13 +564,19 @@ impl<'a> Connection<'a> {
             && !r.flags.contains(CmdFlags::DF)
             && self.export.export.sparse_reads;
         // Large reads on a plaintext connection to a device that can: spliced by the writer,
-        // no bio, no buffer (`splice.rs`).
+        // no bio, no buffer (`splice.rs`), when the rule says this client takes them faster
+        // that way (`splice_rule.rs`).
         let spliced = r.length >= SPLICE_MIN_BYTES
             && self
                 .core
                 .splice_dev
                 .as_ref()
-                .is_some_and(|d| d.can_splice());
+                .is_some_and(|d| d.can_splice())
+            && self.splice_chooser.choose(
+                r.length,
+                Instant::now(),
+                self.in_flight + self.staged.len(),
+            );
         let mut at = r.offset;
         if sparse {
             // The connection's reused vector, taken for the loop (which needs `&mut self`)
@@ -605,6 +624,22 @@ impl<'a> Connection<'a> {
     /// A write: its payload goes into pooled buffers, from the receive buffer and then, if it
     /// continues past it, straight from the socket ([`Self::fill_partial_write`]).
     fn stage_write(&mut self, r: &Request, mut entry: InFlight) -> Option<ParseStop> {
+        self.home_writes = self.home_capable(r);
+        if self.home_writes && self.recv_pos == self.recv_len {
+            // Received straight into the device (`home.rs`): no bio, no buffer.
+            self.big_writes = true;
+            entry.bios_pending = 0;
+            entry.budget_bytes = r.length;
+            self.staged_bytes += r.length;
+            self.partial_write = Some(PartialWrite {
+                entry,
+                bio: 0,
+                filled: 0,
+                remaining: r.length,
+                home: Some(r.offset),
+            });
+            return Some(ParseStop::PartialWrite);
+        }
         let flags = Self::bio_flags(r);
         let (mut at, end) = (r.offset, r.offset + r.length);
         self.write_bios.clear();
@@ -647,6 +682,7 @@ impl<'a> Connection<'a> {
             bio,
             filled,
             remaining,
+            home: None,
         });
         Some(ParseStop::PartialWrite)
     }
@@ -658,10 +694,27 @@ impl<'a> Connection<'a> {
         let Some(mut p) = self.partial_write.take() else {
             return Ok(());
         };
-        let res = self.fill(&mut p);
+        let res = match p.home {
+            Some(offset) => match self.fill_home(offset, p.remaining) {
+                Ok(()) => Ok(()),
+                Err(HomeFailure::Close(reason)) => Err(reason),
+                Err(HomeFailure::Device { error, left }) => {
+                    // Answered with the device's error once the rest of the payload is read
+                    // off the socket, as a refused write's (`parse`).
+                    tracing::warn!("a write received into the device failed: {error}");
+                    p.entry.fail(Errno::from_errno(error.errno()));
+                    self.discard_left = left;
+                    self.discarding = Some(p.entry);
+                    return Ok(());
+                }
+            },
+            None => self.fill(&mut p),
+        };
         match res {
             Ok(()) => {
-                self.bios.append(&mut self.write_bios);
+                if p.home.is_none() {
+                    self.bios.append(&mut self.write_bios);
+                }
                 self.staged.push(p.entry);
             }
             Err(_) => self.partial_write = Some(p),
@@ -836,7 +889,7 @@ impl MidRequest {
 }
 
 /// A socket read timeout (`SO_RCVTIMEO` expired): `EAGAIN`, which std calls `WouldBlock`.
-fn is_timeout(e: &io::Error) -> bool {
+pub(super) fn is_timeout(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
