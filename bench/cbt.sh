@@ -2,7 +2,7 @@
 # What a dirty bitmap costs (docs/bench.md section 21), against `blkq serve` over its Unix
 # socket with fio's nbd engine and libnbd, one binary:
 #
-#   bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|backup|all]
+#   bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|all]
 #
 # steady: 4 KiB randwrite (iodepth 16) and 1 MiB sequential write (iodepth 4) on mem:$SIZE
 #   with no wrapper (bitmaps=off), the wrapper and no bitmap (zero), one 64 KiB bitmap whose
@@ -20,19 +20,16 @@
 #   BLKQ_BINARY is needed): `bench/cbt.sh BLKQ_BINARY core` with JOBS="1 4 16" on many cores.
 # sizes: the sidecar of one bitmap over null:1T at 4K, 64K, 1M and 64M against the format's
 #   formula, and the memory per TiB.
-# backup: a full copy of mem:$SIZE (nbdcopy) against an incremental one after $CHANGE% of it
-#   was rewritten in 64 KiB writes: rotate, then copy the runs the frozen bitmap marks (read
-#   from its sidecar; libnbd pread), bytes and seconds.
+# (An incremental backup through the dirty-bitmap context: bench/cbt_backup.sh.)
 #
-# Environment: ROUNDS=3, R=5 (seconds per fio run), SIZE=1G, CHANGE=5, FIRST_IOS=4000,
+# Environment: ROUNDS=3, R=5 (seconds per fio run), SIZE=1G, FIRST_IOS=4000,
 # OUT=DIR (raw results; default a new /tmp/blkq-cbt.XXXXXX).
 set -euo pipefail
-BIN=${1:?usage: bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|backup|all]}
+BIN=${1:?usage: bench/cbt.sh BLKQ_BINARY [steady|core|first|sizes|all]}
 WHAT=${2:-all}
 ROUNDS=${ROUNDS:-3}
 R=${R:-5}
 SIZE=${SIZE:-1G}
-CHANGE=${CHANGE:-5}
 FIRST_IOS=${FIRST_IOS:-4000}
 JOBS=${JOBS:-"1 2"}
 OUT=${OUT:-$(mktemp -d /tmp/blkq-cbt.XXXXXX)}
@@ -176,81 +173,12 @@ EOF2
   cat "$OUT/sizes.txt"
 }
 
-backup() {
-  local side=$OUT/backup.bitmaps
-  for ((r = 0; r < ROUNDS; r++)); do
-    rm -f "$side"
-    echo "backup round $r" >&2
-    start "mem:$SIZE,bitmaps=$side"
-    fio_json "$OUT/fill.json" --rw=write --bs=1M --iodepth=16 --size="$SIZE"
-    bm add b0
-    local t0 t1
-    t0=$(date +%s.%N)
-    nbdcopy "$URI" "$OUT/full.img"
-    t1=$(date +%s.%N)
-    printf 'backup\tfull copy (s)\tnbdcopy\t%s\t%s\n' "$r" "$(echo "$t1 - $t0" | bc)" >>"$results"
-    printf 'backup\tfull copy (MiB)\tnbdcopy\t%s\t%s\n' "$r" "$(($(stat -c %s "$OUT/full.img") >> 20))" >>"$results"
-    local change_ios
-    change_ios=$("$PY" -c "print(int($(numfmt --from=iec "$SIZE") * $CHANGE / 100 / 65536))")
-    fio_json "$OUT/change.json" --rw=randwrite --bs=64k --iodepth=16 --size="$SIZE" \
-      --number_ios="$change_ios" --randrepeat=0
-    bm rotate b0 b1
-    "$PY" - "$side" "$SOCK" "$OUT/full.img" "$r" >>"$results" <<'EOF2'
-import nbd, struct, sys, time
-side, sock, backup, rnd = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-b = open(side, "rb").read()
-heads = [b[0:4096], b[4096:8192]]
-best = max((h for h in heads if h[:8] == b"BLKQCBT1"), key=lambda h: struct.unpack_from("<Q", h, 16)[0])
-size = struct.unpack_from("<Q", best, 24)[0]
-n = struct.unpack_from("<I", best, 48)[0]
-for i in range(n):
-    at = 64 + i * 128
-    name = best[at + 1: at + 1 + best[at]].decode()
-    if name == "b0":
-        shift, region, pages = best[at + 96], *struct.unpack_from("<QQ", best, at + 104)
-words = []
-for p in range(pages):
-    page = b[(region + p) * 4096:(region + p + 1) * 4096]
-    words += struct.unpack_from("<511Q", page, 0)
-runs, g, nbits = [], 1 << shift, -(-size >> shift)
-i = 0
-while i < nbits:
-    if words[i // 64] >> (i % 64) & 1:
-        j = i
-        while j < nbits and words[j // 64] >> (j % 64) & 1:
-            j += 1
-        runs.append((i * g, min(j * g, size) - i * g))
-        i = j
-    else:
-        i += 1
-h = nbd.NBD()
-h.connect_uri(f"nbd+unix:///?socket={sock}")
-t0 = time.monotonic()
-copied = 0
-with open(backup, "r+b") as f:
-    for off, ln in runs:
-        for o in range(off, off + ln, 1 << 20):
-            m = min(1 << 20, off + ln - o)
-            f.seek(o)
-            f.write(h.pread(m, o))
-            copied += m
-t = time.monotonic() - t0
-h.shutdown()
-print(f"backup\tincremental copy (s)\tbitmap\t{rnd}\t{t:.3f}")
-print(f"backup\tincremental copy (MiB)\tbitmap\t{rnd}\t{copied / 2**20:.1f}")
-EOF2
-    stop
-    rm -f "$OUT/full.img"
-  done
-}
-
 case $WHAT in
   steady) steady ;;
   core) core ;;
   first) first ;;
   sizes) sizes ;;
-  backup) backup ;;
-  all) sizes; core; steady; first; backup ;;
+  all) sizes; core; steady; first ;;
   *) echo "cbt.sh: unknown part $WHAT" >&2; exit 2 ;;
 esac
 
