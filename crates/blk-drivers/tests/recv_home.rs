@@ -9,39 +9,21 @@
 #![cfg(not(blkq_loom))]
 
 use std::io::{self, Write};
-use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::thread;
 
-use blk::{Device, RecvSource};
+use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blk_drivers::{Backend, MapBackend};
+use testkit::io::SocketSource;
 use testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 
-/// The receiving end of a socket pair, as the NBD server's connection would be: retries on
-/// an interrupted receive, stops when the peer closes.
-struct Sock(UnixStream);
-
-impl RecvSource for Sock {
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-    fn received(&mut self, res: io::Result<usize>) -> io::Result<()> {
-        match res {
-            Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-}
-
-fn pair() -> (UnixStream, Sock) {
+fn pair() -> (UnixStream, SocketSource) {
     let (a, b) = UnixStream::pair().unwrap();
-    (a, Sock(b))
+    (a, SocketSource(b))
 }
 
 #[test]

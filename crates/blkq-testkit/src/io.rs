@@ -36,3 +36,22 @@ pub fn read_at(dev: &dyn Device, offset: u64, len: usize) -> Result<Vec<u8>, Err
 pub fn flush(dev: &dyn Device) -> Result<(), Error> {
     submit_wait(dev, Bio::new(Op::Flush, 0, 0)).1
 }
+
+/// The receiving end of a socket pair as a [`blk::RecvSource`], as the NBD server's connection
+/// would be: retries an interrupted receive, stops when the peer closes. For tests of
+/// [`Device::recv_home`].
+pub struct SocketSource(pub std::os::unix::net::UnixStream);
+
+impl blk::RecvSource for SocketSource {
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.0)
+    }
+    fn received(&mut self, res: std::io::Result<usize>) -> std::io::Result<()> {
+        match res {
+            Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}

@@ -2,33 +2,17 @@
 //! on the zero-copy path, and its granules are dirty (made durable before the bytes land) like
 //! any bio's.
 
-use std::io::{self, Write};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 
-use blk::{Device, DirtyExtent, RecvSource};
+use blk::{Device, DirtyExtent};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blkq_sync::DynArc as Arc;
 use cbt::{Bitmaps, Mode, Options, Store, Tracked};
+use testkit::io::SocketSource;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
-
-/// The reading end of a socket pair: every receive succeeds until the peer closes.
-struct Source(UnixStream);
-
-impl RecvSource for Source {
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-    fn received(&mut self, res: io::Result<usize>) -> io::Result<()> {
-        match res {
-            Ok(0) => Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-}
 
 #[test]
 fn a_write_received_into_its_home_is_counted_and_lands() {
@@ -59,7 +43,8 @@ fn a_write_received_into_its_home_is_counted_and_lands() {
         let p = payload.clone();
         move || tx.write_all(&p)
     });
-    t.recv_home(3 * MIB, MIB as usize, &mut Source(rx)).unwrap();
+    t.recv_home(3 * MIB, MIB as usize, &mut SocketSource(rx))
+        .unwrap();
     sender.join().unwrap().unwrap();
 
     let mut out = Vec::new();
