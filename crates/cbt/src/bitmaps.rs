@@ -354,10 +354,7 @@ impl Bitmaps {
     pub fn remove(&self, name: &str) -> Result<(), Error> {
         let mut ctl = self.ctl.lock();
         let mut slots = self.view.lock().clone();
-        let i = slots
-            .iter()
-            .position(|s| s.bm.name() == name)
-            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let i = position(&slots, name)?;
         slots.remove(i);
         self.write_header(&mut ctl, &slots)?;
         self.switch(&slots, None);
@@ -368,10 +365,7 @@ impl Bitmaps {
     pub fn clear(&self, name: &str) -> Result<(), Error> {
         let mut ctl = self.ctl.lock();
         let mut slots = self.view.lock().clone();
-        let i = slots
-            .iter()
-            .position(|s| s.bm.name() == name)
-            .ok_or_else(|| Error::NotFound(name.to_string()))?;
+        let i = position(&slots, name)?;
         let old = slots[i].bm.clone();
         let fresh = self.new_bitmap(&mut ctl, name, old.shift(), &[&old])?;
         if !slots[i].frozen {
@@ -391,10 +385,7 @@ impl Bitmaps {
         check_name(new)?;
         let mut ctl = self.ctl.lock();
         let mut slots = self.view.lock().clone();
-        let i = slots
-            .iter()
-            .position(|s| s.bm.name() == old)
-            .ok_or_else(|| Error::NotFound(old.to_string()))?;
+        let i = position(&slots, old)?;
         if slots[i].frozen {
             return Err(Error::Frozen(old.to_string()));
         }
@@ -591,4 +582,12 @@ fn open_file(
             Ok((file, Some(h), slots))
         }
     }
+}
+
+/// Where bitmap `name` is among `slots`.
+fn position(slots: &[Slot], name: &str) -> Result<usize, Error> {
+    slots
+        .iter()
+        .position(|s| s.bm.name() == name)
+        .ok_or_else(|| Error::NotFound(name.to_string()))
 }
