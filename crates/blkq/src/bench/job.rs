@@ -674,7 +674,7 @@ mod tests {
         cfg.as_leg = true;
         cfg.device = "null:8M".into();
         assert!(needs_data(&cfg));
-        assert_eq!(cfg.label(), "null:8M (as leg)");
+        assert_eq!(cfg.label(), "null:8M [as leg]");
         assert!(matches!(build_target(&cfg).unwrap(), Target::Device(_)));
         let r = run_once(&cfg, None).unwrap();
         assert!(r.ios > 0);
