@@ -451,7 +451,7 @@ impl Inner {
     fn regular_io_busy(&self) -> bool {
         self.legs
             .iter()
-            .any(|l| l.pending.load(Ordering::Relaxed) != 0)
+            .any(|l| l.pending() != 0)
     }
 
     /// One window, with its barrier raised: read the source, then write (resync/recover) or
