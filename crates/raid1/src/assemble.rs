@@ -13,7 +13,7 @@ use std::sync::Weak;
 
 use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use blkq_sync::{thread, Mutex};
+use blkq_sync::{thread, CachePadded, Mutex};
 use sbitmap::Sbitmap;
 use std::collections::VecDeque;
 use waitq::WaitQueue;
@@ -555,7 +555,9 @@ impl Raid1 {
             barriers: Barriers::new(cfg.barrier),
             bitmap: a.bitmap,
             persist: Mutex::new(()),
-            ios: (0..cfg.depth).map(|_| Mutex::new(Io::default())).collect(),
+            ios: (0..cfg.depth)
+                .map(|_| CachePadded(Mutex::new(Io::default())))
+                .collect(),
             free,
             free_wq: WaitQueue::new(),
             retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),

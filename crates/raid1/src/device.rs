@@ -386,7 +386,8 @@ pub(crate) struct Inner {
     pub(crate) bitmap: Option<WriteIntentBitmap>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
     pub(crate) persist: Mutex<()>,
-    pub(crate) ios: Box<[Mutex<Io>]>,
+    /// One line pair each: neighbouring slots are used by different submitters at once.
+    pub(crate) ios: Box<[CachePadded<Mutex<Io>>]>,
     /// The free slots (indices into `ios`): a scalable tag bitmap with per-thread hints, so
     /// that taking and giving back a slot shares no lock or line between submitters.
     pub(crate) free: Sbitmap,
