@@ -226,7 +226,7 @@ impl Leg {
     pub(crate) fn note_rtt(&self, id: u32, sample_ns: u64) {
         // Relaxed: see `rtt_ns`.
         let old = self.rtt_ns.load(Ordering::Relaxed);
-        if old != 0 && id % RTT_SAMPLE != 0 {
+        if old != 0 && !id.is_multiple_of(RTT_SAMPLE) {
             return;
         }
         let new = if old == 0 {
