@@ -13,7 +13,8 @@ use std::sync::Weak;
 
 use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use blkq_sync::{thread, Mutex};
+use blkq_sync::{thread, CachePadded, Mutex};
+use sbitmap::Sbitmap;
 use std::collections::VecDeque;
 use waitq::WaitQueue;
 
@@ -535,6 +536,8 @@ impl Raid1 {
             ));
         }
         let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
+        let free = Sbitmap::new(cfg.depth as u32, None, false)
+            .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
             legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
             ends: (0..a.nr_slots)
@@ -552,8 +555,10 @@ impl Raid1 {
             barriers: Barriers::new(cfg.barrier),
             bitmap: a.bitmap,
             persist: Mutex::new(()),
-            ios: (0..cfg.depth).map(|_| Mutex::new(Io::default())).collect(),
-            free: Mutex::new((0..cfg.depth as u32).rev().collect()),
+            ios: (0..cfg.depth)
+                .map(|_| CachePadded(Mutex::new(Io::default())))
+                .collect(),
+            free,
             free_wq: WaitQueue::new(),
             retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
             daemon_wq: WaitQueue::new(),

@@ -16,8 +16,10 @@ use std::sync::Weak;
 
 use blk::Extent;
 use blk::{Bio, BufferPool, Device, EndIo, Error, Limits, SECTOR_SHIFT};
-use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use blkq_sync::{thread, Mutex};
+use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use blkq_sync::stat::ShardedCounters;
+use blkq_sync::{thread, CachePadded, Mutex};
+use sbitmap::Sbitmap;
 
 use crate::slot::AdmittedCell;
 
@@ -51,7 +53,13 @@ use crate::superblock::{ArrayState, Superblock, SuperblockError};
 // requires PRESENT and not FAULTY, so a leg removed or failed meanwhile is never made a member. An I/O that read the state just before
 // a leg was marked faulty may still send one bio to it: that bio fails or succeeds on its own,
 // as in md, and the freeze in `remove_leg` waits for it before the slot is emptied.
-// `pending` and `head` are Relaxed: read-balance hints that decide nothing else.
+// `pending` and `head` are Relaxed: read-balance hints that decide nothing else (any leg
+// chosen from them is correct). `pending` is two sharded statistics counters (bios sent,
+// bios returned; see `Leg::pending`): every write touches every leg, so one shared atomic
+// per leg was a cache line that every submitter and completer of the array wrote.
+
+/// One slot in this many is sampled for a leg's round-trip time (see `Leg::note_rtt`).
+pub(crate) const RTT_SAMPLE: u32 = 8;
 
 /// Leg state bit: the slot holds a leg.
 pub(crate) const PRESENT: u32 = 1;
@@ -152,14 +160,18 @@ pub(crate) struct Leg {
     pub(crate) admitted_dev: AdmittedCell<Option<StdArc<dyn Device>>>,
     pub(crate) uuid: Mutex<Uuid>,
     pub(crate) state: AtomicU32,
-    /// Requests in flight (read balancing hint).
-    pub(crate) pending: AtomicUsize,
+    /// Requests in flight (read balancing hint): counter 0 counts bios sent, counter 1 bios
+    /// returned, each in the calling thread's shard ([`Leg::inc_pending`],
+    /// [`Leg::dec_pending`], [`Leg::pending`]).
+    pub(crate) pending: ShardedCounters<2>,
     /// End sector of the last read sent here (sequential-stream detection).
     pub(crate) head: AtomicU64,
     pub(crate) read_errors: AtomicU32,
     /// `LegStatus::rtt_ns`. Relaxed load and store by the completions: a statistic, two
     /// completions at once may lose one sample, and it publishes nothing else.
-    pub(crate) rtt_ns: AtomicU64,
+    /// Sampled (see [`Leg::note_rtt`]) and on its own line, away from `state`, which every
+    /// I/O reads.
+    pub(crate) rtt_ns: CachePadded<AtomicU64>,
     pub(crate) recovery_offset: AtomicU64,
     /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
     pub(crate) bitmap_recovery: AtomicBool,
@@ -175,10 +187,10 @@ impl Leg {
             admitted_dev: AdmittedCell::new(None),
             uuid: Mutex::new(Uuid::nil()),
             state: AtomicU32::new(0),
-            pending: AtomicUsize::new(0),
+            pending: ShardedCounters::new(),
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
-            rtt_ns: AtomicU64::new(0),
+            rtt_ns: CachePadded(AtomicU64::new(0)),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
             gen: AtomicU64::new(0),
@@ -189,11 +201,34 @@ impl Leg {
         self.dev.lock().clone()
     }
 
-    /// One bio's round trip: `rtt += (sample - rtt) / 8` (the first sample is taken whole).
+    /// A bio was sent to the leg.
     #[inline]
-    pub(crate) fn note_rtt(&self, sample_ns: u64) {
+    pub(crate) fn inc_pending(&self) {
+        self.pending.add(0, 1);
+    }
+
+    /// A bio sent to the leg came back.
+    #[inline]
+    pub(crate) fn dec_pending(&self) {
+        self.pending.add(1, 1);
+    }
+
+    /// Bios in flight on the leg (a snapshot of two sums taken one after the other: a hint).
+    pub(crate) fn pending(&self) -> u64 {
+        let returned = self.pending.sum(1);
+        self.pending.sum(0).saturating_sub(returned)
+    }
+
+    /// One bio's round trip, from the I/O in slot `id`: `rtt += (sample - rtt) / 8` (the
+    /// first sample is taken whole). Only the I/Os of one slot in [`RTT_SAMPLE`] are sampled
+    /// after the first, so that the completions of the array do not all write one line.
+    #[inline]
+    pub(crate) fn note_rtt(&self, id: u32, sample_ns: u64) {
         // Relaxed: see `rtt_ns`.
         let old = self.rtt_ns.load(Ordering::Relaxed);
+        if old != 0 && !id.is_multiple_of(RTT_SAMPLE) {
+            return;
+        }
         let new = if old == 0 {
             sample_ns.max(1)
         } else {
@@ -351,8 +386,11 @@ pub(crate) struct Inner {
     pub(crate) bitmap: Option<WriteIntentBitmap>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
     pub(crate) persist: Mutex<()>,
-    pub(crate) ios: Box<[Mutex<Io>]>,
-    pub(crate) free: Mutex<Vec<u32>>,
+    /// One line pair each: neighbouring slots are used by different submitters at once.
+    pub(crate) ios: Box<[CachePadded<Mutex<Io>>]>,
+    /// The free slots (indices into `ios`): a scalable tag bitmap with per-thread hints, so
+    /// that taking and giving back a slot shares no lock or line between submitters.
+    pub(crate) free: Sbitmap,
     pub(crate) free_wq: WaitQueue,
     pub(crate) retry: Mutex<VecDeque<u32>>,
     pub(crate) daemon_wq: WaitQueue,

@@ -51,7 +51,7 @@ impl Inner {
                 return first;
             }
         }
-        let mut best: Option<(usize, usize)> = None;
+        let mut best: Option<(usize, u64)> = None;
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
             let st = l.state.load(Ordering::Acquire);
@@ -68,7 +68,7 @@ impl Inner {
             if l.head.load(Ordering::Relaxed) == sector {
                 return Some(i);
             }
-            let p = l.pending.load(Ordering::Relaxed);
+            let p = l.pending();
             if best.is_none_or(|(_, bp)| p < bp) {
                 best = Some((i, p));
             }
@@ -94,11 +94,13 @@ impl Inner {
     /// them, gives them back, and a freeze waits for every admission, so an admitted waiter
     /// for a slot would wait for raid1d while raid1d waits for it.
     pub(crate) fn get_slot(&self) -> u32 {
-        self.free_wq.wait_for(|| self.free.lock().pop())
+        self.free_wq.wait_for(|| self.free.get())
     }
 
     pub(crate) fn put_slot(&self, id: u32) {
-        self.free.lock().push(id);
+        // `put` orders the slot's last use before its next owner's `get` (Release, see
+        // `sbitmap`); `wake_one`'s fence orders the free bit before its look for waiters.
+        let _ = self.free.put(id);
         self.free_wq.wake_one();
     }
 
@@ -188,7 +190,7 @@ impl Inner {
                     lb.end_sector() - (self.data_offset >> SECTOR_SHIFT),
                     Ordering::Relaxed,
                 );
-                l.pending.fetch_add(1, Ordering::Relaxed);
+                l.inc_pending();
                 dev.submit(lb, &self.ends[leg]);
                 None
             })
@@ -369,7 +371,7 @@ impl Inner {
         for (i, b) in bios.iter_mut().enumerate().take(self.legs.len()) {
             let Some(b) = b.take() else { continue };
             let l = &self.legs[i];
-            l.pending.fetch_add(1, Ordering::Relaxed);
+            l.inc_pending();
             // SAFETY: admitted twice on `sector`'s bucket; ours is neither queued nor ended
             // before the closure returns.
             let vanished = unsafe {
@@ -450,7 +452,7 @@ impl Inner {
             if let Some(d) = d.take() {
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
-                self.legs[i].pending.fetch_add(1, Ordering::Relaxed);
+                self.legs[i].inc_pending();
                 d.submit(b, &self.ends[i]);
             }
         }
@@ -466,7 +468,7 @@ impl Inner {
                 }
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
-                l.pending.fetch_add(1, Ordering::Relaxed);
+                l.inc_pending();
                 match l.dev() {
                     Some(d) => d.submit(b, &self.ends[i]),
                     None => self.leg_done(i, b, Err(eio("raid1: leg vanished"))),
@@ -538,14 +540,14 @@ impl Inner {
 
     /// A leg bio completed.
     pub(crate) fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
-        self.legs[leg].pending.fetch_sub(1, Ordering::Relaxed);
+        self.legs[leg].dec_pending();
         let Some(slot) = self.ios.get(bio.cookie as usize) else {
             return; // not ours: cannot happen, and nothing to complete
         };
         let id = bio.cookie as u32;
         let mut io = slot.lock();
         if matches!(io.kind, Kind::Read | Kind::Write) {
-            self.legs[leg].note_rtt(blk::stats::batch_ns().saturating_sub(io.sent_ns));
+            self.legs[leg].note_rtt(id, blk::stats::batch_ns().saturating_sub(io.sent_ns));
         }
         match io.kind {
             Kind::Free => {}

@@ -449,9 +449,7 @@ impl Inner {
 
     /// Whether regular I/O is in flight on any leg (md's "not idle").
     fn regular_io_busy(&self) -> bool {
-        self.legs
-            .iter()
-            .any(|l| l.pending.load(Ordering::Relaxed) != 0)
+        self.legs.iter().any(|l| l.pending() != 0)
     }
 
     /// One window, with its barrier raised: read the source, then write (resync/recover) or
