@@ -297,3 +297,26 @@ fn callbacks_leave_the_completion_thread_unused() {
     assert_eq!(read_at(&*dev, 0, 4096).unwrap(), pattern(3, 4096));
     assert_eq!(counters.completions(), 0);
 }
+
+/// A write whose buffer is a read-only alias (a mirror's legs share one payload,
+/// `Buffer::alias`) writes the owner's bytes. The driver once took a write's address from
+/// `as_mut_slice`, which is empty for an alias: librbd then copied from a dangling pointer and
+/// the server died (`blkq serve_rbd a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg`).
+#[test]
+fn a_write_from_an_aliased_buffer_writes_the_owners_bytes() {
+    let Some(c) = Cluster::or_skip("a_write_from_an_aliased_buffer_writes_the_owners_bytes") else {
+        return;
+    };
+    c.create_image("alias", "16M");
+    let dev = open(&c.spec("alias", "")).unwrap();
+    let data = pattern(9, 1 << 20);
+    let mut owner = Buffer::new(data.len());
+    owner.as_mut_slice().copy_from_slice(&data);
+    // SAFETY: `owner` outlives the alias (the alias is dropped inside `submit_wait`'s
+    // returned bio before `owner` goes) and is not written meanwhile.
+    let alias = unsafe { owner.alias() };
+    let (bio, r) = submit_wait(dev.as_ref(), Bio::with_buf(Op::Write, 2048, alias));
+    drop(bio);
+    r.unwrap();
+    assert!(read_at(dev.as_ref(), 1 << 20, data.len()).unwrap() == data);
+}

@@ -353,11 +353,18 @@ fn a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg() {
     );
     let a = pattern(1, 1 << 20);
     let b = pattern(2, 1 << 20);
-    s.client().write(0, &a, CmdFlags::FUA).unwrap();
+    if let Err(e) = s.client().write(0, &a, CmdFlags::FUA) {
+        panic!("a write to the mirror: {e}; serve: {}", s.stderr_text());
+    }
 
     // The RBD leg fails; writes go on to the local leg, the bitmap marks them.
     common::ok(&["raid", "fail", "1", "--control", s.ctl()]);
-    s.client().write(8 << 20, &b, CmdFlags::FUA).unwrap();
+    if let Err(e) = s.client().write(8 << 20, &b, CmdFlags::FUA) {
+        panic!(
+            "a write to the degraded mirror: {e}; serve: {}",
+            s.stderr_text()
+        );
+    }
     common::ok(&["raid", "remove", "1", "--control", s.ctl()]);
     // Re-added (its image lock released with the removed leg): recovered from the bitmap.
     let m = common::ok(&["raid", "add", &remote, "--control", s.ctl()]);

@@ -630,6 +630,10 @@ impl Driver for RbdDriver {
             return self.fail_now(q, r, e);
         }
         let buf = match (op.has_data(), bio.buf.as_mut()) {
+            // A write only reads its buffer, which may be a read-only alias (a mirror's legs
+            // share one payload, `Buffer::alias`, whose `as_mut_slice` is empty): its address
+            // comes from `as_slice`. librbd reads a write's bytes and never writes them.
+            (true, Some(b)) if op == Op::Write => b.as_slice().as_ptr().cast_mut(),
             (true, Some(b)) => b.as_mut_slice().as_mut_ptr(),
             (true, None) => {
                 return self.fail_now(
