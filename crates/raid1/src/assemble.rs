@@ -258,7 +258,11 @@ impl Raid1 {
         let bitmap = if cfg.bitmap_chunk == 0 {
             None
         } else {
-            Some(WriteIntentBitmap::new(capacity, chunk)?.with_quiet_time(cfg.bitmap_quiet))
+            Some(
+                WriteIntentBitmap::new(capacity, chunk)?
+                    .with_quiet_time(cfg.bitmap_quiet)
+                    .with_counts(cfg.bitmap_counts),
+            )
         };
         let placed = legs
             .into_iter()
@@ -427,7 +431,8 @@ impl Raid1 {
             None
         } else {
             let bm = WriteIntentBitmap::new(capacity, newest.bitmap.chunk_size)?
-                .with_quiet_time(cfg.bitmap_quiet);
+                .with_quiet_time(cfg.bitmap_quiet)
+                .with_counts(cfg.bitmap_counts);
             let mut loaded = false;
             for p in placed.iter().filter(|p| p.state & FAULTY == 0) {
                 let len = bm.disk_len();

@@ -1,10 +1,11 @@
 //! The write-intent bitmap: one bit per chunk of the array (default 64 MiB, as mdadm's
 //! internal bitmap) saying "legs may differ here".
 //!
-//! In memory each chunk has a counter of writes in flight, a dirty bit, whether the set bit is
-//! known durable on every leg, and when and in which flush epoch its last write ended. On disk
-//! (every leg, between the superblock and the data) it is a 4 KiB header and the bit array,
-//! checksummed with crc32c.
+//! In memory each chunk has its writes in flight, a dirty bit, whether the set bit is known
+//! durable on every leg, and whether the clearer marked it idle (when, in which flush epoch).
+//! The counts and flags are lock-free (`chunks`: a write to a chunk whose bit is set and on
+//! disk takes no lock); the rest is under one mutex. On disk (every leg, between the
+//! superblock and the data) it is a 4 KiB header and the bit array, checksummed with crc32c.
 //!
 //! Protocol (the caller is [`crate::Raid1`], or a resync thread):
 //!
@@ -12,22 +13,26 @@
 //!    If it returns `Some(chunks)`, some bit is not yet durable: the caller writes the bitmap
 //!    ([`WriteIntentBitmap::encode`], under one persist lock so later snapshots land later) to
 //!    every leg, flushes every leg, calls [`WriteIntentBitmap::mark_durable`], and only then
-//!    issues the data write. `None` (the steady state) costs one lock and no allocation.
+//!    issues the data write. `None` (the steady state) costs an add, a fence and a load.
 //! 2. [`WriteIntentBitmap::end_write`] when every leg completed the write.
 //! 3. Flushes of every leg are bracketed with [`WriteIntentBitmap::begin_flush`] /
-//!    [`WriteIntentBitmap::flush_done`]: a chunk may be cleared only once a flush that began
-//!    after its last write ended has completed on every leg.
-//! 4. [`WriteIntentBitmap::clear_quiet`] (from a periodic thread) clears, in memory, bits of
-//!    chunks with no write in flight, quiet for [`WriteIntentBitmap::quiet_time`], flushed as in
-//!    3, and never while the array is degraded (so a returning leg copies only what it missed);
-//!    the caller then persists the bitmap. A clear may reach the disk late; that is the safe
-//!    direction.
+//!    [`WriteIntentBitmap::flush_done`].
+//! 4. A chunk is cleared in two steps (md's daemon does the same): the clearer marks dirty
+//!    chunks with no write in flight idle ([`WriteIntentBitmap::mark_idle`]; the next write
+//!    there takes the mutex and takes the mark back); a chunk still marked once a flush begun
+//!    after the mark has completed on every leg has had every write before the mark flushed
+//!    and none since. [`WriteIntentBitmap::clear_quiet`] (from a periodic thread) clears such
+//!    chunks marked at least [`WriteIntentBitmap::quiet_time`] ago, never while the array is
+//!    degraded (so a returning leg copies only what it missed), then marks; the caller
+//!    persists the bitmap. A clear may reach the disk late; that is the safe direction.
 //!
 //! Time is passed in as a `Duration` since an arbitrary origin, so tests use a fake clock.
 
 use std::time::Duration;
 
 use blkq_sync::Mutex;
+
+use crate::chunks::{Chunks, DIRTY, DURABLE, IDLE};
 
 /// Default bytes of data per bit (mdadm's internal bitmap default).
 pub const DEFAULT_CHUNK_SIZE: u64 = 64 << 20;
@@ -61,6 +66,9 @@ pub enum BitmapError {
     /// An on-disk bitmap that is not one, or corrupt, or for another geometry.
     #[error("bad on-disk bitmap: {0}")]
     BadDisk(&'static str),
+    /// A `bitmap_counts` that is neither `sharded` nor `locked`.
+    #[error("bad bitmap_counts {0:?} (sharded|locked)")]
+    BadMode(String),
 }
 
 /// A run of chunk indices `first..end`.
@@ -72,27 +80,45 @@ pub struct ChunkSet {
     pub end: u64,
 }
 
+/// How writes are counted in their chunks (spec option `bitmap_counts=sharded|locked`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BitmapCounts {
+    /// Per thread shard, lock-free; a write to a chunk whose bit is set and on disk takes no
+    /// lock (see `chunks`).
+    #[default]
+    Sharded,
+    /// One count per chunk behind the bitmap's mutex, taken twice per write (the simple
+    /// version, as md's bitmap spinlock).
+    Locked,
+}
+
+impl std::str::FromStr for BitmapCounts {
+    type Err = BitmapError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sharded" => Ok(BitmapCounts::Sharded),
+            "locked" => Ok(BitmapCounts::Locked),
+            _ => Err(BitmapError::BadMode(s.to_string())),
+        }
+    }
+}
+
+/// What the clearer keeps per chunk (under the mutex).
 #[derive(Debug, Clone, Copy, Default)]
-struct Chunk {
-    /// Writes in flight.
-    pending: u32,
-    /// The bit.
-    dirty: bool,
-    /// The set bit is on disk on every leg.
-    durable: bool,
-    /// When the last write ended.
-    last_end: Duration,
-    /// The flush epoch when the last write ended.
-    end_epoch: u64,
+struct Meta {
     /// md's NEEDED: the legs may differ here for a reason older than this run (a bit loaded
     /// at assemble, or set without a write): only a completed resync or recovery clears it,
     /// never quiet time.
     needed: bool,
+    /// The flush epoch begun when the chunk was marked idle.
+    mark_epoch: u64,
+    /// When it was marked idle.
+    mark_time: Duration,
 }
 
 #[derive(Debug)]
 struct Inner {
-    chunks: Vec<Chunk>,
+    meta: Vec<Meta>,
     degraded: bool,
     /// Flush epochs begun.
     epoch: u64,
@@ -113,6 +139,9 @@ pub struct WriteIntentBitmap {
     chunk_shift: u32,
     nr_chunks: u64,
     quiet: Duration,
+    mode: BitmapCounts,
+    /// Flags and writes in flight per chunk (lock-free; see `chunks`).
+    chunks: Chunks,
     inner: Mutex<Inner>,
 }
 
@@ -128,8 +157,10 @@ impl WriteIntentBitmap {
             chunk_shift: chunk_size.trailing_zeros(),
             nr_chunks,
             quiet: DEFAULT_QUIET,
+            mode: BitmapCounts::Sharded,
+            chunks: Chunks::new(nr_chunks as usize, blkq_sync::stat::shard_count()),
             inner: Mutex::new(Inner {
-                chunks: vec![Chunk::default(); nr_chunks as usize],
+                meta: vec![Meta::default(); nr_chunks as usize],
                 degraded: false,
                 epoch: 0,
                 flushed: 0,
@@ -143,6 +174,34 @@ impl WriteIntentBitmap {
     pub fn with_quiet_time(mut self, quiet: Duration) -> Self {
         self.quiet = quiet;
         self
+    }
+
+    /// Sets how writes are counted (before any is). `Sharded` gets
+    /// `blkq_sync::stat::shard_count()` shards.
+    pub fn with_counts(self, mode: BitmapCounts) -> Self {
+        let shards = match mode {
+            BitmapCounts::Sharded => blkq_sync::stat::shard_count(),
+            BitmapCounts::Locked => 1,
+        };
+        self.with_shards(mode, shards)
+    }
+
+    /// [`WriteIntentBitmap::with_counts`] with `shards` shards in the sharded mode (a model
+    /// gives two threads two shards; loom's threads all have slot 0).
+    pub fn with_shards(mut self, mode: BitmapCounts, shards: usize) -> Self {
+        self.mode = mode;
+        let shards = if mode == BitmapCounts::Locked {
+            1
+        } else {
+            shards
+        };
+        self.chunks = Chunks::new(self.nr_chunks as usize, shards);
+        self
+    }
+
+    /// How writes are counted.
+    pub fn counts(&self) -> BitmapCounts {
+        self.mode
     }
 
     /// How long a chunk must be quiet before its bit is cleared.
@@ -182,63 +241,96 @@ impl WriteIntentBitmap {
     /// chunks whose bits are not yet durable: persist the bitmap, flush every leg and call
     /// [`WriteIntentBitmap::mark_durable`] before issuing the write.
     pub fn start_write(&self, offset: u64, len: u64) -> Result<Option<ChunkSet>, BitmapError> {
+        self.start_write_in(self.chunks.my_shard(), offset, len)
+    }
+
+    /// [`WriteIntentBitmap::start_write`] counting in shard `shard` (what `start_write` does
+    /// with the thread's shard; a model uses it to put two threads in two shards).
+    pub fn start_write_in(
+        &self,
+        shard: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Option<ChunkSet>, BitmapError> {
         let cs = self.chunks_of(offset, len)?;
-        let mut g = self.inner.lock();
+        let (first, end) = (cs.first as usize, cs.end as usize);
+        match self.mode {
+            BitmapCounts::Sharded => {
+                if self.chunks.enter(shard, first, end) {
+                    return Ok(None);
+                }
+                let mut g = self.inner.lock();
+                Ok(self.set_bits(&mut g, cs))
+            }
+            BitmapCounts::Locked => {
+                let mut g = self.inner.lock();
+                self.chunks.enter(0, first, end);
+                Ok(self.set_bits(&mut g, cs))
+            }
+        }
+    }
+
+    /// The slow path of a write counted in `cs`: sets the bits, takes back `IDLE` marks, and
+    /// returns the chunks whose bits are not durable.
+    fn set_bits(&self, g: &mut Inner, cs: ChunkSet) -> Option<ChunkSet> {
         let mut need: Option<ChunkSet> = None;
         let mut changed = false;
         for i in cs.first..cs.end {
-            let c = &mut g.chunks[i as usize];
-            c.pending = c.pending.saturating_add(1);
-            if !c.dirty {
-                c.dirty = true;
-                c.durable = false;
+            let f = self.chunks.flags(i as usize);
+            let nf = if f & DIRTY == 0 {
                 changed = true;
+                DIRTY
+            } else {
+                f & !IDLE
+            };
+            if nf != f {
+                self.chunks.set_flags(i as usize, nf);
             }
-            if !c.durable {
-                need = Some(match need {
-                    None => ChunkSet {
-                        first: i,
-                        end: i + 1,
-                    },
-                    Some(n) => ChunkSet {
-                        first: n.first,
-                        end: i + 1,
-                    },
+            if nf & DURABLE == 0 {
+                need = Some(ChunkSet {
+                    first: need.map_or(i, |n| n.first),
+                    end: i + 1,
                 });
             }
         }
         if changed {
             g.events += 1;
         }
-        Ok(need)
+        need
     }
 
     /// Records that the bits of `set` are on disk on every leg (after the persist + flush
     /// that followed `start_write`).
     pub fn mark_durable(&self, set: ChunkSet) {
-        let mut g = self.inner.lock();
+        let _g = self.inner.lock();
         let end = set.end.min(self.nr_chunks);
         for i in set.first.min(end)..end {
-            let c = &mut g.chunks[i as usize];
-            if c.dirty {
-                c.durable = true;
+            let f = self.chunks.flags(i as usize);
+            if f & DIRTY != 0 {
+                self.chunks.set_flags(i as usize, f | DURABLE);
             }
         }
     }
 
     /// Ends a write started with [`WriteIntentBitmap::start_write`] (all legs completed it).
-    pub fn end_write(&self, offset: u64, len: u64, now: Duration) -> Result<(), BitmapError> {
+    /// The locked mode reports an end without a start; the sharded mode cannot see one.
+    pub fn end_write(&self, offset: u64, len: u64) -> Result<(), BitmapError> {
+        self.end_write_in(self.chunks.my_shard(), offset, len)
+    }
+
+    /// [`WriteIntentBitmap::end_write`] in shard `shard` (any shard; see `start_write_in`).
+    pub fn end_write_in(&self, shard: usize, offset: u64, len: u64) -> Result<(), BitmapError> {
         let cs = self.chunks_of(offset, len)?;
-        let mut g = self.inner.lock();
-        let epoch = g.epoch;
-        if let Some(i) = (cs.first..cs.end).find(|&i| g.chunks[i as usize].pending == 0) {
-            return Err(BitmapError::NotStarted(i));
-        }
-        for i in cs.first..cs.end {
-            let c = &mut g.chunks[i as usize];
-            c.pending -= 1;
-            c.last_end = now;
-            c.end_epoch = epoch;
+        let (first, end) = (cs.first as usize, cs.end as usize);
+        match self.mode {
+            BitmapCounts::Sharded => self.chunks.exit(shard, first, end),
+            BitmapCounts::Locked => {
+                let _g = self.inner.lock();
+                if let Some(i) = (first..end).find(|&i| self.chunks.in_flight(i) == 0) {
+                    return Err(BitmapError::NotStarted(i as u64));
+                }
+                self.chunks.exit(0, first, end);
+            }
         }
         Ok(())
     }
@@ -261,24 +353,62 @@ impl WriteIntentBitmap {
         self.inner.lock().degraded = degraded;
     }
 
-    /// Clears (in memory) the bits of quiet, completed and flushed chunks; returns how many.
-    /// Persist the bitmap afterwards when this is not zero.
+    /// Clears (in memory) the bits of chunks marked idle (no write since, see
+    /// [`WriteIntentBitmap::mark_idle`]) at least the quiet time ago and before a flush that
+    /// has completed, then marks the idle ones it did not clear; returns how many it cleared.
+    /// Persist the bitmap afterwards when this is not zero. Called periodically, it clears a
+    /// chunk one call after it went quiet at the earliest (md's daemon clears in two passes
+    /// too).
     pub fn clear_quiet(&self, now: Duration) -> u64 {
         let mut g = self.inner.lock();
         if g.degraded {
             return 0;
         }
+        let n = self.clear_marked(&mut g, |m| {
+            !m.needed && now.saturating_sub(m.mark_time) >= self.quiet
+        });
+        self.mark(&mut g, now);
+        n
+    }
+
+    /// Marks the dirty chunks with no write in flight idle, at `now` and the flush epoch begun
+    /// last: a flush begun after this and completed lets [`WriteIntentBitmap::clear_synced`]
+    /// (or, once quiet, [`WriteIntentBitmap::clear_quiet`]) clear them unless a write comes
+    /// first. Returns how many are marked now.
+    pub fn mark_idle(&self, now: Duration) -> u64 {
+        let mut g = self.inner.lock();
+        self.mark(&mut g, now)
+    }
+
+    fn mark(&self, g: &mut Inner, now: Duration) -> u64 {
+        let epoch = g.epoch;
+        let mut n = 0;
+        for (i, m) in g.meta.iter_mut().enumerate() {
+            let f = self.chunks.flags(i);
+            if f & DIRTY == 0 {
+                continue;
+            }
+            if f & IDLE != 0 {
+                n += 1;
+            } else if self.chunks.try_mark_idle(i, f) {
+                m.mark_epoch = epoch;
+                m.mark_time = now;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Clears the bits of the chunks marked idle before a completed flush for which `ok`
+    /// holds; how many.
+    fn clear_marked(&self, g: &mut Inner, ok: impl Fn(&Meta) -> bool) -> u64 {
         let flushed = g.flushed;
         let mut n = 0;
-        for c in g.chunks.iter_mut() {
-            if c.dirty
-                && !c.needed
-                && c.pending == 0
-                && c.end_epoch < flushed
-                && now.saturating_sub(c.last_end) >= self.quiet
-            {
-                c.dirty = false;
-                c.durable = false;
+        for (i, m) in g.meta.iter_mut().enumerate() {
+            let f = self.chunks.flags(i);
+            if f & (DIRTY | IDLE) == DIRTY | IDLE && m.mark_epoch < flushed && ok(m) {
+                self.chunks.set_flags(i, 0);
+                m.needed = false;
                 n += 1;
             }
         }
@@ -288,28 +418,16 @@ impl WriteIntentBitmap {
         n
     }
 
-    /// Clears (in memory) the bits of completed and flushed chunks regardless of how long they
-    /// have been quiet (after a successful resync or recovery: the legs agree there); returns
-    /// how many. Never while degraded. Persist the bitmap afterwards when this is not zero.
+    /// Clears (in memory) the bits of chunks marked idle (see
+    /// [`WriteIntentBitmap::mark_idle`]) before a flush that has completed, however recently
+    /// (after a successful resync or recovery: the legs agree there); returns how many. Never
+    /// while degraded. Persist the bitmap afterwards when this is not zero.
     pub fn clear_synced(&self) -> u64 {
         let mut g = self.inner.lock();
         if g.degraded {
             return 0;
         }
-        let flushed = g.flushed;
-        let mut n = 0;
-        for c in g.chunks.iter_mut() {
-            if c.dirty && c.pending == 0 && c.end_epoch < flushed {
-                c.dirty = false;
-                c.durable = false;
-                c.needed = false;
-                n += 1;
-            }
-        }
-        if n > 0 {
-            g.events += 1;
-        }
-        n
+        self.clear_marked(&mut g, |_| true)
     }
 
     /// Records the array events at which bits were cleared (md's `events_cleared`, persisted
@@ -332,25 +450,24 @@ impl WriteIntentBitmap {
         let mut g = self.inner.lock();
         let end = set.end.min(self.nr_chunks);
         for i in set.first.min(end)..end {
-            let c = &mut g.chunks[i as usize];
-            if !c.dirty {
-                c.dirty = true;
-                c.durable = false;
-            }
-            c.needed = true;
+            let f = self.chunks.flags(i as usize);
+            // Not durable if it was clean; a mark taken back either way (a clear must follow
+            // a mark made after this).
+            let nf = if f & DIRTY == 0 { DIRTY } else { f & !IDLE };
+            self.chunks.set_flags(i as usize, nf);
+            g.meta[i as usize].needed = true;
         }
         g.events += 1;
     }
 
     /// The dirty chunks, as runs (what a resync must copy).
     pub fn dirty_chunks(&self) -> Vec<ChunkSet> {
-        let g = self.inner.lock();
+        let _g = self.inner.lock();
         let mut out: Vec<ChunkSet> = Vec::new();
-        for (i, c) in g.chunks.iter().enumerate() {
-            if !c.dirty {
+        for i in 0..self.nr_chunks {
+            if self.chunks.flags(i as usize) & DIRTY == 0 {
                 continue;
             }
-            let i = i as u64;
             match out.last_mut() {
                 Some(last) if last.end == i => last.end = i + 1,
                 _ => out.push(ChunkSet {
@@ -364,11 +481,7 @@ impl WriteIntentBitmap {
 
     /// Whether chunk `i` is dirty.
     pub fn is_dirty(&self, i: u64) -> bool {
-        self.inner
-            .lock()
-            .chunks
-            .get(i as usize)
-            .is_some_and(|c| c.dirty)
+        i < self.nr_chunks && self.chunks.flags(i as usize) & DIRTY != 0
     }
 
     /// A counter bumped whenever a bit changes.
@@ -386,8 +499,8 @@ impl WriteIntentBitmap {
         let mut b = vec![0u8; self.disk_len()];
         let (events, cleared) = {
             let g = self.inner.lock();
-            for (i, c) in g.chunks.iter().enumerate() {
-                if c.dirty {
+            for i in 0..self.nr_chunks as usize {
+                if self.chunks.flags(i) & DIRTY != 0 {
                     b[HEADER_SIZE + i / 8] |= 1 << (i % 8);
                 }
             }
@@ -438,11 +551,10 @@ impl WriteIntentBitmap {
         let cleared = u64::from_le_bytes(u);
         let mut g = self.inner.lock();
         g.events_cleared = g.events_cleared.max(cleared);
-        for (i, c) in g.chunks.iter_mut().enumerate() {
+        for (i, m) in g.meta.iter_mut().enumerate() {
             if b[HEADER_SIZE + i / 8] & (1 << (i % 8)) != 0 {
-                c.dirty = true;
-                c.durable = true;
-                c.needed = true;
+                self.chunks.set_flags(i, DIRTY | DURABLE);
+                m.needed = true;
             }
         }
         g.events += 1;
@@ -478,34 +590,95 @@ mod tests {
         assert!(bm.start_write(0, 0).is_err());
     }
 
-    #[test]
-    fn bits_clear_only_when_quiet_completed_flushed_and_not_degraded() {
+    fn bits_clear_only_when_quiet_completed_flushed_and_not_degraded(mode: BitmapCounts) {
         let bm = WriteIntentBitmap::new(256 * MB, 64 * MB)
             .unwrap()
-            .with_quiet_time(s(5));
+            .with_quiet_time(s(5))
+            .with_counts(mode);
         let need = bm.start_write(0, 4096).unwrap().unwrap();
         bm.mark_durable(need);
-        // In flight: never cleared.
+        // In flight: never marked, never cleared.
         assert_eq!(bm.clear_quiet(s(100)), 0);
-        bm.end_write(0, 4096, s(10)).unwrap();
-        // Not flushed since the write ended.
+        assert_eq!(bm.mark_idle(s(100)), 0);
+        bm.end_write(0, 4096).unwrap();
+        // Ended, but not yet seen idle: this call marks it (at 10 s, flush epoch 0).
+        assert_eq!(bm.clear_quiet(s(10)), 0);
+        // No flush begun since the mark has completed.
         assert_eq!(bm.clear_quiet(s(100)), 0);
         let e = bm.begin_flush();
         assert_eq!(bm.clear_quiet(s(100)), 0);
         bm.flush_done(e);
-        // Not quiet long enough.
+        // Not quiet long enough since the mark.
         assert_eq!(bm.clear_quiet(s(12)), 0);
         bm.set_degraded(true);
         assert_eq!(bm.clear_quiet(s(100)), 0);
         bm.set_degraded(false);
         assert_eq!(bm.clear_quiet(s(15)), 1);
         assert!(bm.dirty_chunks().is_empty());
-        assert!(matches!(
-            bm.end_write(0, 4096, s(16)),
-            Err(BitmapError::NotStarted(0))
-        ));
+        if mode == BitmapCounts::Locked {
+            assert!(matches!(
+                bm.end_write(0, 4096),
+                Err(BitmapError::NotStarted(0))
+            ));
+        }
         // After a clear the next write needs a sync again.
         assert!(bm.start_write(0, 4096).unwrap().is_some());
+    }
+
+    #[test]
+    fn bits_clear_only_when_quiet_completed_flushed_and_not_degraded_sharded() {
+        bits_clear_only_when_quiet_completed_flushed_and_not_degraded(BitmapCounts::Sharded);
+    }
+
+    #[test]
+    fn bits_clear_only_when_quiet_completed_flushed_and_not_degraded_locked() {
+        bits_clear_only_when_quiet_completed_flushed_and_not_degraded(BitmapCounts::Locked);
+    }
+
+    /// A write after the mark takes it back: the chunk waits for a new mark and a flush after
+    /// it, however quiet it was before.
+    #[test]
+    fn a_write_after_the_mark_takes_it_back() {
+        for mode in [BitmapCounts::Sharded, BitmapCounts::Locked] {
+            let bm = WriteIntentBitmap::new(256 * MB, 64 * MB)
+                .unwrap()
+                .with_quiet_time(s(5))
+                .with_counts(mode);
+            bm.mark_durable(bm.start_write(0, 4096).unwrap().unwrap());
+            bm.end_write(0, 4096).unwrap();
+            assert_eq!(bm.mark_idle(s(10)), 1);
+            // Durable already: no sync, but the mark is gone.
+            assert_eq!(bm.start_write(MB, 4096).unwrap(), None);
+            let e = bm.begin_flush();
+            bm.flush_done(e);
+            assert_eq!(bm.clear_quiet(s(100)), 0, "{mode:?}: in flight");
+            bm.end_write(MB, 4096).unwrap();
+            // Marked again now (epoch 1); the flush above came before it.
+            assert_eq!(
+                bm.clear_quiet(s(100)),
+                0,
+                "{mode:?}: flushed before the mark"
+            );
+            let e = bm.begin_flush();
+            bm.flush_done(e);
+            assert_eq!(bm.clear_quiet(s(104)), 0, "{mode:?}: quiet 4 s of 5");
+            assert_eq!(bm.clear_quiet(s(105)), 1, "{mode:?}");
+            // A resync's clear needs a mark and a flush too, not quiet time.
+            bm.mark_durable(bm.start_write(0, 4096).unwrap().unwrap());
+            bm.end_write(0, 4096).unwrap();
+            assert_eq!(bm.clear_synced(), 0, "{mode:?}: never marked");
+            bm.mark_idle(s(106));
+            let e = bm.begin_flush();
+            bm.flush_done(e);
+            assert_eq!(bm.clear_synced(), 1, "{mode:?}");
+        }
+    }
+
+    #[test]
+    fn bitmap_counts_parse() {
+        assert_eq!("sharded".parse(), Ok(BitmapCounts::Sharded));
+        assert_eq!("locked".parse(), Ok(BitmapCounts::Locked));
+        assert!("spin".parse::<BitmapCounts>().is_err());
     }
 
     #[test]
@@ -524,7 +697,8 @@ mod tests {
         // Loaded bits are durable: a write there needs no sync.
         assert_eq!(other.start_write(5 * 65536, 1).unwrap(), None);
         // ... and needed: quiet time never clears them, a completed resync does.
-        other.end_write(5 * 65536, 1, s(1)).unwrap();
+        other.end_write(5 * 65536, 1).unwrap();
+        other.mark_idle(s(1));
         let e = other.begin_flush();
         other.flush_done(e);
         assert_eq!(other.clear_quiet(s(1000)), 0);

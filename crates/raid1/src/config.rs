@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::barrier::BarrierMode;
-use crate::bitmap::DEFAULT_CHUNK_SIZE;
+use crate::bitmap::{BitmapCounts, DEFAULT_CHUNK_SIZE};
 use crate::device::Raid1Error;
 
 /// Configuration of a [`Raid1`](crate::Raid1).
@@ -16,6 +16,8 @@ pub struct Raid1Config {
     pub bitmap_chunk: u64,
     /// Time a bitmap chunk must be quiet before its bit is cleared.
     pub bitmap_quiet: Duration,
+    /// How writes are counted in their bitmap chunks (`bitmap_counts=sharded|locked`).
+    pub bitmap_counts: BitmapCounts,
     /// Period of the background thread's bitmap clearing.
     pub tick: Duration,
     /// Preallocated per-I/O states (the most regular I/Os in flight).
@@ -52,6 +54,7 @@ impl Default for Raid1Config {
             barrier: BarrierMode::Lockless,
             bitmap_chunk: DEFAULT_CHUNK_SIZE,
             bitmap_quiet: crate::bitmap::DEFAULT_QUIET,
+            bitmap_counts: BitmapCounts::Sharded,
             tick: Duration::from_secs(1),
             depth: 256,
             max_io_bytes: 1 << 20,
@@ -78,7 +81,7 @@ fn parse_size(v: &str) -> Option<u64> {
 
 impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
-    /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `depth=N`, `max_io=SIZE`,
+    /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `bitmap_counts=sharded|locked`, `depth=N`, `max_io=SIZE`,
     /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
     /// `readd_interval_ms=N` (also turns it on), `write_behind=N`, `share_writes=0|1`.
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
@@ -98,6 +101,11 @@ impl Raid1Config {
             }
             "bitmap_quiet_ms" => {
                 self.bitmap_quiet = Duration::from_millis(value.parse().map_err(|_| bad())?)
+            }
+            "bitmap_counts" => {
+                self.bitmap_counts = value
+                    .parse()
+                    .map_err(|e: crate::bitmap::BitmapError| Raid1Error::Config(e.to_string()))?
             }
             "depth" => self.depth = value.parse().map_err(|_| bad())?,
             "max_io" => {

@@ -479,7 +479,7 @@ impl Inner {
 
     pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
         if let Some(bm) = &self.bitmap {
-            let _ = bm.end_write(off, len, self.bitmap_now());
+            let _ = bm.end_write(off, len);
         }
         self.release_write(sector, len);
     }

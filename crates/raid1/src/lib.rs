@@ -106,6 +106,7 @@ mod assemble;
 pub mod barrier;
 mod behind;
 pub mod bitmap;
+mod chunks;
 mod config;
 mod daemon;
 mod device;
@@ -120,7 +121,7 @@ pub mod sync;
 
 pub use assemble::{Assembly, AssemblyError};
 pub use barrier::{BarrierError, BarrierMode, Barriers};
-pub use bitmap::{ChunkSet, WriteIntentBitmap};
+pub use bitmap::{BitmapCounts, ChunkSet, WriteIntentBitmap};
 pub use config::Raid1Config;
 pub use device::{LegStatus, Raid1, Raid1Error};
 pub use generation::{Kinship, Lineage};

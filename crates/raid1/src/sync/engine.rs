@@ -206,13 +206,16 @@ impl Inner {
             .store(offset.unwrap_or(u64::MAX), Ordering::Release);
     }
 
-    /// After a successful resync/recovery: flush every leg (a bitmap flush epoch) and clear
-    /// the bits of chunks with no write in flight (never while degraded), then persist.
+    /// After a successful resync/recovery: mark the chunks with no write in flight idle, flush
+    /// every leg (a bitmap flush epoch) and clear the bits of the chunks still marked (never
+    /// while degraded), then persist.
     fn clear_synced_bits(&self) {
         let Some(bm) = &self.bitmap else { return };
         if self.is_degraded() {
             return;
         }
+        // Marked before the flush: the clear covers chunks with no write since the mark.
+        bm.mark_idle(self.bitmap_now());
         let e = bm.begin_flush();
         if !self.flush_legs() {
             return;
