@@ -1,5 +1,5 @@
 //! The `Mutex` + `Condvar` baselines the criterion benches (waitq's, sbitmap's) measure
-//! against, and the criterion configuration they share.
+//! against, the criterion configuration they share, and their N-threads timing loop.
 
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -12,6 +12,27 @@ pub fn criterion_config() -> Criterion {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2))
         .sample_size(20)
+}
+
+/// Runs `body(t)` on `threads` threads at once (`t` in `0..threads`) and returns the wall time
+/// until the last one is done: the body of a criterion `iter_custom` for "N threads doing
+/// `iters` each", whose time per iteration is then the wall time of all of them.
+pub fn threads_wall<F>(threads: usize, body: F) -> Duration
+where
+    F: Fn(u64) + Send + Sync + 'static,
+{
+    let body = std::sync::Arc::new(body);
+    let start = std::time::Instant::now();
+    let hs: Vec<_> = (0..threads as u64)
+        .map(|t| {
+            let body = body.clone();
+            std::thread::spawn(move || body(t))
+        })
+        .collect();
+    for h in hs {
+        h.join().expect("a benchmark thread panicked");
+    }
+    start.elapsed()
 }
 
 /// A completion on `Mutex<bool>` + `Condvar`, the textbook way. `wait` consumes the flag;

@@ -9,12 +9,11 @@
 #[cfg(not(blkq_loom))]
 mod benches {
     use std::hint::black_box;
-    use std::time::Instant;
 
     use blkq_sync::Arc;
     use cbt::{Bitmaps, Mode, Options};
     use criterion::{criterion_group, Criterion};
-    use testkit::baseline::criterion_config;
+    use testkit::baseline::{criterion_config, threads_wall};
 
     const CAP: u64 = 1 << 30;
 
@@ -49,25 +48,15 @@ mod benches {
                         format!("{name}/bitmaps/{nbitmaps}/threads/{threads}"),
                         |bn| {
                             bn.iter_custom(|iters| {
-                                let start = Instant::now();
-                                let hs: Vec<_> = (0..threads as u64)
-                                    .map(|t| {
-                                        let b = b.clone();
-                                        blkq_sync::thread::spawn(move || {
-                                            for i in 0..iters {
-                                                let off = ((t << 28) + (i << 12)) % CAP;
-                                                let (g, r) = b.start_write(black_box(off), 4096);
-                                                r.unwrap();
-                                                b.end_write(g);
-                                            }
-                                        })
-                                    })
-                                    .collect();
-                                for h in hs {
-                                    h.join().unwrap();
-                                }
-                                // Per iteration: the wall time of all threads doing `iters`.
-                                start.elapsed()
+                                let b = b.clone();
+                                threads_wall(threads, move |t| {
+                                    for i in 0..iters {
+                                        let off = ((t << 28) + (i << 12)) % CAP;
+                                        let (g, r) = b.start_write(black_box(off), 4096);
+                                        r.unwrap();
+                                        b.end_write(g);
+                                    }
+                                })
                             })
                         },
                     );

@@ -9,12 +9,11 @@
 #[cfg(not(blkq_loom))]
 mod benches {
     use std::hint::black_box;
-    use std::time::Instant;
 
     use blkq_sync::Arc;
     use criterion::{criterion_group, Criterion};
     use nbd::server::{BudgetImpl, MemoryBudget};
-    use testkit::baseline::criterion_config;
+    use testkit::baseline::{criterion_config, threads_wall};
 
     fn take_give(c: &mut Criterion) {
         let mut g = c.benchmark_group("budget_take_give");
@@ -26,23 +25,12 @@ mod benches {
                 g.bench_function(format!("{name}/threads/{threads}"), |b| {
                     b.iter_custom(|iters| {
                         let budget = Arc::new(MemoryBudget::with_impl(64 << 20, imp));
-                        let start = Instant::now();
-                        let hs: Vec<_> = (0..threads)
-                            .map(|_| {
-                                let budget = budget.clone();
-                                blkq_sync::thread::spawn(move || {
-                                    for _ in 0..iters {
-                                        assert!(budget.try_take(black_box(4096)));
-                                        budget.give(black_box(4096));
-                                    }
-                                })
-                            })
-                            .collect();
-                        for h in hs {
-                            h.join().unwrap();
-                        }
-                        // Per iteration: the wall time of all threads doing `iters` each.
-                        start.elapsed()
+                        threads_wall(threads, move |_| {
+                            for _ in 0..iters {
+                                assert!(budget.try_take(black_box(4096)));
+                                budget.give(black_box(4096));
+                            }
+                        })
                     })
                 });
             }

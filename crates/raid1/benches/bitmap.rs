@@ -9,12 +9,11 @@
 #[cfg(not(blkq_loom))]
 mod benches {
     use std::hint::black_box;
-    use std::time::Instant;
 
     use blkq_sync::Arc;
     use criterion::{criterion_group, Criterion};
     use raid1::{BitmapCounts, WriteIntentBitmap};
-    use testkit::baseline::criterion_config;
+    use testkit::baseline::{criterion_config, threads_wall};
 
     const CAP: u64 = 1 << 30;
     const CHUNK: u64 = 64 << 20;
@@ -44,26 +43,16 @@ mod benches {
                     let b = bitmap(mode);
                     g.bench_function(format!("{name}/{spread}/threads/{threads}"), |bn| {
                         bn.iter_custom(|iters| {
-                            let start = Instant::now();
-                            let hs: Vec<_> = (0..threads as u64)
-                                .map(|t| {
-                                    let b = b.clone();
-                                    let base = if spread == "same" { 0 } else { t * CHUNK };
-                                    blkq_sync::thread::spawn(move || {
-                                        for i in 0..iters {
-                                            let off = base + ((i << 12) % CHUNK);
-                                            let r = b.start_write(black_box(off), 4096);
-                                            assert_eq!(r, Ok(None));
-                                            b.end_write(off, 4096).unwrap();
-                                        }
-                                    })
-                                })
-                                .collect();
-                            for h in hs {
-                                h.join().unwrap();
-                            }
-                            // Per iteration: the wall time of all threads doing `iters`.
-                            start.elapsed()
+                            let b = b.clone();
+                            threads_wall(threads, move |t| {
+                                let base = if spread == "same" { 0 } else { t * CHUNK };
+                                for i in 0..iters {
+                                    let off = base + ((i << 12) % CHUNK);
+                                    let r = b.start_write(black_box(off), 4096);
+                                    assert_eq!(r, Ok(None));
+                                    b.end_write(off, 4096).unwrap();
+                                }
+                            })
                         })
                     });
                 }
