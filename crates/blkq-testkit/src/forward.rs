@@ -13,26 +13,37 @@ use blk::{Bio, Device, EndIo, Error, Extent, Limits, Queue, RecvSource};
 /// under it: a batch is split into single [`Hook::submit`]s, zero-copy reads are off (they
 /// carry no bio, so they would pass the hook by), and the inner queue is hidden (its counters
 /// would miss the bios the hook completes itself), so a user such as the NBD server counts at
-/// its own layer.
+/// its own layer. A hook that says it is [`Hook::transparent`] stands for the device under it
+/// instead: batches, zero-copy paths and the queue go to the inner device by default, and it
+/// overrides only what it intercepts (a count, an injected failure).
 pub trait Hook: Send + Sync {
+    /// Whether the defaults below forward batches, zero-copy reads, writes received into their
+    /// home and the queue to the inner device (default: no). A transparent hook sees no single
+    /// bio of a batch unless it overrides [`Hook::submit_batch`] too.
+    fn transparent(&self) -> bool {
+        false
+    }
     /// One bio (default: to the inner device).
     fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
         inner.submit(bio, end)
     }
-    /// A batch (default: each bio through [`Hook::submit`]).
+    /// A batch (default: each bio through [`Hook::submit`]; transparent: the inner device's).
     fn submit_batch(
         &self,
         inner: &dyn Device,
         bios: &mut dyn Iterator<Item = Bio>,
         end: &Arc<dyn EndIo>,
     ) {
+        if self.transparent() {
+            return inner.submit_batch(bios, end);
+        }
         for b in bios {
             self.submit(inner, b, end);
         }
     }
-    /// Whether zero-copy reads work (default: no).
-    fn can_splice(&self, _inner: &dyn Device) -> bool {
-        false
+    /// Whether zero-copy reads work (default: no; transparent: as the inner device says).
+    fn can_splice(&self, inner: &dyn Device) -> bool {
+        self.transparent() && inner.can_splice()
     }
     /// A zero-copy read (default: the inner device's where [`Hook::can_splice`] allows,
     /// unsupported otherwise).
@@ -50,9 +61,10 @@ pub trait Hook: Send + Sync {
         }
     }
     /// Whether writes received into their home work (default: no: they carry no bio either,
-    /// so by default writes through the wrapper take the copying path).
-    fn can_recv_home(&self, _inner: &dyn Device) -> bool {
-        false
+    /// so by default writes through the wrapper take the copying path; transparent: as the
+    /// inner device says).
+    fn can_recv_home(&self, inner: &dyn Device) -> bool {
+        self.transparent() && inner.can_recv_home()
     }
     /// A write received into its home (default: the inner device's where
     /// [`Hook::can_recv_home`] allows, unsupported otherwise).
@@ -69,9 +81,14 @@ pub trait Hook: Send + Sync {
             Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
         }
     }
-    /// The queue behind the device (default: none, see the trait's docs).
-    fn as_queue<'a>(&self, _inner: &'a dyn Device) -> Option<&'a Queue> {
-        None
+    /// The queue behind the device (default: none, see the trait's docs; transparent: the
+    /// inner device's).
+    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a Queue> {
+        if self.transparent() {
+            inner.as_queue()
+        } else {
+            None
+        }
     }
 }
 

@@ -34,16 +34,8 @@ const NBD_CMD_WRITE: u16 = 1;
 struct CountHome(AtomicUsize);
 
 impl Hook for CountHome {
-    fn submit_batch(
-        &self,
-        inner: &dyn Device,
-        bios: &mut dyn Iterator<Item = blk::Bio>,
-        end: &Arc<dyn blk::EndIo>,
-    ) {
-        inner.submit_batch(bios, end)
-    }
-    fn can_recv_home(&self, inner: &dyn Device) -> bool {
-        inner.can_recv_home()
+    fn transparent(&self) -> bool {
+        true
     }
     fn recv_home(
         &self,
@@ -55,9 +47,6 @@ impl Hook for CountHome {
         // Relaxed: a test counter, read after the replies came.
         self.0.fetch_add(1, Ordering::Relaxed);
         inner.recv_home(offset, len, src)
-    }
-    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a Queue> {
-        inner.as_queue()
     }
 }
 
@@ -339,16 +328,8 @@ fn buffered_file_writes_are_spliced_into_the_page_cache() {
 struct FailsHalfway;
 
 impl Hook for FailsHalfway {
-    fn submit_batch(
-        &self,
-        inner: &dyn Device,
-        bios: &mut dyn Iterator<Item = blk::Bio>,
-        end: &Arc<dyn blk::EndIo>,
-    ) {
-        inner.submit_batch(bios, end)
-    }
-    fn can_recv_home(&self, inner: &dyn Device) -> bool {
-        inner.can_recv_home()
+    fn transparent(&self) -> bool {
+        true
     }
     fn recv_home(
         &self,

@@ -238,16 +238,8 @@ const FAIL_BELOW: u64 = 4 * MIB;
 const PARTIAL: usize = 256 << 10;
 
 impl Hook for FailsMidSplice {
-    fn submit_batch(
-        &self,
-        inner: &dyn Device,
-        bios: &mut dyn Iterator<Item = blk::Bio>,
-        end: &Arc<dyn blk::EndIo>,
-    ) {
-        inner.submit_batch(bios, end)
-    }
-    fn can_splice(&self, inner: &dyn Device) -> bool {
-        inner.can_splice()
+    fn transparent(&self) -> bool {
+        true
     }
     fn splice_read(
         &self,
@@ -264,9 +256,6 @@ impl Hook for FailsMidSplice {
         Err(blk::Error::Io(std::io::Error::other(format!(
             "injected: failed after {n} bytes were put in the pipe"
         ))))
-    }
-    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a blk::Queue> {
-        inner.as_queue()
     }
 }
 

@@ -37,6 +37,9 @@ struct Ways {
 struct Counting(Arc<Ways>);
 
 impl Hook for Counting {
+    fn transparent(&self) -> bool {
+        true
+    }
     fn submit_batch(
         &self,
         inner: &dyn Device,
@@ -51,9 +54,6 @@ impl Hook for Counting {
         });
         inner.submit_batch(&mut counted, end)
     }
-    fn can_splice(&self, inner: &dyn Device) -> bool {
-        inner.can_splice()
-    }
     fn splice_read(
         &self,
         inner: &dyn Device,
@@ -67,9 +67,6 @@ impl Hook for Counting {
             self.0.spliced.fetch_add(1, Ordering::Relaxed);
         }
         inner.splice_read(offset, len, pipe)
-    }
-    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a blk::Queue> {
-        inner.as_queue()
     }
 }
 

@@ -395,16 +395,8 @@ fn subject_rules_with_a_verified_client_certificate() {
 struct CountHome(std::sync::atomic::AtomicUsize);
 
 impl testkit::Hook for CountHome {
-    fn submit_batch(
-        &self,
-        inner: &dyn Device,
-        bios: &mut dyn Iterator<Item = blk::Bio>,
-        end: &Arc<dyn blk::EndIo>,
-    ) {
-        inner.submit_batch(bios, end)
-    }
-    fn can_recv_home(&self, inner: &dyn Device) -> bool {
-        inner.can_recv_home()
+    fn transparent(&self) -> bool {
+        true
     }
     fn recv_home(
         &self,
