@@ -1,9 +1,10 @@
 //! Synchronous I/O on any `blk::Device`, for tests: submit one bio and wait for it (with the
 //! suite's [`PROMPT`] deadline, failing the test rather than hanging), or read and write bytes.
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use blk::{Bio, Buffer, Device, Error, Op, SECTOR_SHIFT};
+use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 
 use crate::PROMPT;
 
@@ -12,6 +13,48 @@ use crate::PROMPT;
 pub fn submit_wait(dev: &dyn Device, bio: Bio) -> (Bio, Result<(), Error>) {
     blk::submit_wait_until(dev, bio, Instant::now() + PROMPT)
         .unwrap_or_else(|| panic!("a bio did not complete within {PROMPT:?}"))
+}
+
+/// One completion reused for every request, for the tests that count allocations
+/// ([`crate::alloc`]), where [`submit_wait`]'s completion per call would be counted:
+/// [`Reused::run`] submits one bio and waits for it, allocating nothing.
+pub struct Reused {
+    done: Arc<ReusedEnd>,
+    end: Arc<dyn EndIo>,
+}
+
+#[derive(Default)]
+struct ReusedEnd {
+    out: Mutex<Option<(Bio, Result<(), Error>)>>,
+    wq: waitq::WaitQueue,
+}
+
+impl EndIo for ReusedEnd {
+    fn end_io(&self, bio: Bio, res: Result<(), Error>) {
+        *self.out.lock().unwrap() = Some((bio, res));
+        self.wq.wake_one();
+    }
+}
+
+impl Default for Reused {
+    fn default() -> Self {
+        let done = Arc::new(ReusedEnd::default());
+        let end: Arc<dyn EndIo> = done.clone();
+        Self { done, end }
+    }
+}
+
+impl Reused {
+    /// Submits `bio` to `dev`, waits for it and returns it; panics if it failed.
+    pub fn run(&self, dev: &dyn Device, bio: Bio) -> Bio {
+        dev.submit(bio, &self.end);
+        let (bio, r) = self
+            .done
+            .wq
+            .wait_for(|| self.done.out.lock().unwrap().take());
+        r.unwrap();
+        bio
+    }
 }
 
 /// Writes `data` at byte `offset` (sector-aligned) and returns the status.

@@ -7,37 +7,15 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op};
+use blk::{Bio, BioFlags, Buffer, Op};
 use nbd::remote::RemoteDevice;
 use testkit::alloc::CountingAlloc;
-use waitq::WaitQueue;
+use testkit::io::Reused;
 
 #[global_allocator]
 static COUNT: CountingAlloc = CountingAlloc::new();
-
-/// One completion, reused for every request (a `PendingBio` allocates its own).
-#[derive(Default)]
-struct Done {
-    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
-    wq: WaitQueue,
-}
-
-impl EndIo for Done {
-    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
-        *self.out.lock().unwrap() = Some((bio, res));
-        self.wq.wake_one();
-    }
-}
-
-fn run(dev: &dyn Device, end: &Arc<dyn EndIo>, done: &Done, bio: Bio) -> Bio {
-    dev.submit(bio, end);
-    let (bio, r) = done.wq.wait_for(|| done.out.lock().unwrap().take());
-    r.unwrap();
-    bio
-}
 
 /// Allocations in 2000 rounds of write (every fourth FUA), read, and every sixteenth a
 /// flush, against nbdkit with `args`, the device opened with `opts`; `None` without nbdkit.
@@ -65,8 +43,7 @@ fn steady_state(args: &[&str], opts: &str) -> Option<u64> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}{opts}", sock.display())).unwrap();
-    let done = Arc::new(Done::default());
-    let end: Arc<dyn EndIo> = done.clone();
+    let done = Reused::default();
     let mut wbio = Bio::with_buf(Op::Write, 0, Buffer::new(64 << 10));
     let mut rbio = Bio::with_buf(Op::Read, 0, Buffer::new(64 << 10));
     let mut fbio = Bio::new(Op::Flush, 0, 0);
@@ -78,24 +55,18 @@ fn steady_state(args: &[&str], opts: &str) -> Option<u64> {
         } else {
             BioFlags::NONE
         };
-        wbio = run(
+        wbio = done.run(
             &dev,
-            &end,
-            &done,
             std::mem::replace(&mut wbio, Bio::new(Op::Flush, 0, 0)),
         );
         rbio.sector = sector;
-        rbio = run(
+        rbio = done.run(
             &dev,
-            &end,
-            &done,
             std::mem::replace(&mut rbio, Bio::new(Op::Flush, 0, 0)),
         );
         if i.is_multiple_of(16) {
-            fbio = run(
+            fbio = done.run(
                 &dev,
-                &end,
-                &done,
                 std::mem::replace(&mut fbio, Bio::new(Op::Flush, 0, 0)),
             );
         }

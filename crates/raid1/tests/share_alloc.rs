@@ -9,37 +9,15 @@
 mod common;
 use common::*;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op};
+use blk::{Bio, BioFlags, Buffer, Op};
 use raid1::{Raid1, Raid1Config};
 use testkit::alloc::CountingAlloc;
-use waitq::WaitQueue;
+use testkit::io::Reused;
 
 #[global_allocator]
 static COUNT: CountingAlloc = CountingAlloc::new();
-
-/// One completion, reused for every request.
-#[derive(Default)]
-struct Done {
-    out: Mutex<Option<(Bio, Result<(), blk::Error>)>>,
-    wq: WaitQueue,
-}
-
-impl EndIo for Done {
-    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
-        *self.out.lock().unwrap() = Some((bio, res));
-        self.wq.wake_one();
-    }
-}
-
-fn run(dev: &dyn Device, end: &Arc<dyn EndIo>, done: &Done, bio: Bio) -> Bio {
-    dev.submit(bio, end);
-    let (bio, r) = done.wq.wait_for(|| done.out.lock().unwrap().take());
-    r.unwrap();
-    bio
-}
 
 /// Allocations in 2000 rounds of a 64 KiB write (every fourth FUA), a read of it, and every
 /// sixteenth round a flush, after a warm-up round over every offset (the first write to a
@@ -55,8 +33,7 @@ fn steady_state(share: bool) -> u64 {
         },
     )
     .unwrap();
-    let done = Arc::new(Done::default());
-    let end: Arc<dyn EndIo> = done.clone();
+    let done = Reused::default();
     let mut wbio = Bio::with_buf(Op::Write, 0, Buffer::new(64 << 10));
     let mut rbio = Bio::with_buf(Op::Read, 0, Buffer::new(64 << 10));
     let mut fbio = Bio::new(Op::Flush, 0, 0);
@@ -70,12 +47,12 @@ fn steady_state(share: bool) -> u64 {
             BioFlags::NONE
         };
         let take = |b: &mut Bio| std::mem::replace(b, Bio::new(Op::Flush, 0, 0));
-        wbio = run(&r, &end, &done, take(&mut wbio));
+        wbio = done.run(&r, take(&mut wbio));
         rbio.sector = sector;
-        rbio = run(&r, &end, &done, take(&mut rbio));
+        rbio = done.run(&r, take(&mut rbio));
         assert_eq!(rbio.buf.as_ref().unwrap().as_slice()[0], i as u8);
         if i.is_multiple_of(16) {
-            fbio = run(&r, &end, &done, take(&mut fbio));
+            fbio = done.run(&r, take(&mut fbio));
         }
     };
     for i in 0..256 {
