@@ -545,12 +545,16 @@ impl Raid1 {
             .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
         let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
             legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
-            ends: (0..a.nr_slots)
-                .map(|leg| {
-                    StdArc::new(LegEnd {
-                        inner: weak.clone(),
-                        leg,
-                    }) as StdArc<dyn EndIo>
+            ends: (0..blkq_sync::stat::shard_count())
+                .map(|_| {
+                    (0..a.nr_slots)
+                        .map(|leg| {
+                            StdArc::new(LegEnd {
+                                inner: weak.clone(),
+                                leg,
+                            }) as StdArc<dyn EndIo>
+                        })
+                        .collect()
                 })
                 .collect(),
             data_offset: a.data_offset,

@@ -310,6 +310,9 @@ pub(crate) struct Io {
     pub(crate) sent_ns: u64,
 }
 
+/// One completion handle per leg slot (one such set per thread shard, `Inner::ends`).
+pub(crate) type LegEnds = Box<[StdArc<dyn EndIo>]>;
+
 /// Completion of a leg bio: the bio's cookie names the `Io` slot.
 pub(crate) struct LegEnd {
     pub(crate) inner: Weak<Inner>,
@@ -377,7 +380,9 @@ pub(crate) struct ArrayMeta {
 pub(crate) struct Inner {
     pub(crate) cfg: Raid1Config,
     pub(crate) legs: Box<[Leg]>,
-    pub(crate) ends: Box<[StdArc<dyn EndIo>]>,
+    /// Each leg's completion handle, one set per thread shard (`ends[shard][leg]`, see
+    /// `Inner::leg_end`).
+    pub(crate) ends: Box<[LegEnds]>,
     pub(crate) data_offset: u64,
     pub(crate) capacity: u64,
     pub(crate) logical_block_size: u32,
@@ -739,6 +744,15 @@ impl Inner {
     /// 1-4 ms resolution is far below the quiet period a chunk must stay clean before its bit
     /// is cleared (`bitmap_quiet`, 10 ms in the tests, seconds in use); the daemon reads the
     /// same clock, so the two never disagree by more than a tick.
+    /// Leg `leg`'s completion handle for the current thread. The queue clones the handle's
+    /// `Arc` into each request and drops it at completion; with one handle per leg every leg
+    /// bio of every submitting thread wrote the same reference count twice, a line moving
+    /// between cores on every write. One set per thread shard keeps a thread on its own.
+    #[inline]
+    pub(crate) fn leg_end(&self, leg: usize) -> &StdArc<dyn EndIo> {
+        &self.ends[blkq_sync::thread_slot() & (self.ends.len() - 1)][leg]
+    }
+
     pub(crate) fn bitmap_now(&self) -> std::time::Duration {
         std::time::Duration::from_nanos(blk::stats::batch_ns().saturating_sub(self.origin_ns))
     }

@@ -191,7 +191,7 @@ impl Inner {
                     Ordering::Relaxed,
                 );
                 l.inc_pending();
-                dev.submit(lb, &self.ends[leg]);
+                dev.submit(lb, self.leg_end(leg));
                 None
             })
         };
@@ -377,7 +377,7 @@ impl Inner {
             let vanished = unsafe {
                 l.with_dev(|dev| match dev {
                     Some(d) => {
-                        d.submit(b, &self.ends[i]);
+                        d.submit(b, self.leg_end(i));
                         None
                     }
                     None => Some(b),
@@ -453,7 +453,7 @@ impl Inner {
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
                 self.legs[i].inc_pending();
-                d.submit(b, &self.ends[i]);
+                d.submit(b, self.leg_end(i));
             }
         }
     }
@@ -470,7 +470,7 @@ impl Inner {
                 b.cookie = u64::from(id);
                 l.inc_pending();
                 match l.dev() {
-                    Some(d) => d.submit(b, &self.ends[i]),
+                    Some(d) => d.submit(b, self.leg_end(i)),
                     None => self.leg_done(i, b, Err(eio("raid1: leg vanished"))),
                 }
             }
