@@ -169,6 +169,24 @@ impl Backup {
 }
 
 /// Runs a client; it must succeed; its stdout.
+/// A started server whose export has data everywhere (random writes with `seed`, so that a
+/// missed extent cannot hide behind zeroes), a clean bitmap `b0` added after them, and a full
+/// copy of the export taken then: the state every incremental test starts from. `None` (the
+/// test is skipped) without the clients. The directory lives as long as the test keeps it.
+fn backed_up(seed: u64) -> Option<(tempfile::TempDir, Backup, PathBuf)> {
+    if !clients_or_skip() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Backup::new(dir.path());
+    b.start();
+    let copy = dir.path().join("backup.img");
+    b.random_writes(seed);
+    b.bitmap(&["add", "b0"]);
+    b.full_copy(&copy);
+    Some((dir, b, copy))
+}
+
 fn run(c: &mut Command) -> String {
     let out = c.output().unwrap();
     assert!(out.status.success(), "{c:?}: {out:?}");
@@ -177,17 +195,9 @@ fn run(c: &mut Command) -> String {
 
 #[test]
 fn incremental_backup_of_the_dirty_extents_equals_the_export() {
-    if !clients_or_skip() {
+    let Some((_dir, b, copy)) = backed_up(1) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mut b = Backup::new(dir.path());
-    b.start();
-    let copy = dir.path().join("backup.img");
-    // Data everywhere first, so that a missed extent cannot hide behind zeroes.
-    b.random_writes(1);
-    b.bitmap(&["add", "b0"]);
-    b.full_copy(&copy);
+    };
     let touched = b.random_writes(2);
     // Exactly the touched granules: the bitmap was clean when the writes began.
     assert_eq!(b.dirty_granules("b0"), touched);
@@ -206,16 +216,9 @@ fn incremental_backup_of_the_dirty_extents_equals_the_export() {
 
 #[test]
 fn after_a_sigkill_the_bitmap_still_covers_every_write() {
-    if !clients_or_skip() {
+    let Some((_dir, mut b, copy)) = backed_up(4) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mut b = Backup::new(dir.path());
-    b.start();
-    let copy = dir.path().join("backup.img");
-    b.random_writes(4);
-    b.bitmap(&["add", "b0"]);
-    b.full_copy(&copy);
+    };
     let touched = b.random_writes(5);
     b.sigkill();
     b.start();
@@ -229,16 +232,9 @@ fn after_a_sigkill_the_bitmap_still_covers_every_write() {
 
 #[test]
 fn a_sigkill_in_the_middle_of_writes_leaves_no_change_uncovered() {
-    if !clients_or_skip() {
+    let Some((_dir, mut b, copy)) = backed_up(6) else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mut b = Backup::new(dir.path());
-    b.start();
-    let copy = dir.path().join("backup.img");
-    b.random_writes(6);
-    b.bitmap(&["add", "b0"]);
-    b.full_copy(&copy);
+    };
     // A writer keeps 8 random writes in flight and reports each acknowledged one; the server
     // is killed under it. A write in flight at the kill may or may not be on disk: if it is,
     // its bit was made durable before it went down, so the copy still compares equal.
