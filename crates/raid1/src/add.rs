@@ -24,8 +24,9 @@ impl Raid1 {
     /// `events_cleared` is not past its events, or its generation is an earlier one of this
     /// array's and no bit was cleared since the array left it), it goes back into slot `n`
     /// (write-mostly if its superblock says so) and
-    /// recovers only the bitmap's dirty chunks. Any other leg gets a fresh UUID and a full
-    /// recovery.
+    /// recovers only the bitmap's dirty chunks (of an earlier generation, its own bitmap's
+    /// too, and then only if that bitmap can be read). Any other leg gets a fresh UUID and a
+    /// full recovery.
     ///
     /// A leg of this array whose history went on without it (see [`crate::generation`]) is
     /// refused ([`Raid1Error::Diverged`]): it holds writes the array lacks.
@@ -146,20 +147,27 @@ impl Raid1 {
             Kinship::Same => crate::assemble::readd_rule(true, sb.events, cleared),
             Kinship::Ancestor => {
                 // Its own dirty bits join: writes it took that the array may lack (it
-                // stopped with them in flight).
-                let ok = crate::assemble::readd_covers(
+                // stopped with them in flight). When its bitmap cannot be read, the array's
+                // alone may miss a chunk it changed: a full recovery, as for a diverged side.
+                crate::assemble::readd_covers(
                     &lineage,
                     sb.lineage.current.id,
                     true,
                     sb.events,
                     cleared,
-                );
-                if ok {
-                    if let Some((bits, _)) = self.leg_bitmap(dev, sb)? {
+                ) && match self.leg_bitmap(dev, sb)? {
+                    Some((bits, _)) => {
                         bm.load(bits.as_slice())?;
+                        true
+                    }
+                    None => {
+                        tracing::warn!(
+                            "raid1: slot {n}: the returning leg's own bitmap cannot be read, \
+                             so the chunks it changed are unknown: full recovery"
+                        );
+                        false
                     }
                 }
-                ok
             }
             Kinship::Diverged | Kinship::Descendant => {
                 let common = lineage.common(&sb.lineage);

@@ -434,7 +434,12 @@ impl Raid1 {
                 .with_quiet_time(cfg.bitmap_quiet)
                 .with_counts(cfg.bitmap_counts);
             let mut loaded = false;
-            for p in placed.iter().filter(|p| p.state & FAULTY == 0) {
+            // Per placed leg: whether its own bitmap joined the array's.
+            let mut own = vec![false; placed.len()];
+            for (k, p) in placed.iter().enumerate() {
+                if p.state & FAULTY != 0 {
+                    continue;
+                }
                 let len = bm.disk_len();
                 let b = Bio::with_buf(
                     Op::Read,
@@ -443,7 +448,8 @@ impl Raid1 {
                 );
                 let (back, r) = submit_wait(p.dev.as_ref(), b);
                 if let (Ok(()), Some(buf)) = (r, back.buf) {
-                    loaded |= bm.load(buf.as_slice()).is_ok();
+                    own[k] = bm.load(buf.as_slice()).is_ok();
+                    loaded |= own[k];
                 }
             }
             if !loaded {
@@ -456,16 +462,18 @@ impl Raid1 {
             // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
             // recovery (md's re-add, `readd_rule`); any other recovering leg recovers fully.
             let cleared = bm.events_cleared();
-            for p in placed.iter_mut() {
+            for (p, &own) in placed.iter_mut().zip(&own) {
                 // A leg of the newest generation: md's rule; of an earlier one: no bit cleared
-                // since the array left it (see `Raid1::add_leg`).
+                // since the array left it, and its own bitmap joined the array's (the writes
+                // it took that the array may lack; unreadable, only a full recovery covers
+                // them: see `Raid1::add_leg`).
                 let covered = readd_covers(
                     &newest.lineage,
                     p.generation,
                     p.was_in_sync,
                     p.sb_events,
                     cleared,
-                );
+                ) && (own || p.generation == newest.lineage.current.id);
                 p.readd = loaded
                     && p.state & (IN_SYNC | FAULTY) == 0
                     && p.recovery_offset == 0

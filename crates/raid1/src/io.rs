@@ -38,17 +38,14 @@ impl Inner {
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
     pub(crate) fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
         // During a resync, a read at or past the resync point goes to the resync's source
-        // (`source_leg`: the first in-sync leg), as md's `choose_first`, so it reads what the
-        // resync copies. Not a recovering leg, even below its offset: it may differ there
-        // until the resync has written it. Only if no in-sync leg is left to try does the
-        // read fall back to the others.
+        // (`source_slot`: the first in-sync leg that is not write-mostly, a write-mostly one
+        // only when no other is in sync), as md's `choose_first`, so it reads what the resync
+        // copies. Not a recovering leg, even below its offset: it may differ there until the
+        // resync has written it. Only if no in-sync leg is left to try does the read fall back
+        // to the others.
         if end_byte > self.resync_point.load(Ordering::Acquire) {
-            let first = self.legs.iter().enumerate().position(|(i, l)| {
-                let st = l.state.load(Ordering::Acquire);
-                tried & (1 << i) == 0 && st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
-            });
-            if first.is_some() {
-                return first;
+            if let Some(src) = self.source_slot(tried) {
+                return Some(src);
             }
         }
         let mut best: Option<(usize, u64)> = None;

@@ -62,8 +62,9 @@
 //! Priority: resync, then recovery, then a requested check/repair. A pass walks the array
 //! from its start offset in windows (a power of two of at most 1 MiB and the leg I/O limit,
 //! within one bitmap chunk: never across a barrier unit). Per window:
-//! `barriers().raise_barrier(sector)`, read the first in-sync leg (falling back to another
-//! in-sync leg), write the targets (resync: the other in-sync legs; recovery: the recovering
+//! `barriers().raise_barrier(sector)`, read the source (the first in-sync leg that is not
+//! write-mostly, a write-mostly one only when no other is in sync; another in-sync leg on a
+//! read error), write the targets (resync: the other in-sync legs; recovery: the recovering
 //! leg) or compare them (check/repair: count differing 512-byte sectors into `mismatch_cnt`;
 //! repair rewrites the window), `lower_barrier`, update progress, sleep if over the max speed.
 //! Regular I/O keeps flowing: only the window's bucket waits, and for one window.

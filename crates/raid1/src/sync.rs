@@ -45,7 +45,8 @@ pub enum SyncAction {
     Recover,
     /// Comparing the legs, counting mismatches.
     Check,
-    /// Comparing the legs and rewriting mismatches from the first in-sync leg.
+    /// Comparing the legs and rewriting mismatches from the source (the first in-sync leg that
+    /// is not write-mostly, a write-mostly one only when no other is in sync).
     Repair,
     /// Paused: nothing runs until another action is set.
     Frozen,

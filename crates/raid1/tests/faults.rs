@@ -911,3 +911,113 @@ fn reads_go_to_the_resync_source_while_a_resync_is_due() {
         name(&after)
     );
 }
+
+/// A resync's source, and the leg reads go to while it is due, is an in-sync leg that is not
+/// write-mostly whenever there is one (md's `raid1_sync_request` takes a write-mostly leg only
+/// when no other is in sync): a write-mostly leg is the remote one, behind with write-behind,
+/// and after a crash the local leg holds the newer data. Here slot 0 is the write-mostly leg
+/// (the first in-sync leg), a write at `s` is behind on it when the power fails (it reached
+/// only its volatile cache; leg 1 flushed it), and the array comes back resyncing, held in its
+/// first window (in the first barrier unit; `s` is in the second). A read of `s` during the
+/// resync, after it, and both legs must hold the newer write.
+#[test]
+fn a_resync_copies_from_a_leg_that_is_not_write_mostly() {
+    let (a, fa) = fault_leg("80M", true);
+    let (b, fb) = fault_leg("80M", true);
+    // raid1d's tick (bitmap flush epochs flush every leg) never comes: leg 0's cache keeps the
+    // write until the power fails.
+    let cfg = Raid1Config {
+        write_behind: 4,
+        tick: Duration::from_secs(3600),
+        ..cfg()
+    };
+    let r = Raid1::create(vec![a.clone(), b.clone()], cfg.clone()).unwrap();
+    r.set_write_mostly(0, true).unwrap();
+    let unit = 64 * MB;
+    let s = unit + MB; // in the second barrier unit
+    assert!(r.limits().capacity > s + 2 * MB);
+    // Chunk 0 dirty too: the resync's first window, where it is held below.
+    write(&r, 0, &pattern(0, 4096));
+    write(&r, s, &pattern(1, 8192));
+    flush(&r);
+    r.sync_superblocks().unwrap();
+    // Write 2: acknowledged by leg 1, behind on leg 0; leg 1 flushes its cache on its own.
+    write(&r, s, &pattern(2, 8192));
+    flush(b.as_ref());
+    fa.crash().unwrap();
+    fb.crash().unwrap();
+    r.crash_for_test();
+    fa.restart();
+    fb.restart();
+    let d = sb_of(b.as_ref()).data_offset;
+    assert_eq!(
+        read(a.as_ref(), d + s, 8192),
+        pattern(1, 8192),
+        "the write-mostly leg lost write 2"
+    );
+    // The resync's first window waits on its read, whichever leg it reads.
+    fa.add(Rule::stall(OpSet::READ).in_range(d, 4096));
+    fb.add(Rule::stall(OpSet::READ).in_range(d, 4096));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg).unwrap();
+    assert!(r.leg_status(0).unwrap().write_mostly);
+    wait_until_within("the resync reads its first window", SOON, || {
+        fa.stalled() + fb.stalled() > 0
+    });
+    let during = read(&r, s, 8192);
+    fa.clear();
+    fb.clear();
+    fa.release();
+    fb.release();
+    assert!(r.wait_sync_idle(IDLE));
+    let after = read(&r, s, 8192);
+    let name = |v: &[u8]| {
+        (1..=2)
+            .find(|&p| v == pattern(p, 8192).as_slice())
+            .map_or("neither".to_string(), |p| format!("pattern {p}"))
+    };
+    assert!(
+        during == pattern(2, 8192) && after == pattern(2, 8192),
+        "read {} during the resync and {} after it: the write-mostly leg's older data won",
+        name(&during),
+        name(&after)
+    );
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}
+
+/// The other half of md's rule: with only a write-mostly leg in sync, it is the resync's
+/// source. Slot 0, write-mostly, is in sync; slot 1 recovers (its offset at 8 MiB) and holds a
+/// write below its offset that never reached slot 0 before the crash: the resync copies slot
+/// 0 over it.
+#[test]
+fn a_write_mostly_leg_alone_in_sync_is_still_the_resync_source() {
+    let a = mem("16M");
+    let b = mem("16M");
+    let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
+    let d = r.data_offset();
+    r.set_write_mostly(0, true).unwrap();
+    write(&r, MB, &pattern(1, 8192));
+    flush(&r);
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    // Pretend the recovery got to 8 MiB: copy what it would have copied.
+    for k in 0..8 {
+        write(
+            b.as_ref(),
+            d + k * MB,
+            &read(a.as_ref(), d + k * MB, MB as usize),
+        );
+    }
+    r.set_recovery_offset(1, 8 * MB).unwrap();
+    r.sync_superblocks().unwrap();
+    r.crash_for_test();
+    write(b.as_ref(), d + MB, &pattern(2, 8192));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.leg_status(0).unwrap().write_mostly);
+    assert_eq!(r.leg_status(1).unwrap().recovery_offset, 8 * MB);
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(1).unwrap().in_sync);
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert_eq!(read(&r, MB, 8192), pattern(1, 8192));
+}

@@ -15,7 +15,7 @@ use std::time::Duration;
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use raid1::barrier::BarrierMode;
 use raid1::superblock::{Superblock, SB_OFFSET, SB_SIZE};
-use raid1::{Raid1, Raid1Config};
+use raid1::{Raid1, Raid1Config, SyncAction};
 use testkit::{Forward, Hook};
 
 /// One bio, submitted and waited for (the suite's deadline fails the test if it hangs).
@@ -310,7 +310,7 @@ fn arrays_reassemble_from_their_superblocks() {
 }
 
 #[test]
-fn reads_past_the_resync_point_go_to_the_first_leg() {
+fn reads_past_the_resync_point_go_to_the_resync_source() {
     let f0 = Flaky::new(mem("16M"));
     let f1 = Flaky::new(mem("16M"));
     let r = Raid1::create(
@@ -319,9 +319,16 @@ fn reads_past_the_resync_point_go_to_the_first_leg() {
     )
     .unwrap();
     write(&r, 0, &pattern(10, 4096)).unwrap();
-    // Leg 0 is write-mostly, so reads would go to leg 1, which fails every read: with the
-    // resync point at 0 they go to the first leg instead and leg 1 is never tried.
+    // Leg 0 is write-mostly and the only leg in sync; leg 1 recovers, past the sector, and
+    // fails every read. Plain balancing would read leg 1 (not write-mostly, recovered there);
+    // with the resync point at 0 reads go to the resync's source, leg 0 (a write-mostly leg is
+    // the source when no other is in sync), and leg 1 is never tried.
     r.set_write_mostly(0, true).unwrap();
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(1).unwrap();
+    let dev = r.remove_leg(1).unwrap();
+    assert_eq!(r.add_leg(dev).unwrap(), 1);
+    r.set_recovery_offset(1, 8 << 20).unwrap();
     f1.hook().bad_reads.lock().unwrap().push((0, u64::MAX));
     r.set_resync_point(Some(0));
     for _ in 0..4 {

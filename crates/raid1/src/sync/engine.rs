@@ -9,7 +9,7 @@ use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
-use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT};
+use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -227,13 +227,36 @@ impl Inner {
         }
     }
 
-    /// The first in-sync leg (the source), skipping `tried`.
-    fn source_leg(&self, tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
-        self.legs.iter().enumerate().find_map(|(i, l)| {
-            (tried & (1 << i) == 0 && is_in_sync(l.state.load(Ordering::Acquire)))
-                .then(|| l.dev().map(|d| (i, d)))
-                .flatten()
-        })
+    /// The slot of a pass's source, skipping `tried`: the first in-sync leg that is not
+    /// write-mostly, or, when every in-sync leg left to try is write-mostly, the first of
+    /// those (md's `raid1_sync_request`). A write-mostly leg is the remote one: with
+    /// write-behind it may lack writes the others have, so it is never copied over them while
+    /// another in-sync leg can be read. Reads past the resync point go here too
+    /// (`choose_read_leg`), so they read what the resync copies.
+    pub(crate) fn source_slot(&self, tried: u32) -> Option<usize> {
+        let mut mostly = None;
+        for (i, l) in self.legs.iter().enumerate() {
+            let st = l.state.load(Ordering::Acquire);
+            if tried & (1 << i) != 0 || !is_in_sync(st) {
+                continue;
+            }
+            if st & WRITE_MOSTLY == 0 {
+                return Some(i);
+            }
+            mostly.get_or_insert(i);
+        }
+        mostly
+    }
+
+    /// The source's slot and device ([`Inner::source_slot`]), skipping `tried`.
+    fn source_leg(&self, mut tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
+        loop {
+            let i = self.source_slot(tried)?;
+            if let Some(d) = self.legs[i].dev() {
+                return Some((i, d));
+            }
+            tried |= 1 << i;
+        }
     }
 
     /// Synchronous leg I/O of `len` bytes at array byte `pos` with `buf` (reused).
