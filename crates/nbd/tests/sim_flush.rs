@@ -112,6 +112,8 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -126,6 +128,9 @@ use nbd::server::{Export, Server, ServerConfig};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
+
+use common::rng::Rng;
+use common::stamp::{decode_sector, stamp_sector};
 
 /// Seeds run by default (`SIM_SEEDS`), from `DEFAULT_SEED_BASE` (`SIM_SEED_BASE`).
 const DEFAULT_SEEDS: u64 = 40;
@@ -155,77 +160,6 @@ const NBD_ENOTSUP: u32 = 95;
 /// The watchdog ends the process (printing the seed and schedule) when a step takes longer
 /// (`SIM_STALL_SECS` sets another limit).
 const STALL_LIMIT: Duration = Duration::from_secs(120);
-
-// ---------------------------------------------------------------------------------------
-// Randomness: SplitMix64, so a seed means the same schedule everywhere.
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    /// True with probability `num / den`.
-    fn chance(&mut self, num: u64, den: u64) -> bool {
-        self.below(den) < num
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Sector stamps.
-
-const MAGIC: u64 = 0x5349_4d5f_464c_5553; // "SIM_FLUS"
-
-/// Fills one sector with write `id`'s data for sector `sector`: magic, id, sector, then a
-/// pattern derived from both.
-fn stamp_sector(out: &mut [u8], id: u64, sector: u64) {
-    out[0..8].copy_from_slice(&MAGIC.to_le_bytes());
-    out[8..16].copy_from_slice(&id.to_le_bytes());
-    out[16..24].copy_from_slice(&sector.to_le_bytes());
-    let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ sector.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    for w in out[24..].chunks_exact_mut(8) {
-        x = x
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-}
-
-/// What a sector read back holds: `Ok(0)` zeros, `Ok(id)` write `id`'s data for this sector,
-/// `Err` anything else (described).
-fn decode_sector(data: &[u8], sector: u64) -> Result<u64, String> {
-    if data.iter().all(|&b| b == 0) {
-        return Ok(0);
-    }
-    let word = |i: usize| u64::from_le_bytes(data[i..i + 8].try_into().unwrap_or([0; 8]));
-    if word(0) != MAGIC {
-        return Err("bytes no write of this run produced".into());
-    }
-    let (id, at) = (word(8), word(16));
-    if at != sector {
-        return Err(format!(
-            "write {id}'s data for sector {at}: another offset's bytes"
-        ));
-    }
-    let mut want = [0u8; SECTOR as usize];
-    stamp_sector(&mut want, id, sector);
-    if data != want {
-        return Err(format!(
-            "write {id}'s header over other bytes: a torn sector"
-        ));
-    }
-    Ok(id)
-}
 
 // ---------------------------------------------------------------------------------------
 // The oracle.

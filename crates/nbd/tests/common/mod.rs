@@ -3,8 +3,11 @@
 
 use nbd::client::ClientOptions;
 
+pub mod link;
 pub mod load;
 pub mod pki;
+pub mod rng;
+pub mod stamp;
 pub mod tracking;
 pub mod trickle;
 
