@@ -1,6 +1,8 @@
 //! Fault schedules found by reviewing the mirror against md's rules, each as the interleaving
 //! that broke a promise (docs/design.md, "What the mirror promises"). Every test here failed
 //! before its fix; the names say the finding (D: durability, W: a wrong copy, A: availability).
+//! Rules that only the simulator checked have a test here too (FUA, reads of a recovering leg,
+//! bitmap before data, D2 on a write behind), each seen failing with its rule's line taken out.
 //! Deterministic: faults are rules on fault-device legs, interleavings are built with stalls.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
@@ -9,15 +11,16 @@
 mod common;
 use common::*;
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
 use raid1::superblock::{Superblock, BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
-use raid1::{Raid1, Raid1Config, SyncAction};
+use raid1::{Raid1, Raid1Config, SyncAction, WriteIntentBitmap};
 use testkit::io::{flush as try_flush, read_at, write_at};
-use testkit::wait_until_within;
+use testkit::{wait_until_within, Collect, Forward, Hook};
 
 const IDLE: Duration = Duration::from_secs(60);
 const SOON: Duration = Duration::from_secs(10);
@@ -99,7 +102,9 @@ fn d1_a_write_acknowledged_after_a_leg_failure_survives_a_crash() {
 }
 
 /// D2: only in-sync legs count toward a write's or a flush's success: a recovering leg that
-/// took the write does not hide the failure of the only in-sync leg.
+/// took the write does not hide the failure of the only in-sync leg. (Here the failed array
+/// decides it as well: the only in-sync leg's failure fails the array, and with it the write
+/// and the flush. The write-behind test below tells the D2 rule on its own.)
 #[test]
 fn d2_a_recovering_legs_success_does_not_hide_the_in_sync_legs_failure() {
     let (a, fa) = fault_leg("16M", false);
@@ -125,6 +130,124 @@ fn d2_a_recovering_legs_success_does_not_hide_the_in_sync_legs_failure() {
         try_flush(&r).is_err(),
         "the only in-sync leg failed the flush, yet it was acknowledged"
     );
+}
+
+/// Counts the data writes (at or past sector `from`) the leg under it completed, once each
+/// completion has returned (the mirror's `leg_done`, and any acknowledgement it made, done).
+#[derive(Default)]
+struct CountDone {
+    from: AtomicU64,
+    done: Arc<AtomicU64>,
+}
+
+struct ThenCount {
+    end: Arc<dyn blk::EndIo>,
+    done: Arc<AtomicU64>,
+}
+
+impl blk::EndIo for ThenCount {
+    fn end_io(&self, bio: blk::Bio, res: Result<(), blk::Error>) {
+        self.end.end_io(bio, res);
+        self.done.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl Hook for CountDone {
+    fn submit(&self, inner: &dyn Device, bio: blk::Bio, end: &Arc<dyn blk::EndIo>) {
+        if bio.op == blk::Op::Write && bio.sector >= self.from.load(Ordering::SeqCst) {
+            let end: Arc<dyn blk::EndIo> = Arc::new(ThenCount {
+                end: end.clone(),
+                done: self.done.clone(),
+            });
+            return inner.submit(bio, &end);
+        }
+        inner.submit(bio, end)
+    }
+}
+
+/// Clears the rules of its fault legs and lets their stalled I/Os go on when dropped.
+struct ReleaseOnDrop<const N: usize>([FaultHandle; N]);
+
+impl<const N: usize> Drop for ReleaseOnDrop<N> {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.clear();
+            h.release();
+        }
+    }
+}
+
+/// D2 where the failed array does not decide it: a write behind (`write_behind`). Leg 0 (in
+/// sync) fails the write, leg 1 (recovering) takes it, leg 2 (in sync, write-mostly) holds it
+/// behind. Leg 2 stays in sync, so leg 0's failure fails only leg 0, and it is recorded before
+/// leg 1 completes. A write behind is acknowledged once the legs that are not behind have it
+/// and one of them counts: leg 1 does not, or the write is acknowledged while no in-sync leg
+/// has it (leg 2 failing or losing power next would lose it). The test above cannot tell:
+/// there the only in-sync leg's failure fails the array, and with it the write.
+#[test]
+fn d2_a_recovering_legs_success_does_not_acknowledge_a_write_behind() {
+    let (a, fa) = fault_leg("16M", false);
+    let (w, fw) = fault_leg("16M", false);
+    let (c, fc) = fault_leg("16M", false);
+    let c = Arc::new(Forward::with_hook(c, CountDone::default()));
+    let cfg = Raid1Config {
+        write_behind: 4,
+        // raid1d's tick (which flushes the legs) never comes during the test.
+        tick: Duration::from_secs(3600),
+        ..cfg()
+    };
+    let r = Raid1::create(vec![a, mem("16M"), w], cfg).unwrap();
+    let d = r.data_offset();
+    r.set_write_mostly(2, true).unwrap();
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert_eq!(r.add_leg(c.clone()).unwrap(), 1);
+    // Dropped before the array, whose drop waits for the writes held here: a failed
+    // assertion fails the test instead of hanging it.
+    let _go_on = ReleaseOnDrop([fc.clone(), fw.clone()]);
+    c.hook()
+        .from
+        .store(d >> blk::SECTOR_SHIFT, Ordering::SeqCst);
+    let off = 4 * MB;
+    fa.add(Rule::fail(OpSet::WRITE).in_range(d + off, 4096));
+    fc.add(Rule::stall(OpSet::WRITE).in_range(d + off, 4096));
+    fw.add(Rule::stall(OpSet::WRITE).in_range(d + off, 4096));
+    let col = Arc::new(Collect::default());
+    let end: Arc<dyn blk::EndIo> = col.clone();
+    let mut bio = blk::Bio::with_buf(
+        blk::Op::Write,
+        off >> blk::SECTOR_SHIFT,
+        blk::Buffer::new(4096),
+    );
+    bio.buf
+        .as_mut()
+        .unwrap()
+        .as_mut_slice()
+        .copy_from_slice(&pattern(2, 4096));
+    r.submit(bio, &end);
+    wait_until_within("leg 0 failed the write, legs 1 and 2 hold it", SOON, || {
+        r.leg_status(0).unwrap().faulty && fc.stalled() == 1 && fw.stalled() == 1
+    });
+    assert_eq!(r.write_behind_outstanding(), 1, "the write is not behind");
+    assert!(r.failure().is_none());
+    // Another write is acknowledged only once leg 0's failure is on a durable superblock.
+    write(&r, off + MB, &pattern(3, 4096));
+    let before = c.hook().done.load(Ordering::SeqCst);
+    assert_eq!(fc.release(), 1);
+    wait_until_within("leg 1 completed the write", SOON, || {
+        c.hook().done.load(Ordering::SeqCst) == before + 1
+    });
+    let early = !col.is_empty();
+    assert_eq!(fw.release(), 1);
+    assert!(
+        !early,
+        "acknowledged on the recovering leg's success alone: leg 0 failed the write and \
+         leg 2, behind, had not written it"
+    );
+    let done = col.wait_for(1);
+    assert!(done[0].1.is_ok(), "leg 2 took it: {:?}", done[0].1);
+    assert!(read(&r, off, 4096) == pattern(2, 4096));
 }
 
 /// D3: a write that straddles two 64 MiB barrier units waits for a resync window on either.
@@ -225,6 +348,50 @@ fn d5_a_recovery_is_durable_before_the_mark_that_vouches_for_it() {
     );
 }
 
+/// A FUA write is durable on every leg when it is acknowledged (the mirror passes FUA down to
+/// each leg's write). Both legs lose their volatile caches right after the acknowledgement;
+/// nothing else flushed them (no bitmap: raid1d never flushes). Each leg still holds the
+/// write, and so does the array assembled from them in either order.
+#[test]
+fn a_fua_write_survives_a_power_cut_of_every_leg() {
+    let (a, fa) = fault_leg("16M", true);
+    let (b, fb) = fault_leg("16M", true);
+    let r = Raid1::create(vec![a.clone(), b.clone()], no_bitmap()).unwrap();
+    let d = r.data_offset();
+    let off = 3 * MB;
+    write(&r, off, &pattern(1, 4096));
+    flush(&r);
+    let mut bio = blk::Bio::with_buf(
+        blk::Op::Write,
+        off >> blk::SECTOR_SHIFT,
+        blk::Buffer::new(4096),
+    );
+    bio.buf
+        .as_mut()
+        .unwrap()
+        .as_mut_slice()
+        .copy_from_slice(&pattern(2, 4096));
+    bio.flags = blk::BioFlags::FUA;
+    testkit::io::submit_wait(&r, bio).1.unwrap();
+    fa.crash().unwrap();
+    fb.crash().unwrap();
+    r.crash_for_test();
+    fa.restart();
+    fb.restart();
+    for (i, leg) in [&a, &b].into_iter().enumerate() {
+        assert!(
+            read(leg.as_ref(), d + off, 4096) == pattern(2, 4096),
+            "leg {i} lost an acknowledged FUA write in a power cut"
+        );
+    }
+    for order in [vec![a.clone(), b.clone()], vec![b.clone(), a.clone()]] {
+        let r = Raid1::assemble(order, no_bitmap()).unwrap();
+        assert!(r.wait_sync_idle(IDLE));
+        assert!(read(&r, off, 4096) == pattern(2, 4096));
+        r.crash_for_test();
+    }
+}
+
 /// D6: raid1d's own flushes are not fire-and-forget: a leg whose internal flush failed is
 /// failed, as a failed client FLUSH fails it.
 #[test]
@@ -321,6 +488,48 @@ fn w2_the_resync_writes_recovering_legs_too() {
     assert_legs_equal(&r, a.as_ref(), c.as_ref());
 }
 
+/// A leg being recovered holds valid data only below its recovery offset: a read that ends
+/// above it goes to an in-sync leg. The new leg is in slot 0, which read balancing picks when
+/// the legs are equally busy, and above its offset it holds another disk's old bytes.
+#[test]
+fn a_recovering_leg_serves_no_read_above_its_recovery_offset() {
+    let a = mem("16M");
+    let r = Raid1::create(vec![mem("16M"), a.clone()], cfg()).unwrap();
+    let d = r.data_offset();
+    let rec = 4 * MB;
+    // 4 KiB blocks: one across the recovery offset, the others above it.
+    let blocks: Vec<u64> = std::iter::once(rec - 2048)
+        .chain((0..16).map(|k| 8 * MB + k * 65536))
+        .collect();
+    for (k, &o) in blocks.iter().enumerate() {
+        write(&r, o, &pattern(k as u8, 4096));
+    }
+    flush(&r);
+    r.set_sync_action(SyncAction::Frozen).unwrap();
+    r.fail_leg(0).unwrap();
+    r.remove_leg(0).unwrap();
+    let c = mem("16M");
+    assert_eq!(r.add_leg(c.clone()).unwrap(), 0);
+    // Recovered below `rec` (true: nothing was written there but the straddling block's
+    // first half, copied here as the recovery would have).
+    write(c.as_ref(), d + rec - 2048, &pattern(0, 2048));
+    r.set_recovery_offset(0, rec).unwrap();
+    // Above: what the new disk held before.
+    for (k, &o) in blocks.iter().enumerate() {
+        let stale = pattern(100 + k as u8, 4096);
+        let from = o.max(rec);
+        write(c.as_ref(), d + from, &stale[(from - o) as usize..]);
+    }
+    assert!(!r.leg_status(0).unwrap().in_sync);
+    for (k, &o) in blocks.iter().enumerate() {
+        let got = read(&r, o, 4096);
+        assert!(
+            got == pattern(k as u8, 4096),
+            "a read at {o} (recovery offset {rec}) returned the recovering leg's old bytes"
+        );
+    }
+}
+
 /// W4: a write whose bitmap bit could not be made durable on any leg is failed, not issued.
 #[test]
 fn w4_a_write_whose_bit_cannot_be_persisted_fails() {
@@ -336,6 +545,89 @@ fn w4_a_write_whose_bit_cannot_be_persisted_fails() {
         res.is_err(),
         "the data write went ahead with its bitmap bit on no leg"
     );
+}
+
+/// A power cut of the fault device under it (its volatile cache is lost) when the first data
+/// write (at or past sector `data`) reaches it; it records the bitmap area (`bitmap_len` bytes)
+/// its media then holds, and forwards the write.
+struct CutAtData {
+    fault: FaultHandle,
+    data: AtomicU64,
+    bitmap_len: AtomicU64,
+    media: Mutex<Option<Vec<u8>>>,
+}
+
+impl Hook for CutAtData {
+    fn submit(&self, inner: &dyn Device, bio: blk::Bio, end: &Arc<dyn blk::EndIo>) {
+        if bio.op == blk::Op::Write && bio.sector >= self.data.load(Ordering::SeqCst) {
+            let mut media = self.media.lock().unwrap();
+            if media.is_none() {
+                self.fault.crash().unwrap();
+                self.fault.restart();
+                let len = self.bitmap_len.load(Ordering::SeqCst) as usize;
+                *media = Some(read(inner, BITMAP_OFFSET, len));
+            }
+        }
+        inner.submit(bio, end)
+    }
+}
+
+/// Bitmap before data: a write's bit is on every leg's media (written and flushed, not in a
+/// volatile cache) before its data write reaches that leg. Each leg loses its cache at the
+/// moment the data write arrives; the bitmap its media holds then has the write's bit.
+#[test]
+fn a_writes_bit_is_on_every_legs_media_before_its_data_reaches_it() {
+    let legs: Vec<Arc<Forward<CutAtData>>> = (0..2)
+        .map(|_| {
+            let (f, h) = fault_leg("16M", true);
+            Arc::new(Forward::with_hook(
+                f,
+                CutAtData {
+                    fault: h,
+                    data: AtomicU64::new(u64::MAX),
+                    bitmap_len: AtomicU64::new(0),
+                    media: Mutex::new(None),
+                },
+            ))
+        })
+        .collect();
+    let cfg = Raid1Config {
+        // raid1d's tick (which flushes the legs) never comes during the test.
+        tick: Duration::from_secs(3600),
+        ..cfg()
+    };
+    let r = Raid1::create(
+        legs.iter().map(|l| l.clone() as Arc<dyn Device>).collect(),
+        cfg,
+    )
+    .unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let bm = r.bitmap().unwrap();
+    let off = 5 * MB + 8192;
+    let chunk = off / bm.chunk_size();
+    assert!(!bm.is_dirty(chunk));
+    for l in &legs {
+        l.hook()
+            .bitmap_len
+            .store(bm.disk_len() as u64, Ordering::SeqCst);
+        l.hook()
+            .data
+            .store(r.data_offset() >> blk::SECTOR_SHIFT, Ordering::SeqCst);
+    }
+    write(&r, off, &pattern(1, 4096));
+    for (i, l) in legs.iter().enumerate() {
+        let media = l.hook().media.lock().unwrap().take();
+        let media = media.unwrap_or_else(|| panic!("the data write never reached leg {i}"));
+        let on_disk =
+            WriteIntentBitmap::new(bm.nr_chunks() * bm.chunk_size(), bm.chunk_size()).unwrap();
+        let loaded = on_disk.load(&media);
+        assert!(
+            loaded.is_ok() && on_disk.is_dirty(chunk),
+            "leg {i}: the data write arrived with chunk {chunk}'s bit not on the media \
+             (bitmap read back: {loaded:?})"
+        );
+    }
+    assert!(read(&r, off, 4096) == pattern(1, 4096));
 }
 
 fn sb_of(leg: &dyn Device) -> Superblock {
