@@ -52,7 +52,7 @@
 //!    lock, holding the write's per-I/O slot lock (so its `Io` is set up, and `Io::ordered`
 //!    set, before any of its bios can complete):
 //!    - a write behind enters the table (in submission order) with its write-mostly legs
-//!      as `issued`;
+//!      as `issued` (those that must wait, next, as `parked`);
 //!    - a write (behind or not) whose range overlaps an entry still `issued` or `parked` on
 //!      one of its legs does not get that leg's bio submitted: the bio is parked in the
 //!      table, the write enters it (if not in already) with those legs as `parked`;
