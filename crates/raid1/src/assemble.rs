@@ -601,7 +601,7 @@ impl Raid1 {
             origin_ns: blk::stats::coarse_ns(),
             sync: crate::sync::SyncState::new(),
             readd: crate::readd::ReaddState::new(a.nr_slots),
-            wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth),
+            wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
             me: weak.clone(),
             cfg,
         });

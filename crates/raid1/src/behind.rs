@@ -41,10 +41,46 @@
 //!    While it waits it counts in `flush_waiting` too, so no new write goes behind and the
 //!    count drains (a read can reach a write-mostly leg while another leg takes writes: the
 //!    resync's reads go to the first in-sync leg, whichever it is).
-//! 6. **No allocation per I/O**: a counter and a queue preallocated for `depth` flushes.
+//! 6. **No allocation per I/O**: a counter, a queue preallocated for `depth` flushes, and
+//!    the order table of 7 (a queue of `depth` entries and `depth` x legs parked bios).
+//! 7. **Overlapping writes reach a leg in order** (md's CollisionCheck). Acknowledged before
+//!    a write-mostly leg has it, a write behind could be overtaken there by a later write
+//!    over the same bytes (the caller's next write, issued after the acknowledgement): that
+//!    leg would end with the older data while the bitmap bit clears, and a check would count
+//!    mismatches. So, while write-behind is on (`limit > 0`), `order` runs for every write
+//!    (any op that changes data) before any of its leg bios is submitted, under `order`'s
+//!    lock, holding the write's per-I/O slot lock (so its `Io` is set up, and `Io::ordered`
+//!    set, before any of its bios can complete):
+//!    - a write behind enters the table (in submission order) with its write-mostly legs
+//!      as `issued` (those that must wait, next, as `parked`);
+//!    - a write (behind or not) whose range overlaps an entry still `issued` or `parked` on
+//!      one of its legs does not get that leg's bio submitted: the bio is parked in the
+//!      table, the write enters it (if not in already) with those legs as `parked`;
+//!    - when a leg completes a bio the table counts (`Io::ordered`; `ordered_done`, before
+//!      the completion's own bookkeeping), that leg's bit leaves its entry (the entry
+//!      leaves the table when it has no bit left), and every parked bio on that leg with
+//!      no earlier overlapping entry still issued or parked there is moved to `issued` and
+//!      handed back to be submitted, one at a time, the lock not held.
+//!
+//!    Hence on each leg, of two overlapping writes the later one is submitted only after
+//!    the earlier one completed there, when the earlier one was behind or itself waited;
+//!    writes that do not overlap, and legs with nothing in flight over the range (the
+//!    legs that are not write-mostly), are never held back. A write not behind that
+//!    overlaps nothing in the table is not entered: it is acknowledged only once every leg
+//!    has it, so any later write the caller issues follows it on every leg. Only the bio is
+//!    parked: the caller's acknowledgement of a write behind still comes with the legs that
+//!    are not write-behind (3.), its place among the N is held until the parked copy
+//!    completed (so a FLUSH waits for it, 4., and a read waits for it, 5.), and its slot,
+//!    admission and bitmap `end_write` too (so the chunk's bit stays set until the last of
+//!    the overlapping writes reached every leg). A parked write holds its admission: a
+//!    freeze waits for it, and for the earlier write it waits for, which is in flight on
+//!    the leg and needs nothing from the freezer. Checking every leg of the write (not only
+//!    the write-mostly ones) keeps the order when a leg's write-mostly flag is cleared
+//!    while writes are behind on it. The table holds at most one entry per slot in use.
 
 use std::collections::VecDeque;
 
+use blk::Bio;
 use blkq_sync::atomic::{AtomicU32, Ordering};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
@@ -63,16 +99,146 @@ pub(crate) struct WriteBehind {
     deferred: Mutex<VecDeque<(u32, u32)>>,
     /// Reads waiting for `outstanding` to reach 0.
     drained: WaitQueue,
+    /// The order of overlapping writes on each leg (invariant 7).
+    order: Mutex<Order>,
+    /// Slots of the array (the parked bios' stride).
+    legs: usize,
+}
+
+/// A write in the order table (invariant 7).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Its per-I/O slot.
+    id: u32,
+    /// Array bytes [start, end).
+    start: u64,
+    end: u64,
+    /// Legs its bio is in flight on.
+    issued: u32,
+    /// Legs whose bio waits in `Order::bios`.
+    parked: u32,
+}
+
+/// The order table (invariant 7).
+struct Order {
+    /// In submission order; at most one per slot.
+    entries: VecDeque<Entry>,
+    /// Parked bios, at `id * legs + leg`.
+    bios: Vec<Option<Bio>>,
+}
+
+impl Order {
+    /// The first parked bio on `leg` that no earlier overlapping entry holds back there:
+    /// marked issued and taken.
+    fn next_ready(&mut self, leg: usize, legs: usize) -> Option<Bio> {
+        let bit = 1u32 << leg;
+        let j =
+            (0..self.entries.len()).find(|&j| {
+                let e = self.entries[j];
+                e.parked & bit != 0
+                    && !self.entries.iter().take(j).any(|p| {
+                        (p.issued | p.parked) & bit != 0 && p.start < e.end && e.start < p.end
+                    })
+            })?;
+        let e = &mut self.entries[j];
+        e.parked &= !bit;
+        e.issued |= bit;
+        let at = e.id as usize * legs + leg;
+        self.bios.get_mut(at).and_then(Option::take)
+    }
 }
 
 impl WriteBehind {
-    pub(crate) fn new(limit: u32, depth: usize) -> Self {
+    /// N = `limit`, for `depth` per-I/O slots and `legs` leg slots.
+    pub(crate) fn new(limit: u32, depth: usize, legs: usize) -> Self {
+        // The order table only when write-behind is on.
+        let (entries, parked) = if limit > 0 {
+            (depth, depth * legs)
+        } else {
+            (0, 0)
+        };
         Self {
             limit,
             outstanding: AtomicU32::new(0),
             flush_waiting: AtomicU32::new(0),
             deferred: Mutex::new(VecDeque::with_capacity(depth)),
             drained: WaitQueue::new(),
+            order: Mutex::new(Order {
+                entries: VecDeque::with_capacity(entries),
+                bios: (0..parked).map(|_| None).collect(),
+            }),
+            legs,
+        }
+    }
+
+    /// A write in slot `id` over array bytes [start, end), about to be submitted to `legs`
+    /// (`bios[i]` for leg i), behind on `behind_legs` (0: not behind): parks the bios that
+    /// must wait for an earlier overlapping write (taken out of `bios`) and returns the legs
+    /// whose completion must call `ordered_done` (invariant 7). Called with the slot's `Io`
+    /// set up and its lock held.
+    pub(crate) fn order(
+        &self,
+        id: u32,
+        (start, end): (u64, u64),
+        legs: u32,
+        behind_legs: u32,
+        bios: &mut [Option<Bio>],
+    ) -> u32 {
+        if self.limit == 0 {
+            return 0;
+        }
+        let mut o = self.order.lock();
+        let wait = o
+            .entries
+            .iter()
+            .filter(|e| e.start < end && start < e.end)
+            .fold(0, |w, e| w | ((e.issued | e.parked) & legs));
+        let tracked = behind_legs | wait;
+        if tracked == 0 {
+            return 0;
+        }
+        if o.entries.len() == o.entries.capacity() {
+            // Cannot happen (one entry per slot in use); rather than grow, order nothing.
+            return 0;
+        }
+        let base = id as usize * self.legs;
+        let mut w = wait;
+        while w != 0 {
+            let i = w.trailing_zeros() as usize;
+            w &= w - 1;
+            let b = bios.get_mut(i).and_then(Option::take);
+            if let Some(p) = o.bios.get_mut(base + i) {
+                *p = b;
+            }
+        }
+        o.entries.push_back(Entry {
+            id,
+            start,
+            end,
+            issued: behind_legs & !wait,
+            parked: wait,
+        });
+        tracked
+    }
+
+    /// Leg `leg` completed the bio of slot `id` that `order` counted: hands each parked bio
+    /// on that leg this lets go to `issue`, one at a time, the lock not held (invariant 7).
+    pub(crate) fn ordered_done(&self, id: u32, leg: usize, mut issue: impl FnMut(Bio)) {
+        let bit = 1u32 << leg;
+        let mut next = {
+            let mut o = self.order.lock();
+            if let Some(p) = o.entries.iter().position(|e| e.id == id) {
+                let e = &mut o.entries[p];
+                e.issued &= !bit;
+                if e.issued | e.parked == 0 {
+                    let _ = o.entries.remove(p);
+                }
+            }
+            o.next_ready(leg, self.legs)
+        };
+        while let Some(b) = next {
+            issue(b);
+            next = self.order.lock().next_ready(leg, self.legs);
         }
     }
 

@@ -301,6 +301,9 @@ pub(crate) struct Io {
     pub(crate) behind: bool,
     /// Legs not write-behind still to complete.
     pub(crate) sync_left: u32,
+    /// Legs whose completion of this write the write-behind order table counts (invariant
+    /// 7 of `behind`): `leg_done` calls `ordered_done` for them.
+    pub(crate) ordered: u32,
     /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
     /// what the write covered).
     pub(crate) acked: bool,

@@ -361,6 +361,12 @@ impl Inner {
                 counted,
                 ..Io::default()
             };
+            // Overlapping writes reach each leg in order: a bio that must wait for an earlier
+            // write on its leg is parked (invariant 7 of `behind`), under the slot's lock so
+            // that `ordered` is set before any of its bios can complete.
+            io.ordered = self
+                .wb
+                .order(id, (off, off + len), mask, wb_legs, &mut bios);
         }
         // The submitter's own admission while it submits (see `slot`): the write's may end
         // inside the last leg's `submit`.
@@ -459,19 +465,27 @@ impl Inner {
     /// out submits the flushes that waited (see `behind`).
     fn wb_release(&self) {
         self.wb.release(|id, legs| {
-            for (i, l) in self.legs.iter().enumerate() {
+            for i in 0..self.legs.len() {
                 if legs & (1 << i) == 0 {
                     continue;
                 }
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
-                l.inc_pending();
-                match l.dev() {
-                    Some(d) => d.submit(b, self.leg_end(i)),
-                    None => self.leg_done(i, b, Err(eio("raid1: leg vanished"))),
-                }
+                self.submit_to_leg(i, b);
             }
         });
+    }
+
+    /// Submits a leg bio outside the submitter's path (a deferred flush, a parked write),
+    /// through the leg's lock: the I/O it belongs to is admitted, but its admission may end
+    /// inside `submit` (see `slot`).
+    fn submit_to_leg(&self, i: usize, b: Bio) {
+        let l = &self.legs[i];
+        l.inc_pending();
+        match l.dev() {
+            Some(d) => d.submit(b, self.leg_end(i)),
+            None => self.leg_done(i, b, Err(eio("raid1: leg vanished"))),
+        }
     }
 
     pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
@@ -543,6 +557,16 @@ impl Inner {
         };
         let id = bio.cookie as u32;
         let mut io = slot.lock();
+        if io.ordered & (1 << leg) != 0 {
+            // Before this completion's bookkeeping, its slot lock not held: the writes that
+            // waited for this one on this leg go now (invariant 7 of `behind`). The slot
+            // stays this write's meanwhile (`remaining` still counts this leg).
+            io.ordered &= !(1 << leg);
+            drop(io);
+            self.wb
+                .ordered_done(id, leg, |b| self.submit_to_leg(leg, b));
+            io = slot.lock();
+        }
         if matches!(io.kind, Kind::Read | Kind::Write) {
             self.legs[leg].note_rtt(id, blk::stats::batch_ns().saturating_sub(io.sent_ns));
         }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
-use raid1::{Raid1, Raid1Config};
+use raid1::{Raid1, Raid1Config, SyncAction};
 use testkit::{wait_until_within, Collect, Forward, Hook};
 
 const SOON: Duration = Duration::from_secs(30);
@@ -33,6 +33,8 @@ enum Ev {
 struct Gate {
     data_sector: AtomicU64,
     closed: AtomicBool,
+    /// Holds, even while open, the data writes whose first byte is this (until `open`).
+    hold_first: Mutex<Option<u8>>,
     held: Mutex<Vec<(Bio, Arc<dyn EndIo>)>>,
     writes_done: Arc<AtomicU64>,
     events: Arc<Mutex<Vec<Ev>>>,
@@ -78,7 +80,10 @@ impl Hook for Gate {
                     events: self.events.clone(),
                     end: end.clone(),
                 });
-                if self.closed.load(Ordering::SeqCst) {
+                let first = bio.buf.as_ref().and_then(|b| b.as_slice().first().copied());
+                let hold = self.closed.load(Ordering::SeqCst)
+                    || first.is_some_and(|f| *self.hold_first.lock().unwrap() == Some(f));
+                if hold {
                     self.held.lock().unwrap().push((bio, e));
                 } else {
                     inner.submit(bio, &e)
@@ -92,6 +97,7 @@ impl Hook for Gate {
 impl Gate {
     fn open(&self, inner: &dyn Device) {
         self.closed.store(false, Ordering::SeqCst);
+        *self.hold_first.lock().unwrap() = None;
         let held = std::mem::take(&mut *self.held.lock().unwrap());
         for (b, e) in held {
             inner.submit(b, &e);
@@ -103,12 +109,22 @@ struct Setup {
     r: Arc<Raid1>,
     local: Arc<Forward<Gate>>,
     slow: Arc<Forward<Gate>>,
+    /// The slots of `local` and `slow`.
+    local_slot: usize,
+    slow_slot: usize,
+}
+
+impl Drop for Setup {
+    /// A test that failed with writes held still stops the array (which waits for them).
+    fn drop(&mut self) {
+        for f in [&self.local, &self.slow] {
+            f.hook().open(f.inner().as_ref());
+        }
+    }
 }
 
 /// Leg 0 local, leg 1 write-mostly and slow (gated); `write_behind=N`.
 fn setup() -> Setup {
-    let local = Arc::new(Forward::with_hook(mem("16M"), Gate::default()));
-    let slow = Arc::new(Forward::with_hook(mem("16M"), Gate::default()));
     // raid1d's tick (bitmap flush epochs, which flush the legs) never comes during a test:
     // the flushes a leg sees are the array's.
     let cfg = Raid1Config {
@@ -116,15 +132,29 @@ fn setup() -> Setup {
         tick: Duration::from_secs(3600),
         ..cfg()
     };
-    let r = Raid1::create(
-        vec![
-            local.clone() as Arc<dyn Device>,
-            slow.clone() as Arc<dyn Device>,
-        ],
-        cfg,
-    )
-    .unwrap();
-    r.set_write_mostly(1, true).unwrap();
+    setup_with(mem("16M"), mem("16M"), false, cfg)
+}
+
+/// `local` and `slow`, each behind a gate, `slow` write-mostly; `slow` in slot 1, or in slot
+/// 0 when `slow_first`.
+fn setup_with(
+    local: Arc<dyn Device>,
+    slow: Arc<dyn Device>,
+    slow_first: bool,
+    cfg: Raid1Config,
+) -> Setup {
+    let local = Arc::new(Forward::with_hook(local, Gate::default()));
+    let slow = Arc::new(Forward::with_hook(slow, Gate::default()));
+    let (local_slot, slow_slot) = if slow_first { (1, 0) } else { (0, 1) };
+    let mut legs = vec![
+        local.clone() as Arc<dyn Device>,
+        slow.clone() as Arc<dyn Device>,
+    ];
+    if slow_first {
+        legs.reverse();
+    }
+    let r = Raid1::create(legs, cfg).unwrap();
+    r.set_write_mostly(slow_slot, true).unwrap();
     let ds = r.data_offset() >> SECTOR_SHIFT;
     // Count from here: what creating the array wrote is not what a test is about.
     for g in [local.hook(), slow.hook()] {
@@ -138,6 +168,8 @@ fn setup() -> Setup {
         r: Arc::new(r),
         local,
         slow,
+        local_slot,
+        slow_slot,
     }
 }
 
@@ -152,6 +184,22 @@ fn write_bio(off: u64, seed: u8, fua: bool) -> Bio {
         b.flags = BioFlags::FUA;
     }
     b
+}
+
+/// A 4 KiB write at `off` of `byte` repeated (the gate tells writes apart by first byte).
+fn fill_bio(off: u64, byte: u8, fua: bool) -> Bio {
+    let mut b = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, Buffer::new(4096));
+    b.buf.as_mut().unwrap().as_mut_slice().fill(byte);
+    if fua {
+        b.flags = BioFlags::FUA;
+    }
+    b
+}
+
+/// The bitmap's dirty chunks.
+fn dirty_chunks(r: &Raid1) -> u64 {
+    let bm = r.bitmap().unwrap();
+    bm.dirty_chunks().iter().map(|c| c.end - c.first).sum()
 }
 
 fn submit(r: &Raid1, b: Bio, c: &Arc<Collect>) {
@@ -334,10 +382,6 @@ fn a_chunks_bit_stays_set_until_the_slow_leg_has_the_write() {
         .data_sector
         .store(r.data_offset() >> SECTOR_SHIFT, Ordering::SeqCst);
     slow.hook().closed.store(true, Ordering::SeqCst);
-    let dirty = |r: &Raid1| -> u64 {
-        let bm = r.bitmap().unwrap();
-        bm.dirty_chunks().iter().map(|c| c.end - c.first).sum()
-    };
     let acked = Arc::new(Collect::default());
     submit(&r, write_bio(3 * MB, 3, false), &acked);
     acked.take()[0].1.as_ref().unwrap();
@@ -347,13 +391,13 @@ fn a_chunks_bit_stays_set_until_the_slow_leg_has_the_write() {
         slow.hook().seen_flushes.load(Ordering::SeqCst) >= f0 + 3
     });
     assert_eq!(
-        dirty(&r),
+        dirty_chunks(&r),
         1,
         "the bit of a chunk with a write behind stays set"
     );
     slow.hook().open(slow.inner().as_ref());
     wait_until_within("the bit cleared once the slow leg has it", SOON, || {
-        dirty(&r) == 0
+        dirty_chunks(&r) == 0
     });
 }
 
@@ -380,4 +424,148 @@ fn leg_status_reports_each_legs_round_trip() {
         fast.rtt_ns > 0 && fast.rtt_ns < slow.rtt_ns,
         "{fast:?} {slow:?}"
     );
+}
+
+/// Bits clear 10 ms after their chunk's last write ends; raid1d looks every 20 ms, and
+/// flushes every leg before each look.
+fn quiet_cfg() -> Raid1Config {
+    Raid1Config {
+        write_behind: N,
+        bitmap_quiet: Duration::from_millis(10),
+        ..cfg()
+    }
+}
+
+/// Writes 0xa5 then 0xb6 at offset 0 while the write-mostly leg holds the 0xa5 copy back:
+/// both are acknowledged by the other leg, the second goes to the write-mostly leg only
+/// after the first completed there, so that leg ends with 0xb6 too; the chunk's bit stays
+/// set until then, and the write-mostly leg alone serves 0xb6.
+fn overlapping_writes_land_in_order(s: &Setup) {
+    let (r, slow) = (s.r.as_ref(), s.slow.hook());
+    *slow.hold_first.lock().unwrap() = Some(0xa5);
+    let acked = Arc::new(Collect::default());
+    submit(r, fill_bio(0, 0xa5, false), &acked);
+    acked.take()[0].1.as_ref().unwrap();
+    submit(r, fill_bio(0, 0xb6, false), &acked);
+    acked.take()[0].1.as_ref().unwrap();
+    // Both behind, the second not sent to the write-mostly leg yet (asserted at the end,
+    // after what the order decides).
+    let behind = r.write_behind_outstanding();
+    let sent = slow.seen_writes.load(Ordering::SeqCst);
+    let flushed = Arc::new(Collect::default());
+    submit(r, Bio::new(Op::Flush, 0, 0), &flushed);
+    // Several of raid1d's looks later (each flushes the legs first), the flush still waits
+    // and the chunk's bit is still set.
+    let f0 = slow.seen_flushes.load(Ordering::SeqCst);
+    wait_until_within("three more looks", SOON, || {
+        slow.seen_flushes.load(Ordering::SeqCst) >= f0 + 3
+    });
+    assert!(flushed.is_empty(), "the flush waits for the writes behind");
+    assert_eq!(dirty_chunks(r), 1, "the chunk's bit stays set");
+    assert_eq!(slow.held.lock().unwrap().len(), 1);
+    slow.open(s.slow.inner().as_ref());
+    flushed.take()[0].1.as_ref().unwrap();
+    assert_eq!(r.write_behind_outstanding(), 0);
+    r.set_sync_action(SyncAction::Check).unwrap();
+    assert!(r.wait_sync_idle(SOON));
+    assert_eq!(r.sync_progress().mismatch_cnt, 0, "the legs agree");
+    let doff = r.data_offset();
+    for (what, leg) in [("other", &s.local), ("write-mostly", &s.slow)] {
+        assert!(
+            read(leg.inner().as_ref(), doff, 4096) == vec![0xb6; 4096],
+            "the {what} leg holds the second write"
+        );
+    }
+    wait_until_within("the bit cleared", SOON, || dirty_chunks(r) == 0);
+    r.fail_leg(s.local_slot).unwrap();
+    assert!(
+        read(r, 0, 4096) == vec![0xb6; 4096],
+        "the write-mostly leg alone serves the second write"
+    );
+    assert_eq!(behind, 2, "both writes were behind");
+    assert_eq!(
+        sent, 1,
+        "the second write waited for the first on the write-mostly leg"
+    );
+}
+
+#[test]
+fn overlapping_writes_reach_the_write_mostly_leg_in_order() {
+    let s = setup_with(mem("16M"), mem("16M"), false, quiet_cfg());
+    overlapping_writes_land_in_order(&s);
+}
+
+#[test]
+fn overlapping_writes_reach_a_local_file_write_mostly_leg_in_order() {
+    // A local file as the write-mostly leg, in the first slot, the other leg in memory.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leg.img");
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(16 * MB)
+        .unwrap();
+    let file = spec(&format!("file:{}", path.display()));
+    let s = setup_with(mem("16M"), file, true, quiet_cfg());
+    assert_eq!(s.slow_slot, 0);
+    overlapping_writes_land_in_order(&s);
+}
+
+#[test]
+fn a_fua_write_over_a_write_behind_reaches_the_write_mostly_leg_after_it() {
+    let s = setup();
+    let slow = s.slow.hook();
+    *slow.hold_first.lock().unwrap() = Some(0xa5);
+    let acked = Arc::new(Collect::default());
+    submit(&s.r, fill_bio(0, 0xa5, false), &acked);
+    acked.take()[0].1.as_ref().unwrap();
+    // A FUA write is never behind: it waits for the write-mostly leg, which gets it only
+    // after the write behind it overlaps.
+    let fua = Arc::new(Collect::default());
+    submit(&s.r, fill_bio(0, 0xb6, true), &fua);
+    assert_eq!(s.local.hook().seen_writes.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        slow.seen_writes.load(Ordering::SeqCst),
+        1,
+        "the FUA write waits for the write behind on the write-mostly leg"
+    );
+    assert!(fua.is_empty());
+    slow.open(s.slow.inner().as_ref());
+    fua.take()[0].1.as_ref().unwrap();
+    assert!(read(s.slow.inner().as_ref(), s.r.data_offset(), 4096) == vec![0xb6; 4096]);
+    assert_legs_equal(&s.r, s.local.inner().as_ref(), s.slow.inner().as_ref());
+}
+
+#[test]
+fn writes_that_do_not_overlap_a_write_behind_are_not_held_back_by_it() {
+    let s = setup();
+    let slow = s.slow.hook();
+    *slow.hold_first.lock().unwrap() = Some(0xa5);
+    let acked = Arc::new(Collect::default());
+    submit(&s.r, fill_bio(0, 0xa5, false), &acked);
+    acked.take()[0].1.as_ref().unwrap();
+    // Right after it in the same chunk, and elsewhere (FUA: acknowledged only once the
+    // write-mostly leg has it): both complete on the write-mostly leg while the first is
+    // still held there.
+    submit(&s.r, fill_bio(4096, 0xb6, false), &acked);
+    submit(&s.r, fill_bio(3 * MB, 0xc7, true), &acked);
+    let done = acked.wait_for(2);
+    assert!(done.iter().all(|(_, r)| r.is_ok()));
+    wait_until_within("both completed on the write-mostly leg", SOON, || {
+        slow.writes_done.load(Ordering::SeqCst) == 2
+    });
+    assert_eq!(
+        slow.held.lock().unwrap().len(),
+        1,
+        "the first is still held"
+    );
+    assert_eq!(s.r.write_behind_outstanding(), 1);
+    slow.open(s.slow.inner().as_ref());
+    wait_until_within("nothing behind", SOON, || {
+        s.r.write_behind_outstanding() == 0
+    });
+    let doff = s.r.data_offset();
+    for (off, byte) in [(0, 0xa5), (4096, 0xb6), (3 * MB, 0xc7)] {
+        assert!(read(s.slow.inner().as_ref(), doff + off, 4096) == vec![byte; 4096]);
+    }
+    assert_legs_equal(&s.r, s.local.inner().as_ref(), s.slow.inner().as_ref());
 }
