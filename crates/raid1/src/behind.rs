@@ -39,8 +39,8 @@
 //!    to reach 0 (`wait_drained`, woken by `release`), and chooses again. It never sleeps
 //!    admitted (a freeze would wait for it while the writes it waits for wait for nothing).
 //!    While it waits it counts in `flush_waiting` too, so no new write goes behind and the
-//!    count drains (a read can reach a write-mostly leg while another leg takes writes: the
-//!    resync's reads go to the first in-sync leg, whichever it is).
+//!    count drains (a read can reach a write-mostly leg while another leg takes writes: when
+//!    it is the only in-sync leg, the resync's reads go to it).
 //! 6. **No allocation per I/O**: a counter, a queue preallocated for `depth` flushes, and
 //!    the order table of 7 (a queue of `depth` entries and `depth` x legs parked bios).
 //! 7. **Overlapping writes reach a leg in order** (md's CollisionCheck). Acknowledged before
