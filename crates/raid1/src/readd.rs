@@ -338,12 +338,14 @@ impl Inner {
             Ok(a) if a.newest != 0 => Err(
                 if ours.lineage.kinship(&sb.lineage) == Kinship::Descendant {
                     format!(
-                        "its history went on without this array: its {} follows the array's                          {} (it ran, and was written, without this array)",
+                        "its history went on without this array: its {} follows the array's \
+                         {} (it ran, and was written, without this array)",
                         sb.lineage, ours.lineage
                     )
                 } else {
                     format!(
-                        "its events ({}) are past the array's ({}): it was written without                          this array",
+                        "its events ({}) are past the array's ({}): it was written without \
+                         this array",
                         sb.events, ours.events
                     )
                 },

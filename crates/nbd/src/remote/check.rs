@@ -2,7 +2,9 @@
 //! reconnection is made current, and so before any request (a re-send, a write waiting) is
 //! sent on it, the bytes the check asks for are read through it and judged. A refusal kills
 //! the device (every request fails with `EIO` naming the refusal, for good), as an export whose
-//! size changed does: the server that answered is not the one the device was serving.
+//! size changed does: the server that answered is not the one the device was serving. The
+//! refusal is kept, and every later connection of the device (another of its `conns=`) is
+//! refused with it; a connection that never broke stays with the server it was opened on.
 
 use blk::ConnectCheck;
 use blkq_sync::{DynArc, Mutex};
@@ -14,6 +16,8 @@ use crate::client::Client;
 #[derive(Default)]
 pub(super) struct Hook {
     check: Mutex<Option<DynArc<dyn ConnectCheck>>>,
+    /// The first refusal (already naming the URI).
+    refused: Mutex<Option<String>>,
 }
 
 /// What the check says of a new connection.
@@ -34,6 +38,9 @@ impl Hook {
     /// spec's timeout). An error is a failed attempt (the read did not complete): the next
     /// attempt follows.
     pub(super) fn judge(&self, uri: &str, opened: &Opened) -> Result<Verdict, RemoteError> {
+        if let Some(why) = self.refused.lock().clone() {
+            return Ok(Verdict::Refuse(why));
+        }
         // Not held across the read (it waits for the server).
         let Some(check) = self.check.lock().clone() else {
             return Ok(Verdict::Accept);
@@ -71,10 +78,14 @@ impl Hook {
         drop(current);
         Ok(match verdict {
             Ok(()) => Verdict::Accept,
-            Err(why) => Verdict::Refuse(format!(
-                "{uri}: the server that answered after a reconnection was refused: {why}; not \
-                 resuming"
-            )),
+            Err(why) => {
+                let why = format!(
+                    "{uri}: the server that answered after a reconnection was refused: {why}; \
+                     not resuming"
+                );
+                *self.refused.lock() = Some(why.clone());
+                Verdict::Refuse(why)
+            }
         })
     }
 }
