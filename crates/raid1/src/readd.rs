@@ -36,6 +36,19 @@
 //! A leg failed by the operator ([`Raid1::fail_leg`]) or found faulty at assembly (nobody
 //! knows then why it failed) stays faulty until it is removed and added. The rule is per
 //! placement: a new device in the slot (`gen`) starts afresh.
+//!
+//! # A leg that reconnects by itself
+//!
+//! A remote leg's device re-establishes a lost connection on its own, and a leg that never
+//! failed (nothing was sent to it while its server was away) would be served again as it
+//! answers then: the failover's branch, another array's leg. So the same verdict
+//! ([`Inner::identify`]) judges every new connection of every placed leg before anything is
+//! sent on it ([`blk::Device::check_connections`], `LegConnections`), against an in-sync
+//! leg's view or, with none, another slot's: a leg refused is failed, the refusal named in
+//! the log and in `status`/`detail` (`on reconnection: ...`), and its device fails every
+//! request from then on, so nothing the array writes reaches it; it comes back only by
+//! `remove` and `add`. (A reconnection in the moment between assembly's or `add`'s read of
+//! the superblock and the placement is not judged: that read was.)
 
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -61,7 +74,8 @@ pub struct ReaddStatus {
     /// Why the last probe found no answer (a read error, or no answer within the interval).
     pub last_error: Option<String>,
     /// Why the returning leg was refused (a different history); cleared when its superblock
-    /// changes.
+    /// changes. A refusal at a reconnection (`on reconnection: ...`) stays until the leg is
+    /// removed: its device serves no more.
     pub refused: Option<String>,
     /// Automatic re-adds of this slot since the array started.
     pub readds: u64,
