@@ -192,6 +192,27 @@ pub trait Device: Send + Sync {
     fn dirty_bitmaps(&self) -> Option<&dyn crate::DirtyBitmaps> {
         None
     }
+    /// For a device that connects again to what backs it (a remote export whose server went
+    /// away and came back): has `check` judge every later connection before the device
+    /// serves on it, before anything (a request waiting, a re-send) is sent on it; `None`
+    /// removes it. Returns whether the device reconnects at all (default: it does not, and
+    /// `check` is dropped). A wrapping device forwards it.
+    fn check_connections(&self, _check: Option<Arc<dyn ConnectCheck>>) -> bool {
+        false
+    }
+}
+
+/// What a device that reconnects asks of each new connection before it serves on it
+/// ([`Device::check_connections`]): the owner reads who answers. A mirror installs one on each
+/// remote leg, so a leg's server that comes back with another array's leg, another slot's, or
+/// a history that went on without the mirror is refused instead of served.
+pub trait ConnectCheck: Send + Sync {
+    /// The bytes to read through the new connection: (offset, length), in bytes.
+    fn range(&self) -> (u64, usize);
+    /// Judges those bytes: `Ok` serves on the connection; `Err(why)` refuses it, and the
+    /// device then fails every request, now and later, with `why` in the errors. Called on
+    /// the device's own thread: it must not wait for the device's I/O.
+    fn check(&self, bytes: &[u8]) -> Result<(), String>;
 }
 
 /// A bio submitted by a thread that will wait for it: [`PendingBio::submit`], then

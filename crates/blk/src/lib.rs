@@ -21,7 +21,9 @@ pub mod stats;
 pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
-pub use device::{submit_wait, submit_wait_until, Device, Extent, Limits, PendingBio};
+pub use device::{
+    submit_wait, submit_wait_until, ConnectCheck, Device, Extent, Limits, PendingBio,
+};
 pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
 pub use home::RecvSource;

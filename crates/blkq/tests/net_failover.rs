@@ -6,7 +6,10 @@
 //!   refused naming both generations, `add --discard` copies exactly the union of the chunks
 //!   either side wrote, and every read is the back's data;
 //! - when the front died, its history is an earlier point of the back's: `add` takes it
-//!   back at once and copies only what the back wrote.
+//!   back at once and copies only what the back wrote;
+//! - when the front is still running and the leg's server comes back (serving the branch the
+//!   back wrote), the front reads the leg's superblock on reconnecting and refuses it: the
+//!   leg fails, the refusal is named in `status`, and the leg keeps its superblock.
 //!
 //! Every write acknowledged and flushed by the front is read back from the back after the
 //! failover; the leg files compare equal at the end. Skipped, saying why, where namespaces
@@ -47,9 +50,9 @@ fn sub(d: &Path, name: &str) -> std::path::PathBuf {
     p
 }
 
-/// The set-up both tests share: leg files `a` (front) and `b` (back), `b` served on the back
-/// host, the front's array over `file:a` and `b`'s export, and acknowledged, flushed writes
-/// into `chunks` through the front. Returns the front and the leg's server and the ledger.
+/// The set-up the tests share: leg files `a` (front) and `b` (back), `b` served on the back
+/// host, the front's array over `file:a` and `b`'s export (with `leg_opts` after its
+/// `timeout=2`). Returns the front and the leg's server.
 struct Pair {
     a: std::path::PathBuf,
     b: std::path::PathBuf,
@@ -57,7 +60,7 @@ struct Pair {
     leg: Running,
 }
 
-fn pair(hosts: &Hosts, d: &Path) -> Pair {
+fn pair(hosts: &Hosts, d: &Path, leg_opts: &str) -> Pair {
     let (a, a_spec) = leg_file(d, "a.img", LEG_SIZE);
     let (b, b_spec) = leg_file(d, "b.img", LEG_SIZE);
     let leg = serve_on(
@@ -69,7 +72,7 @@ fn pair(hosts: &Hosts, d: &Path) -> Pair {
     );
     let front = Server::launch(
         &sub(d, "front"),
-        &format!("{a_spec},nbd://{BACK_IP}:{LEG_PORT}/,timeout=2"),
+        &format!("{a_spec},nbd://{BACK_IP}:{LEG_PORT}/,timeout=2{leg_opts}"),
         &[
             "--raid1-create",
             "--raid1-option",
@@ -111,7 +114,7 @@ fn a_front_cut_off_that_went_on_writing_is_refused_then_discarded_by_the_union()
         return;
     };
     let d = tempfile::tempdir().unwrap();
-    let mut p = pair(&hosts, d.path());
+    let mut p = pair(&hosts, d.path(), "");
     // Both sides later write into these chunks (the front after the cut, the back after the
     // failover), so the chunks to copy are exactly their union whatever bits the legs' own
     // bitmaps still held when they parted.
@@ -192,7 +195,7 @@ fn a_front_that_died_is_taken_back_at_once_and_copies_only_what_the_back_wrote()
         return;
     };
     let d = tempfile::tempdir().unwrap();
-    let mut p = pair(&hosts, d.path());
+    let mut p = pair(&hosts, d.path(), "");
     let back_only = [30u64, 31, 32];
     // The front dies (SIGKILL) after acknowledged, flushed writes: they are on both legs.
     // (Dying with writes in flight is raid_loss's test.)
@@ -222,4 +225,72 @@ fn a_front_that_died_is_taken_back_at_once_and_copies_only_what_the_back_wrote()
     assert_eq!(ledger.verify(&mut back.client()), 8 * back_only.len());
     let (doff, cap) = geometry(&v);
     assert_leg_files_equal(&p.a, &p.b, doff, cap);
+}
+
+/// The superblock block of leg file `f`.
+fn superblock_of(f: &Path) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0; 4096];
+    std::fs::File::open(f)
+        .unwrap()
+        .read_exact_at(&mut b, 4096)
+        .unwrap();
+    b
+}
+
+#[test]
+fn a_front_still_running_refuses_its_leg_back_from_a_failover() {
+    let Some(hosts) = hosts_or_skip("a_front_still_running_refuses_its_leg") else {
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    // Requests to the leg wait for it longer than the failover takes: only the check fails it.
+    let mut p = pair(&hosts, d.path(), ",reconnect_deadline=120");
+    let load = Load::start(p.front.client(), blocks_in(&[20]), Ledger::default());
+    load.wait_more(100);
+    let acked = load.stop();
+
+    // The README's failover, with the front still running: the back serves its leg alone
+    // and takes writes, then its leg's server comes back on the same address.
+    let mut back = promote(&hosts, d.path(), &mut p);
+    let load = Load::start(back.client(), blocks_in(&[30]), Ledger::default());
+    load.wait_more(100);
+    let theirs = load.stop();
+    assert!(back.stop(), "the back's clean stop");
+    let branch = superblock_of(&p.b);
+    p.leg = serve_on(
+        &hosts.back(),
+        d.path(),
+        "leg-again",
+        &format!("file:{}", p.b.display()),
+        &format!("{BACK_IP}:{LEG_PORT}"),
+    );
+
+    let v = p.front.wait_for(
+        &|v| leg_state(v, 1) == "faulty" && v["legs"][1]["refused"].is_string(),
+        "the front refused its leg back",
+    );
+    let why = v["legs"][1]["refused"].as_str().unwrap();
+    assert!(why.contains("without this array"), "{v}");
+    assert!(p.front.status().contains("refused"), "{}", p.front.status());
+    // The front's data, never the branch's; it goes on writing.
+    let mut c = p.front.client();
+    assert_eq!(acked.verify(&mut c), 8);
+    for block in theirs.blocks() {
+        assert!(
+            c.read(block * BLOCK, BLOCK)
+                .unwrap()
+                .iter()
+                .all(|&x| x == 0),
+            "block {block}: the branch is served"
+        );
+    }
+    let load = Load::start(c, blocks_in(&[21]), acked);
+    load.wait_more(50);
+    load.stop();
+    p.front.stop();
+    assert!(
+        superblock_of(&p.b) == branch,
+        "the leg's superblock was written over"
+    );
 }

@@ -474,7 +474,9 @@ pub struct Client {
 }
 
 impl Client {
-    fn new(
+    /// The transmission phase on a stream negotiated elsewhere (the remote device checks a
+    /// new connection with one request before its own threads take the socket).
+    pub(crate) fn new(
         stream: Stream,
         mode: TransmissionMode,
         details: ExportDetails,

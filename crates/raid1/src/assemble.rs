@@ -623,6 +623,9 @@ impl Raid1 {
             l.state.store(p.state, Ordering::Release);
         }
         let _ = inner.barriers.unfreeze_array();
+        for i in 0..a.nr_slots {
+            inner.watch_connections(i);
+        }
         // Found faulty: nobody knows why it failed, so it is never re-added by itself.
         for i in 0..a.nr_slots {
             if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {

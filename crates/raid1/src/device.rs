@@ -574,6 +574,8 @@ impl Raid1 {
         };
         let _ = self.inner.barriers.unfreeze_array();
         let dev = r?.ok_or(Raid1Error::Slot(i, "empty"))?;
+        // Not the array's leg any more: its connections are not judged by it.
+        dev.check_connections(None);
         self.inner.state_changed();
         // On disk before this returns (md updates the superblock on a hot remove): the leg
         // may be pulled at once, and assembly must then not need it.
@@ -680,6 +682,12 @@ impl Drop for Raid1 {
             };
             let _ = self.inner.write_superblocks_state(state);
         }
+        // No check of a leg's connection runs once this returns (it would hold the array).
+        for l in self.inner.legs.iter() {
+            if let Some(dev) = l.dev() {
+                dev.check_connections(None);
+            }
+        }
     }
 }
 
@@ -739,6 +747,7 @@ impl Inner {
         l.read_errors.store(0, Ordering::Relaxed);
         l.head.store(u64::MAX, Ordering::Relaxed);
         l.state.store(PRESENT | keep, Ordering::Release);
+        self.watch_connections(i);
     }
 
     /// The bitmap's time (since `origin_ns`): the coarse clock, as the block layer's

@@ -48,6 +48,8 @@
 //!   superblock of each leg that failed on an I/O error and re-adds it in place when it
 //!   answers as this slot's leg of this array (a bitmap recovery under md's re-add rule); a
 //!   leg with another history is refused, named ([`Raid1::readd_status`]) and left untouched.
+//!   The same judge runs on every reconnection of a leg that reconnects by itself (a remote
+//!   leg), before anything is sent on it, and fails a leg it refuses.
 //!
 //! # The sync thread ([`sync`])
 //!

@@ -36,6 +36,19 @@
 //! A leg failed by the operator ([`Raid1::fail_leg`]) or found faulty at assembly (nobody
 //! knows then why it failed) stays faulty until it is removed and added. The rule is per
 //! placement: a new device in the slot (`gen`) starts afresh.
+//!
+//! # A leg that reconnects by itself
+//!
+//! A remote leg's device re-establishes a lost connection on its own, and a leg that never
+//! failed (nothing was sent to it while its server was away) would be served again as it
+//! answers then: the failover's branch, another array's leg. So the same verdict
+//! ([`Inner::identify`]) judges every new connection of every placed leg before anything is
+//! sent on it ([`blk::Device::check_connections`], `LegConnections`), against an in-sync
+//! leg's view or, with none, another slot's: a leg refused is failed, the refusal named in
+//! the log and in `status`/`detail` (`on reconnection: ...`), and its device fails every
+//! request from then on, so nothing the array writes reaches it; it comes back only by
+//! `remove` and `add`. (A reconnection in the moment between assembly's or `add`'s read of
+//! the superblock and the placement is not judged: that read was.)
 
 use std::sync::Weak;
 use std::time::{Duration, Instant};
@@ -47,6 +60,7 @@ use blkq_sync::Mutex;
 
 use crate::assemble::{left_in_sync, readd_covers, Assembly, AssemblyError};
 use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::generation::Kinship;
 use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
 
 /// `readd=auto`'s probe period unless `readd_interval_ms` says otherwise.
@@ -60,13 +74,40 @@ pub struct ReaddStatus {
     /// Why the last probe found no answer (a read error, or no answer within the interval).
     pub last_error: Option<String>,
     /// Why the returning leg was refused (a different history); cleared when its superblock
-    /// changes.
+    /// changes. A refusal at a reconnection (`on reconnection: ...`) stays until the leg is
+    /// removed: its device serves no more.
     pub refused: Option<String>,
     /// Automatic re-adds of this slot since the array started.
     pub readds: u64,
     /// Automatic re-adds since the leg was last in sync: each doubles the wait before the
     /// first probe after its next failure (up to 64 intervals).
     pub backoff: u32,
+}
+
+/// The check a mirror installs on a leg's device that reconnects by itself (a remote leg,
+/// [`blk::Device::check_connections`]): every new connection reads the leg's superblock
+/// before anything is sent on it, and [`Inner::identify`] judges it as the re-add does. A leg
+/// refused is failed, the refusal named in the log and in [`Raid1::readd_status`], and the
+/// device fails every request from then on: nothing the array writes (its superblocks above
+/// all) reaches the leg. It stays so until the operator removes it and adds it again.
+struct LegConnections {
+    inner: Weak<Inner>,
+    slot: usize,
+    /// The placement (`Leg::gen`) it was installed for: another one is not judged.
+    gen: u64,
+}
+
+impl blk::ConnectCheck for LegConnections {
+    fn range(&self) -> (u64, usize) {
+        (SB_OFFSET, SB_SIZE)
+    }
+
+    fn check(&self, bytes: &[u8]) -> Result<(), String> {
+        match self.inner.upgrade() {
+            Some(inner) => inner.judge_connection(self.slot, self.gen, bytes),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The completion of one probe: raid1d reads `out` on its next pass.
@@ -263,57 +304,138 @@ impl Inner {
         if refused.is_some_and(|(r, _)| r.as_slice() == bytes) {
             return Verdict::Unchanged;
         }
-        let refuse = |why: String| Verdict::Refuse(bytes.to_vec(), why);
-        let sb = match Superblock::decode(bytes) {
-            Ok(sb) => sb,
-            Err(e) => return refuse(format!("it carries no superblock of this array ({e})")),
+        let Some(other) = self.in_sync_other(i) else {
+            return Verdict::Down("no in-sync leg to compare its superblock with".into());
         };
-        // The array's view, as another slot carries it (assembly sees the two side by side;
-        // the slot's own view would share the leg's UUID).
-        let Some(other) = (0..self.legs.len()).find(|&j| {
+        match self.identify(i, other, bytes) {
+            Ok(bitmap) => Verdict::Readd { bitmap },
+            Err(why) => Verdict::Refuse(bytes.to_vec(), why),
+        }
+    }
+
+    /// An in-sync leg other than `i`, if any.
+    fn in_sync_other(&self, i: usize) -> Option<usize> {
+        (0..self.legs.len()).find(|&j| {
             j != i
                 && self.legs[j].state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
                     == PRESENT | IN_SYNC
-        }) else {
-            return Verdict::Down("no in-sync leg to compare its superblock with".into());
-        };
+        })
+    }
+
+    /// Whether `bytes`, read at a leg's superblock place, make it slot `i`'s leg of this
+    /// array at a point of the array's history: the rules of assembly ([`Assembly::decide`])
+    /// applied to its superblock and the array's view as slot `other` carries it (assembly
+    /// sees the two side by side; the slot's own view would share the leg's UUID). `Ok`
+    /// says whether the bitmap's dirty chunks cover what it missed (the re-add rule,
+    /// [`readd_covers`]); `Err` why it is another history: no superblock, another array,
+    /// another leg of this slot or another slot, events past the array's, or a history that
+    /// diverged. The one judge of a returning leg: the automatic re-add's probe and every
+    /// reconnection of a leg ([`LegConnections`]).
+    fn identify(&self, i: usize, other: usize, bytes: &[u8]) -> Result<bool, String> {
+        let sb = Superblock::decode(bytes)
+            .map_err(|e| format!("it carries no superblock of this array ({e})"))?;
         let ours = self.superblock_for(other);
         let slot = |sb: &Superblock| match sb.role {
             Role::Slot(n) => format!("slot {n}"),
             Role::Spare => "a spare".to_string(),
         };
         match Assembly::decide(&[Some(&ours), Some(&sb)]) {
-            Err(AssemblyError::ForeignLeg { .. }) => refuse(format!(
+            Err(AssemblyError::ForeignLeg { .. }) => Err(format!(
                 "its superblock belongs to array {}, not {}",
                 sb.array_uuid, ours.array_uuid
             )),
-            Err(AssemblyError::DuplicateLeg { .. }) => refuse(format!(
+            Err(AssemblyError::DuplicateLeg { .. }) => Err(format!(
                 "its superblock names leg {}, which is slot {other}'s",
                 sb.leg_uuid
             )),
-            Err(e) => refuse(e.to_string()),
-            Ok(a) if a.newest != 0 => refuse(format!(
-                "its events ({}) are past the array's ({}): it was written without this array",
-                sb.events, ours.events
-            )),
-            Ok(a) if a.slots[1] != Some(i) => refuse(format!(
+            Err(e) => Err(e.to_string()),
+            Ok(a) if a.newest != 0 => Err(
+                if ours.lineage.kinship(&sb.lineage) == Kinship::Descendant {
+                    format!(
+                        "its history went on without this array: its {} follows the array's \
+                         {} (it ran, and was written, without this array)",
+                        sb.lineage, ours.lineage
+                    )
+                } else {
+                    format!(
+                        "its events ({}) are past the array's ({}): it was written without \
+                         this array",
+                        sb.events, ours.events
+                    )
+                },
+            ),
+            Ok(a) if a.slots[1] != Some(i) => Err(format!(
                 "its superblock is {} (leg {}), not slot {i}'s leg ({})",
                 slot(&sb),
                 sb.leg_uuid,
                 ours.legs.get(i).map_or(uuid::Uuid::nil(), |l| l.uuid)
             )),
-            Ok(_) => Verdict::Readd {
-                bitmap: self.bitmap.as_ref().is_some_and(|bm| {
-                    readd_covers(
-                        &ours.lineage,
-                        sb.lineage.current.id,
-                        left_in_sync(&sb, i),
-                        sb.events,
-                        bm.events_cleared(),
-                    )
-                }),
-            },
+            Ok(_) => Ok(self.bitmap.as_ref().is_some_and(|bm| {
+                readd_covers(
+                    &ours.lineage,
+                    sb.lineage.current.id,
+                    left_in_sync(&sb, i),
+                    sb.events,
+                    bm.events_cleared(),
+                )
+            })),
         }
+    }
+
+    /// Has every later connection of slot `i`'s device judged by [`Inner::identify`]
+    /// (`LegConnections`), for a device that reconnects by itself (a remote leg). Called
+    /// when a device is placed in the slot (assembly, creation, `add_leg`, the re-add).
+    pub(crate) fn watch_connections(&self, i: usize) {
+        let l = &self.legs[i];
+        let Some(dev) = l.dev() else { return };
+        let check = LegConnections {
+            inner: self.me.clone(),
+            slot: i,
+            gen: l.gen.load(Ordering::Acquire),
+        };
+        dev.check_connections(Some(StdArc::new(check)));
+    }
+
+    /// A new connection of slot `i`'s device (placement `gen`) answered with `bytes` at its
+    /// superblock's place: refused unless it is this slot's leg of this array (see
+    /// `LegConnections`).
+    fn judge_connection(&self, i: usize, gen: u64, bytes: &[u8]) -> Result<(), String> {
+        let l = &self.legs[i];
+        if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {
+            return Ok(()); // not this array's leg any more
+        }
+        // The array's view: an in-sync leg's, else another slot's (the array's own, as
+        // `superblock_for` builds it for any slot): a mirror has at least two slots.
+        let Some(other) = self
+            .in_sync_other(i)
+            .or_else(|| (0..self.legs.len()).find(|&j| j != i))
+        else {
+            return Ok(());
+        };
+        let Err(why) = self.identify(i, other, bytes) else {
+            return Ok(());
+        };
+        tracing::warn!(
+            "raid1: leg {i} reconnected but is refused: failed, and nothing sent to it: {why}"
+        );
+        {
+            let mut p = self.readd.probes[i].lock();
+            if p.gen != gen {
+                let (readds, backoff) = (p.readds, p.backoff);
+                *p = Probe {
+                    gen,
+                    readds,
+                    backoff,
+                    ..Probe::default()
+                };
+            }
+            p.last_error = None;
+            p.refused = Some((bytes.to_vec(), format!("on reconnection: {why}")));
+        }
+        // Not in sync any more, whatever it held: the device fails every request from now
+        // on (the last in-sync leg is not failed: the array fails on its errors instead).
+        self.fail_leg(i);
+        Err(why)
     }
 
     fn act(&self, i: usize, gen: u64, dev: &StdArc<dyn Device>, verdict: Verdict) {

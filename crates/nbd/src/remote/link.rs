@@ -9,6 +9,7 @@ use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
 
+use super::check::Hook;
 use super::connect::{Opened, RemoteError};
 use super::receiver::{Receiver, SCRATCH};
 use super::reconnect::Supervisor;
@@ -23,13 +24,14 @@ pub(super) struct Link {
 }
 
 impl Link {
-    /// Starts the threads of connection number `k` on `opened`; `durability` is shared by
-    /// the device's connections.
+    /// Starts the threads of connection number `k` on `opened`; `durability` and `hook` are
+    /// shared by the device's connections.
     pub(super) fn start(
         spec: &RemoteSpec,
         opened: Opened,
         k: usize,
         durability: &DynArc<Durability>,
+        hook: &DynArc<Hook>,
     ) -> Result<Self, RemoteError> {
         let uri = spec.to_string();
         let io_err = |e: io::Error| RemoteError::Connect {
@@ -72,6 +74,7 @@ impl Link {
             reconnects: AtomicU64::new(0),
             fatal: Mutex::new(None),
             durability: durability.clone(),
+            hook: hook.clone(),
         });
         let sup = Supervisor::new(
             Receiver {

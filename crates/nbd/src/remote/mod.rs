@@ -36,6 +36,11 @@
 //! offset. If the export changed, the device fails every request, now and later, with `EIO`
 //! and an error naming both sizes.
 //!
+//! The device's owner may also have every new connection judged before it serves
+//! ([`blk::Device::check_connections`]: a mirror reads its leg's superblock): the bytes it
+//! asks for are read through the new connection before anything else is sent on it, and a
+//! refusal fails the device the same way, with the owner's reason in the errors.
+//!
 //! Re-sending cannot bring back what a server lost: writes it acknowledged on the lost
 //! connection and had not flushed may have been in a cache that died with it. So when a
 //! connection to a server with a write cache is lost with such writes, the next flush fails
@@ -78,12 +83,14 @@
 //! the connection of its write; a flush on any connection covers the writes completed on all
 //! (what multi-conn promises).
 
-// Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `table` (what
+// Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `check` (the
+// owner's check of a new connection), `table` (what
 // the threads share: the slots, the socket's write half, sending, completion, failing),
 // `link` (one connection's shared state and threads), `submit` (taking a slot and the first
 // send), `extents` (block status), `receiver` (receiving on one connection), `reconnect` (the
 // receiver thread's loop around it), `sender` (the sender thread); this file opens the
 // device's connections, spreads requests over them and maps bios to commands.
+mod check;
 mod connect;
 mod extents;
 mod link;
@@ -155,8 +162,9 @@ impl RemoteDevice {
             n = 1;
         }
         let durability = DynArc::new(Durability::default());
+        let hook = DynArc::new(check::Hook::default());
         let mut links = Vec::with_capacity(n);
-        links.push(Link::start(&spec, first, 0, &durability)?);
+        links.push(Link::start(&spec, first, 0, &durability, &hook)?);
         for k in 1..n {
             let more = connect::open(&spec)?;
             if more.limits != limits {
@@ -168,7 +176,7 @@ impl RemoteDevice {
                     ),
                 });
             }
-            links.push(Link::start(&spec, more, k, &durability)?);
+            links.push(Link::start(&spec, more, k, &durability, &hook)?);
         }
         Ok(Self {
             links,
@@ -343,6 +351,14 @@ impl Device for RemoteDevice {
             len: u64::from(bio.len),
         };
         sh.submit(bio, end, req);
+    }
+
+    /// Every connection re-established from now on is judged by `check` before it serves
+    /// (`check`).
+    fn check_connections(&self, check: Option<DynArc<dyn blk::ConnectCheck>>) -> bool {
+        // One hook for all the connections.
+        self.links[0].sh.hook.set(check);
+        true
     }
 
     fn limits(&self) -> Limits {

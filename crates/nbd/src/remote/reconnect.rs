@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use blkq_sync::atomic::Ordering;
 
+use super::check;
 use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
@@ -205,8 +206,9 @@ impl Supervisor {
 
     /// A new connection is negotiated: if the export is the same, make it current, flag
     /// everything waiting as due for the sender, and receive on it (true). If its size or
-    /// block sizes changed, the device dies with an error naming both (false). An error is a
-    /// failed attempt (the socket is dropped; the next attempt follows).
+    /// block sizes changed, or the owner's check refuses it (`check`), the device dies with
+    /// an error saying why (false). An error is a failed attempt (the socket is dropped; the
+    /// next attempt follows).
     fn bring_up(&mut self, opened: Opened) -> Result<bool, connect::RemoteError> {
         let sh = self.rx.sh.clone();
         if opened.limits != sh.limits {
@@ -222,6 +224,12 @@ impl Supervisor {
                 now.logical_block_size,
                 now.max_io_bytes
             );
+            tracing::error!(uri = %sh.uri, "{why}");
+            sh.kill(Some(why));
+            return Ok(false);
+        }
+        // The owner's check, before anything is sent on the connection (`check`).
+        if let check::Verdict::Refuse(why) = sh.hook.judge(&sh.uri, &opened)? {
             tracing::error!(uri = %sh.uri, "{why}");
             sh.kill(Some(why));
             return Ok(false);

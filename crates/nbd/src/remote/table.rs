@@ -385,6 +385,8 @@ pub(super) struct Shared {
     pub(super) fatal: Mutex<Option<String>>,
     /// What a flush can vouch for (shared by the device's connections).
     pub(super) durability: DynArc<Durability>,
+    /// The owner's check of each new connection (shared by the device's connections).
+    pub(super) hook: DynArc<super::check::Hook>,
 }
 
 impl Shared {
