@@ -636,6 +636,10 @@ fn open_file(
     }
 }
 
+/// What [`open_copies`] found: the copies kept, their header (`None`: not created yet), the
+/// bitmaps.
+type OpenedCopies = (DynArc<Sidecars>, Option<Header>, Vec<Slot>);
+
 /// One copy of a mirror's sidecar read at start.
 struct Copy {
     path: PathBuf,
@@ -665,7 +669,7 @@ fn open_copies(
     generations: &[u64],
     reset: bool,
     notes: &mut Vec<String>,
-) -> Result<(DynArc<Sidecars>, Option<Header>, Vec<Slot>), Error> {
+) -> Result<OpenedCopies, Error> {
     let capacity = ident.size;
     let current = generations.first().copied().unwrap_or(0);
     // How recent a generation is among the array's: 0 the current one; None when unknown.

@@ -635,6 +635,7 @@ mod tests {
     fn header() -> Header {
         Header {
             seq: 7,
+            generation: 0x1234_5678_9abc_def1,
             ident: Identity {
                 size: 1 << 30,
                 uuid: [9; 16],
@@ -697,6 +698,44 @@ mod tests {
         assert_eq!(alloc_region(&[e(2, 3), e(9, 1)], 4), 5);
         assert_eq!(alloc_region(&[e(2, 3), e(9, 1)], 5), 10);
         assert_eq!(alloc_region(&[e(9, 1), e(2, 3)], 1), 5);
+    }
+
+    /// A copy that cannot be written is dropped while another took the pages, and the
+    /// survivors' header moves on (so the dropped copy is older at the next start); when
+    /// every copy fails, the error is returned.
+    #[test]
+    fn a_copy_that_fails_is_dropped_and_left_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = FileSink::new(dir.path().join("good.bitmaps"), None);
+        let mut h = header();
+        h.entries.clear();
+        good.write_whole(&h, &[]).unwrap();
+        let full = || {
+            let f = OpenOptions::new().write(true).open("/dev/full").unwrap();
+            FileSink::new(PathBuf::from("/dev/full"), Some(f))
+        };
+        let set = Sidecars::new(vec![full(), good], Some(h.clone()));
+        set.write_pages(2, &[1u8; PAGE]).unwrap();
+        set.sync().unwrap();
+        assert_eq!(set.paths(), [dir.path().join("good.bitmaps")]);
+        let back = FileSink::new(
+            dir.path().join("good.bitmaps"),
+            Some(File::open(dir.path().join("good.bitmaps")).unwrap()),
+        );
+        let heads = back.read_pages(0, 2).unwrap();
+        let newest = [decode_header(&heads[..PAGE]), decode_header(&heads[PAGE..])]
+            .into_iter()
+            .filter_map(Result::ok)
+            .max_by_key(|h| h.seq)
+            .unwrap();
+        assert_eq!(newest.seq, h.seq + 1, "the survivor's header moved on");
+        let alone = Sidecars::new(vec![full()], Some(h));
+        assert!(alone.write_pages(2, &[1u8; PAGE]).is_err());
+        assert_eq!(
+            alone.paths(),
+            [PathBuf::from("/dev/full")],
+            "the last is kept"
+        );
     }
 
     #[test]
