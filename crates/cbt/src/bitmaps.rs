@@ -680,7 +680,8 @@ fn open_copies(
             .or((g == 0).then_some(generations.len()))
     };
     let mut good: Vec<Copy> = Vec::new();
-    let mut refused: Vec<(PathBuf, Error, Option<Header>)> = Vec::new();
+    // (path, why, the error a start without a good copy gives, the newest valid header).
+    let mut refused: Vec<(PathBuf, String, Error, Option<Header>)> = Vec::new();
     let mut all: Vec<&PathBuf> = paths.iter().chain(others).collect();
     all.sort();
     all.dedup();
@@ -706,12 +707,18 @@ fn open_copies(
                 header,
                 words,
             }),
-            Err((Refusal::Torn(w), h)) => {
-                refused.push((path.clone(), Error::Torn(path.clone(), w), h))
-            }
-            Err((Refusal::Foreign(w), h)) => {
-                refused.push((path.clone(), Error::Foreign(path.clone(), w), h))
-            }
+            Err((Refusal::Torn(w), h)) => refused.push((
+                path.clone(),
+                format!("is torn: {w}"),
+                Error::Torn(path.clone(), w),
+                h,
+            )),
+            Err((Refusal::Foreign(w), h)) => refused.push((
+                path.clone(),
+                format!("belongs to another array: {w}"),
+                Error::Foreign(path.clone(), w),
+                h,
+            )),
         }
     }
     let key = |c: &Copy| {
@@ -754,10 +761,15 @@ fn open_copies(
                         }
                     }
                 } else {
+                    let what = if age(c.header.generation).is_none() {
+                        "is from a history the array does not share (the other side of a split)"
+                    } else {
+                        "is stale (the array went on without it)"
+                    };
                     notes.push(format!(
-                        "dirty bitmap sidecar {} is stale (seq {}, generation {:016x}; {} has \
-                         seq {}, generation {:016x}): refused, and replaced with the array's \
-                         current bitmaps",
+                        "dirty bitmap sidecar {} {what}: seq {}, generation {:016x}, where {} \
+                         has seq {}, generation {:016x}: refused, the bitmaps are taken from \
+                         the latter",
                         c.path.display(),
                         c.header.seq,
                         c.header.generation,
@@ -767,9 +779,10 @@ fn open_copies(
                     ));
                 }
             }
-            for (_, e, _) in &refused {
+            for (p, why, _, _) in &refused {
                 notes.push(format!(
-                    "{e} (refused: replaced with the array's current bitmaps from {})",
+                    "dirty bitmap sidecar {} {why}: refused, the bitmaps are taken from {}",
+                    p.display(),
                     best.path.display()
                 ));
             }
@@ -779,18 +792,19 @@ fn open_copies(
         None => {
             let newest = refused
                 .iter()
-                .filter_map(|(_, _, h)| h.as_ref())
+                .filter_map(|(_, _, _, h)| h.as_ref())
                 .max_by_key(|h| h.seq)
                 .cloned();
             if !reset {
-                return Err(refused.swap_remove(0).1);
+                return Err(refused.swap_remove(0).2);
             }
             let (entries, slots) = all_dirty(newest.as_ref(), capacity);
             let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
-            for (_, e, _) in &refused {
+            for (p, why, _, _) in &refused {
                 notes.push(format!(
-                    "--bitmaps-reset: {e}; replaced with every bit dirty in bitmaps \
-                     {names:?}: the next backup from each is a full one"
+                    "--bitmaps-reset: the bitmap sidecar {} {why}; replaced with every bit \
+                     dirty in bitmaps {names:?}: the next backup from each is a full one",
+                    p.display()
                 ));
             }
             (Some((newest.map_or(0, |h| h.seq), entries)), slots)

@@ -479,8 +479,12 @@ impl Sidecars {
             ident,
             entries: Vec::new(),
         };
-        self.each(|m| m.write_whole(&h, &[]))?;
+        let dropped = self.each(|m| m.write_whole(&h, &[]))?;
         *last = Some(h.clone());
+        drop(last);
+        if dropped {
+            self.bump()?;
+        }
         Ok(h)
     }
 
@@ -489,12 +493,17 @@ impl Sidecars {
         let mut last = self.last.lock();
         h.seq = last.as_ref().map_or(1, |l| l.seq + 1);
         let page = encode_header(h);
-        // A copy dropped here misses this header: it is older already.
-        self.each(|m| {
+        let dropped = self.each(|m| {
             m.write_pages(h.seq & 1, &page)?;
             m.sync()
         })?;
         *last = Some(h.clone());
+        drop(last);
+        // A copy dropped here may hold this header without its sync: one more puts the
+        // survivors past it.
+        if dropped {
+            self.bump()?;
+        }
         Ok(())
     }
 

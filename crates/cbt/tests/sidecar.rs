@@ -365,3 +365,54 @@ fn a_copy_from_a_history_the_array_does_not_share_is_refused() {
     );
     assert_eq!(bm.list().len(), 1, "{:?}", bm.list());
 }
+
+/// A torn copy beside a good one is refused by name and replaced; when every copy is torn the
+/// start is refused naming one, and `reset` starts all of them over with every bit dirty.
+#[test]
+fn a_torn_copy_is_replaced_by_a_good_one_and_all_torn_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.bitmaps"), dir.path().join("b.bitmaps"));
+    {
+        let (bm, _) = mirror(&[&a, &b], &[], &[1]);
+        bm.add("b0", 64 << 10).unwrap();
+        count(&bm, MIB);
+    }
+    flip(&b, 2 * 4096 + 8);
+    {
+        let (bm, notes) = mirror(&[&a, &b], &[], &[1]);
+        let named = b.display().to_string();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains(&named) && n.contains("torn")),
+            "{notes:?}"
+        );
+        assert!(bm.is_dirty("b0", MIB).unwrap());
+    }
+    flip(&a, 2 * 4096 + 8);
+    flip(&b, 2 * 4096 + 8);
+    let o = |reset| Options {
+        store: Store::Mirror {
+            sidecars: vec![a.clone(), b.clone()],
+            others: Vec::new(),
+            ident: cbt::Identity {
+                size: SIZE,
+                uuid: [7; 16],
+            },
+            generations: vec![1],
+        },
+        reset,
+        mode: Mode::LockFree,
+    };
+    let e = Bitmaps::open(SIZE, &o(false)).err().expect("refused");
+    assert!(matches!(e, Error::Torn(ref p, _) if *p == a), "{e}");
+    let (bm, notes) = Bitmaps::open(SIZE, &o(true)).unwrap();
+    assert!(
+        notes.iter().any(|n| n.contains("--bitmaps-reset")),
+        "{notes:?}"
+    );
+    assert!(bm.is_dirty("b0", 30 * MIB).unwrap(), "every bit dirty");
+    drop(bm);
+    let (_, notes) = mirror(&[&b, &a], &[], &[1]);
+    assert!(notes.is_empty(), "both copies rewritten: {notes:?}");
+}
