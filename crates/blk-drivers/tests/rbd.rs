@@ -3,8 +3,12 @@
 //! image's size and object size are the limits, the exclusive lock refuses a second user, and
 //! a snapshot is read-only, in both completion modes (`completion=poll`, the default, and
 //! `completion=callback`); the polled completions come in batches. Skips, saying why, where no
-//! cluster can be had.
+//! cluster can be had. A FUA discard or write-zeroes is flushed as a FUA write is, which this
+//! binary sees in librbd's calls themselves (see [`librbd_calls`]).
 #![cfg(all(not(blkq_loom), blkq_rbd))]
+// A plain threaded test binary, never a loom model: its own record of librbd's calls may use
+// std::sync.
+#![allow(clippy::disallowed_types)]
 
 use blk::{Bio, BioFlags, Buffer, Device, Error, Op, Queue, QueueConfig, SECTOR_SHIFT};
 use blk_drivers::rbd::{CompletionMode, RbdConfig, RbdDriver};
@@ -13,6 +17,99 @@ use blkq_sync::DynArc;
 use testkit::ceph::Cluster;
 use testkit::io::{flush, read_at, submit_wait, write_at};
 use testkit::pattern;
+
+/// What the driver asks of librbd, seen from the calls themselves: this binary defines
+/// `rbd_open` and `rbd_aio_flush`, which the linker then uses instead of librbd's for every
+/// caller in the binary (the driver included: an executable's symbols come before a shared
+/// library's). Each records the call and hands it on to librbd's own, found with
+/// `dlsym(RTLD_NEXT)`. Flushes are counted per image handle, and `rbd_open` says which handle
+/// is which image, so tests running at once on other images do not mix.
+mod librbd_calls {
+    use std::ffi::{c_char, c_int, c_void, CStr};
+    use std::sync::{Mutex, OnceLock};
+
+    type Open =
+        unsafe extern "C" fn(*mut c_void, *const c_char, *mut *mut c_void, *const c_char) -> c_int;
+    type Flush = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
+
+    /// (image handle, image name) of every open, newest last.
+    static OPENED: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+    /// The image handle of every flush sent.
+    static FLUSHED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+    /// librbd's own `name` (the next definition after this binary's).
+    fn next(name: &CStr, cell: &OnceLock<usize>) -> usize {
+        *cell.get_or_init(|| {
+            // SAFETY: a NUL-terminated symbol name; RTLD_NEXT searches the objects loaded
+            // after this executable, librbd among them.
+            let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+            assert!(f != 0, "dlsym(RTLD_NEXT, {name:?}) found nothing");
+            f
+        })
+    }
+
+    /// librbd's `rbd_open`, recorded.
+    #[no_mangle]
+    pub unsafe extern "C" fn rbd_open(
+        io: *mut c_void,
+        name: *const c_char,
+        image: *mut *mut c_void,
+        snap: *const c_char,
+    ) -> c_int {
+        static REAL: OnceLock<usize> = OnceLock::new();
+        // SAFETY: the address dlsym gave for librbd's `rbd_open`, which has this type.
+        let real: Open = unsafe { std::mem::transmute(next(c"rbd_open", &REAL)) };
+        // SAFETY: the caller's arguments, handed on unchanged.
+        let r = unsafe { real(io, name, image, snap) };
+        if r == 0 {
+            // SAFETY: on success librbd filled `*image`; `name` is the caller's C string.
+            let (h, n) = unsafe { (*image as usize, CStr::from_ptr(name)) };
+            let n = n.to_string_lossy().into_owned();
+            OPENED
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((h, n));
+        }
+        r
+    }
+
+    /// librbd's `rbd_aio_flush`, recorded (before it is sent: its completion may complete the
+    /// request before the call returns).
+    #[no_mangle]
+    pub unsafe extern "C" fn rbd_aio_flush(image: *mut c_void, c: *mut c_void) -> c_int {
+        static REAL: OnceLock<usize> = OnceLock::new();
+        FLUSHED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(image as usize);
+        // SAFETY: the address dlsym gave for librbd's `rbd_aio_flush`, which has this type.
+        let real: Flush = unsafe { std::mem::transmute(next(c"rbd_aio_flush", &REAL)) };
+        // SAFETY: the caller's arguments, handed on unchanged.
+        unsafe { real(image, c) }
+    }
+
+    /// The handle of the image named `name` most recently opened.
+    pub fn handle(name: &str) -> usize {
+        OPENED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .rev()
+            .find(|(_, n)| n == name)
+            .map(|(h, _)| *h)
+            .unwrap_or_else(|| panic!("no rbd_open of {name} recorded; is the hook linked?"))
+    }
+
+    /// Flushes sent so far on image handle `h`.
+    pub fn flushes(h: usize) -> usize {
+        FLUSHED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|&&x| x == h)
+            .count()
+    }
+}
 
 fn open(spec: &str) -> Result<DynArc<dyn Device>, Error> {
     spec.parse::<DeviceSpec>()?
@@ -319,4 +416,57 @@ fn a_write_from_an_aliased_buffer_writes_the_owners_bytes() {
     drop(bio);
     r.unwrap();
     assert!(read_at(dev.as_ref(), 1 << 20, data.len()).unwrap() == data);
+}
+
+/// A FUA discard or write-zeroes is durable before it completes, as a FUA write is: its flush
+/// (`rbd_aio_flush`, which writes back librbd's cache) is sent once it has completed, and
+/// completes the request. Without FUA, no flush. In both completion modes.
+#[test]
+fn fua_discard_and_write_zeroes_are_flushed_like_a_fua_write() {
+    let Some(c) = Cluster::or_skip("fua_discard_and_write_zeroes_are_flushed_like_a_fua_write")
+    else {
+        return;
+    };
+    for (image, opts) in [("fua-poll", ""), ("fua-callback", ",completion=callback")] {
+        c.create_image(image, "16M");
+        let dev = open(&c.spec(image, opts)).unwrap();
+        let h = librbd_calls::handle(image);
+        let ops = [
+            ("write", Op::Write, BioFlags::NONE),
+            ("discard", Op::Discard, BioFlags::NONE),
+            ("write-zeroes", Op::WriteZeroes, BioFlags::NONE),
+            ("write-zeroes NO_HOLE", Op::WriteZeroes, BioFlags::NO_HOLE),
+        ];
+        for (i, (what, op, flags)) in ops.into_iter().enumerate() {
+            let off = i as u64 * (1 << 20);
+            for fua in [false, true] {
+                write_at(&*dev, off, &pattern(i as u64 + 1, 65536)).unwrap();
+                flush(&*dev).unwrap();
+                let before = librbd_calls::flushes(h);
+                let mut b = if op == Op::Write {
+                    let mut buf = Buffer::new(65536);
+                    buf.as_mut_slice().copy_from_slice(&pattern(9, 65536));
+                    Bio::with_buf(op, off >> SECTOR_SHIFT, buf)
+                } else {
+                    Bio::new(op, off >> SECTOR_SHIFT, 65536)
+                };
+                b.flags = if fua { flags | BioFlags::FUA } else { flags };
+                submit_wait(&*dev, b)
+                    .1
+                    .unwrap_or_else(|e| panic!("{image}: {what}: {e}"));
+                let sent = librbd_calls::flushes(h) - before;
+                assert_eq!(
+                    sent,
+                    usize::from(fua),
+                    "{image}: a {}{what} sent {sent} flushes to librbd before it completed{}",
+                    if fua { "FUA " } else { "" },
+                    if fua {
+                        ": without one it sits in librbd's writeback cache, not durable"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+    }
 }

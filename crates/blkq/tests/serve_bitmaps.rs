@@ -243,10 +243,10 @@ fn a_torn_sidecar_stops_the_server_naming_it_and_reset_makes_it_all_dirty() {
     );
 }
 
-/// A mirror's bitmaps persist beside its first file leg, matched to the array, and its control
-/// socket answers both `blkq bitmap` and `blkq raid`.
+/// A mirror's bitmaps persist beside each of its file legs, matched to the array, and its
+/// control socket answers both `blkq bitmap` and `blkq raid`.
 #[test]
-fn a_mirror_keeps_its_bitmaps_beside_its_first_leg() {
+fn a_mirror_keeps_its_bitmaps_beside_every_file_leg() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (a, sa) = common::leg_file(d, "a.img", 32 * MIB);
@@ -261,8 +261,85 @@ fn a_mirror_keeps_its_bitmaps_beside_its_first_leg() {
     assert_eq!(list(d), [("m".to_string(), 65536, true, 65536)]);
     assert!(s.status().contains("[UU]"), "{}", s.status());
     assert!(d.join("a.img.bitmaps").exists(), "{}", a.display());
+    assert!(d.join("b.img.bitmaps").exists(), "{}", a.display());
     assert!(s.stop(), "{}", s.stderr_text());
     let s = common::Server::start(d, &legs, &[]);
     assert_eq!(list(d), [("m".to_string(), 65536, true, 65536)]);
     drop(s);
+}
+
+/// A mirror's bitmaps belong to the array, not to the leg named first: served with its legs in
+/// the other order it has the same bitmaps, and the writes made then are in them when the
+/// first order returns. (They once lived beside the first `file:` leg named: the other order
+/// started with none, silently, and its writes were missing from `b0` afterwards.)
+#[test]
+fn a_mirrors_bitmaps_are_the_same_with_its_legs_in_any_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (_, sa) = common::leg_file(d, "a.img", 32 * MIB);
+    let (_, sb) = common::leg_file(d, "b.img", 32 * MIB);
+    let (ab, ba) = (format!("{sa},{sb}"), format!("{sb},{sa}"));
+    let b0 = |bytes| [("b0".to_string(), 65536, true, bytes)];
+    let write = |s: &common::Server, at: u64| {
+        let mut c = s.client();
+        c.write(at, &[5u8; 4096], CmdFlags::empty()).unwrap();
+        c.flush().unwrap();
+    };
+    let mut s = common::Server::start(d, &ab, &["--raid1-create"]);
+    bitmap(d, &["add", "b0"]);
+    write(&s, MIB);
+    assert!(s.stop(), "{}", s.stderr_text());
+    let mut s = common::Server::start(d, &ba, &[]);
+    write(&s, 8 * MIB);
+    assert!(s.stop(), "{}", s.stderr_text());
+    for legs in [&ab, &ba] {
+        let mut s = common::Server::start(d, legs, &[]);
+        assert_eq!(
+            list(d),
+            b0(2 * 65536),
+            "legs {legs}: b0 marks both writes, the one made with the legs in the other order \
+             too; {}",
+            s.stderr_text()
+        );
+        assert!(s.stop(), "{}", s.stderr_text());
+    }
+}
+
+/// A leg's sidecar that the array went on without (the mirror served degraded, without that
+/// leg) is stale: when the leg returns, even named first, it is refused by name, not used, and
+/// the bitmaps are the array's current ones.
+#[test]
+fn a_stale_sidecar_of_a_leg_the_array_went_on_without_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (_, sa) = common::leg_file(d, "a.img", 32 * MIB);
+    let (_, sb) = common::leg_file(d, "b.img", 32 * MIB);
+    let write = |s: &common::Server, at: u64| {
+        let mut c = s.client();
+        c.write(at, &[6u8; 4096], CmdFlags::empty()).unwrap();
+        c.flush().unwrap();
+    };
+    let mut s = common::Server::start(d, &format!("{sa},{sb}"), &["--raid1-create"]);
+    bitmap(d, &["add", "b0"]);
+    write(&s, MIB);
+    assert!(s.stop(), "{}", s.stderr_text());
+    // Without b: its sidecar misses the write made now.
+    let mut s = common::Server::start(d, &sa, &["--raid1-degraded"]);
+    write(&s, 8 * MIB);
+    assert!(s.stop(), "{}", s.stderr_text());
+    let mut s = common::Server::start(d, &format!("{sb},{sa}"), &[]);
+    assert_eq!(
+        list(d),
+        [("b0".to_string(), 65536, true, 2 * 65536)],
+        "b0 marks the write made without b; {}",
+        s.stderr_text()
+    );
+    let stale = d.join("b.img.bitmaps").display().to_string();
+    let err = s.stderr_text();
+    assert!(
+        err.lines()
+            .any(|l| l.contains(&stale) && l.contains("stale")),
+        "the stale sidecar {stale} is named in the log: {err}"
+    );
+    assert!(s.stop(), "{}", s.stderr_text());
 }

@@ -36,7 +36,7 @@ use crate::commit::{CommitStats, Committer, NoSink, Sink};
 use crate::gate::{Gate, Mode};
 use crate::identity::{self, ImageId};
 use crate::sidecar::{
-    self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal,
+    self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal, Sidecars,
 };
 use crate::Error;
 
@@ -51,6 +51,21 @@ pub enum Store {
         path: PathBuf,
         /// Whose sidecar it is.
         image: Image,
+    },
+    /// A mirror's: a copy of the sidecar at each path (one beside each file leg), all kept up
+    /// to date; at start the newest copy of this array is taken and the others, stale or
+    /// refused, are replaced by it and said in the notes (see [`open_copies`]).
+    Mirror {
+        /// The copies' paths.
+        sidecars: Vec<PathBuf>,
+        /// More copies to read, never written (beside a leg named but not in the array now):
+        /// one may be the newest.
+        others: Vec<PathBuf>,
+        /// The array's capacity and UUID.
+        ident: Identity,
+        /// The array's generations, current first then earlier ones, newest first (a copy
+        /// from a generation not among them belongs to a history the array does not share).
+        generations: Vec<u64>,
     },
 }
 
@@ -108,9 +123,11 @@ struct Slot {
 struct Ctl {
     /// The sidecar's header as last written (`None`: memory, or not created yet).
     header: Option<Header>,
-    file: Option<DynArc<FileSink>>,
+    file: Option<DynArc<Sidecars>>,
     image: Option<(PathBuf, ImageId)>,
     ident: Identity,
+    /// What a created sidecar records as its generation (a mirror's current one; 0).
+    generation: u64,
 }
 
 /// An export's named dirty bitmaps. See the module docs.
@@ -149,9 +166,37 @@ impl Bitmaps {
                         size: capacity,
                         uuid: [0; 16],
                     },
+                    generation: 0,
                 },
                 Vec::new(),
             ),
+            Store::Mirror {
+                sidecars,
+                others,
+                ident,
+                generations,
+            } => {
+                let (file, header, slots) = open_copies(
+                    sidecars,
+                    others,
+                    *ident,
+                    generations,
+                    opts.reset,
+                    &mut notes,
+                )?;
+                let sink: DynArc<dyn Sink> = file.clone();
+                (
+                    sink,
+                    Ctl {
+                        header,
+                        file: Some(file),
+                        image: None,
+                        ident: *ident,
+                        generation: generations.first().copied().unwrap_or(0),
+                    },
+                    slots,
+                )
+            }
             Store::File { path, image } => {
                 let (id, image) = match image {
                     Image::File(p) => {
@@ -179,6 +224,7 @@ impl Bitmaps {
                     ),
                 };
                 let (file, header, slots) = open_file(path, id, capacity, opts.reset, &mut notes)?;
+                let file = DynArc::new(Sidecars::new(vec![file], header.clone()));
                 if header.is_some() {
                     if let Some((p, id)) = &image {
                         identity::mark(p, id).map_err(|e| Error::Io {
@@ -195,6 +241,7 @@ impl Bitmaps {
                         file: Some(file),
                         image,
                         ident: id.ident,
+                        generation: 0,
                     },
                     slots,
                 )
@@ -232,6 +279,7 @@ impl Bitmaps {
                     size: capacity,
                     uuid: [0; 16],
                 },
+                generation: 0,
             }),
             view: Mutex::new(Vec::new()),
         }
@@ -288,13 +336,20 @@ impl Bitmaps {
             .collect()
     }
 
-    /// The sidecar's path, when the bitmaps persist to one.
+    /// The sidecar's path, when the bitmaps persist to one (a mirror's first copy still
+    /// written).
     pub fn sidecar_path(&self) -> Option<PathBuf> {
+        self.sidecar_paths().into_iter().next()
+    }
+
+    /// The paths of every copy of the sidecar still written (one, but a mirror's).
+    pub fn sidecar_paths(&self) -> Vec<PathBuf> {
         self.ctl
             .lock()
             .file
             .as_ref()
-            .map(|f| f.path().to_path_buf())
+            .map(|f| f.paths())
+            .unwrap_or_default()
     }
 
     fn find(&self, name: &str) -> Option<Arc<Bitmap>> {
@@ -429,7 +484,7 @@ impl Bitmaps {
             return Ok(Arc::new(Bitmap::new(name, self.capacity, shift, 0)));
         };
         if ctl.header.is_none() {
-            ctl.header = Some(file.create(ctl.ident)?);
+            ctl.header = Some(file.create(ctl.ident, ctl.generation)?);
             if let Some((p, id)) = &ctl.image {
                 identity::mark(p, id).map_err(|e| Error::Io {
                     path: p.clone(),
@@ -458,8 +513,9 @@ impl Bitmaps {
         let (Some(file), Some(h)) = (ctl.file.clone(), ctl.header.as_mut()) else {
             return Ok(());
         };
-        let next = Header {
-            seq: h.seq + 1,
+        let mut next = Header {
+            seq: 0,
+            generation: h.generation,
             ident: h.ident,
             entries: slots
                 .iter()
@@ -472,14 +528,14 @@ impl Bitmaps {
                 })
                 .collect(),
         };
-        file.write_header(&next)?;
+        file.write_header(&mut next)?;
         *h = next;
         Ok(())
     }
 }
 
 /// What [`open_file`] found: the sidecar, its header (`None`: not created yet), the bitmaps.
-type Opened = (DynArc<FileSink>, Option<Header>, Vec<Slot>);
+type Opened = (FileSink, Option<Header>, Vec<Slot>);
 
 /// Opens (or prepares to create) the sidecar at `path`; see [`Bitmaps::open`].
 fn open_file(
@@ -510,15 +566,11 @@ fn open_file(
                     path.display()
                 ));
             }
-            return Ok((
-                DynArc::new(FileSink::new(path.to_path_buf(), None)),
-                None,
-                Vec::new(),
-            ));
+            return Ok((FileSink::new(path.to_path_buf(), None), None, Vec::new()));
         }
         Err(e) => return Err(io(e)),
     };
-    let file = DynArc::new(FileSink::new(path.to_path_buf(), Some(f)));
+    let file = FileSink::new(path.to_path_buf(), Some(f));
     match sidecar::load(&file, id.ident)? {
         Ok((h, words)) => {
             let slots = h
@@ -546,7 +598,7 @@ fn open_file(
             if !reset {
                 return Err(err);
             }
-            let mut h = file.create(id.ident)?;
+            let mut h = file.create(id.ident, 0)?;
             let mut slots = Vec::new();
             let mut entries: Vec<Entry> = Vec::new();
             for e in known.map(|k| k.entries).unwrap_or_default() {
@@ -582,6 +634,254 @@ fn open_file(
             Ok((file, Some(h), slots))
         }
     }
+}
+
+/// What [`open_copies`] found: the copies kept, their header (`None`: not created yet), the
+/// bitmaps.
+type OpenedCopies = (DynArc<Sidecars>, Option<Header>, Vec<Slot>);
+
+/// One copy of a mirror's sidecar read at start.
+struct Copy {
+    path: PathBuf,
+    header: Header,
+    words: Vec<Vec<u64>>,
+}
+
+/// Opens the copies of a mirror's sidecar at `paths`, reading those at `others` too (see
+/// [`Store::Mirror`]).
+///
+/// Every copy that exists is read and checked against the array (`ident`). Of those that
+/// pass, the newest is taken: a generation of the array's (`generations`) before one it does
+/// not know (a copy from a history that went apart from the array's), then the highest `seq`
+/// (every copy kept up to date has the same; one the array went on without is behind), then
+/// the newer generation. Copies equal to it (same `seq`, generation and bitmaps) are merged
+/// into it, bit by bit: they may differ only by pages written for writes that had not gone
+/// down yet (a crash between two copies' syncs), and the union is a superset of every one.
+/// Every other copy (stale, torn, of another array) is refused, named in the notes, and like
+/// every missing one replaced by the one taken, with the next `seq` and the array's current
+/// generation, before anything is served. A torn or foreign copy with no good one beside it
+/// stops the start as a plain sidecar would (or, with `reset`, all copies start over with
+/// every bit dirty).
+fn open_copies(
+    paths: &[PathBuf],
+    others: &[PathBuf],
+    ident: Identity,
+    generations: &[u64],
+    reset: bool,
+    notes: &mut Vec<String>,
+) -> Result<OpenedCopies, Error> {
+    let capacity = ident.size;
+    let current = generations.first().copied().unwrap_or(0);
+    // How recent a generation is among the array's: 0 the current one; None when unknown.
+    let age = |g: u64| -> Option<usize> {
+        generations
+            .iter()
+            .position(|&x| x == g)
+            .or((g == 0).then_some(generations.len()))
+    };
+    let mut good: Vec<Copy> = Vec::new();
+    // (path, why, the error a start without a good copy gives, the newest valid header).
+    let mut refused: Vec<(PathBuf, String, Error, Option<Header>)> = Vec::new();
+    let mut all: Vec<&PathBuf> = paths.iter().chain(others).collect();
+    all.sort();
+    all.dedup();
+    for path in all {
+        let f = match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                return Err(Error::Io {
+                    path: path.clone(),
+                    source: e,
+                })
+            }
+        };
+        let sink = FileSink::new(path.clone(), Some(f));
+        match sidecar::load(&sink, ident)? {
+            Ok((header, words)) => good.push(Copy {
+                path: path.clone(),
+                header,
+                words,
+            }),
+            Err((Refusal::Torn(w), h)) => refused.push((
+                path.clone(),
+                format!("is torn: {w}"),
+                Error::Torn(path.clone(), w),
+                h,
+            )),
+            Err((Refusal::Foreign(w), h)) => refused.push((
+                path.clone(),
+                format!("belongs to another array: {w}"),
+                Error::Foreign(path.clone(), w),
+                h,
+            )),
+        }
+    }
+    let key = |c: &Copy| {
+        let a = age(c.header.generation);
+        (a.is_some(), c.header.seq, std::cmp::Reverse(a))
+    };
+    let best = good
+        .iter()
+        .enumerate()
+        .max_by(|(i, a), (j, b)| key(a).cmp(&key(b)).then(j.cmp(i)))
+        .map(|(i, _)| i);
+    let (entries, slots) = match best {
+        Some(b) => {
+            let best = &good[b];
+            let k = key(best);
+            if !k.0 {
+                notes.push(format!(
+                    "dirty bitmap sidecar {}: generation {:016x} is not one of the array's \
+                     (a history that went apart from it); used, as no copy of the array's own \
+                     is left",
+                    best.path.display(),
+                    best.header.generation
+                ));
+            }
+            let slots: Vec<Slot> = best
+                .header
+                .entries
+                .iter()
+                .map(|e| Slot {
+                    bm: Arc::new(Bitmap::new(&e.name, capacity, e.shift, e.region)),
+                    frozen: e.frozen,
+                })
+                .collect();
+            for c in &good {
+                let same = key(c) == k && c.header.entries == best.header.entries;
+                if same {
+                    for (s, ws) in slots.iter().zip(&c.words) {
+                        for (w, &v) in ws.iter().enumerate() {
+                            s.bm.load_word(w, v);
+                        }
+                    }
+                } else {
+                    let what = if age(c.header.generation).is_none() {
+                        "is from a history the array does not share (the other side of a split)"
+                    } else {
+                        "is stale (the array went on without it)"
+                    };
+                    notes.push(format!(
+                        "dirty bitmap sidecar {} {what}: seq {}, generation {:016x}, where {} \
+                         has seq {}, generation {:016x}: refused, the bitmaps are taken from \
+                         the latter",
+                        c.path.display(),
+                        c.header.seq,
+                        c.header.generation,
+                        best.path.display(),
+                        best.header.seq,
+                        best.header.generation
+                    ));
+                }
+            }
+            for (p, why, _, _) in &refused {
+                notes.push(format!(
+                    "dirty bitmap sidecar {} {why}: refused, the bitmaps are taken from {}",
+                    p.display(),
+                    best.path.display()
+                ));
+            }
+            (Some((best.header.seq, best.header.entries.clone())), slots)
+        }
+        None if refused.is_empty() => (None, Vec::new()),
+        None => {
+            let newest = refused
+                .iter()
+                .filter_map(|(_, _, _, h)| h.as_ref())
+                .max_by_key(|h| h.seq)
+                .cloned();
+            if !reset {
+                return Err(refused.swap_remove(0).2);
+            }
+            let (entries, slots) = all_dirty(newest.as_ref(), capacity);
+            let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
+            for (p, why, _, _) in &refused {
+                notes.push(format!(
+                    "--bitmaps-reset: the bitmap sidecar {} {why}; replaced with every bit \
+                     dirty in bitmaps {names:?}: the next backup from each is a full one",
+                    p.display()
+                ));
+            }
+            (Some((newest.map_or(0, |h| h.seq), entries)), slots)
+        }
+    };
+    drop(good);
+    let sinks: Vec<FileSink> = paths
+        .iter()
+        .map(|p| FileSink::new(p.clone(), None))
+        .collect();
+    let Some((seq, entries)) = entries else {
+        // No copy anywhere: created with the first bitmap.
+        return Ok((DynArc::new(Sidecars::new(sinks, None)), None, slots));
+    };
+    let header = Header {
+        seq: seq + 1,
+        generation: current,
+        ident,
+        entries,
+    };
+    let bms: Vec<&Bitmap> = slots.iter().map(|s| &*s.bm).collect();
+    let mut written = 0;
+    let mut first_err = None;
+    for s in &sinks {
+        match s.write_whole(&header, &bms) {
+            Ok(()) => written += 1,
+            Err(e) => {
+                notes.push(format!(
+                    "dirty bitmap sidecar {}: {e}: this copy is not kept",
+                    s.path().display()
+                ));
+                first_err.get_or_insert(Error::Io {
+                    path: s.path().to_path_buf(),
+                    source: e,
+                });
+            }
+        }
+    }
+    if written == 0 {
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+    }
+    let sinks: Vec<FileSink> = sinks.into_iter().filter(|s| s.is_open()).collect();
+    Ok((
+        DynArc::new(Sidecars::new(sinks, Some(header.clone()))),
+        Some(header),
+        slots,
+    ))
+}
+
+/// Bitmaps named as in `known` (its granularities and frozen flags), regions laid out afresh,
+/// every bit dirty and, once the caller has written them, durable: what a reset starts from.
+fn all_dirty(known: Option<&Header>, capacity: u64) -> (Vec<Entry>, Vec<Slot>) {
+    let mut slots = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
+    for e in known.map(|k| k.entries.clone()).unwrap_or_default() {
+        let shift = e.shift.clamp(12, 26);
+        let pages = region_pages(capacity.div_ceil(1 << shift));
+        let region = alloc_region(&entries, pages);
+        let bm = Bitmap::new(&e.name, capacity, shift, region);
+        bm.set_all();
+        for w in 0..bm.nwords() {
+            bm.set_durable(w, bm.dirty_word(w));
+        }
+        slots.push(Slot {
+            bm: Arc::new(bm),
+            frozen: e.frozen,
+        });
+        entries.push(Entry {
+            region,
+            pages,
+            shift,
+            ..e
+        });
+    }
+    (entries, slots)
 }
 
 /// Where bitmap `name` is among `slots`.

@@ -20,7 +20,8 @@
 //! - `gate.rs`: which bitmaps a write counts in, switched atomically by management, with the
 //!   wait that makes `rotate` exact; a locked twin behind [`Mode`];
 //! - `commit.rs`: group commit of newly set bits to the store;
-//! - `sidecar.rs`: the on-disk format (double-buffered header, checksummed pages);
+//! - `sidecar.rs`: the on-disk format (double-buffered header, checksummed pages), and the
+//!   copies of a mirror's sidecar kept together (`Sidecars`);
 //! - `identity.rs`: which image a sidecar belongs to;
 //! - `bitmaps.rs`: management (`add`, `remove`, `clear`, `rotate`, `list`) and the order of its
 //!   durable steps;

@@ -15,6 +15,7 @@
 //!   | 24..32 | the image's size in bytes |
 //!   | 32..48 | the image's UUID (see `identity.rs`) |
 //!   | 48..52 | number of bitmaps (at most [`MAX_BITMAPS`]) |
+//!   | 56..64 | a mirror's generation when this copy was last brought up to date (0: not a mirror's, or written before generations were recorded; see [`Sidecars`]) |
 //!   | 64.. | one 128-byte entry per bitmap, in creation order |
 //!   | 4092..4096 | crc32c of bytes 0..4092 |
 //!
@@ -92,6 +93,8 @@ pub struct Entry {
 pub struct Header {
     /// Update counter.
     pub seq: u64,
+    /// The mirror's generation when this copy was last brought up to date (0: none).
+    pub generation: u64,
     /// The image it belongs to.
     pub ident: Identity,
     /// The bitmaps.
@@ -136,6 +139,7 @@ pub fn encode_header(h: &Header) -> Vec<u8> {
     b[24..32].copy_from_slice(&h.ident.size.to_le_bytes());
     b[32..48].copy_from_slice(&h.ident.uuid);
     b[48..52].copy_from_slice(&(h.entries.len() as u32).to_le_bytes());
+    b[56..64].copy_from_slice(&h.generation.to_le_bytes());
     for (i, e) in h.entries.iter().enumerate() {
         let at = ENTRIES_AT + i * ENTRY;
         let name = e.name.as_bytes();
@@ -188,6 +192,7 @@ pub fn decode_header(b: &[u8]) -> Result<Header, &'static str> {
     }
     Ok(Header {
         seq: u64_at(b, 16),
+        generation: u64_at(b, 56),
         ident: Identity {
             size: u64_at(b, 24),
             uuid,
@@ -254,32 +259,48 @@ impl FileSink {
 
     /// Creates an empty sidecar (a header with no bitmap) for `ident`, replacing any file
     /// there: written beside it, synced, renamed over it, the directory synced.
-    pub fn create(&self, ident: Identity) -> Result<Header, Error> {
+    pub fn create(&self, ident: Identity, generation: u64) -> Result<Header, Error> {
         let h = Header {
             seq: 1,
+            generation,
             ident,
             entries: Vec::new(),
         };
-        let tmp = self.path.with_extension("bitmaps-new");
+        self.write_whole(&h, &[]).map_err(|e| self.io(e))?;
+        Ok(h)
+    }
+
+    /// Replaces the file with one holding header `h` (in the copy `h.seq` chooses) and the
+    /// regions of `bitmaps` (their current bits, each at its region): written beside it,
+    /// synced, renamed over it, the directory synced; then open here.
+    pub fn write_whole(&self, h: &Header, bitmaps: &[&Bitmap]) -> std::io::Result<()> {
+        let mut tmp = self.path.as_os_str().to_owned();
+        tmp.push("-new");
+        let tmp = PathBuf::from(tmp);
         let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
-            .open(&tmp)
-            .map_err(|e| self.io(e))?;
+            .open(&tmp)?;
         let mut b = vec![0u8; 2 * PAGE];
-        b[PAGE..].copy_from_slice(&encode_header(&h));
-        f.write_all_at(&b, 0).map_err(|e| self.io(e))?;
-        f.sync_all().map_err(|e| self.io(e))?;
-        std::fs::rename(&tmp, &self.path).map_err(|e| self.io(e))?;
+        let at = (h.seq & 1) as usize * PAGE;
+        b[at..at + PAGE].copy_from_slice(&encode_header(h));
+        f.write_all_at(&b, 0)?;
+        let mut page = vec![0u8; PAGE];
+        for bm in bitmaps {
+            for p in 0..region_pages(bm.nbits()) {
+                encode_page(bm, p, &mut page);
+                f.write_all_at(&page, (bm.region() + p) * PAGE as u64)?;
+            }
+        }
+        f.sync_all()?;
+        std::fs::rename(&tmp, &self.path)?;
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| self.io(e))?;
+            File::open(dir).and_then(|d| d.sync_all())?;
         }
         *self.file.lock() = Some(f);
-        Ok(h)
+        Ok(())
     }
 
     /// Writes `h` into the header copy that does not hold the newest one (`h.seq` chooses),
@@ -294,6 +315,10 @@ impl FileSink {
     /// Writes whole region pages of `bm` (its current bits) and syncs: a region is ready
     /// before a header names it.
     pub fn init_region(&self, bm: &Bitmap) -> Result<(), Error> {
+        self.init_region_io(bm).map_err(|e| self.io(e))
+    }
+
+    fn init_region_io(&self, bm: &Bitmap) -> std::io::Result<()> {
         let pages = region_pages(bm.nbits());
         let mut buf = vec![0u8; PAGE * 64];
         let mut p = 0;
@@ -306,11 +331,10 @@ impl FileSink {
                     &mut buf[i as usize * PAGE..(i as usize + 1) * PAGE],
                 );
             }
-            self.write_pages(bm.region() + p, &buf[..n as usize * PAGE])
-                .map_err(|e| self.io(e))?;
+            self.write_pages(bm.region() + p, &buf[..n as usize * PAGE])?;
             p += n;
         }
-        self.sync().map_err(|e| self.io(e))
+        self.sync()
     }
 
     /// Reads page range `[page, page + n)`.
@@ -339,6 +363,180 @@ impl Sink for FileSink {
     }
     fn describe(&self) -> String {
         self.path.display().to_string()
+    }
+}
+
+/// The copies of an export's sidecar that are kept up to date: one for a plain export, one
+/// beside each file leg of a mirror (whose bitmaps belong to the array, not to one leg). Every
+/// page and header goes to every copy and is synced there before the write it covers goes
+/// down, so each copy is a superset of the changes, as one sidecar is.
+///
+/// A copy that fails (its leg's disk died) is dropped, said in the log, while another copy
+/// took the same pages: the writes go on with the rest. The survivors' header is then written
+/// again with the next `seq`, so the dropped copy, which lacks what comes next, is older than
+/// they are and is refused as stale at the next start. When every copy fails, the error is
+/// returned (and the write it was for fails, as with one sidecar).
+pub struct Sidecars {
+    members: Vec<Member>,
+    /// The header every live copy holds (`None`: not created yet). Serializes header writes.
+    last: Mutex<Option<Header>>,
+}
+
+struct Member {
+    sink: FileSink,
+    /// Cleared once the copy failed: no longer written.
+    alive: blkq_sync::atomic::AtomicBool,
+}
+
+impl Sidecars {
+    /// The copies in `sinks` (open, or created later by [`Sidecars::create`]), holding
+    /// `header` (`None`: not created yet).
+    pub fn new(sinks: Vec<FileSink>, header: Option<Header>) -> Self {
+        Self {
+            members: sinks
+                .into_iter()
+                .map(|sink| Member {
+                    sink,
+                    alive: blkq_sync::atomic::AtomicBool::new(true),
+                })
+                .collect(),
+            last: Mutex::new(header),
+        }
+    }
+
+    fn alive(&self) -> impl Iterator<Item = &Member> {
+        self.members
+            .iter()
+            .filter(|m| m.alive.load(blkq_sync::atomic::Ordering::Acquire))
+    }
+
+    /// The paths of the copies still written.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.alive().map(|m| m.sink.path().to_path_buf()).collect()
+    }
+
+    /// Runs `f` on every live copy. A copy that fails is dropped when another one succeeded
+    /// (true is returned: the caller bumps the survivors' header, unless it wrote one); when
+    /// none succeeded, the first error, naming its copy.
+    fn each(&self, f: impl Fn(&FileSink) -> std::io::Result<()>) -> Result<bool, Error> {
+        let mut failed: Vec<(&Member, std::io::Error)> = Vec::new();
+        let mut ok = 0;
+        for m in self.alive() {
+            match f(&m.sink) {
+                Ok(()) => ok += 1,
+                Err(e) => failed.push((m, e)),
+            }
+        }
+        if failed.is_empty() {
+            return Ok(false);
+        }
+        if ok == 0 {
+            let (m, e) = failed.swap_remove(0);
+            return Err(m.sink.io(e));
+        }
+        for (m, e) in failed {
+            m.alive.store(false, blkq_sync::atomic::Ordering::Release);
+            tracing::warn!(
+                "dirty bitmap sidecar {}: {e}: this copy is no longer written and will be \
+                 refused as stale at the next start; the bitmaps go on in {:?}",
+                m.sink.path().display(),
+                self.paths()
+            );
+        }
+        Ok(true)
+    }
+
+    /// Writes the header again with the next `seq` to every live copy (after a copy was
+    /// dropped: it is then older than they are).
+    fn bump(&self) -> Result<(), Error> {
+        let mut last = self.last.lock();
+        let Some(h) = last.as_mut() else {
+            return Ok(());
+        };
+        let mut next = h.clone();
+        loop {
+            next.seq += 1;
+            let page = encode_header(&next);
+            let seq = next.seq;
+            // A copy failing here is dropped too: the survivors get one more.
+            let dropped = self.each(|m| {
+                m.write_pages(seq & 1, &page)?;
+                m.sync()
+            })?;
+            *h = next.clone();
+            if !dropped {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Creates every copy empty (a header with no bitmap) for `ident` and `generation`.
+    pub fn create(&self, ident: Identity, generation: u64) -> Result<Header, Error> {
+        let mut last = self.last.lock();
+        let h = Header {
+            seq: 1,
+            generation,
+            ident,
+            entries: Vec::new(),
+        };
+        let dropped = self.each(|m| m.write_whole(&h, &[]))?;
+        *last = Some(h.clone());
+        drop(last);
+        if dropped {
+            self.bump()?;
+        }
+        Ok(h)
+    }
+
+    /// Writes `h` to every copy, its `seq` set to the next one (see [`FileSink::write_header`]).
+    pub fn write_header(&self, h: &mut Header) -> Result<(), Error> {
+        let mut last = self.last.lock();
+        h.seq = last.as_ref().map_or(1, |l| l.seq + 1);
+        let page = encode_header(h);
+        let dropped = self.each(|m| {
+            m.write_pages(h.seq & 1, &page)?;
+            m.sync()
+        })?;
+        *last = Some(h.clone());
+        drop(last);
+        // A copy dropped here may hold this header without its sync: one more puts the
+        // survivors past it.
+        if dropped {
+            self.bump()?;
+        }
+        Ok(())
+    }
+
+    /// Writes the region of `bm` to every copy ([`FileSink::init_region`]).
+    pub fn init_region(&self, bm: &Bitmap) -> Result<(), Error> {
+        if self.each(|m| m.init_region_io(bm))? {
+            self.bump()?;
+        }
+        Ok(())
+    }
+}
+
+impl Sink for Sidecars {
+    fn write_pages(&self, page: u64, data: &[u8]) -> std::io::Result<()> {
+        match self.each(|m| m.write_pages(page, data)) {
+            Ok(false) => Ok(()),
+            Ok(true) => self.bump().map_err(std::io::Error::other),
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        match self.each(|m| m.sync()) {
+            Ok(false) => Ok(()),
+            Ok(true) => self.bump().map_err(std::io::Error::other),
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+    fn describe(&self) -> String {
+        let p: Vec<String> = self
+            .alive()
+            .map(|m| m.sink.path().display().to_string())
+            .collect();
+        p.join(", ")
     }
 }
 
@@ -446,6 +644,7 @@ mod tests {
     fn header() -> Header {
         Header {
             seq: 7,
+            generation: 0x1234_5678_9abc_def1,
             ident: Identity {
                 size: 1 << 30,
                 uuid: [9; 16],
@@ -508,6 +707,44 @@ mod tests {
         assert_eq!(alloc_region(&[e(2, 3), e(9, 1)], 4), 5);
         assert_eq!(alloc_region(&[e(2, 3), e(9, 1)], 5), 10);
         assert_eq!(alloc_region(&[e(9, 1), e(2, 3)], 1), 5);
+    }
+
+    /// A copy that cannot be written is dropped while another took the pages, and the
+    /// survivors' header moves on (so the dropped copy is older at the next start); when
+    /// every copy fails, the error is returned.
+    #[test]
+    fn a_copy_that_fails_is_dropped_and_left_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = FileSink::new(dir.path().join("good.bitmaps"), None);
+        let mut h = header();
+        h.entries.clear();
+        good.write_whole(&h, &[]).unwrap();
+        let full = || {
+            let f = OpenOptions::new().write(true).open("/dev/full").unwrap();
+            FileSink::new(PathBuf::from("/dev/full"), Some(f))
+        };
+        let set = Sidecars::new(vec![full(), good], Some(h.clone()));
+        set.write_pages(2, &[1u8; PAGE]).unwrap();
+        set.sync().unwrap();
+        assert_eq!(set.paths(), [dir.path().join("good.bitmaps")]);
+        let back = FileSink::new(
+            dir.path().join("good.bitmaps"),
+            Some(File::open(dir.path().join("good.bitmaps")).unwrap()),
+        );
+        let heads = back.read_pages(0, 2).unwrap();
+        let newest = [decode_header(&heads[..PAGE]), decode_header(&heads[PAGE..])]
+            .into_iter()
+            .filter_map(Result::ok)
+            .max_by_key(|h| h.seq)
+            .unwrap();
+        assert_eq!(newest.seq, h.seq + 1, "the survivor's header moved on");
+        let alone = Sidecars::new(vec![full()], Some(h));
+        assert!(alone.write_pages(2, &[1u8; PAGE]).is_err());
+        assert_eq!(
+            alone.paths(),
+            [PathBuf::from("/dev/full")],
+            "the last is kept"
+        );
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The sidecar through the public API: bits survive a reopen (with the writes that set them
 //! made through `Tracked`), management errors are named, and a sidecar that is torn, from
 //! another image or missing is refused with its path named, or with `reset` replaced by
-//! all-dirty bitmaps that say so.
+//! all-dirty bitmaps that say so. A mirror's copies: the newest is taken in any order and the
+//! stale one named and replaced; a copy from a history the array does not share is refused.
 
 use std::path::{Path, PathBuf};
 
@@ -269,4 +270,149 @@ fn a_missing_sidecar_of_an_image_that_had_bitmaps_is_refused() {
         assert!(notes.iter().any(|n| n.contains("missing")), "{notes:?}");
         assert!(t.bitmaps().list().is_empty());
     }
+}
+
+/// The bitmaps of a mirror over copies at `kept` (reading `others` too), of generations `gens`
+/// (current first); the notes.
+fn mirror(kept: &[&Path], others: &[&Path], gens: &[u64]) -> (Bitmaps, Vec<String>) {
+    let o = Options {
+        store: Store::Mirror {
+            sidecars: kept.iter().map(|p| p.to_path_buf()).collect(),
+            others: others.iter().map(|p| p.to_path_buf()).collect(),
+            ident: cbt::Identity {
+                size: SIZE,
+                uuid: [7; 16],
+            },
+            generations: gens.to_vec(),
+        },
+        reset: false,
+        mode: Mode::LockFree,
+    };
+    Bitmaps::open(SIZE, &o).unwrap()
+}
+
+/// A write of 4 KiB at `at`, counted as the device wrapper counts it.
+fn count(b: &Bitmaps, at: u64) {
+    let (token, r) = b.start_write(at, 4096);
+    r.unwrap();
+    b.end_write(token);
+}
+
+#[test]
+fn the_newest_copy_is_taken_whatever_the_order_and_the_others_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.bitmaps"), dir.path().join("b.bitmaps"));
+    {
+        let (bm, notes) = mirror(&[&a, &b], &[], &[1]);
+        assert!(notes.is_empty(), "{notes:?}");
+        bm.add("b0", 64 << 10).unwrap();
+        count(&bm, MIB);
+    }
+    assert!(a.exists() && b.exists(), "a copy beside each");
+    {
+        // A run without b: its copy misses this write.
+        let (bm, notes) = mirror(&[&a], &[], &[2, 1]);
+        assert!(notes.is_empty(), "{notes:?}");
+        count(&bm, 8 * MIB);
+    }
+    for order in [[&b, &a], [&a, &b]] {
+        let (bm, notes) = mirror(&[order[0], order[1]], &[], &[2, 1]);
+        assert!(bm.is_dirty("b0", MIB).unwrap() && bm.is_dirty("b0", 8 * MIB).unwrap());
+        assert!(!bm.is_dirty("b0", 20 * MIB).unwrap());
+        if order[0] == &b {
+            let stale = b.display().to_string();
+            assert!(
+                notes
+                    .iter()
+                    .any(|n| n.contains(&stale) && n.contains("stale")),
+                "{notes:?}"
+            );
+        } else {
+            assert!(notes.is_empty(), "b was replaced by the newest: {notes:?}");
+        }
+    }
+    // b alone now holds everything.
+    let (bm, notes) = mirror(&[&b], &[&a], &[2, 1]);
+    assert!(notes.is_empty(), "{notes:?}");
+    assert!(bm.is_dirty("b0", 8 * MIB).unwrap());
+}
+
+/// A copy from the other side of a split (its generation is not one of the array's) is
+/// refused even with the higher `seq`: its bits describe another history.
+#[test]
+fn a_copy_from_a_history_the_array_does_not_share_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.bitmaps"), dir.path().join("b.bitmaps"));
+    {
+        let (bm, _) = mirror(&[&a, &b], &[], &[1]);
+        bm.add("b0", 64 << 10).unwrap();
+        count(&bm, MIB);
+    }
+    {
+        // b's side ran alone (generation 9, after 1): more writes and more headers.
+        let (bm, _) = mirror(&[&b], &[], &[9, 1]);
+        count(&bm, 8 * MIB);
+        bm.add("theirs", 64 << 10).unwrap();
+    }
+    // The array kept a's side (generation 2, after 1).
+    let (bm, notes) = mirror(&[&a, &b], &[], &[2, 1]);
+    let named = b.display().to_string();
+    assert!(notes.iter().any(|n| n.contains(&named)), "{notes:?}");
+    assert!(bm.is_dirty("b0", MIB).unwrap());
+    assert!(
+        !bm.is_dirty("b0", 8 * MIB).unwrap(),
+        "b's copy was not used"
+    );
+    assert_eq!(bm.list().len(), 1, "{:?}", bm.list());
+}
+
+/// A torn copy beside a good one is refused by name and replaced; when every copy is torn the
+/// start is refused naming one, and `reset` starts all of them over with every bit dirty.
+#[test]
+fn a_torn_copy_is_replaced_by_a_good_one_and_all_torn_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.bitmaps"), dir.path().join("b.bitmaps"));
+    {
+        let (bm, _) = mirror(&[&a, &b], &[], &[1]);
+        bm.add("b0", 64 << 10).unwrap();
+        count(&bm, MIB);
+    }
+    flip(&b, 2 * 4096 + 8);
+    {
+        let (bm, notes) = mirror(&[&a, &b], &[], &[1]);
+        let named = b.display().to_string();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains(&named) && n.contains("torn")),
+            "{notes:?}"
+        );
+        assert!(bm.is_dirty("b0", MIB).unwrap());
+    }
+    flip(&a, 2 * 4096 + 8);
+    flip(&b, 2 * 4096 + 8);
+    let o = |reset| Options {
+        store: Store::Mirror {
+            sidecars: vec![a.clone(), b.clone()],
+            others: Vec::new(),
+            ident: cbt::Identity {
+                size: SIZE,
+                uuid: [7; 16],
+            },
+            generations: vec![1],
+        },
+        reset,
+        mode: Mode::LockFree,
+    };
+    let e = Bitmaps::open(SIZE, &o(false)).err().expect("refused");
+    assert!(matches!(e, Error::Torn(ref p, _) if *p == a), "{e}");
+    let (bm, notes) = Bitmaps::open(SIZE, &o(true)).unwrap();
+    assert!(
+        notes.iter().any(|n| n.contains("--bitmaps-reset")),
+        "{notes:?}"
+    );
+    assert!(bm.is_dirty("b0", 30 * MIB).unwrap(), "every bit dirty");
+    drop(bm);
+    let (_, notes) = mirror(&[&b, &a], &[], &[1]);
+    assert!(notes.is_empty(), "both copies rewritten: {notes:?}");
 }

@@ -24,7 +24,7 @@ struct Slot {
     shared: *const Shared,
     /// The request's index ([`RequestToken::index`]).
     idx: u32,
-    /// A FUA write whose flush is still to be sent. Ordering: written by `queue_rq` before it
+    /// A FUA write, discard or write-zeroes whose flush is still to be sent. Ordering: written by `queue_rq` before it
     /// hands the write to librbd and read when that write completes (its callback, or the
     /// completion thread); librbd's hand-off from the submitting thread to its completion
     /// thread (or its completion queue) goes through its own locks, which order the two, so
@@ -547,11 +547,11 @@ impl Shared {
         Ok(())
     }
 
-    /// One op of the request of `slot` has completed with `ret`: a FUA write's flush is sent
-    /// now, anything else completes the request.
+    /// One op of the request of `slot` has completed with `ret`: a FUA write's (discard's,
+    /// write-zeroes') flush is sent now, anything else completes the request.
     fn completed(&self, slot: &Slot, ret: isize) {
         if ret >= 0 && slot.then_flush.swap(false, Ordering::Relaxed) {
-            // The FUA write is done: its flush completes the request. `submit` counts this
+            // The FUA write (discard, write-zeroes) is done: its flush completes the request. `submit` counts this
             // second op nowhere: the request is still the one in flight.
             if let Err(r) = self.submit(slot, Op::Flush, BioFlags::NONE, 0, 0, ptr::null_mut()) {
                 self.finish(slot, r as isize);
@@ -647,7 +647,10 @@ impl Driver for RbdDriver {
             }
             (false, _) => ptr::null_mut(),
         };
-        let fua = op == Op::Write && bio.flags.contains(BioFlags::FUA);
+        // FUA on anything that changes the image: a discard or write-zeroes sits in librbd's
+        // writeback cache as a write does, so each is followed by its flush alike.
+        let fua = matches!(op, Op::Write | Op::Discard | Op::WriteZeroes)
+            && bio.flags.contains(BioFlags::FUA);
         slot.then_flush.store(fua, Ordering::Relaxed);
         // Counted before `stopped` is read, and `stop` sets `stopped` before it reads the
         // count (both SeqCst: a store-then-load on each side, so at least one sees the

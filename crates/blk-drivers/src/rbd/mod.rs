@@ -25,9 +25,9 @@
 //!   which rebuilds the token and completes that one request there. The simpler path, kept
 //!   beside the batched one.
 //!
-//! Either way no thread per request. A FUA write is a write, then a flush issued when the write
-//! has completed (from the completion thread, or from the write's callback); the request
-//! completes with the flush. A flush is `rbd_aio_flush` (librbd's cache, when the cluster's
+//! Either way no thread per request. A FUA write (or discard, or write-zeroes) is that op, then
+//! a flush issued when it has completed (from the completion thread, or from the op's
+//! callback); the request completes with the flush. A flush is `rbd_aio_flush` (librbd's cache, when the cluster's
 //! configuration turns it on, is written back; the OSDs acknowledge a write once it is
 //! durable).
 //!

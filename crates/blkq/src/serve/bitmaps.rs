@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `file:PATH` | the sidecar `PATH.bitmaps`, or `bitmaps=SIDECAR` |
 //! | `mem:`, `null:`, `rbd:`, `nbd://` | memory only, or the sidecar `bitmaps=SIDECAR` |
-//! | `--raid1` | the sidecar `LEG.bitmaps` beside the first `file:` leg (matched to the array's UUID); memory only when no leg is a file |
+//! | `--raid1` | a copy of the sidecar, `LEG.bitmaps`, beside each `file:` leg present and not faulty (matched to the array's UUID and generations: the newest copy is taken, the others refused by name and replaced; see [`cbt::Store::Mirror`]); memory only when no leg is a file |
 //!
 //! `bitmaps=off` serves the device without the wrapper (no bitmaps can be added).
 
@@ -17,6 +17,7 @@ use blk::Device;
 use blk_drivers::spec::{DeviceSpec, Kind};
 use blkq_sync::DynArc as Arc;
 use cbt::{Bitmaps, Identity, Image, Mode, Options, Store, Tracked};
+use raid1::Raid1;
 
 /// What a spec's `bitmaps=` option says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,23 +83,48 @@ pub fn store_for(parsed: Option<&DeviceSpec>, opt: &BitmapsOpt, capacity: u64) -
     }
 }
 
-/// Where a mirror's bitmaps go: beside its first `file:` leg, matched to the array's UUID.
-pub fn store_for_mirror(legs: &[String], uuid: Option<[u8; 16]>, capacity: u64) -> Store {
-    let first_file = legs
+/// Where a mirror's bitmaps go: a copy beside each of its `file:` legs that is present and
+/// not faulty (`specs`: the spec of the leg in each slot), whatever the order the legs were
+/// named in, matched to the array's UUID and generations; the copies beside the other `file:`
+/// legs named (`legs`) are read too. The bitmaps belong to the array, not to one leg: the
+/// newest copy is taken at start and the others brought up to date. Memory only when no leg
+/// in the array is a file.
+pub fn store_for_mirror(r: &Raid1, specs: &[Option<String>], legs: &[String]) -> Store {
+    let Some(sb) = r.superblock(0) else {
+        return Store::Memory;
+    };
+    let sidecar = |spec: &str| match spec.parse::<DeviceSpec>().ok()?.kind {
+        Kind::File(p) => Some(default_sidecar(&p)),
+        _ => None,
+    };
+    let mut sidecars: Vec<PathBuf> = specs
         .iter()
-        .find_map(|l| match l.parse::<DeviceSpec>().ok()?.kind {
-            Kind::File(p) => Some(p),
-            _ => None,
-        });
-    match (first_file, uuid) {
-        (Some(p), Some(uuid)) => Store::File {
-            path: default_sidecar(&p),
-            image: Image::Fixed(Identity {
-                size: capacity,
-                uuid,
-            }),
+        .enumerate()
+        .filter(|(i, _)| r.leg_status(*i).is_some_and(|st| st.present && !st.faulty))
+        .filter_map(|(_, spec)| sidecar(spec.as_deref()?))
+        .collect();
+    // One order whatever the command line's.
+    sidecars.sort();
+    sidecars.dedup();
+    if sidecars.is_empty() {
+        return Store::Memory;
+    }
+    let others = legs
+        .iter()
+        .filter_map(|l| sidecar(l))
+        .filter(|p| !sidecars.contains(p))
+        .collect();
+    let lineage = &sb.lineage;
+    Store::Mirror {
+        sidecars,
+        others,
+        ident: Identity {
+            size: r.limits().capacity,
+            uuid: *sb.array_uuid.as_bytes(),
         },
-        _ => Store::Memory,
+        generations: std::iter::once(lineage.current.id)
+            .chain(lineage.history.iter().map(|g| g.id))
+            .collect(),
     }
 }
 

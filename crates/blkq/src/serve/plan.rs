@@ -77,8 +77,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     legs.join(","),
                     uuid.unwrap_or_default()
                 );
-                let array_uuid = r.superblock(0).map(|s| *s.array_uuid.as_bytes());
-                let store = store_for_mirror(legs, array_uuid, r.limits().capacity);
+                let store = store_for_mirror(&r, &specs, legs);
                 let ctl = Arc::new(Control::new(r.clone(), specs, leg_overrides));
                 if let Some(path) = control {
                     control_sockets.push((path.clone(), Some(ctl.clone())));
