@@ -412,7 +412,9 @@ fn create_resyncs_legs_that_differ() {
     write_file_at(d.path(), "a.img", 2 << 20, &pattern(1, 256 << 10));
     write_file_at(d.path(), "b.img", 5 << 20, &pattern(2, 64 << 10));
     let out = ok(&["raid", "create", &a, &b, "--bitmap-chunk", "64K"]);
-    assert!(out.contains("initial resync due"), "{out}");
+    assert!(out.contains("a resync is due"), "{out}");
+    let st = ok(&["raid", "status", &a, &b]);
+    assert!(st.contains("a resync is due"), "{st}");
     let out = ok(&["raid", "check", &a, &b]);
     assert!(out.contains("mismatch_cnt = 0"), "{out}");
     let v: serde_json::Value =

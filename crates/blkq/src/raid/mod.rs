@@ -263,12 +263,6 @@ fn create(a: CreateArgs) -> Result<()> {
         rep.capacity
     );
     print!("{}", rep.render_detail());
-    if !a.assume_clean {
-        println!(
-            "initial resync due: the first leg is copied to the others when the array is \
-             first assembled (served, or checked offline); reads go to the first leg until then"
-        );
-    }
     println!("serve it with: blkq serve --raid1 {}", a.legs.join(","));
     Ok(())
 }
