@@ -57,7 +57,7 @@ pub const SERVE: Flags = Flags {
 fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["bytes", "KiB", "MiB", "GiB", "TiB"];
     let mut u = 0;
-    while u + 1 < UNITS.len() && n >> (10 * (u + 1)) > 0 && n % (1 << (10 * (u + 1))) == 0 {
+    while u + 1 < UNITS.len() && n >> (10 * (u + 1)) > 0 && n.is_multiple_of(1 << (10 * (u + 1))) {
         u += 1;
     }
     if u == 0 {

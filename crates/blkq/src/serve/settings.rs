@@ -316,6 +316,8 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
 name = "m"
 legs = ["file:/a.img,direct=1", "file:/b.img"]
 create = true
+assume_clean = true
+size = "64M"
 options = ["barrier=locked"]
 control = "/tmp/ctl"
 read_only = true
@@ -352,6 +354,9 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
             "--raid1",
             "file:/a.img,direct=1,file:/b.img",
             "--raid1-create",
+            "--raid1-assume-clean",
+            "--raid1-size",
+            "64M",
             "--raid1-option",
             "barrier=locked",
             "--control",
@@ -507,6 +512,11 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
                 "[[raid1]]\nlegs = [\"file:/a\"]\ncreate = true\n",
                 "blkq.toml:2: legs",
                 "two legs",
+            ),
+            (
+                "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\nassume_clean = true\n",
+                "blkq.toml:2: legs",
+                "create = true",
             ),
             (
                 "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n",
