@@ -284,8 +284,8 @@ impl Control {
                     .with_context(|| format!("leg {spec:?}: reading it"))?;
                 if let Some(what) = held.describe(probed) {
                     bail!(
-                        "leg {spec:?} has no raid1 superblock but holds data ({what}): \
-                         refusing to overwrite it without --force"
+                        "leg {spec:?} has no raid1 superblock but holds data: {what}. \
+                         Refusing to overwrite it without --force"
                     );
                 }
             }

@@ -101,7 +101,7 @@ impl Held {
     pub fn describe(&self, probed: u64) -> Option<String> {
         match self {
             Held::Blank => None,
-            Held::Signature(what) => Some(format!("{what} signature")),
+            Held::Signature(what) => Some(what.to_string()),
             Held::Data(at) => Some(format!(
                 "a non-zero byte at offset {at}, within the first {} KiB",
                 probed.div_ceil(1024)

@@ -125,7 +125,7 @@ fn check_blank(spec: &str, dev: &dyn Device, probe_len: u64, f: Flags) -> Result
         content::probe(dev, probe_len).with_context(|| format!("leg {spec:?}: reading it"))?;
     if let Some(what) = held.describe(probed) {
         bail!(
-            "leg {spec:?} holds data ({what}): creating the array would destroy it. {} \
+            "leg {spec:?} holds data: {what}. Creating the array would destroy it; {} \
              overwrites it",
             f.force
         );
