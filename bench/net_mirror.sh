@@ -48,10 +48,10 @@ one() { # CASE
       ;;
   esac
   if [ "$1" = far-wb ]; then
-    ip netns exec $F "$B" raid create "file:$D/a.img" "$LEG" --write-mostly 1 >/dev/null
+    ip netns exec $F "$B" raid create "file:$D/a.img" "$LEG" --write-mostly 1 --assume-clean >/dev/null
     opts=(--raid1-option write_behind=256)
   else
-    opts=(--raid1-create)
+    opts=(--raid1-create --raid1-assume-clean) # new sparse legs: no initial resync under the load
   fi
   ip netns exec $F "$B" serve --raid1 "$legs" "${opts[@]}" --socket "$D/f.sock" --no-tcp \
     >/dev/null 2>&1 &

@@ -21,7 +21,7 @@ disown
 sleep 1
 # A lost link fails the leg at the first request unanswered for 2 s (no reconnection wait).
 LEG="nbd://10.0.0.2:10809/leg,timeout=2,reconnect_deadline=0"
-ip netns exec $F "$B" serve --raid1 "file:$D/local.img,$LEG" --raid1-create \
+ip netns exec $F "$B" serve --raid1 "file:$D/local.img,$LEG" --raid1-create --raid1-assume-clean \
   --raid1-option bitmap_chunk=1M --raid1-option bitmap_quiet_ms=500 --raid1-option readd=off \
   --control "$D/ctl.sock" --socket "$D/nbd.sock" --no-tcp >/dev/null 2>"$D/front.err" &
 PIDS="$PIDS $!"

@@ -113,8 +113,9 @@ for r in $(seq "$ROUNDS"); do
   done
 done
 # The mirror: a local file leg + a write-mostly rbd: leg, against the rbd: device alone (b).
+# Both legs are new (a sparse file, a new image): no initial resync under the runs.
 truncate -s 512M "$D/local.img"
-$B raid create "file:$D/local.img" "rbd:rbd/m,conf=$CONF" --write-mostly 1 >/dev/null
+$B raid create "file:$D/local.img" "rbd:rbd/m,conf=$CONF" --write-mostly 1 --assume-clean >/dev/null
 $B serve --raid1 "file:$D/local.img,rbd:rbd/m,conf=$CONF" --socket "$D/m.sock" --no-tcp \
   >"$D/m.log" 2>&1 &
 PM=$!; PIDS+=($PM)

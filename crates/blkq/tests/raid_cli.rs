@@ -15,8 +15,28 @@ fn leg(dir: &Path, name: &str) -> String {
     leg_file(dir, name, LEG_SIZE).1
 }
 
+/// Creates an array on blank legs, for tests not about creation (no initial resync).
 fn create(a: &str, b: &str) {
-    ok(&["raid", "create", a, b, "--bitmap-chunk", "64K"]);
+    ok(&[
+        "raid",
+        "create",
+        a,
+        b,
+        "--bitmap-chunk",
+        "64K",
+        "--assume-clean",
+    ]);
+}
+
+/// Writes `data` at byte `at` of the file `dir/name`.
+fn write_file_at(dir: &Path, name: &str, at: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(name))
+        .unwrap()
+        .write_all_at(data, at)
+        .unwrap();
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
@@ -336,4 +356,141 @@ fn online_check_and_replace() {
     assert!(out.contains("[UU]"), "{out}");
     let detail = ok(&["raid", "detail", &a, &c]);
     assert!(detail.contains("State : clean"), "{detail}");
+}
+
+/// A leg holding a filesystem (an ext4 superblock's magic at byte 1080) is refused, naming
+/// the leg and what it holds, and taken with --force; so is a leg with data where the
+/// superblock goes. Through `serve --raid1-create` too.
+#[test]
+fn create_refuses_a_leg_that_holds_data_unless_forced() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    write_file_at(d.path(), "b.img", 1080, &[0x53, 0xef]);
+    let e = fails(&["raid", "create", &a, &b]);
+    assert!(
+        e.contains("b.img") && e.contains("ext2/3/4 filesystem") && e.contains("--force"),
+        "{e}"
+    );
+    assert!(!e.contains("a.img"), "{e}");
+    let sock = d.path().join("x.sock");
+    let e = fails(&[
+        "serve",
+        "--raid1",
+        &format!("{a},{b}"),
+        "--raid1-create",
+        "--no-tcp",
+        "--socket",
+        sock.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("b.img") && e.contains("ext2/3/4") && e.contains("--raid1-force"),
+        "{e}"
+    );
+    // Nothing was written: a is still blank, b still holds its magic.
+    let e = fails(&["raid", "status", &a, &b]);
+    assert!(e.contains("no leg carries a raid1 superblock"), "{e}");
+    // No signature, but data where the bitmap goes.
+    let c = leg(d.path(), "c.img");
+    write_file_at(d.path(), "c.img", 10 << 10, b"old bytes");
+    let e = fails(&["raid", "create", &a, &c]);
+    assert!(
+        e.contains("c.img") && e.contains("non-zero byte at offset 10240"),
+        "{e}"
+    );
+    let out = ok(&["raid", "create", &a, &b, "--force"]);
+    assert!(out.contains("created raid1 array"), "{out}");
+    assert!(ok(&["raid", "status", &a, &b]).contains("[UU]"));
+}
+
+/// Legs that differ are made to agree: the new array resyncs from its first leg, so a check
+/// right after creation counts no mismatch and the legs compare equal.
+#[test]
+fn create_resyncs_legs_that_differ() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    // Data past the superblock and bitmap (these legs' data starts at 1 MiB): not refused.
+    write_file_at(d.path(), "a.img", 2 << 20, &pattern(1, 256 << 10));
+    write_file_at(d.path(), "b.img", 5 << 20, &pattern(2, 64 << 10));
+    let out = ok(&["raid", "create", &a, &b, "--bitmap-chunk", "64K"]);
+    assert!(out.contains("a resync is due"), "{out}");
+    let st = ok(&["raid", "status", &a, &b]);
+    assert!(st.contains("a resync is due"), "{st}");
+    let out = ok(&["raid", "check", &a, &b]);
+    assert!(out.contains("mismatch_cnt = 0"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["raid", "status", "--json", &a, &b])).unwrap();
+    assert_eq!(v["state"], "clean", "{v}");
+    let (off, cap) = geometry(&v);
+    assert_leg_files_equal(&d.path().join("a.img"), &d.path().join("b.img"), off, cap);
+    // The first leg's data is what the array holds.
+    let f = std::fs::read(d.path().join("b.img")).unwrap();
+    assert_eq!(
+        &f[2 << 20..(2 << 20) + (256 << 10)],
+        &pattern(1, 256 << 10)[..]
+    );
+}
+
+/// `serve --raid1-create` resyncs at once while it serves: reads during the resync come from
+/// the first leg, and once it is done a check counts no mismatch.
+#[test]
+fn serve_create_resyncs_while_serving() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    write_file_at(d.path(), "a.img", 2 << 20, &pattern(3, 128 << 10));
+    write_file_at(d.path(), "b.img", 2 << 20, &pattern(4, 128 << 10));
+    let s = Server::start(d.path(), &format!("{a},{b}"), &["--raid1-create"]);
+    // Array byte 1 MiB is leg byte 2 MiB: the first leg's, whichever leg answers.
+    for _ in 0..4 {
+        assert_eq!(
+            s.client().read(1 << 20, 128 << 10).unwrap(),
+            pattern(3, 128 << 10)
+        );
+    }
+    s.wait_for(
+        &|v| v["sync"]["action"] == "idle" && v["sync"]["chunks_copied"].as_u64() > Some(0),
+        "the initial resync did not finish",
+    );
+    ok(&["raid", "check", "--control", s.ctl()]);
+    let v = s.wait_for(&|v| v["sync"]["action"] == "idle", "check did not finish");
+    assert_eq!(v["sync"]["mismatch_cnt"], 0, "{v}");
+}
+
+/// --assume-clean: no resync runs, so legs that differ stay different (what a check then
+/// counts), as md's --assume-clean on legs that were not blank.
+#[test]
+fn assume_clean_runs_no_resync() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    write_file_at(d.path(), "b.img", 3 << 20, &pattern(5, 16 << 10));
+    let out = ok(&["raid", "create", &a, &b, "--assume-clean"]);
+    assert!(!out.contains("resync"), "{out}");
+    let detail = ok(&["raid", "detail", &a, &b]);
+    assert!(detail.contains("State : clean"), "{detail}");
+    let out = ok(&["raid", "check", "--json", &a, &b]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["mismatch_cnt"], 32, "{out}");
+}
+
+/// Legs of different sizes are refused, naming both; `--size` uses that much of each.
+#[test]
+fn legs_of_different_sizes_need_a_size() {
+    let d = tempfile::tempdir().unwrap();
+    let a = leg(d.path(), "a.img");
+    let b = leg_file(d.path(), "b.img", LEG_SIZE + (4 << 20)).1;
+    let e = fails(&["raid", "create", &a, &b]);
+    assert!(
+        e.contains("a.img")
+            && e.contains("8 MiB (8388608 bytes)")
+            && e.contains("b.img")
+            && e.contains("12 MiB (12582912 bytes)")
+            && e.contains("--size"),
+        "{e}"
+    );
+    let e = fails(&["raid", "create", &a, &b, "--size", "9M"]);
+    assert!(e.contains("more than leg") && e.contains("a.img"), "{e}");
+    ok(&["raid", "create", &a, &b, "--size", "8M", "--assume-clean"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&ok(&["raid", "status", "--json", &a, &b])).unwrap();
+    let (off, cap) = geometry(&v);
+    assert_eq!(off + cap, LEG_SIZE, "{v}");
 }

@@ -44,6 +44,8 @@ fn leg_failed_mid_load_loses_nothing_and_recovers() {
         &format!("{a},{b}"),
         &[
             "--raid1-create",
+            // New sparse legs; the bits the load sets are what the re-add must copy.
+            "--raid1-assume-clean",
             "--raid1-option",
             "bitmap_chunk=1M",
             "--raid1-option",

@@ -80,7 +80,15 @@ fn a_write_behind_remote_leg_is_served_and_reported() {
     let (_, a) = leg_file(dir.path(), "a.img", 64 * MB);
     let back = Serving::start(dir.path(), "leg", &["--device", &b]);
     let rleg = format!("{},timeout=5", remote(&back.sock));
-    common::ok(&["raid", "create", &a, &rleg, "--write-mostly", "1"]);
+    common::ok(&[
+        "raid",
+        "create",
+        &a,
+        &rleg,
+        "--write-mostly",
+        "1",
+        "--assume-clean",
+    ]);
     let legs = format!("{a},{rleg}");
     let front = common::Server::start(dir.path(), &legs, &["--raid1-option", "write_behind=8"]);
     let mut c = front.client();

@@ -218,10 +218,35 @@ impl Assembly {
     }
 }
 
+/// How [`Raid1::create_with`] starts a new array.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Creation {
+    /// The legs may differ: a full resync (md's initial resync, from 0) is due from the
+    /// start, copying the first leg over the others; reads go to the first leg until it is
+    /// done, and it is recorded (superblock not clean, every bitmap bit set), so a stop before
+    /// it ends resumes it at the next assembly. `false`: the legs are taken to agree as they
+    /// are (mdadm's `--assume-clean`, for blank legs only).
+    pub resync: bool,
+    /// Bytes of each leg the array uses (superblock, bitmap and data); `None`: the smallest
+    /// leg's size. More than a leg holds is refused.
+    pub leg_size: Option<u64>,
+}
+
 impl Raid1 {
     /// Creates a new array over `legs` (at least 2): writes fresh superblocks and empty
-    /// bitmaps to every leg and starts the array's background thread.
+    /// bitmaps to every leg and starts the array's background thread. The legs are taken to
+    /// agree as they are (blank legs; `create_with` resyncs legs that may differ).
     pub fn create(legs: Vec<StdArc<dyn Device>>, cfg: Raid1Config) -> Result<Self, Raid1Error> {
+        Self::create_with(legs, cfg, Creation::default())
+    }
+
+    /// [`Raid1::create`], resyncing the legs from the first or using part of each as
+    /// `how` says ([`Creation`]).
+    pub fn create_with(
+        legs: Vec<StdArc<dyn Device>>,
+        cfg: Raid1Config,
+        how: Creation,
+    ) -> Result<Self, Raid1Error> {
         if legs.len() < 2 {
             return Err(Raid1Error::Config("raid1 needs at least 2 legs".into()));
         }
@@ -234,7 +259,16 @@ impl Raid1 {
             return Err(Raid1Error::Config("depth".into()));
         }
         let lims: Vec<Limits> = legs.iter().map(|l| l.limits()).collect();
-        let leg_size = lims.iter().map(|l| l.capacity).min().unwrap_or(0);
+        let smallest = lims.iter().map(|l| l.capacity).min().unwrap_or(0);
+        let leg_size = match how.leg_size {
+            Some(n) if n > smallest => {
+                return Err(Raid1Error::Config(format!(
+                    "leg size {n} is more than the smallest leg holds ({smallest} bytes)"
+                )))
+            }
+            Some(n) => n,
+            None => smallest,
+        };
         let lbs = lims
             .iter()
             .map(|l| l.logical_block_size)
@@ -258,11 +292,17 @@ impl Raid1 {
         let bitmap = if cfg.bitmap_chunk == 0 {
             None
         } else {
-            Some(
-                WriteIntentBitmap::new(capacity, chunk)?
-                    .with_quiet_time(cfg.bitmap_quiet)
-                    .with_counts(cfg.bitmap_counts),
-            )
+            let bm = WriteIntentBitmap::new(capacity, chunk)?
+                .with_quiet_time(cfg.bitmap_quiet)
+                .with_counts(cfg.bitmap_counts);
+            if how.resync {
+                // Everything may differ: the resync's set, kept until it completes.
+                bm.set_dirty(crate::bitmap::ChunkSet {
+                    first: 0,
+                    end: bm.nr_chunks(),
+                });
+            }
+            Some(bm)
         };
         let placed = legs
             .into_iter()
@@ -293,7 +333,7 @@ impl Raid1 {
             max_io,
             bitmap,
             cfg,
-            resync: false,
+            resync: how.resync,
         })
     }
 

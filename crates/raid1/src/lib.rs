@@ -122,7 +122,7 @@ pub mod slot;
 pub mod superblock;
 pub mod sync;
 
-pub use assemble::{Assembly, AssemblyError};
+pub use assemble::{Assembly, AssemblyError, Creation};
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{BitmapCounts, ChunkSet, WriteIntentBitmap};
 pub use config::Raid1Config;

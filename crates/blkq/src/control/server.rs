@@ -31,6 +31,7 @@ use serde_json::json;
 
 use super::protocol::{Command, Leg, MAX_LINE};
 use crate::listen::{self, Limits, Session};
+use crate::raid::content;
 use crate::raid::offline::{self as legs, Probe};
 use crate::raid::report::{ArrayReport, BitmapReport, LegReport, SyncReport};
 
@@ -42,10 +43,6 @@ fn accept(l: &UnixListener) -> std::io::Result<UnixStream> {
 pub const SLOTS: usize = 8;
 /// From accept to the whole command line received and the reply taken.
 pub const DEADLINE: Duration = Duration::from_secs(5);
-/// How much of a leg must be zeros for `add` to take it without `--force` when it carries no
-/// superblock: where partition tables and filesystems keep their signatures (btrfs's
-/// superblock is at 64 KiB, ISO 9660's descriptors at 32 KiB, ext4's at 1 KiB, ...).
-const BLANK_PROBE: u64 = 128 << 10;
 
 /// The array behind the socket, with what the server knows about its legs.
 pub struct Control {
@@ -235,7 +232,8 @@ impl Control {
     /// Opens a new leg, refusing one that belongs to another array, and (unless `force`) one
     /// that is not blank: what `blkq raid create` refuses without `--force` (a damaged
     /// superblock), and a leg without a superblock that holds data where other formats keep
-    /// theirs (its first [`BLANK_PROBE`] bytes are not all zeros).
+    /// theirs ([`content::probe`]: a signature, or a non-zero byte in its first
+    /// [`content::BLANK_PROBE`] bytes).
     fn open_new_leg(&self, spec: &str, force: bool) -> Result<Arc<dyn blk::Device>> {
         // A file already in the array is locked by its leg (flock): say what it is rather
         // than that some lock is held.
@@ -282,15 +280,12 @@ impl Control {
                  without --force"
             ),
             Probe::Blank if !force => {
-                let len = BLANK_PROBE.min(blk::Device::limits(dev.as_ref()).capacity);
-                let head = legs::read_at(dev.as_ref(), 0, len as usize)
+                let (held, probed) = content::probe(dev.as_ref(), content::BLANK_PROBE)
                     .with_context(|| format!("leg {spec:?}: reading it"))?;
-                if let Some(at) = head.iter().position(|&b| b != 0) {
+                if let Some(what) = held.describe(probed) {
                     bail!(
-                        "leg {spec:?} has no raid1 superblock but holds data (a non-zero byte at \
-                         offset {at}, within the first {} KiB: a filesystem, a partition table, \
-                         an image?): refusing to overwrite it without --force",
-                        BLANK_PROBE >> 10
+                        "leg {spec:?} has no raid1 superblock but holds data: {what}. \
+                         Refusing to overwrite it without --force"
                     );
                 }
             }

@@ -10,6 +10,8 @@
 //! order they are given in. [`offline`] owns the legs read from disk, [`report`] the
 //! status/detail report (and md's progress line).
 
+pub mod content;
+pub mod create;
 pub mod offline;
 pub mod report;
 
@@ -23,7 +25,8 @@ use raid1::{Raid1, Raid1Config};
 
 use crate::control::client;
 use crate::control::protocol::{Command, Leg};
-use offline::{offline_plan, open_leg, plan_devices, probe, Probe};
+use create::CreateRules;
+use offline::{offline_plan, plan_devices};
 use report::SyncReport;
 
 /// `blkq raid` options.
@@ -35,8 +38,10 @@ pub struct RaidArgs {
 
 #[derive(Subcommand, Debug)]
 enum RaidCmd {
-    /// Create an array: write superblocks and an empty bitmap on every leg (legs must be
-    /// blank, i.e. carry no raid1 superblock, unless --force).
+    /// Create an array: write superblocks and a bitmap on every leg (legs must be blank: no
+    /// raid1 superblock, no filesystem or partition signature, zeros where the superblock
+    /// and bitmap go; unless --force) and mark a full resync from the first leg due (unless
+    /// --assume-clean); it runs when the array is first assembled.
     Create(CreateArgs),
     /// Check that legs form one array and report what `serve --raid1` would serve
     /// (array UUID, legs by role, stale or foreign legs). Writes nothing.
@@ -79,9 +84,20 @@ struct CreateArgs {
     /// takes it as `--raid1-option barrier=...`).
     #[arg(long)]
     barrier: Option<String>,
-    /// Overwrite legs that already carry a raid1 superblock.
+    /// Overwrite legs that hold data: a raid1 superblock (another array's, or damaged), a
+    /// filesystem or partition signature, or non-zero bytes where the superblock and bitmap
+    /// go. What they held is lost.
     #[arg(long)]
     force: bool,
+    /// Skip the initial resync: the legs are taken to agree as they are. For blank legs only
+    /// (zeros throughout, such as new sparse files); on legs that differ, reads depend on
+    /// which leg answers until a `repair`.
+    #[arg(long)]
+    assume_clean: bool,
+    /// Use this much of each leg (superblock, bitmap and data; e.g. 10G): at most the
+    /// smallest leg. Needed for legs of different sizes; the rest of a larger leg is unused.
+    #[arg(long, value_name = "SIZE")]
+    size: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -199,25 +215,14 @@ fn bitmap_chunk(s: &str) -> Result<u64> {
 }
 
 fn create(a: CreateArgs) -> Result<()> {
-    let overrides = QueueOverrides::default();
-    let mut devs = Vec::new();
-    for spec in &a.legs {
-        let dev = open_leg(spec, &overrides)?;
-        match probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
-            Probe::Blank => {}
-            Probe::Member(sb) if !a.force => bail!(
-                "leg {spec:?} already carries a raid1 superblock (array {}, events {}): \
-                 use `blkq raid assemble` to use that array, or --force to overwrite it",
-                sb.array_uuid,
-                sb.events
-            ),
-            Probe::Corrupt(e) if !a.force => bail!(
-                "leg {spec:?} carries a damaged raid1 superblock ({e}): --force to overwrite it"
-            ),
-            _ => {}
-        }
-        devs.push(dev);
-    }
+    let rules = CreateRules {
+        force: a.force,
+        assume_clean: a.assume_clean,
+        size: match &a.size {
+            Some(s) => Some(parse_size(s).with_context(|| format!("--size {s:?}"))?),
+            None => None,
+        },
+    };
     let mut cfg = Raid1Config::default();
     if let Some(c) = &a.bitmap_chunk {
         cfg.bitmap_chunk = bitmap_chunk(c)?;
@@ -235,7 +240,14 @@ fn create(a: CreateArgs) -> Result<()> {
         };
         wm.push(i);
     }
-    let r = Raid1::create(devs, cfg).context("creating the array")?;
+    let r = create::create_array(
+        &a.legs,
+        &QueueOverrides::default(),
+        cfg,
+        &rules,
+        create::CLI,
+    )
+    .context("creating the array")?;
     for i in wm {
         r.set_write_mostly(i, true)
             .with_context(|| format!("--write-mostly: slot {i}"))?;

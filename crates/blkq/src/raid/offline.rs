@@ -276,6 +276,14 @@ impl Plan {
                 ));
             }
         }
+        if nb.array_state != ArrayState::Clean {
+            notes.push(
+                "a resync is due: the superblock is not marked clean (the array is running, \
+                 was not stopped cleanly, or is new and its initial resync has not finished); \
+                 assembling it copies the first in-sync leg to the others"
+                    .to_string(),
+            );
+        }
         let raid_disks = nb.legs.iter().filter(|l| !l.uuid.is_nil()).count();
         let bitmap = if nb.bitmap.chunk_size == 0 {
             None

@@ -91,10 +91,23 @@ pub struct ExportArgs {
     /// the --device ones (an --export name per device, the mirror's last).
     #[arg(long, value_name = "LEG,LEG[,...]")]
     pub raid1: Option<String>,
-    /// With --raid1: the legs are blank; create the array on them first (refused if any
-    /// leg already carries a raid1 superblock).
+    /// With --raid1: create the array on the legs first, then resync it from the first leg
+    /// while serving. Refused if a leg holds data (a raid1 superblock, a filesystem or
+    /// partition signature, non-zero bytes where the superblock and bitmap go) unless
+    /// --raid1-force, or if the legs differ in size unless --raid1-size.
     #[arg(long, requires = "raid1")]
     pub raid1_create: bool,
+    /// With --raid1-create: overwrite legs that hold data (what they held is lost).
+    #[arg(long, requires = "raid1_create")]
+    pub raid1_force: bool,
+    /// With --raid1-create: no initial resync, the legs are taken to agree as they are. For
+    /// blank legs only (zeros throughout, such as new sparse files).
+    #[arg(long, requires = "raid1_create")]
+    pub raid1_assume_clean: bool,
+    /// With --raid1-create: use this much of each leg (superblock, bitmap and data): at most
+    /// the smallest leg; needed for legs of different sizes.
+    #[arg(long, value_name = "SIZE", requires = "raid1_create")]
+    pub raid1_size: Option<Bytes>,
     /// With --raid1: start even though legs the array has in sync are missing (a failover:
     /// serve the legs at hand alone). This side becomes a new generation; a missing leg that
     /// later ran on its own is then refused until one side is discarded (`blkq raid add

@@ -34,7 +34,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::args::{ExportArgs, LimitArgs, ServeArgs, ServerArgs, TlsArgs};
+use super::args::{Bytes, ExportArgs, LimitArgs, ServeArgs, ServerArgs, TlsArgs};
 
 /// Where a [`Config`] came from, to name the place of an error.
 #[derive(Debug, Clone)]
@@ -188,9 +188,17 @@ pub struct Raid1Decl {
     pub description: Option<String>,
     /// The legs' device specs, one per entry (options after each, as in `--raid1`).
     pub legs: Spanned<Vec<Spanned<String>>>,
-    /// The legs are blank: create the array on them first.
+    /// Create the array on the legs first (`--raid1-create`).
     #[serde(default)]
     pub create: bool,
+    /// With `create`: overwrite legs that hold data (`--raid1-force`).
+    #[serde(default)]
+    pub force: bool,
+    /// With `create`: no initial resync, for blank legs (`--raid1-assume-clean`).
+    #[serde(default)]
+    pub assume_clean: bool,
+    /// With `create`: bytes of each leg to use (`--raid1-size`).
+    pub size: Option<Bytes>,
     /// Array options, `KEY=VALUE` as `--raid1-option` takes them.
     #[serde(default)]
     pub options: Vec<Spanned<String>>,
@@ -327,6 +335,9 @@ impl Config {
                 description: None,
                 legs: cli(legs.into_iter().map(cli).collect()),
                 create: e.raid1_create,
+                force: e.raid1_force,
+                assume_clean: e.raid1_assume_clean,
+                size: e.raid1_size,
                 options: e
                     .raid1_options
                     .iter()

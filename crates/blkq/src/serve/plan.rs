@@ -17,6 +17,7 @@ use raid1::Raid1;
 use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
 use super::settings::{Backing, Settings};
 use crate::control::server::Control;
+use crate::raid::create::{self, CreateRules};
 use crate::raid::offline;
 
 /// What [`open`] made: the server's configuration and what to print and start beside it.
@@ -70,7 +71,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     read_only: false,
                     ..settings.overrides.clone()
                 };
-                let (r, specs) = open_mirror(legs, *create, options, &leg_overrides)?;
+                let (r, specs) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
                     "raid1 {} (array {})",
@@ -199,38 +200,36 @@ pub fn open(settings: &Settings) -> Result<Opened> {
     })
 }
 
-/// Opens the legs of a mirror and assembles (or, with `create`, creates) the array.
-/// Returns it with the spec of the leg in each slot.
+/// Opens the legs of a mirror and assembles (or, with `create`, creates by those rules) the
+/// array. Returns it with the spec of the leg in each slot.
 fn open_mirror(
     legs: &[String],
-    create: bool,
+    create: Option<&CreateRules>,
     options: &[String],
     overrides: &QueueOverrides,
 ) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
     let cfg = offline::raid1_config(options)?;
+    if let Some(rules) = create {
+        let r = create::create_array(legs, overrides, cfg, rules, create::SERVE)
+            .context("--raid1-create: creating the array")?;
+        tracing::info!(
+            "raid1: created a new array over {} legs{}",
+            legs.len(),
+            if rules.assume_clean {
+                ""
+            } else {
+                "; resyncing it from the first leg"
+            }
+        );
+        return Ok((Arc::new(r), legs.iter().cloned().map(Some).collect()));
+    }
     match offline::plan(legs, overrides)? {
-        None if create => {
-            let devs = legs
-                .iter()
-                .map(|l| offline::open_leg(l, overrides))
-                .collect::<Result<Vec<_>>>()?;
-            let r = Raid1::create(devs, cfg).context("--raid1-create: creating the array")?;
-            tracing::info!("raid1: created a new array over {} legs", legs.len());
-            Ok((Arc::new(r), legs.iter().cloned().map(Some).collect()))
-        }
         None => bail!(
             "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
              them add --raid1-create (or run `blkq raid create {}` first)",
             legs.join(" ")
         ),
         Some(p) => {
-            if create {
-                bail!(
-                    "--raid1-create: the legs already carry array {}: refusing to overwrite it. \
-                     Drop --raid1-create to serve that array",
-                    p.newest.array_uuid
-                );
-            }
             let rep = p.report()?;
             if !rep.legs.iter().any(|l| l.state == "in_sync") {
                 bail!(

@@ -16,6 +16,7 @@ use toml::Spanned;
 
 use super::args::{listen_addr, LimitArgs, TlsArgs};
 use super::config::{Config, Source};
+use crate::raid::create::CreateRules;
 
 /// What a `--device` or `[[export]] device` may not be: the command line's spelling of a
 /// mirror is `--raid1`, the file's a `[[raid1]]` table.
@@ -72,8 +73,8 @@ pub enum Backing {
     Mirror {
         /// The legs' specs.
         legs: Vec<String>,
-        /// Create it first.
-        create: bool,
+        /// Create it first, by these rules.
+        create: Option<CreateRules>,
         /// `KEY=VALUE` options (validated).
         options: Vec<String>,
         /// Its control socket.
@@ -171,6 +172,9 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         if r.create && r.legs.get_ref().len() < 2 {
             bail!("{at}: creating a mirror needs at least two legs");
         }
+        if !r.create && (r.force || r.assume_clean || r.size.is_some()) {
+            bail!("{at}: force, assume_clean and size are for creating the array (create = true)");
+        }
         for leg in r.legs.get_ref() {
             let spec = leg.get_ref();
             check_device(spec)
@@ -190,7 +194,11 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
                     .iter()
                     .map(|l| l.get_ref().clone())
                     .collect(),
-                create: r.create,
+                create: r.create.then(|| CreateRules {
+                    force: r.force,
+                    assume_clean: r.assume_clean,
+                    size: r.size.map(|b| b.0),
+                }),
                 options: r.options.iter().map(|o| o.get_ref().clone()).collect(),
                 control: r.control.clone(),
             },
@@ -308,6 +316,8 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
 name = "m"
 legs = ["file:/a.img,direct=1", "file:/b.img"]
 create = true
+assume_clean = true
+size = "64M"
 options = ["barrier=locked"]
 control = "/tmp/ctl"
 read_only = true
@@ -344,6 +354,9 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
             "--raid1",
             "file:/a.img,direct=1,file:/b.img",
             "--raid1-create",
+            "--raid1-assume-clean",
+            "--raid1-size",
+            "64M",
             "--raid1-option",
             "barrier=locked",
             "--control",
@@ -501,6 +514,11 @@ allow = ["10.0.0.0/8", "127.0.0.1"]
                 "two legs",
             ),
             (
+                "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\nassume_clean = true\n",
+                "blkq.toml:2: legs",
+                "create = true",
+            ),
+            (
                 "[[raid1]]\nlegs = [\"file:/a\", \"file:/b\"]\noptions = [\n\"nonsense\"]\n",
                 "blkq.toml:4: options",
                 "",
@@ -601,7 +619,7 @@ control = "ctl.sock"
                         "file:/srv/b.img,fault.seed=1".into(),
                         spec("../c.img"),
                     ],
-                    create: false,
+                    create: None,
                     options: vec![],
                     control: Some(at("ctl.sock")),
                 },
