@@ -52,7 +52,8 @@ enum RaidCmd {
     Detail(QueryArgs),
     /// Read every leg and count mismatches (md's `check`).
     Check(QueryArgs),
-    /// Like check, and rewrite the other legs from the first in-sync leg (md's `repair`).
+    /// Like check, and rewrite the other legs from the first in-sync leg that is not
+    /// write-mostly (md's `repair`).
     Repair(QueryArgs),
     /// Online: mark a leg faulty (by slot number or device spec).
     Fail(LegTarget),
