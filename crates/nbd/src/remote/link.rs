@@ -67,6 +67,7 @@ impl Link {
             timeout: spec.timeout,
             reconnect_deadline: spec.reconnect_deadline,
             closing: AtomicBool::new(false),
+            send_failed: AtomicBool::new(false),
             up: AtomicBool::new(true),
             sock: Mutex::new(Some(sock)),
             reconnects: AtomicU64::new(0),
@@ -81,6 +82,7 @@ impl Link {
                 scratch: vec![0; SCRATCH],
                 tick,
                 last_check: Instant::now(),
+                draining: false,
             },
             spec.clone(),
         );

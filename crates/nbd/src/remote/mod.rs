@@ -27,14 +27,27 @@
 //!
 //! The connection breaks when the server closes it, the socket fails, a reply is malformed
 //! (unknown cookie, a chunk outside its request, bad magic, ...), or a request is unanswered
-//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away). Then the
-//! requests keep their slots (a write its bio and buffer), and the receiver reconnects with
-//! exponential backoff (50 ms doubling, at most 2 s apart; a connection that broke within a
-//! second of coming up does not reset it), negotiates again, and, if the export's size and
-//! block sizes are unchanged, every request still waiting is sent again on the new
-//! connection: the commands used (read, write, flush, trim, write zeroes) are idempotent by
-//! offset. If the export changed, the device fails every request, now and later, with `EIO`
-//! and an error naming both sizes.
+//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away), or a send
+//! fails. Then the requests keep their slots (a write its bio and buffer).
+//!
+//! A request the client gave up on may still be carried out by the server, and its first
+//! copy must not land after its re-sent copy or after a newer write. So when the client is
+//! the one breaking the connection, it shuts down only its sending half and keeps receiving
+//! on it: a reply that still comes completes its request (a late success is a success),
+//! until the server closes the connection. Only then, the old connection over, does the
+//! receiver reconnect. This assumes the server finishes (or abandons) a connection's
+//! requests before it closes it, as blkq's own server, nbdkit and qemu-nbd do. A server that
+//! cannot be heard (a cut link) keeps the device down: the reconnect deadline fails what
+//! waits and the device reports itself unavailable, until the server's close or reset
+//! reaches it or the kernel gives the TCP connection up (keepalive: ten times `timeout`
+//! without an answer). See "The old connection" in `table`.
+//!
+//! The receiver reconnects with exponential backoff (50 ms doubling, at most 2 s apart; a
+//! connection that broke within a second of coming up does not reset it), negotiates again,
+//! and, if the export's size and block sizes are unchanged, every request still waiting is
+//! sent again on the new connection: the commands used (read, write, flush, trim, write
+//! zeroes) are idempotent by offset. If the export changed, the device fails every request,
+//! now and later, with `EIO` and an error naming both sizes.
 //!
 //! Re-sending cannot bring back what a server lost: writes it acknowledged on the lost
 //! connection and had not flushed may have been in a cache that died with it. So when a
@@ -43,9 +56,10 @@
 //! writes a completed flush covers, are not affected.
 //!
 //! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
-//! with `EIO`, and while still disconnected new requests fail at once. Reconnecting goes on in
-//! the background, and once connected the same device serves again (a mirror can take the leg
-//! back). A request outstanding for `timeout` plus the deadline, however many times it was
+//! with `EIO`, while still disconnected new requests fail at once, and the device reports
+//! itself unavailable ([`blk::Device::unavailable`]: a mirror fails the leg even if nothing
+//! was asked of it). Reconnecting goes on in the background, and once connected the same
+//! device serves again (a mirror can take the leg back). A request outstanding for `timeout` plus the deadline, however many times it was
 //! sent, fails with `ETIMEDOUT`. [`RemoteDevice::is_connected`] and
 //! [`RemoteDevice::reconnects`] report the state. Nothing panics on what the server sends.
 //!
@@ -347,6 +361,13 @@ impl Device for RemoteDevice {
 
     fn limits(&self) -> Limits {
         self.links[0].sh.limits
+    }
+
+    /// No connection is up and one is past its reconnect deadline (or the device is dead).
+    fn unavailable(&self) -> bool {
+        let conns = || self.links.iter().map(|l| l.sh.table.lock().conn);
+        !conns().any(|c| c == Conn::Up)
+            && conns().any(|c| matches!(c, Conn::Dead | Conn::Down { expired: true, .. }))
     }
 
     /// From `NBD_CMD_BLOCK_STATUS` (`base:allocation`) when the server offers it; every

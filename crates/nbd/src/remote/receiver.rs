@@ -1,7 +1,8 @@
 //! What the receiver thread of a [`super::RemoteDevice`] does on one connection: reads the
 //! server's replies, receives read data into the bios' buffers, completes requests (or hands
 //! an emulated FUA write's flush to the sender), and stops on a timeout, a malformed reply, a
-//! closed or failed socket. What happens after it stops is `reconnect`'s.
+//! closed or failed socket; and drains a connection the client cut, until the server closes
+//! it (see "The old connection" in `table`). What happens after it stops is `reconnect`'s.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
@@ -45,6 +46,19 @@ pub(super) enum Stop {
     /// A request sent on this connection went unanswered for the timeout.
     #[error("a request was unanswered for {0:?}: the connection is declared dead")]
     TimedOut(Duration),
+    /// Sending a request on this connection failed.
+    #[error("sending a request failed")]
+    SendFailed,
+}
+
+impl Stop {
+    /// Whether the server ended the connection (it closed or reset it, or the socket
+    /// failed): nothing sent on it can still be carried out. Otherwise the client is the one
+    /// breaking it, and the old connection drains first (see "The old connection" in
+    /// `table`).
+    pub(super) fn ended_by_server(&self) -> bool {
+        matches!(self, Stop::Closed | Stop::Io(_))
+    }
 }
 
 pub(super) struct Receiver {
@@ -54,6 +68,9 @@ pub(super) struct Receiver {
     pub(super) scratch: Vec<u8>,
     pub(super) tick: Duration,
     pub(super) last_check: Instant,
+    /// The client cut the connection and is draining it: no request times out any more
+    /// (the wait is the old connection's), and the reconnect deadline is checked each tick.
+    pub(super) draining: bool,
 }
 
 impl Receiver {
@@ -66,12 +83,67 @@ impl Receiver {
         }
     }
 
-    /// Fails if the device is closing or a request sent on this connection has been
-    /// unanswered longer than the timeout.
+    /// Drains the connection the client cut (its sending half is shut down): receives what
+    /// the server still answers, completing requests as usual, until the server closes the
+    /// connection (or resets it, or the socket fails); after a reply that cannot be parsed,
+    /// the rest is read and dropped. Returns why it ended: `Closing` if the device closes
+    /// meanwhile. The reconnect deadline is checked each tick (`check`).
+    pub(super) fn drain(&mut self) -> Stop {
+        self.draining = true;
+        let stop = loop {
+            match self.one_reply() {
+                Ok(()) | Err(Stop::ShuttingDown) => {}
+                Err(Stop::Malformed(why)) => {
+                    tracing::debug!(uri = %self.sh.uri, "draining: malformed reply ({why}): dropping the rest");
+                    break self.discard();
+                }
+                Err(s) => break s,
+            }
+        };
+        self.draining = false;
+        stop
+    }
+
+    /// Reads and drops everything until the connection ends.
+    fn discard(&mut self) -> Stop {
+        loop {
+            let mut s = std::mem::take(&mut self.scratch);
+            let r = self.stream.read(&mut s);
+            self.scratch = s;
+            match r {
+                Ok(0) => return Stop::Closed,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if let Err(s) = self.check() {
+                        return s;
+                    }
+                }
+                Err(e) => return Stop::Io(e),
+            }
+        }
+    }
+
+    /// Fails if the device is closing, a send failed, or a request sent on this connection
+    /// has been unanswered longer than the timeout. While draining, only closing stops it,
+    /// and an expired reconnect deadline fails what waits.
     fn check(&mut self) -> Result<(), Stop> {
         self.last_check = Instant::now();
         if self.sh.closing.load(Ordering::SeqCst) {
             return Err(Stop::Closing);
+        }
+        if self.draining {
+            self.sh.expire_if_due();
+            return Ok(());
+        }
+        // SeqCst: see the field.
+        if self.sh.send_failed.load(Ordering::SeqCst) {
+            return Err(Stop::SendFailed);
         }
         let Some(limit) = self.last_check.checked_sub(self.sh.timeout) else {
             return Ok(());

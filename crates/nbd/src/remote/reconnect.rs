@@ -1,4 +1,6 @@
-//! The receiver thread's outer loop: receive on the connection until it stops, then take the
+//! The receiver thread's outer loop: receive on the connection until it stops; if the client
+//! is the one breaking it, cut it and drain it until the server has closed it (the old
+//! connection is then over: nothing sent on it can still be carried out); then take the
 //! connection down, re-establish it with exponential backoff, check that the export is the
 //! same, and hand what was in flight to the sender to be sent again; fail what waited past the
 //! reconnect deadline; and fail everything for good when the device closes or the export
@@ -8,10 +10,15 @@
 //!
 //! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`) and sets
 //!   a `Lost` status, so nothing fails a request while the receiver is in the middle of its
-//!   reply (a submitter or the sender that meets a socket error only shuts the socket down).
-//! - Taking the connection down and bringing a new one up each happen under the writer lock
-//!   and the table lock together: no request is ever sent on a connection the table does not
-//!   call current, and every request still waiting when a connection comes up is due on it.
+//!   reply (a submitter or the sender that meets a socket error only shuts the socket's
+//!   sending half down and flags it).
+//! - Cutting the connection, taking it down and bringing a new one up each happen under the
+//!   writer lock and the table lock together: no request is ever sent on a connection the
+//!   table does not call current, nothing is sent once it is cut, and every request still
+//!   waiting when a connection comes up is due on it.
+//! - No connection is made while the previous one may still carry out a request: `drain`
+//!   returns only once the server has closed it (or the socket failed), and only then does
+//!   `reconnect` dial (see "The old connection" in `table`).
 //! - During a reconnection the requests keep their slots, and a write's slot keeps its bio
 //!   and buffer: re-sending needs nothing that was given back.
 
@@ -22,7 +29,7 @@ use blkq_sync::atomic::Ordering;
 use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
-use super::table::Conn;
+use super::table::{Conn, Shared};
 use crate::proto::TransmissionFlags;
 
 /// First wait between reconnection attempts; it doubles after each failed attempt.
@@ -63,10 +70,26 @@ impl Supervisor {
                 self.rx.sh.kill(None);
                 return;
             }
-            tracing::warn!(
-                uri = %self.rx.sh.uri,
-                "the connection to the NBD server broke: {stop}; reconnecting"
-            );
+            if stop.ended_by_server() {
+                tracing::warn!(
+                    uri = %self.rx.sh.uri,
+                    "the connection to the NBD server broke: {stop}; reconnecting"
+                );
+            } else {
+                tracing::warn!(
+                    uri = %self.rx.sh.uri,
+                    "the connection to the NBD server broke: {stop}; waiting for the server \
+                     to close it (what was sent on it may still be carried out) before \
+                     reconnecting"
+                );
+                self.cut();
+                let end = self.rx.drain();
+                if matches!(end, Stop::Closing) || self.rx.sh.is_closing() {
+                    self.rx.sh.kill(None);
+                    return;
+                }
+                tracing::info!(uri = %self.rx.sh.uri, "the old connection is over: {end}");
+            }
             self.take_down();
             if !self.reconnect() {
                 return;
@@ -74,9 +97,28 @@ impl Supervisor {
         }
     }
 
-    /// The connection is down: nothing is sent until the next one; what has been outstanding
-    /// past its budget fails with `ETIMEDOUT`; with no reconnect deadline, everything
-    /// waiting fails at once.
+    /// The client breaks the connection: nothing is sent on it any more (its sending half is
+    /// shut down, so the server sees the end of the requests), but it is not over: the
+    /// receiver drains it. With no reconnect deadline, everything waiting fails at once.
+    fn cut(&mut self) {
+        let sh = &self.rx.sh;
+        // Before the writer lock: a sender blocked on a full socket fails at once.
+        sh.cut_socket();
+        {
+            let mut w = sh.writer.lock();
+            w.stream = None;
+            sh.table.lock().go_down(Instant::now());
+        }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(false, Ordering::Relaxed);
+        if sh.reconnect_deadline.is_zero() {
+            sh.expire();
+        }
+    }
+
+    /// The old connection is over: nothing is sent until the next one; what has been
+    /// outstanding past its budget fails with `ETIMEDOUT`; with no reconnect deadline,
+    /// everything waiting fails at once.
     fn take_down(&mut self) {
         let sh = &self.rx.sh;
         sh.shut_socket();
@@ -97,47 +139,16 @@ impl Supervisor {
         sh.up.store(false, Ordering::Relaxed);
         sh.complete_all();
         if sh.reconnect_deadline.is_zero() {
-            self.expire();
+            sh.expire();
         }
     }
 
-    /// The reconnect deadline has passed: everything waiting fails with `EIO`, and so does
-    /// every new request until a connection is back.
-    fn expire(&self) {
-        let sh = &self.rx.sh;
-        {
-            let mut t = sh.table.lock();
-            if let Conn::Down { since, .. } = t.conn {
-                t.conn = Conn::Down {
-                    since,
-                    expired: true,
-                };
-            }
-        }
-        tracing::warn!(
-            uri = %sh.uri,
-            "not reconnected within reconnect_deadline={}s: failing requests until the \
-             server is back",
-            sh.reconnect_deadline.as_secs()
-        );
-        sh.fail_waiting();
-    }
-
-    /// When the deadline expires, if it has not.
     fn expiry(&self) -> Option<Instant> {
-        match self.rx.sh.table.lock().conn {
-            Conn::Down {
-                since,
-                expired: false,
-            } => Some(since + self.rx.sh.reconnect_deadline),
-            _ => None,
-        }
+        self.rx.sh.expiry()
     }
 
     fn expire_if_due(&self) {
-        if self.expiry().is_some_and(|e| e <= Instant::now()) {
-            self.expire();
-        }
+        self.rx.sh.expire_if_due();
     }
 
     /// Reconnects until it succeeds (true), or the device closes or the export changed
@@ -254,6 +265,8 @@ impl Supervisor {
             t.meta_id = meta_id;
             t.conn = Conn::Up;
             t.send_needed = true;
+            // SeqCst: see the field. Under the writer lock (see the field).
+            sh.send_failed.store(false, Ordering::SeqCst);
         }
         // Relaxed: see `Shared::up`.
         sh.up.store(true, Ordering::Relaxed);
@@ -266,5 +279,53 @@ impl Supervisor {
         self.rx.last_check = Instant::now();
         self.up_since = Instant::now();
         Ok(true)
+    }
+}
+
+impl Shared {
+    /// The reconnect deadline has passed (whether or not a request waits): everything
+    /// waiting fails with `EIO`, and so does every new request until a connection is back;
+    /// meanwhile the device reports itself unavailable (`RemoteDevice::unavailable`).
+    pub(super) fn expire(&self) {
+        {
+            let mut t = self.table.lock();
+            let Conn::Down {
+                since,
+                expired: false,
+            } = t.conn
+            else {
+                return;
+            };
+            t.conn = Conn::Down {
+                since,
+                expired: true,
+            };
+        }
+        tracing::warn!(
+            uri = %self.uri,
+            "not reconnected within reconnect_deadline={}s: failing requests until the \
+             server is back",
+            self.reconnect_deadline.as_secs()
+        );
+        self.fail_waiting();
+    }
+
+    /// When the deadline expires, if it has not.
+    fn expiry(&self) -> Option<Instant> {
+        match self.table.lock().conn {
+            Conn::Down {
+                since,
+                expired: false,
+            } => Some(since + self.reconnect_deadline),
+            _ => None,
+        }
+    }
+
+    /// Expires the deadline if it is due (the receiver, between reconnection attempts and
+    /// at every tick of a drain).
+    pub(super) fn expire_if_due(&self) {
+        if self.expiry().is_some_and(|e| e <= Instant::now()) {
+            self.expire();
+        }
     }
 }

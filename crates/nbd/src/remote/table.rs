@@ -62,13 +62,40 @@ use crate::transmission::Request;
 // # The connection's states (`Table::conn`)
 //
 // - `Up`: requests are sent as they come.
-// - `Down { since, expired }`: the receiver is reconnecting. Nothing is sent; the requests in
-//   the table stay, bios in place, and are sent again (`sent_epoch` is older than the next
-//   connection's epoch) once a connection is back. New requests take slots and wait too.
-//   `expired` is set `reconnect_deadline` after `since`: everything waiting fails with `EIO`
-//   and new requests fail at once, until the connection is back (then `Up` again).
+// - `Down { since, expired }`: the connection broke at `since`. Nothing is sent; the requests
+//   in the table stay, bios in place. While the old connection drains (below), replies to
+//   them are still received and complete them; once it is over, the ones still waiting are
+//   sent again (`sent_epoch` is older than the next connection's epoch) when a connection is
+//   back. New requests take slots and wait too. `expired` is set `reconnect_deadline` after
+//   `since`, whether or not anything waits (the device then reports itself unavailable, so a
+//   mirror fails the leg): everything waiting fails with `EIO` and new requests fail at once,
+//   until a connection is back (then `Up` again).
 // - `Dead`: the device is closing, or the export changed under it (`fatal` says how): every
 //   request fails with `EIO`, for good.
+//
+// # The old connection: no re-send is overtaken by its first copy
+//
+// A request sent on a connection may still be carried out by the server after the client
+// gave up on it, and a write's first copy landing after its re-sent copy, or after a newer
+// write to the same blocks, would undo them. So nothing is sent on a new connection while
+// the old one may still carry out a request: the old connection is over only when the
+// server has closed it (end of stream) or reset it, or the socket failed. That rests on one
+// assumption about the server, which blkq's own server, nbdkit and qemu-nbd meet: it
+// finishes (or abandons) a connection's requests before it closes that connection.
+//
+// - The server closed the connection (or the socket failed): it is over at once.
+// - The client breaks it (a request unanswered for the timeout, a malformed reply,
+//   `NBD_ESHUTDOWN`, a failed send): it shuts down only the sending half (`cut_socket`),
+//   and the receiver drains the old connection: it keeps receiving, a reply that still comes
+//   completes its request (a late success is a success), and a reply it cannot parse has
+//   the rest read and dropped, until the server closes the connection. Only then are the
+//   requests left without a reply sent again, on a new connection.
+// - A server that cannot be heard (a cut link) leaves the connection draining: the
+//   reconnect deadline fails what waits, the device reports itself unavailable (a mirror
+//   fails the leg, whose bits stay set) and it does not come back up, so nothing is
+//   re-sent or recovered over the leg, until the old connection is over (the server's close
+//   or reset reaches the client once the link is back, or the kernel gives the connection
+//   up: TCP keepalive, see `connect::keepalive`).
 //
 // Lock order: the writer lock before the table lock; `sock` and `fatal` are leaves. No
 // `end_io` runs under any of them.
@@ -309,18 +336,28 @@ impl Table {
         Success::Complete(Status::Ok)
     }
 
-    /// The connection broke at `now`: it is down; what was sent is to be sent again on the
-    /// next connection (a read's partial data discarded, an emulated FUA write's flush turned
-    /// back into its write), except what has been outstanding longer than `budget` (the
-    /// timeout plus the reconnect deadline), which fails with `ETIMEDOUT`.
+    /// The connection broke at `now`: it is down (nothing is sent any more), unless it is
+    /// already down or dead. Its requests keep their slots, and replies to them are still
+    /// matched (the epoch is still its own) while the old connection drains.
+    pub(super) fn go_down(&mut self, now: Instant) {
+        if self.conn == Conn::Up {
+            self.conn = Conn::Down {
+                since: now,
+                expired: false,
+            };
+        }
+    }
+
+    /// The old connection is over (see "The old connection" above): nothing sent on it can
+    /// still run on the server. What is still waiting is to be sent again on the next
+    /// connection (a read's partial data discarded, an emulated FUA write's flush turned back
+    /// into its write), except what has been outstanding longer than `budget` (the timeout
+    /// plus the reconnect deadline), which fails with `ETIMEDOUT`.
     pub(super) fn disconnect(&mut self, now: Instant, budget: Duration) {
         if self.conn == Conn::Dead {
             return;
         }
-        self.conn = Conn::Down {
-            since: now,
-            expired: false,
-        };
+        self.go_down(now);
         self.fail_where(Status::Lost(libc::ETIMEDOUT), |s| {
             s.submitted + budget <= now
         });
@@ -371,6 +408,12 @@ pub(super) struct Shared {
     /// that, load it. SeqCst is more than that needs and costs nothing here (once per wake-up
     /// of those threads, never per I/O).
     pub(super) closing: AtomicBool,
+    /// A send on the current connection failed (the socket's sending half is shut down): the
+    /// receiver cuts the connection at its next tick. Cleared when a connection comes up,
+    /// under the writer lock, so a failure on an old connection (whose writer is gone by
+    /// then) cannot set it for the new one. SeqCst: a flag between two threads that publishes
+    /// no data, read once per tick of the receiver.
+    pub(super) send_failed: AtomicBool,
     /// Whether the connection is up: a hint for spreading requests over connections, kept
     /// with `Table::conn` (stored after it changes). Relaxed: a request sent to a connection
     /// that just went down waits for its reconnection like any other; nothing is ordered by
@@ -497,10 +540,20 @@ impl Shared {
         }
     }
 
-    /// Shuts the current socket down: the receiver wakes and handles the break.
+    /// Shuts the current socket down both ways (the device is closing or dead): the receiver
+    /// wakes and stops.
     pub(super) fn shut_socket(&self) {
         if let Some(s) = &*self.sock.lock() {
             let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Cuts the connection from this side: shuts down only its sending half, so that the
+    /// server sees the end of the requests and the receiver can still hear what it answers
+    /// and when it closes (see "The old connection" above).
+    pub(super) fn cut_socket(&self) {
+        if let Some(s) = &*self.sock.lock() {
+            let _ = s.shutdown(Shutdown::Write);
         }
     }
 
@@ -621,7 +674,10 @@ impl Shared {
         match r {
             Ok(()) => Ok(true),
             Err(e) => {
-                self.shut_socket();
+                // The receiver sees the flag at its next tick and drains the connection.
+                // SeqCst: see the field.
+                self.send_failed.store(true, Ordering::SeqCst);
+                self.cut_socket();
                 Err(e)
             }
         }
