@@ -270,3 +270,57 @@ fn an_expired_reconnect_deadline_fails_an_idle_leg() {
     drop(r);
     server.shutdown();
 }
+
+/// The same through qemu-nbd (when installed), whose image is the slow blkq server (qemu's
+/// NBD client): qemu-nbd closes a connection as soon as the client shuts down its sending
+/// half, with the slow write still running, so the end of the connection alone does not
+/// say its requests are over. The client never shuts it down while a reply may come: it
+/// waits for the slow write's reply, and the newer write stays.
+#[test]
+fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
+    log();
+    if std::process::Command::new("qemu-nbd")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: qemu-nbd is not on PATH");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let back = dir.path().join("back.sock");
+    let front = dir.path().join("qemu.sock");
+    let disk = mem("16M");
+    let (slow_dev, slow) = slow_disk(&disk);
+    let server = serve(&back, &slow_dev);
+    let mut qemu = std::process::Command::new("qemu-nbd")
+        .args(["--persistent", "--shared=4", "--cache=none", "--socket"])
+        .arg(&front)
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,server.type=unix,server.path={}",
+            back.display()
+        ))
+        .spawn()
+        .unwrap();
+    wait_until_within("qemu-nbd's socket", Duration::from_secs(10), || {
+        std::os::unix::net::UnixStream::connect(&front).is_ok()
+    });
+    let dev = RemoteDevice::open(&uri(&front, ",timeout=1,reconnect_deadline=10")).unwrap();
+    write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
+    write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
+    if let Err(e) = flush(&dev) {
+        assert!(e.to_string().contains("not been flushed"), "{e}");
+    }
+    flush(&dev).unwrap();
+    wait_until_within("the slow write landed", Duration::from_secs(10), || {
+        slow.landed.load(Ordering::SeqCst)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let got = read_at(&*disk, 0, BLOCK).unwrap();
+    drop(dev);
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    server.shutdown();
+    assert!(got == [NEW; BLOCK], "the disk holds {:#x}", got[0]);
+}

@@ -93,7 +93,7 @@ const KEEPALIVE_PROBES: u32 = 9;
 /// TCP keepalive on a connection to the server: a probe after `timeout` of silence, then
 /// every `timeout`; after [`KEEPALIVE_PROBES`] unanswered (or data or a FIN unacknowledged as
 /// long: ten times the timeout in all) the kernel gives the connection up. That bounds how
-/// long the device waits for an old connection it cut to end when the server cannot be
+/// long the device waits for an old connection it gave up to end when the server cannot be
 /// heard at all (a cut link, a host gone): see "The old connection" in `table`. A live
 /// server's host answers the probes, so a server still busy with a request is waited for.
 fn keepalive(s: &TcpStream, timeout: Duration) -> io::Result<()> {

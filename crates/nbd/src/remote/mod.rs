@@ -32,15 +32,17 @@
 //!
 //! A request the client gave up on may still be carried out by the server, and its first
 //! copy must not land after its re-sent copy or after a newer write. So when the client is
-//! the one breaking the connection, it shuts down only its sending half and keeps receiving
-//! on it: a reply that still comes completes its request (a late success is a success),
-//! until the server closes the connection. Only then, the old connection over, does the
-//! receiver reconnect. This assumes the server finishes (or abandons) a connection's
-//! requests before it closes it, as blkq's own server, nbdkit and qemu-nbd do. A server that
-//! cannot be heard (a cut link) keeps the device down: the reconnect deadline fails what
-//! waits and the device reports itself unavailable, until the server's close or reset
-//! reaches it or the kernel gives the TCP connection up (keepalive: ten times `timeout`
-//! without an answer). See "The old connection" in `table`.
+//! the one giving the connection up, it sends nothing more on it but leaves it open and
+//! keeps receiving: a reply that still comes completes its request (a late success is a
+//! success), until every request sent on it is answered or the server closes it. Only then,
+//! the old connection over, does the receiver reconnect. This assumes a server finishes (or
+//! abandons) a connection's requests before it closes it on its own, as blkq's own server,
+//! nbdkit and qemu-nbd do (the client never closes it first: qemu-nbd closes a connection
+//! whose client shut it down with requests still running). A server that cannot be heard (a
+//! cut link) keeps the device down: the reconnect deadline fails what waits and the device
+//! reports itself unavailable, until the replies or the server's close reach it or the
+//! kernel gives the TCP connection up (keepalive: ten times `timeout` without an answer).
+//! See "The old connection" in `table`.
 //!
 //! The receiver reconnects with exponential backoff (50 ms doubling, at most 2 s apart; a
 //! connection that broke within a second of coming up does not reset it), negotiates again,

@@ -1,24 +1,26 @@
 //! The receiver thread's outer loop: receive on the connection until it stops; if the client
-//! is the one breaking it, cut it and drain it until the server has closed it (the old
-//! connection is then over: nothing sent on it can still be carried out); then take the
-//! connection down, re-establish it with exponential backoff, check that the export is the
-//! same, and hand what was in flight to the sender to be sent again; fail what waited past the
-//! reconnect deadline; and fail everything for good when the device closes or the export
-//! changed under it.
+//! is the one giving it up, drain it until every request sent on it is answered or the server
+//! closes it (the old connection is then over: nothing sent on it can still be carried out);
+//! then take the connection down, re-establish it with exponential backoff, check that the
+//! export is the same, and hand what was in flight to the sender to be sent again; fail what
+//! waited past the reconnect deadline; and fail everything for good when the device closes or
+//! the export changed under it.
 //!
 //! # Invariants
 //!
-//! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`) and sets
-//!   a `Lost` status, so nothing fails a request while the receiver is in the middle of its
-//!   reply (a submitter or the sender that meets a socket error only shuts the socket's
-//!   sending half down and flags it).
-//! - Cutting the connection, taking it down and bringing a new one up each happen under the
-//!   writer lock and the table lock together: no request is ever sent on a connection the
-//!   table does not call current, nothing is sent once it is cut, and every request still
-//!   waiting when a connection comes up is due on it.
+//! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`,
+//!   `Table::draining`) and sets a `Lost` status, so nothing fails a request while the
+//!   receiver is in the middle of its reply (a submitter or the sender that meets a socket
+//!   error only drops the writer's stream and flags it).
+//! - Giving a connection up happens under the table lock (requests are claimed only while it
+//!   is up, so nothing new is sent on it); cutting it after a malformed reply, taking it
+//!   down and bringing a new one up each happen under the writer lock and the table lock
+//!   together: no request is ever sent on a connection the table does not call current, and
+//!   every request still waiting when a connection comes up is due on it.
 //! - No connection is made while the previous one may still carry out a request: `drain`
-//!   returns only once the server has closed it (or the socket failed), and only then does
-//!   `reconnect` dial (see "The old connection" in `table`).
+//!   returns only once every request sent on it is answered, or the server has closed it (or
+//!   the socket failed), and only then does `reconnect` dial (see "The old connection" in
+//!   `table`). A request failed meanwhile keeps its slot as an orphan until then.
 //! - During a reconnection the requests keep their slots, and a write's slot keeps its bio
 //!   and buffer: re-sending needs nothing that was given back.
 
@@ -78,12 +80,13 @@ impl Supervisor {
             } else {
                 tracing::warn!(
                     uri = %self.rx.sh.uri,
-                    "the connection to the NBD server broke: {stop}; waiting for the server \
-                     to close it (what was sent on it may still be carried out) before \
-                     reconnecting"
+                    "the connection to the NBD server broke: {stop}; what was sent on it may \
+                     still be carried out: waiting for its replies, or for the server to close \
+                     it, before reconnecting"
                 );
-                self.cut();
-                let end = self.rx.drain();
+                let unparseable = stop.unparseable();
+                self.give_up(unparseable);
+                let end = self.rx.drain(unparseable);
                 if matches!(end, Stop::Closing) || self.rx.sh.is_closing() {
                     self.rx.sh.kill(None);
                     return;
@@ -97,16 +100,23 @@ impl Supervisor {
         }
     }
 
-    /// The client breaks the connection: nothing is sent on it any more (its sending half is
-    /// shut down, so the server sees the end of the requests), but it is not over: the
-    /// receiver drains it. With no reconnect deadline, everything waiting fails at once.
-    fn cut(&mut self) {
+    /// The client gives up on the connection: nothing new is sent on it (requests are
+    /// claimed only while it is up; one already claimed still goes out), but it is not over:
+    /// the receiver drains it. Its sending half is shut down only when the rest of the
+    /// stream cannot be parsed (`cut`): a server may close a connection at once when it
+    /// sees the end of the requests, with requests still running (qemu-nbd does). With no
+    /// reconnect deadline, everything waiting fails at once.
+    fn give_up(&mut self, cut: bool) {
         let sh = &self.rx.sh;
-        // Before the writer lock: a sender blocked on a full socket fails at once.
-        sh.cut_socket();
-        {
+        if cut {
+            // Before the writer lock: a sender blocked on a full socket fails at once.
+            sh.cut_socket();
             let mut w = sh.writer.lock();
             w.stream = None;
+            sh.table.lock().go_down(Instant::now());
+        } else {
+            // Not the writer lock: a sender may be waiting on a full socket, and goes on
+            // until the server reads or the deadline passes (`write_request`).
             sh.table.lock().go_down(Instant::now());
         }
         // Relaxed: see `Shared::up`.

@@ -19,8 +19,9 @@
 //! refused.
 //!
 //! - `timeout=SECS` (1..=86400, default 30): a request unanswered this long on a connection
-//!   declares the connection dead; it is broken and re-established once the server has
-//!   closed it (what was sent on it may still be carried out, so nothing is re-sent before).
+//!   declares the connection dead: nothing more is sent on it, and it is re-established
+//!   once every request sent on it is answered or the server has closed it (what was sent
+//!   on it may still be carried out, so nothing is re-sent before).
 //!   Also the longest a submitter waits for a free slot (then `ETIMEDOUT`), and the period
 //!   of the TCP keepalive probes (the kernel gives a silent connection up after ten times
 //!   it).
