@@ -200,16 +200,17 @@ impl Receiver {
     /// the receiver never sends (it must keep reading whatever the server's send buffer
     /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
     fn succeeded(&self, i: usize) {
-        if self.sh.table.lock().is_orphan(i) {
-            // Nobody waits for it any more: its slot is free again.
-            return self.sh.finish(i, Status::Ok);
-        }
-        let what = self.sh.table.lock().succeeded(i, &self.sh.durability);
+        let what = {
+            let mut t = self.sh.table.lock();
+            // An orphan: nobody waits for it any more, `finish` frees its slot.
+            (!t.is_orphan(i)).then(|| t.succeeded(i, &self.sh.durability))
+        };
         match what {
-            Success::FlushNext => {
+            None => self.sh.finish(i, Status::Ok),
+            Some(Success::FlushNext) => {
                 self.sh.sender_wq.wake_one();
             }
-            Success::Complete(status) => self.sh.finish(i, status),
+            Some(Success::Complete(status)) => self.sh.finish(i, status),
         }
     }
 

@@ -104,9 +104,10 @@ use crate::transmission::Request;
 //   drain waits for it like any other. Orphans are freed when the old connection is over
 //   (`end_old`).
 // - A send that cannot progress waits for the server to read (it reads requests as it
-//   finishes others), until the deadline passes; a request not written whole is marked
-//   not sent (no server carries out a request it did not receive whole) and the stream is
-//   not written again.
+//   finishes others), until the deadline passes (over TLS it fails at the socket's send
+//   timeout: the record is half sent); a request not written whole is marked not sent (no
+//   server carries out a request it did not receive whole) and the stream is not written
+//   again.
 // - A server that cannot be heard (a cut link, a host gone) leaves the connection draining:
 //   the reconnect deadline fails what waits, the device reports itself unavailable (a
 //   mirror fails the leg, whose bits stay set) and it does not come back up, so nothing is
@@ -788,7 +789,8 @@ impl Shared {
 }
 
 /// Writes `a` then `b`, gathered. A write that times out (the socket's send timeout) is
-/// tried again unless `give_up` says otherwise.
+/// tried again unless `give_up` says otherwise; not on TLS, whose write has then consumed
+/// the plaintext and sent part of its record (the stream cannot go on).
 fn write_all2(s: &mut Stream, a: &[u8], b: &[u8], give_up: impl Fn() -> bool) -> io::Result<()> {
     let mut bufs = [IoSlice::new(a), IoSlice::new(b)];
     let mut bufs = &mut bufs[..];
@@ -801,7 +803,8 @@ fn write_all2(s: &mut Stream, a: &[u8], b: &[u8], give_up: impl Fn() -> bool) ->
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) && !give_up() => {}
+                ) && !matches!(s, Stream::Tls(_))
+                    && !give_up() => {}
             Err(e) => return Err(e),
         }
     }
