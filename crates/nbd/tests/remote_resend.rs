@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Device, Op};
+use blk::{Device, Op, PendingBio};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::remote::RemoteDevice;
 use nbd::server::{Export, Server, ServerConfig};
@@ -323,4 +323,55 @@ fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
     let _ = qemu.wait();
     server.shutdown();
     assert!(got == [NEW; BLOCK], "the disk holds {:#x}", got[0]);
+}
+
+/// A server that stops reading while the slow write holds its only slot: the client's sends
+/// stall behind it past the timeout. They wait for the server to read rather than fail (a
+/// send given up halfway could not be finished), the connection drains once everything is
+/// answered, every write succeeds, and the newer write at the slow write's block stays.
+#[test]
+fn sends_stalled_behind_a_slow_write_wait_and_nothing_is_overtaken() {
+    log();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let disk = mem("16M");
+    let (slow_dev, slow) = slow_disk(&disk);
+    let mut cfg = ServerConfig::new(vec![Export::new("", slow_dev)]);
+    cfg.unix = Some(path.clone());
+    cfg.tuning.slots = 1;
+    let server = Server::start(cfg).unwrap();
+    let dev = RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    const LEN: usize = 64 << 10;
+    let mut pending = vec![PendingBio::submit(&dev, write_bio(0, vec![OLD; BLOCK]))];
+    for k in 1..48u64 {
+        pending.push(PendingBio::submit(
+            &dev,
+            write_bio(k * LEN as u64, testkit::pattern(k, LEN)),
+        ));
+    }
+    for p in pending {
+        let (_, r) = p
+            .wait_until(Instant::now() + Duration::from_secs(10))
+            .expect("a write stalled behind the slow one never completed");
+        r.unwrap();
+    }
+    write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
+    if let Err(e) = flush(&dev) {
+        assert!(e.to_string().contains("not been flushed"), "{e}");
+    }
+    flush(&dev).unwrap();
+    assert!(slow.landed.load(Ordering::SeqCst));
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(read_at(&*disk, 0, BLOCK).unwrap() == [NEW; BLOCK]);
+    for k in 1..48u64 {
+        assert!(read_at(&dev, k * LEN as u64, LEN).unwrap() == testkit::pattern(k, LEN));
+    }
+    drop(dev);
+    server.shutdown();
+}
+
+fn write_bio(offset: u64, data: Vec<u8>) -> blk::Bio {
+    let mut b = blk::Buffer::new(data.len());
+    b.as_mut_slice().copy_from_slice(&data);
+    blk::Bio::with_buf(Op::Write, offset >> blk::SECTOR_SHIFT, b)
 }
