@@ -375,3 +375,36 @@ fn write_bio(offset: u64, data: Vec<u8>) -> blk::Bio {
     b.as_mut_slice().copy_from_slice(&data);
     blk::Bio::with_buf(Op::Write, offset >> blk::SECTOR_SHIFT, b)
 }
+
+/// With several connections, a write the reconnect deadline failed while its copy may still
+/// land keeps the other connections from taking writes until its connection is over: a
+/// newer write to the same block fails rather than land before that copy.
+#[test]
+fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land() {
+    log();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let disk = mem("16M");
+    let (slow_dev, slow) = slow_disk(&disk);
+    let server = serve(&path, &slow_dev);
+    let dev = RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=1,conns=2")).unwrap();
+    assert_eq!(dev.connections(), 2);
+    let e = write_at(&dev, 0, &[OLD; BLOCK]).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO, "{e}");
+    assert!(!slow.landed.load(Ordering::SeqCst));
+    // The other connection is up, but the failed write may still land.
+    let e = write_at(&dev, 0, &[NEW; BLOCK]).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO, "{e}");
+    assert!(e.to_string().contains("another connection"), "{e}");
+    wait_until_within("the slow write landed", Duration::from_secs(10), || {
+        slow.landed.load(Ordering::SeqCst)
+    });
+    wait_until_within("both connections up", Duration::from_secs(10), || {
+        dev.is_connected()
+    });
+    write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(read_at(&*disk, 0, BLOCK).unwrap() == [NEW; BLOCK]);
+    drop(dev);
+    server.shutdown();
+}

@@ -68,6 +68,7 @@ impl Link {
             reconnect_deadline: spec.reconnect_deadline,
             closing: AtomicBool::new(false),
             send_failed: AtomicBool::new(false),
+            orphaned: AtomicBool::new(false),
             up: AtomicBool::new(true),
             sock: Mutex::new(Some(sock)),
             reconnects: AtomicU64::new(0),

@@ -256,6 +256,15 @@ impl RemoteDevice {
             .sum()
     }
 
+    /// Whether a connection holds requests failed by the reconnect deadline whose copies may
+    /// still be carried out (`Shared::orphaned`).
+    fn orphaned(&self) -> bool {
+        // Acquire: see the field.
+        self.links
+            .iter()
+            .any(|l| l.sh.orphaned.load(Ordering::Acquire))
+    }
+
     /// The connection for the next request: round-robin, passing over a connection that is
     /// not up when another is (its requests would wait for its reconnection).
     fn pick(&self) -> &Shared {
@@ -345,6 +354,20 @@ impl RemoteDevice {
 
 impl Device for RemoteDevice {
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
+        if self.links.len() > 1
+            && matches!(bio.op, Op::Write | Op::Discard | Op::WriteZeroes)
+            && self.orphaned()
+        {
+            let e = blk::error::with_context(
+                std::io::Error::from_raw_os_error(libc::EIO),
+                format!(
+                    "{}: a write failed on another connection may still be carried out by \
+                     the server; no write until that connection is over",
+                    self.links[0].sh.uri
+                ),
+            );
+            return end.end_io(bio, Err(Error::Io(e)));
+        }
         let sh = self.pick();
         let (cmd, flags, fua_flush) = match self.command(sh, &bio) {
             Ok(Some(c)) => c,

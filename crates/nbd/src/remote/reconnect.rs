@@ -138,6 +138,8 @@ impl Supervisor {
             let mut t = sh.table.lock();
             t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
         }
+        // Release: see the field.
+        sh.orphaned.store(false, Ordering::Release);
         if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
             tracing::warn!(
                 uri = %sh.uri,
@@ -310,6 +312,10 @@ impl Shared {
                 since,
                 expired: true,
             };
+            if t.draining && !t.answered() {
+                // Release: see the field.
+                self.orphaned.store(true, Ordering::Release);
+            }
         }
         tracing::warn!(
             uri = %self.uri,

@@ -102,7 +102,9 @@ use crate::transmission::Request;
 //   passed during the drain) completes, but its slot stays taken as an *orphan*, without
 //   bio or completion: a reply for it is received and dropped and frees the slot, and the
 //   drain waits for it like any other. Orphans are freed when the old connection is over
-//   (`end_old`).
+//   (`end_old`). Meanwhile the device is down on this connection (new requests fail at
+//   once), and with several connections the others take no write either
+//   (`Shared::orphaned`): a newer write there could land before the orphan's copy.
 // - A send that cannot progress waits for the server to read (it reads requests as it
 //   finishes others), until the deadline passes (over TLS it fails at the socket's send
 //   timeout: the record is half sent); a request not written whole is marked not sent (no
@@ -483,6 +485,12 @@ pub(super) struct Shared {
     /// then) cannot set it for the new one. SeqCst: a flag between two threads that publishes
     /// no data, read once per tick of the receiver.
     pub(super) send_failed: AtomicBool,
+    /// The reconnect deadline failed requests whose copies on this draining connection may
+    /// still be carried out (orphans): until the connection is over, the device's other
+    /// connections take no write, trim or zeroing either (a newer write there could land
+    /// before such a copy). Set and cleared by the receiver (`expire`, `take_down`, `kill`);
+    /// Release/Acquire: a caller that saw its write fail, then submits another, sees it.
+    pub(super) orphaned: AtomicBool,
     /// Whether the connection is up: a hint for spreading requests over connections, kept
     /// with `Table::conn` (stored after it changes). Relaxed: a request sent to a connection
     /// that just went down waits for its reconnection like any other; nothing is ordered by
@@ -656,6 +664,8 @@ impl Shared {
             t.conn = Conn::Dead;
             t.end_old();
         }
+        // Release: see the field.
+        self.orphaned.store(false, Ordering::Release);
         // Relaxed: see the field.
         self.up.store(false, Ordering::Relaxed);
         self.fail_waiting();
