@@ -59,11 +59,12 @@
 //!
 //! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
 //! with `EIO`, while still disconnected new requests fail at once, and the device reports
-//! itself unavailable ([`blk::Device::unavailable`]: a mirror fails the leg even if nothing
-//! was asked of it). Reconnecting goes on in the background, and once connected the same
-//! device serves again (a mirror can take the leg back). A request outstanding for `timeout` plus the deadline, however many times it was
-//! sent, fails with `ETIMEDOUT`. [`RemoteDevice::is_connected`] and
-//! [`RemoteDevice::reconnects`] report the state. Nothing panics on what the server sends.
+//! itself unavailable ([`blk::Device::unavailable`]: a mirror fails the leg even if nothing was
+//! asked of it). Reconnecting goes on in the background, and once connected the same device
+//! serves again (a mirror can take the leg back). A request outstanding for `timeout` plus the
+//! deadline, however many times it was sent, fails with `ETIMEDOUT`.
+//! [`RemoteDevice::is_connected`] and [`RemoteDevice::reconnects`] report the state. Nothing
+//! panics on what the server sends.
 //!
 //! # FUA
 //!

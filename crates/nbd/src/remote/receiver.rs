@@ -2,7 +2,8 @@
 //! server's replies, receives read data into the bios' buffers, completes requests (or hands
 //! an emulated FUA write's flush to the sender), and stops on a timeout, a malformed reply, a
 //! closed or failed socket; and drains a connection the client gave up, until every request
-//! sent on it is answered or the server closes it (see "The old connection" in `table`). What happens after it stops is `reconnect`'s.
+//! sent on it is answered or the server closes it (see "The old connection" in `table`).
+//! What happens after it stops is `reconnect`'s.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};

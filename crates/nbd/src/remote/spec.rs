@@ -34,15 +34,16 @@
 //! - `reconnect_deadline=SECS` (0..=86400, default 15): how long requests wait for a broken
 //!   connection to be re-established before they fail with `EIO`; past it, and while still
 //!   disconnected, new requests fail at once and the device reports itself unavailable (a
-//!   mirror fails the leg, even an idle one). The device keeps reconnecting in the
-//!   background either way and serves again once connected. `0` fails what is in flight at
-//!   once when the connection breaks. The deadline is checked while an old connection
-//!   drains (every quarter of `timeout`) and between reconnection attempts, and one attempt (to a server that accepts and never answers) may take up to
-//!   `timeout`, so requests fail at most that much after it. The default is long enough for
-//!   a server process to restart or a network path to fail over, and short enough that a
-//!   mirror above this device marks the leg faulty and goes on serving within seconds
-//!   instead of stalling its writers. A request outstanding for `timeout` plus the deadline
-//!   when a connection breaks fails with `ETIMEDOUT`, however many times it was sent.
+//!   mirror fails the leg, even an idle one). The device keeps reconnecting in the background
+//!   either way and serves again once connected. `0` fails what is in flight at once when the
+//!   connection breaks. The deadline is checked while an old connection drains (every quarter
+//!   of `timeout`) and between reconnection attempts, and one attempt (to a server that accepts
+//!   and never answers) may take up to `timeout`, so requests fail at most that much after it.
+//!   The default is long enough for a server process to restart or a network path to fail over,
+//!   and short enough that a mirror above this device marks the leg faulty and goes on serving
+//!   within seconds instead of stalling its writers. A request outstanding for `timeout` plus
+//!   the deadline when a connection breaks fails with `ETIMEDOUT`, however many times it was
+//!   sent.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing
