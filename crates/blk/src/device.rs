@@ -200,6 +200,14 @@ pub trait Device: Send + Sync {
     fn check_connections(&self, _check: Option<Arc<dyn ConnectCheck>>) -> bool {
         false
     }
+    /// Whether the device knows, with no I/O asked of it, that it cannot serve now: a remote
+    /// device whose connection has been down past its reconnect deadline (every request then
+    /// fails at once). A mirror fails such a leg at its next tick, as if a write had failed
+    /// on it, so that the leg's bits stay set and its return is a re-add. Read off the I/O
+    /// path (a mirror's background thread). Default: no.
+    fn unavailable(&self) -> bool {
+        false
+    }
 }
 
 /// What a device that reconnects asks of each new connection before it serves on it

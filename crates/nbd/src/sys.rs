@@ -58,14 +58,44 @@ pub(crate) fn sendmsg_more(
 /// doubles it for bookkeeping). Replies that fit are written without blocking, so the combining
 /// writer hands fewer of them to the flusher thread.
 pub(crate) fn set_send_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
-    let v: libc::c_int = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
+    let v = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
+    set_int_option(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, v)
+}
+
+/// TCP keepalive on a connected socket: after `idle` without traffic, a probe every
+/// `interval`; the kernel gives the connection up (`ETIMEDOUT`) when `count` probes go
+/// unanswered, or when data (a FIN too) stays unacknowledged for `idle + count * interval`
+/// (`TCP_USER_TIMEOUT`). Seconds, at most 32767 (the kernel's limit).
+pub(crate) fn set_keepalive(fd: RawFd, idle: u32, interval: u32, count: u32) -> io::Result<()> {
+    let secs = |s: u32| s.clamp(1, 32767) as libc::c_int;
+    let (idle, interval, count) = (
+        secs(idle),
+        secs(interval),
+        count.clamp(1, 127) as libc::c_int,
+    );
+    set_int_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
+    set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
+    set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count)?;
+    let user_ms = (i64::from(idle) + i64::from(count) * i64::from(interval)) * 1000;
+    let user_ms = user_ms.min(i64::from(libc::c_int::MAX)) as libc::c_int;
+    set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_ms)
+}
+
+/// `setsockopt(fd, level, name, &v)` for an `int` option.
+fn set_int_option(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: libc::c_int,
+) -> io::Result<()> {
     // SAFETY: `v` is a live c_int and the length passed is its size; setsockopt only reads it.
     // A bad `fd` gives EBADF/ENOTSOCK.
     let rc = unsafe {
         libc::setsockopt(
             fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
+            level,
+            name,
             (&v as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )

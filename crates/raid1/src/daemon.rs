@@ -328,6 +328,9 @@ impl Inner {
                 let _ = self.write_superblocks();
             }
             let tick = Instant::now() >= next_tick;
+            if tick {
+                self.fail_unavailable_legs();
+            }
             if tick || self.readd.done.load(Ordering::Acquire) {
                 self.probe_legs();
             }

@@ -102,6 +102,26 @@ impl Inner {
         ))))
     }
 
+    /// raid1d, every tick: a leg whose device says it cannot serve (a remote leg past its
+    /// reconnect deadline) fails as if a write had failed on it, even when no I/O asked
+    /// anything of it, so that its bits stay set and its return is a re-add (never the last
+    /// in-sync leg: `fail_leg` refuses it, and its I/O errors decide).
+    pub(crate) fn fail_unavailable_legs(&self) {
+        for (i, l) in self.legs.iter().enumerate() {
+            let st = l.state.load(Ordering::Acquire);
+            if st & (PRESENT | FAULTY) != PRESENT {
+                continue;
+            }
+            if l.dev().is_some_and(|d| d.unavailable()) && self.fail_leg(i) {
+                tracing::warn!(
+                    leg = i,
+                    "raid1: leg {i} failed: its device reports it cannot serve (a remote leg \
+                     not reconnected within its reconnect deadline)"
+                );
+            }
+        }
+    }
+
     /// A write or flush failed on leg `leg`: fail the leg; if it is the last in-sync leg,
     /// which cannot be failed, the array fails (see `Inner::fail_array`).
     pub(crate) fn leg_write_failed(&self, leg: usize, why: &'static str) {

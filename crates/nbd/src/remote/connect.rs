@@ -4,6 +4,7 @@
 
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -75,6 +76,7 @@ pub(super) fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
                 match TcpStream::connect_timeout(&a, timeout) {
                     Ok(s) => {
                         s.set_nodelay(true)?;
+                        keepalive(&s, timeout)?;
                         return Ok(Stream::Tcp(s));
                     }
                     Err(e) => last = e,
@@ -83,6 +85,20 @@ pub(super) fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
             Err(last)
         }
     }
+}
+
+/// Unanswered keepalive probes after which the kernel gives a TCP connection up.
+const KEEPALIVE_PROBES: u32 = 9;
+
+/// TCP keepalive on a connection to the server: a probe after `timeout` of silence, then
+/// every `timeout`; after [`KEEPALIVE_PROBES`] unanswered (or data or a FIN unacknowledged as
+/// long: ten times the timeout in all) the kernel gives the connection up. That bounds how
+/// long the device waits for an old connection it gave up to end when the server cannot be
+/// heard at all (a cut link, a host gone): see "The old connection" in `table`. A live
+/// server's host answers the probes, so a server still busy with a request is waited for.
+fn keepalive(s: &TcpStream, timeout: Duration) -> io::Result<()> {
+    let t = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
+    crate::sys::set_keepalive(s.as_raw_fd(), t, t, KEEPALIVE_PROBES)
 }
 
 /// Negotiates on a dialed `stream`: every step bounded by the spec's timeout; the stream's

@@ -69,6 +69,8 @@ impl Link {
             timeout: spec.timeout,
             reconnect_deadline: spec.reconnect_deadline,
             closing: AtomicBool::new(false),
+            send_failed: AtomicBool::new(false),
+            orphaned: AtomicBool::new(false),
             up: AtomicBool::new(true),
             sock: Mutex::new(Some(sock)),
             reconnects: AtomicU64::new(0),
@@ -84,6 +86,7 @@ impl Link {
                 scratch: vec![0; SCRATCH],
                 tick,
                 last_check: Instant::now(),
+                draining: false,
             },
             spec.clone(),
         );

@@ -27,14 +27,29 @@
 //!
 //! The connection breaks when the server closes it, the socket fails, a reply is malformed
 //! (unknown cookie, a chunk outside its request, bad magic, ...), or a request is unanswered
-//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away). Then the
-//! requests keep their slots (a write its bio and buffer), and the receiver reconnects with
-//! exponential backoff (50 ms doubling, at most 2 s apart; a connection that broke within a
-//! second of coming up does not reset it), negotiates again, and, if the export's size and
-//! block sizes are unchanged, every request still waiting is sent again on the new
-//! connection: the commands used (read, write, flush, trim, write zeroes) are idempotent by
-//! offset. If the export changed, the device fails every request, now and later, with `EIO`
-//! and an error naming both sizes.
+//! for `timeout` on it, or the server answers `NBD_ESHUTDOWN` (it is going away), or a send
+//! fails. Then the requests keep their slots (a write its bio and buffer).
+//!
+//! A request the client gave up on may still be carried out by the server, and its first
+//! copy must not land after its re-sent copy or after a newer write. So when the client is
+//! the one giving the connection up, it sends nothing more on it but leaves it open and
+//! keeps receiving: a reply that still comes completes its request (a late success is a
+//! success), until every request sent on it is answered or the server closes it. Only then,
+//! the old connection over, does the receiver reconnect. This assumes a server finishes (or
+//! abandons) a connection's requests before it closes it on its own, as blkq's own server,
+//! nbdkit and qemu-nbd do (the client never closes it first: qemu-nbd closes a connection
+//! whose client shut it down with requests still running). A server that cannot be heard (a
+//! cut link) keeps the device down: the reconnect deadline fails what waits and the device
+//! reports itself unavailable, until the replies or the server's close reach it or the
+//! kernel gives the TCP connection up (keepalive: ten times `timeout` without an answer).
+//! See "The old connection" in `table`.
+//!
+//! The receiver reconnects with exponential backoff (50 ms doubling, at most 2 s apart; a
+//! connection that broke within a second of coming up does not reset it), negotiates again,
+//! and, if the export's size and block sizes are unchanged, every request still waiting is
+//! sent again on the new connection: the commands used (read, write, flush, trim, write
+//! zeroes) are idempotent by offset. If the export changed, the device fails every request,
+//! now and later, with `EIO` and an error naming both sizes.
 //!
 //! The device's owner may also have every new connection judged before it serves
 //! ([`blk::Device::check_connections`]: a mirror reads its leg's superblock): the bytes it
@@ -48,11 +63,13 @@
 //! writes a completed flush covers, are not affected.
 //!
 //! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
-//! with `EIO`, and while still disconnected new requests fail at once. Reconnecting goes on in
-//! the background, and once connected the same device serves again (a mirror can take the leg
-//! back). A request outstanding for `timeout` plus the deadline, however many times it was
-//! sent, fails with `ETIMEDOUT`. [`RemoteDevice::is_connected`] and
-//! [`RemoteDevice::reconnects`] report the state. Nothing panics on what the server sends.
+//! with `EIO`, while still disconnected new requests fail at once, and the device reports
+//! itself unavailable ([`blk::Device::unavailable`]: a mirror fails the leg even if nothing was
+//! asked of it). Reconnecting goes on in the background, and once connected the same device
+//! serves again (a mirror can take the leg back). A request outstanding for `timeout` plus the
+//! deadline, however many times it was sent, fails with `ETIMEDOUT`.
+//! [`RemoteDevice::is_connected`] and [`RemoteDevice::reconnects`] report the state. Nothing
+//! panics on what the server sends.
 //!
 //! # FUA
 //!
@@ -248,6 +265,15 @@ impl RemoteDevice {
             .sum()
     }
 
+    /// Whether a connection holds requests failed by the reconnect deadline whose copies may
+    /// still be carried out (`Shared::orphaned`).
+    fn orphaned(&self) -> bool {
+        // Acquire: see the field.
+        self.links
+            .iter()
+            .any(|l| l.sh.orphaned.load(Ordering::Acquire))
+    }
+
     /// The connection for the next request: round-robin, passing over a connection that is
     /// not up when another is (its requests would wait for its reconnection).
     fn pick(&self) -> &Shared {
@@ -337,6 +363,20 @@ impl RemoteDevice {
 
 impl Device for RemoteDevice {
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
+        if self.links.len() > 1
+            && matches!(bio.op, Op::Write | Op::Discard | Op::WriteZeroes)
+            && self.orphaned()
+        {
+            let e = blk::error::with_context(
+                std::io::Error::from_raw_os_error(libc::EIO),
+                format!(
+                    "{}: a write failed on another connection may still be carried out by \
+                     the server; no write until that connection is over",
+                    self.links[0].sh.uri
+                ),
+            );
+            return end.end_io(bio, Err(Error::Io(e)));
+        }
         let sh = self.pick();
         let (cmd, flags, fua_flush) = match self.command(sh, &bio) {
             Ok(Some(c)) => c,
@@ -363,6 +403,13 @@ impl Device for RemoteDevice {
 
     fn limits(&self) -> Limits {
         self.links[0].sh.limits
+    }
+
+    /// No connection is up and one is past its reconnect deadline (or the device is dead).
+    fn unavailable(&self) -> bool {
+        let conns = || self.links.iter().map(|l| l.sh.table.lock().conn);
+        !conns().any(|c| c == Conn::Up)
+            && conns().any(|c| matches!(c, Conn::Dead | Conn::Down { expired: true, .. }))
     }
 
     /// From `NBD_CMD_BLOCK_STATUS` (`base:allocation`) when the server offers it; every

@@ -1,7 +1,9 @@
 //! What the receiver thread of a [`super::RemoteDevice`] does on one connection: reads the
 //! server's replies, receives read data into the bios' buffers, completes requests (or hands
 //! an emulated FUA write's flush to the sender), and stops on a timeout, a malformed reply, a
-//! closed or failed socket. What happens after it stops is `reconnect`'s.
+//! closed or failed socket; and drains a connection the client gave up, until every request
+//! sent on it is answered or the server closes it (see "The old connection" in `table`).
+//! What happens after it stops is `reconnect`'s.
 
 use std::io::{self, Read};
 use std::time::{Duration, Instant};
@@ -45,6 +47,28 @@ pub(super) enum Stop {
     /// A request sent on this connection went unanswered for the timeout.
     #[error("a request was unanswered for {0:?}: the connection is declared dead")]
     TimedOut(Duration),
+    /// Sending a request on this connection failed.
+    #[error("sending a request failed")]
+    SendFailed,
+    /// Draining: every request sent on the connection has its reply.
+    #[error("every request sent on it was answered")]
+    Drained,
+}
+
+impl Stop {
+    /// Whether the server ended the connection (it closed or reset it, or the socket
+    /// failed): nothing sent on it can still be carried out. Otherwise the client is the one
+    /// breaking it, and the old connection drains first (see "The old connection" in
+    /// `table`).
+    pub(super) fn ended_by_server(&self) -> bool {
+        matches!(self, Stop::Closed | Stop::Io(_))
+    }
+
+    /// Whether the rest of the stream cannot be parsed (a malformed reply): the connection
+    /// is cut (its sending half shut down) and drained by reading and dropping everything.
+    pub(super) fn unparseable(&self) -> bool {
+        matches!(self, Stop::Malformed(_))
+    }
 }
 
 pub(super) struct Receiver {
@@ -54,6 +78,9 @@ pub(super) struct Receiver {
     pub(super) scratch: Vec<u8>,
     pub(super) tick: Duration,
     pub(super) last_check: Instant,
+    /// The client gave the connection up and is draining it: no request times out any more
+    /// (the wait is the old connection's), and the reconnect deadline is checked each tick.
+    pub(super) draining: bool,
 }
 
 impl Receiver {
@@ -66,12 +93,83 @@ impl Receiver {
         }
     }
 
-    /// Fails if the device is closing or a request sent on this connection has been
-    /// unanswered longer than the timeout.
+    /// Drains the connection the client gave up on (nothing new is sent on it): receives
+    /// what the server still answers, completing requests as usual (an orphan's reply is
+    /// dropped), until every request sent on it has its reply, or the server closes the
+    /// connection (or resets it, or the socket fails). When `unparseable` (or after a reply
+    /// that cannot be parsed), the sending half is shut down and everything is read and
+    /// dropped until the server closes it. Returns why it ended: `Closing` if the device
+    /// closes meanwhile. The reconnect deadline is checked each tick (`check`).
+    pub(super) fn drain(&mut self, unparseable: bool) -> Stop {
+        self.draining = true;
+        let stop = if unparseable {
+            self.discard()
+        } else {
+            loop {
+                if self.sh.table.lock().answered() {
+                    break Stop::Drained;
+                }
+                match self.one_reply() {
+                    Ok(()) | Err(Stop::ShuttingDown) => {}
+                    Err(Stop::Malformed(why)) => {
+                        tracing::warn!(
+                            uri = %self.sh.uri,
+                            "malformed reply while draining ({why}): dropping the rest"
+                        );
+                        self.sh.cut_socket();
+                        break self.discard();
+                    }
+                    Err(s) => break s,
+                }
+            }
+        };
+        self.draining = false;
+        stop
+    }
+
+    /// Reads and drops everything until the connection ends.
+    fn discard(&mut self) -> Stop {
+        loop {
+            let mut s = std::mem::take(&mut self.scratch);
+            let r = self.stream.read(&mut s);
+            self.scratch = s;
+            match r {
+                Ok(0) => return Stop::Closed,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if let Err(s) = self.check() {
+                        return s;
+                    }
+                }
+                Err(e) => return Stop::Io(e),
+            }
+        }
+    }
+
+    /// Fails if the device is closing, a send failed, or a request sent on this connection
+    /// has been unanswered longer than the timeout. While draining, only closing stops it,
+    /// and an expired reconnect deadline fails what waits.
     fn check(&mut self) -> Result<(), Stop> {
         self.last_check = Instant::now();
         if self.sh.closing.load(Ordering::SeqCst) {
             return Err(Stop::Closing);
+        }
+        if self.draining {
+            self.sh.expire_if_due();
+            if self.sh.table.lock().answered() {
+                return Err(Stop::Drained);
+            }
+            return Ok(());
+        }
+        // SeqCst: see the field.
+        if self.sh.send_failed.load(Ordering::SeqCst) {
+            return Err(Stop::SendFailed);
         }
         let Some(limit) = self.last_check.checked_sub(self.sh.timeout) else {
             return Ok(());
@@ -103,12 +201,17 @@ impl Receiver {
     /// the receiver never sends (it must keep reading whatever the server's send buffer
     /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
     fn succeeded(&self, i: usize) {
-        let what = self.sh.table.lock().succeeded(i, &self.sh.durability);
+        let what = {
+            let mut t = self.sh.table.lock();
+            // An orphan: nobody waits for it any more, `finish` frees its slot.
+            (!t.is_orphan(i)).then(|| t.succeeded(i, &self.sh.durability))
+        };
         match what {
-            Success::FlushNext => {
+            None => self.sh.finish(i, Status::Ok),
+            Some(Success::FlushNext) => {
                 self.sh.sender_wq.wake_one();
             }
-            Success::Complete(status) => self.sh.finish(i, status),
+            Some(Success::Complete(status)) => self.sh.finish(i, status),
         }
     }
 
@@ -134,6 +237,17 @@ impl Receiver {
         Ok(())
     }
 
+    /// Reads and drops `n` bytes.
+    fn skip(&mut self, n: u64) -> Result<(), Stop> {
+        let mut rest = n;
+        while rest > 0 {
+            let k = rest.min(SCRATCH as u64) as usize;
+            self.read_scratch(k)?;
+            rest -= k as u64;
+        }
+        Ok(())
+    }
+
     fn read_scratch(&mut self, n: usize) -> Result<(), Stop> {
         let mut s = std::mem::take(&mut self.scratch);
         let r = match s.get_mut(..n) {
@@ -144,15 +258,17 @@ impl Receiver {
         r
     }
 
-    /// Receives `n` bytes straight into slot `i`'s bio buffer at `at`.
+    /// Receives `n` bytes straight into slot `i`'s bio buffer at `at` (an orphan's are read
+    /// and dropped).
     fn read_into_bio(&mut self, i: usize, at: u64, n: u64) -> Result<(), Stop> {
-        let bio = self
-            .sh
-            .table
-            .lock()
-            .slots
-            .get_mut(i)
-            .and_then(|s| s.bio.take());
+        let bio = {
+            let mut t = self.sh.table.lock();
+            if t.is_orphan(i) {
+                drop(t);
+                return self.skip(n);
+            }
+            t.slots.get_mut(i).and_then(|s| s.bio.take())
+        };
         let Some(mut bio) = bio else {
             return Err(Stop::Malformed(
                 "read data for a slot without its bio".into(),
@@ -182,6 +298,9 @@ impl Receiver {
         }
         let mut id = [0u8; 4];
         self.read_full(&mut id)?;
+        if self.sh.table.lock().is_orphan(i) {
+            return self.skip(length - 4);
+        }
         let (bio, at, meta) = {
             let mut t = self.sh.table.lock();
             let meta = t.meta_id;
@@ -217,12 +336,7 @@ impl Receiver {
         if let Some(end) = buf.get_mut(at + keep..at + keep + 8) {
             end.fill(0);
         }
-        let mut rest = n - keep as u64;
-        while rest > 0 {
-            let k = rest.min(SCRATCH as u64) as usize;
-            self.read_scratch(k)?;
-            rest -= k as u64;
-        }
+        self.skip(n - keep as u64)?;
         Ok(keep)
     }
 
@@ -323,17 +437,22 @@ impl Receiver {
                     if let Some((o, size)) = hole {
                         let at = inside(o, u64::from(size))? as usize;
                         let mut t = self.sh.table.lock();
+                        let orphan = t.is_orphan(i);
                         let s = &mut t.slots[i];
-                        let dst = s
-                            .bio
-                            .as_mut()
-                            .and_then(|b| b.buf.as_mut())
-                            .and_then(|b| b.as_mut_slice().get_mut(at..at + size as usize));
-                        let Some(dst) = dst else {
-                            return Err(Stop::Malformed("a hole outside the buffer".into()));
-                        };
-                        dst.fill(0);
-                        s.covered += u64::from(size);
+                        if orphan {
+                            s.covered += u64::from(size);
+                        } else {
+                            let dst = s
+                                .bio
+                                .as_mut()
+                                .and_then(|b| b.buf.as_mut())
+                                .and_then(|b| b.as_mut_slice().get_mut(at..at + size as usize));
+                            let Some(dst) = dst else {
+                                return Err(Stop::Malformed("a hole outside the buffer".into()));
+                            };
+                            dst.fill(0);
+                            s.covered += u64::from(size);
+                        }
                     }
                     if error != 0 {
                         let mut t = self.sh.table.lock();

@@ -1,17 +1,26 @@
-//! The receiver thread's outer loop: receive on the connection until it stops, then take the
-//! connection down, re-establish it with exponential backoff, check that the export is the
-//! same, and hand what was in flight to the sender to be sent again; fail what waited past the
-//! reconnect deadline; and fail everything for good when the device closes or the export
-//! changed under it.
+//! The receiver thread's outer loop: receive on the connection until it stops; if the client
+//! is the one giving it up, drain it until every request sent on it is answered or the server
+//! closes it (the old connection is then over: nothing sent on it can still be carried out);
+//! then take the connection down, re-establish it with exponential backoff, check that the
+//! export is the same, and hand what was in flight to the sender to be sent again; fail what
+//! waited past the reconnect deadline; and fail everything for good when the device closes or
+//! the export changed under it.
 //!
 //! # Invariants
 //!
-//! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`) and sets
-//!   a `Lost` status, so nothing fails a request while the receiver is in the middle of its
-//!   reply (a submitter or the sender that meets a socket error only shuts the socket down).
-//! - Taking the connection down and bringing a new one up each happen under the writer lock
-//!   and the table lock together: no request is ever sent on a connection the table does not
-//!   call current, and every request still waiting when a connection comes up is due on it.
+//! - Only this thread changes the connection's state (`Table::conn`, `Table::epoch`,
+//!   `Table::draining`) and sets a `Lost` status, so nothing fails a request while the
+//!   receiver is in the middle of its reply (a submitter or the sender that meets a socket
+//!   error only drops the writer's stream and flags it).
+//! - Giving a connection up happens under the table lock (requests are claimed only while it
+//!   is up, so nothing new is sent on it); cutting it after a malformed reply, taking it
+//!   down and bringing a new one up each happen under the writer lock and the table lock
+//!   together: no request is ever sent on a connection the table does not call current, and
+//!   every request still waiting when a connection comes up is due on it.
+//! - No connection is made while the previous one may still carry out a request: `drain`
+//!   returns only once every request sent on it is answered, or the server has closed it (or
+//!   the socket failed), and only then does `reconnect` dial (see "The old connection" in
+//!   `table`). A request failed meanwhile keeps its slot as an orphan until then.
 //! - During a reconnection the requests keep their slots, and a write's slot keeps its bio
 //!   and buffer: re-sending needs nothing that was given back.
 
@@ -23,7 +32,7 @@ use super::check;
 use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
-use super::table::Conn;
+use super::table::{Conn, Shared};
 use crate::proto::TransmissionFlags;
 
 /// First wait between reconnection attempts; it doubles after each failed attempt.
@@ -64,10 +73,27 @@ impl Supervisor {
                 self.rx.sh.kill(None);
                 return;
             }
-            tracing::warn!(
-                uri = %self.rx.sh.uri,
-                "the connection to the NBD server broke: {stop}; reconnecting"
-            );
+            if stop.ended_by_server() {
+                tracing::warn!(
+                    uri = %self.rx.sh.uri,
+                    "the connection to the NBD server broke: {stop}; reconnecting"
+                );
+            } else {
+                tracing::warn!(
+                    uri = %self.rx.sh.uri,
+                    "the connection to the NBD server broke: {stop}; what was sent on it may \
+                     still be carried out: waiting for its replies, or for the server to close \
+                     it, before reconnecting"
+                );
+                let unparseable = stop.unparseable();
+                self.give_up(unparseable);
+                let end = self.rx.drain(unparseable);
+                if matches!(end, Stop::Closing) || self.rx.sh.is_closing() {
+                    self.rx.sh.kill(None);
+                    return;
+                }
+                tracing::info!(uri = %self.rx.sh.uri, "the old connection is over: {end}");
+            }
             self.take_down();
             if !self.reconnect() {
                 return;
@@ -75,9 +101,35 @@ impl Supervisor {
         }
     }
 
-    /// The connection is down: nothing is sent until the next one; what has been outstanding
-    /// past its budget fails with `ETIMEDOUT`; with no reconnect deadline, everything
-    /// waiting fails at once.
+    /// The client gives up on the connection: nothing new is sent on it (requests are
+    /// claimed only while it is up; one already claimed still goes out), but it is not over:
+    /// the receiver drains it. Its sending half is shut down only when the rest of the
+    /// stream cannot be parsed (`cut`): a server may close a connection at once when it
+    /// sees the end of the requests, with requests still running (qemu-nbd does). With no
+    /// reconnect deadline, everything waiting fails at once.
+    fn give_up(&mut self, cut: bool) {
+        let sh = &self.rx.sh;
+        if cut {
+            // Before the writer lock: a sender blocked on a full socket fails at once.
+            sh.cut_socket();
+            let mut w = sh.writer.lock();
+            w.stream = None;
+            sh.table.lock().go_down(Instant::now());
+        } else {
+            // Not the writer lock: a sender may be waiting on a full socket, and goes on
+            // until the server reads or the deadline passes (`write_request`).
+            sh.table.lock().go_down(Instant::now());
+        }
+        // Relaxed: see `Shared::up`.
+        sh.up.store(false, Ordering::Relaxed);
+        if sh.reconnect_deadline.is_zero() {
+            sh.expire();
+        }
+    }
+
+    /// The old connection is over: nothing is sent until the next one; what has been
+    /// outstanding past its budget fails with `ETIMEDOUT`; with no reconnect deadline,
+    /// everything waiting fails at once.
     fn take_down(&mut self) {
         let sh = &self.rx.sh;
         sh.shut_socket();
@@ -87,6 +139,8 @@ impl Supervisor {
             let mut t = sh.table.lock();
             t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
         }
+        // Release: see the field.
+        sh.orphaned.store(false, Ordering::Release);
         if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
             tracing::warn!(
                 uri = %sh.uri,
@@ -98,47 +152,16 @@ impl Supervisor {
         sh.up.store(false, Ordering::Relaxed);
         sh.complete_all();
         if sh.reconnect_deadline.is_zero() {
-            self.expire();
+            sh.expire();
         }
     }
 
-    /// The reconnect deadline has passed: everything waiting fails with `EIO`, and so does
-    /// every new request until a connection is back.
-    fn expire(&self) {
-        let sh = &self.rx.sh;
-        {
-            let mut t = sh.table.lock();
-            if let Conn::Down { since, .. } = t.conn {
-                t.conn = Conn::Down {
-                    since,
-                    expired: true,
-                };
-            }
-        }
-        tracing::warn!(
-            uri = %sh.uri,
-            "not reconnected within reconnect_deadline={}s: failing requests until the \
-             server is back",
-            sh.reconnect_deadline.as_secs()
-        );
-        sh.fail_waiting();
-    }
-
-    /// When the deadline expires, if it has not.
     fn expiry(&self) -> Option<Instant> {
-        match self.rx.sh.table.lock().conn {
-            Conn::Down {
-                since,
-                expired: false,
-            } => Some(since + self.rx.sh.reconnect_deadline),
-            _ => None,
-        }
+        self.rx.sh.expiry()
     }
 
     fn expire_if_due(&self) {
-        if self.expiry().is_some_and(|e| e <= Instant::now()) {
-            self.expire();
-        }
+        self.rx.sh.expire_if_due();
     }
 
     /// Reconnects until it succeeds (true), or the device closes or the export changed
@@ -262,6 +285,8 @@ impl Supervisor {
             t.meta_id = meta_id;
             t.conn = Conn::Up;
             t.send_needed = true;
+            // SeqCst: see the field. Under the writer lock (see the field).
+            sh.send_failed.store(false, Ordering::SeqCst);
         }
         // Relaxed: see `Shared::up`.
         sh.up.store(true, Ordering::Relaxed);
@@ -274,5 +299,57 @@ impl Supervisor {
         self.rx.last_check = Instant::now();
         self.up_since = Instant::now();
         Ok(true)
+    }
+}
+
+impl Shared {
+    /// The reconnect deadline has passed (whether or not a request waits): everything
+    /// waiting fails with `EIO`, and so does every new request until a connection is back;
+    /// meanwhile the device reports itself unavailable (`RemoteDevice::unavailable`).
+    pub(super) fn expire(&self) {
+        {
+            let mut t = self.table.lock();
+            let Conn::Down {
+                since,
+                expired: false,
+            } = t.conn
+            else {
+                return;
+            };
+            t.conn = Conn::Down {
+                since,
+                expired: true,
+            };
+            if t.draining && !t.answered() {
+                // Release: see the field.
+                self.orphaned.store(true, Ordering::Release);
+            }
+        }
+        tracing::warn!(
+            uri = %self.uri,
+            "not reconnected within reconnect_deadline={}s: failing requests until the \
+             server is back",
+            self.reconnect_deadline.as_secs()
+        );
+        self.fail_waiting();
+    }
+
+    /// When the deadline expires, if it has not.
+    fn expiry(&self) -> Option<Instant> {
+        match self.table.lock().conn {
+            Conn::Down {
+                since,
+                expired: false,
+            } => Some(since + self.reconnect_deadline),
+            _ => None,
+        }
+    }
+
+    /// Expires the deadline if it is due (the receiver, between reconnection attempts and
+    /// at every tick of a drain).
+    pub(super) fn expire_if_due(&self) {
+        if self.expiry().is_some_and(|e| e <= Instant::now()) {
+            self.expire();
+        }
     }
 }

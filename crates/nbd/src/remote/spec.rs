@@ -19,8 +19,12 @@
 //! refused.
 //!
 //! - `timeout=SECS` (1..=86400, default 30): a request unanswered this long on a connection
-//!   declares the connection dead; it is broken and re-established. Also the longest a
-//!   submitter waits for a free slot (then `ETIMEDOUT`).
+//!   declares the connection dead: nothing more is sent on it, and it is re-established
+//!   once every request sent on it is answered or the server has closed it (what was sent
+//!   on it may still be carried out, so nothing is re-sent before).
+//!   Also the longest a submitter waits for a free slot (then `ETIMEDOUT`), and the period
+//!   of the TCP keepalive probes (the kernel gives a silent connection up after ten times
+//!   it).
 //! - `depth=N` (1..=4096, default 64): requests in flight at once on each connection (the
 //!   slot table).
 //! - `conns=N` (1..=16, default 1): connections to open when the server offers multi-conn
@@ -29,15 +33,17 @@
 //!   without multi-conn gets one connection (logged).
 //! - `reconnect_deadline=SECS` (0..=86400, default 15): how long requests wait for a broken
 //!   connection to be re-established before they fail with `EIO`; past it, and while still
-//!   disconnected, new requests fail at once. The device keeps reconnecting in the
-//!   background either way and serves again once connected. `0` fails what is in flight at
-//!   once when the connection breaks. The deadline is checked between reconnection
-//!   attempts, and one attempt (to a server that accepts and never answers) may take up to
-//!   `timeout`, so requests fail at most that much after it. The default is long enough for
-//!   a server process to restart or a network path to fail over, and short enough that a
-//!   mirror above this device marks the leg faulty and goes on serving within seconds
-//!   instead of stalling its writers. A request outstanding for `timeout` plus the deadline
-//!   when a connection breaks fails with `ETIMEDOUT`, however many times it was sent.
+//!   disconnected, new requests fail at once and the device reports itself unavailable (a
+//!   mirror fails the leg, even an idle one). The device keeps reconnecting in the background
+//!   either way and serves again once connected. `0` fails what is in flight at once when the
+//!   connection breaks. The deadline is checked while an old connection drains (every quarter
+//!   of `timeout`) and between reconnection attempts, and one attempt (to a server that accepts
+//!   and never answers) may take up to `timeout`, so requests fail at most that much after it.
+//!   The default is long enough for a server process to restart or a network path to fail over,
+//!   and short enough that a mirror above this device marks the leg faulty and goes on serving
+//!   within seconds instead of stalling its writers. A request outstanding for `timeout` plus
+//!   the deadline when a connection breaks fails with `ETIMEDOUT`, however many times it was
+//!   sent.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing

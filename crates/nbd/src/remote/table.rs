@@ -62,13 +62,60 @@ use crate::transmission::Request;
 // # The connection's states (`Table::conn`)
 //
 // - `Up`: requests are sent as they come.
-// - `Down { since, expired }`: the receiver is reconnecting. Nothing is sent; the requests in
-//   the table stay, bios in place, and are sent again (`sent_epoch` is older than the next
-//   connection's epoch) once a connection is back. New requests take slots and wait too.
-//   `expired` is set `reconnect_deadline` after `since`: everything waiting fails with `EIO`
-//   and new requests fail at once, until the connection is back (then `Up` again).
+// - `Down { since, expired }`: the connection broke at `since`. Nothing is sent; the requests
+//   in the table stay, bios in place. While the old connection drains (below), replies to
+//   them are still received and complete them; once it is over, the ones still waiting are
+//   sent again (`sent_epoch` is older than the next connection's epoch) when a connection is
+//   back. New requests take slots and wait too. `expired` is set `reconnect_deadline` after
+//   `since`, whether or not anything waits (the device then reports itself unavailable, so a
+//   mirror fails the leg): everything waiting fails with `EIO` and new requests fail at once,
+//   until a connection is back (then `Up` again).
 // - `Dead`: the device is closing, or the export changed under it (`fatal` says how): every
 //   request fails with `EIO`, for good.
+//
+// # The old connection: no re-send is overtaken by its first copy
+//
+// A request sent on a connection may still be carried out by the server after the client
+// gave up on it, and a write's first copy landing after its re-sent copy, or after a newer
+// write to the same blocks, would undo them. So nothing is sent on a new connection while
+// the old one may still carry out a request: the old connection is over when every request
+// sent on it has its reply, or the server has closed it (end of stream) or reset it, or the
+// socket failed. The one assumption about the server: it finishes (or abandons) a
+// connection's requests before it closes that connection on its own (blkq's server, nbdkit
+// and qemu-nbd do).
+//
+// - The server closed the connection (or the socket failed): it is over at once.
+// - The client gives up on it (a request unanswered for the timeout, `NBD_ESHUTDOWN`, a
+//   failed send): the table goes `Down` (`go_down`, under the table lock: requests are
+//   claimed only while `Up`, so nothing new is sent; a claimed one still goes out) and
+//   `draining`. The socket is left open: a server may close a connection as soon as it sees
+//   the end of the requests, with requests still running (qemu-nbd does), so the end of the
+//   stream would not say they are over. The receiver keeps receiving: a reply that still
+//   comes completes its request (a late success is a success). Once every request sent on
+//   the connection is answered (`answered`), or the server closes it, it is over; only then
+//   are the requests left without a reply sent again, on a new connection.
+// - A reply that cannot be parsed leaves nothing to wait for on the stream: the client shuts
+//   down its sending half (`cut_socket`) and reads and drops everything until the server
+//   closes the connection; here the rule rests on the server finishing its requests before
+//   it closes a connection whose requests have ended.
+// - A request failed while its copy may still be carried out (the reconnect deadline
+//   passed during the drain) completes, but its slot stays taken as an *orphan*, without
+//   bio or completion: a reply for it is received and dropped and frees the slot, and the
+//   drain waits for it like any other. Orphans are freed when the old connection is over
+//   (`end_old`). Meanwhile the device is down on this connection (new requests fail at
+//   once), and with several connections the others take no write either
+//   (`Shared::orphaned`): a newer write there could land before the orphan's copy.
+// - A send that cannot progress waits for the server to read (it reads requests as it
+//   finishes others), until the deadline passes (over TLS it fails at the socket's send
+//   timeout: the record is half sent); a request not written whole is marked not sent (no
+//   server carries out a request it did not receive whole) and the stream is not written
+//   again.
+// - A server that cannot be heard (a cut link, a host gone) leaves the connection draining:
+//   the reconnect deadline fails what waits, the device reports itself unavailable (a
+//   mirror fails the leg, whose bits stay set) and it does not come back up, so nothing is
+//   re-sent or recovered over the leg, until the old connection is over (the replies or the
+//   server's close reach the client once the link is back, or the kernel gives the
+//   connection up: TCP keepalive, see `connect::keepalive`).
 //
 // Lock order: the writer lock before the table lock; `sock` and `fatal` are leaves. No
 // `end_io` runs under any of them.
@@ -130,6 +177,10 @@ pub(super) struct Slot {
     pub(super) error: u32,
     /// A flush: `Table::acked` when it was sent (the writes it covers for sure).
     pub(super) cover: u64,
+    /// Completed (failed) while its copy on the old connection may still be carried out:
+    /// the slot stays taken, without bio or completion, until its reply comes (received and
+    /// dropped) or the old connection is over (see "The old connection").
+    pub(super) orphan: bool,
 }
 
 impl Slot {
@@ -155,6 +206,9 @@ pub(super) struct Table {
     pub(super) meta_id: Option<u32>,
     /// Some slot may be due and have no holder to send it: the sender thread looks.
     pub(super) send_needed: bool,
+    /// The connection is down but not over: what was sent on it may still be carried out
+    /// (see "The old connection").
+    pub(super) draining: bool,
 }
 
 /// What a flush can vouch for, shared by every connection of a device (with multi-conn a
@@ -222,6 +276,7 @@ impl Table {
                     covered: 0,
                     error: 0,
                     cover: 0,
+                    orphan: false,
                 })
                 .collect(),
             // Popped from the end: slot 0 first.
@@ -230,6 +285,7 @@ impl Table {
             epoch: 1,
             meta_id: None,
             send_needed: false,
+            draining: false,
         }
     }
 
@@ -243,25 +299,65 @@ impl Table {
                 .is_some_and(|s| s.busy && s.status.is_none() && s.sent_epoch != self.epoch)
     }
 
-    /// The slot a reply's cookie names, if it is awaiting a reply on the current connection.
+    /// The slot a reply's cookie names, if it is awaiting a reply on the current connection
+    /// (an orphan too: its reply is received and dropped).
     pub(super) fn lookup(&self, cookie: u64) -> Option<usize> {
         let i = (cookie & 0xffff_ffff) as usize;
         let s = self.slots.get(i)?;
         (s.busy
             && u64::from(s.gen) == cookie >> 32
-            && s.status.is_none()
+            && (s.status.is_none() || s.orphan)
             && s.sent_epoch == self.epoch)
             .then_some(i)
     }
 
+    /// Whether slot `i` is an orphan (see `Slot::orphan`).
+    pub(super) fn is_orphan(&self, i: usize) -> bool {
+        self.slots.get(i).is_some_and(|s| s.busy && s.orphan)
+    }
+
+    /// Frees orphan slot `i` (its reply came, or the old connection is over).
+    pub(super) fn free_orphan(&mut self, i: usize) {
+        if let Some(s) = self.slots.get_mut(i).filter(|s| s.busy && s.orphan) {
+            s.busy = false;
+            s.orphan = false;
+            s.status = None;
+            self.free.push(i as u32);
+        }
+    }
+
+    /// The old connection is over: nothing drains, and the orphans' slots are free.
+    pub(super) fn end_old(&mut self) {
+        self.draining = false;
+        for i in 0..self.slots.len() {
+            self.free_orphan(i);
+        }
+    }
+
+    /// Whether nothing sent on the current connection awaits a reply (orphans included):
+    /// the server holds none of its requests.
+    pub(super) fn answered(&self) -> bool {
+        !self
+            .slots
+            .iter()
+            .any(|s| s.busy && (s.status.is_none() || s.orphan) && s.sent_epoch == self.epoch)
+    }
+
     /// Takes slot `i`'s completion out and frees the slot, if its status is known and its bio
-    /// is in place.
+    /// is in place. A request failed by the client (`Lost`) while its copy on the draining
+    /// connection may still be carried out completes, but its slot stays taken as an orphan
+    /// until that copy is answered or the connection is over.
     pub(super) fn take_done(&mut self, i: usize) -> Option<Done> {
+        let (draining, epoch) = (self.draining, self.epoch);
         let s = self.slots.get_mut(i)?;
-        if !s.busy || s.status.is_none() || s.bio.is_none() {
+        if !s.busy || s.orphan || s.status.is_none() || s.bio.is_none() {
             return None;
         }
         let (bio, end, status) = (s.bio.take()?, s.end.take()?, s.status?);
+        if draining && s.sent_epoch == epoch && matches!(status, Status::Lost(_)) {
+            s.orphan = true;
+            return Some((bio, end, status));
+        }
         s.busy = false;
         s.status = None;
         self.free.push(i as u32);
@@ -271,7 +367,7 @@ impl Table {
     /// Sets `status` on every busy slot without one for which `pick` says so.
     pub(super) fn fail_where(&mut self, status: Status, pick: impl Fn(&Slot) -> bool) {
         for s in &mut self.slots {
-            if s.busy && s.status.is_none() && pick(s) {
+            if s.busy && !s.orphan && s.status.is_none() && pick(s) {
                 s.status = Some(status);
             }
         }
@@ -309,18 +405,30 @@ impl Table {
         Success::Complete(Status::Ok)
     }
 
-    /// The connection broke at `now`: it is down; what was sent is to be sent again on the
-    /// next connection (a read's partial data discarded, an emulated FUA write's flush turned
-    /// back into its write), except what has been outstanding longer than `budget` (the
-    /// timeout plus the reconnect deadline), which fails with `ETIMEDOUT`.
+    /// The connection broke at `now`: it is down (nothing is sent any more), unless it is
+    /// already down or dead. Its requests keep their slots, and replies to them are still
+    /// matched (the epoch is still its own) while the old connection drains.
+    pub(super) fn go_down(&mut self, now: Instant) {
+        self.draining = self.conn != Conn::Dead;
+        if self.conn == Conn::Up {
+            self.conn = Conn::Down {
+                since: now,
+                expired: false,
+            };
+        }
+    }
+
+    /// The old connection is over (see "The old connection" above): nothing sent on it can
+    /// still run on the server. What is still waiting is to be sent again on the next
+    /// connection (a read's partial data discarded, an emulated FUA write's flush turned back
+    /// into its write), except what has been outstanding longer than `budget` (the timeout
+    /// plus the reconnect deadline), which fails with `ETIMEDOUT`.
     pub(super) fn disconnect(&mut self, now: Instant, budget: Duration) {
         if self.conn == Conn::Dead {
             return;
         }
-        self.conn = Conn::Down {
-            since: now,
-            expired: false,
-        };
+        self.go_down(now);
+        self.end_old();
         self.fail_where(Status::Lost(libc::ETIMEDOUT), |s| {
             s.submitted + budget <= now
         });
@@ -371,6 +479,18 @@ pub(super) struct Shared {
     /// that, load it. SeqCst is more than that needs and costs nothing here (once per wake-up
     /// of those threads, never per I/O).
     pub(super) closing: AtomicBool,
+    /// A send on the current connection failed (its writer stream is dropped): the receiver
+    /// gives the connection up at its next tick and drains it. Cleared when a connection comes up,
+    /// under the writer lock, so a failure on an old connection (whose writer is gone by
+    /// then) cannot set it for the new one. SeqCst: a flag between two threads that publishes
+    /// no data, read once per tick of the receiver.
+    pub(super) send_failed: AtomicBool,
+    /// The reconnect deadline failed requests whose copies on this draining connection may
+    /// still be carried out (orphans): until the connection is over, the device's other
+    /// connections take no write, trim or zeroing either (a newer write there could land
+    /// before such a copy). Set and cleared by the receiver (`expire`, `take_down`, `kill`);
+    /// Release/Acquire: a caller that saw its write fail, then submits another, sees it.
+    pub(super) orphaned: AtomicBool,
     /// Whether the connection is up: a hint for spreading requests over connections, kept
     /// with `Table::conn` (stored after it changes). Relaxed: a request sent to a connection
     /// that just went down waits for its reconnection like any other; nothing is ordered by
@@ -486,9 +606,16 @@ impl Shared {
     }
 
     /// Sets slot `i`'s status (if it has none) and completes it if its bio is in place.
+    /// An orphan's reply only frees its slot.
     pub(super) fn finish(&self, i: usize, status: Status) {
         let done = {
             let mut t = self.table.lock();
+            if t.is_orphan(i) {
+                t.free_orphan(i);
+                drop(t);
+                self.slot_freed.wake_one();
+                return;
+            }
             if let Some(s) = t.slots.get_mut(i).filter(|s| s.busy && s.status.is_none()) {
                 s.status = Some(status);
             }
@@ -499,10 +626,20 @@ impl Shared {
         }
     }
 
-    /// Shuts the current socket down: the receiver wakes and handles the break.
+    /// Shuts the current socket down both ways (the device is closing or dead): the receiver
+    /// wakes and stops.
     pub(super) fn shut_socket(&self) {
         if let Some(s) = &*self.sock.lock() {
             let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Cuts the connection from this side after a reply that cannot be parsed: shuts down
+    /// only its sending half, so that the server sees the end of the requests and the
+    /// receiver can still hear when it closes (see "The old connection" above).
+    pub(super) fn cut_socket(&self) {
+        if let Some(s) = &*self.sock.lock() {
+            let _ = s.shutdown(Shutdown::Write);
         }
     }
 
@@ -524,7 +661,13 @@ impl Shared {
         }
         self.shut_socket();
         self.writer.lock().stream = None;
-        self.table.lock().conn = Conn::Dead;
+        {
+            let mut t = self.table.lock();
+            t.conn = Conn::Dead;
+            t.end_old();
+        }
+        // Release: see the field.
+        self.orphaned.store(false, Ordering::Release);
         // Relaxed: see the field.
         self.up.store(false, Ordering::Relaxed);
         self.fail_waiting();
@@ -594,7 +737,12 @@ impl Shared {
     }
 
     /// Writes `req` (and a write's `payload`) on `w`'s stream if it is connection `epoch`.
-    /// On a socket error the socket is shut down (`sock` is a leaf lock).
+    /// A send that makes no progress for the socket's send timeout goes on waiting (the
+    /// server reads requests as it finishes others) until the device closes or the reconnect
+    /// deadline has passed. A request not written, or not wholly, is marked not sent (due
+    /// again on the next connection: no server carries out a request it did not receive
+    /// whole). On a socket error the stream is dropped (a partial request must not be
+    /// followed by another) and flagged for the receiver, which drains the connection.
     fn write_request(
         &self,
         w: &mut Writer,
@@ -603,12 +751,13 @@ impl Shared {
         payload: &[u8],
     ) -> io::Result<bool> {
         let Writer {
-            stream,
+            stream: current_stream,
             mode,
             header,
             epoch: current,
         } = w;
-        let Some(stream) = stream.as_mut().filter(|_| *current == epoch) else {
+        let Some(stream) = current_stream.as_mut().filter(|_| *current == epoch) else {
+            self.unclaim(epoch, req.cookie);
             return Ok(false);
         };
         let payload = if req.kind == Command::Write {
@@ -616,22 +765,45 @@ impl Shared {
         } else {
             &[]
         };
+        let give_up = || {
+            self.is_closing()
+                || matches!(
+                    self.table.lock().conn,
+                    Conn::Dead | Conn::Down { expired: true, .. }
+                )
+        };
         let r = req
             .encode_into(*mode, header)
             .map_err(io::Error::other)
-            .and_then(|n| write_all2(stream, &header[..n], payload));
+            .and_then(|n| write_all2(stream, &header[..n], payload, give_up));
         match r {
             Ok(()) => Ok(true),
             Err(e) => {
-                self.shut_socket();
+                *current_stream = None;
+                self.unclaim(epoch, req.cookie);
+                // SeqCst: see the field.
+                self.send_failed.store(true, Ordering::SeqCst);
                 Err(e)
+            }
+        }
+    }
+
+    /// The request with `cookie`, claimed for connection `epoch`, was not sent (or not
+    /// wholly): it is due again on the next connection.
+    fn unclaim(&self, epoch: u64, cookie: u64) {
+        let mut t = self.table.lock();
+        if let Some(s) = t.slots.get_mut((cookie & 0xffff_ffff) as usize) {
+            if s.busy && u64::from(s.gen) == cookie >> 32 && s.sent_epoch == epoch {
+                s.sent_epoch = 0;
             }
         }
     }
 }
 
-/// Writes `a` then `b`, gathered.
-fn write_all2(s: &mut Stream, a: &[u8], b: &[u8]) -> io::Result<()> {
+/// Writes `a` then `b`, gathered. A write that times out (the socket's send timeout) is
+/// tried again unless `give_up` says otherwise; not on TLS, whose write has then consumed
+/// the plaintext and sent part of its record (the stream cannot go on).
+fn write_all2(s: &mut Stream, a: &[u8], b: &[u8], give_up: impl Fn() -> bool) -> io::Result<()> {
     let mut bufs = [IoSlice::new(a), IoSlice::new(b)];
     let mut bufs = &mut bufs[..];
     while !bufs.is_empty() {
@@ -639,6 +811,12 @@ fn write_all2(s: &mut Stream, a: &[u8], b: &[u8]) -> io::Result<()> {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) && !matches!(s, Stream::Tls(_))
+                    && !give_up() => {}
             Err(e) => return Err(e),
         }
     }
