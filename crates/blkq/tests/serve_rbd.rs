@@ -340,6 +340,8 @@ fn a_mirror_of_a_local_leg_and_a_write_mostly_rbd_leg() {
         "1",
         "--bitmap-chunk",
         "1M",
+        // A new image and a new file: blank, and the test counts what a recovery copies.
+        "--assume-clean",
     ]);
     let mut s = common::Server::start(dir.path(), &format!("{local},{remote}"), &[]);
     let detail = common::ok(&["raid", "detail", "--control", s.ctl()]);
