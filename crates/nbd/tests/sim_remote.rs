@@ -204,6 +204,7 @@ impl HoldShared {
 #[derive(Debug, Clone)]
 struct Shape {
     remote_slot: usize,
+    local_slot: usize,
     write_behind: u32,
     chunk: u64,
     timeout: Duration,
@@ -221,6 +222,8 @@ struct Stats {
     partitions: u64,
     long_partitions: u64,
     host_downs: u64,
+    failovers: u64,
+    refusals: u64,
     settles: u64,
     leg_failures: u64,
     reconnects: u64,
@@ -237,6 +240,8 @@ impl std::ops::AddAssign for Stats {
         self.partitions += o.partitions;
         self.long_partitions += o.long_partitions;
         self.host_downs += o.host_downs;
+        self.failovers += o.failovers;
+        self.refusals += o.refusals;
         self.settles += o.settles;
         self.leg_failures += o.leg_failures;
         self.reconnects += o.reconnects;
@@ -258,6 +263,7 @@ struct World {
     server: Option<Server>,
     link: Link,
     remote: Arc<RemoteDevice>,
+    spec: RemoteSpec,
     array: Option<Arc<Raid1>>,
     /// Per sector of the array, the id of the write it must hold (0: zeros).
     want: Vec<u64>,
@@ -275,8 +281,10 @@ fn serve(back: &std::path::Path, export: &Arc<dyn Device>) -> Server {
 impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed);
+        let remote_slot = rng.below(2) as usize;
         let shape = Shape {
-            remote_slot: rng.below(2) as usize,
+            remote_slot,
+            local_slot: 1 - remote_slot,
             write_behind: if rng.chance(1, 3) {
                 1 + rng.below(8) as u32
             } else {
@@ -324,7 +332,7 @@ impl World {
             tls: None,
             conns: 1,
         };
-        let remote = Arc::new(RemoteDevice::connect(spec).unwrap());
+        let remote = Arc::new(RemoteDevice::connect(spec.clone()).unwrap());
         let mut cfg = Raid1Config {
             bitmap_chunk: shape.chunk,
             bitmap_quiet: Duration::from_millis(20),
@@ -362,6 +370,7 @@ impl World {
             server: Some(server),
             link,
             remote,
+            spec,
             array: Some(Arc::new(r)),
             want: vec![0; sectors as usize],
             next_id: 1,
@@ -395,7 +404,7 @@ impl World {
         let legs: Vec<String> = (0..r.slots())
             .map(|i| match r.leg_status(i) {
                 Some(s) if s.present => {
-                    let who = if i == self.shape.remote_slot {
+                    let who = if i != self.shape.local_slot {
                         "remote"
                     } else {
                         "local"
@@ -431,6 +440,7 @@ impl World {
             850..=899 => self.arm_holds(),
             900..=924 => self.partition(),
             925..=939 => self.host_down()?,
+            940..=947 => self.failover()?,
             _ => self.settle()?,
         }
         self.watch_leg();
@@ -574,6 +584,90 @@ impl World {
         Ok(())
     }
 
+    /// A failover: host b loses host a, serves its leg alone (a degraded array of that one
+    /// leg) and takes writes, then its leg server comes back. The front, still running, must
+    /// refuse the leg at its reconnection (another history) and serve none of b's branch; the
+    /// operator then removes it and adds it back discarding b's side, and the recovery makes
+    /// the legs agree again.
+    fn failover(&mut self) -> Res<()> {
+        self.link.reset();
+        self.hold.drop_all();
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
+        let cfg = Raid1Config {
+            allow_degraded: true,
+            bitmap_chunk: self.shape.chunk,
+            ..Raid1Config::default()
+        };
+        let b = match Raid1::assemble(vec![self.rdev.clone()], cfg) {
+            Ok(b) => b,
+            Err(e) => {
+                // Host b's leg was not in sync (failed or recovering): b cannot take over.
+                self.say(format!("failover refused by host b: {e}"));
+                self.server = Some(serve(&self.back, &self.export));
+                return Ok(());
+            }
+        };
+        self.stats.failovers += 1;
+        let n = 1 + self.rng.below(4);
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            let (first, len) = self.range();
+            let id = self.next_id;
+            self.next_id += 1;
+            let mut buf = Buffer::new(len as usize * SECTOR);
+            for (k, sec) in buf.as_mut_slice().chunks_exact_mut(SECTOR).enumerate() {
+                stamp_sector(sec, id, first + k as u64);
+            }
+            let (_, res) = submit_wait(&b, Bio::with_buf(Op::Write, first, buf));
+            res.map_err(|e| format!("host b alone: write w{id} failed: {e}"))?;
+            ids.push(format!("w{id}@{first}+{len}"));
+        }
+        flush(&b).map_err(|e| format!("host b alone: flush failed: {e}"))?;
+        drop(b);
+        self.server = Some(serve(&self.back, &self.export));
+        self.say(format!(
+            "failover: host b ran alone and wrote {}; its leg server is back",
+            ids.join(" ")
+        ));
+        let slot = self.shape.remote_slot;
+        let t0 = Instant::now();
+        loop {
+            let st = self.r().leg_status(slot);
+            if st.is_none_or(|s| !s.present || s.faulty) {
+                break;
+            }
+            if t0.elapsed() > SETTLE_LIMIT {
+                return Err(format!(
+                    "the front took host b's leg back from a failover (still {}), refusal {:?}",
+                    self.describe(),
+                    self.r().readd_status(slot)
+                ));
+            }
+            // Anything sent meanwhile is judged by the oracle like any request.
+            self.read()?;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.stats.refusals += 1;
+        let why = self.r().readd_status(slot).and_then(|r| r.refused);
+        self.say(format!("the front refused the leg: {why:?}"));
+        let r = self.array.clone().unwrap();
+        r.remove_leg(slot)
+            .map_err(|e| format!("removing the refused leg: {e}"))?;
+        let remote = Arc::new(
+            RemoteDevice::connect(self.spec.clone())
+                .map_err(|e| format!("reconnecting to host b for the add: {e}"))?,
+        );
+        let at = r
+            .add_leg_discarding(remote.clone())
+            .map_err(|e| format!("add --discard of host b's leg: {e}; {}", self.describe()))?;
+        self.shape.remote_slot = at;
+        self.remote = remote;
+        self.say(format!("added back discarding host b's side, in slot {at}"));
+        Ok(())
+    }
+
     /// A FLUSH, then a wait for the remote leg to be back, in sync, with nothing held or
     /// behind and no sync running; then the legs must hold the same data.
     fn settle(&mut self) -> Res<()> {
@@ -583,10 +677,12 @@ impl World {
         let t0 = Instant::now();
         loop {
             let r = self.r();
-            let whole = [0, 1].iter().all(|&i| {
-                r.leg_status(i)
-                    .is_some_and(|s| s.present && s.in_sync && !s.faulty)
-            });
+            let whole = [self.shape.local_slot, self.shape.remote_slot]
+                .iter()
+                .all(|&i| {
+                    r.leg_status(i)
+                        .is_some_and(|s| s.present && s.in_sync && !s.faulty)
+                });
             if whole
                 && self.hold.pending() == 0
                 && r.write_behind_outstanding() == 0
@@ -761,7 +857,7 @@ fn the_mirror_across_hosts_loses_nothing() {
     println!(
         "sim_remote: {n} seeds from {base}, {} operations ({} writes, {} reads, {} flushes; {} \
          writes held, {} ran late; {} partitions, {} past the deadline; {} host restarts; {} \
-         settles; {} leg failures, {} reconnects) in {:.1} s; failed seeds {failed:?}",
+         failovers, {} refused at reconnection; {} settles; {} leg failures, {} reconnects) in {:.1} s; failed seeds {failed:?}",
         total.ops,
         total.writes,
         total.reads,
@@ -771,6 +867,8 @@ fn the_mirror_across_hosts_loses_nothing() {
         total.partitions,
         total.long_partitions,
         total.host_downs,
+        total.failovers,
+        total.refusals,
         total.settles,
         total.leg_failures,
         total.reconnects,
