@@ -189,3 +189,47 @@ fn a_leg_back_as_another_slot_or_another_array_is_refused() {
     );
     server.shutdown();
 }
+
+/// A leg still in the array whose connection breaks and comes back carries the array's own
+/// history at the array's events, but its superblock may hold a view the array has since
+/// changed in memory (a change whose superblock write had not reached it). Assembly's
+/// tie-break between two views at equal events would take the leg's as the newer; a live
+/// array knows better (it wrote every superblock the leg holds), so the leg is taken back,
+/// not refused as "written without this array". Found by `sim_remote` (seed 110: a
+/// write-mostly leg refused with "its events (11) are past the array's (11)").
+#[test]
+fn a_leg_back_with_the_arrays_events_and_an_older_view_is_taken_back() {
+    log();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("legs.sock");
+    let (a, b) = (device("mem:16M"), device("mem:16M"));
+    let server = serve(&path, &[("b", &b)]);
+    let leg_b = remote(&path, "b");
+    let front = Raid1::create(vec![a.clone(), leg_b.clone()], cfg()).unwrap();
+    write_at(&front, 0, &pattern(1, 4096)).unwrap();
+    flush(&front).unwrap();
+    server.shutdown();
+    // The leg's superblock at the array's events, with a view that records slot 0 failed:
+    // the tie-break's "the view recording the failure" picks it.
+    let mut sb = raid1::superblock::Superblock::decode(&superblock(b.as_ref())).unwrap();
+    assert_eq!(sb.events, front.superblock(0).unwrap().events);
+    sb.legs[0].in_sync = false;
+    sb.legs[0].faulty = true;
+    write_at(b.as_ref(), SB_OFFSET, &sb.encode().unwrap()).unwrap();
+    flush(b.as_ref()).unwrap();
+    let server = serve(&path, &[("b", &b)]);
+    wait_until_within("the leg reconnected", SOON, || {
+        leg_b.is_connected() || front.readd_status(1).unwrap().refused.is_some()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let st = front.leg_status(1).unwrap();
+    assert!(
+        st.in_sync && !st.faulty,
+        "the array's own leg is taken back: {st:?}, refused {:?}",
+        front.readd_status(1).unwrap().refused
+    );
+    write_at(&front, MIB, &pattern(2, 4096)).unwrap();
+    flush(&front).unwrap();
+    drop(front);
+    server.shutdown();
+}

@@ -421,8 +421,13 @@ impl World {
                 _ => "-".into(),
             })
             .collect();
+        let refused = r
+            .readd_status(self.shape.remote_slot)
+            .and_then(|s| s.refused.or(s.last_error))
+            .map(|why| format!(" (remote leg: {why})"))
+            .unwrap_or_default();
         format!(
-            "[{}] connected={} held={} behind={}",
+            "[{}] connected={} held={} behind={}{refused}",
             legs.join(" "),
             self.remote.is_connected(),
             self.hold.pending(),
@@ -655,10 +660,17 @@ impl World {
         let r = self.array.clone().unwrap();
         r.remove_leg(slot)
             .map_err(|e| format!("removing the refused leg: {e}"))?;
-        let remote = Arc::new(
-            RemoteDevice::connect(self.spec.clone())
-                .map_err(|e| format!("reconnecting to host b for the add: {e}"))?,
-        );
+        // The operator dials host b again (through a partition that may still be healing).
+        let t0 = Instant::now();
+        let remote = loop {
+            match RemoteDevice::connect(self.spec.clone()) {
+                Ok(d) => break Arc::new(d),
+                Err(e) if t0.elapsed() > SETTLE_LIMIT => {
+                    return Err(format!("reconnecting to host b for the add: {e}"))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
         let at = r
             .add_leg_discarding(remote.clone())
             .map_err(|e| format!("add --discard of host b's leg: {e}; {}", self.describe()))?;
@@ -799,6 +811,11 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 fn run_seed(seed: u64, ops: u64) -> Res<Stats> {
+    // `RUST_LOG=nbd=info,raid1=info` shows what the array and the remote device said.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let mut w = World::new(seed);
     let mut res = Ok(());
     for _ in 0..ops {

@@ -396,6 +396,27 @@ impl Inner {
         dev.check_connections(Some(StdArc::new(check)));
     }
 
+    /// Whether `bytes` are a superblock this array wrote to slot `i`'s leg while it was in
+    /// the array: this array and this slot's leg, the array's history, the array's events.
+    /// Such a leg of a live array (present, not failed) is taken back on its reconnection
+    /// whatever view it holds: the array wrote every superblock the leg carries, so a view
+    /// that differs is one the array has since changed in memory (a change whose superblock
+    /// write had not reached the leg). Assembly's tie-break between two views at equal events
+    /// (the one recording a failure is newer) is for legs read side by side after a stop, not
+    /// for a live array judging its own leg. A leg that ran without the array carries
+    /// another generation ([`Inner::identify`] refuses it).
+    fn left_as_written(&self, i: usize, other: usize, bytes: &[u8]) -> bool {
+        let Ok(sb) = Superblock::decode(bytes) else {
+            return false;
+        };
+        let ours = self.superblock_for(other);
+        sb.array_uuid == ours.array_uuid
+            && ours.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
+            && sb.role == Role::Slot(i as u32)
+            && sb.lineage == ours.lineage
+            && sb.events == ours.events
+    }
+
     /// A new connection of slot `i`'s device (placement `gen`) answered with `bytes` at its
     /// superblock's place: refused unless it is this slot's leg of this array (see
     /// `LegConnections`).
@@ -412,6 +433,9 @@ impl Inner {
         else {
             return Ok(());
         };
+        if l.state.load(Ordering::Acquire) & FAULTY == 0 && self.left_as_written(i, other, bytes) {
+            return Ok(());
+        }
         let Err(why) = self.identify(i, other, bytes) else {
             return Ok(());
         };
