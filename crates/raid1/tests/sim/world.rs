@@ -71,7 +71,7 @@ pub struct Shape {
     /// `readd=auto`: legs failed by fault rules come back by themselves when they answer.
     pub readd: bool,
     /// Every leg's I/Os complete after up to this many µs (0: at once), and a write-mostly
-    /// leg's writes after 1-4 ms more (so write-behind lasts).
+    /// leg's writes after 0.5-2.5 ms more (so write-behind lasts).
     pub latency_us: u64,
 }
 
@@ -80,7 +80,7 @@ impl Shape {
         Self {
             legs: 2 + rng.below(2) as usize,
             // 66 MiB legs cross a 64 MiB barrier unit; 12 MiB ones are quick.
-            leg_mib: if rng.chance(400) { 66 } else { 12 },
+            leg_mib: if rng.chance(250) { 66 } else { 12 },
             bitmap_chunk: match rng.below(3) {
                 0 => 0,
                 1 => 256 << 10,
@@ -277,8 +277,8 @@ impl World {
             if self.shape.write_behind > 0 {
                 h.add(Rule::delay(
                     OpSet::WRITE,
-                    Duration::from_millis(1),
-                    Duration::from_millis(3),
+                    Duration::from_micros(500),
+                    Duration::from_millis(2),
                 ));
             }
         }
@@ -437,7 +437,7 @@ impl World {
         }
         // Leg changes make the array whole again more often than they break it, so that it
         // is whole about half the time (checks judge only a whole array).
-        let heal = degraded && self.rng.chance(150);
+        let heal = degraded && self.rng.chance(45);
         if heal {
             return self.heal();
         }
@@ -978,7 +978,7 @@ impl World {
         r.set_speed_limits(1000, FAST);
         self.r = Some(r);
         self.freeze();
-        let all = self.rng.chance(250);
+        let all = self.rng.chance(100);
         self.verify(all);
     }
 
