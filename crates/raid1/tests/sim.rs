@@ -112,23 +112,27 @@ fn floors(t: &Stats, seeds: u64) -> Vec<(&'static str, f64, f64)> {
         (
             "checks of a whole array per seed",
             t.whole_checks as f64 / seeds as f64,
-            2.0,
+            4.0,
         ),
         (
             "crashes mid-sync per seed",
             t.crashes_mid_sync as f64 / seeds as f64,
-            0.5,
+            1.0,
         ),
         (
             "superblock cuts that held %",
             pct(t.sb_cuts_held, t.sb_cuts),
-            50.0,
+            40.0,
         ),
-        ("reads pinned per seed", t.pins as f64 / seeds as f64, 1.0),
+        (
+            "reads pinned per seed",
+            t.pins as f64 / seeds as f64,
+            1000.0,
+        ),
         (
             "leg writes kept at a cut per seed",
             t.writes_kept as f64 / seeds as f64,
-            5.0,
+            10.0,
         ),
     ]
 }
