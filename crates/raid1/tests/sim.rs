@@ -5,24 +5,34 @@
 //! bitmap chunks and barrier units), leg management (fail, remove, add, re-add, replace),
 //! check and repair, speed limits, fault rules on any leg (failed reads, writes, flushes and
 //! discards, in the data, the superblock or the bitmap), and power cuts (every leg's volatile
-//! cache lost at once: between operations, with writes in flight, or between two legs'
-//! superblock writes), each followed by reassembly from the legs in a seeded order.
+//! cache lost at once, a seeded part of it kept: between operations, with writes in flight,
+//! during a resync, recovery or check at a slow speed limit, or between two legs' superblock
+//! writes), each followed by reassembly from the legs in a seeded order.
 //!
 //! The oracle (`sim/model.rs`) is what a block device promises, checked on every read, after
 //! every crash (the whole array) and after every sync (the whole array, then a check): a
 //! write acknowledged before a successful FLUSH, or with FUA, reads back after any crash; a
 //! read returns, per sector, the last acknowledged data or data written there and not
-//! acknowledged, never another offset's bytes; a check of a whole array after its sync counts
-//! no mismatch; an I/O fails only while a fault rule is armed or the array has failed.
+//! acknowledged, never another offset's bytes, and the same as the last read of it until the
+//! next write there (reads pin); a check of a whole array after its sync counts no mismatch;
+//! an I/O fails only when due (every leg that could serve it has a fault rule armed that may
+//! fail it, or the array failed). A power cut keeps a seeded part of each leg's unflushed
+//! writes, whole or torn, so the legs disagree afterwards where an unclean stop leaves them
+//! so; leg changes heal the array about as often as they break it, so checks judge a whole
+//! array.
 //!
-//! `cargo test --release -p raid1 --test sim` runs the fixed seeds (CI runs them in its debug
-//! build); `SIM_SEEDS=N SIM_SEED_BASE=S` runs N seeds from S instead and `SIM_OPS=K` sets the
-//! operations per seed. A failure prints the seed, the array's shape and the schedule so far,
-//! and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its schedule (the array's own threads keep
-//! their timing, so a failure that depends on it may take a few replays; see `sim/world.rs`).
-//! Every failing seed found becomes a named deterministic test in `faults.rs` (`seed_*` and
-//! the tests that say "found by the simulator"): a change of the simulator changes what a
-//! seed generates, a built schedule does not.
+//! `cargo test --release -p raid1 --test sim` runs 12 fixed seeds and 4 from a base that
+//! changes daily, printing both (CI runs them in its debug build); `SIM_SEEDS=N
+//! SIM_SEED_BASE=S` runs N seeds from S instead (`S=daily`: today's base) and `SIM_OPS=K` sets
+//! the operations per seed. The summary counts what the oracle could judge (coverage), and a
+//! run of `FLOOR_SEEDS` seeds or more fails below its floors. `SIM_KEEP_GOING=1` runs every
+//! seed and prints `caught K/N` (`scripts/mutants.sh`). A failure prints the seed, the
+//! array's shape and the schedule so far, and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its
+//! schedule (the array's own threads keep their timing, so a failure that depends on it may
+//! take a few replays; see `sim/world.rs`). Every failing seed found becomes a named
+//! deterministic test in `faults.rs` (`seed_*` and the tests that say "found by the
+//! simulator"): a change of the simulator changes what a seed generates, a built schedule
+//! does not.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]

@@ -4,7 +4,8 @@
 //! The seed drives the array's shape (2 or 3 legs, bitmap or not, barrier mode, leg size) and
 //! every operation, size, offset, fault rule, crash point and leg order at reassembly. In the
 //! deterministic mode the sync thread is frozen except inside the operations that run it to
-//! completion, so the schedule and the sync passes replay exactly; raid1d still runs on its
+//! completion (and the power cut mid-sync, which lets it run for a seeded few ms at a slow
+//! limit), so the schedule and the sync passes replay exactly; raid1d still runs on its
 //! own (lazy bitmap clearing, superblock writes after a state change, held writes), and a power
 //! cut takes the legs one after the other while the array runs, so what those threads had
 //! done by then may differ between replays (it never may change what a read returns; when it
