@@ -438,7 +438,7 @@ impl World {
         }
         // Leg changes make the array whole again more often than they break it, so that it
         // is whole about half the time (checks judge only a whole array).
-        let heal = degraded && self.rng.chance(45);
+        let heal = degraded && self.rng.chance(60);
         if heal {
             return self.heal();
         }
@@ -823,7 +823,8 @@ impl World {
     }
 
     /// Makes a degraded array whole: out with a failed leg, in with a leg where one is
-    /// missing, then a sync (which checks the whole array).
+    /// missing, then (or, half the time, a few operations later, reads meeting a recovering
+    /// leg meanwhile) a sync, which checks the whole array.
     fn heal(&mut self) {
         self.say("heal".into());
         if self.r().failure().is_some() {
@@ -832,10 +833,13 @@ impl World {
         if self.slot_where(|s| s.faulty).is_some() {
             self.remove_leg();
         }
-        if self.members().len() < self.shape.legs {
+        let add = self.members().len() < self.shape.legs;
+        if add {
             self.add_leg();
         }
-        self.sync();
+        if !add || self.rng.chance(500) {
+            self.sync();
+        }
     }
 
     fn replace(&mut self) {
