@@ -39,6 +39,13 @@ if [ "${MUTANTS_BASELINE:-0}" = 1 ]; then
     names=(none "${names[@]}")
 fi
 
+mkdir -p "$work"
+# One run at a time: runs share the copy.
+exec 9>"$work/lock"
+if ! flock -n 9; then
+    echo "mutants: another run holds $work/lock" >&2
+    exit 2
+fi
 rm -rf "$src"
 mkdir -p "$src"
 (cd "$root" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$src"
