@@ -5,24 +5,34 @@
 //! bitmap chunks and barrier units), leg management (fail, remove, add, re-add, replace),
 //! check and repair, speed limits, fault rules on any leg (failed reads, writes, flushes and
 //! discards, in the data, the superblock or the bitmap), and power cuts (every leg's volatile
-//! cache lost at once: between operations, with writes in flight, or between two legs'
-//! superblock writes), each followed by reassembly from the legs in a seeded order.
+//! cache lost at once, a seeded part of it kept: between operations, with writes in flight,
+//! during a resync, recovery or check at a slow speed limit, or between two legs' superblock
+//! writes), each followed by reassembly from the legs in a seeded order.
 //!
 //! The oracle (`sim/model.rs`) is what a block device promises, checked on every read, after
 //! every crash (the whole array) and after every sync (the whole array, then a check): a
 //! write acknowledged before a successful FLUSH, or with FUA, reads back after any crash; a
 //! read returns, per sector, the last acknowledged data or data written there and not
-//! acknowledged, never another offset's bytes; a check of a whole array after its sync counts
-//! no mismatch; an I/O fails only while a fault rule is armed or the array has failed.
+//! acknowledged, never another offset's bytes, and the same as the last read of it until the
+//! next write there (reads pin); a check of a whole array after its sync counts no mismatch;
+//! an I/O fails only when due (every leg that could serve it has a fault rule armed that may
+//! fail it, or the array failed). A power cut keeps a seeded part of each leg's unflushed
+//! writes, whole or torn, so the legs disagree afterwards where an unclean stop leaves them
+//! so; leg changes heal the array about as often as they break it, so checks judge a whole
+//! array.
 //!
-//! `cargo test --release -p raid1 --test sim` runs the fixed seeds (CI runs them in its debug
-//! build); `SIM_SEEDS=N SIM_SEED_BASE=S` runs N seeds from S instead and `SIM_OPS=K` sets the
-//! operations per seed. A failure prints the seed, the array's shape and the schedule so far,
-//! and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its schedule (the array's own threads keep
-//! their timing, so a failure that depends on it may take a few replays; see `sim/world.rs`).
-//! Every failing seed found becomes a named deterministic test in `faults.rs` (`seed_*` and
-//! the tests that say "found by the simulator"): a change of the simulator changes what a
-//! seed generates, a built schedule does not.
+//! `cargo test --release -p raid1 --test sim` runs 12 fixed seeds and 4 from a base that
+//! changes daily, printing both (CI runs them in its debug build); `SIM_SEEDS=N
+//! SIM_SEED_BASE=S` runs N seeds from S instead (`S=daily`: today's base) and `SIM_OPS=K` sets
+//! the operations per seed. The summary counts what the oracle could judge (coverage), and a
+//! run of `FLOOR_SEEDS` seeds or more fails below its floors. `SIM_KEEP_GOING=1` runs every
+//! seed and prints `caught K/N` (`scripts/mutants.sh`). A failure prints the seed, the
+//! array's shape and the schedule so far, and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its
+//! schedule (the array's own threads keep their timing, so a failure that depends on it may
+//! take a few replays; see `sim/world.rs`). Every failing seed found becomes a named
+//! deterministic test in `faults.rs` (`seed_*` and the tests that say "found by the
+//! simulator"): a change of the simulator changes what a seed generates, a built schedule
+//! does not.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -40,11 +50,23 @@ use world::{Stats, World};
 
 /// Operations per seed unless `SIM_OPS` says otherwise.
 const OPS: u64 = 300;
-/// The seeds CI runs (within its time budget in a debug build).
-const CI_SEEDS: u64 = 16;
+/// The fixed seeds CI runs (1..=CI_SEEDS: reproducible), and the rotating ones it runs beside
+/// them (from a base that changes every day: new schedules every day, printed to replay).
+const CI_SEEDS: u64 = 12;
+const CI_ROTATING: u64 = 4;
+/// A run of at least this many seeds must reach the coverage floors (`floors`).
+const FLOOR_SEEDS: u64 = 100;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+/// Today's rotating seed base: days since 1970 (UTC) spread over 2^32, above the fixed seeds.
+fn daily_base() -> u64 {
+    let days = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86_400);
+    1_000_000 + (days.wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF)
 }
 
 /// Runs one seed for `ops` operations; on a failed promise prints the seed, the shape and
@@ -80,29 +102,137 @@ fn run_seed(seed: u64, ops: u64) -> Stats {
         std::mem::forget(w);
         resume_unwind(p);
     }
-    w.stats
+    w.stats()
+}
+
+/// The share of `part` in `whole`, in percent.
+fn pct(part: u64, whole: u64) -> f64 {
+    100.0 * part as f64 / whole.max(1) as f64
+}
+
+/// What a long run must reach, or the oracle judges too little of what it ran: (what, got,
+/// floor), a failure when got < floor.
+fn floors(t: &Stats, seeds: u64) -> Vec<(&'static str, f64, f64)> {
+    vec![
+        (
+            "whole operations %",
+            100.0 - pct(t.degraded_ops, t.ops),
+            35.0,
+        ),
+        (
+            "checks of a whole array per seed",
+            t.whole_checks as f64 / seeds as f64,
+            4.0,
+        ),
+        (
+            "crashes mid-sync per seed",
+            t.crashes_mid_sync as f64 / seeds as f64,
+            1.0,
+        ),
+        (
+            "superblock cuts that held %",
+            pct(t.sb_cuts_held, t.sb_cuts),
+            40.0,
+        ),
+        (
+            "reads pinned per seed",
+            t.pins as f64 / seeds as f64,
+            1000.0,
+        ),
+        (
+            "leg writes kept at a cut per seed",
+            t.writes_kept as f64 / seeds as f64,
+            10.0,
+        ),
+    ]
 }
 
 #[test]
 fn sim() {
-    let n = env_u64("SIM_SEEDS").unwrap_or(CI_SEEDS);
-    let base = env_u64("SIM_SEED_BASE").unwrap_or(1);
     let ops = env_u64("SIM_OPS").unwrap_or(OPS);
+    // SIM_SEEDS=N runs N seeds from SIM_SEED_BASE (default 1; `SIM_SEED_BASE=daily`: today's
+    // rotating base); otherwise the fixed CI seeds and today's rotating ones.
+    let base_env = std::env::var("SIM_SEED_BASE").ok();
+    let daily = daily_base();
+    let runs: Vec<(u64, u64)> = match env_u64("SIM_SEEDS") {
+        Some(n) => {
+            let base = match base_env.as_deref().map(str::trim) {
+                Some("daily") => daily,
+                Some(b) => b.parse().unwrap_or(1),
+                None => 1,
+            };
+            vec![(base, n)]
+        }
+        None => vec![(1, CI_SEEDS), (daily, CI_ROTATING)],
+    };
+    let n: u64 = runs.iter().map(|r| r.1).sum();
+    for &(base, k) in &runs {
+        println!(
+            "sim: seeds {base}..{} (replay one: SIM_SEEDS=1 SIM_SEED_BASE=<seed>; these: \
+             SIM_SEEDS={k} SIM_SEED_BASE={base})",
+            base + k - 1
+        );
+    }
+    // SIM_KEEP_GOING=1: run every seed and count the failing ones (scripts/mutants.sh).
+    let keep_going = env_u64("SIM_KEEP_GOING").unwrap_or(0) != 0;
     let t0 = Instant::now();
     let mut total = Stats::default();
-    for seed in base..base + n {
-        total += run_seed(seed, ops);
+    let mut failed = Vec::new();
+    for &(base, k) in &runs {
+        for seed in base..base + k {
+            if keep_going {
+                match catch_unwind(|| run_seed(seed, ops)) {
+                    Ok(st) => total += st,
+                    Err(_) => failed.push(seed),
+                }
+            } else {
+                total += run_seed(seed, ops);
+            }
+        }
     }
+    let t = &total;
     println!(
-        "sim: {n} seeds from {base}, {} operations ({} crashes, {} syncs, {} checks, {} fault \
-         rules, {} leg changes, {} I/O errors) in {:.1} s",
-        total.ops,
-        total.crashes,
-        total.syncs,
-        total.checks,
-        total.faults,
-        total.leg_changes,
-        total.io_errors,
+        "sim: {n} seeds, {} operations ({} crashes, {} syncs, {} checks, {} fault rules, {} leg \
+         changes, {} I/O errors) in {:.1} s",
+        t.ops,
+        t.crashes,
+        t.syncs,
+        t.checks,
+        t.faults,
+        t.leg_changes,
+        t.io_errors,
         t0.elapsed().as_secs_f64()
     );
+    println!(
+        "sim coverage: degraded {:.0}% of operations, {} checks of a whole array, {} crashes \
+         mid-sync, {}/{} superblock cuts held, {} errors accepted as due, {} leg writes kept \
+         and {} torn at a cut, {} sectors pinned by a read and {} reads of a pinned one",
+        pct(t.degraded_ops, t.ops),
+        t.whole_checks,
+        t.crashes_mid_sync,
+        t.sb_cuts_held,
+        t.sb_cuts,
+        t.errors_due,
+        t.writes_kept,
+        t.writes_torn,
+        t.pins,
+        t.pin_hits
+    );
+    if keep_going {
+        println!(
+            "sim: caught {}/{n} (failing seeds {failed:?})",
+            failed.len()
+        );
+        assert!(failed.is_empty(), "{} of {n} seeds failed", failed.len());
+    }
+    if n >= FLOOR_SEEDS && ops >= OPS {
+        let low: Vec<_> = floors(t, n)
+            .into_iter()
+            .filter(|&(_, got, floor)| got < floor)
+            .collect();
+        assert!(
+            low.is_empty(),
+            "coverage below its floor (what, got, floor): {low:?}"
+        );
+    }
 }

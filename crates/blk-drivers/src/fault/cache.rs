@@ -19,6 +19,7 @@ use blk::error::with_context;
 use blk::{submit_wait, Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::DynArc as Arc;
 
+use super::rules::mix;
 use super::{bio_range, bump, errno_err, modifies, Ack, FaultHandle, Shared};
 
 /// The old contents of one not yet durable write's range.
@@ -142,6 +143,44 @@ pub struct CrashReport {
     pub bytes_restored: u64,
     /// Stalled I/Os failed.
     pub stalled_failed: u64,
+    /// Unflushed writes that reached the medium whole ([`FaultHandle::crash_partial`]).
+    pub writes_kept: u64,
+    /// Unflushed writes that reached it in part (torn), also counted in `writes_lost`.
+    pub writes_torn: u64,
+}
+
+/// What a crash lets through of the unflushed writes ([`FaultHandle::crash_partial`]): a real
+/// disk's volatile cache may have written any of them back before the power went, and a
+/// write of several atomic units may land in part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Partial {
+    /// Seeds every choice: the same seed over the same undo log gives the same medium.
+    pub seed: u64,
+    /// Per mille of the unflushed writes that reach the medium whole.
+    pub keep: u32,
+    /// Per mille of the others that reach it in part: each of their `unit`s lands with
+    /// probability one half.
+    pub tear: u32,
+    /// The atomic unit a torn write is cut in, in bytes (at least the inner device's logical
+    /// block; units are aligned to it on the device).
+    pub unit: u64,
+}
+
+/// Adds `[a, b)` minus the `holes` (sorted by start, may overlap) to `out`.
+fn subtract(a: u64, b: u64, holes: &[(u64, u64)], out: &mut Vec<(u64, u64)>) {
+    let mut at = a;
+    for &(s, t) in holes {
+        if t <= at || s >= b {
+            continue;
+        }
+        if s > at {
+            out.push((at, s));
+        }
+        at = at.max(t);
+    }
+    if at < b {
+        out.push((at, b));
+    }
 }
 
 impl FaultHandle {
@@ -164,6 +203,16 @@ impl FaultHandle {
     /// returned after every other entry has been tried. Once the device is dropped, fails
     /// with `ENODEV`.
     pub fn crash(&self) -> Result<CrashReport, Error> {
+        self.crash_partial(Partial::default())
+    }
+
+    /// [`crash`](Self::crash), but a seeded part of the unflushed writes survives: `p.keep`
+    /// per mille of them whole, `p.tear` per mille of the rest torn (a seeded half of their
+    /// `p.unit`s). What a newer surviving write put on the medium is never rolled back by an
+    /// older lost one, so every sector ends holding its last durable content or the data of
+    /// one of the unflushed writes to it, no older than a surviving one. `Partial::default()`
+    /// is `crash`.
+    pub fn crash_partial(&self, p: Partial) -> Result<CrashReport, Error> {
         let sh = &self.sh;
         if !sh.volatile {
             return Err(Error::NotSupported(
@@ -199,23 +248,73 @@ impl FaultHandle {
             let mut st = sh.state.lock();
             (st.in_flight == 0).then(|| std::mem::take(&mut st.undo))
         });
+        let lbs = u64::from(inner.limits().logical_block_size.max(512));
+        let unit = (p.unit.max(lbs) / lbs * lbs).max(lbs);
         let mut first_err = None;
+        // What newer writes left on the medium (sorted, disjoint byte ranges).
+        let mut kept: Vec<(u64, u64)> = Vec::new();
+        let mut restore = Vec::new();
         for e in undo.into_iter().rev() {
-            report.writes_lost += 1;
-            bump(&sh.counters.writes_lost);
-            let mut off = e.offset;
-            for c in e.chunks {
-                let n = c.len() as u64;
-                let mut w = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, c);
-                w.flags = BioFlags::FUA;
-                let (_, res) = submit_wait(&*inner, w);
-                match res {
-                    Ok(()) => report.bytes_restored += n,
-                    Err(err) => {
-                        first_err.get_or_insert(err);
+            let len: u64 = e.chunks.iter().map(|c| c.len() as u64).sum();
+            let (a, b) = (e.offset, e.offset + len);
+            let roll = mix(p.seed ^ mix(e.id));
+            let mut landed: Vec<(u64, u64)> = Vec::new();
+            if roll % 1000 < u64::from(p.keep) {
+                report.writes_kept += 1;
+                landed.push((a, b));
+            } else {
+                report.writes_lost += 1;
+                bump(&sh.counters.writes_lost);
+                if (roll >> 20) % 1000 < u64::from(p.tear) && b - a > lbs {
+                    report.writes_torn += 1;
+                    let mut u = a / unit * unit;
+                    while u < b {
+                        if mix(roll ^ u) & 1 == 1 {
+                            landed.push((u.max(a), (u + unit).min(b)));
+                        }
+                        u += unit;
                     }
                 }
-                off += n;
+            }
+            // Roll back what neither this write's landed units nor a newer write cover.
+            let mut holes: Vec<(u64, u64)> = kept.iter().chain(&landed).copied().collect();
+            holes.sort_unstable();
+            restore.clear();
+            subtract(a, b, &holes, &mut restore);
+            let mut c0 = a;
+            for c in &e.chunks {
+                let c1 = c0 + c.len() as u64;
+                for &(s, t) in &restore {
+                    let (s, t) = (s.max(c0), t.min(c1));
+                    if s >= t {
+                        continue;
+                    }
+                    let mut buf = Buffer::new((t - s) as usize);
+                    buf.as_mut_slice()
+                        .copy_from_slice(&c.as_slice()[(s - c0) as usize..(t - c0) as usize]);
+                    let mut w = Bio::with_buf(Op::Write, s >> SECTOR_SHIFT, buf);
+                    w.flags = BioFlags::FUA;
+                    let (_, res) = submit_wait(&*inner, w);
+                    match res {
+                        Ok(()) => report.bytes_restored += t - s,
+                        Err(err) => {
+                            first_err.get_or_insert(err);
+                        }
+                    }
+                }
+                c0 = c1;
+            }
+            if !landed.is_empty() {
+                kept.extend(landed);
+                kept.sort_unstable();
+                let mut merged: Vec<(u64, u64)> = Vec::with_capacity(kept.len());
+                for (s, t) in kept.drain(..) {
+                    match merged.last_mut() {
+                        Some(m) if s <= m.1 => m.1 = m.1.max(t),
+                        _ => merged.push((s, t)),
+                    }
+                }
+                kept = merged;
             }
         }
         if let (_, Err(err)) = submit_wait(&*inner, Bio::new(Op::Flush, 0, 0)) {

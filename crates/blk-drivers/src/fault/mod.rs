@@ -78,7 +78,12 @@
 //!   completions not yet acknowledged included, until [`FaultHandle::restart`]), fails the
 //!   stalled I/Os, waits for the I/Os in flight in the inner device, then writes the undo
 //!   entries back newest first (FUA) and flushes. Overlapping unflushed writes thus roll back
-//!   to the last durable content.
+//!   to the last durable content;
+//! - [`FaultHandle::crash_partial`] lets a seeded part of them through, as a real cache that
+//!   wrote some back before the power went: some writes whole, some torn (a seeded half of
+//!   their atomic units), the rest rolled back, never over what a newer surviving write put
+//!   there. Several devices crashed with different seeds (the legs of a mirror) then
+//!   disagree where their unflushed writes did.
 //!
 //! Overlapping writes in flight at the same time have no defined order (as on a real disk);
 //! the model is exact when each write's overlapping predecessors completed before it was
@@ -116,7 +121,7 @@ mod cache;
 mod rules;
 mod timer;
 
-pub use cache::CrashReport;
+pub use cache::{CrashReport, Partial};
 pub use rules::{parse_errno, Action, FaultConfig, OpSet, Rule, When};
 
 use blkq_sync::DynArc as Arc;

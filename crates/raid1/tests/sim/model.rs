@@ -12,6 +12,15 @@
 //!
 //! An acknowledged write makes `cur` exactly that write; a FUA one makes `dur` that write too;
 //! a successful FLUSH makes `dur` = `cur` for every sector; a crash makes `cur` = `dur`.
+//!
+//! Reads pin: a read that finds one of several allowed writes in a sector pins the sector to
+//! it, and every later read must find the same until the next write to the sector (or a
+//! crash, which unpins every sector). So a sector whose legs differ (after a crash, a failed
+//! write) reads the same before, during and after the resync that makes them agree. A pin
+//! narrows what a read may return, never what a crash may leave (`dur`). What the legs hold
+//! where they may differ is the resync source's (the first in-sync leg) until the resync
+//! copies it: when that leg changes (failed, removed) or a read error may be corrected from
+//! another leg (a read fault armed), the world unpins everything (`unpin_all`).
 
 use blk::SECTOR_SIZE;
 
@@ -94,7 +103,16 @@ pub struct Model {
     touched: Vec<u64>,
     /// Per MiB of the array: ever written (a quick verification reads only these).
     written: Vec<bool>,
+    /// Per sector, the write a read found while several were allowed (`NO_PIN`: none).
+    pin: Vec<u32>,
+    /// Sectors pinned since the last crash.
+    pinned: Vec<u64>,
+    /// Reads that pinned a sector, and reads that found a pinned one.
+    pub pins: u64,
+    pub pin_hits: u64,
 }
+
+const NO_PIN: u32 = u32::MAX;
 
 impl Model {
     pub fn new(sectors: u64) -> Self {
@@ -103,6 +121,10 @@ impl Model {
             dur: vec![Set::one(0); sectors as usize],
             touched: Vec::new(),
             written: vec![false; (sectors as usize).div_ceil(MIB_SECTORS) + 1],
+            pin: vec![NO_PIN; sectors as usize],
+            pinned: Vec::new(),
+            pins: 0,
+            pin_hits: 0,
         }
     }
 
@@ -130,6 +152,7 @@ impl Model {
         self.mark(first, n);
         for s in first..first + n {
             let i = s as usize;
+            self.pin[i] = NO_PIN;
             self.cur[i] = Set::one(w);
             if fua {
                 self.dur[i] = Set::one(w);
@@ -145,6 +168,7 @@ impl Model {
         self.mark(first, n);
         for s in first..first + n {
             let i = s as usize;
+            self.pin[i] = NO_PIN;
             self.cur[i].add(w);
             self.dur[i].add(w);
             self.touched.push(s);
@@ -161,19 +185,48 @@ impl Model {
 
     /// A crash: what is left is what was durable.
     pub fn crashed(&mut self) {
+        for s in self.pinned.drain(..) {
+            self.pin[s as usize] = NO_PIN;
+        }
         for s in self.touched.drain(..) {
             let i = s as usize;
             self.cur[i] = self.dur[i].clone();
         }
     }
 
-    /// Checks `data` read at sector `first`; the first bad sector's description on failure.
-    pub fn check(&self, first: u64, data: &[u8]) -> Result<(), String> {
+    /// Unpins every sector: what reads return may change now (the leg they come from changed,
+    /// or a read error may have been corrected from another leg).
+    pub fn unpin_all(&mut self) {
+        for s in self.pinned.drain(..) {
+            self.pin[s as usize] = NO_PIN;
+        }
+    }
+
+    /// Checks `data` read at sector `first`, and pins each sector that was allowed several
+    /// writes to the one it holds; the first bad sector's description on failure.
+    pub fn check(&mut self, first: u64, data: &[u8]) -> Result<(), String> {
         for (k, b) in data.chunks(SECTOR).enumerate() {
             let s = first + k as u64;
-            let allowed = &self.cur[s as usize];
+            let i = s as usize;
+            let allowed = &self.cur[i];
+            let pin = self.pin[i];
             match decode(s, b) {
-                Some(w) if allowed.contains(w) => {}
+                Some(w) if pin != NO_PIN && w != pin => {
+                    return Err(format!(
+                        "sector {s} (byte {}) holds write {w}, but an earlier read found write \
+                         {pin} there (allowed {allowed}) and nothing was written since",
+                        s * SECTOR_SIZE
+                    ))
+                }
+                Some(w) if allowed.contains(w) => {
+                    if pin != NO_PIN {
+                        self.pin_hits += 1;
+                    } else if allowed.any || allowed.n > 1 {
+                        self.pin[i] = w;
+                        self.pinned.push(s);
+                        self.pins += 1;
+                    }
+                }
                 Some(w) => {
                     return Err(format!(
                         "sector {s} (byte {}) holds write {w}, allowed {allowed}",

@@ -4,7 +4,8 @@
 //! The seed drives the array's shape (2 or 3 legs, bitmap or not, barrier mode, leg size) and
 //! every operation, size, offset, fault rule, crash point and leg order at reassembly. In the
 //! deterministic mode the sync thread is frozen except inside the operations that run it to
-//! completion, so the schedule and the sync passes replay exactly; raid1d still runs on its
+//! completion (and the power cut mid-sync, which lets it run for a seeded few ms at a slow
+//! limit), so the schedule and the sync passes replay exactly; raid1d still runs on its
 //! own (lazy bitmap clearing, superblock writes after a state change, held writes), and a power
 //! cut takes the legs one after the other while the array runs, so what those threads had
 //! done by then may differ between replays (it never may change what a read returns; when it
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
-use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
+use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Partial, Rule};
 use raid1::barrier::BARRIER_UNIT_SECTORS;
 use raid1::superblock::{BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
@@ -70,6 +71,9 @@ pub struct Shape {
     pub write_behind: u32,
     /// `readd=auto`: legs failed by fault rules come back by themselves when they answer.
     pub readd: bool,
+    /// Every leg's I/Os complete after up to this many µs (0: at once), and a write-mostly
+    /// leg's writes after 0.5-2.5 ms more (so write-behind lasts).
+    pub latency_us: u64,
 }
 
 impl Shape {
@@ -77,7 +81,7 @@ impl Shape {
         Self {
             legs: 2 + rng.below(2) as usize,
             // 66 MiB legs cross a 64 MiB barrier unit; 12 MiB ones are quick.
-            leg_mib: if rng.chance(400) { 66 } else { 12 },
+            leg_mib: if rng.chance(250) { 66 } else { 12 },
             bitmap_chunk: match rng.below(3) {
                 0 => 0,
                 1 => 256 << 10,
@@ -91,6 +95,7 @@ impl Shape {
             concurrent: rng.chance(500),
             write_behind: 0,
             readd: false,
+            latency_us: 0,
         }
         .with_remote_options(rng)
     }
@@ -102,6 +107,7 @@ impl Shape {
             self.write_behind = 1 + rng.below(8) as u32;
         }
         self.readd = rng.chance(500);
+        self.latency_us = [0, 0, 50, 300][rng.below(4) as usize];
         self
     }
 
@@ -125,7 +131,7 @@ struct Leg {
     h: FaultHandle,
 }
 
-/// Counters of one run.
+/// Counters of one run: what happened, and how much of it the oracle could judge.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Stats {
     pub ops: u64,
@@ -135,6 +141,25 @@ pub struct Stats {
     pub faults: u64,
     pub leg_changes: u64,
     pub io_errors: u64,
+    /// Operations that began on a degraded array (a leg missing, failed or recovering).
+    pub degraded_ops: u64,
+    /// Checks that ran to the end on a whole array (the only ones that judge it).
+    pub whole_checks: u64,
+    /// Power cuts while a resync, recovery or check was running.
+    pub crashes_mid_sync: u64,
+    /// Power cuts aimed between two legs' superblock writes, and those that landed there
+    /// (a superblock write was held when the power went).
+    pub sb_cuts: u64,
+    pub sb_cuts_held: u64,
+    /// I/O errors that were due (a fault rule on every leg that could serve, or a failed
+    /// array): the only ones accepted.
+    pub errors_due: u64,
+    /// Unflushed leg writes a power cut let through whole, and torn.
+    pub writes_kept: u64,
+    pub writes_torn: u64,
+    /// Sectors pinned by a read, and reads of a pinned sector.
+    pub pins: u64,
+    pub pin_hits: u64,
 }
 
 impl std::ops::AddAssign for Stats {
@@ -146,7 +171,25 @@ impl std::ops::AddAssign for Stats {
         self.faults += o.faults;
         self.leg_changes += o.leg_changes;
         self.io_errors += o.io_errors;
+        self.degraded_ops += o.degraded_ops;
+        self.whole_checks += o.whole_checks;
+        self.crashes_mid_sync += o.crashes_mid_sync;
+        self.sb_cuts += o.sb_cuts;
+        self.sb_cuts_held += o.sb_cuts_held;
+        self.errors_due += o.errors_due;
+        self.writes_kept += o.writes_kept;
+        self.writes_torn += o.writes_torn;
+        self.pins += o.pins;
+        self.pin_hits += o.pin_hits;
     }
+}
+
+/// A fault rule armed on a leg: its operations and its byte range on the leg (None: all).
+#[derive(Debug, Clone, Copy)]
+struct Armed {
+    leg: usize,
+    ops: OpSet,
+    range: Option<(u64, u64)>,
 }
 
 pub struct World {
@@ -158,8 +201,10 @@ pub struct World {
     model: Model,
     lbs: u64,
     next_w: u32,
-    /// A fault rule was added since the last clear: I/O errors are allowed.
-    armed: bool,
+    /// The fault rules added since the last clear: an I/O error is due only where they say.
+    armed: Vec<Armed>,
+    /// The resync source (first in-sync leg, by pool index) when the model's pins were made.
+    source: Option<usize>,
     pub log: Vec<String>,
     pub stats: Stats,
 }
@@ -181,7 +226,8 @@ impl World {
             model: Model::new(0),
             lbs: 512,
             next_w: 1,
-            armed: false,
+            armed: Vec::new(),
+            source: None,
             log: Vec::new(),
             stats: Stats::default(),
         };
@@ -215,7 +261,95 @@ impl World {
             dev: dev.clone(),
             h,
         });
+        self.base_rules(self.legs.len() - 1);
         dev
+    }
+
+    /// A leg's latency rules (added again after every clear of its rules).
+    fn base_rules(&self, k: usize) {
+        let h = &self.legs[k].h;
+        let us = self.shape.latency_us;
+        if us > 0 {
+            h.add(Rule::delay(
+                OpSet::ALL,
+                Duration::ZERO,
+                Duration::from_micros(us),
+            ));
+            if self.shape.write_behind > 0 {
+                h.add(Rule::delay(
+                    OpSet::WRITE,
+                    Duration::from_micros(500),
+                    Duration::from_millis(2),
+                ));
+            }
+        }
+    }
+
+    /// Clears leg `k`'s fault rules (its latency stays).
+    fn clear_leg(&mut self, k: usize) {
+        self.legs[k].h.clear();
+        self.base_rules(k);
+        self.armed.retain(|a| a.leg != k);
+    }
+
+    /// The pool indexes of the legs that serve reads and take writes now (in sync, not failed).
+    fn serving(&self) -> Vec<usize> {
+        let r = self.r();
+        (0..r.slots())
+            .filter(|&i| {
+                r.leg_status(i)
+                    .is_some_and(|s| s.present && s.in_sync && !s.faulty)
+            })
+            .filter_map(|i| {
+                let d = r.leg_device(i)?;
+                self.legs.iter().position(|l| ptr(&l.dev) == ptr(&d))
+            })
+            .collect()
+    }
+
+    /// Unpins the model's sectors when what reads return may change without a write: the
+    /// resync source (the first in-sync leg) changed, or a read fault is armed (a read error
+    /// is corrected from another leg, which may hold other data where they may differ).
+    fn repin(&mut self) {
+        let source = self.serving().first().copied();
+        let read_fault = self.armed.iter().any(|a| a.ops.contains(Op::Read));
+        if source != self.source || read_fault {
+            self.model.unpin_all();
+            self.source = source;
+        }
+    }
+
+    /// Whether an error of `op` on `off+len` of the array is due: the array failed, or every
+    /// leg in `serving` (the legs that could serve it, taken before it was issued) has a rule
+    /// armed that may fail it (a read: a read rule on its data; anything else: any rule but a
+    /// read one, as a failed superblock or bitmap write fails the leg too).
+    fn due(&self, op: Op, off: u64, len: u64, serving: &[usize]) -> bool {
+        if self.r().failure().is_some() {
+            return true;
+        }
+        let d = self.r().data_offset();
+        let (a, b) = (d + off, d + off + len.max(1));
+        !serving.is_empty()
+            && serving.iter().all(|&k| {
+                self.armed.iter().any(|x| {
+                    x.leg == k
+                        && if op == Op::Read {
+                            x.ops.contains(Op::Read)
+                                && x.range.is_none_or(|(o, l)| o < b && a < o + l)
+                        } else {
+                            x.ops.0 & !OpSet::READ.0 != 0
+                        }
+                })
+            })
+    }
+
+    /// This seed's counters, the model's pins included.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            pins: self.model.pins,
+            pin_hits: self.model.pin_hits,
+            ..self.stats
+        }
     }
 
     fn r(&self) -> &Raid1 {
@@ -244,8 +378,10 @@ impl World {
         }
     }
 
+    /// Leg management may fail while any rule is armed (its superblock writes) or the array
+    /// failed.
     fn errors_allowed(&self) -> bool {
-        self.armed || self.r().failure().is_some()
+        !self.armed.is_empty() || self.r().failure().is_some()
     }
 
     /// A range of `1..=max` bytes, sector-aligned to the logical block, near the places
@@ -294,8 +430,17 @@ impl World {
     /// One operation, chosen by the seed.
     pub fn step(&mut self) {
         self.stats.ops += 1;
+        self.repin();
+        let degraded = self.r().is_degraded();
+        self.stats.degraded_ops += u64::from(degraded);
         if self.r().failure().is_some() && self.rng.chance(300) {
             return self.crash();
+        }
+        // Leg changes make the array whole again more often than they break it, so that it
+        // is whole about half the time (checks judge only a whole array).
+        let heal = degraded && self.rng.chance(60);
+        if heal {
+            return self.heal();
         }
         match self.rng.below(1000) {
             0..=329 => self.write(),
@@ -316,6 +461,8 @@ impl World {
             890..=912 => self.crash(),
             913..=924 => self.batch(true),
             925..=934 => self.crash_during_superblock_write(),
+            935..=949 => self.crash_mid_sync(),
+            950..=974 => self.reads(),
             _ => self.read(),
         }
     }
@@ -329,13 +476,15 @@ impl World {
         if fua {
             bio.flags = BioFlags::FUA;
         }
+        let serving = self.serving();
         let res = submit_wait(self.r(), bio).1;
         self.say(format!("write w{w} {off}+{len} fua={fua}: {res:?}"));
-        self.record("write", off, len, w, fua, res);
+        self.record("write", off, len, w, fua, res, &serving);
     }
 
     /// The answer to write `w` (0: zeroes) of `off+len` goes into the model: acknowledged, or
-    /// (allowed only with a fault armed or the array failed) maybe there.
+    /// (allowed only when due, see `due`; `serving`: the legs before it) maybe there.
+    #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
         what: &str,
@@ -344,19 +493,36 @@ impl World {
         w: u32,
         fua: bool,
         res: Result<(), blk::Error>,
+        serving: &[usize],
     ) {
         let (s, n) = Self::sectors(off, len);
         match res {
             Ok(()) => self.model.acked(s, n, w, fua),
             Err(e) => {
-                self.stats.io_errors += 1;
-                assert!(
-                    self.errors_allowed(),
-                    "{what} failed with no fault armed: {e}"
-                );
+                self.error_due(Op::Write, off, len, serving, what, &e);
                 self.model.maybe(s, n, w);
             }
         }
+    }
+
+    /// Fails the seed unless an error of `op` on `off+len` was due.
+    fn error_due(
+        &mut self,
+        op: Op,
+        off: u64,
+        len: u64,
+        serving: &[usize],
+        what: &str,
+        e: &blk::Error,
+    ) {
+        self.stats.io_errors += 1;
+        assert!(
+            self.due(op, off, len, serving),
+            "{what} {off}+{len} failed though it was not due (legs that could serve it: \
+             {serving:?}; rules armed: {:?}): {e}",
+            self.armed
+        );
+        self.stats.errors_due += 1;
     }
 
     fn zeroing(&mut self, op: Op) {
@@ -366,14 +532,29 @@ impl World {
         if fua {
             bio.flags = BioFlags::FUA;
         }
+        let serving = self.serving();
         let res = submit_wait(self.r(), bio).1;
         self.say(format!("{op:?} {off}+{len} fua={fua}: {res:?}"));
-        self.record("zeroing", off, len, 0, fua, res);
+        self.record("zeroing", off, len, 0, fua, res, &serving);
     }
 
     fn read_at(&mut self, off: u64, len: u64) {
+        self.repin();
+        let serving = self.serving();
         let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
         let (b, res) = submit_wait(self.r(), bio);
+        self.read_done(off, len, b, res, &serving);
+    }
+
+    /// Checks a read's answer against the model (pinning what it found).
+    fn read_done(
+        &mut self,
+        off: u64,
+        len: u64,
+        b: Bio,
+        res: Result<(), blk::Error>,
+        serving: &[usize],
+    ) {
         match res {
             Ok(()) => {
                 let buf = b.buf.expect("a read returns its buffer");
@@ -385,10 +566,29 @@ impl World {
                 }
             }
             Err(e) => {
-                self.stats.io_errors += 1;
                 self.say(format!("read {off}+{len}: {e}"));
-                assert!(self.armed, "read failed with no fault armed: {e}");
+                self.error_due(Op::Read, off, len, serving, "read", &e);
             }
+        }
+    }
+
+    /// Several reads in flight together (overlapping or not), so that read balancing spreads
+    /// them over the legs.
+    fn reads(&mut self) {
+        let n = 2 + self.rng.below(7) as usize;
+        let ranges: Vec<(u64, u64)> = (0..n).map(|_| self.range(256 << 10)).collect();
+        self.say(format!("reads {ranges:?}"));
+        self.repin();
+        let serving = self.serving();
+        let col = Arc::new(Collect::default());
+        let end: Arc<dyn EndIo> = col.clone();
+        for &(off, len) in &ranges {
+            let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
+            self.r().submit(bio, &end);
+        }
+        for (bio, res) in col.wait_for(ranges.len()) {
+            let len = bio.buf.as_ref().map_or(0, |b| b.len() as u64);
+            self.read_done(bio.sector << SECTOR_SHIFT, len, bio, res, &serving);
         }
     }
 
@@ -413,17 +613,12 @@ impl World {
     }
 
     fn flush(&mut self) {
+        let serving = self.serving();
         let res = submit_wait(self.r(), Bio::new(Op::Flush, 0, 0)).1;
         self.say(format!("flush: {res:?}"));
         match res {
             Ok(()) => self.model.flushed(),
-            Err(e) => {
-                self.stats.io_errors += 1;
-                assert!(
-                    self.errors_allowed(),
-                    "flush failed with no fault armed: {e}"
-                );
-            }
+            Err(e) => self.error_due(Op::Flush, 0, 0, &serving, "flush", &e),
         }
     }
 
@@ -465,17 +660,15 @@ impl World {
             "fault on slot {slot} (leg {k}): {ops:?} {what} {range:?}"
         ));
         self.legs[k].h.add(rule);
-        self.armed = true;
+        self.armed.push(Armed { leg: k, ops, range });
         self.stats.faults += 1;
     }
 
     fn clear_faults(&mut self) {
-        for l in &self.legs {
-            l.h.clear();
+        for k in 0..self.legs.len() {
+            self.clear_leg(k);
         }
         self.say("clear faults".into());
-        // I/O already failed may still be reported (held writes): allowed until next step.
-        self.armed = false;
     }
 
     fn slot_where(&mut self, f: impl Fn(raid1::LegStatus) -> bool) -> Option<usize> {
@@ -523,7 +716,7 @@ impl World {
             let dev = self.new_leg();
             (self.legs.len() - 1, dev)
         };
-        self.legs[k].h.clear();
+        self.clear_leg(k);
         let res = self.r().add_leg(dev);
         self.say(format!("add leg {k}: {res:?}"));
         self.stats.leg_changes += 1;
@@ -580,11 +773,11 @@ impl World {
         self.say(format!("{action}: mismatch_cnt {}", p.mismatch_cnt));
         self.stats.checks += 1;
         // A check interrupted by a leg failure (a fault rule) proves nothing.
-        if !self.r().is_degraded()
+        let judged = !self.r().is_degraded()
             && self.r().failure().is_none()
-            && p.done_bytes >= p.total_bytes
-            && p.mismatch_cnt != 0
-        {
+            && p.done_bytes >= p.total_bytes;
+        self.stats.whole_checks += u64::from(judged);
+        if judged && p.mismatch_cnt != 0 {
             let diffs = self.leg_differences(4);
             panic!(
                 "{action} of a whole, synced array found {} mismatched sectors \
@@ -627,6 +820,26 @@ impl World {
             off += len as u64;
         }
         out
+    }
+
+    /// Makes a degraded array whole: out with a failed leg, in with a leg where one is
+    /// missing, then (or, half the time, a few operations later, reads meeting a recovering
+    /// leg meanwhile) a sync, which checks the whole array.
+    fn heal(&mut self) {
+        self.say("heal".into());
+        if self.r().failure().is_some() {
+            return self.crash();
+        }
+        if self.slot_where(|s| s.faulty).is_some() {
+            self.remove_leg();
+        }
+        let add = self.members().len() < self.shape.legs;
+        if add {
+            self.add_leg();
+        }
+        if !add || self.rng.chance(500) {
+            self.sync();
+        }
     }
 
     fn replace(&mut self) {
@@ -677,6 +890,7 @@ impl World {
         let col = Arc::new(Collect::default());
         let end: Arc<dyn EndIo> = col.clone();
         self.say(format!("batch crash={crash} {ranges:?}"));
+        let serving = self.serving();
         for &(off, len, w, fua) in &ranges {
             let mut bio = Bio::with_buf(Op::Write, off >> SECTOR_SHIFT, self.stamped(off, len, w));
             if fua {
@@ -698,15 +912,34 @@ impl World {
                 .iter()
                 .find(|r| r.0 >> SECTOR_SHIFT == bio.sector)
                 .expect("a completion of this batch");
-            self.record("batch write", off, len, w, fua, res);
+            self.record("batch write", off, len, w, fua, res, &serving);
         }
     }
 
-    /// Every leg's volatile cache is lost at once.
+    /// What a power cut lets through of each leg's unflushed writes: for a quarter of the
+    /// cuts nothing, else a seeded part, whole or torn in 4 KiB units, drawn per leg, so the
+    /// legs disagree afterwards where an unclean stop may leave them so.
+    fn partials(&mut self) -> Vec<Partial> {
+        let keep = [0, 200, 500, 800][self.rng.below(4) as usize];
+        (0..self.legs.len())
+            .map(|_| Partial {
+                seed: self.rng.next(),
+                keep,
+                tear: if keep == 0 { 0 } else { 300 },
+                unit: 4096,
+            })
+            .collect()
+    }
+
+    /// Every leg's power goes at once; each keeps its seeded part of its volatile cache.
     fn crash_legs(&mut self) {
-        for l in &self.legs {
+        let parts = self.partials();
+        for (l, p) in self.legs.iter().zip(parts) {
             l.h.release();
-            let _ = l.h.crash();
+            if let Ok(rep) = l.h.crash_partial(p) {
+                self.stats.writes_kept += rep.writes_kept;
+                self.stats.writes_torn += rep.writes_torn;
+            }
         }
     }
 
@@ -721,11 +954,10 @@ impl World {
     fn reassemble(&mut self) {
         let mut legs: Vec<usize> = self.members().into_iter().map(|(_, k)| k).collect();
         self.r.take().expect("an array").crash_for_test();
-        for l in &self.legs {
-            l.h.clear();
-            l.h.restart();
+        for k in 0..self.legs.len() {
+            self.clear_leg(k);
+            self.legs[k].h.restart();
         }
-        self.armed = false;
         self.model.crashed();
         self.stats.crashes += 1;
         // A seeded order (Fisher-Yates).
@@ -751,21 +983,80 @@ impl World {
         r.set_speed_limits(1000, FAST);
         self.r = Some(r);
         self.freeze();
-        let all = self.rng.chance(250);
+        let all = self.rng.chance(100);
         self.verify(all);
     }
 
+    /// A power cut while a resync, recovery or check runs at a slow speed limit beside a few
+    /// operations.
+    fn crash_mid_sync(&mut self) {
+        if self.r().failure().is_some() {
+            return self.crash();
+        }
+        let max = [2_000, 8_000, 32_000][self.rng.below(3) as usize];
+        let ops = self.rng.below(4);
+        let wait_ms = 1 + self.rng.below(20);
+        let check = self.rng.chance(500);
+        self.say(format!(
+            "crash mid-sync: limit {max} KiB/s, {ops} operations, {wait_ms} ms"
+        ));
+        let r = self.r();
+        r.set_speed_limits(1000.min(max), max);
+        if !self.shape.concurrent {
+            let _ = r.set_sync_action(SyncAction::Idle);
+        }
+        if check && !r.is_degraded() && r.failure().is_none() {
+            // Nothing (or a resync) to do: a check then, where one may start.
+            let _ = r.set_sync_action(SyncAction::Check);
+        }
+        for _ in 0..ops {
+            if self.rng.chance(600) {
+                self.write();
+            } else {
+                self.read();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(wait_ms));
+        let p = self.r().sync_progress();
+        let running = matches!(
+            p.action,
+            SyncAction::Resync | SyncAction::Recover | SyncAction::Check | SyncAction::Repair
+        ) && p.done_bytes < p.total_bytes;
+        self.say(format!(
+            "power cut during {} at {}/{}",
+            p.action, p.done_bytes, p.total_bytes
+        ));
+        self.stats.crashes_mid_sync += u64::from(running);
+        self.crash();
+    }
+
     /// A power cut between two legs' superblock writes: one leg's superblock write is held
-    /// while a state change writes them all, and the crash comes then.
+    /// while a state change writes them all (a plain superblock update, a leg failed, a leg
+    /// added, a recovery ending), and the crash comes then.
     fn crash_during_superblock_write(&mut self) {
         let m = self.members();
-        if m.len() < 2 {
+        if m.len() < 2 || self.r().failure().is_some() {
             return self.crash();
         }
         let (slot, k) = m[self.rng.below(m.len() as u64) as usize];
+        let other = m
+            .iter()
+            .map(|&(i, _)| i)
+            .filter(|&i| i != slot)
+            .nth(self.rng.below(m.len() as u64 - 1) as usize);
+        let change = self.rng.below(4);
+        let new = (change == 2 && self.legs.len() < 8).then(|| self.new_leg());
+        let parts = self.partials();
+        let what = match (change, other, &new) {
+            (1, Some(i), _) => format!("fail slot {i}"),
+            (2, _, Some(_)) => "add a leg".to_string(),
+            (3, _, _) => "run the sync to its end".to_string(),
+            _ => "superblock update".to_string(),
+        };
         self.say(format!(
-            "crash during a superblock write, held on slot {slot} (leg {k})"
+            "crash during a superblock write ({what}), held on slot {slot} (leg {k})"
         ));
+        self.stats.sb_cuts += 1;
         let h = self.legs[k].h.clone();
         h.add(
             Rule::stall(OpSet::WRITE)
@@ -773,18 +1064,33 @@ impl World {
                 .nth(1),
         );
         let r = self.r.as_ref().expect("an array");
-        std::thread::scope(|s| {
-            let t = s.spawn(|| r.sync_superblocks());
+        r.set_speed_limits(1000, FAST);
+        let concurrent = self.shape.concurrent;
+        let held = std::thread::scope(|s| {
+            let t = s.spawn(|| match (change, other, new) {
+                (1, Some(i), _) => drop(r.fail_leg(i)),
+                (2, _, Some(dev)) => drop(r.add_leg(dev)),
+                (3, _, _) => {
+                    if !concurrent {
+                        let _ = r.set_sync_action(SyncAction::Idle);
+                    }
+                    let _ = r.wait_sync_idle(Duration::from_secs(5));
+                }
+                _ => drop(r.sync_superblocks()),
+            });
             let deadline = std::time::Instant::now() + Duration::from_secs(5);
             while h.stalled() == 0 && !t.is_finished() && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            for l in &self.legs {
-                let _ = l.h.crash();
+            let held = h.stalled() > 0;
+            for (l, p) in self.legs.iter().zip(parts) {
+                let _ = l.h.crash_partial(p);
             }
             h.release();
             let _ = t.join();
+            held
         });
+        self.stats.sb_cuts_held += u64::from(held);
         self.reassemble();
     }
 }
