@@ -9,6 +9,8 @@
 #   MUTANTS_BASELINE=1                  also run the unmodified copy first (expect caught 0/N)
 #   MUTANTS_TIMEOUT=1800                seconds per mutation before it counts as hung
 #   MUTANTS_MIN=K                       exit 1 if a mutation is caught by fewer than K seeds
+#   MUTANTS_TEST="nbd sim_remote"       the simulator to run: package and test target
+#                                       (default "raid1 sim"; sim_remote for the r1-/r3- ones)
 #
 # The copy is the working tree's tracked and untracked (not ignored) files, under
 # target/mutants/src; the working tree itself is never patched. Builds are release builds in
@@ -21,6 +23,7 @@ seeds=${SIM_SEEDS:-300}
 base=${SIM_SEED_BASE:-1}
 limit=${MUTANTS_TIMEOUT:-1800}
 min=${MUTANTS_MIN:-0}
+read -r pkg test <<<"${MUTANTS_TEST:-raid1 sim}"
 work=$root/target/mutants
 src=$work/src
 export CARGO_TARGET_DIR=$work/target
@@ -51,9 +54,9 @@ mkdir -p "$src"
 (cd "$root" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$src"
 
 # Fresh mtimes on the mirror's sources, so cargo rebuilds it after every patch and unpatch.
-touch_raid1() { find "$src/crates/raid1/src" -name '*.rs' -exec touch {} +; }
+touch_raid1() { find "$src/crates/raid1/src" "$src/crates/nbd/src" -name '*.rs' -exec touch {} +; }
 
-echo "mutants: $seeds seeds from $base per mutation, commit $(git -C "$root" rev-parse --short HEAD), $(date -u +%F)"
+echo "mutants: $pkg $test, $seeds seeds from $base per mutation, commit $(git -C "$root" rev-parse --short HEAD), $(date -u +%F)"
 low=0
 for name in "${names[@]}"; do
     patch=$root/scripts/mutants/$name.patch
@@ -70,7 +73,7 @@ for name in "${names[@]}"; do
     t0=$(date +%s)
     set +e
     out=$(cd "$src" && SIM_SEEDS=$seeds SIM_SEED_BASE=$base SIM_KEEP_GOING=1 \
-        timeout "$limit" cargo test --release -q -p raid1 --test sim -- --nocapture 2>&1)
+        timeout "$limit" cargo test --release -q -p "$pkg" --test "$test" -- --nocapture 2>&1)
     rc=$?
     set -e
     secs=$(( $(date +%s) - t0 ))
