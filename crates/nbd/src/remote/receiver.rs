@@ -188,8 +188,14 @@ impl Receiver {
     /// An error reply to slot `i`: it completes with the error, except `NBD_ESHUTDOWN` (the
     /// server is going away, as the NBD spec has it, and a reconnection may succeed): the
     /// slot stays waiting and the connection is taken down, to send it again on the next.
+    /// The request is answered on this connection (the server holds no copy of it), so it
+    /// is marked not sent: the drain does not wait for it (a server that answers ESHUTDOWN
+    /// may keep the connection open), and it is due on the next connection.
     fn failed(&self, i: usize, error: u32) -> Result<(), Stop> {
         if error == NBD_ESHUTDOWN {
+            if let Some(s) = self.sh.table.lock().slots.get_mut(i) {
+                s.sent_epoch = 0;
+            }
             return Err(Stop::ShuttingDown);
         }
         self.sh.finish(i, Status::Nbd(error));
