@@ -9,45 +9,23 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::remote::RemoteDevice;
-use nbd::server::{Export, Server, ServerConfig};
 use raid1::superblock::{SB_OFFSET, SB_SIZE};
 use raid1::{Raid1, Raid1Config};
 use testkit::io::{flush, read_at, write_at};
 use testkit::{pattern, wait_until_within};
 
+use common::served::{device, log, serve_named};
+
 const MIB: u64 = 1 << 20;
 const SOON: Duration = Duration::from_secs(10);
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
-fn log() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-/// The in-process blkq server exporting each (name, disk) on `path`.
-fn serve(path: &Path, exports: &[(&str, &Arc<dyn Device>)]) -> Server {
-    let exports = exports
-        .iter()
-        .map(|(n, d)| Export::new(*n, (*d).clone()))
-        .collect();
-    let mut cfg = ServerConfig::new(exports);
-    cfg.unix = Some(path.to_path_buf());
-    cfg.tuning.drain_timeout = Duration::from_millis(200);
-    Server::start(cfg).unwrap()
-}
 
 /// Export `name` on `path` as a remote leg; requests wait for a reconnection (never past the
 /// test), so only the check fails the leg.
@@ -93,7 +71,7 @@ fn a_leg_back_from_a_failover_with_writes_is_refused_and_left_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("leg.sock");
     let (a, b) = (device("mem:16M"), device("mem:16M"));
-    let server = serve(&path, &[("", &b)]);
+    let server = serve_named(&path, &[("", &b)]);
     let leg = remote(&path, "");
     let front = Raid1::create(vec![a.clone(), leg.clone()], cfg()).unwrap();
     let ours = pattern(1, 64 << 10);
@@ -119,7 +97,7 @@ fn a_leg_back_from_a_failover_with_writes_is_refused_and_left_untouched() {
     let branch_sb = superblock(b.as_ref());
 
     // Its server comes back on the same address.
-    let server = serve(&path, &[("", &b)]);
+    let server = serve_named(&path, &[("", &b)]);
     let why = refused(&front, 1);
     assert!(why.contains("without this array"), "{why}");
     wait_until_within("the refused connection dropped", SOON, || leg.is_broken());
@@ -147,7 +125,7 @@ fn a_leg_back_as_another_slot_or_another_array_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("legs.sock");
     let (a, b, c) = (device("mem:16M"), device("mem:16M"), device("mem:16M"));
-    let server = serve(&path, &[("b", &b), ("c", &c)]);
+    let server = serve_named(&path, &[("b", &b), ("c", &c)]);
     let (leg_b, leg_c) = (remote(&path, "b"), remote(&path, "c"));
     let front = Raid1::create(vec![a.clone(), leg_b.clone(), leg_c.clone()], cfg()).unwrap();
     write_at(&front, 0, &pattern(1, 4096)).unwrap();
@@ -155,7 +133,7 @@ fn a_leg_back_as_another_slot_or_another_array_is_refused() {
 
     // Export "b" now serves slot 2's leg; "c" its own.
     server.shutdown();
-    let server = serve(&path, &[("b", &c), ("c", &c)]);
+    let server = serve_named(&path, &[("b", &c), ("c", &c)]);
     let why = refused(&front, 1);
     assert!(why.contains("slot 2"), "{why}");
     wait_until_within("slot 2 reconnected", SOON, || leg_c.is_connected());
@@ -175,7 +153,7 @@ fn a_leg_back_as_another_slot_or_another_array_is_refused() {
     };
     let other_sb = superblock(other.as_ref());
     server.shutdown();
-    let server = serve(&path, &[("b", &c), ("c", &other)]);
+    let server = serve_named(&path, &[("b", &c), ("c", &other)]);
     let why = refused(&front, 2);
     assert!(why.contains(&other_uuid.to_string()), "{why}");
     assert!(!front.leg_status(0).unwrap().faulty);
@@ -203,7 +181,7 @@ fn a_leg_back_with_the_arrays_events_and_an_older_view_is_taken_back() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("legs.sock");
     let (a, b) = (device("mem:16M"), device("mem:16M"));
-    let server = serve(&path, &[("b", &b)]);
+    let server = serve_named(&path, &[("b", &b)]);
     let leg_b = remote(&path, "b");
     let front = Raid1::create(vec![a.clone(), leg_b.clone()], cfg()).unwrap();
     write_at(&front, 0, &pattern(1, 4096)).unwrap();
@@ -217,7 +195,7 @@ fn a_leg_back_with_the_arrays_events_and_an_older_view_is_taken_back() {
     sb.legs[0].faulty = true;
     write_at(b.as_ref(), SB_OFFSET, &sb.encode().unwrap()).unwrap();
     flush(b.as_ref()).unwrap();
-    let server = serve(&path, &[("b", &b)]);
+    let server = serve_named(&path, &[("b", &b)]);
     wait_until_within("the leg reconnected", SOON, || {
         leg_b.is_connected() || front.readd_status(1).unwrap().refused.is_some()
     });

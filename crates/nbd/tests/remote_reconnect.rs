@@ -6,43 +6,22 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blk::{Bio, BioFlags, Buffer, Device, Op, PendingBio, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk::{Bio, BioFlags, Buffer, Op, PendingBio, SECTOR_SHIFT};
 use nbd::remote::RemoteDevice;
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::Server;
 use testkit::io::{flush, read_at, write_at};
 use testkit::{pattern, wait_until, wait_until_within};
 
+use common::served::{device, log, serve, unix_uri};
+
 const MIB: u64 = 1 << 20;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
-fn log() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
-/// The in-process blkq server exporting `disk` as the default export on `path`.
-fn serve(path: &Path, disk: &Arc<dyn Device>) -> Server {
-    let mut cfg = ServerConfig::new(vec![Export::new("", disk.clone())]);
-    cfg.unix = Some(path.to_path_buf());
-    cfg.tuning.drain_timeout = Duration::from_millis(200);
-    Server::start(cfg).unwrap()
-}
-
-fn uri(path: &Path, opts: &str) -> String {
-    format!("nbd+unix:///?socket={}{opts}", path.display())
-}
 
 const LEN: usize = 64 << 10;
 /// Offsets each writer cycles over.
@@ -143,7 +122,11 @@ fn a_restarted_blkq_server_loses_no_write() {
     let path = dir.path().join("nbd.sock");
     let disk = device("mem:64M");
     let server = serve(&path, &disk);
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=5,depth=16,reconnect_deadline=20")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(
+        &path,
+        ",timeout=5,depth=16,reconnect_deadline=20",
+    ))
+    .unwrap();
     let mut restarted = None;
     writes_survive(dev, || {
         server.shutdown();
@@ -170,7 +153,11 @@ fn a_killed_nbdkit_loses_no_write() {
     let Some(mut kit) = kit(&sock, &img) else {
         return;
     };
-    let dev = RemoteDevice::open(&uri(&sock, ",timeout=5,depth=16,reconnect_deadline=20")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(
+        &sock,
+        ",timeout=5,depth=16,reconnect_deadline=20",
+    ))
+    .unwrap();
     let mut restarted = None;
     writes_survive(dev, || {
         kit.kill().unwrap();
@@ -221,7 +208,7 @@ fn past_the_deadline_requests_fail_then_the_same_device_serves_again() {
     let path: PathBuf = dir.path().join("nbd.sock");
     let disk = device("mem:16M");
     let server = serve(&path, &disk);
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=2,reconnect_deadline=1")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=2,reconnect_deadline=1")).unwrap();
     write_at(&dev, 0, &pattern(1, 4096)).unwrap();
     server.shutdown();
     let t = Instant::now();
@@ -256,7 +243,7 @@ fn a_resized_export_is_not_resumed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
     let server = serve(&path, &device("mem:64M"));
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=2,reconnect_deadline=30")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=2,reconnect_deadline=30")).unwrap();
     write_at(&dev, 0, &[1; 4096]).unwrap();
     server.shutdown();
     let waiting = PendingBio::submit(&dev, Bio::with_buf(Op::Read, 0, Buffer::new(4096)));
@@ -288,7 +275,7 @@ fn a_flush_after_losing_unflushed_writes_fails_once() {
     let path = dir.path().join("nbd.sock");
     let disk = device("mem:16M");
     let mut server = serve(&path, &disk);
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=5,reconnect_deadline=20")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=5,reconnect_deadline=20")).unwrap();
     let restart = |server: Server| {
         let before = dev.reconnects();
         server.shutdown();
@@ -335,7 +322,8 @@ fn the_deadline_fails_slot_waiters_too_and_drop_does_not_wait() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
     let server = serve(&path, &device("mem:16M"));
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,depth=2,reconnect_deadline=1")).unwrap();
+    let dev =
+        RemoteDevice::open(&unix_uri(&path, ",timeout=10,depth=2,reconnect_deadline=1")).unwrap();
     server.shutdown();
     let pending: Vec<_> = (0..6u64)
         .map(|k| {
@@ -352,10 +340,10 @@ fn the_deadline_fails_slot_waiters_too_and_drop_does_not_wait() {
     }
     assert_eq!(dev.in_flight(), 0);
 
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,reconnect_deadline=60"));
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=10,reconnect_deadline=60"));
     assert!(dev.is_err(), "nothing listens: opening fails at once");
     let server = serve(&path, &device("mem:16M"));
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=10,reconnect_deadline=60")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=10,reconnect_deadline=60")).unwrap();
     server.shutdown();
     let waiting = PendingBio::submit(&dev, Bio::with_buf(Op::Read, 0, Buffer::new(4096)));
     wait_until("disconnected", || !dev.is_connected());

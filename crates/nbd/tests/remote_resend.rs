@@ -8,18 +8,20 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::path::Path;
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blk::{Device, Op, PendingBio};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::remote::RemoteDevice;
 use nbd::server::{Export, Server, ServerConfig};
 use raid1::{Raid1, Raid1Config};
 use testkit::io::{flush, read_at, write_at};
 use testkit::{wait_until_within, Forward};
+
+use common::served::{device, log, serve, unix_uri};
 
 const MB: u64 = 1 << 20;
 /// How long the slow write takes on the server: longer than the client's timeout (1 s).
@@ -28,16 +30,8 @@ const OLD: u8 = 0x41;
 const NEW: u8 = 0x42;
 const BLOCK: usize = 4096;
 
-fn log() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
 fn mem(size: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = format!("mem:{size}").parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+    device(&format!("mem:{size}"))
 }
 
 /// The slow write's state: armed until the first write starting with `OLD` arrives, landed
@@ -69,18 +63,6 @@ fn slow_disk(disk: &Arc<dyn Device>) -> (Arc<dyn Device>, Arc<Slow>) {
     (Arc::new(dev), slow)
 }
 
-/// The in-process blkq server exporting `disk` as the default export on `path`.
-fn serve(path: &Path, disk: &Arc<dyn Device>) -> Server {
-    let mut cfg = ServerConfig::new(vec![Export::new("", disk.clone())]);
-    cfg.unix = Some(path.to_path_buf());
-    cfg.tuning.drain_timeout = Duration::from_millis(200);
-    Server::start(cfg).unwrap()
-}
-
-fn uri(path: &Path, opts: &str) -> String {
-    format!("nbd+unix:///?socket={}{opts}", path.display())
-}
-
 /// The review's sequence: a write the server is slow to carry out times out on the client,
 /// then a newer write to the same block and a flush. The newer data must stay: the old
 /// write is not re-sent while its first copy may still land, and when that copy lands it is
@@ -93,7 +75,7 @@ fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
     let disk = mem("16M");
     let (slow_dev, slow) = slow_disk(&disk);
     let server = serve(&path, &slow_dev);
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
     let t = Instant::now();
     // A late answer on the old connection is a success.
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
@@ -166,7 +148,7 @@ fn mirror_case(deadline: u64) {
         let server = serve(&path, &slow_dev);
         let local = mem("32M");
         let remote: Arc<dyn Device> = Arc::new(
-            RemoteDevice::open(&uri(
+            RemoteDevice::open(&unix_uri(
                 &path,
                 &format!(",timeout=1,reconnect_deadline={deadline}"),
             ))
@@ -230,7 +212,7 @@ fn an_expired_reconnect_deadline_fails_an_idle_leg() {
     let server = serve(&path, &disk);
     let local = mem("32M");
     let remote =
-        Arc::new(RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=1")).unwrap());
+        Arc::new(RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=1")).unwrap());
     let leg: Arc<dyn Device> = remote.clone();
     // Bits clear 10 ms after their last write: once clean, raid1d sends the legs nothing.
     let cfg = Raid1Config {
@@ -306,7 +288,7 @@ fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
     wait_until_within("qemu-nbd's socket", Duration::from_secs(10), || {
         std::os::unix::net::UnixStream::connect(&front).is_ok()
     });
-    let dev = RemoteDevice::open(&uri(&front, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&front, ",timeout=1,reconnect_deadline=10")).unwrap();
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
     write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
     if let Err(e) = flush(&dev) {
@@ -340,7 +322,7 @@ fn sends_stalled_behind_a_slow_write_wait_and_nothing_is_overtaken() {
     cfg.unix = Some(path.clone());
     cfg.tuning.slots = 1;
     let server = Server::start(cfg).unwrap();
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
     const LEN: usize = 64 << 10;
     let mut pending = vec![PendingBio::submit(&dev, write_bio(0, vec![OLD; BLOCK]))];
     for k in 1..48u64 {
@@ -387,7 +369,8 @@ fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land(
     let disk = mem("16M");
     let (slow_dev, slow) = slow_disk(&disk);
     let server = serve(&path, &slow_dev);
-    let dev = RemoteDevice::open(&uri(&path, ",timeout=1,reconnect_deadline=1,conns=2")).unwrap();
+    let dev =
+        RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=1,conns=2")).unwrap();
     assert_eq!(dev.connections(), 2);
     let e = write_at(&dev, 0, &[OLD; BLOCK]).unwrap_err();
     assert_eq!(e.errno(), libc::EIO, "{e}");

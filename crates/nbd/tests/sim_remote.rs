@@ -51,15 +51,15 @@ use std::time::{Duration, Instant};
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op};
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::remote::{RemoteAddr, RemoteDevice, RemoteSpec};
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::Server;
 use raid1::{Raid1, Raid1Config, SyncAction};
 use testkit::io::{flush, read_at, submit_wait};
 use testkit::{Forward, Hook};
 
 use common::link::Link;
 use common::rng::Rng;
+use common::served::{device, log, serve};
 use common::stamp::{decode_sector, stamp_sector, SECTOR};
 
 /// Seeds CI runs (`SIM_SEEDS`), from `SIM_SEED_BASE`, `SIM_OPS` operations each.
@@ -72,11 +72,6 @@ const HOT: u64 = 256;
 const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 
 type Res<T> = Result<T, String>;
-
-fn mem(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 // ---------------------------------------------------------------------------------------
 // Host b's hold hook: writes that execute late.
@@ -271,13 +266,6 @@ struct World {
     remote_was_faulty: bool,
 }
 
-fn serve(back: &std::path::Path, export: &Arc<dyn Device>) -> Server {
-    let mut cfg = ServerConfig::new(vec![Export::new("", export.clone())]);
-    cfg.unix = Some(back.to_path_buf());
-    cfg.tuning.drain_timeout = Duration::from_secs(30);
-    Server::start(cfg).unwrap()
-}
-
 impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed);
@@ -301,7 +289,7 @@ impl World {
         let dir = tempfile::tempdir().unwrap();
         let back = dir.path().join("b.sock");
         let local: Arc<dyn Device> = Arc::new(FaultDevice::new(
-            mem(LEG_SPEC),
+            device(LEG_SPEC),
             FaultConfig {
                 seed,
                 volatile_cache: true,
@@ -309,7 +297,7 @@ impl World {
             },
         ));
         let rf = FaultDevice::new(
-            mem(LEG_SPEC),
+            device(LEG_SPEC),
             FaultConfig {
                 seed: seed ^ 1,
                 volatile_cache: true,
@@ -812,10 +800,7 @@ fn env_u64(name: &str) -> Option<u64> {
 
 fn run_seed(seed: u64, ops: u64) -> Res<Stats> {
     // `RUST_LOG=nbd=info,raid1=info` shows what the array and the remote device said.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+    log();
     let mut w = World::new(seed);
     let mut res = Ok(());
     for _ in 0..ops {

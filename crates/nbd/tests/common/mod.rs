@@ -7,6 +7,7 @@ pub mod link;
 pub mod load;
 pub mod pki;
 pub mod rng;
+pub mod served;
 pub mod stamp;
 pub mod tracking;
 pub mod trickle;
