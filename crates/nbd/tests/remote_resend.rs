@@ -391,3 +391,48 @@ fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land(
     drop(dev);
     server.shutdown();
 }
+
+/// A server that never answers a write and never closes the connection (a hostile one, or
+/// one wedged on its disk, over a Unix socket where no keepalive can tell) does not hold the
+/// device down for ever: the drain of the connection the client gave up is bounded by ten
+/// times the timeout, as TCP keepalive bounds it for a host that cannot be heard; then the
+/// connection is taken as over, the device reconnects and re-sends, and the write succeeds.
+#[test]
+fn a_server_that_never_answers_nor_closes_holds_the_device_down_ten_timeouts_at_most() {
+    log();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let disk = mem("16M");
+    // The first write is swallowed: never carried out, never answered.
+    let swallowed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (sw, taken) = (swallowed.clone(), Arc::new(AtomicBool::new(false)));
+    let wedged: Arc<dyn Device> =
+        Arc::new(Forward::on_submit(disk.clone(), move |inner, bio, end| {
+            if bio.op == Op::Write && !taken.swap(true, Ordering::SeqCst) {
+                sw.lock().unwrap().push((bio, end.clone()));
+                return;
+            }
+            inner.submit(bio, end)
+        }));
+    let server = serve(&path, &wedged);
+    let mut spec =
+        nbd::remote::RemoteSpec::parse(&unix_uri(&path, ",reconnect_deadline=60")).unwrap();
+    spec.timeout = Duration::from_millis(100);
+    let dev = RemoteDevice::connect(spec).unwrap();
+    let t0 = Instant::now();
+    let r = write_at(&dev, 0, &[NEW; BLOCK]);
+    let took = t0.elapsed();
+    // Let the server's connection end: the swallowed write fails there.
+    for (bio, end) in swallowed.lock().unwrap().drain(..) {
+        end.end_io(
+            bio,
+            Err(blk::Error::Io(std::io::Error::from_raw_os_error(libc::EIO))),
+        );
+    }
+    r.unwrap_or_else(|e| panic!("the write failed after {took:?}: {e}"));
+    assert!(took < Duration::from_secs(5), "the write took {took:?}");
+    assert!(dev.reconnects() >= 1);
+    assert_eq!(read_at(&dev, 0, BLOCK).unwrap(), vec![NEW; BLOCK]);
+    drop(dev);
+    server.shutdown();
+}

@@ -87,6 +87,7 @@ impl Link {
                 tick,
                 last_check: Instant::now(),
                 draining: false,
+                drain_since: Instant::now(),
             },
             spec.clone(),
         );

@@ -53,7 +53,19 @@ pub(super) enum Stop {
     /// Draining: every request sent on the connection has its reply.
     #[error("every request sent on it was answered")]
     Drained,
+    /// Draining: the server neither answered nor closed the connection for this long
+    /// ([`DRAIN_TIMEOUTS`] times the timeout): the client takes it as over.
+    #[error("the server neither answered nor closed it for {0:?}: taken as over, what it did not answer as abandoned")]
+    Abandoned(Duration),
 }
+
+/// How many timeouts the drain of a connection the client gave up waits at most for the
+/// server to answer or close it: ten, as TCP keepalive bounds it for a host that cannot be
+/// heard (`connect::keepalive`). A server that keeps the connection open and answers nothing
+/// (hostile, or wedged on its disk; over a Unix socket no keepalive can tell) would
+/// otherwise hold the device down for ever. Past it, a request the server still carries out
+/// is taken to be abandoned (see "The old connection" in `table`).
+pub(super) const DRAIN_TIMEOUTS: u32 = 10;
 
 impl Stop {
     /// Whether the server ended the connection (it closed or reset it, or the socket
@@ -81,6 +93,8 @@ pub(super) struct Receiver {
     /// The client gave the connection up and is draining it: no request times out any more
     /// (the wait is the old connection's), and the reconnect deadline is checked each tick.
     pub(super) draining: bool,
+    /// When the drain began (meaningful while `draining`).
+    pub(super) drain_since: Instant,
 }
 
 impl Receiver {
@@ -102,6 +116,7 @@ impl Receiver {
     /// closes meanwhile. The reconnect deadline is checked each tick (`check`).
     pub(super) fn drain(&mut self, unparseable: bool) -> Stop {
         self.draining = true;
+        self.drain_since = Instant::now();
         let stop = if unparseable {
             self.discard()
         } else {
@@ -164,6 +179,10 @@ impl Receiver {
             self.sh.expire_if_due();
             if self.sh.table.lock().answered() {
                 return Err(Stop::Drained);
+            }
+            let waited = self.drain_since.elapsed();
+            if waited >= self.sh.timeout * DRAIN_TIMEOUTS {
+                return Err(Stop::Abandoned(waited));
             }
             return Ok(());
         }
