@@ -200,7 +200,7 @@ impl<H: Hook> Device for Forward<H> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use blkq_sync::Mutex;
 
     use blk::{Op, SECTOR_SHIFT};
 
@@ -213,7 +213,7 @@ mod tests {
 
     impl Device for Inner {
         fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-            self.0.lock().unwrap().push(bio.sector);
+            self.0.lock().push(bio.sector);
             end.end_io(bio, Ok(()));
         }
         fn limits(&self) -> Limits {
@@ -254,7 +254,7 @@ mod tests {
         let seen_by_hook = Arc::new(Mutex::new(Vec::new()));
         let log = seen_by_hook.clone();
         let f = Forward::on_submit(dev, move |inner, bio, end| {
-            log.lock().unwrap().push((bio.op, bio.sector));
+            log.lock().push((bio.op, bio.sector));
             if bio.sector == 8 {
                 end.end_io(bio, Err(Error::Io(std::io::Error::other("injected"))));
             } else {
@@ -271,12 +271,12 @@ mod tests {
         );
         assert_eq!(done.wait_for(2).len(), 2);
         assert_eq!(
-            *seen_by_hook.lock().unwrap(),
+            *seen_by_hook.lock(),
             [(Op::Read, 1), (Op::Write, 8), (Op::Read, 2), (Op::Read, 3)],
             "the hook sees every bio, a batch's one by one"
         );
         assert_eq!(
-            *seen_inside.0.lock().unwrap(),
+            *seen_inside.0.lock(),
             [1, 2, 3],
             "all but the failed one"
         );
@@ -289,7 +289,7 @@ mod tests {
         let (seen_inside, dev) = inner();
         let f = Forward::new(dev);
         assert!(submit_wait(&f, Bio::new(Op::Read, 5, 512)).1.is_ok());
-        assert_eq!(*seen_inside.0.lock().unwrap(), [5]);
+        assert_eq!(*seen_inside.0.lock(), [5]);
         assert!(!f.can_splice() && f.as_queue().is_none() && f.stats().is_none());
         assert!(!f.can_recv_home());
         assert!(Arc::ptr_eq(f.inner(), &(seen_inside as Arc<dyn Device>)));
@@ -301,7 +301,7 @@ mod tests {
         struct Count(Mutex<usize>);
         impl Hook for Count {
             fn submit(&self, inner: &dyn Device, bio: Bio, end: &Arc<dyn EndIo>) {
-                *self.0.lock().unwrap() += 1;
+                *self.0.lock() += 1;
                 inner.submit(bio, end)
             }
             fn can_splice(&self, inner: &dyn Device) -> bool {
@@ -311,7 +311,7 @@ mod tests {
         let (_, dev) = inner();
         let f = Forward::with_hook(dev, Count::default());
         submit_wait(&f, Bio::new(Op::Flush, 0, 0)).1.unwrap();
-        assert_eq!(*f.hook().0.lock().unwrap(), 1);
+        assert_eq!(*f.hook().0.lock(), 1);
         assert!(f.can_splice());
     }
 }
