@@ -384,7 +384,11 @@ pub struct Sidecars {
 
 struct Member {
     sink: FileSink,
-    /// Cleared once the copy failed: no longer written.
+    /// Cleared once the copy failed: no longer written. Release on clearing, Acquire on
+    /// reading: it publishes no data (each copy's bytes are written and synced by the caller
+    /// that writes them), so the pair only makes a writer that sees it cleared skip the copy
+    /// from then on; a writer that still read it set writes to a copy already given up, and
+    /// that copy is refused as stale at the next start whatever it holds.
     alive: blkq_sync::atomic::AtomicBool,
 }
 
