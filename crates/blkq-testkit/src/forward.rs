@@ -275,11 +275,7 @@ mod tests {
             [(Op::Read, 1), (Op::Write, 8), (Op::Read, 2), (Op::Read, 3)],
             "the hook sees every bio, a batch's one by one"
         );
-        assert_eq!(
-            *seen_inside.0.lock(),
-            [1, 2, 3],
-            "all but the failed one"
-        );
+        assert_eq!(*seen_inside.0.lock(), [1, 2, 3], "all but the failed one");
         assert_eq!(f.limits(), seen_inside.limits());
         assert_eq!(f.extents(1 << SECTOR_SHIFT, 4096, 4).unwrap()[0].len, 7);
     }
