@@ -221,6 +221,16 @@ pub trait ConnectCheck: Send + Sync {
     /// device then fails every request, now and later, with `why` in the errors. Called on
     /// the device's own thread: it must not wait for the device's I/O.
     fn check(&self, bytes: &[u8]) -> Result<(), String>;
+    /// A connection broke with writes on it that the server acknowledged and no flush
+    /// covered: the server may have lost them (a restart that emptied its cache), so what it
+    /// serves may have rolled back. Called before anything more is served: returns whether
+    /// the owner takes this over (a mirror fails the leg, whose bits stay set, so its return
+    /// is a recovery); the device then fails every request that waits for a connection
+    /// instead of serving it. Called on the device's own thread: no I/O of the device. Default:
+    /// not taken (the device's next flush fails instead, once).
+    fn lost_writes(&self) -> bool {
+        false
+    }
 }
 
 /// A bio submitted by a thread that will wait for it: [`PendingBio::submit`], then

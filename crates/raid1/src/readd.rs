@@ -108,6 +108,12 @@ impl blk::ConnectCheck for LegConnections {
             None => Ok(()),
         }
     }
+
+    fn lost_writes(&self) -> bool {
+        self.inner
+            .upgrade()
+            .is_some_and(|inner| inner.leg_lost_writes(self.slot, self.gen))
+    }
 }
 
 /// The completion of one probe: raid1d reads `out` on its next pass.
@@ -420,6 +426,28 @@ impl Inner {
     /// A new connection of slot `i`'s device (placement `gen`) answered with `bytes` at its
     /// superblock's place: refused unless it is this slot's leg of this array (see
     /// `LegConnections`).
+    /// Leg `i`'s connection broke with writes its server acknowledged and never flushed: the
+    /// server may have lost them (a restart that emptied its cache), so the leg may now hold
+    /// older data than the array acknowledged. It fails before anything more is read from it
+    /// (the device fails what waits instead of serving it); the writes' bits stay set, as
+    /// for any failed leg, so its return copies them back. Whether this array took it over
+    /// (false: not this array's leg any more).
+    fn leg_lost_writes(&self, i: usize, gen: u64) -> bool {
+        let l = &self.legs[i];
+        if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {
+            return false;
+        }
+        if l.state.load(Ordering::Acquire) & FAULTY == 0 {
+            tracing::warn!(
+                "raid1: leg {i}'s connection broke with writes its server acknowledged and \
+                 never flushed; the server may have lost them: the leg fails, and its dirty \
+                 chunks are copied back when it returns"
+            );
+            self.fail_leg(i);
+        }
+        true
+    }
+
     fn judge_connection(&self, i: usize, gen: u64, bytes: &[u8]) -> Result<(), String> {
         let l = &self.legs[i];
         if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {

@@ -7,6 +7,7 @@
 //! refused with it; a connection that never broke stays with the server it was opened on.
 
 use blk::ConnectCheck;
+use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 
 use super::connect::{Opened, RemoteError};
@@ -18,6 +19,9 @@ pub(super) struct Hook {
     check: Mutex<Option<DynArc<dyn ConnectCheck>>>,
     /// The first refusal (already naming the URI).
     refused: Mutex<Option<String>>,
+    /// How many losses of unflushed writes the owner took over (`lost_writes`): a connection
+    /// that comes up after one fails what waits on it (`Supervisor::bring_up`).
+    lost: AtomicU64,
 }
 
 /// What the check says of a new connection.
@@ -32,6 +36,26 @@ impl Hook {
     /// Installs `check` (or removes it); waits for a check running now to end.
     pub(super) fn set(&self, check: Option<DynArc<dyn ConnectCheck>>) {
         *self.check.lock() = check;
+    }
+
+    /// A connection broke with unflushed writes on it: tells the owner's check (not held
+    /// across the call); whether the owner took it over (`ConnectCheck::lost_writes`).
+    pub(super) fn lost_writes(&self) -> bool {
+        let Some(check) = self.check.lock().clone() else {
+            return false;
+        };
+        if !check.lost_writes() {
+            return false;
+        }
+        // Release: a connection that reads the new count (Acquire, in `bring_up`) comes up
+        // after the owner was told.
+        self.lost.fetch_add(1, Ordering::Release);
+        true
+    }
+
+    /// The losses taken over so far (`lost_writes`).
+    pub(super) fn losses(&self) -> u64 {
+        self.lost.load(Ordering::Acquire)
     }
 
     /// Runs the check on `opened` (negotiated, nothing sent on it yet; its read timeout is the

@@ -52,6 +52,8 @@ pub(super) struct Supervisor {
     pub(super) backoff: Duration,
     /// When the current connection came up.
     pub(super) up_since: Instant,
+    /// The owner's losses of unflushed writes this connection has acted on (`Hook::losses`).
+    seen_losses: u64,
 }
 
 impl Supervisor {
@@ -61,6 +63,7 @@ impl Supervisor {
             spec,
             backoff: BACKOFF_START,
             up_since: Instant::now(),
+            seen_losses: 0,
         }
     }
 }
@@ -142,11 +145,23 @@ impl Supervisor {
         // Release: see the field.
         sh.orphaned.store(false, Ordering::Release);
         if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
-            tracing::warn!(
-                uri = %sh.uri,
-                "writes acknowledged and not flushed were on the lost connection: the next \
-                 flush fails (their durability is unknown)"
-            );
+            if sh.hook.lost_writes() {
+                // The owner (a mirror) failed the leg: nothing waiting is served from a
+                // server that may have rolled back, and no flush needs to fail for it.
+                tracing::warn!(
+                    uri = %sh.uri,
+                    "writes acknowledged and not flushed were on the lost connection: the \
+                     server may have lost them; its owner was told, and what waits fails"
+                );
+                sh.durability.poisoned.store(false, Ordering::Release);
+                sh.fail_waiting();
+            } else {
+                tracing::warn!(
+                    uri = %sh.uri,
+                    "writes acknowledged and not flushed were on the lost connection: the next \
+                     flush fails (their durability is unknown)"
+                );
+            }
         }
         // Relaxed: see `Shared::up`.
         sh.up.store(false, Ordering::Relaxed);
@@ -256,6 +271,15 @@ impl Supervisor {
             tracing::error!(uri = %sh.uri, "{why}");
             sh.kill(Some(why));
             return Ok(false);
+        }
+        // After a loss of unflushed writes that the owner took over (on this connection or
+        // another of the device's), what waited for this connection was asked of a leg the
+        // owner has since failed: it fails rather than be read from the server that may have
+        // rolled back. (The owner's own probes then ask again.)
+        let losses = sh.hook.losses();
+        if losses != self.seen_losses {
+            self.seen_losses = losses;
+            sh.fail_waiting();
         }
         let Opened {
             stream,
