@@ -9,6 +9,9 @@
 #   MUTANTS_BASELINE=1                  also run the unmodified copy first (expect caught 0/N)
 #   MUTANTS_TIMEOUT=1800                seconds per mutation before it counts as hung
 #   MUTANTS_MIN=K                       exit 1 if a mutation is caught by fewer than K seeds
+#   MUTANTS_FIRST=1                     stop each mutation at its first failing seed and print
+#                                       "first at seed S (K of N)": is it caught within N seeds,
+#                                       at a fraction of the cost (MUTANTS_MIN does not apply)
 #   MUTANTS_TEST="nbd sim_remote"       the simulator to run: package and test target
 #                                       (default "raid1 sim"; sim_remote for the r1-/r3- ones)
 #
@@ -72,7 +75,9 @@ for name in "${names[@]}"; do
     touch_raid1
     t0=$(date +%s)
     set +e
-    out=$(cd "$src" && SIM_SEEDS=$seeds SIM_SEED_BASE=$base SIM_KEEP_GOING=1 \
+    keep=1
+    if [ "${MUTANTS_FIRST:-0}" = 1 ]; then keep=0; fi
+    out=$(cd "$src" && SIM_SEEDS=$seeds SIM_SEED_BASE=$base SIM_KEEP_GOING=$keep \
         timeout "$limit" cargo test --release -q -p "$pkg" --test "$test" -- --nocapture 2>&1)
     rc=$?
     set -e
@@ -81,6 +86,14 @@ for name in "${names[@]}"; do
         (cd "$src" && patch -p1 -s -R <"$patch")
     fi
     caught=$(grep -o 'caught [0-9]*/[0-9]*' <<<"$out" | tail -1 || true)
+    if [ $keep = 0 ]; then
+        first=$(grep -o 'seed [0-9]* FAILED' <<<"$out" | head -1 | grep -o '[0-9]*' || true)
+        if [ -n "$first" ]; then
+            caught="first at seed $first ($((first - base + 1)) of $seeds)"
+        elif [ $rc -eq 0 ]; then
+            caught="caught 0/$seeds"
+        fi
+    fi
     if [ -z "$caught" ]; then
         if [ $rc -eq 124 ]; then
             caught="hung (no result in ${limit} s)"
@@ -91,7 +104,7 @@ for name in "${names[@]}"; do
             caught="no result (exit $rc)"
         fi
         low=1
-    else
+    elif [ $keep = 1 ]; then
         k=${caught#caught }
         k=${k%/*}
         if [ "$name" != none ] && [ "$k" -lt "$min" ]; then

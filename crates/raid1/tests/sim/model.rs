@@ -202,6 +202,20 @@ impl Model {
         }
     }
 
+    /// Pins sector `s` to write `w` if `w` is allowed there (what the array's source leg
+    /// holds: reads must find it until the next write); whether it did.
+    pub fn pin_to(&mut self, s: u64, w: u32) -> bool {
+        let i = s as usize;
+        if !self.cur[i].contains(w) {
+            return false;
+        }
+        if self.pin[i] == NO_PIN {
+            self.pinned.push(s);
+        }
+        self.pin[i] = w;
+        true
+    }
+
     /// Checks `data` read at sector `first`, and pins each sector that was allowed several
     /// writes to the one it holds; the first bad sector's description on failure.
     pub fn check(&mut self, first: u64, data: &[u8]) -> Result<(), String> {

@@ -74,6 +74,10 @@ pub struct Shape {
     /// Every leg's I/Os complete after up to this many µs (0: at once), and a write-mostly
     /// leg's writes after 0.5-2.5 ms more (so write-behind lasts).
     pub latency_us: u64,
+    /// With write-behind, for half the seeds: the write-mostly leg is behind a slow link, its
+    /// data writes complete 20-80 ms late (0: no slow link), longer than raid1d's tick and
+    /// the bitmap's quiet time, so the lazy clearing meets writes still behind.
+    pub slow_link_ms: u64,
 }
 
 impl Shape {
@@ -96,6 +100,7 @@ impl Shape {
             write_behind: 0,
             readd: false,
             latency_us: 0,
+            slow_link_ms: 0,
         }
         .with_remote_options(rng)
     }
@@ -108,6 +113,9 @@ impl Shape {
         }
         self.readd = rng.chance(500);
         self.latency_us = [0, 0, 50, 300][rng.below(4) as usize];
+        if self.write_behind > 0 && rng.chance(500) {
+            self.slow_link_ms = 20;
+        }
         self
     }
 
@@ -243,6 +251,7 @@ impl World {
         r.set_speed_limits(1000, FAST);
         w.r = Some(r);
         w.freeze();
+        w.slow_links();
         w.say(format!("create {shape:?} capacity {cap}"));
         w
     }
@@ -283,6 +292,40 @@ impl World {
                 ));
             }
         }
+        // A write-mostly leg behind a slow link: its data writes (not its superblock and
+        // bitmap, which every state change waits for). Only while it is write-mostly (a leg
+        // added back is not), so that syncs to it stay quick.
+        if let Some(d) = self.slow_link(k) {
+            h.add(
+                Rule::delay(
+                    OpSet::WRITE,
+                    Duration::from_millis(self.shape.slow_link_ms),
+                    Duration::from_millis(3 * self.shape.slow_link_ms),
+                )
+                .in_range(d, u64::MAX - d),
+            );
+        }
+    }
+
+    /// The array's data offset if leg `k` is a write-mostly member behind a slow link.
+    fn slow_link(&self, k: usize) -> Option<u64> {
+        let r = self.r.as_ref().filter(|_| self.shape.slow_link_ms > 0)?;
+        let wm = (0..r.slots()).any(|i| {
+            r.leg_status(i).is_some_and(|s| s.write_mostly)
+                && r.leg_device(i)
+                    .is_some_and(|d| ptr(&d) == ptr(&self.legs[k].dev))
+        });
+        wm.then(|| r.data_offset())
+    }
+
+    /// Puts the slow link's rule on the write-mostly legs (at creation and reassembly, once
+    /// the array says which they are).
+    fn slow_links(&mut self) {
+        for k in 0..self.legs.len() {
+            if self.slow_link(k).is_some() {
+                self.clear_leg(k);
+            }
+        }
     }
 
     /// Clears leg `k`'s fault rules (its latency stays).
@@ -307,11 +350,66 @@ impl World {
             .collect()
     }
 
+    /// The pool index of the resync source: the first leg serving that is not write-mostly,
+    /// or the first serving when all are (md's rule: a write-mostly leg may lack writes the
+    /// others have, and is copied over them only when nothing else can be read).
+    fn source_leg(&self) -> Option<usize> {
+        let r = self.r();
+        let serving: Vec<(usize, bool)> = (0..r.slots())
+            .filter_map(|i| {
+                let s = r.leg_status(i)?;
+                if !(s.present && s.in_sync && !s.faulty) {
+                    return None;
+                }
+                let d = r.leg_device(i)?;
+                let k = self.legs.iter().position(|l| ptr(&l.dev) == ptr(&d))?;
+                Some((k, s.write_mostly))
+            })
+            .collect();
+        serving
+            .iter()
+            .find(|&&(_, wm)| !wm)
+            .or(serving.first())
+            .map(|&(k, _)| k)
+    }
+
+    /// After an assembly, where the legs may differ the array returns what its resync source
+    /// holds (reads past the resync point go to it, and the resync copies it to the others):
+    /// pins every written sector to what that leg holds now, so a read that later finds
+    /// another leg's data (a write-mostly leg copied over it, a clean chunk whose legs
+    /// differ) fails.
+    fn pin_source(&mut self) {
+        self.repin();
+        let Some(k) = self.source else { return };
+        let dev = self.legs[k].dev.clone();
+        let d = self.r().data_offset();
+        let cap = self.model.sectors() * SECTOR as u64;
+        let (mut off, mut pinned) = (0, 0u64);
+        while off < cap {
+            let len = (1 << 20).min(cap - off);
+            if self.model.written(off >> 20) {
+                let Ok(buf) = testkit::io::read_at(dev.as_ref(), d + off, len as usize) else {
+                    return;
+                };
+                for (j, b) in buf.chunks(SECTOR).enumerate() {
+                    let s = off / SECTOR as u64 + j as u64;
+                    if let Some(w) = super::model::decode(s, b) {
+                        pinned += u64::from(self.model.pin_to(s, w));
+                    }
+                }
+            }
+            off += len;
+        }
+        self.say(format!(
+            "pinned {pinned} sectors to leg {k}, the resync source"
+        ));
+    }
+
     /// Unpins the model's sectors when what reads return may change without a write: the
     /// resync source (the first in-sync leg) changed, or a read fault is armed (a read error
     /// is corrected from another leg, which may hold other data where they may differ).
     fn repin(&mut self) {
-        let source = self.serving().first().copied();
+        let source = self.source_leg();
         let read_fault = self.armed.iter().any(|a| a.ops.contains(Op::Read));
         if source != self.source || read_fault {
             self.model.unpin_all();
@@ -469,6 +567,21 @@ impl World {
 
     fn write(&mut self) {
         let (off, len) = self.range(256 << 10);
+        self.write_at(off, len);
+    }
+
+    /// A write somewhere in the array's first `end` bytes (sector-aligned to the block).
+    fn write_below(&mut self, end: u64) {
+        let lbs = self.lbs;
+        if end < lbs {
+            return;
+        }
+        let len = (lbs * (1 + self.rng.below(64))).min(end / lbs * lbs);
+        let off = self.rng.below((end - len) / lbs + 1) * lbs;
+        self.write_at(off, len);
+    }
+
+    fn write_at(&mut self, off: u64, len: u64) {
         let fua = self.rng.chance(150);
         let w = self.next_w;
         self.next_w += 1;
@@ -946,6 +1059,14 @@ impl World {
     /// Power cut: every leg loses what it had not made durable; the array stops uncleanly
     /// and is assembled again from the legs that were in it, in a seeded order.
     fn crash(&mut self) {
+        // A third of the cuts come a moment after the last operation, as on a machine that
+        // loses power while idle: raid1d's tick passes first (lazy bit clearing, superblock
+        // writes) while writes may still be behind on a slow link.
+        if self.rng.chance(300) {
+            let ms = 25 + self.rng.below(50);
+            self.say(format!("idle {ms} ms"));
+            std::thread::sleep(Duration::from_millis(ms));
+        }
         self.say("crash".into());
         self.crash_legs();
         self.reassemble();
@@ -983,6 +1104,8 @@ impl World {
         r.set_speed_limits(1000, FAST);
         self.r = Some(r);
         self.freeze();
+        self.slow_links();
+        self.pin_source();
         let all = self.rng.chance(100);
         self.verify(all);
     }
@@ -1017,7 +1140,21 @@ impl World {
             }
         }
         std::thread::sleep(Duration::from_millis(wait_ms));
-        let p = self.r().sync_progress();
+        let mut p = self.r().sync_progress();
+        if p.action == SyncAction::Recover && p.done_bytes > 0 && self.rng.chance(500) {
+            // The superblocks record how far the recovery got (as a periodic update would),
+            // then writes land in the part it recovered: after the cut, the resync must
+            // write them to the recovering leg too, as the recovery will not copy them again.
+            let res = self.r().sync_superblocks();
+            p = self.r().sync_progress();
+            self.say(format!(
+                "superblocks mid-recovery at {}: {res:?}",
+                p.done_bytes
+            ));
+            for _ in 0..1 + self.rng.below(3) {
+                self.write_below(p.done_bytes);
+            }
+        }
         let running = matches!(
             p.action,
             SyncAction::Resync | SyncAction::Recover | SyncAction::Check | SyncAction::Repair
