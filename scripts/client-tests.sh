@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real-client tests of `blkq serve`: clients nobody here wrote (qemu-img, qemu-io, nbdinfo,
-# nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary,
+# nbdcopy, nbdsh / libnbd's Python binding, fio's nbd engine) against the release binary (or
+# BLKQ_BIN),
 # in plaintext and again over TLS (certificates made by `blkq certs`, never committed).
 #
 # Needs: qemu-utils libnbd-bin python3-libnbd fio curl (scripts/test.sh installs them as root).
@@ -24,9 +25,17 @@ for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio sha256sum curl "$PY"; do
 done
 "$PY" -c 'import nbd' || fail "python3-libnbd is not installed for $PY"
 
-step "build the release binary"
-cargo build --release -p blkq
-BIN=$PWD/target/release/blkq
+# BLKQ_BIN=PATH: test that binary instead of building the release one (scripts/test.sh passes
+# the debug build its own tests just made: the same code, without a second, LTO build).
+if [[ -n ${BLKQ_BIN:-} ]]; then
+  BIN=$(realpath "$BLKQ_BIN")
+  [[ -x $BIN ]] || fail "BLKQ_BIN=$BLKQ_BIN is not an executable"
+  step "the binary under test: $BIN"
+else
+  step "build the release binary"
+  cargo build --release -p blkq
+  BIN=$PWD/target/release/blkq
+fi
 
 TMP=$(mktemp -d)
 PIDS=()

@@ -51,10 +51,17 @@ step "unit, property and integration tests"
 cargo test --workspace --no-fail-fast
 
 step "real NBD clients against blkq serve (scripts/client-tests.sh)"
-scripts/client-tests.sh
+# Against the debug binary the tests above built and used: a release build (LTO, one codegen
+# unit) would cost CI minutes and test the same code.
+cargo build -p blkq
+BLKQ_BIN=target/debug/blkq scripts/client-tests.sh
 
 step "loom models (release, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
 # A separate target dir: the cfg changes every crate's build, and would otherwise evict the
-# normal build from the cache.
+# normal build from the cache. Optimised (the models explore many interleavings) but without
+# the release profile's LTO, single codegen unit and debug info: each of the ~40 model
+# binaries would otherwise take its own LTO link.
 RUSTFLAGS="--cfg blkq_loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
+  CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+  CARGO_PROFILE_RELEASE_DEBUG=0 \
   CARGO_TARGET_DIR=target/loom cargo test --release --workspace --test 'loom_*'
