@@ -153,51 +153,12 @@ pub fn start_for_serve(
 }
 
 /// Writes `text` to `path` so that a reader never sees it half-written and nothing planted
-/// beside it is written through: a new file of an unpredictable name in the same directory,
-/// created with `O_CREAT|O_EXCL|O_NOFOLLOW` (an existing file or link of that name is an
-/// error, and another name is tried), then renamed onto `path` (which replaces a link at `path`
+/// beside it is written through ([`blk::files::replace`]: a new file of an unpredictable name
+/// created `O_CREAT|O_EXCL|O_NOFOLLOW`, renamed onto `path`, which replaces a link at `path`
 /// itself, never its target).
 fn write_replacing(path: &std::path::Path, text: &str) -> std::io::Result<()> {
-    use std::hash::{BuildHasher, Hasher};
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => std::path::Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("the path must end in a file name"))?
-        .to_string_lossy();
-    let mut last = None;
-    for attempt in 0..64u32 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.write_u32(attempt);
-        let tmp = dir.join(format!(".{name}.{:016x}.tmp", h.finish()));
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o666)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp);
-        let mut f = match f {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                last = Some(e);
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let done = f
-            .write_all(text.as_bytes())
-            .and_then(|()| f.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, path));
-        if done.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        return done;
-    }
-    Err(last.unwrap_or_else(|| std::io::ErrorKind::AlreadyExists.into()))
+    use std::os::unix::fs::FileExt;
+    blk::files::replace(path, 0o666, |f| f.write_all_at(text.as_bytes(), 0)).map(drop)
 }
 
 /// The registry: one collector that reads everything at scrape time.

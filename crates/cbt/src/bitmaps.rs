@@ -549,11 +549,7 @@ fn open_file(
         path: path.to_path_buf(),
         source: e,
     };
-    let f = match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-    {
+    let f = match blk::files::open_owned(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if id.marked {
@@ -686,11 +682,7 @@ fn open_copies(
     all.sort();
     all.dedup();
     for path in all {
-        let f = match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-        {
+        let f = match blk::files::open_owned(path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => {

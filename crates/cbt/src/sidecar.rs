@@ -34,7 +34,7 @@
 //! Cost: `ceil(bits / 32704)` pages per bitmap, so 1 TiB at 64 KiB is 2 MiB of sidecar
 //! (and 2 MiB of memory for `dirty` plus 2 MiB for `durable`).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -271,34 +271,25 @@ impl FileSink {
     }
 
     /// Replaces the file with one holding header `h` (in the copy `h.seq` chooses) and the
-    /// regions of `bitmaps` (their current bits, each at its region): written beside it,
-    /// synced, renamed over it, the directory synced; then open here.
+    /// regions of `bitmaps` (their current bits, each at its region): written beside it under
+    /// an unpredictable name created `O_EXCL|O_NOFOLLOW`, synced, renamed over it, the
+    /// directory synced ([`blk::files::replace`]); then open here.
     pub fn write_whole(&self, h: &Header, bitmaps: &[&Bitmap]) -> std::io::Result<()> {
-        let mut tmp = self.path.as_os_str().to_owned();
-        tmp.push("-new");
-        let tmp = PathBuf::from(tmp);
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
-        let mut b = vec![0u8; 2 * PAGE];
-        let at = (h.seq & 1) as usize * PAGE;
-        b[at..at + PAGE].copy_from_slice(&encode_header(h));
-        f.write_all_at(&b, 0)?;
-        let mut page = vec![0u8; PAGE];
-        for bm in bitmaps {
-            for p in 0..region_pages(bm.nbits()) {
-                encode_page(bm, p, &mut page);
-                f.write_all_at(&page, (bm.region() + p) * PAGE as u64)?;
+        // Never through a name another user could have planted (see `blk::files`).
+        let f = blk::files::replace(&self.path, 0o644, |f| {
+            let mut b = vec![0u8; 2 * PAGE];
+            let at = (h.seq & 1) as usize * PAGE;
+            b[at..at + PAGE].copy_from_slice(&encode_header(h));
+            f.write_all_at(&b, 0)?;
+            let mut page = vec![0u8; PAGE];
+            for bm in bitmaps {
+                for p in 0..region_pages(bm.nbits()) {
+                    encode_page(bm, p, &mut page);
+                    f.write_all_at(&page, (bm.region() + p) * PAGE as u64)?;
+                }
             }
-        }
-        f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
-        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir).and_then(|d| d.sync_all())?;
-        }
+            Ok(())
+        })?;
         *self.file.lock() = Some(f);
         Ok(())
     }
@@ -724,7 +715,10 @@ mod tests {
         h.entries.clear();
         good.write_whole(&h, &[]).unwrap();
         let full = || {
-            let f = OpenOptions::new().write(true).open("/dev/full").unwrap();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap();
             FileSink::new(PathBuf::from("/dev/full"), Some(f))
         };
         let set = Sidecars::new(vec![full(), good], Some(h.clone()));
