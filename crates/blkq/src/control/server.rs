@@ -263,11 +263,7 @@ impl Control {
     /// remote leg and reading it may take up to its timeout, and no other leg change waits
     /// for that. Returns the device and the UUID its superblock gives it (for
     /// [`Control::check_still_new`] under the lock).
-    fn open_new_leg(
-        &self,
-        spec: &str,
-        force: bool,
-    ) -> Result<NewLeg> {
+    fn open_new_leg(&self, spec: &str, force: bool) -> Result<NewLeg> {
         // A file already in the array is locked by its leg (flock): say what it is rather
         // than that some lock is held.
         self.check_still_new(spec, None)?;
