@@ -50,26 +50,39 @@ pub struct Bitmap {
     durable: Box<[AtomicU64]>,
 }
 
-fn words(n: u64) -> Box<[AtomicU64]> {
-    (0..n.div_ceil(WORD_BITS))
-        .map(|_| AtomicU64::new(0))
-        .collect()
+/// `n` bits of clean words, or `None` when the memory cannot be had (allocated fallibly: a
+/// huge export once aborted the whole process here).
+fn words(n: u64) -> Option<Box<[AtomicU64]>> {
+    let n = usize::try_from(n.div_ceil(WORD_BITS)).ok()?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize_with(n, || AtomicU64::new(0));
+    Some(v.into_boxed_slice())
 }
 
 impl Bitmap {
     /// A clean bitmap over `capacity` bytes, `1 << shift` bytes per bit, stored from page
-    /// `region` of its sidecar.
-    pub fn new(name: &str, capacity: u64, shift: u32, region: u64) -> Self {
+    /// `region` of its sidecar. Its memory (two bits per granule) is allocated fallibly:
+    /// [`crate::Error::NoMemory`], naming the size, when it cannot be had.
+    pub fn new(name: &str, capacity: u64, shift: u32, region: u64) -> Result<Self, crate::Error> {
         let nbits = capacity.div_ceil(1 << shift);
-        Self {
+        let no_memory = || crate::Error::NoMemory {
+            name: name.to_string(),
+            capacity,
+            granularity: 1 << shift,
+            bytes: nbits.div_ceil(WORD_BITS).saturating_mul(16),
+        };
+        let dirty = words(nbits).ok_or_else(no_memory)?;
+        let durable = words(nbits).ok_or_else(no_memory)?;
+        Ok(Self {
             name: name.to_string(),
             shift,
             capacity,
             nbits,
             region,
-            dirty: words(nbits),
-            durable: words(nbits),
-        }
+            dirty,
+            durable,
+        })
     }
 
     /// The name.
@@ -265,7 +278,7 @@ mod tests {
     #[test]
     fn extents_look_at_the_words_of_the_range_asked_only() {
         // 1 GiB at 4 KiB: 4096 words, all clean.
-        let b = Bitmap::new("a", 1 << 30, 12, 0);
+        let b = Bitmap::new("a", 1 << 30, 12, 0).unwrap();
         let mut out = Vec::new();
         SCANNED.with(|c| c.set(0));
         b.extents_into(0, 4096, 16, &mut out);
@@ -301,7 +314,7 @@ mod tests {
 
     #[test]
     fn mark_then_durable_then_fast_path() {
-        let b = Bitmap::new("a", 10 << 20, 16, 0);
+        let b = Bitmap::new("a", 10 << 20, 16, 0).unwrap();
         assert_eq!(b.nbits(), 160);
         assert_eq!(b.mark(65536 * 63, 65536 * 2), Some((0, 2)));
         assert!(!b.is_durable(65536 * 63, 1));
@@ -317,7 +330,7 @@ mod tests {
 
     #[test]
     fn extents_are_runs_of_equal_state() {
-        let b = Bitmap::new("a", 1 << 20, 12, 0); // 256 bits
+        let b = Bitmap::new("a", 1 << 20, 12, 0).unwrap(); // 256 bits
         b.mark(8192, 4096);
         b.mark(64 * 4096, 70 * 4096);
         let mut out = Vec::new();
@@ -341,7 +354,7 @@ mod tests {
 
     #[test]
     fn partial_last_granule_counts_only_the_device() {
-        let b = Bitmap::new("a", 65536 + 4096, 16, 0);
+        let b = Bitmap::new("a", 65536 + 4096, 16, 0).unwrap();
         b.set_all();
         assert_eq!(b.dirty_bytes(), 65536 + 4096);
         let mut out = Vec::new();

@@ -677,7 +677,7 @@ mod tests {
 
     #[test]
     fn pages_round_trip_and_carry_their_number() {
-        let bm = Bitmap::new("a", 1 << 40, 16, 5);
+        let bm = Bitmap::new("a", 1 << 40, 16, 5).unwrap();
         bm.mark(0, 1 << 16);
         bm.mark((BITS_PER_PAGE + 3) << 16, 1);
         let mut p = vec![0u8; PAGE];

@@ -517,3 +517,22 @@ fn a_sidecar_owned_by_another_user_is_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn a_bitmap_too_big_for_memory_is_refused_naming_its_size() {
+    let o = Options {
+        store: Store::Memory,
+        reset: false,
+        mode: Mode::LockFree,
+    };
+    // 2^62 bytes at 4 KiB: 2^50 bits, twice 2^47 bytes: more than any address space.
+    let (b, _) = Bitmaps::open(1 << 62, &o).unwrap();
+    let e = b.add("huge", 4096).unwrap_err();
+    assert!(matches!(e, Error::NoMemory { .. }), "{e}");
+    assert!(
+        e.to_string().contains("281474976710656 bytes of memory"),
+        "{e}"
+    );
+    assert_eq!(e.errno(), libc::ENOMEM);
+    assert!(b.list().is_empty(), "nothing added");
+}
