@@ -257,9 +257,30 @@ fn family<'a, M: EncodeMetric>(
             // A family of one unlabelled sample (no `{}` after the name).
             return m.encode(fam);
         }
+        // prometheus-client writes label values as they are: escaped here, for every family.
+        let labels: Vec<(&str, String)> = labels
+            .into_iter()
+            .map(|(k, v)| (k, escape_label(&v)))
+            .collect();
         m.encode(fam.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// A label value as the text format (Prometheus 0.0.4 and OpenMetrics alike) writes it: `\`,
+/// `"` and a line feed escaped as `\\`, `\"` and `\n`. Values are names users give (exports,
+/// bitmaps): unescaped, a name could end its label and add samples of its own.
+fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn counter(v: u64) -> ConstCounter<u64> {
@@ -859,5 +880,39 @@ mod tests {
         let again = exchange(a, b"GET /metrics HTTP/1.1\r\n\r\n");
         assert!(again.starts_with("HTTP/1.1 200 OK\r\n"), "{again}");
         server.shutdown();
+    }
+
+    /// Label values come from names users give (exports, bitmaps): escaped as the text
+    /// format says, so that no name can end its label and inject a sample.
+    #[test]
+    fn label_values_are_escaped() {
+        #[derive(Debug)]
+        struct Hostile;
+        impl Collector for Hostile {
+            fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+                family(
+                    &mut enc,
+                    "blkq_dirty_bitmap_bytes",
+                    "test",
+                    None,
+                    [(
+                        vec![
+                            ("export", "e\\x".to_string()),
+                            ("bitmap", "a\"},injected_metric{x=\"1\nz".to_string()),
+                        ],
+                        gauge(7),
+                    )],
+                )
+            }
+        }
+        let mut r = Registry::default();
+        r.register_collector(Box::new(Hostile));
+        let text = encode(&r).unwrap();
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            samples,
+            [r#"blkq_dirty_bitmap_bytes{export="e\\x",bitmap="a\"},injected_metric{x=\"1\nz"} 7"#],
+            "{text}"
+        );
     }
 }
