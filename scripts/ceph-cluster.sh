@@ -26,7 +26,8 @@
 #       Only installs the packages when missing (exit 2 with the reason when it cannot).
 #
 # Environment: CEPH_MON_PORT (default: a free port from 3300 up; the monitor speaks msgr2
-# only), CEPH_OSD_SIZE (default 4G), CEPH_WAIT_SECS (default 120).
+# only), CEPH_OSD_SIZE (default 4G), CEPH_WAIT_SECS (default 120), BLKQ_NO_INSTALL=1 (install
+# nothing: missing packages are an exit 2).
 set -euo pipefail
 
 PACKAGES=(ceph-mon ceph-mgr ceph-osd ceph-common librbd-dev)
@@ -42,6 +43,10 @@ have_packages() {
 
 install_packages() {
   have_packages && return 0
+  if [[ ${BLKQ_NO_INSTALL:-0} == 1 ]]; then
+    echo "ceph-cluster: the Ceph packages (${PACKAGES[*]}) are missing and BLKQ_NO_INSTALL=1: not installing them" >&2
+    exit 2
+  fi
   if [[ $(id -u) != 0 ]]; then
     echo "ceph-cluster: the Ceph packages (${PACKAGES[*]}) are missing and this is not root, so they cannot be installed: install them with apt-get" >&2
     exit 2
@@ -266,7 +271,7 @@ EOF
 
 cmd=${1:-}
 DIR=${2:-}
-[[ -n $cmd && ( -n $DIR || $cmd == install ) ]] || { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
+[[ -n $cmd && ( -n $DIR || $cmd == install ) ]] || { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
 OWNER=
 if [[ ${3:-} == --owner ]]; then
   OWNER=${4:?--owner needs a PID}
