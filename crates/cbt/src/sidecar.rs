@@ -228,6 +228,22 @@ pub fn check_page(page: &[u8], no: u64) -> bool {
         && u32::from_le_bytes([page[4088], page[4089], page[4090], page[4091]]) == no as u32
 }
 
+/// An empty vector with room for `n` elements, allocated fallibly: `OutOfMemory`, naming the
+/// bytes, when they cannot be had.
+fn try_with_capacity<T>(n: u64) -> std::io::Result<Vec<T>> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>() as u64);
+    let no = || {
+        std::io::Error::new(
+            ErrorKind::OutOfMemory,
+            format!("{bytes} bytes of memory cannot be allocated"),
+        )
+    };
+    let n = usize::try_from(n).map_err(|_| no())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| no())?;
+    Ok(v)
+}
+
 /// The sidecar file as a [`Sink`]; the file is created on the first bitmap (`None` before).
 pub struct FileSink {
     path: PathBuf,
@@ -329,10 +345,14 @@ impl FileSink {
     }
 
     /// Reads page range `[page, page + n)`.
+    /// The buffer is allocated fallibly (`OutOfMemory`, naming the bytes: a region named by
+    /// a sidecar may be larger than this machine's memory).
     pub fn read_pages(&self, page: u64, n: u64) -> std::io::Result<Vec<u8>> {
+        let len = n.saturating_mul(PAGE as u64);
+        let mut b = try_with_capacity::<u8>(len)?;
+        b.resize(len as usize, 0);
         let g = self.file.lock();
         let f = g.as_ref().ok_or(ErrorKind::NotFound)?;
-        let mut b = vec![0u8; n as usize * PAGE];
         f.read_exact_at(&mut b, page * PAGE as u64)?;
         Ok(b)
     }
@@ -593,15 +613,23 @@ pub fn load(sink: &FileSink, ident: Identity) -> Result<Loaded, Error> {
         if e.shift < 12 || e.shift > 26 || e.pages != region_pages(nbits) {
             return bad(format!("bitmap {:?}: bad geometry", e.name));
         }
+        let in_bitmap = |err: std::io::Error| {
+            io(std::io::Error::new(
+                err.kind(),
+                format!("dirty bitmap {:?}: {err}", e.name),
+            ))
+        };
         let b = match sink.read_pages(e.region, e.pages) {
             Ok(b) => b,
             Err(err) if err.kind() == ErrorKind::UnexpectedEof => {
                 return bad(format!("bitmap {:?}: region cut short", e.name))
             }
-            Err(err) => return Err(io(err)),
+            Err(err) => return Err(in_bitmap(err)),
         };
+        // Room for every word of every page (the last page's tail is cut below).
+        let mut words = try_with_capacity::<u64>(e.pages.saturating_mul(WORDS_PER_PAGE as u64))
+            .map_err(in_bitmap)?;
         let nwords = nbits.div_ceil(64) as usize;
-        let mut words = Vec::with_capacity(nwords);
         for (i, page) in b.chunks(PAGE).enumerate() {
             if !check_page(page, e.region + i as u64) {
                 return bad(format!(

@@ -536,3 +536,42 @@ fn a_bitmap_too_big_for_memory_is_refused_naming_its_size() {
     assert_eq!(e.errno(), libc::ENOMEM);
     assert!(b.list().is_empty(), "nothing added");
 }
+
+#[test]
+fn a_sidecar_naming_a_bitmap_too_big_for_memory_is_refused_naming_its_size() {
+    use cbt::sidecar::{encode_header, region_pages, Entry, Header, PAGE};
+    let dir = tempfile::tempdir().unwrap();
+    let side = dir.path().join("huge.bitmaps");
+    // A remote export of 2^62 bytes whose sidecar names one bitmap at 4 KiB (made where the
+    // memory was there, or by hand): its region is far more than any address space.
+    let ident = cbt::Identity {
+        size: 1 << 62,
+        uuid: [0; 16],
+    };
+    let h = Header {
+        seq: 2,
+        generation: 0,
+        ident,
+        entries: vec![Entry {
+            name: "huge".into(),
+            shift: 12,
+            frozen: false,
+            region: 2,
+            pages: region_pages(1 << 50),
+        }],
+    };
+    let mut b = vec![0u8; 2 * PAGE];
+    b[..PAGE].copy_from_slice(&encode_header(&h));
+    std::fs::write(&side, &b).unwrap();
+    let o = Options {
+        store: Store::File {
+            path: side.clone(),
+            image: Image::Fixed(ident),
+        },
+        reset: false,
+        mode: Mode::LockFree,
+    };
+    let e = Bitmaps::open(1 << 62, &o).err().expect("refused");
+    assert!(e.to_string().contains("bytes of memory"), "{e}");
+    assert!(e.to_string().contains(&side.display().to_string()), "{e}");
+}
