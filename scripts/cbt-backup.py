@@ -50,6 +50,10 @@ def dirty_extents(h, context, size):
             sys.exit(f"cbt-backup: no block status for {context} at {offset}")
         for i in range(0, len(got), 2):
             length, flags = got[i], got[i + 1]
+            if length == 0:
+                # An extent is never empty: asking again would get the same answer for ever.
+                sys.exit(f"cbt-backup: the server answered a zero-length extent at {offset} "
+                         f"for {context} (a protocol error)")
             length = min(length, size - offset)
             if length == 0:
                 break

@@ -4,7 +4,8 @@
 #
 #   scripts/ceph-cluster.sh start DIR [--owner PID]
 #       Installs the Ceph packages when missing (root with apt-get only), creates the cluster
-#       in DIR (which must be empty or absent), starts the daemons (in the foreground of
+#       in DIR (absent: created mode 0700; present: it must be empty, a directory of this user
+#       that nobody else can write, else refused before anything is done), starts the daemons (in the foreground of
 #       background processes, PIDs in DIR/pids), waits until the OSD is up, the manager is
 #       available and the health is HEALTH_OK, then creates the pool `rbd` (`rbd pool init`).
 #       Prints `CEPH_CONF=DIR/ceph.conf` on its last line of stdout, and writes the same to
@@ -16,14 +17,17 @@
 #       and the daemons are stopped).
 #   scripts/ceph-cluster.sh stop DIR
 #       Stops every daemon of DIR by PID (SIGTERM, then SIGKILL after 2 s), whatever state
-#       they are in. Leaves DIR (logs) for the caller to remove.
+#       they are in. Leaves DIR (logs) for the caller to remove. Only processes of this user
+#       whose command line names DIR (or this script: the watcher) are signalled, and only
+#       from pid files of this user in a DIR of this user: nothing planted is obeyed.
 #   scripts/ceph-cluster.sh kill-osd DIR / start-osd DIR
 #       SIGKILLs the OSD / starts it again (the fault tests).
 #   scripts/ceph-cluster.sh install
 #       Only installs the packages when missing (exit 2 with the reason when it cannot).
 #
 # Environment: CEPH_MON_PORT (default: a free port from 3300 up; the monitor speaks msgr2
-# only), CEPH_OSD_SIZE (default 4G), CEPH_WAIT_SECS (default 120).
+# only), CEPH_OSD_SIZE (default 4G), CEPH_WAIT_SECS (default 120), BLKQ_NO_INSTALL=1 (install
+# nothing: missing packages are an exit 2).
 set -euo pipefail
 
 PACKAGES=(ceph-mon ceph-mgr ceph-osd ceph-common librbd-dev)
@@ -39,6 +43,10 @@ have_packages() {
 
 install_packages() {
   have_packages && return 0
+  if [[ ${BLKQ_NO_INSTALL:-0} == 1 ]]; then
+    echo "ceph-cluster: the Ceph packages (${PACKAGES[*]}) are missing and BLKQ_NO_INSTALL=1: not installing them" >&2
+    exit 2
+  fi
   if [[ $(id -u) != 0 ]]; then
     echo "ceph-cluster: the Ceph packages (${PACKAGES[*]}) are missing and this is not root, so they cannot be installed: install them with apt-get" >&2
     exit 2
@@ -77,11 +85,38 @@ spawn() {
   echo $! >"$DIR/pids/$name"
 }
 
+# DIR must be this user's own: a directory (not a link), owned by this user, that nobody else
+# can write. Another user could have made it first at a name they guessed, with pid files and
+# a configuration of their own in it.
+check_dir() {
+  local d=$1 owner mode
+  [[ ! -L $d ]] || die "$d is a symbolic link: refused"
+  [[ -d $d ]] || die "$d is not a directory"
+  owner=$(stat -c %u -- "$d")
+  mode=$(stat -c %a -- "$d")
+  [[ $owner == "$(id -u)" ]] || die "$d is owned by uid $owner, not by this user ($(id -u)): refused"
+  (((8#$mode & 8#022) == 0)) || die "$d is writable by group or others (mode $mode): refused"
+}
+
+# The PID a pid file of DIR names, printed only if it is one of this cluster's processes: the
+# file is ours, and so is the process, whose command line names DIR (a daemon's `-c
+# DIR/ceph.conf`) or this script (the watcher). Anything else (a stale file whose PID was
+# reused, a file planted there) is never signalled.
+cluster_pid() {
+  local f=$1 pid cmdline
+  [[ -f $f && ! -L $f && $(stat -c %u -- "$f") == "$(id -u)" ]] || return 1
+  pid=$(cat -- "$f" 2>/dev/null) || return 1
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  [[ $(stat -c %u "/proc/$pid" 2>/dev/null) == "$(id -u)" ]] || return 1
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  [[ $cmdline == *"$DIR/"* || $cmdline == *ceph-cluster.sh* ]] || return 1
+  echo "$pid"
+}
+
 stop_one() {
   local f=$1 pid
-  pid=$(cat "$f" 2>/dev/null) || return 0
+  pid=$(cluster_pid "$f") || { rm -f "$f"; return 0; }
   rm -f "$f"
-  [[ $pid =~ ^[0-9]+$ ]] || return 0
   kill -TERM "$pid" 2>/dev/null || return 0
   for _ in $(seq 20); do
     kill -0 "$pid" 2>/dev/null || return 0
@@ -92,6 +127,7 @@ stop_one() {
 
 stop_cluster() {
   [[ -d $DIR/pids ]] || return 0
+  check_dir "$DIR/pids"
   # The watcher first (it would call stop again), then the OSD, the manager, the monitor:
   # each is stopped on its own, in parallel with the others.
   [[ -f $DIR/pids/watcher ]] && stop_one "$DIR/pids/watcher"
@@ -134,10 +170,17 @@ start_osd() {
 }
 
 start_cluster() {
-  install_packages
-  if [[ -e $DIR && -n $(ls -A "$DIR" 2>/dev/null) ]]; then
+  # A private directory (mode 0700, created here or already this user's), checked before
+  # anything is installed or written.
+  if [[ ! -e $DIR && ! -L $DIR ]]; then
+    mkdir -p -- "$(dirname -- "$DIR")"
+    mkdir -m 700 -- "$DIR" || die "cannot create $DIR"
+  fi
+  check_dir "$DIR"
+  if [[ -n $(ls -A "$DIR" 2>/dev/null) ]]; then
     die "$DIR is not empty"
   fi
+  install_packages
   mkdir -p "$DIR"/{log,run,pids,mon.a,mgr.x,osd.0}
   DIR=$(cd "$DIR" && pwd)
   # Whatever fails from here on, nothing is left running.
@@ -228,7 +271,7 @@ EOF
 
 cmd=${1:-}
 DIR=${2:-}
-[[ -n $cmd && ( -n $DIR || $cmd == install ) ]] || { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
+[[ -n $cmd && ( -n $DIR || $cmd == install ) ]] || { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 64; }
 OWNER=
 if [[ ${3:-} == --owner ]]; then
   OWNER=${4:?--owner needs a PID}
@@ -242,9 +285,16 @@ esac
 
 case $cmd in
   start) start_cluster ;;
-  stop) DIR=$(cd "$DIR" 2>/dev/null && pwd) || exit 0; stop_cluster ;;
+  stop)
+    [[ -e $DIR || -L $DIR ]] || exit 0
+    check_dir "$DIR"
+    DIR=$(cd "$DIR" && pwd)
+    stop_cluster
+    ;;
   kill-osd)
-    pid=$(cat "$DIR/pids/osd.0") || die "no OSD running in $DIR"
+    check_dir "$DIR"
+    DIR=$(cd "$DIR" && pwd)
+    pid=$(cluster_pid "$DIR/pids/osd.0") || die "no OSD of this cluster running in $DIR"
     kill -KILL "$pid"
     # Gone (or a zombie) before the OSD is started again on the same store.
     for _ in $(seq 100); do
@@ -254,6 +304,7 @@ case $cmd in
     done
     ;;
   start-osd)
+    check_dir "$DIR"
     DIR=$(cd "$DIR" && pwd)
     start_osd
     ;;

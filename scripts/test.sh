@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite of blkq, as CI runs it (.ci/run calls exactly this).
-# Installs what the tests need, then: fmt, clippy, unit + property + integration tests, real
+# Installs what the tests need when missing (system packages, as root with apt-get: see
+# scripts/test-deps.sh; BLKQ_NO_INSTALL=1 installs nothing and the tests that need them skip),
+# then: fmt, clippy, unit + property + integration tests, real
 # NBD clients (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdsh, fio) against `blkq serve`, and the
 # loom models in release with bounded preemptions.
 set -euo pipefail
@@ -11,34 +13,14 @@ step() { printf '\n==> %s\n' "$*"; }
 step "toolchain components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
-step "NBD client tools for scripts/client-tests.sh"
-# qemu-img/qemu-io, nbdinfo/nbdcopy/nbdsh (+ libnbd's Python binding), fio, nbdkit, curl. Installed
-# only when missing, and only where we can (root with apt-get).
-need_tools=0
-for tool in qemu-img qemu-io nbdinfo nbdcopy nbdsh fio nbdkit curl; do
-  command -v "$tool" >/dev/null 2>&1 || need_tools=1
-done
-/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need_tools=1
-if [[ $need_tools == 1 ]]; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends \
-      qemu-utils libnbd-bin python3-libnbd fio nbdkit curl >/dev/null
-  else
-    echo "missing NBD client tools and cannot install them (need root and apt-get)" >&2
-  fi
-fi
-
-step "Ceph packages for the rbd tests (scripts/ceph-cluster.sh)"
-# ceph-mon, ceph-mgr, ceph-osd, ceph-common, librbd-dev: the rbd: device is built where librbd
-# is installed, and its tests run a single-node cluster. Installed only when missing, and only
-# where we can; once they are here, a test that cannot start the cluster fails rather than
-# skipping (BLKQ_REQUIRE_CEPH=1).
-if scripts/ceph-cluster.sh install; then
+step "test dependencies (scripts/test-deps.sh; BLKQ_NO_INSTALL=1 installs nothing)"
+# The NBD clients and the Ceph packages, installed when missing where we can (root with
+# apt-get): what CI needs. Once the Ceph packages are here, a test that cannot start the
+# cluster fails rather than skipping (BLKQ_REQUIRE_CEPH=1).
+if scripts/test-deps.sh; then
   export BLKQ_REQUIRE_CEPH=1
 else
-  echo "the rbd tests will skip: the Ceph packages are missing and cannot be installed" >&2
+  echo "the rbd tests will skip: the Ceph packages are missing and were not installed" >&2
 fi
 
 step "cargo fmt --check"

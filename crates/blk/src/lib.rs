@@ -14,6 +14,7 @@ pub mod bio;
 pub mod device;
 pub mod dirty;
 pub mod error;
+pub mod files;
 pub mod home;
 pub mod queue;
 pub mod sched;

@@ -53,8 +53,20 @@ impl Cluster {
     }
 
     fn start() -> Result<Cluster, String> {
-        let dir = std::env::temp_dir().join(format!("blkq-ceph-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        // A private directory of an unpredictable name (mode 0700): a name another user could
+        // guess (`blkq-ceph-PID`) could be made first, with pid files the script would obey.
+        let made = Command::new("mktemp")
+            .arg("-d")
+            .arg(std::env::temp_dir().join("blkq-ceph-XXXXXXXXXX"))
+            .output()
+            .map_err(|e| format!("mktemp -d: {e}"))?;
+        if !made.status.success() {
+            return Err(format!(
+                "mktemp -d: {}",
+                String::from_utf8_lossy(&made.stderr).trim()
+            ));
+        }
+        let dir = PathBuf::from(String::from_utf8_lossy(&made.stdout).trim_end());
         let out = Command::new("bash")
             .arg(script())
             .arg("start")

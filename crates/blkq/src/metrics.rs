@@ -153,51 +153,12 @@ pub fn start_for_serve(
 }
 
 /// Writes `text` to `path` so that a reader never sees it half-written and nothing planted
-/// beside it is written through: a new file of an unpredictable name in the same directory,
-/// created with `O_CREAT|O_EXCL|O_NOFOLLOW` (an existing file or link of that name is an
-/// error, and another name is tried), then renamed onto `path` (which replaces a link at `path`
+/// beside it is written through ([`blk::files::replace`]: a new file of an unpredictable name
+/// created `O_CREAT|O_EXCL|O_NOFOLLOW`, renamed onto `path`, which replaces a link at `path`
 /// itself, never its target).
 fn write_replacing(path: &std::path::Path, text: &str) -> std::io::Result<()> {
-    use std::hash::{BuildHasher, Hasher};
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => std::path::Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("the path must end in a file name"))?
-        .to_string_lossy();
-    let mut last = None;
-    for attempt in 0..64u32 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.write_u32(attempt);
-        let tmp = dir.join(format!(".{name}.{:016x}.tmp", h.finish()));
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o666)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp);
-        let mut f = match f {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                last = Some(e);
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let done = f
-            .write_all(text.as_bytes())
-            .and_then(|()| f.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, path));
-        if done.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        return done;
-    }
-    Err(last.unwrap_or_else(|| std::io::ErrorKind::AlreadyExists.into()))
+    use std::os::unix::fs::FileExt;
+    blk::files::replace(path, 0o666, |f| f.write_all_at(text.as_bytes(), 0)).map(drop)
 }
 
 /// The registry: one collector that reads everything at scrape time.
@@ -296,9 +257,30 @@ fn family<'a, M: EncodeMetric>(
             // A family of one unlabelled sample (no `{}` after the name).
             return m.encode(fam);
         }
+        // prometheus-client writes label values as they are: escaped here, for every family.
+        let labels: Vec<(&str, String)> = labels
+            .into_iter()
+            .map(|(k, v)| (k, escape_label(&v)))
+            .collect();
         m.encode(fam.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// A label value as the text format (Prometheus 0.0.4 and OpenMetrics alike) writes it: `\`,
+/// `"` and a line feed escaped as `\\`, `\"` and `\n`. Values are names users give (exports,
+/// bitmaps): unescaped, a name could end its label and add samples of its own.
+fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn counter(v: u64) -> ConstCounter<u64> {
@@ -898,5 +880,39 @@ mod tests {
         let again = exchange(a, b"GET /metrics HTTP/1.1\r\n\r\n");
         assert!(again.starts_with("HTTP/1.1 200 OK\r\n"), "{again}");
         server.shutdown();
+    }
+
+    /// Label values come from names users give (exports, bitmaps): escaped as the text
+    /// format says, so that no name can end its label and inject a sample.
+    #[test]
+    fn label_values_are_escaped() {
+        #[derive(Debug)]
+        struct Hostile;
+        impl Collector for Hostile {
+            fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+                family(
+                    &mut enc,
+                    "blkq_dirty_bitmap_bytes",
+                    "test",
+                    None,
+                    [(
+                        vec![
+                            ("export", "e\\x".to_string()),
+                            ("bitmap", "a\"},injected_metric{x=\"1\nz".to_string()),
+                        ],
+                        gauge(7),
+                    )],
+                )
+            }
+        }
+        let mut r = Registry::default();
+        r.register_collector(Box::new(Hostile));
+        let text = encode(&r).unwrap();
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        assert_eq!(
+            samples,
+            [r#"blkq_dirty_bitmap_bytes{export="e\\x",bitmap="a\"},injected_metric{x=\"1\nz"} 7"#],
+            "{text}"
+        );
     }
 }

@@ -481,7 +481,7 @@ impl Bitmaps {
         busy: &[&Arc<Bitmap>],
     ) -> Result<Arc<Bitmap>, Error> {
         let Some(file) = ctl.file.clone() else {
-            return Ok(Arc::new(Bitmap::new(name, self.capacity, shift, 0)));
+            return Ok(Arc::new(Bitmap::new(name, self.capacity, shift, 0)?));
         };
         if ctl.header.is_none() {
             ctl.header = Some(file.create(ctl.ident, ctl.generation)?);
@@ -504,7 +504,7 @@ impl Bitmaps {
             pages: region_pages(b.nbits()),
         }));
         let region = alloc_region(&used, pages);
-        let bm = Arc::new(Bitmap::new(name, self.capacity, shift, region));
+        let bm = Arc::new(Bitmap::new(name, self.capacity, shift, region)?);
         file.init_region(&bm)?;
         Ok(bm)
     }
@@ -549,11 +549,7 @@ fn open_file(
         path: path.to_path_buf(),
         source: e,
     };
-    let f = match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-    {
+    let f = match blk::files::open_owned(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if id.marked {
@@ -578,16 +574,16 @@ fn open_file(
                 .iter()
                 .zip(words)
                 .map(|(e, ws)| {
-                    let bm = Bitmap::new(&e.name, capacity, e.shift, e.region);
+                    let bm = Bitmap::new(&e.name, capacity, e.shift, e.region)?;
                     for (w, v) in ws.into_iter().enumerate() {
                         bm.load_word(w, v);
                     }
-                    Slot {
+                    Ok(Slot {
                         bm: Arc::new(bm),
                         frozen: e.frozen,
-                    }
+                    })
                 })
-                .collect();
+                .collect::<Result<_, Error>>()?;
             Ok((file, Some(h), slots))
         }
         Err((refusal, known)) => {
@@ -605,7 +601,7 @@ fn open_file(
                 let nbits = capacity.div_ceil(1 << e.shift.clamp(12, 26));
                 let pages = region_pages(nbits);
                 let region = alloc_region(&entries, pages);
-                let bm = Bitmap::new(&e.name, capacity, e.shift.clamp(12, 26), region);
+                let bm = Bitmap::new(&e.name, capacity, e.shift.clamp(12, 26), region)?;
                 bm.set_all();
                 file.init_region(&bm)?;
                 for w in 0..bm.nwords() {
@@ -686,11 +682,7 @@ fn open_copies(
     all.sort();
     all.dedup();
     for path in all {
-        let f = match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-        {
+        let f = match blk::files::open_owned(path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => {
@@ -747,11 +739,13 @@ fn open_copies(
                 .header
                 .entries
                 .iter()
-                .map(|e| Slot {
-                    bm: Arc::new(Bitmap::new(&e.name, capacity, e.shift, e.region)),
-                    frozen: e.frozen,
+                .map(|e| {
+                    Ok(Slot {
+                        bm: Arc::new(Bitmap::new(&e.name, capacity, e.shift, e.region)?),
+                        frozen: e.frozen,
+                    })
                 })
-                .collect();
+                .collect::<Result<_, Error>>()?;
             for c in &good {
                 let same = key(c) == k && c.header.entries == best.header.entries;
                 if same {
@@ -798,7 +792,7 @@ fn open_copies(
             if !reset {
                 return Err(refused.swap_remove(0).2);
             }
-            let (entries, slots) = all_dirty(newest.as_ref(), capacity);
+            let (entries, slots) = all_dirty(newest.as_ref(), capacity)?;
             let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
             for (p, why, _, _) in &refused {
                 notes.push(format!(
@@ -858,14 +852,14 @@ fn open_copies(
 
 /// Bitmaps named as in `known` (its granularities and frozen flags), regions laid out afresh,
 /// every bit dirty and, once the caller has written them, durable: what a reset starts from.
-fn all_dirty(known: Option<&Header>, capacity: u64) -> (Vec<Entry>, Vec<Slot>) {
+fn all_dirty(known: Option<&Header>, capacity: u64) -> Result<(Vec<Entry>, Vec<Slot>), Error> {
     let mut slots = Vec::new();
     let mut entries: Vec<Entry> = Vec::new();
     for e in known.map(|k| k.entries.clone()).unwrap_or_default() {
         let shift = e.shift.clamp(12, 26);
         let pages = region_pages(capacity.div_ceil(1 << shift));
         let region = alloc_region(&entries, pages);
-        let bm = Bitmap::new(&e.name, capacity, shift, region);
+        let bm = Bitmap::new(&e.name, capacity, shift, region)?;
         bm.set_all();
         for w in 0..bm.nwords() {
             bm.set_durable(w, bm.dirty_word(w));
@@ -881,7 +875,7 @@ fn all_dirty(known: Option<&Header>, capacity: u64) -> (Vec<Entry>, Vec<Slot>) {
             ..e
         });
     }
-    (entries, slots)
+    Ok((entries, slots))
 }
 
 /// Where bitmap `name` is among `slots`.

@@ -50,26 +50,39 @@ pub struct Bitmap {
     durable: Box<[AtomicU64]>,
 }
 
-fn words(n: u64) -> Box<[AtomicU64]> {
-    (0..n.div_ceil(WORD_BITS))
-        .map(|_| AtomicU64::new(0))
-        .collect()
+/// `n` bits of clean words, or `None` when the memory cannot be had (allocated fallibly: a
+/// huge export once aborted the whole process here).
+fn words(n: u64) -> Option<Box<[AtomicU64]>> {
+    let n = usize::try_from(n.div_ceil(WORD_BITS)).ok()?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize_with(n, || AtomicU64::new(0));
+    Some(v.into_boxed_slice())
 }
 
 impl Bitmap {
     /// A clean bitmap over `capacity` bytes, `1 << shift` bytes per bit, stored from page
-    /// `region` of its sidecar.
-    pub fn new(name: &str, capacity: u64, shift: u32, region: u64) -> Self {
+    /// `region` of its sidecar. Its memory (two bits per granule) is allocated fallibly:
+    /// [`crate::Error::NoMemory`], naming the size, when it cannot be had.
+    pub fn new(name: &str, capacity: u64, shift: u32, region: u64) -> Result<Self, crate::Error> {
         let nbits = capacity.div_ceil(1 << shift);
-        Self {
+        let no_memory = || crate::Error::NoMemory {
+            name: name.to_string(),
+            capacity,
+            granularity: 1 << shift,
+            bytes: nbits.div_ceil(WORD_BITS).saturating_mul(16),
+        };
+        let dirty = words(nbits).ok_or_else(no_memory)?;
+        let durable = words(nbits).ok_or_else(no_memory)?;
+        Ok(Self {
             name: name.to_string(),
             shift,
             capacity,
             nbits,
             region,
-            dirty: words(nbits),
-            durable: words(nbits),
-        }
+            dirty,
+            durable,
+        })
     }
 
     /// The name.
@@ -194,6 +207,8 @@ impl Bitmap {
     fn next_change(&self, mut i: u64, end: u64, state: bool) -> u64 {
         while i < end {
             let w = (i / WORD_BITS) as usize;
+            #[cfg(all(test, not(blkq_loom)))]
+            tests::SCANNED.with(|c| c.set(c.get() + 1));
             let mut v = self.dirty_word(w);
             if state {
                 v = !v;
@@ -212,11 +227,17 @@ impl Bitmap {
     pub fn extents_into(&self, offset: u64, len: u64, max: usize, out: &mut Vec<blk::DirtyExtent>) {
         out.clear();
         let end = offset.saturating_add(len).min(self.capacity);
+        if offset >= end {
+            return;
+        }
+        // The scan stops at the range's last bit, not the bitmap's: a 4 KiB request at the
+        // start of a large clean bitmap once read every word of it.
+        let end_bit = ((end - 1) >> self.shift) + 1;
         let mut pos = offset;
         while pos < end && out.len() < max {
             let bit = pos >> self.shift;
             let dirty = self.is_dirty(bit);
-            let next_bit = self.next_change(bit, self.nbits, dirty);
+            let next_bit = self.next_change(bit, end_bit, dirty);
             let run_end = (next_bit << self.shift).min(end);
             out.push(blk::DirtyExtent {
                 len: run_end - pos,
@@ -249,6 +270,36 @@ mod tests {
     use super::*;
     use blk::DirtyExtent;
 
+    thread_local! {
+        /// Words `next_change` looked at on this thread.
+        pub(super) static SCANNED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    #[test]
+    fn extents_look_at_the_words_of_the_range_asked_only() {
+        // 1 GiB at 4 KiB: 4096 words, all clean.
+        let b = Bitmap::new("a", 1 << 30, 12, 0).unwrap();
+        let mut out = Vec::new();
+        SCANNED.with(|c| c.set(0));
+        b.extents_into(0, 4096, 16, &mut out);
+        assert_eq!(
+            out,
+            [DirtyExtent {
+                len: 4096,
+                dirty: false
+            }]
+        );
+        let n = SCANNED.with(|c| c.get());
+        assert!(n <= 1, "a 4 KiB request looked at {n} words");
+        // A range across two words, and one at the end.
+        SCANNED.with(|c| c.set(0));
+        b.extents_into(63 * 4096, 2 * 4096, 16, &mut out);
+        assert_eq!(SCANNED.with(|c| c.get()), 2);
+        SCANNED.with(|c| c.set(0));
+        b.extents_into((1 << 30) - 4096, 4096, 16, &mut out);
+        assert_eq!(SCANNED.with(|c| c.get()), 1);
+    }
+
     #[test]
     fn granularity_bounds() {
         assert_eq!(check_granularity(4096).unwrap(), 12);
@@ -263,7 +314,7 @@ mod tests {
 
     #[test]
     fn mark_then_durable_then_fast_path() {
-        let b = Bitmap::new("a", 10 << 20, 16, 0);
+        let b = Bitmap::new("a", 10 << 20, 16, 0).unwrap();
         assert_eq!(b.nbits(), 160);
         assert_eq!(b.mark(65536 * 63, 65536 * 2), Some((0, 2)));
         assert!(!b.is_durable(65536 * 63, 1));
@@ -279,7 +330,7 @@ mod tests {
 
     #[test]
     fn extents_are_runs_of_equal_state() {
-        let b = Bitmap::new("a", 1 << 20, 12, 0); // 256 bits
+        let b = Bitmap::new("a", 1 << 20, 12, 0).unwrap(); // 256 bits
         b.mark(8192, 4096);
         b.mark(64 * 4096, 70 * 4096);
         let mut out = Vec::new();
@@ -303,7 +354,7 @@ mod tests {
 
     #[test]
     fn partial_last_granule_counts_only_the_device() {
-        let b = Bitmap::new("a", 65536 + 4096, 16, 0);
+        let b = Bitmap::new("a", 65536 + 4096, 16, 0).unwrap();
         b.set_all();
         assert_eq!(b.dirty_bytes(), 65536 + 4096);
         let mut out = Vec::new();

@@ -87,6 +87,21 @@ pub enum Error {
          replace it with all-dirty bitmaps (the next backups are full ones)"
     )]
     Foreign(PathBuf, String),
+    /// A bitmap's memory (two bits per granule) cannot be allocated.
+    #[error(
+        "dirty bitmap {name:?}: {bytes} bytes of memory for {capacity} bytes at {granularity} \
+         bytes per bit cannot be allocated; give a larger granularity"
+    )]
+    NoMemory {
+        /// The bitmap.
+        name: String,
+        /// The export's size, bytes.
+        capacity: u64,
+        /// Bytes per bit.
+        granularity: u64,
+        /// The memory it needs, bytes.
+        bytes: u64,
+    },
     /// Reading or writing the sidecar (or the image's attribute) failed.
     #[error("bitmap sidecar {path}: {source}")]
     Io {
@@ -103,6 +118,7 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Exists(_) => libc::EEXIST,
+            Error::NoMemory { .. } => libc::ENOMEM,
             Error::NotFound(_) | Error::Missing(_) => libc::ENOENT,
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             _ => libc::EINVAL,

@@ -34,7 +34,7 @@
 //! Cost: `ceil(bits / 32704)` pages per bitmap, so 1 TiB at 64 KiB is 2 MiB of sidecar
 //! (and 2 MiB of memory for `dirty` plus 2 MiB for `durable`).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -228,6 +228,22 @@ pub fn check_page(page: &[u8], no: u64) -> bool {
         && u32::from_le_bytes([page[4088], page[4089], page[4090], page[4091]]) == no as u32
 }
 
+/// An empty vector with room for `n` elements, allocated fallibly: `OutOfMemory`, naming the
+/// bytes, when they cannot be had.
+fn try_with_capacity<T>(n: u64) -> std::io::Result<Vec<T>> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>() as u64);
+    let no = || {
+        std::io::Error::new(
+            ErrorKind::OutOfMemory,
+            format!("{bytes} bytes of memory cannot be allocated"),
+        )
+    };
+    let n = usize::try_from(n).map_err(|_| no())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| no())?;
+    Ok(v)
+}
+
 /// The sidecar file as a [`Sink`]; the file is created on the first bitmap (`None` before).
 pub struct FileSink {
     path: PathBuf,
@@ -271,34 +287,25 @@ impl FileSink {
     }
 
     /// Replaces the file with one holding header `h` (in the copy `h.seq` chooses) and the
-    /// regions of `bitmaps` (their current bits, each at its region): written beside it,
-    /// synced, renamed over it, the directory synced; then open here.
+    /// regions of `bitmaps` (their current bits, each at its region): written beside it under
+    /// an unpredictable name created `O_EXCL|O_NOFOLLOW`, synced, renamed over it, the
+    /// directory synced ([`blk::files::replace`]); then open here.
     pub fn write_whole(&self, h: &Header, bitmaps: &[&Bitmap]) -> std::io::Result<()> {
-        let mut tmp = self.path.as_os_str().to_owned();
-        tmp.push("-new");
-        let tmp = PathBuf::from(tmp);
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
-        let mut b = vec![0u8; 2 * PAGE];
-        let at = (h.seq & 1) as usize * PAGE;
-        b[at..at + PAGE].copy_from_slice(&encode_header(h));
-        f.write_all_at(&b, 0)?;
-        let mut page = vec![0u8; PAGE];
-        for bm in bitmaps {
-            for p in 0..region_pages(bm.nbits()) {
-                encode_page(bm, p, &mut page);
-                f.write_all_at(&page, (bm.region() + p) * PAGE as u64)?;
+        // Never through a name another user could have planted (see `blk::files`).
+        let f = blk::files::replace(&self.path, 0o644, |f| {
+            let mut b = vec![0u8; 2 * PAGE];
+            let at = (h.seq & 1) as usize * PAGE;
+            b[at..at + PAGE].copy_from_slice(&encode_header(h));
+            f.write_all_at(&b, 0)?;
+            let mut page = vec![0u8; PAGE];
+            for bm in bitmaps {
+                for p in 0..region_pages(bm.nbits()) {
+                    encode_page(bm, p, &mut page);
+                    f.write_all_at(&page, (bm.region() + p) * PAGE as u64)?;
+                }
             }
-        }
-        f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
-        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            File::open(dir).and_then(|d| d.sync_all())?;
-        }
+            Ok(())
+        })?;
         *self.file.lock() = Some(f);
         Ok(())
     }
@@ -338,10 +345,14 @@ impl FileSink {
     }
 
     /// Reads page range `[page, page + n)`.
+    /// The buffer is allocated fallibly (`OutOfMemory`, naming the bytes: a region named by
+    /// a sidecar may be larger than this machine's memory).
     pub fn read_pages(&self, page: u64, n: u64) -> std::io::Result<Vec<u8>> {
+        let len = n.saturating_mul(PAGE as u64);
+        let mut b = try_with_capacity::<u8>(len)?;
+        b.resize(len as usize, 0);
         let g = self.file.lock();
         let f = g.as_ref().ok_or(ErrorKind::NotFound)?;
-        let mut b = vec![0u8; n as usize * PAGE];
         f.read_exact_at(&mut b, page * PAGE as u64)?;
         Ok(b)
     }
@@ -602,15 +613,23 @@ pub fn load(sink: &FileSink, ident: Identity) -> Result<Loaded, Error> {
         if e.shift < 12 || e.shift > 26 || e.pages != region_pages(nbits) {
             return bad(format!("bitmap {:?}: bad geometry", e.name));
         }
+        let in_bitmap = |err: std::io::Error| {
+            io(std::io::Error::new(
+                err.kind(),
+                format!("dirty bitmap {:?}: {err}", e.name),
+            ))
+        };
         let b = match sink.read_pages(e.region, e.pages) {
             Ok(b) => b,
             Err(err) if err.kind() == ErrorKind::UnexpectedEof => {
                 return bad(format!("bitmap {:?}: region cut short", e.name))
             }
-            Err(err) => return Err(io(err)),
+            Err(err) => return Err(in_bitmap(err)),
         };
+        // Room for every word of every page (the last page's tail is cut below).
+        let mut words = try_with_capacity::<u64>(e.pages.saturating_mul(WORDS_PER_PAGE as u64))
+            .map_err(in_bitmap)?;
         let nwords = nbits.div_ceil(64) as usize;
-        let mut words = Vec::with_capacity(nwords);
         for (i, page) in b.chunks(PAGE).enumerate() {
             if !check_page(page, e.region + i as u64) {
                 return bad(format!(
@@ -686,7 +705,7 @@ mod tests {
 
     #[test]
     fn pages_round_trip_and_carry_their_number() {
-        let bm = Bitmap::new("a", 1 << 40, 16, 5);
+        let bm = Bitmap::new("a", 1 << 40, 16, 5).unwrap();
         bm.mark(0, 1 << 16);
         bm.mark((BITS_PER_PAGE + 3) << 16, 1);
         let mut p = vec![0u8; PAGE];
@@ -724,7 +743,10 @@ mod tests {
         h.entries.clear();
         good.write_whole(&h, &[]).unwrap();
         let full = || {
-            let f = OpenOptions::new().write(true).open("/dev/full").unwrap();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap();
             FileSink::new(PathBuf::from("/dev/full"), Some(f))
         };
         let set = Sidecars::new(vec![full(), good], Some(h.clone()));

@@ -118,7 +118,7 @@ fn loom_first_writes_vs_group_commit() {
     blkq_sync::model(|| {
         let disk = DynArc::new(Disk(Mutex::new(0)));
         let c = Arc::new(Committer::new(disk.clone()));
-        let bm = Arc::new(Bitmap::new("a", 2 * 4096, 12, 0));
+        let bm = Arc::new(Bitmap::new("a", 2 * 4096, 12, 0).unwrap());
         let hs: Vec<_> = [0u64, 4096]
             .into_iter()
             .map(|off| {

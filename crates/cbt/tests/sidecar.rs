@@ -416,3 +416,162 @@ fn a_torn_copy_is_replaced_by_a_good_one_and_all_torn_stop_the_start() {
     let (_, notes) = mirror(&[&b, &a], &[], &[1]);
     assert!(notes.is_empty(), "both copies rewritten: {notes:?}");
 }
+
+/// A file another user's link may point at: what a root server must never write.
+fn victim(dir: &Path) -> PathBuf {
+    let v = dir.join("victim");
+    std::fs::write(&v, b"secret").unwrap();
+    v
+}
+
+#[test]
+fn a_link_planted_at_the_old_temporary_name_is_not_written_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = image(dir.path());
+    let v = victim(dir.path());
+    let side = img.with_extension("bitmaps");
+    let mut planted = side.as_os_str().to_owned();
+    planted.push("-new");
+    std::os::unix::fs::symlink(&v, &planted).unwrap();
+    let (t, _) = tracked(&img, false).unwrap();
+    t.bitmaps().add("daily", 65536).unwrap();
+    write_at(&t, 0, &[1u8; 4096]).unwrap();
+    assert_eq!(
+        std::fs::read(&v).unwrap(),
+        b"secret",
+        "the link's target kept"
+    );
+    assert!(
+        std::fs::symlink_metadata(&side)
+            .unwrap()
+            .file_type()
+            .is_file(),
+        "the sidecar is a file of its own"
+    );
+    // A mirror's copies are written the same way.
+    let a = dir.path().join("a.bitmaps");
+    let mut planted = a.as_os_str().to_owned();
+    planted.push("-new");
+    std::os::unix::fs::symlink(&v, &planted).unwrap();
+    let (bm, _) = mirror(&[&a], &[], &[1]);
+    bm.add("b0", 65536).unwrap();
+    count(&bm, 0);
+    assert_eq!(
+        std::fs::read(&v).unwrap(),
+        b"secret",
+        "the link's target kept"
+    );
+}
+
+#[test]
+fn a_sidecar_that_is_a_link_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    // A good sidecar elsewhere, linked into its place.
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::rename(&side, &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &side).unwrap();
+    let e = tracked(&img, false).err().expect("refused");
+    assert!(
+        matches!(e, Error::Io { ref path, .. } if *path == side)
+            && e.to_string().contains("symbolic link"),
+        "{e}"
+    );
+    // A mirror's copy too.
+    let a = dir.path().join("a.bitmaps");
+    std::os::unix::fs::symlink(&elsewhere, &a).unwrap();
+    let o = Options {
+        store: Store::Mirror {
+            sidecars: vec![a.clone()],
+            others: Vec::new(),
+            ident: cbt::Identity {
+                size: SIZE,
+                uuid: [7; 16],
+            },
+            generations: vec![1],
+        },
+        reset: true,
+        mode: Mode::LockFree,
+    };
+    let e = Bitmaps::open(SIZE, &o).err().expect("refused");
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+}
+
+#[test]
+fn a_sidecar_owned_by_another_user_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = with_one_bitmap(dir.path());
+    let side = img.with_extension("bitmaps");
+    // Only root can give a file away; as another user the check cannot be set up.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: skipped");
+        return;
+    }
+    std::os::unix::fs::chown(&side, Some(65534), Some(65534)).unwrap();
+    let e = tracked(&img, false).err().expect("refused");
+    assert!(
+        matches!(e, Error::Io { ref path, .. } if *path == side)
+            && e.to_string().contains("owned by uid 65534"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_bitmap_too_big_for_memory_is_refused_naming_its_size() {
+    let o = Options {
+        store: Store::Memory,
+        reset: false,
+        mode: Mode::LockFree,
+    };
+    // 2^62 bytes at 4 KiB: 2^50 bits, twice 2^47 bytes: more than any address space.
+    let (b, _) = Bitmaps::open(1 << 62, &o).unwrap();
+    let e = b.add("huge", 4096).unwrap_err();
+    assert!(matches!(e, Error::NoMemory { .. }), "{e}");
+    assert!(
+        e.to_string().contains("281474976710656 bytes of memory"),
+        "{e}"
+    );
+    assert_eq!(e.errno(), libc::ENOMEM);
+    assert!(b.list().is_empty(), "nothing added");
+}
+
+#[test]
+fn a_sidecar_naming_a_bitmap_too_big_for_memory_is_refused_naming_its_size() {
+    use cbt::sidecar::{encode_header, region_pages, Entry, Header, PAGE};
+    let dir = tempfile::tempdir().unwrap();
+    let side = dir.path().join("huge.bitmaps");
+    // A remote export of 2^62 bytes whose sidecar names one bitmap at 4 KiB (made where the
+    // memory was there, or by hand): its region is far more than any address space.
+    let ident = cbt::Identity {
+        size: 1 << 62,
+        uuid: [0; 16],
+    };
+    let h = Header {
+        seq: 2,
+        generation: 0,
+        ident,
+        entries: vec![Entry {
+            name: "huge".into(),
+            shift: 12,
+            frozen: false,
+            region: 2,
+            pages: region_pages(1 << 50),
+        }],
+    };
+    let mut b = vec![0u8; 2 * PAGE];
+    b[..PAGE].copy_from_slice(&encode_header(&h));
+    std::fs::write(&side, &b).unwrap();
+    let o = Options {
+        store: Store::File {
+            path: side.clone(),
+            image: Image::Fixed(ident),
+        },
+        reset: false,
+        mode: Mode::LockFree,
+    };
+    let e = Bitmaps::open(1 << 62, &o).err().expect("refused");
+    assert!(e.to_string().contains("bytes of memory"), "{e}");
+    assert!(e.to_string().contains(&side.display().to_string()), "{e}");
+}

@@ -58,6 +58,9 @@ pub struct Control {
     changing: Mutex<()>,
 }
 
+/// A new leg, opened and read: the device, and the leg UUID its superblock gives it.
+type NewLeg = (Arc<dyn blk::Device>, Option<[u8; 16]>);
+
 /// Whether two device specs name the same file (`file:` specs whose paths are one inode).
 fn same_file(a: &str, b: &str) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -229,44 +232,47 @@ impl Control {
         }
     }
 
-    /// Opens a new leg, refusing one that belongs to another array, and (unless `force`) one
-    /// that is not blank: what `blkq raid create` refuses without `--force` (a damaged
-    /// superblock), and a leg without a superblock that holds data where other formats keep
-    /// theirs ([`content::probe`]: a signature, or a non-zero byte in its first
-    /// [`content::BLANK_PROBE`] bytes).
-    fn open_new_leg(&self, spec: &str, force: bool) -> Result<Arc<dyn blk::Device>> {
-        // A file already in the array is locked by its leg (flock): say what it is rather
-        // than that some lock is held.
-        if let Some(slot) = (0..self.raid.slots()).find(|&i| {
-            self.raid.leg_status(i).is_some_and(|st| st.present)
+    /// The slot of a present leg that is `spec`'s device (by spec or same file), or whose UUID
+    /// is `leg_uuid` (the superblock the new leg carries): a leg already in the array.
+    fn already_in(&self, spec: &str, leg_uuid: Option<[u8; 16]>) -> Option<usize> {
+        let present = |i: usize| self.raid.leg_status(i).is_some_and(|st| st.present);
+        let by_spec = (0..self.raid.slots()).find(|&i| {
+            present(i)
                 && self
                     .specs
                     .lock()
                     .get(i)
                     .cloned()
                     .flatten()
-                    .is_some_and(|s| same_file(&s, spec))
-        }) {
-            bail!(
-                "leg {spec:?} is already in the array ({}): give a different device",
-                self.spec_name(slot)
-            );
-        }
+                    .is_some_and(|s| s == spec || same_file(&s, spec))
+        });
+        by_spec.or_else(|| {
+            let ours = self.raid.superblock(0)?;
+            let leg = leg_uuid?;
+            (0..self.raid.slots()).find(|&i| {
+                present(i) && ours.legs.get(i).is_some_and(|l| *l.uuid.as_bytes() == leg)
+            })
+        })
+    }
+
+    /// Opens a new leg, refusing one that belongs to another array, and (unless `force`) one
+    /// that is not blank: what `blkq raid create` refuses without `--force` (a damaged
+    /// superblock), and a leg without a superblock that holds data where other formats keep
+    /// theirs ([`content::probe`]: a signature, or a non-zero byte in its first
+    /// [`content::BLANK_PROBE`] bytes). Runs without the `changing` lock: connecting to a
+    /// remote leg and reading it may take up to its timeout, and no other leg change waits
+    /// for that. Returns the device and the UUID its superblock gives it (for
+    /// [`Control::check_still_new`] under the lock).
+    fn open_new_leg(&self, spec: &str, force: bool) -> Result<NewLeg> {
+        // A file already in the array is locked by its leg (flock): say what it is rather
+        // than that some lock is held.
+        self.check_still_new(spec, None)?;
         let dev = legs::open_leg(spec, &self.overrides)?;
+        let mut leg_uuid = None;
         match legs::probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
             Probe::Member(sb) => {
+                self.check_still_new(spec, Some(*sb.leg_uuid.as_bytes()))?;
                 let ours = self.raid.superblock(0);
-                if let Some(slot) = ours.as_ref().and_then(|o| {
-                    (0..self.raid.slots()).find(|&i| {
-                        self.raid.leg_status(i).is_some_and(|st| st.present)
-                            && o.legs.get(i).is_some_and(|l| l.uuid == sb.leg_uuid)
-                    })
-                }) {
-                    bail!(
-                        "leg {spec:?} is already in the array ({}): give a different device",
-                        self.spec_name(slot)
-                    );
-                }
                 if Some(sb.array_uuid) != ours.map(|o| o.array_uuid) {
                     bail!(
                         "leg {spec:?} carries the superblock of another array ({}): refusing to overwrite it. \
@@ -274,6 +280,7 @@ impl Control {
                         sb.array_uuid
                     );
                 }
+                leg_uuid = Some(*sb.leg_uuid.as_bytes());
             }
             Probe::Corrupt(e) if !force => bail!(
                 "leg {spec:?} carries a damaged raid1 superblock ({e}): refusing to overwrite it \
@@ -291,7 +298,19 @@ impl Control {
             }
             Probe::Corrupt(_) | Probe::Blank => {}
         }
-        Ok(dev)
+        Ok((dev, leg_uuid))
+    }
+
+    /// Refuses a new leg that is already in the array (checked again under the `changing`
+    /// lock: another command may have added it while this one opened it).
+    fn check_still_new(&self, spec: &str, leg_uuid: Option<[u8; 16]>) -> Result<()> {
+        match self.already_in(spec, leg_uuid) {
+            Some(slot) => bail!(
+                "leg {spec:?} is already in the array ({}): give a different device",
+                self.spec_name(slot)
+            ),
+            None => Ok(()),
+        }
     }
 
     fn dispatch(&self, line: &str) -> Result<serde_json::Value> {
@@ -299,7 +318,22 @@ impl Control {
         if !cmd.changes_array() {
             return Ok(json!({ "ok": true, "report": self.report() }));
         }
+        // A new leg is opened and checked before the lock is taken: a leg change waits for
+        // nothing remote (a silent server held `raid fail` behind a pending `raid add`).
+        let new_leg = match &cmd {
+            Command::Add { force, spec, .. } | Command::Replace { force, spec, .. } => {
+                Some(self.open_new_leg(spec, *force)?)
+            }
+            _ => None,
+        };
         let _changing = self.changing.lock();
+        let new_leg = |spec: &str| -> Result<Arc<dyn blk::Device>> {
+            let Some((dev, leg_uuid)) = new_leg.clone() else {
+                bail!("leg {spec:?}: not opened");
+            };
+            self.check_still_new(spec, leg_uuid)?;
+            Ok(dev)
+        };
         let ok = |m: String| Ok(json!({ "ok": true, "message": m }));
         let r = &self.raid;
         match cmd {
@@ -326,11 +360,11 @@ impl Control {
                 ok(format!("{name} removed"))
             }
             Command::Add {
-                force,
+                force: _,
                 discard,
                 spec,
             } => {
-                let dev = self.open_new_leg(&spec, force)?;
+                let dev = new_leg(&spec)?;
                 let added = if discard {
                     r.add_leg_discarding(dev)
                 } else {
@@ -353,9 +387,13 @@ impl Control {
                 let _ = r.set_sync_action(SyncAction::Recover);
                 ok(format!("{spec} added in slot {n}: recovering"))
             }
-            Command::Replace { force, leg, spec } => {
+            Command::Replace {
+                force: _,
+                leg,
+                spec,
+            } => {
                 let n = self.slot(&leg, "replace")?;
-                let dev = self.open_new_leg(&spec, force)?;
+                let dev = new_leg(&spec)?;
                 let raid = r.clone();
                 let specs = self.specs.clone();
                 let name = self.spec_name(n);
@@ -583,5 +621,50 @@ mod tests {
         // The last in-sync leg, by spec, is refused like by slot.
         let e = err(&ctl, &format!("fail {}", specs[0]));
         assert!(e.contains("last in-sync leg"), "{e}");
+    }
+
+    /// A new leg behind a server that accepts and never answers: `add` waits for it (up to
+    /// the leg's timeout), and meanwhile another leg change is answered at once.
+    #[test]
+    fn a_leg_change_is_answered_while_an_add_waits_for_a_silent_server() {
+        let d = tempfile::tempdir().unwrap();
+        let (ctl, _) = mirror(d.path());
+        let ctl = Arc::new(ctl);
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        // Accepts, holds the connections, says nothing.
+        let held = thread::spawn(move || {
+            let mut conns = Vec::new();
+            silent.set_nonblocking(true).unwrap();
+            let until = std::time::Instant::now() + Duration::from_secs(6);
+            while std::time::Instant::now() < until {
+                match silent.accept() {
+                    Ok((c, _)) => conns.push(c),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        let adding = {
+            let ctl = ctl.clone();
+            thread::spawn(move || {
+                ctl.handle(&format!(
+                    "add nbd://127.0.0.1:{port}/x,timeout=3,reconnect_deadline=0"
+                ))
+            })
+        };
+        // Let the add connect and wait for its greeting.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = std::time::Instant::now();
+        let m = ok(&ctl, "fail 1");
+        assert!(m.contains("faulty"), "{m}");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "fail answered after {:?}, behind the pending add",
+            t.elapsed()
+        );
+        assert!(!adding.is_finished(), "the add was still waiting");
+        let v = adding.join().unwrap();
+        assert_eq!(v["ok"], false, "{v}");
+        held.join().unwrap();
     }
 }

@@ -238,7 +238,8 @@ impl Config {
     }
 
     /// Joins `dir` (the file's directory) to every relative path of the file: the socket, the
-    /// certificates directory, control sockets, and the paths of `file:` device specs.
+    /// certificates directory, control sockets, and the paths inside device specs
+    /// ([`spec_from`]).
     fn paths_from(&mut self, dir: &Path, src: &Source) -> Result<()> {
         let join = |p: &mut PathBuf| {
             if p.is_relative() {
@@ -371,10 +372,18 @@ fn export_names(e: &ExportArgs) -> Result<Vec<String>> {
     Ok(e.exports.clone())
 }
 
-/// `spec` with the path of a `file:` spec joined to `dir` when it is relative; other specs as
-/// they are.
+/// `spec` with every relative path in it joined to `dir` (the config file's directory), as
+/// every other path of the file is: a `file:` spec's path, `bitmaps=` of any spec, `conf=` and
+/// `keyring=` of an `rbd:` spec, and `socket=` and `tls-certificates=` in the query of a
+/// remote export's URI.
 fn spec_from(spec: &str, dir: &Path) -> Result<String> {
-    let spec = &bitmaps_from(spec, dir)?;
+    let spec = &options_from(spec, dir, &["bitmaps"])?;
+    if nbd::remote::RemoteSpec::is_remote(spec) {
+        return Ok(query_from(spec, dir));
+    }
+    if spec.starts_with("rbd:") {
+        return options_from(spec, dir, &["conf", "keyring"]);
+    }
     let Some(rest) = spec.strip_prefix("file:") else {
         return Ok(spec.to_string());
     };
@@ -399,26 +408,74 @@ fn spec_from(spec: &str, dir: &Path) -> Result<String> {
     })
 }
 
-/// A device spec whose relative `bitmaps=PATH` option (the dirty bitmaps' sidecar) is made
-/// relative to `dir`, as its `file:` path is.
-fn bitmaps_from(spec: &str, dir: &Path) -> Result<String> {
+/// A device spec whose relative `KEY=PATH` options (`keys`) are made relative to `dir`, as its
+/// `file:` path is (`bitmaps=off` is no path).
+fn options_from(spec: &str, dir: &Path, keys: &[&str]) -> Result<String> {
     let mut parts = Vec::new();
     for (i, part) in spec.split(',').enumerate() {
-        match part.strip_prefix("bitmaps=") {
-            Some(v) if i > 0 && !v.is_empty() && v != "off" && Path::new(v).is_relative() => {
-                let full = dir.join(v);
+        let path = part
+            .split_once('=')
+            .filter(|(k, v)| {
+                i > 0
+                    && keys.contains(k)
+                    && !v.is_empty()
+                    && !(*k == "bitmaps" && *v == "off")
+                    && Path::new(v).is_relative()
+            })
+            .map(|(k, v)| (k, dir.join(v)));
+        match path {
+            Some((k, full)) => {
                 let Some(full) = full.to_str().filter(|f| !f.contains(',')) else {
                     bail!(
-                        "bitmaps={v}: the path is relative to the config file's directory, {},                          whose name a device spec cannot hold: write the path absolute",
+                        "{part}: the path is relative to the config file's directory, {}, whose \
+                         name a device spec cannot hold (a comma, or not UTF-8): write the path \
+                         absolute",
                         dir.display()
                     );
                 };
-                parts.push(format!("bitmaps={full}"));
+                parts.push(format!("{k}={full}"));
             }
-            _ => parts.push(part.to_string()),
+            None => parts.push(part.to_string()),
         }
     }
     Ok(parts.join(","))
+}
+
+/// A remote export's URI whose relative `socket=` and `tls-certificates=` query values are
+/// made relative to `dir` (written `%XX`-escaped, as the URI's values are read).
+fn query_from(spec: &str, dir: &Path) -> String {
+    let Some(at) = spec.find('?') else {
+        return spec.to_string();
+    };
+    let (head, query) = spec.split_at(at + 1);
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((k @ ("socket" | "tls-certificates"), v))
+                if !v.is_empty()
+                    && !v.starts_with('/')
+                    && !v.to_ascii_lowercase().starts_with("%2f") =>
+            {
+                format!("{k}={}/{v}", uri_escape(dir))
+            }
+            _ => p.to_string(),
+        })
+        .collect();
+    format!("{head}{}", params.join("&"))
+}
+
+/// `%XX`-escapes every byte of a path but unreserved URI characters and `/`.
+fn uri_escape(p: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in p.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -440,6 +497,41 @@ mod tests {
             spec_from("mem:1G,bitmaps=/abs.bm", d).unwrap(),
             "mem:1G,bitmaps=/abs.bm"
         );
+    }
+
+    #[test]
+    fn relative_paths_inside_remote_and_rbd_specs_are_from_the_files_directory() {
+        let d = Path::new("/etc/blkq");
+        assert_eq!(
+            spec_from("nbd+unix:///exp?socket=s.sock,timeout=3", d).unwrap(),
+            "nbd+unix:///exp?socket=/etc/blkq/s.sock,timeout=3"
+        );
+        assert_eq!(
+            spec_from("nbds://h/e?tls-certificates=pki&tls-hostname=x", d).unwrap(),
+            "nbds://h/e?tls-certificates=/etc/blkq/pki&tls-hostname=x"
+        );
+        assert_eq!(
+            spec_from("nbds+unix:///?socket=/abs.sock&tls-certificates=pki", d).unwrap(),
+            "nbds+unix:///?socket=/abs.sock&tls-certificates=/etc/blkq/pki"
+        );
+        assert_eq!(
+            spec_from("nbd://h:10809/e,timeout=3", d).unwrap(),
+            "nbd://h:10809/e,timeout=3"
+        );
+        assert_eq!(
+            spec_from("rbd:rbd/img,conf=ceph.conf,keyring=k,lock=on", d).unwrap(),
+            "rbd:rbd/img,conf=/etc/blkq/ceph.conf,keyring=/etc/blkq/k,lock=on"
+        );
+        // A directory whose name a URI must escape: the spec parses back to the path.
+        let odd = Path::new("/srv/a b&c%d,e");
+        let spec = spec_from("nbd+unix:///x?socket=s%2Esock,depth=4", odd).unwrap();
+        let r = nbd::remote::RemoteSpec::parse(&spec).unwrap();
+        assert_eq!(
+            r.addr,
+            nbd::remote::RemoteAddr::Unix(odd.join("s.sock")),
+            "{spec}"
+        );
+        assert_eq!(r.depth, 4, "{spec}");
     }
 
     fn args(devices: &[&str], exports: &[&str], raid1: Option<&str>) -> ExportArgs {
