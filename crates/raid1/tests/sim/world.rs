@@ -75,8 +75,8 @@ pub struct Shape {
     /// leg's writes after 0.5-2.5 ms more (so write-behind lasts).
     pub latency_us: u64,
     /// With write-behind, for half the seeds: the write-mostly leg is behind a slow link, its
-    /// data writes complete 20-80 ms late (0: no slow link), longer than raid1d's tick and
-    /// the bitmap's quiet time, so the lazy clearing meets writes still behind.
+    /// data writes complete 40-80 ms late (0: no slow link), longer than two of raid1d's
+    /// ticks and the bitmap's quiet time, so the lazy clearing meets writes still behind.
     pub slow_link_ms: u64,
 }
 
@@ -114,7 +114,7 @@ impl Shape {
         self.readd = rng.chance(500);
         self.latency_us = [0, 0, 50, 300][rng.below(4) as usize];
         if self.write_behind > 0 && rng.chance(500) {
-            self.slow_link_ms = 20;
+            self.slow_link_ms = 40;
         }
         self
     }
@@ -300,7 +300,7 @@ impl World {
                 Rule::delay(
                     OpSet::WRITE,
                     Duration::from_millis(self.shape.slow_link_ms),
-                    Duration::from_millis(3 * self.shape.slow_link_ms),
+                    Duration::from_millis(self.shape.slow_link_ms),
                 )
                 .in_range(d, u64::MAX - d),
             );
@@ -1062,7 +1062,14 @@ impl World {
         // A third of the cuts come a moment after the last operation, as on a machine that
         // loses power while idle: raid1d's tick passes first (lazy bit clearing, superblock
         // writes) while writes may still be behind on a slow link.
-        if self.rng.chance(300) {
+        if self.shape.slow_link_ms > 0 && self.rng.chance(500) {
+            // Half the cuts of a slow link's seed come while a write is behind on it, after
+            // raid1d's lazy clearing had time to run (two ticks): its bit must still be set.
+            let (off, len) = self.range(256 << 10);
+            self.write_at(off, len);
+            self.say("idle 50 ms, a write behind".into());
+            std::thread::sleep(Duration::from_millis(50));
+        } else if self.rng.chance(300) {
             let ms = 25 + self.rng.below(50);
             self.say(format!("idle {ms} ms"));
             std::thread::sleep(Duration::from_millis(ms));
