@@ -64,9 +64,16 @@ pub(crate) fn set_send_buffer(fd: RawFd, bytes: usize) -> io::Result<()> {
 
 /// TCP keepalive on a connected socket: after `idle` without traffic, a probe every
 /// `interval`; the kernel gives the connection up (`ETIMEDOUT`) when `count` probes go
-/// unanswered, or when data (a FIN too) stays unacknowledged for `idle + count * interval`
-/// (`TCP_USER_TIMEOUT`). Seconds, at most 32767 (the kernel's limit).
-pub(crate) fn set_keepalive(fd: RawFd, idle: u32, interval: u32, count: u32) -> io::Result<()> {
+/// unanswered (seconds, at most 32767: the kernel's limit), or when data (a FIN too) stays
+/// unacknowledged for `user_timeout` (`TCP_USER_TIMEOUT`, in milliseconds: not rounded up to
+/// seconds as the probes are, so a sub-second request timeout keeps a sub-second bound).
+pub(crate) fn set_keepalive(
+    fd: RawFd,
+    idle: u32,
+    interval: u32,
+    count: u32,
+    user_timeout: std::time::Duration,
+) -> io::Result<()> {
     let secs = |s: u32| s.clamp(1, 32767) as libc::c_int;
     let (idle, interval, count) = (
         secs(idle),
@@ -77,12 +84,37 @@ pub(crate) fn set_keepalive(fd: RawFd, idle: u32, interval: u32, count: u32) -> 
     set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle)?;
     set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
     set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, count)?;
-    let user_ms = (i64::from(idle) + i64::from(count) * i64::from(interval)) * 1000;
-    let user_ms = user_ms.min(i64::from(libc::c_int::MAX)) as libc::c_int;
+    let user_ms = user_timeout.as_millis().clamp(1, libc::c_int::MAX as u128) as libc::c_int;
     set_int_option(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_ms)
 }
 
 /// `setsockopt(fd, level, name, &v)` for an `int` option.
+/// `getsockopt(fd, level, name)` for an `int` option (tests read back what was set).
+#[cfg(test)]
+pub(crate) fn int_option(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are live and `len` is the size of `v`; getsockopt writes at most
+    // that many bytes into `v`. A bad `fd` gives EBADF/ENOTSOCK.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            name,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
 fn set_int_option(
     fd: RawFd,
     level: libc::c_int,

@@ -311,6 +311,9 @@ impl World {
             Arc::new(Forward::with_hook(rdev.clone(), HoldHook(hold.clone())));
         let server = serve(&back, &export);
         let link = Link::start(&dir.path().join("front.sock"), &back);
+        // A TCP link would be given up by the client's kernel after ten timeouts of unacked
+        // data (`TCP_USER_TIMEOUT`, as blkq sets it): what it held then never crosses.
+        link.set_user_timeout(shape.timeout * 10);
         let spec = RemoteSpec {
             addr: RemoteAddr::Unix(link.front().to_path_buf()),
             export: String::new(),

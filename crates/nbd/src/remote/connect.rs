@@ -91,14 +91,23 @@ pub(super) fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
 const KEEPALIVE_PROBES: u32 = 9;
 
 /// TCP keepalive on a connection to the server: a probe after `timeout` of silence, then
-/// every `timeout`; after [`KEEPALIVE_PROBES`] unanswered (or data or a FIN unacknowledged as
-/// long: ten times the timeout in all) the kernel gives the connection up. That bounds how
+/// every `timeout` (whole seconds, at least one); after [`KEEPALIVE_PROBES`] unanswered, or
+/// data or a FIN unacknowledged for ten times the timeout (`TCP_USER_TIMEOUT`, exact to the
+/// millisecond), the kernel gives the connection up and stops sending what it held: so it is
+/// given up before the drain's own bound (ten timeouts from the give-up, itself a timeout
+/// after the oldest request), and nothing the client abandoned crosses later. That bounds how
 /// long the device waits for an old connection it gave up to end when the server cannot be
 /// heard at all (a cut link, a host gone): see "The old connection" in `table`. A live
 /// server's host answers the probes, so a server still busy with a request is waited for.
 fn keepalive(s: &TcpStream, timeout: Duration) -> io::Result<()> {
     let t = u32::try_from(timeout.as_secs()).unwrap_or(u32::MAX).max(1);
-    crate::sys::set_keepalive(s.as_raw_fd(), t, t, KEEPALIVE_PROBES)
+    crate::sys::set_keepalive(
+        s.as_raw_fd(),
+        t,
+        t,
+        KEEPALIVE_PROBES,
+        timeout * (KEEPALIVE_PROBES + 1),
+    )
 }
 
 /// Negotiates on a dialed `stream`: every step bounded by the spec's timeout; the stream's
@@ -192,4 +201,25 @@ pub(super) fn limits_of(details: &ExportDetails) -> Result<Limits, String> {
         logical_block_size: lbs,
         max_io_bytes: max_io,
     })
+}
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
+
+    /// The kernel gives a connection with unacknowledged data up after ten request timeouts
+    /// exactly, before the drain's own bound of ten timeouts from the give-up: with a
+    /// sub-second timeout too (rounded up to whole seconds, a 100 ms timeout gave the kernel
+    /// ten seconds, and bytes the drain had abandoned could still cross after it).
+    #[test]
+    fn the_kernel_gives_unacknowledged_data_up_after_ten_timeouts_to_the_millisecond() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        super::keepalive(&s, Duration::from_millis(100)).unwrap();
+        let v = crate::sys::int_option(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT)
+            .unwrap();
+        assert_eq!(v, 1000, "TCP_USER_TIMEOUT in ms");
+    }
 }

@@ -7,7 +7,10 @@
 //! A partition loses no byte: what was sent waits in the sockets' buffers and crosses when
 //! the link heals, so a request the server had not received runs after the heal, and a reply
 //! the client had not received arrives late, as TCP does across a partition shorter than its
-//! retransmission limit.
+//! retransmission limit. With a **user timeout** set ([`Link::set_user_timeout`], the client's
+//! `TCP_USER_TIMEOUT`), a partition longer than it ends the connections it held once it has
+//! lasted that long: their held bytes never cross (the client's kernel stopped retransmitting
+//! them and gave the connection up; the server learns it at the heal).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown;
@@ -24,12 +27,31 @@ const POLL: Duration = Duration::from_millis(2);
 struct State {
     /// Until when nothing crosses (`None`: the link is up).
     cut_until: Mutex<Option<Instant>>,
-    /// Every connection's two sockets (client side, server side), to reset them.
-    conns: Mutex<Vec<(UnixStream, UnixStream)>>,
+    /// Every connection's two sockets (client side, server side) and its end flag, to reset
+    /// them.
+    conns: Mutex<Vec<Conn>>,
+    /// The client's `TCP_USER_TIMEOUT`, if the link models one.
+    user_timeout: Mutex<Option<Duration>>,
     /// Set when the link is dropped: every thread leaves.
     stop: AtomicBool,
     /// Connections made across the link.
     accepted: AtomicU64,
+}
+
+/// One connection across the link: its two sockets and whether it was ended (nothing more
+/// crosses).
+struct Conn {
+    client: UnixStream,
+    server: UnixStream,
+    ended: Arc<AtomicBool>,
+}
+
+impl Conn {
+    fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        let _ = self.client.shutdown(Shutdown::Both);
+        let _ = self.server.shutdown(Shutdown::Both);
+    }
 }
 
 impl State {
@@ -62,6 +84,7 @@ impl Link {
         let state = Arc::new(State {
             cut_until: Mutex::new(None),
             conns: Mutex::new(Vec::new()),
+            user_timeout: Mutex::new(None),
             stop: AtomicBool::new(false),
             accepted: AtomicU64::new(0),
         });
@@ -75,16 +98,19 @@ impl Link {
                             continue;
                         };
                         let _ = client.set_nonblocking(false);
-                        st.conns
-                            .lock()
-                            .unwrap()
-                            .push((client.try_clone().unwrap(), server.try_clone().unwrap()));
+                        let ended = Arc::new(AtomicBool::new(false));
+                        st.conns.lock().unwrap().push(Conn {
+                            client: client.try_clone().unwrap(),
+                            server: server.try_clone().unwrap(),
+                            ended: ended.clone(),
+                        });
                         pump(
                             &st,
                             client.try_clone().unwrap(),
                             server.try_clone().unwrap(),
+                            ended.clone(),
                         );
-                        pump(&st, server, client);
+                        pump(&st, server, client, ended);
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => thread::sleep(POLL),
                     Err(_) => thread::sleep(POLL),
@@ -102,9 +128,41 @@ impl Link {
         &self.front
     }
 
-    /// Nothing crosses for `d` from now (a partition that heals by itself).
+    /// Nothing crosses for `d` from now (a partition that heals by itself). Longer than the
+    /// user timeout, it ends the connections open now once it has lasted that long.
     pub fn partition(&self, d: Duration) {
         *self.state.cut_until.lock().unwrap() = Some(Instant::now() + d);
+        let Some(ut) = *self.state.user_timeout.lock().unwrap() else {
+            return;
+        };
+        if d <= ut {
+            return;
+        }
+        let held: Vec<Arc<AtomicBool>> = self
+            .state
+            .conns
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| c.ended.clone())
+            .collect();
+        let st = self.state.clone();
+        thread::spawn(move || {
+            thread::sleep(ut);
+            let mut conns = st.conns.lock().unwrap();
+            conns.retain(|c| {
+                let gone = held.iter().any(|h| Arc::ptr_eq(h, &c.ended));
+                if gone {
+                    c.end();
+                }
+                !gone
+            });
+        });
+    }
+
+    /// The client's `TCP_USER_TIMEOUT` (see the module docs).
+    pub fn set_user_timeout(&self, d: Duration) {
+        *self.state.user_timeout.lock().unwrap() = Some(d);
     }
 
     /// Whether the link is partitioned now.
@@ -114,9 +172,8 @@ impl Link {
 
     /// Every connection across the link ends now, both ways (the far host went down).
     pub fn reset(&self) {
-        for (a, b) in self.state.conns.lock().unwrap().drain(..) {
-            let _ = a.shutdown(Shutdown::Both);
-            let _ = b.shutdown(Shutdown::Both);
+        for c in self.state.conns.lock().unwrap().drain(..) {
+            c.end();
         }
     }
 
@@ -135,13 +192,16 @@ impl Drop for Link {
 }
 
 /// Copies `from` to `to` while the link is up; the end of `from` half-closes `to`, an error
-/// closes both.
-fn pump(st: &Arc<State>, mut from: UnixStream, mut to: UnixStream) {
+/// closes both; a connection `ended` forwards nothing more.
+fn pump(st: &Arc<State>, mut from: UnixStream, mut to: UnixStream, ended: Arc<AtomicBool>) {
     let st = st.clone();
     let _ = from.set_read_timeout(Some(POLL));
     thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
         while !st.stop.load(Ordering::SeqCst) {
+            if ended.load(Ordering::SeqCst) {
+                return;
+            }
             if st.cut() {
                 thread::sleep(POLL);
                 continue;
@@ -152,7 +212,7 @@ fn pump(st: &Arc<State>, mut from: UnixStream, mut to: UnixStream) {
                     return;
                 }
                 Ok(n) => {
-                    if to.write_all(&buf[..n]).is_err() {
+                    if ended.load(Ordering::SeqCst) || to.write_all(&buf[..n]).is_err() {
                         let _ = from.shutdown(Shutdown::Both);
                         return;
                     }
