@@ -206,7 +206,8 @@ fn sim() {
     println!(
         "sim coverage: degraded {:.0}% of operations, {} checks of a whole array, {} crashes \
          mid-sync, {}/{} superblock cuts held, {} errors accepted as due, {} leg writes kept \
-         and {} torn at a cut, {} sectors pinned by a read and {} reads of a pinned one",
+         and {} torn at a cut, {} sectors pinned by a read and {} reads of a pinned one, {} \
+         dirty bitmap commands and {} granules found dirty as owed",
         pct(t.degraded_ops, t.ops),
         t.whole_checks,
         t.crashes_mid_sync,
@@ -216,7 +217,9 @@ fn sim() {
         t.writes_kept,
         t.writes_torn,
         t.pins,
-        t.pin_hits
+        t.pin_hits,
+        t.bitmap_ops,
+        t.granules_checked
     );
     if keep_going {
         println!(

@@ -14,11 +14,13 @@
 //! operations go on, and batches of writes are in flight together: the schedule replays, the
 //! interleaving is the machine's, and the oracle does not depend on it.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Op, SECTOR_SHIFT};
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Partial, Rule};
+use cbt::{Bitmaps, Identity, Image, Options, Store, Tracked};
 use raid1::barrier::BARRIER_UNIT_SECTORS;
 use raid1::superblock::{BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
@@ -78,6 +80,9 @@ pub struct Shape {
     /// data writes complete 40-80 ms late (0: no slow link), longer than two of raid1d's
     /// ticks and the bitmap's quiet time, so the lazy clearing meets writes still behind.
     pub slow_link_ms: u64,
+    /// Changed-block tracking over the array (half the seeds): dirty bitmaps in a sidecar
+    /// file, added, rotated, cleared and removed by the schedule, reopened at every assembly.
+    pub cbt: bool,
 }
 
 impl Shape {
@@ -101,6 +106,7 @@ impl Shape {
             readd: false,
             latency_us: 0,
             slow_link_ms: 0,
+            cbt: false,
         }
         .with_remote_options(rng)
     }
@@ -116,6 +122,7 @@ impl Shape {
         if self.write_behind > 0 && rng.chance(500) {
             self.slow_link_ms = 40;
         }
+        self.cbt = rng.chance(500);
         self
     }
 
@@ -168,6 +175,10 @@ pub struct Stats {
     /// Sectors pinned by a read, and reads of a pinned sector.
     pub pins: u64,
     pub pin_hits: u64,
+    /// Dirty bitmap commands run, and granules found dirty as owed (after commands and
+    /// reopenings).
+    pub bitmap_ops: u64,
+    pub granules_checked: u64,
 }
 
 impl std::ops::AddAssign for Stats {
@@ -189,6 +200,8 @@ impl std::ops::AddAssign for Stats {
         self.writes_torn += o.writes_torn;
         self.pins += o.pins;
         self.pin_hits += o.pin_hits;
+        self.bitmap_ops += o.bitmap_ops;
+        self.granules_checked += o.granules_checked;
     }
 }
 
@@ -200,12 +213,34 @@ struct Armed {
     range: Option<(u64, u64)>,
 }
 
+/// A dirty bitmap as the oracle knows it: the granules written since it was added or cleared
+/// (while it recorded), each of which it (or the bitmap a rotation started from it) must
+/// mark dirty, after any crash too.
+struct Owed {
+    name: String,
+    grain: u64,
+    recording: bool,
+    /// The bitmap `rotate` started from this one.
+    successor: Option<String>,
+    granules: BTreeSet<u64>,
+}
+
+/// The changed-block tracking of a `cbt` seed: the tracked array, its sidecar's directory,
+/// and what each bitmap owes.
+struct Cbt {
+    tracked: Option<Arc<Tracked>>,
+    dir: tempfile::TempDir,
+    owed: Vec<Owed>,
+    next: u32,
+}
+
 pub struct World {
     pub seed: u64,
     rng: Rng,
     pub shape: Shape,
     legs: Vec<Leg>,
-    r: Option<Raid1>,
+    r: Option<Arc<Raid1>>,
+    cbt: Option<Cbt>,
     model: Model,
     lbs: u64,
     next_w: u32,
@@ -231,6 +266,7 @@ impl World {
             shape: shape.clone(),
             legs: Vec::new(),
             r: None,
+            cbt: None,
             model: Model::new(0),
             lbs: 512,
             next_w: 1,
@@ -249,9 +285,18 @@ impl World {
         w.lbs = u64::from(r.limits().logical_block_size);
         w.model = Model::new(cap / SECTOR as u64);
         r.set_speed_limits(1000, FAST);
-        w.r = Some(r);
+        w.r = Some(Arc::new(r));
         w.freeze();
         w.slow_links();
+        if shape.cbt {
+            w.cbt = Some(Cbt {
+                tracked: None,
+                dir: tempfile::tempdir().expect("a directory for the sidecar"),
+                owed: Vec::new(),
+                next: 0,
+            });
+            w.open_bitmaps();
+        }
         w.say(format!("create {shape:?} capacity {cap}"));
         w
     }
@@ -451,7 +496,167 @@ impl World {
     }
 
     fn r(&self) -> &Raid1 {
-        self.r.as_ref().expect("an assembled array")
+        self.r.as_deref().expect("an assembled array")
+    }
+
+    /// Where the data path goes: the tracked array in a `cbt` seed, else the array.
+    fn dev(&self) -> &dyn Device {
+        match self.cbt.as_ref().and_then(|c| c.tracked.as_deref()) {
+            Some(t) => t,
+            None => self.r(),
+        }
+    }
+
+    /// A change of `off+len` is about to go down: every recording bitmap owes its granules.
+    fn owe(&mut self, off: u64, len: u64) {
+        let Some(c) = self.cbt.as_mut() else { return };
+        for o in c.owed.iter_mut().filter(|o| o.recording) {
+            for g in off / o.grain..(off + len.max(1)).div_ceil(o.grain) {
+                o.granules.insert(g);
+            }
+        }
+    }
+
+    /// Opens the bitmaps from the sidecar (at creation: none yet) over the array now
+    /// assembled, and checks them against what they owe.
+    fn open_bitmaps(&mut self) {
+        let cap = self.r().limits().capacity;
+        let r: Arc<dyn Device> = self.r.clone().expect("an array");
+        let Some(c) = self.cbt.as_mut() else { return };
+        let opts = Options {
+            store: Store::File {
+                path: c.dir.path().join("sim.bitmaps"),
+                image: Image::Fixed(Identity {
+                    size: cap,
+                    uuid: [7; 16],
+                }),
+            },
+            reset: false,
+            mode: cbt::Mode::LockFree,
+        };
+        let (bitmaps, _) = Bitmaps::open(cap, &opts)
+            .unwrap_or_else(|e| panic!("the dirty bitmaps did not reopen: {e}"));
+        c.tracked = Some(Arc::new(Tracked::new(r, bitmaps)));
+        self.check_bitmaps("reopened");
+    }
+
+    /// The bitmaps listed are those the oracle knows, recording or frozen as it knows them,
+    /// and each granule a bitmap owes is dirty in it or in the bitmap rotated from it.
+    fn check_bitmaps(&mut self, when: &str) {
+        let Some(c) = self.cbt.as_ref() else { return };
+        let Some(t) = c.tracked.as_ref() else { return };
+        let bm = t.bitmaps();
+        let list = bm.list();
+        let have: Vec<(String, bool)> =
+            list.iter().map(|i| (i.name.clone(), i.recording)).collect();
+        let want: Vec<(String, bool)> = c
+            .owed
+            .iter()
+            .map(|o| (o.name.clone(), o.recording))
+            .collect();
+        assert_eq!(
+            have, want,
+            "the dirty bitmaps {when}: listed (name, recording) vs known"
+        );
+        for o in &c.owed {
+            for &g in &o.granules {
+                let at = g * o.grain;
+                let dirty = bm.is_dirty(&o.name, at).unwrap_or(false)
+                    || o.successor
+                        .as_ref()
+                        .is_some_and(|n| bm.is_dirty(n, at).unwrap_or(false));
+                assert!(
+                    dirty,
+                    "dirty bitmap {:?} ({when}): granule at byte {at} was written since it \
+                     was added or cleared, but it is clean (and in its successor {:?})",
+                    o.name, o.successor
+                );
+            }
+        }
+        self.stats.granules_checked += c.owed.iter().map(|o| o.granules.len() as u64).sum::<u64>();
+    }
+
+    /// A bitmap command: add, rotate, clear or remove, then a check of them all.
+    fn bitmap_op(&mut self) {
+        let Some(c) = self.cbt.as_ref() else {
+            return self.read();
+        };
+        let n = c.owed.len();
+        let pick = |w: &mut Self, f: &dyn Fn(&Owed) -> bool| -> Option<usize> {
+            let c = w.cbt.as_ref()?;
+            let cands: Vec<usize> = (0..c.owed.len()).filter(|&i| f(&c.owed[i])).collect();
+            (!cands.is_empty()).then(|| cands[w.rng.below(cands.len() as u64) as usize])
+        };
+        let what = self.rng.below(4);
+        let c = self.cbt.as_ref().expect("cbt");
+        let t = c.tracked.clone().expect("tracked bitmaps");
+        let bm = t.bitmaps();
+        let said = match what {
+            0 | 1 if n < 4 || what == 0 && n < 6 => {
+                let grain = [64 << 10, 256 << 10, 1 << 20][self.rng.below(3) as usize];
+                let c = self.cbt.as_mut().expect("cbt");
+                let name = format!("b{}", c.next);
+                c.next += 1;
+                bm.add(&name, grain).expect("add a bitmap");
+                c.owed.push(Owed {
+                    name: name.clone(),
+                    grain,
+                    recording: true,
+                    successor: None,
+                    granules: BTreeSet::new(),
+                });
+                format!("bitmap add {name} granularity {grain}")
+            }
+            1 => match pick(self, &|o| o.recording) {
+                Some(i) => {
+                    let c = self.cbt.as_mut().expect("cbt");
+                    let new = format!("b{}", c.next);
+                    c.next += 1;
+                    let old = c.owed[i].name.clone();
+                    bm.rotate(&old, &new).expect("rotate a bitmap");
+                    let grain = c.owed[i].grain;
+                    c.owed[i].recording = false;
+                    c.owed[i].successor = Some(new.clone());
+                    c.owed.push(Owed {
+                        name: new.clone(),
+                        grain,
+                        recording: true,
+                        successor: None,
+                        granules: BTreeSet::new(),
+                    });
+                    format!("bitmap rotate {old} -> {new}")
+                }
+                None => "bitmap rotate: none recording".into(),
+            },
+            2 => match pick(self, &|_| true) {
+                Some(i) => {
+                    let c = self.cbt.as_mut().expect("cbt");
+                    let name = c.owed[i].name.clone();
+                    bm.clear(&name).expect("clear a bitmap");
+                    c.owed[i].granules.clear();
+                    // A frozen one cleared owes nothing; a recording one from now on.
+                    format!("bitmap clear {name}")
+                }
+                None => "bitmap clear: none".into(),
+            },
+            _ => match pick(self, &|o| !o.recording) {
+                Some(i) => {
+                    let c = self.cbt.as_mut().expect("cbt");
+                    let name = c.owed.remove(i).name;
+                    bm.remove(&name).expect("remove a bitmap");
+                    for o in &mut c.owed {
+                        if o.successor.as_deref() == Some(name.as_str()) {
+                            o.successor = None;
+                        }
+                    }
+                    format!("bitmap remove {name}")
+                }
+                None => "bitmap remove: none frozen".into(),
+            },
+        };
+        self.say(said);
+        self.stats.bitmap_ops += 1;
+        self.check_bitmaps("after a command");
     }
 
     fn say(&mut self, s: String) {
@@ -561,6 +766,7 @@ impl World {
             925..=934 => self.crash_during_superblock_write(),
             935..=949 => self.crash_mid_sync(),
             950..=974 => self.reads(),
+            975..=989 => self.bitmap_op(),
             _ => self.read(),
         }
     }
@@ -590,7 +796,8 @@ impl World {
             bio.flags = BioFlags::FUA;
         }
         let serving = self.serving();
-        let res = submit_wait(self.r(), bio).1;
+        self.owe(off, len);
+        let res = submit_wait(self.dev(), bio).1;
         self.say(format!("write w{w} {off}+{len} fua={fua}: {res:?}"));
         self.record("write", off, len, w, fua, res, &serving);
     }
@@ -646,7 +853,8 @@ impl World {
             bio.flags = BioFlags::FUA;
         }
         let serving = self.serving();
-        let res = submit_wait(self.r(), bio).1;
+        self.owe(off, len);
+        let res = submit_wait(self.dev(), bio).1;
         self.say(format!("{op:?} {off}+{len} fua={fua}: {res:?}"));
         self.record("zeroing", off, len, 0, fua, res, &serving);
     }
@@ -655,7 +863,7 @@ impl World {
         self.repin();
         let serving = self.serving();
         let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
-        let (b, res) = submit_wait(self.r(), bio);
+        let (b, res) = submit_wait(self.dev(), bio);
         self.read_done(off, len, b, res, &serving);
     }
 
@@ -697,7 +905,7 @@ impl World {
         let end: Arc<dyn EndIo> = col.clone();
         for &(off, len) in &ranges {
             let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
-            self.r().submit(bio, &end);
+            self.dev().submit(bio, &end);
         }
         for (bio, res) in col.wait_for(ranges.len()) {
             let len = bio.buf.as_ref().map_or(0, |b| b.len() as u64);
@@ -727,7 +935,7 @@ impl World {
 
     fn flush(&mut self) {
         let serving = self.serving();
-        let res = submit_wait(self.r(), Bio::new(Op::Flush, 0, 0)).1;
+        let res = submit_wait(self.dev(), Bio::new(Op::Flush, 0, 0)).1;
         self.say(format!("flush: {res:?}"));
         match res {
             Ok(()) => self.model.flushed(),
@@ -1009,7 +1217,8 @@ impl World {
             if fua {
                 bio.flags = BioFlags::FUA;
             }
-            self.r().submit(bio, &end);
+            self.owe(off, len);
+            self.dev().submit(bio, &end);
         }
         if crash {
             for &(off, len, w, _) in &ranges {
@@ -1081,7 +1290,15 @@ impl World {
 
     fn reassemble(&mut self) {
         let mut legs: Vec<usize> = self.members().into_iter().map(|(_, k)| k).collect();
-        self.r.take().expect("an array").crash_for_test();
+        // The tracking goes with the process: nothing of it is written at a crash (its sidecar
+        // keeps what it wrote, as a file does when the process is killed).
+        if let Some(c) = self.cbt.as_mut() {
+            c.tracked = None;
+        }
+        let r = self.r.take().expect("an array");
+        Arc::try_unwrap(r)
+            .unwrap_or_else(|_| panic!("the array is still shared at a crash"))
+            .crash_for_test();
         for k in 0..self.legs.len() {
             self.clear_leg(k);
             self.legs[k].h.restart();
@@ -1109,9 +1326,10 @@ impl World {
             r.assemble_warnings()
         ));
         r.set_speed_limits(1000, FAST);
-        self.r = Some(r);
+        self.r = Some(Arc::new(r));
         self.freeze();
         self.slow_links();
+        self.open_bitmaps();
         self.pin_source();
         let all = self.rng.chance(100);
         self.verify(all);
