@@ -7,7 +7,9 @@
 //! discards, in the data, the superblock or the bitmap), and power cuts (every leg's volatile
 //! cache lost at once, a seeded part of it kept: between operations, with writes in flight,
 //! during a resync, recovery or check at a slow speed limit, or between two legs' superblock
-//! writes), each followed by reassembly from the legs in a seeded order.
+//! writes), each followed by reassembly from the legs in a seeded order. Half the seeds track
+//! changed blocks over the array (`cbt::Tracked`, dirty bitmaps in a sidecar file added,
+//! rotated, cleared and removed by the schedule, reopened at every assembly).
 //!
 //! The oracle (`sim/model.rs`) is what a block device promises, checked on every read, after
 //! every crash (the whole array) and after every sync (the whole array, then a check): a
@@ -19,7 +21,9 @@
 //! fail it, or the array failed). A power cut keeps a seeded part of each leg's unflushed
 //! writes, whole or torn, so the legs disagree afterwards where an unclean stop leaves them
 //! so; leg changes heal the array about as often as they break it, so checks judge a whole
-//! array.
+//! array. At every assembly, reads are pinned to what the resync source (the first in-sync leg
+//! that is not write-mostly) holds. Every granule written since a dirty bitmap was added or
+//! cleared is dirty in it or in the bitmap rotated from it, after any command and any crash.
 //!
 //! `cargo test --release -p raid1 --test sim` runs 12 fixed seeds and 4 from a base that
 //! changes daily, printing both (CI runs them in its debug build); `SIM_SEEDS=N
