@@ -90,6 +90,8 @@ for name in "${names[@]}"; do
         first=$(grep -o 'seed [0-9]* FAILED' <<<"$out" | head -1 | grep -o '[0-9]*' || true)
         if [ -n "$first" ]; then
             caught="first at seed $first ($((first - base + 1)) of $seeds)"
+            # What it failed on: the line after the seed's FAILED line.
+            why=$(grep -A1 "seed $first FAILED" <<<"$out" | sed -n 2p | cut -c1-160 || true)
         elif [ $rc -eq 0 ]; then
             caught="caught 0/$seeds"
         fi
@@ -112,6 +114,10 @@ for name in "${names[@]}"; do
         fi
     fi
     printf '%-28s %-24s %5d s  %s\n' "$name" "$caught" "$secs" "$what"
+    if [ -n "${why:-}" ]; then
+        printf '%-28s   failed on: %s\n' "" "$why"
+    fi
+    why=
 done
 touch_raid1
 exit $low
