@@ -139,9 +139,8 @@ impl Supervisor {
     /// outstanding past its budget fails with `ETIMEDOUT`; with no reconnect deadline,
     /// everything waiting fails at once. With writes acknowledged and not flushed on it, and
     /// a server that `may_have_restarted` (it ended the connection, or left part of it
-    /// unanswered), they may be lost: the owner is told (`Hook::lost_writes`), or, when no
-    /// owner takes it, the next flush fails once. A connection answered in full loses
-    /// nothing: the next flush covers its writes.
+    /// unanswered), the owner is told that they may be lost (`Hook::lost_writes`); otherwise,
+    /// or when no owner takes it, the next flush fails once.
     fn take_down(&mut self, may_have_restarted: bool) {
         let sh = &self.rx.sh;
         sh.shut_socket();
@@ -153,14 +152,8 @@ impl Supervisor {
         }
         // Release: see the field.
         sh.orphaned.store(false, Ordering::Release);
-        // A connection the server answered in full was with a live server to its last reply:
-        // what it acknowledged is in its cache, and the next flush covers it. Otherwise its
-        // unflushed writes may be gone.
-        if may_have_restarted
-            && sh.flags().contains(TransmissionFlags::SEND_FLUSH)
-            && sh.durability.connection_lost()
-        {
-            if sh.hook.lost_writes() {
+        if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
+            if may_have_restarted && sh.hook.lost_writes() {
                 // The owner (a mirror) failed the leg: nothing waiting is served from a
                 // server that may have rolled back, and no flush needs to fail for it.
                 tracing::warn!(
