@@ -99,36 +99,7 @@ fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
         t.elapsed()
     );
     assert_eq!(read_at(&dev, 0, BLOCK).unwrap(), [NEW; BLOCK]);
-    // Every request answered, the connection given up at the timeout was taken back.
-    assert_eq!(dev.reconnects(), 0);
-    drop(dev);
-    server.shutdown();
-}
-
-/// A server that is only slow: a write answered late, on the connection the client gave up
-/// and drained, every request on it answered. The connection is taken back rather than a new
-/// one made (after which the server might have restarted unseen, its cache lost), so nothing
-/// was lost, and the next flush covers the write without an error (a mirror fails a leg on
-/// one). A connection the server ended is another matter
-/// (`a_flush_after_losing_unflushed_writes_fails_once`).
-#[test]
-fn a_slow_server_that_answers_everything_keeps_its_connection_and_loses_nothing() {
-    log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
-    let (slow_dev, slow) = slow_disk(&disk);
-    let server = serve(&path, &slow_dev);
-    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
-    write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
-    assert!(
-        slow.landed.load(Ordering::SeqCst),
-        "answered once it landed"
-    );
-    write_at(&dev, BLOCK as u64, &[NEW; BLOCK]).unwrap();
-    flush(&dev).unwrap();
-    assert_eq!(read_at(&dev, 0, BLOCK).unwrap(), [OLD; BLOCK]);
-    assert_eq!(dev.reconnects(), 0, "the connection was taken back");
+    assert!(dev.reconnects() >= 1, "the timeout broke the connection");
     drop(dev);
     server.shutdown();
 }
@@ -188,11 +159,10 @@ fn mirror_case(deadline: u64) {
         write_at(&r, 0, &[NEW; BLOCK]).unwrap();
         flush(&r).unwrap();
         assert_eq!(read_at(&r, 0, BLOCK).unwrap(), [NEW; BLOCK]);
-        // With a deadline (1 s) shorter than the slow write, the remote leg failed on it: its
-        // bits stay set, and it is re-added and recovered once it answers again. With a
-        // longer one (10 s), the server answered everything on the connection, which was
-        // taken back: nothing was lost, and the leg stays in sync.
-        assert_eq!(r.leg_status(1).unwrap().faulty, deadline == 1);
+        // The remote leg failed: on the write, failed at the deadline (1 s), or on the flush,
+        // which cannot vouch for the write acknowledged late on the lost connection (10 s).
+        // Its bits stay set, and it is re-added and recovered once it answers again.
+        assert!(r.leg_status(1).unwrap().faulty);
         wait_until_within("the slow write landed", Duration::from_secs(10), || {
             slow.landed.load(Ordering::SeqCst)
         });

@@ -99,12 +99,6 @@ impl Supervisor {
                     self.rx.sh.kill(None);
                     return;
                 }
-                if matches!(stop, Stop::TimedOut(_))
-                    && matches!(end, Stop::Drained)
-                    && self.resume()
-                {
-                    continue;
-                }
                 tracing::info!(uri = %self.rx.sh.uri, "the old connection is over: {end}");
                 may_have_restarted = !matches!(end, Stop::Drained);
             }
@@ -113,47 +107,6 @@ impl Supervisor {
                 return;
             }
         }
-    }
-
-    /// A connection given up because a request went unanswered for the timeout, then
-    /// drained with every request sent on it answered: the server was only slow. It was alive
-    /// to its last reply and holds none of the connection's requests, so the connection is
-    /// taken back as it is, and nothing on it was lost: a new connection would have left
-    /// open that the server restarted in between (with the writes it acknowledged and no
-    /// flush covered gone with its cache), and the next flush could not vouch for them.
-    /// False when it cannot be (a send on it failed, or the device died): then it is taken
-    /// down and a new one made.
-    fn resume(&mut self) -> bool {
-        let sh = self.rx.sh.clone();
-        // SeqCst: see `Shared::send_failed`.
-        if sh.send_failed.load(Ordering::SeqCst) {
-            return false;
-        }
-        {
-            let w = sh.writer.lock();
-            if w.stream.is_none() {
-                return false;
-            }
-            let mut t = sh.table.lock();
-            if t.conn == Conn::Dead {
-                return false;
-            }
-            t.end_old();
-            t.conn = Conn::Up;
-            t.send_needed = true;
-        }
-        // Release: see the field (its orphans are answered and freed, as at a take-down).
-        sh.orphaned.store(false, Ordering::Release);
-        // Relaxed: see `Shared::up`.
-        sh.up.store(true, Ordering::Relaxed);
-        tracing::info!(
-            uri = %sh.uri,
-            "every request on the connection was answered: the server was slow, not gone; \
-             the connection is taken back"
-        );
-        sh.sender_wq.wake_one();
-        sh.slot_freed.wake_all();
-        true
     }
 
     /// The client gives up on the connection: nothing new is sent on it (requests are
