@@ -395,10 +395,11 @@ fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land(
 /// A server that never answers a write and never closes the connection (a hostile one, or
 /// one wedged on its disk, over a Unix socket where no keepalive can tell) does not hold the
 /// device down for ever: the drain of the connection the client gave up is bounded by ten
-/// times the timeout, as TCP keepalive bounds it for a host that cannot be heard; then the
+/// times the timeout, as TCP keepalive bounds it for a host that cannot be heard, and at
+/// least 10 s (a sub-second timeout's ten are shorter than a busy server's stall); then the
 /// connection is taken as over, the device reconnects and re-sends, and the write succeeds.
 #[test]
-fn a_server_that_never_answers_nor_closes_holds_the_device_down_ten_timeouts_at_most() {
+fn a_server_that_never_answers_nor_closes_holds_the_device_down_a_bounded_time() {
     log();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
@@ -430,7 +431,10 @@ fn a_server_that_never_answers_nor_closes_holds_the_device_down_ten_timeouts_at_
         );
     }
     r.unwrap_or_else(|e| panic!("the write failed after {took:?}: {e}"));
-    assert!(took < Duration::from_secs(5), "the write took {took:?}");
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(15),
+        "the write took {took:?}: the drain waits 10 s at least, and not much more"
+    );
     assert!(dev.reconnects() >= 1);
     assert_eq!(read_at(&dev, 0, BLOCK).unwrap(), vec![NEW; BLOCK]);
     drop(dev);
