@@ -25,6 +25,14 @@ use crate::stream::Stream;
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
 use crate::Decoded;
 
+/// Most non-final replies the client accepts to one option: a server that sends more is
+/// answering nothing this client asked (a list of exports, a few details of one, the contexts
+/// of a query), and is refused rather than followed for ever.
+pub const MAX_OPTION_REPLIES: usize = 1024;
+
+/// Most bytes of reply data the client accepts to one option, its replies together.
+pub const MAX_OPTION_REPLY_BYTES: u64 = 1 << 20;
+
 /// Largest reply chunk payload the client accepts.
 const MAX_CHUNK_PAYLOAD: u64 = 64 << 20;
 
@@ -133,6 +141,8 @@ pub struct Handshake {
     /// The contexts the last SET selected: (id, name).
     contexts: Vec<(u32, String)>,
     buf: Vec<u8>,
+    /// The option reply being read (one at a time).
+    rbuf: Vec<u8>,
 }
 
 impl Handshake {
@@ -161,6 +171,7 @@ impl Handshake {
             meta_id: None,
             contexts: Vec::new(),
             buf: Vec::new(),
+            rbuf: Vec::new(),
         })
     }
 
@@ -184,47 +195,88 @@ impl Handshake {
 
     /// Reads one option reply.
     pub fn read_reply(&mut self) -> Result<OptionReplyMsg, ClientError> {
+        let (option, reply_type) = self.read_reply_data()?;
+        Ok(OptionReplyMsg {
+            option,
+            reply_type,
+            data: self.rbuf.clone(),
+        })
+    }
+
+    /// Reads one option reply's header, and its data into `rbuf` (reused: one reply's worth,
+    /// at most [`DEFAULT_MAX_OPTION_REPLY_LEN`]); returns (option, reply type).
+    fn read_reply_data(&mut self) -> Result<(u32, u32), ClientError> {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
         self.stream.read_exact(&mut h)?;
         let header = match decode_option_reply_header(&h, DEFAULT_MAX_OPTION_REPLY_LEN)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
         };
-        let mut data = vec![0u8; header.length as usize];
-        self.stream.read_exact(&mut data)?;
-        Ok(OptionReplyMsg {
-            option: header.option,
-            reply_type: header.reply_type,
-            data,
-        })
+        self.rbuf.clear();
+        self.rbuf.resize(header.length as usize, 0);
+        self.stream.read_exact(&mut self.rbuf)?;
+        Ok((header.option, header.reply_type))
     }
 
-    /// Sends an option and reads replies up to the final one (an ACK or an error); an error
-    /// reply becomes [`ClientError::OptionRefused`].
-    pub fn option(&mut self, opt: &ClientOption<'_>) -> Result<Vec<OptionReplyMsg>, ClientError> {
+    /// Sends an option and reads replies up to the final one (an ACK or an error), handing
+    /// each non-final reply to `each` (reply type, data) as it arrives: nothing is kept
+    /// here. An error reply becomes [`ClientError::OptionRefused`]. A server that sends more
+    /// than [`MAX_OPTION_REPLIES`] replies, or more than [`MAX_OPTION_REPLY_BYTES`] bytes of
+    /// reply data, to one option is a protocol error ([`ClientError::Unexpected`]): no
+    /// option this client sends has a legitimate answer that long.
+    pub fn option_each(
+        &mut self,
+        opt: &ClientOption<'_>,
+        mut each: impl FnMut(u32, &[u8]) -> Result<(), ClientError>,
+    ) -> Result<(), ClientError> {
         self.send_option(opt)?;
-        let mut out = Vec::new();
+        let (mut replies, mut bytes) = (0usize, 0u64);
         loop {
-            let r = self.read_reply()?;
-            if r.option != opt.option() {
+            let (option, reply_type) = self.read_reply_data()?;
+            if option != opt.option() {
                 return Err(ClientError::Unexpected(format!(
-                    "reply to option {} while waiting for {}",
-                    r.option,
+                    "reply to option {option} while waiting for {}",
                     opt.option()
                 )));
             }
-            if crate::proto::is_option_error(r.reply_type) {
+            if crate::proto::is_option_error(reply_type) {
                 return Err(ClientError::OptionRefused {
-                    option: r.option,
-                    reply_type: r.reply_type,
-                    message: String::from_utf8_lossy(&r.data).into_owned(),
+                    option,
+                    reply_type,
+                    message: String::from_utf8_lossy(&self.rbuf).into_owned(),
                 });
             }
-            if r.reply_type == crate::proto::NBD_REP_ACK {
-                return Ok(out);
+            if reply_type == crate::proto::NBD_REP_ACK {
+                return Ok(());
             }
-            out.push(r);
+            replies += 1;
+            bytes += self.rbuf.len() as u64;
+            if replies > MAX_OPTION_REPLIES || bytes > MAX_OPTION_REPLY_BYTES {
+                return Err(ClientError::Unexpected(format!(
+                    "option {option} drew more than {MAX_OPTION_REPLIES} replies or \
+                     {MAX_OPTION_REPLY_BYTES} bytes of replies ({replies} replies, {bytes} \
+                     bytes so far)"
+                )));
+            }
+            each(reply_type, &self.rbuf)?;
         }
+    }
+
+    /// Sends an option and reads replies up to the final one (an ACK or an error), returning
+    /// the non-final ones (bounded as [`option_each`](Self::option_each) says); an error
+    /// reply becomes [`ClientError::OptionRefused`].
+    pub fn option(&mut self, opt: &ClientOption<'_>) -> Result<Vec<OptionReplyMsg>, ClientError> {
+        let mut out = Vec::new();
+        let option = opt.option();
+        self.option_each(opt, |reply_type, data| {
+            out.push(OptionReplyMsg {
+                option,
+                reply_type,
+                data: data.to_vec(),
+            });
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// `NBD_OPT_STARTTLS`, then the TLS handshake (`config` from [`crate::tls::client_config`];
@@ -241,16 +293,16 @@ impl Handshake {
 
     /// `NBD_OPT_LIST`: (name, description) of every export.
     pub fn list(&mut self) -> Result<Vec<(String, String)>, ClientError> {
-        let replies = self.option(&ClientOption::List)?;
         let mut out = Vec::new();
-        for r in replies {
-            match parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&ClientOption::List, |reply_type, data| {
+            match parse_option_reply(reply_type, data)? {
                 OptionReply::Server { name, details } => {
                     out.push((name.to_string(), details.to_string()))
                 }
                 other => return Err(ClientError::Unexpected(format!("{other:?} in a list"))),
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -286,14 +338,14 @@ impl Handshake {
         } else {
             ClientOption::ListMetaContext(req)
         };
-        let replies = self.option(&opt)?;
         let mut out = Vec::new();
-        for r in replies {
-            match parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&opt, |reply_type, data| {
+            match parse_option_reply(reply_type, data)? {
                 OptionReply::MetaContext { id, name } => out.push((id, name.to_string())),
                 other => return Err(ClientError::Unexpected(format!("{other:?} for a context"))),
             }
-        }
+            Ok(())
+        })?;
         if set {
             self.meta_id = out
                 .iter()
@@ -314,11 +366,10 @@ impl Handshake {
         } else {
             ClientOption::Info(req)
         };
-        let replies = self.option(&opt)?;
         let mut d = ExportDetails::default();
         let mut have_export = false;
-        for r in replies {
-            if let OptionReply::Info(i) = parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&opt, |reply_type, data| {
+            if let OptionReply::Info(i) = parse_option_reply(reply_type, data)? {
                 match i {
                     Info::Export(e) => {
                         d.size = e.size;
@@ -331,7 +382,8 @@ impl Handshake {
                     _ => {}
                 }
             }
-        }
+            Ok(())
+        })?;
         if !have_export {
             return Err(ClientError::Unexpected("no NBD_INFO_EXPORT".into()));
         }
