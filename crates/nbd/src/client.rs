@@ -11,6 +11,7 @@ use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use crate::handshake::{
     decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
@@ -21,7 +22,7 @@ use crate::proto::{
     ClientFlags, CmdFlags, Command, HandshakeFlags, InfoType, TransmissionFlags, TransmissionMode,
     NBD_OPT_ABORT, OPTION_REPLY_HEADER_LEN,
 };
-use crate::stream::Stream;
+use crate::stream::{Stream, Until};
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
 use crate::Decoded;
 
@@ -143,14 +144,29 @@ pub struct Handshake {
     buf: Vec<u8>,
     /// The option reply being read (one at a time).
     rbuf: Vec<u8>,
+    /// When the whole handshake must be over (see [`Handshake::start_by`]).
+    deadline: Option<Instant>,
 }
 
 impl Handshake {
     /// Reads the greeting and answers with client flags (fixed newstyle, and no zeroes when
     /// offered).
-    pub fn start(mut stream: Stream) -> Result<Self, ClientError> {
+    pub fn start(stream: Stream) -> Result<Self, ClientError> {
+        Self::start_by(stream, None)
+    }
+
+    /// [`start`](Self::start), with the whole handshake (this greeting, every option and
+    /// reply, the TLS handshake) bounded by `deadline`: every read and write first sets what
+    /// is left of it as the socket's timeouts, so a server that trickles its bytes runs out of
+    /// time like a silent one (an I/O error of kind `TimedOut`). The socket's timeouts are left
+    /// at whatever was left; the caller sets its own once the handshake is over.
+    pub fn start_by(mut stream: Stream, deadline: Option<Instant>) -> Result<Self, ClientError> {
         let mut g = [0u8; crate::proto::SERVER_GREETING_LEN];
-        stream.read_exact(&mut g)?;
+        Until {
+            sock: &mut stream,
+            deadline,
+        }
+        .read_exact(&mut g)?;
         let server_flags = match decode_server_greeting(&g)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short greeting".into())),
@@ -162,7 +178,11 @@ impl Handshake {
         }
         let mut out = Vec::new();
         encode_client_flags(flags, &mut out);
-        stream.write_all(&out)?;
+        Until {
+            sock: &mut stream,
+            deadline,
+        }
+        .write_all(&out)?;
         Ok(Self {
             stream,
             server_flags,
@@ -172,6 +192,7 @@ impl Handshake {
             contexts: Vec::new(),
             buf: Vec::new(),
             rbuf: Vec::new(),
+            deadline,
         })
     }
 
@@ -185,11 +206,23 @@ impl Handshake {
         &mut self.stream
     }
 
+    /// The socket, bounded by the handshake's deadline.
+    fn io(&mut self) -> Until<&mut Stream> {
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+    }
+
     /// Sends one option.
     pub fn send_option(&mut self, opt: &ClientOption<'_>) -> Result<(), ClientError> {
         self.buf.clear();
         opt.encode(&mut self.buf)?;
-        self.stream.write_all(&self.buf)?;
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+        .write_all(&self.buf)?;
         Ok(())
     }
 
@@ -207,14 +240,18 @@ impl Handshake {
     /// at most [`DEFAULT_MAX_OPTION_REPLY_LEN`]); returns (option, reply type).
     fn read_reply_data(&mut self) -> Result<(u32, u32), ClientError> {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-        self.stream.read_exact(&mut h)?;
+        self.io().read_exact(&mut h)?;
         let header = match decode_option_reply_header(&h, DEFAULT_MAX_OPTION_REPLY_LEN)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
         };
         self.rbuf.clear();
         self.rbuf.resize(header.length as usize, 0);
-        self.stream.read_exact(&mut self.rbuf)?;
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+        .read_exact(&mut self.rbuf)?;
         Ok((header.option, header.reply_type))
     }
 
@@ -287,7 +324,7 @@ impl Handshake {
         server_name: &str,
     ) -> Result<(), ClientError> {
         self.option(&ClientOption::StartTls)?;
-        crate::tls::connect(&mut self.stream, config, server_name)?;
+        crate::tls::connect_by(&mut self.stream, config, server_name, self.deadline)?;
         Ok(())
     }
 
@@ -424,7 +461,7 @@ impl Handshake {
             crate::proto::EXPORT_NAME_REPLY_LEN
         };
         let mut b = vec![0u8; want];
-        self.stream.read_exact(&mut b)?;
+        self.io().read_exact(&mut b)?;
         let info = match decode_export_name_reply(&b, self.no_zeroes)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
@@ -514,7 +551,7 @@ struct Pending {
 
 /// The transmission phase.
 pub struct Client {
-    reader: BufReader<Stream>,
+    reader: BufReader<Until<Stream>>,
     writer: Stream,
     mode: TransmissionMode,
     details: ExportDetails,
@@ -537,7 +574,13 @@ impl Client {
     ) -> Result<Self, ClientError> {
         let writer = stream.try_clone()?;
         Ok(Self {
-            reader: BufReader::with_capacity(256 << 10, stream),
+            reader: BufReader::with_capacity(
+                256 << 10,
+                Until {
+                    sock: stream,
+                    deadline: None,
+                },
+            ),
             writer,
             mode,
             details,
@@ -571,6 +614,14 @@ impl Client {
             let d = h.go(&opts.export)?;
             h.into_client(d)
         }
+    }
+
+    /// From now on every reply must be received whole before `deadline` (`None`: each read
+    /// waits as the socket's receive timeout says): a server trickling its reply a byte at a
+    /// time runs out of time like a silent one. Used for the check of a new connection,
+    /// part of its connection attempt.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.reader.get_mut().deadline = deadline;
     }
 
     /// TLS 1.3: asks for a key update on both sides (sent with the next request).

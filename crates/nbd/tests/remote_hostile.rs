@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nbd::proto::*;
 use nbd::remote::RemoteDevice;
@@ -57,4 +57,164 @@ fn a_flood_of_option_replies_fails_the_attempt_within_the_bound() {
     assert!(e.contains("replies"), "{e}");
     // What the client read before it gave up, and what the socket's buffers held.
     assert!(n < FLOOD / 10, "the server sent {n} replies");
+}
+
+/// How often the trickling server sends its next byte: well inside the request timeout and
+/// the receiver's tick (a quarter of it), so no single read waits long enough to time out.
+const DRIP: Duration = Duration::from_millis(100);
+const TIMEOUT: Duration = Duration::from_secs(1);
+const DEADLINE: Duration = Duration::from_millis(500);
+
+fn read_bio(offset: u64, len: usize) -> blk::Bio {
+    blk::Bio::with_buf(
+        blk::Op::Read,
+        offset >> blk::SECTOR_SHIFT,
+        blk::Buffer::new(len),
+    )
+}
+
+/// Submits a read of `len` bytes at 0 and waits at most `limit` for it to end: how long it
+/// took and how it ended (`None`: still pending).
+fn read_within(
+    dev: &RemoteDevice,
+    len: usize,
+    limit: Duration,
+) -> (Duration, Option<Result<Vec<u8>, blk::Error>>) {
+    let t = Instant::now();
+    let p = blk::PendingBio::submit(dev, read_bio(0, len));
+    let r = p
+        .wait_until(t + limit)
+        .map(|(bio, r)| r.map(|()| bio.buf.unwrap().as_slice().to_vec()));
+    (t.elapsed(), r)
+}
+
+/// H2: a server that answers a read one byte every 100 ms (each socket read returns within
+/// the receiver's 250 ms tick): the request's deadline runs from its send to its whole reply, so
+/// the connection is declared dead at the timeout and the read fails at the reconnect
+/// deadline, not when the trickle ends (7 minutes later).
+#[test]
+fn a_trickled_reply_does_not_hold_a_read_past_its_deadline() {
+    log();
+    let srv = HostileServer::start(|_, p: &mut Peer| {
+        p.negotiate()?;
+        let r = p.request()?;
+        p.trickle(Some(DRIP));
+        p.data(r.cookie, r.offset, &vec![0x5a; r.len as usize], true)?;
+        p.swallow()
+    });
+    let dev = RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap();
+    let (took, r) = read_within(&dev, 4096, Duration::from_secs(4));
+    let Some(r) = r else {
+        panic!("the trickled read was still pending after {took:?}");
+    };
+    let e = r.expect_err("the trickled read succeeded");
+    assert!(
+        matches!(e.errno(), libc::EIO | libc::ETIMEDOUT),
+        "{e} after {took:?}"
+    );
+    // Timeout, a tick, the reconnect deadline; and slack for a loaded machine.
+    assert!(
+        took < TIMEOUT + DEADLINE + Duration::from_secs(1),
+        "{took:?}"
+    );
+}
+
+/// H2: the connection breaks with a read in flight, and every attempt to reconnect meets a
+/// server that trickles its handshake one byte every 100 ms: the reconnect deadline fails
+/// the read whatever the attempt is doing, and each attempt is bounded as a whole.
+#[test]
+fn a_trickled_handshake_does_not_hold_a_reconnect_past_its_deadline() {
+    log();
+    let srv = HostileServer::start(|k, p: &mut Peer| {
+        if k == 0 {
+            p.negotiate()?;
+            // The read arrives; the server goes away without answering it.
+            p.request().map(drop)
+        } else {
+            p.trickle(Some(DRIP));
+            p.negotiate()?;
+            p.serve(&mut vec![0; common::hostile_server::SIZE as usize])
+        }
+    });
+    let dev = RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap();
+    let (took, r) = read_within(&dev, 4096, Duration::from_secs(4));
+    let Some(r) = r else {
+        panic!("the read was still pending after {took:?} (a trickled handshake)");
+    };
+    let e = r.expect_err("the read succeeded");
+    assert_eq!(e.errno(), libc::EIO, "{e} after {took:?}");
+    assert!(took < DEADLINE + Duration::from_secs(1), "{took:?}");
+}
+
+/// H2: the first connection's handshake, trickled one byte every 100 ms, is bounded as a
+/// whole by the timeout (1 s), not read by read (a handshake of about 150 bytes would
+/// take 15 s).
+#[test]
+fn a_trickled_handshake_fails_the_connection_attempt_at_its_timeout() {
+    log();
+    let srv = HostileServer::start(|_, p: &mut Peer| {
+        p.trickle(Some(DRIP));
+        p.negotiate()?;
+        p.swallow()
+    });
+    let (took, r) = connect_within(srv.spec(TIMEOUT, DEADLINE), Duration::from_secs(4));
+    let Some(r) = r else {
+        panic!("still connecting after {took:?}");
+    };
+    assert!(r.is_err(), "connected after {took:?}");
+    assert!(took < TIMEOUT + Duration::from_secs(1), "{took:?}");
+}
+
+/// H2: `nbds:` to a server that acknowledges `NBD_OPT_STARTTLS` and then trickles its TLS
+/// flight (a record announced 16 KiB long, a byte every 100 ms): the TLS handshake is part
+/// of the attempt and ends with it, at the timeout.
+#[test]
+fn a_trickled_tls_handshake_fails_the_connection_attempt_at_its_timeout() {
+    log();
+    let certs = tempfile::tempdir().unwrap();
+    common::pki::pki(certs.path());
+    let srv = HostileServer::start(|_, p: &mut Peer| {
+        p.greet()?;
+        let (opt, _) = p.option()?;
+        p.reply(opt, NBD_REP_ACK, &[])?;
+        p.trickle(Some(DRIP));
+        // A handshake record header (TLS 1.2 framing, 16384 bytes), then its body, slowly.
+        p.send(&[0x16, 0x03, 0x03, 0x40, 0x00])?;
+        p.send(&[0u8; 16384])
+    });
+    let mut spec = nbd::remote::RemoteSpec::parse(&format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        srv.path().display(),
+        certs.path().display()
+    ))
+    .unwrap();
+    spec.timeout = TIMEOUT;
+    let (took, r) = connect_within(spec, Duration::from_secs(4));
+    let Some(r) = r else {
+        panic!("still connecting after {took:?}");
+    };
+    assert!(r.is_err(), "connected after {took:?}");
+    assert!(
+        took < TIMEOUT + Duration::from_secs(1),
+        "{took:?}: {:?}",
+        r.err()
+    );
+}
+
+/// Connects on a thread of its own and waits at most `limit`: how long it took, and its
+/// result (`None`: still connecting; the thread is left to end when the server goes away).
+fn connect_within(
+    spec: nbd::remote::RemoteSpec,
+    limit: Duration,
+) -> (
+    Duration,
+    Option<Result<RemoteDevice, nbd::remote::RemoteError>>,
+) {
+    let t = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(RemoteDevice::connect(spec));
+    });
+    let r = rx.recv_timeout(limit).ok();
+    (t.elapsed(), r)
 }

@@ -53,6 +53,10 @@ pub(super) enum Stop {
     /// Draining: every request sent on the connection has its reply.
     #[error("every request sent on it was answered")]
     Drained,
+    /// The connection stopped (a request timed out, a send failed) in the middle of a reply:
+    /// where the next reply begins is unknown, so the rest of the stream cannot be parsed.
+    #[error("{0}, in the middle of a reply")]
+    MidReply(Box<Stop>),
     /// Draining: the server neither answered nor closed the connection for this long
     /// ([`DRAIN_TIMEOUTS`] times the timeout): the client takes it as over.
     #[error("the server neither answered nor closed it for {0:?}: taken as over, what it did not answer as abandoned")]
@@ -79,7 +83,7 @@ impl Stop {
     /// Whether the rest of the stream cannot be parsed (a malformed reply): the connection
     /// is cut (its sending half shut down) and drained by reading and dropping everything.
     pub(super) fn unparseable(&self) -> bool {
-        matches!(self, Stop::Malformed(_))
+        matches!(self, Stop::Malformed(_) | Stop::MidReply(_))
     }
 }
 
@@ -95,6 +99,13 @@ pub(super) struct Receiver {
     pub(super) draining: bool,
     /// When the drain began (meaningful while `draining`).
     pub(super) drain_since: Instant,
+    /// Part of a reply has been read and not the rest (a stop now leaves the stream
+    /// unparseable).
+    pub(super) mid_reply: bool,
+    /// When the first byte of the reply being read arrived (meaningful while `mid_reply`).
+    pub(super) reply_since: Instant,
+    /// The slot the reply being read answers, once its header is read.
+    pub(super) replying: Option<usize>,
 }
 
 impl Receiver {
@@ -102,7 +113,11 @@ impl Receiver {
     pub(super) fn receive(&mut self) -> Stop {
         loop {
             if let Err(s) = self.one_reply() {
-                return s;
+                let mid = std::mem::take(&mut self.mid_reply);
+                return match s {
+                    Stop::TimedOut(_) | Stop::SendFailed if mid => Stop::MidReply(Box::new(s)),
+                    s => s,
+                };
             }
         }
     }
@@ -150,7 +165,14 @@ impl Receiver {
             self.scratch = s;
             match r {
                 Ok(0) => return Stop::Closed,
-                Ok(_) => {}
+                // A server that keeps sending (slowly or not) is checked at every tick too.
+                Ok(_) => {
+                    if self.last_check.elapsed() >= self.tick {
+                        if let Err(s) = self.check() {
+                            return s;
+                        }
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e)
                     if matches!(
@@ -240,13 +262,23 @@ impl Receiver {
         }
     }
 
-    /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick.
+    /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick: when the socket
+    /// has nothing for a tick, and when it keeps giving bytes (a server trickling a reply
+    /// must not keep its request past the timeout: the deadline runs to the whole reply).
     fn read_full(&mut self, buf: &mut [u8]) -> Result<(), Stop> {
         let mut at = 0;
         while at < buf.len() {
             match self.stream.read(&mut buf[at..]) {
                 Ok(0) => return Err(Stop::Closed),
-                Ok(n) => at += n,
+                Ok(n) => {
+                    at += n;
+                    if !self.mid_reply {
+                        self.mid_reply = true;
+                        self.reply_since = Instant::now();
+                    } else {
+                        self.check_mid_reply()?;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e)
                     if matches!(
@@ -260,6 +292,44 @@ impl Receiver {
             }
         }
         Ok(())
+    }
+
+    /// The checks while a reply keeps coming (bytes arrive, slowly or not): the device
+    /// closing, the drain's bounds, and the deadline of the request it answers, from its send
+    /// to its whole reply (a server trickling a reply does not keep it past the timeout).
+    /// While its header is still arriving (which request it answers is not known yet), after
+    /// a tick of it, every request's. Other requests' timeouts wait for the reply's end (the
+    /// next reply's start checks them): stopping in the middle of a reply that comes leaves
+    /// the rest of the stream unparseable.
+    fn check_mid_reply(&mut self) -> Result<(), Stop> {
+        let now = Instant::now();
+        if now.duration_since(self.last_check) < self.tick {
+            return Ok(());
+        }
+        if self.draining {
+            return self.check();
+        }
+        if self.sh.closing.load(Ordering::SeqCst) {
+            return Err(Stop::Closing);
+        }
+        match self.replying {
+            None if now.duration_since(self.reply_since) >= self.tick => self.check(),
+            None => Ok(()),
+            Some(i) => {
+                let t = self.sh.table.lock();
+                let epoch = t.epoch;
+                let late = t.slots.get(i).is_some_and(|s| {
+                    s.busy
+                        && s.status.is_none()
+                        && s.sent_epoch == epoch
+                        && now.duration_since(s.sent_at) >= self.sh.timeout
+                });
+                if late {
+                    return Err(Stop::TimedOut(self.sh.timeout));
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Reads and drops `n` bytes.
@@ -377,6 +447,9 @@ impl Receiver {
     }
 
     fn one_reply(&mut self) -> Result<(), Stop> {
+        // At a reply's boundary (`read_full` sets it once a byte of this one is read).
+        self.mid_reply = false;
+        self.replying = None;
         if self.last_check.elapsed() >= self.tick {
             self.check()?;
         }
@@ -401,6 +474,7 @@ impl Receiver {
         match header {
             ReplyHeader::Simple(r) => {
                 let (i, cmd, _, len) = self.lookup(r.cookie)?;
+                self.replying = Some(i);
                 if r.error != 0 {
                     self.failed(i, r.error)?;
                 } else {
@@ -422,6 +496,7 @@ impl Receiver {
             }
             ReplyHeader::Chunk(h) => {
                 let (i, cmd, off, len) = self.lookup(h.cookie)?;
+                self.replying = Some(i);
                 let inside = |o: u64, n: u64| -> Result<u64, Stop> {
                     match (o.checked_sub(off), o.checked_add(n)) {
                         (Some(at), Some(e)) if cmd == Command::Read && e <= off + len => Ok(at),

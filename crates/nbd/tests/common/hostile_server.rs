@@ -83,6 +83,11 @@ impl HostileServer {
         }
     }
 
+    /// The socket's path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
     /// The `nbd+unix:` URI of the default export, with the device's options `opts`.
     pub fn uri(&self, opts: &str) -> String {
         format!("nbd+unix:///?socket={}{opts}", self.path.display())
