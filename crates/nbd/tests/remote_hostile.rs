@@ -218,3 +218,67 @@ fn connect_within(
     let r = rx.recv_timeout(limit).ok();
     (t.elapsed(), r)
 }
+
+/// A server whose every read reply is `pieces` (offset within the request, length) as data
+/// chunks holding the pattern byte of their offset (the last chunk carries the done flag);
+/// anything else is answered honestly.
+fn piecewise(pieces: &'static [(u64, u64)]) -> HostileServer {
+    HostileServer::start(move |_, p: &mut Peer| {
+        p.negotiate()?;
+        loop {
+            let r = p.request()?;
+            if r.cmd != NBD_CMD_READ {
+                p.done(r.cookie)?;
+                continue;
+            }
+            for (k, &(at, len)) in pieces.iter().enumerate() {
+                let data: Vec<u8> = (at..at + len).map(byte_at).collect();
+                p.data(r.cookie, r.offset + at, &data, k + 1 == pieces.len())?;
+            }
+        }
+    })
+}
+
+/// The byte the piecewise server holds at offset `o` of a read.
+fn byte_at(o: u64) -> u8 {
+    (o / 512) as u8 ^ 0x5a
+}
+
+/// L1: an 8 KiB read answered with its first half twice: the chunks' lengths add up to the
+/// request's, but the second half was never written. The reply is malformed (chunks
+/// overlap): the read fails, and its buffer's bytes no reply wrote are never handed out.
+#[test]
+fn a_read_answered_with_its_first_half_twice_fails() {
+    log();
+    let srv = piecewise(&[(0, 4096), (0, 4096)]);
+    let dev = RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap();
+    let (took, r) = read_within(&dev, 8192, Duration::from_secs(4));
+    let Some(r) = r else {
+        panic!("the read was still pending after {took:?}");
+    };
+    match r {
+        Ok(data) => panic!(
+            "the read succeeded; its second half holds {:#x}.. (no reply wrote it)",
+            data[4096]
+        ),
+        Err(e) => assert_eq!(e.errno(), libc::EIO, "{e}"),
+    }
+}
+
+/// L1, what must still pass: a read answered in pieces out of order, none overlapping, that
+/// together fill it, reads exactly what they hold.
+#[test]
+fn a_read_answered_in_pieces_out_of_order_succeeds() {
+    log();
+    let srv = piecewise(&[(4096, 2048), (0, 1024), (6144, 2048), (1024, 3072)]);
+    let dev = RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap();
+    let (took, r) = read_within(&dev, 8192, Duration::from_secs(4));
+    let data = r
+        .unwrap_or_else(|| panic!("still pending after {took:?}"))
+        .unwrap();
+    let want: Vec<u8> = (0..8192).map(byte_at).collect();
+    assert!(
+        data == want,
+        "the read does not hold what the chunks carried"
+    );
+}

@@ -435,6 +435,16 @@ impl Receiver {
         Ok(keep)
     }
 
+    /// Records `n` bytes of slot `i`'s read filled at `at` (relative to its start): a
+    /// malformed reply if they overlap bytes already filled (`Coverage`).
+    fn fill(&self, i: usize, at: u64, n: u64) -> Result<(), Stop> {
+        let mut t = self.sh.table.lock();
+        match t.slots.get_mut(i) {
+            Some(s) => s.filled.add(at, n).map_err(Stop::Malformed),
+            None => Err(Stop::Malformed("a reply for no slot".into())),
+        }
+    }
+
     fn lookup(&self, cookie: u64) -> Result<(usize, Command, u64, u64), Stop> {
         let t = self.sh.table.lock();
         let i = t.lookup(cookie).ok_or_else(|| {
@@ -513,8 +523,9 @@ impl Receiver {
                     self.read_full(&mut o)?;
                     let n = h.length - 8;
                     let at = inside(u64::from_be_bytes(o), n)?;
+                    // Recorded before the data is read: an overlap writes nothing.
+                    self.fill(i, at, n)?;
                     self.read_into_bio(i, at, n)?;
-                    self.sh.table.lock().slots[i].covered += n;
                 } else if h.reply_type == NBD_REPLY_TYPE_BLOCK_STATUS {
                     self.block_status(i, cmd, h.length)?;
                 } else {
@@ -535,13 +546,13 @@ impl Receiver {
                         Err(e) => return Err(Stop::Malformed(e.to_string())),
                     };
                     if let Some((o, size)) = hole {
-                        let at = inside(o, u64::from(size))? as usize;
+                        let at = inside(o, u64::from(size))?;
+                        self.fill(i, at, u64::from(size))?;
+                        let at = at as usize;
                         let mut t = self.sh.table.lock();
                         let orphan = t.is_orphan(i);
                         let s = &mut t.slots[i];
-                        if orphan {
-                            s.covered += u64::from(size);
-                        } else {
+                        if !orphan {
                             let dst = s
                                 .bio
                                 .as_mut()
@@ -551,7 +562,6 @@ impl Receiver {
                                 return Err(Stop::Malformed("a hole outside the buffer".into()));
                             };
                             dst.fill(0);
-                            s.covered += u64::from(size);
                         }
                     }
                     if error != 0 {
@@ -562,15 +572,16 @@ impl Receiver {
                     }
                 }
                 if h.is_done() {
-                    let (error, covered) = {
+                    let (error, filled) = {
                         let t = self.sh.table.lock();
-                        (t.slots[i].error, t.slots[i].covered)
+                        (t.slots[i].error, t.slots[i].filled.total())
                     };
                     if error != 0 {
                         self.failed(i, error)?;
-                    } else if cmd == Command::Read && covered != len {
+                    } else if cmd == Command::Read && filled != len {
+                        // The pieces are disjoint: all of it filled is exactly `len` bytes.
                         return Err(Stop::Malformed(format!(
-                            "a read of {len} bytes answered with {covered}"
+                            "a read of {len} bytes answered with {filled}"
                         )));
                     } else {
                         self.succeeded(i);
