@@ -13,6 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::coverage::Coverage;
 use crate::handshake::{
     decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
     encode_client_flags, parse_option_reply, BlockSize, ClientOption, ExportRequest, Info,
@@ -547,6 +548,8 @@ struct Pending {
     offset: u64,
     length: u64,
     reply: Reply,
+    /// A read's bytes its chunks have filled.
+    filled: Coverage,
 }
 
 /// The transmission phase.
@@ -683,6 +686,7 @@ impl Client {
                         cookie: req.cookie,
                         ..Reply::default()
                     },
+                    filled: Coverage::default(),
                 },
             );
         }
@@ -728,6 +732,7 @@ impl Client {
                     cookie,
                     ..Reply::default()
                 },
+                filled: Coverage::default(),
             },
         );
         Ok(cookie)
@@ -796,6 +801,17 @@ impl Client {
                     Self::apply(p, chunk, self.meta_id)?;
                     if h.is_done() {
                         if let Some(p) = self.pending.remove(&h.cookie) {
+                            // Disjoint pieces: as many bytes as the read is, all of it.
+                            if p.cmd == Command::Read
+                                && p.reply.error == 0
+                                && p.filled.total() != p.length
+                            {
+                                return Err(ClientError::Unexpected(format!(
+                                    "a read of {} bytes answered with {}",
+                                    p.length,
+                                    p.filled.total()
+                                )));
+                            }
                             return Ok(p.reply);
                         }
                     }
@@ -813,6 +829,9 @@ impl Client {
                     p.offset, p.length
                 )));
             }
+            p.filled
+                .add(offset - p.offset, len)
+                .map_err(ClientError::Unexpected)?;
             Ok((offset - p.offset) as usize)
         };
         match chunk {

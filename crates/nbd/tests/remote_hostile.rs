@@ -282,3 +282,26 @@ fn a_read_answered_in_pieces_out_of_order_succeeds() {
         "the read does not hold what the chunks carried"
     );
 }
+
+/// L1, the blocking client too (a mirror's check of a new connection reads through it): a
+/// read answered with its first half twice is an error, not a buffer half zeros.
+#[test]
+fn the_blocking_client_refuses_a_read_answered_with_its_first_half_twice() {
+    log();
+    let srv = piecewise(&[(0, 4096), (0, 4096)]);
+    let ep = nbd::client::Endpoint::Unix(srv.path().to_path_buf());
+    let mut c = nbd::client::Client::connect(&ep, &nbd::client::ClientOptions::default()).unwrap();
+    match c.read(0, 8192) {
+        Ok(data) => panic!(
+            "the read succeeded; its second half holds {:#x}.. (no reply wrote it)",
+            data[4096]
+        ),
+        Err(e) => assert!(e.to_string().contains("overlaps"), "{e}"),
+    }
+    // And pieces out of order that fill it are fine.
+    let srv = piecewise(&[(4096, 2048), (0, 1024), (6144, 2048), (1024, 3072)]);
+    let ep = nbd::client::Endpoint::Unix(srv.path().to_path_buf());
+    let mut c = nbd::client::Client::connect(&ep, &nbd::client::ClientOptions::default()).unwrap();
+    let want: Vec<u8> = (0..8192).map(byte_at).collect();
+    assert!(c.read(0, 8192).unwrap() == want);
+}
