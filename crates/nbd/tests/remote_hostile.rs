@@ -305,3 +305,59 @@ fn the_blocking_client_refuses_a_read_answered_with_its_first_half_twice() {
     let want: Vec<u8> = (0..8192).map(byte_at).collect();
     assert!(c.read(0, 8192).unwrap() == want);
 }
+
+/// H2 through a mirror: a remote leg whose server starts trickling its replies (a 4 KiB
+/// error message, a byte every 100 ms) fails by the timeout plus the reconnect deadline, as
+/// the README promises, and the mirror's write completes on the other leg meanwhile rather
+/// than wait for the trickle.
+#[test]
+fn a_trickling_remote_leg_fails_by_its_deadlines_and_the_mirror_goes_on() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+    log();
+    let disk = Arc::new(Mutex::new(vec![0u8; common::hostile_server::SIZE as usize]));
+    let slow = Arc::new(AtomicBool::new(false));
+    let (d2, s2) = (disk.clone(), slow.clone());
+    let srv = HostileServer::start(move |_, p: &mut Peer| {
+        p.negotiate()?;
+        loop {
+            let r = p.request()?;
+            if s2.load(Ordering::SeqCst) {
+                p.trickle(Some(DRIP));
+                return p.error(r.cookie, NBD_EIO, &[b'x'; 4000]);
+            }
+            p.answer(&r, &mut d2.lock().unwrap())?;
+        }
+    });
+    let local = common::served::device("mem:32M");
+    let remote: Arc<dyn blk::Device> =
+        Arc::new(RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap());
+    let cfg = raid1::Raid1Config {
+        bitmap_chunk: 1 << 20,
+        tick: Duration::from_millis(50),
+        depth: 16,
+        ..raid1::Raid1Config::default()
+    };
+    let r = raid1::Raid1::create(vec![local, remote], cfg).unwrap();
+    testkit::io::write_at(&r, 0, &[0x11; 4096]).unwrap();
+    assert!(!r.is_degraded());
+    slow.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let mut b = blk::Buffer::new(4096);
+    b.as_mut_slice().fill(0x22);
+    let p = blk::PendingBio::submit(&r, blk::Bio::with_buf(blk::Op::Write, 8, b));
+    let Some((_, res)) = p.wait_until(t + Duration::from_secs(6)) else {
+        panic!(
+            "the mirror's write was still pending after {:?} (a trickling remote leg)",
+            t.elapsed()
+        );
+    };
+    let took = t.elapsed();
+    res.unwrap();
+    assert!(
+        took < TIMEOUT + DEADLINE + Duration::from_millis(1500),
+        "{took:?}"
+    );
+    assert!(r.leg_status(1).unwrap().faulty);
+    assert_eq!(testkit::io::read_at(&r, 4096, 4096).unwrap(), [0x22; 4096]);
+}

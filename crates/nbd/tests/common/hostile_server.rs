@@ -18,7 +18,7 @@ use nbd::proto::*;
 use nbd::remote::RemoteSpec;
 
 /// The export's size the honest parts announce.
-pub const SIZE: u64 = 16 << 20;
+pub const SIZE: u64 = 32 << 20;
 /// Transmission flags the honest parts announce (flush, FUA, trim, write zeroes).
 pub const FLAGS: u16 = NBD_FLAG_HAS_FLAGS
     | NBD_FLAG_SEND_FLUSH
@@ -307,33 +307,44 @@ impl Peer {
         self.chunk(NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_NONE, cookie, &[])
     }
 
-    /// Serves `disk` honestly until the client disconnects: reads (one data chunk), writes,
-    /// flushes, trims and zeroes; anything else is answered `EINVAL`.
+    /// An error chunk (the reply's last) with `error` and `message`.
+    pub fn error(&mut self, cookie: u64, error: u32, message: &[u8]) -> io::Result<()> {
+        let mut p = error.to_be_bytes().to_vec();
+        p.extend_from_slice(&(message.len() as u16).to_be_bytes());
+        p.extend_from_slice(message);
+        self.chunk(NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_ERROR, cookie, &p)
+    }
+
+    /// Serves `disk` honestly until the client disconnects ([`Peer::answer`]).
     pub fn serve(&mut self, disk: &mut [u8]) -> io::Result<()> {
         loop {
             let r = self.request()?;
-            let range = r.offset as usize..r.offset as usize + r.len as usize;
-            match r.cmd {
-                NBD_CMD_DISC => return Ok(()),
-                NBD_CMD_READ => {
-                    let d = disk[range].to_vec();
-                    self.data(r.cookie, r.offset, &d, true)?;
-                }
-                NBD_CMD_WRITE => {
-                    disk[range].copy_from_slice(&r.data);
-                    self.done(r.cookie)?;
-                }
-                NBD_CMD_TRIM | NBD_CMD_WRITE_ZEROES => {
-                    disk[range].fill(0);
-                    self.done(r.cookie)?;
-                }
-                NBD_CMD_FLUSH => self.done(r.cookie)?,
-                _ => {
-                    let mut p = NBD_EINVAL.to_be_bytes().to_vec();
-                    p.extend_from_slice(&0u16.to_be_bytes());
-                    self.chunk(NBD_REPLY_FLAG_DONE, NBD_REPLY_TYPE_ERROR, r.cookie, &p)?;
-                }
+            if r.cmd == NBD_CMD_DISC {
+                return Ok(());
             }
+            self.answer(&r, disk)?;
+        }
+    }
+
+    /// Answers `r` honestly on `disk`: a read (one data chunk), a write, a flush, a trim or
+    /// zeroes; anything else `EINVAL`.
+    pub fn answer(&mut self, r: &Req, disk: &mut [u8]) -> io::Result<()> {
+        let range = r.offset as usize..r.offset as usize + r.len as usize;
+        match r.cmd {
+            NBD_CMD_READ => {
+                let d = disk[range].to_vec();
+                self.data(r.cookie, r.offset, &d, true)
+            }
+            NBD_CMD_WRITE => {
+                disk[range].copy_from_slice(&r.data);
+                self.done(r.cookie)
+            }
+            NBD_CMD_TRIM | NBD_CMD_WRITE_ZEROES => {
+                disk[range].fill(0);
+                self.done(r.cookie)
+            }
+            NBD_CMD_FLUSH => self.done(r.cookie),
+            _ => self.error(r.cookie, NBD_EINVAL, &[]),
         }
     }
 
