@@ -106,6 +106,9 @@ pub(super) struct Receiver {
     pub(super) reply_since: Instant,
     /// The slot the reply being read answers, once its header is read.
     pub(super) replying: Option<usize>,
+    /// The last `check_mid_reply` that looked (at most one a tick: a long reply arriving
+    /// fast does not take the table lock on every read).
+    pub(super) mid_check: Instant,
 }
 
 impl Receiver {
@@ -303,9 +306,12 @@ impl Receiver {
     /// the rest of the stream unparseable.
     fn check_mid_reply(&mut self) -> Result<(), Stop> {
         let now = Instant::now();
-        if now.duration_since(self.last_check) < self.tick {
+        if now.duration_since(self.last_check) < self.tick
+            || now.duration_since(self.mid_check) < self.tick
+        {
             return Ok(());
         }
+        self.mid_check = now;
         if self.draining {
             return self.check();
         }
