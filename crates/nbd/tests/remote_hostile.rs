@@ -361,3 +361,59 @@ fn a_trickling_remote_leg_fails_by_its_deadlines_and_the_mirror_goes_on() {
     assert!(r.leg_status(1).unwrap().faulty);
     assert_eq!(testkit::io::read_at(&r, 4096, 4096).unwrap(), [0x22; 4096]);
 }
+
+/// H2, the owner's check of a new connection is part of its attempt: a remote mirror leg's
+/// server goes away with a write in flight, and the server that answers the reconnection
+/// negotiates promptly but trickles its answer to the mirror's check (the superblock read).
+/// The attempt ends at the reconnect deadline, the leg fails, and the mirror's write
+/// completes on the other leg.
+#[test]
+fn a_trickled_answer_to_the_mirrors_check_does_not_hold_the_reconnection() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+    log();
+    let disk = Arc::new(Mutex::new(vec![0u8; common::hostile_server::SIZE as usize]));
+    let die = Arc::new(AtomicBool::new(false));
+    let (d2, die2) = (disk.clone(), die.clone());
+    let srv = HostileServer::start(move |k, p: &mut Peer| {
+        p.negotiate()?;
+        loop {
+            let r = p.request()?;
+            if k == 0 && die2.load(Ordering::SeqCst) {
+                // Gone, the request unanswered.
+                return Ok(());
+            }
+            if k > 0 {
+                p.trickle(Some(DRIP));
+            }
+            p.answer(&r, &mut d2.lock().unwrap())?;
+        }
+    });
+    let local = common::served::device("mem:32M");
+    let remote: Arc<dyn blk::Device> =
+        Arc::new(RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap());
+    let cfg = raid1::Raid1Config {
+        bitmap_chunk: 1 << 20,
+        tick: Duration::from_millis(50),
+        depth: 16,
+        ..raid1::Raid1Config::default()
+    };
+    let r = raid1::Raid1::create(vec![local, remote], cfg).unwrap();
+    testkit::io::write_at(&r, 0, &[0x11; 4096]).unwrap();
+    die.store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let mut b = blk::Buffer::new(4096);
+    b.as_mut_slice().fill(0x22);
+    let p = blk::PendingBio::submit(&r, blk::Bio::with_buf(blk::Op::Write, 8, b));
+    let Some((_, res)) = p.wait_until(t + Duration::from_secs(5)) else {
+        panic!(
+            "the mirror's write was still pending after {:?} (a trickled check)",
+            t.elapsed()
+        );
+    };
+    let took = t.elapsed();
+    res.unwrap();
+    assert!(took < DEADLINE + Duration::from_millis(1500), "{took:?}");
+    assert!(srv.accepted() >= 2, "no reconnection was tried");
+    assert!(r.leg_status(1).unwrap().faulty);
+}
