@@ -11,7 +11,9 @@ use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::time::Instant;
 
+use crate::coverage::Coverage;
 use crate::handshake::{
     decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
     encode_client_flags, parse_option_reply, BlockSize, ClientOption, ExportRequest, Info,
@@ -21,9 +23,17 @@ use crate::proto::{
     ClientFlags, CmdFlags, Command, HandshakeFlags, InfoType, TransmissionFlags, TransmissionMode,
     NBD_OPT_ABORT, OPTION_REPLY_HEADER_LEN,
 };
-use crate::stream::Stream;
+use crate::stream::{Stream, Until};
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
 use crate::Decoded;
+
+/// Most non-final replies the client accepts to one option: a server that sends more is
+/// answering nothing this client asked (a list of exports, a few details of one, the contexts
+/// of a query), and is refused rather than followed for ever.
+pub const MAX_OPTION_REPLIES: usize = 1024;
+
+/// Most bytes of reply data the client accepts to one option, its replies together.
+pub const MAX_OPTION_REPLY_BYTES: u64 = 1 << 20;
 
 /// Largest reply chunk payload the client accepts.
 const MAX_CHUNK_PAYLOAD: u64 = 64 << 20;
@@ -133,14 +143,31 @@ pub struct Handshake {
     /// The contexts the last SET selected: (id, name).
     contexts: Vec<(u32, String)>,
     buf: Vec<u8>,
+    /// The option reply being read (one at a time).
+    rbuf: Vec<u8>,
+    /// When the whole handshake must be over (see [`Handshake::start_by`]).
+    deadline: Option<Instant>,
 }
 
 impl Handshake {
     /// Reads the greeting and answers with client flags (fixed newstyle, and no zeroes when
     /// offered).
-    pub fn start(mut stream: Stream) -> Result<Self, ClientError> {
+    pub fn start(stream: Stream) -> Result<Self, ClientError> {
+        Self::start_by(stream, None)
+    }
+
+    /// [`start`](Self::start), with the whole handshake (this greeting, every option and
+    /// reply, the TLS handshake) bounded by `deadline`: every read and write first sets what
+    /// is left of it as the socket's timeouts, so a server that trickles its bytes runs out of
+    /// time like a silent one (an I/O error of kind `TimedOut`). The socket's timeouts are left
+    /// at whatever was left; the caller sets its own once the handshake is over.
+    pub fn start_by(mut stream: Stream, deadline: Option<Instant>) -> Result<Self, ClientError> {
         let mut g = [0u8; crate::proto::SERVER_GREETING_LEN];
-        stream.read_exact(&mut g)?;
+        Until {
+            sock: &mut stream,
+            deadline,
+        }
+        .read_exact(&mut g)?;
         let server_flags = match decode_server_greeting(&g)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short greeting".into())),
@@ -152,7 +179,11 @@ impl Handshake {
         }
         let mut out = Vec::new();
         encode_client_flags(flags, &mut out);
-        stream.write_all(&out)?;
+        Until {
+            sock: &mut stream,
+            deadline,
+        }
+        .write_all(&out)?;
         Ok(Self {
             stream,
             server_flags,
@@ -161,6 +192,8 @@ impl Handshake {
             meta_id: None,
             contexts: Vec::new(),
             buf: Vec::new(),
+            rbuf: Vec::new(),
+            deadline,
         })
     }
 
@@ -174,57 +207,114 @@ impl Handshake {
         &mut self.stream
     }
 
+    /// The socket, bounded by the handshake's deadline.
+    fn io(&mut self) -> Until<&mut Stream> {
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+    }
+
     /// Sends one option.
     pub fn send_option(&mut self, opt: &ClientOption<'_>) -> Result<(), ClientError> {
         self.buf.clear();
         opt.encode(&mut self.buf)?;
-        self.stream.write_all(&self.buf)?;
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+        .write_all(&self.buf)?;
         Ok(())
     }
 
     /// Reads one option reply.
     pub fn read_reply(&mut self) -> Result<OptionReplyMsg, ClientError> {
+        let (option, reply_type) = self.read_reply_data()?;
+        Ok(OptionReplyMsg {
+            option,
+            reply_type,
+            data: self.rbuf.clone(),
+        })
+    }
+
+    /// Reads one option reply's header, and its data into `rbuf` (reused: one reply's worth,
+    /// at most [`DEFAULT_MAX_OPTION_REPLY_LEN`]); returns (option, reply type).
+    fn read_reply_data(&mut self) -> Result<(u32, u32), ClientError> {
         let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-        self.stream.read_exact(&mut h)?;
+        self.io().read_exact(&mut h)?;
         let header = match decode_option_reply_header(&h, DEFAULT_MAX_OPTION_REPLY_LEN)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
         };
-        let mut data = vec![0u8; header.length as usize];
-        self.stream.read_exact(&mut data)?;
-        Ok(OptionReplyMsg {
-            option: header.option,
-            reply_type: header.reply_type,
-            data,
-        })
+        self.rbuf.clear();
+        self.rbuf.resize(header.length as usize, 0);
+        Until {
+            sock: &mut self.stream,
+            deadline: self.deadline,
+        }
+        .read_exact(&mut self.rbuf)?;
+        Ok((header.option, header.reply_type))
     }
 
-    /// Sends an option and reads replies up to the final one (an ACK or an error); an error
-    /// reply becomes [`ClientError::OptionRefused`].
-    pub fn option(&mut self, opt: &ClientOption<'_>) -> Result<Vec<OptionReplyMsg>, ClientError> {
+    /// Sends an option and reads replies up to the final one (an ACK or an error), handing
+    /// each non-final reply to `each` (reply type, data) as it arrives: nothing is kept
+    /// here. An error reply becomes [`ClientError::OptionRefused`]. A server that sends more
+    /// than [`MAX_OPTION_REPLIES`] replies, or more than [`MAX_OPTION_REPLY_BYTES`] bytes of
+    /// reply data, to one option is a protocol error ([`ClientError::Unexpected`]): no
+    /// option this client sends has a legitimate answer that long.
+    pub fn option_each(
+        &mut self,
+        opt: &ClientOption<'_>,
+        mut each: impl FnMut(u32, &[u8]) -> Result<(), ClientError>,
+    ) -> Result<(), ClientError> {
         self.send_option(opt)?;
-        let mut out = Vec::new();
+        let (mut replies, mut bytes) = (0usize, 0u64);
         loop {
-            let r = self.read_reply()?;
-            if r.option != opt.option() {
+            let (option, reply_type) = self.read_reply_data()?;
+            if option != opt.option() {
                 return Err(ClientError::Unexpected(format!(
-                    "reply to option {} while waiting for {}",
-                    r.option,
+                    "reply to option {option} while waiting for {}",
                     opt.option()
                 )));
             }
-            if crate::proto::is_option_error(r.reply_type) {
+            if crate::proto::is_option_error(reply_type) {
                 return Err(ClientError::OptionRefused {
-                    option: r.option,
-                    reply_type: r.reply_type,
-                    message: String::from_utf8_lossy(&r.data).into_owned(),
+                    option,
+                    reply_type,
+                    message: String::from_utf8_lossy(&self.rbuf).into_owned(),
                 });
             }
-            if r.reply_type == crate::proto::NBD_REP_ACK {
-                return Ok(out);
+            if reply_type == crate::proto::NBD_REP_ACK {
+                return Ok(());
             }
-            out.push(r);
+            replies += 1;
+            bytes += self.rbuf.len() as u64;
+            if replies > MAX_OPTION_REPLIES || bytes > MAX_OPTION_REPLY_BYTES {
+                return Err(ClientError::Unexpected(format!(
+                    "option {option} drew more than {MAX_OPTION_REPLIES} replies or \
+                     {MAX_OPTION_REPLY_BYTES} bytes of replies ({replies} replies, {bytes} \
+                     bytes so far)"
+                )));
+            }
+            each(reply_type, &self.rbuf)?;
         }
+    }
+
+    /// Sends an option and reads replies up to the final one (an ACK or an error), returning
+    /// the non-final ones (bounded as [`option_each`](Self::option_each) says); an error
+    /// reply becomes [`ClientError::OptionRefused`].
+    pub fn option(&mut self, opt: &ClientOption<'_>) -> Result<Vec<OptionReplyMsg>, ClientError> {
+        let mut out = Vec::new();
+        let option = opt.option();
+        self.option_each(opt, |reply_type, data| {
+            out.push(OptionReplyMsg {
+                option,
+                reply_type,
+                data: data.to_vec(),
+            });
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// `NBD_OPT_STARTTLS`, then the TLS handshake (`config` from [`crate::tls::client_config`];
@@ -235,22 +325,22 @@ impl Handshake {
         server_name: &str,
     ) -> Result<(), ClientError> {
         self.option(&ClientOption::StartTls)?;
-        crate::tls::connect(&mut self.stream, config, server_name)?;
+        crate::tls::connect_by(&mut self.stream, config, server_name, self.deadline)?;
         Ok(())
     }
 
     /// `NBD_OPT_LIST`: (name, description) of every export.
     pub fn list(&mut self) -> Result<Vec<(String, String)>, ClientError> {
-        let replies = self.option(&ClientOption::List)?;
         let mut out = Vec::new();
-        for r in replies {
-            match parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&ClientOption::List, |reply_type, data| {
+            match parse_option_reply(reply_type, data)? {
                 OptionReply::Server { name, details } => {
                     out.push((name.to_string(), details.to_string()))
                 }
                 other => return Err(ClientError::Unexpected(format!("{other:?} in a list"))),
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -286,14 +376,14 @@ impl Handshake {
         } else {
             ClientOption::ListMetaContext(req)
         };
-        let replies = self.option(&opt)?;
         let mut out = Vec::new();
-        for r in replies {
-            match parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&opt, |reply_type, data| {
+            match parse_option_reply(reply_type, data)? {
                 OptionReply::MetaContext { id, name } => out.push((id, name.to_string())),
                 other => return Err(ClientError::Unexpected(format!("{other:?} for a context"))),
             }
-        }
+            Ok(())
+        })?;
         if set {
             self.meta_id = out
                 .iter()
@@ -314,11 +404,10 @@ impl Handshake {
         } else {
             ClientOption::Info(req)
         };
-        let replies = self.option(&opt)?;
         let mut d = ExportDetails::default();
         let mut have_export = false;
-        for r in replies {
-            if let OptionReply::Info(i) = parse_option_reply(r.reply_type, &r.data)? {
+        self.option_each(&opt, |reply_type, data| {
+            if let OptionReply::Info(i) = parse_option_reply(reply_type, data)? {
                 match i {
                     Info::Export(e) => {
                         d.size = e.size;
@@ -331,7 +420,8 @@ impl Handshake {
                     _ => {}
                 }
             }
-        }
+            Ok(())
+        })?;
         if !have_export {
             return Err(ClientError::Unexpected("no NBD_INFO_EXPORT".into()));
         }
@@ -372,7 +462,7 @@ impl Handshake {
             crate::proto::EXPORT_NAME_REPLY_LEN
         };
         let mut b = vec![0u8; want];
-        self.stream.read_exact(&mut b)?;
+        self.io().read_exact(&mut b)?;
         let info = match decode_export_name_reply(&b, self.no_zeroes)? {
             Decoded::Complete { value, .. } => value,
             Decoded::Incomplete(_) => return Err(ClientError::Unexpected("short reply".into())),
@@ -458,11 +548,13 @@ struct Pending {
     offset: u64,
     length: u64,
     reply: Reply,
+    /// A read's bytes its chunks have filled.
+    filled: Coverage,
 }
 
 /// The transmission phase.
 pub struct Client {
-    reader: BufReader<Stream>,
+    reader: BufReader<Until<Stream>>,
     writer: Stream,
     mode: TransmissionMode,
     details: ExportDetails,
@@ -485,7 +577,13 @@ impl Client {
     ) -> Result<Self, ClientError> {
         let writer = stream.try_clone()?;
         Ok(Self {
-            reader: BufReader::with_capacity(256 << 10, stream),
+            reader: BufReader::with_capacity(
+                256 << 10,
+                Until {
+                    sock: stream,
+                    deadline: None,
+                },
+            ),
             writer,
             mode,
             details,
@@ -519,6 +617,14 @@ impl Client {
             let d = h.go(&opts.export)?;
             h.into_client(d)
         }
+    }
+
+    /// From now on every reply must be received whole before `deadline` (`None`: each read
+    /// waits as the socket's receive timeout says): a server trickling its reply a byte at a
+    /// time runs out of time like a silent one. Used for the check of a new connection,
+    /// part of its connection attempt.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.reader.get_mut().deadline = deadline;
     }
 
     /// TLS 1.3: asks for a key update on both sides (sent with the next request).
@@ -580,6 +686,7 @@ impl Client {
                         cookie: req.cookie,
                         ..Reply::default()
                     },
+                    filled: Coverage::default(),
                 },
             );
         }
@@ -625,6 +732,7 @@ impl Client {
                     cookie,
                     ..Reply::default()
                 },
+                filled: Coverage::default(),
             },
         );
         Ok(cookie)
@@ -693,6 +801,17 @@ impl Client {
                     Self::apply(p, chunk, self.meta_id)?;
                     if h.is_done() {
                         if let Some(p) = self.pending.remove(&h.cookie) {
+                            // Disjoint pieces: as many bytes as the read is, all of it.
+                            if p.cmd == Command::Read
+                                && p.reply.error == 0
+                                && p.filled.total() != p.length
+                            {
+                                return Err(ClientError::Unexpected(format!(
+                                    "a read of {} bytes answered with {}",
+                                    p.length,
+                                    p.filled.total()
+                                )));
+                            }
                             return Ok(p.reply);
                         }
                     }
@@ -710,6 +829,9 @@ impl Client {
                     p.offset, p.length
                 )));
             }
+            p.filled
+                .add(offset - p.offset, len)
+                .map_err(ClientError::Unexpected)?;
             Ok((offset - p.offset) as usize)
         };
         match chunk {

@@ -16,6 +16,7 @@
 #![deny(unsafe_code)]
 
 pub mod client;
+mod coverage;
 #[cfg(not(blkq_loom))]
 #[doc(hidden)]
 pub mod fuzzing;

@@ -1,6 +1,7 @@
 //! A connected socket, TCP or Unix, plain or TLS: what the server and the client read and
 //! write. The TLS variant and its rules live in [`crate::tls`].
 
+use std::borrow::BorrowMut;
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -147,6 +148,68 @@ impl Stream {
         if let Stream::Tls(s) = self {
             s.close_notify();
         }
+    }
+}
+
+/// A stream whose reads and writes together must end before a deadline (a whole handshake,
+/// a whole connection attempt): each first sets what is left of it as the socket's timeouts,
+/// so a peer that trickles its bytes runs out of time like a silent one (`TimedOut`). With
+/// no deadline the socket's timeouts stand as the caller set them.
+#[derive(Debug)]
+pub(crate) struct Until<S> {
+    pub(crate) sock: S,
+    pub(crate) deadline: Option<std::time::Instant>,
+}
+
+impl<S: BorrowMut<Stream>> Until<S> {
+    /// Sets what is left of the deadline as the socket's timeouts; `TimedOut` when nothing is.
+    pub(crate) fn arm(&self) -> io::Result<()> {
+        let Some(deadline) = self.deadline else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the deadline passed",
+            ));
+        }
+        let s: &Stream = self.sock.borrow();
+        s.set_read_timeout(Some(left))?;
+        s.set_write_timeout(Some(left))
+    }
+
+    /// A socket timeout reads as `WouldBlock` (`EAGAIN`): under a deadline it is `TimedOut`.
+    pub(crate) fn timed_out(&self, e: io::Error) -> io::Error {
+        if self.deadline.is_some() && e.kind() == io::ErrorKind::WouldBlock {
+            io::Error::new(io::ErrorKind::TimedOut, "the deadline passed")
+        } else {
+            e
+        }
+    }
+}
+
+impl<S: BorrowMut<Stream>> Read for Until<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        self.sock
+            .borrow_mut()
+            .read(buf)
+            .map_err(|e| self.timed_out(e))
+    }
+}
+
+impl<S: BorrowMut<Stream>> Write for Until<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
+        self.sock
+            .borrow_mut()
+            .write(buf)
+            .map_err(|e| self.timed_out(e))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

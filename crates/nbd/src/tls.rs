@@ -75,7 +75,7 @@ use rustls::RootCertStore;
 use x509_parser::asn1_rs::{Any, Oid, Tag, ToDer};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
-use crate::stream::Stream;
+use crate::stream::{Stream, Until};
 
 /// Bytes of the reader's raw (ciphertext) receive buffer.
 const RAW_BUF: usize = 64 << 10;
@@ -522,8 +522,10 @@ fn handshake(
 ) -> io::Result<()> {
     let mut sock = stream.try_clone()?;
     let mut io = Timed {
-        sock: &mut sock,
-        deadline,
+        io: Until {
+            sock: &mut sock,
+            deadline,
+        },
         records: RecordEdge::default(),
     };
     while conn.is_handshaking() {
@@ -568,41 +570,15 @@ fn handshake(
 
 /// The socket during a TLS handshake, with its deadline (see [`handshake`]).
 struct Timed<'a> {
-    sock: &'a mut Stream,
-    deadline: Option<Instant>,
+    io: Until<&'a mut Stream>,
     /// Record boundaries of every byte received since TLS began: rustls may read past the
     /// handshake, and the stream's tracker must start where this one ends.
     records: RecordEdge,
 }
 
-impl Timed<'_> {
-    /// Sets what is left of the deadline as the socket's timeouts; `TimedOut` when nothing is.
-    fn arm(&self) -> io::Result<()> {
-        let Some(deadline) = self.deadline else {
-            return Ok(());
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        self.sock.set_read_timeout(Some(left))?;
-        self.sock.set_write_timeout(Some(left))
-    }
-
-    /// A socket timeout reads as `WouldBlock` (`EAGAIN`): under a deadline it is `TimedOut`.
-    fn timed_out(&self, e: io::Error) -> io::Error {
-        if self.deadline.is_some() && e.kind() == io::ErrorKind::WouldBlock {
-            io::ErrorKind::TimedOut.into()
-        } else {
-            e
-        }
-    }
-}
-
 impl Read for Timed<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.arm()?;
-        let n = self.sock.read(buf).map_err(|e| self.timed_out(e))?;
+        let n = self.io.read(buf)?;
         self.records.feed(&buf[..n]);
         Ok(n)
     }
@@ -610,8 +586,7 @@ impl Read for Timed<'_> {
 
 impl Write for Timed<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.arm()?;
-        self.sock.write(buf).map_err(|e| self.timed_out(e))
+        self.io.write(buf)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -639,13 +614,23 @@ pub fn connect(
     config: &DynArc<rustls::ClientConfig>,
     server_name: &str,
 ) -> io::Result<()> {
+    connect_by(stream, config, server_name, None)
+}
+
+/// [`connect`], the whole TLS handshake bounded by `deadline` (see [`handshake`]).
+pub(crate) fn connect_by(
+    stream: &mut Stream,
+    config: &DynArc<rustls::ClientConfig>,
+    server_name: &str,
+    deadline: Option<Instant>,
+) -> io::Result<()> {
     if matches!(stream, Stream::Tls(_)) {
         return Err(io::Error::other("TLS already started"));
     }
     let name = ServerName::try_from(server_name.to_string())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let conn = rustls::ClientConnection::new(config.clone(), name).map_err(tls_io_err)?;
-    handshake(stream, rustls::Connection::Client(conn), None)
+    handshake(stream, rustls::Connection::Client(conn), deadline)
 }
 
 // --- The subject of a certificate, RFC 4514 style ------------------------------------------

@@ -484,3 +484,62 @@ fn out_of_descriptors_refuses_new_connections_and_keeps_serving() {
         t.server().connections() == 0 && open_fds() <= base
     });
 }
+
+/// Block-status requests take memory for the extents they may answer (1024 per context,
+/// reserved before the device is asked): they count in the memory budget as reads do. A
+/// client that stops reading after a 32 MiB read, then queues a thousand block-status
+/// requests, holds the read's 32 MiB and, for the block-status requests, at most what is
+/// left of the budget.
+#[test]
+fn block_status_requests_count_in_the_memory_budget() {
+    let _g = serial();
+    const BUDGET: u64 = 36 * MIB;
+    let t = TestServer::start("mem:64M", |tu| {
+        tu.memory_budget = BUDGET;
+        tu.send_timeout = Duration::from_secs(600);
+    });
+    // Real data, so that the read's reply carries it (a hole would be a few bytes).
+    let mut w = t.simple();
+    let data = vec![0x5au8; 4 * MIB as usize];
+    for i in 0..8 {
+        w.write(i * 4 * MIB, &data, CmdFlags::empty()).unwrap();
+    }
+    w.disconnect().unwrap();
+    let mut c = Client::connect(&t.ep, &ClientOptions::default()).unwrap();
+    // In one send (the server's connection thread stops reading while a reply it cannot send
+    // blocks it): a read whose reply fills the socket, so that the replies after it wait in
+    // the server, in flight; then the block-status requests.
+    let mut batch = Vec::new();
+    Request::new(Command::Read, 1, 0, 32 * MIB)
+        .encode(c.mode(), &mut batch)
+        .unwrap();
+    for k in 0..1000 {
+        Request::new(Command::BlockStatus, 2 + k, 0, 64 * MIB)
+            .encode(c.mode(), &mut batch)
+            .unwrap();
+    }
+    c.send_raw(&batch).unwrap();
+    let mut most = 0;
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while most <= 32 * MIB && std::time::Instant::now() < until {
+        most = most.max(t.server().memory_in_use());
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        most > 32 * MIB,
+        "1000 queued block-status requests: {most} bytes of the budget in use (the read's 32 \
+         MiB only)"
+    );
+    thread::sleep(Duration::from_millis(200));
+    let now = t.server().memory_in_use();
+    assert!(
+        now <= BUDGET,
+        "{now} bytes of a {BUDGET}-byte budget in use"
+    );
+    // The client goes away: the server gives everything back.
+    drop(c);
+    wait_until("the memory budget to be given back", || {
+        t.server().memory_in_use() == 0
+    });
+    t.check_served(12);
+}

@@ -58,8 +58,8 @@ impl Hook {
         self.lost.load(Ordering::Acquire)
     }
 
-    /// Runs the check on `opened` (negotiated, nothing sent on it yet; its read timeout is the
-    /// spec's timeout). An error is a failed attempt (the read did not complete): the next
+    /// Runs the check on `opened` (negotiated, nothing sent on it yet), its read bounded by
+    /// the attempt's deadline. An error is a failed attempt (the read did not complete): the next
     /// attempt follows.
     pub(super) fn judge(&self, uri: &str, opened: &Opened) -> Result<Verdict, RemoteError> {
         if let Some(why) = self.refused.lock().clone() {
@@ -88,6 +88,9 @@ impl Hook {
             Vec::new(),
         )
         .map_err(|e| read_err(e.to_string()))?;
+        // Part of the connection attempt: its reply must come whole within the attempt's
+        // deadline, however the server paces it.
+        client.set_deadline(Some(opened.deadline));
         let bytes = client
             .read(offset, len as u64)
             .map_err(|e| read_err(e.to_string()))?;

@@ -6,7 +6,7 @@ use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use blk::Limits;
 
@@ -64,16 +64,41 @@ pub(super) struct Opened {
     /// The `base:allocation` context id, when the server has structured replies and the
     /// context.
     pub(super) meta_id: Option<u32>,
+    /// When the connection attempt that opened it must be over (the owner's check of a new
+    /// connection is part of it: `check`).
+    pub(super) deadline: Instant,
 }
 
-/// Connects to `addr`, each attempt bounded by `timeout` (TCP) where the host allows.
-pub(super) fn dial(addr: &RemoteAddr, timeout: Duration) -> io::Result<Stream> {
+/// The deadline of a connection attempt starting now: the spec's timeout from now, or
+/// `cut` if sooner (the reconnect deadline's expiry: it fails what waits whatever an attempt
+/// is doing).
+pub(super) fn attempt_deadline(spec: &RemoteSpec, cut: Option<Instant>) -> Instant {
+    let d = Instant::now() + spec.timeout;
+    cut.map_or(d, |c| c.min(d))
+}
+
+/// What is left before `deadline`; `TimedOut` when nothing is.
+fn left(deadline: Instant) -> io::Result<Duration> {
+    let l = deadline.saturating_duration_since(Instant::now());
+    if l.is_zero() {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the connection attempt's deadline passed",
+        ));
+    }
+    Ok(l)
+}
+
+/// Connects to `addr` before `deadline` (TCP: every address tried in what is left; the
+/// name's resolution is the system resolver's, with its own timeouts). `timeout` is the
+/// spec's (keepalive).
+pub(super) fn dial(addr: &RemoteAddr, timeout: Duration, deadline: Instant) -> io::Result<Stream> {
     match addr {
         RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
         RemoteAddr::Tcp { host, port } => {
             let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
             for a in (host.as_str(), *port).to_socket_addrs()? {
-                match TcpStream::connect_timeout(&a, timeout) {
+                match TcpStream::connect_timeout(&a, left(deadline)?) {
                     Ok(s) => {
                         s.set_nodelay(true)?;
                         keepalive(&s, timeout)?;
@@ -110,9 +135,13 @@ fn keepalive(s: &TcpStream, timeout: Duration) -> io::Result<()> {
     )
 }
 
-/// Negotiates on a dialed `stream`: every step bounded by the spec's timeout; the stream's
-/// read timeout is left at that timeout.
-pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, RemoteError> {
+/// Negotiates on a dialed `stream`, the whole of it (TLS included) before `deadline`; the
+/// stream's timeouts are left at the spec's timeout.
+pub(super) fn handshake(
+    stream: Stream,
+    spec: &RemoteSpec,
+    deadline: Instant,
+) -> Result<Opened, RemoteError> {
     let uri = spec.to_string();
     let hs_err = |source: ClientError| RemoteError::Handshake {
         uri: uri.clone(),
@@ -125,7 +154,7 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
     stream
         .set_write_timeout(Some(spec.timeout))
         .map_err(io_err)?;
-    let mut hs = Handshake::start(stream).map_err(hs_err)?;
+    let mut hs = Handshake::start_by(stream, Some(deadline)).map_err(hs_err)?;
     if let Some(tls) = &spec.tls {
         let config =
             crate::tls::client_config(&tls.certificates).map_err(|e| RemoteError::Unusable {
@@ -156,6 +185,12 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
     }
     let details = hs.go(&spec.export).map_err(hs_err)?;
     let (stream, mode) = hs.into_parts();
+    stream
+        .set_read_timeout(Some(spec.timeout))
+        .map_err(io_err)?;
+    stream
+        .set_write_timeout(Some(spec.timeout))
+        .map_err(io_err)?;
     let limits = limits_of(&details).map_err(|reason| RemoteError::Unusable {
         uri: uri.clone(),
         reason,
@@ -166,16 +201,19 @@ pub(super) fn handshake(stream: Stream, spec: &RemoteSpec) -> Result<Opened, Rem
         details,
         limits,
         meta_id,
+        deadline,
     })
 }
 
-/// Dials and negotiates.
+/// Dials and negotiates, the whole attempt bounded by the spec's timeout.
 pub(super) fn open(spec: &RemoteSpec) -> Result<Opened, RemoteError> {
-    let stream = dial(&spec.addr, spec.timeout).map_err(|source| RemoteError::Connect {
-        uri: spec.to_string(),
-        source,
-    })?;
-    handshake(stream, spec)
+    let deadline = attempt_deadline(spec, None);
+    let stream =
+        dial(&spec.addr, spec.timeout, deadline).map_err(|source| RemoteError::Connect {
+            uri: spec.to_string(),
+            source,
+        })?;
+    handshake(stream, spec, deadline)
 }
 
 /// The export's constraints as [`Limits`]: the logical block is the server's minimum block

@@ -44,6 +44,7 @@ impl Link {
             details,
             limits,
             meta_id,
+            ..
         } = opened;
         let mut table = Table::new(spec.depth);
         table.meta_id = meta_id;
@@ -88,6 +89,10 @@ impl Link {
                 last_check: Instant::now(),
                 draining: false,
                 drain_since: Instant::now(),
+                mid_reply: false,
+                reply_since: Instant::now(),
+                replying: None,
+                mid_check: Instant::now(),
             },
             spec.clone(),
         );

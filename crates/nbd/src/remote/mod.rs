@@ -14,7 +14,8 @@
 //! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
 //!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
 //!   It also enforces the request timeout: the socket's receive timeout wakes it every tick,
-//!   and a request unanswered for `timeout` declares the connection dead. When the connection
+//!   and a request not wholly answered `timeout` after it was sent (a reply still arriving,
+//!   however slowly, counts as unanswered) declares the connection dead. When the connection
 //!   breaks, the same thread re-establishes it (`reconnect`).
 //! - **One sender thread** sends what no submitter is there to send: the requests waiting
 //!   when a connection comes back, and the flush of an emulated FUA write (`sender`).
@@ -61,6 +62,10 @@
 //! connection to a server with a write cache is lost with such writes, the next flush fails
 //! with `EIO` (once) instead of vouching for them (`Durability` in `table`). FUA writes, and
 //! writes a completed flush covers, are not affected.
+//!
+//! Each connection attempt (dialing, TLS, negotiation, the owner's check below) has one
+//! deadline for the whole of it: the timeout, or the reconnect deadline's expiry if sooner; a
+//! server that trickles its handshake runs out of time like a silent one.
 //!
 //! Requests wait at most `reconnect_deadline=` (default 15 s) after the break: then they fail
 //! with `EIO`, while still disconnected new requests fail at once, and the device reports
@@ -161,8 +166,8 @@ impl RemoteDevice {
     }
 
     /// Connects, negotiates (structured replies if the server has them, `NBD_OPT_GO` on the
-    /// spec's export), and starts the receiver and sender threads. Every step of the
-    /// handshake is bounded by the spec's timeout. A server that cannot be reached now is an
+    /// spec's export), and starts the receiver and sender threads. The whole attempt (dial,
+    /// TLS, negotiation) is bounded by the spec's timeout. A server that cannot be reached now is an
     /// error (reconnecting is for a connection that was established once).
     pub fn connect(spec: RemoteSpec) -> Result<Self, RemoteError> {
         let uri = spec.to_string();

@@ -53,6 +53,10 @@ pub(super) enum Stop {
     /// Draining: every request sent on the connection has its reply.
     #[error("every request sent on it was answered")]
     Drained,
+    /// The connection stopped (a request timed out, a send failed) in the middle of a reply:
+    /// where the next reply begins is unknown, so the rest of the stream cannot be parsed.
+    #[error("{0}, in the middle of a reply")]
+    MidReply(Box<Stop>),
     /// Draining: the server neither answered nor closed the connection for this long
     /// ([`drain_bound`]): the client takes it as over.
     #[error("the server neither answered nor closed it for {0:?}: taken as over, what it did not answer as abandoned")]
@@ -95,7 +99,7 @@ impl Stop {
     /// Whether the rest of the stream cannot be parsed (a malformed reply): the connection
     /// is cut (its sending half shut down) and drained by reading and dropping everything.
     pub(super) fn unparseable(&self) -> bool {
-        matches!(self, Stop::Malformed(_))
+        matches!(self, Stop::Malformed(_) | Stop::MidReply(_))
     }
 }
 
@@ -111,6 +115,16 @@ pub(super) struct Receiver {
     pub(super) draining: bool,
     /// When the drain began (meaningful while `draining`).
     pub(super) drain_since: Instant,
+    /// Part of a reply has been read and not the rest (a stop now leaves the stream
+    /// unparseable).
+    pub(super) mid_reply: bool,
+    /// When the first byte of the reply being read arrived (meaningful while `mid_reply`).
+    pub(super) reply_since: Instant,
+    /// The slot the reply being read answers, once its header is read.
+    pub(super) replying: Option<usize>,
+    /// The last `check_mid_reply` that looked (at most one a tick: a long reply arriving
+    /// fast does not take the table lock on every read).
+    pub(super) mid_check: Instant,
 }
 
 impl Receiver {
@@ -118,7 +132,11 @@ impl Receiver {
     pub(super) fn receive(&mut self) -> Stop {
         loop {
             if let Err(s) = self.one_reply() {
-                return s;
+                let mid = std::mem::take(&mut self.mid_reply);
+                return match s {
+                    Stop::TimedOut(_) | Stop::SendFailed if mid => Stop::MidReply(Box::new(s)),
+                    s => s,
+                };
             }
         }
     }
@@ -166,7 +184,14 @@ impl Receiver {
             self.scratch = s;
             match r {
                 Ok(0) => return Stop::Closed,
-                Ok(_) => {}
+                // A server that keeps sending (slowly or not) is checked at every tick too.
+                Ok(_) => {
+                    if self.last_check.elapsed() >= self.tick {
+                        if let Err(s) = self.check() {
+                            return s;
+                        }
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e)
                     if matches!(
@@ -256,13 +281,23 @@ impl Receiver {
         }
     }
 
-    /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick.
+    /// Reads exactly `buf.len()` bytes, checking the timeouts at every tick: when the socket
+    /// has nothing for a tick, and when it keeps giving bytes (a server trickling a reply
+    /// must not keep its request past the timeout: the deadline runs to the whole reply).
     fn read_full(&mut self, buf: &mut [u8]) -> Result<(), Stop> {
         let mut at = 0;
         while at < buf.len() {
             match self.stream.read(&mut buf[at..]) {
                 Ok(0) => return Err(Stop::Closed),
-                Ok(n) => at += n,
+                Ok(n) => {
+                    at += n;
+                    if !self.mid_reply {
+                        self.mid_reply = true;
+                        self.reply_since = Instant::now();
+                    } else {
+                        self.check_mid_reply()?;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e)
                     if matches!(
@@ -276,6 +311,47 @@ impl Receiver {
             }
         }
         Ok(())
+    }
+
+    /// The checks while a reply keeps coming (bytes arrive, slowly or not): the device
+    /// closing, the drain's bounds, and the deadline of the request it answers, from its send
+    /// to its whole reply (a server trickling a reply does not keep it past the timeout).
+    /// While its header is still arriving (which request it answers is not known yet), after
+    /// a tick of it, every request's. Other requests' timeouts wait for the reply's end (the
+    /// next reply's start checks them): stopping in the middle of a reply that comes leaves
+    /// the rest of the stream unparseable.
+    fn check_mid_reply(&mut self) -> Result<(), Stop> {
+        let now = Instant::now();
+        if now.duration_since(self.last_check) < self.tick
+            || now.duration_since(self.mid_check) < self.tick
+        {
+            return Ok(());
+        }
+        self.mid_check = now;
+        if self.draining {
+            return self.check();
+        }
+        if self.sh.closing.load(Ordering::SeqCst) {
+            return Err(Stop::Closing);
+        }
+        match self.replying {
+            None if now.duration_since(self.reply_since) >= self.tick => self.check(),
+            None => Ok(()),
+            Some(i) => {
+                let t = self.sh.table.lock();
+                let epoch = t.epoch;
+                let late = t.slots.get(i).is_some_and(|s| {
+                    s.busy
+                        && s.status.is_none()
+                        && s.sent_epoch == epoch
+                        && now.duration_since(s.sent_at) >= self.sh.timeout
+                });
+                if late {
+                    return Err(Stop::TimedOut(self.sh.timeout));
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Reads and drops `n` bytes.
@@ -381,6 +457,16 @@ impl Receiver {
         Ok(keep)
     }
 
+    /// Records `n` bytes of slot `i`'s read filled at `at` (relative to its start): a
+    /// malformed reply if they overlap bytes already filled (`Coverage`).
+    fn fill(&self, i: usize, at: u64, n: u64) -> Result<(), Stop> {
+        let mut t = self.sh.table.lock();
+        match t.slots.get_mut(i) {
+            Some(s) => s.filled.add(at, n).map_err(Stop::Malformed),
+            None => Err(Stop::Malformed("a reply for no slot".into())),
+        }
+    }
+
     fn lookup(&self, cookie: u64) -> Result<(usize, Command, u64, u64), Stop> {
         let t = self.sh.table.lock();
         let i = t.lookup(cookie).ok_or_else(|| {
@@ -393,6 +479,9 @@ impl Receiver {
     }
 
     fn one_reply(&mut self) -> Result<(), Stop> {
+        // At a reply's boundary (`read_full` sets it once a byte of this one is read).
+        self.mid_reply = false;
+        self.replying = None;
         if self.last_check.elapsed() >= self.tick {
             self.check()?;
         }
@@ -417,6 +506,7 @@ impl Receiver {
         match header {
             ReplyHeader::Simple(r) => {
                 let (i, cmd, _, len) = self.lookup(r.cookie)?;
+                self.replying = Some(i);
                 if r.error != 0 {
                     self.failed(i, r.error)?;
                 } else {
@@ -438,6 +528,7 @@ impl Receiver {
             }
             ReplyHeader::Chunk(h) => {
                 let (i, cmd, off, len) = self.lookup(h.cookie)?;
+                self.replying = Some(i);
                 let inside = |o: u64, n: u64| -> Result<u64, Stop> {
                     match (o.checked_sub(off), o.checked_add(n)) {
                         (Some(at), Some(e)) if cmd == Command::Read && e <= off + len => Ok(at),
@@ -454,8 +545,9 @@ impl Receiver {
                     self.read_full(&mut o)?;
                     let n = h.length - 8;
                     let at = inside(u64::from_be_bytes(o), n)?;
+                    // Recorded before the data is read: an overlap writes nothing.
+                    self.fill(i, at, n)?;
                     self.read_into_bio(i, at, n)?;
-                    self.sh.table.lock().slots[i].covered += n;
                 } else if h.reply_type == NBD_REPLY_TYPE_BLOCK_STATUS {
                     self.block_status(i, cmd, h.length)?;
                 } else {
@@ -476,13 +568,13 @@ impl Receiver {
                         Err(e) => return Err(Stop::Malformed(e.to_string())),
                     };
                     if let Some((o, size)) = hole {
-                        let at = inside(o, u64::from(size))? as usize;
+                        let at = inside(o, u64::from(size))?;
+                        self.fill(i, at, u64::from(size))?;
+                        let at = at as usize;
                         let mut t = self.sh.table.lock();
                         let orphan = t.is_orphan(i);
                         let s = &mut t.slots[i];
-                        if orphan {
-                            s.covered += u64::from(size);
-                        } else {
+                        if !orphan {
                             let dst = s
                                 .bio
                                 .as_mut()
@@ -492,7 +584,6 @@ impl Receiver {
                                 return Err(Stop::Malformed("a hole outside the buffer".into()));
                             };
                             dst.fill(0);
-                            s.covered += u64::from(size);
                         }
                     }
                     if error != 0 {
@@ -503,15 +594,16 @@ impl Receiver {
                     }
                 }
                 if h.is_done() {
-                    let (error, covered) = {
+                    let (error, filled) = {
                         let t = self.sh.table.lock();
-                        (t.slots[i].error, t.slots[i].covered)
+                        (t.slots[i].error, t.slots[i].filled.total())
                     };
                     if error != 0 {
                         self.failed(i, error)?;
-                    } else if cmd == Command::Read && covered != len {
+                    } else if cmd == Command::Read && filled != len {
+                        // The pieces are disjoint: all of it filled is exactly `len` bytes.
                         return Err(Stop::Malformed(format!(
-                            "a read of {len} bytes answered with {covered}"
+                            "a read of {len} bytes answered with {filled}"
                         )));
                     } else {
                         self.succeeded(i);

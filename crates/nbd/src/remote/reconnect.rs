@@ -234,20 +234,25 @@ impl Supervisor {
     }
 
     /// One attempt: dial, then negotiate with the socket registered for `Drop` to shut down
-    /// (so closing the device does not wait for a silent server's handshake).
+    /// (so closing the device does not wait for a silent server's handshake). The whole
+    /// attempt (dial, TLS, negotiation, the owner's check) ends by the timeout, or by the
+    /// reconnect deadline's expiry if sooner: whatever a server sends, or however slowly,
+    /// the deadline fails what waits on time (after the attempt the loop expires it).
     fn attempt(&self) -> Result<Opened, connect::RemoteError> {
         let sh = &self.rx.sh;
-        let stream = connect::dial(&self.spec.addr, self.spec.timeout).map_err(|source| {
-            connect::RemoteError::Connect {
-                uri: sh.uri.clone(),
-                source,
-            }
-        })?;
+        let deadline = connect::attempt_deadline(&self.spec, self.expiry());
+        let stream =
+            connect::dial(&self.spec.addr, self.spec.timeout, deadline).map_err(|source| {
+                connect::RemoteError::Connect {
+                    uri: sh.uri.clone(),
+                    source,
+                }
+            })?;
         *sh.sock.lock() = stream.try_clone().ok();
         if sh.is_closing() {
             sh.shut_socket();
         }
-        connect::handshake(stream, &self.spec)
+        connect::handshake(stream, &self.spec, deadline)
     }
 
     /// A new connection is negotiated: if the export is the same, make it current, flag
@@ -296,8 +301,10 @@ impl Supervisor {
             meta_id,
             ..
         } = opened;
+        // The check may have left the socket's timeouts at what was left of the attempt.
         let clones = stream
             .set_read_timeout(Some(self.rx.tick))
+            .and_then(|()| stream.set_write_timeout(Some(self.spec.timeout)))
             .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)));
         let (reader, sock) = clones.map_err(|source| connect::RemoteError::Connect {
             uri: sh.uri.clone(),

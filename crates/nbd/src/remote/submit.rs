@@ -50,6 +50,7 @@ impl Shared {
                 s.submitted = now;
                 s.sent_epoch = 0;
                 s.covered = 0;
+                s.filled.clear();
                 s.error = 0;
                 if !keep {
                     s.bio = held.take();

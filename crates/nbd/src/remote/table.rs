@@ -11,6 +11,7 @@ use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
 
+use crate::coverage::Coverage;
 use crate::proto::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use crate::stream::Stream;
 use crate::transmission::Request;
@@ -170,9 +171,10 @@ pub(super) struct Slot {
     pub(super) sent_at: Instant,
     /// The connection it was last sent on (0: never).
     pub(super) sent_epoch: u64,
-    /// Read bytes received so far (data and holes); for a block-status query, descriptor
-    /// bytes kept.
+    /// For a block-status query, descriptor bytes kept.
     pub(super) covered: u64,
+    /// For a read, the bytes its reply has filled (data and holes).
+    pub(super) filled: Coverage,
     /// The first error chunk's value (structured replies).
     pub(super) error: u32,
     /// A flush: `Table::acked` when it was sent (the writes it covers for sure).
@@ -274,6 +276,7 @@ impl Table {
                     sent_at: now,
                     sent_epoch: 0,
                     covered: 0,
+                    filled: Coverage::default(),
                     error: 0,
                     cover: 0,
                     orphan: false,
@@ -435,6 +438,7 @@ impl Table {
         for s in &mut self.slots {
             if s.busy && s.status.is_none() {
                 s.covered = 0;
+                s.filled.clear();
                 s.error = 0;
                 if s.fua_flush && s.cmd == Command::Flush {
                     s.cmd = Command::Write;

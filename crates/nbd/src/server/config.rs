@@ -124,8 +124,8 @@ pub struct Tuning {
     /// A client that reads none of its replies for this long, or stops sending in the middle
     /// of a request, is closed and its buffers freed.
     pub send_timeout: Duration,
-    /// Bytes of request and reply payload buffers (reads and writes in flight) across all
-    /// connections; a connection that would go over it stops reading requests until memory
+    /// Bytes of request and reply payload buffers (reads and writes in flight, and the extents
+    /// block-status requests in flight may answer) across all connections; a connection that would go over it stops reading requests until memory
     /// is returned. Default: [`default_memory_budget`].
     pub memory_budget: u64,
     /// How the memory budget keeps its count (the lock-free counter, or the locked version

@@ -398,8 +398,9 @@ impl Server {
         self.shared.conns.lock().live.len()
     }
 
-    /// Bytes of the memory budget taken now (payloads of reads and writes in flight, across
-    /// all connections; see [`Tuning::memory_budget`]).
+    /// Bytes of the memory budget taken now (payloads of reads and writes in flight, extents
+    /// of block-status requests in flight, across all connections; see
+    /// [`Tuning::memory_budget`]).
     pub fn memory_in_use(&self) -> u64 {
         self.shared.budget.used()
     }

@@ -3,6 +3,7 @@
 
 use nbd::client::ClientOptions;
 
+pub mod hostile_server;
 pub mod link;
 pub mod load;
 pub mod pki;

@@ -63,7 +63,8 @@ pub(super) struct InFlight {
     pub(super) error: Option<Errno>,
     /// Bios submitted and not yet completed; the reply is ready when this reaches 0.
     pub(super) bios_pending: u32,
-    /// Bytes counted against the connection's in-flight budget (reads and writes).
+    /// Bytes counted against the connection's in-flight budget (reads and writes: their
+    /// payload; block status: the extents it may answer).
     pub(super) budget_bytes: u64,
     /// Reads: the parts, in offset order.
     pub(super) parts: Vec<Part>,

@@ -276,16 +276,43 @@ impl<'a> Connection<'a> {
         }
     }
 
-    /// Bytes of the global memory budget a request takes: its payload, for a read or write
-    /// that will be staged (not refused). Must agree with `budget_bytes` set in `stage_read`
-    /// and `stage_write`.
+    /// Bytes of the global memory budget a request takes, if it will be staged (not
+    /// refused): its payload for a read or write, the extents it may answer for a block
+    /// status ([`Self::status_bytes`]). Must agree with `budget_bytes` set in `stage_read`,
+    /// `stage_write` and `stage_block_status`.
     fn budget_need(&self, r: &Request, stopping: bool) -> u64 {
-        let data = matches!(r.kind, Command::Read | Command::Write);
-        if !data || stopping || self.validate(r).is_some() {
-            0
-        } else {
-            r.length
+        if stopping
+            || !matches!(
+                r.kind,
+                Command::Read | Command::Write | Command::BlockStatus
+            )
+        {
+            return 0;
         }
+        if self.validate(r).is_some() {
+            return 0;
+        }
+        match r.kind {
+            Command::BlockStatus => self.status_bytes(r),
+            _ => r.length,
+        }
+    }
+
+    /// The most extents a block-status request may answer per context.
+    fn status_max(r: &Request) -> usize {
+        if r.flags.contains(CmdFlags::REQ_ONE) {
+            1
+        } else {
+            MAX_STATUS_EXTENTS
+        }
+    }
+
+    /// Bytes a block-status request holds while in flight: the extents it may answer, for
+    /// every selected context (what `stage_block_status` reserves).
+    fn status_bytes(&self, r: &Request) -> u64 {
+        let nctx = usize::from(self.contexts.base_allocation) + self.contexts.bitmaps.len();
+        let bound = self.extent_bound(r.length, Self::status_max(r));
+        (bound * nctx * std::mem::size_of::<ExtentExt>()) as u64
     }
 
     /// An empty entry to stage into (recycled from a previous commit when there is one).
@@ -435,11 +462,11 @@ impl<'a> Connection<'a> {
     /// with their ids and lengths in `entry.contexts`. A context that fails (a bitmap removed
     /// since the handshake: `EINVAL`) fails the request; the connection goes on.
     fn stage_block_status(&mut self, r: &Request, entry: &mut InFlight) {
-        let max = if r.flags.contains(CmdFlags::REQ_ONE) {
-            1
-        } else {
-            MAX_STATUS_EXTENTS
-        };
+        let max = Self::status_max(r);
+        // Taken from the memory budget when it was parsed (`budget_need`), given back with
+        // its slot.
+        entry.budget_bytes = self.status_bytes(r);
+        self.staged_bytes += entry.budget_bytes;
         // Into the connection's reused vectors, and then the entry's (recycled with it): all
         // reserve the most this request's shape can need, so that they stop growing once
         // warm, however fragmented the device or the bitmaps become.
