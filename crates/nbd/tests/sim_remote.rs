@@ -323,7 +323,16 @@ impl World {
             tls: None,
             conns: 1,
         };
-        let remote = Arc::new(RemoteDevice::connect(spec.clone()).unwrap());
+        // The first dial, retried as an operator would: a busy machine can take longer than
+        // the short timeouts here for a whole handshake (each attempt has one deadline).
+        let t0 = Instant::now();
+        let remote = loop {
+            match RemoteDevice::connect(spec.clone()) {
+                Ok(d) => break Arc::new(d),
+                Err(e) if t0.elapsed() > SETTLE_LIMIT => panic!("dialling host b: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
         let mut cfg = Raid1Config {
             bitmap_chunk: shape.chunk,
             bitmap_quiet: Duration::from_millis(20),
