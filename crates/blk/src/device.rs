@@ -222,9 +222,8 @@ pub trait ConnectCheck: Send + Sync {
     /// the device's own thread: it must not wait for the device's I/O.
     fn check(&self, bytes: &[u8]) -> Result<(), String>;
     /// A connection broke with writes on it that the server acknowledged and no flush
-    /// covered, and in a way that leaves open that the server restarted (it ended the
-    /// connection, or left requests on it unanswered): the server may have lost them (a
-    /// restart that emptied its cache), so what it serves may have rolled back. Called before anything more is served: returns whether
+    /// covered: the server may have lost them (a restart that emptied its cache), so what it
+    /// serves may have rolled back. Called before anything more is served: returns whether
     /// the owner takes this over (a mirror fails the leg, whose bits stay set, so its return
     /// is a recovery); the device then fails every request that waits for a connection
     /// instead of serving it. Called on the device's own thread: no I/O of the device. Default:

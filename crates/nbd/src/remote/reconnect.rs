@@ -76,10 +76,6 @@ impl Supervisor {
                 self.rx.sh.kill(None);
                 return;
             }
-            // Whether the server may have restarted since it acknowledged what it holds: it
-            // ended the connection, or did not answer all of it before the drain ended. A
-            // connection it answered in full was with a live server to its last reply.
-            let mut may_have_restarted = true;
             if stop.ended_by_server() {
                 tracing::warn!(
                     uri = %self.rx.sh.uri,
@@ -100,9 +96,8 @@ impl Supervisor {
                     return;
                 }
                 tracing::info!(uri = %self.rx.sh.uri, "the old connection is over: {end}");
-                may_have_restarted = !matches!(end, Stop::Drained);
             }
-            self.take_down(may_have_restarted);
+            self.take_down();
             if !self.reconnect() {
                 return;
             }
@@ -137,11 +132,8 @@ impl Supervisor {
 
     /// The old connection is over: nothing is sent until the next one; what has been
     /// outstanding past its budget fails with `ETIMEDOUT`; with no reconnect deadline,
-    /// everything waiting fails at once. With writes acknowledged and not flushed on it, and
-    /// a server that `may_have_restarted` (it ended the connection, or left part of it
-    /// unanswered), the owner is told that they may be lost (`Hook::lost_writes`); otherwise,
-    /// or when no owner takes it, the next flush fails once.
-    fn take_down(&mut self, may_have_restarted: bool) {
+    /// everything waiting fails at once.
+    fn take_down(&mut self) {
         let sh = &self.rx.sh;
         sh.shut_socket();
         {
@@ -153,7 +145,7 @@ impl Supervisor {
         // Release: see the field.
         sh.orphaned.store(false, Ordering::Release);
         if sh.flags().contains(TransmissionFlags::SEND_FLUSH) && sh.durability.connection_lost() {
-            if may_have_restarted && sh.hook.lost_writes() {
+            if sh.hook.lost_writes() {
                 // The owner (a mirror) failed the leg: nothing waiting is served from a
                 // server that may have rolled back, and no flush needs to fail for it.
                 tracing::warn!(
