@@ -92,6 +92,7 @@ impl Link {
                 mid_reply: false,
                 reply_since: Instant::now(),
                 replying: None,
+                seal_by: None,
                 mid_check: Instant::now(),
             },
             spec.clone(),

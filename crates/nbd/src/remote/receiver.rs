@@ -122,6 +122,8 @@ pub(super) struct Receiver {
     pub(super) reply_since: Instant,
     /// The slot the reply being read answers, once its header is read.
     pub(super) replying: Option<usize>,
+    /// Sealing the drained connection: the seal's reply is due by then (`seal`).
+    pub(super) seal_by: Option<Instant>,
     /// The last `check_mid_reply` that looked (at most one a tick: a long reply arriving
     /// fast does not take the table lock on every read).
     pub(super) mid_check: Instant,
@@ -210,11 +212,19 @@ impl Receiver {
 
     /// Fails if the device is closing, a send failed, or a request sent on this connection
     /// has been unanswered longer than the timeout. While draining, only closing stops it,
-    /// and an expired reconnect deadline fails what waits.
+    /// and an expired reconnect deadline fails what waits. While sealing, only closing and
+    /// the seal's deadline stop it.
     fn check(&mut self) -> Result<(), Stop> {
         self.last_check = Instant::now();
         if self.sh.closing.load(Ordering::SeqCst) {
             return Err(Stop::Closing);
+        }
+        if let Some(by) = self.seal_by {
+            self.sh.expire_if_due();
+            return match self.last_check >= by {
+                true => Err(Stop::TimedOut(self.sh.timeout)),
+                false => Ok(()),
+            };
         }
         if self.draining {
             self.sh.expire_if_due();
@@ -328,7 +338,7 @@ impl Receiver {
             return Ok(());
         }
         self.mid_check = now;
-        if self.draining {
+        if self.draining || self.seal_by.is_some() {
             return self.check();
         }
         if self.sh.closing.load(Ordering::SeqCst) {
@@ -365,7 +375,7 @@ impl Receiver {
         Ok(())
     }
 
-    fn read_scratch(&mut self, n: usize) -> Result<(), Stop> {
+    pub(super) fn read_scratch(&mut self, n: usize) -> Result<(), Stop> {
         let mut s = std::mem::take(&mut self.scratch);
         let r = match s.get_mut(..n) {
             Some(b) => self.read_full(b),
@@ -478,19 +488,14 @@ impl Receiver {
         Ok((i, s.cmd, s.offset, s.len))
     }
 
-    fn one_reply(&mut self) -> Result<(), Stop> {
-        // At a reply's boundary (`read_full` sets it once a byte of this one is read).
-        self.mid_reply = false;
-        self.replying = None;
-        if self.last_check.elapsed() >= self.tick {
-            self.check()?;
-        }
+    /// Reads one reply header (simple, or a chunk's in structured or extended mode).
+    pub(super) fn read_header(&mut self) -> Result<ReplyHeader, Stop> {
         let mut hdr = [0u8; 32];
         self.read_full(&mut hdr[..SIMPLE_REPLY_LEN])?;
         let mut have = SIMPLE_REPLY_LEN;
-        let header = loop {
+        loop {
             match decode_reply_header(&hdr[..have], self.mode) {
-                Ok(Decoded::Complete { value, .. }) => break value,
+                Ok(Decoded::Complete { value, .. }) => return Ok(value),
                 Ok(Decoded::Incomplete(n)) if n > have && n <= hdr.len() => {
                     let mut more = [0u8; 32];
                     self.read_full(&mut more[..n - have])?;
@@ -502,8 +507,17 @@ impl Receiver {
                 }
                 Err(e) => return Err(Stop::Malformed(e.to_string())),
             }
-        };
-        match header {
+        }
+    }
+
+    fn one_reply(&mut self) -> Result<(), Stop> {
+        // At a reply's boundary (`read_full` sets it once a byte of this one is read).
+        self.mid_reply = false;
+        self.replying = None;
+        if self.last_check.elapsed() >= self.tick {
+            self.check()?;
+        }
+        match self.read_header()? {
             ReplyHeader::Simple(r) => {
                 let (i, cmd, _, len) = self.lookup(r.cookie)?;
                 self.replying = Some(i);

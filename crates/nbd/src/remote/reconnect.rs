@@ -95,6 +95,9 @@ impl Supervisor {
                     self.rx.sh.kill(None);
                     return;
                 }
+                if matches!(end, Stop::Drained) {
+                    self.seal();
+                }
                 tracing::info!(uri = %self.rx.sh.uri, "the old connection is over: {end}");
             }
             self.take_down();
@@ -127,6 +130,23 @@ impl Supervisor {
         sh.up.store(false, Ordering::Relaxed);
         if sh.reconnect_deadline.is_zero() {
             sh.expire();
+        }
+    }
+
+    /// The connection drained: a flush on it vouches for its writes before it is left
+    /// (`seal`).
+    fn seal(&mut self) {
+        match self.rx.seal() {
+            None => {}
+            Some(Ok(cover)) => tracing::info!(
+                uri = %self.rx.sh.uri,
+                "a flush on the drained connection vouches for the {cover} writes acknowledged"
+            ),
+            Some(Err(e)) => tracing::warn!(
+                uri = %self.rx.sh.uri,
+                "the drained connection could not be sealed by a flush ({e}): its unflushed \
+                 writes are taken as lost"
+            ),
         }
     }
 

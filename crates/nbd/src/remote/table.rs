@@ -242,6 +242,13 @@ pub(super) struct Durability {
 }
 
 impl Durability {
+    /// The writes acknowledged so far (Acquire: see the type), if some are not covered by a
+    /// completed flush: what a flush sent now covers.
+    pub(super) fn unflushed(&self) -> Option<u64> {
+        let acked = self.acked.load(Ordering::Acquire);
+        (acked > self.flushed.load(Ordering::Acquire)).then_some(acked)
+    }
+
     /// A connection to a server with a write cache was lost.
     pub(super) fn connection_lost(&self) -> bool {
         let acked = self.acked.load(Ordering::Acquire);
@@ -807,7 +814,12 @@ impl Shared {
 /// Writes `a` then `b`, gathered. A write that times out (the socket's send timeout) is
 /// tried again unless `give_up` says otherwise; not on TLS, whose write has then consumed
 /// the plaintext and sent part of its record (the stream cannot go on).
-fn write_all2(s: &mut Stream, a: &[u8], b: &[u8], give_up: impl Fn() -> bool) -> io::Result<()> {
+pub(super) fn write_all2(
+    s: &mut Stream,
+    a: &[u8],
+    b: &[u8],
+    give_up: impl Fn() -> bool,
+) -> io::Result<()> {
     let mut bufs = [IoSlice::new(a), IoSlice::new(b)];
     let mut bufs = &mut bufs[..];
     while !bufs.is_empty() {
