@@ -216,6 +216,15 @@ impl Peer {
     /// export of [`SIZE`] bytes with [`FLAGS`]) until the client's `NBD_OPT_GO` is answered:
     /// the transmission phase begins, structured.
     pub fn negotiate(&mut self) -> io::Result<()> {
+        self.negotiate_with(|p, opt| p.go_replies(opt))
+    }
+
+    /// As [`Peer::negotiate`], with `go` answering `NBD_OPT_GO` (another size, other block
+    /// sizes, a flood of replies...).
+    pub fn negotiate_with(
+        &mut self,
+        go: impl FnOnce(&mut Peer, u32) -> io::Result<()>,
+    ) -> io::Result<()> {
         self.greet()?;
         loop {
             let (opt, data) = self.option()?;
@@ -229,10 +238,7 @@ impl Peer {
                     }
                     self.reply(opt, NBD_REP_ACK, &[])?;
                 }
-                NBD_OPT_GO => {
-                    self.go_replies(opt)?;
-                    return Ok(());
-                }
+                NBD_OPT_GO => return go(self, opt),
                 NBD_OPT_ABORT => return Err(io::Error::other("the client aborted")),
                 _ => self.reply(opt, NBD_REP_ERR_UNSUP, &[])?,
             }
