@@ -301,6 +301,18 @@ impl Control {
         Ok((dev, leg_uuid))
     }
 
+    /// `fail LEG`.
+    fn fail(&self, leg: &Leg) -> Result<serde_json::Value> {
+        let n = self.slot(leg, "fail")?;
+        self.raid.fail_leg(n).with_context(|| {
+            format!(
+                "cannot fail {}: it is the last in-sync leg or the slot is empty",
+                self.spec_name(n)
+            )
+        })?;
+        Ok(json!({ "ok": true, "message": format!("{} marked faulty", self.spec_name(n)) }))
+    }
+
     /// Refuses a new leg that is already in the array (checked again under the `changing`
     /// lock: another command may have added it while this one opened it).
     fn check_still_new(&self, spec: &str, leg_uuid: Option<[u8; 16]>) -> Result<()> {
@@ -317,6 +329,13 @@ impl Control {
         let cmd = Command::parse(line)?;
         if !cmd.changes_array() {
             return Ok(json!({ "ok": true, "report": self.report() }));
+        }
+        // Failing a leg takes no lock of the control plane: an operator fails a leg during an
+        // incident whatever another command waits for (an add writing its superblock to a
+        // slow remote leg held `fail` for the two writes' whole time). The array serialises
+        // failures itself, as it does a leg that fails on its own meanwhile.
+        if let Command::Fail(leg) = &cmd {
+            return self.fail(leg);
         }
         // A new leg is opened and checked before the lock is taken: a leg change waits for
         // nothing remote (a silent server held `raid fail` behind a pending `raid add`).
@@ -338,16 +357,7 @@ impl Control {
         let r = &self.raid;
         match cmd {
             Command::Status | Command::Detail => Ok(json!({ "ok": true, "report": self.report() })),
-            Command::Fail(leg) => {
-                let n = self.slot(&leg, "fail")?;
-                r.fail_leg(n).with_context(|| {
-                    format!(
-                        "cannot fail {}: it is the last in-sync leg or the slot is empty",
-                        self.spec_name(n)
-                    )
-                })?;
-                ok(format!("{} marked faulty", self.spec_name(n)))
-            }
+            Command::Fail(leg) => self.fail(&leg),
             Command::Remove(leg) => {
                 let n = self.slot(&leg, "remove")?;
                 let name = self.spec_name(n);
@@ -666,5 +676,80 @@ mod tests {
         let v = adding.join().unwrap();
         assert_eq!(v["ok"], false, "{v}");
         held.join().unwrap();
+    }
+
+    /// A new leg whose server answers its probe but is slow to write: the add waits for its
+    /// superblock write, and meanwhile `fail` is answered at once (an operator fails a leg
+    /// during an incident whatever a remote server does).
+    #[test]
+    fn a_fail_is_answered_while_an_add_writes_to_a_slow_server() {
+        use std::sync::atomic::AtomicBool as StdBool;
+        let d = tempfile::tempdir().unwrap();
+        let specs: Vec<String> = ["a.img", "b.img", "c.img"]
+            .iter()
+            .map(|f| {
+                let p = d.path().join(f);
+                std::fs::File::create(&p)
+                    .unwrap()
+                    .set_len(16 << 20)
+                    .unwrap();
+                format!("file:{}", p.display())
+            })
+            .collect();
+        let overrides = QueueOverrides::default();
+        let devs = specs
+            .iter()
+            .map(|s| legs::open_leg(s, &overrides).unwrap())
+            .collect();
+        let raid = Arc::new(Raid1::create(devs, raid1::Raid1Config::default()).unwrap());
+        let ctl = Arc::new(Control::new(
+            raid,
+            specs.iter().cloned().map(Some).collect(),
+            overrides,
+        ));
+        ok(&ctl, "fail 2");
+        ok(&ctl, "remove 2");
+        // Host b: reads at once, every write held 3 s.
+        let writing = Arc::new(StdBool::new(false));
+        let w = writing.clone();
+        let disk = legs::open_leg("mem:16M", &QueueOverrides::default()).unwrap();
+        let d2 = disk.clone();
+        let slow: Arc<dyn blk::Device> =
+            Arc::new(testkit::Forward::on_submit(disk, move |inner, bio, end| {
+                if bio.op != blk::Op::Write {
+                    return inner.submit(bio, end);
+                }
+                w.store(true, Ordering::SeqCst);
+                let (disk, end) = (d2.clone(), end.clone());
+                thread::spawn(move || {
+                    std::thread::sleep(Duration::from_secs(3));
+                    disk.submit(bio, &end);
+                });
+            }));
+        let sock = d.path().join("b.sock");
+        let mut cfg = nbd::server::ServerConfig::new(vec![nbd::server::Export::new("", slow)]);
+        cfg.unix = Some(sock.clone());
+        let server = nbd::server::Server::start(cfg).unwrap();
+        let adding = {
+            let ctl = ctl.clone();
+            let line = format!("add nbd+unix:///?socket={},timeout=10", sock.display());
+            thread::spawn(move || ctl.handle(&line))
+        };
+        let t = std::time::Instant::now();
+        while !writing.load(Ordering::SeqCst) {
+            assert!(t.elapsed() < Duration::from_secs(10), "the add never wrote");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let t = std::time::Instant::now();
+        let m = ok(&ctl, "fail 1");
+        assert!(m.contains("faulty"), "{m}");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "fail answered after {:?}, behind the add's write to the slow server",
+            t.elapsed()
+        );
+        let v = adding.join().unwrap();
+        assert_eq!(v["ok"], true, "{v}");
+        server.shutdown();
     }
 }
