@@ -683,7 +683,6 @@ mod tests {
     /// during an incident whatever a remote server does).
     #[test]
     fn a_fail_is_answered_while_an_add_writes_to_a_slow_server() {
-        use std::sync::atomic::AtomicBool as StdBool;
         let d = tempfile::tempdir().unwrap();
         let specs: Vec<String> = ["a.img", "b.img", "c.img"]
             .iter()
@@ -710,7 +709,7 @@ mod tests {
         ok(&ctl, "fail 2");
         ok(&ctl, "remove 2");
         // Host b: reads at once, every write held 3 s.
-        let writing = Arc::new(StdBool::new(false));
+        let writing = Arc::new(AtomicBool::new(false));
         let w = writing.clone();
         let disk = legs::open_leg("mem:16M", &QueueOverrides::default()).unwrap();
         let d2 = disk.clone();
