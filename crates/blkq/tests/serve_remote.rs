@@ -254,3 +254,72 @@ fn a_proxy_reads_without_block_status_and_maps_from_the_remote() {
     let _ = kit.kill();
     let _ = kit.wait();
 }
+
+/// A remote device's host name is resolved within its connection attempt's deadline: with a
+/// name server that never answers (a UDP socket on 127.0.0.1:53 that reads and drops, in a
+/// network namespace of the test's own, named by a resolv.conf bound over the system's in a
+/// mount namespace of blkq's own), `serve` fails after the device's `timeout=`, not after the
+/// resolver's own timeouts (5 s, three times).
+#[test]
+fn a_name_server_that_never_answers_fails_the_attempt_at_its_timeout() {
+    use blkq_sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    let Some(hosts) = common::hosts_or_skip("a_name_server_that_never_answers") else {
+        return;
+    };
+    let ns = hosts.front();
+    let dir = tempfile::tempdir().unwrap();
+    let resolv = dir.path().join("resolv.conf");
+    std::fs::write(
+        &resolv,
+        "nameserver 127.0.0.1\noptions timeout:5 attempts:3\n",
+    )
+    .unwrap();
+    // The name server: reads every query, answers none.
+    let stop = blkq_sync::Arc::new(AtomicBool::new(false));
+    let (st, ns2) = (stop.clone(), ns.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dns = std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::open(&ns2).unwrap();
+        // SAFETY: setns(2) on a descriptor this thread owns; it moves only this thread.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        let s = std::net::UdpSocket::bind("127.0.0.1:53").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        tx.send(()).unwrap();
+        let (mut queries, mut b) = (0, [0u8; 512]);
+        while !st.load(Ordering::SeqCst) {
+            if s.recv(&mut b).is_ok() {
+                queries += 1;
+            }
+        }
+        queries
+    });
+    rx.recv().unwrap();
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "sh", "-c"])
+        .arg(format!(
+            "mount --bind {} /etc/resolv.conf && exec {} serve --no-unix --listen 127.0.0.1:0 \
+             --device nbd://slow.blkq.test:10809/x,timeout=1",
+            resolv.display(),
+            common::BIN
+        ))
+        .env("RUST_BACKTRACE", "0");
+    common::enter_netns(&mut cmd, &ns);
+    let t = Instant::now();
+    let out = cmd.output().unwrap();
+    let took = t.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    let queries = dns.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        queries > 0,
+        "the resolver never asked the name server: {err}"
+    );
+    assert!(err.contains("slow.blkq.test"), "{err}");
+    assert!(
+        took < Duration::from_secs(4),
+        "serve gave up after {took:?} (timeout=1): {err}"
+    );
+}

@@ -3,7 +3,7 @@
 //! block-size information), and the limits the export's constraints give. Used at connect and at every reconnection.
 
 use std::io;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -89,15 +89,14 @@ fn left(deadline: Instant) -> io::Result<Duration> {
     Ok(l)
 }
 
-/// Connects to `addr` before `deadline` (TCP: every address tried in what is left; the
-/// name's resolution is the system resolver's, with its own timeouts). `timeout` is the
-/// spec's (keepalive).
+/// Connects to `addr` before `deadline` (TCP: the name looked up and every address tried in
+/// what is left, `resolve`). `timeout` is the spec's (keepalive).
 pub(super) fn dial(addr: &RemoteAddr, timeout: Duration, deadline: Instant) -> io::Result<Stream> {
     match addr {
         RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
         RemoteAddr::Tcp { host, port } => {
             let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
-            for a in (host.as_str(), *port).to_socket_addrs()? {
+            for a in super::resolve::resolve(host, *port, deadline)? {
                 match TcpStream::connect_timeout(&a, left(deadline)?) {
                     Ok(s) => {
                         s.set_nodelay(true)?;

@@ -118,6 +118,7 @@ mod extents;
 mod link;
 mod receiver;
 mod reconnect;
+mod resolve;
 mod seal;
 mod sender;
 mod spec;
