@@ -350,7 +350,10 @@ SOAK_FIO=$!
 KILLS=0
 end=$((SECONDS + SOAK_SECS - 2))
 while ((SECONDS < end)); do
-  (cd "$TMP" && exec fio --name=victim --ioengine=nbd --uri="$SUNIX" --offset=128m \
+  # --thread: the job runs in the process killed below (without it, fio forks the job into
+  # a child that outlives its parent and runs its 30 s: no client was killed mid-I/O, and
+  # under load their connections were still open when the descriptors were counted).
+  (cd "$TMP" && exec fio --thread --name=victim --ioengine=nbd --uri="$SUNIX" --offset=128m \
     --size=64m --rw=randrw --bs=64k --iodepth=32 --time_based --runtime=30 \
     --output=/dev/null) &
   victim=$!
