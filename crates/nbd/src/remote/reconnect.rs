@@ -378,9 +378,9 @@ impl Shared {
         }
         tracing::warn!(
             uri = %self.uri,
-            "not reconnected within reconnect_deadline={}s: failing requests until the \
+            "not reconnected within reconnect_deadline={:?}: failing requests until the \
              server is back",
-            self.reconnect_deadline.as_secs()
+            self.reconnect_deadline
         );
         self.fail_waiting();
     }

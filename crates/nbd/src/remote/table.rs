@@ -558,9 +558,9 @@ impl Shared {
                         self.uri
                     ),
                     None => format!(
-                        "{}: connection to the NBD server lost (reconnect_deadline={}s)",
+                        "{}: connection to the NBD server lost (reconnect_deadline={:?})",
                         self.uri,
-                        self.reconnect_deadline.as_secs()
+                        self.reconnect_deadline
                     ),
                 };
                 Err(Error::Io(blk::error::with_context(
