@@ -219,6 +219,7 @@ struct Stats {
     host_downs: u64,
     failovers: u64,
     refusals: u64,
+    front_restarts: u64,
     settles: u64,
     leg_failures: u64,
     reconnects: u64,
@@ -237,6 +238,7 @@ impl std::ops::AddAssign for Stats {
         self.host_downs += o.host_downs;
         self.failovers += o.failovers;
         self.refusals += o.refusals;
+        self.front_restarts += o.front_restarts;
         self.settles += o.settles;
         self.leg_failures += o.leg_failures;
         self.reconnects += o.reconnects;
@@ -260,6 +262,8 @@ struct World {
     remote: Arc<RemoteDevice>,
     spec: RemoteSpec,
     array: Option<Arc<Raid1>>,
+    /// The array's configuration (for a restart of the front).
+    cfg: Raid1Config,
     /// Per sector of the array, the id of the write it must hold (0: zeros).
     want: Vec<u64>,
     next_id: u64,
@@ -348,7 +352,7 @@ impl World {
         } else {
             vec![local.clone(), remote_dyn]
         };
-        let r = Raid1::create(legs, cfg).unwrap();
+        let r = Raid1::create(legs, cfg.clone()).unwrap();
         hold.data_from
             .store(r.data_offset() / SECTOR as u64, Ordering::SeqCst);
         if shape.write_behind > 0 {
@@ -372,6 +376,7 @@ impl World {
             remote,
             spec,
             array: Some(Arc::new(r)),
+            cfg,
             want: vec![0; sectors as usize],
             next_id: 1,
             remote_was_faulty: false,
@@ -595,6 +600,10 @@ impl World {
     /// operator then removes it and adds it back discarding b's side, and the recovery makes
     /// the legs agree again.
     fn failover(&mut self) -> Res<()> {
+        let before = self
+            .r()
+            .readd_status(self.shape.remote_slot)
+            .and_then(|r| r.refused);
         self.link.reset();
         self.hold.drop_all();
         if let Some(s) = self.server.take() {
@@ -636,16 +645,25 @@ impl World {
             "failover: host b ran alone and wrote {}; its leg server is back",
             ids.join(" ")
         ));
+        // The front must refuse the leg, by name, at its reconnection: a leg that ran alone
+        // carries a generation the array's history does not hold, and taking it back (even to
+        // copy the front's data over it) would discard writes host b acknowledged on its own.
+        // A leg that failed and then came back present and not faulty was taken back.
         let slot = self.shape.remote_slot;
         let t0 = Instant::now();
-        loop {
-            let st = self.r().leg_status(slot);
-            if st.is_none_or(|s| !s.present || s.faulty) {
-                break;
+        let mut failed = false;
+        let why = loop {
+            let refused = self.r().readd_status(slot).and_then(|r| r.refused);
+            if let Some(why) = refused.filter(|w| Some(w) != before.as_ref()) {
+                break why;
             }
-            if t0.elapsed() > SETTLE_LIMIT {
+            let st = self.r().leg_status(slot);
+            let present = st.is_some_and(|s| s.present && !s.faulty);
+            failed |= !present;
+            if (failed && present) || t0.elapsed() > SETTLE_LIMIT {
                 return Err(format!(
-                    "the front took host b's leg back from a failover (still {}), refusal {:?}",
+                    "the front took host b's leg back from a failover, or never refused it \
+                     (now {}), refusal {:?}",
                     self.describe(),
                     self.r().readd_status(slot)
                 ));
@@ -653,24 +671,17 @@ impl World {
             // Anything sent meanwhile is judged by the oracle like any request.
             self.read()?;
             std::thread::sleep(Duration::from_millis(5));
-        }
+        };
         self.stats.refusals += 1;
-        let why = self.r().readd_status(slot).and_then(|r| r.refused);
-        self.say(format!("the front refused the leg: {why:?}"));
+        self.say(format!("the front refused the leg: {why}"));
+        if self.rng.chance(1, 2) {
+            return self.restart_front_after_split();
+        }
         let r = self.array.clone().unwrap();
         r.remove_leg(slot)
             .map_err(|e| format!("removing the refused leg: {e}"))?;
-        // The operator dials host b again (through a partition that may still be healing).
-        let t0 = Instant::now();
-        let remote = loop {
-            match RemoteDevice::connect(self.spec.clone()) {
-                Ok(d) => break Arc::new(d),
-                Err(e) if t0.elapsed() > SETTLE_LIMIT => {
-                    return Err(format!("reconnecting to host b for the add: {e}"))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
+        // The operator dials host b again.
+        let remote = self.dial()?;
         let at = r
             .add_leg_discarding(remote.clone())
             .map_err(|e| format!("add --discard of host b's leg: {e}; {}", self.describe()))?;
@@ -678,6 +689,68 @@ impl World {
         self.remote = remote;
         self.say(format!("added back discarding host b's side, in slot {at}"));
         Ok(())
+    }
+
+    /// After a failover the front stops too, and its operator starts it on both legs: the
+    /// assembly must refuse, naming both sides (each ran without the other; whichever holds
+    /// more events, neither is the other's past). The operator then starts the front's side
+    /// alone and adds host b's leg discarding its side: the front's data everywhere.
+    fn restart_front_after_split(&mut self) -> Res<()> {
+        self.stats.front_restarts += 1;
+        let slot = self.shape.remote_slot;
+        drop(self.array.take());
+        let remote = self.dial()?;
+        let remote_dyn: Arc<dyn Device> = remote.clone();
+        let legs = if slot == 0 {
+            vec![remote_dyn.clone(), self.local.clone()]
+        } else {
+            vec![self.local.clone(), remote_dyn.clone()]
+        };
+        match Raid1::assemble(legs, self.cfg.clone()) {
+            Err(raid1::Raid1Error::Assembly(e @ raid1::AssemblyError::Diverged { .. })) => {
+                self.say(format!("the front restarted on both legs: refused: {e}"));
+            }
+            Err(e) => {
+                return Err(format!(
+                    "the front restarted on both legs: refused, but not as a split: {e}"
+                ))
+            }
+            Ok(_) => {
+                return Err(
+                    "the front restarted on both legs after a failover and assembled them: \
+                     one side's writes were silently discarded"
+                        .into(),
+                )
+            }
+        }
+        let r = Raid1::assemble(vec![self.local.clone()], self.cfg.clone())
+            .map_err(|e| format!("the front restarted alone: {e}"))?;
+        let at = r
+            .add_leg_discarding(remote_dyn)
+            .map_err(|e| format!("add --discard of host b's leg after the restart: {e}"))?;
+        self.shape.local_slot = 0;
+        self.shape.remote_slot = at;
+        self.remote = remote;
+        self.array = Some(Arc::new(r));
+        self.say(format!(
+            "the front restarted alone and added host b's leg back discarding its side, in slot {at}"
+        ));
+        Ok(())
+    }
+
+    /// A new connection to host b (through a partition that may still be healing), retried
+    /// as an operator would.
+    fn dial(&self) -> Res<Arc<RemoteDevice>> {
+        let t0 = Instant::now();
+        loop {
+            match RemoteDevice::connect(self.spec.clone()) {
+                Ok(d) => return Ok(Arc::new(d)),
+                Err(e) if t0.elapsed() > SETTLE_LIMIT => {
+                    return Err(format!("reconnecting to host b: {e}"))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
     }
 
     /// A FLUSH, then a wait for the remote leg to be back, in sync, with nothing held or
@@ -871,7 +944,8 @@ fn the_mirror_across_hosts_loses_nothing() {
     println!(
         "sim_remote: {n} seeds from {base}, {} operations ({} writes, {} reads, {} flushes; {} \
          writes held, {} ran late; {} partitions, {} past the deadline; {} host restarts; {} \
-         failovers, {} refused at reconnection; {} settles; {} leg failures, {} reconnects) in {:.1} s; failed seeds {failed:?}",
+         failovers, {} refused at reconnection, {} fronts restarted on both sides refused; \
+         {} settles; {} leg failures, {} reconnects) in {:.1} s; failed seeds {failed:?}",
         total.ops,
         total.writes,
         total.reads,
@@ -883,6 +957,7 @@ fn the_mirror_across_hosts_loses_nothing() {
         total.host_downs,
         total.failovers,
         total.refusals,
+        total.front_restarts,
         total.settles,
         total.leg_failures,
         total.reconnects,

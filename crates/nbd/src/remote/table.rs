@@ -559,8 +559,7 @@ impl Shared {
                     ),
                     None => format!(
                         "{}: connection to the NBD server lost (reconnect_deadline={:?})",
-                        self.uri,
-                        self.reconnect_deadline
+                        self.uri, self.reconnect_deadline
                     ),
                 };
                 Err(Error::Io(blk::error::with_context(
