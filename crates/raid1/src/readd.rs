@@ -423,9 +423,6 @@ impl Inner {
             && sb.events == ours.events
     }
 
-    /// A new connection of slot `i`'s device (placement `gen`) answered with `bytes` at its
-    /// superblock's place: refused unless it is this slot's leg of this array (see
-    /// `LegConnections`).
     /// Leg `i`'s connection broke with writes its server acknowledged and never flushed: the
     /// server may have lost them (a restart that emptied its cache), so the leg may now hold
     /// older data than the array acknowledged. It fails before anything more is read from it
@@ -448,6 +445,9 @@ impl Inner {
         true
     }
 
+    /// A new connection of slot `i`'s device (placement `gen`) answered with `bytes` at its
+    /// superblock's place: refused unless it is this slot's leg of this array (see
+    /// `LegConnections`).
     fn judge_connection(&self, i: usize, gen: u64, bytes: &[u8]) -> Result<(), String> {
         let l = &self.legs[i];
         if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {
