@@ -30,6 +30,20 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "unit, property and integration tests"
+cargo test --workspace --no-run
+# The loom models build meanwhile, niced, in a separate target dir (the cfg changes every
+# crate's build, and would otherwise evict the normal build from the cache): the tests below
+# mostly wait (timeouts, servers, simulators), and the build uses what they leave of the CPUs.
+# The release profile as it is: built without LTO and with 16 codegen units, loom's coroutine
+# stacks overflowed in cbt's rotate models (less inlining, deeper frames).
+loom_build() {
+  RUSTFLAGS="--cfg blkq_loom" CARGO_TARGET_DIR=target/loom nice -n 10 \
+    cargo test --release --workspace --test 'loom_*' --no-run
+}
+mkdir -p target
+loom_build >target/loom-build.log 2>&1 &
+LOOM_BUILD=$!
+trap 'kill "$LOOM_BUILD" 2>/dev/null || true' EXIT
 cargo test --workspace --no-fail-fast
 
 step "real NBD clients against blkq serve (scripts/client-tests.sh)"
@@ -39,9 +53,9 @@ cargo build -p blkq
 BLKQ_BIN=target/debug/blkq scripts/client-tests.sh
 
 step "loom models (release, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
-# A separate target dir: the cfg changes every crate's build, and would otherwise evict the
-# normal build from the cache. The release profile as it is: built without LTO and with 16
-# codegen units, loom's coroutine stacks overflowed in cbt's rotate models (less inlining,
-# deeper frames).
+if ! wait "$LOOM_BUILD"; then
+  cat target/loom-build.log
+  exit 1
+fi
 RUSTFLAGS="--cfg blkq_loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
   CARGO_TARGET_DIR=target/loom cargo test --release --workspace --test 'loom_*'
