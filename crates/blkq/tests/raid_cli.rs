@@ -235,7 +235,7 @@ fn recovery_brings_back_uu() {
     assert!(s.status().contains("[_U]"));
     assert_eq!(s.client().read(1 << 20, data.len() as u64).unwrap(), data);
     assert!(s.stop());
-    let st = ok(&["raid", "status", &c, &a]);
+    let st = raid_status(&[&c, &a]);
     assert!(st.contains("[_U]"), "{st}");
 }
 
@@ -282,7 +282,7 @@ fn stale_leg_is_named() {
             .any(|l| l.contains("stale") && l.contains("b.img")),
         "{out}"
     );
-    let st = ok(&["raid", "status", &a, &b]);
+    let st = raid_status(&[&a, &b]);
     assert!(st.contains("[U_]"), "{st}");
 }
 
@@ -319,7 +319,7 @@ fn online_check_and_replace() {
     let wait_for = |what: &dyn Fn(&serde_json::Value) -> bool, why: &str| {
         let t0 = Instant::now();
         loop {
-            let out = ok(&["raid", "status", "--json", "--control", s.ctl()]);
+            let out = raid_status(&["--json", "--control", s.ctl()]);
             let v: serde_json::Value = serde_json::from_str(&out).unwrap();
             if what(&v) {
                 return v;
@@ -493,4 +493,45 @@ fn legs_of_different_sizes_need_a_size() {
         serde_json::from_str(&ok(&["raid", "status", "--json", &a, &b])).unwrap();
     let (off, cap) = geometry(&v);
     assert_eq!(off + cap, LEG_SIZE, "{v}");
+}
+
+/// The exit status of `blkq raid status` (mdadm's `--detail --test`).
+fn status_code(args: &[&str]) -> Option<i32> {
+    let mut all = vec!["raid", "status"];
+    all.extend_from_slice(args);
+    blkq(&all).status.code()
+}
+
+/// `blkq raid status` exits as `mdadm --detail --test` does: 0 with every leg in sync, 1
+/// degraded, 2 failed (writes fail), 4 when it cannot answer (no server at the control socket).
+#[test]
+fn status_exit_says_ok_degraded_failed_or_no_answer() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    // Leg a fails writes to its last MiB: with b failed, a write there fails the array.
+    let s = Server::start(
+        d.path(),
+        &format!("{a},fault.fail_write=7M+1M,{b}"),
+        &[
+            "--raid1-create",
+            "--raid1-assume-clean",
+            "--raid1-option",
+            "bitmap_chunk=64K",
+        ],
+    );
+    let ctl = ["--control", s.ctl()];
+    assert_eq!(status_code(&ctl), Some(0), "in sync");
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    assert_eq!(status_code(&ctl), Some(1), "degraded");
+    let (offset, capacity) = geometry(&s.status_json());
+    let at = (7 << 20) - offset;
+    assert!(at + 4096 <= capacity, "{offset} {capacity}");
+    assert!(s.client().write(at, &[1; 4096], CmdFlags::FUA).is_err());
+    assert_eq!(status_code(&ctl), Some(2), "failed: {}", s.status());
+    let none = d.path().join("none.sock");
+    assert_eq!(
+        status_code(&["--control", none.to_str().unwrap()]),
+        Some(4),
+        "no server"
+    );
 }

@@ -46,7 +46,8 @@ enum RaidCmd {
     /// Check that legs form one array and report what `serve --raid1` would serve
     /// (array UUID, legs by role, stale or foreign legs). Writes nothing.
     Assemble(LegArgs),
-    /// mdstat-like summary: [UU] / [U_], bitmap, resync progress.
+    /// mdstat-like summary: [UU] / [U_], bitmap, resync progress. Exits as `mdadm --detail
+    /// --test`: 0 every leg in sync, 1 degraded, 2 failed, 4 no answer (no server, unreadable legs).
     Status(QueryArgs),
     /// Per-leg state, events, UUIDs, roles, write-mostly.
     Detail(QueryArgs),
@@ -303,10 +304,36 @@ fn assemble(a: LegArgs) -> Result<()> {
     Ok(())
 }
 
+/// `blkq raid status`'s exit status when it cannot answer (mdadm's `--detail --test`: "error
+/// while trying to get information"): the control socket unreachable, or the legs unreadable.
+pub const STATUS_NO_ANSWER: i32 = 4;
+
+/// `blkq raid status`'s exit status for a report, as `mdadm --detail --test` gives it: 0 every
+/// member in sync, 1 degraded (a member missing, faulty or recovering), 2 failed (the array
+/// failed, or no leg is in sync: nothing can serve it).
+pub fn status_exit(rep: &report::ArrayReport) -> i32 {
+    if rep.state == "failed" || rep.in_sync() == 0 {
+        2
+    } else if rep.state == "degraded" || rep.in_sync() < rep.raid_disks {
+        1
+    } else {
+        0
+    }
+}
+
 fn query(q: QueryArgs, detail: bool) -> Result<()> {
-    let rep = match q.target()? {
-        Target::Online(p) => client::report(p, detail)?,
-        Target::Offline(legs) => offline_plan(legs)?.report()?,
+    let rep = match q.target().and_then(|t| match t {
+        Target::Online(p) => client::report(p, detail),
+        Target::Offline(legs) => offline_plan(legs)?.report(),
+    }) {
+        Ok(rep) => rep,
+        // `status` says it could not answer by its exit status too, apart from degraded (1)
+        // and failed (2).
+        Err(e) if !detail => {
+            eprintln!("Error: {e:?}");
+            std::process::exit(STATUS_NO_ANSWER);
+        }
+        Err(e) => return Err(e),
     };
     if q.json {
         println!("{}", serde_json::to_string_pretty(&rep)?);
@@ -314,6 +341,14 @@ fn query(q: QueryArgs, detail: bool) -> Result<()> {
         print!("{}", rep.render_detail());
     } else {
         print!("{}", rep.render_status());
+    }
+    if !detail {
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        match status_exit(&rep) {
+            0 => {}
+            code => std::process::exit(code),
+        }
     }
     Ok(())
 }

@@ -76,6 +76,22 @@ pub fn fails(args: &[&str]) -> String {
     String::from_utf8(o.stderr).unwrap()
 }
 
+/// Runs `blkq raid status ARGS`, which must answer (exit 0 in sync, 1 degraded, 2 failed; 4
+/// is no answer); returns its stdout.
+pub fn raid_status(args: &[&str]) -> String {
+    let mut all = vec!["raid", "status"];
+    all.extend_from_slice(args);
+    let o = blkq(&all);
+    assert!(
+        matches!(o.status.code(), Some(0..=2)),
+        "blkq {all:?} did not answer ({}): {}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
 /// Fixtures that hold their process in a field `proc`: they are that [`Running`] too
 /// (`Deref`), for its signals, waits and stderr.
 macro_rules! holds_running {
@@ -147,12 +163,12 @@ impl Server {
 
     /// `blkq raid status` through the control socket.
     pub fn status(&self) -> String {
-        ok(&["raid", "status", "--control", self.ctl()])
+        raid_status(&["--control", self.ctl()])
     }
 
     /// `blkq raid status --json` through the control socket.
     pub fn status_json(&self) -> serde_json::Value {
-        let out = ok(&["raid", "status", "--json", "--control", self.ctl()]);
+        let out = raid_status(&["--json", "--control", self.ctl()]);
         serde_json::from_str(&out).unwrap()
     }
 
