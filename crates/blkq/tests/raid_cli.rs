@@ -535,3 +535,57 @@ fn status_exit_says_ok_degraded_failed_or_no_answer() {
         "no server"
     );
 }
+
+/// The lines of `path` that hold every one of `words`.
+fn lines_with(path: &Path, words: &[&str]) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| words.iter().all(|w| l.contains(w)))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Each change of a leg is logged once, naming its slot and its device: a failure with its
+/// cause at WARN (an operator must act), a removal, an addition and the recovery's start and
+/// end at INFO.
+#[test]
+fn leg_changes_are_logged_naming_the_leg() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        leg(d.path(), "a.img"),
+        leg(d.path(), "b.img"),
+        leg(d.path(), "c.img"),
+    );
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    let log = d.path().join("serve.stderr");
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    ok(&["raid", "remove", "1", "--control", s.ctl()]);
+    ok(&["raid", "add", &c, "--control", s.ctl()]);
+    s.wait_for(&|v| v["state"] == "active", "recovery did not finish");
+    assert!(s.stop());
+    let all = std::fs::read_to_string(&log).unwrap();
+    for (words, why) in [
+        (
+            &["WARN", "slot 1", "failed", "operator", "b.img"][..],
+            "the failure, its cause and the leg",
+        ),
+        (&["INFO", "slot 1", "removed", "b.img"], "the removal"),
+        (&["INFO", "slot 1", "added", "c.img"], "the addition"),
+        (
+            &["INFO", "recovery of slot 1 started", "c.img"],
+            "the recovery's start",
+        ),
+        (
+            &["INFO", "recovery", "slot 1", "done", "c.img"],
+            "the recovery's end",
+        ),
+    ] {
+        assert_eq!(
+            lines_with(&log, words).len(),
+            1,
+            "{why}: {words:?} in\n{all}"
+        );
+    }
+}

@@ -43,7 +43,27 @@ impl Raid1 {
         self.add_leg_with(dev, true)
     }
 
+    /// [`Raid1::add_leg`] (or, with `discard`, [`Raid1::add_leg_discarding`]), naming the leg
+    /// `name` (its device spec: [`Raid1::set_leg_name`]) from its first event on.
+    pub fn add_named_leg(
+        &self,
+        dev: StdArc<dyn Device>,
+        discard: bool,
+        name: Option<String>,
+    ) -> Result<usize, Raid1Error> {
+        self.add_leg_named(dev, discard, name)
+    }
+
     fn add_leg_with(&self, dev: StdArc<dyn Device>, discard: bool) -> Result<usize, Raid1Error> {
+        self.add_leg_named(dev, discard, None)
+    }
+
+    fn add_leg_named(
+        &self,
+        dev: StdArc<dyn Device>,
+        discard: bool,
+        name: Option<String>,
+    ) -> Result<usize, Raid1Error> {
         let inner = &self.inner;
         inner.refuse_if_failed()?;
         if dev.limits().capacity < inner.data_offset + inner.capacity {
@@ -80,6 +100,11 @@ impl Raid1 {
         }
         let _ = inner.barriers.unfreeze_array();
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
+        // Named and told before its recovery can start (`state_changed` wakes the sync thread).
+        if name.is_some() {
+            self.set_leg_name(i, name);
+        }
+        inner.emit(crate::events::Event::LegAdded { slot: i, readd });
         inner.sync.ctl.lock().recovery_blocked = false;
         inner.state_changed();
         if let Err(e) = inner
@@ -89,6 +114,8 @@ impl Raid1 {
             // Not recorded: the leg is not part of the array (a crash now would find it with
             // no superblock, and assembly refuses such a device).
             self.unplace(i, old_uuid);
+            inner.emit(crate::events::Event::LegRemoved { slot: i });
+            self.set_leg_name(i, None);
             return Err(e);
         }
         Ok(i)

@@ -642,6 +642,7 @@ impl Raid1 {
             sync: crate::sync::SyncState::new(),
             readd: crate::readd::ReaddState::new(a.nr_slots),
             wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
+            events: crate::events::Hub::new(a.nr_slots),
             me: weak.clone(),
             cfg,
         });

@@ -13,6 +13,7 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::device::{eio, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::events::Event;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
 impl Inner {
@@ -66,7 +67,11 @@ impl Inner {
                 wb.op = Op::Write;
                 wb.flags = BioFlags::NONE;
                 if submit_wait(dev.as_ref(), wb).1.is_err() {
-                    self.leg_write_failed(leg, "the last in-sync leg failed a read repair");
+                    self.leg_write_failed(
+                        leg,
+                        "a read repair's write failed",
+                        "the last in-sync leg failed a read repair",
+                    );
                 }
             }
         }
@@ -84,7 +89,7 @@ impl Inner {
     pub(crate) fn note_read_error(&self, leg: usize) {
         let n = self.legs[leg].read_errors.fetch_add(1, Ordering::AcqRel) + 1;
         if n > self.cfg.read_error_limit {
-            self.fail_leg(leg);
+            self.fail_leg(leg, "more read errors than read_error_limit");
         }
     }
 
@@ -157,12 +162,15 @@ impl Inner {
             let events = m.events;
             let before = m.lineage.current.id;
             m.lineage.rotate(events);
-            tracing::info!(
-                "raid1: slots {:#b} in sync (were {:#b}): new generation {:016x} after {before:016x}",
+            let generation = m.lineage.current.id;
+            m.members = in_sync;
+            drop(m);
+            self.emit(Event::GenerationChanged {
+                generation,
+                previous: before,
                 in_sync,
-                m.members,
-                m.lineage.current.id
-            );
+            });
+            return;
         }
         m.members = in_sync;
     }
@@ -225,7 +233,11 @@ impl Inner {
                     .1
                     .and_then(|()| submit_wait(dev.as_ref(), b).1);
                 if let Err(e) = r {
-                    self.leg_write_failed(i, "the last in-sync leg failed a superblock write");
+                    self.leg_write_failed(
+                        i,
+                        "a superblock write failed",
+                        "the last in-sync leg failed a superblock write",
+                    );
                     first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
                 }
             }
@@ -271,7 +283,11 @@ impl Inner {
             match r {
                 Ok(()) => ok += 1,
                 Err(e) => {
-                    self.leg_write_failed(i, "the last in-sync leg failed a bitmap write");
+                    self.leg_write_failed(
+                        i,
+                        "a bitmap write failed",
+                        "the last in-sync leg failed a bitmap write",
+                    );
                     first_err.get_or_insert(Raid1Error::Leg { leg: i, source: e });
                 }
             }
@@ -299,6 +315,7 @@ impl Inner {
                     all = false;
                     self.leg_write_failed(
                         i,
+                        "a flush failed (write-back error)",
                         "the last in-sync leg failed a flush (write-back error)",
                     );
                 }

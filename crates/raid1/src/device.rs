@@ -433,6 +433,8 @@ pub(crate) struct Inner {
     pub(crate) me: Weak<Inner>,
     /// Write-behind (see `behind`).
     pub(crate) wb: crate::behind::WriteBehind,
+    /// The state changes' log lines and subscribers (see `events`).
+    pub(crate) events: crate::events::Hub,
 }
 
 /// A RAID1 array over two or more legs. See the crate docs.
@@ -536,6 +538,11 @@ impl Raid1 {
 
     /// Marks slot `i` faulty (refused for the last in-sync leg, and on a failed array).
     pub fn fail_leg(&self, i: usize) -> Result<(), Raid1Error> {
+        self.fail_leg_for(i, "failed by the operator")
+    }
+
+    /// As [`Raid1::fail_leg`], telling `cause` (`events`).
+    pub(crate) fn fail_leg_for(&self, i: usize, cause: &'static str) -> Result<(), Raid1Error> {
         if i >= self.inner.legs.len() {
             return Err(Raid1Error::Slot(i, "no such slot"));
         }
@@ -543,7 +550,7 @@ impl Raid1 {
         // Before the bit: raid1d must never see it faulty and not failed by hand (it would
         // re-add it).
         let was = self.inner.mark_manual(i);
-        if self.inner.fail_leg(i) {
+        if self.inner.fail_leg(i, cause) {
             Ok(())
         } else {
             self.inner.unmark_manual(i, was);
@@ -577,6 +584,9 @@ impl Raid1 {
         // Not the array's leg any more: its connections are not judged by it.
         dev.check_connections(None);
         self.inner.state_changed();
+        self.inner
+            .emit(crate::events::Event::LegRemoved { slot: i });
+        self.set_leg_name(i, None);
         // On disk before this returns (md updates the superblock on a hot remove): the leg
         // may be pulled at once, and assembly must then not need it.
         self.inner.write_superblocks()?;

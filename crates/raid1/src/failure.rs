@@ -8,9 +8,11 @@ use blk::Error;
 use blkq_sync::atomic::Ordering;
 
 use crate::device::{Inner, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+use crate::events::Event;
 
 impl Inner {
-    /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did.
+    /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did. The
+    /// first time it does, the failure is told (`events`) with its `cause`.
     ///
     /// # Durable failures (md's `MD_SB_CHANGE_PENDING`)
     ///
@@ -27,7 +29,7 @@ impl Inner {
     /// therefore sees the bump when it completes, and holds the write. `write_superblocks`
     /// reads `fail_gen` under `fail_lock`, so every failure it counts has set its bit before the
     /// superblocks are built from the leg states.
-    pub(crate) fn fail_leg(&self, i: usize) -> bool {
+    pub(crate) fn fail_leg(&self, i: usize, cause: &'static str) -> bool {
         // Serialised, so two legs failing at once cannot both see the other as the survivor.
         let _g = self.fail_lock.lock();
         let l = &self.legs[i];
@@ -46,9 +48,12 @@ impl Inner {
             return false;
         }
         self.fail_gen.fetch_add(1, Ordering::Release);
-        l.state.fetch_or(FAULTY, Ordering::AcqRel);
+        let was = l.state.fetch_or(FAULTY, Ordering::AcqRel);
         drop(_g);
         self.state_changed();
+        if was & FAULTY == 0 {
+            self.emit(Event::LegFailed { slot: i, cause });
+        }
         true
     }
 
@@ -83,7 +88,7 @@ impl Inner {
         }
         // Release: a caller that sees the flag sees the reason.
         if !self.failed.swap(true, Ordering::AcqRel) {
-            tracing::error!("raid1: array failed: {why}; writes and flushes now fail");
+            self.emit(Event::ArrayFailed { why });
         }
         // A running pass stops, and whoever waits for one (replace_leg) looks again.
         self.sync.wq.wake_all();
@@ -112,20 +117,21 @@ impl Inner {
             if st & (PRESENT | FAULTY) != PRESENT {
                 continue;
             }
-            if l.dev().is_some_and(|d| d.unavailable()) && self.fail_leg(i) {
-                tracing::warn!(
-                    leg = i,
-                    "raid1: leg {i} failed: its device reports it cannot serve (a remote leg \
-                     not reconnected within its reconnect deadline)"
+            if l.dev().is_some_and(|d| d.unavailable()) {
+                self.fail_leg(
+                    i,
+                    "its device reports it cannot serve (a remote leg not reconnected within \
+                     its reconnect deadline)",
                 );
             }
         }
     }
 
-    /// A write or flush failed on leg `leg`: fail the leg; if it is the last in-sync leg,
-    /// which cannot be failed, the array fails (see `Inner::fail_array`).
-    pub(crate) fn leg_write_failed(&self, leg: usize, why: &'static str) {
-        if self.fail_leg(leg) {
+    /// A write or flush failed on leg `leg` (`cause`, for the leg's failure): fail the leg; if
+    /// it is the last in-sync leg, which cannot be failed, the array fails (`why`, see
+    /// `Inner::fail_array`).
+    pub(crate) fn leg_write_failed(&self, leg: usize, cause: &'static str, why: &'static str) {
+        if self.fail_leg(leg, cause) {
             return;
         }
         let st = self.legs[leg].state.load(Ordering::Acquire);

@@ -622,7 +622,11 @@ impl Inner {
                         }
                         // A failed write makes the leg stale: fail it; the last in-sync leg
                         // cannot be, and then the array fails.
-                        self.leg_write_failed(leg, "the last in-sync leg failed a write or flush");
+                        self.leg_write_failed(
+                            leg,
+                            "a write or flush failed",
+                            "the last in-sync leg failed a write or flush",
+                        );
                     }
                 }
                 io.remaining -= 1;

@@ -60,6 +60,7 @@ use blkq_sync::Mutex;
 
 use crate::assemble::{left_in_sync, readd_covers, Assembly, AssemblyError};
 use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::events::Event;
 use crate::generation::Kinship;
 use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
 
@@ -435,12 +436,12 @@ impl Inner {
             return false;
         }
         if l.state.load(Ordering::Acquire) & FAULTY == 0 {
-            tracing::warn!(
-                "raid1: leg {i}'s connection broke with writes its server acknowledged and \
-                 never flushed; the server may have lost them: the leg fails, and its dirty \
-                 chunks are copied back when it returns"
+            self.fail_leg(
+                i,
+                "its connection broke with writes its server acknowledged and never flushed; \
+                 the server may have lost them (its dirty chunks are copied back when it \
+                 returns)",
             );
-            self.fail_leg(i);
         }
         true
     }
@@ -467,9 +468,10 @@ impl Inner {
         let Err(why) = self.identify(i, other, bytes) else {
             return Ok(());
         };
-        tracing::warn!(
-            "raid1: leg {i} reconnected but is refused: failed, and nothing sent to it: {why}"
-        );
+        self.emit(Event::ReaddRefused {
+            slot: i,
+            why: format!("on reconnection, failed and nothing sent to it: {why}"),
+        });
         {
             let mut p = self.readd.probes[i].lock();
             if p.gen != gen {
@@ -486,7 +488,7 @@ impl Inner {
         }
         // Not in sync any more, whatever it held: the device fails every request from now
         // on (the last in-sync leg is not failed: the array fails on its errors instead).
-        self.fail_leg(i);
+        self.fail_leg(i, "refused on reconnection");
         Err(why)
     }
 
@@ -499,16 +501,20 @@ impl Inner {
             }
             Verdict::Unchanged => {}
             Verdict::Refuse(bytes, why) => {
-                tracing::warn!(
-                    "raid1: leg {i} answers again but is refused, left faulty and untouched: \
-                     {why}"
-                );
+                self.emit(Event::ReaddRefused {
+                    slot: i,
+                    why: format!("it answers again, left faulty and untouched: {why}"),
+                });
                 let mut p = probes.lock();
                 p.last_error = None;
                 p.refused = Some((bytes, why));
             }
             Verdict::Readd { bitmap } => match self.readd_in_place(i, dev, gen, bitmap) {
                 Ok(true) => {
+                    self.emit(Event::LegAdded {
+                        slot: i,
+                        readd: true,
+                    });
                     let dirty = self.bitmap.as_ref().map_or(0, |b| {
                         b.dirty_chunks().iter().map(|c| c.end - c.first).sum()
                     });

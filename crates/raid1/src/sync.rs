@@ -379,7 +379,7 @@ impl Raid1 {
         if st & (PRESENT | IN_SYNC | FAULTY) != PRESENT | IN_SYNC {
             return Err(Raid1Error::Slot(slot, "replacement did not recover"));
         }
-        self.fail_leg(old)?;
+        self.fail_leg_for(old, "replaced")?;
         self.remove_leg(old)?;
         Ok(slot)
     }

@@ -77,6 +77,10 @@ impl Control {
         let n = raid.slots();
         let mut specs = specs;
         specs.resize(n, None);
+        // The events and log lines about a leg name it by its spec too.
+        for (i, s) in specs.iter().enumerate() {
+            raid.set_leg_name(i, s.clone());
+        }
         let raid_disks = (0..n)
             .filter(|&i| raid.leg_status(i).is_some_and(|s| s.present))
             .count()
@@ -375,11 +379,7 @@ impl Control {
                 spec,
             } => {
                 let dev = new_leg(&spec)?;
-                let added = if discard {
-                    r.add_leg_discarding(dev)
-                } else {
-                    r.add_leg(dev)
-                };
+                let added = r.add_named_leg(dev, discard, Some(spec.clone()));
                 let n = match added {
                     Ok(n) => n,
                     // Says itself what to do.
@@ -419,6 +419,7 @@ impl Control {
                             *x = Some(spec.clone());
                         }
                         drop(sp);
+                        raid.set_leg_name(new, Some(spec.clone()));
                         tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
                     }
                     Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),

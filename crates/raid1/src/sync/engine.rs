@@ -10,6 +10,7 @@ use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
 use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::events::Event;
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -29,6 +30,27 @@ enum PassEnd {
     Interrupted,
     /// No source could be read.
     Failed,
+}
+
+impl PassEnd {
+    /// How an event tells it.
+    fn word(&self) -> &'static str {
+        match self {
+            PassEnd::Done => "done",
+            PassEnd::Interrupted => "interrupted",
+            PassEnd::Failed => "failed",
+        }
+    }
+}
+
+/// A job as events name it: its action, and the leg a recovery copies to.
+fn job_event(job: Job) -> (SyncAction, Option<usize>) {
+    match job {
+        Job::Resync => (SyncAction::Resync, None),
+        Job::Recover(t) => (SyncAction::Recover, Some(t)),
+        Job::Check => (SyncAction::Check, None),
+        Job::Repair => (SyncAction::Repair, None),
+    }
 }
 
 /// Whether a leg state is present, in sync and not faulty: the leg holds the array's data (a
@@ -118,14 +140,25 @@ impl Inner {
                 Some(Some(job))
             });
             let Some(job) = job else { return };
-            self.run_job(job);
+            let (action, slot) = job_event(job);
+            self.emit(Event::SyncStarted { action, slot });
+            let end = self.run_job(job);
+            let mismatches = matches!(job, Job::Check | Job::Repair)
+                .then(|| s.mismatch_cnt.load(Ordering::Relaxed));
+            self.emit(Event::SyncFinished {
+                action,
+                slot,
+                end: end.word(),
+                mismatches,
+            });
             s.action.store(SyncAction::Idle.to_u64(), Ordering::Release);
             s.eta_secs.store(u64::MAX, Ordering::Relaxed);
             s.idle_wq.wake_all();
         }
     }
 
-    fn run_job(&self, job: Job) {
+    /// Runs one job; how its pass ended.
+    fn run_job(&self, job: Job) -> PassEnd {
         let s = &self.sync;
         match job {
             Job::Resync => {
@@ -152,6 +185,7 @@ impl Inner {
                         s.ctl.lock().resync_blocked = true;
                     }
                 }
+                end
             }
             Job::Recover(t) => {
                 // The leg and its offset, read together: add and remove change a slot with
@@ -162,8 +196,11 @@ impl Inner {
                 let gen = self.legs[t].gen.load(Ordering::Acquire);
                 let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
                 let _ = self.barriers.unfreeze_array();
-                let Some(target) = target else { return };
-                match self.pass(job, start, Some(&target), gen) {
+                let Some(target) = target else {
+                    return PassEnd::Interrupted;
+                };
+                let end = self.pass(job, start, Some(&target), gen);
+                match end {
                     PassEnd::Done => {
                         // Marked in sync only if the slot still holds the leg the pass
                         // copied to (frozen: nothing changes it meanwhile).
@@ -193,10 +230,11 @@ impl Inner {
                         let _ = self.write_superblocks();
                     }
                 }
+                end
             }
             Job::Check | Job::Repair => {
                 s.mismatch_cnt.store(0, Ordering::Relaxed);
-                let _ = self.pass(job, 0, None, 0);
+                self.pass(job, 0, None, 0)
             }
         }
     }
@@ -392,6 +430,19 @@ impl Inner {
             }
             io_bytes += u64::from(len);
             windows += 1;
+            // Every tenth of the array a recovery or resync passes is told (`events`).
+            let tenth = |p: u64| (u128::from(p) * 10 / u128::from(cap.max(1))) as u8;
+            if matches!(job, Job::Recover(_) | Job::Resync)
+                && tenth(wend) > tenth(pos)
+                && tenth(wend) < 10
+            {
+                let (action, slot) = job_event(job);
+                self.emit(Event::SyncProgress {
+                    action,
+                    slot,
+                    percent: tenth(wend) * 10,
+                });
+            }
             pos = wend;
             self.advance(job, pos);
             if matches!(job, Job::Recover(_)) && windows.is_multiple_of(64) {
@@ -553,7 +604,11 @@ impl Inner {
                     .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
                     .is_err()
             {
-                self.leg_write_failed(i, "the last in-sync leg failed a resync write");
+                self.leg_write_failed(
+                    i,
+                    "a resync write failed",
+                    "the last in-sync leg failed a resync write",
+                );
             }
         }
         true
