@@ -24,6 +24,13 @@
 //!
 //! An evicted connection gets no reply and never runs its request, even if part of it arrived
 //! (a control line cut by the eviction is not a shorter command).
+//!
+//! **Held connections.** A request that answers for as long as its client listens (the control
+//! socket's `monitor`) holds its connection ([`Session::hold`]): it keeps its slot, is never
+//! evicted, and has no deadline for its replies, only [`HELD_WRITE_TIMEOUT`] for each write; at
+//! most a given number at once (so the others' slots stay free for commands). It ends when its
+//! client goes away ([`Session::client_gone`]) or the server stops ([`Session::stopping`];
+//! the stop shuts its socket down too).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -40,6 +47,8 @@ pub const REPLY_GRACE: Duration = Duration::from_secs(1);
 pub const DRAIN_MAX: usize = 64 << 10;
 /// How long the acceptor sleeps between looks while every slot runs a request.
 const FULL_RETRY: Duration = Duration::from_millis(50);
+/// How long one write of a held connection may wait for its client to read.
+pub const HELD_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A stream socket a session can be served on.
 pub trait Conn: Read + Write + Send + Sized + 'static {
@@ -51,6 +60,9 @@ pub trait Conn: Read + Write + Send + Sized + 'static {
     fn write_timeout(&self, d: Duration) -> io::Result<()>;
     /// `shutdown(2)`.
     fn shut(&self, how: Shutdown) -> io::Result<()>;
+    /// Whether the peer closed its end or the connection broke (a look without waiting;
+    /// bytes it sent meanwhile are read and dropped).
+    fn peer_gone(&mut self) -> bool;
 }
 
 macro_rules! conn_impl {
@@ -67,6 +79,22 @@ macro_rules! conn_impl {
             }
             fn shut(&self, how: Shutdown) -> io::Result<()> {
                 self.shutdown(how)
+            }
+            fn peer_gone(&mut self) -> bool {
+                if self.set_nonblocking(true).is_err() {
+                    return true;
+                }
+                let mut sink = [0u8; 512];
+                let gone = loop {
+                    match self.read(&mut sink) {
+                        Ok(0) => break true,
+                        Ok(_) => continue,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(_) => break true,
+                    }
+                };
+                self.set_nonblocking(false).is_err() || gone
             }
         }
     };
@@ -90,6 +118,8 @@ struct Entry {
     on_client: bool,
     /// Evicted: its socket was shut down; it must not run its request.
     evicted: bool,
+    /// Held ([`Session::hold`]): never evicted, shut down when the server stops.
+    held: bool,
     /// Shuts its socket down (a handle of its own).
     kill: Box<dyn Fn() + Send>,
 }
@@ -103,6 +133,8 @@ struct Table {
 
 struct Pool {
     table: Mutex<Table>,
+    /// The server stops: held connections end.
+    stopping: AtomicBool,
 }
 
 impl Pool {
@@ -152,6 +184,8 @@ pub struct Session<C: Conn> {
     /// Set at the first write: the deadline, or [`REPLY_GRACE`] from then if that is later.
     write_deadline: Option<Instant>,
     limits: Limits,
+    /// Held ([`Session::hold`]): no deadline, [`HELD_WRITE_TIMEOUT`] per write.
+    held: bool,
 }
 
 fn aborted() -> io::Error {
@@ -173,6 +207,39 @@ impl<C: Conn> Session<C> {
             return Err(aborted());
         }
         Ok(r)
+    }
+
+    /// Holds the connection for a request that answers as long as its client listens (see the
+    /// module docs), if fewer than `max` connections of this listener are held: `Ok(false)`
+    /// when `max` are. `Err` if it was evicted before.
+    pub fn hold(&mut self, max: usize) -> io::Result<bool> {
+        let mut t = self.pool.table.lock();
+        let held = t.entries.iter().filter(|e| e.held).count();
+        let Some(e) = t.entries.iter_mut().find(|e| e.id == self.id) else {
+            return Err(aborted());
+        };
+        if e.evicted {
+            return Err(aborted());
+        }
+        if held >= max {
+            return Ok(false);
+        }
+        e.held = true;
+        e.on_client = false;
+        drop(t);
+        self.held = true;
+        Ok(true)
+    }
+
+    /// Whether the server stops (a held connection then ends).
+    pub fn stopping(&self) -> bool {
+        // Acquire: pairs with the Release store in `serve` (only a flag).
+        self.pool.stopping.load(Ordering::Acquire) || self.pool.evicted(self.id)
+    }
+
+    /// Whether the client closed its end or the connection broke (see [`Conn::peer_gone`]).
+    pub fn client_gone(&mut self) -> bool {
+        self.conn.peer_gone()
     }
 
     /// Ends the reply (`shutdown(Write)`) and drains what the client still sends, bounded
@@ -240,6 +307,10 @@ impl<C: Conn> Write for Session<C> {
         if self.pool.evicted(self.id) {
             return Err(aborted());
         }
+        if self.held {
+            self.conn.write_timeout(HELD_WRITE_TIMEOUT)?;
+            return self.conn.write(buf);
+        }
         let until = *self
             .write_deadline
             .get_or_insert_with(|| self.deadline.max(Instant::now() + REPLY_GRACE));
@@ -298,6 +369,7 @@ pub fn serve<C, H>(
             next_id: 0,
             acceptor: None,
         }),
+        stopping: AtomicBool::new(false),
     });
     let slots = limits.slots.max(1);
     loop {
@@ -336,6 +408,7 @@ pub fn serve<C, H>(
                     id,
                     on_client: true,
                     evicted: false,
+                    held: false,
                     kill: kill.take().expect("set until admitted"),
                 });
                 break Some(id);
@@ -358,6 +431,7 @@ pub fn serve<C, H>(
             deadline,
             write_deadline: None,
             limits,
+            held: false,
         };
         let h = handler.clone();
         let spawned = std::thread::Builder::new()
@@ -374,14 +448,20 @@ pub fn serve<C, H>(
             tracing::warn!("{name}: cannot start a thread for a connection: {e}");
         }
     }
-    // Stop: cut whoever waits on a client; requests running finish. Bounded: an evicted
-    // session ends at once, a running request ends by itself.
+    // Stop: cut whoever waits on a client, and the held connections; requests running
+    // finish. Bounded: an evicted session ends at once, a held one at its next look at
+    // `stopping` (or write), a running request by itself.
+    pool.stopping.store(true, Ordering::Release);
     loop {
         let mut t = pool.table.lock();
         if t.entries.is_empty() {
             break;
         }
         while Pool::evict_oldest(&mut t) {}
+        for e in t.entries.iter_mut().filter(|e| e.held && !e.evicted) {
+            e.evicted = true;
+            (e.kill)();
+        }
         t.acceptor = Some(thread::current());
         drop(t);
         blkq_sync::park_until(Instant::now() + FULL_RETRY);

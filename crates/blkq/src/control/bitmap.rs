@@ -218,6 +218,10 @@ impl Handle for Handler {
         };
         res.unwrap_or_else(|e| json!({ "ok": false, "error": format!("{e:#}") }))
     }
+
+    fn subscribe(&self) -> Option<(raid1::Subscription, serde_json::Value)> {
+        self.mirror.as_ref()?.subscribe()
+    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@
 //! | `replace [--force] LEG SPEC` | adds SPEC, recovers it, then fails and removes LEG (in the background) |
 //! | `check`, `repair`, `idle` | md's `sync_action`                                   |
 //! | `speed-limit MIN MAX` | KiB/s (0 keeps a value)                                  |
+//! | `monitor`          | keeps the connection: `{"ok":true,"event":"monitoring",...}`, then one JSON line per event of the array (`raid1::Event`) until the client goes |
 //!
 //! A LEG is a slot number (`blkq raid detail` lists them) or the leg's device spec, as it was
 //! given or naming the same file (mdadm's habit: `mdadm --fail /dev/md0 /dev/sdb1`).
@@ -96,6 +97,8 @@ pub enum Command {
     Repair,
     /// md's `idle`.
     Idle,
+    /// The array's events, one line each, for as long as the client listens.
+    Monitor,
     /// Resync speed limits, KiB/s (0 keeps a value).
     SpeedLimit {
         /// md's sync_speed_min.
@@ -106,7 +109,7 @@ pub enum Command {
 }
 
 const COMMANDS: &str = "status, detail, fail LEG, remove LEG, add [--force] [--discard] SPEC, \
-                        replace [--force] LEG SPEC, check, repair, idle, speed-limit MIN MAX \
+                        replace [--force] LEG SPEC, check, repair, idle, speed-limit MIN MAX, monitor \
                         (LEG: a slot number or the leg's device spec)";
 
 impl Command {
@@ -170,6 +173,7 @@ impl Command {
             "check" => Command::Check,
             "repair" => Command::Repair,
             "idle" => Command::Idle,
+            "monitor" => Command::Monitor,
             "speed-limit" => match words[..] {
                 [min, max] => Command::SpeedLimit {
                     min: min.parse().context("speed-limit: MIN is not a number")?,
@@ -185,7 +189,7 @@ impl Command {
     /// Whether it changes the array (such commands run one at a time; the reports never wait
     /// for them).
     pub fn changes_array(&self) -> bool {
-        !matches!(self, Command::Status | Command::Detail)
+        !matches!(self, Command::Status | Command::Detail | Command::Monitor)
     }
 }
 
@@ -214,6 +218,7 @@ impl fmt::Display for Command {
             Command::Check => f.write_str("check"),
             Command::Repair => f.write_str("repair"),
             Command::Idle => f.write_str("idle"),
+            Command::Monitor => f.write_str("monitor"),
             Command::SpeedLimit { min, max } => write!(f, "speed-limit {min} {max}"),
         }
     }
@@ -263,6 +268,7 @@ mod tests {
             Command::Check,
             Command::Repair,
             Command::Idle,
+            Command::Monitor,
             Command::SpeedLimit { min: 0, max: 9 },
         ];
         for c in all {

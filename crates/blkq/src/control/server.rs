@@ -331,6 +331,10 @@ impl Control {
 
     fn dispatch(&self, line: &str) -> Result<serde_json::Value> {
         let cmd = Command::parse(line)?;
+        if cmd == Command::Monitor {
+            // Served by the connection itself (`serve_one`), which keeps it open.
+            bail!("monitor: only over the control socket, which streams the events");
+        }
         if !cmd.changes_array() {
             return Ok(json!({ "ok": true, "report": self.report() }));
         }
@@ -360,7 +364,9 @@ impl Control {
         let ok = |m: String| Ok(json!({ "ok": true, "message": m }));
         let r = &self.raid;
         match cmd {
-            Command::Status | Command::Detail => Ok(json!({ "ok": true, "report": self.report() })),
+            Command::Status | Command::Detail | Command::Monitor => {
+                Ok(json!({ "ok": true, "report": self.report() }))
+            }
             Command::Fail(leg) => self.fail(&leg),
             Command::Remove(leg) => {
                 let n = self.slot(&leg, "remove")?;
@@ -453,11 +459,131 @@ impl Control {
 pub trait Handle: Send + Sync {
     /// Runs one command line; returns the JSON reply.
     fn handle(&self, line: &str) -> serde_json::Value;
+
+    /// The mirror's events from now on, with the first line of a `monitor` reply; `None`
+    /// when there is no mirror.
+    fn subscribe(&self) -> Option<(raid1::Subscription, serde_json::Value)> {
+        None
+    }
 }
 
 impl Handle for Control {
     fn handle(&self, line: &str) -> serde_json::Value {
         Control::handle(self, line)
+    }
+
+    fn subscribe(&self) -> Option<(raid1::Subscription, serde_json::Value)> {
+        // Subscribed first: what the first line reports is never newer than the events.
+        let sub = self.raid.subscribe();
+        let rep = self.report();
+        let first = json!({
+            "ok": true,
+            "event": "monitoring",
+            "array": rep.array_uuid,
+            "state": rep.state,
+            "legs": rep.mdstat_legs(),
+        });
+        Some((sub, first))
+    }
+}
+
+/// Monitor connections a control socket serves at once (each holds one of its [`SLOTS`]).
+pub const MONITORS: usize = SLOTS / 2;
+/// How often a monitor connection looks whether its client went away or the server stops.
+const MONITOR_LOOK: Duration = Duration::from_millis(200);
+
+/// One event as a `monitor` line: `event` (its name), `seq`, `slot` and `leg` (the leg's
+/// spec) when it is about one, `message` (in words), and its own fields.
+pub fn event_json(r: &raid1::Record) -> serde_json::Value {
+    use raid1::Event as E;
+    let mut v = json!({
+        "event": r.event.name(),
+        "seq": r.seq,
+        "message": r.to_string(),
+    });
+    if let Some(s) = r.event.slot() {
+        v["slot"] = json!(s);
+    }
+    if let Some(l) = &r.leg {
+        v["leg"] = json!(l);
+    }
+    match &r.event {
+        E::LegFailed { cause, .. } => v["cause"] = json!(cause),
+        E::LegAdded { readd, .. } => v["readd"] = json!(readd),
+        E::ReaddRefused { why, .. } => v["why"] = json!(why),
+        E::SyncStarted { action, .. } => v["action"] = json!(action.as_str()),
+        E::SyncProgress {
+            action, percent, ..
+        } => {
+            v["action"] = json!(action.as_str());
+            v["percent"] = json!(percent);
+        }
+        E::SyncFinished {
+            action,
+            end,
+            mismatches,
+            ..
+        } => {
+            v["action"] = json!(action.as_str());
+            v["end"] = json!(end);
+            if let Some(m) = mismatches {
+                v["mismatch_cnt"] = json!(m);
+            }
+        }
+        E::GenerationChanged {
+            generation,
+            previous,
+            in_sync,
+        } => {
+            v["generation"] = json!(format!("{generation:016x}"));
+            v["previous"] = json!(format!("{previous:016x}"));
+            v["in_sync"] = json!(format!("{in_sync:#b}"));
+        }
+        E::ArrayFailed { why } => v["why"] = json!(why),
+        E::Dropped { count } => v["count"] = json!(count),
+        _ => {}
+    }
+    v
+}
+
+/// Serves a `monitor` connection: the first line, then a line per event, until the client
+/// goes away, a write to it fails (a client that reads nothing for
+/// [`listen::HELD_WRITE_TIMEOUT`]), or the server stops. Refused when [`MONITORS`] are served.
+fn monitor(ctl: &dyn Handle, s: &mut Session<UnixStream>) {
+    let refuse = |s: &mut Session<UnixStream>, e: String| {
+        if writeln!(s, "{}", json!({ "ok": false, "error": e }))
+            .and_then(|()| s.flush())
+            .is_ok()
+        {
+            s.finish();
+        }
+    };
+    match s.hold(MONITORS) {
+        Ok(true) => {}
+        Ok(false) => {
+            return refuse(
+                s,
+                format!("already {MONITORS} monitors on this socket: refused"),
+            )
+        }
+        Err(_) => return,
+    }
+    let Some((sub, first)) = ctl.subscribe() else {
+        return refuse(s, "this server has no mirror: nothing to monitor".into());
+    };
+    if writeln!(s, "{first}").and_then(|()| s.flush()).is_err() {
+        return;
+    }
+    while !s.stopping() && !s.client_gone() {
+        let Some(r) = sub.next_until(std::time::Instant::now() + MONITOR_LOOK) else {
+            continue;
+        };
+        if writeln!(s, "{}", event_json(&r))
+            .and_then(|()| s.flush())
+            .is_err()
+        {
+            return;
+        }
     }
 }
 
@@ -489,9 +615,11 @@ fn read_line(s: &mut Session<UnixStream>) -> std::result::Result<Option<String>,
         .map_err(|_| "command is not UTF-8".to_string())
 }
 
-/// Serves one connection: one line, one reply (see [`crate::listen`] for the bounds).
+/// Serves one connection: one line, one reply (see [`crate::listen`] for the bounds); or a
+/// `monitor`, which keeps it.
 fn serve_one(ctl: &dyn Handle, s: &mut Session<UnixStream>) {
     let reply = match read_line(s) {
+        Ok(Some(line)) if line.trim() == "monitor" => return monitor(ctl, s),
         Ok(Some(line)) => match s.work(|| ctl.handle(&line)) {
             Ok(r) => r,
             Err(_) => return,

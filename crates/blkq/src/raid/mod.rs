@@ -12,6 +12,7 @@
 
 pub mod content;
 pub mod create;
+pub mod monitor;
 pub mod offline;
 pub mod report;
 
@@ -69,6 +70,10 @@ enum RaidCmd {
     Idle(ControlArg),
     /// Online: resync speed limits in KiB/s (md's sync_speed_min/max).
     SpeedLimit(SpeedArgs),
+    /// Online: print the array's events as they happen, a JSON line each (mdadm's
+    /// --monitor): a leg failed, removed, added; recovery, resync and check progress; a
+    /// refused re-add; the array failed. --program runs a program per event.
+    Monitor(monitor::MonitorArgs),
 }
 
 #[derive(Args, Debug)]
@@ -381,6 +386,7 @@ pub fn run(a: RaidArgs) -> Result<()> {
             },
         ),
         RaidCmd::Idle(c) => client::run(&c.control, &Command::Idle),
+        RaidCmd::Monitor(m) => monitor::run(m),
         RaidCmd::SpeedLimit(s) => client::run(
             &s.ctl.control,
             &Command::SpeedLimit {
