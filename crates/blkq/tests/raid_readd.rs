@@ -275,3 +275,118 @@ fn a_remote_leg_whose_server_restarts_is_readded_and_recovers_only_what_it_misse
         "the legs' data areas differ"
     );
 }
+
+/// A mirror of a local leg and a remote one, created and written through a front, both
+/// stopped cleanly: the leg files, the back's stopped, and the remote leg's spec.
+fn stopped_mirror(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, String, String) {
+    let (a_path, a) = leg_file(dir, "a.img", 16 * MB);
+    let (b_path, b) = leg_file(dir, "b.img", 16 * MB);
+    let mut back = Serving::start(dir, "leg", &["--device", &b]);
+    let rleg = format!("{},timeout=1", remote(&back.sock));
+    let legs = format!("{a},{rleg}");
+    let mut front = common::Server::start(dir, &legs, &["--raid1-create"]);
+    front.wait_for(
+        &|v| v["legs"][1]["state"] == "in_sync" && v["sync"]["action"] == "idle",
+        "the initial resync",
+    );
+    let mut c = front.client();
+    for i in 0..8u64 {
+        c.write(i * MB, &[i as u8 + 1; 65536], nbd::CmdFlags::FUA)
+            .unwrap();
+    }
+    drop(c);
+    assert!(front.stop(), "the front stops cleanly");
+    assert!(back.stop(Duration::from_secs(30)), "the back stops cleanly");
+    (a_path, b_path, b, legs)
+}
+
+/// A front started with `--raid1-degraded` while its remote leg's server is down (a power
+/// cut on the front's side, the back not up yet) starts without the leg, shows it missing
+/// with its spec, serves from the local leg, and takes the leg back by itself once its
+/// server answers, recovering only the chunks written meanwhile.
+#[test]
+fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (a_path, b_path, b, legs) = stopped_mirror(d);
+    let rleg = legs.split_once(',').unwrap().1.to_string();
+    let front = common::Server::start(
+        d,
+        &legs,
+        &[
+            "--raid1-degraded",
+            "--raid1-option",
+            "readd_interval_ms=50",
+        ],
+    );
+    let err = front.stderr_text();
+    assert!(
+        err.contains("WARN") && err.contains(&rleg) && err.contains("cannot open it"),
+        "{err}"
+    );
+    let v = front.status_json();
+    assert_eq!(v["legs"][0]["state"], "in_sync", "{v}");
+    assert_eq!(v["legs"][1]["state"], "missing", "{v}");
+    assert_eq!(v["legs"][1]["device"], rleg.as_str(), "{v}");
+    let v = front.wait_for(
+        &|v| v["legs"][1]["probe_error"].is_string(),
+        "the missing leg's last attempt",
+    );
+    assert_eq!(v["legs"][1]["probing"], true, "{v}");
+    let st = front.status();
+    assert!(st.contains("[U_]") && st.contains(&rleg), "{st}");
+    // Serves from the local leg: what was written before, and new writes.
+    let mut c = front.client();
+    assert_eq!(c.read(3 * MB, 65536).unwrap(), vec![4u8; 65536]);
+    for i in [2u64, 5] {
+        c.write(i * MB + 4096, &[0xA0 + i as u8; 4096], nbd::CmdFlags::FUA)
+            .unwrap();
+    }
+    assert_eq!(c.read(5 * MB + 4096, 4096).unwrap(), vec![0xA5; 4096]);
+    let copied0 = front.status_json()["sync"]["chunks_copied"].as_u64().unwrap();
+
+    let _back = Serving::start(d, "leg", &["--device", &b]);
+    let v = front.wait_for(
+        &|v| v["legs"][1]["state"] == "in_sync" && v["sync"]["action"] == "idle",
+        "the remote leg re-added and recovered",
+    );
+    assert_eq!(v["legs"][1]["device"], rleg.as_str(), "{v}");
+    assert_eq!(v["legs"][1]["readds"], 1, "{v}");
+    // Only the two chunks written while it was away were copied.
+    assert_eq!(
+        v["sync"]["chunks_copied"].as_u64().unwrap() - copied0,
+        2,
+        "{v}"
+    );
+    let (doff, cap) = common::geometry(&v);
+    c.flush().unwrap();
+    drop(c);
+    let mut front = front;
+    assert!(front.stop(), "the front stops cleanly");
+    common::assert_leg_files_equal(&a_path, &b_path, doff, cap);
+}
+
+/// Without `--raid1-degraded` a front whose remote leg cannot be reached still refuses to
+/// start, and says what would start it without the leg.
+#[test]
+fn a_front_whose_remote_leg_is_down_refuses_to_start_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (_, _, _, legs) = stopped_mirror(d);
+    let sock = d.join("front.sock");
+    let err = common::fails_within(
+        &[
+            "serve",
+            "--raid1",
+            &legs,
+            "--no-tcp",
+            "--socket",
+            sock.to_str().unwrap(),
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(
+        err.contains("cannot open it") && err.contains("--raid1-degraded"),
+        "{err}"
+    );
+}
