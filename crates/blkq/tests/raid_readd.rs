@@ -277,14 +277,28 @@ fn a_remote_leg_whose_server_restarts_is_readded_and_recovers_only_what_it_misse
 }
 
 /// A mirror of a local leg and a remote one, created and written through a front, both
-/// stopped cleanly: the leg files, the back's stopped, and the remote leg's spec.
-fn stopped_mirror(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, String, String) {
+/// stopped cleanly (once every bit of the bitmap is cleared, if `settle`): the leg files,
+/// the back's device spec, and the front's `--raid1` legs.
+fn stopped_mirror(
+    dir: &Path,
+    settle: bool,
+) -> (std::path::PathBuf, std::path::PathBuf, String, String) {
     let (a_path, a) = leg_file(dir, "a.img", 16 * MB);
     let (b_path, b) = leg_file(dir, "b.img", 16 * MB);
     let mut back = Serving::start(dir, "leg", &["--device", &b]);
     let rleg = format!("{},timeout=1", remote(&back.sock));
     let legs = format!("{a},{rleg}");
-    let mut front = common::Server::start(dir, &legs, &["--raid1-create"]);
+    let mut front = common::Server::start(
+        dir,
+        &legs,
+        &[
+            "--raid1-create",
+            "--raid1-option",
+            "bitmap_chunk=1M",
+            "--raid1-option",
+            "bitmap_quiet_ms=10",
+        ],
+    );
     front.wait_for(
         &|v| v["legs"][1]["state"] == "in_sync" && v["sync"]["action"] == "idle",
         "the initial resync",
@@ -295,6 +309,10 @@ fn stopped_mirror(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, String
             .unwrap();
     }
     drop(c);
+    // Every bit cleared: what a later recovery copies is only what was written after.
+    if settle {
+        front.wait_for(&|v| v["bitmap"]["dirty"] == 0, "every bit cleared");
+    }
     assert!(front.stop(), "the front stops cleanly");
     assert!(back.stop(Duration::from_secs(30)), "the back stops cleanly");
     (a_path, b_path, b, legs)
@@ -308,16 +326,12 @@ fn stopped_mirror(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, String
 fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let (a_path, b_path, b, legs) = stopped_mirror(d);
+    let (a_path, b_path, b, legs) = stopped_mirror(d, true);
     let rleg = legs.split_once(',').unwrap().1.to_string();
     let front = common::Server::start(
         d,
         &legs,
-        &[
-            "--raid1-degraded",
-            "--raid1-option",
-            "readd_interval_ms=50",
-        ],
+        &["--raid1-degraded", "--raid1-option", "readd_interval_ms=50"],
     );
     let err = front.stderr_text();
     assert!(
@@ -343,7 +357,9 @@ fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
             .unwrap();
     }
     assert_eq!(c.read(5 * MB + 4096, 4096).unwrap(), vec![0xA5; 4096]);
-    let copied0 = front.status_json()["sync"]["chunks_copied"].as_u64().unwrap();
+    let copied0 = front.status_json()["sync"]["chunks_copied"]
+        .as_u64()
+        .unwrap();
 
     let _back = Serving::start(d, "leg", &["--device", &b]);
     let v = front.wait_for(
@@ -372,7 +388,7 @@ fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
 fn a_front_whose_remote_leg_is_down_refuses_to_start_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let (_, _, _, legs) = stopped_mirror(d);
+    let (_, _, _, legs) = stopped_mirror(d, false);
     let sock = d.join("front.sock");
     let err = common::fails_within(
         &[
@@ -389,4 +405,68 @@ fn a_front_whose_remote_leg_is_down_refuses_to_start_naming_the_flag() {
         err.contains("cannot open it") && err.contains("--raid1-degraded"),
         "{err}"
     );
+}
+
+/// A leg the front started without is judged by its superblock when it answers, never taken
+/// blindly: a server that comes back with a blank device in its place is refused, named in
+/// `status`, and not written.
+#[test]
+fn a_leg_started_missing_that_answers_with_another_device_is_refused_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (_, _, _, legs) = stopped_mirror(d, false);
+    let rleg = legs.split_once(',').unwrap().1.to_string();
+    let front = common::Server::start(
+        d,
+        &legs,
+        &["--raid1-degraded", "--raid1-option", "readd_interval_ms=50"],
+    );
+    let (c_path, c) = leg_file(d, "c.img", 16 * MB);
+    let _back = Serving::start(d, "leg", &["--device", &c]);
+    let v = front.wait_for(
+        &|v| v["legs"][1]["refused"].is_string(),
+        "the refusal of the blank device",
+    );
+    assert_eq!(v["legs"][1]["state"], "missing", "{v}");
+    assert_eq!(v["legs"][1]["device"], rleg.as_str(), "{v}");
+    let why = v["legs"][1]["refused"].as_str().unwrap();
+    assert!(why.contains("no superblock of this array"), "{why}");
+    let st = front.status();
+    assert!(st.contains("leg 1 refused:"), "{st}");
+    // The array keeps serving, and the blank device was not written.
+    let mut c = front.client();
+    c.write(0, &[7u8; 4096], nbd::CmdFlags::FUA).unwrap();
+    assert_eq!(c.read(0, 4096).unwrap(), vec![7u8; 4096]);
+    assert!(
+        std::fs::read(&c_path).unwrap().iter().all(|&b| b == 0),
+        "the refused device was written"
+    );
+    let err = front.stderr_text();
+    assert!(err.contains("is refused"), "{err}");
+}
+
+/// A mirror none of whose legs can be opened does not start, even with `--raid1-degraded`.
+#[test]
+fn a_mirror_with_no_leg_reachable_does_not_start_even_degraded() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let legs = format!(
+        "{},timeout=1,{},timeout=1",
+        remote(&d.join("x.sock")),
+        remote(&d.join("y.sock"))
+    );
+    let sock = d.join("front.sock");
+    let err = common::fails_within(
+        &[
+            "serve",
+            "--raid1",
+            &legs,
+            "--raid1-degraded",
+            "--no-tcp",
+            "--socket",
+            sock.to_str().unwrap(),
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(err.contains("no leg can be opened"), "{err}");
 }

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use crate::bitmap::WriteIntentBitmap;
 use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::generation::{Kinship, Lineage};
+use crate::readd::AbsentError;
 use crate::superblock::{Role, Superblock};
 
 impl Raid1 {
@@ -119,6 +120,108 @@ impl Raid1 {
             return Err(e);
         }
         Ok(i)
+    }
+
+    /// Takes back into its empty slot `slot` a leg the array started without because its
+    /// device could not be opened then (`blkq serve --raid1-degraded` with a remote leg whose
+    /// server was down) and that opens now: `dev`. Judged by its superblock as a returning
+    /// leg is, never taken blindly: it must carry this array's superblock, for `slot` (the
+    /// leg the slot named at assembly, or a slot emptied since), from a history the array's
+    /// contains (the same generation at no more events, or an earlier one of the array's);
+    /// anything else is [`AbsentError::Refused`] and `dev` is not written. Taken, it goes
+    /// back in place as [`Raid1::add_leg`] re-adds (recovering; only the bitmap's dirty
+    /// chunks when the re-add rule holds, in full otherwise; its write-mostly flag kept) and
+    /// counts as an automatic re-add ([`Raid1::readd_status`]). Returns whether the recovery
+    /// is the bitmap's.
+    pub fn readd_absent(&self, slot: usize, dev: StdArc<dyn Device>) -> Result<bool, AbsentError> {
+        let inner = &self.inner;
+        let gone = |why: String| Err(AbsentError::Gone(why));
+        if let Err(e) = inner.refuse_if_failed() {
+            return gone(e.to_string());
+        }
+        let Some(l) = inner.legs.get(slot) else {
+            return gone(format!("the array has no slot {slot}"));
+        };
+        if l.state.load(Ordering::Acquire) & PRESENT != 0 {
+            return gone(format!("slot {slot} holds a leg again"));
+        }
+        let refuse = |why: String| Err(AbsentError::Refused(why));
+        if dev.limits().capacity < inner.data_offset + inner.capacity {
+            return refuse("it is smaller than the array".into());
+        }
+        let sb = match Self::read_superblock(dev.as_ref()) {
+            Ok(sb) => sb,
+            Err(Raid1Error::Superblock(e)) => {
+                return refuse(format!("it carries no superblock of this array ({e})"))
+            }
+            Err(e) => return Err(AbsentError::Down(e.to_string())),
+        };
+        let (array_uuid, lineage, events) = {
+            let m = inner.meta.lock();
+            (m.array_uuid, m.lineage.clone(), m.events)
+        };
+        if sb.array_uuid != array_uuid {
+            return refuse(format!(
+                "its superblock belongs to array {}, not {array_uuid}",
+                sb.array_uuid
+            ));
+        }
+        let named = *l.uuid.lock();
+        if sb.role != Role::Slot(slot as u32) || !(named == sb.leg_uuid || named.is_nil()) {
+            let role = match sb.role {
+                Role::Slot(n) => format!("slot {n}"),
+                Role::Spare => "a spare".to_string(),
+            };
+            return refuse(format!(
+                "its superblock is {role} (leg {}), not slot {slot}'s leg ({named})",
+                sb.leg_uuid
+            ));
+        }
+        if lineage.kinship(&sb.lineage) == Kinship::Same && sb.events > events {
+            return refuse(format!(
+                "its events ({}) are past the array's ({events}): it was written without this \
+                 array",
+                sb.events
+            ));
+        }
+        // The history rules and the recovery's kind, as `add_leg` has them; a leg that
+        // diverged (or went on without the array) is refused, never discarded here.
+        let bitmap = match self.readd_slot(dev.as_ref(), &sb, false) {
+            Ok(n) => n == Some(slot),
+            Err(e @ Raid1Error::Diverged { .. }) => return refuse(e.to_string()),
+            Err(e) => return Err(AbsentError::Down(e.to_string())),
+        };
+        let write_mostly = if sb.legs.get(slot).is_some_and(|i| i.write_mostly) {
+            WRITE_MOSTLY
+        } else {
+            0
+        };
+        inner.barriers.freeze_array(0);
+        let free =
+            l.state.load(Ordering::Acquire) & PRESENT == 0 && !inner.failed.load(Ordering::Acquire);
+        let old_uuid = *l.uuid.lock();
+        if free {
+            *l.uuid.lock() = sb.leg_uuid;
+            // SAFETY: frozen above.
+            unsafe { inner.place_frozen(slot, dev, bitmap, write_mostly) };
+            inner.count_readd(slot);
+        }
+        let _ = inner.barriers.unfreeze_array();
+        if !free {
+            return gone(format!(
+                "slot {slot} holds a leg again, or the array failed"
+            ));
+        }
+        inner.sync.ctl.lock().recovery_blocked = false;
+        inner.state_changed();
+        if let Err(e) = inner
+            .write_superblocks()
+            .and_then(|()| inner.persist_bitmap())
+        {
+            self.unplace(slot, old_uuid);
+            return Err(AbsentError::Down(format!("recording its return: {e}")));
+        }
+        Ok(bitmap)
     }
 
     /// The slot `dev` (whose superblock is `sb`) goes back into with a bitmap recovery, if

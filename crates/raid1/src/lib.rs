@@ -130,5 +130,5 @@ pub use config::Raid1Config;
 pub use device::{LegStatus, Raid1, Raid1Error};
 pub use events::{Event, Record, Subscription};
 pub use generation::{Kinship, Lineage};
-pub use readd::{ReaddStatus, DEFAULT_READD_INTERVAL};
+pub use readd::{AbsentError, ReaddStatus, DEFAULT_READD_INTERVAL};
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

@@ -85,6 +85,23 @@ pub struct ReaddStatus {
     pub backoff: u32,
 }
 
+/// Why [`Raid1::readd_absent`] did not take back a leg the array started without.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AbsentError {
+    /// It opens but could not be read or recorded now (a read error): try it again later.
+    #[error("{0}")]
+    Down(String),
+    /// Its superblock tells another history (another array, another slot's or another leg,
+    /// no superblock, a history that went on without the array): refused, not written.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The slot holds a leg again (the operator added one), or the array failed: nothing to
+    /// take back any more.
+    #[error("{0}")]
+    Gone(String),
+}
+
 /// The check a mirror installs on a leg's device that reconnects by itself (a remote leg,
 /// [`blk::Device::check_connections`]): every new connection reads the leg's superblock
 /// before anything is sent on it, and [`Inner::identify`] judges it as the re-add does. A leg
@@ -200,6 +217,19 @@ impl Inner {
 
     pub(crate) fn unmark_manual(&self, i: usize, was: bool) {
         self.readd.probes[i].lock().manual = was;
+    }
+
+    /// Counts a re-add of slot `i` by [`Raid1::readd_absent`], for the slot's new placement.
+    pub(crate) fn count_readd(&self, i: usize) {
+        let gen = self.legs[i].gen.load(Ordering::Acquire);
+        let mut p = self.readd.probes[i].lock();
+        let (readds, backoff) = (p.readds + 1, p.backoff + 1);
+        *p = Probe {
+            gen,
+            readds,
+            backoff,
+            ..Probe::default()
+        };
     }
 
     /// raid1d, every tick and when a probe completes: sends the probes that are due, and

@@ -326,3 +326,82 @@ fn a_leg_that_keeps_failing_its_recovery_is_probed_less_and_less_often() {
     assert!(r.wait_sync_idle(IDLE));
     assert_eq!(check_mismatches(&r), 0);
 }
+
+/// A leg the array was assembled without (its device could not be opened then) and that
+/// opens later is judged as a returning leg by `readd_absent`: another array's, another
+/// slot's or a history that went on without the array is refused and not written; its own
+/// is taken back into its slot and recovers only what was written while it was away.
+#[test]
+fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
+    use raid1::AbsentError;
+    let (a, b) = (mem("16M"), mem("16M"));
+    let (r, _f) = array(a.clone(), b.clone());
+    drop(r);
+    let r = Raid1::assemble(
+        vec![a.clone()],
+        Raid1Config {
+            allow_degraded: true,
+            ..readd_cfg()
+        },
+    )
+    .unwrap();
+    assert!(!r.leg_status(1).unwrap().present);
+    let copied0 = r.sync_progress().chunks_copied;
+    for c in [2u64, 9] {
+        write(&r, c * MB + 4096, &pattern(50 + c as u8, 8192));
+    }
+    flush(&r);
+    let own = Raid1::read_superblock(b.as_ref()).unwrap();
+    // What a write to the leg would change: its superblock and bitmap, and the chunks a
+    // recovery would copy.
+    let doff = r.data_offset();
+    let written = || {
+        let mut v = read(b.as_ref(), 0, doff as usize);
+        for c in [2u64, 9] {
+            v.extend(read(b.as_ref(), doff + c * MB, 16 << 10));
+        }
+        v
+    };
+    let refused = |change: &dyn Fn(&mut Superblock), why: &str| {
+        let mut other = own.clone();
+        change(&mut other);
+        put_sb(b.as_ref(), &other);
+        let before = written();
+        match r.readd_absent(1, b.clone()) {
+            Err(AbsentError::Refused(w)) => assert!(w.contains(why), "{w:?} names {why:?}"),
+            other => panic!("{other:?}: not refused ({why})"),
+        }
+        assert!(written() == before, "a refused leg is not written");
+        assert!(!r.leg_status(1).unwrap().present);
+    };
+    refused(
+        &|sb| sb.array_uuid = uuid::Uuid::new_v4(),
+        "belongs to array",
+    );
+    refused(
+        &|sb| sb.role = raid1::superblock::Role::Slot(0),
+        "not slot 1's leg",
+    );
+    refused(
+        &|sb| {
+            sb.events += 1;
+            sb.lineage.rotate(sb.events);
+        },
+        "diverged",
+    );
+    refused(&|sb| sb.leg_uuid = uuid::Uuid::new_v4(), "not slot 1's leg");
+    put_sb(b.as_ref(), &own);
+    assert_eq!(r.readd_absent(1, b.clone()), Ok(true), "a bitmap recovery");
+    assert!(r.wait_sync_idle(IDLE));
+    let st = r.leg_status(1).unwrap();
+    assert!(st.in_sync && !st.faulty, "{st:?}");
+    assert_eq!(r.sync_progress().chunks_copied - copied0, 2);
+    assert_eq!(r.readd_status(1).unwrap().readds, 1);
+    assert_eq!(check_mismatches(&r), 0);
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    // The slot holds a leg: nothing to take back any more.
+    assert!(matches!(
+        r.readd_absent(1, b.clone()),
+        Err(AbsentError::Gone(_))
+    ));
+}

@@ -31,6 +31,7 @@ use serde_json::json;
 
 use super::protocol::{Command, Leg, MAX_LINE};
 use crate::listen::{self, Limits, Session};
+use crate::raid::away::Away;
 use crate::raid::content;
 use crate::raid::offline::{self as legs, Probe};
 use crate::raid::report::{ArrayReport, BitmapReport, LegReport, SyncReport};
@@ -56,6 +57,9 @@ pub struct Control {
     /// Held by the commands that change the array (one at a time, as when the socket served
     /// one connection at a time); `status` and `detail` do not take it.
     changing: Mutex<()>,
+    /// Legs the array started without because they could not be opened (shown missing in
+    /// their slots until they are back).
+    away: Vec<Arc<Away>>,
 }
 
 /// A new leg, opened and read: the device, and the leg UUID its superblock gives it.
@@ -91,7 +95,15 @@ impl Control {
             raid_disks,
             overrides,
             changing: Mutex::new(()),
+            away: Vec::new(),
         }
+    }
+
+    /// With the legs the array started without ([`Away`]): `status` shows each in its slot,
+    /// missing, with its spec and why it is not back.
+    pub fn with_away(mut self, away: Vec<Arc<Away>>) -> Self {
+        self.away = away;
+        self
     }
 
     /// The online report.
@@ -120,15 +132,26 @@ impl Control {
                 .as_ref()
                 .and_then(|s| s.legs.get(i))
                 .map_or(String::new(), |l| l.uuid.to_string());
-            let ra = r.readd_status(i).unwrap_or_default();
+            let mut ra = r.readd_status(i).unwrap_or_default();
+            // A leg the array started without, not back yet: missing, with its spec.
+            let away = (!st.present)
+                .then(|| self.away.iter().find(|a| a.slot == i))
+                .flatten()
+                .map(|a| (a, a.state()))
+                .filter(|(_, s)| !s.done);
+            if let Some((a, s)) = &away {
+                ra.probing = a.probing;
+                ra.last_error = s.last_error.clone();
+                ra.refused = s.refused.clone();
+            }
             legs.push(LegReport {
                 slot: i,
-                device: if st.present {
+                device: if st.present || away.is_some() {
                     specs.get(i).cloned().flatten()
                 } else {
                     None
                 },
-                state: state.to_string(),
+                state: if away.is_some() { "missing" } else { state }.to_string(),
                 uuid,
                 write_mostly: st.write_mostly,
                 recovery_offset: (st.present && !st.in_sync && !st.faulty)

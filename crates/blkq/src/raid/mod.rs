@@ -8,8 +8,10 @@
 //!
 //! Legs are matched to slots by their superblocks (array UUID, leg UUID, role), never by the
 //! order they are given in. [`offline`] owns the legs read from disk, [`report`] the
-//! status/detail report (and md's progress line).
+//! status/detail report (and md's progress line), [`away`] the legs a served mirror started
+//! without because they could not be opened.
 
+pub mod away;
 pub mod content;
 pub mod create;
 pub mod monitor;

@@ -134,10 +134,18 @@ pub struct Plan {
 pub fn plan(specs: &[String], overrides: &QueueOverrides) -> Result<Option<Plan>> {
     let mut opened = Vec::new();
     for spec in specs {
-        let dev = open_leg(spec, overrides)?;
+        opened.push((spec.clone(), open_leg(spec, overrides)?));
+    }
+    plan_opened(opened)
+}
+
+/// As [`plan`], over legs already opened (spec and device each).
+pub fn plan_opened(legs: Vec<(String, Arc<dyn Device>)>) -> Result<Option<Plan>> {
+    let mut opened = Vec::new();
+    for (spec, dev) in legs {
         let p =
             probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading its superblock"))?;
-        opened.push((spec.clone(), dev, p));
+        opened.push((spec, dev, p));
     }
     if opened.iter().all(|(_, _, p)| matches!(p, Probe::Blank)) {
         return Ok(None);

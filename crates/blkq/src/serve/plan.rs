@@ -17,6 +17,7 @@ use raid1::Raid1;
 use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
 use super::settings::{Backing, Settings};
 use crate::control::server::Control;
+use crate::raid::away::Away;
 use crate::raid::create::{self, CreateRules};
 use crate::raid::offline;
 
@@ -71,7 +72,7 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     read_only: false,
                     ..settings.overrides.clone()
                 };
-                let (r, specs) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
+                let (r, specs, away) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
                     "raid1 {} (array {})",
@@ -79,7 +80,9 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     uuid.unwrap_or_default()
                 );
                 let store = store_for_mirror(&r, &specs, legs);
-                let ctl = Arc::new(Control::new(r.clone(), specs, leg_overrides));
+                let ctl = Arc::new(
+                    Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
+                );
                 if let Some(path) = control {
                     control_sockets.push((path.clone(), Some(ctl.clone())));
                 }
@@ -200,14 +203,19 @@ pub fn open(settings: &Settings) -> Result<Opened> {
     })
 }
 
+/// A mirror [`open_mirror`] assembled: the array, the spec of the leg in each slot, and the
+/// legs it started without.
+type OpenedMirror = (Arc<Raid1>, Vec<Option<String>>, Vec<Arc<Away>>);
+
 /// Opens the legs of a mirror and assembles (or, with `create`, creates by those rules) the
-/// array. Returns it with the spec of the leg in each slot.
+/// array. Returns it with the spec of the leg in each slot, and the legs it starts without
+/// because they could not be opened (remote legs, with `allow_degraded`: see [`Away`]).
 fn open_mirror(
     legs: &[String],
     create: Option<&CreateRules>,
     options: &[String],
     overrides: &QueueOverrides,
-) -> Result<(Arc<Raid1>, Vec<Option<String>>)> {
+) -> Result<OpenedMirror> {
     let cfg = offline::raid1_config(options)?;
     if let Some(rules) = create {
         let r = create::create_array(legs, overrides, cfg, rules, create::SERVE)
@@ -221,9 +229,45 @@ fn open_mirror(
                 "; resyncing it from the first leg"
             }
         );
-        return Ok((Arc::new(r), legs.iter().cloned().map(Some).collect()));
+        return Ok((
+            Arc::new(r),
+            legs.iter().cloned().map(Some).collect(),
+            Vec::new(),
+        ));
     }
-    match offline::plan(legs, overrides)? {
+    // A remote leg that cannot be opened (its server down or unreachable) is started missing
+    // when degraded starts are allowed, and tried again; any other failure stops the start.
+    let mut opened = Vec::new();
+    let mut unreachable = Vec::new();
+    for spec in legs {
+        match offline::open_leg(spec, overrides) {
+            Ok(dev) => opened.push((spec.clone(), dev)),
+            Err(e) if RemoteSpec::is_remote(spec) && cfg.allow_degraded => {
+                tracing::warn!(
+                    "raid1: {e:#}; starting the mirror without the leg (--raid1-degraded): it \
+                     is shown missing, and taken back when it answers if its superblock is \
+                     this array's"
+                );
+                unreachable.push((spec.clone(), format!("{e:#}")));
+            }
+            Err(e) if RemoteSpec::is_remote(spec) => {
+                return Err(e.context(format!(
+                    "--raid1: leg {spec:?} cannot be reached, and the mirror does not start \
+                     without it: --raid1-degraded would start it without the leg (shown \
+                     missing, and taken back when it answers)"
+                )))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if opened.is_empty() {
+        bail!("--raid1: no leg can be opened: the mirror cannot start");
+    }
+    match offline::plan_opened(opened)? {
+        None if !unreachable.is_empty() => bail!(
+            "--raid1: the legs that open carry no raid1 superblock and the others cannot be \
+             reached: the array cannot be assembled"
+        ),
         None => bail!(
             "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
              them add --raid1-create (or run `blkq raid create {}` first)",
@@ -239,10 +283,33 @@ fn open_mirror(
             for n in &rep.notes {
                 tracing::warn!("raid1: {n}");
             }
-            let specs = rep.legs.iter().map(|l| l.device.clone()).collect();
+            let mut specs: Vec<Option<String>> =
+                rep.legs.iter().map(|l| l.device.clone()).collect();
+            let every = cfg.readd_interval;
             let r = Raid1::assemble(offline::plan_devices(&p), cfg)
                 .context("--raid1: assembling the array")?;
-            Ok((Arc::new(r), specs))
+            let r = Arc::new(r);
+            // The unreachable legs take the slots the array misses, in the order given.
+            let mut missing = (0..r.slots())
+                .filter(|&i| rep.legs.get(i).is_some_and(|l| l.state == "missing"))
+                .filter(|&i| !r.leg_status(i).is_some_and(|s| s.present));
+            let mut away = Vec::new();
+            for (spec, error) in unreachable {
+                let Some(slot) = missing.next() else {
+                    tracing::warn!(
+                        "raid1: leg {spec:?}: the array misses no other slot for it: left out \
+                         (add it with `blkq raid add` once it answers)"
+                    );
+                    continue;
+                };
+                specs[slot] = Some(spec.clone());
+                let a = Arc::new(Away::new(spec, slot, every.is_some(), error));
+                if let Some(every) = every {
+                    a.watch(&r, every, overrides.clone());
+                }
+                away.push(a);
+            }
+            Ok((r, specs, away))
         }
     }
 }
