@@ -357,6 +357,21 @@ fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
             .unwrap();
     }
     assert_eq!(c.read(5 * MB + 4096, 4096).unwrap(), vec![0xA5; 4096]);
+    drop(c);
+    // Another power cut before the back is up: the degraded run emptied the leg's slot on
+    // disk, and the front starts without the leg again, still showing it and still waiting.
+    let mut front = front;
+    front.kill();
+    let front = common::Server::start(
+        d,
+        &legs,
+        &["--raid1-degraded", "--raid1-option", "readd_interval_ms=50"],
+    );
+    let v = front.status_json();
+    assert_eq!(v["legs"][1]["state"], "missing", "{v}");
+    assert_eq!(v["legs"][1]["device"], rleg.as_str(), "{v}");
+    let mut c = front.client();
+    assert_eq!(c.read(2 * MB + 4096, 4096).unwrap(), vec![0xA2; 4096]);
     let copied0 = front.status_json()["sync"]["chunks_copied"]
         .as_u64()
         .unwrap();

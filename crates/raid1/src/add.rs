@@ -122,28 +122,23 @@ impl Raid1 {
         Ok(i)
     }
 
-    /// Takes back into its empty slot `slot` a leg the array started without because its
-    /// device could not be opened then (`blkq serve --raid1-degraded` with a remote leg whose
-    /// server was down) and that opens now: `dev`. Judged by its superblock as a returning
-    /// leg is, never taken blindly: it must carry this array's superblock, for `slot` (the
-    /// leg the slot named at assembly, or a slot emptied since), from a history the array's
-    /// contains (the same generation at no more events, or an earlier one of the array's);
-    /// anything else is [`AbsentError::Refused`] and `dev` is not written. Taken, it goes
-    /// back in place as [`Raid1::add_leg`] re-adds (recovering; only the bitmap's dirty
-    /// chunks when the re-add rule holds, in full otherwise; its write-mostly flag kept) and
-    /// counts as an automatic re-add ([`Raid1::readd_status`]). Returns whether the recovery
-    /// is the bitmap's.
-    pub fn readd_absent(&self, slot: usize, dev: StdArc<dyn Device>) -> Result<bool, AbsentError> {
+    /// Takes back a leg the array started without because its device could not be opened
+    /// then (`blkq serve --raid1-degraded` with a remote leg whose server was down) and that
+    /// opens now: `dev`. Judged by its superblock as a returning leg is, never taken blindly:
+    /// it must carry this array's superblock for an empty slot (the slot its superblock names,
+    /// which names that leg, or was emptied since by a run without it), from a history the
+    /// array's contains (the same generation at no more events, or an earlier one of the
+    /// array's); anything else is [`AbsentError::Refused`] and `dev` is not written. Taken,
+    /// it goes back in place as [`Raid1::add_leg`] re-adds (recovering; only the bitmap's
+    /// dirty chunks when the re-add rule holds, in full otherwise; its write-mostly flag
+    /// kept) and counts as an automatic re-add ([`Raid1::readd_status`]). Returns its slot
+    /// and whether the recovery is the bitmap's; [`AbsentError::Gone`] when its slot holds a
+    /// leg again (the operator added one) or the array failed.
+    pub fn readd_absent(&self, dev: StdArc<dyn Device>) -> Result<(usize, bool), AbsentError> {
         let inner = &self.inner;
         let gone = |why: String| Err(AbsentError::Gone(why));
         if let Err(e) = inner.refuse_if_failed() {
             return gone(e.to_string());
-        }
-        let Some(l) = inner.legs.get(slot) else {
-            return gone(format!("the array has no slot {slot}"));
-        };
-        if l.state.load(Ordering::Acquire) & PRESENT != 0 {
-            return gone(format!("slot {slot} holds a leg again"));
         }
         let refuse = |why: String| Err(AbsentError::Refused(why));
         if dev.limits().capacity < inner.data_offset + inner.capacity {
@@ -166,14 +161,33 @@ impl Raid1 {
                 sb.array_uuid
             ));
         }
-        let named = *l.uuid.lock();
-        if sb.role != Role::Slot(slot as u32) || !(named == sb.leg_uuid || named.is_nil()) {
-            let role = match sb.role {
-                Role::Slot(n) => format!("slot {n}"),
-                Role::Spare => "a spare".to_string(),
-            };
+        let Role::Slot(slot) = sb.role else {
             return refuse(format!(
-                "its superblock is {role} (leg {}), not slot {slot}'s leg ({named})",
+                "its superblock is a spare's (leg {}), not a slot's",
+                sb.leg_uuid
+            ));
+        };
+        let slot = slot as usize;
+        let Some(l) = inner.legs.get(slot) else {
+            return refuse(format!(
+                "its superblock is slot {slot}'s, and the array has {} slots",
+                inner.legs.len()
+            ));
+        };
+        let named = *l.uuid.lock();
+        if l.state.load(Ordering::Acquire) & PRESENT != 0 {
+            if named == sb.leg_uuid {
+                return gone(format!("it is back in slot {slot} already"));
+            }
+            return refuse(format!(
+                "its superblock is slot {slot}'s leg {}, and the slot holds another leg \
+                 ({named})",
+                sb.leg_uuid
+            ));
+        }
+        if !(named == sb.leg_uuid || named.is_nil()) {
+            return refuse(format!(
+                "its superblock is slot {slot}'s leg {}, and the slot names leg {named}",
                 sb.leg_uuid
             ));
         }
@@ -208,9 +222,10 @@ impl Raid1 {
         }
         let _ = inner.barriers.unfreeze_array();
         if !free {
-            return gone(format!(
-                "slot {slot} holds a leg again, or the array failed"
-            ));
+            // Another leg, or a failure, came first: the next attempt says which.
+            return Err(AbsentError::Down(format!(
+                "slot {slot} changed meanwhile (a leg added, or the array failed)"
+            )));
         }
         inner.sync.ctl.lock().recovery_blocked = false;
         inner.state_changed();
@@ -221,7 +236,7 @@ impl Raid1 {
             self.unplace(slot, old_uuid);
             return Err(AbsentError::Down(format!("recording its return: {e}")));
         }
-        Ok(bitmap)
+        Ok((slot, bitmap))
     }
 
     /// The slot `dev` (whose superblock is `sb`) goes back into with a bitmap recovery, if

@@ -367,7 +367,7 @@ fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
         change(&mut other);
         put_sb(b.as_ref(), &other);
         let before = written();
-        match r.readd_absent(1, b.clone()) {
+        match r.readd_absent(b.clone()) {
             Err(AbsentError::Refused(w)) => assert!(w.contains(why), "{w:?} names {why:?}"),
             other => panic!("{other:?}: not refused ({why})"),
         }
@@ -380,8 +380,9 @@ fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
     );
     refused(
         &|sb| sb.role = raid1::superblock::Role::Slot(0),
-        "not slot 1's leg",
+        "the slot holds another leg",
     );
+    refused(&|sb| sb.role = raid1::superblock::Role::Spare, "a spare's");
     refused(
         &|sb| {
             sb.events += 1;
@@ -389,9 +390,16 @@ fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
         },
         "diverged",
     );
-    refused(&|sb| sb.leg_uuid = uuid::Uuid::new_v4(), "not slot 1's leg");
+    refused(
+        &|sb| sb.leg_uuid = uuid::Uuid::new_v4(),
+        "the slot names leg",
+    );
     put_sb(b.as_ref(), &own);
-    assert_eq!(r.readd_absent(1, b.clone()), Ok(true), "a bitmap recovery");
+    assert_eq!(
+        r.readd_absent(b.clone()),
+        Ok((1, true)),
+        "a bitmap recovery"
+    );
     assert!(r.wait_sync_idle(IDLE));
     let st = r.leg_status(1).unwrap();
     assert!(st.in_sync && !st.faulty, "{st:?}");
@@ -399,9 +407,9 @@ fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
     assert_eq!(r.readd_status(1).unwrap().readds, 1);
     assert_eq!(check_mismatches(&r), 0);
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
-    // The slot holds a leg: nothing to take back any more.
+    // Back in its slot: nothing to take back any more.
     assert!(matches!(
-        r.readd_absent(1, b.clone()),
+        r.readd_absent(b.clone()),
         Err(AbsentError::Gone(_))
     ));
 }

@@ -106,6 +106,17 @@ impl Control {
         self
     }
 
+    /// A leg the array started without, shown in slot `shown`, is back in slot `slot`.
+    pub fn leg_back(&self, shown: usize, slot: usize, spec: &str) {
+        let mut specs = self.specs.lock();
+        if shown != slot && specs.get(shown).and_then(|s| s.as_deref()) == Some(spec) {
+            specs[shown] = None;
+        }
+        if let Some(s) = specs.get_mut(slot) {
+            *s = Some(spec.to_string());
+        }
+    }
+
     /// The online report.
     pub fn report(&self) -> ArrayReport {
         let r = &self.raid;
@@ -140,7 +151,7 @@ impl Control {
                 .map(|a| (a, a.state()))
                 .filter(|(_, s)| !s.done);
             if let Some((a, s)) = &away {
-                ra.probing = a.probing;
+                ra.probing = a.every.is_some();
                 ra.last_error = s.last_error.clone();
                 ra.refused = s.refused.clone();
             }
@@ -194,12 +205,27 @@ impl Control {
             legs,
             bitmap,
             sync,
-            // What assembly worked around, and why the array failed (writes and flushes fail
-            // until it is stopped).
+            // What assembly worked around, the legs it started without that are not back
+            // and whose slot took another leg meanwhile, and why the array failed (writes and
+            // flushes fail until it is stopped).
             notes: r
                 .assemble_warnings()
                 .iter()
                 .cloned()
+                .chain(self.away.iter().filter_map(|a| {
+                    let s = a.state();
+                    let shown = r.leg_status(a.slot).is_some_and(|st| !st.present);
+                    (!s.done && !shown).then(|| {
+                        format!(
+                            "leg {:?}, which the array started without, is not back: {}",
+                            a.spec,
+                            s.refused
+                                .map(|w| format!("refused: {w}"))
+                                .or(s.last_error)
+                                .unwrap_or_default()
+                        )
+                    })
+                }))
                 .chain(r.failure().map(|why| {
                     format!("array failed: {why}; writes and flushes fail until it is stopped")
                 }))

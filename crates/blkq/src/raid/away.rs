@@ -4,10 +4,10 @@
 //! spec and why it is not back), and, unless `readd=off`, opened again every
 //! `readd_interval` on a thread of its own; once it opens, the array judges its superblock
 //! as a returning leg's ([`raid1::Raid1::readd_absent`]: this array, this slot, a history the
-//! array's contains) and takes it back, recovering what it missed, or refuses it, untouched,
-//! and the refusal shows in `status` (it is tried again, in case its server comes back with
-//! the right leg). The thread ends once the leg is back, the slot holds another leg (the
-//! operator added one) or the array is gone.
+//! array's contains) and takes it back into the slot its superblock names, recovering what it
+//! missed, or refuses it, untouched, and the refusal shows in `status` (it is tried again, in
+//! case its server comes back with the right leg). The thread ends once the leg is back (by
+//! itself or by `blkq raid add`), or the array is gone.
 
 use std::sync::Weak;
 use std::time::Duration;
@@ -17,16 +17,18 @@ use blkq_sync::{Arc, Mutex};
 use raid1::{AbsentError, Raid1};
 
 use super::offline::open_leg;
+use crate::control::server::Control;
 
 /// A leg the mirror started without, and what is known of it since.
 pub struct Away {
     /// Its device spec.
     pub spec: String,
-    /// The slot it is expected in (the array's missing slots, in the order the unreachable
-    /// legs were given).
+    /// The slot it is shown in until it is back: one the array misses (the array's missing
+    /// slots, then its empty ones, in the order the unreachable legs were given). Where it
+    /// goes back is its superblock's to say.
     pub slot: usize,
-    /// Whether it is tried again (`readd=auto`).
-    pub probing: bool,
+    /// How often it is tried again (`readd_interval`; none with `readd=off`).
+    pub every: Option<Duration>,
     state: Mutex<AwayState>,
 }
 
@@ -37,17 +39,18 @@ pub struct AwayState {
     pub last_error: Option<String>,
     /// Why its superblock was refused (it opens, but is another history).
     pub refused: Option<String>,
-    /// Back in the array, or its slot taken by another leg: nothing more to show.
+    /// Back in the array (or in it by other means): nothing more to show.
     pub done: bool,
 }
 
 impl Away {
-    /// A leg `spec` expected in `slot`, which could not be opened (`error`).
-    pub fn new(spec: String, slot: usize, probing: bool, error: String) -> Self {
+    /// A leg `spec` shown in `slot`, which could not be opened (`error`), tried again
+    /// `every` interval.
+    pub fn new(spec: String, slot: usize, every: Option<Duration>, error: String) -> Self {
         Self {
             spec,
             slot,
-            probing,
+            every,
             state: Mutex::new(AwayState {
                 last_error: Some(error),
                 ..AwayState::default()
@@ -60,14 +63,15 @@ impl Away {
         self.state.lock().clone()
     }
 
-    /// Starts trying it every `interval` (a thread of its own, ending with the leg's return
-    /// or the array's end).
-    pub fn watch(self: &Arc<Self>, raid: &Arc<Raid1>, interval: Duration, ov: QueueOverrides) {
+    /// Starts trying it every [`Away::every`] (a thread of its own, ending with the leg's
+    /// return or the array's end); once it is back, `ctl` names it in its slot.
+    pub fn watch(self: &Arc<Self>, ctl: &Arc<Control>, raid: &Arc<Raid1>, ov: QueueOverrides) {
+        let Some(every) = self.every else { return };
         let me = self.clone();
-        let raid = Arc::downgrade(raid);
+        let (ctl, raid) = (Arc::downgrade(ctl), Arc::downgrade(raid));
         let spawned = std::thread::Builder::new()
             .name("raid1-away".into())
-            .spawn(move || me.run(&raid, interval, &ov));
+            .spawn(move || me.run(&raid, &ctl, every, &ov));
         if let Err(e) = spawned {
             tracing::warn!(
                 "raid1: leg {:?}: cannot start the thread that tries it again ({e}): add it \
@@ -77,19 +81,14 @@ impl Away {
         }
     }
 
-    fn run(&self, raid: &Weak<Raid1>, interval: Duration, ov: &QueueOverrides) {
+    fn run(&self, raid: &Weak<Raid1>, ctl: &Weak<Control>, every: Duration, ov: &QueueOverrides) {
         loop {
-            std::thread::sleep(interval);
+            std::thread::sleep(every);
             if raid.strong_count() == 0 {
                 return;
             }
             // Opened without holding the array: a connection attempt may take its timeout.
             let opened = open_leg(&self.spec, ov);
-            let Some(r) = raid.upgrade() else { return };
-            if r.leg_status(self.slot).is_some_and(|s| s.present) {
-                self.state.lock().done = true;
-                return;
-            }
             let dev = match opened {
                 Ok(dev) => dev,
                 Err(e) => {
@@ -98,20 +97,22 @@ impl Away {
                     continue;
                 }
             };
-            match r.readd_absent(self.slot, dev) {
-                Ok(bitmap) => {
+            let Some(r) = raid.upgrade() else { return };
+            match r.readd_absent(dev) {
+                Ok((slot, bitmap)) => {
                     tracing::info!(
-                        "raid1: leg {:?} answers: back into slot {}, recovering {}",
+                        "raid1: leg {:?} answers: back into slot {slot}, recovering {}",
                         self.spec,
-                        self.slot,
                         if bitmap {
                             "the chunks written while it was away"
                         } else {
                             "in full"
                         }
                     );
-                    let mut st = self.state.lock();
-                    *st = AwayState {
+                    if let Some(c) = ctl.upgrade() {
+                        c.leg_back(self.slot, slot, &self.spec);
+                    }
+                    *self.state.lock() = AwayState {
                         done: true,
                         ..AwayState::default()
                     };

@@ -83,6 +83,9 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                 let ctl = Arc::new(
                     Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
                 );
+                for a in &away {
+                    a.watch(&ctl, &r, leg_overrides.clone());
+                }
                 if let Some(path) = control {
                     control_sockets.push((path.clone(), Some(ctl.clone())));
                 }
@@ -289,10 +292,14 @@ fn open_mirror(
             let r = Raid1::assemble(offline::plan_devices(&p), cfg)
                 .context("--raid1: assembling the array")?;
             let r = Arc::new(r);
-            // The unreachable legs take the slots the array misses, in the order given.
+            // The unreachable legs are shown in the slots the array misses (those whose leg
+            // is missing, then the empty ones: a run without the leg emptied its slot on
+            // disk), in the order given; where one goes back is its superblock's to say.
+            let absent = |i: &usize| !r.leg_status(*i).is_some_and(|s| s.present);
+            let is_missing = |i: &usize| rep.legs.get(*i).is_some_and(|l| l.state == "missing");
             let mut missing = (0..r.slots())
-                .filter(|&i| rep.legs.get(i).is_some_and(|l| l.state == "missing"))
-                .filter(|&i| !r.leg_status(i).is_some_and(|s| s.present));
+                .filter(|i| absent(i) && is_missing(i))
+                .chain((0..r.slots()).filter(|i| absent(i) && !is_missing(i)));
             let mut away = Vec::new();
             for (spec, error) in unreachable {
                 let Some(slot) = missing.next() else {
@@ -302,12 +309,9 @@ fn open_mirror(
                     );
                     continue;
                 };
+                specs.resize(r.slots().max(specs.len()), None);
                 specs[slot] = Some(spec.clone());
-                let a = Arc::new(Away::new(spec, slot, every.is_some(), error));
-                if let Some(every) = every {
-                    a.watch(&r, every, overrides.clone());
-                }
-                away.push(a);
+                away.push(Arc::new(Away::new(spec, slot, every, error)));
             }
             Ok((r, specs, away))
         }
