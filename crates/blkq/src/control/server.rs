@@ -178,7 +178,9 @@ impl Control {
                 write_behind: st.write_behind,
             });
         }
-        let raid_disks = self.raid_disks.max(present);
+        // A leg the array started without is a member all the same.
+        let away = legs.iter().filter(|l| l.state == "missing").count();
+        let raid_disks = self.raid_disks.max(present + away);
         let in_sync = legs.iter().filter(|l| l.state == "in_sync").count();
         let bitmap = r.bitmap().map(BitmapReport::from);
         let sync = Some(SyncReport::from(r.sync_progress()));
@@ -775,6 +777,47 @@ mod tests {
         let raid = Arc::new(Raid1::create(devs, raid1::Raid1Config::default()).unwrap());
         let ctl = Control::new(raid, specs.iter().cloned().map(Some).collect(), overrides);
         (ctl, specs)
+    }
+
+    /// A leg the array started without (its server down) is shown in its slot, missing,
+    /// with its spec and why, and counts as a member: a 3-leg array is `[UU_]`.
+    #[test]
+    fn a_leg_the_array_started_without_is_shown_missing_in_its_slot() {
+        let overrides = QueueOverrides::default();
+        let devs: Vec<Arc<dyn blk::Device>> = (0..3)
+            .map(|_| legs::open_leg("mem:16M", &overrides).unwrap())
+            .collect();
+        drop(Raid1::create(devs.clone(), raid1::Raid1Config::default()).unwrap());
+        let cfg = raid1::Raid1Config {
+            allow_degraded: true,
+            ..raid1::Raid1Config::default()
+        };
+        let raid = Arc::new(Raid1::assemble(devs[..2].to_vec(), cfg).unwrap());
+        let spec = "nbd+unix:///?socket=/nonexistent.sock".to_string();
+        let away = Arc::new(Away::new(
+            spec.clone(),
+            2,
+            None,
+            "cannot open it: no such file".into(),
+        ));
+        let specs = vec![
+            Some("mem:a".into()),
+            Some("mem:b".into()),
+            Some(spec.clone()),
+        ];
+        let ctl = Control::new(raid, specs, overrides).with_away(vec![away]);
+        let rep = ctl.report();
+        assert_eq!(rep.raid_disks, 3);
+        let l = &rep.legs[2];
+        assert_eq!(l.state, "missing");
+        assert_eq!(l.device.as_deref(), Some(spec.as_str()));
+        assert_eq!(
+            l.probe_error.as_deref(),
+            Some("cannot open it: no such file")
+        );
+        assert!(!l.probing, "readd=off: not tried again");
+        let text = rep.render_status();
+        assert!(text.contains("[UU_]"), "{text}");
     }
 
     fn ok(ctl: &Control, line: &str) -> String {
