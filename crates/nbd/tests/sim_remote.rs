@@ -7,9 +7,10 @@
 //! behind a hold hook. The schedule, one seed deciding everything, mixes:
 //! - writes (some FUA), reads and FLUSHes on the array, most of them on a small hot region so
 //!   that they overlap;
-//! - **late writes**: the next one to three writes host b receives are held for 1.2 to 4
-//!   times the client's timeout before they execute, in a seeded order, so replies come out
-//!   of order and a write runs after the client gave up on its connection;
+//! - **late writes**: the next one to three writes host b receives are held before they
+//!   execute, in a seeded order: for 1.2 to 4 times the client's timeout (a write runs after
+//!   the client gave up on its connection), or a third of the time for 0.2 to 0.9 times it
+//!   (replies and execution out of order on a live connection);
 //! - **partitions** of the link, shorter than the timeout, longer, or longer than the timeout
 //!   and the reconnect deadline together (the leg fails and the array goes on alone); nothing
 //!   sent is lost, it crosses when the link heals;
@@ -542,13 +543,18 @@ impl World {
 
     fn arm_holds(&mut self) {
         let k = 1 + self.rng.below(3);
+        // Mostly past the timeout (the client gives the connection up while the write may
+        // still run); a third of the time within it (replies and execution out of order on a
+        // live connection: a write behind acknowledged early, then overtaken on host b by a
+        // later write over the same bytes unless the mirror orders them).
         let holds: Vec<(Duration, bool)> = (0..k)
             .map(|_| {
-                let d = self
-                    .shape
-                    .timeout
-                    .mul_f64(1.2 + self.rng.below(280) as f64 / 100.0);
-                (d, self.rng.chance(4, 5))
+                let f = if self.rng.chance(1, 3) {
+                    0.2 + self.rng.below(70) as f64 / 100.0
+                } else {
+                    1.2 + self.rng.below(280) as f64 / 100.0
+                };
+                (self.shape.timeout.mul_f64(f), self.rng.chance(4, 5))
             })
             .collect();
         self.say(format!("host b holds its next writes for {holds:?}"));
