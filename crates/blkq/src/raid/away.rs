@@ -17,7 +17,10 @@ use blkq_sync::{Arc, Mutex};
 use raid1::{AbsentError, Raid1};
 
 use super::offline::open_leg;
-use crate::control::server::Control;
+
+/// Told, once a leg is back, the slot it was shown in, the slot it went back into and its
+/// spec (the control layer names it there).
+pub type OnBack = Box<dyn Fn(usize, usize, &str) + Send>;
 
 /// A leg the mirror started without, and what is known of it since.
 pub struct Away {
@@ -64,14 +67,14 @@ impl Away {
     }
 
     /// Starts trying it every [`Away::every`] (a thread of its own, ending with the leg's
-    /// return or the array's end); once it is back, `ctl` names it in its slot.
-    pub fn watch(self: &Arc<Self>, ctl: &Arc<Control>, raid: &Arc<Raid1>, ov: QueueOverrides) {
+    /// return or the array's end); once it is back, `on_back` is told where.
+    pub fn watch(self: &Arc<Self>, on_back: OnBack, raid: &Arc<Raid1>, ov: QueueOverrides) {
         let Some(every) = self.every else { return };
         let me = self.clone();
-        let (ctl, raid) = (Arc::downgrade(ctl), Arc::downgrade(raid));
+        let raid = Arc::downgrade(raid);
         let spawned = std::thread::Builder::new()
             .name("raid1-away".into())
-            .spawn(move || me.run(&raid, &ctl, every, &ov));
+            .spawn(move || me.run(&raid, &on_back, every, &ov));
         if let Err(e) = spawned {
             tracing::warn!(
                 "raid1: leg {:?}: cannot start the thread that tries it again ({e}): add it \
@@ -81,7 +84,7 @@ impl Away {
         }
     }
 
-    fn run(&self, raid: &Weak<Raid1>, ctl: &Weak<Control>, every: Duration, ov: &QueueOverrides) {
+    fn run(&self, raid: &Weak<Raid1>, on_back: &OnBack, every: Duration, ov: &QueueOverrides) {
         loop {
             std::thread::sleep(every);
             if raid.strong_count() == 0 {
@@ -109,9 +112,7 @@ impl Away {
                             "in full"
                         }
                     );
-                    if let Some(c) = ctl.upgrade() {
-                        c.leg_back(self.slot, slot, &self.spec);
-                    }
+                    on_back(self.slot, slot, &self.spec);
                     *self.state.lock() = AwayState {
                         done: true,
                         ..AwayState::default()

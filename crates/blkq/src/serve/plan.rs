@@ -17,7 +17,7 @@ use raid1::Raid1;
 use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
 use super::settings::{Backing, Settings};
 use crate::control::server::Control;
-use crate::raid::away::Away;
+use crate::raid::away::{Away, OnBack};
 use crate::raid::create::{self, CreateRules};
 use crate::raid::offline;
 
@@ -84,7 +84,13 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
                 );
                 for a in &away {
-                    a.watch(&ctl, &r, leg_overrides.clone());
+                    let c = Arc::downgrade(&ctl);
+                    let on_back: OnBack = Box::new(move |shown, slot, spec| {
+                        if let Some(c) = c.upgrade() {
+                            c.leg_back(shown, slot, spec);
+                        }
+                    });
+                    a.watch(on_back, &r, leg_overrides.clone());
                 }
                 if let Some(path) = control {
                     control_sockets.push((path.clone(), Some(ctl.clone())));
