@@ -632,6 +632,7 @@ impl World {
         self.stats.failovers += 1;
         let n = 1 + self.rng.below(4);
         let mut ids = Vec::new();
+        let mut b_writes = Vec::new();
         for _ in 0..n {
             let (first, len) = self.range();
             let id = self.next_id;
@@ -643,6 +644,7 @@ impl World {
             let (_, res) = submit_wait(&b, Bio::with_buf(Op::Write, first, buf));
             res.map_err(|e| format!("host b alone: write w{id} failed: {e}"))?;
             ids.push(format!("w{id}@{first}+{len}"));
+            b_writes.push((first, len, id));
         }
         flush(&b).map_err(|e| format!("host b alone: flush failed: {e}"))?;
         drop(b);
@@ -681,7 +683,7 @@ impl World {
         self.stats.refusals += 1;
         self.say(format!("the front refused the leg: {why}"));
         if self.rng.chance(1, 2) {
-            return self.restart_front_after_split();
+            return self.restart_front_after_split(&b_writes);
         }
         let r = self.array.clone().unwrap();
         r.remove_leg(slot)
@@ -701,7 +703,15 @@ impl World {
     /// assembly must refuse, naming both sides (each ran without the other; whichever holds
     /// more events, neither is the other's past). The operator then starts the front's side
     /// alone and adds host b's leg discarding its side: the front's data everywhere.
-    fn restart_front_after_split(&mut self) -> Res<()> {
+    ///
+    /// One exception, by the rules: when the front never recorded the leg's departure (it
+    /// left and came back before the front sent it anything, and the front stopped before
+    /// the refusal's failure reached its superblock), host b's history descends from the
+    /// front's on disk, and assembly takes it, host b's writes (`b_writes`) included. That
+    /// loses nothing the front acknowledged: a write after the departure would have waited
+    /// for it to be recorded. The oracle then holds host b's writes, and every read checks
+    /// that the front lost none of its own.
+    fn restart_front_after_split(&mut self, b_writes: &[(u64, u64, u64)]) -> Res<()> {
         self.stats.front_restarts += 1;
         let slot = self.shape.remote_slot;
         drop(self.array.take());
@@ -712,7 +722,22 @@ impl World {
         } else {
             vec![self.local.clone(), remote_dyn.clone()]
         };
+        // How the two sides' histories relate on disk (what assembly must go by).
+        let kin = match (
+            Raid1::read_superblock(&*self.local),
+            Raid1::read_superblock(&*remote_dyn),
+        ) {
+            (Ok(a), Ok(b)) => Some(a.lineage.kinship(&b.lineage)),
+            _ => None,
+        };
         match Raid1::assemble(legs, self.cfg.clone()) {
+            Ok(_) if kin != Some(raid1::Kinship::Descendant) => {
+                return Err(format!(
+                    "the front restarted on both legs after a failover and assembled them, \
+                     with host b's history {kin:?} to the front's on disk: one side's writes \
+                     were silently discarded"
+                ))
+            }
             Err(raid1::Raid1Error::Assembly(e @ raid1::AssemblyError::Diverged { .. })) => {
                 self.say(format!("the front restarted on both legs: refused: {e}"));
             }
@@ -721,12 +746,20 @@ impl World {
                     "the front restarted on both legs: refused, but not as a split: {e}"
                 ))
             }
-            Ok(_) => {
-                return Err(
-                    "the front restarted on both legs after a failover and assembled them: \
-                     one side's writes were silently discarded"
+            Ok(r) => {
+                for &(first, len, id) in b_writes {
+                    for s in first..first + len {
+                        self.want[s as usize] = id;
+                    }
+                }
+                self.remote = remote;
+                self.array = Some(Arc::new(r));
+                self.say(
+                    "the front restarted on both legs: host b's side descends from the front's \
+                     on disk (its departure never recorded): assembled, host b's writes kept"
                         .into(),
-                )
+                );
+                return Ok(());
             }
         }
         let r = Raid1::assemble(vec![self.local.clone()], self.cfg.clone())
@@ -950,7 +983,7 @@ fn the_mirror_across_hosts_loses_nothing() {
     println!(
         "sim_remote: {n} seeds from {base}, {} operations ({} writes, {} reads, {} flushes; {} \
          writes held, {} ran late; {} partitions, {} past the deadline; {} host restarts; {} \
-         failovers, {} refused at reconnection, {} fronts restarted on both sides refused; \
+         failovers, {} refused at reconnection, {} fronts restarted on both legs; \
          {} settles; {} leg failures, {} reconnects) in {:.1} s; failed seeds {failed:?}",
         total.ops,
         total.writes,
