@@ -7,6 +7,7 @@ pub mod args;
 pub mod bitmaps;
 pub mod config;
 pub mod plan;
+pub mod reload;
 pub mod run;
 pub mod settings;
 pub mod tls;

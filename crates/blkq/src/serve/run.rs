@@ -1,6 +1,6 @@
 //! `blkq serve` running: the server started over the opened exports, signals, shutdown.
 //!
-//! Signals: SIGINT and SIGTERM are blocked in every thread (the mask is set before any thread
+//! Signals: SIGINT, SIGTERM and SIGHUP are blocked in every thread (the mask is set before any thread
 //! exists, and threads inherit it) and taken synchronously by one thread with `sigwait(2)`:
 //! no signal handler runs, so nothing has to be async-signal-safe. The first signal starts a
 //! graceful shutdown (see `nbd::server`: stop accepting without touching the socket path,
@@ -8,7 +8,8 @@
 //! socket); the exit status is 0 only if every export drained and every flush succeeded. An
 //! export with a request stuck in its device (a hung disk) past the timeout is named on stderr
 //! and the process exits 1 without waiting for it. A second signal exits at once with status
-//! 130.
+//! 130. SIGHUP never stops the server: it reloads the certificates and the access rules
+//! (see [`super::reload`]).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -20,13 +21,14 @@ use nbd::tls::TlsMode;
 use super::args::{listen_addr, ServeArgs};
 use super::config::{Config, Source};
 use super::plan::{exposure_warning, open};
+use super::reload::Reload;
 use super::settings::check;
 use super::tls::load as load_tls;
 use crate::control::bitmap::Handler;
 use crate::control::server::ControlServer;
 use blkq_sync::Arc;
 
-/// Blocks SIGINT and SIGTERM in the calling thread (and so in every thread it spawns later).
+/// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and so in every thread it spawns later).
 fn block_signals() -> Result<libc::sigset_t> {
     // SAFETY: an all-zero `sigset_t` is a valid (if unspecified) value; `sigemptyset`
     // initialises it properly before use.
@@ -37,19 +39,21 @@ fn block_signals() -> Result<libc::sigset_t> {
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGHUP);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
     };
     if rc != 0 {
         bail!(
-            "blocking SIGINT/SIGTERM: {}",
+            "blocking SIGINT/SIGTERM/SIGHUP: {}",
             std::io::Error::from_raw_os_error(rc)
         );
     }
     Ok(set)
 }
 
-/// Waits for SIGINT/SIGTERM on a thread of its own; the first stops the server.
-fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
+/// Waits for SIGINT/SIGTERM/SIGHUP on a thread of its own; the first SIGINT or SIGTERM stops
+/// the server, SIGHUP reloads.
+fn watch_signals(set: libc::sigset_t, stopper: Stopper, mut reload: Reload) {
     std::thread::spawn(move || {
         let mut first = true;
         loop {
@@ -58,6 +62,10 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper) {
             // out-pointer; both outlive the call.
             let rc = unsafe { libc::sigwait(&set, &mut sig) };
             if rc != 0 {
+                continue;
+            }
+            if sig == libc::SIGHUP {
+                reload.run();
                 continue;
             }
             if first {
@@ -84,6 +92,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         None => (Config::from_args(&a)?, Source::CommandLine),
     };
     let settings = check(&config, &source)?;
+    let kept = settings.clone();
     let tls_mode = settings.tls.tls;
     let tls_dir = settings
         .tls
@@ -103,7 +112,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
     }
     let server = Server::start(cfg)?;
-    watch_signals(sigset, server.stopper());
+    let reload = Reload {
+        config: a.config.clone(),
+        settings: kept,
+        server: server.reloader(),
+        source,
+    };
+    watch_signals(sigset, server.stopper(), reload);
     let _metrics = match &a.report.metrics {
         Some(m) => Some(crate::metrics::start_for_serve(
             listen_addr(m).context("--metrics")?,

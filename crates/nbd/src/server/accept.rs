@@ -111,7 +111,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
         let admitted = shared
             .exports
             .iter()
-            .map(|e| e.export.access.check_address(&who));
+            .map(|e| e.access.read().check_address(&who));
         if let Some(Err(refusal)) = admitted.reduce(|a, b| a.or(b)) {
             let peer = stream.peer();
             drop((stream, handle));

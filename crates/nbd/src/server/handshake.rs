@@ -396,7 +396,7 @@ impl Haggler<'_, '_> {
                 self.out.clear();
                 let who = self.identity();
                 for e in &self.shared.exports {
-                    if let Err(r) = e.export.access.check(&who) {
+                    if let Err(r) = e.access.read().check(&who) {
                         debug!(export = %e.export.name, "hidden from NBD_OPT_LIST: {r}");
                         continue;
                     }
@@ -470,7 +470,7 @@ impl Haggler<'_, '_> {
     /// `NBD_OPT_STARTTLS` (its data already checked empty by the codec): ACK, then the TLS
     /// handshake; what was negotiated in plaintext is forgotten.
     fn start_tls(&mut self, option: u32) -> Result<(), Ended> {
-        let Some(tls) = &self.shared.tls else {
+        let Some(config) = self.shared.tls_config.read().clone() else {
             return self.reply(
                 option,
                 &OptionReply::Error {
@@ -488,7 +488,6 @@ impl Haggler<'_, '_> {
                 },
             );
         }
-        let config = tls.config.clone();
         self.reply(option, &OptionReply::Ack)?;
         self.stream.start_tls(&config).map_err(|e| match e.kind() {
             io::ErrorKind::InvalidData => Ended::Protocol(format!("TLS handshake failed: {e}")),
@@ -663,8 +662,9 @@ impl Haggler<'_, '_> {
     /// Whether the client may use export `idx` (named by option `what`); a refusal is logged
     /// with the rule that made it.
     fn allowed(&self, idx: usize, what: &str) -> Result<(), Refusal> {
-        let export = &self.shared.exports[idx].export;
-        let res = export.access.check(&self.identity());
+        let state = &self.shared.exports[idx];
+        let export = &state.export;
+        let res = state.access.read().check(&self.identity());
         if let Err(r) = &res {
             warn!(
                 peer = %self.stream.stream.peer(),
@@ -686,7 +686,7 @@ impl Haggler<'_, '_> {
             .shared
             .exports
             .iter()
-            .any(|e| e.export.access.check(&who).is_err())
+            .any(|e| e.access.read().check(&who).is_err())
         {
             debug!(export = name, "no such export (answered as a refusal)");
             return self.refuse(option, name);

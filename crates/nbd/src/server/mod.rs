@@ -79,7 +79,7 @@ use std::time::{Duration, Instant};
 
 use blk::{Bio, Op, PendingBio};
 use blkq_sync::atomic::{AtomicBool, Ordering};
-use blkq_sync::Mutex;
+use blkq_sync::{Mutex, RwLock};
 use tracing::{info, warn};
 use waitq::Completion;
 
@@ -128,6 +128,9 @@ pub(crate) struct ExportState {
     /// Disk counters kept by the server, for a device that keeps none of its own
     /// ([`blk::Device::stats`] is `None`); `None` when the device counts.
     pub(crate) disk: Option<Arc<blk::stats::DiskCounters>>,
+    /// The access rules in force (the export's at start; [`Reloader::set_access`] replaces
+    /// them). Read at accept and in the handshake only, never per request.
+    pub(crate) access: RwLock<Access>,
 }
 
 /// An export-wide sticky write error: once a write or a flush fails on the export, every
@@ -188,6 +191,9 @@ pub(crate) struct Shared {
     pub(crate) budget: Arc<MemoryBudget>,
     /// TLS settings (`None`: off).
     pub(crate) tls: Option<crate::tls::TlsSettings>,
+    /// The rustls configuration new TLS handshakes use: `tls`'s at start,
+    /// [`Reloader::set_tls_config`] replaces it (connected clients keep theirs).
+    pub(crate) tls_config: RwLock<Option<Arc<rustls::ServerConfig>>>,
     /// Counters for metrics (`stats.rs`).
     pub(crate) counters: ServerCounters,
     conns: Mutex<Registry>,
@@ -277,7 +283,50 @@ impl Stopper {
     }
 }
 
+/// A handle that changes, on a running server, what can change without dropping a client:
+/// the TLS certificates new handshakes use and the exports' access rules (see
+/// [`Server::reloader`]). Cheap to clone.
+#[derive(Clone)]
+pub struct Reloader(Arc<Shared>);
+
+impl Reloader {
+    /// New TLS handshakes use `config`; clients already connected keep the session they
+    /// have. `false` (nothing changed) when the server runs without TLS.
+    pub fn set_tls_config(&self, config: Arc<rustls::ServerConfig>) -> bool {
+        let mut cur = self.0.tls_config.write();
+        if cur.is_none() {
+            return false;
+        }
+        *cur = Some(config);
+        true
+    }
+
+    /// Export `name`'s access rules become `access`, for connections and options that come
+    /// after; a client already attached to it stays. `false` when no export has that name.
+    pub fn set_access(&self, name: &str, access: Access) -> bool {
+        match self.0.find(name) {
+            Some(i) => {
+                *self.0.exports[i].access.write() = access;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Export `name`'s access rules in force now (`None`: no such export).
+    pub fn access(&self, name: &str) -> Option<Access> {
+        self.0
+            .find(name)
+            .map(|i| self.0.exports[i].access.read().clone())
+    }
+}
+
 impl Server {
+    /// A handle to change the certificates and the access rules while serving.
+    pub fn reloader(&self) -> Reloader {
+        Reloader(self.shared.clone())
+    }
+
     /// Binds the listeners and starts accepting connections.
     pub fn start(cfg: ServerConfig) -> Result<Server, ServerError> {
         if cfg.exports.is_empty() {
@@ -303,6 +352,7 @@ impl Server {
                 .is_none()
                 .then(|| Arc::new(blk::stats::DiskCounters::new()));
             exports.push(ExportState {
+                access: RwLock::new(e.access.clone()),
                 export: e,
                 size,
                 min_block,
@@ -351,6 +401,12 @@ impl Server {
                 tuning.budget_impl,
             )),
             tuning,
+            tls_config: RwLock::new(
+                cfg.tls
+                    .as_ref()
+                    .filter(|t| t.mode != crate::tls::TlsMode::Off)
+                    .map(|t| t.config.clone()),
+            ),
             tls: cfg
                 .tls
                 .clone()

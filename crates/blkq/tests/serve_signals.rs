@@ -1,0 +1,136 @@
+//! `blkq serve` and SIGHUP: the built binary. SIGHUP never stops the server; it reloads what
+//! can change without dropping a client (TLS certificates, exports' access rules from the
+//! configuration file) and keeps the old ones when the new ones do not load.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Serving;
+use nbd::CmdFlags;
+
+#[test]
+fn sighup_does_not_stop_the_server_and_a_connected_client_keeps_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Serving::launch(dir.path(), "hup", &["--device", "mem:4M"], |l| {
+        l.env("RUST_LOG", "info")
+    });
+    let mut cl = s.client();
+    cl.write(0, &[7u8; 4096], CmdFlags::FUA).unwrap();
+    s.signal(libc::SIGHUP);
+    // The log line that says the reload ran (bounded wait), then the process must be alive.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !s.stderr_text().contains("SIGHUP") && std::time::Instant::now() < deadline {
+        if s.try_wait().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        s.try_wait().is_none(),
+        "SIGHUP stopped the server: {}",
+        s.stderr_text()
+    );
+    assert_eq!(cl.read(0, 4096).unwrap(), vec![7u8; 4096]);
+    let mut cl2 = s.client();
+    assert_eq!(cl2.read(0, 4096).unwrap(), vec![7u8; 4096]);
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{}", s.stderr_text());
+}
+
+/// Waits (bounded) until the server's stderr holds `n` lines containing `what`.
+fn wait_log(s: &common::Running, what: &str, n: usize) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = s.stderr_text();
+        if t.matches(what).count() >= n || std::time::Instant::now() > deadline {
+            return t;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn config(sock: &std::path::Path, pki: &std::path::Path, allow: &str) -> String {
+    format!(
+        r#"
+[server]
+socket = "{sock}"
+no_tcp = true
+
+[tls]
+mode = "require"
+certificates = "{pki}"
+verify_peer = true
+
+[[export]]
+name = "disk"
+device = "mem:1M"
+allow_subjects = [{allow}]
+"#,
+        sock = sock.display(),
+        pki = pki.display()
+    )
+}
+
+#[test]
+fn sighup_reloads_certificates_and_access_rules_and_keeps_them_when_the_file_is_broken() {
+    use nbd::client::{Endpoint, Handshake};
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    common::ok(&["certs", pki.to_str().unwrap(), "--client", "client1"]);
+    let sock = dir.path().join("s.sock");
+    let file = dir.path().join("blkq.toml");
+    std::fs::write(&file, config(&sock, &pki, "\"CN=client1\"")).unwrap();
+    let mut s = common::Launch::serve(["--config"])
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .stderr_to(&dir.path().join("stderr"))
+        .ready_when_connects(&sock)
+        .start();
+    let cfg = nbd::tls::client_config(&pki).unwrap();
+    let ep = Endpoint::Unix(sock.clone());
+    let connect = || {
+        let mut h = Handshake::start(ep.connect().unwrap()).unwrap();
+        h.start_tls(&cfg, "localhost").unwrap();
+        h.go("disk")
+            .map(|d| h.into_client(d).unwrap())
+            .map_err(|e| e.to_string())
+    };
+    let mut kept = connect().unwrap();
+    kept.write(0, &[5u8; 4096], CmdFlags::FUA).unwrap();
+
+    // Only another subject is allowed now: a new connection is refused, the connected one
+    // keeps working.
+    std::fs::write(&file, config(&sock, &pki, "\"CN=someone-else\"")).unwrap();
+    s.signal(libc::SIGHUP);
+    let log = wait_log(&s, "SIGHUP: reloaded", 1);
+    assert!(log.contains("TLS certificates read again"), "{log}");
+    assert!(log.contains("CN=someone-else"), "{log}");
+    assert!(s.try_wait().is_none(), "{log}");
+    let e = connect().err().expect("the new rule must refuse client1");
+    assert!(
+        e.to_lowercase().contains("polic") || e.contains("refused"),
+        "{e}"
+    );
+    assert_eq!(kept.read(0, 4096).unwrap(), vec![5u8; 4096]);
+
+    // A broken file: logged, the rules in force stay.
+    std::fs::write(&file, "[server\nthis is not toml").unwrap();
+    s.signal(libc::SIGHUP);
+    let log = wait_log(&s, "reload refused", 1);
+    assert!(log.contains("reload refused, nothing changed"), "{log}");
+    assert!(s.try_wait().is_none(), "{log}");
+    assert!(connect().is_err(), "the old rule must stay in force");
+
+    // Back to client1: admitted again.
+    std::fs::write(&file, config(&sock, &pki, "\"CN=client1\"")).unwrap();
+    s.signal(libc::SIGHUP);
+    wait_log(&s, "SIGHUP: reloaded", 2);
+    let mut again = connect().unwrap();
+    assert_eq!(again.read(0, 4096).unwrap(), vec![5u8; 4096]);
+    drop((kept, again));
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{}", s.stderr_text());
+}
