@@ -275,6 +275,11 @@ pub struct ReportArgs {
     /// More log detail: -v debug, -vv trace (RUST_LOG, when set, wins).
     #[arg(short, long, action = clap::ArgAction::Count)]
     pub verbose: u8,
+    /// Write "READY=1" and a newline to this open file descriptor, then close it, once every
+    /// listener (NBD sockets, control sockets, metrics) is bound: a script that waits for it
+    /// can connect at once. (With NOTIFY_SOCKET set, systemd is told READY=1 too.)
+    #[arg(long, value_name = "FD")]
+    pub ready_fd: Option<i32>,
 }
 
 /// A section's values when none of its flags is given: clap's defaults, the only ones

@@ -72,6 +72,7 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper, mut reload: Reload) {
                 tracing::info!(
                     "signal {sig} received: finishing in-flight requests (again to force)"
                 );
+                super::notify::sd_notify("STOPPING=1\nSTATUS=finishing in-flight requests");
                 stopper.stop();
                 first = false;
             } else {
@@ -145,6 +146,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("{what}: {}", path.display());
     }
 
+    // Every listener is bound: the NBD sockets (Server::start), metrics, control sockets.
+    if let Some(fd) = a.report.ready_fd {
+        super::notify::ready_fd(fd)?;
+    }
+    super::notify::sd_notify(&format!(
+        "READY=1\nSTATUS=serving {} export(s)",
+        exports.len()
+    ));
     println!("blkq serve: {} export(s)", exports.len());
     for (e, full) in exports.iter().zip(&descriptions) {
         let lim = e.device.limits();
