@@ -23,6 +23,10 @@ pub struct Target {
     /// The server's control socket (`blkq serve --control PATH`).
     #[arg(long, value_name = "PATH")]
     pub control: PathBuf,
+    /// Wait up to SECONDS for the control socket to exist and accept (a server started a
+    /// moment ago) before sending.
+    #[arg(long, value_name = "SECONDS")]
+    pub wait: Option<u64>,
     /// The export (default: the default export "").
     #[arg(long, value_name = "NAME")]
     pub export: Option<String>,
@@ -108,6 +112,7 @@ pub fn run(a: BitmapArgs) -> Result<()> {
         cmd: cmd.clone(),
         export: at.export.clone(),
     };
+    crate::control::client::wait_ready(&at.control, at.wait)?;
     let v = request_text(&at.control, &line.to_string(), "")?;
     if json {
         println!("{v}");

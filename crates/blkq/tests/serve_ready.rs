@@ -87,3 +87,32 @@ fn notify_socket_gets_ready_then_stopping() {
     let msg = String::from_utf8_lossy(&buf[..n]).to_string();
     assert!(msg.contains("STOPPING=1"), "{msg}");
 }
+
+#[test]
+fn a_control_command_with_wait_started_with_the_server_finds_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_child, _sock, ctl) = serve(dir.path(), |_| {});
+    // At once: the socket is not there yet; --wait waits for it.
+    common::ok(&[
+        "bitmap",
+        "add",
+        "b1",
+        "--control",
+        ctl.to_str().unwrap(),
+        "--wait",
+        "20",
+    ]);
+    let list = common::ok(&["bitmap", "list", "--control", ctl.to_str().unwrap()]);
+    assert!(list.contains("b1"), "{list}");
+    // Without a server, --wait gives up in time and says so.
+    let none = dir.path().join("none.sock");
+    let e = common::fails(&[
+        "bitmap",
+        "list",
+        "--control",
+        none.to_str().unwrap(),
+        "--wait",
+        "1",
+    ]);
+    assert!(e.contains("did not accept in time"), "{e}");
+}

@@ -15,6 +15,28 @@ const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a reply may take (a command that changes the array may wait its turn).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// With `--wait SECONDS` (`wait`): waits, bounded, until the control socket at `path` exists
+/// and accepts a connection (a server started in the background a moment ago). `None`: no
+/// wait, the request fails at once if the socket is not there.
+pub fn wait_ready(path: &Path, wait: Option<u64>) -> Result<()> {
+    let Some(secs) = wait else {
+        return Ok(());
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        match UnixStream::connect(path) {
+            Ok(_) => return Ok(()),
+            Err(e) if std::time::Instant::now() >= deadline => {
+                bail!(
+                    "--wait {secs}: the control socket {} did not accept in time ({e})",
+                    path.display()
+                )
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
 /// Sends `line` and returns the reply as it came (one line).
 pub fn request_line(path: &Path, line: &str) -> Result<String> {
     if line.len() >= MAX_LINE {

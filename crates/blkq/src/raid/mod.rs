@@ -126,6 +126,10 @@ struct QueryArgs {
     /// Control socket of a running `blkq serve --raid1`.
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
+    /// With --control: wait up to SECONDS for the control socket to exist and accept (a
+    /// server started a moment ago) before sending.
+    #[arg(long, value_name = "SECONDS", requires = "control")]
+    wait: Option<u64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -160,6 +164,10 @@ struct ControlArg {
     /// Control socket of a running `blkq serve --raid1`.
     #[arg(long, value_name = "PATH", required = true)]
     control: PathBuf,
+    /// Wait up to SECONDS for the control socket to exist and accept (a server started a
+    /// moment ago) before sending.
+    #[arg(long, value_name = "SECONDS")]
+    wait: Option<u64>,
 }
 
 #[derive(Args, Debug)]
@@ -360,8 +368,27 @@ fn query(q: QueryArgs, detail: bool) -> Result<()> {
     Ok(())
 }
 
+/// The control socket a command sends to, and its `--wait` (`None`: offline, or monitor).
+fn control_of(cmd: &RaidCmd) -> Option<(&Path, Option<u64>)> {
+    let c = match cmd {
+        RaidCmd::Status(q) | RaidCmd::Detail(q) | RaidCmd::Check(q) | RaidCmd::Repair(q) => {
+            return q.control.as_deref().map(|p| (p, q.wait))
+        }
+        RaidCmd::Fail(t) | RaidCmd::Remove(t) => &t.ctl,
+        RaidCmd::Add(a) => &a.new.ctl,
+        RaidCmd::Replace(r) => &r.new.ctl,
+        RaidCmd::Idle(c) => c,
+        RaidCmd::SpeedLimit(s) => &s.ctl,
+        _ => return None,
+    };
+    Some((&c.control, c.wait))
+}
+
 /// Runs `blkq raid`.
 pub fn run(a: RaidArgs) -> Result<()> {
+    if let Some((path, wait)) = control_of(&a.cmd) {
+        client::wait_ready(path, wait)?;
+    }
     match a.cmd {
         RaidCmd::Create(c) => create(c),
         RaidCmd::Assemble(l) => assemble(l),
