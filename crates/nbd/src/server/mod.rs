@@ -129,8 +129,10 @@ pub(crate) struct ExportState {
     /// ([`blk::Device::stats`] is `None`); `None` when the device counts.
     pub(crate) disk: Option<Arc<blk::stats::DiskCounters>>,
     /// The access rules in force (the export's at start; [`Reloader::set_access`] replaces
-    /// them). Read at accept and in the handshake only, never per request.
-    pub(crate) access: RwLock<Access>,
+    /// them). Read at accept and in the handshake only, never per request. Shared with the
+    /// [`Reloader`] alone, not the export: a reloader kept by a thread that outlives the
+    /// server (the signal thread) must not keep the devices open.
+    pub(crate) access: Arc<RwLock<Access>>,
 }
 
 /// An export-wide sticky write error: once a write or a flush fails on the export, every
@@ -193,7 +195,7 @@ pub(crate) struct Shared {
     pub(crate) tls: Option<crate::tls::TlsSettings>,
     /// The rustls configuration new TLS handshakes use: `tls`'s at start,
     /// [`Reloader::set_tls_config`] replaces it (connected clients keep theirs).
-    pub(crate) tls_config: RwLock<Option<Arc<rustls::ServerConfig>>>,
+    pub(crate) tls_config: Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>,
     /// Counters for metrics (`stats.rs`).
     pub(crate) counters: ServerCounters,
     conns: Mutex<Registry>,
@@ -285,15 +287,27 @@ impl Stopper {
 
 /// A handle that changes, on a running server, what can change without dropping a client:
 /// the TLS certificates new handshakes use and the exports' access rules (see
-/// [`Server::reloader`]). Cheap to clone.
+/// [`Server::reloader`]). Cheap to clone. It holds those settings only, never the server
+/// or its exports: kept past the server's end, it keeps no device open.
 #[derive(Clone)]
-pub struct Reloader(Arc<Shared>);
+pub struct Reloader {
+    tls_config: Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>,
+    /// Each export's name and access rules.
+    access: Vec<(String, Arc<RwLock<Access>>)>,
+}
 
 impl Reloader {
+    fn find(&self, name: &str) -> Option<&RwLock<Access>> {
+        self.access
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, a)| &**a)
+    }
+
     /// New TLS handshakes use `config`; clients already connected keep the session they
     /// have. `false` (nothing changed) when the server runs without TLS.
     pub fn set_tls_config(&self, config: Arc<rustls::ServerConfig>) -> bool {
-        let mut cur = self.0.tls_config.write();
+        let mut cur = self.tls_config.write();
         if cur.is_none() {
             return false;
         }
@@ -304,9 +318,9 @@ impl Reloader {
     /// Export `name`'s access rules become `access`, for connections and options that come
     /// after; a client already attached to it stays. `false` when no export has that name.
     pub fn set_access(&self, name: &str, access: Access) -> bool {
-        match self.0.find(name) {
-            Some(i) => {
-                *self.0.exports[i].access.write() = access;
+        match self.find(name) {
+            Some(a) => {
+                *a.write() = access;
                 true
             }
             None => false,
@@ -315,16 +329,22 @@ impl Reloader {
 
     /// Export `name`'s access rules in force now (`None`: no such export).
     pub fn access(&self, name: &str) -> Option<Access> {
-        self.0
-            .find(name)
-            .map(|i| self.0.exports[i].access.read().clone())
+        self.find(name).map(|a| a.read().clone())
     }
 }
 
 impl Server {
     /// A handle to change the certificates and the access rules while serving.
     pub fn reloader(&self) -> Reloader {
-        Reloader(self.shared.clone())
+        Reloader {
+            tls_config: self.shared.tls_config.clone(),
+            access: self
+                .shared
+                .exports
+                .iter()
+                .map(|e| (e.export.name.clone(), e.access.clone()))
+                .collect(),
+        }
     }
 
     /// Binds the listeners and starts accepting connections.
@@ -352,7 +372,7 @@ impl Server {
                 .is_none()
                 .then(|| Arc::new(blk::stats::DiskCounters::new()));
             exports.push(ExportState {
-                access: RwLock::new(e.access.clone()),
+                access: Arc::new(RwLock::new(e.access.clone())),
                 export: e,
                 size,
                 min_block,
@@ -401,12 +421,12 @@ impl Server {
                 tuning.budget_impl,
             )),
             tuning,
-            tls_config: RwLock::new(
+            tls_config: Arc::new(RwLock::new(
                 cfg.tls
                     .as_ref()
                     .filter(|t| t.mode != crate::tls::TlsMode::Off)
                     .map(|t| t.config.clone()),
-            ),
+            )),
             tls: cfg
                 .tls
                 .clone()
