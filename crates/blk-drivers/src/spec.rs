@@ -58,14 +58,36 @@ use crate::mem::{BackendDriver, MemStore};
 use crate::null::{NullConfig, NullDriver};
 use crate::rbd::RbdConfig;
 
-/// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix (powers of 1024;
-/// an optional trailing `B` or `iB` is accepted).
+/// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
+/// 2^30 bytes), optionally written `KiB`, `MiB`, `GiB`, `TiB`; a bare number may end in `B`.
+/// `KB`, `MB`, `GB`, `TB` are refused, naming the accepted forms: their usual meaning is
+/// decimal (10^9), and a size that silently meant something else would be worse than none.
 pub fn parse_size(s: &str) -> Result<u64, Error> {
     let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
+    let bad = || {
+        Error::Config(format!(
+            "bad size {s:?}: expected a number of bytes, or one with K, M, G or T \
+             (also written KiB, MiB, GiB, TiB: powers of 1024), e.g. 512M, 4G"
+        ))
+    };
+    let t = match t.strip_suffix("iB") {
+        Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => u,
+        Some(_) => return Err(bad()),
+        None => match t.strip_suffix(['B', 'b']) {
+            // `GB` and its kind: decimal to most readers, so neither meaning is guessed.
+            Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => {
+                return Err(Error::Config(format!(
+                    "bad size {s:?}: {:?} is ambiguous (10^9 or 2^30?); sizes are binary: \
+                     write {}G or {}GiB for powers of 1024 (K, M, G, T = KiB, MiB, GiB, TiB)",
+                    &t[t.len() - 2..],
+                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
+                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
+                )))
+            }
+            Some(u) => u,
+            None => t,
+        },
+    };
     let (num, mult) = match t.chars().last() {
         Some(c @ ('k' | 'K' | 'm' | 'M' | 'g' | 'G' | 't' | 'T')) => {
             let shift = match c.to_ascii_uppercase() {
@@ -81,7 +103,17 @@ pub fn parse_size(s: &str) -> Result<u64, Error> {
     num.parse::<u64>()
         .ok()
         .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| Error::Config(format!("bad size {s:?} (expected e.g. 512M, 4G)")))
+        .ok_or_else(bad)
+}
+
+/// The size of a `null:` or `mem:` device: [`parse_size`], and not zero.
+fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
+    match parse_size(arg)? {
+        0 => Err(Error::Config(format!(
+            "bad device spec {spec:?}: a zero-size device (give a size, e.g. mem:64M)"
+        ))),
+        n => Ok(n),
+    }
 }
 
 /// What kind of device a spec names.
@@ -119,8 +151,8 @@ impl FromStr for DeviceSpec {
             ))
         })?;
         let kind = match kind {
-            "null" => Kind::Null(parse_size(arg)?),
-            "mem" => Kind::Mem(parse_size(arg)?),
+            "null" => Kind::Null(device_size(s, arg)?),
+            "mem" => Kind::Mem(device_size(s, arg)?),
             "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
             "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
             _ => {
@@ -148,7 +180,9 @@ fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
     match v {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::Config(format!("option {k}: bad boolean {v:?}"))),
+        _ => Err(Error::Config(format!(
+            "option {k}: bad boolean {v:?} (expected 0|1, on|off, yes|no or true|false)"
+        ))),
     }
 }
 
@@ -486,6 +520,49 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn decimal_units_and_zero_sizes_are_refused_naming_the_accepted_forms() {
+        assert_eq!(parse_size("10G").unwrap(), 10 << 30);
+        assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
+        assert_eq!(parse_size("512").unwrap(), 512);
+        for bad in ["10GB", "10gb", "512MB", "4KB", "1TB"] {
+            let e = parse_size(bad).unwrap_err().to_string();
+            assert!(e.contains("GiB") && e.contains("1024"), "{bad}: {e}");
+        }
+        for spec in ["mem:0", "null:0", "mem:0G"] {
+            let e = spec.parse::<DeviceSpec>().unwrap_err().to_string();
+            assert!(e.contains("zero-size"), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_bad_boolean_option_names_the_option_and_the_accepted_values() {
+        let mut dir = std::env::temp_dir();
+        dir.push(format!("blkq-spec-bool-{}", std::process::id()));
+        std::fs::write(&dir, vec![0u8; 4096]).unwrap();
+        for opt in ["direct", "lock", "ro", "inline", "splice"] {
+            let spec: DeviceSpec = format!("file:{},{opt}=maybe", dir.display())
+                .parse()
+                .unwrap();
+            let e = spec
+                .build(&QueueOverrides::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("option {opt}")) && e.contains("0|1") && e.contains("on|off"),
+                "{opt}: {e}"
+            );
+        }
+        std::fs::remove_file(&dir).unwrap();
+        let e = "mem:1M,thp=2"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("option thp") && e.contains("0|1"), "{e}");
     }
 
     #[test]
