@@ -101,6 +101,18 @@ pub fn run(a: BitmapArgs) -> Result<()> {
         BitmapSub::Rotate { old, new, at } => (BitmapCmd::Rotate { old, new }, at, false),
         BitmapSub::List { at, json } => (BitmapCmd::List, at, json),
     };
+    // Checked here, by the server's rule: a name with a space would be split on the one-line
+    // protocol and answered with the protocol's usage, not with what is wrong with it.
+    let names: Vec<&String> = match &cmd {
+        BitmapCmd::Add { name, .. } | BitmapCmd::Remove(name) | BitmapCmd::Clear(name) => {
+            vec![name]
+        }
+        BitmapCmd::Rotate { old, new } => vec![old, new],
+        BitmapCmd::List => vec![],
+    };
+    for n in names {
+        cbt::check_name(n)?;
+    }
     if let Some(e) = &at.export {
         if e.chars().any(char::is_whitespace) {
             anyhow::bail!(

@@ -343,3 +343,25 @@ fn a_stale_sidecar_of_a_leg_the_array_went_on_without_is_refused_by_name() {
     );
     assert!(s.stop(), "{}", s.stderr_text());
 }
+
+/// A bitmap name the server would refuse is refused before anything is sent, with the rule it
+/// breaks (a name with a space was split on the one-line protocol and answered with its usage).
+#[test]
+fn a_bad_bitmap_name_is_refused_with_the_rule_it_breaks() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = dir.path().join("ctl.sock");
+    let ctl = ctl.to_str().unwrap();
+    let long = "x".repeat(96);
+    for args in [
+        vec!["bitmap", "add", "bad name", "--control", ctl],
+        vec!["bitmap", "add", long.as_str(), "--control", ctl],
+        vec!["bitmap", "clear", "", "--control", ctl],
+        vec!["bitmap", "rotate", "a", "b\tc", "--control", ctl],
+    ] {
+        let e = common::fails(&args);
+        assert!(
+            e.contains("bad dirty bitmap name") && e.contains("no spaces") && !e.contains("usage"),
+            "{args:?}: {e}"
+        );
+    }
+}

@@ -140,7 +140,9 @@ pub struct Bitmaps {
     view: Mutex<Vec<Slot>>,
 }
 
-fn check_name(name: &str) -> Result<(), Error> {
+/// Checks a bitmap name: 1 to [`sidecar::MAX_NAME`] bytes, no whitespace or control
+/// characters ([`Error::BadName`] says so).
+pub fn check_name(name: &str) -> Result<(), Error> {
     if name.is_empty()
         || name.len() > sidecar::MAX_NAME
         || name.chars().any(|c| c.is_control() || c.is_whitespace())

@@ -38,7 +38,7 @@ pub mod tracked;
 
 use std::path::PathBuf;
 
-pub use bitmaps::{Bitmaps, Image, Info, Options, Store};
+pub use bitmaps::{check_name, Bitmaps, Image, Info, Options, Store};
 pub use bits::{DEFAULT_GRANULARITY, MAX_GRANULARITY, MIN_GRANULARITY};
 pub use gate::Mode;
 pub use sidecar::Identity;
