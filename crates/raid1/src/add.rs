@@ -67,8 +67,13 @@ impl Raid1 {
     ) -> Result<usize, Raid1Error> {
         let inner = &self.inner;
         inner.refuse_if_failed()?;
-        if dev.limits().capacity < inner.data_offset + inner.capacity {
-            return Err(Raid1Error::Config("new leg is too small".into()));
+        let (have, need) = (dev.limits().capacity, inner.data_offset + inner.capacity);
+        if have < need {
+            return Err(Raid1Error::Config(format!(
+                "new leg is too small: {have} bytes, the array needs {need} ({} of data \
+                 after a {}-byte superblock and bitmap area)",
+                inner.capacity, inner.data_offset
+            )));
         }
         let old_sb = Self::read_superblock(dev.as_ref()).ok();
         let readd_slot = match &old_sb {
@@ -141,8 +146,11 @@ impl Raid1 {
             return gone(e.to_string());
         }
         let refuse = |why: String| Err(AbsentError::Refused(why));
-        if dev.limits().capacity < inner.data_offset + inner.capacity {
-            return refuse("it is smaller than the array".into());
+        let (have, need) = (dev.limits().capacity, inner.data_offset + inner.capacity);
+        if have < need {
+            return refuse(format!(
+                "it is smaller than the array: {have} bytes, the array needs {need}"
+            ));
         }
         let sb = match Self::read_superblock(dev.as_ref()) {
             Ok(sb) => sb,

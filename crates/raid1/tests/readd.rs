@@ -413,3 +413,18 @@ fn a_leg_assembled_without_is_judged_when_it_opens_and_taken_back() {
         Err(AbsentError::Gone(_))
     ));
 }
+
+/// A leg too small for the array is refused with both sizes: the leg's and the one it needs
+/// (the array's data plus its data offset).
+#[test]
+fn a_too_small_leg_is_refused_with_its_size_and_the_size_it_needs() {
+    let r = Raid1::create(vec![mem("16M"), mem("16M")], cfg()).unwrap();
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    let need = r.data_offset() + r.limits().capacity;
+    let e = r.add_leg(mem("8M")).unwrap_err().to_string();
+    assert!(
+        e.contains(&(8u64 << 20).to_string()) && e.contains(&need.to_string()),
+        "{e}"
+    );
+}
