@@ -174,6 +174,9 @@ fn serve_fail_remove_add() {
     // Bad commands get clear errors, and the socket stays usable.
     let e = fails(&["raid", "remove", "9", "--control", s.ctl()]);
     assert!(e.contains("no such slot"), "{e}");
+    // The real range of this 3-slot array, 0 to 2 (never 0..3, read as including 3).
+    let e = fails(&["raid", "fail", "9", "--control", s.ctl()]);
+    assert!(e.contains("slots 0 to 2") && !e.contains("0.."), "{e}");
     assert!(s.status().contains("c.img"));
     assert!(s.stop(), "serve did not exit cleanly");
     assert!(!Path::new(s.ctl()).exists(), "control socket left behind");

@@ -249,8 +249,8 @@ impl Control {
         match leg {
             Leg::Slot(n) if *n < self.raid.slots() => Ok(*n),
             Leg::Slot(n) => bail!(
-                "{cmd} {n}: no such slot (the array has slots 0..{})",
-                self.raid.slots()
+                "{cmd} {n}: no such slot (the array has slots 0 to {})",
+                self.raid.slots().saturating_sub(1)
             ),
             Leg::Spec(spec) => {
                 let specs = self.specs.lock();
