@@ -52,6 +52,14 @@ fn legs_of_a_served_mirror_cannot_be_assembled_elsewhere() {
         err.contains(&pa.display().to_string()) && err.contains("lock"),
         "{err}"
     );
+    // Offline status cannot read a served leg: it says to ask the server (--control).
+    let o = common::blkq(&["raid", "status", &a, &b]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("lock") && err.contains("--control") && err.contains("control socket"),
+        "{err}"
+    );
     // A plain --device on a leg of the served mirror is refused too.
     let other = dir.path().join("x.sock");
     let err = serve_fails(&a, &other, EXIT_LIMIT);

@@ -336,10 +336,27 @@ pub fn status_exit(rep: &report::ArrayReport) -> i32 {
     }
 }
 
+/// An offline query that found a leg locked (flock, `EWOULDBLOCK`) by a running server: says
+/// to ask that server instead, through its control socket.
+fn held_by_a_server(e: anyhow::Error) -> anyhow::Error {
+    let locked = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::WouldBlock)
+    });
+    if locked {
+        e.context(
+            "a leg is locked, most likely by a running `blkq serve`: ask that server instead, \
+             with --control and its control socket (`blkq raid status --control PATH`)",
+        )
+    } else {
+        e
+    }
+}
+
 fn query(q: QueryArgs, detail: bool) -> Result<()> {
     let rep = match q.target().and_then(|t| match t {
         Target::Online(p) => client::report(p, detail),
-        Target::Offline(legs) => offline_plan(legs)?.report(),
+        Target::Offline(legs) => offline_plan(legs).map_err(held_by_a_server)?.report(),
     }) {
         Ok(rep) => rep,
         // `status` says it could not answer by its exit status too, apart from degraded (1)
