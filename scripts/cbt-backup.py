@@ -78,18 +78,27 @@ def main():
     a = p.parse_args()
     if not a.map and not a.target:
         p.error("TARGET is needed unless --map")
+    fd = None
+    if not a.map:
+        # The target first: a missing one is said before anything is read.
+        try:
+            fd = os.open(a.target, os.O_WRONLY)
+        except OSError as e:
+            sys.exit(f"cbt-backup: cannot open the target {a.target}: {e.strerror} "
+                     "(it must be an existing full copy of the export)")
     context = "qemu:dirty-bitmap:" + a.bitmap
     h = nbd.NBD()
     h.add_meta_context(context)
-    h.connect_uri(a.uri)
+    try:
+        h.connect_uri(a.uri)
+    except nbd.Error as e:
+        sys.exit(f"cbt-backup: cannot connect to {a.uri}: {e}")
     if not h.can_meta_context(context):
         sys.exit(f"cbt-backup: the server has no {context} on this export")
     size = h.get_size()
     t0 = time.monotonic()
     copied = runs = 0
-    fd = None
-    if not a.map:
-        fd = os.open(a.target, os.O_WRONLY)
+    if fd is not None:
         if os.fstat(fd).st_size != size:
             sys.exit(f"cbt-backup: {a.target} is not {size} bytes (the export's size)")
     pending = collections.deque()

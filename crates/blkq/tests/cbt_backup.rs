@@ -342,3 +342,33 @@ fn a_zero_length_extent_stops_the_script() {
     assert!(!status.success(), "{err}");
     assert!(err.contains("zero-length extent at 0"), "{err}");
 }
+
+/// A missing target, or a server that does not answer, is said in one line naming it, not
+/// with a Python traceback.
+#[test]
+fn cbt_backup_py_names_a_missing_target_without_a_traceback() {
+    if !clients_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("none.sock");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    let target = dir.path().join("missing.img");
+    let target_s = target.to_str().unwrap();
+    for (args, says) in [
+        (vec!["--bitmap", "b", uri.as_str(), target_s], target_s),
+        (vec!["--bitmap", "b", uri.as_str(), "--map"], uri.as_str()),
+    ] {
+        let out = Command::new("/usr/bin/python3")
+            .arg(SCRIPT)
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            !err.contains("Traceback") && err.contains("cbt-backup:") && err.contains(says),
+            "{args:?}: {err}"
+        );
+    }
+}
