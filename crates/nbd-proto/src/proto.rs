@@ -154,6 +154,48 @@ pub fn option_name(option: u32) -> &'static str {
     }
 }
 
+/// The name and meaning of an option error reply type, for messages (`None` for one this
+/// codec does not know).
+pub fn option_error_name(reply_type: u32) -> Option<(&'static str, &'static str)> {
+    match reply_type {
+        NBD_REP_ERR_UNSUP => Some(("NBD_REP_ERR_UNSUP", "option not supported")),
+        NBD_REP_ERR_POLICY => Some(("NBD_REP_ERR_POLICY", "forbidden by the server's policy")),
+        NBD_REP_ERR_INVALID => Some(("NBD_REP_ERR_INVALID", "invalid option")),
+        NBD_REP_ERR_PLATFORM => Some((
+            "NBD_REP_ERR_PLATFORM",
+            "not supported on the server's platform",
+        )),
+        NBD_REP_ERR_TLS_REQD => Some(("NBD_REP_ERR_TLS_REQD", "the server requires TLS")),
+        NBD_REP_ERR_UNKNOWN => Some(("NBD_REP_ERR_UNKNOWN", "no such export")),
+        NBD_REP_ERR_SHUTDOWN => Some(("NBD_REP_ERR_SHUTDOWN", "the server is shutting down")),
+        NBD_REP_ERR_BLOCK_SIZE_REQD => Some((
+            "NBD_REP_ERR_BLOCK_SIZE_REQD",
+            "block size information must be requested",
+        )),
+        NBD_REP_ERR_TOO_BIG => Some(("NBD_REP_ERR_TOO_BIG", "request or reply too large")),
+        NBD_REP_ERR_EXT_HEADER_REQD => {
+            Some(("NBD_REP_ERR_EXT_HEADER_REQD", "extended headers required"))
+        }
+        _ => None,
+    }
+}
+
+/// The name of a request's error value, for messages (`"unknown"` for one this codec does
+/// not know).
+pub fn error_name(error: u32) -> &'static str {
+    match error {
+        NBD_EPERM => "NBD_EPERM",
+        NBD_EIO => "NBD_EIO",
+        NBD_ENOMEM => "NBD_ENOMEM",
+        NBD_EINVAL => "NBD_EINVAL",
+        NBD_ENOSPC => "NBD_ENOSPC",
+        NBD_EOVERFLOW => "NBD_EOVERFLOW",
+        NBD_ENOTSUP => "NBD_ENOTSUP",
+        NBD_ESHUTDOWN => "NBD_ESHUTDOWN",
+        _ => "unknown",
+    }
+}
+
 /// Bit 31 of an option reply type marks an error reply.
 pub const NBD_REP_FLAG_ERROR: u32 = 1 << 31;
 /// Option reply 1: option accepted / list finished.

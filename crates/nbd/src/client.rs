@@ -95,65 +95,27 @@ pub enum ClientError {
 
 /// An option code by its name (`NBD_OPT_GO (7)`), or its number when unknown.
 fn option_name(option: u32) -> String {
-    use crate::proto::*;
-    let name = match option {
-        NBD_OPT_EXPORT_NAME => "NBD_OPT_EXPORT_NAME",
-        NBD_OPT_ABORT => "NBD_OPT_ABORT",
-        NBD_OPT_LIST => "NBD_OPT_LIST",
-        NBD_OPT_PEEK_EXPORT => "NBD_OPT_PEEK_EXPORT",
-        NBD_OPT_STARTTLS => "NBD_OPT_STARTTLS",
-        NBD_OPT_INFO => "NBD_OPT_INFO",
-        NBD_OPT_GO => "NBD_OPT_GO",
-        NBD_OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
-        NBD_OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
-        NBD_OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
-        NBD_OPT_EXTENDED_HEADERS => "NBD_OPT_EXTENDED_HEADERS",
-        n => return n.to_string(),
-    };
-    format!("{name} ({option})")
+    match crate::proto::option_name(option) {
+        "unknown" => option.to_string(),
+        name => format!("{name} ({option})"),
+    }
 }
 
 /// An option error reply by its name and meaning (`NBD_REP_ERR_UNKNOWN (no such export)`), or
 /// its number when unknown.
 fn option_error_name(reply_type: u32) -> String {
-    use crate::proto::*;
-    let (name, meaning) = match reply_type {
-        NBD_REP_ERR_UNSUP => ("NBD_REP_ERR_UNSUP", "option not supported"),
-        NBD_REP_ERR_POLICY => ("NBD_REP_ERR_POLICY", "forbidden by the server's policy"),
-        NBD_REP_ERR_INVALID => ("NBD_REP_ERR_INVALID", "invalid option"),
-        NBD_REP_ERR_PLATFORM => (
-            "NBD_REP_ERR_PLATFORM",
-            "not supported on the server's platform",
-        ),
-        NBD_REP_ERR_TLS_REQD => ("NBD_REP_ERR_TLS_REQD", "the server requires TLS"),
-        NBD_REP_ERR_UNKNOWN => ("NBD_REP_ERR_UNKNOWN", "no such export"),
-        NBD_REP_ERR_SHUTDOWN => ("NBD_REP_ERR_SHUTDOWN", "the server is shutting down"),
-        NBD_REP_ERR_BLOCK_SIZE_REQD => (
-            "NBD_REP_ERR_BLOCK_SIZE_REQD",
-            "block size information must be requested",
-        ),
-        NBD_REP_ERR_TOO_BIG => ("NBD_REP_ERR_TOO_BIG", "request or reply too large"),
-        NBD_REP_ERR_EXT_HEADER_REQD => ("NBD_REP_ERR_EXT_HEADER_REQD", "extended headers required"),
-        n => return format!("reply type {n:#x}"),
-    };
-    format!("{name} ({meaning})")
+    match crate::proto::option_error_name(reply_type) {
+        Some((name, meaning)) => format!("{name} ({meaning})"),
+        None => format!("reply type {reply_type:#x}"),
+    }
 }
 
 /// A request's error by its name (`NBD_EIO (5)`), or its number when unknown.
 fn request_error_name(e: u32) -> String {
-    use crate::proto::*;
-    let name = match e {
-        NBD_EPERM => "NBD_EPERM",
-        NBD_EIO => "NBD_EIO",
-        NBD_ENOMEM => "NBD_ENOMEM",
-        NBD_EINVAL => "NBD_EINVAL",
-        NBD_ENOSPC => "NBD_ENOSPC",
-        NBD_EOVERFLOW => "NBD_EOVERFLOW",
-        NBD_ENOTSUP => "NBD_ENOTSUP",
-        NBD_ESHUTDOWN => "NBD_ESHUTDOWN",
-        n => return n.to_string(),
-    };
-    format!("{name} ({e})")
+    match crate::proto::error_name(e) {
+        "unknown" => e.to_string(),
+        name => format!("{name} ({e})"),
+    }
 }
 
 impl ClientError {
