@@ -758,7 +758,12 @@ mod tests {
 
     /// A mirror over two file legs in `dir`, behind a [`Control`].
     fn mirror(dir: &Path) -> (Control, Vec<String>) {
-        let specs: Vec<String> = ["a.img", "b.img"]
+        mirror_of(dir, &["a.img", "b.img"])
+    }
+
+    /// A mirror over file legs `files` in `dir`, behind a [`Control`].
+    fn mirror_of(dir: &Path, files: &[&str]) -> (Control, Vec<String>) {
+        let specs: Vec<String> = files
             .iter()
             .map(|f| {
                 let p = dir.join(f);
@@ -905,28 +910,7 @@ mod tests {
     #[test]
     fn a_fail_is_answered_while_an_add_writes_to_a_slow_server() {
         let d = tempfile::tempdir().unwrap();
-        let specs: Vec<String> = ["a.img", "b.img", "c.img"]
-            .iter()
-            .map(|f| {
-                let p = d.path().join(f);
-                std::fs::File::create(&p)
-                    .unwrap()
-                    .set_len(16 << 20)
-                    .unwrap();
-                format!("file:{}", p.display())
-            })
-            .collect();
-        let overrides = QueueOverrides::default();
-        let devs = specs
-            .iter()
-            .map(|s| legs::open_leg(s, &overrides).unwrap())
-            .collect();
-        let raid = Arc::new(Raid1::create(devs, raid1::Raid1Config::default()).unwrap());
-        let ctl = Arc::new(Control::new(
-            raid,
-            specs.iter().cloned().map(Some).collect(),
-            overrides,
-        ));
+        let ctl = Arc::new(mirror_of(d.path(), &["a.img", "b.img", "c.img"]).0);
         ok(&ctl, "fail 2");
         ok(&ctl, "remove 2");
         // Host b: reads at once, every write held 3 s.
