@@ -1305,6 +1305,7 @@ impl World {
         }
         self.model.crashed();
         self.stats.crashes += 1;
+        self.add_unrecorded_departures(&mut legs);
         // A seeded order (Fisher-Yates).
         for i in (1..legs.len()).rev() {
             let j = self.rng.below(i as u64 + 1) as usize;
@@ -1333,6 +1334,38 @@ impl World {
         self.pin_source();
         let all = self.rng.chance(100);
         self.verify(all);
+    }
+
+    /// Adds to `legs` (the members before the cut) every pool leg the newest superblock among
+    /// them still counts in sync: a leg whose failure or removal never reached a superblock
+    /// (its superblock write failed and the array failed with it, or the cut came first) is
+    /// still part of the array on disk, and an operator assembles with every leg the
+    /// superblocks name, as `mdadm --assemble --scan` finds them. Leaving it out is a fork
+    /// that assembly rightly refuses without `allow_degraded`.
+    fn add_unrecorded_departures(&mut self, legs: &mut Vec<usize>) {
+        let newest = legs
+            .iter()
+            .filter_map(|&k| Raid1::read_superblock(self.legs[k].dev.as_ref()).ok())
+            .max_by_key(|sb| sb.events);
+        let Some(newest) = newest else { return };
+        for k in 0..self.legs.len() {
+            if legs.contains(&k) {
+                continue;
+            }
+            let Ok(sb) = Raid1::read_superblock(self.legs[k].dev.as_ref()) else {
+                continue;
+            };
+            let counted = newest
+                .legs
+                .iter()
+                .any(|l| l.uuid == sb.leg_uuid && l.in_sync && !l.faulty);
+            if sb.array_uuid == newest.array_uuid && counted {
+                self.say(format!(
+                    "leg {k} left unrecorded: the superblocks still count it in sync"
+                ));
+                legs.push(k);
+            }
+        }
     }
 
     /// A power cut while a resync, recovery or check runs at a slow speed limit beside a few
