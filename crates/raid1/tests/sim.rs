@@ -30,7 +30,10 @@
 //! SIM_SEED_BASE=S` runs N seeds from S instead (`S=daily`: today's base) and `SIM_OPS=K` sets
 //! the operations per seed. The summary counts what the oracle could judge (coverage), and a
 //! run of `FLOOR_SEEDS` seeds or more fails below its floors. `SIM_KEEP_GOING=1` runs every
-//! seed and prints `caught K/N` (`scripts/mutants.sh`). A failure prints the seed, the
+//! seed and prints `caught K/N` (`scripts/mutants.sh`). `SIM_WHERE=write_behind,slow_link,...`
+//! runs only the seeds whose shape has each named trait (`write_behind`, `slow_link`,
+//! `concurrent`, `bitmap`, `cbt`, `readd`, `latency`, `three_legs`; to hunt a failure of one
+//! shape), counting the others as skipped. A failure prints the seed, the
 //! array's shape and the schedule so far, and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its
 //! schedule (the array's own threads keep their timing, so a failure that depends on it may
 //! take a few replays; see `sim/world.rs`). Every failing seed found becomes a named
@@ -50,7 +53,7 @@ mod world;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use world::{Stats, World};
+use world::{Rng, Shape, Stats, World};
 
 /// Operations per seed unless `SIM_OPS` says otherwise.
 const OPS: u64 = 300;
@@ -71,6 +74,22 @@ fn daily_base() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs() / 86_400);
     1_000_000 + (days.wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF)
+}
+
+/// Whether seed `seed`'s shape has every trait `SIM_WHERE` names (none named: every seed).
+fn shape_wanted(seed: u64, traits: &[String]) -> bool {
+    let s = Shape::from_rng(&mut Rng::new(seed));
+    traits.iter().all(|t| match t.as_str() {
+        "write_behind" => s.write_behind > 0,
+        "slow_link" => s.slow_link_ms > 0,
+        "concurrent" => s.concurrent,
+        "bitmap" => s.bitmap_chunk > 0,
+        "cbt" => s.cbt,
+        "readd" => s.readd,
+        "latency" => s.latency_us > 0,
+        "three_legs" => s.legs == 3,
+        other => panic!("SIM_WHERE: unknown trait {other:?}"),
+    })
 }
 
 /// Runs one seed for `ops` operations; on a failed promise prints the seed, the shape and
@@ -179,11 +198,22 @@ fn sim() {
     }
     // SIM_KEEP_GOING=1: run every seed and count the failing ones (scripts/mutants.sh).
     let keep_going = env_u64("SIM_KEEP_GOING").unwrap_or(0) != 0;
+    let traits: Vec<String> = std::env::var("SIM_WHERE")
+        .unwrap_or_default()
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
     let t0 = Instant::now();
     let mut total = Stats::default();
     let mut failed = Vec::new();
+    let mut skipped = 0u64;
     for &(base, k) in &runs {
         for seed in base..base + k {
+            if !shape_wanted(seed, &traits) {
+                skipped += 1;
+                continue;
+            }
             if keep_going {
                 match catch_unwind(|| run_seed(seed, ops)) {
                     Ok(st) => total += st,
@@ -195,6 +225,14 @@ fn sim() {
         }
     }
     let t = &total;
+    // The seeds run (those SIM_WHERE left out are not judged).
+    let n = n - skipped;
+    if skipped > 0 {
+        println!(
+            "sim: {skipped} seeds skipped (SIM_WHERE={})",
+            traits.join(",")
+        );
+    }
     println!(
         "sim: {n} seeds, {} operations ({} crashes, {} syncs, {} checks, {} fault rules, {} leg \
          changes, {} I/O errors) in {:.1} s",
@@ -232,7 +270,8 @@ fn sim() {
         );
         assert!(failed.is_empty(), "{} of {n} seeds failed", failed.len());
     }
-    if n >= FLOOR_SEEDS && ops >= OPS {
+    // A filtered run judges one kind of shape: the floors are for the mix.
+    if n >= FLOOR_SEEDS && ops >= OPS && traits.is_empty() {
         let low: Vec<_> = floors(t, n)
             .into_iter()
             .filter(|&(_, got, floor)| got < floor)
