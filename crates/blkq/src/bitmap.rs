@@ -70,6 +70,32 @@ pub enum BitmapSub {
         #[command(flatten)]
         at: Target,
     },
+    /// Stop counting writes in a dirty bitmap, keeping its bits (qemu's
+    /// block-dirty-bitmap-disable); returns once the writes it counted have completed.
+    Disable {
+        /// Its name.
+        name: String,
+        #[command(flatten)]
+        at: Target,
+    },
+    /// Count writes in a disabled (or rotated-away) dirty bitmap again.
+    Enable {
+        /// Its name.
+        name: String,
+        #[command(flatten)]
+        at: Target,
+    },
+    /// Set in TARGET every granule dirty in each SOURCE (the union; granularities may differ,
+    /// rounded out to TARGET's), durably before it returns. The sources are unchanged.
+    Merge {
+        /// The bitmap that gains the bits.
+        target: String,
+        /// The bitmaps read.
+        #[arg(required = true)]
+        sources: Vec<String>,
+        #[command(flatten)]
+        at: Target,
+    },
     /// List the dirty bitmaps (every export's, unless --export).
     List {
         #[command(flatten)]
@@ -99,14 +125,23 @@ pub fn run(a: BitmapArgs) -> Result<()> {
         BitmapSub::Remove { name, at } => (BitmapCmd::Remove(name), at, false),
         BitmapSub::Clear { name, at } => (BitmapCmd::Clear(name), at, false),
         BitmapSub::Rotate { old, new, at } => (BitmapCmd::Rotate { old, new }, at, false),
+        BitmapSub::Disable { name, at } => (BitmapCmd::Record { name, on: false }, at, false),
+        BitmapSub::Enable { name, at } => (BitmapCmd::Record { name, on: true }, at, false),
+        BitmapSub::Merge {
+            target,
+            sources,
+            at,
+        } => (BitmapCmd::Merge { target, sources }, at, false),
         BitmapSub::List { at, json } => (BitmapCmd::List, at, json),
     };
     // Checked here, by the server's rule: a name with a space would be split on the one-line
     // protocol and answered with the protocol's usage, not with what is wrong with it.
     let names: Vec<&String> = match &cmd {
-        BitmapCmd::Add { name, .. } | BitmapCmd::Remove(name) | BitmapCmd::Clear(name) => {
-            vec![name]
-        }
+        BitmapCmd::Add { name, .. }
+        | BitmapCmd::Remove(name)
+        | BitmapCmd::Clear(name)
+        | BitmapCmd::Record { name, .. } => vec![name],
+        BitmapCmd::Merge { target, sources } => std::iter::once(target).chain(sources).collect(),
         BitmapCmd::Rotate { old, new } => vec![old, new],
         BitmapCmd::List => vec![],
     };

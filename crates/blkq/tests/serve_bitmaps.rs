@@ -1,5 +1,5 @@
 //! Dirty bitmaps on `blkq serve` (changed-block tracking), through the built binary: `blkq
-//! bitmap add|list|rotate|clear|remove --control PATH` against a running server, with the
+//! bitmap add|list|rotate|clear|remove|disable|enable|merge --control PATH` against a running server, with the
 //! errors named (duplicate name, unknown bitmap or export, bad granularity); a server killed
 //! with SIGKILL under writes from a real client (qemu-io) leaves a sidecar in which every
 //! acknowledged write's granule is dirty, and serves it again; a torn sidecar stops the
@@ -115,6 +115,28 @@ fn the_bitmap_cli_manages_bitmaps_and_names_its_errors() {
             ("daily2".to_string(), 65536, true, 65536)
         ]
     );
+
+    // disable / enable / merge (qemu's block-dirty-bitmap-disable/-enable/-merge).
+    assert!(bitmap(d, &["disable", "daily2"]).contains("\"daily2\" disabled"));
+    c.write(9 * MIB, &[2u8; 512], CmdFlags::empty()).unwrap();
+    assert_eq!(list(d)[1], ("daily2".to_string(), 65536, false, 65536));
+    bitmap(d, &["enable", "daily2"]);
+    c.write(11 * MIB, &[2u8; 512], CmdFlags::empty()).unwrap();
+    assert_eq!(list(d)[1], ("daily2".to_string(), 65536, true, 2 * 65536));
+    // big (cleared before the write at 5M; 1 MiB granules) has 9M and 11M dirty; daily2 5M
+    // and 11M at 64K: the union is 64K at 5M and the two whole MiB.
+    let m = bitmap(d, &["merge", "daily2", "big"]);
+    assert!(m.contains("\"daily2\" merged with [\"big\"]"), "{m}");
+    assert_eq!(
+        list(d)[1],
+        ("daily2".to_string(), 65536, true, 2 * MIB + 65536)
+    );
+    let e = bitmap_fails(d, &["merge", "daily2", "nope"]);
+    assert!(e.contains("no dirty bitmap \"nope\""), "{e}");
+    let e = bitmap_fails(d, &["merge", "daily2", "daily2"]);
+    assert!(e.contains("cannot be merged into itself"), "{e}");
+    let e = bitmap_fails(d, &["enable", "nope"]);
+    assert!(e.contains("no dirty bitmap \"nope\""), "{e}");
     drop(c);
 }
 

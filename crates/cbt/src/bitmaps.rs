@@ -23,6 +23,16 @@
 //!   the gate drops the old one (drained). Whichever header survives a crash, it names a
 //!   region holding every write since the clear began. A frozen NAME is just re-pointed.
 //!
+//! - `disable NAME` / `enable NAME`: the header with NAME frozen (or recording), then the gate.
+//!   Disabling returns once the writes counted in NAME completed; a crash before the header
+//!   leaves it as it was (the command did not return). An enabled NAME counts the writes that
+//!   start after the gate switched (qemu's `block-dirty-bitmap-enable`); those in between are
+//!   in no bitmap the command promised anything of.
+//! - `merge TARGET SOURCE...`: every bit dirty in a source (at its granularity, rounded out
+//!   to the target's) is set in TARGET and persisted (the write path's own persist) before it
+//!   returns; TARGET never loses a bit, so a crash at any point leaves it a superset of what
+//!   it held and, once the command returned, of each source as it was when read.
+//!
 //! With `--bitmaps-reset`, a sidecar that is torn or from another image is rebuilt with the
 //! same names, every bit set (the next backup from each is a full one); a missing one starts
 //! empty. Both are said in the notes [`Bitmaps::open`] returns.
@@ -460,6 +470,69 @@ impl Bitmaps {
         Ok(())
     }
 
+    /// Stops (`recording` false) or starts counting writes in bitmap `name`, keeping its
+    /// bits (qemu's `block-dirty-bitmap-disable` / `-enable`). Asking for the state it is in
+    /// changes nothing. Disabling returns once every write counted in it has completed.
+    pub fn set_recording(&self, name: &str, recording: bool) -> Result<(), Error> {
+        let mut ctl = self.ctl.lock();
+        let mut slots = self.view.lock().clone();
+        let i = position(&slots, name)?;
+        if slots[i].frozen != recording {
+            return Ok(());
+        }
+        slots[i].frozen = !recording;
+        self.write_header(&mut ctl, &slots)?;
+        self.switch(&slots, None);
+        Ok(())
+    }
+
+    /// Sets in bitmap `target` every granule dirty in each of `sources` (the union, qemu's
+    /// `block-dirty-bitmap-merge`), durably before it returns. The bitmaps may differ in
+    /// granularity (a source's dirty run is rounded out to the target's) and in state
+    /// (recording or frozen). The sources are unchanged.
+    pub fn merge(&self, target: &str, sources: &[String]) -> Result<(), Error> {
+        let _ctl = self.ctl.lock();
+        let (dst, srcs) = {
+            let view = self.view.lock();
+            let find = |n: &str| {
+                view.iter()
+                    .find(|s| s.bm.name() == n)
+                    .map(|s| s.bm.clone())
+                    .ok_or_else(|| Error::NotFound(n.to_string()))
+            };
+            let dst = find(target)?;
+            let mut srcs = Vec::with_capacity(sources.len());
+            for n in sources {
+                if n == target {
+                    return Err(Error::SelfMerge(n.clone()));
+                }
+                srcs.push(find(n)?);
+            }
+            (dst, srcs)
+        };
+        let mut runs = Vec::with_capacity(MERGE_RUNS);
+        for src in srcs {
+            let mut pos = 0;
+            while pos < self.capacity {
+                src.extents_into(pos, self.capacity - pos, MERGE_RUNS, &mut runs);
+                if runs.is_empty() {
+                    break;
+                }
+                for r in &runs {
+                    if r.dirty {
+                        if let Some(words) = dst.mark(pos, r.len) {
+                            self.committer
+                                .persist(&dst, words, pos, r.len)
+                                .map_err(Error::Persist)?;
+                        }
+                    }
+                    pos += r.len;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Publishes `slots` to readers and their recording bitmaps (plus `extra`) to the gate;
     /// returns once the writes counted in the previous set have completed.
     fn switch(&self, slots: &[Slot], extra: Option<Arc<Bitmap>>) {
@@ -535,6 +608,9 @@ impl Bitmaps {
         Ok(())
     }
 }
+
+/// Dirty runs a merge reads from a source at a time.
+const MERGE_RUNS: usize = 1024;
 
 /// What [`open_file`] found: the sidecar, its header (`None`: not created yet), the bitmaps.
 type Opened = (FileSink, Option<Header>, Vec<Slot>);

@@ -102,6 +102,12 @@ pub enum Error {
         /// The memory it needs, bytes.
         bytes: u64,
     },
+    /// Bits a merge set could not be made durable (the store failed).
+    #[error("{0}")]
+    Persist(String),
+    /// `merge` of a bitmap into itself.
+    #[error("dirty bitmap {0:?} cannot be merged into itself")]
+    SelfMerge(String),
     /// Reading or writing the sidecar (or the image's attribute) failed.
     #[error("bitmap sidecar {path}: {source}")]
     Io {
@@ -121,6 +127,7 @@ impl Error {
             Error::NoMemory { .. } => libc::ENOMEM,
             Error::NotFound(_) | Error::Missing(_) => libc::ENOENT,
             Error::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            Error::Persist(_) => libc::EIO,
             _ => libc::EINVAL,
         }
     }

@@ -8,6 +8,9 @@
 //! | `bitmap remove NAME [--export=E]` | deletes it |
 //! | `bitmap clear NAME [--export=E]` | starts it afresh (durable before the reply) |
 //! | `bitmap rotate OLD NEW [--export=E]` | freezes OLD and starts NEW at one instant; replies once every write counted in OLD is complete |
+//! | `bitmap disable NAME [--export=E]` | stops counting writes in it, keeping its bits (replies once the writes it counted completed) |
+//! | `bitmap enable NAME [--export=E]` | counts writes in it again |
+//! | `bitmap merge TARGET SOURCE... [--export=E]` | sets in TARGET every granule dirty in a SOURCE (durable before the reply) |
 //! | `bitmap list [--export=E]` | `{"ok":true,"bitmaps":[{"export","name","granularity","recording","dirty_bytes"}]}` (every export without `--export`) |
 //!
 //! `--export=` with nothing after it names the default export `""`; an export name with
@@ -44,6 +47,20 @@ pub enum BitmapCmd {
         /// The bitmap started.
         new: String,
     },
+    /// Stop counting writes in a bitmap (`false`) or start again (`true`).
+    Record {
+        /// Its name.
+        name: String,
+        /// Enable (`true`) or disable.
+        on: bool,
+    },
+    /// `target |= sources`.
+    Merge {
+        /// The bitmap that gains the bits.
+        target: String,
+        /// The bitmaps read.
+        sources: Vec<String>,
+    },
     /// List the bitmaps.
     List,
 }
@@ -60,7 +77,9 @@ pub struct BitmapLine {
 
 const USAGE: &str = "bitmap add NAME [--export=E] [--granularity=SIZE] | bitmap remove NAME \
                      [--export=E] | bitmap clear NAME [--export=E] | bitmap rotate OLD NEW \
-                     [--export=E] | bitmap list [--export=E]";
+                     [--export=E] | bitmap disable NAME [--export=E] | bitmap enable NAME \
+                     [--export=E] | bitmap merge TARGET SOURCE... [--export=E] | bitmap list \
+                     [--export=E]";
 
 impl BitmapLine {
     /// Parses what follows `bitmap` on a line; `None` when the line is not a bitmap command.
@@ -101,6 +120,18 @@ impl BitmapLine {
                 old: old.clone(),
                 new: new.clone(),
             },
+            (Some("disable"), [name]) => BitmapCmd::Record {
+                name: name.clone(),
+                on: false,
+            },
+            (Some("enable"), [name]) => BitmapCmd::Record {
+                name: name.clone(),
+                on: true,
+            },
+            (Some("merge"), [target, sources @ ..]) if !sources.is_empty() => BitmapCmd::Merge {
+                target: target.clone(),
+                sources: sources.to_vec(),
+            },
             (Some("list"), []) => BitmapCmd::List,
             _ => bail!("usage: {USAGE}"),
         };
@@ -124,6 +155,13 @@ impl fmt::Display for BitmapLine {
             BitmapCmd::Remove(n) => write!(f, "bitmap remove {n}")?,
             BitmapCmd::Clear(n) => write!(f, "bitmap clear {n}")?,
             BitmapCmd::Rotate { old, new } => write!(f, "bitmap rotate {old} {new}")?,
+            BitmapCmd::Record { name, on } => {
+                let what = if *on { "enable" } else { "disable" };
+                write!(f, "bitmap {what} {name}")?
+            }
+            BitmapCmd::Merge { target, sources } => {
+                write!(f, "bitmap merge {target} {}", sources.join(" "))?
+            }
             BitmapCmd::List => f.write_str("bitmap list")?,
         }
         if let Some(e) = &self.export {
@@ -203,6 +241,21 @@ impl Handler {
                     "dirty bitmap {old:?} frozen, {new:?} recording"
                 )))
             }
+            BitmapCmd::Record { name, on: rec } => {
+                self.export(ex)?.bitmaps().set_recording(&name, rec)?;
+                let state = if rec {
+                    "recording"
+                } else {
+                    "disabled (frozen)"
+                };
+                ok(on(format!("dirty bitmap {name:?} {state}")))
+            }
+            BitmapCmd::Merge { target, sources } => {
+                self.export(ex)?.bitmaps().merge(&target, &sources)?;
+                ok(on(format!(
+                    "dirty bitmap {target:?} merged with {sources:?}"
+                )))
+            }
         }
     }
 }
@@ -261,6 +314,27 @@ mod tests {
                 export: None,
             },
             BitmapLine {
+                cmd: BitmapCmd::Record {
+                    name: "a".into(),
+                    on: false,
+                },
+                export: Some("vm1".into()),
+            },
+            BitmapLine {
+                cmd: BitmapCmd::Record {
+                    name: "a".into(),
+                    on: true,
+                },
+                export: None,
+            },
+            BitmapLine {
+                cmd: BitmapCmd::Merge {
+                    target: "t".into(),
+                    sources: vec!["a".into(), "b".into()],
+                },
+                export: None,
+            },
+            BitmapLine {
                 cmd: BitmapCmd::List,
                 export: None,
             },
@@ -277,6 +351,8 @@ mod tests {
             ("bitmap", "usage"),
             ("bitmap add", "usage"),
             ("bitmap rotate a", "usage"),
+            ("bitmap merge a", "usage"),
+            ("bitmap disable", "usage"),
             ("bitmap add a --granularity=3000", "bad granularity 3000"),
             ("bitmap add a --granularity=x", "bad granularity \"x\""),
             ("bitmap add a --frob", "unknown option"),
