@@ -264,8 +264,13 @@ fn d3_a_write_straddling_two_barrier_units_waits_for_both() {
     r.fail_leg(1).unwrap();
     r.remove_leg(1).unwrap();
     let (b, fb) = fault_leg("80M", false);
-    // The recovery's window at the unit boundary: its write to the new leg waits.
-    fb.add(Rule::stall(OpSet::WRITE).in_range(d + unit, 4096).nth(1));
+    // The recovery's window at the unit boundary: its write to the new leg waits (a
+    // write-zeroes: the source holds zeros there).
+    fb.add(
+        Rule::stall(OpSet::WRITE | OpSet::DISCARD)
+            .in_range(d + unit, 4096)
+            .nth(1),
+    );
     assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
     wait_until_within("the recovery window stalled", SOON, || fb.stalled() == 1);
     let data = pattern(9, 8192);

@@ -420,3 +420,43 @@ fn replace_with_a_failing_leg_keeps_the_old_one() {
     r.remove_leg(2).unwrap();
     assert!(!r.is_degraded());
 }
+
+/// The bytes a file occupies on disk (its allocated blocks).
+fn allocated(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn a_recovery_onto_a_sparse_file_keeps_the_holes_of_the_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |n: &str| dir.path().join(n);
+    for n in ["a.img", "b.img", "c.img"] {
+        std::fs::File::create(path(n))
+            .unwrap()
+            .set_len(32 * MB)
+            .unwrap();
+    }
+    let leg = |n: &str| spec(&format!("file:{}", path(n).display()));
+    let (a, b, c) = (leg("a.img"), leg("b.img"), leg("c.img"));
+    let probe = path("probe");
+    std::fs::write(&probe, vec![1u8; 1 << 20]).unwrap();
+    if allocated(&probe) < 1 << 20 {
+        eprintln!("skipped: this file system does not report allocated blocks");
+        return;
+    }
+    let r = Raid1::create(vec![a.clone(), b], cfg()).unwrap();
+    write(&r, 2 * MB, &pattern(5, 1 << 20));
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    let slot = r.add_leg(c.clone()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    assert!(r.leg_status(slot).unwrap().in_sync);
+    assert_legs_equal(&r, a.as_ref(), c.as_ref());
+    let (src, dst) = (allocated(&path("a.img")), allocated(&path("c.img")));
+    assert!(
+        dst <= src + 2 * MB,
+        "the recovered leg holds {dst} bytes on disk, its source {src}: the recovery \
+         wrote the source's holes as data"
+    );
+}

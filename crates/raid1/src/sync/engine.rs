@@ -316,6 +316,30 @@ impl Inner {
         r
     }
 
+    /// A sync write of the window in `buf` to a leg: a write-zeroes when the window is all
+    /// `zeros` (falling back to writing them where the leg does not support it).
+    fn leg_write(
+        &self,
+        dev: &dyn Device,
+        zeros: bool,
+        pos: u64,
+        len: u32,
+        buf: &mut Option<Buffer>,
+    ) -> Result<(), blk::Error> {
+        if zeros {
+            let b = Bio::new(
+                Op::WriteZeroes,
+                (pos + self.data_offset) >> SECTOR_SHIFT,
+                len,
+            );
+            match submit_wait(dev, b).1 {
+                Err(blk::Error::NotSupported(_)) => {}
+                r => return r,
+            }
+        }
+        self.leg_rw(dev, Op::Write, pos, len, buf)
+    }
+
     fn interrupted(&self) -> bool {
         let c = self.sync.ctl.lock();
         c.interrupt || c.stop || self.failed.load(Ordering::Acquire)
@@ -571,6 +595,13 @@ impl Inner {
                 }
             }
         }
+        // A window the source reads as zeros is written as a write-zeroes that may unmap, so
+        // a recovery onto a sparse file (or a thin device) keeps the holes it can; a leg that
+        // cannot zero takes the zeros as data.
+        let zeros = job != Job::Check
+            && src_buf
+                .as_ref()
+                .is_some_and(|b| all_zero(&b.as_slice()[..len as usize]));
         for (i, d) in others.iter().enumerate() {
             let Some(d) = d else { continue };
             let write = match job {
@@ -601,7 +632,7 @@ impl Inner {
             if write
                 && job != Job::Check
                 && self
-                    .leg_rw(d.as_ref(), Op::Write, pos, len, src_buf)
+                    .leg_write(d.as_ref(), zeros, pos, len, src_buf)
                     .is_err()
             {
                 self.leg_write_failed(
@@ -613,4 +644,11 @@ impl Inner {
         }
         true
     }
+}
+
+/// Whether every byte of `b` is zero (eight at a time).
+fn all_zero(b: &[u8]) -> bool {
+    let mut words = b.chunks_exact(8);
+    words.all(|w| u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]) == 0)
+        && words.remainder().iter().all(|&x| x == 0)
 }
