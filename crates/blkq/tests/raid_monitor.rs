@@ -151,3 +151,46 @@ fn monitors_are_bounded_and_end_with_their_client() {
     };
     assert!(s.stop(), "serve did not exit cleanly with a monitor open");
 }
+
+/// `raid replace`: the new leg's `leg_added` event names its spec, as `raid add`'s does (an
+/// operator's program told of it can say which disk took over), and the replaced leg's
+/// `leg_removed` names the old one.
+#[test]
+fn a_replacement_legs_events_name_its_spec() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        leg_file(d.path(), "a.img", LEG_SIZE).1,
+        leg_file(d.path(), "b.img", LEG_SIZE).1,
+    );
+    let c = leg_file(d.path(), "c.img", LEG_SIZE).1;
+    let s = Server::start(
+        d.path(),
+        &format!("{a},{b}"),
+        &[
+            "--raid1-create",
+            "--raid1-assume-clean",
+            "--raid1-option",
+            "bitmap_chunk=64K",
+            "--raid1-option",
+            "spare_slots=1",
+        ],
+    );
+    let (mon, first) = open_monitor(s.ctl());
+    assert_eq!(first["event"], "monitoring", "{first}");
+    ok(&["raid", "replace", "1", &c, "--control", s.ctl()]);
+    let mut lines = BufReader::new(&mon).lines();
+    let mut next = |name: &str| loop {
+        let l = lines
+            .next()
+            .unwrap_or_else(|| panic!("monitor ended before {name:?}"))
+            .unwrap_or_else(|e| panic!("no {name:?} event: {e}"));
+        let v: serde_json::Value = serde_json::from_str(&l).unwrap();
+        if v["event"] == name {
+            return v;
+        }
+    };
+    let added = next("leg_added");
+    assert_eq!(added["leg"], c.as_str(), "{added}");
+    let removed = next("leg_removed");
+    assert_eq!(removed["leg"], b.as_str(), "{removed}");
+}

@@ -287,7 +287,18 @@ impl Raid1 {
     /// leaves `old` in place); returns the new leg's slot. Needs a free slot
     /// (`spare_slots`).
     pub fn replace_leg(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
-        self.replace(old, new)
+        self.replace(old, new, None)
+    }
+
+    /// [`Raid1::replace_leg`], naming the new leg `name` (its device spec:
+    /// [`Raid1::set_leg_name`]) from its first event on.
+    pub fn replace_named_leg(
+        &self,
+        old: usize,
+        new: StdArc<dyn Device>,
+        name: Option<String>,
+    ) -> Result<usize, Raid1Error> {
+        self.replace(old, new, name)
     }
 }
 
@@ -354,14 +365,19 @@ impl Raid1 {
             .is_some()
     }
 
-    fn replace(&self, old: usize, new: StdArc<dyn Device>) -> Result<usize, Raid1Error> {
+    fn replace(
+        &self,
+        old: usize,
+        new: StdArc<dyn Device>,
+        name: Option<String>,
+    ) -> Result<usize, Raid1Error> {
         let st = self
             .leg_status(old)
             .ok_or(Raid1Error::Slot(old, "no such slot"))?;
         if !st.present || st.faulty {
             return Err(Raid1Error::Slot(old, "not a working leg"));
         }
-        let slot = self.add_leg(new)?;
+        let slot = self.add_named_leg(new, false, name)?;
         let inner = &self.inner;
         // Wait for its recovery; give up if it failed or was taken out.
         inner.sync.idle_wq.wait_for(|| {

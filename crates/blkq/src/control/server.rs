@@ -466,21 +466,22 @@ impl Control {
                 let name = self.spec_name(n);
                 let message = format!("replacing {name} by {spec}: watch `blkq raid status`");
                 // Blocks until the copy is done: run it on a thread of its own.
-                thread::spawn(move || match raid.replace_leg(n, dev) {
-                    Ok(new) => {
-                        let mut sp = specs.lock();
-                        if let Some(x) = sp.get_mut(n) {
-                            *x = None;
+                thread::spawn(
+                    move || match raid.replace_named_leg(n, dev, Some(spec.clone())) {
+                        Ok(new) => {
+                            let mut sp = specs.lock();
+                            if let Some(x) = sp.get_mut(n) {
+                                *x = None;
+                            }
+                            if let Some(x) = sp.get_mut(new) {
+                                *x = Some(spec.clone());
+                            }
+                            drop(sp);
+                            tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
                         }
-                        if let Some(x) = sp.get_mut(new) {
-                            *x = Some(spec.clone());
-                        }
-                        drop(sp);
-                        raid.set_leg_name(new, Some(spec.clone()));
-                        tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
-                    }
-                    Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
-                });
+                        Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
+                    },
+                );
                 ok(message)
             }
             Command::Check | Command::Repair | Command::Idle => {
