@@ -61,7 +61,7 @@ pub enum Event {
         /// The leg recovered (a recovery).
         slot: Option<usize>,
     },
-    /// A recovery passed another tenth of the array.
+    /// A resync, recovery, check or repair passed another tenth of the array.
     SyncProgress {
         /// What runs.
         action: SyncAction,

@@ -460,3 +460,28 @@ fn a_recovery_onto_a_sparse_file_keeps_the_holes_of_the_source() {
          wrote the source's holes as data"
     );
 }
+
+/// A check tells its progress every tenth of the array, as a recovery and a resync do, so an
+/// operator watching `blkq raid monitor` sees a long check advance.
+#[test]
+fn a_check_tells_its_progress_every_tenth() {
+    let r = Raid1::create(vec![mem("16M"), mem("16M")], cfg()).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let sub = r.subscribe();
+    r.set_sync_action(SyncAction::Check).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let mut percents = Vec::new();
+    let mut finished = false;
+    while let Some(rec) = sub.next_until(std::time::Instant::now() + Duration::from_secs(5)) {
+        match rec.event.name() {
+            "check_progress" => percents.push(rec.to_string()),
+            "check_finished" => {
+                finished = true;
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(finished, "no check_finished event");
+    assert_eq!(percents.len(), 9, "one per tenth, 10% to 90%: {percents:?}");
+}

@@ -454,12 +454,9 @@ impl Inner {
             }
             io_bytes += u64::from(len);
             windows += 1;
-            // Every tenth of the array a recovery or resync passes is told (`events`).
+            // Every tenth of the array a pass crosses is told (`events`).
             let tenth = |p: u64| (u128::from(p) * 10 / u128::from(cap.max(1))) as u8;
-            if matches!(job, Job::Recover(_) | Job::Resync)
-                && tenth(wend) > tenth(pos)
-                && tenth(wend) < 10
-            {
+            if tenth(wend) > tenth(pos) && tenth(wend) < 10 {
                 let (action, slot) = job_event(job);
                 self.emit(Event::SyncProgress {
                     action,
