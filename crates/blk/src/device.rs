@@ -128,7 +128,7 @@ pub trait Device: Send + Sync {
         false
     }
 
-    /// A zero-copy read (issue #12): moves up to `len` bytes of the device at `offset` into
+    /// A zero-copy read: moves up to `len` bytes of the device at `offset` into
     /// the pipe whose write end is `pipe`, by reference where the host allows (`splice(2)`
     /// from a file's page cache, `vmsplice(2)` from a memory device's mapping), and returns
     /// how many bytes it moved (fewer when the pipe is full; 0 only for `len` 0).
@@ -156,7 +156,7 @@ pub trait Device: Send + Sync {
         false
     }
 
-    /// A write received into its home (issue #22, [`crate::home`]): receives `len` bytes from
+    /// A write received into its home ([`crate::home`]): receives `len` bytes from
     /// `src`'s socket straight into the device at `offset`, with no buffer in between, and
     /// returns once all of them are in place (visible to reads, as a completed write is).
     ///

@@ -1,4 +1,4 @@
-//! Writes received into their home (issue #22): the write-side mirror of
+//! Writes received into their home: the write-side mirror of
 //! [`Device::splice_read`](crate::Device::splice_read). A device that can
 //! ([`Device::can_recv_home`](crate::Device::can_recv_home): `mem:` with `store=map`) takes a
 //! WRITE's payload straight from the socket into the place the bytes live, so the payload is

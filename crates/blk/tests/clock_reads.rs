@@ -1,4 +1,4 @@
-//! Clock reads per I/O (issue #11 item 3): one coarse clock read per plug batch on the
+//! Clock reads per I/O: one coarse clock read per plug batch on the
 //! submission side and one per completion batch, not two per I/O. Counted with the debug
 //! builds' per-thread counter ([`blk::stats::clock_reads`]), so these tests run in debug only.
 //! Also: the per-thread plug of `Device::submit_batch` is left clean by a batch that panics.

@@ -178,8 +178,8 @@ fn loom_serialized_hand_off() {
 #[allow(clippy::disallowed_types)] // outside the model: loom's atomics live in one execution
 static HANDED_OFF_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// The first design, every contended dispatcher leaving (`serialized-leave`), kept for
-/// comparison: the same model.
+/// Every contended dispatcher leaving (`serialized-leave`, kept for comparison): the same
+/// model.
 #[test]
 fn loom_serialized_leave_two_threads_lose_nothing() {
     blkq_sync::model(|| run_in(LockMode::SerializedLeave, 2, 1, true));

@@ -1,4 +1,4 @@
-//! `blkq certs` against a hostile or careless filesystem (issue #25, finding 4): the built
+//! `blkq certs` against a hostile or careless filesystem: the built
 //! binary, run twice, with links planted at its file names, in directories others can write, and
 //! the validity of what it writes. Certificates are made by the test (never committed).
 

@@ -1,5 +1,5 @@
-//! Hostile clients of the control socket (`blkq serve --raid1 ... --control PATH`; issue #25,
-//! finding 5): tricklers, floods of idle connections, oversized and malformed lines, and `raid
+//! Hostile clients of the control socket (`blkq serve --raid1 ... --control PATH`):
+//! tricklers, floods of idle connections, oversized and malformed lines, and `raid
 //! add` of a device that is not blank. The built binary, file legs in a tempdir.
 //!
 //! The bounds (`crates/blkq/src/control.rs`, `listen.rs`): [`SLOTS`] connections are served at

@@ -1,5 +1,5 @@
-//! Hostile clients of the metrics endpoint (`blkq serve --metrics ADDR:PORT`; issue #25,
-//! finding 5): idle and trickling connections, floods, oversized and malformed requests, and
+//! Hostile clients of the metrics endpoint (`blkq serve --metrics ADDR:PORT`):
+//! idle and trickling connections, floods, oversized and malformed requests, and
 //! a symlink planted where `--metrics-addr-file` writes. The built binary.
 //!
 //! The bounds (`crates/blkq/src/metrics.rs`, `listen.rs`): [`SLOTS`] connections are served

@@ -1,5 +1,5 @@
 //! The Unix sockets of `blkq serve` are never open to others, not even for a moment after
-//! start (issue #25, finding 3): the server runs under `umask 000`, which would make a
+//! start: the server runs under `umask 000`, which would make a
 //! freshly bound socket 0777, while a process running as an unprivileged user (uid/gid
 //! 65534) connects to both paths in a loop and a thread of the test `lstat`s them in a loop.
 //!

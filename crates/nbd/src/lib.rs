@@ -3,14 +3,14 @@
 //!
 //! - [`server`]: the NBD server (TCP and Unix listeners, a thread per connection, batched
 //!   submission to a [`blk::Device`], coalesced replies).
-//! - [`client`]: a small blocking client (tests; later a remote RAID leg).
+//! - [`client`]: a small blocking client (tests, tools, and a remote leg's handshakes).
 //! - [`remote`]: an export on another NBD server as a [`blk::Device`] (`nbd://`, `nbd+unix://`).
 //! - [`stream`]: one type over TCP and Unix stream sockets.
 //! - [`unix_listener`]: Unix sockets bound private from their first moment.
 //!
-//! The codec (`nbd-proto`) is re-exported whole: `nbd::proto`, `nbd::handshake`,
-//! `nbd::transmission`, `nbd::harness`, `nbd::Decoded`, `nbd::Error`, `nbd::Command`, ... keep
-//! naming what they named when the codec lived here, and [`codec`] names the crate itself.
+//! The codec (`nbd-proto`) is re-exported whole (`nbd::proto`, `nbd::handshake`,
+//! `nbd::transmission`, `nbd::Decoded`, ...), so a user of the server or the client needs one
+//! dependency; [`codec`] names the crate itself.
 #![warn(missing_docs)]
 // Only `sys` (one `sendmsg` call) opts back in.
 #![deny(unsafe_code)]

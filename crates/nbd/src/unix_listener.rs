@@ -2,7 +2,7 @@
 //!
 //! `bind(2)` creates the socket file with the mode `0777 & ~umask`, so a `chmod` after it
 //! leaves a moment in which anyone who can reach the directory may connect: under `umask 000`
-//! an unprivileged user connecting in a loop got in (issue #25). Changing the umask around
+//! an unprivileged user connecting in a loop got in. Changing the umask around
 //! `bind` is no fix in a threaded process: it is one value for every thread. [`bind_private`]
 //! instead binds inside a directory of its own that only the owner may enter (mode 0700,
 //! created beside the target so that it is on the same filesystem), sets the socket's mode

@@ -1,4 +1,4 @@
-//! No allocation per request in the server's steady state (issue #11 item 3): a `mem:` and a
+//! No allocation per request in the server's steady state: a `mem:` and a
 //! `null:` export, and a `mem:` one keeping two dirty bitmaps (block status then answers
 //! `base:allocation` and both bitmaps), served in-process on a Unix socket, driven by `nbd::client` with several
 //! requests in flight (structured replies, `base:allocation`): after a warm-up, a window of

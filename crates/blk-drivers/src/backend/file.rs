@@ -30,7 +30,7 @@
 //!   makes it cost: on tmpfs it walks the page cache to the next hole, which in a fully
 //!   written 1 GiB image is the end of the file, 256 Ki pages, about 2 ms per call; every
 //!   structured read asks for its extents (sparse reads), so without this memory a 4 KiB read
-//!   cost two such walks (issue #12: 224 IOPS at queue depth 1 from a 256 MiB image).
+//!   cost two such walks (224 IOPS at queue depth 1 from a 256 MiB image, measured).
 //! - **inline I/O** (for the asynchronous engines, [`crate::file`]): a file on a memory file
 //!   system (tmpfs, ramfs: [`FileBackend::is_memory_backed`]) never waits on a device, so its
 //!   requests are run on the submitter's thread; elsewhere a read is first tried with

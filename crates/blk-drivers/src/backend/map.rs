@@ -68,7 +68,7 @@
 //! # Writes received into the mapping
 //!
 //! [`Backend::recv_at`] takes a write's payload from a socket straight into the mapping
-//! (`blk::Device::recv_home`, issue #22): `recv(2)` into the region's bytes, region by region,
+//! (`blk::Device::recv_home`): `recv(2)` into the region's bytes, region by region,
 //! each call counted in the region's stripe as a receiver in flight ([`super::home`]) rather
 //! than under the region's lock, which a receive the client paces must not hold. The receiver
 //! marks the pages it filled allocated as it leaves, under the lock. The kernel's stores are

@@ -36,12 +36,12 @@
 //!
 //! **Why the stand-by** (the owner's work for others, bounded). With inline completions (a
 //! driver that completes in `queue_rq`), whoever dispatches a request also completes it and
-//! runs its submitter's `end_io`. In `serialized-leave` (the first design, kept for
-//! comparison: every contended dispatcher leaves) the owner ran rounds until the state was
+//! runs its submitter's `end_io`. In `serialized-leave` (kept for comparison: every
+//! contended dispatcher leaves) the owner runs rounds until the state is
 //! empty, dispatching and completing every other submitter's requests while those submitters
-//! had already returned: they got their completions back a few at a time, as the owner's rounds
-//! reached them, and submitted smaller batches (at 4 jobs, 0.96 lock attempts per I/O against
-//! 0.31 for `locked`, and 12% fewer IOPS). Now a contended dispatcher does not return before
+//! have already returned: they get their completions back a few at a time, as the owner's
+//! rounds reach them, and submit smaller batches (at 4 jobs, 0.96 lock attempts per I/O
+//! against 0.31 for `locked`, and 12% fewer IOPS). In `serialized` a contended dispatcher does not return before
 //! the state has been worked on after its insert: it takes over at the end of the owner's
 //! round, and an owner runs at most one round while someone waits to take over. Only one
 //! thread stands by at a time, so at most one thread spins; the others leave as before.

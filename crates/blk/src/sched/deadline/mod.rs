@@ -50,9 +50,9 @@
 //!
 //! A `BTreeMap` allocates a node when a list grows past a node's 11 keys and frees it when
 //! it shrinks back, which the lists here do every plug batch: heap traffic per I/O in the
-//! steady state. Sorted vectors (the first design) allocate nothing but pay a memmove of half
-//! the list on every insert and removal (about a tenth of the scheduler's cost at one job).
-//! Each sort list is now a treap (`tree.rs`) whose nodes are preallocated, one per request
+//! steady state. Sorted vectors would allocate nothing but pay a memmove of half the list on every insert
+//! and removal (about a tenth of the scheduler's cost at one job, measured). Each sort list is
+//! a treap (`tree.rs`) whose nodes are preallocated, one per request
 //! index, in [`Scheduler::attach`] and shared by all lists (a request is in one list at a
 //! time): insert, removal and the sweep's and merges' searches are O(log n) expected, with
 //! no memmove and no allocation. FIFOs are intrusive doubly linked lists through the
@@ -95,7 +95,7 @@
 //!
 //! All of the state is behind a [`SchedLock`], `locked`, `serialized` (serialized dispatch with
 //! inserter hand-off, and one contended dispatcher standing by for the owner's hand-off at the
-//! end of its round) or `serialized-leave` (the same without the stand-by: the first design),
+//! end of its round) or `serialized-leave` (the same without the stand-by, kept for comparison),
 //! switchable at run time ([`Deadline::set_lock_mode`]). Requests drained from
 //! a bucket get their deadline when drained, at most one owner's round after they were punted.
 //! Completion counters are sharded atomics, outside the lock.

@@ -1,4 +1,4 @@
-//! Large writes received into their home (issue #22; docs/design.md, "Large writes"): the
+//! Large writes received into their home (docs/design.md, "Large writes"): the
 //! payload of a large WRITE goes from the socket straight into the device's memory
 //! ([`blk::Device::recv_home`]: `mem:` with `store=map` receives into its mapping), instead of
 //! into a pooled buffer that a bio then copies into the device.

@@ -1,6 +1,6 @@
 //! Zero-copy large reads: the writer moves a read's bytes from the device into the socket
 //! through a pipe, by page reference, instead of a bio copying them into a buffer that
-//! `sendmsg` copies again (issue #12; docs/design.md, "Large reads").
+//! `sendmsg` copies again (docs/design.md, "Large reads").
 //!
 //! A read of at least [`SPLICE_MIN_BYTES`] on a plaintext connection to a device that can
 //! ([`blk::Device::can_splice`]: `mem:` with `store=map`, buffered `file:`) is staged with no
