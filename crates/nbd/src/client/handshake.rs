@@ -7,16 +7,17 @@ use std::time::Instant;
 
 use crate::handshake::{
     decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
-    encode_client_flags, parse_option_reply, ClientOption, ExportRequest, Info, MetaContextRequest,
-    OptionReply, DEFAULT_MAX_OPTION_REPLY_LEN,
+    encode_client_flags, parse_option_reply, BlockSize, ClientOption, ExportRequest, Info,
+    MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_REPLY_LEN,
 };
 use crate::proto::{
-    ClientFlags, HandshakeFlags, InfoType, TransmissionMode, NBD_OPT_ABORT, OPTION_REPLY_HEADER_LEN,
+    ClientFlags, HandshakeFlags, InfoType, TransmissionFlags, TransmissionMode, NBD_OPT_ABORT,
+    OPTION_REPLY_HEADER_LEN,
 };
 use crate::stream::{Stream, Until};
 use crate::Decoded;
 
-use super::{Client, ClientError, ExportDetails};
+use super::error::ClientError;
 
 /// Most non-final replies the client accepts to one option: a server that sends more is
 /// answering nothing this client asked (a list of exports, a few details of one, the contexts
@@ -35,6 +36,25 @@ pub struct OptionReplyMsg {
     /// The reply data.
     pub data: Vec<u8>,
 }
+
+/// What `NBD_OPT_INFO` / `NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME` said about an export.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportDetails {
+    /// Size in bytes.
+    pub size: u64,
+    /// Transmission flags.
+    pub flags: TransmissionFlags,
+    /// Block size constraints, if sent.
+    pub block_size: Option<BlockSize>,
+    /// Canonical name, if sent.
+    pub name: Option<String>,
+    /// Description, if sent.
+    pub description: Option<String>,
+}
+
+/// What the transmission phase starts from: the socket, the mode, the `base:allocation`
+/// context's id and the selected contexts (id, name).
+pub(super) type Transmission = (Stream, TransmissionMode, Option<u32>, Vec<(u32, String)>);
 
 /// Option haggling, client side.
 pub struct Handshake {
@@ -337,15 +357,17 @@ impl Handshake {
     }
 
     /// `NBD_OPT_GO`. On success the transmission phase has begun: turn the handshake into a
-    /// [`Client`] with [`into_client`](Self::into_client). On an error reply the handshake goes
+    /// [`Client`](super::Client) with [`into_client`](Self::into_client). On an error reply the handshake goes
     /// on.
     pub fn go(&mut self, name: &str) -> Result<ExportDetails, ClientError> {
         self.info_or_go(name, true)
     }
 
-    /// The transmission phase, after a successful [`go`](Self::go).
-    pub fn into_client(self, details: ExportDetails) -> Result<Client, ClientError> {
-        Client::new(self.stream, self.mode, details, self.meta_id, self.contexts)
+    /// What the transmission phase starts from, after a successful [`go`](Self::go): the
+    /// socket, the mode, the `base:allocation` id and the selected contexts
+    /// ([`Handshake::into_client`] makes the [`Client`](super::Client)).
+    pub(super) fn into_transmission(self) -> Transmission {
+        (self.stream, self.mode, self.meta_id, self.contexts)
     }
 
     /// The socket and the negotiated transmission mode, after a successful [`go`](Self::go):
@@ -355,9 +377,12 @@ impl Handshake {
         (self.stream, self.mode)
     }
 
-    /// `NBD_OPT_EXPORT_NAME`: enters transmission (the server closes the connection if the
-    /// export does not exist).
-    pub fn export_name(mut self, name: &str) -> Result<Client, ClientError> {
+    /// `NBD_OPT_EXPORT_NAME`, up to the export's details: the transmission phase has begun
+    /// (the server closes the connection if the export does not exist).
+    pub(super) fn enter_by_name(
+        mut self,
+        name: &str,
+    ) -> Result<(Self, ExportDetails), ClientError> {
         self.send_option(&ClientOption::ExportName(name))?;
         let want = if self.no_zeroes {
             crate::proto::EXPORT_NAME_REPLY_SHORT_LEN
@@ -375,7 +400,7 @@ impl Handshake {
             flags: info.flags,
             ..ExportDetails::default()
         };
-        Client::new(self.stream, self.mode, d, self.meta_id, self.contexts)
+        Ok((self, d))
     }
 
     /// `NBD_OPT_ABORT`, then closes.

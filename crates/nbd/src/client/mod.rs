@@ -13,7 +13,9 @@ mod error;
 mod handshake;
 
 pub use error::ClientError;
-pub use handshake::{Handshake, OptionReplyMsg, MAX_OPTION_REPLIES, MAX_OPTION_REPLY_BYTES};
+pub use handshake::{
+    ExportDetails, Handshake, OptionReplyMsg, MAX_OPTION_REPLIES, MAX_OPTION_REPLY_BYTES,
+};
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, Read, Write};
@@ -23,8 +25,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::coverage::Coverage;
-use crate::handshake::BlockSize;
-use crate::proto::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
+
+use crate::proto::{CmdFlags, Command, TransmissionMode};
 use crate::stream::{Stream, Until};
 use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
 use crate::Decoded;
@@ -53,19 +55,19 @@ impl Endpoint {
         })
     }
 }
-/// What `NBD_OPT_INFO` / `NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME` said about an export.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ExportDetails {
-    /// Size in bytes.
-    pub size: u64,
-    /// Transmission flags.
-    pub flags: TransmissionFlags,
-    /// Block size constraints, if sent.
-    pub block_size: Option<BlockSize>,
-    /// Canonical name, if sent.
-    pub name: Option<String>,
-    /// Description, if sent.
-    pub description: Option<String>,
+impl Handshake {
+    /// The transmission phase, after a successful [`go`](Self::go).
+    pub fn into_client(self, details: ExportDetails) -> Result<Client, ClientError> {
+        let (stream, mode, meta_id, contexts) = self.into_transmission();
+        Client::new(stream, mode, details, meta_id, contexts)
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: enters transmission (the server closes the connection if the
+    /// export does not exist).
+    pub fn export_name(self, name: &str) -> Result<Client, ClientError> {
+        let (h, details) = self.enter_by_name(name)?;
+        h.into_client(details)
+    }
 }
 
 /// Options of [`Client::connect`].
