@@ -592,3 +592,27 @@ fn leg_changes_are_logged_naming_the_leg() {
         );
     }
 }
+
+/// A leg failed while the array went on is not told: alone, offline, its own superblock still
+/// says every leg in sync, so it reads `[_U]` where the server said `[U_]`. The offline report
+/// says that the given legs may be stale and how to see the array's view.
+#[test]
+fn offline_status_of_some_legs_says_a_given_leg_may_be_stale() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    assert!(s.status().contains("[U_]"));
+    assert!(s.stop(), "serve did not exit cleanly");
+    let alone = raid_status(&[&b]);
+    assert!(alone.contains("[_U]"), "{alone}");
+    assert!(
+        alone.contains("may be stale") && alone.contains("every leg"),
+        "offline status of a leg alone does not say it may be stale:\n{alone}"
+    );
+    // With every leg, offline agrees with the server.
+    let all = raid_status(&[&a, &b]);
+    assert!(all.contains("[U_]"), "{all}");
+    assert!(!all.contains("may be stale"), "{all}");
+}
