@@ -75,9 +75,11 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                 let (r, specs, away) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
-                    "raid1 {} (array {})",
+                    "raid1 {} (array {}; each leg's first {} bytes hold its superblock and \
+                     bitmap)",
                     legs.join(","),
-                    uuid.unwrap_or_default()
+                    uuid.unwrap_or_default(),
+                    r.data_offset()
                 );
                 let store = store_for_mirror(&r, &specs, legs);
                 let ctl = Arc::new(
