@@ -72,7 +72,13 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     read_only: false,
                     ..settings.overrides.clone()
                 };
-                let (r, specs, away) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
+                let (r, specs, away) = open_mirror(
+                    legs,
+                    create.as_ref(),
+                    options,
+                    &leg_overrides,
+                    settings.from_file,
+                )?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
                     "raid1 {} (array {}; each leg's first {} bytes hold its superblock and \
@@ -221,12 +227,22 @@ type OpenedMirror = (Arc<Raid1>, Vec<Option<String>>, Vec<Arc<Away>>);
 /// Opens the legs of a mirror and assembles (or, with `create`, creates by those rules) the
 /// array. Returns it with the spec of the leg in each slot, and the legs it starts without
 /// because they could not be opened (remote legs, with `allow_degraded`: see [`Away`]).
+/// Errors name the flags, or with `from_file` the `[[raid1]]` table's keys.
 fn open_mirror(
     legs: &[String],
     create: Option<&CreateRules>,
     options: &[String],
     overrides: &QueueOverrides,
+    from_file: bool,
 ) -> Result<OpenedMirror> {
+    let (create_how, degraded_how) = if from_file {
+        (
+            "`create = true` in its [[raid1]] table",
+            "`options = [\"allow_degraded=true\"]` in its [[raid1]] table",
+        )
+    } else {
+        ("--raid1-create", "--raid1-degraded")
+    };
     let cfg = offline::raid1_config(options)?;
     if let Some(rules) = create {
         let r = create::create_array(legs, overrides, cfg, rules, create::SERVE)
@@ -264,7 +280,7 @@ fn open_mirror(
             Err(e) if RemoteSpec::is_remote(spec) => {
                 return Err(e.context(format!(
                     "--raid1: leg {spec:?} cannot be reached, and the mirror does not start \
-                     without it: --raid1-degraded would start it without the leg (shown \
+                     without it: {degraded_how} would start it without the leg (shown \
                      missing, and taken back when it answers)"
                 )))
             }
@@ -281,7 +297,7 @@ fn open_mirror(
         ),
         None => bail!(
             "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
-             them add --raid1-create (or run `blkq raid create {}` first)",
+             them add {create_how} (or run `blkq raid create {}` first)",
             legs.join(" ")
         ),
         Some(p) => {
