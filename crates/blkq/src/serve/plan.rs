@@ -38,8 +38,10 @@ pub struct Opened {
     pub remotes: Vec<(String, Arc<RemoteDevice>)>,
 }
 
-/// Opens the devices and assembles the mirrors: the server's configuration.
-pub fn open(settings: &Settings) -> Result<Opened> {
+/// Opens the devices and assembles the mirrors: the server's configuration. `from_file`:
+/// the settings came from a `--config` file, so errors name its keys, not the flags it
+/// forbids.
+pub fn open(settings: &Settings, from_file: bool) -> Result<Opened> {
     let mut exports = Vec::new();
     let mut descriptions = Vec::new();
     let mut control_sockets = Vec::new();
@@ -72,13 +74,8 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     read_only: false,
                     ..settings.overrides.clone()
                 };
-                let (r, specs, away) = open_mirror(
-                    legs,
-                    create.as_ref(),
-                    options,
-                    &leg_overrides,
-                    settings.from_file,
-                )?;
+                let (r, specs, away) =
+                    open_mirror(legs, create.as_ref(), options, &leg_overrides, from_file)?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
                     "raid1 {} (array {}; each leg's first {} bytes hold its superblock and \
@@ -413,7 +410,7 @@ mod tests {
         // Whether the first export's queue runs a scheduler.
         let scheduled = |flags: &[&str]| {
             let cfg = Config::from_args(&parse_serve_flags(flags).unwrap()).unwrap();
-            open(&check(&cfg, &Source::CommandLine).unwrap()).map(|o| {
+            open(&check(&cfg, &Source::CommandLine).unwrap(), false).map(|o| {
                 let dev = o.server.exports[0].device.clone();
                 let q = dev.as_queue().expect("a plain device is a queue");
                 q.scheduler().is_some()

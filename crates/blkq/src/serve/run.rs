@@ -102,7 +102,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .filter(|_| tls_mode != TlsMode::Off);
     let tls = load_tls(&settings.tls, &source)?;
     let shutdown_timeout = settings.shutdown_timeout;
-    let opened = open(&settings)?;
+    let opened = open(&settings, source.is_file())?;
     let exports = opened.server.exports.clone();
     let descriptions = opened.descriptions;
     let mut cfg = opened.server;

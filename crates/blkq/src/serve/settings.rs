@@ -47,8 +47,6 @@ pub struct Settings {
     pub bitmaps_reset: bool,
     /// The bitmaps' gate (`--bitmaps-gate`).
     pub bitmaps_gate: cbt::Mode,
-    /// Read from a `--config` file: errors name its keys, not the flags it forbids.
-    pub from_file: bool,
 }
 
 /// One validated export.
@@ -223,7 +221,6 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         control: s.control.clone(),
         bitmaps_reset: s.bitmaps_reset,
         bitmaps_gate: s.bitmaps_gate.0,
-        from_file: src.is_file(),
     })
 }
 
