@@ -21,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// How long one recipe may run.
-const LIMIT: Duration = Duration::from_secs(40);
+const LIMIT: Duration = Duration::from_secs(60);
 
 /// One marked block.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +32,8 @@ struct Recipe {
     line: usize,
     /// Its lines.
     body: Vec<String>,
+    /// The commands it needs (`needs=CMD,CMD` after `recipe`): without one it is skipped.
+    needs: Vec<String>,
 }
 
 impl Recipe {
@@ -52,23 +54,31 @@ fn prompt(line: &str) -> Option<(char, &str)> {
 /// The recipes of one page.
 fn recipes_in(page: &str, text: &str) -> Vec<Recipe> {
     let mut out = Vec::new();
-    let mut open: Option<(bool, usize, Vec<String>)> = None;
+    let mut open: Option<(Option<Vec<String>>, usize, Vec<String>)> = None;
     for (i, line) in text.lines().enumerate() {
         match &mut open {
             None => {
                 if let Some(info) = line.strip_prefix("```") {
                     let mut words = info.split_whitespace();
-                    let marked = words.next() == Some("sh") && words.next() == Some("recipe");
+                    let marked = (words.next() == Some("sh") && words.next() == Some("recipe"))
+                        .then(|| {
+                            words
+                                .filter_map(|w| w.strip_prefix("needs="))
+                                .flat_map(|w| w.split(','))
+                                .map(str::to_owned)
+                                .collect()
+                        });
                     open = Some((marked, i + 2, Vec::new()));
                 }
             }
             Some((marked, first, body)) => {
                 if line.starts_with("```") {
-                    if *marked {
+                    if let Some(needs) = marked.take() {
                         out.push(Recipe {
                             page: page.to_owned(),
                             line: *first,
                             body: std::mem::take(body),
+                            needs,
                         });
                     }
                     open = None;
@@ -139,8 +149,24 @@ fn script(r: &Recipe) -> String {
     s
 }
 
-/// Runs `r`; `Err` says where it failed and what it printed.
+/// Whether `cmd` is on PATH.
+fn on_path(cmd: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(cmd).is_file()))
+}
+
+/// Runs `r`; `Err` says where it failed and what it printed. A recipe that needs a command
+/// missing here is skipped, saying so (failed instead for Ceph's under `BLKQ_REQUIRE_CEPH=1`,
+/// as the rbd tests do).
 fn run(r: &Recipe) -> Result<(), String> {
+    if let Some(missing) = r.needs.iter().find(|c| !on_path(c)) {
+        let why = format!("{}:{}: needs {missing}, not installed", r.page, r.line);
+        if std::env::var_os("BLKQ_REQUIRE_CEPH").is_some_and(|v| v == "1") {
+            return Err(format!("{why} (BLKQ_REQUIRE_CEPH=1)"));
+        }
+        eprintln!("SKIPPED {why}");
+        return Ok(());
+    }
     let hosts = if r.two_hosts() {
         match common::Hosts::new() {
             Ok(h) => Some(h),
@@ -274,9 +300,12 @@ fn cannot_run() -> Option<String> {
 
 #[test]
 fn marked_blocks_are_found_with_their_lines() {
-    let page = "x\n```sh\nnot this\n```\n\n```sh recipe\necho one\nb$ echo two\n```\n";
+    let page = "x\n```sh\nnot this\n```\n\n```sh recipe\necho one\nb$ echo two\n```\n\
+                ```sh recipe needs=ceph-mon,rbd\nrbd ls\n```\n";
     let r = recipes_in("p.md", page);
-    assert_eq!(r.len(), 1);
+    assert_eq!(r.len(), 2);
+    assert_eq!(r[1].needs, ["ceph-mon", "rbd"]);
+    assert!(r[0].needs.is_empty());
     assert_eq!(r[0].line, 7);
     assert_eq!(r[0].body, ["echo one", "b$ echo two"]);
     assert!(r[0].two_hosts());
@@ -302,6 +331,7 @@ fn a_failing_recipe_names_its_line() {
             "blkq raid status --control /run/none.sock".into(),
             "echo never".into(),
         ],
+        needs: Vec::new(),
     };
     let e = run(&r).unwrap_err();
     assert!(e.starts_with("docs/x.md:11: the recipe failed"), "{e}");
