@@ -149,6 +149,33 @@ fn script(r: &Recipe) -> String {
     s
 }
 
+/// The clients recipes use, which `BLKQ_NO_INSTALL=1` may leave out: a recipe that names one
+/// needs it.
+const CLIENTS: &[&str] = &["nbdinfo", "nbdcopy", "qemu-img", "qemu-io", "curl", "nbdsh"];
+
+/// What `r` needs that is missing here, if anything: its `needs=`, the clients it names, and
+/// python3's libnbd for `scripts/cbt-backup.py`.
+fn missing(r: &Recipe) -> Option<String> {
+    let text = r.body.join("\n");
+    let named = CLIENTS
+        .iter()
+        .filter(|c| text.contains(*c))
+        .map(|c| c.to_string());
+    if let Some(m) = r.needs.iter().cloned().chain(named).find(|c| !on_path(c)) {
+        return Some(m);
+    }
+    if text.contains("cbt-backup.py") {
+        let ok = Command::new("python3")
+            .args(["-c", "import nbd"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            return Some("python3-libnbd".into());
+        }
+    }
+    None
+}
+
 /// Whether `cmd` is on PATH.
 fn on_path(cmd: &str) -> bool {
     std::env::var_os("PATH")
@@ -156,12 +183,13 @@ fn on_path(cmd: &str) -> bool {
 }
 
 /// Runs `r`; `Err` says where it failed and what it printed. A recipe that needs a command
-/// missing here is skipped, saying so (failed instead for Ceph's under `BLKQ_REQUIRE_CEPH=1`,
-/// as the rbd tests do).
+/// missing here is skipped, saying so (failed instead for a `needs=` one under
+/// `BLKQ_REQUIRE_CEPH=1`, as the rbd tests do).
 fn run(r: &Recipe) -> Result<(), String> {
-    if let Some(missing) = r.needs.iter().find(|c| !on_path(c)) {
+    if let Some(missing) = missing(r) {
         let why = format!("{}:{}: needs {missing}, not installed", r.page, r.line);
-        if std::env::var_os("BLKQ_REQUIRE_CEPH").is_some_and(|v| v == "1") {
+        let ceph = r.needs.contains(&missing);
+        if ceph && std::env::var_os("BLKQ_REQUIRE_CEPH").is_some_and(|v| v == "1") {
             return Err(format!("{why} (BLKQ_REQUIRE_CEPH=1)"));
         }
         eprintln!("SKIPPED {why}");
@@ -292,9 +320,16 @@ fn cannot_run() -> Option<String> {
     if unsafe { libc::geteuid() } != 0 {
         return Some("not root (the recipes run in namespaces of their own)".into());
     }
-    match Command::new("unshare").arg("--version").output() {
+    let probe = Command::new("unshare")
+        .args(["--mount", "--net", "--pid", "--fork", "true"])
+        .output();
+    match probe {
         Ok(o) if o.status.success() => None,
-        _ => Some("no unshare(1) (util-linux)".into()),
+        Ok(o) => Some(format!(
+            "unshare cannot make the namespaces here: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(format!("no unshare(1) (util-linux): {e}")),
     }
 }
 
@@ -312,6 +347,9 @@ fn marked_blocks_are_found_with_their_lines() {
     let s = script(&r[0]);
     assert!(s.ends_with("echo one\nnsenter --net=\"$BLKQ_HOST_B\" bash -c 'echo two'\n"));
     assert_eq!(quote("it's"), r"'it'\''s'");
+    let mut lacking = r[1].clone();
+    lacking.needs = vec!["blkq-no-such-command".into()];
+    assert_eq!(missing(&lacking).as_deref(), Some("blkq-no-such-command"));
     // The docs have recipes.
     assert!(all_recipes().len() >= 3, "{:?}", all_recipes());
 }
