@@ -1,7 +1,10 @@
 //! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap` and `certs` front-ends over the blkq
 //! crates.
 
-use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod bench;
 mod bitmap;
@@ -13,10 +16,23 @@ mod metrics;
 mod raid;
 mod serve;
 
+/// The version, and the features built in: `+rbd` when the `rbd:` device is (the `rbd`
+/// feature, and librbd found at build time), `-rbd` when not.
+fn version() -> &'static str {
+    if blk_drivers::rbd::AVAILABLE {
+        concat!(env!("CARGO_PKG_VERSION"), " (features: +rbd)")
+    } else {
+        concat!(
+            env!("CARGO_PKG_VERSION"),
+            " (features: -rbd: built without librbd)"
+        )
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "blkq",
-    version,
+    version = version(),
     about = "A userspace multi-queue block I/O stack served over NBD"
 )]
 struct Cli {
@@ -39,6 +55,19 @@ enum Command {
     /// Manage a running server's dirty bitmaps (changed-block tracking for incremental
     /// backups) through its control socket.
     Bitmap(bitmap::BitmapArgs),
+    /// Print a shell completion script, generated from these definitions (bash: save it as
+    /// /usr/share/bash-completion/completions/blkq).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write a man page per command (blkq.1, blkq-serve.1, blkq-raid-status.1, ...) into DIR,
+    /// generated from these definitions (e.g. /usr/local/share/man/man1).
+    Man {
+        /// Where the pages go (it must exist).
+        dir: PathBuf,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +78,11 @@ fn main() -> anyhow::Result<()> {
         Command::Raid(a) => raid::run(*a),
         Command::Certs(a) => certs::certs(&a),
         Command::Bitmap(a) => bitmap::run(a),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "blkq", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man { dir } => clap_mangen::generate_to(Cli::command(), &dir)
+            .with_context(|| format!("writing the man pages into {}", dir.display())),
     }
 }

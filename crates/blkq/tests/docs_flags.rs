@@ -187,3 +187,50 @@ fn the_reference_pages_name_no_flag_that_help_lacks() {
     assert_current("network.md", &serve_certs);
     assert_current("raid1.md", &f.raid.union(&f.serve).cloned().collect());
 }
+
+/// The Rust paths (`nbd::server::X`) in `text`: `::` between identifier characters (an IPv6
+/// address such as `::1` or `[::1]` is not one).
+fn rust_paths(text: &str) -> Vec<String> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.split(|c: char| !(ident(c) || c == ':'))
+        .filter(|w| {
+            w.match_indices("::").any(|(i, _)| {
+                let before = w[..i].chars().next_back();
+                let after = w[i + 2..].chars().next();
+                before.is_some_and(ident) && after.is_some_and(|c| c.is_ascii_alphabetic())
+            })
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `--help` is for users: no Rust item names (a doc comment's intra-code reference) in it.
+#[test]
+fn help_names_no_rust_items() {
+    assert_eq!(
+        rust_paths("see nbd::server::DEFAULT_UNIX_PATH, [::1]:10809, ::1"),
+        ["nbd::server::DEFAULT_UNIX_PATH"]
+    );
+    let raid_help = help(&["raid"]);
+    let mut pages = vec![
+        (String::from("blkq"), help(&[])),
+        ("serve".into(), help(&["serve"])),
+        ("certs".into(), help(&["certs"])),
+        ("bench".into(), help(&["bench"])),
+        ("bitmap".into(), help(&["bitmap"])),
+        ("raid".into(), raid_help.clone()),
+    ];
+    for sub in subcommands(&raid_help) {
+        pages.push((format!("raid {sub}"), help(&["raid", &sub])));
+    }
+    for sub in subcommands(&help(&["bitmap"])) {
+        pages.push((format!("bitmap {sub}"), help(&["bitmap", &sub])));
+    }
+    for (cmd, text) in pages {
+        let found = rust_paths(&text);
+        assert!(
+            found.is_empty(),
+            "`blkq {cmd} --help` names Rust items: {found:?}"
+        );
+    }
+}

@@ -592,3 +592,52 @@ fn leg_changes_are_logged_naming_the_leg() {
         );
     }
 }
+
+/// A leg failed while the array went on is not told: alone, offline, its own superblock still
+/// says every leg in sync, so it reads `[_U]` where the server said `[U_]`. The offline report
+/// says that the given legs may be stale and how to see the array's view.
+#[test]
+fn offline_status_of_some_legs_says_a_given_leg_may_be_stale() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let mut s = Server::start(d.path(), &format!("{a},{b}"), &[]);
+    ok(&["raid", "fail", "1", "--control", s.ctl()]);
+    assert!(s.status().contains("[U_]"));
+    assert!(s.stop(), "serve did not exit cleanly");
+    let alone = raid_status(&[&b]);
+    assert!(alone.contains("[_U]"), "{alone}");
+    assert!(
+        alone.contains("may be stale") && alone.contains("every leg"),
+        "offline status of a leg alone does not say it may be stale:\n{alone}"
+    );
+    // With every leg, offline agrees with the server.
+    let all = raid_status(&[&a, &b]);
+    assert!(all.contains("[U_]"), "{all}");
+    assert!(!all.contains("may be stale"), "{all}");
+}
+
+/// A mirror's export is smaller than its legs by the superblock and bitmap at the start of
+/// each: the banner says how much, beside the export's size.
+#[test]
+fn the_banner_says_what_the_superblock_and_bitmap_take() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (leg(d.path(), "a.img"), leg(d.path(), "b.img"));
+    create(&a, &b);
+    let v: serde_json::Value = serde_json::from_str(&raid_status(&["--json", &a, &b])).unwrap();
+    let (offset, capacity) = geometry(&v);
+    let s = Launch::serve(["--raid1", &format!("{a},{b}"), "--no-tcp", "--socket"])
+        .arg(d.path().join("nbd.sock"))
+        .ready_after_line("Ctrl-C")
+        .start();
+    let banner = s.stdout_lines().join("\n");
+    assert_eq!(offset + capacity, LEG_SIZE);
+    let want = format!("{capacity} bytes");
+    assert!(banner.contains(&want), "{banner}");
+    assert!(
+        banner.contains(&format!(
+            "each leg's first {offset} bytes hold its superblock and bitmap"
+        )),
+        "the banner does not say what the legs' first {offset} bytes hold:\n{banner}"
+    );
+}

@@ -169,3 +169,29 @@ fn config_refuses_other_flags() {
         "{err}"
     );
 }
+
+/// A `[[raid1]]` table over blank legs without `create = true` is refused naming that key,
+/// not the command line's `--raid1-create`, which `--config` forbids.
+#[test]
+fn blank_legs_in_a_config_file_name_the_create_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, a) = common::leg_file(dir.path(), "a.img", 8 << 20);
+    let (_, b) = common::leg_file(dir.path(), "b.img", 8 << 20);
+    let f = dir.path().join("m.toml");
+    std::fs::write(
+        &f,
+        format!(
+            "[server]\nno_tcp = true\nsocket = \"s.sock\"\n\n[[raid1]]\nlegs = [\"{a}\", \
+             \"{b}\"]\ncreate = false\n"
+        ),
+    )
+    .unwrap();
+    let err = common::fails_within(
+        &["serve", "--config", f.to_str().unwrap()],
+        Duration::from_secs(60),
+    );
+    assert!(
+        err.contains("create = true") && !err.contains("--raid1-create"),
+        "{err}"
+    );
+}

@@ -63,3 +63,40 @@ fn tls_without_certificates_names_the_flag() {
     let e = common::fails(&["serve", "--device", "mem:1M", "--tls", "on"]);
     assert!(e.contains("--tls-certificates"), "{e}");
 }
+
+/// The banner's `nbds://` URI names a host the server's certificate is for: a certificate made
+/// for `myhost` fails verification when reached as `127.0.0.1`, so the banner says `myhost`;
+/// one made for the default names (localhost, 127.0.0.1, ::1) keeps the address.
+#[test]
+fn the_banner_names_the_host_the_certificate_is_for() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, hostname, want) in [
+        ("named", Some("myhost"), "nbds://myhost:"),
+        ("default", None, "nbds://127.0.0.1:"),
+    ] {
+        let pki = dir.path().join(name);
+        let pki_s = pki.to_str().unwrap();
+        let mut certs = vec!["certs", pki_s];
+        if let Some(h) = hostname {
+            certs.extend(["--hostname", h]);
+        }
+        common::ok(&certs);
+        let sock = dir.path().join(format!("{name}.sock"));
+        let s = common::Launch::serve(["--device", "mem:1M", "--listen", "127.0.0.1:0"])
+            .args(["--tls", "require", "--tls-certificates", pki_s, "--socket"])
+            .arg(&sock)
+            .ready_after_line("Ctrl-C")
+            .start();
+        let banner = s.stdout_lines().join("\n");
+        assert!(
+            banner.contains(want),
+            "{name}: the banner does not say {want}:\n{banner}"
+        );
+        if hostname.is_some() {
+            assert!(
+                !banner.contains("nbds://127.0.0.1"),
+                "{name}: the banner offers an address the certificate is not for:\n{banner}"
+            );
+        }
+    }
+}

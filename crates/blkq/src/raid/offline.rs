@@ -254,7 +254,10 @@ impl Plan {
                 }
             } else if !info.uuid.is_nil() {
                 notes.push(format!(
-                    "slot {n} (leg UUID {}) is missing from the given legs: the array runs degraded",
+                    "slot {n} (leg UUID {}) is missing from the given legs: the array runs \
+                     degraded; and the given legs may be stale (a leg failed or cut off while \
+                     the array went on is not told, so its own superblock still reads in \
+                     sync): give every leg, or ask the running server with --control",
                     info.uuid
                 ));
             }

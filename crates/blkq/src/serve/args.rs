@@ -128,8 +128,8 @@ pub struct ExportArgs {
 #[derive(Args, Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerArgs {
-    /// Unix socket to listen on (default ./blkq.sock, nbd::server::DEFAULT_UNIX_PATH; from
-    /// the working directory even in a --config file that leaves it out).
+    /// Unix socket to listen on (default ./blkq.sock, from the working directory even in a
+    /// --config file that leaves it out).
     #[arg(long, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// Permission bits of the Unix socket, octal (600: only this user).

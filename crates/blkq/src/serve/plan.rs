@@ -38,8 +38,10 @@ pub struct Opened {
     pub remotes: Vec<(String, Arc<RemoteDevice>)>,
 }
 
-/// Opens the devices and assembles the mirrors: the server's configuration.
-pub fn open(settings: &Settings) -> Result<Opened> {
+/// Opens the devices and assembles the mirrors: the server's configuration. `from_file`:
+/// the settings came from a `--config` file, so errors name its keys, not the flags it
+/// forbids.
+pub fn open(settings: &Settings, from_file: bool) -> Result<Opened> {
     let mut exports = Vec::new();
     let mut descriptions = Vec::new();
     let mut control_sockets = Vec::new();
@@ -72,12 +74,15 @@ pub fn open(settings: &Settings) -> Result<Opened> {
                     read_only: false,
                     ..settings.overrides.clone()
                 };
-                let (r, specs, away) = open_mirror(legs, create.as_ref(), options, &leg_overrides)?;
+                let (r, specs, away) =
+                    open_mirror(legs, create.as_ref(), options, &leg_overrides, from_file)?;
                 let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
                 let full = format!(
-                    "raid1 {} (array {})",
+                    "raid1 {} (array {}; each leg's first {} bytes hold its superblock and \
+                     bitmap)",
                     legs.join(","),
-                    uuid.unwrap_or_default()
+                    uuid.unwrap_or_default(),
+                    r.data_offset()
                 );
                 let store = store_for_mirror(&r, &specs, legs);
                 let ctl = Arc::new(
@@ -219,12 +224,22 @@ type OpenedMirror = (Arc<Raid1>, Vec<Option<String>>, Vec<Arc<Away>>);
 /// Opens the legs of a mirror and assembles (or, with `create`, creates by those rules) the
 /// array. Returns it with the spec of the leg in each slot, and the legs it starts without
 /// because they could not be opened (remote legs, with `allow_degraded`: see [`Away`]).
+/// Errors name the flags, or with `from_file` the `[[raid1]]` table's keys.
 fn open_mirror(
     legs: &[String],
     create: Option<&CreateRules>,
     options: &[String],
     overrides: &QueueOverrides,
+    from_file: bool,
 ) -> Result<OpenedMirror> {
+    let (create_how, degraded_how) = if from_file {
+        (
+            "`create = true` in its [[raid1]] table",
+            "`options = [\"allow_degraded=true\"]` in its [[raid1]] table",
+        )
+    } else {
+        ("--raid1-create", "--raid1-degraded")
+    };
     let cfg = offline::raid1_config(options)?;
     if let Some(rules) = create {
         let r = create::create_array(legs, overrides, cfg, rules, create::SERVE)
@@ -262,7 +277,7 @@ fn open_mirror(
             Err(e) if RemoteSpec::is_remote(spec) => {
                 return Err(e.context(format!(
                     "--raid1: leg {spec:?} cannot be reached, and the mirror does not start \
-                     without it: --raid1-degraded would start it without the leg (shown \
+                     without it: {degraded_how} would start it without the leg (shown \
                      missing, and taken back when it answers)"
                 )))
             }
@@ -279,7 +294,7 @@ fn open_mirror(
         ),
         None => bail!(
             "--raid1: no leg carries a raid1 superblock (blank legs). To make a new mirror on \
-             them add --raid1-create (or run `blkq raid create {}` first)",
+             them add {create_how} (or run `blkq raid create {}` first)",
             legs.join(" ")
         ),
         Some(p) => {
@@ -395,7 +410,7 @@ mod tests {
         // Whether the first export's queue runs a scheduler.
         let scheduled = |flags: &[&str]| {
             let cfg = Config::from_args(&parse_serve_flags(flags).unwrap()).unwrap();
-            open(&check(&cfg, &Source::CommandLine).unwrap()).map(|o| {
+            open(&check(&cfg, &Source::CommandLine).unwrap(), false).map(|o| {
                 let dev = o.server.exports[0].device.clone();
                 let q = dev.as_queue().expect("a plain device is a queue");
                 q.scheduler().is_some()

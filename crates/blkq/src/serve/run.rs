@@ -102,7 +102,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .filter(|_| tls_mode != TlsMode::Off);
     let tls = load_tls(&settings.tls, &source)?;
     let shutdown_timeout = settings.shutdown_timeout;
-    let opened = open(&settings)?;
+    let opened = open(&settings, source.is_file())?;
     let exports = opened.server.exports.clone();
     let descriptions = opened.descriptions;
     let mut cfg = opened.server;
@@ -155,6 +155,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         exports.len()
     ));
     println!("blkq serve: {} export(s)", exports.len());
+    let cert_for = tls_dir.as_deref().and_then(cert_names);
+    let tcp_host = server
+        .tcp_addr()
+        .and_then(|a| tls_host(shown_addr(a), cert_for.as_deref()?));
     for (e, full) in exports.iter().zip(&descriptions) {
         let lim = e.device.limits();
         println!(
@@ -169,6 +173,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             server.tcp_addr(),
             server.unix_path(),
             tls_dir.as_deref(),
+            tcp_host.as_deref(),
         ) {
             println!("    {u}");
         }
@@ -179,7 +184,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
         server.tcp_addr(),
         server.unix_path(),
         tls_dir.as_deref(),
+        tcp_host.as_deref(),
     );
+    if let Some(h) = &tcp_host {
+        println!(
+            "  (the server's certificate is for {h}, not this address: a TCP client must \
+             reach it by that name)"
+        );
+    }
     if let Some(u) = example.last() {
         println!("try:");
         match &tls_dir {
@@ -219,14 +231,66 @@ pub fn run(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// `nbd://` and `nbd+unix://` URIs of an export.
-/// The URIs of an export; with TLS (`tls`: the certificates directory) `nbds` ones that
-/// name it, as libnbd's tools take them.
+/// The address a client on this host reaches a TCP listener by (an unspecified IPv4 address
+/// as 127.0.0.1).
+fn shown_addr(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V4(x) if x.ip().is_unspecified() => {
+            SocketAddr::from(([127, 0, 0, 1], x.port()))
+        }
+        other => other,
+    }
+}
+
+/// The names (DNS names and IP addresses) the server certificate `DIR/server-cert.pem` is
+/// for; `None` when it cannot be read (the server has loaded it already: the banner then
+/// keeps the address).
+fn cert_names(dir: &Path) -> Option<Vec<String>> {
+    use x509_parser::extensions::GeneralName;
+    let pem = std::fs::read(dir.join("server-cert.pem")).ok()?;
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).ok()?;
+    let cert = pem.parse_x509().ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    let names = san
+        .value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::DNSName(d) => Some((*d).to_owned()),
+            GeneralName::IPAddress(b) => match b.len() {
+                4 => Some(std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*b).ok()?).to_string()),
+                16 => Some(std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*b).ok()?).to_string()),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    Some(names)
+}
+
+/// The `host:port` a TLS client must name to verify the certificate, when the certificate is
+/// not for `addr`'s IP (`None` when it is, or names nothing): its first name.
+fn tls_host(addr: SocketAddr, names: &[String]) -> Option<String> {
+    let ip = addr.ip().to_string();
+    if names.contains(&ip) {
+        return None;
+    }
+    let first = names.first()?;
+    Some(match first.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(v6)) => format!("[{v6}]:{}", addr.port()),
+        _ => format!("{first}:{}", addr.port()),
+    })
+}
+
+/// The URIs of an export (`nbd://`, `nbd+unix://`); with TLS (`tls`: the certificates
+/// directory) `nbds` ones that name it, as libnbd's tools take them, the TCP one naming
+/// `tls_host` (`host:port`, a name the certificate is for) instead of the address when given.
 fn uris(
     name: &str,
     tcp: Option<SocketAddr>,
     unix: Option<&Path>,
     tls: Option<&Path>,
+    tls_host: Option<&str>,
 ) -> Vec<String> {
     let mut v = Vec::new();
     let (s, certs) = match tls {
@@ -241,11 +305,9 @@ fn uris(
         ));
     }
     if let Some(a) = tcp {
-        let a = match a {
-            SocketAddr::V4(x) if x.ip().is_unspecified() => {
-                SocketAddr::from(([127, 0, 0, 1], x.port()))
-            }
-            other => other,
+        let a = match (tls, tls_host) {
+            (Some(_), Some(h)) => h.to_owned(),
+            _ => shown_addr(a).to_string(),
         };
         let q = if tls.is_some() { "?" } else { "" };
         if name.is_empty() && tls.is_none() {
@@ -264,15 +326,15 @@ mod tests {
     #[test]
     fn uris_look_right() {
         let tcp: SocketAddr = "127.0.0.1:10809".parse().unwrap();
-        let u = uris("", Some(tcp), Some(Path::new("./blkq.sock")), None);
+        let u = uris("", Some(tcp), Some(Path::new("./blkq.sock")), None, None);
         assert_eq!(
             u,
             vec!["nbd+unix:///?socket=./blkq.sock", "nbd://127.0.0.1:10809"]
         );
-        let u = uris("disk", Some(tcp), None, None);
+        let u = uris("disk", Some(tcp), None, None, None);
         assert_eq!(u, vec!["nbd://127.0.0.1:10809/disk"]);
         let pki = Path::new("./pki");
-        let u = uris("", Some(tcp), Some(Path::new("./s")), Some(pki));
+        let u = uris("", Some(tcp), Some(Path::new("./s")), Some(pki), None);
         assert_eq!(
             u,
             vec![
@@ -280,5 +342,23 @@ mod tests {
                 "nbds://127.0.0.1:10809/?tls-certificates=./pki"
             ]
         );
+        let u = uris("", Some(tcp), None, Some(pki), Some("myhost:10809"));
+        assert_eq!(u, vec!["nbds://myhost:10809/?tls-certificates=./pki"]);
+    }
+
+    #[test]
+    fn the_tls_host_is_a_name_the_certificate_is_for() {
+        let tcp: SocketAddr = "127.0.0.1:10809".parse().unwrap();
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(tls_host(tcp, &names(&["localhost", "127.0.0.1"])), None);
+        assert_eq!(
+            tls_host(tcp, &names(&["myhost"])).as_deref(),
+            Some("myhost:10809")
+        );
+        assert_eq!(
+            tls_host(tcp, &names(&["::1"])).as_deref(),
+            Some("[::1]:10809")
+        );
+        assert_eq!(tls_host(tcp, &[]), None);
     }
 }
