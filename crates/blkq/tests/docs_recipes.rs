@@ -165,7 +165,9 @@ fn missing(r: &Recipe) -> Option<String> {
         return Some(m);
     }
     if text.contains("cbt-backup.py") {
-        let ok = Command::new("python3")
+        // The interpreter of the script's first line (the system one, where python3-libnbd
+        // installs), not whichever python3 comes first on PATH.
+        let ok = Command::new("/usr/bin/python3")
             .args(["-c", "import nbd"])
             .output()
             .is_ok_and(|o| o.status.success());
