@@ -1,5 +1,5 @@
-//! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap` and `certs` front-ends over the blkq
-//! crates.
+//! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap`, `export` and `certs` front-ends
+//! over the blkq crates.
 
 use clap::{Parser, Subcommand};
 
@@ -7,6 +7,7 @@ mod bench;
 mod bitmap;
 mod certs;
 mod control;
+mod export;
 mod listen;
 mod logs;
 mod metrics;
@@ -39,6 +40,8 @@ enum Command {
     /// Manage a running server's dirty bitmaps (changed-block tracking for incremental
     /// backups) through its control socket.
     Bitmap(bitmap::BitmapArgs),
+    /// Add, remove and list a running server's exports through its control socket.
+    Export(export::ExportArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +52,6 @@ fn main() -> anyhow::Result<()> {
         Command::Raid(a) => raid::run(*a),
         Command::Certs(a) => certs::certs(&a),
         Command::Bitmap(a) => bitmap::run(a),
+        Command::Export(a) => export::run(a),
     }
 }
