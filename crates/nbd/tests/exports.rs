@@ -197,3 +197,32 @@ fn the_last_export_may_be_removed_and_the_server_then_serves_none() {
     );
     assert!(server.shutdown().is_clean());
 }
+
+#[test]
+fn a_removal_stuck_past_its_timeout_is_an_error_naming_the_export() {
+    let (dev, rules) = faulty();
+    let (server, ep, _dir) = start(vec![
+        Export::new("keep", mem("mem:1M")),
+        Export::new("hung", dev),
+    ]);
+    let mut c = connect(&ep, "hung");
+    rules.add(Rule::stall(OpSet::WRITE));
+    c.send(Request::new(Command::Write, 0, 0, 4096), &[5u8; 4096])
+        .unwrap();
+    until_stalled(&rules, 1);
+    let e = server
+        .remove_export("hung", Duration::from_millis(200))
+        .unwrap_err();
+    match &e {
+        ServerError::RemovedUnclean(r) => {
+            assert!(r.stuck && r.failed && r.connections == 1, "{r:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.contains("\"hung\" removed, but it is stuck"), "{msg}");
+    assert_eq!(names(&ep), ["keep"]);
+    // Not reported again by the shutdown.
+    assert!(server.shutdown().is_clean());
+    rules.release();
+}

@@ -260,12 +260,11 @@ impl Served {
         let size = blk::Device::limits(opened.export.device.as_ref()).capacity;
         let read_only = opened.export.read_only;
         let device = opened.description.clone();
-        // Recorded first: a client may ask for its bitmaps as soon as the table has it.
+        let export = opened.export.clone();
+        self.server.add(export)?;
+        // Clients read its bitmaps from the device itself; the bitmap commands and the
+        // metrics find them here from now on.
         self.devices.insert(&name, &opened);
-        if let Err(e) = self.server.add(opened.export) {
-            self.devices.remove(&name);
-            return Err(e.into());
-        }
         if let Some(addr) = self.settings.tcp {
             let tls = self.settings.tls.tls;
             let this = [(name.as_str(), &settings.access)];

@@ -578,6 +578,9 @@ impl Exports {
         stuck |= !flush(&shared, std::slice::from_ref(&state), timeout).is_empty();
         if stuck {
             state.failed.set();
+            // A device with a request stuck in it is never dropped (a drop may wait for it,
+            // as a mirror's does): left behind, as a stuck connection's thread is.
+            std::mem::forget(state.clone());
         }
         let report = RemoveReport {
             name: name.to_string(),
