@@ -162,6 +162,12 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
     }
     export(&ctl, &["add", "b", &spec]);
     assert_eq!(list(&ctl).len(), 3);
+    // A read-only export has nothing to flush.
+    let m = export(&ctl, &["remove", "ro"]);
+    assert!(
+        m.contains("\"ro\" removed (0 connection(s) drained and closed)"),
+        "{m}"
+    );
     drop(s);
 }
 

@@ -144,6 +144,8 @@ pub struct RemoveReport {
     pub name: String,
     /// Connections that were attached to it (drained, then closed).
     pub connections: usize,
+    /// Its device was flushed (a writable export; whether the flush succeeded is `failed`).
+    pub flushed: bool,
     /// A connection still had a request in the device after the timeout (its thread is left
     /// behind), or the final flush did not complete in time.
     pub stuck: bool,
@@ -164,7 +166,8 @@ impl std::fmt::Display for RemoveReport {
         let n = self.connections;
         write!(f, "export {:?} removed", self.name)?;
         if self.is_clean() {
-            return write!(f, " ({n} connection(s) drained and closed, device flushed)");
+            let flushed = if self.flushed { ", device flushed" } else { "" };
+            return write!(f, " ({n} connection(s) drained and closed{flushed})");
         }
         if self.stuck {
             write!(
@@ -585,6 +588,7 @@ impl Exports {
         let report = RemoveReport {
             name: name.to_string(),
             connections,
+            flushed: !state.export.read_only,
             stuck,
             failed: state.failed.is_set(),
         };
