@@ -250,13 +250,15 @@ impl Served {
         }
         // Checked and opened as a `--device`/`[[export]]` given at start (errors name the
         // flags of `blkq export add`).
+        let what = || format!("export add {name:?}");
         let settings = check_export(
             &decl,
             name.clone(),
             &Source::CommandLine,
             &self.settings.tls,
-        )?;
-        let opened = open_export(&self.settings, &settings)?;
+        )
+        .with_context(what)?;
+        let opened = open_export(&self.settings, &settings).with_context(what)?;
         let size = blk::Device::limits(opened.export.device.as_ref()).capacity;
         let read_only = opened.export.read_only;
         let device = opened.description.clone();
