@@ -70,6 +70,7 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ctl = d.join("ctl.sock");
+    let addr_file = d.join("metrics.addr");
     let s = Serving::launch(
         d,
         "exports",
@@ -80,9 +81,14 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
             "a",
             "--control",
             ctl.to_str().unwrap(),
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            addr_file.to_str().unwrap(),
         ],
-        |l| l.ready_when_exists(&ctl),
+        |l| l.ready_when_exists(&ctl).ready_when_written(&addr_file),
     );
+    let metrics = || common::http_get(&common::written_addr(&addr_file), "/metrics").1;
     let (img, spec) = common::leg_file(d, "b.img", 4 * MIB);
     let m = export(&ctl, &["add", "b", &spec, "--description", "the b disk"]);
     assert!(m.contains("export \"b\" added: 4194304 bytes"), "{m}");
@@ -127,6 +133,13 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
         ctl.to_str().unwrap(),
     ]);
     assert!(bm.contains("\"daily\" added"), "{bm}");
+    // The metrics count it: its disk counters and its bitmap.
+    let m = metrics();
+    assert!(m.contains("blkq_disk_reads_completed_total{export=\"b\"}"), "{m}");
+    assert!(
+        m.contains("blkq_dirty_bitmap_bytes{export=\"b\",bitmap=\"daily\"}"),
+        "{m}"
+    );
 
     // A client attached at removal: closed after it; the name is gone for a new one.
     let opts = ClientOptions {
@@ -154,6 +167,8 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
     }
     let names: Vec<String> = list(&ctl).into_iter().map(|e| e.0).collect();
     assert_eq!(names, ["a", "ro"]);
+    let m = metrics();
+    assert!(!m.contains("export=\"b\""), "{m}");
     // Written and flushed to the file, which is closed: it may be served again at once.
     let data = std::fs::read(&img).unwrap();
     assert_eq!(&data[..4096], &[7u8; 4096][..]);
