@@ -1,5 +1,5 @@
-//! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap` and `certs` front-ends over the blkq
-//! crates.
+//! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap`, `export` and `certs` front-ends
+//! over the blkq crates.
 
 use std::path::PathBuf;
 
@@ -10,6 +10,7 @@ mod bench;
 mod bitmap;
 mod certs;
 mod control;
+mod export;
 mod listen;
 mod logs;
 mod metrics;
@@ -68,6 +69,8 @@ enum Command {
         /// Where the pages go (it must exist).
         dir: PathBuf,
     },
+    /// Add, remove and list a running server's exports through its control socket.
+    Export(export::ExportArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -84,5 +87,6 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Man { dir } => clap_mangen::generate_to(Cli::command(), &dir)
             .with_context(|| format!("writing the man pages into {}", dir.display())),
+        Command::Export(a) => export::run(a),
     }
 }

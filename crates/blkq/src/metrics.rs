@@ -25,7 +25,7 @@ use anyhow::{Context, Result};
 use blk::stats::DiskStats;
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::{thread, Arc};
-use nbd::remote::RemoteDevice;
+
 use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
@@ -34,6 +34,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
 
@@ -53,11 +54,10 @@ pub struct Sources {
     pub nbd: NbdMetrics,
     /// A RAID1 array: its export name and its control (reports its state).
     pub raid1: Vec<(String, Arc<Control>)>,
-    /// A remote export (`nbd://...` device): its export name and the device (its
-    /// connections' state).
-    pub remote: Vec<(String, Arc<RemoteDevice>)>,
-    /// Every export with dirty bitmaps: its name and its device (the bitmaps' dirty bytes).
-    pub tracked: Vec<(String, Arc<cbt::Tracked>)>,
+    /// The exports' devices beside the server, as served now (exports added and removed
+    /// while serving included): the remote ones (their connections' state) and those with
+    /// dirty bitmaps (the bitmaps' dirty bytes).
+    pub devices: Arc<Devices>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -66,10 +66,6 @@ impl std::fmt::Debug for Sources {
             .field(
                 "raid1",
                 &self.raid1.iter().map(|(n, _)| n).collect::<Vec<_>>(),
-            )
-            .field(
-                "remote",
-                &self.remote.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
     }
@@ -123,16 +119,14 @@ pub fn start_for_serve(
     addr_file: Option<&std::path::Path>,
     nbd: NbdMetrics,
     raid1: Vec<(String, Arc<Control>)>,
-    remote: Vec<(String, Arc<RemoteDevice>)>,
-    tracked: Vec<(String, Arc<cbt::Tracked>)>,
+    devices: Arc<Devices>,
 ) -> Result<MetricsServer> {
     let m = MetricsServer::start(
         addr,
         Sources {
             nbd,
             raid1,
-            remote,
-            tracked,
+            devices,
         },
     )?;
     let bound = m.addr();
@@ -658,14 +652,14 @@ impl Collector for BlkqCollector {
         )?;
 
         // Remote exports: their connections now, and how often they were re-established.
+        let remotes = self.0.devices.remotes();
         let remote = |name: &String| vec![("export", name.clone())];
         family(
             &mut enc,
             "blkq_remote_connections",
             "Connections a remote export (nbd:// device) keeps to its server.",
             None,
-            self.0
-                .remote
+            remotes
                 .iter()
                 .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
         )?;
@@ -674,8 +668,7 @@ impl Collector for BlkqCollector {
             "blkq_remote_connections_up",
             "Of those, the ones established now (the others are reconnecting).",
             None,
-            self.0
-                .remote
+            remotes
                 .iter()
                 .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
         )?;
@@ -684,8 +677,7 @@ impl Collector for BlkqCollector {
             "blkq_remote_reconnects",
             "Connections of a remote export re-established after they broke.",
             None,
-            self.0
-                .remote
+            remotes
                 .iter()
                 .map(|(n, d)| (remote(n), counter(d.reconnects()))),
         )?;
@@ -693,7 +685,8 @@ impl Collector for BlkqCollector {
         // Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
         let bitmaps: Vec<(String, cbt::Info)> = self
             .0
-            .tracked
+            .devices
+            .tracked()
             .iter()
             .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
             .collect();
@@ -832,8 +825,7 @@ mod tests {
             Sources {
                 nbd: server.metrics(),
                 raid1: Vec::new(),
-                remote: Vec::new(),
-                tracked: Vec::new(),
+                devices: Arc::default(),
             },
         )
         .unwrap();

@@ -104,6 +104,8 @@ struct Flags {
     certs: BTreeSet<String>,
     /// Every `raid` subcommand's flags, together.
     raid: BTreeSet<String>,
+    /// Every `export` subcommand's flags, together (documented in serve.md).
+    export: BTreeSet<String>,
 }
 
 fn all_flags() -> Flags {
@@ -117,10 +119,17 @@ fn all_flags() -> Flags {
     for sub in &subs {
         raid.extend(flags_of(&help(&["raid", sub])));
     }
+    let export_help = help(&["export"]);
+    let mut export = flags_of(&export_help);
+    for sub in subcommands(&export_help) {
+        export.extend(flags_of(&help(&["export", &sub])));
+    }
+    assert!(export.contains("timeout") && export.contains("read-only"));
     Flags {
         serve: flags_of(&help(&["serve"])),
         certs: flags_of(&help(&["certs"])),
         raid,
+        export,
     }
 }
 
@@ -159,10 +168,12 @@ fn the_help_parser_finds_flags_and_subcommands() {
 }
 
 #[test]
-fn every_serve_and_certs_flag_is_in_serve_md() {
+fn every_serve_certs_and_export_flag_is_in_serve_md() {
     let f = all_flags();
     assert!(f.serve.contains("device") && f.certs.contains("ca-dir"));
-    assert_documented("serve.md", &f.serve.union(&f.certs).cloned().collect());
+    let mut required: BTreeSet<String> = f.serve.union(&f.certs).cloned().collect();
+    required.extend(f.export.iter().cloned());
+    assert_documented("serve.md", &required);
 }
 
 #[test]
@@ -183,7 +194,9 @@ fn every_raid_flag_and_serves_mirror_flags_are_in_raid1_md() {
 fn the_reference_pages_name_no_flag_that_help_lacks() {
     let f = all_flags();
     let serve_certs: BTreeSet<String> = f.serve.union(&f.certs).cloned().collect();
-    assert_current("serve.md", &serve_certs);
+    let mut serve_md = serve_certs.clone();
+    serve_md.extend(f.export.iter().cloned());
+    assert_current("serve.md", &serve_md);
     assert_current("network.md", &serve_certs);
     assert_current("raid1.md", &f.raid.union(&f.serve).cloned().collect());
 }

@@ -7,24 +7,11 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::{written_addr, Serving};
+use common::{http_get as get, written_addr, Serving};
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::proto::CmdFlags;
-
-/// A plain HTTP/1.0 GET: status line and body.
-fn get(addr: &str, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap();
-    (head.lines().next().unwrap().to_string(), body.to_string())
-}
 
 /// `name{labels}` -> value, for every sample of a scrape.
 fn scrape(addr: &str) -> HashMap<String, f64> {

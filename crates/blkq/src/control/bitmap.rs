@@ -24,6 +24,7 @@ use blkq_sync::Arc;
 use cbt::Tracked;
 use serde_json::json;
 
+use super::exports::{ExportCmd, Served};
 use super::server::{Control, Handle};
 
 /// A `bitmap ...` command.
@@ -171,24 +172,25 @@ impl fmt::Display for BitmapLine {
     }
 }
 
-/// The server's control handler: bitmap commands for every tracked export, anything else for
-/// the mirror (if this socket has one).
+/// The server's control handler: bitmap commands for every tracked export, export commands
+/// (`super::exports`), anything else for the mirror (if this socket has one).
 pub struct Handler {
     /// The mirror's control, for `status`, `fail`, ... .
     pub mirror: Option<Arc<Control>>,
-    /// Every export with bitmaps, by name.
-    pub exports: Vec<(String, Arc<Tracked>)>,
+    /// The exports (their table and their bitmaps), shared by every control socket.
+    pub served: Arc<Served>,
 }
 
 impl Handler {
-    fn export(&self, name: Option<&str>) -> Result<&Arc<Tracked>> {
+    fn export(&self, name: Option<&str>) -> Result<Arc<Tracked>> {
         let name = name.unwrap_or("");
-        self.exports
+        let tracked = self.served.devices.tracked();
+        tracked
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, t)| t)
+            .map(|(_, t)| t.clone())
             .ok_or_else(|| {
-                let known: Vec<&str> = self.exports.iter().map(|(n, _)| n.as_str()).collect();
+                let known: Vec<&str> = tracked.iter().map(|(n, _)| n.as_str()).collect();
                 anyhow!("no export {name:?} with dirty bitmaps here (exports: {known:?})")
             })
     }
@@ -203,7 +205,7 @@ impl Handler {
         match l.cmd {
             BitmapCmd::List => {
                 let mut v = Vec::new();
-                for (name, t) in &self.exports {
+                for (name, t) in &self.served.devices.tracked() {
                     if ex.is_some_and(|e| e != name) {
                         continue;
                     }
@@ -262,11 +264,15 @@ impl Handler {
 
 impl Handle for Handler {
     fn handle(&self, line: &str) -> serde_json::Value {
+        if let Some(cmd) = ExportCmd::parse(line) {
+            let res = cmd.and_then(|c| self.served.run(c));
+            return res.unwrap_or_else(|e| json!({ "ok": false, "error": format!("{e:#}") }));
+        }
         let res = match (BitmapLine::parse(line), &self.mirror) {
             (Some(parsed), _) => parsed.and_then(|l| self.run(l)),
             (None, Some(m)) => return m.handle(line),
             (None, None) => Err(anyhow!(
-                "this server has no mirror: only dirty-bitmap commands ({USAGE})"
+                "this server has no mirror: only export and dirty-bitmap commands ({USAGE})"
             )),
         };
         res.unwrap_or_else(|e| json!({ "ok": false, "error": format!("{e:#}") }))

@@ -13,7 +13,7 @@ use crate::raid::report::ArrayReport;
 /// Write timeout of a request.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a reply may take (a command that changes the array may wait its turn).
-const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// With `--wait SECONDS` (`wait`): waits, bounded, until the control socket at `path` exists
 /// and accepts a connection (a server started in the background a moment ago). `None`: no
@@ -37,13 +37,13 @@ pub fn wait_ready(path: &Path, wait: Option<u64>) -> Result<()> {
     }
 }
 
-/// Sends `line` and returns the reply as it came (one line).
-pub fn request_line(path: &Path, line: &str) -> Result<String> {
+/// Sends `line` and returns the reply as it came (one line), waiting up to `within` for it.
+fn request_line(path: &Path, line: &str, within: Duration) -> Result<String> {
     if line.len() >= MAX_LINE {
         bail!("command longer than {MAX_LINE} bytes");
     }
     let mut s = UnixStream::connect(path).context("connecting")?;
-    s.set_read_timeout(Some(REPLY_TIMEOUT))?;
+    s.set_read_timeout(Some(within))?;
     s.set_write_timeout(Some(IO_TIMEOUT))?;
     s.write_all(line.as_bytes())?;
     s.write_all(b"\n")?;
@@ -63,7 +63,17 @@ pub fn request(path: &Path, cmd: &Command) -> Result<serde_json::Value> {
 /// Sends the command line `line`; returns the JSON reply's body, or the error the server
 /// reported. `hint` is what the server needs on its command line besides `--control`.
 pub fn request_text(path: &Path, line: &str, hint: &str) -> Result<serde_json::Value> {
-    let reply = request_line(path, line).with_context(|| {
+    request_text_within(path, line, hint, REPLY_TIMEOUT)
+}
+
+/// [`request_text`], waiting up to `within` for the reply (a command that waits on clients).
+pub fn request_text_within(
+    path: &Path,
+    line: &str,
+    hint: &str,
+    within: Duration,
+) -> Result<serde_json::Value> {
+    let reply = request_line(path, line, within).with_context(|| {
         format!(
             "control socket {}: is `blkq serve {hint}--control {}` running?",
             path.display(),

@@ -5,5 +5,6 @@
 
 pub mod bitmap;
 pub mod client;
+pub mod exports;
 pub mod protocol;
 pub mod server;

@@ -16,6 +16,10 @@
 //!
 //! A LEG is a slot number (`blkq raid detail` lists them) or the leg's device spec, as it was
 //! given or naming the same file (mdadm's habit: `mdadm --fail /dev/md0 /dev/sdb1`).
+//!
+//! The same socket takes `bitmap ...` lines (every export's dirty bitmaps, see
+//! [`super::bitmap`]) and `export add|remove|list` lines (exports added and removed while
+//! serving, see [`super::exports`]), with or without a mirror.
 
 use std::fmt;
 use std::str::FromStr;

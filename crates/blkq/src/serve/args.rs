@@ -119,7 +119,8 @@ pub struct ExportArgs {
     #[arg(long = "raid1-option", value_name = "KEY=VALUE", requires = "raid1")]
     pub raid1_options: Vec<String>,
     /// A control socket (mode 0600) for `blkq bitmap ... --control PATH` (every export's
-    /// dirty bitmaps) and, with --raid1, `blkq raid ... --control PATH`.
+    /// dirty bitmaps), `blkq export ... --control PATH` (exports added and removed while
+    /// serving) and, with --raid1, `blkq raid ... --control PATH`.
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
 }

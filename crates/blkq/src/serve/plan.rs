@@ -10,12 +10,13 @@ use blk::{Device, Queue};
 use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use blkq_sync::DynArc as Arc;
 use nbd::remote::{RemoteDevice, RemoteSpec};
-use nbd::server::{Export, ServerConfig};
+use nbd::server::{Access, Export, ServerConfig};
 use nbd::tls::TlsMode;
 use raid1::Raid1;
 
 use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
-use super::settings::{Backing, Settings};
+use super::settings::{Backing, ExportSettings, Settings};
+use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::raid::away::{Away, OnBack};
 use crate::raid::create::{self, CreateRules};
@@ -30,12 +31,27 @@ pub struct Opened {
     /// Control sockets to start: the server's (no mirror of its own) and one per mirror that
     /// asked for one. Each also serves every export's dirty bitmaps.
     pub control_sockets: Vec<(PathBuf, Option<Arc<Control>>)>,
-    /// Every export with dirty bitmaps (all but `bitmaps=off`), by export name.
-    pub tracked: Vec<(String, Arc<cbt::Tracked>)>,
     /// Every mirror, by export name (for metrics), with its control (shared with its socket).
     pub mirrors: Vec<(String, Arc<Control>)>,
-    /// Every remote export (`--device nbd://...`), by export name (for metrics).
-    pub remotes: Vec<(String, Arc<RemoteDevice>)>,
+    /// Every export's devices beside the server (its bitmaps, its remote device), kept in
+    /// step with the server's table while serving (`control::exports`).
+    pub devices: Arc<Devices>,
+}
+
+/// One export opened by [`open_export`]: what the server serves, and what runs beside it.
+pub struct OpenedExport {
+    /// The export.
+    pub export: Export,
+    /// Its full description (printed locally, `blkq export list`).
+    pub description: String,
+    /// A mirror's control socket (`control` of its `[[raid1]]`).
+    pub control_socket: Option<PathBuf>,
+    /// Its dirty bitmaps (all but `bitmaps=off`).
+    pub tracked: Option<Arc<cbt::Tracked>>,
+    /// A mirror's control.
+    pub mirror: Option<Arc<Control>>,
+    /// A remote export's device (`--device nbd://...`).
+    pub remote: Option<Arc<RemoteDevice>>,
 }
 
 /// Opens the devices and assembles the mirrors: the server's configuration. `from_file`:
@@ -46,158 +62,21 @@ pub fn open(settings: &Settings, from_file: bool) -> Result<Opened> {
     let mut descriptions = Vec::new();
     let mut control_sockets = Vec::new();
     let mut mirrors = Vec::new();
-    let mut remotes = Vec::new();
-    let mut tracked = Vec::new();
+    let devices = Arc::new(Devices::default());
     if let Some(path) = &settings.control {
         control_sockets.push((path.clone(), None));
     }
     for e in &settings.exports {
-        let (backing, bitmaps_opt) = match &e.backing {
-            Backing::Device(s) => {
-                let (s, o) = split_spec(s).with_context(|| format!("device spec {s:?}"))?;
-                (Backing::Device(s), o)
-            }
-            b => (b.clone(), BitmapsOpt::Default),
-        };
-        let overrides = QueueOverrides {
-            read_only: e.read_only,
-            ..settings.overrides.clone()
-        };
-        let (dev, full, kind, read_only, store) = match &backing {
-            Backing::Mirror {
-                legs,
-                create,
-                options,
-                control,
-            } => {
-                let leg_overrides = QueueOverrides {
-                    read_only: false,
-                    ..settings.overrides.clone()
-                };
-                let (r, specs, away) =
-                    open_mirror(legs, create.as_ref(), options, &leg_overrides, from_file)?;
-                let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
-                let full = format!(
-                    "raid1 {} (array {}; each leg's first {} bytes hold its superblock and \
-                     bitmap)",
-                    legs.join(","),
-                    uuid.unwrap_or_default(),
-                    r.data_offset()
-                );
-                let store = store_for_mirror(&r, &specs, legs);
-                let ctl = Arc::new(
-                    Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
-                );
-                for a in &away {
-                    let c = Arc::downgrade(&ctl);
-                    let on_back: OnBack = Box::new(move |shown, slot, spec| {
-                        if let Some(c) = c.upgrade() {
-                            c.leg_back(shown, slot, spec);
-                        }
-                    });
-                    a.watch(on_back, &r, leg_overrides.clone());
-                }
-                if let Some(path) = control {
-                    control_sockets.push((path.clone(), Some(ctl.clone())));
-                }
-                mirrors.push((e.name.clone(), ctl));
-                let dev: Arc<dyn Device> = r;
-                (dev, full, "raid1", e.read_only, Some(store))
-            }
-            Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
-                let dev =
-                    RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
-                let read_only = e.read_only
-                    || dev
-                        .details()
-                        .flags
-                        .contains(nbd::TransmissionFlags::READ_ONLY);
-                let full = format!(
-                    "{spec} (remote NBD export, {} bytes)",
-                    dev.limits().capacity
-                );
-                let dev = Arc::new(dev);
-                remotes.push((e.name.clone(), dev.clone()));
-                let dev: Arc<dyn Device> = dev;
-                let store = (bitmaps_opt != BitmapsOpt::Off)
-                    .then(|| store_for(None, &bitmaps_opt, dev.limits().capacity));
-                (dev, full, "nbd", read_only, store)
-            }
-            Backing::Device(spec) => {
-                let name = &e.name;
-                let parsed: DeviceSpec = spec
-                    .parse()
-                    .with_context(|| format!("device spec {spec:?}"))?;
-                let fault = parsed
-                    .fault_config()
-                    .with_context(|| format!("device spec {spec:?}"))?;
-                let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
-                    tracing::warn!(
-                        export = %name,
-                        "{spec}: fault injection is on: I/O fails or is delayed on purpose"
-                    );
-                    let dev = parsed
-                        .build_device(&overrides)
-                        .with_context(|| format!("building device {spec:?}"))?;
-                    (dev, "with fault injection".to_string())
-                } else {
-                    let q: Queue = parsed
-                        .build(&overrides)
-                        .with_context(|| format!("building device {spec:?}"))?;
-                    let describe = q.describe();
-                    (Arc::new(q), describe)
-                };
-                if spec.starts_with("mem:") {
-                    tracing::warn!(
-                        export = %name,
-                        "{spec}: the data lives in memory and is lost when the server stops"
-                    );
-                }
-                let kind = match parsed.kind {
-                    Kind::Null(_) => "null",
-                    Kind::Mem(_) => "mem",
-                    Kind::File(_) => "file",
-                    Kind::Rbd(_) => "rbd",
-                };
-                let ro = e.read_only || parsed.is_read_only(&overrides);
-                let store = (bitmaps_opt != BitmapsOpt::Off)
-                    .then(|| store_for(Some(&parsed), &bitmaps_opt, dev.limits().capacity));
-                (dev, format!("{spec} ({describe})"), kind, ro, store)
-            }
-        };
-        let dev: Arc<dyn Device> = match store {
-            Some(store) => {
-                let t = track(
-                    &e.name,
-                    dev,
-                    store,
-                    settings.bitmaps_reset,
-                    settings.bitmaps_gate,
-                )?;
-                tracked.push((e.name.clone(), t.clone()));
-                t
-            }
-            None => dev,
-        };
-        let description = match &e.description {
-            Some(d) => d.clone(),
-            None if settings.describe_paths => full.clone(),
-            None => neutral_description(kind, dev.limits().capacity),
-        };
-        let mut export = Export::new(e.name.clone(), dev)
-            .description(description)
-            .read_only(read_only)
-            .access(e.access.clone());
-        // Sparse reads ask the device's allocation on every read; a remote device (or a
-        // mirror that may read from one) answers it with a block-status round trip to its
-        // server, synchronous in the connection's reader: that would cost every read a round
-        // trip and stall the pipeline behind it. Its holes reach the client as zeros instead.
-        export.sparse_reads = !match &backing {
-            Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
-            Backing::Device(spec) => RemoteSpec::is_remote(spec),
-        };
-        exports.push(export);
-        descriptions.push(full);
+        let o = open_export(settings, e, from_file)?;
+        if let (Some(path), Some(ctl)) = (&o.control_socket, &o.mirror) {
+            control_sockets.push((path.clone(), Some(ctl.clone())));
+        }
+        if let Some(ctl) = &o.mirror {
+            mirrors.push((e.name.clone(), ctl.clone()));
+        }
+        devices.insert(&e.name, &o);
+        exports.push(o.export);
+        descriptions.push(o.description);
     }
     let mut cfg = ServerConfig::new(exports);
     cfg.tuning.drain_timeout = std::time::Duration::from_secs(settings.shutdown_timeout);
@@ -211,9 +90,169 @@ pub fn open(settings: &Settings, from_file: bool) -> Result<Opened> {
         server: cfg,
         descriptions,
         control_sockets,
-        tracked,
         mirrors,
-        remotes,
+        devices,
+    })
+}
+
+/// Opens the device of export `e` (or assembles its mirror) as `settings` say: at start, and
+/// for `blkq export add` while serving. `from_file`: as for [`open`].
+pub fn open_export(
+    settings: &Settings,
+    e: &ExportSettings,
+    from_file: bool,
+) -> Result<OpenedExport> {
+    let mut control_socket = None;
+    let mut mirror = None;
+    let mut remote = None;
+    let mut tracked = None;
+    let (backing, bitmaps_opt) = match &e.backing {
+        Backing::Device(s) => {
+            let (s, o) = split_spec(s).with_context(|| format!("device spec {s:?}"))?;
+            (Backing::Device(s), o)
+        }
+        b => (b.clone(), BitmapsOpt::Default),
+    };
+    let overrides = QueueOverrides {
+        read_only: e.read_only,
+        ..settings.overrides.clone()
+    };
+    let (dev, full, kind, read_only, store) = match &backing {
+        Backing::Mirror {
+            legs,
+            create,
+            options,
+            control,
+        } => {
+            let leg_overrides = QueueOverrides {
+                read_only: false,
+                ..settings.overrides.clone()
+            };
+            let (r, specs, away) =
+                open_mirror(legs, create.as_ref(), options, &leg_overrides, from_file)?;
+            let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
+            let full = format!(
+                "raid1 {} (array {}; each leg's first {} bytes hold its superblock and bitmap)",
+                legs.join(","),
+                uuid.unwrap_or_default(),
+                r.data_offset()
+            );
+            let store = store_for_mirror(&r, &specs, legs);
+            let ctl = Arc::new(
+                Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
+            );
+            for a in &away {
+                let c = Arc::downgrade(&ctl);
+                let on_back: OnBack = Box::new(move |shown, slot, spec| {
+                    if let Some(c) = c.upgrade() {
+                        c.leg_back(shown, slot, spec);
+                    }
+                });
+                a.watch(on_back, &r, leg_overrides.clone());
+            }
+            control_socket = control.clone();
+            mirror = Some(ctl);
+            let dev: Arc<dyn Device> = r;
+            (dev, full, "raid1", e.read_only, Some(store))
+        }
+        Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
+            let dev = RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
+            let read_only = e.read_only
+                || dev
+                    .details()
+                    .flags
+                    .contains(nbd::TransmissionFlags::READ_ONLY);
+            let full = format!(
+                "{spec} (remote NBD export, {} bytes)",
+                dev.limits().capacity
+            );
+            let dev = Arc::new(dev);
+            remote = Some(dev.clone());
+            let dev: Arc<dyn Device> = dev;
+            let store = (bitmaps_opt != BitmapsOpt::Off)
+                .then(|| store_for(None, &bitmaps_opt, dev.limits().capacity));
+            (dev, full, "nbd", read_only, store)
+        }
+        Backing::Device(spec) => {
+            let name = &e.name;
+            let parsed: DeviceSpec = spec
+                .parse()
+                .with_context(|| format!("device spec {spec:?}"))?;
+            let fault = parsed
+                .fault_config()
+                .with_context(|| format!("device spec {spec:?}"))?;
+            let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
+                tracing::warn!(
+                    export = %name,
+                    "{spec}: fault injection is on: I/O fails or is delayed on purpose"
+                );
+                let dev = parsed
+                    .build_device(&overrides)
+                    .with_context(|| format!("building device {spec:?}"))?;
+                (dev, "with fault injection".to_string())
+            } else {
+                let q: Queue = parsed
+                    .build(&overrides)
+                    .with_context(|| format!("building device {spec:?}"))?;
+                let describe = q.describe();
+                (Arc::new(q), describe)
+            };
+            if spec.starts_with("mem:") {
+                tracing::warn!(
+                    export = %name,
+                    "{spec}: the data lives in memory and is lost when the server stops"
+                );
+            }
+            let kind = match parsed.kind {
+                Kind::Null(_) => "null",
+                Kind::Mem(_) => "mem",
+                Kind::File(_) => "file",
+                Kind::Rbd(_) => "rbd",
+            };
+            let ro = e.read_only || parsed.is_read_only(&overrides);
+            let store = (bitmaps_opt != BitmapsOpt::Off)
+                .then(|| store_for(Some(&parsed), &bitmaps_opt, dev.limits().capacity));
+            (dev, format!("{spec} ({describe})"), kind, ro, store)
+        }
+    };
+    let dev: Arc<dyn Device> = match store {
+        Some(store) => {
+            let t = track(
+                &e.name,
+                dev,
+                store,
+                settings.bitmaps_reset,
+                settings.bitmaps_gate,
+            )?;
+            tracked = Some(t.clone());
+            t
+        }
+        None => dev,
+    };
+    let description = match &e.description {
+        Some(d) => d.clone(),
+        None if settings.describe_paths => full.clone(),
+        None => neutral_description(kind, dev.limits().capacity),
+    };
+    let mut export = Export::new(e.name.clone(), dev)
+        .description(description)
+        .read_only(read_only)
+        .access(e.access.clone());
+    // Sparse reads ask the device's allocation on every read; a remote device (or a
+    // mirror that may read from one) answers it with a block-status round trip to its
+    // server, synchronous in the connection's reader: that would cost every read a round
+    // trip and stall the pipeline behind it. Its holes reach the client as zeros instead.
+    export.sparse_reads = !match &backing {
+        Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
+        Backing::Device(spec) => RemoteSpec::is_remote(spec),
+    };
+    Ok(OpenedExport {
+        export,
+        description: full,
+        control_socket,
+        tracked,
+        mirror,
+        remote,
     })
 }
 
@@ -347,14 +386,18 @@ pub fn neutral_description(kind: &str, capacity: u64) -> String {
 
 /// The warning for a TCP listener others can reach, naming the risk; `None` on loopback or
 /// with TLS required.
-pub fn exposure_warning(addr: SocketAddr, tls: TlsMode, exports: &[Export]) -> Option<String> {
+pub fn exposure_warning<'a>(
+    addr: SocketAddr,
+    tls: TlsMode,
+    exports: impl IntoIterator<Item = (&'a str, &'a Access)>,
+) -> Option<String> {
     if addr.ip().to_canonical().is_loopback() || tls == TlsMode::Require {
         return None;
     }
     let open: Vec<&str> = exports
-        .iter()
-        .filter(|e| e.access.allow.is_empty() && e.access.allow_subjects.is_empty())
-        .map(|e| e.name.as_str())
+        .into_iter()
+        .filter(|(_, a)| a.allow.is_empty() && a.allow_subjects.is_empty())
+        .map(|(n, _)| n)
         .collect();
     let clear = match tls {
         TlsMode::Off => {
@@ -385,7 +428,7 @@ pub fn exposure_warning(addr: SocketAddr, tls: TlsMode, exports: &[Export]) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nbd::server::{parse_cidr, Access};
+    use nbd::server::parse_cidr;
 
     fn export(name: &str, allow: &[&str]) -> Export {
         let dev: Arc<dyn Device> = Arc::new(
@@ -440,19 +483,20 @@ mod tests {
         let lo: SocketAddr = "127.0.0.1:10809".parse().unwrap();
         let any: SocketAddr = "0.0.0.0:10809".parse().unwrap();
         let ex = [export("a", &[]), export("b", &["10.0.0.0/8"])];
-        assert_eq!(exposure_warning(lo, TlsMode::Off, &ex), None);
+        let ex: Vec<(&str, &Access)> = ex.iter().map(|e| (e.name.as_str(), &e.access)).collect();
+        assert_eq!(exposure_warning(lo, TlsMode::Off, ex.clone()), None);
         assert_eq!(
-            exposure_warning("[::1]:1".parse().unwrap(), TlsMode::Off, &ex),
+            exposure_warning("[::1]:1".parse().unwrap(), TlsMode::Off, ex.clone()),
             None
         );
-        assert_eq!(exposure_warning(any, TlsMode::Require, &ex), None);
-        let w = exposure_warning(any, TlsMode::Off, &ex).unwrap();
+        assert_eq!(exposure_warning(any, TlsMode::Require, ex.clone()), None);
+        let w = exposure_warning(any, TlsMode::Off, ex.clone()).unwrap();
         assert!(w.contains("without TLS") && w.contains("in clear"), "{w}");
         assert!(
             w.contains("anyone who can reach the port") && w.contains("\"a\""),
             "{w}"
         );
-        let w = exposure_warning(any, TlsMode::On, &ex[1..]).unwrap();
+        let w = exposure_warning(any, TlsMode::On, ex[1..].to_vec()).unwrap();
         assert!(w.contains("TLS optional") && w.contains("every export has an allow-list"));
     }
 }

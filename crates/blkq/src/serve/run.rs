@@ -25,6 +25,7 @@ use super::reload::Reload;
 use super::settings::check;
 use super::tls::load as load_tls;
 use crate::control::bitmap::Handler;
+use crate::control::exports::Served;
 use crate::control::server::ControlServer;
 use blkq_sync::Arc;
 
@@ -108,11 +109,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut cfg = opened.server;
     cfg.tls = tls;
     if let Some(addr) = cfg.tcp {
-        if let Some(w) = exposure_warning(addr, tls_mode, &exports) {
+        let access = exports.iter().map(|e| (e.name.as_str(), &e.access));
+        if let Some(w) = exposure_warning(addr, tls_mode, access) {
             tracing::warn!("{w}");
         }
     }
     let server = Server::start(cfg)?;
+    let served = Arc::new(Served {
+        server: server.exports(),
+        settings: settings.clone(),
+        devices: opened.devices.clone(),
+    });
     let reload = Reload {
         config: a.config.clone(),
         settings: kept,
@@ -126,8 +133,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             a.report.metrics_addr_file.as_deref(),
             server.metrics(),
             opened.mirrors.clone(),
-            opened.remotes.clone(),
-            opened.tracked.clone(),
+            opened.devices.clone(),
         )?),
         None => None,
     };
@@ -140,7 +146,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         };
         let handler = Arc::new(Handler {
             mirror,
-            exports: opened.tracked.clone(),
+            served: served.clone(),
         });
         control_servers.push(ControlServer::start(&path, handler)?);
         println!("{what}: {}", path.display());
@@ -205,6 +211,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         println!("  nbdinfo '{}'", example[0]);
     }
     println!("Ctrl-C stops the server (in-flight requests finish first).");
+    // From here the exports' devices are held by the server's table and `devices` (which
+    // `blkq export remove` empties of an export it removes): not by this list.
+    drop(exports);
+    let devices = opened.devices;
     let report = server.wait();
     for cs in control_servers {
         cs.shutdown();
@@ -212,7 +222,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if !report.stuck.is_empty() {
         // A device holds a request for ever: dropping the exports could wait on it (a
         // mirror drains on drop). Leave them to the exit.
-        std::mem::forget(exports);
+        std::mem::forget(devices);
         bail!(
             "shutdown timed out: export(s) {:?} stuck (a request or the final flush never \
              completed within --shutdown-timeout {}s); data on them may be lost",
@@ -222,7 +232,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let failed = report.failed;
     // The last reference to a mirror goes here: it drains and marks its superblocks clean.
-    drop(exports);
+    drop((served, devices));
     if !failed.is_empty() {
         // Error stickiness: a write or flush failed; data a client was told is durable may
         // be lost.

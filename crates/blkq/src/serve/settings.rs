@@ -15,7 +15,7 @@ use nbd::tls::TlsMode;
 use toml::Spanned;
 
 use super::args::{listen_addr, LimitArgs, TlsArgs};
-use super::config::{Config, Source};
+use super::config::{Config, ExportDecl, Source};
 use crate::raid::create::CreateRules;
 
 /// What a `--device` or `[[export]] device` may not be: the command line's spelling of a
@@ -96,6 +96,33 @@ fn check_device(spec: &str) -> Result<()> {
     Ok(())
 }
 
+/// Validates an `[[export]]` (`--device`) named `name` (checked by the caller) without
+/// opening its device: at start, and for `blkq export add` while serving (`tls`: the
+/// server's, for `allow_subjects`).
+pub fn check_export(
+    e: &ExportDecl,
+    name: String,
+    src: &Source,
+    tls: &TlsArgs,
+) -> Result<ExportSettings> {
+    let spec = e.device.get_ref();
+    let at = src.at(&e.device, "device", "device");
+    if spec.starts_with(MIRROR_PREFIX) {
+        bail!(
+            "{at} {spec:?}: a mirror is a [[raid1]] table (--raid1 LEG,LEG on the command \
+             line)"
+        );
+    }
+    check_device(spec).with_context(|| format!("{at} {spec:?}"))?;
+    Ok(ExportSettings {
+        name,
+        description: e.description.clone(),
+        backing: Backing::Device(spec.clone()),
+        read_only: e.read_only,
+        access: access(src, &e.allow, &e.allow_subjects, tls)?,
+    })
+}
+
 /// Validates everything that can be without opening a device.
 pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     let s = &cfg.server;
@@ -147,22 +174,7 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     };
     for e in &cfg.exports {
         let name = add_name(&e.name, e.device.span())?;
-        let spec = e.device.get_ref();
-        let at = src.at(&e.device, "device", "device");
-        if spec.starts_with(MIRROR_PREFIX) {
-            bail!(
-                "{at} {spec:?}: a mirror is a [[raid1]] table (--raid1 LEG,LEG on the command \
-                 line)"
-            );
-        }
-        check_device(spec).with_context(|| format!("{at} {spec:?}"))?;
-        exports.push(ExportSettings {
-            name,
-            description: e.description.clone(),
-            backing: Backing::Device(spec.clone()),
-            read_only: e.read_only,
-            access: access(src, &e.allow, &e.allow_subjects, &tls)?,
-        });
+        exports.push(check_export(e, name, src, &tls)?);
     }
     for r in &cfg.arrays {
         let name = add_name(&r.name, r.legs.span())?;

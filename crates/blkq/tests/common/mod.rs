@@ -293,6 +293,18 @@ pub fn written_addr(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap().trim().to_string()
 }
 
+/// A plain HTTP/1.0 GET of `path` from `addr` (a `--metrics` endpoint): status line and body.
+pub fn http_get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
 /// Runs `blkq ARGS` to its end within `limit` (killed, and the test failed with `what`,
 /// otherwise): its exit status, stdout and stderr.
 pub fn run_within(

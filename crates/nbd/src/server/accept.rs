@@ -109,10 +109,11 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
         // only be refused later, and would hold a slot meanwhile.
         let who = (shared.tuning.identify)(&stream);
         let admitted = shared
-            .exports
+            .exports()
             .iter()
-            .map(|e| e.access.read().check_address(&who));
-        if let Some(Err(refusal)) = admitted.reduce(|a, b| a.or(b)) {
+            .map(|e| e.access.read().check_address(&who))
+            .reduce(|a, b| a.or(b));
+        if let Some(Err(refusal)) = admitted {
             let peer = stream.peer();
             drop((stream, handle));
             shared
@@ -164,7 +165,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
                 }
             }
         }
-        r.threads.retain(|t| !t.is_finished());
+        r.threads.retain(|(_, t)| !t.is_finished());
         let id = r.next_id;
         r.next_id += 1;
         r.live.push((id, handle));
@@ -174,7 +175,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
             .spawn(move || super::conn::serve(stream, sh, id));
         match spawned {
             Ok(t) => {
-                r.threads.push(t);
+                r.threads.push((id, t));
                 shared.counters.accepted();
             }
             Err(e) => {

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
+use blkq_sync::DynArc as Arc;
+
 use super::access::{Identity, Refusal};
 use super::{ExportState, Shared};
 use crate::handshake::{
@@ -66,8 +68,8 @@ impl Selection {
 /// What the handshake agreed on.
 #[derive(Debug, Clone)]
 pub(crate) struct Negotiated {
-    /// Index of the export in [`Shared::exports`].
-    pub(crate) export: usize,
+    /// The export (held for the connection's life: the table may lose it meanwhile).
+    pub(crate) export: Arc<ExportState>,
     /// Simple, structured or extended.
     pub(crate) mode: TransmissionMode,
     /// The metadata contexts selected for this export (`NBD_CMD_BLOCK_STATUS` is allowed
@@ -395,7 +397,7 @@ impl Haggler<'_, '_> {
             ClientOption::List => {
                 self.out.clear();
                 let who = self.identity();
-                for e in &self.shared.exports {
+                for e in self.shared.exports().iter() {
                     if let Err(r) = e.access.read().check(&who) {
                         debug!(export = %e.export.name, "hidden from NBD_OPT_LIST: {r}");
                         continue;
@@ -505,30 +507,32 @@ impl Haggler<'_, '_> {
                 "NBD_OPT_EXPORT_NAME after extended headers were negotiated".into(),
             ));
         }
-        let Some(idx) = self.shared.find(name) else {
-            return Err(Ended::Protocol(format!(
-                "NBD_OPT_EXPORT_NAME for unknown export {name:?}"
-            )));
+        let unknown =
+            || Ended::Protocol(format!("NBD_OPT_EXPORT_NAME for unknown export {name:?}"));
+        let Some(state) = self.shared.find(name) else {
+            return Err(unknown());
         };
-        if let Err(refusal) = self.allowed(idx, "NBD_OPT_EXPORT_NAME") {
+        if let Err(refusal) = self.allowed(&state, "NBD_OPT_EXPORT_NAME") {
             return Err(Ended::Refused {
                 export: name.to_string(),
                 refusal,
             });
         }
-        let state = &self.shared.exports[idx];
         let info = ExportInfo {
             size: state.size,
-            flags: transmission_flags(state, self.mode),
+            flags: transmission_flags(&state, self.mode),
         };
         self.out.clear();
         encode_export_name_reply(info, self.no_zeroes, &mut self.out);
-        self.shared.attach(self.conn, idx);
+        if !self.shared.attach(self.conn, &state) {
+            // Removed since it was found.
+            return Err(unknown());
+        }
         self.stream.write_all(&self.out)?;
-        Ok(self.enter(idx, name, "export-name"))
+        Ok(self.enter(state, name, "export-name"))
     }
 
-    fn enter(&mut self, export: usize, name: &str, via: &'static str) -> Negotiated {
+    fn enter(&mut self, export: Arc<ExportState>, name: &str, via: &'static str) -> Negotiated {
         let contexts = match self.meta.take() {
             Some((n, selection)) if n == name => selection,
             _ => Selection::default(),
@@ -542,8 +546,12 @@ impl Haggler<'_, '_> {
     }
 
     /// Answers `NBD_OPT_INFO` / `NBD_OPT_GO`; `Some(export)` on success.
-    fn info(&mut self, option: u32, req: &ExportRequest<'_>) -> Result<Option<usize>, Ended> {
-        let Some(idx) = self.shared.find(req.name) else {
+    fn info(
+        &mut self,
+        option: u32,
+        req: &ExportRequest<'_>,
+    ) -> Result<Option<Arc<ExportState>>, Ended> {
+        let Some(state) = self.shared.find(req.name) else {
             self.unknown(option, req.name)?;
             return Ok(None);
         };
@@ -552,15 +560,14 @@ impl Haggler<'_, '_> {
         } else {
             "NBD_OPT_INFO"
         };
-        if self.allowed(idx, what).is_err() {
+        if self.allowed(&state, what).is_err() {
             self.refuse(option, req.name)?;
             return Ok(None);
         }
-        let state = &self.shared.exports[idx];
         self.out.clear();
         let export = Info::Export(ExportInfo {
             size: state.size,
-            flags: transmission_flags(state, self.mode),
+            flags: transmission_flags(&state, self.mode),
         });
         encode(option, &OptionReply::Info(export), &mut self.out)?;
         if req.requests(InfoType::Name) {
@@ -575,14 +582,16 @@ impl Haggler<'_, '_> {
             encode(option, &OptionReply::Info(description), &mut self.out)?;
         }
         // Always sent: the constraints are not the defaults (minimum 512, not 1).
-        let block_size_info = Info::BlockSize(block_size(state, self.shared.tuning.max_block));
+        let block_size_info = Info::BlockSize(block_size(&state, self.shared.tuning.max_block));
         encode(option, &OptionReply::Info(block_size_info), &mut self.out)?;
         encode(option, &OptionReply::Ack, &mut self.out)?;
-        if what == "NBD_OPT_GO" {
-            self.shared.attach(self.conn, idx);
+        if what == "NBD_OPT_GO" && !self.shared.attach(self.conn, &state) {
+            // Removed since it was found: as for an unknown export.
+            self.unknown(option, req.name)?;
+            return Ok(None);
         }
         self.stream.write_all(&self.out)?;
-        Ok(Some(idx))
+        Ok(Some(state))
     }
 
     fn meta_context(
@@ -605,15 +614,15 @@ impl Haggler<'_, '_> {
                 return Ok(());
             }
         }
-        let Some(idx) = self.shared.find(req.name) else {
+        let Some(state) = self.shared.find(req.name) else {
             return self.unknown(option, req.name);
         };
-        if self.allowed(idx, "a meta context option").is_err() {
+        if self.allowed(&state, "a meta context option").is_err() {
             return self.refuse(option, req.name);
         }
         // The export's bitmaps now (a snapshot: one removed later fails the requests that
         // name it, `conn/reader.rs`).
-        let bitmaps = self.shared.exports[idx]
+        let bitmaps = state
             .export
             .device
             .dirty_bitmaps()
@@ -659,10 +668,9 @@ impl Haggler<'_, '_> {
         (self.shared.tuning.identify)(self.stream.stream)
     }
 
-    /// Whether the client may use export `idx` (named by option `what`); a refusal is logged
-    /// with the rule that made it.
-    fn allowed(&self, idx: usize, what: &str) -> Result<(), Refusal> {
-        let state = &self.shared.exports[idx];
+    /// Whether the client may use export `state` (named by option `what`); a refusal is
+    /// logged with the rule that made it.
+    fn allowed(&self, state: &ExportState, what: &str) -> Result<(), Refusal> {
         let export = &state.export;
         let res = state.access.read().check(&self.identity());
         if let Err(r) = &res {
@@ -684,7 +692,7 @@ impl Haggler<'_, '_> {
         let who = self.identity();
         if self
             .shared
-            .exports
+            .exports()
             .iter()
             .any(|e| e.access.read().check(&who).is_err())
         {

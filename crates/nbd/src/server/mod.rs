@@ -46,6 +46,19 @@
 //! So shutdown takes at most twice `drain_timeout` plus [`STUCK_GRACE`], whatever the devices
 //! do. Waiting for a stop goes through a [`waitq::Completion`], and for the final flushes
 //! through [`blk::PendingBio`] (a `waitq` wait queue).
+//!
+//! The export table changes while serving ([`Exports::add`], [`Exports::remove`]): it is a
+//! `RwLock<Vec<Arc<ExportState>>>` read (briefly, a clone of one `Arc` or of the list) at
+//! accept, in the handshake and by the metrics, and written only by an add or a remove. A
+//! connection that has entered transmission holds its export's state by `Arc` and never looks
+//! at the table again: the data path takes no lock for it. Removing an export takes its name
+//! out of the table at once (new handshakes, `NBD_OPT_LIST` included, no longer see it), marks
+//! it removed under the registry's lock (a handshake that found it a moment before cannot
+//! attach to it any more: it is answered as for an unknown export), then drains the
+//! connections attached to it and flushes its device with the code shutdown uses (steps 2 and
+//! 3 above, for that export's connections only). Adds, removes and the shutdown run one at a
+//! time (`Shared::changing`): the shutdown drains, flushes and reports what the table holds
+//! when it starts, the exports added at runtime included, none removed.
 
 mod accept;
 mod access;
@@ -113,9 +126,67 @@ pub enum ServerError {
     /// Any other I/O error (spawning threads).
     #[error("{0}")]
     Io(#[from] io::Error),
+    /// An export was to be added or removed while the server stops (or after it stopped).
+    #[error("the server is shutting down: exports no longer change")]
+    Stopping,
+    /// No export has this name.
+    #[error("no export named {0:?}")]
+    UnknownExport(String),
+    /// An export was removed, but not cleanly: its data may be lost (see [`RemoveReport`]).
+    #[error("{0}")]
+    RemovedUnclean(RemoveReport),
+}
+
+/// What removing an export found ([`Exports::remove`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemoveReport {
+    /// The export's name (gone from the table either way).
+    pub name: String,
+    /// Connections that were attached to it (drained, then closed).
+    pub connections: usize,
+    /// Its device was flushed (a writable export; whether the flush succeeded is `failed`).
+    pub flushed: bool,
+    /// A connection still had a request in the device after the timeout (its thread is left
+    /// behind), or the final flush did not complete in time.
+    pub stuck: bool,
+    /// Data on it may be lost: a write or flush had failed on it (sticky), its final flush
+    /// failed or did not complete, or it was stuck.
+    pub failed: bool,
+}
+
+impl RemoveReport {
+    /// Whether its connections drained and its device flushed.
+    pub fn is_clean(&self) -> bool {
+        !self.stuck && !self.failed
+    }
+}
+
+impl std::fmt::Display for RemoveReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.connections;
+        write!(f, "export {:?} removed", self.name)?;
+        if self.is_clean() {
+            let flushed = if self.flushed { ", device flushed" } else { "" };
+            return write!(f, " ({n} connection(s) drained and closed{flushed})");
+        }
+        if self.stuck {
+            write!(
+                f,
+                ", but it is stuck: a request of its {n} connection(s) or its final flush did \
+                 not complete within the timeout"
+            )?;
+        } else {
+            write!(
+                f,
+                ", but a write or flush failed on it (or its final flush did)"
+            )?;
+        }
+        f.write_str("; data written to it may be lost")
+    }
 }
 
 /// An export as the connections see it: the configuration plus what the handshake sends.
+/// Shared by `Arc`: the table holds one, each attached connection another.
 pub(crate) struct ExportState {
     /// The export as configured.
     pub(crate) export: Export,
@@ -133,6 +204,50 @@ pub(crate) struct ExportState {
     /// [`Reloader`] alone, not the export: a reloader kept by a thread that outlives the
     /// server (the signal thread) must not keep the devices open.
     pub(crate) access: Arc<RwLock<Access>>,
+    /// Set (under the registry's lock) when the export is removed from the table: no
+    /// handshake attaches to it any more, and its connections drain as at shutdown.
+    pub(crate) removed: AtomicBool,
+}
+
+impl std::fmt::Debug for ExportState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExportState")
+            .field("name", &self.export.name)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExportState {
+    /// The state of export `e`, its name checked.
+    fn new(e: Export) -> Result<Self, ServerError> {
+        if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
+            return Err(ServerError::BadExportName(e.name));
+        }
+        let lim = e.device.limits();
+        let min_block = lim.logical_block_size.clamp(512, 65536);
+        let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
+        let disk = e
+            .device
+            .stats()
+            .is_none()
+            .then(|| Arc::new(blk::stats::DiskCounters::new()));
+        Ok(ExportState {
+            access: Arc::new(RwLock::new(e.access.clone())),
+            export: e,
+            size,
+            min_block,
+            failed: Arc::new(StickyError::default()),
+            disk,
+            removed: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether the export was removed from the table (its connections are draining).
+    #[inline]
+    pub(crate) fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
+    }
 }
 
 /// An export-wide sticky write error: once a write or a flush fails on the export, every
@@ -184,9 +299,19 @@ impl ShutdownReport {
     }
 }
 
+/// The access rules of every export in the table, by name: shared with the [`Reloader`]
+/// (which must not hold the exports themselves).
+type AccessTable = Arc<RwLock<Vec<(String, Arc<RwLock<Access>>)>>>;
+
 /// State shared by the acceptors and every connection.
 pub(crate) struct Shared {
-    pub(crate) exports: Vec<ExportState>,
+    /// The export table (module docs): read at accept, in the handshake and by the metrics;
+    /// written by [`Exports::add`] and [`Exports::remove`]. Never read on the data path.
+    exports: RwLock<Vec<Arc<ExportState>>>,
+    /// Each export's access rules, for the [`Reloader`] (kept in step with `exports`).
+    access: AccessTable,
+    /// Held by an add, a remove and the shutdown: they run one at a time.
+    changing: Mutex<()>,
     pub(crate) tuning: Tuning,
     pub(crate) stopping: AtomicBool,
     /// The global memory budget of payload buffers.
@@ -202,8 +327,18 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn find(&self, name: &str) -> Option<usize> {
-        self.exports.iter().position(|e| e.export.name == name)
+    /// The export named `name` in the table now.
+    pub(crate) fn find(&self, name: &str) -> Option<Arc<ExportState>> {
+        self.exports
+            .read()
+            .iter()
+            .find(|e| e.export.name == name)
+            .cloned()
+    }
+
+    /// The table now (a snapshot: one may be added or removed meanwhile).
+    pub(crate) fn exports(&self) -> Vec<Arc<ExportState>> {
+        self.exports.read().clone()
     }
 
     pub(crate) fn stopping(&self) -> bool {
@@ -216,12 +351,13 @@ struct Registry {
     next_id: u64,
     /// Live connections: id and a handle on the socket, to shut it down at stop.
     live: Vec<(u64, Stream)>,
-    /// Connection threads (finished ones are pruned on accept). Plain OS threads: they hold
-    /// no modelled state of their own (the facade's threads cannot say `is_finished`).
-    threads: Vec<std::thread::JoinHandle<()>>,
-    /// The export of each live connection past its handshake (connection id, export index):
-    /// a shutdown names the export of a connection that is stuck.
-    on_export: Vec<(u64, usize)>,
+    /// Connection threads, by connection id (finished ones are pruned on accept). Plain OS
+    /// threads: they hold no modelled state of their own (the facade's threads cannot say
+    /// `is_finished`).
+    threads: Vec<(u64, std::thread::JoinHandle<()>)>,
+    /// The export of each live connection past its handshake: a removal drains the
+    /// connections of its export, a shutdown names the export of a connection that is stuck.
+    on_export: Vec<(u64, Arc<ExportState>)>,
     /// Connections still in their handshake whose sockets the acceptor shut down to make
     /// room for a newer one (`accept.rs`); they leave `live` when their threads end.
     evicted: Vec<u64>,
@@ -247,9 +383,17 @@ impl Shared {
         self.conns.lock().evicted.contains(&id)
     }
 
-    /// Records that connection `id` negotiated export `export` (index in `exports`).
-    pub(crate) fn attach(&self, id: u64, export: usize) {
-        self.conns.lock().on_export.push((id, export));
+    /// Records that connection `id` negotiated `export`. `false` (nothing recorded) when the
+    /// export was removed since the handshake found it: the client is answered as for an
+    /// unknown export. Checked under the registry's lock, which the removal takes to mark it:
+    /// a removal drains every connection that attached before.
+    pub(crate) fn attach(&self, id: u64, export: &Arc<ExportState>) -> bool {
+        let mut r = self.conns.lock();
+        if export.is_removed() {
+            return false;
+        }
+        r.on_export.push((id, export.clone()));
+        true
     }
 }
 
@@ -292,16 +436,18 @@ impl Stopper {
 #[derive(Clone)]
 pub struct Reloader {
     tls_config: Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>,
-    /// Each export's name and access rules.
-    access: Vec<(String, Arc<RwLock<Access>>)>,
+    /// Each export's name and access rules (the table's, added and removed exports
+    /// included).
+    access: AccessTable,
 }
 
 impl Reloader {
-    fn find(&self, name: &str) -> Option<&RwLock<Access>> {
+    fn find(&self, name: &str) -> Option<Arc<RwLock<Access>>> {
         self.access
+            .read()
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, a)| &**a)
+            .map(|(_, a)| a.clone())
     }
 
     /// New TLS handshakes use `config`; clients already connected keep the session they
@@ -333,18 +479,177 @@ impl Reloader {
     }
 }
 
+/// One export of the table, as [`Exports::list`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExportInfo {
+    /// Its name.
+    pub name: String,
+    /// Its size in bytes, as clients see it.
+    pub size: u64,
+    /// Read-only.
+    pub read_only: bool,
+    /// What clients are told.
+    pub description: String,
+    /// Connections attached to it now.
+    pub connections: usize,
+    /// A write or flush failed on it (sticky).
+    pub failed: bool,
+}
+
+/// A handle that adds and removes exports while the server runs (see the module docs): for
+/// a control socket. Cheap to clone. It holds the server weakly: once the server and its
+/// metrics are gone, every call answers [`ServerError::Stopping`], and a handle kept longer
+/// keeps no device open.
+#[derive(Clone)]
+pub struct Exports(std::sync::Weak<Shared>);
+
+impl Exports {
+    fn shared(&self) -> Result<Arc<Shared>, ServerError> {
+        self.0.upgrade().ok_or(ServerError::Stopping)
+    }
+
+    /// Adds `export`: new handshakes (and `NBD_OPT_LIST`) see it at once. Refused when its
+    /// name is not a valid NBD string, when an export has that name already, or when the
+    /// server stops.
+    pub fn add(&self, export: Export) -> Result<(), ServerError> {
+        let shared = self.shared()?;
+        let _one = shared.changing.lock();
+        if shared.stopping() {
+            return Err(ServerError::Stopping);
+        }
+        let state = Arc::new(ExportState::new(export)?);
+        let name = state.export.name.clone();
+        let mut table = shared.exports.write();
+        if table.iter().any(|e| e.export.name == name) {
+            return Err(ServerError::DuplicateExport(name));
+        }
+        shared
+            .access
+            .write()
+            .push((name.clone(), state.access.clone()));
+        table.push(state);
+        drop(table);
+        info!(export = %name, "export {name:?} added");
+        Ok(())
+    }
+
+    /// Removes export `name`: the name is gone at once for new handshakes; the connections
+    /// attached to it finish their in-flight requests and are closed, as at shutdown, within
+    /// `timeout` (then their sockets are shut, and [`STUCK_GRACE`] later any still open is
+    /// left behind); then its device is flushed (up to `timeout`). The export is gone either
+    /// way; [`ServerError::RemovedUnclean`] says when its data may be lost (a connection stuck
+    /// in the device, a failed or late flush, an earlier write error).
+    pub fn remove(&self, name: &str, timeout: Duration) -> Result<RemoveReport, ServerError> {
+        let shared = self.shared()?;
+        let _one = shared.changing.lock();
+        if shared.stopping() {
+            return Err(ServerError::Stopping);
+        }
+        let state = {
+            let mut table = shared.exports.write();
+            let i = table
+                .iter()
+                .position(|e| e.export.name == name)
+                .ok_or_else(|| ServerError::UnknownExport(name.to_string()))?;
+            table.remove(i)
+        };
+        shared.access.write().retain(|(n, _)| n != name);
+        let connections = {
+            // Under the registry's lock, which `Shared::attach` takes: every connection that
+            // attached to it is counted (and drained), none attaches after.
+            let r = shared.conns.lock();
+            state.removed.store(true, Ordering::Release);
+            r.on_export
+                .iter()
+                .filter(|(_, e)| Arc::ptr_eq(e, &state))
+                .count()
+        };
+        info!(
+            export = %name,
+            connections,
+            "removing export {name:?}: no new handshakes; finishing the in-flight requests of \
+             its {connections} connection(s) (up to {timeout:?})"
+        );
+        let mut stuck = !drain(&shared, Some(&state), timeout).is_empty();
+        if stuck {
+            warn!(
+                export = %name,
+                "export {name:?} is stuck: a request is still in its device after the timeout \
+                 ({timeout:?}); giving up on it"
+            );
+        }
+        stuck |= !flush(&shared, std::slice::from_ref(&state), timeout).is_empty();
+        if stuck {
+            state.failed.set();
+            // A device with a request stuck in it is never dropped (a drop may wait for it,
+            // as a mirror's does): left behind, as a stuck connection's thread is.
+            std::mem::forget(state.clone());
+        }
+        let report = RemoveReport {
+            name: name.to_string(),
+            connections,
+            flushed: !state.export.read_only,
+            stuck,
+            failed: state.failed.is_set(),
+        };
+        if report.is_clean() {
+            info!(export = %name, "{report}");
+            Ok(report)
+        } else {
+            warn!(export = %name, "{report}");
+            Err(ServerError::RemovedUnclean(report))
+        }
+    }
+
+    /// The exports in the table now, in the order they were added.
+    pub fn list(&self) -> Result<Vec<ExportInfo>, ServerError> {
+        let shared = self.shared()?;
+        let table = shared.exports();
+        let r = shared.conns.lock();
+        Ok(table
+            .iter()
+            .map(|e| ExportInfo {
+                name: e.export.name.clone(),
+                size: e.size,
+                read_only: e.export.read_only,
+                description: e.export.description.clone(),
+                connections: r
+                    .on_export
+                    .iter()
+                    .filter(|(_, x)| Arc::ptr_eq(x, e))
+                    .count(),
+                failed: e.failed.is_set(),
+            })
+            .collect())
+    }
+}
+
 impl Server {
     /// A handle to change the certificates and the access rules while serving.
     pub fn reloader(&self) -> Reloader {
         Reloader {
             tls_config: self.shared.tls_config.clone(),
-            access: self
-                .shared
-                .exports
-                .iter()
-                .map(|e| (e.export.name.clone(), e.access.clone()))
-                .collect(),
+            access: self.shared.access.clone(),
         }
+    }
+
+    /// A handle to add and remove exports while serving.
+    pub fn exports(&self) -> Exports {
+        Exports(Arc::downgrade(&self.shared))
+    }
+
+    /// Adds an export while serving (see [`Exports::add`]).
+    pub fn add_export(&self, export: Export) -> Result<(), ServerError> {
+        self.exports().add(export)
+    }
+
+    /// Removes an export while serving (see [`Exports::remove`]).
+    pub fn remove_export(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<RemoveReport, ServerError> {
+        self.exports().remove(name, timeout)
     }
 
     /// Binds the listeners and starts accepting connections.
@@ -355,31 +660,18 @@ impl Server {
         if cfg.tcp.is_none() && cfg.unix.is_none() {
             return Err(ServerError::NoListener);
         }
-        let mut exports: Vec<ExportState> = Vec::with_capacity(cfg.exports.len());
+        let mut exports: Vec<Arc<ExportState>> = Vec::with_capacity(cfg.exports.len());
         for e in cfg.exports {
-            if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
-                return Err(ServerError::BadExportName(e.name));
+            let state = ExportState::new(e)?;
+            if exports.iter().any(|x| x.export.name == state.export.name) {
+                return Err(ServerError::DuplicateExport(state.export.name.clone()));
             }
-            if exports.iter().any(|x| x.export.name == e.name) {
-                return Err(ServerError::DuplicateExport(e.name));
-            }
-            let lim = e.device.limits();
-            let min_block = lim.logical_block_size.clamp(512, 65536);
-            let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
-            let disk = e
-                .device
-                .stats()
-                .is_none()
-                .then(|| Arc::new(blk::stats::DiskCounters::new()));
-            exports.push(ExportState {
-                access: Arc::new(RwLock::new(e.access.clone())),
-                export: e,
-                size,
-                min_block,
-                failed: Arc::new(StickyError::default()),
-                disk,
-            });
+            exports.push(Arc::new(state));
         }
+        let access = exports
+            .iter()
+            .map(|e| (e.export.name.clone(), e.access.clone()))
+            .collect();
         let mut tuning = cfg.tuning;
         tuning.recv_buf = tuning.recv_buf.max(64 << 10);
         tuning.slots = tuning.slots.clamp(1, 1 << 20);
@@ -414,7 +706,9 @@ impl Server {
         }
 
         let shared = Arc::new(Shared {
-            exports,
+            exports: RwLock::new(exports),
+            access: Arc::new(RwLock::new(access)),
+            changing: Mutex::new(()),
             stopping: AtomicBool::new(false),
             budget: Arc::new(MemoryBudget::with_impl(
                 tuning.memory_budget.max(1),
@@ -513,14 +807,13 @@ impl Server {
     /// Whether export `name` has failed: a write or flush on it returned an error, so every
     /// later FLUSH and FUA write on it fails with EIO (sticky). `None` if no such export.
     pub fn export_failed(&self, name: &str) -> Option<bool> {
-        let i = self.shared.find(name)?;
-        Some(self.shared.exports[i].failed.is_set())
+        Some(self.shared.find(name)?.failed.is_set())
     }
 
     /// The names of the exports that have failed (see [`Server::export_failed`]).
     pub fn failed_exports(&self) -> Vec<String> {
         self.shared
-            .exports
+            .exports()
             .iter()
             .filter(|e| e.failed.is_set())
             .map(|e| e.export.name.clone())
@@ -531,6 +824,10 @@ impl Server {
         if self.shared.stopping.swap(true, Ordering::AcqRel) {
             return;
         }
+        // An add or a remove under way ends first (a removal within its own timeout); none
+        // starts after: both see `stopping`.
+        let shared = self.shared.clone();
+        let _one = shared.changing.lock();
         let timeout = self.shared.tuning.drain_timeout;
         info!(
             "shutting down: no new connections; finishing in-flight requests (up to {timeout:?})"
@@ -545,9 +842,9 @@ impl Server {
             let _ = h.join();
         }
         self.wakers.clear();
-        let mut stuck = self.drain(timeout);
-        for &i in &stuck {
-            let e = &self.shared.exports[i];
+        let table = self.shared.exports();
+        let mut stuck = drain(&self.shared, None, timeout);
+        for e in &stuck {
             warn!(
                 export = %e.export.name,
                 "export {:?} is stuck: a request is still in its device after the shutdown \
@@ -555,13 +852,13 @@ impl Server {
                 e.export.name
             );
         }
-        for i in self.flush_all(timeout) {
-            if !stuck.contains(&i) {
-                stuck.push(i);
+        for e in flush(&self.shared, &table, timeout) {
+            if !stuck.iter().any(|s| Arc::ptr_eq(s, &e)) {
+                stuck.push(e);
             }
         }
-        for &i in &stuck {
-            self.shared.exports[i].failed.set();
+        for e in &stuck {
+            e.failed.set();
         }
         if let (Some(p), Some(ino)) = (&self.unix_path, self.unix_ino) {
             // Remove only our own socket: someone may have replaced the path since.
@@ -573,12 +870,13 @@ impl Server {
                 Err(_) => {}
             }
         }
-        stuck.sort_unstable();
         self.report = ShutdownReport {
             failed: self.failed_exports(),
-            stuck: stuck
+            // In the table's order.
+            stuck: table
                 .iter()
-                .map(|&i| self.shared.exports[i].export.name.clone())
+                .filter(|e| stuck.iter().any(|s| Arc::ptr_eq(s, e)))
+                .map(|e| e.export.name.clone())
                 .collect(),
         };
         if self.report.is_clean() {
@@ -591,104 +889,133 @@ impl Server {
             );
         }
     }
+}
 
-    /// Step 2 of the shutdown (module docs): lets the connections finish, forcing their
-    /// sockets closed after `timeout`. Returns the indices of the exports with a connection
-    /// still open [`STUCK_GRACE`] after that (their threads are left behind).
-    fn drain(&self, timeout: Duration) -> Vec<usize> {
-        // Shut the read side: each reader sees end-of-file after what it already received,
-        // answers it, waits for its in-flight requests and closes.
-        let threads = {
-            let mut r = self.shared.conns.lock();
-            for (_, s) in &r.live {
-                let _ = s.shutdown(Shutdown::Read);
+/// Step 2 of the shutdown (module docs), for every connection (`only` is `None`) or for the
+/// connections attached to export `only` (its removal): lets them finish, forcing their
+/// sockets closed after `timeout`. Returns the exports with a connection still open
+/// [`STUCK_GRACE`] after that (their threads are left behind); at shutdown, not the exports
+/// removed before (their removal reported them).
+fn drain(
+    shared: &Shared,
+    only: Option<&Arc<ExportState>>,
+    timeout: Duration,
+) -> Vec<Arc<ExportState>> {
+    // The connections drained: by id, `None` for all.
+    let ids: Option<Vec<u64>> = only.map(|x| {
+        shared
+            .conns
+            .lock()
+            .on_export
+            .iter()
+            .filter(|(_, e)| Arc::ptr_eq(e, x))
+            .map(|(id, _)| *id)
+            .collect()
+    });
+    let chosen = |id: &u64| ids.as_ref().is_none_or(|v| v.contains(id));
+    // Shut the read side: each reader sees end-of-file after what it already received,
+    // answers it, waits for its in-flight requests and closes.
+    let threads: Vec<std::thread::JoinHandle<()>> = {
+        let mut r = shared.conns.lock();
+        for (_, s) in r.live.iter().filter(|(id, _)| chosen(id)) {
+            let _ = s.shutdown(Shutdown::Read);
+        }
+        let (taken, kept) = std::mem::take(&mut r.threads)
+            .into_iter()
+            .partition(|(id, _)| chosen(id));
+        r.threads = kept;
+        taken.into_iter().map(|(_, t)| t).collect()
+    };
+    let deadline = Instant::now() + timeout;
+    let mut forced = false;
+    while threads.iter().any(|t| !t.is_finished()) {
+        let now = Instant::now();
+        if !forced && now >= deadline {
+            warn!("connections still busy after the drain timeout; closing their sockets");
+            for (_, s) in shared.conns.lock().live.iter().filter(|(id, _)| chosen(id)) {
+                let _ = s.shutdown(Shutdown::Both);
             }
-            std::mem::take(&mut r.threads)
+            forced = true;
+        }
+        if forced && now >= deadline + STUCK_GRACE {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut stuck: Vec<Arc<ExportState>> = Vec::new();
+    for t in threads {
+        if t.is_finished() {
+            let _ = t.join();
+        }
+        // Else: dropping the handle detaches the thread, which ends if its device ever
+        // completes the request.
+    }
+    let r = shared.conns.lock();
+    for (id, _) in r.live.iter().filter(|(id, _)| chosen(id)) {
+        match r.on_export.iter().find(|(c, _)| c == id) {
+            Some((_, e)) if only.is_none() && e.is_removed() => {}
+            Some((_, e)) if !stuck.iter().any(|s| Arc::ptr_eq(s, e)) => stuck.push(e.clone()),
+            Some(_) => {}
+            None => warn!(conn = id, "a connection still in its handshake did not end"),
+        }
+    }
+    stuck
+}
+
+/// Step 3 of the shutdown (and of a removal): flushes the device of each of `exports` once
+/// (all at once), waiting up to `timeout` for them. A failed flush marks every export of its
+/// device failed (in `exports` and in the table). Returns the exports whose flush did not
+/// complete in time.
+fn flush(
+    shared: &Shared,
+    exports: &[Arc<ExportState>],
+    timeout: Duration,
+) -> Vec<Arc<ExportState>> {
+    let mut pending: Vec<(usize, PendingBio)> = Vec::new();
+    for (i, e) in exports.iter().enumerate() {
+        let dev = &e.export.device;
+        let seen = exports[..i]
+            .iter()
+            .any(|o| Arc::ptr_eq(&o.export.device, dev) && !o.export.read_only);
+        if e.export.read_only || seen {
+            continue;
+        }
+        pending.push((
+            i,
+            PendingBio::submit(dev.as_ref(), Bio::new(Op::Flush, 0, 0)),
+        ));
+    }
+    let deadline = Instant::now() + timeout;
+    let mut late = Vec::new();
+    for (i, flush) in pending {
+        let dev = &exports[i].export.device;
+        let name = &exports[i].export.name;
+        let res = if let Some((_, res)) = flush.wait_until(deadline) {
+            res
+        } else {
+            warn!(
+                export = %name,
+                "export {name:?} is stuck: its final flush did not complete within {timeout:?}"
+            );
+            late.extend(
+                exports
+                    .iter()
+                    .filter(|o| Arc::ptr_eq(&o.export.device, dev))
+                    .cloned(),
+            );
+            continue;
         };
-        let deadline = Instant::now() + timeout;
-        let mut forced = false;
-        while threads.iter().any(|t| !t.is_finished()) {
-            let now = Instant::now();
-            if !forced && now >= deadline {
-                warn!("connections still busy after the drain timeout; closing their sockets");
-                for (_, s) in &self.shared.conns.lock().live {
-                    let _ = s.shutdown(Shutdown::Both);
-                }
-                forced = true;
-            }
-            if forced && now >= deadline + STUCK_GRACE {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let mut stuck = Vec::new();
-        for t in threads {
-            if t.is_finished() {
-                let _ = t.join();
-            }
-            // Else: dropping the handle detaches the thread, which ends if its device ever
-            // completes the request.
-        }
-        let r = self.shared.conns.lock();
-        for (id, _) in &r.live {
-            match r.on_export.iter().find(|(c, _)| c == id) {
-                Some(&(_, i)) if !stuck.contains(&i) => stuck.push(i),
-                Some(_) => {}
-                None => warn!(conn = id, "a connection still in its handshake did not end"),
-            }
-        }
-        stuck
-    }
-
-    /// Step 3 of the shutdown: flushes each device once (all at once), waiting up to
-    /// `timeout` for them. A failed flush marks every export of its device failed. Returns
-    /// the indices of the exports whose flush did not complete in time.
-    fn flush_all(&self, timeout: Duration) -> Vec<usize> {
-        let mut pending: Vec<(usize, PendingBio)> = Vec::new();
-        for (i, e) in self.shared.exports.iter().enumerate() {
-            let dev = &e.export.device;
-            let seen = self.shared.exports[..i]
-                .iter()
-                .any(|o| Arc::ptr_eq(&o.export.device, dev) && !o.export.read_only);
-            if e.export.read_only || seen {
-                continue;
-            }
-            pending.push((
-                i,
-                PendingBio::submit(dev.as_ref(), Bio::new(Op::Flush, 0, 0)),
-            ));
-        }
-        let deadline = Instant::now() + timeout;
-        let mut late = Vec::new();
-        for (i, flush) in pending {
-            let dev = &self.shared.exports[i].export.device;
-            let name = &self.shared.exports[i].export.name;
-            let res = if let Some((_, res)) = flush.wait_until(deadline) {
-                res
-            } else {
-                warn!(
-                    export = %name,
-                    "export {name:?} is stuck: its flush at shutdown did not complete within \
-                     {timeout:?}"
-                );
-                late.extend(
-                    (0..self.shared.exports.len())
-                        .filter(|&o| Arc::ptr_eq(&self.shared.exports[o].export.device, dev)),
-                );
-                continue;
-            };
-            if let Err(err) = res {
-                warn!(export = %name, "flush at shutdown failed: {err}");
-                // Every export on this device shares the failure.
-                for o in &self.shared.exports {
-                    if Arc::ptr_eq(&o.export.device, dev) {
-                        o.failed.set();
-                    }
+        if let Err(err) = res {
+            warn!(export = %name, "final flush failed: {err}");
+            // Every export on this device shares the failure.
+            for o in exports.iter().chain(shared.exports().iter()) {
+                if Arc::ptr_eq(&o.export.device, dev) {
+                    o.failed.set();
                 }
             }
         }
-        late
     }
+    late
 }
 
 impl Drop for Server {

@@ -192,7 +192,7 @@ impl Metrics {
     /// Every export's disk counters now.
     pub fn exports(&self) -> Vec<ExportMetrics> {
         self.0
-            .exports
+            .exports()
             .iter()
             .map(|e| {
                 let (stats, source) = match &e.disk {

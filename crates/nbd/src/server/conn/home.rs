@@ -97,6 +97,8 @@ impl RecvSource for HomeRecv<'_, '_> {
         match res {
             Ok(0) => Err(self.stop(if self.conn.server.stopping() {
                 "server shutting down".into()
+            } else if self.conn.export.is_removed() {
+                "export removed".into()
             } else {
                 "client closed the connection in the middle of a write".into()
             })),

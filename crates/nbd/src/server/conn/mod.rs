@@ -141,7 +141,10 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         }
     };
     server.counters.transmission();
-    let export = &server.exports[negotiated.export];
+    // Held by `Arc` for the connection's life: the table may lose it meanwhile (a removal
+    // drains this connection first).
+    let export = negotiated.export.clone();
+    let export = &*export;
     let tls = stream.is_tls();
     let replies = match negotiated.mode {
         TransmissionMode::Simple => "simple",
@@ -476,7 +479,10 @@ impl<'a> Connection<'a> {
         let budget = &self.server.budget;
         let waiting = Instant::now();
         while !budget.wait_fit(need, Instant::now() + SLICE) {
-            if self.core.client_gone.load(Ordering::Relaxed) || self.server.stopping() {
+            if self.core.client_gone.load(Ordering::Relaxed)
+                || self.server.stopping()
+                || self.export.is_removed()
+            {
                 break;
             }
         }

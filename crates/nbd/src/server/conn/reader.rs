@@ -189,6 +189,8 @@ impl<'a> Connection<'a> {
                 Ok(0) => {
                     return Err(if self.server.stopping() {
                         "server shutting down".into()
+                    } else if self.export.is_removed() {
+                        "export removed".into()
                     } else if self.recv_len > 0 {
                         "client closed the connection in the middle of a request".into()
                     } else {
@@ -226,7 +228,8 @@ impl<'a> Connection<'a> {
 
     /// Decodes and stages requests from the buffer, up to the free slots and budget given.
     pub(super) fn parse(&mut self, free_slots: usize, budget_left: u64) -> ParseStop {
-        let stopping = self.server.stopping();
+        // A removal of the export drains the connection as a shutdown does.
+        let stopping = self.server.stopping() || self.export.is_removed();
         loop {
             if self.staged.len() >= free_slots || self.staged_bytes >= budget_left {
                 return ParseStop::Full;
