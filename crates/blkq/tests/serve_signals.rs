@@ -134,3 +134,77 @@ fn sighup_reloads_certificates_and_access_rules_and_keeps_them_when_the_file_is_
     let st = s.wait_exit(Duration::from_secs(30));
     assert!(st.success(), "{}", s.stderr_text());
 }
+
+/// A configuration with the given `(name, device)` exports on a Unix socket.
+fn exports_config(sock: &std::path::Path, exports: &[(&str, &str)]) -> String {
+    let mut s = format!(
+        "[server]\nsocket = \"{}\"\nno_tcp = true\nshutdown_timeout = 5\n",
+        sock.display()
+    );
+    for (name, dev) in exports {
+        s.push_str(&format!(
+            "\n[[export]]\nname = \"{name}\"\ndevice = \"{dev}\"\n"
+        ));
+    }
+    s
+}
+
+/// SIGHUP applies the export set of the file: an export it gained is served, one it lost is
+/// removed (a client attached to it has its write answered, then is closed), and the others
+/// keep their clients.
+#[test]
+fn sighup_serves_the_exports_the_file_gained_and_removes_the_ones_it_lost() {
+    use nbd::client::{Endpoint, Handshake};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let file = dir.path().join("blkq.toml");
+    std::fs::write(
+        &file,
+        exports_config(&sock, &[("stay", "mem:1M"), ("old", "mem:1M")]),
+    )
+    .unwrap();
+    let mut s = common::Launch::serve(["--config"])
+        .arg(&file)
+        .env("RUST_LOG", "info")
+        .stderr_to(&dir.path().join("stderr"))
+        .ready_when_connects(&sock)
+        .start();
+    let ep = Endpoint::Unix(sock.clone());
+    let connect = |name: &str| {
+        let mut h = Handshake::start(ep.connect().unwrap()).unwrap();
+        h.go(name)
+            .map(|d| h.into_client(d).unwrap())
+            .map_err(|e| e.to_string())
+    };
+    let mut stay = connect("stay").unwrap();
+    stay.write(0, &[1u8; 4096], CmdFlags::FUA).unwrap();
+    let mut old = connect("old").unwrap();
+    old.write(0, &[2u8; 4096], CmdFlags::FUA).unwrap();
+    assert!(connect("new").is_err());
+
+    std::fs::write(
+        &file,
+        exports_config(&sock, &[("stay", "mem:1M"), ("new", "mem:2M")]),
+    )
+    .unwrap();
+    s.signal(libc::SIGHUP);
+    let log = wait_log(&s, "SIGHUP: reloaded", 1);
+    assert!(s.try_wait().is_none(), "{log}");
+    assert!(
+        log.contains("export \"new\" added") && log.contains("new in the configuration"),
+        "{log}"
+    );
+    assert!(log.contains("gone from the configuration"), "{log}");
+    assert!(!log.contains("needs a restart"), "{log}");
+    let mut new = connect("new").expect("the export the file gained is served");
+    assert_eq!(new.size(), 2 << 20);
+    new.write(0, &[3u8; 4096], CmdFlags::FUA).unwrap();
+    let e = connect("old").err().expect("the export the file lost is gone");
+    assert!(e.contains("UNKNOWN") || e.contains("unknown"), "{e}");
+    assert!(old.read(0, 4096).is_err(), "its client was closed");
+    assert_eq!(stay.read(0, 4096).unwrap(), vec![1u8; 4096]);
+    drop((stay, new, old));
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{}", s.stderr_text());
+}

@@ -27,7 +27,7 @@ use serde_json::json;
 
 use crate::serve::config::{ExportDecl, Source};
 use crate::serve::plan::{open_export, OpenedExport};
-use crate::serve::settings::{check_export, Settings};
+use crate::serve::settings::{check_export, Backing, ExportSettings, Settings};
 
 /// What the server knows of one export beside the NBD server's table.
 struct Entry {
@@ -244,21 +244,48 @@ impl Served {
         if name.len() > 4096 || name.contains('\0') {
             bail!("{name:?} is not a valid export name (at most 4096 bytes, no NUL)");
         }
-        let listed = self.server.list()?;
-        if listed.iter().any(|e| e.name == name) {
-            bail!("an export named {name:?} is served already");
-        }
+        self.refuse_served(&name)?;
         // Checked and opened as a `--device`/`[[export]]` given at start (errors name the
         // flags of `blkq export add`).
-        let what = || format!("export add {name:?}");
         let settings = check_export(
             &decl,
             name.clone(),
             &Source::CommandLine,
             &self.settings.tls,
         )
-        .with_context(what)?;
-        let opened = open_export(&self.settings, &settings, false).with_context(what)?;
+        .with_context(|| format!("export add {name:?}"))?;
+        let message = self.add_checked(&settings)?;
+        Ok(json!({ "ok": true, "message": message }))
+    }
+
+    /// Whether an export named `name` is served now.
+    pub fn is_served(&self, name: &str) -> bool {
+        self.server
+            .list()
+            .is_ok_and(|l| l.iter().any(|e| e.name == name))
+    }
+
+    fn refuse_served(&self, name: &str) -> Result<()> {
+        if self.server.list()?.iter().any(|e| e.name == name) {
+            bail!("an export named {name:?} is served already");
+        }
+        Ok(())
+    }
+
+    /// Opens and serves an export whose settings were checked (a `blkq export add`, or one
+    /// a reloaded configuration file gained); what it serves, said in one line. A mirror is
+    /// refused (see the module docs).
+    pub fn add_checked(&self, settings: &ExportSettings) -> Result<String> {
+        let name = settings.name.clone();
+        if matches!(settings.backing, Backing::Mirror { .. }) {
+            bail!(
+                "export add {name:?}: a mirror cannot be added while serving (its legs, control \
+                 socket and superblocks need a start and a clean stop): restart the server"
+            );
+        }
+        self.refuse_served(&name)?;
+        let what = || format!("export add {name:?}");
+        let opened = open_export(&self.settings, settings, false).with_context(what)?;
         let size = blk::Device::limits(opened.export.device.as_ref()).capacity;
         let read_only = opened.export.read_only;
         let device = opened.description.clone();
@@ -275,13 +302,22 @@ impl Served {
             }
         }
         let ro = if read_only { ", read-only" } else { "" };
-        Ok(json!({
-            "ok": true,
-            "message": format!("export {name:?} added: {size} bytes{ro}, {device}"),
-        }))
+        Ok(format!("export {name:?} added: {size} bytes{ro}, {device}"))
     }
 
     fn remove(&self, name: &str, timeout: Duration) -> Result<serde_json::Value> {
+        let r = self.remove_export(name, timeout)?;
+        Ok(json!({ "ok": true, "message": r.to_string(), "connections": r.connections }))
+    }
+
+    /// Stops serving export `name` (a `blkq export remove`, or one a reloaded configuration
+    /// file lost): its clients drained within `timeout`, its device flushed. A mirror is
+    /// refused (see the module docs).
+    pub fn remove_export(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<nbd::server::RemoveReport> {
         let mirror = self
             .devices
             .0
@@ -303,8 +339,7 @@ impl Served {
             // Gone from the table either way: nothing here keeps its device open.
             self.devices.remove(name);
         }
-        let r = res?;
-        Ok(json!({ "ok": true, "message": r.to_string(), "connections": r.connections }))
+        Ok(res?)
     }
 
     fn list(&self) -> Result<serde_json::Value> {

@@ -1,21 +1,28 @@
 //! `blkq serve` on SIGHUP: reloads what can change without dropping a client. The TLS
 //! certificates are read again from the certificates directory (new handshakes use them,
-//! connected clients keep theirs); with `--config`, the file is read again and each export's
-//! access rules (`allow`, `allow_subjects`) replace the ones in force. Everything else (the
-//! listeners, the control sockets, the exports' devices and names, the limits, the TLS mode)
-//! needs a restart: a difference there is named in the log, and left as it is. A reload that
-//! fails (a file that no longer parses or checks, certificates that do not load) changes
-//! nothing; the error is logged.
+//! connected clients keep theirs); with `--config`, the file is read again: each export's
+//! access rules (`allow`, `allow_subjects`) replace the ones in force, an `[[export]]` the file
+//! gained is opened and served, and one it lost is removed as `blkq export remove` removes it
+//! (its clients drained within `shutdown_timeout`, its device flushed; the signal thread waits
+//! for that). Exports added or removed with `blkq export` are the control socket's: a reload
+//! compares the file with the file as last applied, never with them. Everything else (the
+//! listeners, the control sockets, a mirror, an export's device or name, the limits, the TLS
+//! mode) needs a restart: a difference there is named in the log, and left as it is. A reload
+//! that fails to load (a file that no longer parses or checks, certificates that do not load)
+//! changes nothing; an export that cannot be opened or removed is named and the rest applies.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use nbd::server::Reloader;
 use nbd::tls::TlsMode;
 
 use super::config::{Config, Source};
-use super::settings::{check, ExportSettings, Settings};
+use super::settings::{check, Backing, ExportSettings, Settings};
 use super::tls::load as load_tls;
+use crate::control::exports::Served;
+use blkq_sync::Arc;
 
 /// What a reload compares with and where it applies.
 pub struct Reload {
@@ -27,6 +34,8 @@ pub struct Reload {
     pub server: Reloader,
     /// Where the settings came from (errors name its flags or keys).
     pub source: Source,
+    /// The export table, for the exports the file gained or lost.
+    pub served: Arc<Served>,
 }
 
 impl Reload {
@@ -94,6 +103,9 @@ impl Reload {
                 }
             }
         }
+        if let Some(new) = &new {
+            self.apply_export_set(new, &mut changed);
+        }
         for r in &restart {
             tracing::warn!(
                 "SIGHUP: {r} changed in the configuration: needs a restart (kept as it was)"
@@ -101,6 +113,50 @@ impl Reload {
         }
         Ok(changed)
     }
+
+    /// Serves the exports `new` has and the file as last applied had not, and removes the
+    /// ones it lost (mirrors aside: they need a restart, said by [`needs_restart`]). Each
+    /// one that cannot be done is named in the log; the others apply.
+    fn apply_export_set(&mut self, new: &Settings, changed: &mut Vec<String>) {
+        let timeout = Duration::from_secs(self.settings.shutdown_timeout);
+        let lost: Vec<ExportSettings> = self
+            .settings
+            .exports
+            .iter()
+            .filter(|o| !is_mirror(o) && !new.exports.iter().any(|n| n.name == o.name))
+            .cloned()
+            .collect();
+        for o in lost {
+            match self.served.remove_export(&o.name, timeout) {
+                Ok(r) => changed.push(format!("{r} (gone from the configuration)")),
+                Err(e) => tracing::warn!("SIGHUP: export {:?} not removed: {e:#}", o.name),
+            }
+            // Removed, or gone already: the file as applied no longer has it either way,
+            // except when it is still served (a removal that failed before it began).
+            if !self.served.is_served(&o.name) {
+                self.settings.exports.retain(|e| e.name != o.name);
+            }
+        }
+        let gained: Vec<ExportSettings> = new
+            .exports
+            .iter()
+            .filter(|n| !is_mirror(n) && !self.settings.exports.iter().any(|o| o.name == n.name))
+            .cloned()
+            .collect();
+        for n in gained {
+            match self.served.add_checked(&n) {
+                Ok(m) => {
+                    changed.push(format!("{m} (new in the configuration)"));
+                    self.settings.exports.push(n);
+                }
+                Err(e) => tracing::warn!("SIGHUP: export {:?} not added: {e:#}", n.name),
+            }
+        }
+    }
+}
+
+fn is_mirror(e: &ExportSettings) -> bool {
+    matches!(e.backing, Backing::Mirror { .. })
 }
 
 /// Whether two settings of one export differ in nothing but their access rules.
@@ -132,16 +188,18 @@ fn needs_restart(old: &Settings, new: &Settings) -> Vec<String> {
     {
         v.push("[tls]".to_string());
     }
+    // Exports gained or lost are applied (`apply_export_set`), but for mirrors.
     for n in &new.exports {
         match old.exports.iter().find(|o| o.name == n.name) {
-            None => v.push(format!("export {:?} (new)", n.name)),
+            None if is_mirror(n) => v.push(format!("mirror export {:?} (new)", n.name)),
+            None => {}
             Some(o) if !same_but_access(o, n) => v.push(format!("export {:?}", n.name)),
             Some(_) => {}
         }
     }
     for o in &old.exports {
-        if !new.exports.iter().any(|n| n.name == o.name) {
-            v.push(format!("export {:?} (removed)", o.name));
+        if is_mirror(o) && !new.exports.iter().any(|n| n.name == o.name) {
+            v.push(format!("mirror export {:?} (removed)", o.name));
         }
     }
     v

@@ -125,6 +125,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         settings: kept,
         server: server.reloader(),
         source,
+        served: served.clone(),
     };
     watch_signals(sigset, server.stopper(), reload);
     let _metrics = match &a.report.metrics {
