@@ -1,7 +1,9 @@
 //! Logging for `blkq serve` (tracing): human-readable text or one JSON object per line
 //! (`--log-format json`, for log shippers), on stderr. The level is `info` (one line per
 //! connection open and close, errors with their context at `warn`); `-v` is `debug`, `-vv`
-//! `trace`; `RUST_LOG` (an `EnvFilter` directive such as `nbd=debug`), when set, wins.
+//! `trace`; `--log-level FILTER` (`[server] log_level`) sets it, a level or `EnvFilter`
+//! directives (`info,nbd=debug`), and SIGHUP applies a new one ([`Levels`]); `RUST_LOG`,
+//! when set, wins over both.
 
 use std::io::IsTerminal;
 
@@ -38,20 +40,84 @@ fn filter(verbose: u8) -> tracing_subscriber::EnvFilter {
     }
 }
 
-/// Installs the global subscriber (once; later calls do nothing).
-pub fn init(format: LogFormat, verbose: u8) {
+/// A filter from `--log-level`'s value; the error says what is wrong with it.
+pub fn parse_filter(s: &str) -> Result<tracing_subscriber::EnvFilter, String> {
+    tracing_subscriber::EnvFilter::try_new(s.trim()).map_err(|e| {
+        format!(
+            "{s:?} is not a log filter ({e}): a level (error, warn, info, debug, trace) or \
+             directives such as info,nbd=debug"
+        )
+    })
+}
+
+/// Changes the filter of the running subscriber (SIGHUP's `log_level`).
+type SetFilter = Box<dyn Fn(tracing_subscriber::EnvFilter) -> Result<(), String> + Send + Sync>;
+
+/// The level of the installed subscriber, changed while running ([`Levels::set`]).
+pub struct Levels {
+    set: SetFilter,
+    verbose: u8,
+    /// The `--log-level` in force (`None`: `-v`'s level).
+    current: Option<String>,
+}
+
+impl Levels {
+    /// Applies `--log-level` `level` (`None`: back to `-v`'s level); what changed, in words,
+    /// or `None` when nothing did. `RUST_LOG`, when set, stays in force.
+    pub fn set(&mut self, level: Option<&str>) -> Result<Option<String>, String> {
+        if self.current.as_deref() == level {
+            return Ok(None);
+        }
+        if std::env::var("RUST_LOG").is_ok_and(|s| !s.trim().is_empty()) {
+            return Err(
+                "RUST_LOG is set and wins over log_level: unset it to change the \
+                        level with the configuration"
+                    .into(),
+            );
+        }
+        let f = match level {
+            Some(l) => parse_filter(l)?,
+            None => filter(self.verbose),
+        };
+        (self.set)(f)?;
+        self.current = level.map(str::to_string);
+        Ok(Some(match level {
+            Some(l) => format!("log level now {l:?}"),
+            None => "log level back to the command line's".to_string(),
+        }))
+    }
+}
+
+/// Installs the global subscriber (once: a later call changes nothing and returns `None`);
+/// returns the handle that changes its level.
+pub fn init(format: LogFormat, verbose: u8) -> Option<Levels> {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter(verbose))
         .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Text => builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_span_list(false)
-            .try_init(),
+    let set: SetFilter = match format {
+        LogFormat::Text => {
+            let b = builder
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.try_init().ok()?;
+            Box::new(move |f| h.reload(f).map_err(|e| e.to_string()))
+        }
+        LogFormat::Json => {
+            let b = builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .with_span_list(false)
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.try_init().ok()?;
+            Box::new(move |f| h.reload(f).map_err(|e| e.to_string()))
+        }
     };
+    Some(Levels {
+        set,
+        verbose,
+        current: None,
+    })
 }

@@ -199,11 +199,65 @@ fn sighup_serves_the_exports_the_file_gained_and_removes_the_ones_it_lost() {
     let mut new = connect("new").expect("the export the file gained is served");
     assert_eq!(new.size(), 2 << 20);
     new.write(0, &[3u8; 4096], CmdFlags::FUA).unwrap();
-    let e = connect("old").err().expect("the export the file lost is gone");
+    let e = connect("old")
+        .err()
+        .expect("the export the file lost is gone");
     assert!(e.contains("UNKNOWN") || e.contains("unknown"), "{e}");
     assert!(old.read(0, 4096).is_err(), "its client was closed");
     assert_eq!(stay.read(0, 4096).unwrap(), vec![1u8; 4096]);
     drop((stay, new, old));
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{}", s.stderr_text());
+}
+
+/// `log_level` in the file sets what is logged, and SIGHUP applies a changed one: at `warn`
+/// a connection is not logged, at `info` (after the reload) it is.
+#[test]
+fn sighup_applies_a_changed_log_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let file = dir.path().join("blkq.toml");
+    let write = |level: &str| {
+        let c = exports_config(&sock, &[("d", "mem:1M")]).replace(
+            "no_tcp = true\n",
+            &format!("no_tcp = true\nlog_level = \"{level}\"\n"),
+        );
+        std::fs::write(&file, c).unwrap();
+    };
+    write("warn");
+    let mut s = common::Launch::serve(["--config"])
+        .arg(&file)
+        .env("RUST_LOG", "")
+        .stderr_to(&dir.path().join("stderr"))
+        .ready_when_connects(&sock)
+        .start();
+    let ep = nbd::client::Endpoint::Unix(sock.clone());
+    let connect = || {
+        let mut h = nbd::client::Handshake::start(ep.connect().unwrap()).unwrap();
+        let d = h.go("d").unwrap();
+        h.into_client(d).unwrap()
+    };
+    drop(connect());
+    write("info");
+    s.signal(libc::SIGHUP);
+    // The reload's own line comes after the new level is in force.
+    let log = wait_log(&s, "SIGHUP: reloaded", 1);
+    assert!(log.contains("log level now \"info\""), "{log}");
+    let mut c = connect();
+    c.write(0, &[1u8; 512], CmdFlags::empty()).unwrap();
+    let log = wait_log(&s, "connection open", 1);
+    assert_eq!(
+        log.matches("connection open").count(),
+        1,
+        "only the connection after the reload is logged: {log}"
+    );
+    // A bad filter is refused by name, and the level in force stays.
+    write("info,=[");
+    s.signal(libc::SIGHUP);
+    let log = wait_log(&s, "reload refused", 1);
+    assert!(log.contains("log_level"), "{log}");
+    drop(c);
     s.signal(libc::SIGTERM);
     let st = s.wait_exit(Duration::from_secs(30));
     assert!(st.success(), "{}", s.stderr_text());

@@ -175,6 +175,11 @@ pub struct ServerArgs {
     /// the exit status is non-zero. Whole seconds, 1 to 86400.
     #[arg(long, value_name = "SECS", default_value = "30")]
     pub shutdown_timeout: ShutdownTimeout,
+    /// What to log: a level (error, warn, info, debug, trace) or per-module directives
+    /// (`info,nbd=debug`). In a --config file, SIGHUP applies a changed value. Default: info
+    /// (or -v's); RUST_LOG, when set, wins over both.
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
     /// The server's control socket (`[server] control`; on the command line `--control`).
     #[arg(skip)]
     pub control: Option<PathBuf>,

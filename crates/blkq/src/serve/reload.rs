@@ -1,6 +1,7 @@
 //! `blkq serve` on SIGHUP: reloads what can change without dropping a client. The TLS
 //! certificates are read again from the certificates directory (new handshakes use them,
-//! connected clients keep theirs); with `--config`, the file is read again: each export's
+//! connected clients keep theirs); with `--config`, the file is read again: `log_level` is
+//! applied (unless `RUST_LOG` is set), each export's
 //! access rules (`allow`, `allow_subjects`) replace the ones in force, an `[[export]]` the file
 //! gained is opened and served, and one it lost is removed as `blkq export remove` removes it
 //! (its clients drained within `shutdown_timeout`, its device flushed; the signal thread waits
@@ -36,6 +37,8 @@ pub struct Reload {
     pub source: Source,
     /// The export table, for the exports the file gained or lost.
     pub served: Arc<Served>,
+    /// The log's level (`None`: the subscriber was installed elsewhere).
+    pub levels: Option<crate::logs::Levels>,
 }
 
 impl Reload {
@@ -104,6 +107,14 @@ impl Reload {
             }
         }
         if let Some(new) = &new {
+            if let Some(l) = self.levels.as_mut() {
+                match l.set(new.log_level.as_deref()) {
+                    Ok(Some(m)) => changed.push(m),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("SIGHUP: log_level not applied: {e}"),
+                }
+            }
+            self.settings.log_level = new.log_level.clone();
             self.apply_export_set(new, &mut changed);
         }
         for r in &restart {

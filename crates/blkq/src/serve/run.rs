@@ -88,12 +88,17 @@ fn watch_signals(set: libc::sigset_t, stopper: Stopper, mut reload: Reload) {
 pub fn run(a: ServeArgs) -> Result<()> {
     // Before any thread exists (see the module docs).
     let sigset = block_signals()?;
-    crate::logs::init(a.report.log_format, a.report.verbose);
+    let mut levels = crate::logs::init(a.report.log_format, a.report.verbose);
     let (config, source) = match &a.config {
         Some(path) => Config::load(path)?,
         None => (Config::from_args(&a)?, Source::CommandLine),
     };
     let settings = check(&config, &source)?;
+    if let (Some(l), Some(level)) = (levels.as_mut(), &settings.log_level) {
+        if let Err(e) = l.set(Some(level)) {
+            tracing::warn!("--log-level {level:?} not applied: {e}");
+        }
+    }
     let kept = settings.clone();
     let tls_mode = settings.tls.tls;
     let tls_dir = settings
@@ -126,6 +131,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         server: server.reloader(),
         source,
         served: served.clone(),
+        levels,
     };
     watch_signals(sigset, server.stopper(), reload);
     let _metrics = match &a.report.metrics {

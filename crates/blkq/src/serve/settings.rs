@@ -47,6 +47,8 @@ pub struct Settings {
     pub bitmaps_reset: bool,
     /// The bitmaps' gate (`--bitmaps-gate`).
     pub bitmaps_gate: cbt::Mode,
+    /// `--log-level` (validated).
+    pub log_level: Option<String>,
 }
 
 /// One validated export.
@@ -233,6 +235,15 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
         control: s.control.clone(),
         bitmaps_reset: s.bitmaps_reset,
         bitmaps_gate: s.bitmaps_gate.0,
+        log_level: match &s.log_level {
+            Some(l) => {
+                crate::logs::parse_filter(l).map_err(|e| {
+                    anyhow::anyhow!("{}: {e}", src.at_key("server", "log_level", "log-level"))
+                })?;
+                Some(l.clone())
+            }
+            None => None,
+        },
     })
 }
 
