@@ -23,7 +23,7 @@ use super::config::{Config, Source};
 use super::settings::{check, Backing, ExportSettings, Settings};
 use super::tls::load as load_tls;
 use crate::control::exports::Served;
-use blkq_sync::Arc;
+use std::sync::Weak;
 
 /// What a reload compares with and where it applies.
 pub struct Reload {
@@ -35,8 +35,10 @@ pub struct Reload {
     pub server: Reloader,
     /// Where the settings came from (errors name its flags or keys).
     pub source: Source,
-    /// The export table, for the exports the file gained or lost.
-    pub served: Arc<Served>,
+    /// The export table, for the exports the file gained or lost. Weak: the signal thread
+    /// lives to the process's end, and must not keep the exports' devices (a mirror marks its
+    /// superblocks clean when its last reference goes, at shutdown).
+    pub served: Weak<Served>,
     /// The log's level (`None`: the subscriber was installed elsewhere).
     pub levels: Option<crate::logs::Levels>,
 }
@@ -129,6 +131,9 @@ impl Reload {
     /// ones it lost (mirrors aside: they need a restart, said by [`needs_restart`]). Each
     /// one that cannot be done is named in the log; the others apply.
     fn apply_export_set(&mut self, new: &Settings, changed: &mut Vec<String>) {
+        let Some(served) = self.served.upgrade() else {
+            return; // shutting down
+        };
         let timeout = Duration::from_secs(self.settings.shutdown_timeout);
         let lost: Vec<ExportSettings> = self
             .settings
@@ -138,13 +143,13 @@ impl Reload {
             .cloned()
             .collect();
         for o in lost {
-            match self.served.remove_export(&o.name, timeout) {
+            match served.remove_export(&o.name, timeout) {
                 Ok(r) => changed.push(format!("{r} (gone from the configuration)")),
                 Err(e) => tracing::warn!("SIGHUP: export {:?} not removed: {e:#}", o.name),
             }
             // Removed, or gone already: the file as applied no longer has it either way,
             // except when it is still served (a removal that failed before it began).
-            if !self.served.is_served(&o.name) {
+            if !served.is_served(&o.name) {
                 self.settings.exports.retain(|e| e.name != o.name);
             }
         }
@@ -155,7 +160,7 @@ impl Reload {
             .cloned()
             .collect();
         for n in gained {
-            match self.served.add_checked(&n) {
+            match served.add_checked(&n) {
                 Ok(m) => {
                     changed.push(format!("{m} (new in the configuration)"));
                     self.settings.exports.push(n);

@@ -130,7 +130,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         settings: kept,
         server: server.reloader(),
         source,
-        served: served.clone(),
+        served: Arc::downgrade(&served),
         levels,
     };
     watch_signals(sigset, server.stopper(), reload);
