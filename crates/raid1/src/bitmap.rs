@@ -353,6 +353,20 @@ impl WriteIntentBitmap {
         self.inner.lock().degraded = degraded;
     }
 
+    /// Sets the degraded flag to what `degraded` answers, asked under the bitmap's lock: of
+    /// two state changes racing, the later to take the lock asks last, after both changes
+    /// were made, so the flag never ends stale. (Asked before the lock, a change that saw the
+    /// array whole could write `false` after one that saw it degraded wrote `true`.)
+    pub fn update_degraded(&self, degraded: impl FnOnce() -> bool) {
+        let mut g = self.inner.lock();
+        g.degraded = degraded();
+    }
+
+    /// The degraded flag (see [`WriteIntentBitmap::update_degraded`]).
+    pub fn is_degraded(&self) -> bool {
+        self.inner.lock().degraded
+    }
+
     /// Clears (in memory) the bits of chunks marked idle (no write since, see
     /// [`WriteIntentBitmap::mark_idle`]) at least the quiet time ago and before a flush that
     /// has completed, then marks the idle ones it did not clear; returns how many it cleared.

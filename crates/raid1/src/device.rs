@@ -795,9 +795,9 @@ impl Inner {
     }
 
     pub(crate) fn state_changed(&self) {
-        let degraded = self.is_degraded();
         if let Some(bm) = &self.bitmap {
-            bm.set_degraded(degraded);
+            // Asked under the bitmap's lock, so racing state changes never leave it stale.
+            bm.update_degraded(|| self.is_degraded());
         }
         self.sb_dirty.store(true, Ordering::Release);
         self.daemon_wq.wake_all();

@@ -8,7 +8,8 @@
 //!   (in shard 0, as a leg's completion thread would);
 //! - the chunk is already marked and flushed when the write starts: the writer sees the mark
 //!   and takes the mutex, or the clear comes first and the writer sets the bit again;
-//! - both in the locked twin.
+//! - both in the locked twin;
+//! - two state changes racing to set the degraded flag (`update_degraded`).
 #![cfg(blkq_loom)]
 
 use std::time::Duration;
@@ -91,4 +92,27 @@ fn loom_bitmap_write_vs_mark_and_clear_locked() {
 #[test]
 fn loom_bitmap_write_vs_clear_of_a_marked_chunk_locked() {
     blkq_sync::model(|| write_vs_clearer(BitmapCounts::Locked, true));
+}
+
+/// Two state changes race (a leg fails while another change, made before it, updates the
+/// flag too): the bitmap's degraded flag ends as the legs are, so no bit is cleared while a
+/// leg is away. With the flag computed before the bitmap's lock (`set_degraded(degraded())`)
+/// the later writer may be the change that saw the array whole, and this model fails.
+#[test]
+fn loom_bitmap_racing_state_changes_leave_the_degraded_flag_as_the_legs_are() {
+    use blkq_sync::atomic::{AtomicBool, Ordering};
+    blkq_sync::model(|| {
+        let b = steady(BitmapCounts::Sharded);
+        let faulty = Arc::new(AtomicBool::new(false));
+        let (b1, f1) = (b.clone(), faulty.clone());
+        let fail = thread::spawn(move || {
+            f1.store(true, Ordering::Release);
+            b1.update_degraded(|| f1.load(Ordering::Acquire));
+        });
+        let (b2, f2) = (b.clone(), faulty.clone());
+        let other = thread::spawn(move || b2.update_degraded(|| f2.load(Ordering::Acquire)));
+        fail.join().unwrap();
+        other.join().unwrap();
+        assert!(b.is_degraded(), "a leg failed, the flag says whole");
+    });
 }
