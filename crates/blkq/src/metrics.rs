@@ -26,7 +26,7 @@ use blk::stats::DiskStats;
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::{thread, Arc};
 
-use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
+use nbd::server::{ExportMetrics, HandshakeFailure, Metrics as NbdMetrics, ServerSnapshot};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -599,210 +599,239 @@ impl Collector for BlkqCollector {
             .map(|e| (e.name.clone(), e.stats.clone()))
             .collect();
         disk_families(&mut enc, &disks)?;
-
-        // What only blkq knows: tag waits per hardware context, scheduler lock contention.
-        let mut waits = Vec::new();
-        let mut locks = Vec::new();
-        for e in &exports {
-            let Some(q) = e.device.as_queue() else {
-                continue;
-            };
-            for h in 0..q.pools().len() {
-                if let Some(w) = q.wait_stats(h) {
-                    let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
-                    waits.push((l, w));
-                }
-            }
-            if let Some(s) = q.scheduler() {
-                locks.push((e.name.clone(), s.name(), s.lock_stats()));
-            }
-        }
-        family(
-            &mut enc,
-            "blkq_tag_waits",
-            "Submitters that slept for a free tag.",
-            None,
-            waits.iter().map(|(l, w)| (l.clone(), counter(w.count))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_tag_wait",
-            "How long submitters slept for a tag (log2 buckets).",
-            Some(&Unit::Seconds),
-            waits.into_iter().map(|(l, w)| (l, Log2Histogram(w.hist))),
-        )?;
-        let sched = |e: &String, n: &str| vec![("export", e.clone()), ("scheduler", n.to_string())];
-        family(
-            &mut enc,
-            "blkq_sched_lock_attempts",
-            "Inserts and dispatches that wanted the scheduler's state.",
-            None,
-            locks
-                .iter()
-                .map(|(e, n, s)| (sched(e, n), counter(s.attempts))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_sched_lock_contended",
-            "Attempts that found the scheduler's state taken.",
-            None,
-            locks
-                .iter()
-                .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
-        )?;
-
-        // Remote exports: their connections now, and how often they were re-established.
-        let remotes = self.0.devices.remotes();
-        let remote = |name: &String| vec![("export", name.clone())];
-        family(
-            &mut enc,
-            "blkq_remote_connections",
-            "Connections a remote export (nbd:// device) keeps to its server.",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_remote_connections_up",
-            "Of those, the ones established now (the others are reconnecting).",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_remote_reconnects",
-            "Connections of a remote export re-established after they broke.",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), counter(d.reconnects()))),
-        )?;
-
-        // Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
-        let bitmaps: Vec<(String, cbt::Info)> = self
-            .0
-            .devices
-            .tracked()
-            .iter()
-            .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
-            .collect();
-        family(
-            &mut enc,
-            "blkq_dirty_bitmap_bytes",
-            "Bytes a dirty bitmap marks changed (whole granules) since it was created or cleared.",
-            None,
-            bitmaps.iter().map(|(e, i)| {
-                (
-                    vec![("export", e.clone()), ("bitmap", i.name.clone())],
-                    gauge(i.dirty_bytes),
-                )
-            }),
-        )?;
-
-        family(
-            &mut enc,
-            "blkq_waitq_wakeups",
-            "Waiters woken by the process's wait queues (tag waits, completions, the NBD \
-             reader and flusher): each is a thread unparked or a task woken.",
-            None,
-            [(vec![], counter(waitq::wakeups()))],
-        )?;
-
-        let (vol, invol) = context_switches();
-        family(
-            &mut enc,
-            "blkq_process_context_switches",
-            "Context switches of the process (getrusage): voluntary ones are mostly wake-ups \
-             after a sleep.",
-            None,
-            [
-                (vec![("type", "voluntary".to_string())], counter(vol)),
-                (vec![("type", "involuntary".to_string())], counter(invol)),
-            ],
-        )?;
-
-        let s = self.0.nbd.server();
-        family(
-            &mut enc,
-            "blkq_nbd_connections_open",
-            "NBD connections open now (handshake or transmission).",
-            None,
-            [(vec![], gauge(s.open))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_connections_accepted",
-            "NBD connections accepted.",
-            None,
-            [(vec![], counter(s.accepted))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_connections_refused",
-            "NBD connections closed at once by the server, by reason.",
-            None,
-            [(
-                vec![("reason", "limit".to_string())],
-                counter(s.refused_limit),
-            )],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_transmissions",
-            "NBD connections that finished the handshake.",
-            None,
-            [(vec![], counter(s.transmissions))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_handshake_failures",
-            "NBD handshakes that ended without a transmission phase, by reason.",
-            None,
-            HandshakeFailure::ALL.iter().enumerate().map(|(i, r)| {
-                (
-                    vec![("reason", r.as_str().to_string())],
-                    counter(s.handshake_failures[i]),
-                )
-            }),
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_requests",
-            "NBD requests served by connections that have closed.",
-            None,
-            [(vec![], counter(s.requests))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_requests_refused",
-            "NBD requests answered with an error before reaching a device, by closed connections.",
-            None,
-            [(vec![], counter(s.requests_refused))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_memory_budget_used",
-            "Payload bytes of reads and writes in flight, across connections.",
-            Some(&Unit::Bytes),
-            [(vec![], gauge(s.memory_used))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_memory_budget",
-            "The memory budget (--memory-budget).",
-            Some(&Unit::Bytes),
-            [(vec![], gauge(s.memory_budget))],
-        )?;
-
+        queue_families(&mut enc, &exports)?;
+        remote_families(&mut enc, &self.0.devices)?;
+        dirty_bitmap_families(&mut enc, &self.0.devices)?;
+        process_families(&mut enc)?;
+        nbd_server_families(&mut enc, &self.0.nbd.server())?;
         for (name, ctl) in &self.0.raid1 {
             md_families(&mut enc, name, ctl)?;
         }
         Ok(())
     }
+}
+
+/// What only blkq knows of an export's queue: tag waits per hardware context, scheduler lock
+/// contention.
+fn queue_families(
+    enc: &mut DescriptorEncoder,
+    exports: &[ExportMetrics],
+) -> Result<(), std::fmt::Error> {
+    let mut waits = Vec::new();
+    let mut locks = Vec::new();
+    for e in exports {
+        let Some(q) = e.device.as_queue() else {
+            continue;
+        };
+        for h in 0..q.pools().len() {
+            if let Some(w) = q.wait_stats(h) {
+                let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
+                waits.push((l, w));
+            }
+        }
+        if let Some(s) = q.scheduler() {
+            locks.push((e.name.clone(), s.name(), s.lock_stats()));
+        }
+    }
+    family(
+        enc,
+        "blkq_tag_waits",
+        "Submitters that slept for a free tag.",
+        None,
+        waits.iter().map(|(l, w)| (l.clone(), counter(w.count))),
+    )?;
+    family(
+        enc,
+        "blkq_tag_wait",
+        "How long submitters slept for a tag (log2 buckets).",
+        Some(&Unit::Seconds),
+        waits.into_iter().map(|(l, w)| (l, Log2Histogram(w.hist))),
+    )?;
+    let sched = |e: &String, n: &str| vec![("export", e.clone()), ("scheduler", n.to_string())];
+    family(
+        enc,
+        "blkq_sched_lock_attempts",
+        "Inserts and dispatches that wanted the scheduler's state.",
+        None,
+        locks
+            .iter()
+            .map(|(e, n, s)| (sched(e, n), counter(s.attempts))),
+    )?;
+    family(
+        enc,
+        "blkq_sched_lock_contended",
+        "Attempts that found the scheduler's state taken.",
+        None,
+        locks
+            .iter()
+            .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
+    )?;
+    Ok(())
+}
+
+/// Remote exports (`nbd://` devices): their connections now, and how often they were
+/// re-established.
+fn remote_families(enc: &mut DescriptorEncoder, devices: &Devices) -> Result<(), std::fmt::Error> {
+    let remotes = devices.remotes();
+    let remote = |name: &String| vec![("export", name.clone())];
+    family(
+        enc,
+        "blkq_remote_connections",
+        "Connections a remote export (nbd:// device) keeps to its server.",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
+    )?;
+    family(
+        enc,
+        "blkq_remote_connections_up",
+        "Of those, the ones established now (the others are reconnecting).",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
+    )?;
+    family(
+        enc,
+        "blkq_remote_reconnects",
+        "Connections of a remote export re-established after they broke.",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), counter(d.reconnects()))),
+    )?;
+    Ok(())
+}
+
+/// Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
+fn dirty_bitmap_families(
+    enc: &mut DescriptorEncoder,
+    devices: &Devices,
+) -> Result<(), std::fmt::Error> {
+    let bitmaps: Vec<(String, cbt::Info)> = devices
+        .tracked()
+        .iter()
+        .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
+        .collect();
+    family(
+        enc,
+        "blkq_dirty_bitmap_bytes",
+        "Bytes a dirty bitmap marks changed (whole granules) since it was created or cleared.",
+        None,
+        bitmaps.iter().map(|(e, i)| {
+            (
+                vec![("export", e.clone()), ("bitmap", i.name.clone())],
+                gauge(i.dirty_bytes),
+            )
+        }),
+    )?;
+    Ok(())
+}
+
+/// The process's wake-ups: wait queue wakeups and context switches.
+fn process_families(enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    family(
+        enc,
+        "blkq_waitq_wakeups",
+        "Waiters woken by the process's wait queues (tag waits, completions, the NBD \
+         reader and flusher): each is a thread unparked or a task woken.",
+        None,
+        [(vec![], counter(waitq::wakeups()))],
+    )?;
+
+    let (vol, invol) = context_switches();
+    family(
+        enc,
+        "blkq_process_context_switches",
+        "Context switches of the process (getrusage): voluntary ones are mostly wake-ups \
+         after a sleep.",
+        None,
+        [
+            (vec![("type", "voluntary".to_string())], counter(vol)),
+            (vec![("type", "involuntary".to_string())], counter(invol)),
+        ],
+    )?;
+    Ok(())
+}
+
+/// The NBD server's own counters: connections, handshakes, requests, memory budget.
+fn nbd_server_families(
+    enc: &mut DescriptorEncoder,
+    s: &ServerSnapshot,
+) -> Result<(), std::fmt::Error> {
+    family(
+        enc,
+        "blkq_nbd_connections_open",
+        "NBD connections open now (handshake or transmission).",
+        None,
+        [(vec![], gauge(s.open))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_connections_accepted",
+        "NBD connections accepted.",
+        None,
+        [(vec![], counter(s.accepted))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_connections_refused",
+        "NBD connections closed at once by the server, by reason.",
+        None,
+        [(
+            vec![("reason", "limit".to_string())],
+            counter(s.refused_limit),
+        )],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_transmissions",
+        "NBD connections that finished the handshake.",
+        None,
+        [(vec![], counter(s.transmissions))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_handshake_failures",
+        "NBD handshakes that ended without a transmission phase, by reason.",
+        None,
+        HandshakeFailure::ALL.iter().enumerate().map(|(i, r)| {
+            (
+                vec![("reason", r.as_str().to_string())],
+                counter(s.handshake_failures[i]),
+            )
+        }),
+    )?;
+    family(
+        enc,
+        "blkq_nbd_requests",
+        "NBD requests served by connections that have closed.",
+        None,
+        [(vec![], counter(s.requests))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_requests_refused",
+        "NBD requests answered with an error before reaching a device, by closed connections.",
+        None,
+        [(vec![], counter(s.requests_refused))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_memory_budget_used",
+        "Payload bytes of reads and writes in flight, across connections.",
+        Some(&Unit::Bytes),
+        [(vec![], gauge(s.memory_used))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_memory_budget",
+        "The memory budget (--memory-budget).",
+        Some(&Unit::Bytes),
+        [(vec![], gauge(s.memory_budget))],
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]
