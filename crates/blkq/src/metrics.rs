@@ -37,6 +37,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
+use crate::raid::report::ArrayReport;
 
 /// Longest request accepted (request line and headers), bytes.
 pub const MAX_REQUEST: usize = 8 << 10;
@@ -319,6 +320,112 @@ impl EncodeMetric for Log2Histogram {
     }
 }
 
+/// One `blkq_disk_*` counter family: name, help, unit, its value in a [`DiskStats`], and
+/// whether that value is a time in nanoseconds (exposed in seconds).
+type DiskCounter = (
+    &'static str,
+    &'static str,
+    Option<Unit>,
+    fn(&DiskStats) -> u64,
+    bool,
+);
+
+/// The counter families of [`disk_families`]: node_exporter's `node_disk_*` ones and
+/// blkq's errors.
+const DISK_COUNTERS: [DiskCounter; 13] = [
+    (
+        "blkq_disk_reads_completed",
+        "Reads completed successfully or not.",
+        None,
+        |d| d.ios[0],
+        false,
+    ),
+    (
+        "blkq_disk_read",
+        "Bytes read.",
+        Some(Unit::Bytes),
+        |d| d.sectors[0] * 512,
+        false,
+    ),
+    (
+        "blkq_disk_read_time",
+        "Time spent by reads, from allocation to completion (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.ticks_ns[0],
+        true,
+    ),
+    (
+        "blkq_disk_writes_completed",
+        "Writes completed (write-zeroes included; discards and flushes not).",
+        None,
+        DiskStats::writes_completed,
+        false,
+    ),
+    (
+        "blkq_disk_written",
+        "Bytes written (data writes).",
+        Some(Unit::Bytes),
+        |d| d.sectors[1] * 512,
+        false,
+    ),
+    (
+        "blkq_disk_write_time",
+        "Time spent by writes (coarse clock).",
+        Some(Unit::Seconds),
+        DiskStats::write_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_discards_completed",
+        "Discards completed.",
+        None,
+        |d| d.discard_ios,
+        false,
+    ),
+    (
+        "blkq_disk_discarded_sectors",
+        "Sectors (512 bytes) discarded.",
+        None,
+        |d| d.discard_sectors,
+        false,
+    ),
+    (
+        "blkq_disk_discard_time",
+        "Time spent by discards (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.discard_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_flush_requests",
+        "Flushes completed.",
+        None,
+        |d| d.flush_ios,
+        false,
+    ),
+    (
+        "blkq_disk_flush_requests_time",
+        "Time spent by flushes (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.flush_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_io_time",
+        "Time with at least one I/O in flight (coarse clock ticks).",
+        Some(Unit::Seconds),
+        |d| d.io_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_errors",
+        "I/Os completed with an error (blkq's; no node_exporter twin).",
+        None,
+        |d| d.errors,
+        false,
+    ),
+];
+
 /// node_exporter's `node_disk_*` families (with the `blkq_disk_` prefix), one sample per
 /// export.
 fn disk_families(
@@ -326,101 +433,7 @@ fn disk_families(
     disks: &[(String, DiskStats)],
 ) -> Result<(), std::fmt::Error> {
     let ex = |name: &str| vec![("export", name.to_string())];
-    type Pick = fn(&DiskStats) -> u64;
-    let counters: [(&str, &str, Option<Unit>, Pick, bool); 13] = [
-        (
-            "blkq_disk_reads_completed",
-            "Reads completed successfully or not.",
-            None,
-            |d| d.ios[0],
-            false,
-        ),
-        (
-            "blkq_disk_read",
-            "Bytes read.",
-            Some(Unit::Bytes),
-            |d| d.sectors[0] * 512,
-            false,
-        ),
-        (
-            "blkq_disk_read_time",
-            "Time spent by reads, from allocation to completion (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.ticks_ns[0],
-            true,
-        ),
-        (
-            "blkq_disk_writes_completed",
-            "Writes completed (write-zeroes included; discards and flushes not).",
-            None,
-            DiskStats::writes_completed,
-            false,
-        ),
-        (
-            "blkq_disk_written",
-            "Bytes written (data writes).",
-            Some(Unit::Bytes),
-            |d| d.sectors[1] * 512,
-            false,
-        ),
-        (
-            "blkq_disk_write_time",
-            "Time spent by writes (coarse clock).",
-            Some(Unit::Seconds),
-            DiskStats::write_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_discards_completed",
-            "Discards completed.",
-            None,
-            |d| d.discard_ios,
-            false,
-        ),
-        (
-            "blkq_disk_discarded_sectors",
-            "Sectors (512 bytes) discarded.",
-            None,
-            |d| d.discard_sectors,
-            false,
-        ),
-        (
-            "blkq_disk_discard_time",
-            "Time spent by discards (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.discard_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_flush_requests",
-            "Flushes completed.",
-            None,
-            |d| d.flush_ios,
-            false,
-        ),
-        (
-            "blkq_disk_flush_requests_time",
-            "Time spent by flushes (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.flush_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_io_time",
-            "Time with at least one I/O in flight (coarse clock ticks).",
-            Some(Unit::Seconds),
-            |d| d.io_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_errors",
-            "I/Os completed with an error (blkq's; no node_exporter twin).",
-            None,
-            |d| d.errors,
-            false,
-        ),
-    ];
-    for (name, help, unit, pick, is_time) in &counters {
+    for (name, help, unit, pick, is_time) in &DISK_COUNTERS {
         if *is_time {
             family(
                 enc,
@@ -449,20 +462,34 @@ fn disk_families(
     Ok(())
 }
 
-/// node_exporter's `node_md_*` shape for a RAID1 array.
+/// node_exporter's `node_md_*` shape for a RAID1 array, and blkq's per-leg families.
 fn md_families(
     enc: &mut DescriptorEncoder,
     name: &str,
     ctl: &Control,
 ) -> Result<(), std::fmt::Error> {
     let rep = ctl.report();
-    let dev = |extra: Option<(&'static str, &str)>| {
-        let mut v = vec![("device", name.to_string())];
-        if let Some((k, val)) = extra {
-            v.push((k, val.to_string()));
-        }
-        v
-    };
+    md_disk_families(enc, name, &rep)?;
+    md_state_families(enc, name, &rep)?;
+    md_leg_families(enc, name, &rep)
+}
+
+/// The labels of an array's sample: its device name, and an extra label when given.
+fn md_labels(name: &str, extra: Option<(&'static str, &str)>) -> Vec<(&'static str, String)> {
+    let mut v = vec![("device", name.to_string())];
+    if let Some((k, val)) = extra {
+        v.push((k, val.to_string()));
+    }
+    v
+}
+
+/// An array's legs by state and its member count (node_exporter's `node_md_disks*`).
+fn md_disk_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
+    let dev = |extra| md_labels(name, extra);
     let members = rep.legs.iter().take(rep.raid_disks);
     let count = |state: &str| rep.legs.iter().filter(|l| l.state == state).count() as u64;
     let present_members = members.filter(|l| l.state != "empty").count() as u64;
@@ -499,7 +526,17 @@ fn md_families(
         "Member legs of the array (md's raid_disks).",
         None,
         [(dev(None), gauge(rep.raid_disks as u64))],
-    )?;
+    )
+}
+
+/// An array's state, its degraded slots and how far its resync, recovery or check has gone
+/// (node_exporter's `node_md_state`, `node_md_degraded` and `node_md_blocks*`).
+fn md_state_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
+    let dev = |extra| md_labels(name, extra);
     let action = rep.sync.as_ref().map_or("idle", |s| s.action.as_str());
     let now = match action {
         "resync" => "resync",
@@ -516,6 +553,7 @@ fn md_families(
             .iter()
             .map(|s| (dev(Some(("state", s))), gauge(u64::from(*s == now)))),
     )?;
+    let in_sync = rep.legs.iter().filter(|l| l.state == "in_sync").count() as u64;
     family(
         enc,
         "node_md_degraded",
@@ -523,7 +561,7 @@ fn md_families(
         None,
         [(
             dev(None),
-            gauge((rep.raid_disks as u64).saturating_sub(count("in_sync"))),
+            gauge((rep.raid_disks as u64).saturating_sub(in_sync)),
         )],
     )?;
     let blocks = rep.capacity / 1024;
@@ -546,8 +584,16 @@ fn md_families(
         "1 KiB blocks synced by the running resync/recovery/check (all of them when idle).",
         None,
         [(dev(None), gauge(synced))],
-    )?;
-    // Per leg (what only blkq knows): labelled by slot.
+    )
+}
+
+/// Per leg (what only blkq knows), labelled by slot: round-trip time, write-behind writes in
+/// flight, automatic re-adds.
+fn md_leg_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
     let slot = |l: &crate::raid::report::LegReport| {
         vec![("device", name.to_string()), ("slot", l.slot.to_string())]
     };
@@ -576,8 +622,7 @@ fn md_families(
         "Automatic re-adds of a leg that failed and answered again (readd=auto).",
         None,
         present().map(|l| (slot(l), counter(l.readds))),
-    )?;
-    Ok(())
+    )
 }
 
 /// The process's context switches (getrusage).
