@@ -337,127 +337,66 @@ impl DeviceSpec {
         self.build_queue(overrides)
     }
 
+    /// Builds the device's queue and driver from the spec's options, with `overrides` over
+    /// them.
     fn build_queue(&self, overrides: &QueueOverrides) -> Result<Queue, Error> {
-        let mut null = NullConfig::default();
-        let mut memory_backed = false;
-        let mut mem_store = MemStore::default();
-        let mut mem_thp = false;
-        let mut mem_splice = true;
-        let mut file_opts = FileOptions {
-            read_only: overrides.read_only,
-            ..FileOptions::default()
+        let mut o = self.parse_options(overrides)?;
+        o.queue.apply(overrides);
+        check_queue(&o.queue.cfg)?;
+        let sched = o.queue.sched.build()?;
+        let driver = self.driver(o.driver, &mut o.queue.cfg, o.queue.max_io_given)?;
+        Queue::with_scheduler(o.queue.cfg, driver, sched)
+    }
+
+    /// Parses the spec's options (but its `fault.` ones, [`build_device`](Self::build_device)'s)
+    /// into the queue's and the driver's settings. An option neither the queue nor this kind
+    /// of device knows is refused by name.
+    fn parse_options(&self, overrides: &QueueOverrides) -> Result<Options, Error> {
+        let mut o = Options {
+            queue: QueueOptions::default(),
+            driver: DriverOptions::new(&self.kind, overrides.read_only),
         };
-        let mut file_cfg = FileDriverConfig::default();
-        let mut entries: Option<u32> = None;
-        let mut rbd = match &self.kind {
-            Kind::Rbd(c) => Some(RbdConfig {
-                read_only: overrides.read_only,
-                ..c.clone()
-            }),
-            _ => None,
-        };
-        let mut max_io_given = false;
-        let mut cfg = QueueConfig::new(0);
-        let mut sched = SchedChoice::None;
-        let mut sched_lock = LockMode::default();
-        let tunables = DeadlineTunables::default();
-        let mut tuned = false;
         for (k, v) in &self.options {
             let k = k.as_str();
             if k.starts_with(FAULT_PREFIX) {
                 continue; // build_device's
             }
-            match (k, &self.kind) {
-                ("sched" | "scheduler", _) => sched = v.parse()?,
-                ("sched_lock", _) => sched_lock = v.parse()?,
-                (k, _) if DeadlineTunables::NAMES.contains(&k) => {
-                    tunables.set(k, v)?;
-                    tuned = true;
-                }
-                ("hw_queue_depth" | "queue_depth", _) => cfg.queue_depth = parse_num(k, v)?,
-                ("submit_queues" | "hw_queues", _) => cfg.nr_hw_queues = parse_num(k, v)?,
-                ("shared_tags", _) => cfg.shared_tags = parse_bool(k, v)?,
-                ("reserved_tags", _) => cfg.reserved_tags = parse_num(k, v)?,
-                ("wake", _) => cfg.wake = v.parse()?,
-                ("policy", _) => cfg.policy = v.parse()?,
-                ("block_size", _) => cfg.limits.logical_block_size = parse_num(k, v)?,
-                ("max_io", _) => {
-                    cfg.limits.max_io_bytes = parse_max_io(v)?;
-                    max_io_given = true;
-                }
-                ("completion" | "irqmode", Kind::Null(_)) => null.completion = v.parse()?,
-                ("completion_nsec", Kind::Null(_)) => null.completion_nsec = parse_num(k, v)?,
-                ("memory_backed", Kind::Null(_)) => memory_backed = parse_bool(k, v)?,
-                ("store", Kind::Mem(_)) => mem_store = v.parse()?,
-                ("thp", Kind::Mem(_)) => mem_thp = parse_bool(k, v)?,
-                ("direct", Kind::File(_)) => file_opts.direct = parse_bool(k, v)?,
-                ("lock", Kind::File(_)) => file_opts.no_lock = !parse_bool(k, v)?,
-                ("ro" | "read_only", Kind::File(_)) => file_opts.read_only = parse_bool(k, v)?,
-                ("engine", Kind::File(_)) => file_cfg.engine = v.parse()?,
-                ("workers", Kind::File(_)) => file_cfg.workers = parse_num(k, v)?,
-                ("entries", Kind::File(_)) => entries = Some(parse_num(k, v)?),
-                ("inline", Kind::File(_)) => file_cfg.inline = parse_bool(k, v)?,
-                ("splice", Kind::File(_)) => file_cfg.splice = parse_bool(k, v)?,
-                ("splice", Kind::Mem(_)) => mem_splice = parse_bool(k, v)?,
-                ("ro" | "read_only", Kind::Rbd(_)) => {
-                    if let Some(c) = rbd.as_mut() {
-                        c.read_only |= parse_bool(k, v)?;
+            if !o.queue.set(k, v)? && !o.driver.set(&self.kind, k, v)? {
+                return Err(Error::Config(format!(
+                    "unknown option {k:?} for a {} device",
+                    match self.kind {
+                        Kind::Null(_) => "null",
+                        Kind::Mem(_) => "mem",
+                        Kind::File(_) => "file",
+                        Kind::Rbd(_) => "rbd",
                     }
-                }
-                ("lock", Kind::Rbd(_)) => {
-                    if let Some(c) = rbd.as_mut() {
-                        c.no_lock = !parse_bool(k, v)?;
-                    }
-                }
-                (k, Kind::Rbd(_))
-                    if rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
-                _ => {
-                    return Err(Error::Config(format!(
-                        "unknown option {k:?} for a {} device",
-                        match self.kind {
-                            Kind::Null(_) => "null",
-                            Kind::Mem(_) => "mem",
-                            Kind::File(_) => "file",
-                            Kind::Rbd(_) => "rbd",
-                        }
-                    )))
-                }
+                )));
             }
         }
-        if let Some(h) = overrides.hw_queues {
-            cfg.nr_hw_queues = h;
-        }
-        if let Some(d) = overrides.queue_depth {
-            cfg.queue_depth = d;
-        }
-        if let Some(s) = overrides.shared_tags {
-            cfg.shared_tags = s;
-        }
-        if let Some(w) = overrides.wake {
-            cfg.wake = w;
-        }
-        if let Some(p) = overrides.policy {
-            cfg.policy = p;
-        }
-        if let Some(s) = overrides.sched {
-            sched = s;
-        }
-        if let Some(l) = overrides.sched_lock {
-            sched_lock = l;
-        }
-        check_queue(&cfg)?;
-        let sched: Option<Box<dyn Scheduler>> = match sched {
-            SchedChoice::None if tuned => {
-                return Err(Error::Config(
-                    "mq-deadline tunables given without sched=mq-deadline".into(),
-                ))
-            }
-            SchedChoice::None => None,
-            SchedChoice::MqDeadline => Some(Box::new(
-                Deadline::new(sched_lock).with_tunables(Arc::new(tunables)),
-            )),
-        };
-        let driver: Box<dyn Driver> = match &self.kind {
+        Ok(o)
+    }
+
+    /// Opens the driver of this kind of device with its options, and sets what it decides of
+    /// the queue's limits in `cfg`: the capacity, and for rbd the largest I/O (one object)
+    /// unless `max_io_given`.
+    fn driver(
+        &self,
+        o: DriverOptions,
+        cfg: &mut QueueConfig,
+        max_io_given: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        let DriverOptions {
+            mut null,
+            memory_backed,
+            mem_store,
+            mem_thp,
+            mem_splice,
+            file_opts,
+            mut file_cfg,
+            entries,
+            rbd,
+        } = o;
+        Ok(match &self.kind {
             Kind::Null(size) => {
                 cfg.limits.capacity = *size;
                 if memory_backed {
@@ -502,8 +441,194 @@ impl DeviceSpec {
                 }
                 driver
             }
-        };
-        Queue::with_scheduler(cfg, driver, sched)
+        })
+    }
+}
+
+/// A spec's options, parsed ([`DeviceSpec::parse_options`]).
+struct Options {
+    /// The queue's, for every kind of device.
+    queue: QueueOptions,
+    /// The driver's, by kind of device.
+    driver: DriverOptions,
+}
+
+/// The queue's options of a spec: its configuration and its scheduler.
+struct QueueOptions {
+    cfg: QueueConfig,
+    /// Whether `max_io` was given (else rbd sets it from its object size).
+    max_io_given: bool,
+    sched: SchedOptions,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        Self {
+            cfg: QueueConfig::new(0),
+            max_io_given: false,
+            sched: SchedOptions {
+                choice: SchedChoice::None,
+                lock: LockMode::default(),
+                tunables: DeadlineTunables::default(),
+                tuned: false,
+            },
+        }
+    }
+}
+
+/// The scheduler options of a spec.
+struct SchedOptions {
+    choice: SchedChoice,
+    lock: LockMode,
+    tunables: DeadlineTunables,
+    /// Whether any mq-deadline tunable was given.
+    tuned: bool,
+}
+
+impl SchedOptions {
+    /// The scheduler chosen, with its tunables; tunables without mq-deadline are refused.
+    fn build(self) -> Result<Option<Box<dyn Scheduler>>, Error> {
+        Ok(match self.choice {
+            SchedChoice::None if self.tuned => {
+                return Err(Error::Config(
+                    "mq-deadline tunables given without sched=mq-deadline".into(),
+                ))
+            }
+            SchedChoice::None => None,
+            SchedChoice::MqDeadline => Some(Box::new(
+                Deadline::new(self.lock).with_tunables(Arc::new(self.tunables)),
+            )),
+        })
+    }
+}
+
+impl QueueOptions {
+    /// Sets queue option `k` to `v`; `false` when `k` is not a queue option.
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        let cfg = &mut self.cfg;
+        match k {
+            "sched" | "scheduler" => self.sched.choice = v.parse()?,
+            "sched_lock" => self.sched.lock = v.parse()?,
+            k if DeadlineTunables::NAMES.contains(&k) => {
+                self.sched.tunables.set(k, v)?;
+                self.sched.tuned = true;
+            }
+            "hw_queue_depth" | "queue_depth" => cfg.queue_depth = parse_num(k, v)?,
+            "submit_queues" | "hw_queues" => cfg.nr_hw_queues = parse_num(k, v)?,
+            "shared_tags" => cfg.shared_tags = parse_bool(k, v)?,
+            "reserved_tags" => cfg.reserved_tags = parse_num(k, v)?,
+            "wake" => cfg.wake = v.parse()?,
+            "policy" => cfg.policy = v.parse()?,
+            "block_size" => cfg.limits.logical_block_size = parse_num(k, v)?,
+            "max_io" => {
+                cfg.limits.max_io_bytes = parse_max_io(v)?;
+                self.max_io_given = true;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Puts the command line's settings over the spec's.
+    fn apply(&mut self, overrides: &QueueOverrides) {
+        let cfg = &mut self.cfg;
+        if let Some(h) = overrides.hw_queues {
+            cfg.nr_hw_queues = h;
+        }
+        if let Some(d) = overrides.queue_depth {
+            cfg.queue_depth = d;
+        }
+        if let Some(s) = overrides.shared_tags {
+            cfg.shared_tags = s;
+        }
+        if let Some(w) = overrides.wake {
+            cfg.wake = w;
+        }
+        if let Some(p) = overrides.policy {
+            cfg.policy = p;
+        }
+        if let Some(s) = overrides.sched {
+            self.sched.choice = s;
+        }
+        if let Some(l) = overrides.sched_lock {
+            self.sched.lock = l;
+        }
+    }
+}
+
+/// The driver's options of a spec, for each kind of device (those of the other kinds stay
+/// at their defaults).
+struct DriverOptions {
+    null: NullConfig,
+    memory_backed: bool,
+    mem_store: MemStore,
+    mem_thp: bool,
+    mem_splice: bool,
+    file_opts: FileOptions,
+    file_cfg: FileDriverConfig,
+    /// The file driver's ring entries, when given (else one per tag).
+    entries: Option<u32>,
+    /// The rbd target, for an rbd device.
+    rbd: Option<RbdConfig>,
+}
+
+impl DriverOptions {
+    /// The defaults for `kind`; `read_only` is the command line's `--read-only`.
+    fn new(kind: &Kind, read_only: bool) -> Self {
+        Self {
+            null: NullConfig::default(),
+            memory_backed: false,
+            mem_store: MemStore::default(),
+            mem_thp: false,
+            mem_splice: true,
+            file_opts: FileOptions {
+                read_only,
+                ..FileOptions::default()
+            },
+            file_cfg: FileDriverConfig::default(),
+            entries: None,
+            rbd: match kind {
+                Kind::Rbd(c) => Some(RbdConfig {
+                    read_only,
+                    ..c.clone()
+                }),
+                _ => None,
+            },
+        }
+    }
+
+    /// Sets option `k` of a `kind` device to `v`; `false` when that kind has no such option.
+    fn set(&mut self, kind: &Kind, k: &str, v: &str) -> Result<bool, Error> {
+        match (k, kind) {
+            ("completion" | "irqmode", Kind::Null(_)) => self.null.completion = v.parse()?,
+            ("completion_nsec", Kind::Null(_)) => self.null.completion_nsec = parse_num(k, v)?,
+            ("memory_backed", Kind::Null(_)) => self.memory_backed = parse_bool(k, v)?,
+            ("store", Kind::Mem(_)) => self.mem_store = v.parse()?,
+            ("thp", Kind::Mem(_)) => self.mem_thp = parse_bool(k, v)?,
+            ("direct", Kind::File(_)) => self.file_opts.direct = parse_bool(k, v)?,
+            ("lock", Kind::File(_)) => self.file_opts.no_lock = !parse_bool(k, v)?,
+            ("ro" | "read_only", Kind::File(_)) => self.file_opts.read_only = parse_bool(k, v)?,
+            ("engine", Kind::File(_)) => self.file_cfg.engine = v.parse()?,
+            ("workers", Kind::File(_)) => self.file_cfg.workers = parse_num(k, v)?,
+            ("entries", Kind::File(_)) => self.entries = Some(parse_num(k, v)?),
+            ("inline", Kind::File(_)) => self.file_cfg.inline = parse_bool(k, v)?,
+            ("splice", Kind::File(_)) => self.file_cfg.splice = parse_bool(k, v)?,
+            ("splice", Kind::Mem(_)) => self.mem_splice = parse_bool(k, v)?,
+            ("ro" | "read_only", Kind::Rbd(_)) => {
+                if let Some(c) = self.rbd.as_mut() {
+                    c.read_only |= parse_bool(k, v)?;
+                }
+            }
+            ("lock", Kind::Rbd(_)) => {
+                if let Some(c) = self.rbd.as_mut() {
+                    c.no_lock = !parse_bool(k, v)?;
+                }
+            }
+            (k, Kind::Rbd(_))
+                if self.rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 }
 

@@ -345,7 +345,66 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
     } else {
         a.hostnames.clone()
     };
-    let sans = hostnames
+    let sans = subject_alt_names(&hostnames)?;
+    let dir = &a.dir;
+    let ca_dir = prepare_dirs(dir, a.ca_dir.as_deref())?;
+
+    let now = OffsetDateTime::now_utc().replace_nanosecond(0)?;
+    let not_before = now - CLOCK_SKEW;
+    let new_ca = needs_new_ca(&ca_dir, a.force)?;
+    let targets = targets(dir, &ca_dir, new_ca, a.client.is_some());
+    check_targets(dir, &ca_dir, new_ca, &targets, a.force)?;
+
+    // The certificates, in memory.
+    let ca = if new_ca {
+        new_ca_cert(not_before, now + Duration::days(a.ca_days.into()))?
+    } else {
+        load_ca(&ca_dir, now)?
+    };
+    let mut not_after = now + Duration::days(a.days.into());
+    if not_after > ca.not_after {
+        eprintln!(
+            "warning: the CA in {} ends on {}: the certificates end with it instead of \
+             lasting --days {}",
+            ca_dir.display(),
+            ca.not_after.date(),
+            a.days
+        );
+        not_after = ca.not_after;
+    }
+    let mut server = leaf(&hostnames[0], not_before, not_after);
+    server.subject_alt_names = sans;
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let (server_cert, server_key) = sign(server, &ca, "server")?;
+    let client = match &a.client {
+        Some(name) => {
+            let mut client = leaf(name, not_before, not_after);
+            client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+            Some(sign(client, &ca, "client")?)
+        }
+        None => None,
+    };
+
+    // The files, in the order of `targets`.
+    let mut contents = Vec::new();
+    if new_ca {
+        contents.extend([ca.key.serialize_pem(), ca.pem.clone()]);
+    }
+    contents.extend([ca.pem.clone(), server_cert, server_key]);
+    if let Some((cert, key)) = client {
+        contents.extend([cert, key]);
+    }
+    for ((path, mode), text) in targets.iter().zip(&contents) {
+        write_new(path, text, *mode, a.force)?;
+    }
+    report(a, &ca_dir, new_ca, ca.not_after, &hostnames, not_after);
+    Ok(())
+}
+
+/// The server certificate's subject alternative names: each hostname as an IP address or a
+/// DNS name; anything else is refused by name.
+fn subject_alt_names(hostnames: &[String]) -> Result<Vec<SanType>> {
+    hostnames
         .iter()
         .map(|h| match h.parse::<std::net::IpAddr>() {
             Ok(ip) => Ok(SanType::IpAddress(ip)),
@@ -358,12 +417,15 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
                     .with_context(|| format!("--hostname {h:?}"))?,
             )),
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
 
-    // The directories: every check before anything is made or written.
-    let dir = &a.dir;
-    let ca_dir = match &a.ca_dir {
-        Some(d) => d.clone(),
+/// Checks DIR and the CA directory (`ca_dir`, or its default beside DIR) before anything is
+/// made or written, refuses a CA directory inside DIR, and makes both. Returns the CA
+/// directory.
+fn prepare_dirs(dir: &Path, ca_dir: Option<&Path>) -> Result<PathBuf> {
+    let ca_dir = match ca_dir {
+        Some(d) => d.to_path_buf(),
         None => default_ca_dir(dir)?,
     };
     for (d, what) in [(dir, "DIR"), (&ca_dir, "--ca-dir")] {
@@ -382,16 +444,18 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         );
     }
     make_dir(&ca_dir, 0o700, "--ca-dir")?;
+    Ok(ca_dir)
+}
 
-    let now = OffsetDateTime::now_utc().replace_nanosecond(0)?;
-    let not_before = now - CLOCK_SKEW;
-    let found = ca_found(&ca_dir);
-    let mut targets = Vec::new();
-    match &found {
-        CaFound::Complete => {}
-        CaFound::Empty => {}
-        CaFound::Incomplete(why) if a.force => {
+/// Whether a new CA is made in `ca_dir`: yes when it holds none; no when it holds a complete
+/// one (reused); an incomplete one is replaced only with `--force`, else refused.
+fn needs_new_ca(ca_dir: &Path, force: bool) -> Result<bool> {
+    match ca_found(ca_dir) {
+        CaFound::Complete => Ok(false),
+        CaFound::Empty => Ok(true),
+        CaFound::Incomplete(why) if force => {
             eprintln!("{}: {why}: --force: making a new CA", ca_dir.display());
+            Ok(true)
         }
         CaFound::Incomplete(why) => bail!(
             "{} holds no usable CA ({why}): remove those files, give another --ca-dir, or run \
@@ -399,7 +463,11 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
             ca_dir.display()
         ),
     }
-    let new_ca = !matches!(found, CaFound::Complete);
+}
+
+/// The files to write, with their modes, in the order [`certs`] writes them.
+fn targets(dir: &Path, ca_dir: &Path, new_ca: bool, client: bool) -> Vec<(PathBuf, u32)> {
+    let mut targets = Vec::new();
     if new_ca {
         targets.extend([
             (ca_dir.join("ca-key.pem"), 0o600),
@@ -411,12 +479,24 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         (dir.join("server-cert.pem"), 0o644),
         (dir.join("server-key.pem"), 0o600),
     ]);
-    if a.client.is_some() {
+    if client {
         targets.extend([
             (dir.join("client-cert.pem"), 0o644),
             (dir.join("client-key.pem"), 0o600),
         ]);
     }
+    targets
+}
+
+/// Refuses to overwrite any of `targets` without `--force`, and warns of a CA key left in
+/// the server's directory when a new CA is made elsewhere.
+fn check_targets(
+    dir: &Path,
+    ca_dir: &Path,
+    new_ca: bool,
+    targets: &[(PathBuf, u32)],
+    force: bool,
+) -> Result<()> {
     let legacy = dir.join("ca-key.pem");
     if new_ca && occupied(&legacy) {
         eprintln!(
@@ -432,7 +512,7 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
         .filter(|(p, _)| occupied(p))
         .map(|(p, _)| p.display().to_string())
         .collect();
-    if !taken.is_empty() && !a.force {
+    if !taken.is_empty() && !force {
         bail!(
             "refusing to overwrite {}: run again with --force to replace {}{}",
             taken.join(", "),
@@ -444,98 +524,68 @@ pub fn certs(a: &CertsArgs) -> Result<()> {
             }
         );
     }
+    Ok(())
+}
 
-    // The certificates, in memory.
-    let ca = if new_ca {
-        let key = KeyPair::generate().context("CA key")?;
-        let not_after = now + Duration::days(a.ca_days.into());
-        let issuer = ca_params(not_before, not_after)
-            .self_signed(&key)
-            .context("CA certificate")?;
-        Ca {
-            pem: issuer.pem(),
-            key,
-            issuer,
-            not_after,
-        }
-    } else {
-        load_ca(&ca_dir, now)?
-    };
-    let mut not_after = now + Duration::days(a.days.into());
-    if not_after > ca.not_after {
-        eprintln!(
-            "warning: the CA in {} ends on {}: the certificates end with it instead of \
-             lasting --days {}",
-            ca_dir.display(),
-            ca.not_after.date(),
-            a.days
-        );
-        not_after = ca.not_after;
-    }
-    let mut server = leaf(&hostnames[0], not_before, not_after);
-    server.subject_alt_names = sans;
-    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let server_key = KeyPair::generate().context("server key")?;
-    let server_cert = server
-        .signed_by(&server_key, &ca.issuer, &ca.key)
-        .context("server certificate")?;
-    let client = match &a.client {
-        Some(name) => {
-            let mut client = leaf(name, not_before, not_after);
-            client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-            let key = KeyPair::generate().context("client key")?;
-            let cert = client
-                .signed_by(&key, &ca.issuer, &ca.key)
-                .context("client certificate")?;
-            Some((cert.pem(), key.serialize_pem()))
-        }
-        None => None,
-    };
+/// A new self-signed CA with a new key, valid from `not_before` to `not_after`.
+fn new_ca_cert(not_before: OffsetDateTime, not_after: OffsetDateTime) -> Result<Ca> {
+    let key = KeyPair::generate().context("CA key")?;
+    let issuer = ca_params(not_before, not_after)
+        .self_signed(&key)
+        .context("CA certificate")?;
+    Ok(Ca {
+        pem: issuer.pem(),
+        key,
+        issuer,
+        not_after,
+    })
+}
 
-    // The files, in the order of `targets`.
-    let mut contents = Vec::new();
-    if new_ca {
-        contents.extend([ca.key.serialize_pem(), ca.pem.clone()]);
-    }
-    contents.extend([
-        ca.pem.clone(),
-        server_cert.pem(),
-        server_key.serialize_pem(),
-    ]);
-    if let Some((cert, key)) = client {
-        contents.extend([cert, key]);
-    }
-    for ((path, mode), text) in targets.iter().zip(&contents) {
-        write_new(path, text, *mode, a.force)?;
-    }
+/// Signs `params` under the CA with a new key (`what` names it in errors). Returns the
+/// certificate's and the key's PEM.
+fn sign(params: CertificateParams, ca: &Ca, what: &str) -> Result<(String, String)> {
+    let key = KeyPair::generate().with_context(|| format!("{what} key"))?;
+    let cert = params
+        .signed_by(&key, &ca.issuer, &ca.key)
+        .with_context(|| format!("{what} certificate"))?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
 
+/// Says what was written where, and until when it is valid.
+fn report(
+    a: &CertsArgs,
+    ca_dir: &Path,
+    new_ca: bool,
+    ca_not_after: OffsetDateTime,
+    hostnames: &[String],
+    not_after: OffsetDateTime,
+) {
     let until = |t: OffsetDateTime| t.date();
     if new_ca {
         println!(
             "{}: ca-cert.pem, ca-key.pem (a new CA, until {}; keep ca-key.pem off the server)",
             ca_dir.display(),
-            until(ca.not_after)
+            until(ca_not_after)
         );
     } else {
         println!(
             "{}: the CA there is reused (until {})",
             ca_dir.display(),
-            until(ca.not_after)
+            until(ca_not_after)
         );
     }
     println!(
         "{}: ca-cert.pem, server-cert.pem, server-key.pem (for {}, until {})",
-        dir.display(),
+        a.dir.display(),
         hostnames.join(", "),
         until(not_after)
     );
     if let Some(name) = &a.client {
         println!(
             "{}: client-cert.pem, client-key.pem (CN={name})",
-            dir.display()
+            a.dir.display()
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]

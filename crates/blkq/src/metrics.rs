@@ -26,7 +26,7 @@ use blk::stats::DiskStats;
 use blkq_sync::atomic::AtomicBool;
 use blkq_sync::{thread, Arc};
 
-use nbd::server::{HandshakeFailure, Metrics as NbdMetrics};
+use nbd::server::{ExportMetrics, HandshakeFailure, Metrics as NbdMetrics, ServerSnapshot};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -37,6 +37,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
+use crate::raid::report::ArrayReport;
 
 /// Longest request accepted (request line and headers), bytes.
 pub const MAX_REQUEST: usize = 8 << 10;
@@ -319,6 +320,112 @@ impl EncodeMetric for Log2Histogram {
     }
 }
 
+/// One `blkq_disk_*` counter family: name, help, unit, its value in a [`DiskStats`], and
+/// whether that value is a time in nanoseconds (exposed in seconds).
+type DiskCounter = (
+    &'static str,
+    &'static str,
+    Option<Unit>,
+    fn(&DiskStats) -> u64,
+    bool,
+);
+
+/// The counter families of [`disk_families`]: node_exporter's `node_disk_*` ones and
+/// blkq's errors.
+const DISK_COUNTERS: [DiskCounter; 13] = [
+    (
+        "blkq_disk_reads_completed",
+        "Reads completed successfully or not.",
+        None,
+        |d| d.ios[0],
+        false,
+    ),
+    (
+        "blkq_disk_read",
+        "Bytes read.",
+        Some(Unit::Bytes),
+        |d| d.sectors[0] * 512,
+        false,
+    ),
+    (
+        "blkq_disk_read_time",
+        "Time spent by reads, from allocation to completion (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.ticks_ns[0],
+        true,
+    ),
+    (
+        "blkq_disk_writes_completed",
+        "Writes completed (write-zeroes included; discards and flushes not).",
+        None,
+        DiskStats::writes_completed,
+        false,
+    ),
+    (
+        "blkq_disk_written",
+        "Bytes written (data writes).",
+        Some(Unit::Bytes),
+        |d| d.sectors[1] * 512,
+        false,
+    ),
+    (
+        "blkq_disk_write_time",
+        "Time spent by writes (coarse clock).",
+        Some(Unit::Seconds),
+        DiskStats::write_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_discards_completed",
+        "Discards completed.",
+        None,
+        |d| d.discard_ios,
+        false,
+    ),
+    (
+        "blkq_disk_discarded_sectors",
+        "Sectors (512 bytes) discarded.",
+        None,
+        |d| d.discard_sectors,
+        false,
+    ),
+    (
+        "blkq_disk_discard_time",
+        "Time spent by discards (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.discard_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_flush_requests",
+        "Flushes completed.",
+        None,
+        |d| d.flush_ios,
+        false,
+    ),
+    (
+        "blkq_disk_flush_requests_time",
+        "Time spent by flushes (coarse clock).",
+        Some(Unit::Seconds),
+        |d| d.flush_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_io_time",
+        "Time with at least one I/O in flight (coarse clock ticks).",
+        Some(Unit::Seconds),
+        |d| d.io_ticks_ns,
+        true,
+    ),
+    (
+        "blkq_disk_errors",
+        "I/Os completed with an error (blkq's; no node_exporter twin).",
+        None,
+        |d| d.errors,
+        false,
+    ),
+];
+
 /// node_exporter's `node_disk_*` families (with the `blkq_disk_` prefix), one sample per
 /// export.
 fn disk_families(
@@ -326,101 +433,7 @@ fn disk_families(
     disks: &[(String, DiskStats)],
 ) -> Result<(), std::fmt::Error> {
     let ex = |name: &str| vec![("export", name.to_string())];
-    type Pick = fn(&DiskStats) -> u64;
-    let counters: [(&str, &str, Option<Unit>, Pick, bool); 13] = [
-        (
-            "blkq_disk_reads_completed",
-            "Reads completed successfully or not.",
-            None,
-            |d| d.ios[0],
-            false,
-        ),
-        (
-            "blkq_disk_read",
-            "Bytes read.",
-            Some(Unit::Bytes),
-            |d| d.sectors[0] * 512,
-            false,
-        ),
-        (
-            "blkq_disk_read_time",
-            "Time spent by reads, from allocation to completion (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.ticks_ns[0],
-            true,
-        ),
-        (
-            "blkq_disk_writes_completed",
-            "Writes completed (write-zeroes included; discards and flushes not).",
-            None,
-            DiskStats::writes_completed,
-            false,
-        ),
-        (
-            "blkq_disk_written",
-            "Bytes written (data writes).",
-            Some(Unit::Bytes),
-            |d| d.sectors[1] * 512,
-            false,
-        ),
-        (
-            "blkq_disk_write_time",
-            "Time spent by writes (coarse clock).",
-            Some(Unit::Seconds),
-            DiskStats::write_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_discards_completed",
-            "Discards completed.",
-            None,
-            |d| d.discard_ios,
-            false,
-        ),
-        (
-            "blkq_disk_discarded_sectors",
-            "Sectors (512 bytes) discarded.",
-            None,
-            |d| d.discard_sectors,
-            false,
-        ),
-        (
-            "blkq_disk_discard_time",
-            "Time spent by discards (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.discard_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_flush_requests",
-            "Flushes completed.",
-            None,
-            |d| d.flush_ios,
-            false,
-        ),
-        (
-            "blkq_disk_flush_requests_time",
-            "Time spent by flushes (coarse clock).",
-            Some(Unit::Seconds),
-            |d| d.flush_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_io_time",
-            "Time with at least one I/O in flight (coarse clock ticks).",
-            Some(Unit::Seconds),
-            |d| d.io_ticks_ns,
-            true,
-        ),
-        (
-            "blkq_disk_errors",
-            "I/Os completed with an error (blkq's; no node_exporter twin).",
-            None,
-            |d| d.errors,
-            false,
-        ),
-    ];
-    for (name, help, unit, pick, is_time) in &counters {
+    for (name, help, unit, pick, is_time) in &DISK_COUNTERS {
         if *is_time {
             family(
                 enc,
@@ -449,20 +462,34 @@ fn disk_families(
     Ok(())
 }
 
-/// node_exporter's `node_md_*` shape for a RAID1 array.
+/// node_exporter's `node_md_*` shape for a RAID1 array, and blkq's per-leg families.
 fn md_families(
     enc: &mut DescriptorEncoder,
     name: &str,
     ctl: &Control,
 ) -> Result<(), std::fmt::Error> {
     let rep = ctl.report();
-    let dev = |extra: Option<(&'static str, &str)>| {
-        let mut v = vec![("device", name.to_string())];
-        if let Some((k, val)) = extra {
-            v.push((k, val.to_string()));
-        }
-        v
-    };
+    md_disk_families(enc, name, &rep)?;
+    md_state_families(enc, name, &rep)?;
+    md_leg_families(enc, name, &rep)
+}
+
+/// The labels of an array's sample: its device name, and an extra label when given.
+fn md_labels(name: &str, extra: Option<(&'static str, &str)>) -> Vec<(&'static str, String)> {
+    let mut v = vec![("device", name.to_string())];
+    if let Some((k, val)) = extra {
+        v.push((k, val.to_string()));
+    }
+    v
+}
+
+/// An array's legs by state and its member count (node_exporter's `node_md_disks*`).
+fn md_disk_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
+    let dev = |extra| md_labels(name, extra);
     let members = rep.legs.iter().take(rep.raid_disks);
     let count = |state: &str| rep.legs.iter().filter(|l| l.state == state).count() as u64;
     let present_members = members.filter(|l| l.state != "empty").count() as u64;
@@ -499,7 +526,17 @@ fn md_families(
         "Member legs of the array (md's raid_disks).",
         None,
         [(dev(None), gauge(rep.raid_disks as u64))],
-    )?;
+    )
+}
+
+/// An array's state, its degraded slots and how far its resync, recovery or check has gone
+/// (node_exporter's `node_md_state`, `node_md_degraded` and `node_md_blocks*`).
+fn md_state_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
+    let dev = |extra| md_labels(name, extra);
     let action = rep.sync.as_ref().map_or("idle", |s| s.action.as_str());
     let now = match action {
         "resync" => "resync",
@@ -516,6 +553,7 @@ fn md_families(
             .iter()
             .map(|s| (dev(Some(("state", s))), gauge(u64::from(*s == now)))),
     )?;
+    let in_sync = rep.legs.iter().filter(|l| l.state == "in_sync").count() as u64;
     family(
         enc,
         "node_md_degraded",
@@ -523,7 +561,7 @@ fn md_families(
         None,
         [(
             dev(None),
-            gauge((rep.raid_disks as u64).saturating_sub(count("in_sync"))),
+            gauge((rep.raid_disks as u64).saturating_sub(in_sync)),
         )],
     )?;
     let blocks = rep.capacity / 1024;
@@ -546,8 +584,16 @@ fn md_families(
         "1 KiB blocks synced by the running resync/recovery/check (all of them when idle).",
         None,
         [(dev(None), gauge(synced))],
-    )?;
-    // Per leg (what only blkq knows): labelled by slot.
+    )
+}
+
+/// Per leg (what only blkq knows), labelled by slot: round-trip time, write-behind writes in
+/// flight, automatic re-adds.
+fn md_leg_families(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    rep: &ArrayReport,
+) -> Result<(), std::fmt::Error> {
     let slot = |l: &crate::raid::report::LegReport| {
         vec![("device", name.to_string()), ("slot", l.slot.to_string())]
     };
@@ -576,8 +622,7 @@ fn md_families(
         "Automatic re-adds of a leg that failed and answered again (readd=auto).",
         None,
         present().map(|l| (slot(l), counter(l.readds))),
-    )?;
-    Ok(())
+    )
 }
 
 /// The process's context switches (getrusage).
@@ -599,210 +644,239 @@ impl Collector for BlkqCollector {
             .map(|e| (e.name.clone(), e.stats.clone()))
             .collect();
         disk_families(&mut enc, &disks)?;
-
-        // What only blkq knows: tag waits per hardware context, scheduler lock contention.
-        let mut waits = Vec::new();
-        let mut locks = Vec::new();
-        for e in &exports {
-            let Some(q) = e.device.as_queue() else {
-                continue;
-            };
-            for h in 0..q.pools().len() {
-                if let Some(w) = q.wait_stats(h) {
-                    let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
-                    waits.push((l, w));
-                }
-            }
-            if let Some(s) = q.scheduler() {
-                locks.push((e.name.clone(), s.name(), s.lock_stats()));
-            }
-        }
-        family(
-            &mut enc,
-            "blkq_tag_waits",
-            "Submitters that slept for a free tag.",
-            None,
-            waits.iter().map(|(l, w)| (l.clone(), counter(w.count))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_tag_wait",
-            "How long submitters slept for a tag (log2 buckets).",
-            Some(&Unit::Seconds),
-            waits.into_iter().map(|(l, w)| (l, Log2Histogram(w.hist))),
-        )?;
-        let sched = |e: &String, n: &str| vec![("export", e.clone()), ("scheduler", n.to_string())];
-        family(
-            &mut enc,
-            "blkq_sched_lock_attempts",
-            "Inserts and dispatches that wanted the scheduler's state.",
-            None,
-            locks
-                .iter()
-                .map(|(e, n, s)| (sched(e, n), counter(s.attempts))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_sched_lock_contended",
-            "Attempts that found the scheduler's state taken.",
-            None,
-            locks
-                .iter()
-                .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
-        )?;
-
-        // Remote exports: their connections now, and how often they were re-established.
-        let remotes = self.0.devices.remotes();
-        let remote = |name: &String| vec![("export", name.clone())];
-        family(
-            &mut enc,
-            "blkq_remote_connections",
-            "Connections a remote export (nbd:// device) keeps to its server.",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_remote_connections_up",
-            "Of those, the ones established now (the others are reconnecting).",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
-        )?;
-        family(
-            &mut enc,
-            "blkq_remote_reconnects",
-            "Connections of a remote export re-established after they broke.",
-            None,
-            remotes
-                .iter()
-                .map(|(n, d)| (remote(n), counter(d.reconnects()))),
-        )?;
-
-        // Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
-        let bitmaps: Vec<(String, cbt::Info)> = self
-            .0
-            .devices
-            .tracked()
-            .iter()
-            .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
-            .collect();
-        family(
-            &mut enc,
-            "blkq_dirty_bitmap_bytes",
-            "Bytes a dirty bitmap marks changed (whole granules) since it was created or cleared.",
-            None,
-            bitmaps.iter().map(|(e, i)| {
-                (
-                    vec![("export", e.clone()), ("bitmap", i.name.clone())],
-                    gauge(i.dirty_bytes),
-                )
-            }),
-        )?;
-
-        family(
-            &mut enc,
-            "blkq_waitq_wakeups",
-            "Waiters woken by the process's wait queues (tag waits, completions, the NBD \
-             reader and flusher): each is a thread unparked or a task woken.",
-            None,
-            [(vec![], counter(waitq::wakeups()))],
-        )?;
-
-        let (vol, invol) = context_switches();
-        family(
-            &mut enc,
-            "blkq_process_context_switches",
-            "Context switches of the process (getrusage): voluntary ones are mostly wake-ups \
-             after a sleep.",
-            None,
-            [
-                (vec![("type", "voluntary".to_string())], counter(vol)),
-                (vec![("type", "involuntary".to_string())], counter(invol)),
-            ],
-        )?;
-
-        let s = self.0.nbd.server();
-        family(
-            &mut enc,
-            "blkq_nbd_connections_open",
-            "NBD connections open now (handshake or transmission).",
-            None,
-            [(vec![], gauge(s.open))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_connections_accepted",
-            "NBD connections accepted.",
-            None,
-            [(vec![], counter(s.accepted))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_connections_refused",
-            "NBD connections closed at once by the server, by reason.",
-            None,
-            [(
-                vec![("reason", "limit".to_string())],
-                counter(s.refused_limit),
-            )],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_transmissions",
-            "NBD connections that finished the handshake.",
-            None,
-            [(vec![], counter(s.transmissions))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_handshake_failures",
-            "NBD handshakes that ended without a transmission phase, by reason.",
-            None,
-            HandshakeFailure::ALL.iter().enumerate().map(|(i, r)| {
-                (
-                    vec![("reason", r.as_str().to_string())],
-                    counter(s.handshake_failures[i]),
-                )
-            }),
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_requests",
-            "NBD requests served by connections that have closed.",
-            None,
-            [(vec![], counter(s.requests))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_requests_refused",
-            "NBD requests answered with an error before reaching a device, by closed connections.",
-            None,
-            [(vec![], counter(s.requests_refused))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_memory_budget_used",
-            "Payload bytes of reads and writes in flight, across connections.",
-            Some(&Unit::Bytes),
-            [(vec![], gauge(s.memory_used))],
-        )?;
-        family(
-            &mut enc,
-            "blkq_nbd_memory_budget",
-            "The memory budget (--memory-budget).",
-            Some(&Unit::Bytes),
-            [(vec![], gauge(s.memory_budget))],
-        )?;
-
+        queue_families(&mut enc, &exports)?;
+        remote_families(&mut enc, &self.0.devices)?;
+        dirty_bitmap_families(&mut enc, &self.0.devices)?;
+        process_families(&mut enc)?;
+        nbd_server_families(&mut enc, &self.0.nbd.server())?;
         for (name, ctl) in &self.0.raid1 {
             md_families(&mut enc, name, ctl)?;
         }
         Ok(())
     }
+}
+
+/// What only blkq knows of an export's queue: tag waits per hardware context, scheduler lock
+/// contention.
+fn queue_families(
+    enc: &mut DescriptorEncoder,
+    exports: &[ExportMetrics],
+) -> Result<(), std::fmt::Error> {
+    let mut waits = Vec::new();
+    let mut locks = Vec::new();
+    for e in exports {
+        let Some(q) = e.device.as_queue() else {
+            continue;
+        };
+        for h in 0..q.pools().len() {
+            if let Some(w) = q.wait_stats(h) {
+                let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
+                waits.push((l, w));
+            }
+        }
+        if let Some(s) = q.scheduler() {
+            locks.push((e.name.clone(), s.name(), s.lock_stats()));
+        }
+    }
+    family(
+        enc,
+        "blkq_tag_waits",
+        "Submitters that slept for a free tag.",
+        None,
+        waits.iter().map(|(l, w)| (l.clone(), counter(w.count))),
+    )?;
+    family(
+        enc,
+        "blkq_tag_wait",
+        "How long submitters slept for a tag (log2 buckets).",
+        Some(&Unit::Seconds),
+        waits.into_iter().map(|(l, w)| (l, Log2Histogram(w.hist))),
+    )?;
+    let sched = |e: &String, n: &str| vec![("export", e.clone()), ("scheduler", n.to_string())];
+    family(
+        enc,
+        "blkq_sched_lock_attempts",
+        "Inserts and dispatches that wanted the scheduler's state.",
+        None,
+        locks
+            .iter()
+            .map(|(e, n, s)| (sched(e, n), counter(s.attempts))),
+    )?;
+    family(
+        enc,
+        "blkq_sched_lock_contended",
+        "Attempts that found the scheduler's state taken.",
+        None,
+        locks
+            .iter()
+            .map(|(e, n, s)| (sched(e, n), counter(s.contended))),
+    )?;
+    Ok(())
+}
+
+/// Remote exports (`nbd://` devices): their connections now, and how often they were
+/// re-established.
+fn remote_families(enc: &mut DescriptorEncoder, devices: &Devices) -> Result<(), std::fmt::Error> {
+    let remotes = devices.remotes();
+    let remote = |name: &String| vec![("export", name.clone())];
+    family(
+        enc,
+        "blkq_remote_connections",
+        "Connections a remote export (nbd:// device) keeps to its server.",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), gauge(d.connections() as u64))),
+    )?;
+    family(
+        enc,
+        "blkq_remote_connections_up",
+        "Of those, the ones established now (the others are reconnecting).",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), gauge(d.connections_up() as u64))),
+    )?;
+    family(
+        enc,
+        "blkq_remote_reconnects",
+        "Connections of a remote export re-established after they broke.",
+        None,
+        remotes
+            .iter()
+            .map(|(n, d)| (remote(n), counter(d.reconnects()))),
+    )?;
+    Ok(())
+}
+
+/// Dirty bitmaps (changed-block tracking): what a backup from each would copy now.
+fn dirty_bitmap_families(
+    enc: &mut DescriptorEncoder,
+    devices: &Devices,
+) -> Result<(), std::fmt::Error> {
+    let bitmaps: Vec<(String, cbt::Info)> = devices
+        .tracked()
+        .iter()
+        .flat_map(|(n, t)| t.bitmaps().list().into_iter().map(|i| (n.clone(), i)))
+        .collect();
+    family(
+        enc,
+        "blkq_dirty_bitmap_bytes",
+        "Bytes a dirty bitmap marks changed (whole granules) since it was created or cleared.",
+        None,
+        bitmaps.iter().map(|(e, i)| {
+            (
+                vec![("export", e.clone()), ("bitmap", i.name.clone())],
+                gauge(i.dirty_bytes),
+            )
+        }),
+    )?;
+    Ok(())
+}
+
+/// The process's wake-ups: wait queue wakeups and context switches.
+fn process_families(enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    family(
+        enc,
+        "blkq_waitq_wakeups",
+        "Waiters woken by the process's wait queues (tag waits, completions, the NBD \
+         reader and flusher): each is a thread unparked or a task woken.",
+        None,
+        [(vec![], counter(waitq::wakeups()))],
+    )?;
+
+    let (vol, invol) = context_switches();
+    family(
+        enc,
+        "blkq_process_context_switches",
+        "Context switches of the process (getrusage): voluntary ones are mostly wake-ups \
+         after a sleep.",
+        None,
+        [
+            (vec![("type", "voluntary".to_string())], counter(vol)),
+            (vec![("type", "involuntary".to_string())], counter(invol)),
+        ],
+    )?;
+    Ok(())
+}
+
+/// The NBD server's own counters: connections, handshakes, requests, memory budget.
+fn nbd_server_families(
+    enc: &mut DescriptorEncoder,
+    s: &ServerSnapshot,
+) -> Result<(), std::fmt::Error> {
+    family(
+        enc,
+        "blkq_nbd_connections_open",
+        "NBD connections open now (handshake or transmission).",
+        None,
+        [(vec![], gauge(s.open))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_connections_accepted",
+        "NBD connections accepted.",
+        None,
+        [(vec![], counter(s.accepted))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_connections_refused",
+        "NBD connections closed at once by the server, by reason.",
+        None,
+        [(
+            vec![("reason", "limit".to_string())],
+            counter(s.refused_limit),
+        )],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_transmissions",
+        "NBD connections that finished the handshake.",
+        None,
+        [(vec![], counter(s.transmissions))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_handshake_failures",
+        "NBD handshakes that ended without a transmission phase, by reason.",
+        None,
+        HandshakeFailure::ALL.iter().enumerate().map(|(i, r)| {
+            (
+                vec![("reason", r.as_str().to_string())],
+                counter(s.handshake_failures[i]),
+            )
+        }),
+    )?;
+    family(
+        enc,
+        "blkq_nbd_requests",
+        "NBD requests served by connections that have closed.",
+        None,
+        [(vec![], counter(s.requests))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_requests_refused",
+        "NBD requests answered with an error before reaching a device, by closed connections.",
+        None,
+        [(vec![], counter(s.requests_refused))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_memory_budget_used",
+        "Payload bytes of reads and writes in flight, across connections.",
+        Some(&Unit::Bytes),
+        [(vec![], gauge(s.memory_used))],
+    )?;
+    family(
+        enc,
+        "blkq_nbd_memory_budget",
+        "The memory budget (--memory-budget).",
+        Some(&Unit::Bytes),
+        [(vec![], gauge(s.memory_budget))],
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]

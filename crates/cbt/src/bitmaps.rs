@@ -745,17 +745,52 @@ fn open_copies(
     notes: &mut Vec<String>,
 ) -> Result<OpenedCopies, Error> {
     let capacity = ident.size;
-    let current = generations.first().copied().unwrap_or(0);
-    // How recent a generation is among the array's: 0 the current one; None when unknown.
-    let age = |g: u64| -> Option<usize> {
-        generations
-            .iter()
-            .position(|&x| x == g)
-            .or((g == 0).then_some(generations.len()))
+    let (good, mut refused) = read_copies(paths, others, ident)?;
+    let best = good
+        .iter()
+        .enumerate()
+        .max_by(|(i, a), (j, b)| {
+            rank(generations, a)
+                .cmp(&rank(generations, b))
+                .then(j.cmp(i))
+        })
+        .map(|(i, _)| i);
+    let (entries, slots) = match best {
+        Some(b) => {
+            let (entries, slots) = take_best(&good, b, &refused, generations, capacity, notes)?;
+            (Some(entries), slots)
+        }
+        None if refused.is_empty() => (None, Vec::new()),
+        None => {
+            if !reset {
+                return Err(refused.swap_remove(0).2);
+            }
+            let (entries, slots) = reset_refused(&refused, capacity, notes)?;
+            (Some(entries), slots)
+        }
     };
+    drop(good);
+    let current = generations.first().copied().unwrap_or(0);
+    write_copies(paths, entries, ident, current, slots, notes)
+}
+
+/// The bitmaps [`open_copies`] takes: the `seq` to follow and the entries of the copy
+/// taken, and the bitmaps.
+type Taken = ((u64, Vec<Entry>), Vec<Slot>);
+
+/// A copy of a mirror's sidecar refused at start: its path, why, the error a start without
+/// a good copy gives, and the newest valid header it has.
+type Refused = (PathBuf, String, Error, Option<Header>);
+
+/// Reads every copy of a mirror's sidecar that exists among `paths` and `others` (each path
+/// once): those that pass the checks against the array (`ident`), and those refused.
+fn read_copies(
+    paths: &[PathBuf],
+    others: &[PathBuf],
+    ident: Identity,
+) -> Result<(Vec<Copy>, Vec<Refused>), Error> {
     let mut good: Vec<Copy> = Vec::new();
-    // (path, why, the error a start without a good copy gives, the newest valid header).
-    let mut refused: Vec<(PathBuf, String, Error, Option<Header>)> = Vec::new();
+    let mut refused: Vec<Refused> = Vec::new();
     let mut all: Vec<&PathBuf> = paths.iter().chain(others).collect();
     all.sort();
     all.dedup();
@@ -791,98 +826,132 @@ fn open_copies(
             )),
         }
     }
-    let key = |c: &Copy| {
-        let a = age(c.header.generation);
-        (a.is_some(), c.header.seq, std::cmp::Reverse(a))
-    };
-    let best = good
+    Ok((good, refused))
+}
+
+/// How recent generation `g` is among the array's (`generations`, the current one first): 0
+/// the current one; `None` when unknown.
+fn age(generations: &[u64], g: u64) -> Option<usize> {
+    generations
         .iter()
-        .enumerate()
-        .max_by(|(i, a), (j, b)| key(a).cmp(&key(b)).then(j.cmp(i)))
-        .map(|(i, _)| i);
-    let (entries, slots) = match best {
-        Some(b) => {
-            let best = &good[b];
-            let k = key(best);
-            if !k.0 {
-                notes.push(format!(
-                    "dirty bitmap sidecar {}: generation {:016x} is not one of the array's \
-                     (a history that went apart from it); used, as no copy of the array's own \
-                     is left",
-                    best.path.display(),
-                    best.header.generation
-                ));
-            }
-            let slots: Vec<Slot> = best
-                .header
-                .entries
-                .iter()
-                .map(|e| {
-                    Ok(Slot {
-                        bm: Arc::new(Bitmap::new(&e.name, capacity, e.shift, e.region)?),
-                        frozen: e.frozen,
-                    })
-                })
-                .collect::<Result<_, Error>>()?;
-            for c in &good {
-                let same = key(c) == k && c.header.entries == best.header.entries;
-                if same {
-                    for (s, ws) in slots.iter().zip(&c.words) {
-                        for (w, &v) in ws.iter().enumerate() {
-                            s.bm.load_word(w, v);
-                        }
-                    }
-                } else {
-                    let what = if age(c.header.generation).is_none() {
-                        "is from a history the array does not share (the other side of a split)"
-                    } else {
-                        "is stale (the array went on without it)"
-                    };
-                    notes.push(format!(
-                        "dirty bitmap sidecar {} {what}: seq {}, generation {:016x}, where {} \
-                         has seq {}, generation {:016x}: refused, the bitmaps are taken from \
-                         the latter",
-                        c.path.display(),
-                        c.header.seq,
-                        c.header.generation,
-                        best.path.display(),
-                        best.header.seq,
-                        best.header.generation
-                    ));
+        .position(|&x| x == g)
+        .or((g == 0).then_some(generations.len()))
+}
+
+/// How a copy ranks (highest wins): a generation of the array's before one it does not know,
+/// then the highest `seq`, then the newer generation.
+fn rank(generations: &[u64], c: &Copy) -> (bool, u64, std::cmp::Reverse<Option<usize>>) {
+    let a = age(generations, c.header.generation);
+    (a.is_some(), c.header.seq, std::cmp::Reverse(a))
+}
+
+/// The bitmaps of the copy taken (`good[b]`), merged with the copies equal to it; every
+/// other copy, and every refused one, is named in the notes. Returns the taken copy's `seq`
+/// and entries, and the bitmaps.
+fn take_best(
+    good: &[Copy],
+    b: usize,
+    refused: &[Refused],
+    generations: &[u64],
+    capacity: u64,
+    notes: &mut Vec<String>,
+) -> Result<Taken, Error> {
+    let best = &good[b];
+    let k = rank(generations, best);
+    if !k.0 {
+        notes.push(format!(
+            "dirty bitmap sidecar {}: generation {:016x} is not one of the array's \
+             (a history that went apart from it); used, as no copy of the array's own \
+             is left",
+            best.path.display(),
+            best.header.generation
+        ));
+    }
+    let slots: Vec<Slot> = best
+        .header
+        .entries
+        .iter()
+        .map(|e| {
+            Ok(Slot {
+                bm: Arc::new(Bitmap::new(&e.name, capacity, e.shift, e.region)?),
+                frozen: e.frozen,
+            })
+        })
+        .collect::<Result<_, Error>>()?;
+    for c in good {
+        let same = rank(generations, c) == k && c.header.entries == best.header.entries;
+        if same {
+            for (s, ws) in slots.iter().zip(&c.words) {
+                for (w, &v) in ws.iter().enumerate() {
+                    s.bm.load_word(w, v);
                 }
             }
-            for (p, why, _, _) in &refused {
-                notes.push(format!(
-                    "dirty bitmap sidecar {} {why}: refused, the bitmaps are taken from {}",
-                    p.display(),
-                    best.path.display()
-                ));
-            }
-            (Some((best.header.seq, best.header.entries.clone())), slots)
+        } else {
+            let what = if age(generations, c.header.generation).is_none() {
+                "is from a history the array does not share (the other side of a split)"
+            } else {
+                "is stale (the array went on without it)"
+            };
+            notes.push(format!(
+                "dirty bitmap sidecar {} {what}: seq {}, generation {:016x}, where {} \
+                 has seq {}, generation {:016x}: refused, the bitmaps are taken from \
+                 the latter",
+                c.path.display(),
+                c.header.seq,
+                c.header.generation,
+                best.path.display(),
+                best.header.seq,
+                best.header.generation
+            ));
         }
-        None if refused.is_empty() => (None, Vec::new()),
-        None => {
-            let newest = refused
-                .iter()
-                .filter_map(|(_, _, _, h)| h.as_ref())
-                .max_by_key(|h| h.seq)
-                .cloned();
-            if !reset {
-                return Err(refused.swap_remove(0).2);
-            }
-            let (entries, slots) = all_dirty(newest.as_ref(), capacity)?;
-            let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
-            for (p, why, _, _) in &refused {
-                notes.push(format!(
-                    "--bitmaps-reset: the bitmap sidecar {} {why}; replaced with every bit \
-                     dirty in bitmaps {names:?}: the next backup from each is a full one",
-                    p.display()
-                ));
-            }
-            (Some((newest.map_or(0, |h| h.seq), entries)), slots)
-        }
-    };
-    drop(good);
+    }
+    for (p, why, _, _) in refused {
+        notes.push(format!(
+            "dirty bitmap sidecar {} {why}: refused, the bitmaps are taken from {}",
+            p.display(),
+            best.path.display()
+        ));
+    }
+    Ok(((best.header.seq, best.header.entries.clone()), slots))
+}
+
+/// With `--bitmaps-reset` and no good copy: the bitmaps of the newest refused copy's header
+/// start over with every bit dirty, each refused copy named in the notes. Returns the `seq`
+/// to follow and the entries, and the bitmaps.
+fn reset_refused(
+    refused: &[Refused],
+    capacity: u64,
+    notes: &mut Vec<String>,
+) -> Result<Taken, Error> {
+    let newest = refused
+        .iter()
+        .filter_map(|(_, _, _, h)| h.as_ref())
+        .max_by_key(|h| h.seq)
+        .cloned();
+    let (entries, slots) = all_dirty(newest.as_ref(), capacity)?;
+    let names: Vec<&str> = slots.iter().map(|s| s.bm.name()).collect();
+    for (p, why, _, _) in refused {
+        notes.push(format!(
+            "--bitmaps-reset: the bitmap sidecar {} {why}; replaced with every bit \
+             dirty in bitmaps {names:?}: the next backup from each is a full one",
+            p.display()
+        ));
+    }
+    Ok(((newest.map_or(0, |h| h.seq), entries), slots))
+}
+
+/// Writes the bitmaps taken to every copy at `paths`, with the next `seq` after the one
+/// taken and the array's `current` generation (with no copy anywhere, `entries` is `None`:
+/// nothing is written, the sidecar is created with the first bitmap). A copy that cannot be
+/// written is named in the notes and not kept; none written is an error.
+fn write_copies(
+    paths: &[PathBuf],
+    entries: Option<(u64, Vec<Entry>)>,
+    ident: Identity,
+    current: u64,
+    slots: Vec<Slot>,
+    notes: &mut Vec<String>,
+) -> Result<OpenedCopies, Error> {
     let sinks: Vec<FileSink> = paths
         .iter()
         .map(|p| FileSink::new(p.clone(), None))

@@ -749,6 +749,60 @@ impl Chunk<'_> {
     }
 }
 
+/// An error in a reply chunk's payload.
+fn malformed(reason: &'static str) -> Error {
+    Error::MalformedReply { reason }
+}
+
+/// The payload of a BLOCK_STATUS chunk: a context id and n > 0 extents of 8 bytes, none
+/// of length 0.
+fn parse_block_status<'a>(r: &mut Reader<'a>) -> Result<Chunk<'a>, Error> {
+    let context_id = r
+        .u32()
+        .ok_or(malformed("BLOCK_STATUS shorter than 4 bytes"))?;
+    let n = r.remaining() / 8;
+    if n == 0 || n * 8 != r.remaining() {
+        return Err(malformed("BLOCK_STATUS length is not 4 + 8n, n > 0"));
+    }
+    let mut extents = Vec::with_capacity(n);
+    while let (Some(length), Some(flags)) = (r.u32(), r.u32()) {
+        if length == 0 {
+            return Err(malformed("BLOCK_STATUS extent of length 0"));
+        }
+        extents.push(Extent { length, flags });
+    }
+    Ok(Chunk::BlockStatus {
+        context_id,
+        extents,
+    })
+}
+
+/// The payload of a BLOCK_STATUS_EXT chunk: a context id, a count (0 or n) and n > 0
+/// extents of 16 bytes, none of length 0.
+fn parse_block_status_ext<'a>(r: &mut Reader<'a>) -> Result<Chunk<'a>, Error> {
+    let (Some(context_id), Some(count)) = (r.u32(), r.u32()) else {
+        return Err(malformed("BLOCK_STATUS_EXT shorter than 8 bytes"));
+    };
+    let n = r.remaining() / 16;
+    if n == 0 || n * 16 != r.remaining() {
+        return Err(malformed("BLOCK_STATUS_EXT length is not 8 + 16n, n > 0"));
+    }
+    if count != 0 && count as usize != n {
+        return Err(malformed("BLOCK_STATUS_EXT count differs from its length"));
+    }
+    let mut extents = Vec::with_capacity(n);
+    while let (Some(length), Some(flags)) = (r.u64(), r.u64()) {
+        if length == 0 {
+            return Err(malformed("BLOCK_STATUS_EXT extent of length 0"));
+        }
+        extents.push(ExtentExt { length, flags });
+    }
+    Ok(Chunk::BlockStatusExt {
+        context_id,
+        extents,
+    })
+}
+
 /// Parses the payload of a reply chunk (client side); `payload` is exactly the
 /// `header.length` bytes that followed the header.
 ///
@@ -756,7 +810,6 @@ impl Chunk<'_> {
 /// [`Error::UnknownReplyType`]; both are fatal. Unknown error chunk types give
 /// [`Chunk::OtherError`].
 pub fn parse_chunk<'a>(header: &ChunkHeader, payload: &'a [u8]) -> Result<Chunk<'a>, Error> {
-    let malformed = |reason| Error::MalformedReply { reason };
     if payload.len() as u64 != header.length {
         return Err(malformed("payload length differs from the header"));
     }
@@ -801,49 +854,8 @@ pub fn parse_chunk<'a>(header: &ChunkHeader, payload: &'a [u8]) -> Result<Chunk<
             }
             Ok(Chunk::OffsetHole { offset, size })
         }
-        NBD_REPLY_TYPE_BLOCK_STATUS => {
-            let context_id = r
-                .u32()
-                .ok_or(malformed("BLOCK_STATUS shorter than 4 bytes"))?;
-            let n = r.remaining() / 8;
-            if n == 0 || n * 8 != r.remaining() {
-                return Err(malformed("BLOCK_STATUS length is not 4 + 8n, n > 0"));
-            }
-            let mut extents = Vec::with_capacity(n);
-            while let (Some(length), Some(flags)) = (r.u32(), r.u32()) {
-                if length == 0 {
-                    return Err(malformed("BLOCK_STATUS extent of length 0"));
-                }
-                extents.push(Extent { length, flags });
-            }
-            Ok(Chunk::BlockStatus {
-                context_id,
-                extents,
-            })
-        }
-        NBD_REPLY_TYPE_BLOCK_STATUS_EXT => {
-            let (Some(context_id), Some(count)) = (r.u32(), r.u32()) else {
-                return Err(malformed("BLOCK_STATUS_EXT shorter than 8 bytes"));
-            };
-            let n = r.remaining() / 16;
-            if n == 0 || n * 16 != r.remaining() {
-                return Err(malformed("BLOCK_STATUS_EXT length is not 8 + 16n, n > 0"));
-            }
-            if count != 0 && count as usize != n {
-                return Err(malformed("BLOCK_STATUS_EXT count differs from its length"));
-            }
-            let mut extents = Vec::with_capacity(n);
-            while let (Some(length), Some(flags)) = (r.u64(), r.u64()) {
-                if length == 0 {
-                    return Err(malformed("BLOCK_STATUS_EXT extent of length 0"));
-                }
-                extents.push(ExtentExt { length, flags });
-            }
-            Ok(Chunk::BlockStatusExt {
-                context_id,
-                extents,
-            })
-        }
+        NBD_REPLY_TYPE_BLOCK_STATUS => parse_block_status(&mut r),
+        NBD_REPLY_TYPE_BLOCK_STATUS_EXT => parse_block_status_ext(&mut r),
         NBD_REPLY_TYPE_ERROR => {
             let (error, message) = error_fields(&mut r)?;
             if error == 0 {

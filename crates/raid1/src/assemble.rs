@@ -350,30 +350,8 @@ impl Raid1 {
             return Err(Raid1Error::Config("depth".into()));
         }
         let nr_given = legs.len();
-        let mut found = Vec::with_capacity(legs.len());
         let mut warnings = Vec::new();
-        // Legs whose superblock is torn or unreadable: assembled without, then recovered.
-        let mut unreadable = Vec::new();
-        for (i, dev) in legs.into_iter().enumerate() {
-            match Self::read_superblock(dev.as_ref()) {
-                Ok(sb) => found.push((i, dev, sb)),
-                // Not ours at all: never overwrite it.
-                Err(
-                    e @ Raid1Error::Superblock(
-                        SuperblockError::BadMagic | SuperblockError::UnsupportedVersion(_),
-                    ),
-                ) => return Err(e),
-                Err(e) => {
-                    let w = format!(
-                        "leg {i}: superblock unreadable ({e}); assembled from the other legs, \
-                         this one is recovered in full"
-                    );
-                    tracing::warn!("raid1: {w}");
-                    warnings.push(w);
-                    unreadable.push((i, dev));
-                }
-            }
-        }
+        let LegsRead { found, unreadable } = read_superblocks(legs, &mut warnings)?;
         let mut given: Vec<Option<&Superblock>> = vec![None; nr_given];
         for (i, _, sb) in &found {
             given[*i] = Some(sb);
@@ -388,141 +366,15 @@ impl Raid1 {
             .find(|(i, _, _)| *i == assembly.newest)
             .map(|(_, _, sb)| sb.clone())
             .expect("the newest superblock is one of those read");
-        let nr_slots = newest.legs.len();
-        let lims: Vec<Limits> = found.iter().map(|(_, d, _)| d.limits()).collect();
-        let lbs = lims
-            .iter()
-            .map(|l| l.logical_block_size)
-            .max()
-            .unwrap_or(512);
-        let max_io = lims
-            .iter()
-            .map(|l| l.max_io_bytes)
-            .chain([cfg.max_io_bytes])
-            .min()
-            .unwrap_or(cfg.max_io_bytes);
-        let mut placed: Vec<Placed> = Vec::new();
-        let mut left_out = Vec::new();
-        for (i, dev, sb) in found {
-            if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
-                return Err(Raid1Error::Slot(i, "leg smaller than the array"));
-            }
-            // Spares (added later with add_leg) and legs replaced since take no slot. A leg
-            // whose slot the newest superblock leaves empty (it ran without it) comes back
-            // through add_leg, which lets it in only if its history allows.
-            let Some(n) = assembly.slots[i] else {
-                if let Role::Slot(n) = sb.role {
-                    if newest.legs.get(n as usize).is_some_and(|l| l.uuid.is_nil()) {
-                        left_out.push((i, dev));
-                    }
-                }
-                continue;
-            };
-            let info = &newest.legs[n];
-            let mut state = PRESENT;
-            if info.faulty {
-                state |= FAULTY;
-            }
-            if info.write_mostly {
-                state |= WRITE_MOSTLY;
-            }
-            let current =
-                sb.events == newest.events && sb.lineage.current.id == newest.lineage.current.id;
-            if info.in_sync && current {
-                state |= IN_SYNC;
-            }
-            placed.push(Placed {
-                slot: n,
-                dev,
-                uuid: sb.leg_uuid,
-                state,
-                recovery_offset: if current {
-                    info.recovery_offset.unwrap_or(0)
-                } else {
-                    0
-                },
-                sb_events: sb.events,
-                was_in_sync: left_in_sync(&sb, n),
-                readd: false,
-                generation: sb.lineage.current.id,
-            });
-        }
-        let in_sync_recorded = newest
-            .legs
-            .iter()
-            .filter(|l| l.in_sync && !l.faulty)
-            .count();
-        if nr_given < in_sync_recorded && !cfg.allow_degraded {
-            return Err(Raid1Error::Config(format!(
-                "{in_sync_recorded} legs are in sync in this array but {nr_given} given: \
-                 starting without the others makes this side a new history, which they can \
-                 rejoin only by discarding their writes (a failover); set allow_degraded \
-                 (blkq serve --raid1-degraded) to do that"
-            )));
-        }
-        if !placed
-            .iter()
-            .any(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
-        {
-            return Err(Raid1Error::Config("no in-sync leg: cannot assemble".into()));
-        }
-        let capacity = newest.data_size;
-        let bitmap = if newest.bitmap.chunk_size == 0 {
-            None
-        } else {
-            let bm = WriteIntentBitmap::new(capacity, newest.bitmap.chunk_size)?
-                .with_quiet_time(cfg.bitmap_quiet)
-                .with_counts(cfg.bitmap_counts);
-            let mut loaded = false;
-            // Per placed leg: whether its own bitmap joined the array's.
-            let mut own = vec![false; placed.len()];
-            for (k, p) in placed.iter().enumerate() {
-                if p.state & FAULTY != 0 {
-                    continue;
-                }
-                let len = bm.disk_len();
-                let b = Bio::with_buf(
-                    Op::Read,
-                    newest.bitmap.offset >> SECTOR_SHIFT,
-                    Buffer::new(len),
-                );
-                let (back, r) = submit_wait(p.dev.as_ref(), b);
-                if let (Ok(()), Some(buf)) = (r, back.buf) {
-                    own[k] = bm.load(buf.as_slice()).is_ok();
-                    loaded |= own[k];
-                }
-            }
-            if !loaded {
-                // No readable bitmap: everything may differ.
-                bm.set_dirty(crate::bitmap::ChunkSet {
-                    first: 0,
-                    end: bm.nr_chunks(),
-                });
-            }
-            // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
-            // recovery (md's re-add, `readd_rule`); any other recovering leg recovers fully.
-            let cleared = bm.events_cleared();
-            for (p, &own) in placed.iter_mut().zip(&own) {
-                // A leg of the newest generation: md's rule; of an earlier one: no bit cleared
-                // since the array left it, and its own bitmap joined the array's (the writes
-                // it took that the array may lack; unreadable, only a full recovery covers
-                // them: see `Raid1::add_leg`).
-                let covered = readd_covers(
-                    &newest.lineage,
-                    p.generation,
-                    p.was_in_sync,
-                    p.sb_events,
-                    cleared,
-                ) && (own || p.generation == newest.lineage.current.id);
-                p.readd = loaded
-                    && p.state & (IN_SYNC | FAULTY) == 0
-                    && p.recovery_offset == 0
-                    && covered;
-            }
-            Some(bm)
-        };
+        let (lbs, max_io) = common_limits(&found, &cfg);
+        let Placement {
+            mut placed,
+            left_out,
+        } = place_legs(found, &assembly.slots, &newest)?;
+        check_enough_in_sync(&newest, &placed, nr_given, &cfg)?;
+        let bitmap = load_bitmap(&newest, &mut placed, &cfg)?;
         let mut r = Self::launch(Launch {
-            nr_slots,
+            nr_slots: newest.legs.len(),
             placed,
             slot_uuids: newest.legs.iter().map(|l| l.uuid).collect(),
             array_uuid: newest.array_uuid,
@@ -535,16 +387,31 @@ impl Raid1 {
                 .filter(|(_, l)| l.in_sync && !l.faulty)
                 .fold(0, |m, (i, _)| m | 1 << i),
             data_offset: newest.data_offset,
-            capacity,
+            capacity: newest.data_size,
             lbs,
             max_io,
             bitmap,
             cfg,
             resync: newest.array_state != ArrayState::Clean,
         })?;
+        r.add_back(left_out, unreadable, &mut warnings);
+        r.warnings = warnings;
+        Ok(r)
+    }
+
+    /// The last step of [`Raid1::assemble`], on the running array: legs left out of the
+    /// newest superblock's slot table come back through `add_leg` (a re-add when their
+    /// history allows it), and legs whose superblock was unreadable as new legs, recovered in
+    /// full. A leg that cannot come back is named in `warnings`; the array runs without it.
+    fn add_back(
+        &self,
+        left_out: Vec<(usize, StdArc<dyn Device>)>,
+        unreadable: Vec<(usize, StdArc<dyn Device>)>,
+        warnings: &mut Vec<String>,
+    ) {
         for (i, dev) in left_out {
             // A former leg of an emptied slot: a re-add when its history allows it.
-            match r.add_leg(dev) {
+            match self.add_leg(dev) {
                 Ok(slot) => tracing::info!("raid1: leg {i}: back into slot {slot}, recovering"),
                 Err(e) => {
                     let w = format!("leg {i}: left out ({e})");
@@ -556,14 +423,12 @@ impl Raid1 {
         for (i, dev) in unreadable {
             // A new leg to the array: fresh UUID, full recovery. One that cannot even take a
             // superblock stays out; the array runs without it.
-            if let Err(e) = r.add_leg(dev) {
+            if let Err(e) = self.add_leg(dev) {
                 let w = format!("leg {i}: could not be added back for recovery ({e}); left out");
                 tracing::warn!("raid1: {w}");
                 warnings.push(w);
             }
         }
-        r.warnings = warnings;
-        Ok(r)
     }
 
     /// Reads and decodes the superblock of a leg (any device; for tools and reports too).
@@ -695,6 +560,228 @@ impl Raid1 {
             warnings: Vec::new(),
         })
     }
+}
+
+/// A leg given to [`Raid1::assemble`], by its position among the legs given.
+type GivenLeg = (usize, StdArc<dyn Device>);
+
+/// The legs given to [`Raid1::assemble`], sorted by what reading their superblock gave.
+struct LegsRead {
+    /// Legs with a readable superblock, with it.
+    found: Vec<(usize, StdArc<dyn Device>, Superblock)>,
+    /// Legs whose superblock is torn or unreadable: assembled without, then recovered.
+    unreadable: Vec<GivenLeg>,
+}
+
+/// Reads every leg's superblock. A leg that carries something not ours (bad magic, a
+/// version we do not know) fails the assembly: it is never overwritten. Any other read or
+/// decode error leaves the leg to be recovered in full, named in `warnings`.
+fn read_superblocks(
+    legs: Vec<StdArc<dyn Device>>,
+    warnings: &mut Vec<String>,
+) -> Result<LegsRead, Raid1Error> {
+    let mut found = Vec::with_capacity(legs.len());
+    let mut unreadable = Vec::new();
+    for (i, dev) in legs.into_iter().enumerate() {
+        match Raid1::read_superblock(dev.as_ref()) {
+            Ok(sb) => found.push((i, dev, sb)),
+            // Not ours at all: never overwrite it.
+            Err(
+                e @ Raid1Error::Superblock(
+                    SuperblockError::BadMagic | SuperblockError::UnsupportedVersion(_),
+                ),
+            ) => return Err(e),
+            Err(e) => {
+                let w = format!(
+                    "leg {i}: superblock unreadable ({e}); assembled from the other legs, \
+                     this one is recovered in full"
+                );
+                tracing::warn!("raid1: {w}");
+                warnings.push(w);
+                unreadable.push((i, dev));
+            }
+        }
+    }
+    Ok(LegsRead { found, unreadable })
+}
+
+/// The array's logical block size (the largest of its legs') and largest I/O (the smallest
+/// of its legs' and the configured one).
+fn common_limits(
+    found: &[(usize, StdArc<dyn Device>, Superblock)],
+    cfg: &Raid1Config,
+) -> (u32, u32) {
+    let lims: Vec<Limits> = found.iter().map(|(_, d, _)| d.limits()).collect();
+    let lbs = lims
+        .iter()
+        .map(|l| l.logical_block_size)
+        .max()
+        .unwrap_or(512);
+    let max_io = lims
+        .iter()
+        .map(|l| l.max_io_bytes)
+        .chain([cfg.max_io_bytes])
+        .min()
+        .unwrap_or(cfg.max_io_bytes);
+    (lbs, max_io)
+}
+
+/// The legs with a readable superblock, as [`place_legs`] sorts them.
+struct Placement {
+    /// Legs that take a slot in the newest superblock's view, with their state in it.
+    placed: Vec<Placed>,
+    /// Former legs of a slot the newest superblock leaves empty: they may come back through
+    /// `add_leg` once the array runs.
+    left_out: Vec<GivenLeg>,
+}
+
+/// Puts each leg into the slot the assembly gave it (`slots`, by position given), with the
+/// state the newest superblock records for that slot: in sync only if the leg's own
+/// superblock is as current as the newest, else recovering from 0. A leg too small for the
+/// array fails the assembly.
+fn place_legs(
+    found: Vec<(usize, StdArc<dyn Device>, Superblock)>,
+    slots: &[Option<usize>],
+    newest: &Superblock,
+) -> Result<Placement, Raid1Error> {
+    let mut placed: Vec<Placed> = Vec::new();
+    let mut left_out = Vec::new();
+    for (i, dev, sb) in found {
+        if dev.limits().capacity < newest.data_offset.saturating_add(newest.data_size) {
+            return Err(Raid1Error::Slot(i, "leg smaller than the array"));
+        }
+        // Spares (added later with add_leg) and legs replaced since take no slot. A leg
+        // whose slot the newest superblock leaves empty (it ran without it) comes back
+        // through add_leg, which lets it in only if its history allows.
+        let Some(n) = slots[i] else {
+            if let Role::Slot(n) = sb.role {
+                if newest.legs.get(n as usize).is_some_and(|l| l.uuid.is_nil()) {
+                    left_out.push((i, dev));
+                }
+            }
+            continue;
+        };
+        let info = &newest.legs[n];
+        let mut state = PRESENT;
+        if info.faulty {
+            state |= FAULTY;
+        }
+        if info.write_mostly {
+            state |= WRITE_MOSTLY;
+        }
+        let current =
+            sb.events == newest.events && sb.lineage.current.id == newest.lineage.current.id;
+        if info.in_sync && current {
+            state |= IN_SYNC;
+        }
+        placed.push(Placed {
+            slot: n,
+            dev,
+            uuid: sb.leg_uuid,
+            state,
+            recovery_offset: if current {
+                info.recovery_offset.unwrap_or(0)
+            } else {
+                0
+            },
+            sb_events: sb.events,
+            was_in_sync: left_in_sync(&sb, n),
+            readd: false,
+            generation: sb.lineage.current.id,
+        });
+    }
+    Ok(Placement { placed, left_out })
+}
+
+/// Refuses an assembly that would fork the array's history without being asked to (fewer
+/// legs given than the newest superblock records in sync, unless `allow_degraded`), and one
+/// with no in-sync leg to read from.
+fn check_enough_in_sync(
+    newest: &Superblock,
+    placed: &[Placed],
+    nr_given: usize,
+    cfg: &Raid1Config,
+) -> Result<(), Raid1Error> {
+    let in_sync_recorded = newest
+        .legs
+        .iter()
+        .filter(|l| l.in_sync && !l.faulty)
+        .count();
+    if nr_given < in_sync_recorded && !cfg.allow_degraded {
+        return Err(Raid1Error::Config(format!(
+            "{in_sync_recorded} legs are in sync in this array but {nr_given} given: \
+             starting without the others makes this side a new history, which they can \
+             rejoin only by discarding their writes (a failover); set allow_degraded \
+             (blkq serve --raid1-degraded) to do that"
+        )));
+    }
+    if !placed
+        .iter()
+        .any(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
+    {
+        return Err(Raid1Error::Config("no in-sync leg: cannot assemble".into()));
+    }
+    Ok(())
+}
+
+/// The array's write-intent bitmap (none if the newest superblock records none): the union
+/// of the bitmaps of the non-faulty placed legs, or all dirty when none is readable. Marks
+/// each placed leg that may come back with a bitmap recovery (`Placed::readd`).
+fn load_bitmap(
+    newest: &Superblock,
+    placed: &mut [Placed],
+    cfg: &Raid1Config,
+) -> Result<Option<WriteIntentBitmap>, Raid1Error> {
+    if newest.bitmap.chunk_size == 0 {
+        return Ok(None);
+    }
+    let bm = WriteIntentBitmap::new(newest.data_size, newest.bitmap.chunk_size)?
+        .with_quiet_time(cfg.bitmap_quiet)
+        .with_counts(cfg.bitmap_counts);
+    let mut loaded = false;
+    // Per placed leg: whether its own bitmap joined the array's.
+    let mut own = vec![false; placed.len()];
+    for (k, p) in placed.iter().enumerate() {
+        if p.state & FAULTY != 0 {
+            continue;
+        }
+        let len = bm.disk_len();
+        let b = Bio::with_buf(
+            Op::Read,
+            newest.bitmap.offset >> SECTOR_SHIFT,
+            Buffer::new(len),
+        );
+        let (back, r) = submit_wait(p.dev.as_ref(), b);
+        if let (Ok(()), Some(buf)) = (r, back.buf) {
+            own[k] = bm.load(buf.as_slice()).is_ok();
+            loaded |= own[k];
+        }
+    }
+    if !loaded {
+        // No readable bitmap: everything may differ.
+        bm.set_dirty(crate::bitmap::ChunkSet {
+            first: 0,
+            end: bm.nr_chunks(),
+        });
+    }
+    // A stale leg that was in sync and saw every cleared bit comes back with a bitmap
+    // recovery (md's re-add, `readd_rule`); any other recovering leg recovers fully.
+    let cleared = bm.events_cleared();
+    for (p, &own) in placed.iter_mut().zip(&own) {
+        // A leg of the newest generation: md's rule; of an earlier one: no bit cleared
+        // since the array left it, and its own bitmap joined the array's (the writes
+        // it took that the array may lack; unreadable, only a full recovery covers
+        // them: see `Raid1::add_leg`).
+        let covered = readd_covers(
+            &newest.lineage,
+            p.generation,
+            p.was_in_sync,
+            p.sb_events,
+            cleared,
+        ) && (own || p.generation == newest.lineage.current.id);
+        p.readd = loaded && p.state & (IN_SYNC | FAULTY) == 0 && p.recovery_offset == 0 && covered;
+    }
+    Ok(Some(bm))
 }
 
 /// The generation of the newest history among `found` (one array's legs): the one no other

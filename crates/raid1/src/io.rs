@@ -11,6 +11,7 @@ use blkq_sync::DynArc as StdArc;
 
 use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
+use blkq_sync::MutexGuard;
 
 use crate::barrier::BARRIER_UNIT_SECTOR_BITS;
 use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
@@ -24,6 +25,16 @@ fn units(sector: u64, len: u64) -> impl Iterator<Item = u64> {
     let first = sector >> BARRIER_UNIT_SECTOR_BITS;
     let last = (sector + (len.max(1) - 1) / blk::SECTOR_SIZE) >> BARRIER_UNIT_SECTOR_BITS;
     (first..=last).map(|u| u << BARRIER_UNIT_SECTOR_BITS)
+}
+
+/// The legs a write goes to, as masks of slots ([`Inner::write_legs`]).
+struct WriteLegs {
+    /// Present and not faulty: every leg written.
+    mask: u32,
+    /// Of those, the in-sync legs: only their successes count.
+    counted: u32,
+    /// Of those, the write-mostly legs.
+    mostly: u32,
 }
 
 /// The sector a flush is admitted on (flushes wait only for a freeze, as reads).
@@ -242,49 +253,15 @@ impl Inner {
         // The slot before the admission (see `get_slot`).
         let id = self.get_slot();
         self.admit_write(sector, len);
-        if let Some(bm) = &self.bitmap {
-            match bm.start_write(off, len) {
-                Ok(None) => {}
-                Ok(Some(set)) => {
-                    // The bit must be on disk on every leg before the data write is issued; on
-                    // no leg at all, the write is not issued.
-                    match self.persist_bitmap() {
-                        Ok(()) => bm.mark_durable(set),
-                        Err(e) => {
-                            self.write_finished(off, len, sector);
-                            self.put_slot(id);
-                            end.end_io(bio, Err(Error::Io(std::io::Error::other(e.to_string()))));
-                            return;
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.release_write(sector, len);
-                    self.put_slot(id);
-                    end.end_io(bio, Err(Error::Config(e.to_string())));
-                    return;
-                }
-            }
+        if let Err(e) = self.mark_write_intent(off, len, sector, id) {
+            end.end_io(bio, Err(e));
+            return;
         }
-        // Legs to write: present and not faulty (recovering legs included). A leg's state and
-        // its slot change together with the array frozen, so while admitted a present leg's
-        // slot holds its device (an empty one is still handled below, as a failed write).
-        // Only the in-sync legs' successes count (D2 in docs/design.md).
-        let mut mask = 0u32;
-        let mut counted = 0u32;
-        let mut mostly = 0u32;
-        for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if Self::writable(st) {
-                mask |= 1 << i;
-                if st & IN_SYNC != 0 {
-                    counted |= 1 << i;
-                }
-                if st & WRITE_MOSTLY != 0 {
-                    mostly |= 1 << i;
-                }
-            }
-        }
+        let WriteLegs {
+            mask,
+            counted,
+            mostly,
+        } = self.write_legs();
         if mask == 0 {
             self.write_finished(off, len, sector);
             self.put_slot(id);
@@ -312,37 +289,8 @@ impl Inner {
         // does. Otherwise, and for the write-behind legs, copies for the extra legs, and the
         // original buffer goes to the primary.
         let share = self.cfg.share_writes && bio.op == Op::Write && bio.buf.is_some();
-        let mut lent = 0u32;
         let mut bios: [Option<Bio>; MAX_LEGS] = Default::default();
-        for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
-            if mask & (1 << i) == 0 || (!share && i == primary) {
-                continue;
-            }
-            let buf = match &bio.buf {
-                Some(src) if share && wb_legs & (1 << i) == 0 => {
-                    lent |= 1 << i;
-                    // SAFETY: `bio` goes into the slot's `Lent` below with leg i's bit set
-                    // before this leg bio is submitted, and the `Lent` neither gives it back
-                    // nor lets it be written (nor drops it) until leg i's bio has come back
-                    // to `leg_done` (invariants 1-3 of `lend`).
-                    Some(unsafe { src.alias() })
-                }
-                Some(src) if bio.op == Op::Write => {
-                    let mut c = self
-                        .pool
-                        .get(src.len())
-                        .unwrap_or_else(|| Buffer::new(src.len()));
-                    c.as_mut_slice().copy_from_slice(src.as_slice());
-                    Some(c)
-                }
-                _ => None,
-            };
-            *slot = Some(self.leg_bio(&bio, buf, id));
-        }
-        if !share {
-            let buf = bio.buf.take();
-            bios[primary] = Some(self.leg_bio(&bio, buf, id));
-        }
+        let lent = self.write_leg_bios(&mut bio, &mut bios, mask, wb_legs, primary, share, id);
         {
             let mut orig = Lent::owned(bio);
             orig.lend(lent);
@@ -368,8 +316,123 @@ impl Inner {
                 .wb
                 .order(id, (off, off + len), mask, wb_legs, &mut bios);
         }
-        // The submitter's own admission while it submits (see `slot`): the write's may end
-        // inside the last leg's `submit`.
+        self.submit_write_legs(sector, &mut bios);
+    }
+
+    /// A write's step after its admission: with a write-intent bitmap, marks the chunks it
+    /// touches dirty, and when a bit is newly set, puts it on disk on every leg before the
+    /// data write is issued. On an error the write's slot and admission are given back and
+    /// the error to end the bio with is returned: the write is not issued.
+    #[inline]
+    fn mark_write_intent(&self, off: u64, len: u64, sector: u64, id: u32) -> Result<(), Error> {
+        let Some(bm) = &self.bitmap else {
+            return Ok(());
+        };
+        match bm.start_write(off, len) {
+            Ok(None) => Ok(()),
+            Ok(Some(set)) => {
+                // The bit must be on disk on every leg before the data write is issued; on
+                // no leg at all, the write is not issued.
+                match self.persist_bitmap() {
+                    Ok(()) => {
+                        bm.mark_durable(set);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.write_finished(off, len, sector);
+                        self.put_slot(id);
+                        Err(Error::Io(std::io::Error::other(e.to_string())))
+                    }
+                }
+            }
+            Err(e) => {
+                self.release_write(sector, len);
+                self.put_slot(id);
+                Err(Error::Config(e.to_string()))
+            }
+        }
+    }
+
+    /// The legs a write goes to: present and not faulty (recovering legs included). A leg's
+    /// state and its slot change together with the array frozen, so while admitted a present
+    /// leg's slot holds its device (an empty one is still handled, as a failed write). Only
+    /// the in-sync legs' successes count (D2 in docs/design.md).
+    #[inline]
+    fn write_legs(&self) -> WriteLegs {
+        let mut legs = WriteLegs {
+            mask: 0,
+            counted: 0,
+            mostly: 0,
+        };
+        for (i, l) in self.legs.iter().enumerate() {
+            let st = l.state.load(Ordering::Acquire);
+            if Self::writable(st) {
+                legs.mask |= 1 << i;
+                if st & IN_SYNC != 0 {
+                    legs.counted |= 1 << i;
+                }
+                if st & WRITE_MOSTLY != 0 {
+                    legs.mostly |= 1 << i;
+                }
+            }
+        }
+        legs
+    }
+
+    /// Fills `bios` with a write's bio for each leg of `mask`: shared, an alias of the
+    /// caller's buffer for each leg not in `wb_legs`; otherwise, and for the write-behind
+    /// legs, a copy (from the pool) for each leg but the `primary`, which takes the caller's
+    /// buffer out of `bio`. Returns the legs lent the caller's buffer.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn write_leg_bios(
+        &self,
+        bio: &mut Bio,
+        bios: &mut [Option<Bio>; MAX_LEGS],
+        mask: u32,
+        wb_legs: u32,
+        primary: usize,
+        share: bool,
+        id: u32,
+    ) -> u32 {
+        let mut lent = 0u32;
+        for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
+            if mask & (1 << i) == 0 || (!share && i == primary) {
+                continue;
+            }
+            let buf = match &bio.buf {
+                Some(src) if share && wb_legs & (1 << i) == 0 => {
+                    lent |= 1 << i;
+                    // SAFETY: `bio` goes into the slot's `Lent` (`submit_write`) with leg
+                    // i's bit set before this leg bio is submitted, and the `Lent` neither
+                    // gives it back nor lets it be written (nor drops it) until leg i's bio
+                    // has come back to `leg_done` (invariants 1-3 of `lend`).
+                    Some(unsafe { src.alias() })
+                }
+                Some(src) if bio.op == Op::Write => {
+                    let mut c = self
+                        .pool
+                        .get(src.len())
+                        .unwrap_or_else(|| Buffer::new(src.len()));
+                    c.as_mut_slice().copy_from_slice(src.as_slice());
+                    Some(c)
+                }
+                _ => None,
+            };
+            *slot = Some(self.leg_bio(bio, buf, id));
+        }
+        if !share {
+            let buf = bio.buf.take();
+            bios[primary] = Some(self.leg_bio(bio, buf, id));
+        }
+        lent
+    }
+
+    /// Submits a write's leg bios (the slot set up), under the submitter's own admission on
+    /// `sector` (see `slot`): the write's may end inside the last leg's `submit`. A leg whose
+    /// device has vanished completes its bio with an error.
+    #[inline]
+    fn submit_write_legs(&self, sector: u64, bios: &mut [Option<Bio>; MAX_LEGS]) {
         self.barriers.hold(sector);
         for (i, b) in bios.iter_mut().enumerate().take(self.legs.len()) {
             let Some(b) = b.take() else { continue };
@@ -550,7 +613,7 @@ impl Inner {
     }
 
     /// A leg bio completed.
-    pub(crate) fn leg_done(&self, leg: usize, mut bio: Bio, res: Result<(), Error>) {
+    pub(crate) fn leg_done(&self, leg: usize, bio: Bio, res: Result<(), Error>) {
         self.legs[leg].dec_pending();
         let Some(slot) = self.ios.get(bio.cookie as usize) else {
             return; // not ours: cannot happen, and nothing to complete
@@ -572,126 +635,153 @@ impl Inner {
         }
         match io.kind {
             Kind::Free => {}
-            Kind::Read => {
-                if let Some(o) = io.orig.as_mut() {
-                    o.buf = bio.buf.take();
-                }
-                match res {
-                    Ok(()) => {
-                        let orig = io.orig.take();
-                        let end = io.end.take();
-                        *io = Io::default();
-                        drop(io);
-                        self.finish(id, Kind::Read, orig, end, Ok(()));
-                    }
-                    Err(e) => {
-                        // Retry on another leg and repair, in raid1d, with the array frozen.
-                        if io.err.is_none() {
-                            io.err = Some(e);
-                        }
-                        let sector = io.orig.as_ref().map_or(0, |o| o.sector);
-                        drop(io);
-                        // Queued under the list's lock (see `hold_for_superblock`).
-                        let mut q = self.retry.lock();
-                        self.barriers.queue_io(sector);
-                        q.push_back(id);
-                        drop(q);
-                        self.daemon_wq.wake_all();
-                    }
-                }
-            }
-            Kind::Write | Kind::Flush => {
-                if leg == io.primary {
-                    if let Some(o) = io.orig.as_mut() {
-                        o.buf = bio.buf.take();
-                    }
-                }
-                // A shared write's leg: its device no longer reads the alias (it handed the
-                // bio back); drop it, then the leg's bit (invariant 2 of `lend`).
-                if io.orig.lent() & (1 << leg) != 0 {
-                    bio.buf = None;
-                    io.orig.returned(leg);
-                }
-                match res {
-                    // Only legs in sync when it was submitted count (md's rule).
-                    Ok(()) if io.counted & (1 << leg) != 0 => io.ok += 1,
-                    Ok(()) => {}
-                    Err(e) => {
-                        if io.err.is_none() {
-                            io.err = Some(e);
-                        }
-                        // A failed write makes the leg stale: fail it; the last in-sync leg
-                        // cannot be, and then the array fails.
-                        self.leg_write_failed(
-                            leg,
-                            "a write or flush failed",
-                            "the last in-sync leg failed a write or flush",
-                        );
-                    }
-                }
-                io.remaining -= 1;
-                if io.wb_legs & (1 << leg) == 0 {
-                    io.sync_left = io.sync_left.saturating_sub(1);
-                }
-                if io.remaining > 0 {
-                    // Write-behind: acknowledged once the legs that are not write-behind
-                    // have it and a counted one succeeded (invariant 3 of `behind`).
-                    if io.behind
-                        && !io.acked
-                        && io.sync_left == 0
-                        && io.ok > 0
-                        && self.failed_error().is_none()
-                        && !self.failure_pending()
-                    {
-                        if let Some(o) = io.orig.take() {
-                            let end = io.end.take();
-                            io.acked = true;
-                            drop(io);
-                            if let Some(e) = end {
-                                e.end_io(o, Ok(()));
-                            }
-                        }
-                    }
-                    return;
-                }
-                if io.acked {
-                    // The write-behind legs have it too: the late bookkeeping.
-                    let (sector, len) = io.span;
-                    *io = Io::default();
-                    drop(io);
-                    self.put_slot(id);
-                    self.write_finished(sector << SECTOR_SHIFT, u64::from(len), sector);
-                    self.wb_release();
-                    return;
-                }
-                let behind = io.behind;
-                let kind = io.kind;
-                let res = match self.failed_error() {
-                    Some(e) => Err(e),
-                    None if io.ok > 0 => Ok(()),
-                    None => Err(io.err.take().unwrap_or_else(|| eio("raid1: write failed"))),
-                };
-                if res.is_ok() && self.failure_pending() {
-                    if let Some(o) = io.orig.as_ref() {
-                        // Completed later by raid1d; the slot keeps the request meanwhile.
-                        self.hold_for_superblock(id, kind, o);
-                        drop(io);
-                        if behind {
-                            self.wb_release();
-                        }
-                        return;
-                    }
-                }
+            Kind::Read => self.read_done(id, io, bio, res),
+            Kind::Write | Kind::Flush => self.write_done(leg, id, io, bio, res),
+        }
+    }
+
+    /// A read's leg bio came back (`io`: its slot, locked): the caller's read ends, or on an
+    /// error it is queued for raid1d to retry on another leg and repair.
+    #[inline]
+    fn read_done(&self, id: u32, mut io: MutexGuard<'_, Io>, mut bio: Bio, res: Result<(), Error>) {
+        if let Some(o) = io.orig.as_mut() {
+            o.buf = bio.buf.take();
+        }
+        match res {
+            Ok(()) => {
                 let orig = io.orig.take();
                 let end = io.end.take();
                 *io = Io::default();
                 drop(io);
+                self.finish(id, Kind::Read, orig, end, Ok(()));
+            }
+            Err(e) => {
+                // Retry on another leg and repair, in raid1d, with the array frozen.
+                if io.err.is_none() {
+                    io.err = Some(e);
+                }
+                let sector = io.orig.as_ref().map_or(0, |o| o.sector);
+                drop(io);
+                // Queued under the list's lock (see `hold_for_superblock`).
+                let mut q = self.retry.lock();
+                self.barriers.queue_io(sector);
+                q.push_back(id);
+                drop(q);
+                self.daemon_wq.wake_all();
+            }
+        }
+    }
+
+    /// A write's or flush's leg bio came back from `leg` (`io`: its slot, locked): the
+    /// leg's result is counted (a failed write fails the leg), a write-behind write is
+    /// acknowledged once the legs that are not write-behind have it, and the last leg ends it
+    /// ([`write_complete`](Self::write_complete)).
+    #[inline]
+    fn write_done(
+        &self,
+        leg: usize,
+        id: u32,
+        mut io: MutexGuard<'_, Io>,
+        mut bio: Bio,
+        res: Result<(), Error>,
+    ) {
+        if leg == io.primary {
+            if let Some(o) = io.orig.as_mut() {
+                o.buf = bio.buf.take();
+            }
+        }
+        // A shared write's leg: its device no longer reads the alias (it handed the
+        // bio back); drop it, then the leg's bit (invariant 2 of `lend`).
+        if io.orig.lent() & (1 << leg) != 0 {
+            bio.buf = None;
+            io.orig.returned(leg);
+        }
+        match res {
+            // Only legs in sync when it was submitted count (md's rule).
+            Ok(()) if io.counted & (1 << leg) != 0 => io.ok += 1,
+            Ok(()) => {}
+            Err(e) => {
+                if io.err.is_none() {
+                    io.err = Some(e);
+                }
+                // A failed write makes the leg stale: fail it; the last in-sync leg
+                // cannot be, and then the array fails.
+                self.leg_write_failed(
+                    leg,
+                    "a write or flush failed",
+                    "the last in-sync leg failed a write or flush",
+                );
+            }
+        }
+        io.remaining -= 1;
+        if io.wb_legs & (1 << leg) == 0 {
+            io.sync_left = io.sync_left.saturating_sub(1);
+        }
+        if io.remaining > 0 {
+            // Write-behind: acknowledged once the legs that are not write-behind
+            // have it and a counted one succeeded (invariant 3 of `behind`).
+            if io.behind
+                && !io.acked
+                && io.sync_left == 0
+                && io.ok > 0
+                && self.failed_error().is_none()
+                && !self.failure_pending()
+            {
+                if let Some(o) = io.orig.take() {
+                    let end = io.end.take();
+                    io.acked = true;
+                    drop(io);
+                    if let Some(e) = end {
+                        e.end_io(o, Ok(()));
+                    }
+                }
+            }
+            return;
+        }
+        self.write_complete(id, io);
+    }
+
+    /// A write's or flush's last leg bio came back (`io`: its slot, locked): the late
+    /// bookkeeping of an acknowledged write-behind write, or the caller's bio ends (held for
+    /// raid1d while a leg's failure is not yet recorded in the superblocks).
+    #[inline]
+    fn write_complete(&self, id: u32, mut io: MutexGuard<'_, Io>) {
+        if io.acked {
+            // The write-behind legs have it too: the late bookkeeping.
+            let (sector, len) = io.span;
+            *io = Io::default();
+            drop(io);
+            self.put_slot(id);
+            self.write_finished(sector << SECTOR_SHIFT, u64::from(len), sector);
+            self.wb_release();
+            return;
+        }
+        let behind = io.behind;
+        let kind = io.kind;
+        let res = match self.failed_error() {
+            Some(e) => Err(e),
+            None if io.ok > 0 => Ok(()),
+            None => Err(io.err.take().unwrap_or_else(|| eio("raid1: write failed"))),
+        };
+        if res.is_ok() && self.failure_pending() {
+            if let Some(o) = io.orig.as_ref() {
+                // Completed later by raid1d; the slot keeps the request meanwhile.
+                self.hold_for_superblock(id, kind, o);
+                drop(io);
                 if behind {
                     self.wb_release();
                 }
-                self.finish(id, kind, orig, end, res);
+                return;
             }
         }
+        let orig = io.orig.take();
+        let end = io.end.take();
+        *io = Io::default();
+        drop(io);
+        if behind {
+            self.wb_release();
+        }
+        self.finish(id, kind, orig, end, res);
     }
 
     /// Ends a read, write or flush: bitmap, barrier, slot, caller.

@@ -136,6 +136,69 @@ fn needs_data(cfg: &RunCfg) -> bool {
         || cfg.device.contains("memory_backed=1")
 }
 
+/// The op and block of a job's next bio: in sequence (`seq`, wrapping at `blocks`) or at
+/// random from `rng`, as `--rw` says.
+#[inline]
+fn next_block(cfg: &RunCfg, rng: &mut SmallRng, seq: &mut u64, blocks: u64) -> (Op, u64) {
+    match cfg.rw {
+        Rw::Read | Rw::Write => {
+            let b = *seq % blocks;
+            *seq += 1;
+            (
+                if cfg.rw == Rw::Read {
+                    Op::Read
+                } else {
+                    Op::Write
+                },
+                b,
+            )
+        }
+        Rw::RandRead => (Op::Read, rng.random_range(0..blocks)),
+        Rw::RandWrite => (Op::Write, rng.random_range(0..blocks)),
+        Rw::RandRw => {
+            let op = if rng.random_range(0..100u32) < cfg.rwmixread {
+                Op::Read
+            } else {
+                Op::Write
+            };
+            (op, rng.random_range(0..blocks))
+        }
+    }
+}
+
+/// Takes the bios that completed into `free` (empty on entry), sleeping only when none has;
+/// returns how many.
+#[inline]
+fn reap(end: &JobEnd, free: &mut Vec<Bio>) -> u64 {
+    loop {
+        let got = {
+            let mut r = end.ret.lock();
+            std::mem::swap(&mut r.bios, free);
+            free.len()
+        };
+        if got > 0 {
+            return got as u64;
+        }
+        end.wq.wait_for(|| {
+            let r = end.ret.lock();
+            (!r.bios.is_empty()).then_some(())
+        });
+    }
+}
+
+/// Waits for every bio in flight to come back into `free` (`iodepth` of them).
+fn drain(end: &JobEnd, free: &mut Vec<Bio>, iodepth: usize) {
+    while free.len() < iodepth {
+        end.wq
+            .wait_for(|| {
+                let mut r = end.ret.lock();
+                (!r.bios.is_empty()).then(|| std::mem::take(&mut r.bios))
+            })
+            .into_iter()
+            .for_each(|b| free.push(b));
+    }
+}
+
 pub(super) fn run_job(
     target: Target,
     cfg: RunCfg,
@@ -176,30 +239,7 @@ pub(super) fn run_job(
     let ctx0 = thread_ctx_switches();
     while !stop.load(Ordering::Relaxed) {
         while let Some(mut bio) = free.pop() {
-            let (op, block) = match cfg.rw {
-                Rw::Read | Rw::Write => {
-                    let b = seq % blocks;
-                    seq += 1;
-                    (
-                        if cfg.rw == Rw::Read {
-                            Op::Read
-                        } else {
-                            Op::Write
-                        },
-                        b,
-                    )
-                }
-                Rw::RandRead => (Op::Read, rng.random_range(0..blocks)),
-                Rw::RandWrite => (Op::Write, rng.random_range(0..blocks)),
-                Rw::RandRw => {
-                    let op = if rng.random_range(0..100u32) < cfg.rwmixread {
-                        Op::Read
-                    } else {
-                        Op::Write
-                    };
-                    (op, rng.random_range(0..blocks))
-                }
-            };
+            let (op, block) = next_block(&cfg, &mut rng, &mut seq, blocks);
             bio.op = op;
             bio.len = cfg.bs;
             bio.sector = (block * u64::from(cfg.bs)) >> blk::SECTOR_SHIFT;
@@ -225,33 +265,12 @@ pub(super) fn run_job(
             }
         }
         // Reap: whatever has completed; sleep only when nothing has.
-        loop {
-            let got = {
-                let mut r = end.ret.lock();
-                std::mem::swap(&mut r.bios, &mut free);
-                free.len()
-            };
-            if got > 0 {
-                ios += got as u64;
-                done.fetch_add(got as u64, Ordering::Relaxed);
-                break;
-            }
-            end.wq.wait_for(|| {
-                let r = end.ret.lock();
-                (!r.bios.is_empty()).then_some(())
-            });
-        }
+        let got = reap(&end, &mut free);
+        ios += got;
+        done.fetch_add(got, Ordering::Relaxed);
     }
     // Drain what is still in flight before the queue can go away.
-    while free.len() < cfg.iodepth {
-        end.wq
-            .wait_for(|| {
-                let mut r = end.ret.lock();
-                (!r.bios.is_empty()).then(|| std::mem::take(&mut r.bios))
-            })
-            .into_iter()
-            .for_each(|b| free.push(b));
-    }
+    drain(&end, &mut free, cfg.iodepth);
     let ctx = thread_ctx_switches().saturating_sub(ctx0);
     let mut r = end.ret.lock();
     JobOut {

@@ -53,15 +53,98 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let policies: Vec<PoolPolicy> = list(&a.policy, "--policy")?;
     let scheds: Vec<SchedChoice> = list(&a.sched, "--sched")?;
     let locks: Vec<LockMode> = list(&a.sched_lock, "--sched-lock")?;
-    // Rows of schedulers: `none` once, mq-deadline once per lock design.
-    let mut sched_rows: Vec<(SchedChoice, LockMode)> = vec![];
-    for &s in &scheds {
-        match s {
-            SchedChoice::None => sched_rows.push((s, locks[0])),
-            _ => sched_rows.extend(locks.iter().map(|&l| (s, l))),
+    let sched_rows = sched_rows(&scheds, &locks);
+    let base = base_cfg(&a, wakes[0], policies[0], sched_rows[0])?;
+    if a.verify {
+        return verify(&base);
+    }
+    let sweep = Sweep::parse(a.sweep.as_deref())?;
+    // rows: (wake, policy, scheduler); columns: sweep values; cells: mean and sd of iops
+    let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    // the same rows, cells: iops of each repeat (for --plot)
+    let mut runs: Vec<plot::Series> = vec![];
+    // the same rows, cells: contended scheduler-lock acquisitions per I/O
+    let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
+    let mut progress = Progress {
+        run_no: 0,
+        total: wakes.len() * policies.len() * sched_rows.len() * sweep.vals.len() * a.repeat,
+    };
+    for &w in &wakes {
+        for &p in &policies {
+            for &(sc, lk) in &sched_rows {
+                let mut cfg = base.clone();
+                cfg.wake = w;
+                cfg.policy = p;
+                cfg.sched = sc;
+                cfg.sched_lock = lk;
+                let row = run_row(&a, &cfg, &sweep, &mut progress)?;
+                let mut name = format!("{}/{}", wake_name(w), policy_name(p));
+                if sched_rows.len() > 1 || sc != SchedChoice::None {
+                    name = match sc {
+                        SchedChoice::None => format!("{name}/none"),
+                        _ => format!("{name}/{}/{}", sc.name(), lk.name()),
+                    };
+                }
+                if sc != SchedChoice::None {
+                    contention.push((name.clone(), row.contention));
+                }
+                runs.push(plot::Series {
+                    name: name.clone(),
+                    points: row.cells,
+                });
+                table.push((name, row.iops));
+            }
         }
     }
-    let base = RunCfg {
+    if !a.json && (sweep.key.is_some() || a.repeat > 1 || table.len() > 1) {
+        let key = sweep.key.as_deref().unwrap_or("-");
+        print_table(key, &sweep.vals, &table, &thousands_or_millions);
+        if !contention.is_empty() {
+            println!("\ncontended scheduler-lock acquisitions per I/O (mean (sd)):");
+            print_table(key, &sweep.vals, &contention, &|x| format!("{x:.4}"));
+        }
+    }
+    if let Some(path) = &a.plot {
+        let title = a.plot_title.clone().unwrap_or_else(|| {
+            format!(
+                "{} {} bs={} iodepth={} jobs={}",
+                base.device,
+                base.rw.name(),
+                base.bs,
+                base.iodepth,
+                base.jobs
+            )
+        });
+        plot::write_svg(
+            &sweep_plot(title, sweep.key.as_deref(), &sweep.vals, runs),
+            path,
+            plot::ErrBars::Minmax,
+        )?;
+    }
+    Ok(())
+}
+
+/// The rows of schedulers: `none` once, mq-deadline once per lock design.
+fn sched_rows(scheds: &[SchedChoice], locks: &[LockMode]) -> Vec<(SchedChoice, LockMode)> {
+    let mut rows: Vec<(SchedChoice, LockMode)> = vec![];
+    for &s in scheds {
+        match s {
+            SchedChoice::None => rows.push((s, locks[0])),
+            _ => rows.extend(locks.iter().map(|&l| (s, l))),
+        }
+    }
+    rows
+}
+
+/// The run configuration the options give, with the first of each listed choice (wake,
+/// policy, scheduler row); each row of the table sets its own over it.
+fn base_cfg(
+    a: &BenchArgs,
+    wake: WakeAlgo,
+    policy: PoolPolicy,
+    (sched, sched_lock): (SchedChoice, LockMode),
+) -> Result<RunCfg> {
+    let mut base = RunCfg {
         device: a.device.clone(),
         rw: a.rw.parse()?,
         rwmixread: a.rwmixread.min(100),
@@ -72,10 +155,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         hw_queues: a.hw_queues,
         queue_depth: a.queue_depth,
         shared_tags: a.shared_tags,
-        wake: wakes[0],
-        policy: policies[0],
-        sched: sched_rows[0].0,
-        sched_lock: sched_rows[0].1,
+        wake,
+        policy,
+        sched,
+        sched_lock,
         max_in_flight: a.max_in_flight,
         batch_requests: a.batch_requests,
         batch_time: Duration::from_micros(a.batch_time_us),
@@ -95,118 +178,93 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("--dirty-bitmaps-gate: {e}"))?,
     };
-    let mut base = base;
     if base.raid1.is_some() || base.dirty_bitmaps.is_some() {
         base.device = base.label();
     }
-    if a.verify {
-        return verify(&base);
-    }
-    let (sweep_key, sweep_vals): (Option<String>, Vec<String>) = match &a.sweep {
-        Some(s) => {
-            let (k, v) = s.split_once('=').context("--sweep expects key=v1,v2,...")?;
-            (
-                Some(k.to_string()),
-                v.split(',').map(str::to_string).collect(),
-            )
-        }
-        None => (None, vec![String::new()]),
-    };
-    // rows: (wake, policy, scheduler); columns: sweep values; cells: mean and sd of iops
-    let mut table: Vec<(String, Vec<(f64, f64)>)> = vec![];
-    // the same rows, cells: iops of each repeat (for --plot)
-    let mut runs: Vec<plot::Series> = vec![];
-    // the same rows, cells: contended scheduler-lock acquisitions per I/O
-    let mut contention: Vec<(String, Vec<(f64, f64)>)> = vec![];
-    let total_runs = wakes.len() * policies.len() * sched_rows.len() * sweep_vals.len() * a.repeat;
-    let mut run_no = 0usize;
-    for &w in &wakes {
-        for &p in &policies {
-            for &(sc, lk) in &sched_rows {
-                let mut row = vec![];
-                let mut crow = vec![];
-                let mut cells = vec![];
-                for v in &sweep_vals {
-                    let mut cfg = base.clone();
-                    cfg.wake = w;
-                    cfg.policy = p;
-                    cfg.sched = sc;
-                    cfg.sched_lock = lk;
-                    if let Some(k) = &sweep_key {
-                        apply(&mut cfg, k, v)?;
-                    }
-                    if cfg.raid1.is_some() {
-                        cfg.device = cfg.label();
-                    }
-                    let mut iops = vec![];
-                    let mut cont = vec![];
-                    for rep in 0..a.repeat {
-                        run_no += 1;
-                        // A progress bar on stderr when it is a terminal, never with --json.
-                        let label = (!a.json).then(|| {
-                            let mut l = format!("[{run_no}/{total_runs}]");
-                            if let Some(k) = &sweep_key {
-                                l.push_str(&format!(" {k}={v}"));
-                            }
-                            l
-                        });
-                        let r = run_once(&cfg, label.as_deref())?;
-                        if a.json {
-                            println!("{}", to_json(&cfg, &r, rep));
-                        } else if sweep_key.is_none() && a.repeat == 1 {
-                            print_human(&cfg, &r);
-                        }
-                        iops.push(r.iops);
-                        cont.push(r.contended_per_io());
-                    }
-                    row.push(mean_sd(&iops));
-                    crow.push(mean_sd(&cont));
-                    cells.push(iops);
+    Ok(base)
+}
+
+/// `--sweep key=v1,v2,...`: the option swept and its values (the columns of the table);
+/// without it, one unnamed column.
+struct Sweep {
+    key: Option<String>,
+    vals: Vec<String>,
+}
+
+impl Sweep {
+    fn parse(sweep: Option<&str>) -> Result<Self> {
+        Ok(match sweep {
+            Some(s) => {
+                let (k, v) = s.split_once('=').context("--sweep expects key=v1,v2,...")?;
+                Self {
+                    key: Some(k.to_string()),
+                    vals: v.split(',').map(str::to_string).collect(),
                 }
-                let mut name = format!("{}/{}", wake_name(w), policy_name(p));
-                if sched_rows.len() > 1 || sc != SchedChoice::None {
-                    name = match sc {
-                        SchedChoice::None => format!("{name}/none"),
-                        _ => format!("{name}/{}/{}", sc.name(), lk.name()),
-                    };
-                }
-                if sc != SchedChoice::None {
-                    contention.push((name.clone(), crow));
-                }
-                runs.push(plot::Series {
-                    name: name.clone(),
-                    points: cells,
-                });
-                table.push((name, row));
             }
+            None => Self {
+                key: None,
+                vals: vec![String::new()],
+            },
+        })
+    }
+}
+
+/// Which run of how many is under way (for the progress bar's label).
+struct Progress {
+    run_no: usize,
+    total: usize,
+}
+
+/// One row of the table: per sweep value, the mean and sd of IOPS and of contended
+/// scheduler-lock acquisitions per I/O, and each repeat's IOPS.
+struct Row {
+    iops: Vec<(f64, f64)>,
+    contention: Vec<(f64, f64)>,
+    cells: Vec<Vec<f64>>,
+}
+
+/// Runs one row (`row_cfg`: its wake, policy and scheduler) over every sweep value, each
+/// `--repeat` times, printing each run's `--json` line or (a single run) its report.
+fn run_row(a: &BenchArgs, row_cfg: &RunCfg, sweep: &Sweep, progress: &mut Progress) -> Result<Row> {
+    let mut row = Row {
+        iops: vec![],
+        contention: vec![],
+        cells: vec![],
+    };
+    for v in &sweep.vals {
+        let mut cfg = row_cfg.clone();
+        if let Some(k) = &sweep.key {
+            apply(&mut cfg, k, v)?;
         }
-    }
-    if !a.json && (sweep_key.is_some() || a.repeat > 1 || table.len() > 1) {
-        let key = sweep_key.as_deref().unwrap_or("-");
-        print_table(key, &sweep_vals, &table, &thousands_or_millions);
-        if !contention.is_empty() {
-            println!("\ncontended scheduler-lock acquisitions per I/O (mean (sd)):");
-            print_table(key, &sweep_vals, &contention, &|x| format!("{x:.4}"));
+        if cfg.raid1.is_some() {
+            cfg.device = cfg.label();
         }
+        let mut iops = vec![];
+        let mut cont = vec![];
+        for rep in 0..a.repeat {
+            progress.run_no += 1;
+            // A progress bar on stderr when it is a terminal, never with --json.
+            let label = (!a.json).then(|| {
+                let mut l = format!("[{}/{}]", progress.run_no, progress.total);
+                if let Some(k) = &sweep.key {
+                    l.push_str(&format!(" {k}={v}"));
+                }
+                l
+            });
+            let r = run_once(&cfg, label.as_deref())?;
+            if a.json {
+                println!("{}", to_json(&cfg, &r, rep));
+            } else if sweep.key.is_none() && a.repeat == 1 {
+                print_human(&cfg, &r);
+            }
+            iops.push(r.iops);
+            cont.push(r.contended_per_io());
+        }
+        row.iops.push(mean_sd(&iops));
+        row.contention.push(mean_sd(&cont));
+        row.cells.push(iops);
     }
-    if let Some(path) = &a.plot {
-        let title = a.plot_title.clone().unwrap_or_else(|| {
-            format!(
-                "{} {} bs={} iodepth={} jobs={}",
-                base.device,
-                base.rw.name(),
-                base.bs,
-                base.iodepth,
-                base.jobs
-            )
-        });
-        plot::write_svg(
-            &sweep_plot(title, sweep_key.as_deref(), &sweep_vals, runs),
-            path,
-            plot::ErrBars::Minmax,
-        )?;
-    }
-    Ok(())
+    Ok(row)
 }
 
 /// The chart of one invocation: IOPS against the sweep values, one line per row (wake,

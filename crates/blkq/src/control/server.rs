@@ -419,40 +419,14 @@ impl Control {
                 Ok(json!({ "ok": true, "report": self.report() }))
             }
             Command::Fail(leg) => self.fail(&leg),
-            Command::Remove(leg) => {
-                let n = self.slot(&leg, "remove")?;
-                let name = self.spec_name(n);
-                r.remove_leg(n).with_context(|| {
-                    format!("cannot remove {name}: only a faulty or recovering leg can be removed (`fail {n}` first)")
-                })?;
-                if let Some(s) = self.specs.lock().get_mut(n) {
-                    *s = None;
-                }
-                ok(format!("{name} removed"))
-            }
+            Command::Remove(leg) => ok(self.remove(&leg)?),
             Command::Add {
                 force: _,
                 discard,
                 spec,
             } => {
                 let dev = new_leg(&spec)?;
-                let added = r.add_named_leg(dev, discard, Some(spec.clone()));
-                let n = match added {
-                    Ok(n) => n,
-                    // Says itself what to do.
-                    Err(e @ raid1::Raid1Error::Diverged { .. }) => {
-                        return Err(anyhow::Error::new(e).context(format!("cannot add {spec:?}")))
-                    }
-                    Err(e) => return Err(anyhow::Error::new(e).context(format!(
-                        "cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?"
-                    ))),
-                };
-                if let Some(s) = self.specs.lock().get_mut(n) {
-                    *s = Some(spec.clone());
-                }
-                // The array starts recovery itself; asking again is harmless.
-                let _ = r.set_sync_action(SyncAction::Recover);
-                ok(format!("{spec} added in slot {n}: recovering"))
+                ok(self.add(dev, discard, spec)?)
             }
             Command::Replace {
                 force: _,
@@ -461,28 +435,7 @@ impl Control {
             } => {
                 let n = self.slot(&leg, "replace")?;
                 let dev = new_leg(&spec)?;
-                let raid = r.clone();
-                let specs = self.specs.clone();
-                let name = self.spec_name(n);
-                let message = format!("replacing {name} by {spec}: watch `blkq raid status`");
-                // Blocks until the copy is done: run it on a thread of its own.
-                thread::spawn(
-                    move || match raid.replace_named_leg(n, dev, Some(spec.clone())) {
-                        Ok(new) => {
-                            let mut sp = specs.lock();
-                            if let Some(x) = sp.get_mut(n) {
-                                *x = None;
-                            }
-                            if let Some(x) = sp.get_mut(new) {
-                                *x = Some(spec.clone());
-                            }
-                            drop(sp);
-                            tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
-                        }
-                        Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
-                    },
-                );
-                ok(message)
+                ok(self.replace(n, dev, spec))
             }
             Command::Check | Command::Repair | Command::Idle => {
                 let (a, word) = match cmd {
@@ -503,6 +456,68 @@ impl Control {
                 )
             }
         }
+    }
+
+    /// `remove N`: takes a faulty or recovering leg out of its slot.
+    fn remove(&self, leg: &Leg) -> Result<String> {
+        let n = self.slot(leg, "remove")?;
+        let name = self.spec_name(n);
+        self.raid.remove_leg(n).with_context(|| {
+            format!("cannot remove {name}: only a faulty or recovering leg can be removed (`fail {n}` first)")
+        })?;
+        if let Some(s) = self.specs.lock().get_mut(n) {
+            *s = None;
+        }
+        Ok(format!("{name} removed"))
+    }
+
+    /// `add SPEC`: puts the opened leg `dev` into an empty slot, recovering.
+    fn add(&self, dev: Arc<dyn blk::Device>, discard: bool, spec: String) -> Result<String> {
+        let r = &self.raid;
+        let added = r.add_named_leg(dev, discard, Some(spec.clone()));
+        let n = match added {
+            Ok(n) => n,
+            // Says itself what to do.
+            Err(e @ raid1::Raid1Error::Diverged { .. }) => {
+                return Err(anyhow::Error::new(e).context(format!("cannot add {spec:?}")))
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context(format!(
+                "cannot add {spec:?}: is there an empty slot (`remove N` a failed leg first) and is it big enough?"
+            ))),
+        };
+        if let Some(s) = self.specs.lock().get_mut(n) {
+            *s = Some(spec.clone());
+        }
+        // The array starts recovery itself; asking again is harmless.
+        let _ = r.set_sync_action(SyncAction::Recover);
+        Ok(format!("{spec} added in slot {n}: recovering"))
+    }
+
+    /// `replace N SPEC`: copies slot `n`'s leg to the opened leg `dev`, on a thread of its
+    /// own (it blocks until the copy is done), which takes over from it.
+    fn replace(&self, n: usize, dev: Arc<dyn blk::Device>, spec: String) -> String {
+        let raid = self.raid.clone();
+        let specs = self.specs.clone();
+        let name = self.spec_name(n);
+        let message = format!("replacing {name} by {spec}: watch `blkq raid status`");
+        // Blocks until the copy is done: run it on a thread of its own.
+        thread::spawn(
+            move || match raid.replace_named_leg(n, dev, Some(spec.clone())) {
+                Ok(new) => {
+                    let mut sp = specs.lock();
+                    if let Some(x) = sp.get_mut(n) {
+                        *x = None;
+                    }
+                    if let Some(x) = sp.get_mut(new) {
+                        *x = Some(spec.clone());
+                    }
+                    drop(sp);
+                    tracing::info!("replace: {spec} took over from slot {n} (slot {new})")
+                }
+                Err(e) => tracing::warn!("replace of slot {n} by {spec} failed: {e}"),
+            },
+        );
+        message
     }
 }
 

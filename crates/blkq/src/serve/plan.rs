@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use blk::{Device, Queue};
 use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
 use blkq_sync::DynArc as Arc;
+use cbt::Store;
 use nbd::remote::{RemoteDevice, RemoteSpec};
 use nbd::server::{Access, Export, ServerConfig};
 use nbd::tls::TlsMode;
@@ -102,10 +103,6 @@ pub fn open_export(
     e: &ExportSettings,
     from_file: bool,
 ) -> Result<OpenedExport> {
-    let mut control_socket = None;
-    let mut mirror = None;
-    let mut remote = None;
-    let mut tracked = None;
     let (backing, bitmaps_opt) = match &e.backing {
         Backing::Device(s) => {
             let (s, o) = split_spec(s).with_context(|| format!("device spec {s:?}"))?;
@@ -113,113 +110,25 @@ pub fn open_export(
         }
         b => (b.clone(), BitmapsOpt::Default),
     };
-    let overrides = QueueOverrides {
-        read_only: e.read_only,
-        ..settings.overrides.clone()
-    };
-    let (dev, full, kind, read_only, store) = match &backing {
+    let b = match &backing {
         Backing::Mirror {
             legs,
             create,
             options,
             control,
-        } => {
-            let leg_overrides = QueueOverrides {
-                read_only: false,
-                ..settings.overrides.clone()
-            };
-            let (r, specs, away) =
-                open_mirror(legs, create.as_ref(), options, &leg_overrides, from_file)?;
-            let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
-            let full = format!(
-                "raid1 {} (array {}; each leg's first {} bytes hold its superblock and bitmap)",
-                legs.join(","),
-                uuid.unwrap_or_default(),
-                r.data_offset()
-            );
-            let store = store_for_mirror(&r, &specs, legs);
-            let ctl = Arc::new(
-                Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()),
-            );
-            for a in &away {
-                let c = Arc::downgrade(&ctl);
-                let on_back: OnBack = Box::new(move |shown, slot, spec| {
-                    if let Some(c) = c.upgrade() {
-                        c.leg_back(shown, slot, spec);
-                    }
-                });
-                a.watch(on_back, &r, leg_overrides.clone());
-            }
-            control_socket = control.clone();
-            mirror = Some(ctl);
-            let dev: Arc<dyn Device> = r;
-            (dev, full, "raid1", e.read_only, Some(store))
-        }
+        } => open_mirror_backing(settings, e, legs, create.as_ref(), options, from_file)?
+            .with_control_socket(control.clone()),
         Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
-            let dev = RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
-            let read_only = e.read_only
-                || dev
-                    .details()
-                    .flags
-                    .contains(nbd::TransmissionFlags::READ_ONLY);
-            let full = format!(
-                "{spec} (remote NBD export, {} bytes)",
-                dev.limits().capacity
-            );
-            let dev = Arc::new(dev);
-            remote = Some(dev.clone());
-            let dev: Arc<dyn Device> = dev;
-            let store = (bitmaps_opt != BitmapsOpt::Off)
-                .then(|| store_for(None, &bitmaps_opt, dev.limits().capacity));
-            (dev, full, "nbd", read_only, store)
+            open_remote_backing(e, spec, &bitmaps_opt)?
         }
-        Backing::Device(spec) => {
-            let name = &e.name;
-            let parsed: DeviceSpec = spec
-                .parse()
-                .with_context(|| format!("device spec {spec:?}"))?;
-            let fault = parsed
-                .fault_config()
-                .with_context(|| format!("device spec {spec:?}"))?;
-            let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
-                tracing::warn!(
-                    export = %name,
-                    "{spec}: fault injection is on: I/O fails or is delayed on purpose"
-                );
-                let dev = parsed
-                    .build_device(&overrides)
-                    .with_context(|| format!("building device {spec:?}"))?;
-                (dev, "with fault injection".to_string())
-            } else {
-                let q: Queue = parsed
-                    .build(&overrides)
-                    .with_context(|| format!("building device {spec:?}"))?;
-                let describe = q.describe();
-                (Arc::new(q), describe)
-            };
-            if spec.starts_with("mem:") {
-                tracing::warn!(
-                    export = %name,
-                    "{spec}: the data lives in memory and is lost when the server stops"
-                );
-            }
-            let kind = match parsed.kind {
-                Kind::Null(_) => "null",
-                Kind::Mem(_) => "mem",
-                Kind::File(_) => "file",
-                Kind::Rbd(_) => "rbd",
-            };
-            let ro = e.read_only || parsed.is_read_only(&overrides);
-            let store = (bitmaps_opt != BitmapsOpt::Off)
-                .then(|| store_for(Some(&parsed), &bitmaps_opt, dev.limits().capacity));
-            (dev, format!("{spec} ({describe})"), kind, ro, store)
-        }
+        Backing::Device(spec) => open_local_backing(settings, e, spec, &bitmaps_opt)?,
     };
-    let dev: Arc<dyn Device> = match store {
+    let mut tracked = None;
+    let dev: Arc<dyn Device> = match b.store {
         Some(store) => {
             let t = track(
                 &e.name,
-                dev,
+                b.dev,
                 store,
                 settings.bitmaps_reset,
                 settings.bitmaps_gate,
@@ -227,32 +136,201 @@ pub fn open_export(
             tracked = Some(t.clone());
             t
         }
-        None => dev,
+        None => b.dev,
     };
     let description = match &e.description {
         Some(d) => d.clone(),
-        None if settings.describe_paths => full.clone(),
-        None => neutral_description(kind, dev.limits().capacity),
+        None if settings.describe_paths => b.full.clone(),
+        None => neutral_description(b.kind, dev.limits().capacity),
     };
     let mut export = Export::new(e.name.clone(), dev)
         .description(description)
-        .read_only(read_only)
+        .read_only(b.read_only)
         .access(e.access.clone());
-    // Sparse reads ask the device's allocation on every read; a remote device (or a
-    // mirror that may read from one) answers it with a block-status round trip to its
-    // server, synchronous in the connection's reader: that would cost every read a round
-    // trip and stall the pipeline behind it. Its holes reach the client as zeros instead.
-    export.sparse_reads = !match &backing {
-        Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
-        Backing::Device(spec) => RemoteSpec::is_remote(spec),
-    };
+    export.sparse_reads = sparse_reads(&backing);
     Ok(OpenedExport {
         export,
-        description: full,
-        control_socket,
+        description: b.full,
+        control_socket: b.control_socket,
         tracked,
-        mirror,
+        mirror: b.mirror,
+        remote: b.remote,
+    })
+}
+
+/// Whether an export answers reads from its device's allocation (holes as holes). Sparse
+/// reads ask the device's allocation on every read; a remote device (or a mirror that may
+/// read from one) answers it with a block-status round trip to its server, synchronous in
+/// the connection's reader: that would cost every read a round trip and stall the pipeline
+/// behind it. Its holes reach the client as zeros instead.
+fn sparse_reads(backing: &Backing) -> bool {
+    !match backing {
+        Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
+        Backing::Device(spec) => RemoteSpec::is_remote(spec),
+    }
+}
+
+/// An export's device as [`open_export`] opened it, before its dirty bitmaps.
+struct Backed {
+    dev: Arc<dyn Device>,
+    /// Its full description.
+    full: String,
+    /// Its kind, for the neutral description.
+    kind: &'static str,
+    read_only: bool,
+    /// Where its dirty bitmaps live; `None` for none (`bitmaps=off`).
+    store: Option<Store>,
+    /// A mirror's control socket.
+    control_socket: Option<PathBuf>,
+    /// A mirror's control.
+    mirror: Option<Arc<Control>>,
+    /// A remote device.
+    remote: Option<Arc<RemoteDevice>>,
+}
+
+impl Backed {
+    fn with_control_socket(mut self, path: Option<PathBuf>) -> Self {
+        self.control_socket = path;
+        self
+    }
+}
+
+/// Assembles (or creates) the mirror of export `e` on `legs`, with its control; a leg it
+/// starts without is watched and let back in when it returns.
+fn open_mirror_backing(
+    settings: &Settings,
+    e: &ExportSettings,
+    legs: &[String],
+    create: Option<&CreateRules>,
+    options: &[String],
+    from_file: bool,
+) -> Result<Backed> {
+    let leg_overrides = QueueOverrides {
+        read_only: false,
+        ..settings.overrides.clone()
+    };
+    let (r, specs, away) = open_mirror(legs, create, options, &leg_overrides, from_file)?;
+    let uuid = r.superblock(0).map(|s| s.array_uuid.to_string());
+    let full = format!(
+        "raid1 {} (array {}; each leg's first {} bytes hold its superblock and bitmap)",
+        legs.join(","),
+        uuid.unwrap_or_default(),
+        r.data_offset()
+    );
+    let store = store_for_mirror(&r, &specs, legs);
+    let ctl =
+        Arc::new(Control::new(r.clone(), specs, leg_overrides.clone()).with_away(away.clone()));
+    for a in &away {
+        let c = Arc::downgrade(&ctl);
+        let on_back: OnBack = Box::new(move |shown, slot, spec| {
+            if let Some(c) = c.upgrade() {
+                c.leg_back(shown, slot, spec);
+            }
+        });
+        a.watch(on_back, &r, leg_overrides.clone());
+    }
+    let dev: Arc<dyn Device> = r;
+    Ok(Backed {
+        dev,
+        full,
+        kind: "raid1",
+        read_only: e.read_only,
+        store: Some(store),
+        control_socket: None,
+        mirror: Some(ctl),
+        remote: None,
+    })
+}
+
+/// Connects to the export on another NBD server that `spec` names; read-only when asked or
+/// when that server says so.
+fn open_remote_backing(e: &ExportSettings, spec: &str, bitmaps_opt: &BitmapsOpt) -> Result<Backed> {
+    let dev = RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
+    let read_only = e.read_only
+        || dev
+            .details()
+            .flags
+            .contains(nbd::TransmissionFlags::READ_ONLY);
+    let full = format!(
+        "{spec} (remote NBD export, {} bytes)",
+        dev.limits().capacity
+    );
+    let dev = Arc::new(dev);
+    let remote = Some(dev.clone());
+    let dev: Arc<dyn Device> = dev;
+    let store = (*bitmaps_opt != BitmapsOpt::Off)
+        .then(|| store_for(None, bitmaps_opt, dev.limits().capacity));
+    Ok(Backed {
+        dev,
+        full,
+        kind: "nbd",
+        read_only,
+        store,
+        control_socket: None,
+        mirror: None,
         remote,
+    })
+}
+
+/// Builds the local device `spec` names (a queue, or with `fault.` options a device that
+/// injects faults), warning of fault injection and of data kept in memory.
+fn open_local_backing(
+    settings: &Settings,
+    e: &ExportSettings,
+    spec: &str,
+    bitmaps_opt: &BitmapsOpt,
+) -> Result<Backed> {
+    let overrides = QueueOverrides {
+        read_only: e.read_only,
+        ..settings.overrides.clone()
+    };
+    let name = &e.name;
+    let parsed: DeviceSpec = spec
+        .parse()
+        .with_context(|| format!("device spec {spec:?}"))?;
+    let fault = parsed
+        .fault_config()
+        .with_context(|| format!("device spec {spec:?}"))?;
+    let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
+        tracing::warn!(
+            export = %name,
+            "{spec}: fault injection is on: I/O fails or is delayed on purpose"
+        );
+        let dev = parsed
+            .build_device(&overrides)
+            .with_context(|| format!("building device {spec:?}"))?;
+        (dev, "with fault injection".to_string())
+    } else {
+        let q: Queue = parsed
+            .build(&overrides)
+            .with_context(|| format!("building device {spec:?}"))?;
+        let describe = q.describe();
+        (Arc::new(q), describe)
+    };
+    if spec.starts_with("mem:") {
+        tracing::warn!(
+            export = %name,
+            "{spec}: the data lives in memory and is lost when the server stops"
+        );
+    }
+    let kind = match parsed.kind {
+        Kind::Null(_) => "null",
+        Kind::Mem(_) => "mem",
+        Kind::File(_) => "file",
+        Kind::Rbd(_) => "rbd",
+    };
+    let read_only = e.read_only || parsed.is_read_only(&overrides);
+    let store = (*bitmaps_opt != BitmapsOpt::Off)
+        .then(|| store_for(Some(&parsed), bitmaps_opt, dev.limits().capacity));
+    Ok(Backed {
+        dev,
+        full: format!("{spec} ({describe})"),
+        kind,
+        read_only,
+        store,
+        control_socket: None,
+        mirror: None,
+        remote: None,
     })
 }
 

@@ -12,10 +12,10 @@
 //! (see [`super::reload`]).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use nbd::server::{Server, Stopper};
+use nbd::server::{Export, Server, Stopper};
 use nbd::tls::TlsMode;
 
 use super::args::{listen_addr, ServeArgs};
@@ -26,7 +26,7 @@ use super::settings::check;
 use super::tls::load as load_tls;
 use crate::control::bitmap::Handler;
 use crate::control::exports::Served;
-use crate::control::server::ControlServer;
+use crate::control::server::{Control, ControlServer};
 use blkq_sync::Arc;
 
 /// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and so in every thread it spawns later).
@@ -144,20 +144,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         )?),
         None => None,
     };
-    let mut control_servers = Vec::new();
-    for (path, mirror) in opened.control_sockets {
-        let what = if mirror.is_some() {
-            "raid1 control socket"
-        } else {
-            "control socket"
-        };
-        let handler = Arc::new(Handler {
-            mirror,
-            served: served.clone(),
-        });
-        control_servers.push(ControlServer::start(&path, handler)?);
-        println!("{what}: {}", path.display());
-    }
+    let control_servers = start_control_servers(opened.control_sockets, &served)?;
 
     // Every listener is bound: the NBD sockets (Server::start), metrics, control sockets.
     if let Some(fd) = a.report.ready_fd {
@@ -167,57 +154,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         "READY=1\nSTATUS=serving {} export(s)",
         exports.len()
     ));
-    println!("blkq serve: {} export(s)", exports.len());
-    let cert_for = tls_dir.as_deref().and_then(cert_names);
-    let tcp_host = server
-        .tcp_addr()
-        .and_then(|a| tls_host(shown_addr(a), cert_for.as_deref()?));
-    for (e, full) in exports.iter().zip(&descriptions) {
-        let lim = e.device.limits();
-        println!(
-            "  export {:?}: {} bytes{}, {}",
-            e.name,
-            lim.capacity,
-            if e.read_only { ", read-only" } else { "" },
-            full
-        );
-        for u in uris(
-            &e.name,
-            server.tcp_addr(),
-            server.unix_path(),
-            tls_dir.as_deref(),
-            tcp_host.as_deref(),
-        ) {
-            println!("    {u}");
-        }
-    }
-    let first = &exports[0].name;
-    let example = uris(
-        first,
-        server.tcp_addr(),
-        server.unix_path(),
-        tls_dir.as_deref(),
-        tcp_host.as_deref(),
-    );
-    if let Some(h) = &tcp_host {
-        println!(
-            "  (the server's certificate is for {h}, not this address: a TCP client must \
-             reach it by that name)"
-        );
-    }
-    if let Some(u) = example.last() {
-        println!("try:");
-        match &tls_dir {
-            None => println!("  qemu-img info {u}"),
-            Some(d) => println!(
-                "  (qemu: --object tls-creds-x509,id=tls0,endpoint=client,dir={} and \
-                 tls-creds=tls0 in its --image-opts)",
-                d.display()
-            ),
-        }
-        println!("  nbdinfo '{}'", example[0]);
-    }
-    println!("Ctrl-C stops the server (in-flight requests finish first).");
+    print_exports(&server, &exports, &descriptions, tls_dir.as_deref());
     // From here the exports' devices are held by the server's table and `devices` (which
     // `blkq export remove` empties of an export it removes): not by this list.
     drop(exports);
@@ -246,6 +183,90 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("write error on export(s) {failed:?}: a write or flush failed, data may be lost");
     }
     Ok(())
+}
+
+/// Starts a control socket at each path (a mirror's, or with none the server's), each
+/// serving every export's table and dirty bitmaps beside its mirror's commands.
+fn start_control_servers(
+    control_sockets: Vec<(PathBuf, Option<Arc<Control>>)>,
+    served: &Arc<Served>,
+) -> Result<Vec<ControlServer>> {
+    let mut control_servers = Vec::new();
+    for (path, mirror) in control_sockets {
+        let what = if mirror.is_some() {
+            "raid1 control socket"
+        } else {
+            "control socket"
+        };
+        let handler = Arc::new(Handler {
+            mirror,
+            served: served.clone(),
+        });
+        control_servers.push(ControlServer::start(&path, handler)?);
+        println!("{what}: {}", path.display());
+    }
+    Ok(control_servers)
+}
+
+/// Prints what is served: each export with its size and the URIs that reach it, and how to
+/// try one (`tls_dir`: the certificates' directory when TLS is on).
+fn print_exports(
+    server: &Server,
+    exports: &[Export],
+    descriptions: &[String],
+    tls_dir: Option<&Path>,
+) {
+    println!("blkq serve: {} export(s)", exports.len());
+    let cert_for = tls_dir.and_then(cert_names);
+    let tcp_host = server
+        .tcp_addr()
+        .and_then(|a| tls_host(shown_addr(a), cert_for.as_deref()?));
+    for (e, full) in exports.iter().zip(descriptions) {
+        let lim = e.device.limits();
+        println!(
+            "  export {:?}: {} bytes{}, {}",
+            e.name,
+            lim.capacity,
+            if e.read_only { ", read-only" } else { "" },
+            full
+        );
+        for u in uris(
+            &e.name,
+            server.tcp_addr(),
+            server.unix_path(),
+            tls_dir,
+            tcp_host.as_deref(),
+        ) {
+            println!("    {u}");
+        }
+    }
+    let first = &exports[0].name;
+    let example = uris(
+        first,
+        server.tcp_addr(),
+        server.unix_path(),
+        tls_dir,
+        tcp_host.as_deref(),
+    );
+    if let Some(h) = &tcp_host {
+        println!(
+            "  (the server's certificate is for {h}, not this address: a TCP client must \
+             reach it by that name)"
+        );
+    }
+    if let Some(u) = example.last() {
+        println!("try:");
+        match tls_dir {
+            None => println!("  qemu-img info {u}"),
+            Some(d) => println!(
+                "  (qemu: --object tls-creds-x509,id=tls0,endpoint=client,dir={} and \
+                 tls-creds=tls0 in its --image-opts)",
+                d.display()
+            ),
+        }
+        println!("  nbdinfo '{}'", example[0]);
+    }
+    println!("Ctrl-C stops the server (in-flight requests finish first).");
 }
 
 /// The address a client on this host reaches a TCP listener by (an unspecified IPv4 address

@@ -15,7 +15,7 @@ use nbd::tls::TlsMode;
 use toml::Spanned;
 
 use super::args::{listen_addr, LimitArgs, TlsArgs};
-use super::config::{Config, ExportDecl, Source};
+use super::config::{Config, ExportDecl, Raid1Decl, Source};
 use crate::raid::create::CreateRules;
 
 /// What a `--device` or `[[export]] device` may not be: the command line's spelling of a
@@ -125,6 +125,49 @@ pub fn check_export(
     })
 }
 
+/// Checks a `[[raid1]]` table (or `--raid1`) named `name`: its legs, its options, and the
+/// keys that only creating an array takes.
+fn check_array(r: &Raid1Decl, name: String, src: &Source, tls: &TlsArgs) -> Result<ExportSettings> {
+    let at = src.at(&r.legs, "legs", "raid1");
+    // One leg serves an existing array alone (a failover: the array itself asks for
+    // allow_degraded); a new one needs two.
+    if r.create && r.legs.get_ref().len() < 2 {
+        bail!("{at}: creating a mirror needs at least two legs");
+    }
+    if !r.create && (r.force || r.assume_clean || r.size.is_some()) {
+        bail!("{at}: force, assume_clean and size are for creating the array (create = true)");
+    }
+    for leg in r.legs.get_ref() {
+        let spec = leg.get_ref();
+        check_device(spec).with_context(|| format!("{} {spec:?}", src.at(leg, "legs", "raid1")))?;
+    }
+    for o in &r.options {
+        crate::raid::offline::raid1_config(std::slice::from_ref(o.get_ref()))
+            .with_context(|| src.at(o, "options", "raid1-option"))?;
+    }
+    Ok(ExportSettings {
+        name,
+        description: r.description.clone(),
+        backing: Backing::Mirror {
+            legs: r
+                .legs
+                .get_ref()
+                .iter()
+                .map(|l| l.get_ref().clone())
+                .collect(),
+            create: r.create.then(|| CreateRules {
+                force: r.force,
+                assume_clean: r.assume_clean,
+                size: r.size.map(|b| b.0),
+            }),
+            options: r.options.iter().map(|o| o.get_ref().clone()).collect(),
+            control: r.control.clone(),
+        },
+        read_only: r.read_only,
+        access: access(src, &r.allow, &r.allow_subjects, tls)?,
+    })
+}
+
 /// Validates everything that can be without opening a device.
 pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     let s = &cfg.server;
@@ -180,45 +223,7 @@ pub fn check(cfg: &Config, src: &Source) -> Result<Settings> {
     }
     for r in &cfg.arrays {
         let name = add_name(&r.name, r.legs.span())?;
-        let at = src.at(&r.legs, "legs", "raid1");
-        // One leg serves an existing array alone (a failover: the array itself asks for
-        // allow_degraded); a new one needs two.
-        if r.create && r.legs.get_ref().len() < 2 {
-            bail!("{at}: creating a mirror needs at least two legs");
-        }
-        if !r.create && (r.force || r.assume_clean || r.size.is_some()) {
-            bail!("{at}: force, assume_clean and size are for creating the array (create = true)");
-        }
-        for leg in r.legs.get_ref() {
-            let spec = leg.get_ref();
-            check_device(spec)
-                .with_context(|| format!("{} {spec:?}", src.at(leg, "legs", "raid1")))?;
-        }
-        for o in &r.options {
-            crate::raid::offline::raid1_config(std::slice::from_ref(o.get_ref()))
-                .with_context(|| src.at(o, "options", "raid1-option"))?;
-        }
-        exports.push(ExportSettings {
-            name,
-            description: r.description.clone(),
-            backing: Backing::Mirror {
-                legs: r
-                    .legs
-                    .get_ref()
-                    .iter()
-                    .map(|l| l.get_ref().clone())
-                    .collect(),
-                create: r.create.then(|| CreateRules {
-                    force: r.force,
-                    assume_clean: r.assume_clean,
-                    size: r.size.map(|b| b.0),
-                }),
-                options: r.options.iter().map(|o| o.get_ref().clone()).collect(),
-                control: r.control.clone(),
-            },
-            read_only: r.read_only,
-            access: access(src, &r.allow, &r.allow_subjects, &tls)?,
-        });
+        exports.push(check_array(r, name, src, &tls)?);
     }
     if exports.is_empty() {
         bail!("nothing to serve: no [[export]] or [[raid1]] table");

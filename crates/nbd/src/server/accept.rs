@@ -12,6 +12,7 @@ use std::time::Duration;
 
 // `std`'s `Arc`, not the facade's (as in the parent module).
 use blkq_sync::DynArc as Arc;
+use blkq_sync::MutexGuard;
 use tracing::{debug, warn};
 
 use super::limits::RateLimited;
@@ -165,32 +166,45 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
                 }
             }
         }
-        r.threads.retain(|(_, t)| !t.is_finished());
-        let id = r.next_id;
-        r.next_id += 1;
-        r.live.push((id, handle));
-        let sh = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("nbd-conn-{id}"))
-            .spawn(move || super::conn::serve(stream, sh, id));
-        match spawned {
-            Ok(t) => {
-                r.threads.push((id, t));
-                shared.counters.accepted();
+        spawn_conn(&shared, r, stream, handle, &mut accept_failed);
+    }
+}
+
+/// Registers an accepted connection (`r`: the registry, locked; `handle`: a clone of its
+/// socket, to shut it down) and starts its thread; a thread that cannot be spawned drops the
+/// connection, logged through `accept_failed`.
+fn spawn_conn(
+    shared: &Arc<Shared>,
+    mut r: MutexGuard<'_, super::Registry>,
+    stream: Stream,
+    handle: Stream,
+    accept_failed: &mut RateLimited,
+) {
+    r.threads.retain(|(_, t)| !t.is_finished());
+    let id = r.next_id;
+    r.next_id += 1;
+    r.live.push((id, handle));
+    let sh = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("nbd-conn-{id}"))
+        .spawn(move || super::conn::serve(stream, sh, id));
+    match spawned {
+        Ok(t) => {
+            r.threads.push((id, t));
+            shared.counters.accepted();
+        }
+        Err(e) => {
+            // The closure, and the socket in it, are dropped with the error; the
+            // registry's handle goes here: nothing is left open.
+            if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
+                r.live.swap_remove(i);
             }
-            Err(e) => {
-                // The closure, and the socket in it, are dropped with the error; the
-                // registry's handle goes here: nothing is left open.
-                if let Some(i) = r.live.iter().position(|(c, _)| *c == id) {
-                    r.live.swap_remove(i);
-                }
-                drop(r);
-                if let Some(left_out) = accept_failed.allow() {
-                    warn!(
-                        left_out,
-                        "dropping a connection: cannot spawn its thread: {e}"
-                    );
-                }
+            drop(r);
+            if let Some(left_out) = accept_failed.allow() {
+                warn!(
+                    left_out,
+                    "dropping a connection: cannot spawn its thread: {e}"
+                );
             }
         }
     }

@@ -346,33 +346,7 @@ impl Haggler<'_, '_> {
             }
         };
         if self.tls_required() && !matches!(parsed, ClientOption::StartTls | ClientOption::Abort) {
-            if matches!(parsed, ClientOption::ExportName(_)) {
-                // NBD_OPT_EXPORT_NAME cannot be answered with an error.
-                return Err(Ended::Protocol(
-                    "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS (--tls=require)".into(),
-                ));
-            }
-            if !std::mem::replace(&mut self.tls_refused, true) {
-                // Once per connection: a client may go on sending options.
-                warn!(
-                    peer = %self.stream.stream.peer(),
-                    reason = "policy",
-                    "refused {} (option {option}) before NBD_OPT_STARTTLS: TLS is required \
-                     (--tls require); the client has not started it",
-                    nbd_proto::proto::option_name(option)
-                );
-                self.shared
-                    .counters
-                    .handshake_failed(super::HandshakeFailure::Policy);
-            }
-            self.reply(
-                option,
-                &OptionReply::Error {
-                    error: OptionError::TlsReqd,
-                    message: "TLS is required: send NBD_OPT_STARTTLS first",
-                },
-            )?;
-            return Ok(None);
+            return self.refuse_before_tls(option, matches!(parsed, ClientOption::ExportName(_)));
         }
         if self.shared.stopping() && !matches!(parsed, ClientOption::Abort) {
             if matches!(parsed, ClientOption::ExportName(_)) {
@@ -395,21 +369,7 @@ impl Haggler<'_, '_> {
                 Err(Ended::Client("aborted the handshake"))
             }
             ClientOption::List => {
-                self.out.clear();
-                let who = self.identity();
-                for e in self.shared.exports().iter() {
-                    if let Err(r) = e.access.read().check(&who) {
-                        debug!(export = %e.export.name, "hidden from NBD_OPT_LIST: {r}");
-                        continue;
-                    }
-                    let r = OptionReply::Server {
-                        name: &e.export.name,
-                        details: &e.export.description,
-                    };
-                    encode(option, &r, &mut self.out)?;
-                }
-                encode(option, &OptionReply::Ack, &mut self.out)?;
-                self.stream.write_all(&self.out)?;
+                self.list(option)?;
                 Ok(None)
             }
             ClientOption::StartTls => {
@@ -462,6 +422,63 @@ impl Haggler<'_, '_> {
                 Ok(None)
             }
         }
+    }
+
+    /// Refuses an option sent before NBD_OPT_STARTTLS while TLS is required (`export_name`:
+    /// it is NBD_OPT_EXPORT_NAME, which cannot be answered with an error: the connection
+    /// ends). The first refusal of a connection is logged and counted.
+    fn refuse_before_tls(
+        &mut self,
+        option: u32,
+        export_name: bool,
+    ) -> Result<Option<Negotiated>, Ended> {
+        if export_name {
+            // NBD_OPT_EXPORT_NAME cannot be answered with an error.
+            return Err(Ended::Protocol(
+                "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS (--tls=require)".into(),
+            ));
+        }
+        if !std::mem::replace(&mut self.tls_refused, true) {
+            // Once per connection: a client may go on sending options.
+            warn!(
+                peer = %self.stream.stream.peer(),
+                reason = "policy",
+                "refused {} (option {option}) before NBD_OPT_STARTTLS: TLS is required \
+                 (--tls require); the client has not started it",
+                nbd_proto::proto::option_name(option)
+            );
+            self.shared
+                .counters
+                .handshake_failed(super::HandshakeFailure::Policy);
+        }
+        self.reply(
+            option,
+            &OptionReply::Error {
+                error: OptionError::TlsReqd,
+                message: "TLS is required: send NBD_OPT_STARTTLS first",
+            },
+        )?;
+        Ok(None)
+    }
+
+    /// Answers NBD_OPT_LIST: every export the client may see, then the ACK.
+    fn list(&mut self, option: u32) -> Result<(), Ended> {
+        self.out.clear();
+        let who = self.identity();
+        for e in self.shared.exports().iter() {
+            if let Err(r) = e.access.read().check(&who) {
+                debug!(export = %e.export.name, "hidden from NBD_OPT_LIST: {r}");
+                continue;
+            }
+            let r = OptionReply::Server {
+                name: &e.export.name,
+                details: &e.export.description,
+            };
+            encode(option, &r, &mut self.out)?;
+        }
+        encode(option, &OptionReply::Ack, &mut self.out)?;
+        self.stream.write_all(&self.out)?;
+        Ok(())
     }
 
     /// `--tls=require` and the stream is still plaintext.

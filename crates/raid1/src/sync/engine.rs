@@ -357,6 +357,64 @@ impl Inner {
             && l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT
     }
 
+    /// A pass's window size and the bitmap's chunk size: windows are a power of two (so none
+    /// crosses a barrier unit), at most 1 MiB and the largest leg I/O, and within one bitmap
+    /// chunk.
+    fn pass_window(&self) -> (u64, Option<u64>) {
+        let mut win = (1u64 << 20).min(u64::from(self.max_io));
+        win = 1 << (63 - win.max(4096).leading_zeros());
+        let chunk = self.bitmap.as_ref().map(|b| b.chunk_size());
+        if let Some(c) = chunk {
+            win = win.min(c);
+        }
+        (win, chunk)
+    }
+
+    /// What a pass of `job` needs to copy, when only the bitmap's dirty chunks: a snapshot of
+    /// them (chunks dirtied later are written to every leg by the writes themselves). `None`:
+    /// everything.
+    fn dirty_chunks(&self, job: Job) -> Option<Vec<bool>> {
+        let only_dirty = match job {
+            Job::Resync => true,
+            Job::Recover(t) => self.legs[t].bitmap_recovery.load(Ordering::Acquire),
+            Job::Check | Job::Repair => false,
+        };
+        match (&self.bitmap, only_dirty) {
+            (Some(bm), true) => Some((0..bm.nr_chunks()).map(|i| bm.is_dirty(i)).collect()),
+            _ => None,
+        }
+    }
+
+    /// Tells every tenth of the array a pass crosses from `pos` to `wend` (`events`).
+    fn tell_tenths(&self, job: Job, pos: u64, wend: u64) {
+        let cap = self.capacity;
+        let tenth = |p: u64| (u128::from(p) * 10 / u128::from(cap.max(1))) as u8;
+        if tenth(wend) > tenth(pos) && tenth(wend) < 10 {
+            let (action, slot) = job_event(job);
+            self.emit(Event::SyncProgress {
+                action,
+                slot,
+                percent: tenth(wend) * 10,
+            });
+        }
+    }
+
+    /// The pass's speed and time left, for its report: `io_bytes` copied or compared since
+    /// `t0`, from `start` to `pos`.
+    fn note_speed(&self, t0: Instant, io_bytes: u64, start: u64, pos: u64) {
+        let s = &self.sync;
+        let el = t0.elapsed().as_secs_f64().max(1e-6);
+        let speed = (io_bytes as f64 / 1024.0 / el) as u64;
+        s.speed_kib_s.store(speed, Ordering::Relaxed);
+        let rate = (pos - start) as f64 / el;
+        if rate > 0.0 {
+            s.eta_secs.store(
+                ((self.capacity - pos) as f64 / rate) as u64,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
     /// Walks the array from `start` in windows (a recovery: for `target` only). See the crate
     /// docs.
     fn pass(
@@ -368,25 +426,8 @@ impl Inner {
     ) -> PassEnd {
         let s = &self.sync;
         let cap = self.capacity;
-        // Windows: a power of two (so none crosses a barrier unit), at most 1 MiB and the
-        // largest leg I/O, and within one bitmap chunk.
-        let mut win = (1u64 << 20).min(u64::from(self.max_io));
-        win = 1 << (63 - win.max(4096).leading_zeros());
-        let chunk = self.bitmap.as_ref().map(|b| b.chunk_size());
-        if let Some(c) = chunk {
-            win = win.min(c);
-        }
-        // What needs copying: a snapshot of the dirty chunks (chunks dirtied later are
-        // written to every leg by the writes themselves).
-        let only_dirty = match job {
-            Job::Resync => true,
-            Job::Recover(t) => self.legs[t].bitmap_recovery.load(Ordering::Acquire),
-            Job::Check | Job::Repair => false,
-        };
-        let dirty: Option<Vec<bool>> = match (&self.bitmap, only_dirty) {
-            (Some(bm), true) => Some((0..bm.nr_chunks()).map(|i| bm.is_dirty(i)).collect()),
-            _ => None,
-        };
+        let (win, chunk) = self.pass_window();
+        let dirty = self.dirty_chunks(job);
         s.total_bytes.store(cap, Ordering::Relaxed);
         s.done_bytes.store(start, Ordering::Relaxed);
         s.speed_kib_s.store(0, Ordering::Relaxed);
@@ -454,31 +495,14 @@ impl Inner {
             }
             io_bytes += u64::from(len);
             windows += 1;
-            // Every tenth of the array a pass crosses is told (`events`).
-            let tenth = |p: u64| (u128::from(p) * 10 / u128::from(cap.max(1))) as u8;
-            if tenth(wend) > tenth(pos) && tenth(wend) < 10 {
-                let (action, slot) = job_event(job);
-                self.emit(Event::SyncProgress {
-                    action,
-                    slot,
-                    percent: tenth(wend) * 10,
-                });
-            }
+            self.tell_tenths(job, pos, wend);
             pos = wend;
             self.advance(job, pos);
             if matches!(job, Job::Recover(_)) && windows.is_multiple_of(64) {
                 // Persist the recovery offset now and then (resume after a stop).
                 let _ = self.write_superblocks();
             }
-            // Progress.
-            let el = t0.elapsed().as_secs_f64().max(1e-6);
-            let speed = (io_bytes as f64 / 1024.0 / el) as u64;
-            s.speed_kib_s.store(speed, Ordering::Relaxed);
-            let rate = (pos - start) as f64 / el;
-            if rate > 0.0 {
-                s.eta_secs
-                    .store(((cap - pos) as f64 / rate) as u64, Ordering::Relaxed);
-            }
+            self.note_speed(t0, io_bytes, start, pos);
             self.throttle(t0, io_bytes, last_window);
         }
         PassEnd::Done

@@ -81,65 +81,15 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
     let started = Instant::now();
     let _ = stream.set_nodelay();
     let deadline = started + server.tuning.handshake_timeout;
-    let negotiated = match handshake::negotiate(
-        &mut Deadlined::new(&mut stream, deadline),
-        &server,
-        id,
-    ) {
-        Ok(n) => n,
-        Err(ended) => {
-            // Every refused client's line says why (`reason`, the same word as the
-            // `blkq_nbd_handshake_failures_total` label).
-            let why = match &ended {
-                _ if server.was_evicted(id) => HandshakeFailure::Evicted,
-                Ended::Client(_) => HandshakeFailure::ClientAbort,
-                Ended::Timeout => HandshakeFailure::Timeout,
-                Ended::Limit(_) => HandshakeFailure::Limit,
-                Ended::Protocol(_) => HandshakeFailure::Protocol,
-                Ended::Io(_) => HandshakeFailure::Io,
-                Ended::Refused { .. } => HandshakeFailure::Policy,
-            };
-            server.counters.handshake_failed(why);
-            let reason = why.as_str();
-            match ended {
-                _ if why == HandshakeFailure::Evicted => info!(
-                    conn = id,
-                    %peer,
-                    reason,
-                    "connection closed in the handshake to make room for a newer one \
-                     (--max-connections)"
-                ),
-                Ended::Client(what) => {
-                    info!(conn = id, %peer, reason, "connection closed in the handshake: client {what}");
-                }
-                Ended::Timeout => info!(
-                    conn = id,
-                    %peer,
-                    reason,
-                    "closing connection: handshake not finished within {:?}",
-                    server.tuning.handshake_timeout
-                ),
-                Ended::Limit(what) | Ended::Protocol(what) => {
-                    warn!(conn = id, %peer, reason, "closing connection during the handshake: {what}");
-                }
-                Ended::Refused { export, refusal } => {
-                    warn!(
-                        conn = id,
-                        %peer,
-                        export = %export,
-                        reason,
-                        rule = refusal.reason(),
-                        "closing connection: NBD_OPT_EXPORT_NAME refused: {refusal}"
-                    );
-                }
-                Ended::Io(e) => {
-                    debug!(conn = id, %peer, reason, "handshake ended: {e}");
-                }
+    let negotiated =
+        match handshake::negotiate(&mut Deadlined::new(&mut stream, deadline), &server, id) {
+            Ok(n) => n,
+            Err(ended) => {
+                handshake_ended(&server, id, &peer, ended);
+                server.unregister(id);
+                return;
             }
-            server.unregister(id);
-            return;
-        }
-    };
+        };
     server.counters.transmission();
     // Held by `Arc` for the connection's life: the table may lose it meanwhile (a removal
     // drains this connection first).
@@ -212,6 +162,57 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
         "connection closed: {reason}"
     );
     server.unregister(id);
+}
+
+/// A handshake that ended without a transmission phase: counted by reason, and logged with
+/// it (`reason`, the same word as the `blkq_nbd_handshake_failures_total` label).
+fn handshake_ended(server: &Shared, id: u64, peer: &str, ended: Ended) {
+    let why = match &ended {
+        _ if server.was_evicted(id) => HandshakeFailure::Evicted,
+        Ended::Client(_) => HandshakeFailure::ClientAbort,
+        Ended::Timeout => HandshakeFailure::Timeout,
+        Ended::Limit(_) => HandshakeFailure::Limit,
+        Ended::Protocol(_) => HandshakeFailure::Protocol,
+        Ended::Io(_) => HandshakeFailure::Io,
+        Ended::Refused { .. } => HandshakeFailure::Policy,
+    };
+    server.counters.handshake_failed(why);
+    let reason = why.as_str();
+    match ended {
+        _ if why == HandshakeFailure::Evicted => info!(
+            conn = id,
+            %peer,
+            reason,
+            "connection closed in the handshake to make room for a newer one \
+             (--max-connections)"
+        ),
+        Ended::Client(what) => {
+            info!(conn = id, %peer, reason, "connection closed in the handshake: client {what}");
+        }
+        Ended::Timeout => info!(
+            conn = id,
+            %peer,
+            reason,
+            "closing connection: handshake not finished within {:?}",
+            server.tuning.handshake_timeout
+        ),
+        Ended::Limit(what) | Ended::Protocol(what) => {
+            warn!(conn = id, %peer, reason, "closing connection during the handshake: {what}");
+        }
+        Ended::Refused { export, refusal } => {
+            warn!(
+                conn = id,
+                %peer,
+                export = %export,
+                reason,
+                rule = refusal.reason(),
+                "closing connection: NBD_OPT_EXPORT_NAME refused: {refusal}"
+            );
+        }
+        Ended::Io(e) => {
+            debug!(conn = id, %peer, reason, "handshake ended: {e}");
+        }
+    }
 }
 
 /// Per-connection counters for the close log line (and the server's totals).
