@@ -4,7 +4,7 @@
 # --device mem:1G` on a Unix socket, directly and through a second blkq serve whose device is
 # nbd+unix:// of the first (`proxy`: send=inline, the default), and through a third whose
 # device is the same with send=thread (`thread`: every request through the connection's sender
-# thread); interleaved, 3 rounds (ROUNDS=N for more). Prints: round rw qd which IOPS p99_us
+# thread); interleaved, 3 rounds (ROUNDS=N for more; RWS="randwrite" QDS="32" pick cells). Prints: round rw qd which IOPS p99_us
 # cpu_us_per_io (user+system time of the serving processes, the back alone for direct, back
 # and proxy otherwise, from /proc/PID/stat, over the I/Os fio completed).
 # B=PATH picks the binary (default target/release/blkq). BASE=PATH adds a third server, a
@@ -44,7 +44,7 @@ print(int(j[k]["iops"]), int(j[k]["clat_ns"]["percentile"]["99.000000"]/1000), r
     $D/out.json $c0 $c1 $TCK
 }
 for r in $(seq 1 ${ROUNDS:-3}); do
-  for rw in randread randwrite; do for qd in 1 32; do
+  for rw in ${RWS:-randread randwrite}; do for qd in ${QDS:-1 32}; do
     for which in direct proxy thread ${BASE:+base}; do
       case $which in
         direct) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/a.sock" $rw $qd $P1)" ;;
