@@ -491,6 +491,9 @@ fn fua_is_emulated_with_a_flush_when_the_server_has_no_fua() {
     let dev = kit.open();
     let a = pattern(11, 64 << 10);
     write(&dev, 0, &a, BioFlags::FUA).unwrap();
+    // The write by its submitter, the flush by the receiver that got the write's reply:
+    // both inline, no thread woken to send.
+    assert_eq!(dev.sends(), (2, 0));
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let w = lines

@@ -84,8 +84,8 @@
 //! # FUA
 //!
 //! A FUA write to a server with `NBD_CMD_FLUSH` but not `NBD_CMD_FLAG_FUA` is emulated: the
-//! write is sent without the flag; once it is answered the sender sends a flush on the same
-//! slot, and the bio completes when the flush is answered. A server without flush has no write
+//! write is sent without the flag; once it is answered a flush goes on the same slot (sent
+//! by the receiver if the send side is free at once, else by the sender), and the bio completes when the flush is answered. A server without flush has no write
 //! cache: a write is durable when answered, and FUA is dropped.
 //!
 //! # Extents

@@ -1,6 +1,6 @@
 //! The sender thread of a [`super::RemoteDevice`]: sends what no submitter is there to send:
 //! every request waiting when a connection comes back, the flush of an emulated FUA write
-//! once its write is answered, a request whose submitter found the send side busy or the
+//! once its write is answered (when the receiver could not send it at once), a request whose submitter found the send side busy or the
 //! socket full (or every request, with `send=thread` or TLS), and the rest of a request an
 //! inline send wrote in part (see "Sending inline" in `table`).
 //!
