@@ -2,7 +2,9 @@
 # bench/proxy.sh: what an nbd:// device costs (docs/bench.md section 15). fio's nbd engine,
 # 4 KiB randread and randwrite at queue depth 1 and 32, one connection, against `blkq serve
 # --device mem:1G` on a Unix socket, directly and through a second blkq serve whose device is
-# nbd+unix:// of the first; interleaved, 3 rounds. Prints: round rw qd which IOPS p99_us
+# nbd+unix:// of the first (`proxy`: send=inline, the default), and through a third whose
+# device is the same with send=thread (`thread`: every request through the connection's sender
+# thread); interleaved, 3 rounds (ROUNDS=N for more; RWS="randwrite" QDS="32" pick cells). Prints: round rw qd which IOPS p99_us
 # cpu_us_per_io (user+system time of the serving processes, the back alone for direct, back
 # and proxy otherwise, from /proc/PID/stat, over the I/Os fio completed).
 # B=PATH picks the binary (default target/release/blkq). BASE=PATH adds a third server, a
@@ -14,6 +16,7 @@ D=$(mktemp -d /tmp/pb.XXXX)
 $B serve --device mem:1G --socket $D/a.sock --no-tcp >/dev/null 2>&1 & P1=$!
 sleep 1
 $B serve --device "nbd+unix:///?socket=$D/a.sock" --socket $D/b.sock --no-tcp >/dev/null 2>&1 & P2=$!
+$B serve --device "nbd+unix:///?socket=$D/a.sock,send=thread" --socket $D/t.sock --no-tcp >/dev/null 2>&1 & P4=$!
 P3=
 if [ -n "${BASE:-}" ]; then
   $BASE serve --device "nbd+unix:///?socket=$D/a.sock" --socket $D/c.sock --no-tcp >/dev/null 2>&1 & P3=$!
@@ -40,15 +43,16 @@ cpu_us=(int(sys.argv[3])-int(sys.argv[2]))/int(sys.argv[4])*1e6
 print(int(j[k]["iops"]), int(j[k]["clat_ns"]["percentile"]["99.000000"]/1000), round(cpu_us/ios,1))' \
     $D/out.json $c0 $c1 $TCK
 }
-for r in 1 2 3; do
-  for rw in randread randwrite; do for qd in 1 32; do
-    for which in direct proxy ${BASE:+base}; do
+for r in $(seq 1 ${ROUNDS:-3}); do
+  for rw in ${RWS:-randread randwrite}; do for qd in ${QDS:-1 32}; do
+    for which in direct proxy thread ${BASE:+base}; do
       case $which in
         direct) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/a.sock" $rw $qd $P1)" ;;
         proxy) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/b.sock" $rw $qd $P1 $P2)" ;;
+        thread) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/t.sock" $rw $qd $P1 $P4)" ;;
         base) echo "$r $rw $qd $which $(run "nbd+unix:///?socket=$D/c.sock" $rw $qd $P1 $P3)" ;;
       esac
     done
   done; done
 done
-kill -TERM $P2 $P1 $P3; wait
+kill -TERM $P2 $P4 $P1 $P3; wait

@@ -491,6 +491,9 @@ fn fua_is_emulated_with_a_flush_when_the_server_has_no_fua() {
     let dev = kit.open();
     let a = pattern(11, 64 << 10);
     write(&dev, 0, &a, BioFlags::FUA).unwrap();
+    // The write by its submitter, the flush by the receiver that got the write's reply:
+    // both inline, no thread woken to send.
+    assert_eq!(dev.sends(), (2, 0));
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let w = lines
@@ -572,4 +575,53 @@ fn eshutdown_is_retried_on_a_new_connection() {
         .expect("the write hangs");
     r.unwrap();
     assert_eq!(read(&dev, 0, 4096).unwrap(), a);
+}
+
+/// Writes `data` at `offset` and reads it back through `dev`.
+fn write_then_check(dev: &RemoteDevice, offset: u64, data: &[u8]) {
+    let sector = offset >> SECTOR_SHIFT;
+    let (_, r) = PendingBio::submit(dev, Bio::with_buf(Op::Write, sector, buf_of(data))).wait();
+    r.unwrap();
+    let (bio, r) = PendingBio::submit(
+        dev,
+        Bio::with_buf(Op::Read, sector, Buffer::new(data.len())),
+    )
+    .wait();
+    r.unwrap();
+    assert!(bio.buf.unwrap().as_slice() == data, "at {offset}");
+}
+
+/// `send=inline` (the default): with the socket free, the submitting thread writes each
+/// request itself (none goes through the sender thread); a write larger than the socket takes
+/// at once is written in part inline and finished by the sender thread, and reads back whole.
+/// `send=thread`: every request is the sender thread's.
+#[test]
+fn requests_are_sent_inline_unless_send_thread_says_otherwise() {
+    let srv = TestServer::start();
+    for (opts, inline) in [("", true), (",send=thread", false)] {
+        let dev = RemoteDevice::open(&srv.uri("", opts)).unwrap();
+        for k in 0..64u64 {
+            write_then_check(&dev, k * 4096, &pattern(k, 4096));
+        }
+        let (by_us, by_thread) = dev.sends();
+        if inline {
+            assert_eq!((by_us, by_thread), (128, 0), "{opts}");
+        } else {
+            assert_eq!((by_us, by_thread), (0, 128), "{opts}");
+        }
+        // 4 MiB writes: far more than a Unix socket's send buffer takes at once.
+        for k in 0..4u64 {
+            write_then_check(&dev, 8 * MIB + k * 4 * MIB, &pattern(100 + k, 4 << 20));
+        }
+        let (by_us2, by_thread2) = dev.sends();
+        assert_eq!(by_us2 + by_thread2, 128 + 8, "{opts}");
+        if inline {
+            assert!(
+                by_thread2 >= 4,
+                "the large writes were all inline: {by_thread2}"
+            );
+        } else {
+            assert_eq!(by_us2, 0);
+        }
+    }
 }

@@ -1,8 +1,8 @@
 //! `RemoteDevice` allocates nothing per request in the steady state: reads, writes and flushes
 //! against nbdkit's memory plugin (another process, so that every allocation counted is the
 //! device's: the submitting test thread, the receiver and the sender), with FUA native and
-//! emulated (nbdkit's fua filter hides it: the sender sends the flushes), over one
-//! connection and two. Skipped without nbdkit.
+//! emulated (nbdkit's fua filter hides it: the receiver, or the sender, sends the flushes),
+//! over one connection and two. Skipped without nbdkit.
 // A plain threaded test, never a loom model: its own harness may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -95,7 +95,7 @@ fn no_allocation_per_request() {
             "allocations in 2000 rounds of write, read (and flush)"
         );
     }
-    // The sender's path (the flush of an emulated FUA write) and two connections.
+    // The flush of an emulated FUA write (sent by the receiver) and two connections.
     if let Some(n) = steady_state(&["--filter=fua", "memory", "64M"], ",conns=2") {
         assert_eq!(
             n, 0,

@@ -420,3 +420,45 @@ fn a_trickled_answer_to_the_mirrors_check_does_not_hold_the_reconnection() {
     assert!(srv.accepted() >= 2, "no reconnection was tried");
     assert!(r.leg_status(1).unwrap().faulty);
 }
+
+/// A server that negotiates, then never reads a request: the socket's send buffer fills
+/// with the first writes. Every submit still returns at once (the send is non-blocking: what
+/// the socket does not take waits for the sender thread), so a submitting thread is never
+/// held by a server that stops reading; the writes fail once the device gives the connection
+/// up, or when it is dropped.
+#[test]
+fn a_server_that_stops_reading_does_not_hold_a_submitter() {
+    log();
+    let srv = HostileServer::start(|_, p: &mut Peer| {
+        p.negotiate()?;
+        // Reads nothing more; ends when the client goes away.
+        p.swallow_never()
+    });
+    let mut spec = srv.spec(Duration::from_secs(2), Duration::from_secs(2));
+    spec.depth = 64;
+    let dev = RemoteDevice::connect(spec).unwrap();
+    let end: Arc<testkit::Collect> = Arc::default();
+    let end_dyn: blkq_sync::DynArc<dyn blk::EndIo> = end.clone();
+    // 32 writes of 256 KiB: 8 MiB, far more than a Unix socket's send buffer.
+    let len = 256 << 10;
+    let mut slowest = Duration::ZERO;
+    for k in 0..32u64 {
+        let mut buf = blk::Buffer::new(len);
+        buf.as_mut_slice().fill(k as u8);
+        let bio = blk::Bio::with_buf(blk::Op::Write, k * (len as u64 >> blk::SECTOR_SHIFT), buf);
+        let t = Instant::now();
+        blk::Device::submit(&dev, bio, &end_dyn);
+        slowest = slowest.max(t.elapsed());
+    }
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a submit to a server that stopped reading took {slowest:?}"
+    );
+    assert!(
+        end.is_empty(),
+        "a write completed with the server not reading"
+    );
+    drop(dev);
+    let done = end.wait_for(32);
+    assert!(done.iter().all(|(_, r)| r.is_err()));
+}

@@ -327,6 +327,7 @@ impl World {
             reconnect_deadline: shape.deadline,
             tls: None,
             conns: 1,
+            send: Default::default(),
         };
         // The first dial, retried as an operator would: a busy machine can take longer than
         // the short timeouts here for a whole handshake (each attempt has one deadline).

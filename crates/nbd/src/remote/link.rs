@@ -14,7 +14,7 @@ use super::connect::{Opened, RemoteError};
 use super::receiver::{Receiver, SCRATCH};
 use super::reconnect::Supervisor;
 use super::sender;
-use super::spec::RemoteSpec;
+use super::spec::{RemoteSpec, SendMode};
 use super::table::{Durability, Shared, Table, Writer};
 
 pub(super) struct Link {
@@ -61,6 +61,7 @@ impl Link {
                 epoch: 1,
                 mode,
                 header: [0; 32],
+                partial: None,
             }),
             slot_freed: WaitQueue::new(),
             sender_wq: WaitQueue::new(),
@@ -75,6 +76,9 @@ impl Link {
             up: AtomicBool::new(true),
             sock: Mutex::new(Some(sock)),
             reconnects: AtomicU64::new(0),
+            inline: spec.send == SendMode::Inline && spec.tls.is_none(),
+            sent_inline: AtomicU64::new(0),
+            sent_by_thread: AtomicU64::new(0),
             fatal: Mutex::new(None),
             durability: durability.clone(),
             hook: hook.clone(),

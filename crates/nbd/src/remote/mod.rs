@@ -9,8 +9,11 @@
 //! then split:
 //!
 //! - **Submitters** (any thread calling [`Device::submit`]) take a free slot of a fixed table,
-//!   then send the request header and, for a write, the payload straight from the bio's
-//!   buffer, holding the mutex around the socket's write half only while they send.
+//!   then, when the socket's write half is free at once (`try_lock`), send the request header
+//!   and, for a write, the payload straight from the bio's buffer with one non-blocking
+//!   `sendmsg`; what the socket does not take at once is the sender thread's ("Sending
+//!   inline" in `table`; `send=thread` always hands over). A submitter never waits for the
+//!   server to read.
 //! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
 //!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
 //!   It also enforces the request timeout: the socket's receive timeout wakes it every tick,
@@ -18,7 +21,9 @@
 //!   however slowly, counts as unanswered) declares the connection dead. When the connection
 //!   breaks, the same thread re-establishes it (`reconnect`).
 //! - **One sender thread** sends what no submitter is there to send: the requests waiting
-//!   when a connection comes back, and the flush of an emulated FUA write (`sender`).
+//!   when a connection comes back, the flush of an emulated FUA write, a request whose
+//!   submitter found the write half busy or the socket full, and the rest of one the socket
+//!   took in part (`sender`).
 //!
 //! No thread per request and no allocation per request: the table is sized at connect
 //! (`depth=`, default 64), and a submitter finding it full waits for a slot, at most the
@@ -79,8 +84,8 @@
 //! # FUA
 //!
 //! A FUA write to a server with `NBD_CMD_FLUSH` but not `NBD_CMD_FLAG_FUA` is emulated: the
-//! write is sent without the flag; once it is answered the sender sends a flush on the same
-//! slot, and the bio completes when the flush is answered. A server without flush has no write
+//! write is sent without the flag; once it is answered a flush goes on the same slot (sent
+//! by the receiver if the send side is free at once, else by the sender), and the bio completes when the flush is answered. A server without flush has no write
 //! cache: a write is durable when answered, and FUA is dropped.
 //!
 //! # Extents
@@ -96,6 +101,9 @@
 //! again each time). The split works as on a plain socket: the receiver decrypts on its
 //! handle, the submitters and the sender encrypt and send on theirs under the writer lock,
 //! and the TLS session's own lock is never held across a socket call (see `crate::tls`).
+//! Over TLS every request goes through the sender thread: a TLS write that the socket takes
+//! in part has consumed its plaintext into a record, so it cannot be left half done for
+//! another thread the way a plain `sendmsg` can.
 //!
 //! # Several connections
 //!
@@ -127,8 +135,8 @@ mod table;
 
 pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
-    RemoteAddr, RemoteSpec, SpecError, TlsSpec, DEFAULT_DEPTH, DEFAULT_RECONNECT_DEADLINE,
-    DEFAULT_TIMEOUT, MAX_CONNS, MAX_DEPTH, MAX_TIMEOUT_SECS,
+    RemoteAddr, RemoteSpec, SendMode, SpecError, TlsSpec, DEFAULT_DEPTH,
+    DEFAULT_RECONNECT_DEADLINE, DEFAULT_TIMEOUT, MAX_CONNS, MAX_DEPTH, MAX_TIMEOUT_SECS,
 };
 
 use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op};
@@ -259,6 +267,20 @@ impl RemoteDevice {
             .iter()
             .map(|l| l.sh.reconnects.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// Requests written whole by their submitting thread (`send=inline`), and by the
+    /// connections' sender threads (re-sends, emulated FUA flushes, the rest of a request the
+    /// socket took in part, and every request with `send=thread` or TLS), since the device
+    /// was opened.
+    pub fn sends(&self) -> (u64, u64) {
+        // Relaxed: statistics (see the fields).
+        self.links.iter().fold((0, 0), |(a, b), l| {
+            (
+                a + l.sh.sent_inline.load(Ordering::Relaxed),
+                b + l.sh.sent_by_thread.load(Ordering::Relaxed),
+            )
+        })
     }
 
     /// Requests in flight.

@@ -273,9 +273,11 @@ impl Receiver {
     }
 
     /// A successful reply to slot `i`: it completes, unless it is the write of an emulated
-    /// FUA write, which becomes its flush (a new cookie, due again) for the sender to send;
-    /// the receiver never sends (it must keep reading whatever the server's send buffer
-    /// holds, or a server blocked on sending replies and a sender blocked on it deadlock).
+    /// FUA write, which becomes its flush (a new cookie, due again). The receiver sends that
+    /// flush itself only the way a submitter does (`try_send_inline`: the writer lock if free
+    /// at once, one non-blocking `sendmsg`), else it is the sender's: the receiver never
+    /// waits to send (it must keep reading whatever the server's send buffer holds, or a
+    /// server blocked on sending replies and a receiver blocked on it deadlock).
     fn succeeded(&self, i: usize) {
         let what = {
             let mut t = self.sh.table.lock();
@@ -285,7 +287,10 @@ impl Receiver {
         match what {
             None => self.sh.finish(i, Status::Ok),
             Some(Success::FlushNext) => {
-                self.sh.sender_wq.wake_one();
+                // `succeeded` flagged the sender; a flush sent here leaves it nothing to do.
+                if !self.sh.try_send_inline(i, &mut None, 0) {
+                    self.sh.sender_wq.wake_one();
+                }
             }
             Some(Success::Complete(status)) => self.sh.finish(i, status),
         }

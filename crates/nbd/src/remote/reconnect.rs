@@ -118,9 +118,15 @@ impl Supervisor {
         if cut {
             // Before the writer lock: a sender blocked on a full socket fails at once.
             sh.cut_socket();
-            let mut w = sh.writer.lock();
-            w.stream = None;
-            sh.table.lock().go_down(Instant::now());
+            let back = {
+                let mut w = sh.writer.lock();
+                let back = sh.drop_stream(&mut w);
+                sh.table.lock().go_down(Instant::now());
+                back
+            };
+            if let Some((i, bio)) = back {
+                sh.put_back(i, bio);
+            }
         } else {
             // Not the writer lock: a sender may be waiting on a full socket, and goes on
             // until the server reads or the deadline passes (`write_request`).
@@ -156,11 +162,15 @@ impl Supervisor {
     fn take_down(&mut self) {
         let sh = &self.rx.sh;
         sh.shut_socket();
-        {
+        let back = {
             let mut w = sh.writer.lock();
-            w.stream = None;
+            let back = sh.drop_stream(&mut w);
             let mut t = sh.table.lock();
             t.disconnect(Instant::now(), sh.timeout + sh.reconnect_deadline);
+            back
+        };
+        if let Some((i, bio)) = back {
+            sh.put_back(i, bio);
         }
         // Release: see the field.
         sh.orphaned.store(false, Ordering::Release);

@@ -80,8 +80,14 @@ impl Receiver {
             mode,
             header,
             epoch: current,
+            partial,
         } = &mut *w;
-        let Some(stream) = stream.as_mut().filter(|_| *current == epoch) else {
+        // A request half written (its submitter's send, not finished by the sender thread):
+        // a flush header now would land inside it. Unsealed: the conservative answer.
+        let Some(stream) = stream
+            .as_mut()
+            .filter(|_| *current == epoch && partial.is_none())
+        else {
             return Err(Unsealed::NoStream);
         };
         let n = Request::new(Command::Flush, SEAL_COOKIE, 0, 0)

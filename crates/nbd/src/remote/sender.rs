@@ -1,6 +1,8 @@
 //! The sender thread of a [`super::RemoteDevice`]: sends what no submitter is there to send:
-//! every request waiting when a connection comes back, and the flush of an emulated FUA write
-//! once its write is answered.
+//! every request waiting when a connection comes back, the flush of an emulated FUA write
+//! once its write is answered (when the receiver could not send it at once), a request whose submitter found the send side busy or the
+//! socket full (or every request, with `send=thread` or TLS), and the rest of a request an
+//! inline send wrote in part (see "Sending inline" in `table`).
 //!
 //! Why a thread of its own rather than the receiver: the receiver must never wait for the
 //! writer lock or the socket's send buffer. A server that cannot send its replies (its send
@@ -37,6 +39,15 @@ pub(super) fn run(sh: DynArc<Shared>) {
 /// `send_needed` again when it puts the bio back. One look at the table finds the next due
 /// slot, so a wake-up for one flush costs one pass, not a lock per slot.
 fn send_due(sh: &Shared) {
+    // First the rest of a request a submitter wrote in part: nothing else may go before it.
+    let (r, back) = sh.finish_partial(&mut sh.writer.lock());
+    if let Some((i, b)) = back {
+        sh.put_back(i, b);
+    }
+    if let Err(e) = r {
+        tracing::debug!(uri = %sh.uri, "sending the rest of a request: {e}");
+        return;
+    }
     let mut from = 0;
     loop {
         let next = {

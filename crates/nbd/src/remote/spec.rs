@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! nbd://HOST[:PORT][/EXPORT][,timeout=SECS][,depth=N][,reconnect_deadline=SECS][,conns=N]
+//!     [,send=inline|thread]
 //! nbd+unix:///[EXPORT]?socket=PATH[,OPTIONS]
 //! nbds://HOST[:PORT][/EXPORT]?tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
 //! nbds+unix:///[EXPORT]?socket=PATH&tls-certificates=DIR[&tls-hostname=NAME][,OPTIONS]
@@ -44,6 +45,11 @@
 //!   within seconds instead of stalling its writers. A request outstanding for `timeout` plus
 //!   the deadline when a connection breaks fails with `ETIMEDOUT`, however many times it was
 //!   sent.
+//! - `send=inline|thread` (default `inline`): who writes a request to the socket. `inline`:
+//!   the submitting thread, when the connection's send side is free, with a non-blocking
+//!   write; what the socket does not take at once goes to the connection's sender thread.
+//!   `thread`: always the sender thread (one more thread wake-up per request; the simple
+//!   path, kept to compare with). TLS connections always use the sender thread.
 //!
 //! The port defaults to 10809 and the export name to the empty (default) export; the export
 //! and the socket path are percent-decoded. Options are peeled off the end: a trailing
@@ -67,7 +73,18 @@ pub const MAX_CONNS: usize = 16;
 /// Default `reconnect_deadline=` (see the module documentation for why).
 pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(15);
 
-const OPTIONS: [&str; 4] = ["timeout", "depth", "reconnect_deadline", "conns"];
+const OPTIONS: [&str; 5] = ["timeout", "depth", "reconnect_deadline", "conns", "send"];
+
+/// Who writes a request to the socket (`send=`; see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SendMode {
+    /// The submitting thread when the send side is free (non-blocking), else the sender
+    /// thread.
+    #[default]
+    Inline,
+    /// Always the sender thread.
+    Thread,
+}
 
 /// Errors of [`RemoteSpec::parse`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -165,6 +182,8 @@ pub struct RemoteSpec {
     pub tls: Option<TlsSpec>,
     /// Connections when the server offers multi-conn (`conns=N`).
     pub conns: usize,
+    /// Who writes a request to the socket (`send=inline|thread`).
+    pub send: SendMode,
 }
 
 /// The TLS part of an `nbds://` or `nbds+unix://` spec.
@@ -199,6 +218,7 @@ impl RemoteSpec {
         let mut depth = DEFAULT_DEPTH;
         let mut reconnect_deadline = DEFAULT_RECONNECT_DEADLINE;
         let mut conns = 1;
+        let mut send = SendMode::Inline;
         let mut uri = s;
         let mut seen = [false; OPTIONS.len()];
         while let Some((head, tail)) = uri.rsplit_once(',') {
@@ -215,6 +235,7 @@ impl RemoteSpec {
                     "timeout" => timeout = parse_timeout(v)?,
                     "depth" => depth = parse_depth(v)?,
                     "conns" => conns = parse_conns(v)?,
+                    "send" => send = parse_send(v)?,
                     _ => reconnect_deadline = parse_deadline(v)?,
                 }
             }
@@ -253,6 +274,7 @@ impl RemoteSpec {
             reconnect_deadline,
             tls,
             conns,
+            send,
         })
     }
 }
@@ -338,6 +360,18 @@ fn parse_conns(v: &str) -> Result<usize, SpecError> {
             key: "conns",
             value: v.to_string(),
             reason: format!("expected 1..={MAX_CONNS}"),
+        }),
+    }
+}
+
+fn parse_send(v: &str) -> Result<SendMode, SpecError> {
+    match v {
+        "inline" => Ok(SendMode::Inline),
+        "thread" => Ok(SendMode::Thread),
+        _ => Err(SpecError::BadOption {
+            key: "send",
+            value: v.to_string(),
+            reason: "expected inline or thread".to_string(),
         }),
     }
 }
@@ -481,6 +515,9 @@ mod tests {
         assert_eq!(s.to_string(), "nbd://[::1]:99/a b");
         let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=0,timeout=2").unwrap();
         assert_eq!(s.reconnect_deadline, Duration::ZERO);
+        assert_eq!(s.send, SendMode::Inline);
+        let s = RemoteSpec::parse("nbd://h/d,send=thread").unwrap();
+        assert_eq!(s.send, SendMode::Thread);
         let s = RemoteSpec::parse("nbd://h/d,reconnect_deadline=90").unwrap();
         assert_eq!(s.reconnect_deadline, Duration::from_secs(90));
         assert_eq!(s.conns, 1);
@@ -557,6 +594,7 @@ mod tests {
             "nbd://h/d,timeout=0",
             "nbd://h/d,timeout=x",
             "nbd://h/d,depth=0",
+            "nbd://h/d,send=maybe",
             "nbd://h/d,depth=100000",
             "nbd://h/d,reconnect_deadline=-1",
             "nbd://h/d,reconnect_deadline=86401",

@@ -1,5 +1,6 @@
 //! Submitting a request: taking a free slot (waiting for one at most the timeout, failing at
-//! once when the device is dead or past its reconnect deadline) and the first send.
+//! once when the device is dead or past its reconnect deadline) and the first send: inline
+//! when the send side is free, else by the sender thread (see "Sending inline" in `table`).
 
 use std::io;
 use std::time::Instant;
@@ -55,14 +56,13 @@ impl Shared {
                 if !keep {
                     s.bio = held.take();
                 }
-                // Up: claimed now, in the same hold of the lock (the send below takes only
-                // the writer lock). Down: the sender sends it once a connection is back.
-                let claim = (t.conn == Conn::Up).then(|| self.claim(&mut t, i));
-                Some(Ok((i, claim)))
+                // Claimed by whoever sends it: this thread if the send side is free, else
+                // the sender thread (now, or once a connection is back).
+                Some(Ok(i))
             },
             deadline,
         );
-        let (i, claim) = match taken {
+        let i = match taken {
             Some(Ok(t)) => t,
             Some(Err(errno)) => {
                 if let Some(bio) = held {
@@ -82,21 +82,13 @@ impl Shared {
                 return;
             }
         };
-        let payload = held
-            .as_ref()
-            .and_then(|b| b.buf.as_ref())
-            .and_then(|b| b.as_slice().get(..req.len as usize))
-            .unwrap_or(&[]);
-        let sent = match &claim {
-            Some((epoch, r)) => self.send_claimed(*epoch, r, payload),
-            None => Ok(false),
-        };
+        let sent = self.try_send_inline(i, &mut held, req.len as usize);
         if let Some(bio) = held.take() {
-            // Still our slot: it is not freed while its bio is away.
+            // Still our slot: it is not freed while its bio is away. Flags the sender if
+            // the write is still due.
             self.put_back(i, bio);
-        }
-        if let Err(e) = sent {
-            tracing::debug!(uri = %self.uri, "sending a request failed: {e}");
+        } else if !sent {
+            self.hand_off(i);
         }
     }
 }

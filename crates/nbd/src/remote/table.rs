@@ -4,6 +4,7 @@
 
 use std::io::{self, IoSlice, Write};
 use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use blk::{Bio, EndIo, Error, Limits};
@@ -40,8 +41,8 @@ use crate::transmission::Request;
 // the holder puts the bio back ([`Shared::put_back`]).
 //
 // A send is claimed first: the slot is marked sent on the current connection (`sent_epoch =
-// epoch`, under the table lock; the submitter does it when it takes the slot, the sender while
-// it holds the writer lock), then written under the writer lock only if the writer's
+// epoch`, under the table lock, by the submitter or the sender while it holds the writer
+// lock), then written under the writer lock only if the writer's
 // connection is still that one (`Writer::epoch`). Whoever comes second on the same connection
 // finds the slot not due and does not send; a claim made for a connection that went away is
 // not written, and the slot is due again on the next one. So a request is sent at most once
@@ -50,6 +51,34 @@ use crate::transmission::Request;
 // a reconnection, the flush of an emulated FUA write, a write whose bio came back while the
 // sender looked for it). A write whose bio is away is left to its holder, who flags the sender
 // when it puts the bio back and the slot is still due.
+//
+// # Sending inline (`send=inline`, plain sockets)
+//
+// A submitter that has taken its slot tries the writer lock (`try_lock`, never a wait). It
+// writes only if it gets it, the stream is up, nothing is half written (`Writer::partial`)
+// and the slot is still due; it then claims the slot (under the table lock, inside the
+// writer lock) and writes header and payload with one `sendmsg(MSG_DONTWAIT)`:
+//
+// - all of it taken: sent (`sent_inline`);
+// - nothing taken (`EAGAIN`): unclaimed, flagged for the sender thread (`send_needed`);
+// - part of it taken: the rest is recorded in `Writer::partial` (the header stays in
+//   `Writer::header`; a write's bio goes with it, away from its slot, so the slot is not
+//   freed) and the sender thread is flagged. Until the sender has written the rest, nobody
+//   else writes on the stream: inline senders and `send_slot` see `partial` and leave their
+//   request due (flagged), the seal refuses to send. Dropping the stream (`drop_stream`: the
+//   connection given up or over, the device killed) drops the partial request with it:
+//   unclaimed, it is not sent (due again on the next connection) and its bio goes back;
+// - a socket error: as `write_request`'s (the stream is dropped, the receiver drains).
+//
+// The rules this keeps: a request is claimed in the table (its reply can be matched, a
+// reconnection re-sends or seals it by the rules below) before any byte of it is written;
+// a request's bytes are contiguous on the wire (one writer at a time, and a half-written
+// one is finished before any other); no submitter waits for the server (the only waits on
+// the socket are the sender thread's, as before). What it does not keep is a global order
+// between requests submitted concurrently: one handed to the sender can be overtaken by a
+// later inline one. NBD orders nothing between requests in flight (a server may run them in
+// any order), and a flush covers only writes completed before it is sent (`Durability`),
+// so nothing depends on it. With `send=thread` (or TLS) every first send is the sender's.
 //
 // # Completion: exactly once
 //
@@ -119,7 +148,8 @@ use crate::transmission::Request;
 //   connection up: TCP keepalive, see `connect::keepalive`).
 //
 // Lock order: the writer lock before the table lock; `sock` and `fatal` are leaves. No
-// `end_io` runs under any of them.
+// `end_io` runs under any of them (a bio coming back from `Writer::partial` is put back
+// after the writer lock is dropped).
 
 /// How a request ended, once known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -463,6 +493,24 @@ pub(super) struct Writer {
     pub(super) epoch: u64,
     pub(super) mode: TransmissionMode,
     pub(super) header: [u8; 32],
+    /// A request an inline send wrote only in part (see "Sending inline"): nothing else is
+    /// written on the stream until the sender thread finishes it.
+    pub(super) partial: Option<Partial>,
+}
+
+/// A request written in part by an inline send; its header is still in `Writer::header`.
+pub(super) struct Partial {
+    pub(super) slot: usize,
+    /// The cookie and connection it was claimed with.
+    pub(super) cookie: u64,
+    pub(super) epoch: u64,
+    /// The header's length, and the bytes of header and payload written so far.
+    pub(super) header_len: usize,
+    pub(super) written: usize,
+    /// A write's bio, away with the writer (its slot is not freed meanwhile), and the
+    /// payload's length.
+    pub(super) bio: Option<Bio>,
+    pub(super) len: usize,
 }
 
 pub(super) struct Shared {
@@ -512,6 +560,12 @@ pub(super) struct Shared {
     pub(super) sock: Mutex<Option<Stream>>,
     /// Connections re-established. Relaxed: a statistic, read by nobody who acts on it.
     pub(super) reconnects: AtomicU64,
+    /// Whether submitters may send inline (`send=inline`, and not TLS).
+    pub(super) inline: bool,
+    /// Requests written whole by their submitter, and by the sender thread (an inline send's
+    /// rest included). Relaxed: statistics.
+    pub(super) sent_inline: AtomicU64,
+    pub(super) sent_by_thread: AtomicU64,
     /// Why the device is dead, when the export changed under it.
     pub(super) fatal: Mutex<Option<String>>,
     /// What a flush can vouch for (shared by the device's connections).
@@ -670,7 +724,10 @@ impl Shared {
             *self.fatal.lock() = Some(w);
         }
         self.shut_socket();
-        self.writer.lock().stream = None;
+        let back = self.drop_stream(&mut self.writer.lock());
+        if let Some((i, bio)) = back {
+            self.put_back(i, bio);
+        }
         {
             let mut t = self.table.lock();
             t.conn = Conn::Dead;
@@ -715,25 +772,182 @@ impl Shared {
         (epoch, s.request(i))
     }
 
-    /// Sends `req`, claimed for connection `epoch` ([`Shared::claim`]), with `payload` (a
-    /// write's), under the writer lock, if that connection is still the writer's: after a
-    /// reconnection the slot is due again and the sender sends it. `Ok(false)`: not sent. A
-    /// socket error shuts the socket down (the receiver handles the break) and is returned.
-    pub(super) fn send_claimed(
-        &self,
-        epoch: u64,
-        req: &Request,
-        payload: &[u8],
-    ) -> io::Result<bool> {
-        let mut w = self.writer.lock();
-        self.write_request(&mut w, epoch, req, payload)
+    /// Sends slot `i` from the submitting thread, if the send side is free at once (a
+    /// `try_lock`, never a wait) and nothing is half written: claims it and writes it with one
+    /// non-blocking `sendmsg` (`held`: a write's bio, whose buffer is the payload). `false`:
+    /// nothing of it was written, and it is still due for the sender thread (the caller flags
+    /// it). A request the socket took in part is the sender thread's to finish (`Partial`; a
+    /// write's bio goes with it, out of `held`), and counts as sent. See "Sending inline".
+    pub(super) fn try_send_inline(&self, i: usize, held: &mut Option<Bio>, len: usize) -> bool {
+        if !self.inline {
+            return false;
+        }
+        let Some(mut w) = self.writer.try_lock() else {
+            return false;
+        };
+        let Writer {
+            stream,
+            mode,
+            header,
+            epoch: current,
+            partial,
+        } = &mut *w;
+        let fd = match stream {
+            Some(s) if partial.is_none() && !matches!(s, Stream::Tls(_)) => s.as_raw_fd(),
+            _ => return false,
+        };
+        let (epoch, req) = {
+            let mut t = self.table.lock();
+            if !t.due(i) || t.epoch != *current {
+                return false;
+            }
+            self.claim(&mut t, i)
+        };
+        let Ok(n) = req.encode_into(*mode, header) else {
+            self.unclaim(epoch, req.cookie);
+            return false;
+        };
+        let payload = match (req.kind, held.as_ref().and_then(|b| b.buf.as_ref())) {
+            (Command::Write, Some(b)) => b.as_slice().get(..len).unwrap_or(&[]),
+            _ => &[],
+        };
+        let total = n + payload.len();
+        let r = crate::sys::sendmsg(
+            fd,
+            &[IoSlice::new(&header[..n]), IoSlice::new(payload)],
+            true,
+        );
+        match r {
+            Ok(k) if k == total => {
+                // Relaxed: see the field.
+                self.sent_inline.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Ok(0) => {
+                self.unclaim(epoch, req.cookie);
+                false
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.unclaim(epoch, req.cookie);
+                false
+            }
+            Ok(k) => {
+                let bio = if req.kind == Command::Write {
+                    held.take()
+                } else {
+                    None
+                };
+                *partial = Some(Partial {
+                    slot: i,
+                    cookie: req.cookie,
+                    epoch,
+                    header_len: n,
+                    written: k,
+                    bio,
+                    len,
+                });
+                self.table.lock().send_needed = true;
+                drop(w);
+                self.sender_wq.wake_one();
+                true
+            }
+            Err(e) => {
+                tracing::debug!(uri = %self.uri, "sending a request failed: {e}");
+                *stream = None;
+                self.unclaim(epoch, req.cookie);
+                // SeqCst: see the field.
+                self.send_failed.store(true, Ordering::SeqCst);
+                false
+            }
+        }
+    }
+
+    /// Flags slot `i` for the sender thread if it is due (a request no submitter sent).
+    pub(super) fn hand_off(&self, i: usize) {
+        let due = {
+            let mut t = self.table.lock();
+            let due = t.due(i);
+            t.send_needed |= due;
+            due
+        };
+        if due {
+            self.sender_wq.wake_one();
+        }
+    }
+
+    /// The sender thread finishes the request an inline send wrote in part, if any (a
+    /// blocking write, as `write_request`'s). Returns a write's bio to put back into its slot
+    /// once the writer lock is dropped.
+    pub(super) fn finish_partial(&self, w: &mut Writer) -> (io::Result<()>, Option<(usize, Bio)>) {
+        let Some(p) = w.partial.take() else {
+            return (Ok(()), None);
+        };
+        let back = p.bio.as_ref().map(|_| p.slot);
+        let Writer {
+            stream,
+            header,
+            epoch: current,
+            ..
+        } = w;
+        let r = match stream.as_mut().filter(|_| *current == p.epoch) {
+            None => {
+                self.unclaim(p.epoch, p.cookie);
+                Ok(())
+            }
+            Some(s) => {
+                let payload = p
+                    .bio
+                    .as_ref()
+                    .and_then(|b| b.buf.as_ref())
+                    .and_then(|b| b.as_slice().get(..p.len))
+                    .unwrap_or(&[]);
+                let h = &header[p.written.min(p.header_len)..p.header_len];
+                let d = payload
+                    .get(p.written.saturating_sub(p.header_len)..)
+                    .unwrap_or(&[]);
+                let give_up = || {
+                    self.is_closing()
+                        || matches!(
+                            self.table.lock().conn,
+                            Conn::Dead | Conn::Down { expired: true, .. }
+                        )
+                };
+                match write_all2(s, h, d, give_up) {
+                    Ok(()) => {
+                        // Relaxed: see the field.
+                        self.sent_by_thread.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        *stream = None;
+                        self.unclaim(p.epoch, p.cookie);
+                        // SeqCst: see the field.
+                        self.send_failed.store(true, Ordering::SeqCst);
+                        Err(e)
+                    }
+                }
+            }
+        };
+        (r, back.zip(p.bio))
+    }
+
+    /// Drops the writer's stream (the connection is given up or over), and a request written
+    /// in part on it, which is then not sent (due again on the next connection). Returns a
+    /// write's bio to put back once the writer lock is dropped.
+    pub(super) fn drop_stream(&self, w: &mut Writer) -> Option<(usize, Bio)> {
+        w.stream = None;
+        let p = w.partial.take()?;
+        self.unclaim(p.epoch, p.cookie);
+        Some(p.slot).zip(p.bio)
     }
 
     /// Sends slot `i` if it is due (the sender's path): claimed under the table lock while
     /// the writer lock is held, so the connection cannot change in between.
     pub(super) fn send_slot(&self, i: usize, payload: &[u8]) -> io::Result<bool> {
         let mut w = self.writer.lock();
-        if w.stream.is_none() {
+        // A request half written by a submitter goes first: the sender finishes it at the
+        // start of its next pass (the submitter flagged it).
+        if w.stream.is_none() || w.partial.is_some() {
             return Ok(false);
         }
         let claimed = {
@@ -741,7 +955,14 @@ impl Shared {
             t.due(i).then(|| self.claim(&mut t, i))
         };
         match claimed {
-            Some((epoch, req)) => self.write_request(&mut w, epoch, &req, payload),
+            Some((epoch, req)) => {
+                let r = self.write_request(&mut w, epoch, &req, payload);
+                if matches!(r, Ok(true)) {
+                    // Relaxed: see the field.
+                    self.sent_by_thread.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            }
             None => Ok(false),
         }
     }
@@ -765,6 +986,7 @@ impl Shared {
             mode,
             header,
             epoch: current,
+            ..
         } = w;
         let Some(stream) = current_stream.as_mut().filter(|_| *current == epoch) else {
             self.unclaim(epoch, req.cookie);

@@ -354,6 +354,15 @@ impl Peer {
         }
     }
 
+    /// Reads nothing more, ever: the client's sends fill the socket. Returns once the server
+    /// is dropped.
+    pub fn swallow_never(&mut self) -> io::Result<()> {
+        while !self.stop.load(Ordering::SeqCst) {
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
     /// Reads and drops everything until the client closes (a server that answers nothing).
     pub fn swallow(&mut self) -> io::Result<()> {
         let mut b = [0u8; 4096];
