@@ -34,10 +34,10 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
 use crate::raid::report::ArrayReport;
+use crate::serve::devices::Devices;
 
 /// Longest request accepted (request line and headers), bytes.
 pub const MAX_REQUEST: usize = 8 << 10;

@@ -20,72 +20,13 @@ use std::fmt;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use blkq_sync::{Arc, Mutex};
-use cbt::Tracked;
-use nbd::remote::RemoteDevice;
+use blkq_sync::Arc;
 use serde_json::json;
 
 use crate::serve::config::{ExportDecl, Source};
-use crate::serve::plan::{open_export, OpenedExport};
+use crate::serve::devices::Devices;
+use crate::serve::plan::open_export;
 use crate::serve::settings::{check_export, Backing, ExportSettings, Settings};
-
-/// What the server knows of one export beside the NBD server's table.
-struct Entry {
-    name: String,
-    /// The full description (spec and what was opened), never sent to clients.
-    device: String,
-    /// Its dirty bitmaps (all but `bitmaps=off`).
-    tracked: Option<Arc<Tracked>>,
-    /// Its remote device (`nbd://...`), for the metrics.
-    remote: Option<Arc<RemoteDevice>>,
-    /// A mirror: not removed while serving.
-    mirror: bool,
-    /// The device served (held here until the export is removed: at shutdown, `blkq serve`
-    /// drops the last reference, or keeps it when the device is stuck).
-    _device: blkq_sync::DynArc<dyn blk::Device>,
-}
-
-/// The exports' devices as the control socket and the metrics see them: kept in step with
-/// the NBD server's table by [`Served`] (an export removed is dropped here too, so nothing
-/// keeps its device open).
-#[derive(Default)]
-pub struct Devices(Mutex<Vec<Entry>>);
-
-impl Devices {
-    /// Every export with dirty bitmaps, by name.
-    pub fn tracked(&self) -> Vec<(String, Arc<Tracked>)> {
-        self.0
-            .lock()
-            .iter()
-            .filter_map(|e| Some((e.name.clone(), e.tracked.clone()?)))
-            .collect()
-    }
-
-    /// Every remote export, by name.
-    pub fn remotes(&self) -> Vec<(String, Arc<RemoteDevice>)> {
-        self.0
-            .lock()
-            .iter()
-            .filter_map(|e| Some((e.name.clone(), e.remote.clone()?)))
-            .collect()
-    }
-
-    /// Records an export opened by [`open_export`] under `name`.
-    pub fn insert(&self, name: &str, o: &OpenedExport) {
-        self.0.lock().push(Entry {
-            name: name.to_string(),
-            device: o.description.clone(),
-            tracked: o.tracked.clone(),
-            remote: o.remote.clone(),
-            mirror: o.mirror.is_some(),
-            _device: o.export.device.clone(),
-        });
-    }
-
-    fn remove(&self, name: &str) {
-        self.0.lock().retain(|e| e.name != name);
-    }
-}
 
 /// An `export ...` command.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -293,7 +234,7 @@ impl Served {
         self.server.add(export)?;
         // Clients read its bitmaps from the device itself; the bitmap commands and the
         // metrics find them here from now on.
-        self.devices.insert(&name, &opened);
+        self.devices.insert(opened.entry());
         if let Some(addr) = self.settings.tcp {
             let tls = self.settings.tls.tls;
             let this = [(name.as_str(), &settings.access)];
@@ -318,13 +259,7 @@ impl Served {
         name: &str,
         timeout: Duration,
     ) -> Result<nbd::server::RemoveReport> {
-        let mirror = self
-            .devices
-            .0
-            .lock()
-            .iter()
-            .any(|e| e.name == name && e.mirror);
-        if mirror {
+        if self.devices.is_mirror(name) {
             bail!(
                 "export {name:?} is a mirror: it is not removed while serving (its control \
                  socket and superblocks need a clean stop): stop the server instead"
@@ -343,22 +278,21 @@ impl Served {
     }
 
     fn list(&self) -> Result<serde_json::Value> {
-        let devices = self.devices.0.lock();
         let v: Vec<serde_json::Value> = self
             .server
             .list()?
             .into_iter()
             .map(|e| {
-                let d = devices.iter().find(|d| d.name == e.name);
+                let d = self.devices.view(&e.name);
                 json!({
                     "name": e.name,
                     "size": e.size,
                     "read_only": e.read_only,
                     "description": e.description,
-                    "device": d.map(|d| d.device.clone()),
+                    "device": d.as_ref().map(|d| d.device.clone()),
                     "connections": e.connections,
                     "failed": e.failed,
-                    "bitmaps": d.and_then(|d| d.tracked.as_ref()).map(|t| t.bitmaps().list().len()),
+                    "bitmaps": d.as_ref().and_then(|d| d.bitmaps),
                     "mirror": d.is_some_and(|d| d.mirror),
                 })
             })

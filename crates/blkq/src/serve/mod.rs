@@ -6,6 +6,7 @@
 pub mod args;
 pub mod bitmaps;
 pub mod config;
+pub mod devices;
 pub mod notify;
 pub mod plan;
 pub mod reload;

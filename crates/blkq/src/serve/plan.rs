@@ -16,8 +16,8 @@ use nbd::tls::TlsMode;
 use raid1::Raid1;
 
 use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt};
+use super::devices::{Devices, Entry};
 use super::settings::{Backing, ExportSettings, Settings};
-use crate::control::exports::Devices;
 use crate::control::server::Control;
 use crate::raid::away::{Away, OnBack};
 use crate::raid::create::{self, CreateRules};
@@ -55,6 +55,20 @@ pub struct OpenedExport {
     pub remote: Option<Arc<RemoteDevice>>,
 }
 
+impl OpenedExport {
+    /// What [`Devices`] keeps of it.
+    pub fn entry(&self) -> Entry {
+        Entry {
+            name: self.export.name.clone(),
+            device: self.description.clone(),
+            tracked: self.tracked.clone(),
+            remote: self.remote.clone(),
+            mirror: self.mirror.is_some(),
+            _device: self.export.device.clone(),
+        }
+    }
+}
+
 /// Opens the devices and assembles the mirrors: the server's configuration. `from_file`:
 /// the settings came from a `--config` file, so errors name its keys, not the flags it
 /// forbids.
@@ -75,7 +89,7 @@ pub fn open(settings: &Settings, from_file: bool) -> Result<Opened> {
         if let Some(ctl) = &o.mirror {
             mirrors.push((e.name.clone(), ctl.clone()));
         }
-        devices.insert(&e.name, &o);
+        devices.insert(o.entry());
         exports.push(o.export);
         descriptions.push(o.description);
     }
