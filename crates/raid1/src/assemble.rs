@@ -269,17 +269,7 @@ impl Raid1 {
             Some(n) => n,
             None => smallest,
         };
-        let lbs = lims
-            .iter()
-            .map(|l| l.logical_block_size)
-            .max()
-            .unwrap_or(512);
-        let max_io = lims
-            .iter()
-            .map(|l| l.max_io_bytes)
-            .chain([cfg.max_io_bytes])
-            .min()
-            .unwrap_or(cfg.max_io_bytes);
+        let (lbs, max_io) = common_limits(&lims, &cfg);
         let chunk = if cfg.bitmap_chunk == 0 {
             DEFAULT_CHUNK_SIZE
         } else {
@@ -366,7 +356,8 @@ impl Raid1 {
             .find(|(i, _, _)| *i == assembly.newest)
             .map(|(_, _, sb)| sb.clone())
             .expect("the newest superblock is one of those read");
-        let (lbs, max_io) = common_limits(&found, &cfg);
+        let lims: Vec<Limits> = found.iter().map(|(_, d, _)| d.limits()).collect();
+        let (lbs, max_io) = common_limits(&lims, &cfg);
         let Placement {
             mut placed,
             left_out,
@@ -607,11 +598,7 @@ fn read_superblocks(
 
 /// The array's logical block size (the largest of its legs') and largest I/O (the smallest
 /// of its legs' and the configured one).
-fn common_limits(
-    found: &[(usize, StdArc<dyn Device>, Superblock)],
-    cfg: &Raid1Config,
-) -> (u32, u32) {
-    let lims: Vec<Limits> = found.iter().map(|(_, d, _)| d.limits()).collect();
+fn common_limits(lims: &[Limits], cfg: &Raid1Config) -> (u32, u32) {
     let lbs = lims
         .iter()
         .map(|l| l.logical_block_size)
