@@ -275,8 +275,14 @@ impl Raid1 {
         } else {
             cfg.bitmap_chunk
         };
-        let sbs = Superblock::new_array(nr_slots, leg_size, chunk)?;
+        let sbs = Superblock::new_array_with(nr_slots, leg_size, chunk, cfg.integrity)?;
         let sb0 = &sbs[0];
+        // Sums are per 4 KiB block: the array's block is at least that.
+        let lbs = if sb0.integrity.is_some() {
+            lbs.max(crate::integrity::BLOCK as u32)
+        } else {
+            lbs
+        };
         let data_offset = sb0.data_offset;
         let capacity = sb0.data_size / u64::from(lbs) * u64::from(lbs);
         let bitmap = if cfg.bitmap_chunk == 0 {
@@ -294,6 +300,15 @@ impl Raid1 {
             }
             Some(bm)
         };
+        let sums = sb0
+            .integrity
+            .map(|area| crate::integrity::Checksums::new(area, capacity));
+        if let Some(t) = &sums {
+            for (i, dev) in legs.iter().enumerate() {
+                crate::integrity::zero_area(dev.as_ref(), t)
+                    .map_err(|source| Raid1Error::Leg { leg: i, source })?;
+            }
+        }
         let placed = legs
             .into_iter()
             .enumerate()
@@ -322,6 +337,7 @@ impl Raid1 {
             lbs,
             max_io,
             bitmap,
+            sums,
             cfg,
             resync: how.resync,
         })
@@ -364,6 +380,12 @@ impl Raid1 {
         } = place_legs(found, &assembly.slots, &newest)?;
         check_enough_in_sync(&newest, &placed, nr_given, &cfg)?;
         let bitmap = load_bitmap(&newest, &mut placed, &cfg)?;
+        let sums = load_sums(&newest, &placed, &mut warnings);
+        let lbs = if sums.is_some() {
+            lbs.max(crate::integrity::BLOCK as u32)
+        } else {
+            lbs
+        };
         let mut r = Self::launch(Launch {
             nr_slots: newest.legs.len(),
             placed,
@@ -382,6 +404,7 @@ impl Raid1 {
             lbs,
             max_io,
             bitmap,
+            sums,
             cfg,
             resync: newest.array_state != ArrayState::Clean,
         })?;
@@ -467,6 +490,7 @@ impl Raid1 {
             max_io: a.max_io,
             barriers: Barriers::new(cfg.barrier),
             bitmap: a.bitmap,
+            sums: a.sums,
             persist: Mutex::new(()),
             ios: (0..cfg.depth)
                 .map(|_| CachePadded(Mutex::new(Io::default())))
@@ -769,6 +793,28 @@ fn load_bitmap(
         p.readd = loaded && p.state & (IN_SYNC | FAULTY) == 0 && p.recovery_offset == 0 && covered;
     }
     Ok(Some(bm))
+}
+
+/// The array's per-block checksums, if it keeps them, loaded from its in-sync legs (those not
+/// write-mostly first); a page no leg holds whole is named in `warnings`.
+fn load_sums(
+    newest: &Superblock,
+    placed: &[Placed],
+    warnings: &mut Vec<String>,
+) -> Option<crate::integrity::Checksums> {
+    let area = newest.integrity?;
+    let t = crate::integrity::Checksums::new(area, newest.data_size);
+    let mut legs: Vec<&Placed> = placed
+        .iter()
+        .filter(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
+        .collect();
+    legs.sort_by_key(|p| p.state & WRITE_MOSTLY != 0);
+    let devs: Vec<&dyn Device> = legs.iter().map(|p| p.dev.as_ref()).collect();
+    for w in crate::integrity::load(&t, &devs) {
+        tracing::warn!("raid1: {w}");
+        warnings.push(w);
+    }
+    Some(t)
 }
 
 /// The generation of the newest history among `found` (one array's legs): the one no other

@@ -46,6 +46,9 @@ pub struct Raid1Config {
     /// copy (the simple version, to compare against). Writes behind copy for their
     /// write-behind legs either way. See `lend`.
     pub share_writes: bool,
+    /// Per-block checksums for a new array (`integrity=crc32c|none`; see `integrity`). Read
+    /// by [`crate::Raid1::create`] only: an assembled array keeps what its superblock says.
+    pub integrity: Option<crate::superblock::Algorithm>,
 }
 
 impl Default for Raid1Config {
@@ -64,6 +67,7 @@ impl Default for Raid1Config {
             readd_interval: None,
             write_behind: 0,
             share_writes: true,
+            integrity: None,
         }
     }
 }
@@ -83,7 +87,8 @@ impl Raid1Config {
     /// Applies one `key=value` spec option: `barrier=locked|lockless`, `bitmap_chunk=SIZE`
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `bitmap_counts=sharded|locked`, `depth=N`, `max_io=SIZE`,
     /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
-    /// `readd_interval_ms=N` (also turns it on), `write_behind=N`, `share_writes=0|1`.
+    /// `readd_interval_ms=N` (also turns it on), `write_behind=N`, `share_writes=0|1`,
+    /// `integrity=crc32c|none` (at creation).
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -131,6 +136,12 @@ impl Raid1Config {
                     "1" | "true" => true,
                     "0" | "false" => false,
                     _ => return Err(bad()),
+                }
+            }
+            "integrity" => {
+                self.integrity = match value {
+                    "none" | "off" => None,
+                    v => Some(v.parse().map_err(Raid1Error::Config)?),
                 }
             }
             "readd_interval_ms" => {

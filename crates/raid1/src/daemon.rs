@@ -29,6 +29,9 @@ impl Inner {
         };
         self.put_slot(id);
         let Some(mut o) = orig.take() else { return };
+        if let Some(t) = &self.sums {
+            return self.heal_read(t, o, end, id);
+        }
         let sector = o.sector;
         let _ = self.barriers.unqueue_io(sector);
         self.barriers.freeze_array(1);
@@ -137,6 +140,7 @@ impl Inner {
             bitmap,
             legs,
             lineage: meta.lineage.clone(),
+            integrity: self.sums.as_ref().map(|t| t.area),
         }
     }
 
@@ -302,6 +306,8 @@ impl Inner {
     /// as a failed client FLUSH fails it: the kernel reports a write-back error once, so it is
     /// never dropped (on the last in-sync leg the array fails, and every later flush with it).
     pub(crate) fn flush_legs(&self) -> bool {
+        // The checksums of the writes this epoch covers go with them (see `integrity`).
+        self.persist_sums();
         let mut all = true;
         for (i, l) in self.legs.iter().enumerate() {
             if !Self::writable(l.state.load(Ordering::Acquire)) {

@@ -149,6 +149,8 @@ pub struct LegStatus {
     /// Writes acknowledged and still in flight to this leg (`write_behind=N`: a write-mostly
     /// leg; 0 for the others).
     pub write_behind: u32,
+    /// Blocks read from this leg that did not match their checksums (integrity on).
+    pub checksum_errors: u64,
 }
 
 pub(crate) struct Leg {
@@ -167,6 +169,8 @@ pub(crate) struct Leg {
     /// End sector of the last read sent here (sequential-stream detection).
     pub(crate) head: AtomicU64,
     pub(crate) read_errors: AtomicU32,
+    /// `LegStatus::checksum_errors` (a statistic: relaxed).
+    pub(crate) checksum_errors: AtomicU64,
     /// `LegStatus::rtt_ns`. Relaxed load and store by the completions: a statistic, two
     /// completions at once may lose one sample, and it publishes nothing else.
     /// Sampled (see [`Leg::note_rtt`]) and on its own line, away from `state`, which every
@@ -190,6 +194,7 @@ impl Leg {
             pending: ShardedCounters::new(),
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
+            checksum_errors: AtomicU64::new(0),
             rtt_ns: CachePadded(AtomicU64::new(0)),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
@@ -363,6 +368,8 @@ pub(crate) struct Launch {
     pub(crate) lbs: u32,
     pub(crate) max_io: u32,
     pub(crate) bitmap: Option<WriteIntentBitmap>,
+    /// Per-block checksums, loaded (see `integrity`).
+    pub(crate) sums: Option<crate::integrity::Checksums>,
     pub(crate) cfg: Raid1Config,
     /// The array was not stopped cleanly: resync.
     pub(crate) resync: bool,
@@ -392,6 +399,8 @@ pub(crate) struct Inner {
     pub(crate) max_io: u32,
     pub(crate) barriers: Barriers,
     pub(crate) bitmap: Option<WriteIntentBitmap>,
+    /// Per-block checksums (see `integrity`).
+    pub(crate) sums: Option<crate::integrity::Checksums>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
     pub(crate) persist: Mutex<()>,
     /// One line pair each: neighbouring slots are used by different submitters at once.
@@ -482,6 +491,17 @@ impl Raid1 {
         self.inner.legs.len()
     }
 
+    /// The per-block checksums' algorithm and what they found, if the array keeps them.
+    pub fn integrity(
+        &self,
+    ) -> Option<(
+        crate::superblock::Algorithm,
+        crate::integrity::IntegrityCounts,
+    )> {
+        let t = self.inner.sums.as_ref()?;
+        Some((t.area.algorithm, t.counts()))
+    }
+
     /// The state of slot `i`.
     pub fn leg_status(&self, i: usize) -> Option<LegStatus> {
         let l = self.inner.legs.get(i)?;
@@ -493,6 +513,7 @@ impl Raid1 {
             write_mostly: st & WRITE_MOSTLY != 0,
             recovery_offset: l.recovery_offset.load(Ordering::Acquire),
             read_errors: l.read_errors.load(Ordering::Relaxed),
+            checksum_errors: l.checksum_errors.load(Ordering::Relaxed),
             rtt_ns: l.rtt_ns.load(Ordering::Relaxed),
             write_behind: if self.inner.wb.limit > 0 && st & WRITE_MOSTLY != 0 {
                 self.inner.wb.outstanding()
@@ -683,6 +704,11 @@ impl Drop for Raid1 {
         }
         let _ = self.inner.barriers.unfreeze_array();
         if !self.crashed {
+            // The checksums' dirty pages reach the legs (and are flushed) before the
+            // superblocks say clean (see `integrity`).
+            if self.inner.sums.is_some() {
+                self.inner.flush_legs();
+            }
             // md marks the array clean only when no resync is left to do.
             let resync_left = self.inner.sync.ctl.lock().resync_needed;
             let state = if resync_left {

@@ -90,6 +90,17 @@ pub enum Event {
         /// The slots in sync now (a bit each).
         in_sync: u64,
     },
+    /// Blocks read from a leg did not match their checksums (see `integrity`).
+    Corrupt {
+        /// The leg.
+        slot: usize,
+        /// Array byte offset of the first bad block.
+        offset: u64,
+        /// Bad blocks found in this read or pass window.
+        blocks: u64,
+        /// Rewritten from a leg that matched (false: no leg did; the read failed).
+        healed: bool,
+    },
     /// The array failed: every write and flush fails until it is stopped.
     ArrayFailed {
         /// Why.
@@ -134,6 +145,7 @@ impl Event {
                 "check_finished",
             ),
             Event::GenerationChanged { .. } => "generation_changed",
+            Event::Corrupt { .. } => "corrupt_block",
             Event::ArrayFailed { .. } => "array_failed",
             Event::Dropped { .. } => "dropped",
         }
@@ -145,7 +157,8 @@ impl Event {
             Event::LegFailed { slot, .. }
             | Event::LegRemoved { slot }
             | Event::LegAdded { slot, .. }
-            | Event::ReaddRefused { slot, .. } => Some(*slot),
+            | Event::ReaddRefused { slot, .. }
+            | Event::Corrupt { slot, .. } => Some(*slot),
             Event::SyncStarted { slot, .. }
             | Event::SyncProgress { slot, .. }
             | Event::SyncFinished { slot, .. } => *slot,
@@ -161,6 +174,7 @@ impl Event {
                 | Event::ReaddRefused { .. }
                 | Event::ArrayFailed { .. }
                 | Event::Dropped { .. }
+                | Event::Corrupt { .. }
         ) || matches!(self, Event::SyncFinished { end: "failed", .. })
             || matches!(self, Event::SyncFinished { mismatches: Some(n), .. } if *n > 0)
     }
@@ -217,6 +231,21 @@ impl fmt::Display for Event {
             } => write!(
                 f,
                 "new generation {generation:016x} after {previous:016x}: slots {in_sync:#b} in sync"
+            ),
+            Event::Corrupt {
+                slot,
+                offset,
+                blocks,
+                healed,
+            } => write!(
+                f,
+                "leg in slot {slot}: {blocks} block(s) from array offset {offset} did not match \
+                 their checksums; {}",
+                if *healed {
+                    "rewritten from a leg that matched"
+                } else {
+                    "no leg matched: the read failed with EIO"
+                }
             ),
             Event::ArrayFailed { why } => {
                 write!(f, "array failed: {why}; writes and flushes now fail")

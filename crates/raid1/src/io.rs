@@ -257,6 +257,15 @@ impl Inner {
             end.end_io(bio, Err(e));
             return;
         }
+        // The new sums before any leg has the data (see `integrity`).
+        if let Some(t) = &self.sums {
+            match (bio.op, bio.buf.as_ref()) {
+                (Op::Write, Some(b)) => t.record(off, &b.as_slice()[..len as usize]),
+                (Op::WriteZeroes, _) => t.record_fill(off, len, false),
+                (Op::Discard, _) => t.record_fill(off, len, true),
+                _ => {}
+            }
+        }
         let WriteLegs {
             mask,
             counted,
@@ -647,6 +656,19 @@ impl Inner {
         if let Some(o) = io.orig.as_mut() {
             o.buf = bio.buf.take();
         }
+        // With integrity, data that does not match its sums is handled as a failed read.
+        let res = res.and_then(|()| match (&self.sums, io.orig.as_ref()) {
+            (Some(t), Some(o)) => match o.buf.as_ref() {
+                Some(b)
+                    if t.first_bad(o.offset(), &b.as_slice()[..o.len as usize])
+                        .is_some() =>
+                {
+                    Err(eio("raid1: data does not match its checksum"))
+                }
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        });
         match res {
             Ok(()) => {
                 let orig = io.orig.take();

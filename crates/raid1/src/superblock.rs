@@ -3,8 +3,8 @@
 //! Leg layout:
 //!
 //! ```text
-//! 0        4 KiB       8 KiB                          data_offset (1 MiB aligned)
-//! | unused | superblock | write-intent bitmap (header+bits) ... | data ... |
+//! 0        4 KiB       8 KiB                                                  data_offset (1 MiB aligned)
+//! | unused | superblock | write-intent bitmap (header+bits) | checksums, if any | data ... |
 //! ```
 //!
 //! The superblock is one 4 KiB block of explicit little-endian fields, checksummed with
@@ -32,6 +32,10 @@
 //! | 120    | 4    | number of earlier generations, <= [`HISTORY`]           |
 //! | 128    | 32*n | per slot: leg UUID (16), state bits (4), 0 (4), recovery offset (8) |
 //! | 1152   | 16*h | earlier generations, newest first: id (8), events at which it began (8) |
+//! | 2048   | 4    | per-block checksums: 0 none, 1 crc32c (see [`crate::integrity`]) |
+//! | 2052   | 4    | 0                                                        |
+//! | 2056   | 8    | checksum area offset, bytes from the start of the leg (0: none) |
+//! | 2064   | 8    | checksum area length, bytes                              |
 //! | 4092   | 4    | crc32c of bytes 0..4092                                  |
 
 use uuid::Uuid;
@@ -58,6 +62,7 @@ const LEG_ENTRY: usize = 32;
 const CRC_AT: usize = SB_SIZE - 4;
 const HISTORY_AT: usize = LEGS_AT + MAX_LEGS * LEG_ENTRY;
 const GENERATION: usize = 16;
+const INTEGRITY_AT: usize = 2048;
 
 const ST_IN_SYNC: u32 = 1;
 const ST_FAULTY: u32 = 2;
@@ -138,6 +143,50 @@ pub struct BitmapLocation {
     pub chunk_size: u64,
 }
 
+/// The per-block checksums' algorithm (chosen at creation; see [`crate::integrity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// crc32c of each 4 KiB block (hardware-assisted on x86-64 and aarch64).
+    Crc32c,
+}
+
+impl Algorithm {
+    fn code(self) -> u32 {
+        match self {
+            Algorithm::Crc32c => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Algorithm::Crc32c => "crc32c",
+        })
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "crc32c" => Ok(Algorithm::Crc32c),
+            _ => Err(format!("unknown integrity algorithm {s:?} (crc32c)")),
+        }
+    }
+}
+
+/// Where a leg keeps the array's per-block checksums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChecksumArea {
+    /// How each block is summed.
+    pub algorithm: Algorithm,
+    /// Byte offset from the start of the leg (4 KiB aligned).
+    pub offset: u64,
+    /// Length in bytes (whole 4 KiB pages).
+    pub len: u64,
+}
+
 /// One leg's superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -161,6 +210,8 @@ pub struct Superblock {
     pub legs: Vec<LegInfo>,
     /// The array's history as this leg last knew it (see [`crate::generation`]).
     pub lineage: Lineage,
+    /// Per-block checksums, if the array keeps them.
+    pub integrity: Option<ChecksumArea>,
 }
 
 impl std::fmt::Display for Superblock {
@@ -180,6 +231,16 @@ pub fn layout(
     leg_size: u64,
     chunk_size: u64,
 ) -> Result<(BitmapLocation, u64, u64), SuperblockError> {
+    layout_with(leg_size, chunk_size, None).map(|(bm, _, off, size)| (bm, off, size))
+}
+
+/// [`layout`] with room for per-block checksums after the bitmap when `integrity` is
+/// given: (bitmap, checksum area, data offset, data size).
+pub fn layout_with(
+    leg_size: u64,
+    chunk_size: u64,
+    integrity: Option<Algorithm>,
+) -> Result<(BitmapLocation, Option<ChecksumArea>, u64, u64), SuperblockError> {
     if chunk_size == 0 || !chunk_size.is_power_of_two() || chunk_size < 4096 {
         return Err(SuperblockError::Invalid("bitmap chunk size"));
     }
@@ -187,7 +248,14 @@ pub fn layout(
     // 4 KiB header.
     let chunks = leg_size.div_ceil(chunk_size);
     let len = 4096 + chunks.div_ceil(8).next_multiple_of(4096);
-    let data_offset = (BITMAP_OFFSET + len).next_multiple_of(DATA_ALIGN);
+    // Sums for every block of the whole leg (again an upper bound).
+    let sums = integrity.map(|algorithm| ChecksumArea {
+        algorithm,
+        offset: BITMAP_OFFSET + len,
+        len: crate::integrity::area_len(leg_size),
+    });
+    let meta_end = sums.map_or(BITMAP_OFFSET + len, |a| a.offset + a.len);
+    let data_offset = meta_end.next_multiple_of(DATA_ALIGN);
     if leg_size <= data_offset {
         return Err(SuperblockError::Invalid("leg too small"));
     }
@@ -196,7 +264,7 @@ pub fn layout(
         len,
         chunk_size,
     };
-    Ok((bm, data_offset, leg_size - data_offset))
+    Ok((bm, sums, data_offset, leg_size - data_offset))
 }
 
 fn put_u32(b: &mut [u8], at: usize, v: u32) {
@@ -229,10 +297,21 @@ impl Superblock {
         leg_size: u64,
         chunk_size: u64,
     ) -> Result<Vec<Superblock>, SuperblockError> {
+        Self::new_array_with(nr_legs, leg_size, chunk_size, None)
+    }
+
+    /// [`Superblock::new_array`] keeping per-block checksums when `integrity` is given.
+    pub fn new_array_with(
+        nr_legs: usize,
+        leg_size: u64,
+        chunk_size: u64,
+        integrity: Option<Algorithm>,
+    ) -> Result<Vec<Superblock>, SuperblockError> {
         if nr_legs == 0 || nr_legs > MAX_LEGS {
             return Err(SuperblockError::Invalid("number of legs"));
         }
-        let (bitmap, data_offset, data_size) = layout(leg_size, chunk_size)?;
+        let (bitmap, integrity, data_offset, data_size) =
+            layout_with(leg_size, chunk_size, integrity)?;
         let array_uuid = Uuid::new_v4();
         let lineage = Lineage::new_at(1);
         let legs: Vec<LegInfo> = (0..nr_legs)
@@ -254,6 +333,7 @@ impl Superblock {
                 bitmap,
                 legs: legs.clone(),
                 lineage: lineage.clone(),
+                integrity,
             })
             .collect())
     }
@@ -318,6 +398,11 @@ impl Superblock {
             let at = HISTORY_AT + i * GENERATION;
             put_u64(b, at, g.id);
             put_u64(b, at + 8, g.since);
+        }
+        if let Some(a) = self.integrity {
+            put_u32(b, INTEGRITY_AT, a.algorithm.code());
+            put_u64(b, INTEGRITY_AT + 8, a.offset);
+            put_u64(b, INTEGRITY_AT + 16, a.len);
         }
         for (i, l) in self.legs.iter().enumerate() {
             let at = LEGS_AT + i * LEG_ENTRY;
@@ -413,7 +498,21 @@ impl Superblock {
                 .map(|i| generation(HISTORY_AT + i * GENERATION))
                 .collect(),
         };
+        let (offset, len) = (get_u64(b, INTEGRITY_AT + 8), get_u64(b, INTEGRITY_AT + 16));
+        let integrity = match get_u32(b, INTEGRITY_AT) {
+            _ if get_u32(b, INTEGRITY_AT + 4) != 0 => {
+                return Err(SuperblockError::Invalid("integrity fields"))
+            }
+            0 if offset == 0 && len == 0 => None,
+            1 if offset % 4096 == 0 && len % 4096 == 0 && offset > 0 => Some(ChecksumArea {
+                algorithm: Algorithm::Crc32c,
+                offset,
+                len,
+            }),
+            _ => return Err(SuperblockError::Invalid("integrity algorithm or area")),
+        };
         Ok(Superblock {
+            integrity,
             array_uuid: get_uuid(b, 16),
             leg_uuid: get_uuid(b, 32),
             role,
@@ -500,10 +599,16 @@ mod tests {
                 any::<(u64, u64)>(),
                 proptest::collection::vec(any::<(u64, u64)>(), 0..=HISTORY),
             ),
+            proptest::option::of((1u64..1 << 40, 0u64..1 << 30)),
         )
             .prop_map(
-                |(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc), (cur, hist))| {
+                |(legs, (a, l), (slot, spare, st), (d, s, e), (bo, bl, bc), (cur, hist), sums)| {
                     Superblock {
+                        integrity: sums.map(|(o, n)| ChecksumArea {
+                            algorithm: Algorithm::Crc32c,
+                            offset: o * 4096,
+                            len: n * 4096,
+                        }),
                         array_uuid: Uuid::from_u128(a),
                         leg_uuid: Uuid::from_u128(l),
                         role: if spare {

@@ -596,6 +596,27 @@ impl Inner {
             }
             self.note_read_error(i);
         };
+        // With integrity, the source's blocks are checked first: a bad one is taken from a
+        // leg that matches, and the source is rewritten with the rest (see `integrity`).
+        let mut src_fix = false;
+        if let (Some(t), Some(b)) = (&self.sums, src_buf.as_mut()) {
+            let c = self.check_source(
+                t,
+                src,
+                pos,
+                &mut b.as_mut_slice()[..len as usize],
+                job == Job::Resync,
+                job != Job::Check,
+            );
+            src_fix = c.replaced > 0 && job != Job::Check;
+            if matches!(job, Job::Check | Job::Repair) {
+                // The legs differ where the source was bad (md's count, in sectors).
+                self.sync.mismatch_cnt.fetch_add(
+                    (c.replaced + c.lost) * (crate::integrity::BLOCK >> SECTOR_SHIFT),
+                    Ordering::Relaxed,
+                );
+            }
+        }
         // The legs to write or compare (no allocation: one slot per leg).
         let mut others: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         match (job, target) {
@@ -610,7 +631,7 @@ impl Inner {
                         Job::Resync => Self::writable(st),
                         _ => is_in_sync(st),
                     };
-                    if i != src && target {
+                    if (i != src || src_fix) && target {
                         others[i] = l.dev();
                     }
                 }
@@ -623,10 +644,24 @@ impl Inner {
             && src_buf
                 .as_ref()
                 .is_some_and(|b| all_zero(&b.as_slice()[..len as usize]));
+        if let (Job::Recover(_), true, Some(d)) = (job, src_fix, self.legs[src].dev()) {
+            // The recovery's source had blocks it lacked: they go back to it too.
+            if self
+                .leg_write(d.as_ref(), zeros, pos, len, src_buf)
+                .is_err()
+            {
+                self.leg_write_failed(
+                    src,
+                    "a checksum repair's write failed",
+                    "the last in-sync leg failed a checksum repair",
+                );
+            }
+        }
         for (i, d) in others.iter().enumerate() {
             let Some(d) = d else { continue };
             let write = match job {
                 Job::Resync | Job::Recover(_) => true,
+                Job::Repair if i == src => true,
                 Job::Check | Job::Repair => {
                     if self
                         .leg_rw(d.as_ref(), Op::Read, pos, len, cmp_buf)
@@ -640,13 +675,16 @@ impl Inner {
                             continue;
                         };
                         let n = len as usize;
+                        let bad = self.sums.as_ref().map_or(0, |t| {
+                            self.count_bad_copy(t, i, pos, &b.as_slice()[..n], job == Job::Repair)
+                        });
                         let diff = a.as_slice()[..n]
                             .chunks(512)
                             .zip(b.as_slice()[..n].chunks(512))
                             .filter(|(x, y)| x != y)
                             .count() as u64;
                         self.sync.mismatch_cnt.fetch_add(diff, Ordering::Relaxed);
-                        diff > 0 && job == Job::Repair
+                        (diff > 0 || bad > 0) && job == Job::Repair
                     }
                 }
             };
@@ -661,6 +699,16 @@ impl Inner {
                     "a resync write failed",
                     "the last in-sync leg failed a resync write",
                 );
+            }
+            // A recovered leg's own sums are stale where its data was: they follow it.
+            if let (Job::Recover(_), true) = (job, write) {
+                if self.write_sums_to(d.as_ref(), pos, u64::from(len)).is_err() {
+                    self.leg_write_failed(
+                        i,
+                        "a checksum write failed",
+                        "the last in-sync leg failed a checksum write",
+                    );
+                }
             }
         }
         true

@@ -1,0 +1,202 @@
+//! Healing a read whose data did not match its checksums (or failed), in raid1d with the
+//! array frozen: every readable leg is read, each block is taken from a leg that matches its
+//! sum, the legs that did not are rewritten, and a block no leg holds fails the read.
+
+use blk::{submit_wait, Bio, BioFlags, Buffer, EndIo, Op};
+use blkq_sync::atomic::Ordering;
+use blkq_sync::DynArc as StdArc;
+
+use super::{Checksums, BLOCK};
+use crate::device::{eio, Inner};
+use crate::events::Event;
+use crate::superblock::MAX_LEGS;
+
+/// What the blocks of one read came to.
+struct Verdict {
+    /// Per leg read: its bad blocks (count) and the first one's array offset.
+    bad: [(u64, u64); MAX_LEGS],
+    /// Legs whose read failed or that hold a bad block: rewritten.
+    rewrite: u32,
+    /// Blocks no leg held (the read fails).
+    lost: u64,
+}
+
+impl Inner {
+    /// raid1d's handling of a read that failed its checksums or its I/O, with integrity on.
+    pub(crate) fn heal_read(
+        &self,
+        t: &Checksums,
+        mut o: Bio,
+        end: Option<StdArc<dyn EndIo>>,
+        id: u32,
+    ) {
+        let sector = o.sector;
+        let _ = self.barriers.unqueue_io(sector);
+        // Frozen: no write into the range is in flight, so the sums and the legs agree
+        // unless a leg is corrupt.
+        self.barriers.freeze_array(1);
+        let (off, len) = (o.offset(), o.len as usize);
+        let end_byte = off + len as u64;
+        // Every readable leg's copy, the first (best) leg first.
+        let mut copies: Vec<(usize, Buffer)> = Vec::new();
+        let mut failed = 0u32;
+        let mut tried = 0u32;
+        while let Some(leg) = self.choose_read_leg(sector, end_byte, tried) {
+            tried |= 1 << leg;
+            let Some(dev) = self.legs[leg].dev() else {
+                continue;
+            };
+            let lb = self.leg_bio(&o, Some(Buffer::new(len)), id);
+            let (back, r) = submit_wait(dev.as_ref(), lb);
+            match (r, back.buf) {
+                (Ok(()), Some(b)) => copies.push((leg, b)),
+                _ => {
+                    failed |= 1 << leg;
+                    self.note_read_error(leg);
+                }
+            }
+        }
+        let mut out = o.buf.take().unwrap_or_else(|| Buffer::new(len));
+        let v = self.choose_blocks(t, off, &copies, &mut out.as_mut_slice()[..len]);
+        let rewrite = v.rewrite | failed;
+        for (leg, &(n, first)) in v.bad.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            self.legs[leg]
+                .checksum_errors
+                .fetch_add(n, Ordering::Relaxed);
+            self.emit(Event::Corrupt {
+                slot: leg,
+                offset: first,
+                blocks: n,
+                healed: v.lost == 0,
+            });
+        }
+        if v.lost > 0 {
+            t.unrecoverable.fetch_add(v.lost, Ordering::Relaxed);
+        }
+        // The blocks that were good somewhere go back to the legs that lacked them (a block
+        // no leg holds is rewritten as read: no worse, and the read fails all the same).
+        for leg in 0..self.legs.len() {
+            if rewrite & (1 << leg) == 0 {
+                continue;
+            }
+            let st = self.legs[leg].state.load(Ordering::Acquire);
+            let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
+                continue;
+            };
+            let mut copy = Buffer::new(len);
+            copy.as_mut_slice().copy_from_slice(&out.as_slice()[..len]);
+            let mut wb = self.leg_bio(&o, Some(copy), id);
+            wb.op = Op::Write;
+            wb.flags = BioFlags::NONE;
+            if submit_wait(dev.as_ref(), wb).1.is_err() {
+                self.leg_write_failed(
+                    leg,
+                    "a checksum repair's write failed",
+                    "the last in-sync leg failed a checksum repair",
+                );
+            }
+        }
+        let _ = self.barriers.unfreeze_array();
+        let _ = self.barriers.allow_barrier(sector);
+        o.buf = Some(out);
+        let res = if copies.is_empty() {
+            Err(eio("raid1: no leg could read"))
+        } else if v.lost > 0 {
+            Err(eio("raid1: no leg holds data matching its checksum"))
+        } else {
+            Ok(())
+        };
+        if let Some(e) = end {
+            e.end_io(o, res);
+        }
+    }
+
+    /// Fills `out` block by block from the first copy that matches the block's sum; counts
+    /// the bad blocks of each copy. A block no copy matches is taken from the resync source
+    /// and summed when its chunk still waits for a resync (the crash rule), else it is lost.
+    fn choose_blocks(
+        &self,
+        t: &Checksums,
+        off: u64,
+        copies: &[(usize, Buffer)],
+        out: &mut [u8],
+    ) -> Verdict {
+        let mut v = Verdict {
+            bad: [(0, 0); MAX_LEGS],
+            rewrite: 0,
+            lost: 0,
+        };
+        let b = BLOCK as usize;
+        let source = self.source_slot(0);
+        for (j, dst) in out.chunks_exact_mut(b).enumerate() {
+            let at = off + (j * b) as u64;
+            let block = at / BLOCK;
+            fn block_of(c: &Buffer, j: usize, b: usize) -> &[u8] {
+                &c.as_slice()[j * b..(j + 1) * b]
+            }
+            let part = |c| block_of(c, j, b);
+            let good = copies.iter().find(|(_, c)| t.block_matches(block, part(c)));
+            let taken = match good {
+                Some((_, c)) => c,
+                None => {
+                    // The resync source's copy (or the first).
+                    let Some((_, c)) = copies
+                        .iter()
+                        .find(|(l, _)| Some(*l) == source)
+                        .or(copies.first())
+                    else {
+                        continue;
+                    };
+                    if self.unsettled(at) {
+                        // Torn by a crash, not corrupt: what the resync would take.
+                        t.record(at, part(c));
+                        t.resummed.fetch_add(1, Ordering::Relaxed);
+                        dst.copy_from_slice(part(c));
+                        continue;
+                    }
+                    v.lost += 1;
+                    c
+                }
+            };
+            dst.copy_from_slice(part(taken));
+            // In a chunk waiting for its resync a copy that differs was torn by a crash, not
+            // corrupted: it is settled (rewritten) without a count.
+            let torn = self.unsettled(at);
+            for (leg, c) in copies {
+                if t.block_matches(block, part(c)) {
+                    continue;
+                }
+                if good.is_some() {
+                    v.rewrite |= 1 << leg;
+                }
+                if torn {
+                    continue;
+                }
+                let e = &mut v.bad[*leg];
+                if e.0 == 0 {
+                    e.1 = at;
+                }
+                e.0 += 1;
+                if good.is_some() {
+                    t.healed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        v
+    }
+
+    /// Whether array byte `at` lies in a chunk still waiting for its resync after an unclean
+    /// stop (its data and sums may be out of step on every leg).
+    pub(crate) fn unsettled(&self, at: u64) -> bool {
+        let point = self.resync_point.load(Ordering::Acquire);
+        point != u64::MAX
+            && at >= point
+            && self
+                .bitmap
+                .as_ref()
+                .is_none_or(|bm| bm.is_dirty(at / bm.chunk_size()))
+    }
+}

@@ -1,0 +1,251 @@
+//! Per-block checksums (`integrity=crc32c`): a block corrupted on one leg is never returned
+//! and is healed from the other; on every leg the read fails; check names the bad leg and
+//! repair rewrites it from the good one; a crash leaves torn blocks settled, not reported.
+
+mod common;
+
+use std::time::Duration;
+
+use blk::Device;
+use blkq_sync::DynArc as Arc;
+use common::*;
+use raid1::{Algorithm, Event, Raid1, Raid1Config, SyncAction};
+
+const BLK: usize = 4096;
+
+fn icfg() -> Raid1Config {
+    Raid1Config {
+        integrity: Some(Algorithm::Crc32c),
+        ..cfg()
+    }
+}
+
+fn legs() -> (Arc<dyn Device>, Arc<dyn Device>) {
+    (mem("16M"), mem("16M"))
+}
+
+/// Flips one bit of the leg's copy of array byte `at`, behind the array's back.
+fn flip(r: &Raid1, leg: &dyn Device, at: u64) {
+    let pos = r.data_offset() + at;
+    let base = pos / BLK as u64 * BLK as u64;
+    let mut b = read(leg, base, BLK);
+    b[(pos - base) as usize] ^= 0x20;
+    write(leg, base, &b);
+}
+
+fn counts(r: &Raid1) -> raid1::IntegrityCounts {
+    r.integrity().expect("integrity on").1
+}
+
+#[test]
+fn an_array_with_integrity_has_4k_blocks_and_says_so() {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b], icfg()).unwrap();
+    assert_eq!(r.limits().logical_block_size, 4096);
+    assert_eq!(r.integrity().unwrap().0, Algorithm::Crc32c);
+    assert_eq!(
+        Raid1::read_superblock(a.as_ref())
+            .unwrap()
+            .integrity
+            .unwrap()
+            .algorithm,
+        Algorithm::Crc32c
+    );
+    let plain = Raid1::create(vec![mem("16M"), mem("16M")], cfg()).unwrap();
+    assert!(plain.integrity().is_none());
+}
+
+#[test]
+fn a_bit_flipped_on_one_leg_is_never_returned_and_is_healed_from_the_other() {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let sub = r.subscribe();
+    let data = pattern(7, 64 * BLK);
+    write(&r, 0, &data);
+    // Every read goes to one leg or the other: corrupt both legs, different blocks.
+    flip(&r, a.as_ref(), 5 * BLK as u64 + 100);
+    flip(&r, b.as_ref(), 9 * BLK as u64 + 7);
+    for _ in 0..4 {
+        assert!(read(&r, 0, data.len()) == data, "bad data returned");
+    }
+    assert_eq!(counts(&r).healed, 2);
+    assert_eq!(counts(&r).unrecoverable, 0);
+    assert_eq!(r.leg_status(0).unwrap().checksum_errors, 1);
+    assert_eq!(r.leg_status(1).unwrap().checksum_errors, 1);
+    // Healed on the legs themselves, and nobody failed.
+    assert!(read(a.as_ref(), r.data_offset(), data.len()) == data);
+    assert!(read(b.as_ref(), r.data_offset(), data.len()) == data);
+    assert!(r.leg_status(0).unwrap().in_sync && r.leg_status(1).unwrap().in_sync);
+    let mut seen = Vec::new();
+    while let Some(rec) = sub.try_next() {
+        if let Event::Corrupt {
+            slot,
+            offset,
+            blocks,
+            healed,
+        } = rec.event
+        {
+            seen.push((slot, offset, blocks, healed));
+        }
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![(0, 5 * BLK as u64, 1, true), (1, 9 * BLK as u64, 1, true)]
+    );
+}
+
+#[test]
+fn a_block_bad_on_every_leg_fails_the_read_and_its_neighbours_still_read() {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let data = pattern(3, 8 * BLK);
+    write(&r, 0, &data);
+    flip(&r, a.as_ref(), 2 * BLK as u64);
+    flip(&r, b.as_ref(), 2 * BLK as u64 + 1);
+    assert!(testkit::io::read_at(&r, 0, data.len()).is_err());
+    assert!(testkit::io::read_at(&r, 2 * BLK as u64, BLK).is_err());
+    assert!(read(&r, 3 * BLK as u64, 5 * BLK) == data[3 * BLK..]);
+    assert!(counts(&r).unrecoverable >= 1);
+    // A write of the block makes it whole again.
+    write(&r, 2 * BLK as u64, &data[2 * BLK..3 * BLK]);
+    assert!(read(&r, 0, data.len()) == data);
+}
+
+#[test]
+fn check_names_the_bad_leg_and_repair_rewrites_it_from_the_good_one() {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let data = pattern(11, 256 * BLK);
+    write(&r, 0, &data);
+    flush(&r);
+    // The source of a check (slot 0) is the bad one: repair must not copy it over slot 1.
+    flip(&r, a.as_ref(), 17 * BLK as u64 + 3);
+    flip(&r, a.as_ref(), 200 * BLK as u64);
+    r.set_sync_action(SyncAction::Check).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    assert_eq!(r.sync_progress().mismatch_cnt, 16);
+    assert_eq!(r.leg_status(0).unwrap().checksum_errors, 2);
+    assert_eq!(r.leg_status(1).unwrap().checksum_errors, 0);
+    // A check changes nothing.
+    assert!(read(a.as_ref(), r.data_offset(), data.len()) != data);
+    r.set_sync_action(SyncAction::Repair).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    assert!(read(a.as_ref(), r.data_offset(), data.len()) == data);
+    assert!(read(b.as_ref(), r.data_offset(), data.len()) == data);
+    assert_eq!(counts(&r).healed, 2);
+    // And the other way: the second leg bad.
+    flip(&r, b.as_ref(), 40 * BLK as u64);
+    r.set_sync_action(SyncAction::Repair).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    assert!(read(b.as_ref(), r.data_offset(), data.len()) == data);
+    assert_eq!(r.leg_status(1).unwrap().checksum_errors, 1);
+}
+
+#[test]
+fn the_sums_survive_a_clean_stop_and_catch_corruption_after_assembly() {
+    let (a, b) = legs();
+    let data = pattern(5, 32 * BLK);
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+        write(&r, 4 * BLK as u64, &data);
+    }
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert_eq!(r.limits().logical_block_size, 4096);
+    flip(&r, a.as_ref(), 4 * BLK as u64 + 10 * BLK as u64);
+    flip(&r, b.as_ref(), 4 * BLK as u64 + 20 * BLK as u64);
+    assert!(read(&r, 4 * BLK as u64, data.len()) == data);
+    assert_eq!(counts(&r).healed, 2);
+}
+
+#[test]
+fn once_a_bit_is_cleared_the_sums_of_its_chunk_are_on_the_legs() {
+    // Bits clear after 50 ms quiet; a crash afterwards leaves no resync, so only sums
+    // written before the clear can catch the corruption.
+    let quick = Raid1Config {
+        bitmap_quiet: Duration::from_millis(50),
+        ..icfg()
+    };
+    let (a, b) = legs();
+    let data = pattern(9, 16 * BLK);
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], quick.clone()).unwrap();
+        write(&r, 0, &data);
+        let bm = r.bitmap().unwrap();
+        testkit::wait_until("the bits to clear", || bm.dirty_chunks().is_empty());
+        r.crash_for_test();
+    }
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], quick).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    flip(&r, a.as_ref(), 3 * BLK as u64);
+    flip(&r, b.as_ref(), 6 * BLK as u64);
+    assert!(read(&r, 0, data.len()) == data);
+    assert_eq!(counts(&r).healed, 2);
+}
+
+#[test]
+fn a_torn_write_after_a_crash_is_settled_by_the_resync_and_never_reported() {
+    let (a, b) = legs();
+    let old = pattern(1, 8 * BLK);
+    let new = pattern(2, 8 * BLK);
+    {
+        // A clean stop puts the sums of `old` on both legs.
+        let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+        write(&r, 0, &old);
+    }
+    {
+        // A write into the same chunk (its bit set and durable, its sums maybe not), then
+        // a crash.
+        let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+        write(&r, 7 * BLK as u64, &new[7 * BLK..]);
+        r.crash_for_test();
+    }
+    // And what the crash left of a later write in flight: its data on one leg only.
+    let off = Raid1::read_superblock(a.as_ref()).unwrap().data_offset;
+    write(a.as_ref(), off + 2 * BLK as u64, &new[2 * BLK..5 * BLK]);
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    let got = read(&r, 0, old.len());
+    // Either version of each block may be read (the torn write was never acknowledged, the
+    // other was not flushed), but the legs agree and nothing was called corrupt.
+    for j in 0..8 {
+        let blk = &got[j * BLK..(j + 1) * BLK];
+        assert!(blk == &old[j * BLK..(j + 1) * BLK] || blk == &new[j * BLK..(j + 1) * BLK]);
+    }
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert_eq!(counts(&r).healed + counts(&r).unrecoverable, 0);
+    assert_eq!(r.leg_status(0).unwrap().checksum_errors, 0);
+    assert_eq!(r.leg_status(1).unwrap().checksum_errors, 0);
+    // Settled: each block is checked again, against what the resync kept.
+    flip(&r, a.as_ref(), 2 * BLK as u64);
+    flip(&r, b.as_ref(), 7 * BLK as u64);
+    assert!(read(&r, 0, old.len()) == got);
+    assert_eq!(counts(&r).healed, 2);
+}
+
+#[test]
+fn a_recovered_leg_carries_the_sums_of_what_it_was_given() {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let data = pattern(4, 64 * BLK);
+    write(&r, 0, &data);
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    let c = mem("16M");
+    r.add_leg(c.clone()).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    assert!(r.leg_status(1).unwrap().in_sync);
+    drop(r);
+    // Assembled from the new leg alone: its sums are its own.
+    let r = Raid1::assemble(
+        vec![c.clone()],
+        Raid1Config {
+            allow_degraded: true,
+            ..cfg()
+        },
+    )
+    .unwrap();
+    flip(&r, c.as_ref(), 33 * BLK as u64);
+    assert!(testkit::io::read_at(&r, 33 * BLK as u64, BLK).is_err());
+    assert!(read(&r, 0, 33 * BLK) == data[..33 * BLK]);
+}
