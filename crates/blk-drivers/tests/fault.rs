@@ -550,6 +550,7 @@ fn no_panic_on_any_config_or_bio() {
         "_after",
         "_prob",
         "stall_",
+        "flip_",
         "latency_us",
         "jitter_us",
         "crash",
@@ -584,6 +585,8 @@ fn no_panic_on_any_config_or_bio() {
     h.add(Rule::fail(OpSet::WRITE).prob(f64::NAN));
     h.add(Rule::delay(OpSet::READ, Duration::ZERO, Duration::MAX).prob(0.0));
     h.add(Rule::fail(OpSet::DISCARD).next(u64::MAX).errno(-5));
+    h.add(Rule::flip(OpSet::ALL).in_range(u64::MAX - 1, u64::MAX));
+    h.add(Rule::flip(OpSet::ALL).prob(0.5));
     let c = Arc::new(Collect::default());
     let end: Arc<dyn EndIo> = c.clone();
     let ops = [Op::Read, Op::Write, Op::Flush, Op::Discard, Op::WriteZeroes];
@@ -715,9 +718,12 @@ thread_local! {
     /// `delayed_steady_state_allocates_nothing`'s flag (its own counter: the two tests may
     /// run at the same time).
     static COUNT_DELAYED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// `flip_rules_allocate_only_for_a_flipped_write`'s flag.
+    static COUNT_FLIP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 static ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static DELAYED_ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FLIP_ALLOCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 fn note_alloc() {
     if COUNT_HERE.try_with(|c| c.get()).unwrap_or(false) {
@@ -725,6 +731,9 @@ fn note_alloc() {
     }
     if COUNT_DELAYED.try_with(|c| c.get()).unwrap_or(false) {
         DELAYED_ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    if COUNT_FLIP.try_with(|c| c.get()).unwrap_or(false) {
+        FLIP_ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -810,6 +819,57 @@ fn steady_state_allocates_nothing() {
     let allocs = ALLOCS.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(allocs, 0, "allocations in {} I/Os", rounds * 32);
     assert!(h.counters().failed[0] > 0);
+}
+
+/// Flip rules cost no allocation but the copy of a write they flip: a flipped read is
+/// flipped in place, and a write rule that does not fire (out of its range, or by count)
+/// forwards the submitter's buffer.
+#[test]
+fn flip_rules_allocate_only_for_a_flipped_write() {
+    let inner = one_by_one(
+        "null:64M"
+            .parse::<DeviceSpec>()
+            .unwrap()
+            .build(&QueueOverrides::default())
+            .unwrap(),
+    );
+    let f = FaultDevice::new(inner, FaultConfig::parse("seed=3,flip_read=all").unwrap());
+    let h = f.handle();
+    h.add(Rule::flip(OpSet::WRITE).in_range(60 << 20, K4));
+    let nth = h.add(Rule::flip(OpSet::WRITE).nth(1_000_000));
+    let back = Arc::new(Back(Mutex::new(Vec::with_capacity(64))));
+    let end: Arc<dyn EndIo> = back.clone();
+    let mut free: Vec<Bio> = (0..32)
+        .map(|_| Bio::with_buf(Op::Read, 0, Buffer::new(4096)))
+        .collect();
+    let rounds = 200;
+    let mut count = |on: bool| {
+        FLIP_ALLOCS.store(0, std::sync::atomic::Ordering::Relaxed);
+        COUNT_FLIP.with(|c| c.set(on));
+        for round in 0..rounds {
+            for (i, b) in free.iter_mut().enumerate() {
+                b.op = [Op::Read, Op::Write][(i + round) % 2];
+                b.sector = ((i * 7 + round * 13) % 4096) as u64 * 8;
+            }
+            for b in free.drain(..) {
+                f.submit(b, &end);
+            }
+            let mut g = back.0.lock().unwrap();
+            assert_eq!(g.len(), 32, "inline completions");
+            std::mem::swap(&mut *g, &mut free);
+        }
+        COUNT_FLIP.with(|c| c.set(false));
+        FLIP_ALLOCS.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    count(false);
+    assert_eq!(count(true), 0, "allocations in {} I/Os", rounds * 32);
+    let c = h.counters();
+    assert_eq!(c.flipped, [2 * rounds as u64 * 16, 0, 0, 0]);
+    // A write that is flipped allocates its copy.
+    h.remove(nth);
+    h.add(Rule::flip(OpSet::WRITE).next(5));
+    assert!(count(true) >= 5);
+    assert_eq!(h.counters().flipped[1], 5);
 }
 
 /// Takes completions on the fault device's timer thread, wakes the submitter through a wait

@@ -19,7 +19,7 @@ use blk::error::with_context;
 use blk::{submit_wait, Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::DynArc as Arc;
 
-use super::rules::mix;
+use super::rules::{mix, Flip};
 use super::{bio_range, bump, errno_err, modifies, Ack, FaultHandle, Shared};
 
 /// The old contents of one not yet durable write's range.
@@ -67,7 +67,7 @@ impl Shared {
                         let mark = ack.flush_mark;
                         st.undo.retain(|e| !matches!(e.acked, Some(a) if a <= mark));
                     } else if modifies(bio.op) && bio.flags.contains(BioFlags::FUA) {
-                        patch_undo(&mut st.undo, &bio);
+                        patch_undo(&mut st.undo, &bio, ack.flip);
                     }
                 }
                 if let Some(id) = ack.undo {
@@ -107,9 +107,12 @@ impl Shared {
     }
 }
 
-/// Patches the parts of undo entries that a durable (FUA) modifying bio overwrote.
-fn patch_undo(undo: &mut [UndoEntry], bio: &Bio) {
+/// Patches the parts of undo entries that a durable (FUA) modifying bio overwrote, with what
+/// it stored: its data with `flip`'s bit flipped (a flipped write's buffer is the
+/// submitter's, unflipped, again by now), or zeros.
+fn patch_undo(undo: &mut [UndoEntry], bio: &Bio, flip: Option<Flip>) {
     let (off, len) = bio_range(bio);
+    let flipped = flip.map(|f| (off + u64::from(f.at), f.mask));
     let end = off.saturating_add(len);
     let data = match bio.op {
         Op::Write => bio.buf.as_ref().map(|b| b.as_slice()),
@@ -125,6 +128,9 @@ fn patch_undo(undo: &mut [UndoEntry], bio: &Bio) {
                 match data {
                     Some(d) if d.len() as u64 >= t - off => {
                         dst.copy_from_slice(&d[(s - off) as usize..(t - off) as usize]);
+                        if let Some((at, mask)) = flipped.filter(|&(at, _)| s <= at && at < t) {
+                            dst[(at - s) as usize] ^= mask;
+                        }
                     }
                     _ => dst.fill(0),
                 }

@@ -16,6 +16,12 @@
 //!   (never by sleeping in the submitter).
 //! - **stall** matching I/Os before they reach the inner device, until
 //!   [`FaultHandle::release`] forwards them (hung-disk tests).
+//! - **flip** a bit of a read's or a write's data, silently: the I/O succeeds, a read hands
+//!   back data that differs from what is stored in that bit, a write stores data that
+//!   differs from the submitter's in it (through a copy: the submitter's buffer is never
+//!   written). The byte is the first of the rule's range in the I/O (aim with
+//!   `in_range(X, 1)`), or a seeded choice without a range; the bit is seeded
+//!   ([`Rule::flip`], "Silent corruption" below).
 //! - **crash** ([`FaultHandle::crash`]): with [`FaultConfig::volatile_cache`] on, the device
 //!   models a volatile write cache and a crash rolls the inner device back so that every write
 //!   not made durable (by a completed FLUSH, or FUA) is lost; see "The crash model".
@@ -43,6 +49,20 @@
 //! rule lock; I/Os refused because the device is crashed get none). Probabilities and jitter are a pure hash (SplitMix64) of `(seed, rule id, seq)`,
 //! so the same seed, the same rules and the same sequence of I/Os give the same faults, and a
 //! failing test replays from its seed. Rule ids are given in the order rules are added.
+//!
+//! # Silent corruption
+//!
+//! A flip rule's verdict names one byte and one bit of the I/O. A read is forwarded as it
+//! is; when the inner device completes it successfully, the bit is flipped in the bio's
+//! buffer before the completion goes on. A write's buffer may be shared (a mirror lends one
+//! payload to every leg, [`blk::Buffer::alias`]), so it is never written: the write is
+//! forwarded with a private copy of the payload, bit flipped, and the submitter's buffer
+//! waits in the I/O's slot until the completion puts it back in the bio. That copy is the
+//! only allocation, and only for a write a flip rule fired on. With the volatile cache a
+//! flipped write is like any other (its undo entry holds the old contents; a crash rolls it
+//! back), and a FUA one patches older undo entries with the data it stored, bit flipped.
+//! [`FaultCounters::flipped`] counts the flipped I/Os that the inner device completed
+//! successfully.
 //!
 //! # Completions without allocation
 //!
@@ -133,10 +153,10 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use cache::{State, UndoEntry};
-use rules::{RuleState, Rules, Verdict};
+use rules::{Flip, RuleState, Rules, Verdict};
 use timer::TimerQ;
 
-use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
 
 /// A snapshot of a fault device's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -149,6 +169,10 @@ pub struct FaultCounters {
     pub delayed: u64,
     /// I/Os stalled.
     pub stalled: u64,
+    /// I/Os with a bit flipped by a rule that the inner device completed successfully (reads:
+    /// flipped in the data returned; writes: in the data stored), by class (only reads and
+    /// writes flip).
+    pub flipped: [u64; 4],
     /// I/Os failed because the device was crashed.
     pub crashed_io: u64,
     /// Undo reads made (volatile cache).
@@ -165,6 +189,7 @@ struct Counters {
     failed: [StatU64; 4],
     delayed: StatU64,
     stalled: StatU64,
+    flipped: [StatU64; 4],
     crashed_io: StatU64,
     undo_reads: StatU64,
     crashes: StatU64,
@@ -196,12 +221,17 @@ struct Ack {
     undo: Option<u64>,
     /// The crash epoch when forwarded: a completion of an older epoch fails.
     epoch: u64,
+    /// The bit a flip rule flips: in a read's data at completion, or, for a write, the one
+    /// flipped in the copy forwarded (`None` when there was no data to flip).
+    flip: Option<Flip>,
 }
 
 struct Slot {
     end: Option<Arc<dyn EndIo>>,
     cookie: u64,
     ack: Ack,
+    /// A flipped write's own buffer, while the inner device has the flipped copy.
+    orig: Option<Buffer>,
 }
 
 #[derive(Default)]
@@ -256,6 +286,17 @@ fn modifies(op: Op) -> bool {
     matches!(op, Op::Write | Op::Discard | Op::WriteZeroes)
 }
 
+/// A copy of a write's payload with `f`'s bit flipped; `None` when it has no byte there.
+fn flipped_copy(bio: &Bio, f: Flip) -> Option<Buffer> {
+    let src = bio.buf.as_ref()?;
+    if f.at as usize >= src.len() {
+        return None;
+    }
+    let mut copy = Buffer::new(src.len());
+    copy.as_mut_slice().copy_from_slice(src.as_slice());
+    f.apply(copy.as_mut_slice()).then_some(copy)
+}
+
 impl Shared {
     /// Fails (after its delay) or forwards to `inner` an I/O the rules let through the stall
     /// stage.
@@ -283,6 +324,7 @@ impl Shared {
     ) -> Option<Bio> {
         let mut ack = Ack {
             delay: v.delay,
+            flip: v.flip,
             ..Ack::default()
         };
         if let Some(errno) = v.fail {
@@ -330,11 +372,20 @@ impl Shared {
             }
             st.in_flight += 1;
         }
+        // A flipped write forwards a copy and keeps the submitter's buffer in its slot.
+        let mut orig = None;
+        if let Some(f) = ack.flip.filter(|_| bio.op == Op::Write) {
+            match flipped_copy(&bio, f) {
+                Some(copy) => orig = bio.buf.replace(copy),
+                None => ack.flip = None,
+            }
+        }
         let mut slots = self.slots.lock();
         let slot = Slot {
             end: Some(end.clone()),
             cookie: bio.cookie,
             ack,
+            orig,
         };
         let idx = match slots.free.pop() {
             Some(i) => {
@@ -360,14 +411,33 @@ impl Shared {
                     let end = s.end.take();
                     bio.cookie = s.cookie;
                     let ack = s.ack;
+                    let orig = s.orig.take();
                     slots.free.push(idx as u32);
-                    end.map(|e| (e, ack))
+                    end.map(|e| (e, ack, orig))
                 }
                 _ => None,
             }
         };
         // A cookie that is not ours would be an inner device's bug; the bio cannot be routed.
-        let Some((end, ack)) = taken else { return };
+        let Some((end, mut ack, orig)) = taken else {
+            return;
+        };
+        if let Some(f) = ack.flip {
+            // A write forwarded the flipped copy; a read that succeeded flips its data now.
+            let flipped = orig.is_some()
+                || (bio.op == Op::Read
+                    && res.is_ok()
+                    && bio.buf.as_mut().is_some_and(|b| f.apply(b.as_mut_slice())));
+            if flipped && res.is_ok() {
+                bump(&self.counters.flipped[class_index(bio.op)]);
+            } else if !flipped {
+                ack.flip = None;
+            }
+        }
+        if let Some(o) = orig {
+            // The submitter's own buffer back; the flipped copy goes.
+            bio.buf = Some(o);
+        }
         let idle = {
             let mut st = self.state.lock();
             st.in_flight = st.in_flight.saturating_sub(1);
@@ -481,6 +551,7 @@ impl FaultHandle {
             failed: std::array::from_fn(|i| l(&c.failed[i])),
             delayed: l(&c.delayed),
             stalled: l(&c.stalled),
+            flipped: std::array::from_fn(|i| l(&c.flipped[i])),
             crashed_io: l(&c.crashed_io),
             undo_reads: l(&c.undo_reads),
             crashes: l(&c.crashes),

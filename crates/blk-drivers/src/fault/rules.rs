@@ -84,6 +84,15 @@ pub enum Action {
     },
     /// Hold the I/O before it reaches the inner device until [`FaultHandle::release`](super::FaultHandle::release).
     Stall,
+    /// Silently corrupt the data: flip one bit, and complete the I/O as the inner device did.
+    /// A read flips it in the data handed back to the submitter (the inner device's copy
+    /// stays intact); a write stores it flipped on the inner device, through a private copy
+    /// of the payload (the submitter's buffer is never written). The byte is the first one of
+    /// the rule's range in the I/O, or, without a range, a seeded choice among the I/O's
+    /// bytes; the bit is a seeded choice. Only reads and writes match a flip rule (one
+    /// without a buffer completes unchanged). When several flip rules fire on one I/O, the
+    /// first one flips.
+    Flip,
 }
 
 /// One fault rule: which I/Os (ops, optional byte range), when, and what.
@@ -124,6 +133,16 @@ impl Rule {
         Self {
             action: Action::Stall,
             ..Self::fail(ops)
+        }
+    }
+
+    /// Flips one bit in the data of every read or write of `ops` (silent corruption, see
+    /// [`Action::Flip`]); the rule keeps only the reads and writes of `ops`: flushes,
+    /// discards and write-zeroes never flip.
+    pub fn flip(ops: OpSet) -> Self {
+        Self {
+            action: Action::Flip,
+            ..Self::fail(OpSet(ops.0 & (OpSet::READ | OpSet::WRITE).0))
         }
     }
 
@@ -178,6 +197,9 @@ impl Rule {
         if !self.ops.contains(op) {
             return false;
         }
+        if self.action == Action::Flip && !matches!(op, Op::Read | Op::Write) {
+            return false;
+        }
         match self.range {
             None => true,
             Some(_) if op == Op::Flush => false,
@@ -191,7 +213,7 @@ impl Rule {
 pub struct FaultConfig {
     /// Seed of probabilities and jitter.
     pub seed: u64,
-    /// Rules, in order (a `Fail` of an earlier rule wins; delays add up).
+    /// Rules, in order (a `Fail` of an earlier rule wins, and so does a `Flip`; delays add up).
     pub rules: Vec<Rule>,
     /// Model a volatile write cache (undo log; every write costs a read) so that
     /// [`FaultHandle::crash`](super::FaultHandle::crash) works.
@@ -310,6 +332,50 @@ fn parse_class(key: &str, class: &str) -> Result<OpSet, Error> {
     })
 }
 
+/// `OP` and the optional selector of a `fail_OP[_SEL]` or `flip_OP[_SEL]` key.
+fn split_selector(rest: &str) -> (&str, Option<&str>) {
+    match rest.split_once('_') {
+        Some((c, k)) => (c, Some(k)),
+        None => (rest, None),
+    }
+}
+
+/// Refines `r` by the selector `kind` of option `key` with value `v`: none (`v` is a RANGE),
+/// `nth`, `next`, `after` or `prob`.
+fn select(key: &str, kind: Option<&str>, v: &str, r: Rule) -> Result<Rule, Error> {
+    Ok(match kind {
+        None => match parse_range(key, v)? {
+            Some((o, l)) => r.in_range(o, l),
+            None => r,
+        },
+        Some("nth") => {
+            let n = parse_u64(key, v)?;
+            if n == 0 {
+                return Err(opt_err(key, "counts from 1"));
+            }
+            r.nth(n)
+        }
+        Some("next") => r.next(parse_u64(key, v)?),
+        Some("after") => r.after(parse_u64(key, v)?),
+        Some("prob") => {
+            let p: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| opt_err(key, format!("expected a probability, got {v:?}")))?;
+            if !(0.0..=1.0).contains(&p) {
+                return Err(opt_err(key, "probability must be in 0..=1"));
+            }
+            r.prob(p)
+        }
+        Some(k) => {
+            return Err(opt_err(
+                key,
+                format!("unknown selector {k:?} (nth, next, after, prob)"),
+            ))
+        }
+    })
+}
+
 impl FaultConfig {
     /// Parses a comma-separated option list, e.g.
     /// `seed=7,fail_write=0+1M,fail_read_prob=0.01,latency_us=100,errno=EIO`.
@@ -320,6 +386,9 @@ impl FaultConfig {
     /// - `fail_OP=RANGE`, `fail_OP_nth=N`, `fail_OP_next=K`, `fail_OP_after=N`,
     ///   `fail_OP_prob=P`;
     /// - `latency_us=N`, `jitter_us=N` (every operation);
+    /// - `flip_OP=RANGE`, `flip_OP_nth=N`, `flip_OP_next=K`, `flip_OP_after=N`,
+    ///   `flip_OP_prob=P` (OP `read`, `write` or `any`): flip one bit of the data, silently
+    ///   ([`Action::Flip`]); with a RANGE, of its first byte in the I/O;
     /// - `stall_OP=RANGE`;
     /// - `volatile_cache=on|off` (alias `crash`).
     ///
@@ -342,42 +411,19 @@ impl FaultConfig {
                 "jitter_us" => jitter = Some(parse_u64(key, v)?),
                 _ => {
                     if let Some(rest) = key.strip_prefix("fail_") {
-                        let (class, kind) = match rest.split_once('_') {
-                            Some((c, k)) => (c, Some(k)),
-                            None => (rest, None),
-                        };
+                        let (class, kind) = split_selector(rest);
                         let r = Rule::fail(parse_class(key, class)?);
-                        let r = match kind {
-                            None => match parse_range(key, v)? {
-                                Some((o, l)) => r.in_range(o, l),
-                                None => r,
-                            },
-                            Some("nth") => {
-                                let n = parse_u64(key, v)?;
-                                if n == 0 {
-                                    return Err(opt_err(key, "counts from 1"));
-                                }
-                                r.nth(n)
-                            }
-                            Some("next") => r.next(parse_u64(key, v)?),
-                            Some("after") => r.after(parse_u64(key, v)?),
-                            Some("prob") => {
-                                let p: f64 = v.trim().parse().map_err(|_| {
-                                    opt_err(key, format!("expected a probability, got {v:?}"))
-                                })?;
-                                if !(0.0..=1.0).contains(&p) {
-                                    return Err(opt_err(key, "probability must be in 0..=1"));
-                                }
-                                r.prob(p)
-                            }
-                            Some(k) => {
-                                return Err(opt_err(
-                                    key,
-                                    format!("unknown selector {k:?} (nth, next, after, prob)"),
-                                ))
-                            }
-                        };
-                        cfg.rules.push(r);
+                        cfg.rules.push(select(key, kind, v, r)?);
+                    } else if let Some(rest) = key.strip_prefix("flip_") {
+                        let (class, kind) = split_selector(rest);
+                        let r = Rule::flip(parse_class(key, class)?);
+                        if r.ops == OpSet::default() {
+                            return Err(opt_err(
+                                key,
+                                "only reads and writes flip (read, write, any)",
+                            ));
+                        }
+                        cfg.rules.push(select(key, kind, v, r)?);
                     } else if let Some(class) = key.strip_prefix("stall_") {
                         let r = Rule::stall(parse_class(key, class)?);
                         cfg.rules.push(match parse_range(key, v)? {
@@ -433,12 +479,36 @@ pub(super) struct Rules {
     pub(super) list: Vec<RuleState>,
 }
 
+/// One bit to flip in an I/O's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Flip {
+    /// The byte, from the I/O's start (below its length).
+    pub(super) at: u32,
+    /// The bit, as a mask of one bit.
+    pub(super) mask: u8,
+}
+
+impl Flip {
+    /// Flips the bit in `data` (the I/O's data, from its start); returns whether it was
+    /// there to flip.
+    pub(super) fn apply(self, data: &mut [u8]) -> bool {
+        match data.get_mut(self.at as usize) {
+            Some(b) => {
+                *b ^= self.mask;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 /// What the rules decided for one I/O.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Verdict {
     pub(super) fail: Option<i32>,
     pub(super) delay: Duration,
     pub(super) stall: bool,
+    pub(super) flip: Option<Flip>,
 }
 
 impl Shared {
@@ -486,6 +556,19 @@ impl Shared {
                         .saturating_add(Duration::from_nanos(extra));
                 }
                 Action::Stall => v.stall = true,
+                // `matches` lets only reads and writes through, whose length is the data's.
+                Action::Flip if v.flip.is_none() && len > 0 => {
+                    let at = match st.rule.range {
+                        // The first byte of the overlap (the rule matched, so it is one).
+                        Some((r0, _)) => r0.saturating_sub(off),
+                        None => draw(seed, st.id, seq, 2) % len,
+                    };
+                    v.flip = Some(Flip {
+                        at: u32::try_from(at.min(len - 1)).unwrap_or(0),
+                        mask: 1 << (draw(seed, st.id, seq, 3) % 8),
+                    });
+                }
+                Action::Flip => {}
             }
         }
         v
