@@ -622,7 +622,32 @@ fn md_leg_families(
         "Automatic re-adds of a leg that failed and answered again (readd=auto).",
         None,
         present().map(|l| (slot(l), counter(l.readds))),
-    )
+    )?;
+    if let Some(i) = &rep.integrity {
+        family(
+            enc,
+            "blkq_raid1_leg_checksum_errors",
+            "Blocks read from a leg that did not match their checksums (integrity on).",
+            None,
+            present().map(|l| (slot(l), counter(l.checksum_errors))),
+        )?;
+        let dev = || vec![("device", name.to_string())];
+        family(
+            enc,
+            "blkq_raid1_blocks_healed",
+            "Blocks that failed their checksum on a leg and were rewritten from one that matched.",
+            None,
+            [(dev(), counter(i.healed))],
+        )?;
+        family(
+            enc,
+            "blkq_raid1_blocks_unrecoverable",
+            "Blocks no leg held with their checksum: their reads failed with EIO.",
+            None,
+            [(dev(), counter(i.unrecoverable))],
+        )?;
+    }
+    Ok(())
 }
 
 /// The process's context switches (getrusage).

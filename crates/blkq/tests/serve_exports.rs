@@ -8,9 +8,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
-use common::{fails, ok, Serving};
+use common::{fails, ok, qemu_io, Serving};
 use nbd::client::{Client, ClientOptions, Endpoint};
 
 const MIB: u64 = 1 << 20;
@@ -45,24 +44,6 @@ fn list(ctl: &Path) -> Vec<(String, u64, bool, u64)> {
             )
         })
         .collect()
-}
-
-/// `qemu-io -f raw -c CMD URI`: whether it succeeded, and its output. `None` when qemu-io is
-/// not installed.
-fn qemu_io(uri: &str, cmd: &str) -> Option<(bool, String)> {
-    let out = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", cmd, uri])
-        .stdin(Stdio::null())
-        .output()
-        .ok()?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // qemu-io exits 0 on some I/O errors: its output says so.
-    let failed = !out.status.success() || text.contains("failed") || text.contains("error");
-    Some((!failed, text))
 }
 
 #[test]

@@ -34,7 +34,7 @@ use crate::listen::{self, Limits, Session};
 use crate::raid::away::Away;
 use crate::raid::content;
 use crate::raid::offline::{self as legs, Probe};
-use crate::raid::report::{ArrayReport, BitmapReport, LegReport, SyncReport};
+use crate::raid::report::{ArrayReport, BitmapReport, IntegrityReport, LegReport, SyncReport};
 
 fn accept(l: &UnixListener) -> std::io::Result<UnixStream> {
     l.accept().map(|(s, _)| s)
@@ -176,6 +176,7 @@ impl Control {
                 readds: ra.readds,
                 rtt_ns: (st.present && st.rtt_ns > 0).then_some(st.rtt_ns),
                 write_behind: st.write_behind,
+                checksum_errors: st.checksum_errors,
             });
         }
         // A leg the array started without is a member all the same.
@@ -206,6 +207,12 @@ impl Control {
             raid_disks,
             legs,
             bitmap,
+            integrity: r.integrity().map(|(a, c)| IntegrityReport {
+                algorithm: a.to_string(),
+                healed: c.healed,
+                unrecoverable: c.unrecoverable,
+                resummed: c.resummed,
+            }),
             sync,
             // What assembly worked around, the legs it started without that are not back
             // and whose slot took another leg meanwhile, and why the array failed (writes and

@@ -107,6 +107,11 @@ struct CreateArgs {
     /// smallest leg. Needed for legs of different sizes; the rest of a larger leg is unused.
     #[arg(long, value_name = "SIZE")]
     size: Option<String>,
+    /// Keep a checksum per 4 KiB block on every leg (crc32c): reads are verified, a block
+    /// that fails is read from another leg and rewritten, and `check` names the bad leg. The
+    /// array's block size becomes 4096.
+    #[arg(long, value_name = "ALGORITHM")]
+    integrity: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -246,6 +251,9 @@ fn create(a: CreateArgs) -> Result<()> {
     }
     if let Some(b) = &a.barrier {
         cfg.set_option("barrier", b).context("--barrier")?;
+    }
+    if let Some(i) = &a.integrity {
+        cfg.set_option("integrity", i).context("--integrity")?;
     }
     let mut wm = Vec::new();
     for w in &a.write_mostly {

@@ -11,7 +11,7 @@ use blkq_sync::Arc;
 use raid1::superblock::{ArrayState, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
 use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 
-use super::report::{ArrayReport, BitmapReport, LegReport};
+use super::report::{ArrayReport, BitmapReport, IntegrityReport, LegReport};
 
 /// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (`file:`,
 /// `mem:`, `null:`, `rbd:`, `nbd://`, `nbd+unix://`) begins a leg; any other part (`key=value`) is
@@ -277,6 +277,7 @@ impl Plan {
                 readds: 0,
                 rtt_ns: None,
                 write_behind: 0,
+                checksum_errors: 0,
             });
         }
         for f in &self.legs {
@@ -327,6 +328,12 @@ impl Plan {
             raid_disks,
             legs,
             bitmap,
+            integrity: nb.integrity.map(|a| IntegrityReport {
+                algorithm: a.algorithm.to_string(),
+                healed: 0,
+                unrecoverable: 0,
+                resummed: 0,
+            }),
             sync: None,
             notes,
         })

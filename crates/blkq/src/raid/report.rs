@@ -49,6 +49,22 @@ pub struct LegReport {
     /// Writes acknowledged and still in flight to this leg (`write_behind=N`) (online).
     #[serde(default)]
     pub write_behind: u32,
+    /// Blocks read from this leg that did not match their checksums (online, integrity on).
+    #[serde(default)]
+    pub checksum_errors: u64,
+}
+
+/// The per-block checksums, as reported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IntegrityReport {
+    /// `crc32c`.
+    pub algorithm: String,
+    /// Blocks healed from a leg that matched (online).
+    pub healed: u64,
+    /// Blocks no leg held with their checksum: their reads failed (online).
+    pub unrecoverable: u64,
+    /// Blocks a resync re-summed after a crash tore them (online).
+    pub resummed: u64,
 }
 
 /// A round trip for people: `12.3ms`.
@@ -151,6 +167,9 @@ pub struct ArrayReport {
     pub legs: Vec<LegReport>,
     /// The bitmap, if the array has one.
     pub bitmap: Option<BitmapReport>,
+    /// Per-block checksums, if the array keeps them.
+    #[serde(default)]
+    pub integrity: Option<IntegrityReport>,
     /// A sync action in progress (online only).
     pub sync: Option<SyncReport>,
     /// Notes for the user (stale legs, legs left out, ...).
@@ -254,6 +273,12 @@ impl ArrayReport {
             )),
             None => o.push_str("      bitmap: none\n"),
         }
+        if let Some(i) = &self.integrity {
+            o.push_str(&format!(
+                "      integrity: {}, {} healed, {} unrecoverable\n",
+                i.algorithm, i.healed, i.unrecoverable
+            ));
+        }
         o.push_str(&format!("      uuid: {}\n", self.array_uuid));
         let rtts: Vec<String> = self
             .legs
@@ -271,6 +296,12 @@ impl ArrayReport {
             o.push_str(&format!("      rtt: {}\n", rtts.join(" ")));
         }
         for l in &self.legs {
+            if l.checksum_errors > 0 {
+                o.push_str(&format!(
+                    "      leg {}: {} block(s) failed their checksums\n",
+                    l.slot, l.checksum_errors
+                ));
+            }
             if let Some(why) = &l.refused {
                 o.push_str(&format!("      leg {} refused: {why}\n", l.slot));
             } else if let Some(e) = &l.probe_error {
@@ -312,6 +343,13 @@ impl ArrayReport {
                 b.chunks
             )),
             None => o.push_str("            Bitmap : none\n"),
+        }
+        match &self.integrity {
+            Some(i) => o.push_str(&format!(
+                "         Integrity : {} per 4 KiB block, {} healed, {} unrecoverable, {} re-summed after a crash\n",
+                i.algorithm, i.healed, i.unrecoverable, i.resummed
+            )),
+            None => o.push_str("         Integrity : none\n"),
         }
         if let Some(s) = &self.sync {
             o.push_str(&format!("       Sync Action : {}\n", s.action));
@@ -391,6 +429,7 @@ mod tests {
             readds: 0,
             rtt_ns: None,
             write_behind: 0,
+            checksum_errors: 0,
         }
     }
 
@@ -406,6 +445,7 @@ mod tests {
             raid_disks: 2,
             legs: vec![leg(0, "in_sync"), leg(1, "in_sync"), leg(2, "empty")],
             bitmap: None,
+            integrity: None,
             sync: None,
             notes: vec![],
         };

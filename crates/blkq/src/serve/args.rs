@@ -108,6 +108,10 @@ pub struct ExportArgs {
     /// the smallest leg; needed for legs of different sizes.
     #[arg(long, value_name = "SIZE", requires = "raid1_create")]
     pub raid1_size: Option<Bytes>,
+    /// With --raid1-create: keep a checksum per 4 KiB block on every leg (crc32c; as
+    /// `blkq raid create --integrity`). Same as --raid1-option integrity=ALGORITHM.
+    #[arg(long, value_name = "ALGORITHM", requires = "raid1_create")]
+    pub raid1_integrity: Option<String>,
     /// With --raid1: start even though legs the array has in sync are missing (a failover:
     /// serve the legs at hand alone). This side becomes a new generation; a missing leg that
     /// later ran on its own is then refused until one side is discarded (`blkq raid add

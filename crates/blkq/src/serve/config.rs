@@ -344,6 +344,7 @@ impl Config {
                     .iter()
                     .cloned()
                     .chain(e.raid1_degraded.then(|| "allow_degraded=true".to_string()))
+                    .chain(e.raid1_integrity.as_ref().map(|a| format!("integrity={a}")))
                     .map(cli)
                     .collect(),
                 control: e.control.clone(),

@@ -144,6 +144,13 @@ fn check_array(r: &Raid1Decl, name: String, src: &Source, tls: &TlsArgs) -> Resu
     for o in &r.options {
         crate::raid::offline::raid1_config(std::slice::from_ref(o.get_ref()))
             .with_context(|| src.at(o, "options", "raid1-option"))?;
+        if !r.create && o.get_ref().starts_with("integrity=") {
+            bail!(
+                "{}: per-block checksums are chosen when the array is created (create = \
+                 true, --raid1-create); an existing array keeps what its superblock says",
+                src.at(o, "options", "raid1-option")
+            );
+        }
     }
     Ok(ExportSettings {
         name,

@@ -452,3 +452,21 @@ pub fn threads_of(pid: u32) -> usize {
         .unwrap()
         .count()
 }
+
+/// `qemu-io -f raw -c CMD URI`: whether it succeeded, and its output. `None` when qemu-io is
+/// not installed.
+pub fn qemu_io(uri: &str, cmd: &str) -> Option<(bool, String)> {
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", cmd, uri])
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // qemu-io exits 0 on some I/O errors: its output says so.
+    let failed = !out.status.success() || text.contains("failed") || text.contains("error");
+    Some((!failed, text))
+}
