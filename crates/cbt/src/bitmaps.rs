@@ -140,6 +140,22 @@ struct Ctl {
     generation: u64,
 }
 
+impl Ctl {
+    /// Bitmaps kept in memory only, of a device of `capacity` bytes: no sidecar.
+    fn memory(capacity: u64) -> Self {
+        Ctl {
+            header: None,
+            file: None,
+            image: None,
+            ident: Identity {
+                size: capacity,
+                uuid: [0; 16],
+            },
+            generation: 0,
+        }
+    }
+}
+
 /// An export's named dirty bitmaps. See the module docs.
 pub struct Bitmaps {
     capacity: u64,
@@ -170,16 +186,7 @@ impl Bitmaps {
             capacity,
             gate: Gate::new(mode, Vec::new(), Vec::new()),
             committer: Committer::new(sink),
-            ctl: Mutex::new(Ctl {
-                header: None,
-                file: None,
-                image: None,
-                ident: Identity {
-                    size: capacity,
-                    uuid: [0; 16],
-                },
-                generation: 0,
-            }),
+            ctl: Mutex::new(Ctl::memory(capacity)),
             view: Mutex::new(Vec::new()),
         }
     }

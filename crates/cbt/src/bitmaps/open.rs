@@ -23,20 +23,7 @@ impl Bitmaps {
     pub fn open(capacity: u64, opts: &Options) -> Result<(Self, Vec<String>), Error> {
         let mut notes = Vec::new();
         let (sink, ctl, slots): (DynArc<dyn Sink>, Ctl, Vec<Slot>) = match &opts.store {
-            Store::Memory => (
-                DynArc::new(NoSink),
-                Ctl {
-                    header: None,
-                    file: None,
-                    image: None,
-                    ident: Identity {
-                        size: capacity,
-                        uuid: [0; 16],
-                    },
-                    generation: 0,
-                },
-                Vec::new(),
-            ),
+            Store::Memory => (DynArc::new(NoSink), Ctl::memory(capacity), Vec::new()),
             Store::Mirror {
                 sidecars,
                 others,
