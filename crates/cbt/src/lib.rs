@@ -24,7 +24,8 @@
 //!   copies of a mirror's sidecar kept together (`Sidecars`);
 //! - `identity.rs`: which image a sidecar belongs to;
 //! - `bitmaps.rs`: management (`add`, `remove`, `clear`, `rotate`, `list`) and the order of its
-//!   durable steps;
+//!   durable steps; `bitmaps/open.rs`: opening them (a sidecar loaded or reset, a mirror's
+//!   copies);
 //! - `tracked.rs`: the device wrapper.
 #![warn(missing_docs)]
 

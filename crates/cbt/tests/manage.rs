@@ -3,52 +3,33 @@
 //! bitmap keeps its bits and counts nothing, an enabled one counts again, a merge is the
 //! union at the target's granularity, and all of it survives a reopen of the sidecar.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use blk::{Device, DirtyExtent};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use blkq_sync::DynArc as Arc;
-use cbt::{Bitmaps, Error, Image, Mode, Options, Store, Tracked};
+use std::path::Path;
+
+use cbt::{Error, Tracked};
 use testkit::io::write_at;
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 16 * MIB;
 
-fn image(dir: &Path) -> PathBuf {
-    let p = dir.join("disk.img");
-    std::fs::File::create(&p).unwrap().set_len(SIZE).unwrap();
-    p
+fn image(dir: &Path) -> std::path::PathBuf {
+    common::image(dir, SIZE)
 }
 
+/// The tracked image, opened without a note.
 fn tracked(img: &Path) -> Tracked {
-    let inner: Arc<dyn Device> = Arc::new(
-        format!("file:{}", img.display())
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    );
-    let opts = Options {
-        store: Store::File {
-            path: img.with_extension("bitmaps"),
-            image: Image::File(img.to_path_buf()),
-        },
-        reset: false,
-        mode: Mode::LockFree,
-    };
-    let (b, notes) = Bitmaps::open(SIZE, &opts).unwrap();
+    let (t, notes) = common::tracked(img, SIZE, false).unwrap();
     assert!(notes.is_empty(), "{notes:?}");
-    Tracked::new(inner, b)
+    t
 }
 
 /// The dirty runs of bitmap `name` over the whole device.
 fn runs(t: &Tracked, name: &str) -> Vec<(u64, bool)> {
-    let mut out: Vec<DirtyExtent> = Vec::new();
-    t.dirty_bitmaps()
-        .unwrap()
-        .dirty_extents_into(name, 0, SIZE, 64, &mut out)
-        .unwrap();
-    out.iter().map(|e| (e.len, e.dirty)).collect()
+    common::dirty_runs(t, name, SIZE)
+        .iter()
+        .map(|e| (e.len, e.dirty))
+        .collect()
 }
 
 fn recording(t: &Tracked, name: &str) -> bool {

@@ -4,11 +4,11 @@
 //! all-dirty bitmaps that say so. A mirror's copies: the newest is taken in any order and the
 //! stale one named and replaced; a copy from a history the array does not share is refused.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use blk::{Device, DirtyBitmaps, DirtyExtent};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use blkq_sync::DynArc as Arc;
 use cbt::{Bitmaps, Error, Image, Mode, Options, Store, Tracked};
 use testkit::io::write_at;
 
@@ -16,41 +16,15 @@ const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
 
 fn image(dir: &Path) -> PathBuf {
-    let p = dir.join("disk.img");
-    std::fs::File::create(&p).unwrap().set_len(SIZE).unwrap();
-    p
-}
-
-fn opts(img: &Path, reset: bool) -> Options {
-    Options {
-        store: Store::File {
-            path: img.with_extension("bitmaps"),
-            image: Image::File(img.to_path_buf()),
-        },
-        reset,
-        mode: Mode::LockFree,
-    }
+    common::image(dir, SIZE)
 }
 
 fn tracked(img: &Path, reset: bool) -> Result<(Tracked, Vec<String>), Error> {
-    let inner: Arc<dyn Device> = Arc::new(
-        format!("file:{}", img.display())
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    );
-    let (b, notes) = Bitmaps::open(SIZE, &opts(img, reset))?;
-    Ok((Tracked::new(inner, b), notes))
+    common::tracked(img, SIZE, reset)
 }
 
 fn dirty_runs(t: &Tracked, name: &str) -> Vec<DirtyExtent> {
-    let mut out = Vec::new();
-    t.dirty_bitmaps()
-        .unwrap()
-        .dirty_extents_into(name, 0, SIZE, 64, &mut out)
-        .unwrap();
-    out
+    common::dirty_runs(t, name, SIZE)
 }
 
 fn d(len: u64, dirty: bool) -> DirtyExtent {

@@ -12,7 +12,7 @@
 //!   then, when the socket's write half is free at once (`try_lock`), send the request header
 //!   and, for a write, the payload straight from the bio's buffer with one non-blocking
 //!   `sendmsg`; what the socket does not take at once is the sender thread's ("Sending
-//!   inline" in `table`; `send=thread` always hands over). A submitter never waits for the
+//!   inline" in `send`; `send=thread` always hands over). A submitter never waits for the
 //!   server to read.
 //! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
 //!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
@@ -114,10 +114,10 @@
 //! (what multi-conn promises).
 
 // Files: `spec` (the URI), `connect` (dialing and negotiating one connection), `check` (the
-// owner's check of a new connection), `table` (what
-// the threads share: the slots, the socket's write half, sending, completion, failing),
-// `link` (one connection's shared state and threads), `submit` (taking a slot and the first
-// send), `extents` (block status), `receiver` (receiving on one connection), `reconnect` (the
+// owner's check of a new connection), `table` (what the threads share: the slots, the
+// socket's write half, completion, failing), `send` (how a request is sent: inline by its
+// submitter or by the sender thread), `link` (one connection's shared state and threads),
+// `submit` (taking a slot and the first send), `extents` (block status), `receiver` (receiving on one connection), `reconnect` (the
 // receiver thread's loop around it), `sender` (the sender thread); this file opens the
 // device's connections, spreads requests over them and maps bios to commands.
 mod check;
@@ -128,6 +128,7 @@ mod receiver;
 mod reconnect;
 mod resolve;
 mod seal;
+mod send;
 mod sender;
 mod spec;
 mod submit;

@@ -26,7 +26,8 @@
 use std::time::Instant;
 
 use super::receiver::{Receiver, Stop};
-use super::table::{write_all2, Writer};
+use super::send::write_all2;
+use super::table::Writer;
 use crate::proto::{Command, TransmissionFlags};
 use crate::transmission::{parse_chunk, Chunk, ReplyHeader, Request};
 

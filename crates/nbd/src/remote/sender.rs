@@ -2,7 +2,7 @@
 //! every request waiting when a connection comes back, the flush of an emulated FUA write
 //! once its write is answered (when the receiver could not send it at once), a request whose submitter found the send side busy or the
 //! socket full (or every request, with `send=thread` or TLS), and the rest of a request an
-//! inline send wrote in part (see "Sending inline" in `table`).
+//! inline send wrote in part (see "Sending inline" in `send`).
 //!
 //! Why a thread of its own rather than the receiver: the receiver must never wait for the
 //! writer lock or the socket's send buffer. A server that cannot send its replies (its send

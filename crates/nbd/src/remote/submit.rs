@@ -1,6 +1,6 @@
 //! Submitting a request: taking a free slot (waiting for one at most the timeout, failing at
 //! once when the device is dead or past its reconnect deadline) and the first send: inline
-//! when the send side is free, else by the sender thread (see "Sending inline" in `table`).
+//! when the send side is free, else by the sender thread (see "Sending inline" in `send`).
 
 use std::io;
 use std::time::Instant;

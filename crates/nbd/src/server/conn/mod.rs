@@ -5,6 +5,7 @@
 //! |---------------|---------------------------------------------------------|--------------------|
 //! | `mod.rs`      | `serve`, [`Connection`]: setup, the reader loop, waiting for slots, teardown | reader |
 //! | `reader.rs`   | recv, decode, validate, stage, commit + submit           | reader             |
+//! | `block_status.rs` | a block-status request's budget and its staging (the extent maps) | reader |
 //! | `inflight.rs` | the in-flight table (one `InFlight` per slot), `end_io` | reader, completion threads, writers |
 //! | `reply.rs`    | reply shaping: an entry's reply as headers + data segments | the writer       |
 //! | `writer.rs`   | the combining writer (token, `sendmsg`) and its flusher  | reader, completion threads, flusher |
@@ -39,6 +40,7 @@
 //! `Device::extents` returns (one per structured read when the export has sparse reads, and
 //! per `NBD_CMD_BLOCK_STATUS`) and the plug `Queue::submit_batch` allocates per batch.
 
+mod block_status;
 mod home;
 mod inflight;
 mod reader;
