@@ -491,9 +491,14 @@ fn fua_is_emulated_with_a_flush_when_the_server_has_no_fua() {
     let dev = kit.open();
     let a = pattern(11, 64 << 10);
     write(&dev, 0, &a, BioFlags::FUA).unwrap();
-    // The write by its submitter, the flush by the receiver that got the write's reply:
-    // both inline, no thread woken to send.
-    assert_eq!(dev.sends(), (2, 0));
+    // Two sends, the write by its submitter; the flush by the receiver that got the write's
+    // reply, inline unless the submitter still held the connection's lock (it counts its send
+    // after its bytes are out, and the reply may come first), then by the send thread.
+    testkit::wait_until("2 sends counted", || {
+        let (a, b) = dev.sends();
+        a + b == 2
+    });
+    assert!(dev.sends().0 >= 1, "{:?}", dev.sends());
     let text = std::fs::read_to_string(&log).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let w = lines
@@ -625,8 +630,10 @@ fn requests_are_sent_inline_unless_send_thread_says_otherwise() {
         });
         let (by_us2, by_thread2) = dev.sends();
         if inline {
+            // A 4 MiB write that the socket cannot take at once goes on from the thread;
+            // how many depends on how fast the server drains (the busier the box, the fewer).
             assert!(
-                by_thread2 >= 4,
+                by_thread2 >= 1,
                 "the large writes were all inline: {by_thread2}"
             );
         } else {
