@@ -2,7 +2,8 @@
 //! legs, after writing a pattern over the whole array through the mirror; prints MiB/s of
 //! array capacity per second. The speed limit is lifted (md's `sync_speed_max` would cap the
 //! pass at 200 000 KiB/s otherwise). Used by bench/raid1.sh:
-//!   cargo run --release -p raid1 --example check_speed -- [SIZE_MIB] [check|repair]
+//!   cargo run --release -p raid1 --example check_speed -- [SIZE_MIB] [check|repair] [crc32c]
+//! (`crc32c`: an array with per-block checksums, whose check also verifies every block).
 // A plain threaded benchmark, never a loom model: its harness may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 
@@ -33,6 +34,7 @@ fn main() {
         .unwrap_or_else(|| "check".into())
         .parse()
         .expect("check or repair");
+    let integrity = args.next().map(|s| s.parse().expect("crc32c"));
     let leg = || -> Arc<dyn Device> {
         Arc::new(
             format!("mem:{}M", mib + 1)
@@ -42,7 +44,11 @@ fn main() {
                 .unwrap(),
         )
     };
-    let r = Raid1::create(vec![leg(), leg()], Raid1Config::default()).expect("create");
+    let cfg = Raid1Config {
+        integrity,
+        ..Raid1Config::default()
+    };
+    let r = Raid1::create(vec![leg(), leg()], cfg).expect("create");
     let cap = r.limits().capacity;
     let chunk = 128u64 << 10;
     let w = Arc::new(Wait(Mutex::new(None), Condvar::new()));

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use blk::{submit_wait, Bio, BioFlags, Buffer, Op, SECTOR_SHIFT};
+use blk::{submit_wait, Bio, BioFlags, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
@@ -64,18 +64,7 @@ impl Inner {
                     continue;
                 };
                 let Some(src) = o.buf.as_ref() else { break };
-                let mut copy = Buffer::new(src.len());
-                copy.as_mut_slice().copy_from_slice(src.as_slice());
-                let mut wb = self.leg_bio(&o, Some(copy), id);
-                wb.op = Op::Write;
-                wb.flags = BioFlags::NONE;
-                if submit_wait(dev.as_ref(), wb).1.is_err() {
-                    self.leg_write_failed(
-                        leg,
-                        "a read repair's write failed",
-                        "the last in-sync leg failed a read repair",
-                    );
-                }
+                self.repair_write(leg, dev.as_ref(), &o, src.as_slice(), id);
             }
         }
         let _ = self.barriers.unfreeze_array();
@@ -86,6 +75,23 @@ impl Inner {
         };
         if let Some(e) = end {
             e.end_io(o, res);
+        }
+    }
+
+    /// Writes `data` (a read's range `o`, good on another leg) over leg `leg`'s copy, with
+    /// the array frozen; a leg whose rewrite fails is failed.
+    pub(crate) fn repair_write(&self, leg: usize, dev: &dyn Device, o: &Bio, data: &[u8], id: u32) {
+        let mut copy = Buffer::new(o.len as usize);
+        copy.as_mut_slice().copy_from_slice(&data[..o.len as usize]);
+        let mut wb = self.leg_bio(o, Some(copy), id);
+        wb.op = Op::Write;
+        wb.flags = BioFlags::NONE;
+        if submit_wait(dev, wb).1.is_err() {
+            self.leg_write_failed(
+                leg,
+                "a read repair's write failed",
+                "the last in-sync leg failed a read repair",
+            );
         }
     }
 

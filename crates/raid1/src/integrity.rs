@@ -340,6 +340,15 @@ mod tests {
     }
 
     #[test]
+    fn the_table_of_a_tib_array_takes_about_a_gib_of_memory() {
+        let pages = (1u64 << 40) / BLOCK / PER_PAGE as u64 + 1;
+        let bytes = pages * std::mem::size_of::<Mutex<Page>>() as u64;
+        // 4 bytes per 4 KiB block, plus a lock and a flag per page of 1023 sums.
+        assert!(bytes <= (1u64 << 30) + (10 << 20), "{bytes} bytes per TiB");
+        assert!(bytes >= 1 << 30);
+    }
+
+    #[test]
     fn the_area_holds_every_block_of_the_leg() {
         for size in [BLOCK, 1 << 20, (1 << 30) + 12345, 1 << 40] {
             let pages = area_len(size) / PAGE as u64;

@@ -2,7 +2,7 @@
 //! array frozen: every readable leg is read, each block is taken from a leg that matches its
 //! sum, the legs that did not are rewritten, and a block no leg holds fails the read.
 
-use blk::{submit_wait, Bio, BioFlags, Buffer, EndIo, Op};
+use blk::{submit_wait, Bio, Buffer, EndIo};
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as StdArc;
 
@@ -86,18 +86,7 @@ impl Inner {
             let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
                 continue;
             };
-            let mut copy = Buffer::new(len);
-            copy.as_mut_slice().copy_from_slice(&out.as_slice()[..len]);
-            let mut wb = self.leg_bio(&o, Some(copy), id);
-            wb.op = Op::Write;
-            wb.flags = BioFlags::NONE;
-            if submit_wait(dev.as_ref(), wb).1.is_err() {
-                self.leg_write_failed(
-                    leg,
-                    "a checksum repair's write failed",
-                    "the last in-sync leg failed a checksum repair",
-                );
-            }
+            self.repair_write(leg, dev.as_ref(), &o, out.as_slice(), id);
         }
         let _ = self.barriers.unfreeze_array();
         let _ = self.barriers.allow_barrier(sector);

@@ -19,14 +19,7 @@ pub(crate) fn load(t: &Checksums, legs: &[&dyn Device]) -> Vec<String> {
             break;
         }
         let mut still = Vec::new();
-        let mut k = 0;
-        while k < missing.len() {
-            // A run of consecutive missing pages.
-            let first = missing[k];
-            let mut n = 1;
-            while k + n < missing.len() && missing[k + n] == first + n && n < RUN {
-                n += 1;
-            }
+        for (first, n) in runs(&missing) {
             let b = Bio::with_buf(
                 Op::Read,
                 t.leg_offset(first) >> SECTOR_SHIFT,
@@ -43,7 +36,6 @@ pub(crate) fn load(t: &Checksums, legs: &[&dyn Device]) -> Vec<String> {
                 }
                 _ => still.extend(first..first + n),
             }
-            k += n;
         }
         missing = still;
     }
@@ -67,14 +59,7 @@ impl Inner {
     pub(crate) fn persist_sums(&self) {
         let Some(t) = &self.sums else { return };
         let _g = self.persist.lock();
-        let dirty = t.dirty_pages();
-        let mut k = 0;
-        while k < dirty.len() {
-            let first = dirty[k];
-            let mut n = 1;
-            while k + n < dirty.len() && dirty[k + n] == first + n && n < RUN {
-                n += 1;
-            }
+        for (first, n) in runs(&t.dirty_pages()) {
             let mut bytes = vec![0u8; n * PAGE];
             for (j, out) in bytes.chunks_exact_mut(PAGE).enumerate() {
                 out.copy_from_slice(&t.encode_page(first + j, true));
@@ -92,7 +77,6 @@ impl Inner {
                     );
                 }
             }
-            k += n;
         }
     }
 
@@ -117,6 +101,18 @@ impl Inner {
         }
         write_pages(dev, t.leg_offset(pages.start), &bytes)
     }
+}
+
+/// Runs of consecutive pages among `pages` (sorted), at most [`RUN`] each: (first, count).
+fn runs(pages: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &p in pages {
+        match out.last_mut() {
+            Some((first, n)) if *first + *n == p && *n < RUN => *n += 1,
+            _ => out.push((p, 1)),
+        }
+    }
+    out
 }
 
 fn write_pages(dev: &dyn Device, at: u64, bytes: &[u8]) -> Result<(), blk::Error> {
