@@ -8,6 +8,7 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as StdArc;
 use uuid::Uuid;
 
+use crate::barrier::paired;
 use crate::bitmap::WriteIntentBitmap;
 use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::generation::{Kinship, Lineage};
@@ -104,7 +105,7 @@ impl Raid1 {
             // SAFETY: frozen above.
             unsafe { inner.place_frozen(i, dev, readd, write_mostly) };
         }
-        let _ = inner.barriers.unfreeze_array();
+        paired(inner.barriers.unfreeze_array());
         let i = slot.ok_or(Raid1Error::Config("no free slot".into()))?;
         // Named and told before its recovery can start (`state_changed` wakes the sync thread).
         if name.is_some() {
@@ -228,7 +229,7 @@ impl Raid1 {
             unsafe { inner.place_frozen(slot, dev, bitmap, write_mostly) };
             inner.count_readd(slot);
         }
-        let _ = inner.barriers.unfreeze_array();
+        paired(inner.barriers.unfreeze_array());
         if !free {
             // Another leg, or a failure, came first: the next attempt says which.
             return Err(AbsentError::Down(format!(
@@ -389,7 +390,7 @@ impl Raid1 {
             let _ = unsafe { l.set_dev_frozen(None) };
             *l.uuid.lock() = old_uuid;
         }
-        let _ = inner.barriers.unfreeze_array();
+        paired(inner.barriers.unfreeze_array());
         inner.state_changed();
     }
 }

@@ -18,7 +18,7 @@ use sbitmap::Sbitmap;
 use std::collections::VecDeque;
 use waitq::WaitQueue;
 
-use crate::barrier::Barriers;
+use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::config::Raid1Config;
 use crate::device::{
@@ -543,7 +543,7 @@ impl Raid1 {
             l.bitmap_recovery.store(p.readd, Ordering::Release);
             l.state.store(p.state, Ordering::Release);
         }
-        let _ = inner.barriers.unfreeze_array();
+        paired(inner.barriers.unfreeze_array());
         for i in 0..a.nr_slots {
             inner.watch_connections(i);
         }

@@ -117,6 +117,19 @@ impl std::str::FromStr for BarrierMode {
     }
 }
 
+/// Checks the result of a call that ends an admission, a window or a freeze: an unpaired call
+/// is a bug in the caller (the kernel `BUG_ON`s it). On the hot path (`allow_barrier`, once per
+/// I/O) a debug assertion, so the tests and the simulator's debug seeds catch it; off it
+/// (`lower_barrier`, `unfreeze_array`, `unqueue_io`) an assertion in every build.
+#[track_caller]
+pub(crate) fn paired(r: Result<(), BarrierError>) {
+    match r {
+        Ok(()) => {}
+        Err(e @ BarrierError::NotPending(_)) => debug_assert!(false, "unpaired barrier call: {e}"),
+        Err(e) => panic!("unpaired barrier call: {e}"),
+    }
+}
+
 /// Misuse of the barrier API.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -531,6 +544,20 @@ impl Barriers {
 #[cfg(all(test, not(blkq_loom)))]
 mod tests {
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "unpaired barrier call")]
+    fn an_unpaired_lower_is_a_bug_that_asserts() {
+        let b = Barriers::new(BarrierMode::Lockless);
+        paired(b.lower_barrier(0));
+    }
+
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "unpaired barrier call"))]
+    fn an_unpaired_allow_asserts_in_debug_builds() {
+        let b = Barriers::new(BarrierMode::Locked);
+        paired(b.allow_barrier(0));
+    }
     use blkq_sync::atomic::AtomicBool;
     use blkq_sync::Arc;
     use std::time::Duration;

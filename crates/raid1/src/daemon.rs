@@ -12,6 +12,7 @@ use blk::{submit_wait, Bio, BioFlags, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
+use crate::barrier::paired;
 use crate::device::{eio, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::events::Event;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
@@ -33,7 +34,7 @@ impl Inner {
             return self.heal_read(t, o, end, id);
         }
         let sector = o.sector;
-        let _ = self.barriers.unqueue_io(sector);
+        paired(self.barriers.unqueue_io(sector));
         self.barriers.freeze_array(1);
         let failed = tried;
         let end_byte = o.offset() + u64::from(o.len);
@@ -67,8 +68,8 @@ impl Inner {
                 self.repair_write(leg, dev.as_ref(), &o, src.as_slice(), id);
             }
         }
-        let _ = self.barriers.unfreeze_array();
-        let _ = self.barriers.allow_barrier(sector);
+        paired(self.barriers.unfreeze_array());
+        paired(self.barriers.allow_barrier(sector));
         let res = match good {
             Some(_) => Ok(()),
             None => Err(err.unwrap_or_else(|| eio("raid1: no leg could read"))),

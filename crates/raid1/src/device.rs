@@ -26,7 +26,7 @@ use crate::slot::AdmittedCell;
 use uuid::Uuid;
 use waitq::WaitQueue;
 
-use crate::barrier::Barriers;
+use crate::barrier::{paired, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap};
 use crate::config::Raid1Config;
 use crate::generation::Lineage;
@@ -600,7 +600,7 @@ impl Raid1 {
             // SAFETY: frozen above.
             Ok(unsafe { l.set_dev_frozen(None) })
         };
-        let _ = self.inner.barriers.unfreeze_array();
+        paired(self.inner.barriers.unfreeze_array());
         let dev = r?.ok_or(Raid1Error::Slot(i, "empty"))?;
         // Not the array's leg any more: its connections are not judged by it.
         dev.check_connections(None);
@@ -664,7 +664,7 @@ impl Raid1 {
         } else {
             l.state.fetch_and(!WRITE_MOSTLY, Ordering::AcqRel);
         }
-        let _ = self.inner.barriers.unfreeze_array();
+        paired(self.inner.barriers.unfreeze_array());
         self.inner.state_changed();
         Ok(())
     }
@@ -702,7 +702,7 @@ impl Drop for Raid1 {
         if let Some(t) = self.daemon.take() {
             let _ = t.join();
         }
-        let _ = self.inner.barriers.unfreeze_array();
+        paired(self.inner.barriers.unfreeze_array());
         if !self.crashed {
             // The checksums' dirty pages reach the legs (and are flushed) before the
             // superblocks say clean (see `integrity`).

@@ -13,7 +13,7 @@ use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Limits, Op, SECTOR_SHIFT}
 use blkq_sync::atomic::Ordering;
 use blkq_sync::MutexGuard;
 
-use crate::barrier::BARRIER_UNIT_SECTOR_BITS;
+use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
 use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::lend::Lent;
 use crate::superblock::MAX_LEGS;
@@ -151,7 +151,7 @@ impl Inner {
             self.barriers.wait_read_barrier(sector);
             let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0)
             else {
-                let _ = self.barriers.allow_barrier(sector);
+                paired(self.barriers.allow_barrier(sector));
                 self.put_slot(id);
                 end.end_io(bio, Err(eio("raid1: no readable leg")));
                 return;
@@ -162,7 +162,7 @@ impl Inner {
                 && self.legs[leg].state.load(Ordering::Acquire) & WRITE_MOSTLY != 0
                 && self.wb.outstanding() > 0
             {
-                let _ = self.barriers.allow_barrier(sector);
+                paired(self.barriers.allow_barrier(sector));
                 self.wb.wait_drained();
                 continue;
             }
@@ -203,11 +203,11 @@ impl Inner {
                 None
             })
         };
-        let _ = self.barriers.allow_barrier(sector);
+        paired(self.barriers.allow_barrier(sector));
         if let Some(bio) = bio {
             // Cannot happen while admitted (state and slot change together, frozen); handled
             // as a failed read all the same.
-            let _ = self.barriers.allow_barrier(sector);
+            paired(self.barriers.allow_barrier(sector));
             self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: leg vanished")));
         }
@@ -224,10 +224,10 @@ impl Inner {
                     self.barriers.wait_barrier(u);
                 } else if !self.barriers.try_wait_barrier(u) {
                     for v in units(sector, len).take(held as usize) {
-                        let _ = self.barriers.allow_barrier(v);
+                        paired(self.barriers.allow_barrier(v));
                     }
                     self.barriers.wait_barrier(u);
-                    let _ = self.barriers.allow_barrier(u);
+                    paired(self.barriers.allow_barrier(u));
                     continue 'again;
                 }
                 held += 1;
@@ -239,7 +239,7 @@ impl Inner {
     /// Ends a write's admissions (every unit it touches).
     fn release_write(&self, sector: u64, len: u64) {
         for u in units(sector, len) {
-            let _ = self.barriers.allow_barrier(u);
+            paired(self.barriers.allow_barrier(u));
         }
     }
 
@@ -462,7 +462,7 @@ impl Inner {
                 self.leg_done(i, b, Err(eio("raid1: leg vanished")));
             }
         }
-        let _ = self.barriers.allow_barrier(sector);
+        paired(self.barriers.allow_barrier(sector));
     }
 
     pub(crate) fn submit_flush(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
@@ -495,7 +495,7 @@ impl Inner {
             }
         }
         if mask == 0 {
-            let _ = self.barriers.allow_barrier(FLUSH_SECTOR);
+            paired(self.barriers.allow_barrier(FLUSH_SECTOR));
             self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no leg to flush")));
             return;
@@ -577,7 +577,7 @@ impl Inner {
             if queued {
                 self.barriers.queue_io(u);
             } else {
-                let _ = self.barriers.unqueue_io(u);
+                paired(self.barriers.unqueue_io(u));
             }
         }
     }
@@ -819,10 +819,10 @@ impl Inner {
         let Some(o) = orig else { return };
         match kind {
             Kind::Flush => {
-                let _ = self.barriers.allow_barrier(FLUSH_SECTOR);
+                paired(self.barriers.allow_barrier(FLUSH_SECTOR));
             }
             _ if o.op == Op::Read => {
-                let _ = self.barriers.allow_barrier(o.sector);
+                paired(self.barriers.allow_barrier(o.sector));
             }
             _ => self.write_finished(o.offset(), u64::from(o.len), o.sector),
         }

@@ -59,6 +59,7 @@ use blkq_sync::DynArc as StdArc;
 use blkq_sync::Mutex;
 
 use crate::assemble::{left_in_sync, readd_covers, Assembly, AssemblyError};
+use crate::barrier::paired;
 use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::events::Event;
 use crate::generation::Kinship;
@@ -598,7 +599,7 @@ impl Inner {
             p.last_error = None;
             p.refused = None;
         }
-        let _ = self.barriers.unfreeze_array();
+        paired(self.barriers.unfreeze_array());
         if !ours {
             return Ok(false);
         }

@@ -7,6 +7,7 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as StdArc;
 
 use super::{Checksums, BLOCK};
+use crate::barrier::paired;
 use crate::device::{eio, Inner};
 use crate::events::Event;
 use crate::superblock::MAX_LEGS;
@@ -31,7 +32,7 @@ impl Inner {
         id: u32,
     ) {
         let sector = o.sector;
-        let _ = self.barriers.unqueue_io(sector);
+        paired(self.barriers.unqueue_io(sector));
         // Frozen: no write into the range is in flight, so the sums and the legs agree
         // unless a leg is corrupt.
         self.barriers.freeze_array(1);
@@ -88,8 +89,8 @@ impl Inner {
             };
             self.repair_write(leg, dev.as_ref(), &o, out.as_slice(), id);
         }
-        let _ = self.barriers.unfreeze_array();
-        let _ = self.barriers.allow_barrier(sector);
+        paired(self.barriers.unfreeze_array());
+        paired(self.barriers.allow_barrier(sector));
         o.buf = Some(out);
         let res = if copies.is_empty() {
             Err(eio("raid1: no leg could read"))

@@ -9,6 +9,7 @@ use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
+use crate::barrier::paired;
 use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::events::Event;
 use crate::superblock::MAX_LEGS;
@@ -195,7 +196,7 @@ impl Inner {
                 let target = self.legs[t].dev().map(|d| (t, d));
                 let gen = self.legs[t].gen.load(Ordering::Acquire);
                 let start = self.legs[t].recovery_offset.load(Ordering::Acquire);
-                let _ = self.barriers.unfreeze_array();
+                paired(self.barriers.unfreeze_array());
                 let Some(target) = target else {
                     return PassEnd::Interrupted;
                 };
@@ -213,7 +214,7 @@ impl Inner {
                             l.recovery_offset.store(0, Ordering::Release);
                         }
                         let marked = ours && self.mark_in_sync(t);
-                        let _ = self.barriers.unfreeze_array();
+                        paired(self.barriers.unfreeze_array());
                         if marked {
                             self.state_changed();
                             self.clear_synced_bits();
@@ -459,7 +460,7 @@ impl Inner {
             // Under the raised window the slot cannot change (add and remove freeze, and a
             // freeze waits for the window): the target is checked, and its offset moved, here.
             if target.is_some_and(|t| !self.still_target(t, gen)) {
-                let _ = self.barriers.lower_barrier(sector);
+                paired(self.barriers.lower_barrier(sector));
                 return PassEnd::Interrupted; // failed, removed or replaced meanwhile
             }
             let w0 = Instant::now();
@@ -474,7 +475,7 @@ impl Inner {
                     self.legs[*t].recovery_offset.store(wend, Ordering::Release);
                 }
             }
-            let _ = self.barriers.lower_barrier(sector);
+            paired(self.barriers.lower_barrier(sector));
             let last_window = w0.elapsed();
             if !r {
                 return PassEnd::Failed;
