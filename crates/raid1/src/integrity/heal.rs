@@ -33,8 +33,9 @@ impl Inner {
     ) {
         let sector = o.sector;
         paired(self.barriers.unqueue_io(sector));
-        // Frozen: no write into the range is in flight, so the sums and the legs agree
-        // unless a leg is corrupt.
+        // Frozen: no write into the range is in flight (a write behind keeps its admission
+        // until its write-mostly legs have it too), so the sums and the legs agree unless a
+        // leg is corrupt.
         self.barriers.freeze_array(1);
         let (off, len) = (o.offset(), o.len as usize);
         let end_byte = off + len as u64;
