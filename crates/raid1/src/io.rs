@@ -108,7 +108,8 @@ impl Inner {
     pub(crate) fn put_slot(&self, id: u32) {
         // `put` orders the slot's last use before its next owner's `get` (Release, see
         // `sbitmap`); `wake_one`'s fence orders the free bit before its look for waiters.
-        let _ = self.free.put(id);
+        let r = self.free.put(id);
+        debug_assert!(r, "slot {id} given back twice");
         self.free_wq.wake_one();
     }
 
@@ -183,6 +184,8 @@ impl Inner {
                 let lb = self.leg_bio(&bio, buf, id);
                 {
                     let mut io = self.ios[id as usize].lock();
+                    // A slot taken from the free set is free (the set never hands one out twice).
+                    debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
                     *io = Io {
                         kind: Kind::Read,
                         sent_ns: blk::stats::batch_ns(),
@@ -304,6 +307,8 @@ impl Inner {
             let mut orig = Lent::owned(bio);
             orig.lend(lent);
             let mut io = self.ios[id as usize].lock();
+            // A slot taken from the free set is free (the set never hands one out twice).
+            debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
             *io = Io {
                 kind: Kind::Write,
                 sent_ns: blk::stats::batch_ns(),
@@ -502,6 +507,8 @@ impl Inner {
         }
         {
             let mut io = self.ios[id as usize].lock();
+            // A slot taken from the free set is free (the set never hands one out twice).
+            debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
             *io = Io {
                 kind: Kind::Flush,
                 orig: Lent::owned(bio),
@@ -562,7 +569,9 @@ impl Inner {
 
     pub(crate) fn write_finished(&self, off: u64, len: u64, sector: u64) {
         if let Some(bm) = &self.bitmap {
-            let _ = bm.end_write(off, len);
+            // Sharded counts cannot see an end without its start; the locked mode can.
+            let r = bm.end_write(off, len);
+            debug_assert!(r.is_ok(), "a write's bitmap end without its start: {r:?}");
         }
         self.release_write(sector, len);
     }
