@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says when it starts, in seconds since the run began (docs/testing.md: what each
+# part costs).
+step() { printf '\n==> [%ds] %s\n' "$SECONDS" "$*"; }
 
 step "toolchain components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
@@ -59,3 +61,5 @@ if ! wait "$LOOM_BUILD"; then
 fi
 RUSTFLAGS="--cfg blkq_loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
   CARGO_TARGET_DIR=target/loom cargo test --release --workspace --test 'loom_*'
+
+step "done"
