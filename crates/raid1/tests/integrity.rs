@@ -289,3 +289,33 @@ fn a_crash_of_a_degraded_array_leaves_what_it_wrote_readable() {
     );
     assert_eq!(counts(&r).unrecoverable, 0);
 }
+
+#[test]
+fn a_read_no_leg_can_serve_fails_and_leaves_the_legs_as_they_were() {
+    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+    let (fa, fb) = (
+        FaultDevice::new(mem("16M"), FaultConfig::default()),
+        FaultDevice::new(mem("16M"), FaultConfig::default()),
+    );
+    let (ha, hb) = (fa.handle(), fb.handle());
+    let (a, b): (Arc<dyn Device>, Arc<dyn Device>) = (Arc::new(fa), Arc::new(fb));
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let data = pattern(8, 16 * BLK);
+    write(&r, 0, &data);
+    // Every leg fails the read: nothing was read, so nothing may be written back.
+    let d = r.data_offset();
+    ha.add(Rule::fail(OpSet::READ).in_range(d, data.len() as u64));
+    hb.add(Rule::fail(OpSet::READ).in_range(d, data.len() as u64));
+    assert!(testkit::io::read_at(&r, 0, data.len()).is_err());
+    ha.clear();
+    hb.clear();
+    assert!(
+        read(a.as_ref(), d, data.len()) == data,
+        "leg 0 was overwritten"
+    );
+    assert!(
+        read(b.as_ref(), d, data.len()) == data,
+        "leg 1 was overwritten"
+    );
+    assert!(read(&r, 0, data.len()) == data);
+}
