@@ -88,6 +88,7 @@ fn shape_wanted(seed: u64, traits: &[String]) -> bool {
         "readd" => s.readd,
         "latency" => s.latency_us > 0,
         "three_legs" => s.legs == 3,
+        "integrity" => s.integrity,
         other => panic!("SIM_WHERE: unknown trait {other:?}"),
     })
 }
@@ -262,6 +263,25 @@ fn sim() {
         t.pin_hits,
         t.bitmap_ops,
         t.granules_checked
+    );
+    println!(
+        "sim integrity: {} seeds with checksums, flip rules armed {} on reads and {} on \
+         writes, {} leg I/Os flipped, {} blocks healed, {} unrecoverable, {} re-summed, {} \
+         read errors due to flipped copies, {} scrubs judged, sectors read flipped where \
+         no sum could catch it: {} never written or trimmed, {} re-summed at a crash, {} \
+         re-summed at a crash of a degraded array",
+        t.integrity_seeds,
+        t.flips_read_armed,
+        t.flips_write_armed,
+        t.flips_fired,
+        t.healed,
+        t.unrecoverable,
+        t.resummed,
+        t.flip_errors_due,
+        t.scrubs,
+        t.flips_nosum,
+        t.flips_crash,
+        t.flips_crash_degraded
     );
     if keep_going {
         println!(
