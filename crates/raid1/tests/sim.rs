@@ -269,7 +269,8 @@ fn sim() {
          writes, {} leg I/Os flipped, {} blocks healed, {} unrecoverable, {} re-summed, {} \
          read errors due to flipped copies, {} scrubs judged, sectors read flipped where \
          no sum could catch it: {} never written or trimmed, {} re-summed at a crash, {} \
-         re-summed at a crash of a degraded array",
+         re-summed at a crash of a degraded array, {} written since a crash before the \
+         resync",
         t.integrity_seeds,
         t.flips_read_armed,
         t.flips_write_armed,
@@ -281,7 +282,8 @@ fn sim() {
         t.scrubs,
         t.flips_nosum,
         t.flips_crash,
-        t.flips_crash_degraded
+        t.flips_crash_degraded,
+        t.flips_pending
     );
     if keep_going {
         println!(

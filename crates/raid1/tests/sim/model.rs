@@ -124,7 +124,7 @@ pub struct Model {
     /// happens).
     pub strict: bool,
     /// Sectors read with one bit flipped, by `Unsummed` reason.
-    pub flips_read: [u64; 4],
+    pub flips_read: [u64; 5],
 }
 
 const NO_PIN: u32 = u32::MAX;
@@ -144,6 +144,10 @@ pub enum Unsummed {
     /// The same, at a crash of a degraded array (whose sums reach the legs only at a clean
     /// stop).
     CrashDegraded = 3,
+    /// Written since a crash, in a chunk still waiting for its resync: a block no leg holds
+    /// with its sum there is re-summed as the source has it (the crash rule), though this
+    /// sum is the write's own.
+    Pending = 4,
 }
 
 /// One bit of `b` differs from write `w`'s stamp of sector `s`: which write, if so.
@@ -172,7 +176,7 @@ impl Model {
         Self {
             flip_ok: vec![why as u8; sectors as usize],
             strict: false,
-            flips_read: [0; 4],
+            flips_read: [0; 5],
             cur: vec![Set::one(0); sectors as usize],
             dur: vec![Set::one(0); sectors as usize],
             touched: Vec::new(),
@@ -203,11 +207,18 @@ impl Model {
         self.cur.len() as u64
     }
 
+    /// What a read may return in sector `s` now.
+    pub fn allowed(&self, s: u64) -> String {
+        self.cur
+            .get(s as usize)
+            .map_or("-".into(), |c| c.to_string())
+    }
+
     /// Whether the crash rule may have re-summed sector `s` (and nothing was written since).
     pub fn crash_marked(&self, s: u64) -> bool {
         self.flip_ok
             .get(s as usize)
-            .is_some_and(|&f| f == Unsummed::Crash as u8 || f == Unsummed::CrashDegraded as u8)
+            .is_some_and(|&f| f >= Unsummed::Crash as u8)
     }
 
     /// Whether a flipped bit may reach a client in sector `s` (its sum unknown or re-summed).
@@ -317,7 +328,7 @@ impl Model {
                         return Err(format!(
                             "sector {s} (byte {}) holds write {w} with one bit flipped: a \
                              flipped bit reached the client where the array has its sum \
-                             (why {why}: 0 summed, 2/3 crash rule refused by \
+                             (why {why}: 0 summed, 2-4 crash rule refused by \
                              SIM_SUMS_STRICT), allowed {allowed}",
                             s * SECTOR_SIZE
                         ));

@@ -208,11 +208,12 @@ pub struct Stats {
     /// Repairs with no flip rule armed, each followed by a check that judged the legs.
     pub scrubs: u64,
     /// Sectors read with a bit flipped where the array had no sum (never written or
-    /// trimmed), and where the crash rule re-summed them (at a crash of a whole array, of a
-    /// degraded one).
+    /// trimmed), where the crash rule re-summed them (at a crash of a whole array, of a
+    /// degraded one), and written since a crash in a chunk still waiting for its resync.
     pub flips_nosum: u64,
     pub flips_crash: u64,
     pub flips_crash_degraded: u64,
+    pub flips_pending: u64,
 }
 
 impl std::ops::AddAssign for Stats {
@@ -248,6 +249,7 @@ impl std::ops::AddAssign for Stats {
         self.flips_nosum += o.flips_nosum;
         self.flips_crash += o.flips_crash;
         self.flips_crash_degraded += o.flips_crash_degraded;
+        self.flips_pending += o.flips_pending;
     }
 }
 
@@ -310,6 +312,9 @@ pub struct World {
     /// degraded then: the crash rule's reach (`None`: no bitmap, all of it).
     cut_dirty: Option<Vec<(u64, u64)>>,
     cut_degraded: bool,
+    /// What the crash rule may still re-sum: the reach of every cut since the last check
+    /// that judged a whole array (no resync was due then).
+    unsettled: Vec<(u64, u64)>,
     /// `IntegrityCounts` of the arrays assembled before this one.
     counts_before: (u64, u64, u64),
     pub log: Vec<String>,
@@ -341,6 +346,7 @@ impl World {
             prev_serving: Vec::new(),
             cut_dirty: None,
             cut_degraded: false,
+            unsettled: Vec::new(),
             counts_before: (0, 0, 0),
             log: Vec::new(),
             stats: Stats::default(),
@@ -663,6 +669,73 @@ impl World {
         })
     }
 
+    /// For a failed read of an integrity seed: per block whose copies do not all match the
+    /// sum on the legs, each in-sync leg's write id (`~`: one bit flipped) and whether it
+    /// matches the sum its own checksum area holds, and the model's allowed writes.
+    fn sums_report(&self, off: u64, len: u64) -> String {
+        if !self.shape.integrity {
+            return String::new();
+        }
+        let r = self.r();
+        let d = r.data_offset();
+        let per = raid1::integrity::PER_PAGE as u64;
+        let mut out = String::from("; blocks (leg: write, matches its sum on disk):");
+        let mut shown = 0;
+        for blk in off / BLOCK..(off + len).div_ceil(BLOCK) {
+            let mut line = Vec::new();
+            let mut all = true;
+            for i in 0..r.slots() {
+                let (Some(st), Some(dev)) = (r.leg_status(i), r.leg_device(i)) else {
+                    continue;
+                };
+                if !st.in_sync || st.faulty {
+                    continue;
+                }
+                let Ok(data) = testkit::io::read_at(dev.as_ref(), d + blk * BLOCK, BLOCK as usize)
+                else {
+                    continue;
+                };
+                let s0 = blk * BLOCK / SECTOR as u64;
+                let ids: Vec<String> = data
+                    .chunks(SECTOR)
+                    .enumerate()
+                    .map(|(j, b)| {
+                        let s = s0 + j as u64;
+                        super::model::decode(s, b).map_or_else(
+                            || {
+                                super::model::decode_flipped(s, b)
+                                    .map_or("?".into(), |w| format!("~{w}"))
+                            },
+                            |w| w.to_string(),
+                        )
+                    })
+                    .collect();
+                let disk = Raid1::read_superblock(dev.as_ref())
+                    .ok()
+                    .and_then(|sb| sb.integrity)
+                    .and_then(|a| {
+                        testkit::io::read_at(dev.as_ref(), a.offset + blk / per * 4096, 4096).ok()
+                    })
+                    .map(|p| {
+                        let k = (blk % per * 4) as usize;
+                        u32::from_le_bytes([p[k], p[k + 1], p[k + 2], p[k + 3]])
+                    });
+                let m = disk.map(|x| x == 0 || x == raid1::integrity::block_sum(&data));
+                all &= m == Some(true);
+                line.push(format!("slot {i}: {ids:?} {m:?}"));
+            }
+            if !all && shown < 3 {
+                shown += 1;
+                out += &format!(
+                    "\n  block at {} ({line:?}); model allows {}",
+                    blk * BLOCK,
+                    self.model.allowed(blk * BLOCK / SECTOR as u64)
+                );
+            }
+        }
+        out
+    }
+
     /// This seed's counters, the model's pins included.
     pub fn stats(&self) -> Stats {
         let (healed, unrecoverable, resummed) = self.integrity_counts();
@@ -680,6 +753,7 @@ impl World {
             flips_nosum: self.model.flips_read[Unsummed::NoSum as usize],
             flips_crash: self.model.flips_read[Unsummed::Crash as usize],
             flips_crash_degraded: self.model.flips_read[Unsummed::CrashDegraded as usize],
+            flips_pending: self.model.flips_read[Unsummed::Pending as usize],
             ..self.stats
         }
     }
@@ -1023,7 +1097,16 @@ impl World {
         if self.shape.integrity {
             match (op, &res) {
                 (Op::Discard, _) => self.model.set_unsummed(s, n, Unsummed::NoSum),
-                (_, Ok(())) => self.model.set_unsummed(s, n, Unsummed::Summed),
+                (_, Ok(())) => {
+                    self.model.set_unsummed(s, n, Unsummed::Summed);
+                    for &(a, b) in &self.unsettled {
+                        let (a, b) = (a.max(off), b.min(off + len));
+                        if a < b {
+                            let (s, n) = Self::sectors(a, b - a);
+                            self.model.set_unsummed(s, n, Unsummed::Pending);
+                        }
+                    }
+                }
                 _ => {}
             }
         }
@@ -1050,8 +1133,13 @@ impl World {
         assert!(
             self.due(op, off, len, serving),
             "{what} {off}+{len} failed though it was not due (legs that could serve it: \
-             {serving:?}; rules armed: {:?}): {e}",
-            self.armed
+             {serving:?}; rules armed: {:?}): {e}{}",
+            self.armed,
+            if op == Op::Read {
+                self.sums_report(off, len)
+            } else {
+                String::new()
+            }
         );
         self.stats.errors_due += 1;
         if op == Op::Read && self.flip_due(off, len, serving, &|_| false) {
@@ -1269,8 +1357,21 @@ impl World {
             self.stats.flips_write_armed += 1;
         }
         if ops.contains(Op::Read) {
-            self.flags(1, k)[blocks].fill(true);
+            self.flags(1, k)[blocks.clone()].fill(true);
             self.stats.flips_read_armed += 1;
+            // The crash rule re-sums a block no leg matches as the source's read of it
+            // had it, writing nothing back where no other leg is rewritten: a flipped read
+            // there leaves a sum no leg's copy matches (every later read of it fails).
+            let reach: Vec<(u64, u64)> = self.unsettled.clone();
+            for (a, b) in reach {
+                let r = (a / BLOCK) as usize..b.div_ceil(BLOCK) as usize;
+                let (lo, hi) = (r.start.max(blocks.start), r.end.min(blocks.end));
+                for j in 0..self.legs.len() {
+                    if lo < hi {
+                        self.flags(0, j)[lo..hi].fill(true);
+                    }
+                }
+            }
         }
         self.stats.faults += 1;
     }
@@ -1429,6 +1530,10 @@ impl World {
             && self.r().failure().is_none()
             && p.done_bytes >= p.total_bytes;
         self.stats.whole_checks += u64::from(judged);
+        if judged {
+            // No resync was due: the crash rule has settled all it reached.
+            self.unsettled.clear();
+        }
         Some((p, judged))
     }
 
@@ -1707,8 +1812,10 @@ impl World {
         let cap = self.model.sectors() * SECTOR as u64;
         let ranges = self.cut_dirty.take().unwrap_or_else(|| vec![(0, cap)]);
         for (a, b) in ranges {
-            let (s, n) = Self::sectors(a.min(cap), b.min(cap) - a.min(cap));
+            let (a, b) = (a.min(cap), b.min(cap));
+            let (s, n) = Self::sectors(a, b - a);
             self.model.set_unsummed(s, n, why);
+            self.unsettled.push((a, b));
         }
     }
 
