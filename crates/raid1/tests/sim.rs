@@ -267,7 +267,8 @@ fn sim() {
     println!(
         "sim integrity: {} seeds with checksums, flip rules armed {} on reads and {} on \
          writes, {} leg I/Os flipped, {} blocks healed, {} unrecoverable, {} re-summed, {} \
-         read errors due to flipped copies, {} scrubs judged, sectors read flipped where \
+         read errors due to flipped copies, {} scrubs judged, {} heal probes, sectors read \
+         flipped where \
          no sum could catch it: {} never written or trimmed, {} re-summed at a crash, {} \
          re-summed at a crash of a degraded array, {} written since a crash before the \
          resync",
@@ -280,6 +281,7 @@ fn sim() {
         t.resummed,
         t.flip_errors_due,
         t.scrubs,
+        t.heal_probes,
         t.flips_nosum,
         t.flips_crash,
         t.flips_crash_degraded,

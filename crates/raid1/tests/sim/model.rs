@@ -229,12 +229,12 @@ impl Model {
     }
 
     /// Sets why a flipped bit may reach a client in `n` sectors from `first` (integrity
-    /// seeds). `Summed` (a write recorded its sums) always applies; a crash's reason applies
-    /// only where the sums were known.
+    /// seeds). `Summed` (a write recorded its sums) and `NoSum` (a discard forgot them)
+    /// always apply; a crash's reason applies only where the sums were known.
     pub fn set_unsummed(&mut self, first: u64, n: u64, why: Unsummed) {
         let end = (first + n).min(self.sectors());
         for f in &mut self.flip_ok[first.min(end) as usize..end as usize] {
-            if why == Unsummed::Summed || *f == Unsummed::Summed as u8 {
+            if matches!(why, Unsummed::Summed | Unsummed::NoSum) || *f == Unsummed::Summed as u8 {
                 *f = why as u8;
             }
         }

@@ -207,6 +207,8 @@ pub struct Stats {
     pub flip_errors_due: u64,
     /// Repairs with no flip rule armed, each followed by a check that judged the legs.
     pub scrubs: u64,
+    /// Heal probes: a bit flipped on every leg behind the array's back, then a read.
+    pub heal_probes: u64,
     /// Sectors read with a bit flipped where the array had no sum (never written or
     /// trimmed), where the crash rule re-summed them (at a crash of a whole array, of a
     /// degraded one), and written since a crash in a chunk still waiting for its resync.
@@ -246,6 +248,7 @@ impl std::ops::AddAssign for Stats {
         self.resummed += o.resummed;
         self.flip_errors_due += o.flip_errors_due;
         self.scrubs += o.scrubs;
+        self.heal_probes += o.heal_probes;
         self.flips_nosum += o.flips_nosum;
         self.flips_crash += o.flips_crash;
         self.flips_crash_degraded += o.flips_crash_degraded;
@@ -724,7 +727,7 @@ impl World {
                 all &= m == Some(true);
                 line.push(format!("slot {i}: {ids:?} {m:?}"));
             }
-            if !all && shown < 3 {
+            if (!all || len == BLOCK) && shown < 3 {
                 shown += 1;
                 out += &format!(
                     "\n  block at {} ({line:?}); model allows {}",
@@ -1041,6 +1044,7 @@ impl World {
             913..=924 => self.batch(true),
             925..=934 => self.crash_during_superblock_write(),
             935..=949 => self.crash_mid_sync(),
+            950..=974 if self.shape.integrity => self.heal_probe(),
             950..=974 => self.reads(),
             975..=989 => self.bitmap_op(),
             _ => self.read(),
@@ -1376,6 +1380,89 @@ impl World {
         self.stats.faults += 1;
     }
 
+    /// Silent corruption behind the array's back, then one read (integrity seeds without
+    /// write-behind, a whole array with no rule armed and nothing left to resync): one bit flipped in a different
+    /// block of each leg's copy of a range the array holds the sums of, so the read meets a
+    /// bad block whichever leg it goes to. It must return the model's data, and raid1d must
+    /// have rewritten every bad block from a leg that matched: each leg then holds what the
+    /// read returned. A FLUSH then makes the legs' state durable.
+    fn heal_probe(&mut self) {
+        let serving = self.serving();
+        let r = self.r();
+        if r.is_degraded()
+            || r.failure().is_some()
+            || !self.armed.is_empty()
+            || !self.unsettled.is_empty()
+            || serving.len() < 2
+            // A write behind may still be on its way to the write-mostly leg.
+            || self.shape.write_behind > 0
+        {
+            return self.read();
+        }
+        let d = r.data_offset();
+        let n = serving.len() as u64;
+        let (off, len) = self.range(256 << 10);
+        let blocks = len / BLOCK;
+        let (s0, ns) = Self::sectors(off, len);
+        let clean = blocks >= n
+            && (s0..s0 + ns).all(|s| !self.model.unsummed(s))
+            && (off / BLOCK..off / BLOCK + blocks)
+                .all(|b| serving.iter().all(|&k| !self.is_bad(k, b as usize)));
+        if !clean {
+            return self.read();
+        }
+        let mut flipped = Vec::new();
+        for (i, &k) in serving.iter().enumerate() {
+            let b = off / BLOCK + i as u64 * (blocks / n) + self.rng.below(blocks / n);
+            let byte = self.rng.below(BLOCK);
+            let bit = 1u8 << self.rng.below(8);
+            let dev = self.legs[k].dev.clone();
+            let at = d + b * BLOCK;
+            let Ok(mut data) = testkit::io::read_at(dev.as_ref(), at, BLOCK as usize) else {
+                return;
+            };
+            data[byte as usize] ^= bit;
+            if testkit::io::write_at(dev.as_ref(), at, &data).is_err() {
+                return;
+            }
+            flipped.push((k, b * BLOCK));
+        }
+        self.say(format!(
+            "heal probe: {off}+{len}, a bit flipped on (leg, block) {flipped:?}"
+        ));
+        self.stats.heal_probes += 1;
+        let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
+        let (b, res) = submit_wait(self.dev(), bio);
+        let got = b
+            .buf
+            .as_ref()
+            .map(|x| x.as_slice()[..len as usize].to_vec());
+        self.read_done(off, len, b, res, &serving);
+        let got = got.expect("a read returns its buffer");
+        for &k in &serving {
+            let held = testkit::io::read_at(self.legs[k].dev.as_ref(), d + off, len as usize)
+                .unwrap_or_default();
+            let differ: Vec<u64> = held
+                .chunks(BLOCK as usize)
+                .zip(got.chunks(BLOCK as usize))
+                .enumerate()
+                .filter(|(_, (x, y))| x != y)
+                .map(|(j, _)| off + j as u64 * BLOCK)
+                .collect();
+            assert!(
+                differ.is_empty(),
+                "heal probe {off}+{len}: leg {k} does not hold what the read returned at \
+                 blocks {differ:?} (a block raid1d found bad was not rewritten from a leg \
+                 that matched; flipped (leg, block): {flipped:?}; integrity counts {:?}){}",
+                self.r().integrity(),
+                differ
+                    .first()
+                    .map_or(String::new(), |&x| self.sums_report(x, BLOCK))
+            );
+        }
+        self.flush();
+    }
+
     /// Removes every flip rule (the other rules stay).
     fn clear_flips(&mut self) {
         for a in self.armed.iter().filter(|a| a.flip) {
@@ -1507,6 +1594,10 @@ impl World {
         }
         if judged && scrub {
             self.after_scrub();
+        }
+        // Nothing left to resync: a heal probe can judge the heal now.
+        if judged && self.shape.integrity && self.rng.chance(500) {
+            self.heal_probe();
         }
     }
 
