@@ -309,6 +309,9 @@ pub struct World {
     /// Per pool leg, per block: a read flip rule covered it since the last scrub (a recovery
     /// from that leg alone may have copied a flipped read).
     read_flipped: Vec<Vec<bool>>,
+    /// Per block: a flip rule ever covered it, or a heal probe flipped it (only such a block
+    /// can hold a flipped bit the crash rule re-summed).
+    flip_hist: Vec<bool>,
     /// The legs serving at the last step (a leg newly serving was recovered from them).
     prev_serving: Vec<usize>,
     /// The chunks dirty (bitmap) just before the last power cut, and whether the array was
@@ -346,6 +349,7 @@ impl World {
             source: None,
             bad: Vec::new(),
             read_flipped: Vec::new(),
+            flip_hist: Vec::new(),
             prev_serving: Vec::new(),
             cut_dirty: None,
             cut_degraded: false,
@@ -1356,6 +1360,7 @@ impl World {
         // Every write to the leg there (the client's, a resync's, a heal's) may store a
         // flipped bit from now on; a read flipped there may be what a recovery copies.
         let blocks = (off / BLOCK) as usize..(off + len).div_ceil(BLOCK) as usize;
+        self.note_flipped(blocks.clone());
         if ops.contains(Op::Write) {
             self.flags(0, k)[blocks.clone()].fill(true);
             self.stats.flips_write_armed += 1;
@@ -1426,6 +1431,7 @@ impl World {
                 return;
             }
             flipped.push((k, b * BLOCK));
+            self.note_flipped(b as usize..b as usize + 1);
         }
         self.say(format!(
             "heal probe: {off}+{len}, a bit flipped on (leg, block) {flipped:?}"
@@ -1461,6 +1467,13 @@ impl World {
             );
         }
         self.flush();
+    }
+
+    /// Blocks a flip may have reached (`flip_hist`).
+    fn note_flipped(&mut self, blocks: std::ops::Range<usize>) {
+        let n = self.blocks();
+        self.flip_hist.resize(n, false);
+        self.flip_hist[blocks.start.min(n)..blocks.end.min(n)].fill(true);
     }
 
     /// Removes every flip rule (the other rules stay).
@@ -1564,7 +1577,7 @@ impl World {
     /// flipped.
     fn check(&mut self) {
         let repair = self.rng.chance(300);
-        let scrub = self.shape.integrity && self.rng.chance(400);
+        let scrub = self.shape.integrity && self.rng.chance(150);
         let r = self.r();
         if r.is_degraded() || r.failure().is_some() {
             return;
@@ -1653,10 +1666,28 @@ impl World {
         let d = self.r().data_offset();
         let cap = self.model.sectors() * SECTOR as u64;
         let mut off = 0;
+        let per = BLOCK / SECTOR as u64;
         while off < cap {
             let len = (1 << 20).min(cap - off);
             let (s0, n) = Self::sectors(off, len);
-            if (s0..s0 + n).any(|s| self.model.crash_marked(s)) {
+            // Where no flip ever reached, nothing flipped was re-summed.
+            let mut flipped = false;
+            for s in s0..s0 + n {
+                if !self.model.crash_marked(s) {
+                    continue;
+                }
+                if self
+                    .flip_hist
+                    .get((s / per) as usize)
+                    .copied()
+                    .unwrap_or(false)
+                {
+                    flipped = true;
+                } else {
+                    self.model.set_unsummed(s, 1, Unsummed::Summed);
+                }
+            }
+            if flipped {
                 let bufs: Vec<Vec<u8>> = legs
                     .iter()
                     .map(|l| {
