@@ -557,6 +557,20 @@ impl Raid1 {
             bm.set_degraded(inner.is_degraded());
         }
         inner.sync.ctl.lock().resync_needed = a.resync;
+        if let (true, Some(t)) = (a.resync, &inner.sums) {
+            // The legs' pages of what the resync settles may differ (a crash kept a page
+            // write on some legs only): the table loaded goes back to every leg before any of
+            // those bits clears (see `integrity`).
+            match &inner.bitmap {
+                Some(bm) => {
+                    let c = bm.chunk_size();
+                    for set in bm.dirty_chunks() {
+                        t.mark_dirty(set.first * c, (set.end - set.first) * c);
+                    }
+                }
+                None => t.mark_dirty(0, u64::MAX),
+            }
+        }
         inner.write_superblocks()?;
         inner.persist_bitmap()?;
         let daemon = {

@@ -28,6 +28,10 @@
 //!   leg; where none matches, the resync source's data is taken and summed, as md would copy
 //!   it. Outside dirty chunks every block matched its sum when the bit was cleared, so a
 //!   mismatch there is corruption. Without a bitmap an unclean stop resyncs everything.
+//! - The legs' pages of those chunks may differ after the crash (a page write kept on some
+//!   legs only): the table is loaded from the first in-sync leg that holds each page whole,
+//!   and at assembly the pages of the chunks to resync are marked dirty, so every leg holds
+//!   the table's pages for them before any of their bits clears.
 //!
 //! # Reads
 //!
@@ -255,6 +259,16 @@ impl Checksums {
         }
         page.dirty = false;
         true
+    }
+
+    /// Marks dirty the pages holding the sums of array bytes `off..off + len` (to be written
+    /// to every leg by the next persist).
+    pub(crate) fn mark_dirty(&self, off: u64, len: u64) {
+        let cap = self.blocks * BLOCK;
+        let off = off.min(cap);
+        for p in self.pages_of(off, len.min(cap - off)) {
+            self.pages[p].lock().dirty = true;
+        }
     }
 
     /// The dirty pages (indices), in order.

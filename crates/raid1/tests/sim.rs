@@ -9,7 +9,10 @@
 //! during a resync, recovery or check at a slow speed limit, or between two legs' superblock
 //! writes), each followed by reassembly from the legs in a seeded order. Half the seeds track
 //! changed blocks over the array (`cbt::Tracked`, dirty bitmaps in a sidecar file added,
-//! rotated, cleared and removed by the schedule, reopened at every assembly).
+//! rotated, cleared and removed by the schedule, reopened at every assembly). A third keep
+//! per-block checksums (`integrity=crc32c`): their I/O is 4 KiB aligned, and half their fault
+//! rules flip a bit of a leg's reads or writes instead (in a seeded part of the data, for the
+//! next few I/Os, the nth, or with a probability), silent corruption the sums must catch.
 //!
 //! The oracle (`sim/model.rs`) is what a block device promises, checked on every read, after
 //! every crash (the whole array) and after every sync (the whole array, then a check): a
@@ -25,6 +28,20 @@
 //! that is not write-mostly) holds. Every granule written since a dirty bitmap was added or
 //! cleared is dirty in it or in the bitmap rotated from it, after any command and any crash.
 //!
+//! With checksums the oracle also says where a flipped bit may reach a client: nowhere the
+//! array holds the block's sum. It may only where the array has none (never written since
+//! creation, or trimmed), or where the crash rule may have re-summed what a leg held (in a
+//! chunk dirty at a power cut, or anywhere without a bitmap, until written again; and a block
+//! written since, while its chunk still waits for the resync); `SIM_SUMS_STRICT=1` refuses
+//! those too, to find where that happens. A read fails only when due as before, or when for
+//! some block every leg that could serve it may hold it flipped (a write flip rule covered it
+//! while armed, or the leg was recovered where each source might) or has a read flip armed
+//! over it. A check of a whole array counts no mismatch unless a flip rule is armed or a
+//! leg's copy may be flipped; a scrub (a repair with every flip rule removed, then a FLUSH)
+//! leaves a check counting only the blocks every leg may hold flipped. A heal probe flips a
+//! bit behind the array's back in a different block of every leg's copy of a summed range,
+//! then reads it once: the read returns the model's data and every leg then holds it.
+//!
 //! `cargo test --release -p raid1 --test sim` runs 12 fixed seeds and 4 from a base that
 //! changes daily, printing both (CI runs them in its debug build); `SIM_SEEDS=N
 //! SIM_SEED_BASE=S` runs N seeds from S instead (`S=daily`: today's base) and `SIM_OPS=K` sets
@@ -32,14 +49,14 @@
 //! run of `FLOOR_SEEDS` seeds or more fails below its floors. `SIM_KEEP_GOING=1` runs every
 //! seed and prints `caught K/N` (`scripts/mutants.sh`). `SIM_WHERE=write_behind,slow_link,...`
 //! runs only the seeds whose shape has each named trait (`write_behind`, `slow_link`,
-//! `concurrent`, `bitmap`, `cbt`, `readd`, `latency`, `three_legs`; to hunt a failure of one
-//! shape), counting the others as skipped. A failure prints the seed, the
+//! `concurrent`, `bitmap`, `cbt`, `readd`, `latency`, `three_legs`, `integrity`; to hunt a
+//! failure of one shape), counting the others as skipped. A failure prints the seed, the
 //! array's shape and the schedule so far, and `SIM_SEEDS=1 SIM_SEED_BASE=<seed>` replays its
 //! schedule (the array's own threads keep their timing, so a failure that depends on it may
 //! take a few replays; see `sim/world.rs`). Every failing seed found becomes a named
 //! deterministic test in `faults.rs` (`seed_*` and the tests that say "found by the
-//! simulator"): a change of the simulator changes what a seed generates, a built schedule
-//! does not.
+//! simulator", and in `integrity.rs`): a change of the simulator changes what a seed
+//! generates, a built schedule does not.
 // A plain threaded test, never a loom model: it may use std::sync.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
@@ -88,6 +105,7 @@ fn shape_wanted(seed: u64, traits: &[String]) -> bool {
         "readd" => s.readd,
         "latency" => s.latency_us > 0,
         "three_legs" => s.legs == 3,
+        "integrity" => s.integrity,
         other => panic!("SIM_WHERE: unknown trait {other:?}"),
     })
 }
@@ -262,6 +280,29 @@ fn sim() {
         t.pin_hits,
         t.bitmap_ops,
         t.granules_checked
+    );
+    println!(
+        "sim integrity: {} seeds with checksums, flip rules armed {} on reads and {} on \
+         writes, {} leg I/Os flipped, {} blocks healed, {} unrecoverable, {} re-summed, {} \
+         read errors due to flipped copies, {} scrubs judged, {} heal probes, sectors read \
+         flipped where \
+         no sum could catch it: {} never written or trimmed, {} re-summed at a crash, {} \
+         re-summed at a crash of a degraded array, {} written since a crash before the \
+         resync",
+        t.integrity_seeds,
+        t.flips_read_armed,
+        t.flips_write_armed,
+        t.flips_fired,
+        t.healed,
+        t.unrecoverable,
+        t.resummed,
+        t.flip_errors_due,
+        t.scrubs,
+        t.heal_probes,
+        t.flips_nosum,
+        t.flips_crash,
+        t.flips_crash_degraded,
+        t.flips_pending
     );
     if keep_going {
         println!(

@@ -60,7 +60,12 @@ impl Inner {
         }
         let mut out = o.buf.take().unwrap_or_else(|| Buffer::new(len));
         let v = self.choose_blocks(t, off, &copies, &mut out.as_mut_slice()[..len]);
-        let rewrite = v.rewrite | failed;
+        // With no copy, `out` holds nothing read: nothing goes back to any leg.
+        let rewrite = if copies.is_empty() {
+            0
+        } else {
+            v.rewrite | failed
+        };
         for (leg, &(n, first)) in v.bad.iter().enumerate() {
             if n == 0 {
                 continue;

@@ -70,7 +70,9 @@ impl Inner {
 
     /// Whether a resync has legs to make agree: an in-sync source and another leg that serves
     /// reads somewhere, in sync or recovering with some of it recovered (below its offset the
-    /// recovery will not copy again, so the resync must).
+    /// recovery will not copy again, so the resync must). With checksums an in-sync source is
+    /// enough: the resync also settles the sums a crash left out of step with the data (the
+    /// crash rule in `integrity`), which a degraded array never wrote before the crash.
     fn resync_has_targets(&self) -> bool {
         let mut in_sync = 0;
         let mut partial = 0;
@@ -82,7 +84,7 @@ impl Inner {
                 partial += 1;
             }
         }
-        in_sync >= 1 && in_sync + partial >= 2
+        in_sync >= 1 && (in_sync + partial >= 2 || self.sums.is_some())
     }
 
     /// What the sync thread should do next, by md's priority: resync, then recovery, then a

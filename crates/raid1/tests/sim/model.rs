@@ -21,6 +21,13 @@
 //! where they may differ is the resync source's (the first in-sync leg) until the resync
 //! copies it: when that leg changes (failed, removed) or a read error may be corrected from
 //! another leg (a read fault armed), the world unpins everything (`unpin_all`).
+//!
+//! With per-block checksums (an `integrity` seed) the legs may hold, or hand back, data with
+//! one bit flipped (the fault device's flip rules). Such data reaches a client only where
+//! the array has no sum to catch it (`flip_ok`, per sector, see [`Unsummed`]): a block never
+//! written or trimmed since creation, or one the crash rule may have re-summed (in a chunk
+//! dirty at a crash, or anywhere without a bitmap, until it is written again). Anywhere else
+//! a read that finds a stamp with one bit flipped fails the seed, like any other bytes.
 
 use blk::SECTOR_SIZE;
 
@@ -110,13 +117,66 @@ pub struct Model {
     /// Reads that pinned a sector, and reads that found a pinned one.
     pub pins: u64,
     pub pin_hits: u64,
+    /// Per sector, whether a flipped bit may reach a client there (`Unsummed` as u8; all
+    /// `Summed` without integrity, where no flip rule is armed).
+    flip_ok: Vec<u8>,
+    /// Refuse a flipped bit the crash rule allows (`SIM_SUMS_STRICT=1`: to find where it
+    /// happens).
+    pub strict: bool,
+    /// Sectors read with one bit flipped, by `Unsummed` reason.
+    pub flips_read: [u64; 5],
 }
 
 const NO_PIN: u32 = u32::MAX;
 
+/// Why a block may be handed to a client with a bit flipped (integrity seeds): the array
+/// has no sum that could catch it. `Summed`: it does, a flipped bit never reaches a client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Unsummed {
+    Summed = 0,
+    /// Never written since creation, or trimmed: its sum is unknown.
+    NoSum = 1,
+    /// In a chunk dirty at a crash of a whole array (or without a bitmap): its sum on the
+    /// legs may be older than its data, and the resync (or a read) re-sums what the source
+    /// holds, flipped or not (the crash rule).
+    Crash = 2,
+    /// The same, at a crash of a degraded array (whose sums reach the legs only at a clean
+    /// stop).
+    CrashDegraded = 3,
+    /// Written since a crash, in a chunk still waiting for its resync: a block no leg holds
+    /// with its sum there is re-summed as the source has it (the crash rule), though this
+    /// sum is the write's own.
+    Pending = 4,
+}
+
+/// One bit of `b` differs from write `w`'s stamp of sector `s`: which write, if so.
+pub fn decode_flipped(s: u64, b: &[u8]) -> Option<u32> {
+    // One bit flips at most one of the first two 16-byte copies of the stamp's header.
+    for c in [0usize, 16] {
+        let w = u32::from_le_bytes(b.get(c..c + 4)?.try_into().ok()?);
+        let mut want = [0u8; SECTOR];
+        stamp(w, s, &mut want);
+        let bits: u32 = want.iter().zip(b).map(|(x, y)| (x ^ y).count_ones()).sum();
+        if bits == 1 {
+            return Some(w);
+        }
+    }
+    None
+}
+
 impl Model {
-    pub fn new(sectors: u64) -> Self {
+    /// The model of an array of `sectors` (`integrity`: every block starts without a sum).
+    pub fn new(sectors: u64, integrity: bool) -> Self {
+        let why = if integrity {
+            Unsummed::NoSum
+        } else {
+            Unsummed::Summed
+        };
         Self {
+            flip_ok: vec![why as u8; sectors as usize],
+            strict: false,
+            flips_read: [0; 5],
             cur: vec![Set::one(0); sectors as usize],
             dur: vec![Set::one(0); sectors as usize],
             touched: Vec::new(),
@@ -145,6 +205,39 @@ impl Model {
 
     pub fn sectors(&self) -> u64 {
         self.cur.len() as u64
+    }
+
+    /// What a read may return in sector `s` now.
+    pub fn allowed(&self, s: u64) -> String {
+        self.cur
+            .get(s as usize)
+            .map_or("-".into(), |c| c.to_string())
+    }
+
+    /// Whether the crash rule may have re-summed sector `s` (and nothing was written since).
+    pub fn crash_marked(&self, s: u64) -> bool {
+        self.flip_ok
+            .get(s as usize)
+            .is_some_and(|&f| f >= Unsummed::Crash as u8)
+    }
+
+    /// Whether a flipped bit may reach a client in sector `s` (its sum unknown or re-summed).
+    pub fn unsummed(&self, s: u64) -> bool {
+        self.flip_ok
+            .get(s as usize)
+            .is_some_and(|&f| f != Unsummed::Summed as u8)
+    }
+
+    /// Sets why a flipped bit may reach a client in `n` sectors from `first` (integrity
+    /// seeds). `Summed` (a write recorded its sums) and `NoSum` (a discard forgot them)
+    /// always apply; a crash's reason applies only where the sums were known.
+    pub fn set_unsummed(&mut self, first: u64, n: u64, why: Unsummed) {
+        let end = (first + n).min(self.sectors());
+        for f in &mut self.flip_ok[first.min(end) as usize..end as usize] {
+            if matches!(why, Unsummed::Summed | Unsummed::NoSum) || *f == Unsummed::Summed as u8 {
+                *f = why as u8;
+            }
+        }
     }
 
     /// Write `w` to `sectors` was acknowledged (`fua`: durable at once).
@@ -224,7 +317,27 @@ impl Model {
             let i = s as usize;
             let allowed = &self.cur[i];
             let pin = self.pin[i];
-            match decode(s, b) {
+            let mut got = decode(s, b);
+            if got.is_none() {
+                // A stamp with one bit flipped: allowed only where no sum could catch it.
+                if let Some(w) = decode_flipped(s, b) {
+                    let why = self.flip_ok[i];
+                    let ok = why == Unsummed::NoSum as u8
+                        || why != Unsummed::Summed as u8 && !self.strict;
+                    if !ok {
+                        return Err(format!(
+                            "sector {s} (byte {}) holds write {w} with one bit flipped: a \
+                             flipped bit reached the client where the array has its sum \
+                             (why {why}: 0 summed, 2-4 crash rule refused by \
+                             SIM_SUMS_STRICT), allowed {allowed}",
+                            s * SECTOR_SIZE
+                        ));
+                    }
+                    self.flips_read[why as usize] += 1;
+                    got = Some(w);
+                }
+            }
+            match got {
                 Some(w) if pin != NO_PIN && w != pin => {
                     return Err(format!(
                         "sector {s} (byte {}) holds write {w}, but an earlier read found write \

@@ -28,12 +28,14 @@ use testkit::io::submit_wait;
 use testkit::Collect;
 
 use super::common::mem;
-use super::model::{stamp, Model, SECTOR};
+use super::model::{stamp, Model, Unsummed, SECTOR};
 
 /// A `sync_speed_max` (KiB/s) that never throttles here: waiting for a sync is no test.
 const FAST: u64 = 100_000_000;
 /// How long a sync run or a stop may take before the seed fails as a hang.
 const HANG: Duration = Duration::from_secs(120);
+/// Bytes per checksummed block (an integrity seed's I/O unit).
+const BLOCK: u64 = raid1::integrity::BLOCK;
 
 /// SplitMix64: small, seedable, and the same everywhere.
 pub struct Rng(u64);
@@ -83,6 +85,9 @@ pub struct Shape {
     /// Changed-block tracking over the array (half the seeds): dirty bitmaps in a sidecar
     /// file, added, rotated, cleared and removed by the schedule, reopened at every assembly.
     pub cbt: bool,
+    /// Per-block checksums (`integrity=crc32c`, a third of the seeds): every I/O is 4 KiB
+    /// aligned, and fault rules also flip bits of the legs' reads and writes.
+    pub integrity: bool,
 }
 
 impl Shape {
@@ -107,8 +112,16 @@ impl Shape {
             latency_us: 0,
             slow_link_ms: 0,
             cbt: false,
+            integrity: false,
         }
         .with_remote_options(rng)
+        .with_integrity(rng)
+    }
+
+    /// Per-block checksums, drawn last (so the rest of a seed's shape stays what it was).
+    fn with_integrity(mut self, rng: &mut Rng) -> Self {
+        self.integrity = rng.chance(333);
+        self
     }
 
     /// The options of a mirror with a leg on another host, drawn after the others (so the
@@ -136,6 +149,7 @@ impl Shape {
             spare_slots: 1,
             write_behind: self.write_behind,
             readd_interval: self.readd.then_some(Duration::from_millis(30)),
+            integrity: self.integrity.then_some(raid1::Algorithm::Crc32c),
             ..Raid1Config::default()
         }
     }
@@ -179,6 +193,29 @@ pub struct Stats {
     /// reopenings).
     pub bitmap_ops: u64,
     pub granules_checked: u64,
+    /// Integrity seeds run; flip rules armed on reads and on writes; flipped I/Os the legs
+    /// completed (`FaultCounters::flipped`).
+    pub integrity_seeds: u64,
+    pub flips_read_armed: u64,
+    pub flips_write_armed: u64,
+    pub flips_fired: u64,
+    /// The arrays' `IntegrityCounts`, summed over every assembly.
+    pub healed: u64,
+    pub unrecoverable: u64,
+    pub resummed: u64,
+    /// Read errors accepted as due because every leg's copy of a block may be flipped.
+    pub flip_errors_due: u64,
+    /// Repairs with no flip rule armed, each followed by a check that judged the legs.
+    pub scrubs: u64,
+    /// Heal probes: a bit flipped on every leg behind the array's back, then a read.
+    pub heal_probes: u64,
+    /// Sectors read with a bit flipped where the array had no sum (never written or
+    /// trimmed), where the crash rule re-summed them (at a crash of a whole array, of a
+    /// degraded one), and written since a crash in a chunk still waiting for its resync.
+    pub flips_nosum: u64,
+    pub flips_crash: u64,
+    pub flips_crash_degraded: u64,
+    pub flips_pending: u64,
 }
 
 impl std::ops::AddAssign for Stats {
@@ -202,15 +239,32 @@ impl std::ops::AddAssign for Stats {
         self.pin_hits += o.pin_hits;
         self.bitmap_ops += o.bitmap_ops;
         self.granules_checked += o.granules_checked;
+        self.integrity_seeds += o.integrity_seeds;
+        self.flips_read_armed += o.flips_read_armed;
+        self.flips_write_armed += o.flips_write_armed;
+        self.flips_fired += o.flips_fired;
+        self.healed += o.healed;
+        self.unrecoverable += o.unrecoverable;
+        self.resummed += o.resummed;
+        self.flip_errors_due += o.flip_errors_due;
+        self.scrubs += o.scrubs;
+        self.heal_probes += o.heal_probes;
+        self.flips_nosum += o.flips_nosum;
+        self.flips_crash += o.flips_crash;
+        self.flips_crash_degraded += o.flips_crash_degraded;
+        self.flips_pending += o.flips_pending;
     }
 }
 
-/// A fault rule armed on a leg: its operations and its byte range on the leg (None: all).
+/// A fault rule armed on a leg: its operations and its byte range on the leg (None: all);
+/// `flip`: it flips bits (never fails an I/O), `id` its id on the leg.
 #[derive(Debug, Clone, Copy)]
 struct Armed {
     leg: usize,
     ops: OpSet,
     range: Option<(u64, u64)>,
+    flip: bool,
+    id: u64,
 }
 
 /// A dirty bitmap as the oracle knows it: the granules written since it was added or cleared
@@ -248,6 +302,27 @@ pub struct World {
     armed: Vec<Armed>,
     /// The resync source (first in-sync leg, by pool index) when the model's pins were made.
     source: Option<usize>,
+    /// Integrity seeds: per pool leg, per block of the array, whether the leg's stored copy
+    /// may have a bit flipped (a write flip rule covered it while armed, or the leg was
+    /// recovered where every leg serving may have; cleared by a scrub).
+    bad: Vec<Vec<bool>>,
+    /// Per pool leg, per block: a read flip rule covered it since the last scrub (a recovery
+    /// from that leg alone may have copied a flipped read).
+    read_flipped: Vec<Vec<bool>>,
+    /// Per block: a flip rule ever covered it, or a heal probe flipped it (only such a block
+    /// can hold a flipped bit the crash rule re-summed).
+    flip_hist: Vec<bool>,
+    /// The legs serving at the last step (a leg newly serving was recovered from them).
+    prev_serving: Vec<usize>,
+    /// The chunks dirty (bitmap) just before the last power cut, and whether the array was
+    /// degraded then: the crash rule's reach (`None`: no bitmap, all of it).
+    cut_dirty: Option<Vec<(u64, u64)>>,
+    cut_degraded: bool,
+    /// What the crash rule may still re-sum: the reach of every cut since the last check
+    /// that judged a whole array (no resync was due then).
+    unsettled: Vec<(u64, u64)>,
+    /// `IntegrityCounts` of the arrays assembled before this one.
+    counts_before: (u64, u64, u64),
     pub log: Vec<String>,
     pub stats: Stats,
 }
@@ -267,11 +342,19 @@ impl World {
             legs: Vec::new(),
             r: None,
             cbt: None,
-            model: Model::new(0),
+            model: Model::new(0, false),
             lbs: 512,
             next_w: 1,
             armed: Vec::new(),
             source: None,
+            bad: Vec::new(),
+            read_flipped: Vec::new(),
+            flip_hist: Vec::new(),
+            prev_serving: Vec::new(),
+            cut_dirty: None,
+            cut_degraded: false,
+            unsettled: Vec::new(),
+            counts_before: (0, 0, 0),
             log: Vec::new(),
             stats: Stats::default(),
         };
@@ -283,7 +366,13 @@ impl World {
         }
         let cap = r.limits().capacity;
         w.lbs = u64::from(r.limits().logical_block_size);
-        w.model = Model::new(cap / SECTOR as u64);
+        w.model = Model::new(cap / SECTOR as u64, shape.integrity);
+        w.model.strict = std::env::var("SIM_SUMS_STRICT").is_ok_and(|v| v.trim() == "1");
+        if shape.integrity {
+            assert_eq!(w.lbs, BLOCK, "an array with integrity has 4 KiB blocks");
+            assert_eq!(cap % BLOCK, 0, "an array with integrity holds whole blocks");
+            w.stats.integrity_seeds = 1;
+        }
         r.set_speed_limits(1000, FAST);
         w.r = Some(Arc::new(r));
         w.freeze();
@@ -373,6 +462,70 @@ impl World {
         }
     }
 
+    /// Blocks of the array.
+    fn blocks(&self) -> usize {
+        (self.model.sectors() * SECTOR as u64 / BLOCK) as usize
+    }
+
+    /// Leg `k`'s per-block flag vector `which` (0: bad, 1: read flipped), sized.
+    fn flags(&mut self, which: u8, k: usize) -> &mut Vec<bool> {
+        let n = self.blocks();
+        let v = if which == 0 {
+            &mut self.bad
+        } else {
+            &mut self.read_flipped
+        };
+        if v.len() <= k {
+            v.resize(k + 1, Vec::new());
+        }
+        if v[k].len() < n {
+            v[k].resize(n, false);
+        }
+        &mut v[k]
+    }
+
+    fn is_bad(&self, k: usize, b: usize) -> bool {
+        self.bad
+            .get(k)
+            .and_then(|v| v.get(b))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// A leg that began serving since the last step was recovered from those serving then:
+    /// where each of them may have held (or handed out) a flipped copy, it may hold one too,
+    /// and so where any of them handed out a flipped read of a block without a sum (nothing
+    /// caught it).
+    fn track_serving(&mut self) {
+        if !self.shape.integrity {
+            return;
+        }
+        let now = self.serving();
+        let prev = std::mem::take(&mut self.prev_serving);
+        let new: Vec<usize> = now.iter().copied().filter(|k| !prev.contains(k)).collect();
+        if !prev.is_empty() && !new.is_empty() {
+            let rf = |w: &Self, k: usize, b: usize| {
+                w.read_flipped
+                    .get(k)
+                    .and_then(|v| v.get(b))
+                    .copied()
+                    .unwrap_or(false)
+            };
+            let per = BLOCK / SECTOR as u64;
+            for b in 0..self.blocks() {
+                let all = prev.iter().all(|&k| self.is_bad(k, b) || rf(self, k, b));
+                let unsummed =
+                    || (b as u64 * per..(b as u64 + 1) * per).any(|s| self.model.unsummed(s));
+                if all || prev.iter().any(|&k| rf(self, k, b)) && unsummed() {
+                    for &k in &new {
+                        self.flags(0, k)[b] = true;
+                    }
+                }
+            }
+        }
+        self.prev_serving = now;
+    }
+
     /// Clears leg `k`'s fault rules (its latency stays).
     fn clear_leg(&mut self, k: usize) {
         self.legs[k].h.clear();
@@ -425,6 +578,12 @@ impl World {
     /// differ) fails.
     fn pin_source(&mut self) {
         self.repin();
+        // With checksums a block the source holds against its sum is read from a leg that
+        // matches (or re-summed): where the legs differ, what reads return is the sums'
+        // choice, pinned by the first read.
+        if self.shape.integrity {
+            return;
+        }
         let Some(k) = self.source else { return };
         let dev = self.legs[k].dev.clone();
         let d = self.r().data_offset();
@@ -472,26 +631,147 @@ impl World {
         }
         let d = self.r().data_offset();
         let (a, b) = (d + off, d + off + len.max(1));
-        !serving.is_empty()
-            && serving.iter().all(|&k| {
-                self.armed.iter().any(|x| {
-                    x.leg == k
-                        && if op == Op::Read {
-                            x.ops.contains(Op::Read)
-                                && x.range.is_none_or(|(o, l)| o < b && a < o + l)
-                        } else {
-                            x.ops.0 & !OpSet::READ.0 != 0
-                        }
-                })
+        // Leg `k` has a failure rule (not a flip) armed that may fail this I/O.
+        let fails = |k: usize| {
+            self.armed.iter().any(|x| {
+                x.leg == k
+                    && !x.flip
+                    && if op == Op::Read {
+                        x.ops.contains(Op::Read) && x.range.is_none_or(|(o, l)| o < b && a < o + l)
+                    } else {
+                        x.ops.0 & !OpSet::READ.0 != 0
+                    }
             })
+        };
+        !serving.is_empty() && serving.iter().all(|&k| fails(k))
+            || op == Op::Read && self.flip_due(off, len, serving, &fails)
+    }
+
+    /// Whether a read of `off+len` may fail on the checksums: for some block, every leg in
+    /// `serving` gives no copy (`fails`), or its copy may have a bit flipped (stored so, or
+    /// a read flip rule armed over it, which may flip again when raid1d reads every leg).
+    fn flip_due(
+        &self,
+        off: u64,
+        len: u64,
+        serving: &[usize],
+        fails: &dyn Fn(usize) -> bool,
+    ) -> bool {
+        if !self.shape.integrity || serving.is_empty() {
+            return false;
+        }
+        let d = self.r().data_offset();
+        (off / BLOCK..(off + len).div_ceil(BLOCK)).any(|blk| {
+            let (a, b) = (d + blk * BLOCK, d + (blk + 1) * BLOCK);
+            serving.iter().all(|&k| {
+                fails(k)
+                    || self.is_bad(k, blk as usize)
+                    || self.armed.iter().any(|x| {
+                        x.leg == k
+                            && x.flip
+                            && x.ops.contains(Op::Read)
+                            && x.range.is_none_or(|(o, l)| o < b && a < o + l)
+                    })
+            })
+        })
+    }
+
+    /// For a failed read of an integrity seed: per block whose copies do not all match the
+    /// sum on the legs, each in-sync leg's write id (`~`: one bit flipped) and whether it
+    /// matches the sum its own checksum area holds, and the model's allowed writes.
+    fn sums_report(&self, off: u64, len: u64) -> String {
+        if !self.shape.integrity {
+            return String::new();
+        }
+        let r = self.r();
+        let d = r.data_offset();
+        let per = raid1::integrity::PER_PAGE as u64;
+        let mut out = String::from("; blocks (leg: write, matches its sum on disk):");
+        let mut shown = 0;
+        for blk in off / BLOCK..(off + len).div_ceil(BLOCK) {
+            let mut line = Vec::new();
+            let mut all = true;
+            for i in 0..r.slots() {
+                let (Some(st), Some(dev)) = (r.leg_status(i), r.leg_device(i)) else {
+                    continue;
+                };
+                if !st.in_sync || st.faulty {
+                    continue;
+                }
+                let Ok(data) = testkit::io::read_at(dev.as_ref(), d + blk * BLOCK, BLOCK as usize)
+                else {
+                    continue;
+                };
+                let s0 = blk * BLOCK / SECTOR as u64;
+                let ids: Vec<String> = data
+                    .chunks(SECTOR)
+                    .enumerate()
+                    .map(|(j, b)| {
+                        let s = s0 + j as u64;
+                        super::model::decode(s, b).map_or_else(
+                            || {
+                                super::model::decode_flipped(s, b)
+                                    .map_or("?".into(), |w| format!("~{w}"))
+                            },
+                            |w| w.to_string(),
+                        )
+                    })
+                    .collect();
+                let disk = Raid1::read_superblock(dev.as_ref())
+                    .ok()
+                    .and_then(|sb| sb.integrity)
+                    .and_then(|a| {
+                        testkit::io::read_at(dev.as_ref(), a.offset + blk / per * 4096, 4096).ok()
+                    })
+                    .map(|p| {
+                        let k = (blk % per * 4) as usize;
+                        u32::from_le_bytes([p[k], p[k + 1], p[k + 2], p[k + 3]])
+                    });
+                let m = disk.map(|x| x == 0 || x == raid1::integrity::block_sum(&data));
+                all &= m == Some(true);
+                line.push(format!("slot {i}: {ids:?} {m:?}"));
+            }
+            if (!all || len == BLOCK) && shown < 3 {
+                shown += 1;
+                out += &format!(
+                    "\n  block at {} ({line:?}); model allows {}",
+                    blk * BLOCK,
+                    self.model.allowed(blk * BLOCK / SECTOR as u64)
+                );
+            }
+        }
+        out
     }
 
     /// This seed's counters, the model's pins included.
     pub fn stats(&self) -> Stats {
+        let (healed, unrecoverable, resummed) = self.integrity_counts();
         Stats {
             pins: self.model.pins,
             pin_hits: self.model.pin_hits,
+            flips_fired: self
+                .legs
+                .iter()
+                .map(|l| l.h.counters().flipped.iter().sum::<u64>())
+                .sum(),
+            healed,
+            unrecoverable,
+            resummed,
+            flips_nosum: self.model.flips_read[Unsummed::NoSum as usize],
+            flips_crash: self.model.flips_read[Unsummed::Crash as usize],
+            flips_crash_degraded: self.model.flips_read[Unsummed::CrashDegraded as usize],
+            flips_pending: self.model.flips_read[Unsummed::Pending as usize],
             ..self.stats
+        }
+    }
+
+    /// The `IntegrityCounts` of every array of this seed so far (healed, unrecoverable,
+    /// resummed).
+    fn integrity_counts(&self) -> (u64, u64, u64) {
+        let (h, u, r) = self.counts_before;
+        match self.r.as_ref().and_then(|r| r.integrity()) {
+            Some((_, c)) => (h + c.healed, u + c.unrecoverable, r + c.resummed),
+            None => (h, u, r),
         }
     }
 
@@ -684,7 +964,7 @@ impl World {
     /// Leg management may fail while any rule is armed (its superblock writes) or the array
     /// failed.
     fn errors_allowed(&self) -> bool {
-        !self.armed.is_empty() || self.r().failure().is_some()
+        self.armed.iter().any(|a| !a.flip) || self.r().failure().is_some()
     }
 
     /// A range of `1..=max` bytes, sector-aligned to the logical block, near the places
@@ -734,6 +1014,7 @@ impl World {
     pub fn step(&mut self) {
         self.stats.ops += 1;
         self.repin();
+        self.track_serving();
         let degraded = self.r().is_degraded();
         self.stats.degraded_ops += u64::from(degraded);
         if self.r().failure().is_some() && self.rng.chance(300) {
@@ -748,7 +1029,9 @@ impl World {
         match self.rng.below(1000) {
             0..=329 => self.write(),
             330..=519 => self.read(),
-            520..=589 => self.flush(),
+            520..=589 => {
+                self.flush();
+            }
             590..=629 => self.zeroing(Op::Discard),
             630..=669 => self.zeroing(Op::WriteZeroes),
             670..=704 => self.add_fault(),
@@ -765,6 +1048,7 @@ impl World {
             913..=924 => self.batch(true),
             925..=934 => self.crash_during_superblock_write(),
             935..=949 => self.crash_mid_sync(),
+            950..=974 if self.shape.integrity => self.heal_probe(),
             950..=974 => self.reads(),
             975..=989 => self.bitmap_op(),
             _ => self.read(),
@@ -799,15 +1083,17 @@ impl World {
         self.owe(off, len);
         let res = submit_wait(self.dev(), bio).1;
         self.say(format!("write w{w} {off}+{len} fua={fua}: {res:?}"));
-        self.record("write", off, len, w, fua, res, &serving);
+        self.record("write", Op::Write, off, len, w, fua, res, &serving);
     }
 
     /// The answer to write `w` (0: zeroes) of `off+len` goes into the model: acknowledged, or
-    /// (allowed only when due, see `due`; `serving`: the legs before it) maybe there.
+    /// (allowed only when due, see `due`; `serving`: the legs before it) maybe there. With
+    /// integrity, an acknowledged write or write-zeroes has its sums, a discard has none.
     #[allow(clippy::too_many_arguments)]
     fn record(
         &mut self,
         what: &str,
+        op: Op,
         off: u64,
         len: u64,
         w: u32,
@@ -816,6 +1102,22 @@ impl World {
         serving: &[usize],
     ) {
         let (s, n) = Self::sectors(off, len);
+        if self.shape.integrity {
+            match (op, &res) {
+                (Op::Discard, _) => self.model.set_unsummed(s, n, Unsummed::NoSum),
+                (_, Ok(())) => {
+                    self.model.set_unsummed(s, n, Unsummed::Summed);
+                    for &(a, b) in &self.unsettled {
+                        let (a, b) = (a.max(off), b.min(off + len));
+                        if a < b {
+                            let (s, n) = Self::sectors(a, b - a);
+                            self.model.set_unsummed(s, n, Unsummed::Pending);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
         match res {
             Ok(()) => self.model.acked(s, n, w, fua),
             Err(e) => {
@@ -839,10 +1141,18 @@ impl World {
         assert!(
             self.due(op, off, len, serving),
             "{what} {off}+{len} failed though it was not due (legs that could serve it: \
-             {serving:?}; rules armed: {:?}): {e}",
-            self.armed
+             {serving:?}; rules armed: {:?}): {e}{}",
+            self.armed,
+            if op == Op::Read {
+                self.sums_report(off, len)
+            } else {
+                String::new()
+            }
         );
         self.stats.errors_due += 1;
+        if op == Op::Read && self.flip_due(off, len, serving, &|_| false) {
+            self.stats.flip_errors_due += 1;
+        }
     }
 
     fn zeroing(&mut self, op: Op) {
@@ -856,11 +1166,12 @@ impl World {
         self.owe(off, len);
         let res = submit_wait(self.dev(), bio).1;
         self.say(format!("{op:?} {off}+{len} fua={fua}: {res:?}"));
-        self.record("zeroing", off, len, 0, fua, res, &serving);
+        self.record("zeroing", op, off, len, 0, fua, res, &serving);
     }
 
     fn read_at(&mut self, off: u64, len: u64) {
         self.repin();
+        self.track_serving();
         let serving = self.serving();
         let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
         let (b, res) = submit_wait(self.dev(), bio);
@@ -900,6 +1211,7 @@ impl World {
         let ranges: Vec<(u64, u64)> = (0..n).map(|_| self.range(256 << 10)).collect();
         self.say(format!("reads {ranges:?}"));
         self.repin();
+        self.track_serving();
         let serving = self.serving();
         let col = Arc::new(Collect::default());
         let end: Arc<dyn EndIo> = col.clone();
@@ -933,13 +1245,20 @@ impl World {
         }
     }
 
-    fn flush(&mut self) {
+    /// A FLUSH of the array; whether it succeeded.
+    fn flush(&mut self) -> bool {
         let serving = self.serving();
         let res = submit_wait(self.dev(), Bio::new(Op::Flush, 0, 0)).1;
         self.say(format!("flush: {res:?}"));
         match res {
-            Ok(()) => self.model.flushed(),
-            Err(e) => self.error_due(Op::Flush, 0, 0, &serving, "flush", &e),
+            Ok(()) => {
+                self.model.flushed();
+                true
+            }
+            Err(e) => {
+                self.error_due(Op::Flush, 0, 0, &serving, "flush", &e);
+                false
+            }
         }
     }
 
@@ -949,6 +1268,9 @@ impl World {
         let m = self.members();
         if m.is_empty() {
             return;
+        }
+        if self.shape.integrity && self.rng.chance(500) {
+            return self.add_flip(&m);
         }
         let (slot, k) = m[self.rng.below(m.len() as u64) as usize];
         let d = self.r().data_offset();
@@ -980,9 +1302,186 @@ impl World {
         self.say(format!(
             "fault on slot {slot} (leg {k}): {ops:?} {what} {range:?}"
         ));
-        self.legs[k].h.add(rule);
-        self.armed.push(Armed { leg: k, ops, range });
+        let id = self.legs[k].h.add(rule);
+        self.armed.push(Armed {
+            leg: k,
+            ops,
+            range,
+            flip: false,
+            id,
+        });
         self.stats.faults += 1;
+    }
+
+    /// A flip rule on a leg of an integrity seed (a mirror without sums could not catch it):
+    /// reads, writes or both, in a seeded part of the data (now and then all of it), for the
+    /// next few I/Os, the nth, or with a probability. Never in the superblock, bitmap or
+    /// checksum area.
+    fn add_flip(&mut self, m: &[(usize, usize)]) {
+        let (slot, k) = m[self.rng.below(m.len() as u64) as usize];
+        let d = self.r().data_offset();
+        let cap = self.model.sectors() * SECTOR as u64;
+        let ops = [OpSet::READ, OpSet::WRITE, OpSet::READ | OpSet::WRITE]
+            [[0, 0, 1, 1, 2][self.rng.below(5) as usize]];
+        let (off, len) = if self.rng.chance(150) {
+            (0, cap)
+        } else {
+            self.range(1 << 20)
+        };
+        let mut rule = Rule::flip(ops).in_range(d + off, len);
+        let when = match self.rng.below(5) {
+            0 | 1 => {
+                let n = 1 + self.rng.below(3);
+                rule = rule.next(n);
+                format!("next {n}")
+            }
+            2 => {
+                let n = 1 + self.rng.below(20);
+                rule = rule.nth(n);
+                format!("nth {n}")
+            }
+            _ => {
+                let p = 0.02 + self.rng.below(30) as f64 / 100.0;
+                rule = rule.prob(p);
+                format!("prob {p:.2}")
+            }
+        };
+        self.say(format!(
+            "flip on slot {slot} (leg {k}): {ops:?} data {off}+{len} {when}"
+        ));
+        let id = self.legs[k].h.add(rule);
+        self.armed.push(Armed {
+            leg: k,
+            ops,
+            range: Some((d + off, len)),
+            flip: true,
+            id,
+        });
+        // Every write to the leg there (the client's, a resync's, a heal's) may store a
+        // flipped bit from now on; a read flipped there may be what a recovery copies.
+        let blocks = (off / BLOCK) as usize..(off + len).div_ceil(BLOCK) as usize;
+        self.note_flipped(blocks.clone());
+        if ops.contains(Op::Write) {
+            self.flags(0, k)[blocks.clone()].fill(true);
+            self.stats.flips_write_armed += 1;
+        }
+        if ops.contains(Op::Read) {
+            self.flags(1, k)[blocks.clone()].fill(true);
+            self.stats.flips_read_armed += 1;
+            // The crash rule re-sums a block no leg matches as the source's read of it
+            // had it, writing nothing back where no other leg is rewritten: a flipped read
+            // there leaves a sum no leg's copy matches (every later read of it fails).
+            let reach: Vec<(u64, u64)> = self.unsettled.clone();
+            for (a, b) in reach {
+                let r = (a / BLOCK) as usize..b.div_ceil(BLOCK) as usize;
+                let (lo, hi) = (r.start.max(blocks.start), r.end.min(blocks.end));
+                for j in 0..self.legs.len() {
+                    if lo < hi {
+                        self.flags(0, j)[lo..hi].fill(true);
+                    }
+                }
+            }
+        }
+        self.stats.faults += 1;
+    }
+
+    /// Silent corruption behind the array's back, then one read (integrity seeds without
+    /// write-behind, a whole array with no rule armed and nothing left to resync): one bit flipped in a different
+    /// block of each leg's copy of a range the array holds the sums of, so the read meets a
+    /// bad block whichever leg it goes to. It must return the model's data, and raid1d must
+    /// have rewritten every bad block from a leg that matched: each leg then holds what the
+    /// read returned. A FLUSH then makes the legs' state durable.
+    fn heal_probe(&mut self) {
+        let serving = self.serving();
+        let r = self.r();
+        if r.is_degraded()
+            || r.failure().is_some()
+            || !self.armed.is_empty()
+            || !self.unsettled.is_empty()
+            || serving.len() < 2
+            // A write behind may still be on its way to the write-mostly leg.
+            || self.shape.write_behind > 0
+        {
+            return self.read();
+        }
+        let d = r.data_offset();
+        let n = serving.len() as u64;
+        let (off, len) = self.range(256 << 10);
+        let blocks = len / BLOCK;
+        let (s0, ns) = Self::sectors(off, len);
+        let clean = blocks >= n
+            && (s0..s0 + ns).all(|s| !self.model.unsummed(s))
+            && (off / BLOCK..off / BLOCK + blocks)
+                .all(|b| serving.iter().all(|&k| !self.is_bad(k, b as usize)));
+        if !clean {
+            return self.read();
+        }
+        let mut flipped = Vec::new();
+        for (i, &k) in serving.iter().enumerate() {
+            let b = off / BLOCK + i as u64 * (blocks / n) + self.rng.below(blocks / n);
+            let byte = self.rng.below(BLOCK);
+            let bit = 1u8 << self.rng.below(8);
+            let dev = self.legs[k].dev.clone();
+            let at = d + b * BLOCK;
+            let Ok(mut data) = testkit::io::read_at(dev.as_ref(), at, BLOCK as usize) else {
+                return;
+            };
+            data[byte as usize] ^= bit;
+            if testkit::io::write_at(dev.as_ref(), at, &data).is_err() {
+                return;
+            }
+            flipped.push((k, b * BLOCK));
+            self.note_flipped(b as usize..b as usize + 1);
+        }
+        self.say(format!(
+            "heal probe: {off}+{len}, a bit flipped on (leg, block) {flipped:?}"
+        ));
+        self.stats.heal_probes += 1;
+        let bio = Bio::with_buf(Op::Read, off >> SECTOR_SHIFT, Buffer::new(len as usize));
+        let (b, res) = submit_wait(self.dev(), bio);
+        let got = b
+            .buf
+            .as_ref()
+            .map(|x| x.as_slice()[..len as usize].to_vec());
+        self.read_done(off, len, b, res, &serving);
+        let got = got.expect("a read returns its buffer");
+        for &k in &serving {
+            let held = testkit::io::read_at(self.legs[k].dev.as_ref(), d + off, len as usize)
+                .unwrap_or_default();
+            let differ: Vec<u64> = held
+                .chunks(BLOCK as usize)
+                .zip(got.chunks(BLOCK as usize))
+                .enumerate()
+                .filter(|(_, (x, y))| x != y)
+                .map(|(j, _)| off + j as u64 * BLOCK)
+                .collect();
+            assert!(
+                differ.is_empty(),
+                "heal probe {off}+{len}: leg {k} does not hold what the read returned at \
+                 blocks {differ:?} (a block raid1d found bad was not rewritten from a leg \
+                 that matched; flipped (leg, block): {flipped:?}; integrity counts {:?}){}",
+                self.r().integrity(),
+                differ
+                    .first()
+                    .map_or(String::new(), |&x| self.sums_report(x, BLOCK))
+            );
+        }
+        self.flush();
+    }
+
+    /// Blocks a flip may have reached (`flip_hist`).
+    fn note_flipped(&mut self, blocks: std::ops::Range<usize>) {
+        let n = self.blocks();
+        self.flip_hist.resize(n, false);
+        self.flip_hist[blocks.start.min(n)..blocks.end.min(n)].fill(true);
+    }
+
+    /// Removes every flip rule (the other rules stay).
+    fn clear_flips(&mut self) {
+        for a in self.armed.iter().filter(|a| a.flip) {
+            self.legs[a.leg].h.remove(a.id);
+        }
+        self.armed.retain(|a| !a.flip);
     }
 
     fn clear_faults(&mut self) {
@@ -1071,20 +1570,56 @@ impl World {
         self.check();
     }
 
-    /// A check (or repair) of an array that is whole and needs no sync counts no mismatch.
+    /// A check (or repair) of an array that is whole and needs no sync counts no mismatch
+    /// (with integrity: unless a leg's copy may have a bit flipped, or a flip rule is
+    /// armed). An integrity seed's check is now and then a scrub: a repair with every flip
+    /// rule removed, then a check that must count nothing but the blocks every leg may hold
+    /// flipped.
     fn check(&mut self) {
         let repair = self.rng.chance(300);
+        let scrub = self.shape.integrity && self.rng.chance(150);
         let r = self.r();
         if r.is_degraded() || r.failure().is_some() {
             return;
         }
-        let action = if repair {
+        if scrub {
+            self.clear_flips();
+            self.say("scrub: flip rules removed".into());
+        }
+        let action = if repair || scrub {
             SyncAction::Repair
         } else {
             SyncAction::Check
         };
+        let Some((p, judged)) = self.run_check(action) else {
+            return;
+        };
+        if judged && p.mismatch_cnt != 0 && !self.flips_may_differ() {
+            let diffs = self.leg_differences(4);
+            panic!(
+                "{action} of a whole, synced array found {} mismatched sectors \
+                 (sectors that differ now, with the write each leg holds: {diffs:?})",
+                p.mismatch_cnt
+            );
+        }
+        if judged && p.mismatch_cnt == 0 {
+            self.settled();
+        }
+        if judged && scrub {
+            self.after_scrub();
+        }
+        // Nothing left to resync: a heal probe can judge the heal now.
+        if judged && self.shape.integrity && self.rng.chance(500) {
+            self.heal_probe();
+        }
+    }
+
+    /// Runs `action` to its end: its progress, and whether it judged a whole array (None:
+    /// it could not start, a resync or recovery is due first).
+    fn run_check(&mut self, action: SyncAction) -> Option<(raid1::SyncProgress, bool)> {
+        let r = self.r();
         if r.set_sync_action(action).is_err() {
-            return; // a resync or recovery is due first
+            return None;
         }
         r.set_speed_limits(1000, FAST);
         let idle = r.wait_sync_idle(HANG);
@@ -1093,16 +1628,128 @@ impl World {
         let p = self.r().sync_progress();
         self.say(format!("{action}: mismatch_cnt {}", p.mismatch_cnt));
         self.stats.checks += 1;
+        self.track_serving();
         // A check interrupted by a leg failure (a fault rule) proves nothing.
         let judged = !self.r().is_degraded()
             && self.r().failure().is_none()
             && p.done_bytes >= p.total_bytes;
         self.stats.whole_checks += u64::from(judged);
-        if judged && p.mismatch_cnt != 0 {
+        if judged {
+            // No resync was due: the crash rule has settled all it reached.
+            self.unsettled.clear();
+        }
+        Some((p, judged))
+    }
+
+    /// Whether the legs serving may differ by a flipped bit: a flip rule is armed, or a
+    /// leg's copy of some block may be flipped.
+    fn flips_may_differ(&self) -> bool {
+        self.armed.iter().any(|a| a.flip)
+            || self
+                .serving()
+                .iter()
+                .any(|&k| self.bad.get(k).is_some_and(|v| v.contains(&true)))
+    }
+
+    /// After a check of a whole array that counted nothing (integrity seeds): the legs agree,
+    /// and the resync has settled every block the crash rule reached, so a block the legs
+    /// hold unflipped has its sum again (one they hold flipped stays re-summed so).
+    fn settled(&mut self) {
+        if !self.shape.integrity {
+            return;
+        }
+        let legs: Vec<Arc<dyn Device>> = self
+            .serving()
+            .iter()
+            .map(|&k| self.legs[k].dev.clone())
+            .collect();
+        let d = self.r().data_offset();
+        let cap = self.model.sectors() * SECTOR as u64;
+        let mut off = 0;
+        let per = BLOCK / SECTOR as u64;
+        while off < cap {
+            let len = (1 << 20).min(cap - off);
+            let (s0, n) = Self::sectors(off, len);
+            // Where no flip ever reached, nothing flipped was re-summed.
+            let mut flipped = false;
+            for s in s0..s0 + n {
+                if !self.model.crash_marked(s) {
+                    continue;
+                }
+                if self
+                    .flip_hist
+                    .get((s / per) as usize)
+                    .copied()
+                    .unwrap_or(false)
+                {
+                    flipped = true;
+                } else {
+                    self.model.set_unsummed(s, 1, Unsummed::Summed);
+                }
+            }
+            if flipped {
+                let bufs: Vec<Vec<u8>> = legs
+                    .iter()
+                    .map(|l| {
+                        testkit::io::read_at(l.as_ref(), d + off, len as usize).unwrap_or_default()
+                    })
+                    .collect();
+                for j in 0..n {
+                    let s = s0 + j;
+                    let at = j as usize * SECTOR..(j as usize + 1) * SECTOR;
+                    let clean = bufs.iter().all(|b| {
+                        b.get(at.clone())
+                            .is_some_and(|x| super::model::decode(s, x).is_some())
+                    });
+                    if clean && self.model.crash_marked(s) {
+                        self.model.set_unsummed(s, 1, Unsummed::Summed);
+                    }
+                }
+            }
+            off += len;
+        }
+    }
+
+    /// A scrub's repair ran to its end with no flip rule armed: once a FLUSH makes its
+    /// rewrites durable, every block some leg held unflipped is unflipped on every leg
+    /// serving, and a check counts only the blocks every leg may hold flipped.
+    fn after_scrub(&mut self) {
+        if !self.flush() {
+            return;
+        }
+        let serving = self.serving();
+        let mut lost = 0u64;
+        for b in 0..self.blocks() {
+            if serving.iter().any(|&k| !self.is_bad(k, b)) {
+                for &k in &serving {
+                    if let Some(x) = self.bad.get_mut(k).and_then(|v| v.get_mut(b)) {
+                        *x = false;
+                    }
+                }
+            } else {
+                lost += 1;
+            }
+        }
+        for &k in &serving {
+            if let Some(v) = self.read_flipped.get_mut(k) {
+                v.fill(false);
+            }
+        }
+        let Some((p, judged)) = self.run_check(SyncAction::Check) else {
+            return;
+        };
+        if !judged {
+            return;
+        }
+        self.stats.scrubs += 1;
+        let most = lost * (BLOCK / SECTOR as u64);
+        if p.mismatch_cnt > most {
             let diffs = self.leg_differences(4);
             panic!(
-                "{action} of a whole, synced array found {} mismatched sectors \
-                 (sectors that differ now, with the write each leg holds: {diffs:?})",
+                "the check after a scrub (a repair with no flip rule armed, then a FLUSH) \
+                 found {} mismatched sectors, more than the {most} of the {lost} blocks \
+                 every leg may hold flipped (sectors that differ now, with the write each \
+                 leg holds: {diffs:?})",
                 p.mismatch_cnt
             );
         }
@@ -1234,7 +1881,7 @@ impl World {
                 .iter()
                 .find(|r| r.0 >> SECTOR_SHIFT == bio.sector)
                 .expect("a completion of this batch");
-            self.record("batch write", off, len, w, fua, res, &serving);
+            self.record("batch write", Op::Write, off, len, w, fua, res, &serving);
         }
     }
 
@@ -1253,8 +1900,50 @@ impl World {
             .collect()
     }
 
+    /// Where the crash rule may re-sum what a leg holds (integrity seeds), taken just before
+    /// a power cut: the chunks dirty now (bits only clear once the sums of their writes are
+    /// on the legs), all of the array without a bitmap.
+    fn note_cut(&mut self) {
+        if !self.shape.integrity {
+            return;
+        }
+        let r = self.r();
+        let degraded = r.is_degraded();
+        let dirty = r.bitmap().map(|bm| {
+            let c = bm.chunk_size();
+            bm.dirty_chunks()
+                .iter()
+                .map(|set| (set.first * c, set.end * c))
+                .collect()
+        });
+        self.cut_degraded = degraded;
+        self.cut_dirty = dirty;
+    }
+
+    /// After a power cut: the blocks of the crash rule's reach lose their sums' protection
+    /// until written (what a leg held flipped there may have been re-summed).
+    fn apply_cut(&mut self) {
+        if !self.shape.integrity {
+            return;
+        }
+        let why = if self.cut_degraded {
+            Unsummed::CrashDegraded
+        } else {
+            Unsummed::Crash
+        };
+        let cap = self.model.sectors() * SECTOR as u64;
+        let ranges = self.cut_dirty.take().unwrap_or_else(|| vec![(0, cap)]);
+        for (a, b) in ranges {
+            let (a, b) = (a.min(cap), b.min(cap));
+            let (s, n) = Self::sectors(a, b - a);
+            self.model.set_unsummed(s, n, why);
+            self.unsettled.push((a, b));
+        }
+    }
+
     /// Every leg's power goes at once; each keeps its seeded part of its volatile cache.
     fn crash_legs(&mut self) {
+        self.note_cut();
         let parts = self.partials();
         for (l, p) in self.legs.iter().zip(parts) {
             l.h.release();
@@ -1295,6 +1984,8 @@ impl World {
         if let Some(c) = self.cbt.as_mut() {
             c.tracked = None;
         }
+        let (h, u, rs) = self.integrity_counts();
+        self.counts_before = (h, u, rs);
         let r = self.r.take().expect("an array");
         Arc::try_unwrap(r)
             .unwrap_or_else(|_| panic!("the array is still shared at a crash"))
@@ -1304,6 +1995,7 @@ impl World {
             self.legs[k].h.restart();
         }
         self.model.crashed();
+        self.apply_cut();
         self.stats.crashes += 1;
         self.add_unrecorded_departures(&mut legs);
         // A seeded order (Fisher-Yates).
@@ -1452,6 +2144,7 @@ impl World {
             "crash during a superblock write ({what}), held on slot {slot} (leg {k})"
         ));
         self.stats.sb_cuts += 1;
+        self.note_cut();
         let h = self.legs[k].h.clone();
         h.add(
             Rule::stall(OpSet::WRITE)
