@@ -378,3 +378,43 @@ fn after_a_crash_every_leg_gets_the_sums_of_the_chunks_the_resync_settles() {
         got.map(|g| g == data)
     );
 }
+
+#[test]
+fn a_read_flipped_on_its_way_while_the_resync_settles_a_block_is_not_taken_as_its_data() {
+    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+    let f = FaultDevice::new(mem("16M"), FaultConfig::default());
+    let h = f.handle();
+    let a: Arc<dyn Device> = Arc::new(f);
+    let b = mem("16M");
+    let x = 3 * BLK as u64;
+    {
+        let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+        write(&r, 0, &pattern(1, 8 * BLK));
+    }
+    {
+        // Block x's chunk dirty at a crash.
+        let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+        write(&r, x, &pattern(2, BLK));
+        r.crash_for_test();
+    }
+    // What the crash left there: neither leg's copy matches any sum the legs hold.
+    let off = Raid1::read_superblock(b.as_ref()).unwrap().data_offset;
+    let on_a = pattern(3, BLK);
+    write(a.as_ref(), off + x, &on_a);
+    write(b.as_ref(), off + x, &pattern(4, BLK));
+    // The resync's first read of block x from the source (leg a) comes back with a bit
+    // flipped on the way; the leg itself holds `on_a`.
+    h.add(Rule::flip(OpSet::READ).in_range(off + x + 100, 1).nth(1));
+    let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
+    assert!(r.wait_sync_idle(Duration::from_secs(20)));
+    assert_eq!(
+        h.counters().flipped.iter().sum::<u64>(),
+        1,
+        "the flip fired"
+    );
+    assert!(
+        read(&r, x, BLK) == on_a,
+        "a flipped read became the block's data"
+    );
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+}

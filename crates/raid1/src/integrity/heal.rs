@@ -139,7 +139,7 @@ impl Inner {
                 Some((_, c)) => c,
                 None => {
                     // The resync source's copy (or the first).
-                    let Some((_, c)) = copies
+                    let Some((l, c)) = copies
                         .iter()
                         .find(|(l, _)| Some(*l) == source)
                         .or(copies.first())
@@ -147,10 +147,10 @@ impl Inner {
                         continue;
                     };
                     if self.unsettled(at) {
-                        // Torn by a crash, not corrupt: what the resync would take.
-                        t.record(at, part(c));
-                        t.resummed.fetch_add(1, Ordering::Relaxed);
+                        // Torn by a crash, not corrupt: what the resync would take (read
+                        // again until two reads agree, then summed).
                         dst.copy_from_slice(part(c));
+                        self.settle_block(t, *l, at, dst);
                         continue;
                     }
                     v.lost += 1;

@@ -55,8 +55,7 @@ impl Inner {
                 if self.block_from_other_leg(t, src, at, blk) {
                     out.replaced += 1;
                 } else {
-                    t.record(at, blk);
-                    t.resummed.fetch_add(1, Ordering::Relaxed);
+                    self.settle_block(t, src, at, blk);
                 }
                 continue;
             }
@@ -84,6 +83,36 @@ impl Inner {
             });
         }
         out
+    }
+
+    /// A block of a chunk the crash rule settles that no leg's copy matched: `blk`, read from
+    /// leg `leg`, is read again until two reads agree (or one matches the sum), and that is
+    /// summed. A read that came back wrong once (a bit flipped on the way) must not become the
+    /// block's data and sum, and be copied to the other legs.
+    pub(crate) fn settle_block(&self, t: &Checksums, leg: usize, at: u64, blk: &mut [u8]) {
+        if let Some(dev) = self.legs[leg].dev() {
+            for _ in 0..2 {
+                let b = Bio::with_buf(
+                    Op::Read,
+                    (at + self.data_offset) >> SECTOR_SHIFT,
+                    Buffer::new(BLOCK as usize),
+                );
+                let (back, r) = submit_wait(dev.as_ref(), b);
+                let Some(got) = back.buf.filter(|_| r.is_ok()) else {
+                    break;
+                };
+                if t.block_matches(at / BLOCK, got.as_slice()) {
+                    blk.copy_from_slice(got.as_slice());
+                    return;
+                }
+                if got.as_slice() == &blk[..] {
+                    break;
+                }
+                blk.copy_from_slice(got.as_slice());
+            }
+        }
+        t.record(at, blk);
+        t.resummed.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Reads block `at` from the other in-sync legs until one matches its sum, into `blk`.
