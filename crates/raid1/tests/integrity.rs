@@ -33,6 +33,13 @@ fn flip(r: &Raid1, leg: &dyn Device, at: u64) {
     write(leg, base, &b);
 }
 
+/// A new array with integrity on `a` and `b` holding `data` from offset 0, stopped cleanly
+/// (the sums of `data` on both legs).
+fn created_holding(a: &Arc<dyn Device>, b: &Arc<dyn Device>, data: &[u8]) {
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    write(&r, 0, data);
+}
+
 fn counts(r: &Raid1) -> raid1::IntegrityCounts {
     r.integrity().expect("integrity on").1
 }
@@ -188,11 +195,7 @@ fn a_torn_write_after_a_crash_is_settled_by_the_resync_and_never_reported() {
     let (a, b) = legs();
     let old = pattern(1, 8 * BLK);
     let new = pattern(2, 8 * BLK);
-    {
-        // A clean stop puts the sums of `old` on both legs.
-        let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
-        write(&r, 0, &old);
-    }
+    created_holding(&a, &b, &old);
     {
         // A write into the same chunk (its bit set and durable, its sums maybe not), then
         // a crash.
@@ -258,11 +261,7 @@ fn a_crash_of_a_degraded_array_leaves_what_it_wrote_readable() {
     let (a, b) = legs();
     let old = pattern(1, 16 * BLK);
     let new = pattern(2, 16 * BLK);
-    {
-        // A clean stop puts the sums of `old` on both legs.
-        let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
-        write(&r, 0, &old);
-    }
+    created_holding(&a, &b, &old);
     {
         let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
         r.fail_leg(1).unwrap();
