@@ -380,7 +380,7 @@ impl Raid1 {
         } = place_legs(found, &assembly.slots, &newest)?;
         check_enough_in_sync(&newest, &placed, nr_given, &cfg)?;
         let bitmap = load_bitmap(&newest, &mut placed, &cfg)?;
-        let sums = load_sums(&newest, &placed, &mut warnings);
+        let sums = crate::integrity::load_sums(&newest, &placed, &mut warnings);
         let lbs = if sums.is_some() {
             lbs.max(crate::integrity::BLOCK as u32)
         } else {
@@ -807,28 +807,6 @@ fn load_bitmap(
         p.readd = loaded && p.state & (IN_SYNC | FAULTY) == 0 && p.recovery_offset == 0 && covered;
     }
     Ok(Some(bm))
-}
-
-/// The array's per-block checksums, if it keeps them, loaded from its in-sync legs (those not
-/// write-mostly first); a page no leg holds whole is named in `warnings`.
-fn load_sums(
-    newest: &Superblock,
-    placed: &[Placed],
-    warnings: &mut Vec<String>,
-) -> Option<crate::integrity::Checksums> {
-    let area = newest.integrity?;
-    let t = crate::integrity::Checksums::new(area, newest.data_size);
-    let mut legs: Vec<&Placed> = placed
-        .iter()
-        .filter(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
-        .collect();
-    legs.sort_by_key(|p| p.state & WRITE_MOSTLY != 0);
-    let devs: Vec<&dyn Device> = legs.iter().map(|p| p.dev.as_ref()).collect();
-    for w in crate::integrity::load(&t, &devs) {
-        tracing::warn!("raid1: {w}");
-        warnings.push(w);
-    }
-    Some(t)
 }
 
 /// The generation of the newest history among `found` (one array's legs): the one no other

@@ -46,7 +46,7 @@ mod heal;
 mod legs;
 mod pass;
 
-pub(crate) use legs::{load, zero_area};
+pub(crate) use legs::{load_sums, zero_area};
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::Mutex;

@@ -5,14 +5,15 @@ use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{Checksums, PAGE};
-use crate::device::Inner;
+use crate::device::{Inner, Placed, FAULTY, IN_SYNC, WRITE_MOSTLY};
+use crate::superblock::Superblock;
 
 /// Pages per I/O when the table is read or written in runs.
 const RUN: usize = 256;
 
 /// Loads the table from `legs` (in-sync legs, best first): each page from the first leg that
 /// holds it whole. A page no leg holds whole stays unknown, named in the returned warnings.
-pub(crate) fn load(t: &Checksums, legs: &[&dyn Device]) -> Vec<String> {
+fn load(t: &Checksums, legs: &[&dyn Device]) -> Vec<String> {
     let mut missing: Vec<usize> = (0..t.nr_pages()).collect();
     for dev in legs {
         if missing.is_empty() {
@@ -137,4 +138,26 @@ pub(crate) fn zero_area(dev: &dyn Device, t: &Checksums) -> Result<(), blk::Erro
         at += u64::from(n);
     }
     Ok(())
+}
+
+/// The array's per-block checksums, if it keeps them, loaded from its in-sync legs (those not
+/// write-mostly first); a page no leg holds whole is named in `warnings`.
+pub(crate) fn load_sums(
+    newest: &Superblock,
+    placed: &[Placed],
+    warnings: &mut Vec<String>,
+) -> Option<Checksums> {
+    let area = newest.integrity?;
+    let t = Checksums::new(area, newest.data_size);
+    let mut legs: Vec<&Placed> = placed
+        .iter()
+        .filter(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
+        .collect();
+    legs.sort_by_key(|p| p.state & WRITE_MOSTLY != 0);
+    let devs: Vec<&dyn Device> = legs.iter().map(|p| p.dev.as_ref()).collect();
+    for w in load(&t, &devs) {
+        tracing::warn!("raid1: {w}");
+        warnings.push(w);
+    }
+    Some(t)
 }
