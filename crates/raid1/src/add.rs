@@ -298,12 +298,12 @@ impl Raid1 {
             history.left_at(id).is_some_and(|left| cleared < left)
         };
         let ok = match kin {
-            Kinship::Same => crate::assemble::readd_rule(true, sb.events, cleared),
+            Kinship::Same => crate::placement::readd_rule(true, sb.events, cleared),
             Kinship::Ancestor => {
                 // Its own dirty bits join: writes it took that the array may lack (it
                 // stopped with them in flight). When its bitmap cannot be read, the array's
                 // alone may miss a chunk it changed: a full recovery, as for a diverged side.
-                crate::assemble::readd_covers(
+                crate::placement::readd_covers(
                     &lineage,
                     sb.lineage.current.id,
                     true,

@@ -3,8 +3,8 @@
 //! detection) and `launch` (build the shared state, start raid1d and the sync thread).
 //!
 //! What a set of superblocks decides (which array, whose superblock speaks for it, which leg
-//! takes which slot) is [`Assembly::decide`], a pure function: `assemble` acts on its answer,
-//! and a tool that only reports on legs at rest asks it the same question.
+//! takes which slot) is [`Assembly::decide`] (`placement`), a pure function: `assemble` acts on
+//! its answer.
 //!
 //! Runs on the caller's thread, before any other thread of the array exists.
 
@@ -25,198 +25,9 @@ use crate::device::{
     ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT,
     WRITE_MOSTLY,
 };
-use crate::generation::{Kinship, Lineage};
+use crate::placement::{left_in_sync, readd_covers, Assembly};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 use uuid::Uuid;
-
-/// What the superblocks of a set of legs decide about the array they form, before anything
-/// starts ([`Assembly::decide`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Assembly {
-    /// The position, among the legs given, of the superblock whose view of the array wins:
-    /// the slot table, events, layout and state come from it.
-    pub newest: usize,
-    /// For each leg given, the slot it takes in that view: `None` for a leg without a
-    /// readable superblock, a spare, or a leg replaced in its slot since.
-    pub slots: Vec<Option<usize>>,
-    /// Disagreements worked around (equal events, different views), naming legs by position.
-    pub warnings: Vec<String>,
-}
-
-/// Why the legs given do not form one array ([`Assembly::decide`]). Legs are named by their
-/// position among the legs given.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum AssemblyError {
-    /// No leg has a readable superblock.
-    #[error("no leg with a readable superblock")]
-    NoSuperblock,
-    /// A leg carries another array's superblock than the array most legs belong to.
-    #[error(
-        "leg {leg} belongs to another array (array UUID {its}) than legs {} (array UUID \
-         {array})",
-        join(.members)
-    )]
-    ForeignLeg {
-        /// The first such leg.
-        leg: usize,
-        /// Its array's UUID.
-        its: Uuid,
-        /// The legs of the array.
-        members: Vec<usize>,
-        /// The array's UUID.
-        array: Uuid,
-    },
-    /// Two legs carry the same leg UUID: the same leg given twice (or a copy of it).
-    #[error("legs {first} and {second} are the same leg (leg UUID {leg_uuid})")]
-    DuplicateLeg {
-        /// The first of them.
-        first: usize,
-        /// The second.
-        second: usize,
-        /// The leg UUID they share.
-        leg_uuid: Uuid,
-    },
-    /// The newest superblocks (same events) each record another's leg as failed: each leg
-    /// may hold writes the others lack.
-    #[error(
-        "legs {} have the same events ({events}) and each records another as failed (split \
-         brain): refusing to assemble; assemble from the legs you trust",
-        join(.legs)
-    )]
-    SplitBrain {
-        /// The legs with those events.
-        legs: Vec<usize>,
-        /// Their events.
-        events: u64,
-    },
-    /// The legs carry histories that went apart (see [`crate::generation`]): each side ran
-    /// without the other and holds writes the other lacks, whatever their events say.
-    #[error(
-        "the legs' histories diverged: {}: each side ran without the other and holds writes \
-         the other lacks; refusing to pick a side: assemble from the side to keep (allowing a \
-         degraded start), then add the other with --discard (only the chunks either side \
-         changed are copied)",
-        name_sides(.sides)
-    )]
-    Diverged {
-        /// Each side: its legs (positions among the legs given) and its generation.
-        sides: Vec<(Vec<usize>, u64)>,
-    },
-}
-
-fn name_sides(sides: &[(Vec<usize>, u64)]) -> String {
-    sides
-        .iter()
-        .map(|(legs, g)| {
-            let which = if legs.len() == 1 { "leg" } else { "legs" };
-            format!("{which} {} at generation {g:016x}", join(legs))
-        })
-        .collect::<Vec<_>>()
-        .join(" and ")
-}
-
-fn join(legs: &[usize]) -> String {
-    legs.iter()
-        .map(usize::to_string)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-impl Assembly {
-    /// Decides from the superblocks of the legs given, in order (`None`: a leg whose
-    /// superblock could not be read, left out of the decision):
-    /// 1. the array: the array UUID most legs carry (a tie goes to the array with the highest
-    ///    events, then to the earlier leg's); a leg of another array is refused
-    ///    ([`AssemblyError::ForeignLeg`]), and so is a leg given twice
-    ///    ([`AssemblyError::DuplicateLeg`]);
-    /// 2. the newest history: legs whose generation is an earlier point of another leg's
-    ///    history are stale whatever their events; two legs whose histories went apart are
-    ///    refused ([`AssemblyError::Diverged`]: each side ran without the other);
-    /// 3. the newest superblock among the legs at that point (md compares events first): the
-    ///    highest
-    ///    `events`; among superblocks with those events that disagree (a leg failed while they
-    ///    were being written), never one whose own leg another records as failed (that leg
-    ///    missed writes the other saw), then the one recording the most failed legs, then the
-    ///    lowest slot: the same choice in any order. Two legs that each record the other as
-    ///    failed (split brain: each may hold writes the other lacks) are refused
-    ///    ([`AssemblyError::SplitBrain`]);
-    /// 4. each leg's slot: its superblock's role, where the newest superblock's slot table
-    ///    still holds that leg.
-    pub fn decide(sbs: &[Option<&Superblock>]) -> Result<Assembly, AssemblyError> {
-        let given: Vec<(usize, &Superblock)> = sbs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, sb)| sb.map(|sb| (i, sb)))
-            .collect();
-        // How strongly the legs speak for an array: how many carry it, then its newest events.
-        let weight = |u: Uuid| {
-            let of = || given.iter().filter(move |(_, sb)| sb.array_uuid == u);
-            (of().count(), of().map(|(_, sb)| sb.events).max())
-        };
-        // Ties keep the earlier leg's array.
-        let array = given
-            .iter()
-            .map(|(_, sb)| sb.array_uuid)
-            .fold(None::<Uuid>, |best, u| match best {
-                Some(b) if weight(b) >= weight(u) => Some(b),
-                _ => Some(u),
-            })
-            .ok_or(AssemblyError::NoSuperblock)?;
-        if let Some((leg, sb)) = given.iter().find(|(_, sb)| sb.array_uuid != array) {
-            return Err(AssemblyError::ForeignLeg {
-                leg: *leg,
-                its: sb.array_uuid,
-                members: given
-                    .iter()
-                    .filter(|(_, sb)| sb.array_uuid == array)
-                    .map(|(i, _)| *i)
-                    .collect(),
-                array,
-            });
-        }
-        for (k, (first, a)) in given.iter().enumerate() {
-            if let Some((second, _)) = given[k + 1..]
-                .iter()
-                .find(|(_, b)| b.leg_uuid == a.leg_uuid)
-            {
-                return Err(AssemblyError::DuplicateLeg {
-                    first: *first,
-                    second: *second,
-                    leg_uuid: a.leg_uuid,
-                });
-            }
-        }
-        // Only the legs at the newest point of the history speak for the array; legs at an
-        // earlier point are stale, whatever their events; two newest points are refused.
-        let heads = newest_generation(&given)?;
-        let at_head: Vec<(usize, &Superblock)> = given
-            .iter()
-            .filter(|(_, sb)| sb.lineage.current.id == heads)
-            .copied()
-            .collect();
-        let mut warnings = Vec::new();
-        let newest = choose_newest(&at_head, &mut warnings)?;
-        let nb = sbs[newest].expect("the newest superblock is one of those given");
-        let slots = sbs
-            .iter()
-            .map(|sb| {
-                let sb = (*sb)?;
-                let Role::Slot(n) = sb.role else {
-                    return None; // a spare
-                };
-                let n = n as usize;
-                // Else replaced in its slot since: not part of the array any more.
-                nb.legs.get(n).filter(|l| l.uuid == sb.leg_uuid).map(|_| n)
-            })
-            .collect();
-        Ok(Assembly {
-            newest,
-            slots,
-            warnings,
-        })
-    }
-}
 
 /// How [`Raid1::create_with`] starts a new array.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -460,119 +271,28 @@ impl Raid1 {
         Ok(Superblock::decode(buf.as_slice())?)
     }
 
-    pub(crate) fn launch(a: Launch) -> Result<Self, Raid1Error> {
-        let cfg = a.cfg;
-        if cfg.write_behind > 0 && a.bitmap.is_none() {
+    /// Builds the running array from what `create_with` or `assemble` decided: the shared
+    /// state, the legs in their slots, the resync to come recorded, the superblocks and
+    /// bitmap written, raid1d and the sync thread started.
+    pub(crate) fn launch(mut a: Launch) -> Result<Self, Raid1Error> {
+        if a.cfg.write_behind > 0 && a.bitmap.is_none() {
             return Err(Raid1Error::Config(
                 "raid1: write_behind needs a write-intent bitmap".into(),
             ));
         }
-        let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
-        let free = Sbitmap::new(cfg.depth as u32, None, false)
-            .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
-        let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
-            legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
-            ends: (0..blkq_sync::stat::shard_count())
-                .map(|_| {
-                    (0..a.nr_slots)
-                        .map(|leg| {
-                            StdArc::new(LegEnd {
-                                inner: weak.clone(),
-                                leg,
-                            }) as StdArc<dyn EndIo>
-                        })
-                        .collect()
-                })
-                .collect(),
-            data_offset: a.data_offset,
-            capacity: a.capacity,
-            logical_block_size: a.lbs,
-            max_io: a.max_io,
-            barriers: Barriers::new(cfg.barrier),
-            bitmap: a.bitmap,
-            sums: a.sums,
-            persist: Mutex::new(()),
-            ios: (0..cfg.depth)
-                .map(|_| CachePadded(Mutex::new(Io::default())))
-                .collect(),
-            free,
-            free_wq: WaitQueue::new(),
-            retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
-            daemon_wq: WaitQueue::new(),
-            stop: AtomicBool::new(false),
-            sb_dirty: AtomicBool::new(false),
-            meta: Mutex::new(ArrayMeta {
-                array_uuid: a.array_uuid,
-                events: a.events,
-                state: ArrayState::Active,
-                lineage: a.lineage,
-                members: a.members,
-            }),
-            fail_lock: Mutex::new(()),
-            fail_gen: AtomicU64::new(0),
-            durable_gen: AtomicU64::new(0),
-            held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
-            failed: AtomicBool::new(false),
-            failed_why: Mutex::new(None),
-            // Unclean: reads go to the resync's source from now on, not only once the sync
-            // thread has started the pass (md's `recovery_cp` = 0 at assembly).
-            resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),
-            pool,
-            origin_ns: blk::stats::coarse_ns(),
-            sync: crate::sync::SyncState::new(),
-            readd: crate::readd::ReaddState::new(a.nr_slots),
-            wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
-            events: crate::events::Hub::new(a.nr_slots),
-            me: weak.clone(),
-            cfg,
-        });
-        // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
-        // come back with `add_leg` as a re-add.
-        for (l, u) in inner.legs.iter().zip(a.slot_uuids.iter()) {
-            *l.uuid.lock() = *u;
-        }
-        // Nothing submits yet; the freeze is the rule of `slot` all the same.
-        inner.barriers.freeze_array(0);
-        for p in a.placed {
-            let l = &inner.legs[p.slot];
-            // SAFETY: frozen just above.
-            let _ = unsafe { l.set_dev_frozen(Some(p.dev)) };
-            *l.uuid.lock() = p.uuid;
-            l.recovery_offset
-                .store(p.recovery_offset, Ordering::Release);
-            l.bitmap_recovery.store(p.readd, Ordering::Release);
-            l.state.store(p.state, Ordering::Release);
-        }
-        paired(inner.barriers.unfreeze_array());
-        for i in 0..a.nr_slots {
-            inner.watch_connections(i);
-        }
-        // Found faulty: nobody knows why it failed, so it is never re-added by itself.
-        for i in 0..a.nr_slots {
-            if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {
-                inner.mark_manual(i);
-            }
-        }
-        if let Some(bm) = &inner.bitmap {
-            bm.set_degraded(inner.is_degraded());
-        }
-        inner.sync.ctl.lock().resync_needed = a.resync;
-        if let (true, Some(t)) = (a.resync, &inner.sums) {
-            // The legs' pages of what the resync settles may differ (a crash kept a page
-            // write on some legs only): the table loaded goes back to every leg before any of
-            // those bits clears (see `integrity`).
-            match &inner.bitmap {
-                Some(bm) => {
-                    let c = bm.chunk_size();
-                    for set in bm.dirty_chunks() {
-                        t.mark_dirty(set.first * c, (set.end - set.first) * c);
-                    }
-                }
-                None => t.mark_dirty(0, u64::MAX),
-            }
-        }
+        let placed = std::mem::take(&mut a.placed);
+        let slot_uuids = std::mem::take(&mut a.slot_uuids);
+        let resync = a.resync;
+        let inner = shared_state(a)?;
+        seat_legs(&inner, placed, &slot_uuids);
+        record_resync(&inner, resync);
         inner.write_superblocks()?;
         inner.persist_bitmap()?;
+        Ok(Self::start_threads(inner))
+    }
+
+    /// Starts raid1d and the sync thread on `inner`: the array runs.
+    fn start_threads(inner: StdArc<Inner>) -> Self {
         let daemon = {
             let inner = inner.clone();
             thread::spawn(move || inner.daemon())
@@ -581,13 +301,135 @@ impl Raid1 {
             let inner = inner.clone();
             thread::spawn(move || inner.sync_thread())
         };
-        Ok(Self {
+        Self {
             inner,
             daemon: Some(daemon),
             syncer: Some(syncer),
             crashed: false,
             warnings: Vec::new(),
-        })
+        }
+    }
+}
+
+/// The array's shared state, every leg slot empty (`a.placed` and `a.slot_uuids` are left to
+/// [`seat_legs`]).
+fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
+    let cfg = a.cfg;
+    let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
+    let free = Sbitmap::new(cfg.depth as u32, None, false)
+        .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
+    let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
+        legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
+        ends: (0..blkq_sync::stat::shard_count())
+            .map(|_| {
+                (0..a.nr_slots)
+                    .map(|leg| {
+                        StdArc::new(LegEnd {
+                            inner: weak.clone(),
+                            leg,
+                        }) as StdArc<dyn EndIo>
+                    })
+                    .collect()
+            })
+            .collect(),
+        data_offset: a.data_offset,
+        capacity: a.capacity,
+        logical_block_size: a.lbs,
+        max_io: a.max_io,
+        barriers: Barriers::new(cfg.barrier),
+        bitmap: a.bitmap,
+        sums: a.sums,
+        persist: Mutex::new(()),
+        ios: (0..cfg.depth)
+            .map(|_| CachePadded(Mutex::new(Io::default())))
+            .collect(),
+        free,
+        free_wq: WaitQueue::new(),
+        retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+        daemon_wq: WaitQueue::new(),
+        stop: AtomicBool::new(false),
+        sb_dirty: AtomicBool::new(false),
+        meta: Mutex::new(ArrayMeta {
+            array_uuid: a.array_uuid,
+            events: a.events,
+            state: ArrayState::Active,
+            lineage: a.lineage,
+            members: a.members,
+        }),
+        fail_lock: Mutex::new(()),
+        fail_gen: AtomicU64::new(0),
+        durable_gen: AtomicU64::new(0),
+        held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+        failed: AtomicBool::new(false),
+        failed_why: Mutex::new(None),
+        // Unclean: reads go to the resync's source from now on, not only once the sync
+        // thread has started the pass (md's `recovery_cp` = 0 at assembly).
+        resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),
+        pool,
+        origin_ns: blk::stats::coarse_ns(),
+        sync: crate::sync::SyncState::new(),
+        readd: crate::readd::ReaddState::new(a.nr_slots),
+        wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
+        events: crate::events::Hub::new(a.nr_slots),
+        me: weak.clone(),
+        cfg,
+    });
+    Ok(inner)
+}
+
+/// Puts each placed leg into its slot (under a freeze, the rule of `slot`), keeps the UUID
+/// of each slot whose leg is missing, watches every leg's connections, and marks a leg
+/// found faulty as failed by hand.
+fn seat_legs(inner: &Inner, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
+    // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
+    // come back with `add_leg` as a re-add.
+    for (l, u) in inner.legs.iter().zip(slot_uuids.iter()) {
+        *l.uuid.lock() = *u;
+    }
+    // Nothing submits yet; the freeze is the rule of `slot` all the same.
+    inner.barriers.freeze_array(0);
+    for p in placed {
+        let l = &inner.legs[p.slot];
+        // SAFETY: frozen just above.
+        let _ = unsafe { l.set_dev_frozen(Some(p.dev)) };
+        *l.uuid.lock() = p.uuid;
+        l.recovery_offset
+            .store(p.recovery_offset, Ordering::Release);
+        l.bitmap_recovery.store(p.readd, Ordering::Release);
+        l.state.store(p.state, Ordering::Release);
+    }
+    paired(inner.barriers.unfreeze_array());
+    for i in 0..inner.legs.len() {
+        inner.watch_connections(i);
+    }
+    // Found faulty: nobody knows why it failed, so it is never re-added by itself.
+    for i in 0..inner.legs.len() {
+        if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {
+            inner.mark_manual(i);
+        }
+    }
+    if let Some(bm) = &inner.bitmap {
+        bm.set_degraded(inner.is_degraded());
+    }
+}
+
+/// Records that a resync is due (`resync`: the array was not stopped cleanly, or was created
+/// to be resynced) and, with checksums, marks the table's pages of what it settles dirty.
+fn record_resync(inner: &Inner, resync: bool) {
+    inner.sync.ctl.lock().resync_needed = resync;
+    if let (true, Some(t)) = (resync, &inner.sums) {
+        // The legs' pages of what the resync settles may differ (a crash kept a page
+        // write on some legs only): the table loaded goes back to every leg before any of
+        // those bits clears (see `integrity`).
+        match &inner.bitmap {
+            Some(bm) => {
+                let c = bm.chunk_size();
+                for set in bm.dirty_chunks() {
+                    t.mark_dirty(set.first * c, (set.end - set.first) * c);
+                }
+            }
+            None => t.mark_dirty(0, u64::MAX),
+        }
     }
 }
 
@@ -807,115 +649,4 @@ fn load_bitmap(
         p.readd = loaded && p.state & (IN_SYNC | FAULTY) == 0 && p.recovery_offset == 0 && covered;
     }
     Ok(Some(bm))
-}
-
-/// The generation of the newest history among `found` (one array's legs): the one no other
-/// leg's history has gone past. Step 2 of [`Assembly::decide`].
-fn newest_generation(found: &[(usize, &Superblock)]) -> Result<u64, AssemblyError> {
-    let mut heads: Vec<(Vec<usize>, u64)> = Vec::new();
-    for (i, sb) in found {
-        let passed = found
-            .iter()
-            .any(|(_, o)| o.lineage.kinship(&sb.lineage) == Kinship::Ancestor);
-        if passed {
-            continue;
-        }
-        let g = sb.lineage.current.id;
-        match heads.iter_mut().find(|(_, h)| *h == g) {
-            Some((legs, _)) => legs.push(*i),
-            None => heads.push((vec![*i], g)),
-        }
-    }
-    match heads.len() {
-        0 => Err(AssemblyError::NoSuperblock),
-        1 => Ok(heads[0].1),
-        _ => Err(AssemblyError::Diverged { sides: heads }),
-    }
-}
-
-/// Whether a leg whose own superblock is `sb` left slot `n` in sync (its last superblock,
-/// written while it was a member, records it in sync and not failed).
-pub(crate) fn left_in_sync(sb: &Superblock, n: usize) -> bool {
-    sb.legs.get(n).is_some_and(|l| l.in_sync && !l.faulty)
-}
-
-/// md's re-add rule: a returning leg of this array's slot needs only the bitmap's dirty
-/// chunks if it left in sync ([`left_in_sync`]) and its events (`events`, its own
-/// superblock's) are not behind the bitmap's `events_cleared` (no bit it would need was
-/// cleared since it left). Assembly, `add_leg` and the automatic re-add all ask this.
-pub(crate) fn readd_rule(left_in_sync: bool, events: u64, events_cleared: u64) -> bool {
-    left_in_sync && events >= events_cleared
-}
-
-/// The re-add rule across generations (see `generation`): a returning leg at `generation`
-/// (its own superblock's, with its `events` and whether it left in sync) of an array whose
-/// history is `lineage` needs only the bitmap's dirty chunks when it is of the array's
-/// generation and md's rule holds ([`readd_rule`]), or of an earlier one that it left in sync
-/// and no bit was cleared since the array left that generation. Assembly, `add_leg` and the
-/// automatic re-add all ask this.
-pub(crate) fn readd_covers(
-    lineage: &Lineage,
-    generation: u64,
-    left_in_sync: bool,
-    events: u64,
-    events_cleared: u64,
-) -> bool {
-    if generation == lineage.current.id {
-        readd_rule(left_in_sync, events, events_cleared)
-    } else {
-        // Strictly before: a clear at the new generation's first events came after it.
-        left_in_sync
-            && lineage
-                .left_at(generation)
-                .is_some_and(|left| events_cleared < left)
-    }
-}
-
-/// Whether `sb` records slot `n` as failed or not in sync.
-fn records_failed(sb: &Superblock, n: usize) -> bool {
-    sb.legs.get(n).is_some_and(|l| l.faulty || !l.in_sync)
-}
-
-/// The position of the superblock whose view wins, among `found` (one array's legs, with
-/// their positions among the legs given): step 2 of [`Assembly::decide`].
-fn choose_newest(
-    found: &[(usize, &Superblock)],
-    warnings: &mut Vec<String>,
-) -> Result<usize, AssemblyError> {
-    let max = found
-        .iter()
-        .map(|(_, sb)| sb.events)
-        .max()
-        .ok_or(AssemblyError::NoSuperblock)?;
-    let top: Vec<&(usize, &Superblock)> = found.iter().filter(|(_, sb)| sb.events == max).collect();
-    let slot = |sb: &Superblock| match sb.role {
-        Role::Slot(n) => n as usize,
-        Role::Spare => usize::MAX,
-    };
-    if top.iter().all(|(_, sb)| sb.legs == top[0].1.legs) {
-        return Ok(top[0].0);
-    }
-    let refuted = |sb: &Superblock| {
-        top.iter()
-            .any(|(_, other)| other.leg_uuid != sb.leg_uuid && records_failed(other, slot(sb)))
-    };
-    let best = top
-        .iter()
-        .filter(|(_, sb)| !refuted(sb))
-        .min_by_key(|(_, sb)| {
-            let failed = (0..sb.legs.len())
-                .filter(|&n| records_failed(sb, n))
-                .count();
-            (std::cmp::Reverse(failed), slot(sb))
-        });
-    let legs: Vec<usize> = top.iter().map(|(i, _)| *i).collect();
-    let Some((i, _)) = best else {
-        return Err(AssemblyError::SplitBrain { legs, events: max });
-    };
-    warnings.push(format!(
-        "legs {} have the same events ({max}) but disagree on the array's state (a leg \
-         failed while the superblocks were written); using leg {i}'s, which records the failure",
-        join(&legs)
-    ));
-    Ok(*i)
 }

@@ -105,7 +105,7 @@ pub enum Raid1Error {
     Failed(&'static str),
     /// The legs given to [`Raid1::assemble`] do not form one array.
     #[error(transparent)]
-    Assembly(#[from] crate::assemble::AssemblyError),
+    Assembly(#[from] crate::placement::AssemblyError),
     /// A leg offered to [`Raid1::add_leg`] went on without this array (see
     /// [`crate::generation`]): it holds writes the array lacks.
     #[error(

@@ -98,7 +98,8 @@
 //!
 //! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
 //! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
-//! `generation.rs` (histories), `assemble.rs` (start-up), `io.rs` (the I/O path),
+//! `generation.rs` (histories), `assemble.rs` (start-up), `placement.rs` (which leg takes
+//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path),
 //! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
 //! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
@@ -119,12 +120,13 @@ pub mod generation;
 pub mod integrity;
 mod io;
 pub mod lend;
+mod placement;
 mod readd;
 pub mod slot;
 pub mod superblock;
 pub mod sync;
 
-pub use assemble::{Assembly, AssemblyError, Creation};
+pub use assemble::Creation;
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{BitmapCounts, ChunkSet, WriteIntentBitmap};
 pub use config::Raid1Config;
@@ -132,6 +134,7 @@ pub use device::{LegStatus, Raid1, Raid1Error};
 pub use events::{Event, Record, Subscription};
 pub use generation::{Kinship, Lineage};
 pub use integrity::IntegrityCounts;
+pub use placement::{Assembly, AssemblyError};
 pub use readd::{AbsentError, ReaddStatus, DEFAULT_READD_INTERVAL};
 pub use superblock::Algorithm;
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

@@ -58,11 +58,11 @@ use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::DynArc as StdArc;
 use blkq_sync::Mutex;
 
-use crate::assemble::{left_in_sync, readd_covers, Assembly, AssemblyError};
 use crate::barrier::paired;
 use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::events::Event;
 use crate::generation::Kinship;
+use crate::placement::{left_in_sync, readd_covers, Assembly, AssemblyError};
 use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
 
 /// `readd=auto`'s probe period unless `readd_interval_ms` says otherwise.
