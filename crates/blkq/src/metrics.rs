@@ -6,7 +6,9 @@
 //! Disk counters mirror node_exporter's `node_disk_*` suffixes exactly, with the prefix
 //! `blkq_disk_` and an `export` label; RAID1 arrays are described in node_exporter's
 //! `node_md_*` shape (those names unprefixed, `device` = the export name), so dashboards made
-//! for node_exporter work with a relabel of the prefix.
+//! for node_exporter work with a relabel of the prefix. This file holds the endpoint and the
+//! families of exports, the NBD server and the process; `metrics/md.rs` the arrays' and
+//! `metrics/family.rs` how any family is written.
 //!
 //! The HTTP side is a minimal GET handler: up to [`SLOTS`] connections at once, a thread
 //! each; a request of at most [`MAX_REQUEST`] bytes, which must arrive whole within
@@ -28,16 +30,17 @@ use blkq_sync::{thread, Arc};
 
 use nbd::server::{ExportMetrics, HandshakeFailure, Metrics as NbdMetrics, ServerSnapshot};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
-use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::control::server::Control;
 use crate::listen::{self, Limits, Session};
-use crate::raid::report::ArrayReport;
 use crate::serve::devices::Devices;
+use family::{counter, family, gauge, seconds, Log2Histogram};
+use md::md_families;
+
+mod family;
+mod md;
 
 /// Longest request accepted (request line and headers), bytes.
 pub const MAX_REQUEST: usize = 8 << 10;
@@ -233,93 +236,6 @@ fn reply(s: &mut impl Write, status: &str, ctype: &str, body: &str) -> std::io::
 #[derive(Debug)]
 struct BlkqCollector(Sources);
 
-/// One metric family: a descriptor, then one sample per label set.
-fn family<'a, M: EncodeMetric>(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    unit: Option<&Unit>,
-    samples: impl IntoIterator<Item = (Vec<(&'a str, String)>, M)>,
-) -> Result<(), std::fmt::Error> {
-    let mut samples = samples.into_iter().peekable();
-    let Some((_, first)) = samples.peek() else {
-        return Ok(());
-    };
-    let ty: MetricType = first.metric_type();
-    let mut fam: MetricEncoder = enc.encode_descriptor(name, help, unit, ty)?;
-    for (labels, m) in samples {
-        if labels.is_empty() {
-            // A family of one unlabelled sample (no `{}` after the name).
-            return m.encode(fam);
-        }
-        // prometheus-client writes label values as they are: escaped here, for every family.
-        let labels: Vec<(&str, String)> = labels
-            .into_iter()
-            .map(|(k, v)| (k, escape_label(&v)))
-            .collect();
-        m.encode(fam.encode_family(&labels)?)?;
-    }
-    Ok(())
-}
-
-/// A label value as the text format (Prometheus 0.0.4 and OpenMetrics alike) writes it: `\`,
-/// `"` and a line feed escaped as `\\`, `\"` and `\n`. Values are names users give (exports,
-/// bitmaps): unescaped, a name could end its label and add samples of its own.
-fn escape_label(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for c in v.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '"' => out.push_str("\\\""),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-fn counter(v: u64) -> ConstCounter<u64> {
-    ConstCounter::new(v)
-}
-
-fn seconds(ns: u64) -> ConstCounter<f64> {
-    ConstCounter::new(ns as f64 / 1e9)
-}
-
-fn gauge(v: u64) -> ConstGauge<i64> {
-    ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX))
-}
-
-/// A histogram of log2 buckets (`waitq::HistogramSnapshot`), in seconds.
-#[derive(Debug)]
-struct Log2Histogram(waitq::HistogramSnapshot);
-
-/// Buckets below 2^10 ns (1 µs) are folded into the first bucket; the last finite bound is
-/// 2^36 ns (about 69 s).
-const HIST_FIRST: usize = 10;
-const HIST_LAST: usize = 36;
-
-impl EncodeMetric for Log2Histogram {
-    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let b = &self.0.buckets;
-        // waitq bucket i holds samples in [2^(i-1), 2^i) ns: below the bound 2^i.
-        let mut out: Vec<(f64, u64)> = Vec::with_capacity(HIST_LAST - HIST_FIRST + 2);
-        let upto = |i: usize| b.iter().take(i + 1).sum::<u64>();
-        let mut prev = 0;
-        for i in HIST_FIRST..=HIST_LAST.min(b.len() - 1) {
-            let c = upto(i);
-            out.push(((1u64 << i) as f64 / 1e9, c - prev));
-            prev = c;
-        }
-        out.push((f64::MAX, self.0.count() - prev));
-        encoder.encode_histogram::<()>(self.0.sum as f64 / 1e9, self.0.count(), &out, None)
-    }
-
-    fn metric_type(&self) -> MetricType {
-        MetricType::Histogram
-    }
-}
-
 /// One `blkq_disk_*` counter family: name, help, unit, its value in a [`DiskStats`], and
 /// whether that value is a time in nanoseconds (exposed in seconds).
 type DiskCounter = (
@@ -459,194 +375,6 @@ fn disk_families(
         None,
         disks.iter().map(|(n, d)| (ex(n), gauge(d.io_now()))),
     )?;
-    Ok(())
-}
-
-/// node_exporter's `node_md_*` shape for a RAID1 array, and blkq's per-leg families.
-fn md_families(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    ctl: &Control,
-) -> Result<(), std::fmt::Error> {
-    let rep = ctl.report();
-    md_disk_families(enc, name, &rep)?;
-    md_state_families(enc, name, &rep)?;
-    md_leg_families(enc, name, &rep)
-}
-
-/// The labels of an array's sample: its device name, and an extra label when given.
-fn md_labels(name: &str, extra: Option<(&'static str, &str)>) -> Vec<(&'static str, String)> {
-    let mut v = vec![("device", name.to_string())];
-    if let Some((k, val)) = extra {
-        v.push((k, val.to_string()));
-    }
-    v
-}
-
-/// An array's legs by state and its member count (node_exporter's `node_md_disks*`).
-fn md_disk_families(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    rep: &ArrayReport,
-) -> Result<(), std::fmt::Error> {
-    let dev = |extra| md_labels(name, extra);
-    let members = rep.legs.iter().take(rep.raid_disks);
-    let count = |state: &str| rep.legs.iter().filter(|l| l.state == state).count() as u64;
-    let present_members = members.filter(|l| l.state != "empty").count() as u64;
-    // node_exporter's states: active (in sync), failed, spare (a leg outside the member
-    // slots, or one being rebuilt: md's `S`/recovering), down (member slots with no leg).
-    let spares = rep
-        .legs
-        .iter()
-        .skip(rep.raid_disks)
-        .filter(|l| l.state != "empty" && l.state != "faulty")
-        .count() as u64;
-    let disks = [
-        ("active", count("in_sync")),
-        ("failed", count("faulty")),
-        ("recovering", count("recovering")),
-        ("spare", spares),
-        (
-            "down",
-            (rep.raid_disks as u64).saturating_sub(present_members),
-        ),
-    ];
-    family(
-        enc,
-        "node_md_disks",
-        "Legs of the array by state (node_exporter's shape).",
-        None,
-        disks
-            .iter()
-            .map(|(s, n)| (dev(Some(("state", s))), gauge(*n))),
-    )?;
-    family(
-        enc,
-        "node_md_disks_required",
-        "Member legs of the array (md's raid_disks).",
-        None,
-        [(dev(None), gauge(rep.raid_disks as u64))],
-    )
-}
-
-/// An array's state, its degraded slots and how far its resync, recovery or check has gone
-/// (node_exporter's `node_md_state`, `node_md_degraded` and `node_md_blocks*`).
-fn md_state_families(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    rep: &ArrayReport,
-) -> Result<(), std::fmt::Error> {
-    let dev = |extra| md_labels(name, extra);
-    let action = rep.sync.as_ref().map_or("idle", |s| s.action.as_str());
-    let now = match action {
-        "resync" => "resync",
-        "recover" => "recovering",
-        "check" | "repair" => "check",
-        _ => "active",
-    };
-    family(
-        enc,
-        "node_md_state",
-        "The array's state: 1 for the current one (node_exporter's shape).",
-        None,
-        ["active", "inactive", "recovering", "resync", "check"]
-            .iter()
-            .map(|s| (dev(Some(("state", s))), gauge(u64::from(*s == now)))),
-    )?;
-    let in_sync = rep.legs.iter().filter(|l| l.state == "in_sync").count() as u64;
-    family(
-        enc,
-        "node_md_degraded",
-        "Member slots without an in-sync leg.",
-        None,
-        [(
-            dev(None),
-            gauge((rep.raid_disks as u64).saturating_sub(in_sync)),
-        )],
-    )?;
-    let blocks = rep.capacity / 1024;
-    let synced = match rep.sync.as_ref() {
-        Some(s) if now != "active" && s.total_bytes > 0 => {
-            blocks.saturating_mul(s.done_bytes.min(s.total_bytes)) / s.total_bytes
-        }
-        _ => blocks,
-    };
-    family(
-        enc,
-        "node_md_blocks",
-        "Size of the array in 1 KiB blocks.",
-        None,
-        [(dev(None), gauge(blocks))],
-    )?;
-    family(
-        enc,
-        "node_md_blocks_synced",
-        "1 KiB blocks synced by the running resync/recovery/check (all of them when idle).",
-        None,
-        [(dev(None), gauge(synced))],
-    )
-}
-
-/// Per leg (what only blkq knows), labelled by slot: round-trip time, write-behind writes in
-/// flight, automatic re-adds.
-fn md_leg_families(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    rep: &ArrayReport,
-) -> Result<(), std::fmt::Error> {
-    let slot = |l: &crate::raid::report::LegReport| {
-        vec![("device", name.to_string()), ("slot", l.slot.to_string())]
-    };
-    let present = || rep.legs.iter().filter(|l| l.state != "empty");
-    family(
-        enc,
-        "blkq_raid1_leg_rtt",
-        "A leg's round-trip time: an EWMA of its reads' and writes' latency (coarse clock, \
-         1-4 ms resolution).",
-        Some(&Unit::Seconds),
-        present().filter_map(|l| {
-            let ns = l.rtt_ns?;
-            Some((slot(l), ConstGauge::new(ns as f64 / 1e9)))
-        }),
-    )?;
-    family(
-        enc,
-        "blkq_raid1_leg_write_behind",
-        "Writes acknowledged and still in flight to a write-mostly leg (write_behind=N).",
-        None,
-        present().map(|l| (slot(l), gauge(u64::from(l.write_behind)))),
-    )?;
-    family(
-        enc,
-        "blkq_raid1_leg_readds",
-        "Automatic re-adds of a leg that failed and answered again (readd=auto).",
-        None,
-        present().map(|l| (slot(l), counter(l.readds))),
-    )?;
-    if let Some(i) = &rep.integrity {
-        family(
-            enc,
-            "blkq_raid1_leg_checksum_errors",
-            "Blocks read from a leg that did not match their checksums (integrity on).",
-            None,
-            present().map(|l| (slot(l), counter(l.checksum_errors))),
-        )?;
-        let dev = || vec![("device", name.to_string())];
-        family(
-            enc,
-            "blkq_raid1_blocks_healed",
-            "Blocks that failed their checksum on a leg and were rewritten from one that matched.",
-            None,
-            [(dev(), counter(i.healed))],
-        )?;
-        family(
-            enc,
-            "blkq_raid1_blocks_unrecoverable",
-            "Blocks no leg held with their checksum: their reads failed with EIO.",
-            None,
-            [(dev(), counter(i.unrecoverable))],
-        )?;
-    }
     Ok(())
 }
 
