@@ -588,58 +588,11 @@ impl Inner {
         src_buf: &mut Option<Buffer>,
         cmp_buf: &mut Option<Buffer>,
     ) -> bool {
-        let mut tried = 0u32;
-        let src = loop {
-            let Some((i, d)) = self.source_leg(tried) else {
-                return false;
-            };
-            tried |= 1 << i;
-            if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
-                break i;
-            }
-            self.note_read_error(i);
+        let Some(src) = self.read_source(pos, len, src_buf) else {
+            return false;
         };
-        // With integrity, the source's blocks are checked first: a bad one is taken from a
-        // leg that matches, and the source is rewritten with the rest (see `integrity`).
-        let mut src_fix = false;
-        if let (Some(t), Some(b)) = (&self.sums, src_buf.as_mut()) {
-            let c = self.check_source(
-                t,
-                src,
-                pos,
-                &mut b.as_mut_slice()[..len as usize],
-                job == Job::Resync,
-                job != Job::Check,
-            );
-            src_fix = c.replaced > 0 && job != Job::Check;
-            if matches!(job, Job::Check | Job::Repair) {
-                // The legs differ where the source was bad (md's count, in sectors).
-                self.sync.mismatch_cnt.fetch_add(
-                    (c.replaced + c.lost) * (crate::integrity::BLOCK >> SECTOR_SHIFT),
-                    Ordering::Relaxed,
-                );
-            }
-        }
-        // The legs to write or compare (no allocation: one slot per leg).
-        let mut others: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
-        match (job, target) {
-            (Job::Recover(_), Some((t, d))) => others[*t] = Some(d.clone()),
-            _ => {
-                // A resync writes every leg but its source that is not faulty, recovering
-                // ones too (md's rule): one below its recovery offset serves reads and must
-                // agree there. A check or repair compares the in-sync legs.
-                for (i, l) in self.legs.iter().enumerate() {
-                    let st = l.state.load(Ordering::Acquire);
-                    let target = match job {
-                        Job::Resync => Self::writable(st),
-                        _ => is_in_sync(st),
-                    };
-                    if (i != src || src_fix) && target {
-                        others[i] = l.dev();
-                    }
-                }
-            }
-        }
+        let src_fix = self.check_window_source(job, src, pos, len, src_buf);
+        let others = self.window_legs(job, target, src, src_fix);
         // A window the source reads as zeros is written as a write-zeroes that may unmap, so
         // a recovery onto a sparse file (or a thin device) keeps the holes it can; a leg that
         // cannot zero takes the zeros as data.
@@ -678,16 +631,7 @@ impl Inner {
                             continue;
                         };
                         let n = len as usize;
-                        let bad = self.sums.as_ref().map_or(0, |t| {
-                            self.count_bad_copy(t, i, pos, &b.as_slice()[..n], job == Job::Repair)
-                        });
-                        let diff = a.as_slice()[..n]
-                            .chunks(512)
-                            .zip(b.as_slice()[..n].chunks(512))
-                            .filter(|(x, y)| x != y)
-                            .count() as u64;
-                        self.sync.mismatch_cnt.fetch_add(diff, Ordering::Relaxed);
-                        (diff > 0 || bad > 0) && job == Job::Repair
+                        self.compare_copy(job, i, pos, &a.as_slice()[..n], &b.as_slice()[..n])
                     }
                 }
             };
@@ -715,6 +659,100 @@ impl Inner {
             }
         }
         true
+    }
+
+    /// Reads the window from a source leg into `src_buf`, trying the next one after a read
+    /// error (counted against the leg): the source's slot, or `None` when no leg could be read.
+    fn read_source(&self, pos: u64, len: u32, src_buf: &mut Option<Buffer>) -> Option<usize> {
+        let mut tried = 0u32;
+        loop {
+            let (i, d) = self.source_leg(tried)?;
+            tried |= 1 << i;
+            if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
+                return Some(i);
+            }
+            self.note_read_error(i);
+        }
+    }
+
+    /// With integrity, checks the source's blocks in `src_buf` first: a bad one is taken
+    /// from a leg that matches, and the source is rewritten with the rest (see `integrity`).
+    /// True when the source itself must be written (it had blocks replaced).
+    fn check_window_source(
+        &self,
+        job: Job,
+        src: usize,
+        pos: u64,
+        len: u32,
+        src_buf: &mut Option<Buffer>,
+    ) -> bool {
+        let (Some(t), Some(b)) = (&self.sums, src_buf.as_mut()) else {
+            return false;
+        };
+        let c = self.check_source(
+            t,
+            src,
+            pos,
+            &mut b.as_mut_slice()[..len as usize],
+            job == Job::Resync,
+            job != Job::Check,
+        );
+        if matches!(job, Job::Check | Job::Repair) {
+            // The legs differ where the source was bad (md's count, in sectors).
+            self.sync.mismatch_cnt.fetch_add(
+                (c.replaced + c.lost) * (crate::integrity::BLOCK >> SECTOR_SHIFT),
+                Ordering::Relaxed,
+            );
+        }
+        c.replaced > 0 && job != Job::Check
+    }
+
+    /// The legs a window writes or compares, by slot (no allocation: one slot per leg): a
+    /// recovery's target; else every leg but the source (the source too when `src_fix`)
+    /// that a resync writes or a check or repair compares.
+    fn window_legs(
+        &self,
+        job: Job,
+        target: Option<&(usize, StdArc<dyn Device>)>,
+        src: usize,
+        src_fix: bool,
+    ) -> [Option<StdArc<dyn Device>>; MAX_LEGS] {
+        let mut others: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
+        match (job, target) {
+            (Job::Recover(_), Some((t, d))) => others[*t] = Some(d.clone()),
+            _ => {
+                // A resync writes every leg but its source that is not faulty, recovering
+                // ones too (md's rule): one below its recovery offset serves reads and must
+                // agree there. A check or repair compares the in-sync legs.
+                for (i, l) in self.legs.iter().enumerate() {
+                    let st = l.state.load(Ordering::Acquire);
+                    let target = match job {
+                        Job::Resync => Self::writable(st),
+                        _ => is_in_sync(st),
+                    };
+                    if (i != src || src_fix) && target {
+                        others[i] = l.dev();
+                    }
+                }
+            }
+        }
+        others
+    }
+
+    /// Compares leg `i`'s copy of the window with the source's: counts the 512-byte sectors
+    /// that differ (md's `mismatch_cnt`) and, with integrity, the copy's bad blocks. True when
+    /// a repair must rewrite the copy.
+    fn compare_copy(&self, job: Job, i: usize, pos: u64, src: &[u8], copy: &[u8]) -> bool {
+        let bad = self.sums.as_ref().map_or(0, |t| {
+            self.count_bad_copy(t, i, pos, copy, job == Job::Repair)
+        });
+        let diff = src
+            .chunks(512)
+            .zip(copy.chunks(512))
+            .filter(|(x, y)| x != y)
+            .count() as u64;
+        self.sync.mismatch_cnt.fetch_add(diff, Ordering::Relaxed);
+        (diff > 0 || bad > 0) && job == Job::Repair
     }
 }
 
