@@ -123,62 +123,16 @@ impl Control {
         let specs = self.specs.lock().clone();
         let sb0 = r.superblock(0);
         let events = sb0.as_ref().map_or(0, |s| s.events);
-        let mut legs = Vec::with_capacity(r.slots());
-        let mut present = 0;
-        for i in 0..r.slots() {
-            let Some(st) = r.leg_status(i) else { continue };
-            let state = if !st.present {
-                "empty"
-            } else if st.faulty {
-                "faulty"
-            } else if st.in_sync {
-                "in_sync"
-            } else {
-                "recovering"
-            };
-            if st.present {
-                present += 1;
-            }
-            let uuid = sb0
-                .as_ref()
-                .and_then(|s| s.legs.get(i))
-                .map_or(String::new(), |l| l.uuid.to_string());
-            let mut ra = r.readd_status(i).unwrap_or_default();
-            // A leg the array started without, not back yet: missing, with its spec.
-            let away = (!st.present)
-                .then(|| self.away.iter().find(|a| a.slot == i))
-                .flatten()
-                .map(|a| (a, a.state()))
-                .filter(|(_, s)| !s.done);
-            if let Some((a, s)) = &away {
-                ra.probing = a.every.is_some();
-                ra.last_error = s.last_error.clone();
-                ra.refused = s.refused.clone();
-            }
-            legs.push(LegReport {
-                slot: i,
-                device: if st.present || away.is_some() {
-                    specs.get(i).cloned().flatten()
-                } else {
-                    None
-                },
-                state: if away.is_some() { "missing" } else { state }.to_string(),
-                uuid,
-                write_mostly: st.write_mostly,
-                recovery_offset: (st.present && !st.in_sync && !st.faulty)
-                    .then_some(st.recovery_offset),
-                events: st.present.then_some(events),
-                generation: None,
-                read_errors: st.read_errors,
-                probing: ra.probing,
-                probe_error: ra.last_error,
-                refused: ra.refused,
-                readds: ra.readds,
-                rtt_ns: (st.present && st.rtt_ns > 0).then_some(st.rtt_ns),
-                write_behind: st.write_behind,
-                checksum_errors: st.checksum_errors,
-            });
-        }
+        let legs: Vec<LegReport> = (0..r.slots())
+            .filter_map(|i| {
+                let spec = specs.get(i).cloned().flatten();
+                self.leg_report(i, spec, sb0.as_ref(), events)
+            })
+            .collect();
+        let present = legs
+            .iter()
+            .filter(|l| l.state != "empty" && l.state != "missing")
+            .count();
         // A leg the array started without is a member all the same.
         let away = legs.iter().filter(|l| l.state == "missing").count();
         let raid_disks = self.raid_disks.max(present + away);
@@ -214,32 +168,97 @@ impl Control {
                 resummed: c.resummed,
             }),
             sync,
-            // What assembly worked around, the legs it started without that are not back
-            // and whose slot took another leg meanwhile, and why the array failed (writes and
-            // flushes fail until it is stopped).
-            notes: r
-                .assemble_warnings()
-                .iter()
-                .cloned()
-                .chain(self.away.iter().filter_map(|a| {
-                    let s = a.state();
-                    let shown = r.leg_status(a.slot).is_some_and(|st| !st.present);
-                    (!s.done && !shown).then(|| {
-                        format!(
-                            "leg {:?}, which the array started without, is not back: {}",
-                            a.spec,
-                            s.refused
-                                .map(|w| format!("refused: {w}"))
-                                .or(s.last_error)
-                                .unwrap_or_default()
-                        )
-                    })
-                }))
-                .chain(r.failure().map(|why| {
-                    format!("array failed: {why}; writes and flushes fail until it is stopped")
-                }))
-                .collect(),
+            notes: self.notes(),
         }
+    }
+
+    /// Slot `i`'s line of the online report (`None`: no such slot), with the spec the server
+    /// knows for it and the array's superblock as slot 0 sees it: its state, or `missing`
+    /// with its spec and why it is not back for a leg the array started without.
+    fn leg_report(
+        &self,
+        i: usize,
+        spec: Option<String>,
+        sb0: Option<&raid1::superblock::Superblock>,
+        events: u64,
+    ) -> Option<LegReport> {
+        let r = &self.raid;
+        let st = r.leg_status(i)?;
+        let state = if !st.present {
+            "empty"
+        } else if st.faulty {
+            "faulty"
+        } else if st.in_sync {
+            "in_sync"
+        } else {
+            "recovering"
+        };
+        let uuid = sb0
+            .and_then(|s| s.legs.get(i))
+            .map_or(String::new(), |l| l.uuid.to_string());
+        let mut ra = r.readd_status(i).unwrap_or_default();
+        // A leg the array started without, not back yet: missing, with its spec.
+        let away = (!st.present)
+            .then(|| self.away.iter().find(|a| a.slot == i))
+            .flatten()
+            .map(|a| (a, a.state()))
+            .filter(|(_, s)| !s.done);
+        if let Some((a, s)) = &away {
+            ra.probing = a.every.is_some();
+            ra.last_error = s.last_error.clone();
+            ra.refused = s.refused.clone();
+        }
+        Some(LegReport {
+            slot: i,
+            device: if st.present || away.is_some() {
+                spec
+            } else {
+                None
+            },
+            state: if away.is_some() { "missing" } else { state }.to_string(),
+            uuid,
+            write_mostly: st.write_mostly,
+            recovery_offset: (st.present && !st.in_sync && !st.faulty)
+                .then_some(st.recovery_offset),
+            events: st.present.then_some(events),
+            generation: None,
+            read_errors: st.read_errors,
+            probing: ra.probing,
+            probe_error: ra.last_error,
+            refused: ra.refused,
+            readds: ra.readds,
+            rtt_ns: (st.present && st.rtt_ns > 0).then_some(st.rtt_ns),
+            write_behind: st.write_behind,
+            checksum_errors: st.checksum_errors,
+        })
+    }
+
+    /// The online report's notes: what assembly worked around, the legs the array started
+    /// without that are not back and whose slot took another leg meanwhile, and why the array
+    /// failed (writes and flushes fail until it is stopped).
+    fn notes(&self) -> Vec<String> {
+        let r = &self.raid;
+        r.assemble_warnings()
+            .iter()
+            .cloned()
+            .chain(self.away.iter().filter_map(|a| {
+                let s = a.state();
+                let shown = r.leg_status(a.slot).is_some_and(|st| !st.present);
+                (!s.done && !shown).then(|| {
+                    format!(
+                        "leg {:?}, which the array started without, is not back: {}",
+                        a.spec,
+                        s.refused
+                            .map(|w| format!("refused: {w}"))
+                            .or(s.last_error)
+                            .unwrap_or_default()
+                    )
+                })
+            }))
+            .chain(r.failure().map(|why| {
+                format!("array failed: {why}; writes and flushes fail until it is stopped")
+            }))
+            .collect()
     }
 
     /// Runs one command line; returns the JSON reply.
