@@ -26,7 +26,8 @@ use super::settings::check;
 use super::tls::load as load_tls;
 use crate::control::bitmap::Handler;
 use crate::control::exports::Served;
-use crate::control::server::{Control, ControlServer};
+use crate::control::server::Control;
+use crate::control::socket::ControlServer;
 use blkq_sync::Arc;
 
 /// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and so in every thread it spawns later).
