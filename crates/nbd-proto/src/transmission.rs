@@ -1346,107 +1346,103 @@ mod tests {
         assert_eq!(&v[40..], &[0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 3]);
     }
 
+    /// Each chunk the protocol or the mode forbids is refused with the error that says why,
+    /// and leaves the output as it was.
     #[test]
     fn chunk_encoding_refuses_violations() {
         let to = ReplyTo::default();
         let s = TransmissionMode::Structured;
         let f = ReplyFlags::DONE;
-        let mut v = vec![1, 2];
-        let bad = |c: ReplyChunk<'_>, mode, v: &mut Vec<u8>| c.encode(mode, to, f, v).unwrap_err();
-        assert!(matches!(
-            bad(ReplyChunk::None, TransmissionMode::Simple, &mut v),
-            Error::WrongMode { .. }
-        ));
-        assert!(matches!(
-            bad(
-                ReplyChunk::Error {
-                    error: 0,
-                    message: ""
-                },
-                s,
-                &mut v
-            ),
-            Error::InvalidArgument { .. }
-        ));
-        assert!(matches!(
-            bad(
-                ReplyChunk::BlockStatus {
-                    context_id: 1,
-                    extents: &[]
-                },
-                s,
-                &mut v
-            ),
-            Error::InvalidArgument { .. }
-        ));
-        assert!(matches!(
-            bad(
-                ReplyChunk::BlockStatus {
-                    context_id: 1,
-                    extents: &[Extent {
-                        length: 0,
-                        flags: 0
-                    }]
-                },
-                s,
-                &mut v
-            ),
-            Error::InvalidArgument { .. }
-        ));
+        let zero = [Extent {
+            length: 0,
+            flags: 0,
+        }];
         let ext = [ExtentExt {
             length: 1,
             flags: 0,
         }];
-        assert!(matches!(
-            bad(
+        let long = "e".repeat(4097);
+        let wrong_mode = |e: &Error| matches!(e, Error::WrongMode { .. });
+        let invalid = |e: &Error| matches!(e, Error::InvalidArgument { .. });
+        let too_large = |e: &Error| matches!(e, Error::ValueTooLarge { .. });
+        let too_long = |e: &Error| matches!(e, Error::StringTooLong { .. });
+        type Expect = fn(&Error) -> bool;
+        let cases: [(ReplyChunk<'_>, TransmissionMode, Expect); 9] = [
+            (ReplyChunk::None, TransmissionMode::Simple, wrong_mode),
+            (
+                ReplyChunk::Error {
+                    error: 0,
+                    message: "",
+                },
+                s,
+                invalid,
+            ),
+            (
+                ReplyChunk::BlockStatus {
+                    context_id: 1,
+                    extents: &[],
+                },
+                s,
+                invalid,
+            ),
+            (
+                ReplyChunk::BlockStatus {
+                    context_id: 1,
+                    extents: &zero,
+                },
+                s,
+                invalid,
+            ),
+            (
                 ReplyChunk::BlockStatusExt {
                     context_id: 1,
-                    extents: &ext
+                    extents: &ext,
                 },
                 s,
-                &mut v
+                wrong_mode,
             ),
-            Error::WrongMode { .. }
-        ));
-        assert!(matches!(
-            bad(ReplyChunk::OffsetHole { offset: 0, size: 0 }, s, &mut v),
-            Error::InvalidArgument { .. }
-        ));
-        assert!(matches!(
-            bad(
+            (ReplyChunk::OffsetHole { offset: 0, size: 0 }, s, invalid),
+            (
                 ReplyChunk::OffsetData {
                     offset: 0,
-                    data_len: 0
+                    data_len: 0,
                 },
                 s,
-                &mut v
+                invalid,
             ),
-            Error::InvalidArgument { .. }
-        ));
-        assert!(matches!(
-            bad(
+            (
                 ReplyChunk::OffsetData {
                     offset: 0,
-                    data_len: u64::from(u32::MAX)
+                    data_len: u64::from(u32::MAX),
                 },
                 s,
-                &mut v
+                too_large,
             ),
-            Error::ValueTooLarge { .. }
-        ));
-        let long = "e".repeat(4097);
-        assert!(matches!(
-            bad(
+            (
                 ReplyChunk::Error {
                     error: 5,
-                    message: &long
+                    message: &long,
                 },
                 s,
-                &mut v
+                too_long,
             ),
-            Error::StringTooLong { .. }
-        ));
+        ];
+        let mut v = vec![1, 2];
+        for (i, (c, mode, expect)) in cases.into_iter().enumerate() {
+            let e = c.encode(mode, to, f, &mut v).unwrap_err();
+            assert!(expect(&e), "case {i}: {e:?}");
+        }
         assert_eq!(v, [1, 2]);
+    }
+
+    /// What the compact headers refuse, extended headers take; a buffer too short for a
+    /// chunk, and a chunk header outside structured replies, are refused.
+    #[test]
+    fn chunk_encoding_bounds_by_mode_and_buffer() {
+        let to = ReplyTo::default();
+        let s = TransmissionMode::Structured;
+        let f = ReplyFlags::DONE;
+        let mut v = Vec::new();
         // Large OFFSET_DATA is fine with extended headers.
         ReplyChunk::OffsetData {
             offset: 0,
