@@ -14,6 +14,7 @@
 //! Drivers use only `blk`'s public API ([`blk::Driver`], [`blk::QueueCore`],
 //! [`blk::RequestToken`]); nothing here reaches into the core's internals.
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 pub mod backend;
 pub mod engine;

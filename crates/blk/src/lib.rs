@@ -9,6 +9,7 @@
 //! and the device-spec parser live in the `blk-drivers` crate: a driver is a user of this
 //! crate's public API, exactly as an out-of-tree driver would be.
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 pub mod bio;
 pub mod device;

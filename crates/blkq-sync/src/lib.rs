@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 // The one crate allowed to name `std::sync` (the workspace's clippy.toml forbids it elsewhere).
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
+#![warn(clippy::too_many_lines)]
 
 use core::ops::{Deref, DerefMut};
 

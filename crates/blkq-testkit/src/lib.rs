@@ -19,6 +19,7 @@
 //! panic outside one.
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)] // test support, never inside a loom model (crate docs)
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 #[cfg(not(blkq_loom))]
 pub mod alloc;

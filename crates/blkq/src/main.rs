@@ -1,5 +1,6 @@
 //! The `blkq` binary: `serve`, `bench`, `raid`, `bitmap`, `export` and `certs` front-ends
 //! over the blkq crates.
+#![warn(clippy::too_many_lines)]
 
 use std::path::PathBuf;
 

@@ -28,6 +28,7 @@
 //!   copies);
 //! - `tracked.rs`: the device wrapper.
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 pub mod bitmaps;
 pub mod bits;

@@ -24,6 +24,7 @@
 //! Decoders never panic and never allocate more than the input they were given justifies.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+#![warn(clippy::too_many_lines)]
 
 mod error;
 pub mod handshake;

@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 // Only `sys` (one `sendmsg` call) opts back in.
 #![deny(unsafe_code)]
+#![warn(clippy::too_many_lines)]
 
 pub mod client;
 mod coverage;

@@ -103,6 +103,7 @@
 //! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
 //! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
+#![warn(clippy::too_many_lines)]
 #![warn(missing_docs)]
 
 mod add;

@@ -7,6 +7,7 @@
 //!   ever-increasing completion and wake-up counters ([`WakeAlgo::Counter`]), with the legacy
 //!   `wait_cnt` algorithm ([`WakeAlgo::Legacy`]) kept behind a run-time switch for comparison.
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 mod bitmap;
 mod queue;

@@ -8,6 +8,7 @@
 //!   `try_wait`, `is_done`, `reinit`, `wait_async`.
 //! - [`LatencyHistogram`]: optional wake-up latency recording, off (one branch) by default.
 #![warn(missing_docs)]
+#![warn(clippy::too_many_lines)]
 
 mod completion;
 mod hist;
