@@ -87,7 +87,7 @@ use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::{Arc, Mutex};
 
 use blk::error::{os_error_code, with_context};
-use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
+use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
 use crate::backend::file::FileBackend;
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
@@ -294,8 +294,9 @@ impl FileDriver {
     /// `engine=uring` is asked for where io_uring does not work, or an engine cannot be set
     /// up (threads, descriptors); `Auto` falls back to the pool instead.
     pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
-        let splice = SpliceGate::new(cfg.splice && backend.can_splice());
-        let home = cfg.splice && backend.can_recv_home();
+        let caps = backend.caps();
+        let splice = SpliceGate::new(cfg.splice && caps.splice);
+        let home = cfg.splice && caps.recv_home;
         let kind = match cfg.engine {
             EngineKind::Sync => {
                 return Ok(Self {
@@ -557,17 +558,19 @@ impl Driver for FileDriver {
         Ok(self.backend.extents_into(offset, len, max, out)?)
     }
 
-    fn can_splice(&self) -> bool {
-        self.splice.open()
+    /// Zero-copy reads while no splice has failed ([`SpliceGate`]); writes received into
+    /// their home while the backend still has them (a direct transfer that failed turns
+    /// direct I/O off at run time: asked each time).
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: self.splice.open(),
+            recv_home: self.home && self.backend.caps().recv_home,
+            ..Caps::default()
+        }
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(&self.backend, offset, len, pipe)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        // A direct transfer that failed turns direct I/O off at run time: asked each time.
-        self.home && self.backend.can_recv_home()
     }
 
     fn recv_home(

@@ -6,7 +6,7 @@ use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
-use blk::{Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
+use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
 
@@ -86,8 +86,9 @@ impl BackendDriver {
     /// A driver over `backend`, described as `name`; zero-copy reads on where the backend
     /// has them.
     pub fn new(name: &'static str, backend: Arc<dyn Backend>) -> Self {
-        let splice = SpliceGate::new(backend.can_splice());
-        let home = backend.can_recv_home();
+        let caps = backend.caps();
+        let splice = SpliceGate::new(caps.splice);
+        let home = caps.recv_home;
         Self {
             name,
             backend,
@@ -121,16 +122,18 @@ impl Driver for BackendDriver {
         u32::MAX
     }
 
-    fn can_splice(&self) -> bool {
-        self.splice.open()
+    /// The zero-copy paths the backend has, less those the spec turned off; zero-copy reads
+    /// off too once a splice has failed ([`SpliceGate`]).
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: self.splice.open(),
+            recv_home: self.home,
+            ..Caps::default()
+        }
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(self.backend.as_ref(), offset, len, pipe)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        self.home
     }
 
     fn recv_home(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> Result<(), Error> {

@@ -10,9 +10,9 @@
 //! unchanged (limits, extents, counters, capabilities, a reconnecting device's checks). So a
 //! filter that completes bios itself, or sees them on a path that carries no bio, must say so
 //! in what it overrides: the zero-copy paths carry no bio and would pass a bio-path filter
-//! by, so such a filter turns them off ([`Filter::can_splice`], [`Filter::can_recv_home`])
-//! or intercepts them, and a filter whose counts differ from the lower device's hides its
-//! queue and counters.
+//! by, so such a filter turns them off in its [`Filter::caps`] ([`Caps::bios_only`]) or
+//! intercepts them, and a filter whose counts differ from the lower device's hides the lower
+//! device's counters ([`Filter::stats`], [`Filter::queue_stats`]).
 //!
 //! A device over several devices (a mirror over its legs) is not a filter: it has no one
 //! device below to forward to, and answers every method itself.
@@ -22,13 +22,16 @@ use std::os::fd::BorrowedFd;
 use blkq_sync::DynArc as Arc;
 
 use crate::bio::{Bio, EndIo};
-use crate::device::{ConnectCheck, Device, Extent, Limits};
-use crate::queue::Queue;
+use crate::device::{Caps, ConnectCheck, Device, Extent, Limits};
+use crate::queue::QueueStats;
 use crate::Error;
 
 /// A layer over one device that forwards every [`Device`] method to it unless it overrides
 /// it (module docs). Implement `lower` and what the layer changes; the blanket impl makes it
 /// a `Device`. Each method means what its [`Device`] namesake says.
+///
+/// Bring `Filter` into scope only where a filter is implemented: with both traits in scope, a
+/// call on a concrete filter (`f.limits()`) names two methods; callers use `Device`.
 pub trait Filter: Send + Sync {
     /// The device below.
     fn lower(&self) -> &dyn Device;
@@ -55,17 +58,13 @@ pub trait Filter: Send + Sync {
     ) -> Result<(), Error> {
         self.lower().extents_into(offset, len, max, out)
     }
-    /// [`Device::can_splice`]; default: the lower device's.
-    fn can_splice(&self) -> bool {
-        self.lower().can_splice()
+    /// [`Device::caps`]; default: the lower device's.
+    fn caps(&self) -> Caps {
+        self.lower().caps()
     }
     /// [`Device::splice_read`]; default: the lower device's.
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.lower().splice_read(offset, len, pipe)
-    }
-    /// [`Device::can_recv_home`]; default: the lower device's.
-    fn can_recv_home(&self) -> bool {
-        self.lower().can_recv_home()
     }
     /// [`Device::recv_home`]; default: the lower device's.
     fn recv_home(
@@ -76,9 +75,9 @@ pub trait Filter: Send + Sync {
     ) -> Result<(), Error> {
         self.lower().recv_home(offset, len, src)
     }
-    /// [`Device::as_queue`]; default: the lower device's.
-    fn as_queue(&self) -> Option<&Queue> {
-        self.lower().as_queue()
+    /// [`Device::queue_stats`]; default: the lower device's.
+    fn queue_stats(&self) -> Option<QueueStats> {
+        self.lower().queue_stats()
     }
     /// [`Device::stats`]; default: the lower device's.
     fn stats(&self) -> Option<crate::stats::DiskStats> {
@@ -119,14 +118,11 @@ impl<T: Filter> Device for T {
     ) -> Result<(), Error> {
         Filter::extents_into(self, offset, len, max, out)
     }
-    fn can_splice(&self) -> bool {
-        Filter::can_splice(self)
+    fn caps(&self) -> Caps {
+        Filter::caps(self)
     }
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         Filter::splice_read(self, offset, len, pipe)
-    }
-    fn can_recv_home(&self) -> bool {
-        Filter::can_recv_home(self)
     }
     fn recv_home(
         &self,
@@ -136,8 +132,8 @@ impl<T: Filter> Device for T {
     ) -> Result<(), Error> {
         Filter::recv_home(self, offset, len, src)
     }
-    fn as_queue(&self) -> Option<&Queue> {
-        Filter::as_queue(self)
+    fn queue_stats(&self) -> Option<QueueStats> {
+        Filter::queue_stats(self)
     }
     fn stats(&self) -> Option<crate::stats::DiskStats> {
         Filter::stats(self)
@@ -199,14 +195,15 @@ mod tests {
             });
             Ok(())
         }
-        fn can_splice(&self) -> bool {
-            true
+        fn caps(&self) -> Caps {
+            Caps {
+                splice: true,
+                recv_home: true,
+                slow_extents: true,
+            }
         }
         fn splice_read(&self, _: u64, len: usize, _: BorrowedFd<'_>) -> Result<usize, Error> {
             Ok(len / 2)
-        }
-        fn can_recv_home(&self) -> bool {
-            true
         }
         fn recv_home(&self, _: u64, _: usize, _: &mut dyn crate::RecvSource) -> Result<(), Error> {
             Err(Error::Io(std::io::Error::other("lower recv_home")))
@@ -289,7 +286,7 @@ mod tests {
         // Everything else is the lower device's answer.
         assert_eq!(dev.limits(), lower.limits());
         assert_eq!(dev.extents(0, 4096, 4).unwrap()[0].len, 7);
-        assert!(dev.can_splice() && dev.can_recv_home());
+        assert_eq!(dev.caps(), lower.caps());
         let null = std::fs::File::open("/dev/null").unwrap();
         assert_eq!(dev.splice_read(0, 8192, null.as_fd()).unwrap(), 4096);
         let e = dev.recv_home(0, 4096, &mut Src(null)).unwrap_err();
@@ -298,6 +295,6 @@ mod tests {
         assert!(dev.check_connections(None));
         assert_eq!(lower.checks.load(Ordering::Relaxed), 1);
         assert!(dev.unavailable());
-        assert!(dev.dirty_bitmaps().is_none() && dev.as_queue().is_none());
+        assert!(dev.dirty_bitmaps().is_none() && dev.queue_stats().is_none());
     }
 }

@@ -25,12 +25,14 @@ pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
 pub use device::{
-    submit_wait, submit_wait_until, ConnectCheck, Device, Extent, Limits, PendingBio,
+    submit_wait, submit_wait_until, Caps, ConnectCheck, Device, Extent, Limits, PendingBio,
 };
 pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
 pub use filter::Filter;
 pub use home::RecvSource;
-pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
+pub use queue::{
+    Driver, Plug, Queue, QueueConfig, QueueCore, QueueStats, Request, RequestToken, SchedStats,
+};
 pub use sched::Scheduler;
 pub use tags::{PoolPolicy, TagPool};
