@@ -129,6 +129,13 @@ pub enum Kind {
     Rbd(RbdConfig),
 }
 
+impl Kind {
+    /// Every kind's name, as a spec starts (`NAME:ARG`): the one list of them.
+    pub const NAMES: [&'static str; 4] = ["null", "mem", "file", "rbd"];
+    /// The forms a spec takes, for messages.
+    pub const FORMS: &'static str = "null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE";
+}
+
 /// A parsed device spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceSpec {
@@ -146,9 +153,7 @@ impl FromStr for DeviceSpec {
             None => (s, None),
         };
         let (kind, arg) = head.split_once(':').ok_or_else(|| {
-            Error::Config(format!(
-                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-            ))
+            Error::Config(format!("bad device spec {s:?}: expected {}", Kind::FORMS))
         })?;
         let kind = match kind {
             "null" => Kind::Null(device_size(s, arg)?),
@@ -157,8 +162,9 @@ impl FromStr for DeviceSpec {
             "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
             _ => {
                 return Err(Error::Config(format!(
-                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-            )))
+                    "bad device spec {s:?}: expected {}",
+                    Kind::FORMS
+                )))
             }
         };
         let mut options = vec![];
@@ -273,6 +279,14 @@ pub struct QueueOverrides {
 pub const FAULT_PREFIX: &str = "fault.";
 
 impl DeviceSpec {
+    /// Whether `s` starts with a kind's name and its colon ([`Kind::NAMES`]): where a
+    /// comma-separated list of specs with their options (`--raid1`'s legs) begins the next
+    /// spec.
+    pub fn starts_a_spec(s: &str) -> bool {
+        s.split_once(':')
+            .is_some_and(|(k, _)| Kind::NAMES.contains(&k))
+    }
+
     /// Whether the device is read-only: `--read-only` (`overrides.read_only`) or the spec's own
     /// `ro=1` / `read_only=1`. An export of it must advertise NBD_FLAG_READ_ONLY.
     pub fn is_read_only(&self, overrides: &QueueOverrides) -> bool {
@@ -703,6 +717,28 @@ mod tests {
         assert!("null:1G,bogus".parse::<DeviceSpec>().is_err());
         let bad: DeviceSpec = "mem:1M,completion=thread".parse().unwrap();
         assert!(bad.build(&QueueOverrides::default()).is_err());
+    }
+
+    /// `Kind::NAMES` is the list the parser knows: each name starts a spec, and one it does
+    /// not hold is refused as no kind at all.
+    #[test]
+    fn the_kind_names_are_the_parsers() {
+        for n in Kind::NAMES {
+            assert!(DeviceSpec::starts_a_spec(&format!("{n}:x")), "{n}");
+            let e = format!("{n}:x")
+                .parse::<DeviceSpec>()
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                !e.as_deref().unwrap_or("").contains(Kind::FORMS),
+                "{n}: not a kind: {e:?}"
+            );
+        }
+        let e = "disk:1G".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains(Kind::FORMS), "{e}");
+        for not in ["disk:1G", "direct=1", "fault.x=mem:1M", "nbd://h/e", "mem"] {
+            assert!(!DeviceSpec::starts_a_spec(not), "{not}");
+        }
     }
 
     #[test]
