@@ -89,9 +89,10 @@ use blkq_sync::{Arc, Mutex};
 use blk::error::{os_error_code, with_context};
 use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
-use crate::backend::file::FileBackend;
+use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
 use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
+use crate::spec::{parse_bool, parse_num, KindOptions};
 
 /// Worker threads of the pool engine when `workers=` is not given.
 pub const DEFAULT_WORKERS: usize = 4;
@@ -286,6 +287,68 @@ impl Shared {
         self.submit(q, engine, &batch);
         batch.clear();
         self.state.lock().spare.push(batch);
+    }
+}
+
+/// A `file:` spec's options: `direct`, `lock`, `ro` (`read_only`), `engine`, `workers`,
+/// `entries`, `inline`, `splice`.
+pub(crate) struct SpecOptions {
+    path: std::path::PathBuf,
+    opts: FileOptions,
+    cfg: FileDriverConfig,
+    /// `entries`, when given (else one per tag).
+    entries: Option<u32>,
+}
+
+impl SpecOptions {
+    /// The defaults, for the file at `path` (`read_only`: the command line's `--read-only`).
+    pub(crate) fn new(path: std::path::PathBuf, read_only: bool) -> Self {
+        Self {
+            path,
+            opts: FileOptions {
+                read_only,
+                ..FileOptions::default()
+            },
+            cfg: FileDriverConfig::default(),
+            entries: None,
+        }
+    }
+}
+
+impl KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "direct" => self.opts.direct = parse_bool(k, v)?,
+            "lock" => self.opts.no_lock = !parse_bool(k, v)?,
+            "ro" | "read_only" => self.opts.read_only = parse_bool(k, v)?,
+            "engine" => self.cfg.engine = v.parse()?,
+            "workers" => self.cfg.workers = parse_num(k, v)?,
+            "entries" => self.entries = Some(parse_num(k, v)?),
+            "inline" => self.cfg.inline = parse_bool(k, v)?,
+            "splice" => self.cfg.splice = parse_bool(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        _: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        let be = FileBackend::open(&self.path, self.opts)?;
+        cfg.limits.capacity = be.size();
+        // Default: one entry per tag, so the ring never fills (module docs).
+        let pools = if cfg.shared_tags {
+            1
+        } else {
+            u32::from(cfg.nr_hw_queues)
+        };
+        let mut fc = self.cfg;
+        fc.entries = self
+            .entries
+            .unwrap_or_else(|| pools.saturating_mul(cfg.queue_depth).clamp(2, MAX_ENTRIES));
+        Ok(Box::new(FileDriver::new(be, fc)?))
     }
 }
 

@@ -9,6 +9,7 @@ use blkq_sync::DynArc as Arc;
 use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
+use crate::spec::{parse_bool, KindOptions};
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -80,6 +81,53 @@ pub struct BackendDriver {
     /// Writes received into their home ([`blk::Device::recv_home`]): the backend has them
     /// and the spec's `splice=0` did not turn them off.
     home: bool,
+}
+
+/// A `mem:` spec's options: `store`, `thp`, `splice`.
+pub(crate) struct SpecOptions {
+    size: u64,
+    store: MemStore,
+    thp: bool,
+    splice: bool,
+}
+
+impl SpecOptions {
+    /// The defaults, for a device of `size` bytes.
+    pub(crate) fn new(size: u64) -> Self {
+        Self {
+            size,
+            store: MemStore::default(),
+            thp: false,
+            splice: true,
+        }
+    }
+}
+
+impl KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "store" => self.store = v.parse()?,
+            "thp" => self.thp = parse_bool(k, v)?,
+            "splice" => self.splice = parse_bool(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        _: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        cfg.limits.capacity = self.size;
+        let store = self.store.with_thp(self.thp)?;
+        let driver = BackendDriver::new(store.describe(), store.build(self.size)?);
+        Ok(Box::new(if self.splice {
+            driver
+        } else {
+            driver.without_splice()
+        }))
+    }
 }
 
 impl BackendDriver {
