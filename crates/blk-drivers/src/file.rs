@@ -87,11 +87,12 @@ use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::{Arc, Mutex};
 
 use blk::error::{os_error_code, with_context};
-use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
+use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
-use crate::backend::file::FileBackend;
+use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
 use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
+use crate::spec::{parse_bool, parse_num, KindOptions};
 
 /// Worker threads of the pool engine when `workers=` is not given.
 pub const DEFAULT_WORKERS: usize = 4;
@@ -289,13 +290,76 @@ impl Shared {
     }
 }
 
+/// A `file:` spec's options: `direct`, `lock`, `ro` (`read_only`), `engine`, `workers`,
+/// `entries`, `inline`, `splice`.
+pub(crate) struct SpecOptions {
+    path: std::path::PathBuf,
+    opts: FileOptions,
+    cfg: FileDriverConfig,
+    /// `entries`, when given (else one per tag).
+    entries: Option<u32>,
+}
+
+impl SpecOptions {
+    /// The defaults, for the file at `path` (`read_only`: the command line's `--read-only`).
+    pub(crate) fn new(path: std::path::PathBuf, read_only: bool) -> Self {
+        Self {
+            path,
+            opts: FileOptions {
+                read_only,
+                ..FileOptions::default()
+            },
+            cfg: FileDriverConfig::default(),
+            entries: None,
+        }
+    }
+}
+
+impl KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "direct" => self.opts.direct = parse_bool(k, v)?,
+            "lock" => self.opts.no_lock = !parse_bool(k, v)?,
+            "ro" | "read_only" => self.opts.read_only = parse_bool(k, v)?,
+            "engine" => self.cfg.engine = v.parse()?,
+            "workers" => self.cfg.workers = parse_num(k, v)?,
+            "entries" => self.entries = Some(parse_num(k, v)?),
+            "inline" => self.cfg.inline = parse_bool(k, v)?,
+            "splice" => self.cfg.splice = parse_bool(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        _: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        let be = FileBackend::open(&self.path, self.opts)?;
+        cfg.limits.capacity = be.size();
+        // Default: one entry per tag, so the ring never fills (module docs).
+        let pools = if cfg.shared_tags {
+            1
+        } else {
+            u32::from(cfg.nr_hw_queues)
+        };
+        let mut fc = self.cfg;
+        fc.entries = self
+            .entries
+            .unwrap_or_else(|| pools.saturating_mul(cfg.queue_depth).clamp(2, MAX_ENTRIES));
+        Ok(Box::new(FileDriver::new(be, fc)?))
+    }
+}
+
 impl FileDriver {
     /// A driver over `backend` with the engine `cfg` asks for. Fails with the reason when
     /// `engine=uring` is asked for where io_uring does not work, or an engine cannot be set
     /// up (threads, descriptors); `Auto` falls back to the pool instead.
     pub fn new(backend: FileBackend, cfg: FileDriverConfig) -> Result<Self, Error> {
-        let splice = SpliceGate::new(cfg.splice && backend.can_splice());
-        let home = cfg.splice && backend.can_recv_home();
+        let caps = backend.caps();
+        let splice = SpliceGate::new(cfg.splice && caps.splice);
+        let home = cfg.splice && caps.recv_home;
         let kind = match cfg.engine {
             EngineKind::Sync => {
                 return Ok(Self {
@@ -557,17 +621,19 @@ impl Driver for FileDriver {
         Ok(self.backend.extents_into(offset, len, max, out)?)
     }
 
-    fn can_splice(&self) -> bool {
-        self.splice.open()
+    /// Zero-copy reads while no splice has failed ([`SpliceGate`]); writes received into
+    /// their home while the backend still has them (a direct transfer that failed turns
+    /// direct I/O off at run time: asked each time).
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: self.splice.open(),
+            recv_home: self.home && self.backend.caps().recv_home,
+            ..Caps::default()
+        }
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(&self.backend, offset, len, pipe)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        // A direct transfer that failed turns direct I/O off at run time: asked each time.
-        self.home && self.backend.can_recv_home()
     }
 
     fn recv_home(

@@ -6,9 +6,10 @@ use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
-use blk::{Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
+use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
+use crate::spec::{parse_bool, KindOptions};
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,12 +83,60 @@ pub struct BackendDriver {
     home: bool,
 }
 
+/// A `mem:` spec's options: `store`, `thp`, `splice`.
+pub(crate) struct SpecOptions {
+    size: u64,
+    store: MemStore,
+    thp: bool,
+    splice: bool,
+}
+
+impl SpecOptions {
+    /// The defaults, for a device of `size` bytes.
+    pub(crate) fn new(size: u64) -> Self {
+        Self {
+            size,
+            store: MemStore::default(),
+            thp: false,
+            splice: true,
+        }
+    }
+}
+
+impl KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "store" => self.store = v.parse()?,
+            "thp" => self.thp = parse_bool(k, v)?,
+            "splice" => self.splice = parse_bool(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        _: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        cfg.limits.capacity = self.size;
+        let store = self.store.with_thp(self.thp)?;
+        let driver = BackendDriver::new(store.describe(), store.build(self.size)?);
+        Ok(Box::new(if self.splice {
+            driver
+        } else {
+            driver.without_splice()
+        }))
+    }
+}
+
 impl BackendDriver {
     /// A driver over `backend`, described as `name`; zero-copy reads on where the backend
     /// has them.
     pub fn new(name: &'static str, backend: Arc<dyn Backend>) -> Self {
-        let splice = SpliceGate::new(backend.can_splice());
-        let home = backend.can_recv_home();
+        let caps = backend.caps();
+        let splice = SpliceGate::new(caps.splice);
+        let home = caps.recv_home;
         Self {
             name,
             backend,
@@ -121,16 +170,18 @@ impl Driver for BackendDriver {
         u32::MAX
     }
 
-    fn can_splice(&self) -> bool {
-        self.splice.open()
+    /// The zero-copy paths the backend has, less those the spec turned off; zero-copy reads
+    /// off too once a splice has failed ([`SpliceGate`]).
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: self.splice.open(),
+            recv_home: self.home,
+            ..Caps::default()
+        }
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.splice.splice(self.backend.as_ref(), offset, len, pipe)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        self.home
     }
 
     fn recv_home(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> Result<(), Error> {

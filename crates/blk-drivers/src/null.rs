@@ -13,7 +13,9 @@ use blk::{Driver, Error, Extent, Op, QueueCore, RequestToken};
 
 use waitq::WaitQueue;
 
+use crate::backend::mem::MemBackend;
 use crate::backend::{exec_on_backend, Backend};
+use crate::spec::{parse_bool, parse_num, KindOptions};
 
 /// When the `null` driver completes a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -38,6 +40,49 @@ impl std::str::FromStr for CompletionMode {
                 "unknown completion {s:?} (expected inline, thread or timer)"
             ))),
         }
+    }
+}
+
+/// A `null:` spec's options: `completion` (`irqmode`), `completion_nsec`, `memory_backed`.
+pub(crate) struct SpecOptions {
+    size: u64,
+    cfg: NullConfig,
+    memory_backed: bool,
+}
+
+impl SpecOptions {
+    /// The defaults, for a device of `size` bytes.
+    pub(crate) fn new(size: u64) -> Self {
+        Self {
+            size,
+            cfg: NullConfig::default(),
+            memory_backed: false,
+        }
+    }
+}
+
+impl KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "completion" | "irqmode" => self.cfg.completion = v.parse()?,
+            "completion_nsec" => self.cfg.completion_nsec = parse_num(k, v)?,
+            "memory_backed" => self.memory_backed = parse_bool(k, v)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        _: bool,
+    ) -> Result<Box<dyn Driver>, Error> {
+        cfg.limits.capacity = self.size;
+        let mut null = self.cfg;
+        if self.memory_backed {
+            null.memory = Some(Arc::new(MemBackend::new(self.size)));
+        }
+        Ok(Box::new(NullDriver::new(null)))
     }
 }
 

@@ -49,13 +49,7 @@ use sbitmap::WakeAlgo;
 use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
 use blk::{Device, Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
 
-use crate::backend::file::{FileBackend, FileOptions};
-use crate::backend::mem::MemBackend;
-use crate::backend::Backend;
 use crate::fault::{FaultConfig, FaultDevice};
-use crate::file::{FileDriver, FileDriverConfig, MAX_ENTRIES};
-use crate::mem::{BackendDriver, MemStore};
-use crate::null::{NullConfig, NullDriver};
 use crate::rbd::RbdConfig;
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
@@ -129,6 +123,34 @@ pub enum Kind {
     Rbd(RbdConfig),
 }
 
+impl Kind {
+    /// Every kind's name, as a spec starts (`NAME:ARG`): the one list of them.
+    pub const NAMES: [&'static str; 4] = ["null", "mem", "file", "rbd"];
+    /// The forms a spec takes, for messages.
+    pub const FORMS: &'static str = "null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE";
+
+    /// The kind's name ([`Kind::NAMES`]).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kind::Null(_) => "null",
+            Kind::Mem(_) => "mem",
+            Kind::File(_) => "file",
+            Kind::Rbd(_) => "rbd",
+        }
+    }
+
+    /// The kind's own options at their defaults (`read_only`: the command line's
+    /// `--read-only`), from the file that declares them.
+    fn options(&self, read_only: bool) -> Box<dyn KindOptions> {
+        match self {
+            Kind::Null(size) => Box::new(crate::null::SpecOptions::new(*size)),
+            Kind::Mem(size) => Box::new(crate::mem::SpecOptions::new(*size)),
+            Kind::File(path) => Box::new(crate::file::SpecOptions::new(path.clone(), read_only)),
+            Kind::Rbd(c) => Box::new(crate::rbd::SpecOptions::new(c.clone(), read_only)),
+        }
+    }
+}
+
 /// A parsed device spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceSpec {
@@ -146,9 +168,7 @@ impl FromStr for DeviceSpec {
             None => (s, None),
         };
         let (kind, arg) = head.split_once(':').ok_or_else(|| {
-            Error::Config(format!(
-                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-            ))
+            Error::Config(format!("bad device spec {s:?}: expected {}", Kind::FORMS))
         })?;
         let kind = match kind {
             "null" => Kind::Null(device_size(s, arg)?),
@@ -157,8 +177,9 @@ impl FromStr for DeviceSpec {
             "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
             _ => {
                 return Err(Error::Config(format!(
-                "bad device spec {s:?}: expected null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE"
-            )))
+                    "bad device spec {s:?}: expected {}",
+                    Kind::FORMS
+                )))
             }
         };
         let mut options = vec![];
@@ -176,7 +197,7 @@ impl FromStr for DeviceSpec {
     }
 }
 
-fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
+pub(crate) fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
     match v {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
@@ -186,7 +207,7 @@ fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
     }
 }
 
-fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
+pub(crate) fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
     v.parse()
         .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
 }
@@ -273,6 +294,14 @@ pub struct QueueOverrides {
 pub const FAULT_PREFIX: &str = "fault.";
 
 impl DeviceSpec {
+    /// Whether `s` starts with a kind's name and its colon ([`Kind::NAMES`]): where a
+    /// comma-separated list of specs with their options (`--raid1`'s legs) begins the next
+    /// spec.
+    pub fn starts_a_spec(s: &str) -> bool {
+        s.split_once(':')
+            .is_some_and(|(k, _)| Kind::NAMES.contains(&k))
+    }
+
     /// Whether the device is read-only: `--read-only` (`overrides.read_only`) or the spec's own
     /// `ro=1` / `read_only=1`. An export of it must advertise NBD_FLAG_READ_ONLY.
     pub fn is_read_only(&self, overrides: &QueueOverrides) -> bool {
@@ -340,12 +369,12 @@ impl DeviceSpec {
     /// Builds the device's queue and driver from the spec's options, with `overrides` over
     /// them.
     fn build_queue(&self, overrides: &QueueOverrides) -> Result<Queue, Error> {
-        let mut o = self.parse_options(overrides)?;
-        o.queue.apply(overrides);
-        check_queue(&o.queue.cfg)?;
-        let sched = o.queue.sched.build()?;
-        let driver = self.driver(o.driver, &mut o.queue.cfg, o.queue.max_io_given)?;
-        Queue::with_scheduler(o.queue.cfg, driver, sched)
+        let Options { mut queue, driver } = self.parse_options(overrides)?;
+        queue.apply(overrides);
+        check_queue(&queue.cfg)?;
+        let sched = queue.sched.build()?;
+        let driver = driver.open(&mut queue.cfg, queue.max_io_given)?;
+        Queue::with_scheduler(queue.cfg, driver, sched)
     }
 
     /// Parses the spec's options (but its `fault.` ones, [`build_device`](Self::build_device)'s)
@@ -354,94 +383,21 @@ impl DeviceSpec {
     fn parse_options(&self, overrides: &QueueOverrides) -> Result<Options, Error> {
         let mut o = Options {
             queue: QueueOptions::default(),
-            driver: DriverOptions::new(&self.kind, overrides.read_only),
+            driver: self.kind.options(overrides.read_only),
         };
         for (k, v) in &self.options {
             let k = k.as_str();
             if k.starts_with(FAULT_PREFIX) {
                 continue; // build_device's
             }
-            if !o.queue.set(k, v)? && !o.driver.set(&self.kind, k, v)? {
+            if !o.queue.set(k, v)? && !o.driver.set(k, v)? {
                 return Err(Error::Config(format!(
                     "unknown option {k:?} for a {} device",
-                    match self.kind {
-                        Kind::Null(_) => "null",
-                        Kind::Mem(_) => "mem",
-                        Kind::File(_) => "file",
-                        Kind::Rbd(_) => "rbd",
-                    }
+                    self.kind.name()
                 )));
             }
         }
         Ok(o)
-    }
-
-    /// Opens the driver of this kind of device with its options, and sets what it decides of
-    /// the queue's limits in `cfg`: the capacity, and for rbd the largest I/O (one object)
-    /// unless `max_io_given`.
-    fn driver(
-        &self,
-        o: DriverOptions,
-        cfg: &mut QueueConfig,
-        max_io_given: bool,
-    ) -> Result<Box<dyn Driver>, Error> {
-        let DriverOptions {
-            mut null,
-            memory_backed,
-            mem_store,
-            mem_thp,
-            mem_splice,
-            file_opts,
-            mut file_cfg,
-            entries,
-            rbd,
-        } = o;
-        Ok(match &self.kind {
-            Kind::Null(size) => {
-                cfg.limits.capacity = *size;
-                if memory_backed {
-                    null.memory = Some(Arc::new(MemBackend::new(*size)));
-                }
-                Box::new(NullDriver::new(null))
-            }
-            Kind::Mem(size) => {
-                cfg.limits.capacity = *size;
-                let store = mem_store.with_thp(mem_thp)?;
-                let driver = BackendDriver::new(store.describe(), store.build(*size)?);
-                Box::new(if mem_splice {
-                    driver
-                } else {
-                    driver.without_splice()
-                })
-            }
-            Kind::File(path) => {
-                let be = FileBackend::open(path, file_opts)?;
-                cfg.limits.capacity = be.size();
-                // Default: one entry per tag, so the ring never fills (drivers::file docs).
-                let pools = if cfg.shared_tags {
-                    1
-                } else {
-                    u32::from(cfg.nr_hw_queues)
-                };
-                file_cfg.entries = entries
-                    .unwrap_or_else(|| pools.saturating_mul(cfg.queue_depth).clamp(2, MAX_ENTRIES));
-                Box::new(FileDriver::new(be, file_cfg)?)
-            }
-            Kind::Rbd(_) => {
-                let c = rbd
-                    .as_ref()
-                    .ok_or_else(|| Error::Config("rbd: no target".into()))?;
-                let (driver, size, obj_size) = crate::rbd::open(c)?;
-                cfg.limits.capacity = size;
-                if !max_io_given {
-                    // One object per I/O by default, at least a block, at most u32.
-                    cfg.limits.max_io_bytes = u32::try_from(obj_size)
-                        .unwrap_or(u32::MAX)
-                        .max(cfg.limits.logical_block_size);
-                }
-                driver
-            }
-        })
     }
 }
 
@@ -449,8 +405,8 @@ impl DeviceSpec {
 struct Options {
     /// The queue's, for every kind of device.
     queue: QueueOptions,
-    /// The driver's, by kind of device.
-    driver: DriverOptions,
+    /// The driver's, declared by its kind.
+    driver: Box<dyn KindOptions>,
 }
 
 /// The queue's options of a spec: its configuration and its scheduler.
@@ -556,80 +512,19 @@ impl QueueOptions {
     }
 }
 
-/// The driver's options of a spec, for each kind of device (those of the other kinds stay
-/// at their defaults).
-struct DriverOptions {
-    null: NullConfig,
-    memory_backed: bool,
-    mem_store: MemStore,
-    mem_thp: bool,
-    mem_splice: bool,
-    file_opts: FileOptions,
-    file_cfg: FileDriverConfig,
-    /// The file driver's ring entries, when given (else one per tag).
-    entries: Option<u32>,
-    /// The rbd target, for an rbd device.
-    rbd: Option<RbdConfig>,
-}
-
-impl DriverOptions {
-    /// The defaults for `kind`; `read_only` is the command line's `--read-only`.
-    fn new(kind: &Kind, read_only: bool) -> Self {
-        Self {
-            null: NullConfig::default(),
-            memory_backed: false,
-            mem_store: MemStore::default(),
-            mem_thp: false,
-            mem_splice: true,
-            file_opts: FileOptions {
-                read_only,
-                ..FileOptions::default()
-            },
-            file_cfg: FileDriverConfig::default(),
-            entries: None,
-            rbd: match kind {
-                Kind::Rbd(c) => Some(RbdConfig {
-                    read_only,
-                    ..c.clone()
-                }),
-                _ => None,
-            },
-        }
-    }
-
-    /// Sets option `k` of a `kind` device to `v`; `false` when that kind has no such option.
-    fn set(&mut self, kind: &Kind, k: &str, v: &str) -> Result<bool, Error> {
-        match (k, kind) {
-            ("completion" | "irqmode", Kind::Null(_)) => self.null.completion = v.parse()?,
-            ("completion_nsec", Kind::Null(_)) => self.null.completion_nsec = parse_num(k, v)?,
-            ("memory_backed", Kind::Null(_)) => self.memory_backed = parse_bool(k, v)?,
-            ("store", Kind::Mem(_)) => self.mem_store = v.parse()?,
-            ("thp", Kind::Mem(_)) => self.mem_thp = parse_bool(k, v)?,
-            ("direct", Kind::File(_)) => self.file_opts.direct = parse_bool(k, v)?,
-            ("lock", Kind::File(_)) => self.file_opts.no_lock = !parse_bool(k, v)?,
-            ("ro" | "read_only", Kind::File(_)) => self.file_opts.read_only = parse_bool(k, v)?,
-            ("engine", Kind::File(_)) => self.file_cfg.engine = v.parse()?,
-            ("workers", Kind::File(_)) => self.file_cfg.workers = parse_num(k, v)?,
-            ("entries", Kind::File(_)) => self.entries = Some(parse_num(k, v)?),
-            ("inline", Kind::File(_)) => self.file_cfg.inline = parse_bool(k, v)?,
-            ("splice", Kind::File(_)) => self.file_cfg.splice = parse_bool(k, v)?,
-            ("splice", Kind::Mem(_)) => self.mem_splice = parse_bool(k, v)?,
-            ("ro" | "read_only", Kind::Rbd(_)) => {
-                if let Some(c) = self.rbd.as_mut() {
-                    c.read_only |= parse_bool(k, v)?;
-                }
-            }
-            ("lock", Kind::Rbd(_)) => {
-                if let Some(c) = self.rbd.as_mut() {
-                    c.no_lock = !parse_bool(k, v)?;
-                }
-            }
-            (k, Kind::Rbd(_))
-                if self.rbd.as_mut().map(|c| c.set(k, v)).transpose()? == Some(true) => {}
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
+/// A kind of device's own options, set one at a time from its spec, and the driver they
+/// open: each kind declares them in its own file (`null.rs`, `mem.rs`, `file.rs`,
+/// `rbd/mod.rs`), and the spec knows none of them.
+pub(crate) trait KindOptions {
+    /// Sets option `k` to `v`; `false` when this kind has no such option.
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error>;
+    /// Opens the driver, and sets what it decides of the queue's limits in `cfg` (the
+    /// capacity; rbd's largest I/O, one object, unless `max_io_given`).
+    fn open(
+        self: Box<Self>,
+        cfg: &mut QueueConfig,
+        max_io_given: bool,
+    ) -> Result<Box<dyn Driver>, Error>;
 }
 
 #[cfg(all(test, not(blkq_loom)))]
@@ -703,6 +598,28 @@ mod tests {
         assert!("null:1G,bogus".parse::<DeviceSpec>().is_err());
         let bad: DeviceSpec = "mem:1M,completion=thread".parse().unwrap();
         assert!(bad.build(&QueueOverrides::default()).is_err());
+    }
+
+    /// `Kind::NAMES` is the list the parser knows: each name starts a spec, and one it does
+    /// not hold is refused as no kind at all.
+    #[test]
+    fn the_kind_names_are_the_parsers() {
+        for n in Kind::NAMES {
+            assert!(DeviceSpec::starts_a_spec(&format!("{n}:x")), "{n}");
+            let e = format!("{n}:x")
+                .parse::<DeviceSpec>()
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                !e.as_deref().unwrap_or("").contains(Kind::FORMS),
+                "{n}: not a kind: {e:?}"
+            );
+        }
+        let e = "disk:1G".parse::<DeviceSpec>().unwrap_err().to_string();
+        assert!(e.contains(Kind::FORMS), "{e}");
+        for not in ["disk:1G", "direct=1", "fault.x=mem:1M", "nbd://h/e", "mem"] {
+            assert!(!DeviceSpec::starts_a_spec(not), "{not}");
+        }
     }
 
     #[test]

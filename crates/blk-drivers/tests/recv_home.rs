@@ -152,20 +152,28 @@ fn device(spec: &str) -> Arc<dyn Device> {
 
 #[test]
 fn the_device_receives_home_where_the_spec_allows() {
-    assert!(device("mem:4M").can_recv_home());
-    assert!(device("mem:4M,store=map,thp=1").can_recv_home());
-    assert!(!device("mem:4M,splice=0").can_recv_home());
-    assert!(!device("mem:4M,store=pages").can_recv_home());
-    assert!(!device("null:4M").can_recv_home());
+    assert!(device("mem:4M").caps().recv_home);
+    assert!(device("mem:4M,store=map,thp=1").caps().recv_home);
+    assert!(!device("mem:4M,splice=0").caps().recv_home);
+    assert!(!device("mem:4M,store=pages").caps().recv_home);
+    assert!(!device("null:4M").caps().recv_home);
     let dir = tempfile::tempdir().unwrap();
     let img = dir.path().join("f.img");
     std::fs::File::create(&img)
         .unwrap()
         .set_len(4 * MIB)
         .unwrap();
-    assert!(device(&format!("file:{}", img.display())).can_recv_home());
-    assert!(!device(&format!("file:{},splice=0", img.display())).can_recv_home());
-    assert!(!device(&format!("file:{},ro=1", img.display())).can_recv_home());
+    assert!(device(&format!("file:{}", img.display())).caps().recv_home);
+    assert!(
+        !device(&format!("file:{},splice=0", img.display()))
+            .caps()
+            .recv_home
+    );
+    assert!(
+        !device(&format!("file:{},ro=1", img.display()))
+            .caps()
+            .recv_home
+    );
 
     // Through the queue: counted as one write of the bytes, visible to bios.
     let dev = device("mem:4M");

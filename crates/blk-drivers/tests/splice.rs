@@ -55,7 +55,7 @@ fn splice_all(dev: &dyn Device, offset: u64, len: usize) -> Vec<u8> {
 
 fn check_device(spec: &str) {
     let dev = device(spec);
-    assert!(dev.can_splice(), "{spec}");
+    assert!(dev.caps().splice, "{spec}");
     let data = pattern(7, 3 << 20);
     // Written: [64K, 64K + 3M); the rest never written (mem: holes from the bitmap).
     for (i, chunk) in data.chunks(1 << 20).enumerate() {
@@ -132,7 +132,7 @@ fn splice_off_where_asked_or_not_had() {
         format!("file:{},splice=0", p.display()),
     ] {
         let dev = device(&spec);
-        assert!(!dev.can_splice(), "{spec}");
+        assert!(!dev.caps().splice, "{spec}");
         let (_r, w) = pipe(64 << 10);
         assert!(dev.splice_read(0, 4096, w.as_fd()).is_err(), "{spec}");
     }

@@ -12,7 +12,7 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::queue::Queue;
+use crate::queue::QueueStats;
 use crate::Error;
 
 /// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.
@@ -24,6 +24,34 @@ pub struct Extent {
     pub len: u64,
     /// `false`: never written, or discarded (reads as zeros).
     pub allocated: bool,
+}
+
+/// What a device can do beyond the bio path, and what its answers cost: one value, declared by
+/// the device ([`Device::caps`]) and forwarded unchanged by a filter that does not change it
+/// ([`crate::Filter`]). `Default`: nothing (a local device that serves bios only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Caps {
+    /// [`Device::splice_read`] works: zero-copy reads.
+    pub splice: bool,
+    /// [`Device::recv_home`] works: writes received into their home.
+    pub recv_home: bool,
+    /// Asking the allocation map ([`Device::extents_into`]) costs I/O: a round trip to a
+    /// remote server (or, for a mirror, possibly to a leg that is one). The NBD server then
+    /// does not ask it on every read (sparse reads off: holes reach the client as zeros), as
+    /// the synchronous ask would stall the connection's reader behind each read.
+    pub slow_extents: bool,
+}
+
+impl Caps {
+    /// What a layer that sees only bios leaves of `self`: the zero-copy paths carry no bio
+    /// and would pass it by, so they are off; the rest stands.
+    pub fn bios_only(self) -> Self {
+        Self {
+            splice: false,
+            recv_home: false,
+            ..self
+        }
+    }
 }
 
 /// Limits a device advertises and the queue enforces.
@@ -122,10 +150,12 @@ pub trait Device: Send + Sync {
         Ok(out)
     }
 
-    /// Whether [`Device::splice_read`] works on this device (default: no). Asked once per
-    /// connection and per read; a device may turn it off at run time (after a failed splice).
-    fn can_splice(&self) -> bool {
-        false
+    /// What the device can do beyond the bio path, and what its answers cost ([`Caps`];
+    /// default: nothing, a local device). Asked per request where it matters (a read asks
+    /// whether to splice, a write whether to receive into its home): a device may turn a
+    /// capability off at run time (after a failed splice), and the next ask sees it off.
+    fn caps(&self) -> Caps {
+        Caps::default()
     }
 
     /// A zero-copy read: moves up to `len` bytes of the device at `offset` into
@@ -149,13 +179,6 @@ pub trait Device: Send + Sync {
         Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
     }
 
-    /// Whether [`Device::recv_home`] works on this device (default: no, and a wrapping device
-    /// that does not forward it keeps the default, so writes through it take the copying
-    /// path: correct, one copy slower). Asked per write.
-    fn can_recv_home(&self) -> bool {
-        false
-    }
-
     /// A write received into its home ([`crate::home`]): receives `len` bytes from
     /// `src`'s socket straight into the device at `offset`, with no buffer in between, and
     /// returns once all of them are in place (visible to reads, as a completed write is).
@@ -176,16 +199,18 @@ pub trait Device: Send + Sync {
         Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
     }
 
-    /// The request queue behind the device, if it is one (or wraps one): its tag pools,
-    /// scheduler and statistics. Default: none.
-    fn as_queue(&self) -> Option<&Queue> {
+    /// The device's own disk counters (`/sys/block/*/stat`), read on demand (a snapshot
+    /// summed over shards, never on the I/O path). Default: none, which tells a user such as
+    /// the NBD server to count at its own layer; a queue has them, and a filter forwards the
+    /// lower device's ([`crate::Filter`]).
+    fn stats(&self) -> Option<crate::stats::DiskStats> {
         None
     }
-    /// The device's own disk counters (`/sys/block/*/stat`), read on demand (a snapshot
-    /// summed over shards, never on the I/O path). Default: the queue's, if there is one;
-    /// `None` tells a user such as the NBD server to count at its own layer.
-    fn stats(&self) -> Option<crate::stats::DiskStats> {
-        self.as_queue().map(Queue::stats)
+    /// The statistics only a request queue keeps (tag waits per hardware context, the
+    /// scheduler's lock contention), read on demand off the I/O path. Default: none (the
+    /// device is no queue); a filter forwards the lower device's.
+    fn queue_stats(&self) -> Option<QueueStats> {
+        None
     }
     /// The device's named dirty bitmaps (changed-block tracking), if it keeps any. Default:
     /// none. A wrapping device forwards its inner device's.

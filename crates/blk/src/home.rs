@@ -1,6 +1,6 @@
 //! Writes received into their home: the write-side mirror of
 //! [`Device::splice_read`](crate::Device::splice_read). A device that can
-//! ([`Device::can_recv_home`](crate::Device::can_recv_home): `mem:` with `store=map`) takes a
+//! ([`Caps::recv_home`](crate::Caps::recv_home): `mem:` with `store=map`) takes a
 //! WRITE's payload straight from the socket into the place the bytes live, so the payload is
 //! copied once (by the kernel, out of the socket) instead of into a pooled buffer first and
 //! then again into the device.

@@ -2,7 +2,8 @@
 //! request queues with per-submitter plugging and the pool-full policy (steal, FIFO hand-off,
 //! batch ownership), I/O schedulers (`none`, `mq-deadline` with its `locked`/`serialized`
 //! lock: [`sched`]), disk statistics, and the seams everything else plugs into: the
-//! [`Device`] trait ([`device`]), and the queue's callbacks, [`Driver`] ([`queue`]) and
+//! [`Device`] trait ([`device`]) and the [`Filter`] a device stacked on another implements
+//! ([`filter`]), and the queue's callbacks, [`Driver`] ([`queue`]) and
 //! [`Scheduler`] ([`sched`]), on top of `sbitmap`'s tags and `waitq`'s wait queues.
 //!
 //! The drivers (`null`, `mem`, `file` with its io_uring / thread-pool / synchronous engines)
@@ -16,6 +17,7 @@ pub mod device;
 pub mod dirty;
 pub mod error;
 pub mod files;
+pub mod filter;
 pub mod home;
 pub mod queue;
 pub mod sched;
@@ -24,11 +26,14 @@ pub mod tags;
 
 pub use bio::{Bio, BioFlags, Buffer, BufferPool, EndIo, IoPrio, Op, SECTOR_SHIFT, SECTOR_SIZE};
 pub use device::{
-    submit_wait, submit_wait_until, ConnectCheck, Device, Extent, Limits, PendingBio,
+    submit_wait, submit_wait_until, Caps, ConnectCheck, Device, Extent, Limits, PendingBio,
 };
 pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
+pub use filter::Filter;
 pub use home::RecvSource;
-pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
+pub use queue::{
+    Driver, Plug, Queue, QueueConfig, QueueCore, QueueStats, Request, RequestToken, SchedStats,
+};
 pub use sched::Scheduler;
 pub use tags::{PoolPolicy, TagPool};

@@ -58,7 +58,7 @@ use blkq_sync::{CachePadded, UnsafeCell};
 use sbitmap::WakeAlgo;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::device::{Device, Extent, Limits};
+use crate::device::{Caps, Device, Extent, Limits};
 use crate::sched::Scheduler;
 use crate::stats::{batch_ns, ClockBatch, DiskCounters, DiskStats, WaitSnapshot};
 use crate::tags::{PoolPolicy, TagPool};
@@ -678,6 +678,18 @@ impl Queue {
         self.core.stats.snapshot()
     }
 
+    /// What only a queue counts ([`QueueStats`]): every hardware context's tag waits, the
+    /// scheduler's lock contention. Allocates; read off the I/O path.
+    pub fn queue_stats(&self) -> QueueStats {
+        QueueStats {
+            tag_waits: self.core.pools.iter().map(|p| p.wait_stats()).collect(),
+            sched: self.core.sched.as_deref().map(|s| SchedStats {
+                name: s.name(),
+                lock: s.lock_stats(),
+            }),
+        }
+    }
+
     /// Tag-wait statistics of hardware context `hctx` (0 with shared tags).
     pub fn wait_stats(&self, hctx: usize) -> Option<WaitSnapshot> {
         self.core.pools.get(hctx).map(|p| p.wait_stats())
@@ -711,6 +723,25 @@ impl Queue {
     pub fn describe(&self) -> String {
         self.core.driver.describe()
     }
+}
+
+/// What only a request queue counts, beyond the disk statistics every device may have
+/// ([`Device::queue_stats`]).
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Tag waits, per hardware context (one entry with shared tags).
+    pub tag_waits: Vec<WaitSnapshot>,
+    /// The scheduler's, if the queue runs one (`None`: `none`).
+    pub sched: Option<SchedStats>,
+}
+
+/// A queue's scheduler and its lock contention ([`QueueStats::sched`]).
+#[derive(Debug, Clone)]
+pub struct SchedStats {
+    /// The scheduler's name (`mq-deadline`).
+    pub name: &'static str,
+    /// Its lock's contention.
+    pub lock: crate::sched::LockStats,
 }
 
 impl Drop for Queue {
@@ -749,8 +780,9 @@ impl Device for Queue {
         self.core.driver.extents_into(offset, len, max, out)
     }
 
-    fn can_splice(&self) -> bool {
-        self.core.driver.can_splice()
+    /// The driver's (asked each time: a driver may turn one off at run time).
+    fn caps(&self) -> Caps {
+        self.core.driver.caps()
     }
 
     /// The driver's splice, counted as one read of the bytes moved (started and completed
@@ -770,10 +802,6 @@ impl Device for Queue {
         );
         res
     }
-    fn can_recv_home(&self) -> bool {
-        self.core.driver.can_recv_home()
-    }
-
     /// The driver's receive, counted as one write of `len` bytes (its sectors counted only
     /// when it completes; started and completed around the driver's call, which includes the
     /// time the client takes to send the payload, as a buffered write's would not).
@@ -797,7 +825,11 @@ impl Device for Queue {
         res
     }
 
-    fn as_queue(&self) -> Option<&Queue> {
-        Some(self)
+    fn stats(&self) -> Option<DiskStats> {
+        Some(Queue::stats(self))
+    }
+
+    fn queue_stats(&self) -> Option<QueueStats> {
+        Some(Queue::queue_stats(self))
     }
 }

@@ -1,24 +1,25 @@
 //! `Forward`: a test device that forwards to an inner one and lets a [`Hook`] change only
-//! the behaviour a test is about (fail, count, record, panic on some bios; hide the queue).
+//! the behaviour a test is about (fail, count, record, panic on some bios; hide the counters).
 
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
-use blk::{Bio, Device, EndIo, Error, Extent, Limits, Queue, RecvSource};
+use blk::stats::DiskStats;
+use blk::{Bio, Caps, Device, EndIo, Error, Filter, QueueStats, RecvSource};
 
 /// The part of a [`Forward`] device a test changes. Every method has a default, so a hook
 /// implements only what it intercepts; `inner` is the wrapped device.
 ///
 /// The defaults make the wrapper see every bio and stand for itself, not for the device
 /// under it: a batch is split into single [`Hook::submit`]s, zero-copy reads are off (they
-/// carry no bio, so they would pass the hook by), and the inner queue is hidden (its counters
-/// would miss the bios the hook completes itself), so a user such as the NBD server counts at
+/// carry no bio, so they would pass the hook by), and the inner device's counters are hidden
+/// (they would miss the bios the hook completes itself), so a user such as the NBD server counts at
 /// its own layer. A hook that says it is [`Hook::transparent`] stands for the device under it
-/// instead: batches, zero-copy paths and the queue go to the inner device by default, and it
+/// instead: batches, zero-copy paths and the counters go to the inner device by default, and it
 /// overrides only what it intercepts (a count, an injected failure).
 pub trait Hook: Send + Sync {
     /// Whether the defaults below forward batches, zero-copy reads, writes received into their
-    /// home and the queue to the inner device (default: no). A transparent hook sees no single
+    /// home and the counters to the inner device (default: no). A transparent hook sees no single
     /// bio of a batch unless it overrides [`Hook::submit_batch`] too.
     fn transparent(&self) -> bool {
         false
@@ -41,11 +42,16 @@ pub trait Hook: Send + Sync {
             self.submit(inner, b, end);
         }
     }
-    /// Whether zero-copy reads work (default: no; transparent: as the inner device says).
-    fn can_splice(&self, inner: &dyn Device) -> bool {
-        self.transparent() && inner.can_splice()
+    /// What the device can do (default: the inner device's, less the zero-copy paths, which
+    /// carry no bio; transparent: the inner device's).
+    fn caps(&self, inner: &dyn Device) -> Caps {
+        if self.transparent() {
+            inner.caps()
+        } else {
+            inner.caps().bios_only()
+        }
     }
-    /// A zero-copy read (default: the inner device's where [`Hook::can_splice`] allows,
+    /// A zero-copy read (default: the inner device's where [`Hook::caps`] allows,
     /// unsupported otherwise).
     fn splice_read(
         &self,
@@ -54,20 +60,14 @@ pub trait Hook: Send + Sync {
         len: usize,
         pipe: BorrowedFd<'_>,
     ) -> Result<usize, Error> {
-        if self.can_splice(inner) {
+        if self.caps(inner).splice {
             inner.splice_read(offset, len, pipe)
         } else {
             Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
         }
     }
-    /// Whether writes received into their home work (default: no: they carry no bio either,
-    /// so by default writes through the wrapper take the copying path; transparent: as the
-    /// inner device says).
-    fn can_recv_home(&self, inner: &dyn Device) -> bool {
-        self.transparent() && inner.can_recv_home()
-    }
-    /// A write received into its home (default: the inner device's where
-    /// [`Hook::can_recv_home`] allows, unsupported otherwise).
+    /// A write received into its home (default: the inner device's where [`Hook::caps`]
+    /// allows, unsupported otherwise).
     fn recv_home(
         &self,
         inner: &dyn Device,
@@ -75,20 +75,16 @@ pub trait Hook: Send + Sync {
         len: usize,
         src: &mut dyn RecvSource,
     ) -> Result<(), Error> {
-        if self.can_recv_home(inner) {
+        if self.caps(inner).recv_home {
             inner.recv_home(offset, len, src)
         } else {
             Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
         }
     }
-    /// The queue behind the device (default: none, see the trait's docs; transparent: the
-    /// inner device's).
-    fn as_queue<'a>(&self, inner: &'a dyn Device) -> Option<&'a Queue> {
-        if self.transparent() {
-            inner.as_queue()
-        } else {
-            None
-        }
+    /// Whether the inner device's counters (disk and queue statistics) stand for the wrapper
+    /// (default: no, see the trait's docs; transparent: yes).
+    fn counts_below(&self) -> bool {
+        self.transparent()
     }
 }
 
@@ -108,7 +104,8 @@ where
 }
 
 /// A [`Device`] that forwards every call to `inner`, through a [`Hook`] that changes what a
-/// test is about; limits and extents are always the inner device's.
+/// test is about: a [`Filter`], so limits, extents and whatever the hook has no say in are
+/// always the inner device's.
 ///
 /// ```ignore
 /// // Fail every write; everything else reaches `mem`.
@@ -161,40 +158,39 @@ impl<H: Hook> Forward<H> {
     }
 }
 
-impl<H: Hook> Device for Forward<H> {
+/// Everything the hook does not change is the inner device's ([`Filter`]'s defaults): limits,
+/// extents, dirty bitmaps, a reconnecting device's checks.
+impl<H: Hook> Filter for Forward<H> {
+    fn lower(&self) -> &dyn Device {
+        self.inner.as_ref()
+    }
     fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
         self.hook.submit(self.inner.as_ref(), bio, end)
     }
     fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &Arc<dyn EndIo>) {
         self.hook.submit_batch(self.inner.as_ref(), bios, end)
     }
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
-    }
-    fn can_splice(&self) -> bool {
-        self.hook.can_splice(self.inner.as_ref())
+    fn caps(&self) -> Caps {
+        self.hook.caps(self.inner.as_ref())
     }
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
         self.hook
             .splice_read(self.inner.as_ref(), offset, len, pipe)
     }
-    fn can_recv_home(&self) -> bool {
-        self.hook.can_recv_home(self.inner.as_ref())
-    }
     fn recv_home(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> Result<(), Error> {
         self.hook.recv_home(self.inner.as_ref(), offset, len, src)
     }
-    fn as_queue(&self) -> Option<&Queue> {
-        self.hook.as_queue(self.inner.as_ref())
+    fn stats(&self) -> Option<DiskStats> {
+        self.hook
+            .counts_below()
+            .then(|| self.inner.stats())
+            .flatten()
+    }
+    fn queue_stats(&self) -> Option<QueueStats> {
+        self.hook
+            .counts_below()
+            .then(|| self.inner.queue_stats())
+            .flatten()
     }
 }
 
@@ -202,9 +198,12 @@ impl<H: Hook> Device for Forward<H> {
 mod tests {
     use blkq_sync::Mutex;
 
-    use blk::{Op, SECTOR_SHIFT};
+    use std::sync::Arc;
 
-    use super::*;
+    // Not `Filter`: with it in scope too, a call on a `Forward` would be ambiguous.
+    use blk::{Bio, Caps, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
+
+    use super::{Forward, Hook};
     use crate::io::submit_wait;
 
     /// An inner device that records the sector of every bio and completes it at once.
@@ -238,8 +237,12 @@ mod tests {
             });
             Ok(())
         }
-        fn can_splice(&self) -> bool {
-            true
+        fn caps(&self) -> Caps {
+            Caps {
+                splice: true,
+                recv_home: true,
+                slow_extents: true,
+            }
         }
     }
 
@@ -286,8 +289,13 @@ mod tests {
         let f = Forward::new(dev);
         assert!(submit_wait(&f, Bio::new(Op::Read, 5, 512)).1.is_ok());
         assert_eq!(*seen_inside.0.lock(), [5]);
-        assert!(!f.can_splice() && f.as_queue().is_none() && f.stats().is_none());
-        assert!(!f.can_recv_home());
+        assert!(f.queue_stats().is_none() && f.stats().is_none());
+        let caps = f.caps();
+        assert!(!caps.splice && !caps.recv_home, "{caps:?}");
+        assert!(
+            caps.slow_extents,
+            "what the hook has no say in is the inner device's"
+        );
         assert!(Arc::ptr_eq(f.inner(), &(seen_inside as Arc<dyn Device>)));
     }
 
@@ -300,14 +308,17 @@ mod tests {
                 *self.0.lock() += 1;
                 inner.submit(bio, end)
             }
-            fn can_splice(&self, inner: &dyn Device) -> bool {
-                inner.can_splice()
+            fn caps(&self, inner: &dyn Device) -> Caps {
+                Caps {
+                    recv_home: false,
+                    ..inner.caps()
+                }
             }
         }
         let (_, dev) = inner();
         let f = Forward::with_hook(dev, Count::default());
         submit_wait(&f, Bio::new(Op::Flush, 0, 0)).1.unwrap();
         assert_eq!(*f.hook().0.lock(), 1);
-        assert!(f.can_splice());
+        assert!(f.caps().splice && !f.caps().recv_home);
     }
 }

@@ -418,17 +418,15 @@ fn queue_families(
     let mut waits = Vec::new();
     let mut locks = Vec::new();
     for e in exports {
-        let Some(q) = e.device.as_queue() else {
+        let Some(q) = e.device.queue_stats() else {
             continue;
         };
-        for h in 0..q.pools().len() {
-            if let Some(w) = q.wait_stats(h) {
-                let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
-                waits.push((l, w));
-            }
+        for (h, w) in q.tag_waits.into_iter().enumerate() {
+            let l = vec![("export", e.name.clone()), ("hctx", h.to_string())];
+            waits.push((l, w));
         }
-        if let Some(s) = q.scheduler() {
-            locks.push((e.name.clone(), s.name(), s.lock_stats()));
+        if let Some(s) = q.sched {
+            locks.push((e.name.clone(), s.name, s.lock));
         }
     }
     family(

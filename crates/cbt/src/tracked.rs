@@ -1,8 +1,9 @@
-//! [`Tracked`]: a [`Device`] that counts every write, discard and write-zeroes in its export's
+//! [`Tracked`]: a [`Filter`] that counts every write, discard and write-zeroes in its export's
 //! recording dirty bitmaps before forwarding it to the device it wraps, and answers
 //! [`Device::dirty_bitmaps`]. Writes received into their home ([`Device::recv_home`]) are
-//! counted the same way. Reads, flushes, limits, allocation maps, zero-copy reads, the
-//! queue and its statistics are the inner device's.
+//! counted the same way. Everything else is the inner device's, forwarded by `Filter`'s
+//! defaults: reads, flushes, limits, allocation maps, capabilities and zero-copy reads, the
+//! disk and queue statistics.
 //!
 //! A changing bio is marked ([`Bitmaps::start_write`]: a clean granule's bit is made durable
 //! first), then forwarded with the device's own completion, which ends the bio's gate count
@@ -13,9 +14,7 @@
 //! flight. There are [`TABLES`] tables, a submitting thread using the one of its thread slot,
 //! so that submitters on many cores do not share one lock.
 
-use std::os::fd::BorrowedFd;
-
-use blk::{Bio, Device, DirtyBitmaps, DirtyExtent, EndIo, Error, Extent, Limits, Op, Queue};
+use blk::{Bio, Device, DirtyBitmaps, DirtyExtent, EndIo, Error, Filter, Op};
 use blkq_sync::DynArc;
 use blkq_sync::{CachePadded, Mutex};
 
@@ -136,7 +135,14 @@ impl Tracked {
     }
 }
 
-impl Device for Tracked {
+/// The tracker changes what marks its bitmaps (bios that change data, writes received into
+/// their home) and adds its bitmaps; everything else is the inner device's ([`Filter`]'s
+/// defaults: limits, extents, zero-copy reads, counters).
+impl Filter for Tracked {
+    fn lower(&self) -> &dyn Device {
+        &*self.inner
+    }
+
     fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
         if !changes(bio.op) {
             return self.inner.submit(bio, end);
@@ -164,32 +170,6 @@ impl Device for Tracked {
         }
     }
 
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
-    }
-
-    fn can_splice(&self) -> bool {
-        self.inner.can_splice()
-    }
-
-    fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> Result<usize, Error> {
-        self.inner.splice_read(offset, len, pipe)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        self.inner.can_recv_home()
-    }
-
     /// A write received into its home is counted as a bio is: its granules made durable
     /// first, the gate held until the bytes are in place (a `rotate` waits for it).
     fn recv_home(
@@ -203,14 +183,6 @@ impl Device for Tracked {
         let res = res.and_then(|()| self.inner.recv_home(offset, len, src));
         b.end_write(gen);
         res
-    }
-
-    fn as_queue(&self) -> Option<&Queue> {
-        self.inner.as_queue()
-    }
-
-    fn stats(&self) -> Option<blk::stats::DiskStats> {
-        self.inner.stats()
     }
 
     fn dirty_bitmaps(&self) -> Option<&dyn DirtyBitmaps> {

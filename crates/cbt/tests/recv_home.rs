@@ -24,7 +24,7 @@ fn a_write_received_into_its_home_is_counted_and_lands() {
             .unwrap(),
     );
     assert!(
-        inner.can_recv_home(),
+        inner.caps().recv_home,
         "mem store=map receives into its home"
     );
     let opts = Options {
@@ -35,7 +35,7 @@ fn a_write_received_into_its_home_is_counted_and_lands() {
     let (bitmaps, _) = Bitmaps::open(SIZE, &opts).unwrap();
     let t = Tracked::new(inner.clone(), bitmaps);
     t.bitmaps().add("b", 64 << 10).unwrap();
-    assert!(t.can_recv_home(), "Tracked keeps the zero-copy write path");
+    assert!(t.caps().recv_home, "Tracked keeps the zero-copy write path");
 
     let (mut tx, rx) = UnixStream::pair().unwrap();
     let payload: Vec<u8> = (0..MIB as usize).map(|i| (i % 251) as u8).collect();

@@ -345,6 +345,57 @@ fn sparse_reads_and_block_status() {
     c.disconnect().unwrap();
 }
 
+/// A device whose allocation map costs I/O ([`blk::Caps::slow_extents`]: a remote export)
+/// is never asked it on a read: its holes reach the client as data (zeros). Block status
+/// still asks it. A filter over `mem:` that declares the cost and counts the asks.
+#[test]
+fn a_device_with_a_slow_map_gets_no_sparse_reads() {
+    use blk::{Caps, Extent, Filter};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct SlowMap(Arc<dyn Device>, AtomicUsize);
+    impl Filter for SlowMap {
+        fn lower(&self) -> &dyn Device {
+            self.0.as_ref()
+        }
+        fn caps(&self) -> Caps {
+            Caps {
+                slow_extents: true,
+                ..self.0.caps()
+            }
+        }
+        fn extents_into(
+            &self,
+            offset: u64,
+            len: u64,
+            max: usize,
+            out: &mut Vec<Extent>,
+        ) -> Result<(), blk::Error> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            self.0.extents_into(offset, len, max, out)
+        }
+    }
+
+    let dev = Arc::new(SlowMap(device("mem:16M"), AtomicUsize::new(0)));
+    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let mut c = t.connect(&ClientOptions::default());
+    c.write(4096, &[1u8; 8192], CmdFlags::FUA).unwrap();
+    let r = c
+        .request(Request::new(Command::Read, 0, 0, 65536), &[])
+        .unwrap();
+    assert_eq!((r.data_chunks, r.hole_chunks), (1, 0), "holes read as data");
+    assert!(r.data[4096..12288].iter().all(|&b| b == 1));
+    assert!(r.data[12288..].iter().all(|&b| b == 0));
+    assert_eq!(dev.1.load(Ordering::Relaxed), 0, "a read asked for the map");
+    let ext = c.block_status(0, 65536, CmdFlags::empty()).unwrap();
+    assert_eq!(ext.iter().map(|e| e.0).sum::<u64>(), 65536);
+    assert!(
+        dev.1.load(Ordering::Relaxed) >= 1,
+        "block status asks for the map"
+    );
+    c.disconnect().unwrap();
+}
+
 #[test]
 fn every_error_then_the_connection_still_works() {
     let t = default_server();

@@ -2,6 +2,12 @@
 //! the public leg-management API (`fail_leg`, `remove_leg`, `add_leg` with re-add, ...),
 //! `Drop` (stop the sync thread, drain, stop raid1d, mark clean) and the `blk::Device` impl.
 //!
+//! A mirror is a `Device` of its own, not a [`blk::Filter`]: it has no one device below to
+//! forward to (reads go to the leg the balancing picks, writes to every leg, and the legs
+//! come and go), so it answers every method itself: its limits and capabilities (no zero-copy
+//! path, a costly allocation map where a leg's is), no queue or disk counters of its own (the
+//! NBD server counts at its layer), and its legs' reconnection checks stay its own.
+//!
 //! Runs on the caller's thread; `Inner::fail_leg`/`state_changed` are also called from
 //! completion contexts, raid1d and the sync thread. The rest lives in `assemble.rs`
 //! (start-up), `io.rs` (the I/O path), `daemon.rs` (raid1d) and `sync.rs` (the sync thread).
@@ -15,7 +21,7 @@ use std::collections::VecDeque;
 use std::sync::Weak;
 
 use blk::Extent;
-use blk::{Bio, BufferPool, Device, EndIo, Error, Limits, SECTOR_SHIFT};
+use blk::{Bio, BufferPool, Caps, Device, EndIo, Error, Limits, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::stat::ShardedCounters;
 use blkq_sync::{thread, CachePadded, Mutex};
@@ -182,6 +188,10 @@ pub(crate) struct Leg {
     /// Bumped each time the slot's device is set or taken (with the array frozen): a
     /// recovery pass works for one placement of one leg (`sync::still_target`).
     pub(crate) gen: AtomicU64,
+    /// The slot's device declares a costly allocation map ([`blk::Caps::slow_extents`]: a
+    /// remote leg). Set with the device (`set_dev_frozen`); read by [`Raid1`]'s `caps`, per
+    /// read of the NBD server (relaxed: a hint of cost, ordering nothing).
+    pub(crate) slow_extents: AtomicBool,
 }
 
 impl Leg {
@@ -198,6 +208,7 @@ impl Leg {
             rtt_ns: CachePadded(AtomicU64::new(0)),
             recovery_offset: AtomicU64::new(0),
             bitmap_recovery: AtomicBool::new(false),
+            slow_extents: AtomicBool::new(false),
             gen: AtomicU64::new(0),
         }
     }
@@ -257,6 +268,8 @@ impl Leg {
         self.gen.fetch_add(1, Ordering::AcqRel);
         // SAFETY: frozen by the caller; `g` orders the writers.
         let _ = unsafe { self.admitted_dev.replace_frozen(dev.clone()) };
+        let slow = dev.as_ref().is_some_and(|d| d.caps().slow_extents);
+        self.slow_extents.store(slow, Ordering::Relaxed);
         std::mem::replace(&mut *g, dev)
     }
 
@@ -737,6 +750,19 @@ impl Device for Raid1 {
             capacity: self.inner.capacity,
             logical_block_size: self.inner.logical_block_size,
             max_io_bytes: self.inner.max_io,
+        }
+    }
+
+    /// No zero-copy path (a read or write has to reach the legs as bios); the allocation map
+    /// is costly where a leg's is (extents are asked of a leg the read balancing picks).
+    fn caps(&self) -> Caps {
+        Caps {
+            slow_extents: self
+                .inner
+                .legs
+                .iter()
+                .any(|l| l.slow_extents.load(Ordering::Relaxed)),
+            ..Caps::default()
         }
     }
 

@@ -238,6 +238,42 @@ fn legs_can_be_failed_removed_and_added() {
     assert!(!r.is_degraded());
 }
 
+/// The mirror's capabilities: no zero-copy path (its I/O reaches the legs as bios), and a
+/// costly allocation map exactly while a leg's is (a remote leg: its extents are asked of
+/// the leg the read balancing picks), following the legs as they leave and return.
+#[test]
+fn the_mirror_declares_a_slow_map_while_a_leg_has_one() {
+    /// A leg that says its map is slow (a stand-in for a remote leg).
+    struct SlowMap;
+    impl Hook for SlowMap {
+        fn transparent(&self) -> bool {
+            true
+        }
+        fn caps(&self, inner: &dyn Device) -> blk::Caps {
+            blk::Caps {
+                slow_extents: true,
+                ..inner.caps()
+            }
+        }
+    }
+    let local = Raid1::create(vec![mem("16M"), mem("16M")], cfg(BarrierMode::Lockless)).unwrap();
+    assert!(mem("16M").caps().splice, "mem legs splice");
+    assert_eq!(local.caps(), blk::Caps::default());
+    let slow: Arc<dyn Device> = Arc::new(Forward::with_hook(mem("16M"), SlowMap));
+    let r = Raid1::create(vec![mem("16M"), slow], cfg(BarrierMode::Lockless)).unwrap();
+    let caps = r.caps();
+    assert!(
+        caps.slow_extents && !caps.splice && !caps.recv_home,
+        "{caps:?}"
+    );
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert!(!r.caps().slow_extents, "the slow leg is gone");
+    let back: Arc<dyn Device> = Arc::new(Forward::with_hook(mem("16M"), SlowMap));
+    r.add_leg(back).unwrap();
+    assert!(r.caps().slow_extents, "a slow leg came back");
+}
+
 #[test]
 fn concurrent_writers_and_readers() {
     let r =

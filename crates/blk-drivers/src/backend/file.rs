@@ -63,7 +63,7 @@ use super::host::{
 };
 use super::splice_in::PipePool;
 use super::{check_range, with_context, Backend, Extent, ExtentBuilder};
-use blk::RecvSource;
+use blk::{Caps, RecvSource};
 
 /// How to open a [`FileBackend`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -640,12 +640,12 @@ impl Backend for FileBackend {
 
     /// Buffered files and block devices: `splice(2)` from the page cache. Not with
     /// `direct=1` (its point is to keep the data out of the page cache).
-    fn can_splice(&self) -> bool {
-        !self.is_direct()
-    }
-
-    fn can_recv_home(&self) -> bool {
-        !self.is_direct() && !self.read_only
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: !self.is_direct(),
+            recv_home: !self.is_direct() && !self.read_only,
+            ..Caps::default()
+        }
     }
 
     /// `splice(2)` from the socket through a pipe into the page cache (`splice_in.rs`).

@@ -93,7 +93,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 
-use blk::RecvSource;
+use blk::{Caps, RecvSource};
 use blkq_sync::atomic::{AtomicU64, Ordering};
 
 use super::home::RegionGate;
@@ -680,8 +680,12 @@ impl Backend for MapBackend {
         Ok(())
     }
 
-    fn can_splice(&self) -> bool {
-        true
+    fn caps(&self) -> Caps {
+        Caps {
+            splice: true,
+            recv_home: true,
+            ..Caps::default()
+        }
     }
 
     fn splice_read(&self, offset: u64, len: usize, pipe: BorrowedFd<'_>) -> io::Result<usize> {
@@ -701,10 +705,6 @@ impl Backend for MapBackend {
             }
         });
         res.map(|()| moved)
-    }
-
-    fn can_recv_home(&self) -> bool {
-        true
     }
 
     fn recv_at(&self, offset: u64, len: usize, src: &mut dyn RecvSource) -> io::Result<()> {

@@ -24,7 +24,7 @@ pub use mem::MemBackend;
 pub use blk::error::os_error_code;
 pub(crate) use blk::error::with_context;
 pub use blk::Extent;
-use blk::{Bio, BioFlags, Error, Op, RecvSource};
+use blk::{Bio, BioFlags, Caps, Error, Op, RecvSource};
 
 /// Executes a bio on a backend, synchronously. Shared by every backend-based driver.
 ///
@@ -100,19 +100,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// Whether zeroing is fast (no data written), for NBD's FAST_ZERO.
     fn fast_zero(&self) -> bool;
-    /// Whether [`Backend::splice_read`] works (default: no).
-    fn can_splice(&self) -> bool {
-        false
+    /// What the backend can do beyond reads and writes through buffers: [`Backend::splice_read`]
+    /// (`splice`), [`Backend::recv_at`] (`recv_home`); the driver over it declares the
+    /// device's from these ([`blk::Device::caps`]). Default: nothing. Asked each time (a
+    /// backend may turn one off at run time).
+    fn caps(&self) -> Caps {
+        Caps::default()
     }
     /// Moves up to `len` bytes at `offset` into the pipe `pipe` by reference, without
     /// blocking on the pipe: how many it moved, 0 when the pipe was full
     /// ([`blk::Device::splice_read`] says what the caller must do with them).
     fn splice_read(&self, _offset: u64, _len: usize, _pipe: BorrowedFd<'_>) -> io::Result<usize> {
         Err(io::ErrorKind::Unsupported.into())
-    }
-    /// Whether [`Backend::recv_at`] works (default: no).
-    fn can_recv_home(&self) -> bool {
-        false
     }
     /// Receives `len` bytes from `src`'s socket straight into the store at `offset`
     /// ([`blk::Device::recv_home`] says what it promises, torn writes on an error included).

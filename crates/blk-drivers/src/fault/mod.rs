@@ -3,7 +3,7 @@
 //! device's completion threads.
 //!
 //! A [`FaultDevice`] wraps any other [`Device`] and is
-//! itself a bio-based `Device`: it sees every bio on `submit`/`submit_batch`, decides what to
+//! itself a bio-based `Device`, a [`blk::Filter`] over it: it sees every bio on `submit`/`submit_batch`, decides what to
 //! do with it from its [`Rule`]s, forwards it to the inner device, and sees the completion on
 //! its own [`EndIo`] before handing it back to the submitter.
 //!
@@ -156,7 +156,7 @@ use cache::{State, UndoEntry};
 use rules::{Flip, RuleState, Rules, Verdict};
 use timer::TimerQ;
 
-use blk::{Bio, BioFlags, Buffer, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Buffer, Caps, Device, EndIo, Error, Filter, Op, SECTOR_SHIFT};
 
 /// A snapshot of a fault device's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -662,7 +662,14 @@ impl Drop for FaultDevice {
     }
 }
 
-impl Device for FaultDevice {
+/// Only the bio path is the fault device's; the rest is the inner device's ([`Filter`]'s
+/// defaults: limits, extents, counters (what reached the inner device: injected failures
+/// count there only if it saw them), a reconnecting device's checks).
+impl Filter for FaultDevice {
+    fn lower(&self) -> &dyn Device {
+        &*self.inner
+    }
+
     fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
         if let Some((bio, v)) = self.admit(bio, end) {
             self.handle
@@ -677,7 +684,7 @@ impl Device for FaultDevice {
             // Undo reads must not pass writes of the same batch still plugged in the inner
             // device: one at a time.
             for b in bios {
-                self.submit(b, end);
+                Filter::submit(self, b, end);
             }
             return;
         }
@@ -688,23 +695,9 @@ impl Device for FaultDevice {
         self.inner.submit_batch(&mut it, &self.handle.completer);
     }
 
-    fn limits(&self) -> Limits {
-        self.inner.limits()
-    }
-
-    fn extents_into(
-        &self,
-        offset: u64,
-        len: u64,
-        max: usize,
-        out: &mut Vec<Extent>,
-    ) -> Result<(), Error> {
-        self.inner.extents_into(offset, len, max, out)
-    }
-
-    /// The inner queue's (what reached the device; injected failures count there only if
-    /// the inner device saw them).
-    fn as_queue(&self) -> Option<&blk::Queue> {
-        self.inner.as_queue()
+    /// The inner device's, less the zero-copy paths: they carry no bio, so they would pass
+    /// the rules by.
+    fn caps(&self) -> Caps {
+        self.inner.caps().bios_only()
     }
 }

@@ -187,6 +187,47 @@ impl fmt::Display for RbdConfig {
     }
 }
 
+/// An `rbd:` spec's options: `ro` (`read_only`), `lock`, and the target's own
+/// ([`RbdConfig::set`]).
+pub(crate) struct SpecOptions(RbdConfig);
+
+impl SpecOptions {
+    /// The target's defaults (`read_only`: the command line's `--read-only`).
+    pub(crate) fn new(target: RbdConfig, read_only: bool) -> Self {
+        Self(RbdConfig {
+            read_only,
+            ..target
+        })
+    }
+}
+
+impl crate::spec::KindOptions for SpecOptions {
+    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
+        match k {
+            "ro" | "read_only" => self.0.read_only |= crate::spec::parse_bool(k, v)?,
+            "lock" => self.0.no_lock = !crate::spec::parse_bool(k, v)?,
+            k => return self.0.set(k, v),
+        }
+        Ok(true)
+    }
+
+    fn open(
+        self: Box<Self>,
+        cfg: &mut blk::QueueConfig,
+        max_io_given: bool,
+    ) -> Result<Box<dyn blk::Driver>, Error> {
+        let (driver, size, obj_size) = open(&self.0)?;
+        cfg.limits.capacity = size;
+        if !max_io_given {
+            // One object per I/O by default, at least a block, at most u32.
+            cfg.limits.max_io_bytes = u32::try_from(obj_size)
+                .unwrap_or(u32::MAX)
+                .max(cfg.limits.logical_block_size);
+        }
+        Ok(driver)
+    }
+}
+
 /// The driver of `cfg`, opened (connects to the cluster, opens the image, takes the lock), and
 /// the image's size and object size. Fails with [`NOT_BUILT`] in a build without librbd.
 #[cfg(blkq_rbd)]

@@ -6,7 +6,7 @@ use std::os::fd::BorrowedFd;
 use blkq_sync::DynArc as Arc;
 
 use super::{QueueCore, RequestToken};
-use crate::device::Extent;
+use crate::device::{Caps, Extent};
 use crate::Error;
 
 /// A block driver: executes requests and reports their completion.
@@ -41,10 +41,12 @@ pub trait Driver: Send + Sync {
         }
         Ok(())
     }
-    /// Zero-copy reads ([`Device::splice_read`](crate::Device::splice_read)): whether this
-    /// driver can move its bytes into a pipe by reference. Default: no.
-    fn can_splice(&self) -> bool {
-        false
+    /// What the driver can do beyond requests ([`Device::caps`](crate::Device::caps), which
+    /// the queue answers with this): zero-copy reads, writes received into their home, a
+    /// costly allocation map. Asked per request where it matters, so a driver may turn one
+    /// off at run time. Default: nothing.
+    fn caps(&self) -> Caps {
+        Caps::default()
     }
     /// Moves up to `len` bytes of the device at `offset` into the pipe whose write end is
     /// `pipe` ([`Device::splice_read`](crate::Device::splice_read) says what that promises);
@@ -56,11 +58,6 @@ pub trait Driver: Send + Sync {
         _pipe: BorrowedFd<'_>,
     ) -> Result<usize, Error> {
         Err(Error::Io(std::io::ErrorKind::Unsupported.into()))
-    }
-    /// Writes received into their home ([`Device::recv_home`](crate::Device::recv_home)):
-    /// whether this driver can take a payload straight from a socket. Default: no.
-    fn can_recv_home(&self) -> bool {
-        false
     }
     /// Receives `len` bytes from `src` into the device at `offset`
     /// ([`Device::recv_home`](crate::Device::recv_home) says what that promises).

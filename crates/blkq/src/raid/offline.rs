@@ -13,23 +13,24 @@ use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 
 use super::report::{ArrayReport, BitmapReport, IntegrityReport, LegReport};
 
-/// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (`file:`,
-/// `mem:`, `null:`, `rbd:`, `nbd://`, `nbd+unix://`) begins a leg; any other part (`key=value`) is
-/// an option of the leg before.
+/// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (a local one,
+/// [`DeviceSpec::starts_a_spec`], or a remote export's URI) begins a leg; any other part
+/// (`key=value`) is an option of the leg before.
 pub fn split_legs(s: &str) -> Result<Vec<String>> {
     let mut legs: Vec<String> = Vec::new();
     for part in s.split(',').filter(|p| !p.is_empty()) {
-        let starts_leg = ["file:", "mem:", "null:", "rbd:"]
-            .iter()
-            .any(|k| part.starts_with(k))
-            || nbd::remote::RemoteSpec::is_remote(part);
+        let starts_leg =
+            DeviceSpec::starts_a_spec(part) || nbd::remote::RemoteSpec::is_remote(part);
         if starts_leg {
             legs.push(part.to_string());
         } else if let Some(last) = legs.last_mut() {
             last.push(',');
             last.push_str(part);
         } else {
-            bail!("--raid1 {s:?}: {part:?} is not a device spec (expected file:PATH, mem:SIZE, null:SIZE, rbd:POOL/IMAGE or nbd://HOST/EXPORT)");
+            bail!(
+                "--raid1 {s:?}: {part:?} is not a device spec (expected {}, or nbd://HOST/EXPORT)",
+                blk_drivers::spec::Kind::FORMS
+            );
         }
     }
     if legs.is_empty() {

@@ -157,11 +157,10 @@ pub fn open_export(
         None if settings.describe_paths => b.full.clone(),
         None => neutral_description(b.kind, dev.limits().capacity),
     };
-    let mut export = Export::new(e.name.clone(), dev)
+    let export = Export::new(e.name.clone(), dev)
         .description(description)
         .read_only(b.read_only)
         .access(e.access.clone());
-    export.sparse_reads = sparse_reads(&backing);
     Ok(OpenedExport {
         export,
         description: b.full,
@@ -170,18 +169,6 @@ pub fn open_export(
         mirror: b.mirror,
         remote: b.remote,
     })
-}
-
-/// Whether an export answers reads from its device's allocation (holes as holes). Sparse
-/// reads ask the device's allocation on every read; a remote device (or a mirror that may
-/// read from one) answers it with a block-status round trip to its server, synchronous in
-/// the connection's reader: that would cost every read a round trip and stall the pipeline
-/// behind it. Its holes reach the client as zeros instead.
-fn sparse_reads(backing: &Backing) -> bool {
-    !match backing {
-        Backing::Mirror { legs, .. } => legs.iter().any(|l| RemoteSpec::is_remote(l)),
-        Backing::Device(spec) => RemoteSpec::is_remote(spec),
-    }
 }
 
 /// An export's device as [`open_export`] opened it, before its dirty bitmaps.
@@ -547,8 +534,8 @@ mod tests {
             let cfg = Config::from_args(&parse_serve_flags(flags).unwrap()).unwrap();
             open(&check(&cfg, &Source::CommandLine).unwrap(), false).map(|o| {
                 let dev = o.server.exports[0].device.clone();
-                let q = dev.as_queue().expect("a plain device is a queue");
-                q.scheduler().is_some()
+                let q = dev.queue_stats().expect("a plain device is a queue");
+                q.sched.is_some()
             })
         };
         let spec = "null:16M,sched=mq-deadline,fifo_batch=8";

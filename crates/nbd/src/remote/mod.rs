@@ -435,6 +435,14 @@ impl Device for RemoteDevice {
         self.links[0].sh.limits
     }
 
+    /// No zero-copy path; the allocation map is a block-status round trip to the server.
+    fn caps(&self) -> blk::Caps {
+        blk::Caps {
+            slow_extents: true,
+            ..blk::Caps::default()
+        }
+    }
+
     /// No connection is up and one is past its reconnect deadline (or the device is dead).
     fn unavailable(&self) -> bool {
         let conns = || self.links.iter().map(|l| l.sh.table.lock().conn);

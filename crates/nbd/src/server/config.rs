@@ -37,22 +37,18 @@ pub struct Export {
     pub device: Arc<dyn Device>,
     /// Refuse writes, trims and zeroes (`NBD_FLAG_READ_ONLY`, `NBD_EPERM`).
     pub read_only: bool,
-    /// With structured replies, ask the device for its allocation map on each read and send
-    /// holes as `OFFSET_HOLE` chunks without reading them (one `extents()` call per read).
-    pub sparse_reads: bool,
     /// Who may use the export (default: everyone who can connect); see [`Access`].
     pub access: Access,
 }
 
 impl Export {
-    /// An export of `device` named `name`, writable, with sparse reads.
+    /// An export of `device` named `name`, writable.
     pub fn new(name: impl Into<String>, device: Arc<dyn Device>) -> Self {
         Self {
             name: name.into(),
             description: String::new(),
             device,
             read_only: false,
-            sparse_reads: true,
             access: Access::default(),
         }
     }

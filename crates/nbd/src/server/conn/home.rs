@@ -5,7 +5,7 @@
 //!
 //! Which writes: at least [`BIG_WRITE`] bytes, without FUA (a write that must be durable takes
 //! the bio path, where the device's FUA handling lives), on a plaintext connection (TLS
-//! payloads pass through rustls), to a device that can ([`blk::Device::can_recv_home`]: off
+//! payloads pass through rustls), to a device that can ([`blk::Caps::recv_home`]: off
 //! with the spec's `splice=0`), and only when none of the payload is already in the receive
 //! buffer. While large writes of that kind arrive, the reader asks the socket for one request
 //! header at a time (`Connection::home_writes`, `reader.rs`), so that the payload behind the
@@ -36,7 +36,7 @@ impl Connection<'_> {
         r.length >= BIG_WRITE
             && !r.flags.contains(CmdFlags::FUA)
             && self.core.tls.is_none()
-            && self.device().can_recv_home()
+            && self.device().caps().recv_home
     }
 
     /// Receives `len` payload bytes into the device at `offset`.

@@ -37,7 +37,8 @@
 //! The table is preallocated (`Tuning::slots` entries) and staging recycles the entries it
 //! swaps out of the table; buffers come from per-connection pools by size class; vectors are
 //! reused. After warm-up the data path allocates nothing, except the `Vec` that
-//! `Device::extents` returns (one per structured read when the export has sparse reads, and
+//! `Device::extents` returns (one per structured read of a device whose allocation map costs
+//! no I/O, `Caps::slow_extents`, and
 //! per `NBD_CMD_BLOCK_STATUS`) and the plug `Queue::submit_batch` allocates per batch.
 
 mod block_status;
@@ -372,7 +373,7 @@ impl<'a> Connection<'a> {
             sticky: export.failed.clone(),
             budget: server.budget.clone(),
             disk: export.disk.clone(),
-            splice_dev: (tls.is_none() && export.export.device.can_splice())
+            splice_dev: (tls.is_none() && export.export.device.caps().splice)
                 .then(|| export.export.device.clone()),
         });
         let flusher_core = core.clone();

@@ -488,22 +488,23 @@ impl<'a> Connection<'a> {
         }
     }
 
-    /// A read: data parts, and (structured replies, sparse reads on, `DF` not set) holes where
-    /// the device says nothing is allocated.
+    /// A read: data parts, and (structured replies, `DF` not set, a device whose allocation
+    /// map costs no I/O) holes where the device says nothing is allocated.
     fn stage_read(&mut self, r: &Request, mut entry: InFlight) {
         let end = r.offset + r.length;
-        let sparse = self.mode.chunked_replies()
-            && !r.flags.contains(CmdFlags::DF)
-            && self.export.export.sparse_reads;
+        // Asked per read: a device may turn zero-copy reads off at run time.
+        let caps = self.device().caps();
+        // A device whose allocation map costs I/O (a remote export, a mirror with such a leg)
+        // would answer with a round trip to its server, synchronous in this reader: every read
+        // would wait for it, and the pipeline behind it. Its holes reach the client as zeros.
+        let sparse =
+            self.mode.chunked_replies() && !r.flags.contains(CmdFlags::DF) && !caps.slow_extents;
         // Large reads on a plaintext connection to a device that can: spliced by the writer,
         // no bio, no buffer (`splice.rs`), when the rule says this client takes them faster
         // that way (`splice_rule.rs`).
         let spliced = r.length >= SPLICE_MIN_BYTES
-            && self
-                .core
-                .splice_dev
-                .as_ref()
-                .is_some_and(|d| d.can_splice())
+            && caps.splice
+            && self.core.splice_dev.is_some()
             && self.splice_chooser.choose(
                 r.length,
                 Instant::now(),

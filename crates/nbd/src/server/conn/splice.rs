@@ -3,7 +3,7 @@
 //! `sendmsg` copies again (docs/design.md, "Large reads").
 //!
 //! A read of at least [`SPLICE_MIN_BYTES`] on a plaintext connection to a device that can
-//! ([`blk::Device::can_splice`]: `mem:` with `store=map`, buffered `file:`) is staged with no
+//! ([`blk::Caps::splice`]: `mem:` with `store=map`, buffered `file:`) is staged with no
 //! bio and no buffer: its data parts are marked spliced and the entry is ready at once. When
 //! the writer reaches such a part ([`Segment::Spliced`]) it asks the device to put the bytes
 //! in the connection's pipe ([`blk::Device::splice_read`]: `vmsplice` of the mapping under the
