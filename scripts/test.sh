@@ -4,7 +4,7 @@
 # scripts/test-deps.sh; BLKQ_NO_INSTALL=1 installs nothing and the tests that need them skip),
 # then: fmt, clippy, unit + property + integration tests, real
 # NBD clients (qemu-img, qemu-io, nbdinfo, nbdcopy, nbdsh, fio) against `blkq serve`, and the
-# loom models in release with bounded preemptions.
+# loom models (their own profile, `loom`) with bounded preemptions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,19 +34,30 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "unit, property and integration tests"
 cargo test --workspace --no-run
 # The loom models build meanwhile, niced, in a separate target dir (the cfg changes every
-# crate's build, and would otherwise evict the normal build from the cache): the tests below
-# mostly wait (timeouts, servers, simulators), and the build uses what they leave of the CPUs.
-# The release profile as it is: built without LTO and with 16 codegen units, loom's coroutine
-# stacks overflowed in cbt's rotate models (less inlining, deeper frames).
-loom_build() {
-  RUSTFLAGS="--cfg blkq_loom" CARGO_TARGET_DIR=target/loom nice -n 10 \
-    cargo test --release --workspace --test 'loom_*' --no-run
-}
+# crate's build, and would otherwise evict the normal build from the cache), with their own
+# profile (Cargo.toml: optimized, no LTO): the tests below mostly wait (timeouts, servers,
+# simulators), and the build uses what they leave of the CPUs.
+LOOM_ENV=(env RUSTFLAGS="--cfg blkq_loom" CARGO_TARGET_DIR=target/loom nice -n 10)
 mkdir -p target
-loom_build >target/loom-build.log 2>&1 &
+"${LOOM_ENV[@]}" cargo test --profile loom --workspace --test 'loom_*' --no-run \
+  >target/loom-build.log 2>&1 &
 LOOM_BUILD=$!
-trap 'kill "$LOOM_BUILD" 2>/dev/null || true' EXIT
-cargo test --workspace --no-fail-fast
+BACKGROUND=("$LOOM_BUILD")
+trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true' EXIT
+# Two streams at once, since most suites wait rather than compute: the binary's suites with
+# blk-drivers' (each of the two starts a Ceph cluster, so they run one after the other), and
+# every other crate's. The first stream's output follows the second's.
+cargo test --no-fail-fast -p blkq -p blk-drivers >target/tests-blkq.log 2>&1 &
+SERVERS=$!
+BACKGROUND+=("$SERVERS")
+TESTS_OK=0
+cargo test --workspace --exclude blkq --exclude blk-drivers --no-fail-fast || TESTS_OK=$?
+wait "$SERVERS" || TESTS_OK=$?
+cat target/tests-blkq.log
+if [ "$TESTS_OK" -ne 0 ]; then
+  echo "the unit, property or integration tests failed (above)" >&2
+  exit 1
+fi
 
 step "real NBD clients against blkq serve (scripts/client-tests.sh), the loom models beside them"
 # The loom models (built by now) run niced beside the clients, which mostly wait on servers;
@@ -55,17 +66,16 @@ if ! wait "$LOOM_BUILD"; then
   cat target/loom-build.log
   exit 1
 fi
-RUSTFLAGS="--cfg blkq_loom" LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
-  CARGO_TARGET_DIR=target/loom nice -n 10 \
-  cargo test --release --workspace --test 'loom_*' >target/loom-run.log 2>&1 &
+LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
+  "${LOOM_ENV[@]}" cargo test --profile loom --workspace --test 'loom_*' >target/loom-run.log 2>&1 &
 LOOM_RUN=$!
-trap 'kill "$LOOM_RUN" 2>/dev/null || true' EXIT
+BACKGROUND+=("$LOOM_RUN")
 # Against the debug binary the tests above built and used: a release build (LTO, one codegen
 # unit) would cost CI minutes and test the same code.
 cargo build -p blkq
 BLKQ_BIN=target/debug/blkq scripts/client-tests.sh
 
-step "loom models (release, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
+step "loom models (profile loom, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
 LOOM_OK=0
 wait "$LOOM_RUN" || LOOM_OK=$?
 cat target/loom-run.log

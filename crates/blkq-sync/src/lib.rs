@@ -417,15 +417,38 @@ impl<T> DerefMut for CachePadded<T> {
 
 /// Runs `f` as a loom model (explores interleavings) under `--cfg blkq_loom`, and once
 /// otherwise. Lets a model test double as a plain smoke test.
+///
+/// Under loom the body runs on a thread of the model with a stack of [`MODEL_STACK_WORDS`]:
+/// loom gives a model's first thread 32 KiB, which a build without cross-crate inlining
+/// (the `loom` profile: no LTO, so the models build in half the CPU time) overflows in the
+/// deeper models (cbt's rotations). The first thread only waits for it, which adds no
+/// interleaving that matters: it has nothing else to run.
 pub fn model<F>(f: F)
 where
     F: Fn() + Sync + Send + 'static,
 {
     #[cfg(blkq_loom)]
-    loom::model(f);
+    {
+        // Plain `std::sync::Arc`: it carries the closure into each execution, outside what
+        // the model checks.
+        let f = std::sync::Arc::new(f);
+        loom::model(move || {
+            let f = f.clone();
+            loom::thread::Builder::new()
+                .stack_size(MODEL_STACK_WORDS)
+                .spawn(move || f())
+                .expect("spawn the model's thread")
+                .join()
+                .expect("the model's thread panicked");
+        });
+    }
     #[cfg(not(blkq_loom))]
     f();
 }
+
+/// The stack of a model's body under loom, in words (loom hands the size to its coroutines,
+/// which count words): 512 KiB.
+pub const MODEL_STACK_WORDS: usize = 1 << 16;
 
 #[cfg(test)]
 mod tests {

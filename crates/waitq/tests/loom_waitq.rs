@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! RUSTFLAGS="--cfg blkq_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target/loom \
-//!     cargo test --release -p waitq --test loom_waitq
+//!     cargo test --profile loom -p waitq --test loom_waitq
 //! ```
 //!
 //! Everything comes from the `blkq-sync` facade, so without `--cfg blkq_loom` each model runs
