@@ -40,7 +40,7 @@ impl Inner {
         let end_byte = o.offset() + u64::from(o.len);
         let mut good = None;
         while let Some(leg) = self.choose_read_leg(sector, end_byte, tried) {
-            tried |= 1 << leg;
+            tried.insert(leg);
             let Some(dev) = self.legs[leg].dev() else {
                 continue;
             };
@@ -55,10 +55,7 @@ impl Inner {
             self.note_read_error(leg);
         }
         if good.is_some() {
-            for leg in 0..self.legs.len() {
-                if failed & (1 << leg) == 0 {
-                    continue;
-                }
+            for leg in failed.iter().take_while(|&l| l < self.legs.len()) {
                 self.note_read_error(leg);
                 let st = self.legs[leg].state.load(Ordering::Acquire);
                 let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {

@@ -30,6 +30,7 @@ use crate::barrier::{paired, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap};
 use crate::config::Raid1Config;
 use crate::generation::Lineage;
+use crate::legset::LegSet;
 use crate::superblock::{ArrayState, Superblock, SuperblockError};
 
 // Leg state: one `AtomicU32` per slot (`Leg::state`), read without a lock on every I/O
@@ -293,22 +294,22 @@ pub(crate) struct Io {
     pub(crate) ok: u32,
     pub(crate) err: Option<Error>,
     /// Legs a read was tried on.
-    pub(crate) tried: u32,
+    pub(crate) tried: LegSet,
     /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
     /// submitted (md's rule: a recovering leg's copy does not count).
-    pub(crate) counted: u32,
+    pub(crate) counted: LegSet,
     /// The leg whose bio carries the original buffer (`usize::MAX`: none, e.g. a shared
     /// write, whose buffer stays in `orig`).
     pub(crate) primary: usize,
     /// Write-behind legs of this write or flush (see `behind`).
-    pub(crate) wb_legs: u32,
+    pub(crate) wb_legs: LegSet,
     /// A write holding a place among the N (see `behind`).
     pub(crate) behind: bool,
     /// Legs not write-behind still to complete.
     pub(crate) sync_left: u32,
     /// Legs whose completion of this write the write-behind order table counts (invariant
     /// 7 of `behind`): `leg_done` calls `ordered_done` for them.
-    pub(crate) ordered: u32,
+    pub(crate) ordered: LegSet,
     /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
     /// what the write covered).
     pub(crate) acked: bool,
@@ -749,7 +750,11 @@ impl Device for Raid1 {
     ) -> Result<(), Error> {
         let inner = &self.inner;
         let leg = inner
-            .choose_read_leg(offset >> SECTOR_SHIFT, offset.saturating_add(len), 0)
+            .choose_read_leg(
+                offset >> SECTOR_SHIFT,
+                offset.saturating_add(len),
+                LegSet::EMPTY,
+            )
             .and_then(|i| inner.legs[i].dev())
             .ok_or_else(|| eio("raid1: no readable leg"))?;
         leg.extents_into(offset + inner.data_offset, len, max, out)?;

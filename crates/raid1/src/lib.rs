@@ -120,6 +120,7 @@ mod failure;
 pub mod generation;
 pub mod integrity;
 mod io;
+mod legset;
 pub mod lend;
 mod placement;
 mod readd;

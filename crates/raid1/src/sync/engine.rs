@@ -12,6 +12,7 @@ use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
 use crate::barrier::paired;
 use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
 use crate::events::Event;
+use crate::legset::LegSet;
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -274,11 +275,11 @@ impl Inner {
     /// write-behind it may lack writes the others have, so it is never copied over them while
     /// another in-sync leg can be read. Reads past the resync point go here too
     /// (`choose_read_leg`), so they read what the resync copies.
-    pub(crate) fn source_slot(&self, tried: u32) -> Option<usize> {
+    pub(crate) fn source_slot(&self, tried: LegSet) -> Option<usize> {
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
             let st = l.state.load(Ordering::Acquire);
-            if tried & (1 << i) != 0 || !is_in_sync(st) {
+            if tried.contains(i) || !is_in_sync(st) {
                 continue;
             }
             if st & WRITE_MOSTLY == 0 {
@@ -290,13 +291,13 @@ impl Inner {
     }
 
     /// The source's slot and device ([`Inner::source_slot`]), skipping `tried`.
-    fn source_leg(&self, mut tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
+    fn source_leg(&self, mut tried: LegSet) -> Option<(usize, StdArc<dyn Device>)> {
         loop {
             let i = self.source_slot(tried)?;
             if let Some(d) = self.legs[i].dev() {
                 return Some((i, d));
             }
-            tried |= 1 << i;
+            tried.insert(i);
         }
     }
 
@@ -664,10 +665,10 @@ impl Inner {
     /// Reads the window from a source leg into `src_buf`, trying the next one after a read
     /// error (counted against the leg): the source's slot, or `None` when no leg could be read.
     fn read_source(&self, pos: u64, len: u32, src_buf: &mut Option<Buffer>) -> Option<usize> {
-        let mut tried = 0u32;
+        let mut tried = LegSet::EMPTY;
         loop {
             let (i, d) = self.source_leg(tried)?;
-            tried |= 1 << i;
+            tried.insert(i);
             if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
                 return Some(i);
             }
