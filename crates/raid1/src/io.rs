@@ -14,7 +14,7 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::MutexGuard;
 
 use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
-use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{eio, Inner, Io, Kind};
 use crate::legset::LegSet;
 use crate::lend::Lent;
 use crate::superblock::MAX_LEGS;
@@ -42,10 +42,6 @@ struct WriteLegs {
 const FLUSH_SECTOR: u64 = 0;
 
 impl Inner {
-    pub(crate) fn writable(st: u32) -> bool {
-        st & PRESENT != 0 && st & FAULTY == 0
-    }
-
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
     pub(crate) fn choose_read_leg(
@@ -68,14 +64,14 @@ impl Inner {
         let mut best: Option<(usize, u64)> = None;
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if !Self::writable(st) || tried.contains(i) {
+            let st = l.state.load();
+            if !st.writable() || tried.contains(i) {
                 continue;
             }
-            if st & IN_SYNC == 0 && end_byte > l.recovery_offset.load(Ordering::Acquire) {
+            if !st.in_sync() && end_byte > l.recovery_offset.load(Ordering::Acquire) {
                 continue;
             }
-            if st & WRITE_MOSTLY != 0 {
+            if st.is_write_mostly() {
                 mostly.get_or_insert(i);
                 continue;
             }
@@ -167,7 +163,7 @@ impl Inner {
             // Never a write-mostly leg while writes to it are behind: wait for them, not
             // admitted, and choose again (invariant 5 of `behind`).
             if self.wb.limit > 0
-                && self.legs[leg].state.load(Ordering::Acquire) & WRITE_MOSTLY != 0
+                && self.legs[leg].state.load().is_write_mostly()
                 && self.wb.outstanding() > 0
             {
                 paired(self.barriers.allow_barrier(sector));
@@ -386,13 +382,13 @@ impl Inner {
             mostly: LegSet::EMPTY,
         };
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if Self::writable(st) {
+            let st = l.state.load();
+            if st.writable() {
                 legs.mask.insert(i);
-                if st & IN_SYNC != 0 {
+                if st.in_sync() {
                     legs.counted.insert(i);
                 }
-                if st & WRITE_MOSTLY != 0 {
+                if st.is_write_mostly() {
                     legs.mostly.insert(i);
                 }
             }
@@ -492,15 +488,15 @@ impl Inner {
         let mut mostly = LegSet::EMPTY;
         let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if Self::writable(st) {
+            let st = l.state.load();
+            if st.writable() {
                 if let Some(d) = l.dev() {
                     devs[i] = Some(d);
                     mask.insert(i);
-                    if st & IN_SYNC != 0 {
+                    if st.in_sync() {
                         counted.insert(i);
                     }
-                    if st & WRITE_MOSTLY != 0 {
+                    if st.is_write_mostly() {
                         mostly.insert(i);
                     }
                 }

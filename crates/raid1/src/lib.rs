@@ -121,6 +121,7 @@ pub mod generation;
 pub mod integrity;
 mod io;
 mod legset;
+mod legstate;
 pub mod lend;
 mod placement;
 mod readd;

@@ -87,8 +87,8 @@ impl Inner {
         // The blocks that were good somewhere go back to the legs that lacked them (a block
         // no leg holds is rewritten as read: no worse, and the read fails all the same).
         for leg in rewrite.iter().take_while(|&l| l < self.legs.len()) {
-            let st = self.legs[leg].state.load(Ordering::Acquire);
-            let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
+            let st = self.legs[leg].state.load();
+            let Some(dev) = self.legs[leg].dev().filter(|_| st.writable()) else {
                 continue;
             };
             self.repair_write(leg, dev.as_ref(), &o, out.as_slice(), id);
