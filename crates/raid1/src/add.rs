@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::barrier::paired;
 use crate::bitmap::WriteIntentBitmap;
-use crate::device::{Raid1, Raid1Error, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{Raid1, Raid1Error};
 use crate::generation::{Kinship, Lineage};
 use crate::readd::AbsentError;
 use crate::superblock::{Role, Superblock};
@@ -82,7 +82,7 @@ impl Raid1 {
             None => None,
         };
         inner.barriers.freeze_array(0);
-        let free = |i: usize| inner.legs[i].state.load(Ordering::Acquire) & PRESENT == 0;
+        let free = |i: usize| !inner.legs[i].state.load().is_present();
         let (slot, readd) = match readd_slot.filter(|&n| free(n)) {
             Some(n) => (Some(n), true),
             None => ((0..inner.legs.len()).find(|&i| free(i)), false),
@@ -99,8 +99,8 @@ impl Raid1 {
             // A re-add keeps the leg's write-mostly flag, as its own superblock records it (a
             // remote leg stays one when it comes back).
             let write_mostly = match (&old_sb, readd) {
-                (Some(sb), true) if sb.legs.get(i).is_some_and(|l| l.write_mostly) => WRITE_MOSTLY,
-                _ => 0,
+                (Some(sb), true) => sb.legs.get(i).is_some_and(|l| l.write_mostly),
+                _ => false,
             };
             // SAFETY: frozen above.
             unsafe { inner.place_frozen(i, dev, readd, write_mostly) };
@@ -184,7 +184,7 @@ impl Raid1 {
             ));
         };
         let named = *l.uuid.lock();
-        if l.state.load(Ordering::Acquire) & PRESENT != 0 {
+        if l.state.load().is_present() {
             if named == sb.leg_uuid {
                 return gone(format!("it is back in slot {slot} already"));
             }
@@ -214,14 +214,9 @@ impl Raid1 {
             Err(e @ Raid1Error::Diverged { .. }) => return refuse(e.to_string()),
             Err(e) => return Err(AbsentError::Down(e.to_string())),
         };
-        let write_mostly = if sb.legs.get(slot).is_some_and(|i| i.write_mostly) {
-            WRITE_MOSTLY
-        } else {
-            0
-        };
+        let write_mostly = sb.legs.get(slot).is_some_and(|i| i.write_mostly);
         inner.barriers.freeze_array(0);
-        let free =
-            l.state.load(Ordering::Acquire) & PRESENT == 0 && !inner.failed.load(Ordering::Acquire);
+        let free = !l.state.load().is_present() && !inner.failed.load(Ordering::Acquire);
         let old_uuid = *l.uuid.lock();
         if free {
             *l.uuid.lock() = sb.leg_uuid;
@@ -384,8 +379,8 @@ impl Raid1 {
         let inner = &self.inner;
         let l = &inner.legs[i];
         inner.barriers.freeze_array(0);
-        if l.state.load(Ordering::Acquire) & IN_SYNC == 0 {
-            l.state.store(0, Ordering::Release);
+        if !l.state.load().in_sync() {
+            l.state.remove();
             // SAFETY: frozen above.
             let _ = unsafe { l.set_dev_frozen(None) };
             *l.uuid.lock() = old_uuid;

@@ -21,10 +21,8 @@ use waitq::WaitQueue;
 use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::config::Raid1Config;
-use crate::device::{
-    ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT,
-    WRITE_MOSTLY,
-};
+use crate::device::{ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error};
+use crate::legstate::LegState;
 use crate::placement::{left_in_sync, readd_covers, Assembly};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
 use uuid::Uuid;
@@ -127,7 +125,7 @@ impl Raid1 {
                 slot: i,
                 dev,
                 uuid: sbs[i].leg_uuid,
-                state: PRESENT | IN_SYNC,
+                state: LegState::MEMBER,
                 recovery_offset: 0,
                 sb_events: 1,
                 was_in_sync: true,
@@ -396,7 +394,7 @@ fn seat_legs(inner: &Inner, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
         l.recovery_offset
             .store(p.recovery_offset, Ordering::Release);
         l.bitmap_recovery.store(p.readd, Ordering::Release);
-        l.state.store(p.state, Ordering::Release);
+        l.state.place(p.state);
     }
     paired(inner.barriers.unfreeze_array());
     for i in 0..inner.legs.len() {
@@ -404,7 +402,7 @@ fn seat_legs(inner: &Inner, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
     }
     // Found faulty: nobody knows why it failed, so it is never re-added by itself.
     for i in 0..inner.legs.len() {
-        if inner.legs[i].state.load(Ordering::Acquire) & FAULTY != 0 {
+        if inner.legs[i].state.load().is_faulty() {
             inner.mark_manual(i);
         }
     }
@@ -529,17 +527,17 @@ fn place_legs(
             continue;
         };
         let info = &newest.legs[n];
-        let mut state = PRESENT;
+        let mut state = LegState::RECOVERING;
         if info.faulty {
-            state |= FAULTY;
+            state = state.faulty();
         }
         if info.write_mostly {
-            state |= WRITE_MOSTLY;
+            state = state.write_mostly();
         }
         let current =
             sb.events == newest.events && sb.lineage.current.id == newest.lineage.current.id;
         if info.in_sync && current {
-            state |= IN_SYNC;
+            state = state.synced();
         }
         placed.push(Placed {
             slot: n,
@@ -582,10 +580,7 @@ fn check_enough_in_sync(
              (blkq serve --raid1-degraded) to do that"
         )));
     }
-    if !placed
-        .iter()
-        .any(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
-    {
+    if !placed.iter().any(|p| p.state.is_member()) {
         return Err(Raid1Error::Config("no in-sync leg: cannot assemble".into()));
     }
     Ok(())
@@ -609,7 +604,7 @@ fn load_bitmap(
     // Per placed leg: whether its own bitmap joined the array's.
     let mut own = vec![false; placed.len()];
     for (k, p) in placed.iter().enumerate() {
-        if p.state & FAULTY != 0 {
+        if p.state.is_faulty() {
             continue;
         }
         let len = bm.disk_len();
@@ -646,7 +641,7 @@ fn load_bitmap(
             p.sb_events,
             cleared,
         ) && (own || p.generation == newest.lineage.current.id);
-        p.readd = loaded && p.state & (IN_SYNC | FAULTY) == 0 && p.recovery_offset == 0 && covered;
+        p.readd = loaded && p.state.is_recovering() && p.recovery_offset == 0 && covered;
     }
     Ok(Some(bm))
 }

@@ -85,6 +85,8 @@ use blkq_sync::atomic::{AtomicU32, Ordering};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
+use crate::legset::LegSet;
+
 /// The array's write-behind state.
 pub(crate) struct WriteBehind {
     /// N (0: off).
@@ -96,7 +98,7 @@ pub(crate) struct WriteBehind {
     /// behind.
     flush_waiting: AtomicU32,
     /// Those flushes: (per-I/O slot, write-behind legs still to flush).
-    deferred: Mutex<VecDeque<(u32, u32)>>,
+    deferred: Mutex<VecDeque<(u32, LegSet)>>,
     /// Reads waiting for `outstanding` to reach 0.
     drained: WaitQueue,
     /// The order of overlapping writes on each leg (invariant 7).
@@ -114,9 +116,9 @@ struct Entry {
     start: u64,
     end: u64,
     /// Legs its bio is in flight on.
-    issued: u32,
+    issued: LegSet,
     /// Legs whose bio waits in `Order::bios`.
-    parked: u32,
+    parked: LegSet,
 }
 
 /// The order table (invariant 7).
@@ -131,18 +133,16 @@ impl Order {
     /// The first parked bio on `leg` that no earlier overlapping entry holds back there:
     /// marked issued and taken.
     fn next_ready(&mut self, leg: usize, legs: usize) -> Option<Bio> {
-        let bit = 1u32 << leg;
-        let j =
-            (0..self.entries.len()).find(|&j| {
-                let e = self.entries[j];
-                e.parked & bit != 0
-                    && !self.entries.iter().take(j).any(|p| {
-                        (p.issued | p.parked) & bit != 0 && p.start < e.end && e.start < p.end
-                    })
-            })?;
+        let j = (0..self.entries.len()).find(|&j| {
+            let e = self.entries[j];
+            e.parked.contains(leg)
+                && !self.entries.iter().take(j).any(|p| {
+                    (p.issued | p.parked).contains(leg) && p.start < e.end && e.start < p.end
+                })
+        })?;
         let e = &mut self.entries[j];
-        e.parked &= !bit;
-        e.issued |= bit;
+        e.parked.remove(leg);
+        e.issued.insert(leg);
         let at = e.id as usize * legs + leg;
         self.bios.get_mut(at).and_then(Option::take)
     }
@@ -180,32 +180,29 @@ impl WriteBehind {
         &self,
         id: u32,
         (start, end): (u64, u64),
-        legs: u32,
-        behind_legs: u32,
+        legs: LegSet,
+        behind_legs: LegSet,
         bios: &mut [Option<Bio>],
-    ) -> u32 {
+    ) -> LegSet {
         if self.limit == 0 {
-            return 0;
+            return LegSet::EMPTY;
         }
         let mut o = self.order.lock();
         let wait = o
             .entries
             .iter()
             .filter(|e| e.start < end && start < e.end)
-            .fold(0, |w, e| w | ((e.issued | e.parked) & legs));
+            .fold(LegSet::EMPTY, |w, e| w | ((e.issued | e.parked) & legs));
         let tracked = behind_legs | wait;
-        if tracked == 0 {
-            return 0;
+        if tracked.is_empty() {
+            return LegSet::EMPTY;
         }
         if o.entries.len() == o.entries.capacity() {
             // Cannot happen (one entry per slot in use); rather than grow, order nothing.
-            return 0;
+            return LegSet::EMPTY;
         }
         let base = id as usize * self.legs;
-        let mut w = wait;
-        while w != 0 {
-            let i = w.trailing_zeros() as usize;
-            w &= w - 1;
+        for i in wait {
             let b = bios.get_mut(i).and_then(Option::take);
             if let Some(p) = o.bios.get_mut(base + i) {
                 *p = b;
@@ -215,7 +212,7 @@ impl WriteBehind {
             id,
             start,
             end,
-            issued: behind_legs & !wait,
+            issued: behind_legs - wait,
             parked: wait,
         });
         tracked
@@ -224,13 +221,12 @@ impl WriteBehind {
     /// Leg `leg` completed the bio of slot `id` that `order` counted: hands each parked bio
     /// on that leg this lets go to `issue`, one at a time, the lock not held (invariant 7).
     pub(crate) fn ordered_done(&self, id: u32, leg: usize, mut issue: impl FnMut(Bio)) {
-        let bit = 1u32 << leg;
         let mut next = {
             let mut o = self.order.lock();
             if let Some(p) = o.entries.iter().position(|e| e.id == id) {
                 let e = &mut o.entries[p];
-                e.issued &= !bit;
-                if e.issued | e.parked == 0 {
+                e.issued.remove(leg);
+                if (e.issued | e.parked).is_empty() {
                     let _ = o.entries.remove(p);
                 }
             }
@@ -280,8 +276,8 @@ impl WriteBehind {
 
     /// A flush (slot `id`) whose write-behind legs are `legs`: queues them if writes are
     /// behind (returns true: `release` submits them), else returns false (flush them now).
-    pub(crate) fn defer_flush(&self, id: u32, legs: u32) -> bool {
-        if legs == 0 {
+    pub(crate) fn defer_flush(&self, id: u32, legs: LegSet) -> bool {
+        if legs.is_empty() {
             return false;
         }
         let mut q = self.deferred.lock();
@@ -297,7 +293,7 @@ impl WriteBehind {
 
     /// A behind write completed on every leg. When it was the last, hands each deferred
     /// flush to `submit` (one at a time, the lock not held) and wakes waiting reads.
-    pub(crate) fn release(&self, mut submit: impl FnMut(u32, u32)) {
+    pub(crate) fn release(&self, mut submit: impl FnMut(u32, LegSet)) {
         // AcqRel: the write-behind legs' completions happen before a reader or flush that
         // sees the new count (invariants 4 and 5).
         if self.outstanding.fetch_sub(1, Ordering::AcqRel) != 1 {

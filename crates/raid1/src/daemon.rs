@@ -13,7 +13,7 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::barrier::paired;
-use crate::device::{eio, Inner, Io, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{eio, Inner, Io, Raid1Error};
 use crate::events::Event;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
@@ -40,7 +40,7 @@ impl Inner {
         let end_byte = o.offset() + u64::from(o.len);
         let mut good = None;
         while let Some(leg) = self.choose_read_leg(sector, end_byte, tried) {
-            tried |= 1 << leg;
+            tried.insert(leg);
             let Some(dev) = self.legs[leg].dev() else {
                 continue;
             };
@@ -55,13 +55,10 @@ impl Inner {
             self.note_read_error(leg);
         }
         if good.is_some() {
-            for leg in 0..self.legs.len() {
-                if failed & (1 << leg) == 0 {
-                    continue;
-                }
+            for leg in failed.iter().take_while(|&l| l < self.legs.len()) {
                 self.note_read_error(leg);
-                let st = self.legs[leg].state.load(Ordering::Acquire);
-                let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
+                let st = self.legs[leg].state.load();
+                let Some(dev) = self.legs[leg].dev().filter(|_| st.writable()) else {
                     continue;
                 };
                 let Some(src) = o.buf.as_ref() else { break };
@@ -114,14 +111,14 @@ impl Inner {
             .legs
             .iter()
             .map(|l| {
-                let st = l.state.load(Ordering::Acquire);
-                let present = st & PRESENT != 0;
+                let st = l.state.load();
+                let present = st.is_present();
                 LegInfo {
                     uuid: if present { *l.uuid.lock() } else { Uuid::nil() },
-                    in_sync: st & IN_SYNC != 0,
-                    faulty: st & FAULTY != 0,
-                    write_mostly: st & WRITE_MOSTLY != 0,
-                    recovery_offset: (present && st & IN_SYNC == 0 && st & FAULTY == 0)
+                    in_sync: st.in_sync(),
+                    faulty: st.is_faulty(),
+                    write_mostly: st.is_write_mostly(),
+                    recovery_offset: (present && !st.in_sync() && !st.is_faulty())
                         .then(|| l.recovery_offset.load(Ordering::Acquire)),
                 }
             })
@@ -156,9 +153,7 @@ impl Inner {
         self.legs
             .iter()
             .enumerate()
-            .filter(|(_, l)| {
-                l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
-            })
+            .filter(|(_, l)| l.state.load().is_member())
             .fold(0, |m, (i, _)| m | 1 << i)
     }
 
@@ -221,8 +216,8 @@ impl Inner {
             // One look at the states: the in-sync legs, then the others.
             let mut order: Vec<(bool, usize)> = (0..self.legs.len())
                 .map(|i| {
-                    let st = self.legs[i].state.load(Ordering::Acquire);
-                    (st & (IN_SYNC | FAULTY) != IN_SYNC, i)
+                    let st = self.legs[i].state.load();
+                    (!st.in_sync() || st.is_faulty(), i)
                 })
                 .collect();
             order.sort_unstable();
@@ -231,7 +226,7 @@ impl Inner {
                 if recovering && self.failed.load(Ordering::Acquire) {
                     break;
                 }
-                if !Self::writable(l.state.load(Ordering::Acquire)) {
+                if !l.state.load().writable() {
                     continue;
                 }
                 let Some(dev) = l.dev() else { continue };
@@ -277,7 +272,7 @@ impl Inner {
         let mut ok = 0;
         let mut first_err = None;
         for (i, l) in self.legs.iter().enumerate() {
-            if !Self::writable(l.state.load(Ordering::Acquire)) {
+            if !l.state.load().writable() {
                 continue;
             }
             let Some(dev) = l.dev() else { continue };
@@ -317,7 +312,7 @@ impl Inner {
         self.persist_sums();
         let mut all = true;
         for (i, l) in self.legs.iter().enumerate() {
-            if !Self::writable(l.state.load(Ordering::Acquire)) {
+            if !l.state.load().writable() {
                 continue;
             }
             if let Some(dev) = l.dev() {

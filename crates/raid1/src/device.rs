@@ -36,29 +36,11 @@ use crate::barrier::{paired, Barriers};
 use crate::bitmap::{BitmapError, WriteIntentBitmap};
 use crate::config::Raid1Config;
 use crate::generation::Lineage;
+use crate::legset::LegSet;
+use crate::legstate::{LegState, LegStateCell};
 use crate::superblock::{ArrayState, Superblock, SuperblockError};
 
-// Leg state: one `AtomicU32` per slot (`Leg::state`), read without a lock on every I/O
-// (`Inner::writable`, `choose_read_leg`) and changed only by the control paths:
-//
-// | state                         | meaning                                                |
-// |-------------------------------|--------------------------------------------------------|
-// | 0                             | empty slot                                             |
-// | PRESENT                       | a leg, recovering: readable below `recovery_offset`    |
-// | PRESENT + IN_SYNC             | a full member: written and read                        |
-// | PRESENT + FAULTY (+ IN_SYNC)  | failed: neither read nor written until removed         |
-// | + WRITE_MOSTLY                | with any of the above: read only when nothing else can |
-//
-// Orderings: every change is a Release store or an AcqRel RMW, and every I/O-path load is
-// Acquire, so an I/O that sees a state also sees what was published before it: the leg's
-// `recovery_offset` (stored Release before `IN_SYNC` is set) and the device behind the leg's
-// lock. Transitions never lose one another: `add_leg` and `remove_leg` store a whole word
-// with the array frozen (no I/O admitted); `fail_leg` sets FAULTY with an RMW under
-// `fail_lock` (two legs failing at once cannot both see the other as the survivor);
-// `Inner::mark_in_sync` (the sync thread, `set_in_sync`) sets IN_SYNC with a CAS that
-// requires PRESENT and not FAULTY, so a leg removed or failed meanwhile is never made a member. An I/O that read the state just before
-// a leg was marked faulty may still send one bio to it: that bio fails or succeeds on its own,
-// as in md, and the freeze in `remove_leg` waits for it before the slot is emptied.
+// Leg state: see `legstate` (its table, and the orderings of its loads and transitions).
 // `pending` and `head` are Relaxed: read-balance hints that decide nothing else (any leg
 // chosen from them is correct). `pending` is two sharded statistics counters (bios sent,
 // bios returned; see `Leg::pending`): every write touches every leg, so one shared atomic
@@ -66,15 +48,6 @@ use crate::superblock::{ArrayState, Superblock, SuperblockError};
 
 /// One slot in this many is sampled for a leg's round-trip time (see `Leg::note_rtt`).
 pub(crate) const RTT_SAMPLE: u32 = 8;
-
-/// Leg state bit: the slot holds a leg.
-pub(crate) const PRESENT: u32 = 1;
-/// Leg state bit: the leg is a full member (else it is recovering).
-pub(crate) const IN_SYNC: u32 = 2;
-/// Leg state bit: the leg failed.
-pub(crate) const FAULTY: u32 = 4;
-/// Leg state bit: read only when no other leg can serve.
-pub(crate) const WRITE_MOSTLY: u32 = 8;
 
 /// Errors building or managing a [`Raid1`].
 #[derive(Debug, thiserror::Error)]
@@ -167,7 +140,7 @@ pub(crate) struct Leg {
     /// lock, replaced only with the array frozen and `dev` locked (see `slot`).
     pub(crate) admitted_dev: AdmittedCell<Option<StdArc<dyn Device>>>,
     pub(crate) uuid: Mutex<Uuid>,
-    pub(crate) state: AtomicU32,
+    pub(crate) state: LegStateCell,
     /// Requests in flight (read balancing hint): counter 0 counts bios sent, counter 1 bios
     /// returned, each in the calling thread's shard ([`Leg::inc_pending`],
     /// [`Leg::dec_pending`], [`Leg::pending`]).
@@ -200,7 +173,7 @@ impl Leg {
             dev: Mutex::new(None),
             admitted_dev: AdmittedCell::new(None),
             uuid: Mutex::new(Uuid::nil()),
-            state: AtomicU32::new(0),
+            state: LegStateCell::new(),
             pending: ShardedCounters::new(),
             head: AtomicU64::new(u64::MAX),
             read_errors: AtomicU32::new(0),
@@ -306,22 +279,22 @@ pub(crate) struct Io {
     pub(crate) ok: u32,
     pub(crate) err: Option<Error>,
     /// Legs a read was tried on.
-    pub(crate) tried: u32,
+    pub(crate) tried: LegSet,
     /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
     /// submitted (md's rule: a recovering leg's copy does not count).
-    pub(crate) counted: u32,
+    pub(crate) counted: LegSet,
     /// The leg whose bio carries the original buffer (`usize::MAX`: none, e.g. a shared
     /// write, whose buffer stays in `orig`).
     pub(crate) primary: usize,
     /// Write-behind legs of this write or flush (see `behind`).
-    pub(crate) wb_legs: u32,
+    pub(crate) wb_legs: LegSet,
     /// A write holding a place among the N (see `behind`).
     pub(crate) behind: bool,
     /// Legs not write-behind still to complete.
     pub(crate) sync_left: u32,
     /// Legs whose completion of this write the write-behind order table counts (invariant
     /// 7 of `behind`): `leg_done` calls `ordered_done` for them.
-    pub(crate) ordered: u32,
+    pub(crate) ordered: LegSet,
     /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
     /// what the write covered).
     pub(crate) acked: bool,
@@ -353,7 +326,7 @@ pub(crate) struct Placed {
     pub(crate) slot: usize,
     pub(crate) dev: StdArc<dyn Device>,
     pub(crate) uuid: Uuid,
-    pub(crate) state: u32,
+    pub(crate) state: LegState,
     pub(crate) recovery_offset: u64,
     /// Its own superblock's `events` and in-sync flag (a stale leg that was in sync may get
     /// a bitmap recovery).
@@ -518,17 +491,17 @@ impl Raid1 {
     /// The state of slot `i`.
     pub fn leg_status(&self, i: usize) -> Option<LegStatus> {
         let l = self.inner.legs.get(i)?;
-        let st = l.state.load(Ordering::Acquire);
+        let st = l.state.load();
         Some(LegStatus {
-            present: st & PRESENT != 0,
-            in_sync: st & IN_SYNC != 0,
-            faulty: st & FAULTY != 0,
-            write_mostly: st & WRITE_MOSTLY != 0,
+            present: st.is_present(),
+            in_sync: st.in_sync(),
+            faulty: st.is_faulty(),
+            write_mostly: st.is_write_mostly(),
             recovery_offset: l.recovery_offset.load(Ordering::Acquire),
             read_errors: l.read_errors.load(Ordering::Relaxed),
             checksum_errors: l.checksum_errors.load(Ordering::Relaxed),
             rtt_ns: l.rtt_ns.load(Ordering::Relaxed),
-            write_behind: if self.inner.wb.limit > 0 && st & WRITE_MOSTLY != 0 {
+            write_behind: if self.inner.wb.limit > 0 && st.is_write_mostly() {
                 self.inner.wb.outstanding()
             } else {
                 0
@@ -601,15 +574,15 @@ impl Raid1 {
             .get(i)
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
         self.inner.barriers.freeze_array(0);
-        let st = l.state.load(Ordering::Acquire);
+        let st = l.state.load();
         let r = if let Err(e) = self.inner.refuse_if_failed() {
             Err(e)
-        } else if st & PRESENT == 0 {
+        } else if !st.is_present() {
             Err(Raid1Error::Slot(i, "empty"))
-        } else if st & IN_SYNC != 0 && st & FAULTY == 0 {
+        } else if st.in_sync() && !st.is_faulty() {
             Err(Raid1Error::Slot(i, "in sync: fail it first"))
         } else {
-            l.state.store(0, Ordering::Release);
+            l.state.remove();
             // SAFETY: frozen above.
             Ok(unsafe { l.set_dev_frozen(None) })
         };
@@ -672,11 +645,7 @@ impl Raid1 {
         // every leg has it) and no read is admitted, so a read that may now choose it finds
         // every write there (invariant 5 of `behind`).
         self.inner.barriers.freeze_array(0);
-        if on {
-            l.state.fetch_or(WRITE_MOSTLY, Ordering::AcqRel);
-        } else {
-            l.state.fetch_and(!WRITE_MOSTLY, Ordering::AcqRel);
-        }
+        l.state.set_write_mostly(on);
         paired(self.inner.barriers.unfreeze_array());
         self.inner.state_changed();
         Ok(())
@@ -775,7 +744,11 @@ impl Device for Raid1 {
     ) -> Result<(), Error> {
         let inner = &self.inner;
         let leg = inner
-            .choose_read_leg(offset >> SECTOR_SHIFT, offset.saturating_add(len), 0)
+            .choose_read_leg(
+                offset >> SECTOR_SHIFT,
+                offset.saturating_add(len),
+                LegSet::EMPTY,
+            )
             .and_then(|i| inner.legs[i].dev())
             .ok_or_else(|| eio("raid1: no readable leg"))?;
         leg.extents_into(offset + inner.data_offset, len, max, out)?;
@@ -788,8 +761,7 @@ impl Device for Raid1 {
 
 impl Inner {
     /// Puts `dev` in slot `i` as a recovering leg (recovery offset 0, written and not read;
-    /// only the bitmap's dirty chunks recovered if `bitmap`), with `keep` (WRITE_MOSTLY or 0)
-    /// of its state bits. The one placement of `add_leg` and the automatic re-add.
+    /// only the bitmap's dirty chunks recovered if `bitmap`), write-mostly if `write_mostly`. The one placement of `add_leg` and the automatic re-add.
     ///
     /// # Safety
     ///
@@ -799,7 +771,7 @@ impl Inner {
         i: usize,
         dev: StdArc<dyn Device>,
         bitmap: bool,
-        keep: u32,
+        write_mostly: bool,
     ) {
         let l = &self.legs[i];
         // SAFETY: frozen, by the caller.
@@ -808,7 +780,11 @@ impl Inner {
         l.bitmap_recovery.store(bitmap, Ordering::Release);
         l.read_errors.store(0, Ordering::Relaxed);
         l.head.store(u64::MAX, Ordering::Relaxed);
-        l.state.store(PRESENT | keep, Ordering::Release);
+        l.state.place(if write_mostly {
+            LegState::RECOVERING.write_mostly()
+        } else {
+            LegState::RECOVERING
+        });
         self.watch_connections(i);
     }
 
@@ -833,15 +809,12 @@ impl Inner {
 
     pub(crate) fn is_degraded(&self) -> bool {
         self.legs.iter().any(|l| {
-            let st = l.state.load(Ordering::Acquire);
-            st & PRESENT != 0 && (st & FAULTY != 0 || st & IN_SYNC == 0)
+            let st = l.state.load();
+            st.is_present() && (st.is_faulty() || !st.in_sync())
         }) || self
             .legs
             .iter()
-            .filter(|l| {
-                l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
-                    == (PRESENT | IN_SYNC)
-            })
+            .filter(|l| l.state.load().is_member())
             .count()
             < 2
     }
@@ -859,23 +832,8 @@ impl Inner {
 
     /// Makes leg `i` a full member (sets IN_SYNC) if it is present and not faulty; returns
     /// whether it did. A CAS, not a check then a `fetch_or`: the leg may be failed or removed
-    /// between the look and the update (the comment on the leg state bits).
+    /// between the look and the update (see `legstate`).
     pub(crate) fn mark_in_sync(&self, i: usize) -> bool {
-        let l = &self.legs[i];
-        let mut st = l.state.load(Ordering::Acquire);
-        loop {
-            if st & (PRESENT | FAULTY) != PRESENT {
-                return false;
-            }
-            match l.state.compare_exchange_weak(
-                st,
-                st | IN_SYNC,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return true,
-                Err(now) => st = now,
-            }
-        }
+        self.legs[i].state.finish_recovery()
     }
 }

@@ -7,7 +7,7 @@
 use blk::Error;
 use blkq_sync::atomic::Ordering;
 
-use crate::device::{Inner, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+use crate::device::{Inner, Raid1Error};
 use crate::events::Event;
 
 impl Inner {
@@ -37,21 +37,17 @@ impl Inner {
             .legs
             .iter()
             .enumerate()
-            .filter(|&(j, o)| {
-                j != i
-                    && o.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
-                        == (PRESENT | IN_SYNC)
-            })
+            .filter(|&(j, o)| j != i && o.state.load().is_member())
             .count();
-        let st = l.state.load(Ordering::Acquire);
-        if st & PRESENT == 0 || (st & IN_SYNC != 0 && others == 0) {
+        let st = l.state.load();
+        if !st.is_present() || (st.in_sync() && others == 0) {
             return false;
         }
         self.fail_gen.fetch_add(1, Ordering::Release);
-        let was = l.state.fetch_or(FAULTY, Ordering::AcqRel);
+        let was = l.state.fail();
         drop(_g);
         self.state_changed();
-        if was & FAULTY == 0 {
+        if !was.is_faulty() {
             self.emit(Event::LegFailed { slot: i, cause });
         }
         true
@@ -113,8 +109,8 @@ impl Inner {
     /// in-sync leg: `fail_leg` refuses it, and its I/O errors decide).
     pub(crate) fn fail_unavailable_legs(&self) {
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if st & (PRESENT | FAULTY) != PRESENT {
+            let st = l.state.load();
+            if !st.writable() {
                 continue;
             }
             if l.dev().is_some_and(|d| d.unavailable()) {
@@ -134,8 +130,8 @@ impl Inner {
         if self.fail_leg(leg, cause) {
             return;
         }
-        let st = self.legs[leg].state.load(Ordering::Acquire);
-        if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
+        let st = self.legs[leg].state.load();
+        if st.is_member() {
             self.fail_array(why);
         }
     }

@@ -14,7 +14,8 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::MutexGuard;
 
 use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
-use crate::device::{eio, Inner, Io, Kind, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{eio, Inner, Io, Kind};
+use crate::legset::LegSet;
 use crate::lend::Lent;
 use crate::superblock::MAX_LEGS;
 
@@ -27,27 +28,28 @@ fn units(sector: u64, len: u64) -> impl Iterator<Item = u64> {
     (first..=last).map(|u| u << BARRIER_UNIT_SECTOR_BITS)
 }
 
-/// The legs a write goes to, as masks of slots ([`Inner::write_legs`]).
+/// The legs a write goes to ([`Inner::write_legs`]).
 struct WriteLegs {
     /// Present and not faulty: every leg written.
-    mask: u32,
+    mask: LegSet,
     /// Of those, the in-sync legs: only their successes count.
-    counted: u32,
+    counted: LegSet,
     /// Of those, the write-mostly legs.
-    mostly: u32,
+    mostly: LegSet,
 }
 
 /// The sector a flush is admitted on (flushes wait only for a freeze, as reads).
 const FLUSH_SECTOR: u64 = 0;
 
 impl Inner {
-    pub(crate) fn writable(st: u32) -> bool {
-        st & PRESENT != 0 && st & FAULTY == 0
-    }
-
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
-    pub(crate) fn choose_read_leg(&self, sector: u64, end_byte: u64, tried: u32) -> Option<usize> {
+    pub(crate) fn choose_read_leg(
+        &self,
+        sector: u64,
+        end_byte: u64,
+        tried: LegSet,
+    ) -> Option<usize> {
         // During a resync, a read at or past the resync point goes to the resync's source
         // (`source_slot`: the first in-sync leg that is not write-mostly, a write-mostly one
         // only when no other is in sync), as md's `choose_first`, so it reads what the resync
@@ -62,14 +64,14 @@ impl Inner {
         let mut best: Option<(usize, u64)> = None;
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if !Self::writable(st) || tried & (1 << i) != 0 {
+            let st = l.state.load();
+            if !st.writable() || tried.contains(i) {
                 continue;
             }
-            if st & IN_SYNC == 0 && end_byte > l.recovery_offset.load(Ordering::Acquire) {
+            if !st.in_sync() && end_byte > l.recovery_offset.load(Ordering::Acquire) {
                 continue;
             }
-            if st & WRITE_MOSTLY != 0 {
+            if st.is_write_mostly() {
                 mostly.get_or_insert(i);
                 continue;
             }
@@ -150,7 +152,8 @@ impl Inner {
         let id = self.get_slot();
         let leg = loop {
             self.barriers.wait_read_barrier(sector);
-            let Some(leg) = self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), 0)
+            let Some(leg) =
+                self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), LegSet::EMPTY)
             else {
                 paired(self.barriers.allow_barrier(sector));
                 self.put_slot(id);
@@ -160,7 +163,7 @@ impl Inner {
             // Never a write-mostly leg while writes to it are behind: wait for them, not
             // admitted, and choose again (invariant 5 of `behind`).
             if self.wb.limit > 0
-                && self.legs[leg].state.load(Ordering::Acquire) & WRITE_MOSTLY != 0
+                && self.legs[leg].state.load().is_write_mostly()
                 && self.wb.outstanding() > 0
             {
                 paired(self.barriers.allow_barrier(sector));
@@ -192,7 +195,7 @@ impl Inner {
                         orig: Lent::owned(bio),
                         end: Some(end.clone()),
                         remaining: 1,
-                        tried: 1 << leg,
+                        tried: LegSet::one(leg),
                         primary: leg,
                         ..Io::default()
                     };
@@ -274,7 +277,7 @@ impl Inner {
             counted,
             mostly,
         } = self.write_legs();
-        if mask == 0 {
+        if mask.is_empty() {
             self.write_finished(off, len, sector);
             self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no writable leg")));
@@ -282,20 +285,20 @@ impl Inner {
         }
         // Write-behind (invariant 1 of `behind`): the write-mostly legs may complete after
         // the acknowledgement, if a counted leg that is not write-mostly takes it first.
-        let wb_legs = if self.wb.limit > 0 { mask & mostly } else { 0 };
-        let behind = wb_legs != 0
+        let wb_legs = if self.wb.limit > 0 {
+            mask & mostly
+        } else {
+            LegSet::EMPTY
+        };
+        let behind = !wb_legs.is_empty()
             && bio.op == Op::Write
             && !bio.flags.contains(BioFlags::FUA)
-            && counted & !wb_legs != 0
+            && !(counted - wb_legs).is_empty()
             && self.wb.try_reserve();
-        let wb_legs = if behind { wb_legs } else { 0 };
+        let wb_legs = if behind { wb_legs } else { LegSet::EMPTY };
         // The caller's buffer goes to a leg that is not write-mostly when there is one: a
         // write-behind leg writes a copy the array owns (invariant 2).
-        let primary = if mask & !mostly != 0 {
-            (mask & !mostly).trailing_zeros() as usize
-        } else {
-            mask.trailing_zeros() as usize
-        };
+        let primary = (mask - mostly).first().or(mask.first()).unwrap_or(0);
         // Shared (`share_writes`, see `lend`): every leg that is not write-behind reads the
         // caller's buffer through an alias, the caller's bio stays in the slot until none
         // does. Otherwise, and for the write-behind legs, copies for the extra legs, and the
@@ -305,7 +308,7 @@ impl Inner {
         let lent = self.write_leg_bios(&mut bio, &mut bios, mask, wb_legs, primary, share, id);
         {
             let mut orig = Lent::owned(bio);
-            orig.lend(lent);
+            orig.lend(lent.bits());
             let mut io = self.ios[id as usize].lock();
             // A slot taken from the free set is free (the set never hands one out twice).
             debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
@@ -315,8 +318,8 @@ impl Inner {
                 span: (sector, len as u32),
                 orig,
                 end: Some(end.clone()),
-                remaining: mask.count_ones(),
-                sync_left: (mask & !wb_legs).count_ones(),
+                remaining: mask.len(),
+                sync_left: (mask - wb_legs).len(),
                 wb_legs,
                 behind,
                 primary: if share { usize::MAX } else { primary },
@@ -374,19 +377,19 @@ impl Inner {
     #[inline]
     fn write_legs(&self) -> WriteLegs {
         let mut legs = WriteLegs {
-            mask: 0,
-            counted: 0,
-            mostly: 0,
+            mask: LegSet::EMPTY,
+            counted: LegSet::EMPTY,
+            mostly: LegSet::EMPTY,
         };
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if Self::writable(st) {
-                legs.mask |= 1 << i;
-                if st & IN_SYNC != 0 {
-                    legs.counted |= 1 << i;
+            let st = l.state.load();
+            if st.writable() {
+                legs.mask.insert(i);
+                if st.in_sync() {
+                    legs.counted.insert(i);
                 }
-                if st & WRITE_MOSTLY != 0 {
-                    legs.mostly |= 1 << i;
+                if st.is_write_mostly() {
+                    legs.mostly.insert(i);
                 }
             }
         }
@@ -403,20 +406,20 @@ impl Inner {
         &self,
         bio: &mut Bio,
         bios: &mut [Option<Bio>; MAX_LEGS],
-        mask: u32,
-        wb_legs: u32,
+        mask: LegSet,
+        wb_legs: LegSet,
         primary: usize,
         share: bool,
         id: u32,
-    ) -> u32 {
-        let mut lent = 0u32;
+    ) -> LegSet {
+        let mut lent = LegSet::EMPTY;
         for (i, slot) in bios.iter_mut().enumerate().take(self.legs.len()) {
-            if mask & (1 << i) == 0 || (!share && i == primary) {
+            if !mask.contains(i) || (!share && i == primary) {
                 continue;
             }
             let buf = match &bio.buf {
-                Some(src) if share && wb_legs & (1 << i) == 0 => {
-                    lent |= 1 << i;
+                Some(src) if share && !wb_legs.contains(i) => {
+                    lent.insert(i);
                     // SAFETY: `bio` goes into the slot's `Lent` (`submit_write`) with leg
                     // i's bit set before this leg bio is submitted, and the `Lent` neither
                     // gives it back nor lets it be written (nor drops it) until leg i's bio
@@ -480,26 +483,26 @@ impl Inner {
         // The slot first (see `get_slot`).
         let id = self.get_slot();
         self.barriers.wait_read_barrier(FLUSH_SECTOR);
-        let mut mask = 0u32;
-        let mut counted = 0u32;
-        let mut mostly = 0u32;
+        let mut mask = LegSet::EMPTY;
+        let mut counted = LegSet::EMPTY;
+        let mut mostly = LegSet::EMPTY;
         let mut devs: [Option<StdArc<dyn Device>>; MAX_LEGS] = Default::default();
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if Self::writable(st) {
+            let st = l.state.load();
+            if st.writable() {
                 if let Some(d) = l.dev() {
                     devs[i] = Some(d);
-                    mask |= 1 << i;
-                    if st & IN_SYNC != 0 {
-                        counted |= 1 << i;
+                    mask.insert(i);
+                    if st.in_sync() {
+                        counted.insert(i);
                     }
-                    if st & WRITE_MOSTLY != 0 {
-                        mostly |= 1 << i;
+                    if st.is_write_mostly() {
+                        mostly.insert(i);
                     }
                 }
             }
         }
-        if mask == 0 {
+        if mask.is_empty() {
             paired(self.barriers.allow_barrier(FLUSH_SECTOR));
             self.put_slot(id);
             end.end_io(bio, Err(eio("raid1: no leg to flush")));
@@ -513,7 +516,7 @@ impl Inner {
                 kind: Kind::Flush,
                 orig: Lent::owned(bio),
                 end: Some(end.clone()),
-                remaining: mask.count_ones(),
+                remaining: mask.len(),
                 primary: usize::MAX,
                 counted,
                 ..Io::default()
@@ -521,14 +524,18 @@ impl Inner {
         }
         // The write-mostly legs' flushes wait for the writes behind (invariant 4 of
         // `behind`); after the `Io` is set up, since `release` may submit them at once.
-        let wb_legs = if self.wb.limit > 0 { mask & mostly } else { 0 };
+        let wb_legs = if self.wb.limit > 0 {
+            mask & mostly
+        } else {
+            LegSet::EMPTY
+        };
         let deferred = if self.wb.defer_flush(id, wb_legs) {
             wb_legs
         } else {
-            0
+            LegSet::EMPTY
         };
         for (i, d) in devs.iter_mut().enumerate() {
-            if deferred & (1 << i) != 0 {
+            if deferred.contains(i) {
                 continue;
             }
             if let Some(d) = d.take() {
@@ -544,10 +551,7 @@ impl Inner {
     /// out submits the flushes that waited (see `behind`).
     fn wb_release(&self) {
         self.wb.release(|id, legs| {
-            for i in 0..self.legs.len() {
-                if legs & (1 << i) == 0 {
-                    continue;
-                }
+            for i in legs.iter().take_while(|&i| i < self.legs.len()) {
                 let mut b = Bio::new(Op::Flush, 0, 0);
                 b.cookie = u64::from(id);
                 self.submit_to_leg(i, b);
@@ -638,11 +642,11 @@ impl Inner {
         };
         let id = bio.cookie as u32;
         let mut io = slot.lock();
-        if io.ordered & (1 << leg) != 0 {
+        if io.ordered.contains(leg) {
             // Before this completion's bookkeeping, its slot lock not held: the writes that
             // waited for this one on this leg go now (invariant 7 of `behind`). The slot
             // stays this write's meanwhile (`remaining` still counts this leg).
-            io.ordered &= !(1 << leg);
+            io.ordered.remove(leg);
             drop(io);
             self.wb
                 .ordered_done(id, leg, |b| self.submit_to_leg(leg, b));
@@ -723,13 +727,13 @@ impl Inner {
         }
         // A shared write's leg: its device no longer reads the alias (it handed the
         // bio back); drop it, then the leg's bit (invariant 2 of `lend`).
-        if io.orig.lent() & (1 << leg) != 0 {
+        if LegSet::from_bits(io.orig.lent()).contains(leg) {
             bio.buf = None;
             io.orig.returned(leg);
         }
         match res {
             // Only legs in sync when it was submitted count (md's rule).
-            Ok(()) if io.counted & (1 << leg) != 0 => io.ok += 1,
+            Ok(()) if io.counted.contains(leg) => io.ok += 1,
             Ok(()) => {}
             Err(e) => {
                 if io.err.is_none() {
@@ -745,7 +749,7 @@ impl Inner {
             }
         }
         io.remaining -= 1;
-        if io.wb_legs & (1 << leg) == 0 {
+        if !io.wb_legs.contains(leg) {
             io.sync_left = io.sync_left.saturating_sub(1);
         }
         if io.remaining > 0 {

@@ -99,7 +99,8 @@
 //! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
 //! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
 //! `generation.rs` (histories), `assemble.rs` (start-up), `placement.rs` (which leg takes
-//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path),
+//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path), `legset.rs`
+//! (a set of legs), `legstate.rs` (a leg's state: a snapshot and its named transitions),
 //! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
 //! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
@@ -120,6 +121,8 @@ mod failure;
 pub mod generation;
 pub mod integrity;
 mod io;
+mod legset;
+mod legstate;
 pub mod lend;
 mod placement;
 mod readd;

@@ -59,7 +59,7 @@ use blkq_sync::DynArc as StdArc;
 use blkq_sync::Mutex;
 
 use crate::barrier::paired;
-use crate::device::{Inner, Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::{Inner, Raid1, Raid1Error};
 use crate::events::Event;
 use crate::generation::Kinship;
 use crate::placement::{left_in_sync, readd_covers, Assembly, AssemblyError};
@@ -247,7 +247,7 @@ impl Inner {
         let now = Instant::now();
         for i in 0..self.legs.len() {
             let l = &self.legs[i];
-            let st = l.state.load(Ordering::Acquire);
+            let st = l.state.load();
             let gen = l.gen.load(Ordering::Acquire);
             let Some(dev) = l.dev() else { continue };
             let verdict = {
@@ -261,10 +261,10 @@ impl Inner {
                         ..Probe::default()
                     };
                 }
-                if st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC {
+                if st.is_member() {
                     p.backoff = 0; // back in sync: the next failure is probed at once again
                 }
-                if st & (PRESENT | FAULTY) != PRESENT | FAULTY || p.manual {
+                if !st.is_failed() || p.manual {
                     p.in_flight = None;
                     p.next = None;
                     continue;
@@ -353,11 +353,7 @@ impl Inner {
 
     /// An in-sync leg other than `i`, if any.
     fn in_sync_other(&self, i: usize) -> Option<usize> {
-        (0..self.legs.len()).find(|&j| {
-            j != i
-                && self.legs[j].state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY)
-                    == PRESENT | IN_SYNC
-        })
+        (0..self.legs.len()).find(|&j| j != i && self.legs[j].state.load().is_member())
     }
 
     /// Whether `bytes`, read at a leg's superblock place, make it slot `i`'s leg of this
@@ -463,10 +459,10 @@ impl Inner {
     /// (false: not this array's leg any more).
     fn leg_lost_writes(&self, i: usize, gen: u64) -> bool {
         let l = &self.legs[i];
-        if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {
+        if l.gen.load(Ordering::Acquire) != gen || !l.state.load().is_present() {
             return false;
         }
-        if l.state.load(Ordering::Acquire) & FAULTY == 0 {
+        if !l.state.load().is_faulty() {
             self.fail_leg(
                 i,
                 "its connection broke with writes its server acknowledged and never flushed; \
@@ -482,7 +478,7 @@ impl Inner {
     /// `LegConnections`).
     fn judge_connection(&self, i: usize, gen: u64, bytes: &[u8]) -> Result<(), String> {
         let l = &self.legs[i];
-        if l.gen.load(Ordering::Acquire) != gen || l.state.load(Ordering::Acquire) & PRESENT == 0 {
+        if l.gen.load(Ordering::Acquire) != gen || !l.state.load().is_present() {
             return Ok(()); // not this array's leg any more
         }
         // The array's view: an in-sync leg's, else another slot's (the array's own, as
@@ -493,7 +489,7 @@ impl Inner {
         else {
             return Ok(());
         };
-        if l.state.load(Ordering::Acquire) & FAULTY == 0 && self.left_as_written(i, other, bytes) {
+        if !l.state.load().is_faulty() && self.left_as_written(i, other, bytes) {
             return Ok(());
         }
         let Err(why) = self.identify(i, other, bytes) else {
@@ -581,14 +577,14 @@ impl Inner {
     ) -> Result<bool, Raid1Error> {
         let l = &self.legs[i];
         self.barriers.freeze_array(0);
-        let st = l.state.load(Ordering::Acquire);
+        let st = l.state.load();
         let ours = !self.failed.load(Ordering::Acquire)
-            && st & (PRESENT | FAULTY) == PRESENT | FAULTY
+            && st.is_failed()
             && l.gen.load(Ordering::Acquire) == gen
             && l.dev().is_some_and(|d| StdArc::ptr_eq(&d, dev));
         if ours {
             // SAFETY: frozen above.
-            unsafe { self.place_frozen(i, dev.clone(), bitmap, st & WRITE_MOSTLY) };
+            unsafe { self.place_frozen(i, dev.clone(), bitmap, st.is_write_mostly()) };
             // The new placement keeps its history (manual stays off); recorded while frozen,
             // before the sync thread can recover it, so a status that shows it back shows
             // the re-add too.
@@ -616,14 +612,12 @@ impl Raid1 {
     pub fn readd_status(&self, i: usize) -> Option<ReaddStatus> {
         let inner = &self.inner;
         let l = inner.legs.get(i)?;
-        let st = l.state.load(Ordering::Acquire);
+        let st = l.state.load();
         let gen = l.gen.load(Ordering::Acquire);
         let p = inner.readd.probes[i].lock();
         let current = p.gen == gen;
         Some(ReaddStatus {
-            probing: inner.cfg.readd_interval.is_some()
-                && st & (PRESENT | FAULTY) == PRESENT | FAULTY
-                && !(current && p.manual),
+            probing: inner.cfg.readd_interval.is_some() && st.is_failed() && !(current && p.manual),
             last_error: p.last_error.clone().filter(|_| current),
             refused: p
                 .refused

@@ -17,7 +17,7 @@ use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-use crate::device::{Raid1, Raid1Error, FAULTY, IN_SYNC, PRESENT};
+use crate::device::{Raid1, Raid1Error};
 
 mod engine;
 
@@ -382,17 +382,17 @@ impl Raid1 {
         // Wait for its recovery; give up if it failed or was taken out.
         inner.sync.idle_wq.wait_for(|| {
             let l = &inner.legs[slot];
-            let st = l.state.load(Ordering::Acquire);
+            let st = l.state.load();
             let c = inner.sync.ctl.lock();
-            let done = st & IN_SYNC != 0
-                || st & (PRESENT | FAULTY) != PRESENT
+            let done = st.in_sync()
+                || !st.writable()
                 || c.stop
                 || c.recovery_blocked
                 || inner.failed.load(Ordering::Acquire);
             done.then_some(())
         });
-        let st = inner.legs[slot].state.load(Ordering::Acquire);
-        if st & (PRESENT | IN_SYNC | FAULTY) != PRESENT | IN_SYNC {
+        let st = inner.legs[slot].state.load();
+        if !st.is_member() {
             return Err(Raid1Error::Slot(slot, "replacement did not recover"));
         }
         self.fail_leg_for(old, "replaced")?;

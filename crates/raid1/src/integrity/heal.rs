@@ -10,6 +10,7 @@ use super::{Checksums, BLOCK};
 use crate::barrier::paired;
 use crate::device::{eio, Inner};
 use crate::events::Event;
+use crate::legset::LegSet;
 use crate::superblock::MAX_LEGS;
 
 /// What the blocks of one read came to.
@@ -17,7 +18,7 @@ struct Verdict {
     /// Per leg read: its bad blocks (count) and the first one's array offset.
     bad: [(u64, u64); MAX_LEGS],
     /// Legs whose read failed or that hold a bad block: rewritten.
-    rewrite: u32,
+    rewrite: LegSet,
     /// Blocks no leg held (the read fails).
     lost: u64,
 }
@@ -41,10 +42,10 @@ impl Inner {
         let end_byte = off + len as u64;
         // Every readable leg's copy, the first (best) leg first.
         let mut copies: Vec<(usize, Buffer)> = Vec::new();
-        let mut failed = 0u32;
-        let mut tried = 0u32;
+        let mut failed = LegSet::EMPTY;
+        let mut tried = LegSet::EMPTY;
         while let Some(leg) = self.choose_read_leg(sector, end_byte, tried) {
-            tried |= 1 << leg;
+            tried.insert(leg);
             let Some(dev) = self.legs[leg].dev() else {
                 continue;
             };
@@ -53,7 +54,7 @@ impl Inner {
             match (r, back.buf) {
                 (Ok(()), Some(b)) => copies.push((leg, b)),
                 _ => {
-                    failed |= 1 << leg;
+                    failed.insert(leg);
                     self.note_read_error(leg);
                 }
             }
@@ -62,7 +63,7 @@ impl Inner {
         let v = self.choose_blocks(t, off, &copies, &mut out.as_mut_slice()[..len]);
         // With no copy, `out` holds nothing read: nothing goes back to any leg.
         let rewrite = if copies.is_empty() {
-            0
+            LegSet::EMPTY
         } else {
             v.rewrite | failed
         };
@@ -85,12 +86,9 @@ impl Inner {
         }
         // The blocks that were good somewhere go back to the legs that lacked them (a block
         // no leg holds is rewritten as read: no worse, and the read fails all the same).
-        for leg in 0..self.legs.len() {
-            if rewrite & (1 << leg) == 0 {
-                continue;
-            }
-            let st = self.legs[leg].state.load(Ordering::Acquire);
-            let Some(dev) = self.legs[leg].dev().filter(|_| Self::writable(st)) else {
+        for leg in rewrite.iter().take_while(|&l| l < self.legs.len()) {
+            let st = self.legs[leg].state.load();
+            let Some(dev) = self.legs[leg].dev().filter(|_| st.writable()) else {
                 continue;
             };
             self.repair_write(leg, dev.as_ref(), &o, out.as_slice(), id);
@@ -122,11 +120,11 @@ impl Inner {
     ) -> Verdict {
         let mut v = Verdict {
             bad: [(0, 0); MAX_LEGS],
-            rewrite: 0,
+            rewrite: LegSet::EMPTY,
             lost: 0,
         };
         let b = BLOCK as usize;
-        let source = self.source_slot(0);
+        let source = self.source_slot(LegSet::EMPTY);
         for (j, dst) in out.chunks_exact_mut(b).enumerate() {
             let at = off + (j * b) as u64;
             let block = at / BLOCK;
@@ -166,7 +164,7 @@ impl Inner {
                     continue;
                 }
                 if good.is_some() {
-                    v.rewrite |= 1 << leg;
+                    v.rewrite.insert(*leg);
                 }
                 if torn {
                     continue;

@@ -2,10 +2,9 @@
 //! flush epoch (`persist_sums`), and writing pages to a leg being recovered.
 
 use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
-use blkq_sync::atomic::Ordering;
 
 use super::{Checksums, PAGE};
-use crate::device::{Inner, Placed, FAULTY, IN_SYNC, WRITE_MOSTLY};
+use crate::device::{Inner, Placed};
 use crate::superblock::Superblock;
 
 /// Pages per I/O when the table is read or written in runs.
@@ -66,7 +65,7 @@ impl Inner {
                 out.copy_from_slice(&t.encode_page(first + j, true));
             }
             for (i, l) in self.legs.iter().enumerate() {
-                if !Self::writable(l.state.load(Ordering::Acquire)) {
+                if !l.state.load().writable() {
                     continue;
                 }
                 let Some(dev) = l.dev() else { continue };
@@ -149,11 +148,8 @@ pub(crate) fn load_sums(
 ) -> Option<Checksums> {
     let area = newest.integrity?;
     let t = Checksums::new(area, newest.data_size);
-    let mut legs: Vec<&Placed> = placed
-        .iter()
-        .filter(|p| p.state & (IN_SYNC | FAULTY) == IN_SYNC)
-        .collect();
-    legs.sort_by_key(|p| p.state & WRITE_MOSTLY != 0);
+    let mut legs: Vec<&Placed> = placed.iter().filter(|p| p.state.is_member()).collect();
+    legs.sort_by_key(|p| p.state.is_write_mostly());
     let devs: Vec<&dyn Device> = legs.iter().map(|p| p.dev.as_ref()).collect();
     for w in load(&t, &devs) {
         tracing::warn!("raid1: {w}");

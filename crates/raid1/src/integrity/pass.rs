@@ -6,7 +6,7 @@ use blk::{submit_wait, Bio, Buffer, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{Checksums, BLOCK};
-use crate::device::{Inner, IN_SYNC};
+use crate::device::Inner;
 use crate::events::Event;
 
 /// What checking a window's source found.
@@ -118,8 +118,8 @@ impl Inner {
     /// Reads block `at` from the other in-sync legs until one matches its sum, into `blk`.
     fn block_from_other_leg(&self, t: &Checksums, src: usize, at: u64, blk: &mut [u8]) -> bool {
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if i == src || st & IN_SYNC == 0 || !Self::writable(st) {
+            let st = l.state.load();
+            if i == src || !st.in_sync() || !st.writable() {
                 continue;
             }
             let Some(dev) = l.dev() else { continue };

@@ -10,8 +10,9 @@ use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
 use crate::barrier::paired;
-use crate::device::{Inner, FAULTY, IN_SYNC, PRESENT, WRITE_MOSTLY};
+use crate::device::Inner;
 use crate::events::Event;
+use crate::legset::LegSet;
 use crate::superblock::MAX_LEGS;
 
 /// One pass of the sync thread.
@@ -54,18 +55,12 @@ fn job_event(job: Job) -> (SyncAction, Option<usize>) {
     }
 }
 
-/// Whether a leg state is present, in sync and not faulty: the leg holds the array's data (a
-/// sync source, or a leg a check compares).
-fn is_in_sync(st: u32) -> bool {
-    st & (PRESENT | IN_SYNC | FAULTY) == PRESENT | IN_SYNC
-}
-
 impl Inner {
     /// The lowest slot holding a present, non-faulty leg that is not in sync.
     pub(crate) fn recovering_leg(&self) -> Option<usize> {
         self.legs
             .iter()
-            .position(|l| l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT)
+            .position(|l| l.state.load().is_recovering())
     }
 
     /// Whether a resync has legs to make agree: an in-sync source and another leg that serves
@@ -77,10 +72,10 @@ impl Inner {
         let mut in_sync = 0;
         let mut partial = 0;
         for l in self.legs.iter() {
-            let st = l.state.load(Ordering::Acquire);
-            if is_in_sync(st) {
+            let st = l.state.load();
+            if st.is_member() {
                 in_sync += 1;
-            } else if Self::writable(st) && l.recovery_offset.load(Ordering::Acquire) > 0 {
+            } else if st.writable() && l.recovery_offset.load(Ordering::Acquire) > 0 {
                 partial += 1;
             }
         }
@@ -274,14 +269,14 @@ impl Inner {
     /// write-behind it may lack writes the others have, so it is never copied over them while
     /// another in-sync leg can be read. Reads past the resync point go here too
     /// (`choose_read_leg`), so they read what the resync copies.
-    pub(crate) fn source_slot(&self, tried: u32) -> Option<usize> {
+    pub(crate) fn source_slot(&self, tried: LegSet) -> Option<usize> {
         let mut mostly = None;
         for (i, l) in self.legs.iter().enumerate() {
-            let st = l.state.load(Ordering::Acquire);
-            if tried & (1 << i) != 0 || !is_in_sync(st) {
+            let st = l.state.load();
+            if tried.contains(i) || !st.is_member() {
                 continue;
             }
-            if st & WRITE_MOSTLY == 0 {
+            if !st.is_write_mostly() {
                 return Some(i);
             }
             mostly.get_or_insert(i);
@@ -290,13 +285,13 @@ impl Inner {
     }
 
     /// The source's slot and device ([`Inner::source_slot`]), skipping `tried`.
-    fn source_leg(&self, mut tried: u32) -> Option<(usize, StdArc<dyn Device>)> {
+    fn source_leg(&self, mut tried: LegSet) -> Option<(usize, StdArc<dyn Device>)> {
         loop {
             let i = self.source_slot(tried)?;
             if let Some(d) = self.legs[i].dev() {
                 return Some((i, d));
             }
-            tried |= 1 << i;
+            tried.insert(i);
         }
     }
 
@@ -357,7 +352,7 @@ impl Inner {
         let l = &self.legs[*t];
         l.gen.load(Ordering::Acquire) == gen
             && l.dev().is_some_and(|cur| StdArc::ptr_eq(&cur, d))
-            && l.state.load(Ordering::Acquire) & (PRESENT | IN_SYNC | FAULTY) == PRESENT
+            && l.state.load().is_recovering()
     }
 
     /// A pass's window size and the bitmap's chunk size: windows are a power of two (so none
@@ -664,10 +659,10 @@ impl Inner {
     /// Reads the window from a source leg into `src_buf`, trying the next one after a read
     /// error (counted against the leg): the source's slot, or `None` when no leg could be read.
     fn read_source(&self, pos: u64, len: u32, src_buf: &mut Option<Buffer>) -> Option<usize> {
-        let mut tried = 0u32;
+        let mut tried = LegSet::EMPTY;
         loop {
             let (i, d) = self.source_leg(tried)?;
-            tried |= 1 << i;
+            tried.insert(i);
             if self.leg_rw(d.as_ref(), Op::Read, pos, len, src_buf).is_ok() {
                 return Some(i);
             }
@@ -725,10 +720,10 @@ impl Inner {
                 // ones too (md's rule): one below its recovery offset serves reads and must
                 // agree there. A check or repair compares the in-sync legs.
                 for (i, l) in self.legs.iter().enumerate() {
-                    let st = l.state.load(Ordering::Acquire);
+                    let st = l.state.load();
                     let target = match job {
-                        Job::Resync => Self::writable(st),
-                        _ => is_in_sync(st),
+                        Job::Resync => st.writable(),
+                        _ => st.is_member(),
                     };
                     if (i != src || src_fix) && target {
                         others[i] = l.dev();
