@@ -32,28 +32,22 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "unit, property and integration tests"
-cargo test --workspace --no-run
+mkdir -p target
+cargo test --workspace --no-run --message-format=json-render-diagnostics >target/test-artifacts.json
 # The loom models build meanwhile, niced, in a separate target dir (the cfg changes every
 # crate's build, and would otherwise evict the normal build from the cache), with their own
 # profile (Cargo.toml: optimized, no LTO): the tests below mostly wait (timeouts, servers,
 # simulators), and the build uses what they leave of the CPUs.
 LOOM_ENV=(env RUSTFLAGS="--cfg blkq_loom" CARGO_TARGET_DIR=target/loom nice -n 10)
-mkdir -p target
 "${LOOM_ENV[@]}" cargo test --profile loom --workspace --test 'loom_*' --no-run \
   >target/loom-build.log 2>&1 &
 LOOM_BUILD=$!
 BACKGROUND=("$LOOM_BUILD")
 trap 'kill "${BACKGROUND[@]}" 2>/dev/null || true' EXIT
-# Two streams at once, since most suites wait rather than compute: the binary's suites with
-# blk-drivers' (each of the two starts a Ceph cluster, so they run one after the other), and
-# every other crate's. The first stream's output follows the second's.
-cargo test --no-fail-fast -p blkq -p blk-drivers >target/tests-blkq.log 2>&1 &
-SERVERS=$!
-BACKGROUND+=("$SERVERS")
+# The test binaries in two streams at once (scripts/test-streams.sh), then the doc tests.
 TESTS_OK=0
-cargo test --workspace --exclude blkq --exclude blk-drivers --no-fail-fast || TESTS_OK=$?
-wait "$SERVERS" || TESTS_OK=$?
-cat target/tests-blkq.log
+scripts/test-streams.sh target/test-artifacts.json target || TESTS_OK=$?
+cargo test --workspace --doc || TESTS_OK=$?
 if [ "$TESTS_OK" -ne 0 ]; then
   echo "the unit, property or integration tests failed (above)" >&2
   exit 1
