@@ -64,9 +64,9 @@ LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-2}" \
   "${LOOM_ENV[@]}" cargo test --profile loom --workspace --test 'loom_*' >target/loom-run.log 2>&1 &
 LOOM_RUN=$!
 BACKGROUND+=("$LOOM_RUN")
-# Against the debug binary the tests above built and used: a release build (LTO, one codegen
-# unit) would cost CI minutes and test the same code.
-cargo build -p blkq
+# Against the debug binary the tests above built and used (`cargo build -p blkq` would build
+# it again: cargo resolves features per selection); a release build (LTO, one codegen unit)
+# would cost CI minutes and test the same code.
 BLKQ_BIN=target/debug/blkq scripts/client-tests.sh
 
 step "loom models (profile loom, LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-2})"
