@@ -47,6 +47,9 @@ impl Shared {
     /// Marks slot `i` sent on the current connection and returns its request (a flush also
     /// records what it covers). Under the table lock, by whoever is about to send it.
     pub(super) fn claim(&self, t: &mut Table, i: usize) -> (u64, Request) {
+        // Claimed only while due (busy, waiting, not sent on this connection, which is up):
+        // a request is sent at most once per connection.
+        debug_assert!(t.due(i), "slot {i} claimed while not due");
         let epoch = t.epoch;
         let s = &mut t.slots[i];
         s.sent_epoch = epoch;

@@ -42,6 +42,10 @@ impl Shared {
                 }
                 let i = t.free.pop()? as usize;
                 let s = &mut t.slots[i];
+                debug_assert!(
+                    !s.busy && s.bio.is_none() && s.end.is_none() && !s.orphan,
+                    "slot {i} taken from the free stack is not free"
+                );
                 s.gen = s.gen.wrapping_add(1);
                 s.busy = true;
                 s.status = None;

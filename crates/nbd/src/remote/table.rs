@@ -330,10 +330,54 @@ impl Table {
     /// Frees orphan slot `i` (its reply came, or the old connection is over).
     pub(super) fn free_orphan(&mut self, i: usize) {
         if let Some(s) = self.slots.get_mut(i).filter(|s| s.busy && s.orphan) {
+            // An orphan completed: its bio and completion went with it.
+            debug_assert!(
+                s.bio.is_none() && s.end.is_none(),
+                "orphan slot {i} holds a bio"
+            );
             s.busy = false;
             s.orphan = false;
             s.status = None;
-            self.free.push(i as u32);
+            self.release(i);
+        }
+    }
+
+    /// Puts slot `i`, just made free, back on the free stack, which has room for every slot
+    /// and never holds one twice.
+    fn release(&mut self, i: usize) {
+        debug_assert!(
+            self.free.len() < self.slots.len(),
+            "slot {i} freed with every slot already free"
+        );
+        self.free.push(i as u32);
+        #[cfg(debug_assertions)]
+        self.check();
+    }
+
+    /// The slot table's invariants, checked in debug builds after each slot is freed and after
+    /// a reconnection: a free slot is empty (no bio, completion, status, orphan), the free
+    /// stack names exactly the free slots, and an orphan has completed (a status, no bio, no
+    /// completion).
+    #[cfg(debug_assertions)]
+    fn check(&self) {
+        let free = self.slots.iter().filter(|s| !s.busy).count();
+        assert_eq!(
+            free,
+            self.free.len(),
+            "the free stack does not match the free slots"
+        );
+        for (i, s) in self.slots.iter().enumerate() {
+            if !s.busy {
+                assert!(
+                    s.bio.is_none() && s.end.is_none() && s.status.is_none() && !s.orphan,
+                    "free slot {i} is not empty"
+                );
+            } else if s.orphan {
+                assert!(
+                    s.status.is_some() && s.bio.is_none() && s.end.is_none(),
+                    "orphan slot {i} has not completed"
+                );
+            }
         }
     }
 
@@ -371,7 +415,7 @@ impl Table {
         }
         s.busy = false;
         s.status = None;
-        self.free.push(i as u32);
+        self.release(i);
         Some((bio, end, status))
     }
 
@@ -389,6 +433,11 @@ impl Table {
     /// acknowledged when it was sent, or fails once after unflushed writes were lost.
     pub(super) fn succeeded(&mut self, i: usize, d: &Durability) -> Success {
         let s = &mut self.slots[i];
+        // Only a reply that `lookup` matched, to a request still waiting, succeeds.
+        debug_assert!(
+            s.busy && s.status.is_none() && !s.orphan,
+            "a success for slot {i}, which awaits none"
+        );
         if s.fua_flush && s.cmd == Command::Write {
             s.cmd = Command::Flush;
             s.flags = CmdFlags::empty();
@@ -444,6 +493,8 @@ impl Table {
             s.submitted + budget <= now
         });
         for s in &mut self.slots {
+            // Over: no orphan is left, and nothing is marked sent on a connection.
+            debug_assert!(!s.orphan, "an orphan outlived its connection");
             if s.busy && s.status.is_none() {
                 s.covered = 0;
                 s.filled.clear();
@@ -453,6 +504,8 @@ impl Table {
                 }
             }
         }
+        #[cfg(debug_assertions)]
+        self.check();
     }
 }
 
@@ -726,4 +779,25 @@ pub(super) fn nbd_error(e: u32) -> Error {
         _ => libc::EIO,
     };
     Error::Io(io::Error::from_raw_os_error(errno))
+}
+
+#[cfg(all(test, debug_assertions))]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "freed with every slot already free")]
+    fn a_slot_freed_twice_is_caught() {
+        let mut t = Table::new(2);
+        t.release(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "the free stack does not match the free slots")]
+    fn a_busy_slot_on_the_free_stack_is_caught() {
+        let mut t = Table::new(2);
+        let i = t.free.pop().unwrap() as usize;
+        t.slots[i].busy = true;
+        t.release(i);
+    }
 }
