@@ -15,6 +15,7 @@ mod export;
 mod listen;
 mod logs;
 mod metrics;
+mod open;
 mod raid;
 mod serve;
 

@@ -316,7 +316,7 @@ pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
     let queue_settings = overrides(cfg);
     let devs = legs
         .iter()
-        .map(|l| crate::raid::offline::open_leg(l, &queue_settings))
+        .map(|l| crate::open::open_leg(l, &queue_settings))
         .collect::<Result<Vec<_>>>()?;
     let r = raid1::Raid1::create(devs, rc).context("--raid1: creating the array")?;
     Ok(Arc::new(r))
@@ -367,7 +367,7 @@ fn build_target(cfg: &RunCfg) -> Result<Target> {
     if cfg.as_leg {
         // The spec alone (the run's label may have been put in its place).
         let spec = cfg.device.split(" [").next().unwrap_or_default();
-        return Ok(Target::Device(crate::raid::offline::open_leg(
+        return Ok(Target::Device(crate::open::open_leg(
             spec,
             &overrides(cfg),
         )?));

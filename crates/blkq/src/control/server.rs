@@ -322,7 +322,7 @@ impl Control {
         // A file already in the array is locked by its leg (flock): say what it is rather
         // than that some lock is held.
         self.check_still_new(spec, None)?;
-        let dev = legs::open_leg(spec, &self.overrides)?;
+        let dev = crate::open::open_leg(spec, &self.overrides)?;
         let mut leg_uuid = None;
         match legs::probe(dev.as_ref()).with_context(|| format!("leg {spec:?}: reading it"))? {
             Probe::Member(sb) => {
@@ -582,7 +582,7 @@ mod tests {
         let overrides = QueueOverrides::default();
         let devs = specs
             .iter()
-            .map(|s| legs::open_leg(s, &overrides).unwrap())
+            .map(|s| crate::open::open_leg(s, &overrides).unwrap())
             .collect();
         let raid = Arc::new(Raid1::create(devs, raid1::Raid1Config::default()).unwrap());
         let ctl = Control::new(raid, specs.iter().cloned().map(Some).collect(), overrides);
@@ -595,7 +595,7 @@ mod tests {
     fn a_leg_the_array_started_without_is_shown_missing_in_its_slot() {
         let overrides = QueueOverrides::default();
         let devs: Vec<Arc<dyn blk::Device>> = (0..3)
-            .map(|_| legs::open_leg("mem:16M", &overrides).unwrap())
+            .map(|_| crate::open::open_leg("mem:16M", &overrides).unwrap())
             .collect();
         drop(Raid1::create(devs.clone(), raid1::Raid1Config::default()).unwrap());
         let cfg = raid1::Raid1Config {
@@ -721,7 +721,7 @@ mod tests {
         // Host b: reads at once, every write held 3 s.
         let writing = Arc::new(AtomicBool::new(false));
         let w = writing.clone();
-        let disk = legs::open_leg("mem:16M", &QueueOverrides::default()).unwrap();
+        let disk = crate::open::open_leg("mem:16M", &QueueOverrides::default()).unwrap();
         let d2 = disk.clone();
         let slow: Arc<dyn blk::Device> =
             Arc::new(testkit::Forward::on_submit(disk, move |inner, bio, end| {

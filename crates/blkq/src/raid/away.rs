@@ -16,7 +16,7 @@ use blk_drivers::spec::QueueOverrides;
 use blkq_sync::{Arc, Mutex};
 use raid1::{AbsentError, Raid1};
 
-use super::offline::open_leg;
+use crate::open::open_leg;
 
 /// Told, once a leg is back, the slot it was shown in, the slot it went back into and its
 /// spec (the control layer names it there).

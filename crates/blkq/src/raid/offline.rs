@@ -6,22 +6,22 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use blk::{Bio, Buffer, Device, Op, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use blk_drivers::spec::QueueOverrides;
 use blkq_sync::Arc;
 use raid1::superblock::{ArrayState, Superblock, SuperblockError, SB_OFFSET, SB_SIZE};
 use raid1::{Assembly, AssemblyError, WriteIntentBitmap};
 
+use crate::open::{open_leg, Spec};
+
 use super::report::{ArrayReport, BitmapReport, IntegrityReport, LegReport};
 
-/// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts with a device kind (a local one,
-/// [`DeviceSpec::starts_a_spec`], or a remote export's URI) begins a leg; any other part
-/// (`key=value`) is an option of the leg before.
+/// Splits `--raid1`'s `LEG,LEG[,...]`: a part that starts a device spec
+/// ([`Spec::starts_a_spec`]) begins a leg; any other part (`key=value`) is an option of the
+/// leg before.
 pub fn split_legs(s: &str) -> Result<Vec<String>> {
     let mut legs: Vec<String> = Vec::new();
     for part in s.split(',').filter(|p| !p.is_empty()) {
-        let starts_leg =
-            DeviceSpec::starts_a_spec(part) || nbd::remote::RemoteSpec::is_remote(part);
-        if starts_leg {
+        if Spec::starts_a_spec(part) {
             legs.push(part.to_string());
         } else if let Some(last) = legs.last_mut() {
             last.push(',');
@@ -56,23 +56,6 @@ pub fn raid1_config(options: &[String]) -> Result<raid1::Raid1Config> {
             .with_context(|| format!("--raid1-option {o:?}"))?;
     }
     Ok(cfg)
-}
-
-/// Opens a leg from its device spec: a local device, or an export on another NBD server
-/// (`nbd://`, `nbd+unix://`).
-pub fn open_leg(spec: &str, overrides: &QueueOverrides) -> Result<Arc<dyn Device>> {
-    if nbd::remote::RemoteSpec::is_remote(spec) {
-        let dev = nbd::remote::RemoteDevice::open(spec)
-            .with_context(|| format!("leg {spec:?}: cannot open it"))?;
-        return Ok(Arc::new(dev));
-    }
-    let parsed: DeviceSpec = spec
-        .parse()
-        .with_context(|| format!("leg {spec:?}: bad device spec"))?;
-    // build_device: a leg may carry `fault.` options (wrapped in a fault device).
-    parsed
-        .build_device(overrides)
-        .with_context(|| format!("leg {spec:?}: cannot open it"))
 }
 
 /// Reads `len` bytes at byte `offset` of `dev` (a slow path: allocates).

@@ -379,7 +379,7 @@ fn export_names(e: &ExportArgs) -> Result<Vec<String>> {
 /// remote export's URI.
 fn spec_from(spec: &str, dir: &Path) -> Result<String> {
     let spec = &options_from(spec, dir, &["bitmaps"])?;
-    if nbd::remote::RemoteSpec::is_remote(spec) {
+    if crate::open::Spec::on_another_host(spec) {
         return Ok(query_from(spec, dir));
     }
     if spec.starts_with("rbd:") {

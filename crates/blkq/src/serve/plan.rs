@@ -6,11 +6,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use blk::{Device, Queue};
-use blk_drivers::spec::{DeviceSpec, Kind, QueueOverrides};
+use blk::Device;
+use blk_drivers::spec::QueueOverrides;
 use blkq_sync::DynArc as Arc;
 use cbt::Store;
-use nbd::remote::{RemoteDevice, RemoteSpec};
+use nbd::remote::RemoteDevice;
 use nbd::server::{Access, Export, ServerConfig};
 use nbd::tls::TlsMode;
 use raid1::Raid1;
@@ -19,6 +19,7 @@ use super::bitmaps::{split_spec, store_for, store_for_mirror, track, BitmapsOpt}
 use super::devices::{Devices, Entry};
 use super::settings::{Backing, ExportSettings, Settings};
 use crate::control::server::Control;
+use crate::open::{open_leg, Spec};
 use crate::raid::away::{Away, OnBack};
 use crate::raid::create::{self, CreateRules};
 use crate::raid::offline;
@@ -132,10 +133,7 @@ pub fn open_export(
             control,
         } => open_mirror_backing(settings, e, legs, create.as_ref(), options, from_file)?
             .with_control_socket(control.clone()),
-        Backing::Device(spec) if RemoteSpec::is_remote(spec) => {
-            open_remote_backing(e, spec, &bitmaps_opt)?
-        }
-        Backing::Device(spec) => open_local_backing(settings, e, spec, &bitmaps_opt)?,
+        Backing::Device(spec) => open_device_backing(settings, e, spec, &bitmaps_opt)?,
     };
     let mut tracked = None;
     let dev: Arc<dyn Device> = match b.store {
@@ -243,39 +241,9 @@ fn open_mirror_backing(
     })
 }
 
-/// Connects to the export on another NBD server that `spec` names; read-only when asked or
-/// when that server says so.
-fn open_remote_backing(e: &ExportSettings, spec: &str, bitmaps_opt: &BitmapsOpt) -> Result<Backed> {
-    let dev = RemoteDevice::open(spec).with_context(|| format!("device spec {spec:?}"))?;
-    let read_only = e.read_only
-        || dev
-            .details()
-            .flags
-            .contains(nbd::TransmissionFlags::READ_ONLY);
-    let full = format!(
-        "{spec} (remote NBD export, {} bytes)",
-        dev.limits().capacity
-    );
-    let dev = Arc::new(dev);
-    let remote = Some(dev.clone());
-    let dev: Arc<dyn Device> = dev;
-    let store = (*bitmaps_opt != BitmapsOpt::Off)
-        .then(|| store_for(None, bitmaps_opt, dev.limits().capacity));
-    Ok(Backed {
-        dev,
-        full,
-        kind: "nbd",
-        read_only,
-        store,
-        control_socket: None,
-        mirror: None,
-        remote,
-    })
-}
-
-/// Builds the local device `spec` names (a queue, or with `fault.` options a device that
-/// injects faults), warning of fault injection and of data kept in memory.
-fn open_local_backing(
+/// Opens the device `spec` names (a local one, or an export on another NBD server; see
+/// [`Spec`]), warning of what an operator should know (fault injection, data kept in memory).
+fn open_device_backing(
     settings: &Settings,
     e: &ExportSettings,
     spec: &str,
@@ -285,53 +253,24 @@ fn open_local_backing(
         read_only: e.read_only,
         ..settings.overrides.clone()
     };
-    let name = &e.name;
-    let parsed: DeviceSpec = spec
-        .parse()
+    let parsed = Spec::parse(spec).with_context(|| format!("device spec {spec:?}"))?;
+    let opened = parsed
+        .open(&overrides)
         .with_context(|| format!("device spec {spec:?}"))?;
-    let fault = parsed
-        .fault_config()
-        .with_context(|| format!("device spec {spec:?}"))?;
-    let (dev, describe): (Arc<dyn Device>, String) = if fault.is_some() {
-        tracing::warn!(
-            export = %name,
-            "{spec}: fault injection is on: I/O fails or is delayed on purpose"
-        );
-        let dev = parsed
-            .build_device(&overrides)
-            .with_context(|| format!("building device {spec:?}"))?;
-        (dev, "with fault injection".to_string())
-    } else {
-        let q: Queue = parsed
-            .build(&overrides)
-            .with_context(|| format!("building device {spec:?}"))?;
-        let describe = q.describe();
-        (Arc::new(q), describe)
-    };
-    if spec.starts_with("mem:") {
-        tracing::warn!(
-            export = %name,
-            "{spec}: the data lives in memory and is lost when the server stops"
-        );
+    for w in &opened.warnings {
+        tracing::warn!(export = %e.name, "{spec}: {w}");
     }
-    let kind = match parsed.kind {
-        Kind::Null(_) => "null",
-        Kind::Mem(_) => "mem",
-        Kind::File(_) => "file",
-        Kind::Rbd(_) => "rbd",
-    };
-    let read_only = e.read_only || parsed.is_read_only(&overrides);
     let store = (*bitmaps_opt != BitmapsOpt::Off)
-        .then(|| store_for(Some(&parsed), bitmaps_opt, dev.limits().capacity));
+        .then(|| store_for(parsed.local(), bitmaps_opt, opened.dev.limits().capacity));
     Ok(Backed {
-        dev,
-        full: format!("{spec} ({describe})"),
-        kind,
-        read_only,
+        full: format!("{spec} ({})", opened.describe),
+        kind: opened.kind,
+        read_only: opened.read_only,
         store,
         control_socket: None,
         mirror: None,
-        remote: None,
+        remote: opened.remote,
+        dev: opened.dev,
     })
 }
 
@@ -382,9 +321,9 @@ fn open_mirror(
     let mut opened = Vec::new();
     let mut unreachable = Vec::new();
     for spec in legs {
-        match offline::open_leg(spec, overrides) {
+        match open_leg(spec, overrides) {
             Ok(dev) => opened.push((spec.clone(), dev)),
-            Err(e) if RemoteSpec::is_remote(spec) && cfg.allow_degraded => {
+            Err(e) if Spec::on_another_host(spec) && cfg.allow_degraded => {
                 tracing::warn!(
                     "raid1: {e:#}; starting the mirror without the leg (--raid1-degraded): it \
                      is shown missing, and taken back when it answers if its superblock is \
@@ -392,7 +331,7 @@ fn open_mirror(
                 );
                 unreachable.push((spec.clone(), format!("{e:#}")));
             }
-            Err(e) if RemoteSpec::is_remote(spec) => {
+            Err(e) if Spec::on_another_host(spec) => {
                 return Err(e.context(format!(
                     "--raid1: leg {spec:?} cannot be reached, and the mirror does not start \
                      without it: {degraded_how} would start it without the leg (shown \
@@ -510,13 +449,7 @@ mod tests {
     use nbd::server::parse_cidr;
 
     fn export(name: &str, allow: &[&str]) -> Export {
-        let dev: Arc<dyn Device> = Arc::new(
-            "null:1M"
-                .parse::<DeviceSpec>()
-                .unwrap()
-                .build(&QueueOverrides::default())
-                .unwrap(),
-        );
+        let dev = open_leg("null:1M", &QueueOverrides::default()).unwrap();
         Export::new(name, dev).access(Access {
             allow: allow.iter().map(|c| parse_cidr(c).unwrap()).collect(),
             ..Access::default()

@@ -8,14 +8,14 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use nbd::remote::RemoteSpec;
+use blk_drivers::spec::QueueOverrides;
 use nbd::server::{parse_cidr, parse_subject_rule, Access};
 use nbd::tls::TlsMode;
 use toml::Spanned;
 
 use super::args::{listen_addr, LimitArgs, TlsArgs};
 use super::config::{Config, ExportDecl, Raid1Decl, Source};
+use crate::open::Spec;
 use crate::raid::create::CreateRules;
 
 /// What a `--device` or `[[export]] device` may not be: the command line's spelling of a
@@ -84,17 +84,10 @@ pub enum Backing {
     },
 }
 
-/// Checks a device spec without opening it: an export on another NBD server (`nbd://`,
-/// `nbd+unix://`) with [`RemoteSpec::parse`], a local one with [`DeviceSpec`] (its fault
-/// options included).
+/// Checks a device spec without opening it ([`Spec::parse`]).
 fn check_device(spec: &str) -> Result<()> {
     let (spec, _) = super::bitmaps::split_spec(spec)?;
-    if RemoteSpec::is_remote(&spec) {
-        RemoteSpec::parse(&spec)?;
-        return Ok(());
-    }
-    let parsed: DeviceSpec = spec.parse()?;
-    parsed.fault_config()?;
+    Spec::parse(&spec)?;
     Ok(())
 }
 
