@@ -418,12 +418,25 @@ impl<T> DerefMut for CachePadded<T> {
 /// Runs `f` as a loom model (explores interleavings) under `--cfg blkq_loom`, and once
 /// otherwise. Lets a model test double as a plain smoke test.
 ///
-/// Under loom the body runs on a thread of the model with a stack of [`MODEL_STACK_WORDS`]:
-/// loom gives a model's first thread 32 KiB, which a build without cross-crate inlining
-/// (the `loom` profile: no LTO, so the models build in half the CPU time) overflows in the
-/// deeper models (cbt's rotations). The first thread only waits for it, which adds no
-/// interleaving that matters: it has nothing else to run.
+/// Under loom the body runs on the model's first thread, whose stack loom makes 32 KiB. A
+/// model whose body needs more calls [`model_deep`].
 pub fn model<F>(f: F)
+where
+    F: Fn() + Sync + Send + 'static,
+{
+    #[cfg(blkq_loom)]
+    loom::model(f);
+    #[cfg(not(blkq_loom))]
+    f();
+}
+
+/// [`model`] for a body that needs a deeper stack than loom's first thread has: under loom it
+/// runs on a thread of the model with a stack of [`MODEL_STACK_WORDS`]. A build without
+/// cross-crate inlining (the `loom` profile: no LTO, so the models build in half the CPU time)
+/// overflows 32 KiB in the deeper models (cbt's rotations). The first thread only waits for
+/// it, which adds no interleaving that matters: it has nothing else to run. The thread costs
+/// a stack allocated and freed in every execution, so only the models that need it use it.
+pub fn model_deep<F>(f: F)
 where
     F: Fn() + Sync + Send + 'static,
 {
@@ -446,8 +459,8 @@ where
     f();
 }
 
-/// The stack of a model's body under loom, in words (loom hands the size to its coroutines,
-/// which count words): 512 KiB.
+/// The stack of a [`model_deep`] body under loom, in words (loom hands the size to its
+/// coroutines, which count words): 512 KiB.
 pub const MODEL_STACK_WORDS: usize = 1 << 16;
 
 #[cfg(test)]

@@ -47,12 +47,12 @@ fn write_vs_rotate(mode: Mode) {
 
 #[test]
 fn loom_write_vs_rotate_lock_free() {
-    blkq_sync::model(|| write_vs_rotate(Mode::LockFree));
+    blkq_sync::model_deep(|| write_vs_rotate(Mode::LockFree));
 }
 
 #[test]
 fn loom_write_vs_rotate_locked() {
-    blkq_sync::model(|| write_vs_rotate(Mode::Locked));
+    blkq_sync::model_deep(|| write_vs_rotate(Mode::Locked));
 }
 
 /// Two writers counted in two shards against a publish: each reads exactly one set, and a
