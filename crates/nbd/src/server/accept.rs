@@ -35,8 +35,8 @@ impl Listener {
 
     pub(super) fn accept(&self) -> io::Result<Stream> {
         match self {
-            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
-            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::from(s)),
+            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::from(s)),
         }
     }
 }

@@ -164,7 +164,7 @@ impl<'a> Deadlined<'a> {
     /// The server side of STARTTLS (the ACK already sent), within the deadline.
     fn start_tls(&mut self, config: &blkq_sync::DynArc<rustls::ServerConfig>) -> io::Result<()> {
         self.left()?;
-        crate::tls::accept(self.stream, config, self.deadline)
+        self.stream.accept_tls(config, self.deadline)
     }
 
     /// What is left of the deadline, or `TimedOut`.
