@@ -119,7 +119,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
             drop((stream, handle));
             shared
                 .counters
-                .handshake_failed(super::HandshakeFailure::Policy);
+                .handshake_failed(super::stats::HandshakeFailure::Policy);
             if let Some(left_out) = refused_address.allow() {
                 warn!(
                     %peer,

@@ -449,7 +449,7 @@ impl Haggler<'_, '_> {
             );
             self.shared
                 .counters
-                .handshake_failed(super::HandshakeFailure::Policy);
+                .handshake_failed(super::stats::HandshakeFailure::Policy);
         }
         self.reply(
             option,
@@ -731,7 +731,7 @@ impl Haggler<'_, '_> {
     fn refuse(&mut self, option: u32, name: &str) -> Result<(), Ended> {
         self.shared
             .counters
-            .handshake_failed(super::HandshakeFailure::Policy);
+            .handshake_failed(super::stats::HandshakeFailure::Policy);
         let mut end = name.len().min(256);
         while !name.is_char_boundary(end) {
             end -= 1;

@@ -22,7 +22,8 @@ use waitq::WaitQueue;
 
 use super::reply::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
-use crate::server::{MemoryBudget, StickyError};
+use crate::server::limits::MemoryBudget;
+use crate::server::StickyError;
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
 use blkq_sync::DynArc as Arc;

@@ -69,7 +69,8 @@ use waitq::WaitQueue;
 use self::inflight::{ConnCore, InFlight, Locked};
 use self::reader::{BufferPools, ParseStop, PartialWrite};
 use super::handshake::{self, Deadlined, Ended, Negotiated};
-use super::{ExportState, HandshakeFailure, Shared};
+use super::stats::HandshakeFailure;
+use super::{ExportState, Shared};
 use crate::proto::TransmissionMode;
 use crate::stream::Stream;
 
@@ -329,7 +330,7 @@ fn nonzero(d: Duration) -> Duration {
 
 /// How long a blocked read may sleep before the reader looks at its timeouts: the shorter of
 /// the idle timeout and the send timeout (which also bounds a stall in mid-request).
-fn recv_tick(t: &super::Tuning) -> Duration {
+fn recv_tick(t: &super::config::Tuning) -> Duration {
     nonzero(
         t.idle_timeout
             .map_or(t.send_timeout, |i| i.min(t.send_timeout)),
