@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use blkq_sync::DynArc as Arc;
 
 use super::access::{Identity, Refusal};
-use super::{ExportState, Shared};
+use super::shared::{ExportState, Shared};
 use crate::handshake::{
     decode_client_flags, decode_option_header, encode_export_name_reply, encode_option_reply,
     encode_server_greeting, parse_option, BlockSize, ClientOption, ExportInfo, ExportRequest, Info,

@@ -23,7 +23,7 @@ use waitq::WaitQueue;
 use super::reply::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
 use crate::server::limits::MemoryBudget;
-use crate::server::StickyError;
+use crate::server::shared::StickyError;
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
 use blkq_sync::DynArc as Arc;
