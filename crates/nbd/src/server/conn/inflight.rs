@@ -20,7 +20,7 @@ use blkq_sync::thread::{self, Thread};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-use super::reply::Output;
+use super::output::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
 use crate::server::limits::MemoryBudget;
 use crate::server::shared::StickyError;

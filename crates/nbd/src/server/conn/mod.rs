@@ -8,8 +8,10 @@
 //! | `recv.rs`, `parse_state.rs`, `pools.rs` | the reader's receive rules (large writes, the mid-request timeout), what a parse pass leaves, the payload buffer pools | reader |
 //! | `block_status.rs` | a block-status request's budget and its staging (the extent maps) | reader |
 //! | `inflight.rs` | the in-flight table (one `InFlight` per slot), `end_io` | reader, completion threads, writers |
+//! | `output.rs`   | the writer's `Output` (segments, buffers, TLS ciphertext, the splice pipe of `pipe.rs`) | the writer |
 //! | `reply.rs`    | reply shaping: an entry's reply as headers + data segments | the writer       |
 //! | `writer.rs`   | the combining writer (token, `sendmsg`) and its flusher  | reader, completion threads, flusher |
+//! | `transport.rs`, `splice.rs`, `send.rs` | the TLS and the spliced branches of the send, what a send achieved | the writer |
 //!
 //! A READ, top to bottom: [`Connection::run`] → `reader.rs` (`recv`, `parse`, `stage_read`,
 //! `commit`: slot + `submit_batch`) → `inflight.rs` (`end_io`: the buffer into its part, the
@@ -45,11 +47,14 @@
 mod block_status;
 mod home;
 mod inflight;
+mod output;
 mod parse_state;
+mod pipe;
 mod pools;
 mod reader;
 mod recv;
 mod reply;
+mod send;
 mod splice;
 pub(super) mod splice_rule;
 mod transport;
