@@ -92,7 +92,7 @@ use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
 use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
-use crate::spec::{parse_bool, parse_num, KindOptions};
+use crate::kind_options::{parse_bool, parse_num, KindOptions};
 
 /// Worker threads of the pool engine when `workers=` is not given.
 pub const DEFAULT_WORKERS: usize = 4;

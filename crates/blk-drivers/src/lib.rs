@@ -21,6 +21,7 @@ pub mod engine;
 pub mod fault;
 mod fd_io;
 pub mod file;
+mod kind_options;
 pub mod mem;
 pub mod null;
 pub mod rbd;

@@ -9,7 +9,7 @@ use blkq_sync::DynArc as Arc;
 use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
-use crate::spec::{parse_bool, KindOptions};
+use crate::kind_options::{parse_bool, KindOptions};
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -15,7 +15,7 @@ use waitq::WaitQueue;
 
 use crate::backend::mem::MemBackend;
 use crate::backend::{exec_on_backend, Backend};
-use crate::spec::{parse_bool, parse_num, KindOptions};
+use crate::kind_options::{parse_bool, parse_num, KindOptions};
 
 /// When the `null` driver completes a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -47,9 +47,10 @@ use blkq_sync::DynArc as Arc;
 use sbitmap::WakeAlgo;
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
-use blk::{Device, Driver, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
+use blk::{Device, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
 
 use crate::fault::{FaultConfig, FaultDevice};
+use crate::kind_options::{parse_bool, parse_num, KindOptions};
 use crate::rbd::RbdConfig;
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
@@ -195,21 +196,6 @@ impl FromStr for DeviceSpec {
         }
         Ok(Self { kind, options })
     }
-}
-
-pub(crate) fn parse_bool(k: &str, v: &str) -> Result<bool, Error> {
-    match v {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(Error::Config(format!(
-            "option {k}: bad boolean {v:?} (expected 0|1, on|off, yes|no or true|false)"
-        ))),
-    }
-}
-
-pub(crate) fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
-    v.parse()
-        .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
 }
 
 /// The largest `block_size` a device may have: an NBD server advertises the device's logical
@@ -510,21 +496,6 @@ impl QueueOptions {
             self.sched.lock = l;
         }
     }
-}
-
-/// A kind of device's own options, set one at a time from its spec, and the driver they
-/// open: each kind declares them in its own file (`null.rs`, `mem.rs`, `file.rs`,
-/// `rbd/mod.rs`), and the spec knows none of them.
-pub(crate) trait KindOptions {
-    /// Sets option `k` to `v`; `false` when this kind has no such option.
-    fn set(&mut self, k: &str, v: &str) -> Result<bool, Error>;
-    /// Opens the driver, and sets what it decides of the queue's limits in `cfg` (the
-    /// capacity; rbd's largest I/O, one object, unless `max_io_given`).
-    fn open(
-        self: Box<Self>,
-        cfg: &mut QueueConfig,
-        max_io_given: bool,
-    ) -> Result<Box<dyn Driver>, Error>;
 }
 
 #[cfg(all(test, not(blkq_loom)))]

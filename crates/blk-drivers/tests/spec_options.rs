@@ -110,3 +110,20 @@ fn fault_options_name_the_option() {
         assert!(e.contains(opt), "{spec}: {e}");
     }
 }
+
+/// In a build without librbd an `rbd:` spec parses, and building it says so and how to get it.
+#[cfg(not(blkq_rbd))]
+#[test]
+fn an_rbd_spec_says_the_build_has_no_librbd_and_how_to_get_it() {
+    let spec: DeviceSpec = "rbd:rbd/img,conf=/etc/ceph/ceph.conf".parse().unwrap();
+    let e = spec
+        .build(&QueueOverrides::default())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rbd:rbd/img"), "{e}");
+    assert!(
+        e.contains("without librbd") && e.contains("librbd-dev"),
+        "{e}"
+    );
+}

@@ -12,7 +12,7 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
-use crate::queue::QueueStats;
+use crate::stats::QueueStats;
 use crate::Error;
 
 /// One extent of an allocation map: `len` bytes from `offset`, allocated or a hole.

@@ -23,7 +23,7 @@ use blkq_sync::DynArc as Arc;
 
 use crate::bio::{Bio, EndIo};
 use crate::device::{Caps, ConnectCheck, Device, Extent, Limits};
-use crate::queue::QueueStats;
+use crate::stats::QueueStats;
 use crate::Error;
 
 /// A layer over one device that forwards every [`Device`] method to it unless it overrides

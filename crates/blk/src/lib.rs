@@ -32,8 +32,7 @@ pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
 pub use filter::Filter;
 pub use home::RecvSource;
-pub use queue::{
-    Driver, Plug, Queue, QueueConfig, QueueCore, QueueStats, Request, RequestToken, SchedStats,
-};
+pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
 pub use sched::Scheduler;
+pub use stats::{QueueStats, SchedStats};
 pub use tags::{PoolPolicy, TagPool};

@@ -60,7 +60,9 @@ use sbitmap::WakeAlgo;
 use crate::bio::{Bio, EndIo, Op, SECTOR_SHIFT};
 use crate::device::{Caps, Device, Extent, Limits};
 use crate::sched::Scheduler;
-use crate::stats::{batch_ns, ClockBatch, DiskCounters, DiskStats, WaitSnapshot};
+use crate::stats::{
+    batch_ns, ClockBatch, DiskCounters, DiskStats, QueueStats, SchedStats, WaitSnapshot,
+};
 use crate::tags::{PoolPolicy, TagPool};
 use crate::Error;
 
@@ -723,25 +725,6 @@ impl Queue {
     pub fn describe(&self) -> String {
         self.core.driver.describe()
     }
-}
-
-/// What only a request queue counts, beyond the disk statistics every device may have
-/// ([`Device::queue_stats`]).
-#[derive(Debug, Clone)]
-pub struct QueueStats {
-    /// Tag waits, per hardware context (one entry with shared tags).
-    pub tag_waits: Vec<WaitSnapshot>,
-    /// The scheduler's, if the queue runs one (`None`: `none`).
-    pub sched: Option<SchedStats>,
-}
-
-/// A queue's scheduler and its lock contention ([`QueueStats::sched`]).
-#[derive(Debug, Clone)]
-pub struct SchedStats {
-    /// The scheduler's name (`mq-deadline`).
-    pub name: &'static str,
-    /// Its lock's contention.
-    pub lock: crate::sched::LockStats,
 }
 
 impl Drop for Queue {

@@ -1,4 +1,5 @@
-//! Queue statistics: `/sys/block/*/stat`-style disk counters, and tag-wait statistics.
+//! Queue statistics: `/sys/block/*/stat`-style disk counters, tag-wait statistics, and what
+//! only a request queue counts ([`QueueStats`]).
 //!
 //! Disk counters are sharded by thread slot ([`blkq_sync::stat::ShardedCounters`]), incremented
 //! with `Relaxed` adds by whichever thread submits or completes, and summed on read: a reader may
@@ -34,6 +35,7 @@
 use std::time::Instant;
 
 use crate::bio::Op;
+use crate::sched::lock::LockStats;
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::stat::{Ordering as StatOrdering, ShardedCounters};
 use waitq::{HistogramSnapshot, LatencyHistogram};
@@ -427,6 +429,25 @@ impl WaitStats {
             hist,
         }
     }
+}
+
+/// What only a request queue counts, beyond the disk statistics every device may have
+/// ([`crate::Device::queue_stats`]).
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Tag waits, per hardware context (one entry with shared tags).
+    pub tag_waits: Vec<WaitSnapshot>,
+    /// The scheduler's, if the queue runs one (`None`: `none`).
+    pub sched: Option<SchedStats>,
+}
+
+/// A queue's scheduler and its lock contention ([`QueueStats::sched`]).
+#[derive(Debug, Clone)]
+pub struct SchedStats {
+    /// The scheduler's name (`mq-deadline`).
+    pub name: &'static str,
+    /// Its lock's contention.
+    pub lock: LockStats,
 }
 
 #[cfg(all(test, not(blkq_loom)))]

@@ -44,10 +44,11 @@ use std::path::PathBuf;
 use blkq_sync::{Arc, DynArc, Mutex};
 
 use crate::bits::{check_granularity, Bitmap};
-use crate::commit::{CommitStats, Committer, Sink};
+use crate::commit::{CommitStats, Committer};
 use crate::gate::{Gate, Mode};
 use crate::identity::{self, ImageId};
 use crate::sidecar::{self, alloc_region, region_pages, Entry, Header, Identity, Sidecars};
+use crate::sink::Sink;
 use crate::Error;
 
 /// Where an export's bitmaps are kept.

@@ -20,6 +20,7 @@
 //! - `gate.rs`: which bitmaps a write counts in, switched atomically by management, with the
 //!   wait that makes `rotate` exact; a locked twin behind [`Mode`];
 //! - `commit.rs`: group commit of newly set bits to the store;
+//! - `sink.rs`: the store the committer writes to (the sidecar, or nothing in memory);
 //! - `sidecar.rs`: the on-disk format (double-buffered header, checksummed pages), and the
 //!   copies of a mirror's sidecar kept together (`Sidecars`);
 //! - `identity.rs`: which image a sidecar belongs to;
@@ -36,6 +37,7 @@ pub mod commit;
 pub mod gate;
 pub mod identity;
 pub mod sidecar;
+pub mod sink;
 pub mod tracked;
 
 use std::path::PathBuf;

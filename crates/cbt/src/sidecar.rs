@@ -42,7 +42,7 @@ use std::path::{Path, PathBuf};
 use blkq_sync::Mutex;
 
 use crate::bits::Bitmap;
-use crate::commit::Sink;
+use crate::sink::Sink;
 use crate::Error;
 
 /// Page size of the sidecar.

@@ -7,8 +7,9 @@
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{thread, Arc, DynArc, Mutex};
 use cbt::bits::Bitmap;
-use cbt::commit::{Committer, Sink};
+use cbt::commit::Committer;
 use cbt::sidecar::decode_words;
+use cbt::sink::Sink;
 use cbt::{Bitmaps, Mode, Options};
 
 fn write_vs_rotate(mode: Mode) {

@@ -7,7 +7,7 @@ use blk::{Device, Op};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::DynArc as Arc;
-use cbt::commit::Sink;
+use cbt::sink::Sink;
 use cbt::{Bitmaps, Mode, Tracked};
 use testkit::io::{read_at, write_at};
 use testkit::Forward;

@@ -5,7 +5,8 @@
 //!   submission to a [`blk::Device`], coalesced replies).
 //! - [`client`]: a small blocking client (tests, tools, and a remote leg's handshakes).
 //! - [`remote`]: an export on another NBD server as a [`blk::Device`] (`nbd://`, `nbd+unix://`).
-//! - [`stream`]: one type over TCP and Unix stream sockets.
+//! - [`stream`]: one type over TCP and Unix stream sockets, plain or TLS ([`socket`]: the
+//!   plain one; [`tls`]: TLS over it).
 //! - [`unix_listener`]: Unix sockets bound private from their first moment.
 //!
 //! The codec (`nbd-proto`) is re-exported whole (`nbd::proto`, `nbd::handshake`,
@@ -23,6 +24,7 @@ mod coverage;
 pub mod fuzzing;
 pub mod remote;
 pub mod server;
+pub mod socket;
 pub mod stream;
 mod sys;
 pub mod tls;

@@ -1,5 +1,5 @@
 //! A connected socket, TCP or Unix, plain or TLS: what the server and the client read and
-//! write. The TLS variant and its rules live in [`crate::tls`].
+//! write. The plain socket is [`Socket`]; the TLS variant and its rules live in [`crate::tls`].
 
 use std::borrow::BorrowMut;
 use std::fmt;
@@ -7,57 +7,66 @@ use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
-use crate::tls::TlsStream;
+use blkq_sync::DynArc;
 
-/// A connected stream socket: TCP or Unix domain.
+use crate::socket::Socket;
+use crate::tls::{self, TlsStream};
+
+/// A connected stream socket: TCP or Unix domain, plain or TLS.
 #[derive(Debug)]
 pub enum Stream {
-    /// A TCP connection.
-    Tcp(TcpStream),
-    /// A Unix domain socket connection.
-    Unix(UnixStream),
+    /// A TCP or Unix domain connection.
+    Plain(Socket),
     /// Either of them after `NBD_OPT_STARTTLS` (see [`crate::tls`]).
     Tls(Box<TlsStream>),
 }
 
+impl From<TcpStream> for Stream {
+    fn from(s: TcpStream) -> Self {
+        Stream::Plain(Socket::Tcp(s))
+    }
+}
+
+impl From<UnixStream> for Stream {
+    fn from(s: UnixStream) -> Self {
+        Stream::Plain(Socket::Unix(s))
+    }
+}
+
 impl Stream {
+    /// The socket underneath (under TLS, the one the records travel on).
+    pub fn socket(&self) -> &Socket {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.sock(),
+        }
+    }
+
     /// A second handle on the same socket (`dup(2)`).
     pub fn try_clone(&self) -> io::Result<Stream> {
         Ok(match self {
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Plain(s) => Stream::Plain(s.try_clone()?),
             Stream::Tls(s) => Stream::Tls(Box::new(s.try_clone()?)),
         })
     }
 
     /// Shuts down one or both directions (wakes a thread blocked in `read` on another handle).
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.shutdown(how),
-            Stream::Unix(s) => s.shutdown(how),
-            Stream::Tls(s) => s.sock().shutdown(how),
-        }
+        self.socket().shutdown(how)
     }
 
     /// Sets the socket's receive timeout (`SO_RCVTIMEO`; `None`: block for ever). A read that
     /// times out fails with `ErrorKind::WouldBlock`. The timeout belongs to the socket, so it
     /// applies to every handle of it.
     pub fn set_read_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_read_timeout(t),
-            Stream::Unix(s) => s.set_read_timeout(t),
-            Stream::Tls(s) => s.sock().set_read_timeout(t),
-        }
+        self.socket().set_read_timeout(t)
     }
 
     /// The socket's receive timeout (`SO_RCVTIMEO`; `None`: none).
     pub fn read_timeout(&self) -> io::Result<Option<std::time::Duration>> {
-        match self {
-            Stream::Tcp(s) => s.read_timeout(),
-            Stream::Unix(s) => s.read_timeout(),
-            Stream::Tls(s) => s.sock().read_timeout(),
-        }
+        self.socket().read_timeout()
     }
 
     /// When the partial TLS record received so far began (`None`: not TLS, or the bytes
@@ -65,50 +74,31 @@ impl Stream {
     pub(crate) fn partial_record_since(&self) -> Option<std::time::Instant> {
         match self {
             Stream::Tls(s) => s.partial_record_since(),
-            _ => None,
+            Stream::Plain(_) => None,
         }
     }
 
     /// Sets the socket's send timeout (`SO_SNDTIMEO`; `None`: block for ever). A blocking send
     /// that sends nothing for that long fails with `ErrorKind::WouldBlock`.
     pub fn set_write_timeout(&self, t: Option<std::time::Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_write_timeout(t),
-            Stream::Unix(s) => s.set_write_timeout(t),
-            Stream::Tls(s) => s.sock().set_write_timeout(t),
-        }
+        self.socket().set_write_timeout(t)
     }
 
     /// Disables Nagle's algorithm on TCP (no-op on Unix sockets): replies must leave at once.
     pub fn set_nodelay(&self) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => s.set_nodelay(true),
-            Stream::Unix(_) => Ok(()),
-            Stream::Tls(s) => s.sock().set_nodelay(),
-        }
+        self.socket().set_nodelay()
     }
 
     /// The peer's IP address on TCP (for access rules); `None` on a Unix socket; the error
     /// of `getpeername` on a TCP socket whose peer cannot be read (it has reset the
     /// connection, say): not a Unix client, so access rules must not take it for one.
     pub fn peer_ip(&self) -> io::Result<Option<std::net::IpAddr>> {
-        match self {
-            Stream::Tcp(s) => s.peer_addr().map(|a| Some(a.ip())),
-            Stream::Unix(_) => Ok(None),
-            Stream::Tls(s) => s.sock().peer_ip(),
-        }
+        self.socket().peer_ip()
     }
 
     /// The peer, for log lines: `tcp:127.0.0.1:53312` or `unix`.
     pub fn peer(&self) -> String {
-        match self {
-            Stream::Tcp(s) => match s.peer_addr() {
-                Ok(a) => format!("tcp:{a}"),
-                Err(_) => "tcp:?".to_string(),
-            },
-            Stream::Unix(_) => "unix".to_string(),
-            Stream::Tls(s) => s.sock().peer(),
-        }
+        self.socket().peer()
     }
 
     /// Whether the stream speaks TLS.
@@ -121,15 +111,15 @@ impl Stream {
     pub fn tls_subject(&self) -> Option<String> {
         match self {
             Stream::Tls(s) => s.subject().map(str::to_string),
-            _ => None,
+            Stream::Plain(_) => None,
         }
     }
 
     /// The TLS session, shared by every handle of the connection.
-    pub(crate) fn tls_session(&self) -> Option<&blkq_sync::DynArc<crate::tls::TlsSession>> {
+    pub(crate) fn tls_session(&self) -> Option<&DynArc<tls::TlsSession>> {
         match self {
             Stream::Tls(s) => Some(s.session()),
-            _ => None,
+            Stream::Plain(_) => None,
         }
     }
 
@@ -138,7 +128,7 @@ impl Stream {
     pub fn tls_refresh_keys(&self) -> io::Result<()> {
         match self {
             Stream::Tls(s) => s.refresh_keys(),
-            _ => Err(io::Error::other("not a TLS stream")),
+            Stream::Plain(_) => Err(io::Error::other("not a TLS stream")),
         }
     }
 
@@ -148,6 +138,54 @@ impl Stream {
         if let Stream::Tls(s) = self {
             s.close_notify();
         }
+    }
+
+    /// Server side of STARTTLS: the TLS handshake on this (plain) stream, which then speaks
+    /// TLS; it must end before `deadline` (the NBD handshake's).
+    pub(crate) fn accept_tls(
+        &mut self,
+        config: &DynArc<rustls::ServerConfig>,
+        deadline: Instant,
+    ) -> io::Result<()> {
+        self.start_tls(|| tls::server_connection(config), Some(deadline))
+    }
+
+    /// Client side of STARTTLS, after the server acknowledged `NBD_OPT_STARTTLS`: the TLS
+    /// handshake on this (plain) stream, which then speaks TLS; with a `deadline`, the whole
+    /// handshake must end before it.
+    pub fn connect_tls(
+        &mut self,
+        config: &DynArc<rustls::ClientConfig>,
+        server_name: &str,
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
+        self.start_tls(|| tls::client_connection(config, server_name), deadline)
+    }
+
+    /// Runs the TLS handshake of the connection `conn` makes and turns this plain stream into
+    /// a [`Stream::Tls`].
+    ///
+    /// With a `deadline`, the whole handshake must end before it: every receive and send
+    /// first sets what is left of it as the socket's timeout, so a peer that trickles its
+    /// flight a byte at a time runs out of time like a silent one (`TimedOut`). Without one,
+    /// the socket's timeouts stand as the caller set them.
+    fn start_tls(
+        &mut self,
+        conn: impl FnOnce() -> io::Result<rustls::Connection>,
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
+        let Stream::Plain(plain) = self else {
+            return Err(io::Error::other("TLS already started"));
+        };
+        let conn = conn()?;
+        let sock = plain.try_clone()?;
+        let io = Until {
+            sock: &mut *self,
+            deadline,
+        };
+        let tls = tls::handshake(io, sock, conn)?;
+        *self = Stream::Tls(Box::new(tls));
+        Ok(())
     }
 }
 
@@ -217,8 +255,7 @@ impl Read for Stream {
     #[inline]
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
+            Stream::Plain(s) => s.read(buf),
             Stream::Tls(s) => s.read(buf),
         }
     }
@@ -226,8 +263,7 @@ impl Read for Stream {
     #[inline]
     fn read_vectored(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.read_vectored(bufs),
-            Stream::Unix(s) => s.read_vectored(bufs),
+            Stream::Plain(s) => s.read_vectored(bufs),
             Stream::Tls(s) => s.read_vectored(bufs),
         }
     }
@@ -237,8 +273,7 @@ impl Write for Stream {
     #[inline]
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
+            Stream::Plain(s) => s.write(buf),
             Stream::Tls(s) => s.write(buf),
         }
     }
@@ -246,8 +281,7 @@ impl Write for Stream {
     #[inline]
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
-            Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Plain(s) => s.write_vectored(bufs),
             Stream::Tls(s) => s.write_vectored(bufs),
         }
     }
@@ -259,21 +293,13 @@ impl Write for Stream {
 
 impl AsFd for Stream {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Stream::Tcp(s) => s.as_fd(),
-            Stream::Unix(s) => s.as_fd(),
-            Stream::Tls(s) => s.sock().as_fd(),
-        }
+        self.socket().as_fd()
     }
 }
 
 impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
-        match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
-            Stream::Tls(s) => s.sock().as_raw_fd(),
-        }
+        self.socket().as_raw_fd()
     }
 }
 

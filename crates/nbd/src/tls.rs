@@ -1,8 +1,8 @@
-//! TLS (`NBD_OPT_STARTTLS`) over a [`Stream`], with rustls (ring provider).
+//! TLS (`NBD_OPT_STARTTLS`) over a plain [`Socket`], with rustls (ring provider).
 //!
 //! # Who holds what
 //!
-//! After STARTTLS a connection's socket is a [`Stream::Tls`]: the plain socket plus an
+//! After STARTTLS a connection's socket is a `Stream::Tls`: the plain socket plus an
 //! `Arc<TlsSession>`, the one `rustls::Connection` of the connection under a short mutex.
 //! The server's transmission phase splits the connection: the reader thread reads on one
 //! handle, writers send on another (`conn/writer.rs`). Both handles share the session.
@@ -75,7 +75,7 @@ use rustls::RootCertStore;
 use x509_parser::asn1_rs::{Any, Oid, Tag, ToDer};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
-use crate::stream::{Stream, Until};
+use crate::socket::Socket;
 
 /// Bytes of the reader's raw (ciphertext) receive buffer.
 const RAW_BUF: usize = 64 << 10;
@@ -258,7 +258,7 @@ pub(crate) fn drain(session: &TlsSession, conn: &mut rustls::Connection, out: &m
 
 /// One handle of a TLS connection: the plain socket and the shared session.
 pub struct TlsStream {
-    sock: Stream,
+    sock: Socket,
     session: DynArc<TlsSession>,
     /// Raw bytes received and not yet given to rustls: `raw[raw_pos..raw_len]`.
     raw: Vec<u8>,
@@ -324,7 +324,7 @@ impl fmt::Debug for TlsStream {
 }
 
 impl TlsStream {
-    fn new(sock: Stream, session: DynArc<TlsSession>) -> Self {
+    fn new(sock: Socket, session: DynArc<TlsSession>) -> Self {
         Self {
             sock,
             session,
@@ -343,7 +343,7 @@ impl TlsStream {
     }
 
     /// The plain socket underneath.
-    pub(crate) fn sock(&self) -> &Stream {
+    pub(crate) fn sock(&self) -> &Socket {
         &self.sock
     }
 
@@ -509,23 +509,15 @@ impl Write for TlsStream {
     }
 }
 
-/// Runs the TLS handshake on `stream` (a plain socket) and turns it into a [`Stream::Tls`].
-///
-/// With a `deadline`, the whole handshake must end before it: every receive and send first
-/// sets what is left of it as the socket's timeout, so a peer that trickles its flight a byte
-/// at a time runs out of time like a silent one (`TimedOut`). Without one, the socket's
-/// timeouts stand as the caller set them.
-fn handshake(
-    stream: &mut Stream,
+/// Runs the TLS handshake of `conn` over `io` (a plain socket, under the caller's deadline),
+/// then makes `sock`, a handle of the same socket, speak TLS.
+pub(crate) fn handshake(
+    io: impl Read + Write,
+    sock: Socket,
     mut conn: rustls::Connection,
-    deadline: Option<Instant>,
-) -> io::Result<()> {
-    let mut sock = stream.try_clone()?;
+) -> io::Result<TlsStream> {
     let mut io = Timed {
-        io: Until {
-            sock: &mut sock,
-            deadline,
-        },
+        io,
         records: RecordEdge::default(),
     };
     while conn.is_handshaking() {
@@ -564,19 +556,19 @@ fn handshake(
     });
     let mut tls = TlsStream::new(sock, session);
     tls.records = records;
-    *stream = Stream::Tls(Box::new(tls));
-    Ok(())
+    Ok(tls)
 }
 
-/// The socket during a TLS handshake, with its deadline (see [`handshake`]).
-struct Timed<'a> {
-    io: Until<&'a mut Stream>,
+/// The socket during a TLS handshake (under the caller's deadline: see [`handshake`]), what it
+/// receives followed for record boundaries.
+struct Timed<IO> {
+    io: IO,
     /// Record boundaries of every byte received since TLS began: rustls may read past the
     /// handshake, and the stream's tracker must start where this one ends.
     records: RecordEdge,
 }
 
-impl Read for Timed<'_> {
+impl<IO: Read> Read for Timed<IO> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.io.read(buf)?;
         self.records.feed(&buf[..n]);
@@ -584,7 +576,7 @@ impl Read for Timed<'_> {
     }
 }
 
-impl Write for Timed<'_> {
+impl<IO: Write> Write for Timed<IO> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.io.write(buf)
     }
@@ -594,43 +586,24 @@ impl Write for Timed<'_> {
     }
 }
 
-/// Server side of STARTTLS: the handshake on `stream`, which then speaks TLS; it must end
-/// before `deadline` (the NBD handshake's).
-pub(crate) fn accept(
-    stream: &mut Stream,
+/// The server side of a TLS connection under `config`, before its handshake.
+pub(crate) fn server_connection(
     config: &DynArc<rustls::ServerConfig>,
-    deadline: Instant,
-) -> io::Result<()> {
-    if matches!(stream, Stream::Tls(_)) {
-        return Err(io::Error::other("TLS already started"));
-    }
+) -> io::Result<rustls::Connection> {
     let conn = rustls::ServerConnection::new(config.clone()).map_err(tls_io_err)?;
-    handshake(stream, rustls::Connection::Server(conn), Some(deadline))
+    Ok(rustls::Connection::Server(conn))
 }
 
-/// Client side of STARTTLS, after the server acknowledged `NBD_OPT_STARTTLS`.
-pub fn connect(
-    stream: &mut Stream,
+/// The client side of a TLS connection under `config` to `server_name`, before its
+/// handshake.
+pub(crate) fn client_connection(
     config: &DynArc<rustls::ClientConfig>,
     server_name: &str,
-) -> io::Result<()> {
-    connect_by(stream, config, server_name, None)
-}
-
-/// [`connect`], the whole TLS handshake bounded by `deadline` (see [`handshake`]).
-pub(crate) fn connect_by(
-    stream: &mut Stream,
-    config: &DynArc<rustls::ClientConfig>,
-    server_name: &str,
-    deadline: Option<Instant>,
-) -> io::Result<()> {
-    if matches!(stream, Stream::Tls(_)) {
-        return Err(io::Error::other("TLS already started"));
-    }
+) -> io::Result<rustls::Connection> {
     let name = ServerName::try_from(server_name.to_string())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let conn = rustls::ClientConnection::new(config.clone(), name).map_err(tls_io_err)?;
-    handshake(stream, rustls::Connection::Client(conn), deadline)
+    Ok(rustls::Connection::Client(conn))
 }
 
 // --- The subject of a certificate, RFC 4514 style ------------------------------------------

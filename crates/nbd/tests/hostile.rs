@@ -98,7 +98,7 @@ impl Drop for Hostile {
 fn starttls_raw(addr: SocketAddr) -> TcpStream {
     let s = TcpStream::connect(addr).unwrap();
     s.set_nodelay(true).unwrap();
-    let mut h = Handshake::start(nbd::stream::Stream::Tcp(s.try_clone().unwrap())).unwrap();
+    let mut h = Handshake::start(nbd::stream::Stream::from(s.try_clone().unwrap())).unwrap();
     h.send_option(&ClientOption::StartTls).unwrap();
     let r = h.read_reply().unwrap();
     assert_eq!(r.reply_type, NBD_REP_ACK, "STARTTLS not acknowledged");
@@ -229,7 +229,7 @@ fn a_request_trickled_on_plain_tcp_is_cut_after_the_send_timeout() {
     let mut h = Handshake::start(Endpoint::Tcp(srv.tcp).connect().unwrap()).unwrap();
     h.go("").unwrap();
     let s = match h.stream() {
-        nbd::stream::Stream::Tcp(s) => s.try_clone().unwrap(),
+        nbd::stream::Stream::Plain(nbd::socket::Socket::Tcp(s)) => s.try_clone().unwrap(),
         _ => unreachable!(),
     };
     let mut req = Vec::new();

@@ -201,11 +201,11 @@ impl SpecOptions {
     }
 }
 
-impl crate::spec::KindOptions for SpecOptions {
+impl crate::kind_options::KindOptions for SpecOptions {
     fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
         match k {
-            "ro" | "read_only" => self.0.read_only |= crate::spec::parse_bool(k, v)?,
-            "lock" => self.0.no_lock = !crate::spec::parse_bool(k, v)?,
+            "ro" | "read_only" => self.0.read_only |= crate::kind_options::parse_bool(k, v)?,
+            "lock" => self.0.no_lock = !crate::kind_options::parse_bool(k, v)?,
             k => return self.0.set(k, v),
         }
         Ok(true)
@@ -266,25 +266,5 @@ mod tests {
         assert!(c.set("completion", "thread").is_err());
         assert!(!c.set("engine", "uring").unwrap());
         assert_eq!(c.to_string(), "rbd:rbd/img@s1");
-    }
-}
-
-#[cfg(all(test, not(blkq_loom), not(blkq_rbd)))]
-mod without_librbd {
-    use crate::spec::{DeviceSpec, QueueOverrides};
-
-    #[test]
-    fn an_rbd_spec_says_the_build_has_no_librbd_and_how_to_get_it() {
-        let spec: DeviceSpec = "rbd:rbd/img,conf=/etc/ceph/ceph.conf".parse().unwrap();
-        let e = spec
-            .build(&QueueOverrides::default())
-            .map(|_| ())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rbd:rbd/img"), "{e}");
-        assert!(
-            e.contains("without librbd") && e.contains("librbd-dev"),
-            "{e}"
-        );
     }
 }

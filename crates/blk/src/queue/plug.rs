@@ -3,7 +3,7 @@
 
 use crate::bio::Op;
 
-use super::RequestToken;
+use super::request::RequestToken;
 
 #[cfg(not(blkq_loom))]
 std::thread_local! {

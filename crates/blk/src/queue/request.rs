@@ -7,8 +7,6 @@ use std::fmt;
 use blkq_sync::DynArc as Arc;
 use blkq_sync::UnsafeCell;
 
-#[cfg(doc)]
-use super::QueueCore;
 use crate::bio::{Bio, EndIo};
 
 /// A request: a bio in flight, in the preallocated request cell of its tag.
@@ -19,6 +17,8 @@ use crate::bio::{Bio, EndIo};
 /// `complete` free a tag another request holds, and two owners would share one cell).
 /// Drivers and schedulers read it through accessors; the bio can be borrowed, taken out and
 /// put back.
+///
+/// [`QueueCore::complete`]: super::QueueCore::complete
 #[derive(Default)]
 pub struct Request {
     pub(super) bio: Option<Bio>,
@@ -115,10 +115,12 @@ impl fmt::Debug for Request {
 ///
 /// In debug builds the token also names the queue it belongs to, and every use on another
 /// queue fails a debug assertion: a token is an index into one queue's table.
+///
+/// [`QueueCore::complete`]: super::QueueCore::complete
 #[derive(Debug)]
 pub struct RequestToken {
     pub(super) idx: u32,
-    /// The identity of the owning queue ([`QueueCore::id`]), checked on every use.
+    /// The identity of the owning queue (`QueueCore::id`), checked on every use.
     #[cfg(debug_assertions)]
     pub(super) queue: usize,
 }
@@ -126,6 +128,8 @@ pub struct RequestToken {
 impl RequestToken {
     /// The request's index in its queue's table (unique among requests in flight on this
     /// queue, below [`QueueCore::nr_requests`]).
+    ///
+    /// [`QueueCore::nr_requests`]: super::QueueCore::nr_requests
     #[inline]
     pub fn index(&self) -> u32 {
         self.idx

@@ -26,6 +26,7 @@ mod hist;
 mod job;
 mod plot;
 mod report;
+mod stats;
 
 use std::time::Duration;
 
@@ -39,7 +40,8 @@ use args::{apply, list, RunCfg};
 pub use args::{BenchArgs, BenchCmd};
 use format::thousands_or_millions;
 use job::{run_once, verify};
-use report::{mean_sd, policy_name, print_human, print_table, to_json, wake_name};
+use report::{policy_name, print_human, print_table, to_json, wake_name};
+use stats::mean_sd;
 
 /// Runs `blkq bench`.
 pub fn run(a: BenchArgs) -> Result<()> {

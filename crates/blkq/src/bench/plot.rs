@@ -212,7 +212,7 @@ pub(super) fn point(v: &[f64], err: ErrBars) -> Option<(f64, f64, f64)> {
     if v.is_empty() {
         return None;
     }
-    let (m, sd) = super::report::mean_sd(v);
+    let (m, sd) = super::stats::mean_sd(v);
     Some(match err {
         ErrBars::Minmax => (
             m,

@@ -157,13 +157,6 @@ pub(super) fn to_json(cfg: &RunCfg, r: &RunResult, repeat: usize) -> String {
     serde_json::to_string(&Report::new(cfg, r, repeat)).unwrap_or_default()
 }
 
-pub(super) fn mean_sd(v: &[f64]) -> (f64, f64) {
-    let n = v.len().max(1) as f64;
-    let m = v.iter().sum::<f64>() / n;
-    let var = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    (m, var.sqrt())
-}
-
 pub(super) fn print_human(cfg: &RunCfg, r: &RunResult) {
     println!(
         "{} {} bs={} iodepth={} jobs={} wake={} policy={} sched={}{}",

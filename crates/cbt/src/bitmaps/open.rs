@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use blkq_sync::{Arc, DynArc, Mutex};
 
 use crate::bits::Bitmap;
-use crate::commit::{Committer, NoSink, Sink};
+use crate::commit::Committer;
 use crate::gate::Gate;
 use crate::identity::{self, ImageId};
 use crate::sidecar::{
     self, alloc_region, region_pages, Entry, FileSink, Header, Identity, Refusal, Sidecars,
 };
+use crate::sink::{NoSink, Sink};
 use crate::Error;
 
 use super::{Bitmaps, Ctl, Image, Options, Slot, Store};

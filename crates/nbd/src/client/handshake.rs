@@ -248,7 +248,8 @@ impl Handshake {
         server_name: &str,
     ) -> Result<(), ClientError> {
         self.option(&ClientOption::StartTls)?;
-        crate::tls::connect_by(&mut self.stream, config, server_name, self.deadline)?;
+        self.stream
+            .connect_tls(config, server_name, self.deadline)?;
         Ok(())
     }
 

@@ -49,9 +49,9 @@ impl Endpoint {
             Endpoint::Tcp(a) => {
                 let s = TcpStream::connect(a)?;
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                Stream::from(s)
             }
-            Endpoint::Unix(p) => Stream::Unix(UnixStream::connect(p)?),
+            Endpoint::Unix(p) => Stream::from(UnixStream::connect(p)?),
         })
     }
 }

@@ -93,7 +93,7 @@ fn left(deadline: Instant) -> io::Result<Duration> {
 /// what is left, `resolve`). `timeout` is the spec's (keepalive).
 pub(super) fn dial(addr: &RemoteAddr, timeout: Duration, deadline: Instant) -> io::Result<Stream> {
     match addr {
-        RemoteAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p)?)),
+        RemoteAddr::Unix(p) => Ok(Stream::from(UnixStream::connect(p)?)),
         RemoteAddr::Tcp { host, port } => {
             let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
             for a in super::resolve::resolve(host, *port, deadline)? {
@@ -101,7 +101,7 @@ pub(super) fn dial(addr: &RemoteAddr, timeout: Duration, deadline: Instant) -> i
                     Ok(s) => {
                         s.set_nodelay(true)?;
                         keepalive(&s, timeout)?;
-                        return Ok(Stream::Tcp(s));
+                        return Ok(Stream::from(s));
                     }
                     Err(e) => last = e,
                 }

@@ -16,7 +16,7 @@ use blkq_sync::MutexGuard;
 use tracing::{debug, warn};
 
 use super::limits::RateLimited;
-use super::Shared;
+use super::shared::{Registry, Shared};
 use crate::stream::Stream;
 
 pub(super) enum Listener {
@@ -35,8 +35,8 @@ impl Listener {
 
     pub(super) fn accept(&self) -> io::Result<Stream> {
         match self {
-            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::Tcp(s)),
-            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| Stream::from(s)),
+            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::from(s)),
         }
     }
 }
@@ -119,7 +119,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
             drop((stream, handle));
             shared
                 .counters
-                .handshake_failed(super::HandshakeFailure::Policy);
+                .handshake_failed(super::stats::HandshakeFailure::Policy);
             if let Some(left_out) = refused_address.allow() {
                 warn!(
                     %peer,
@@ -175,7 +175,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
 /// connection, logged through `accept_failed`.
 fn spawn_conn(
     shared: &Arc<Shared>,
-    mut r: MutexGuard<'_, super::Registry>,
+    mut r: MutexGuard<'_, Registry>,
     stream: Stream,
     handle: Stream,
     accept_failed: &mut RateLimited,
@@ -222,7 +222,7 @@ fn spawn_conn(
 /// likely to be a slow or hostile client, and evicting the oldest means a flood must outpace
 /// a real client's whole handshake to keep it out. Clients in transmission passed the access
 /// rules and are never evicted.
-fn evict_oldest_handshake(r: &mut super::Registry, limit: usize) -> Option<(u64, String)> {
+fn evict_oldest_handshake(r: &mut Registry, limit: usize) -> Option<(u64, String)> {
     if r.evicted.len() >= limit {
         return None;
     }

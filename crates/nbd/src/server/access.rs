@@ -697,7 +697,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(gone, "getpeername still works after the reset");
-        let who = Identity::of(&Stream::Tcp(s));
+        let who = Identity::of(&Stream::from(s));
         let a = Access {
             allow: nets(&["10.0.0.0/8"]),
             ..Access::default()

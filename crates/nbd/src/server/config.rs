@@ -14,8 +14,6 @@ use blk::Device;
 use super::access::{Access, Identity};
 use super::conn::splice_rule::SpliceRule;
 use super::limits::{default_max_connections, default_memory_budget, BudgetImpl};
-#[cfg(doc)]
-use super::STUCK_GRACE;
 use crate::stream::Stream;
 
 /// The default permission bits of the Unix socket: only the server's user may connect.
@@ -102,6 +100,8 @@ pub struct Tuning {
     /// At shutdown, how long connections get to finish their in-flight requests before their
     /// sockets are shut down in both directions (a connection still busy [`STUCK_GRACE`]
     /// after that is given up as stuck), and again how long the final flushes get.
+    ///
+    /// [`STUCK_GRACE`]: super::STUCK_GRACE
     pub drain_timeout: Duration,
     /// Connections open at once (handshake or transmission); a socket accepted beyond it is
     /// closed at once. Default: [`default_max_connections`].

@@ -9,7 +9,10 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as Arc;
 use tracing::{info, warn};
 
-use super::{drain, flush, Export, ExportState, RemoveReport, Server, ServerError, Shared};
+use super::config::Export;
+use super::drain::{drain, flush};
+use super::error::{RemoveReport, ServerError};
+use super::shared::{ExportState, Shared};
 
 /// One export of the table, as [`Exports::list`] shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,7 +36,7 @@ pub struct ExportInfo {
 /// metrics are gone, every call answers [`ServerError::Stopping`], and a handle kept longer
 /// keeps no device open.
 #[derive(Clone)]
-pub struct Exports(std::sync::Weak<Shared>);
+pub struct Exports(pub(super) std::sync::Weak<Shared>);
 
 impl Exports {
     fn shared(&self) -> Result<Arc<Shared>, ServerError> {
@@ -154,26 +157,5 @@ impl Exports {
                 failed: e.failed.is_set(),
             })
             .collect())
-    }
-}
-
-impl Server {
-    /// A handle to add and remove exports while serving.
-    pub fn exports(&self) -> Exports {
-        Exports(Arc::downgrade(&self.shared))
-    }
-
-    /// Adds an export while serving (see [`Exports::add`]).
-    pub fn add_export(&self, export: Export) -> Result<(), ServerError> {
-        self.exports().add(export)
-    }
-
-    /// Removes an export while serving (see [`Exports::remove`]).
-    pub fn remove_export(
-        &self,
-        name: &str,
-        timeout: Duration,
-    ) -> Result<RemoveReport, ServerError> {
-        self.exports().remove(name, timeout)
     }
 }

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use blkq_sync::DynArc as Arc;
 
 use super::access::{Identity, Refusal};
-use super::{ExportState, Shared};
+use super::shared::{ExportState, Shared};
 use crate::handshake::{
     decode_client_flags, decode_option_header, encode_export_name_reply, encode_option_reply,
     encode_server_greeting, parse_option, BlockSize, ClientOption, ExportInfo, ExportRequest, Info,
@@ -164,7 +164,7 @@ impl<'a> Deadlined<'a> {
     /// The server side of STARTTLS (the ACK already sent), within the deadline.
     fn start_tls(&mut self, config: &blkq_sync::DynArc<rustls::ServerConfig>) -> io::Result<()> {
         self.left()?;
-        crate::tls::accept(self.stream, config, self.deadline)
+        self.stream.accept_tls(config, self.deadline)
     }
 
     /// What is left of the deadline, or `TimedOut`.
@@ -449,7 +449,7 @@ impl Haggler<'_, '_> {
             );
             self.shared
                 .counters
-                .handshake_failed(super::HandshakeFailure::Policy);
+                .handshake_failed(super::stats::HandshakeFailure::Policy);
         }
         self.reply(
             option,
@@ -731,7 +731,7 @@ impl Haggler<'_, '_> {
     fn refuse(&mut self, option: u32, name: &str) -> Result<(), Ended> {
         self.shared
             .counters
-            .handshake_failed(super::HandshakeFailure::Policy);
+            .handshake_failed(super::stats::HandshakeFailure::Policy);
         let mut end = name.len().min(256);
         while !name.is_char_boundary(end) {
             end -= 1;

@@ -64,9 +64,12 @@ mod accept;
 mod access;
 mod config;
 mod conn;
+mod drain;
+mod error;
 mod exports;
 mod handshake;
 mod limits;
+mod shared;
 mod stats;
 
 use self::accept::{accept_loop, remove_stale_socket, Listener};
@@ -78,210 +81,28 @@ pub use self::config::{
     Export, ServerConfig, Tuning, DEFAULT_TCP_ADDR, DEFAULT_UNIX_MODE, DEFAULT_UNIX_PATH,
 };
 pub use self::conn::splice_rule::SpliceRule;
+pub use self::drain::STUCK_GRACE;
+use self::drain::{drain, flush};
+pub use self::error::{RemoveReport, ServerError};
 pub use self::exports::{ExportInfo, Exports};
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
-pub(crate) use self::stats::ServerCounters;
-pub use self::stats::{ExportMetrics, HandshakeFailure, Metrics, ServerSnapshot, StatsSource};
+use self::shared::{AccessTable, ExportState, Registry, Shared};
+use self::stats::ServerCounters;
+pub use self::stats::{ExportMetrics, HandshakeFailure, ServerSnapshot, StatsSource};
 
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use blk::{Bio, Op, PendingBio};
 use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{Mutex, RwLock};
 use tracing::{info, warn};
 use waitq::Completion;
-
-use crate::stream::Stream;
-
-/// Errors of starting a server.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ServerError {
-    /// A listener could not be bound.
-    #[error("binding {addr}: {source}")]
-    Bind {
-        /// The address or path.
-        addr: String,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// The configuration has no exports.
-    #[error("no exports configured")]
-    NoExports,
-    /// Two exports share a name.
-    #[error("two exports are named {0:?}")]
-    DuplicateExport(String),
-    /// An export name is not a valid protocol string.
-    #[error("export name {0:?} is not a valid NBD string (at most 4096 bytes, no NUL)")]
-    BadExportName(String),
-    /// Neither a TCP address nor a Unix socket was given.
-    #[error("no listener configured (give a TCP address or a Unix socket path)")]
-    NoListener,
-    /// Any other I/O error (spawning threads).
-    #[error("{0}")]
-    Io(#[from] io::Error),
-    /// An export was to be added or removed while the server stops (or after it stopped).
-    #[error("the server is shutting down: exports no longer change")]
-    Stopping,
-    /// No export has this name.
-    #[error("no export named {0:?}")]
-    UnknownExport(String),
-    /// An export was removed, but not cleanly: its data may be lost (see [`RemoveReport`]).
-    #[error("{0}")]
-    RemovedUnclean(RemoveReport),
-}
-
-/// What removing an export found ([`Exports::remove`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RemoveReport {
-    /// The export's name (gone from the table either way).
-    pub name: String,
-    /// Connections that were attached to it (drained, then closed).
-    pub connections: usize,
-    /// Its device was flushed (a writable export; whether the flush succeeded is `failed`).
-    pub flushed: bool,
-    /// A connection still had a request in the device after the timeout (its thread is left
-    /// behind), or the final flush did not complete in time.
-    pub stuck: bool,
-    /// Data on it may be lost: a write or flush had failed on it (sticky), its final flush
-    /// failed or did not complete, or it was stuck.
-    pub failed: bool,
-}
-
-impl RemoveReport {
-    /// Whether its connections drained and its device flushed.
-    pub fn is_clean(&self) -> bool {
-        !self.stuck && !self.failed
-    }
-}
-
-impl std::fmt::Display for RemoveReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.connections;
-        write!(f, "export {:?} removed", self.name)?;
-        if self.is_clean() {
-            let flushed = if self.flushed { ", device flushed" } else { "" };
-            return write!(f, " ({n} connection(s) drained and closed{flushed})");
-        }
-        if self.stuck {
-            write!(
-                f,
-                ", but it is stuck: a request of its {n} connection(s) or its final flush did \
-                 not complete within the timeout"
-            )?;
-        } else {
-            write!(
-                f,
-                ", but a write or flush failed on it (or its final flush did)"
-            )?;
-        }
-        f.write_str("; data written to it may be lost")
-    }
-}
-
-/// An export as the connections see it: the configuration plus what the handshake sends.
-/// Shared by `Arc`: the table holds one, each attached connection another.
-pub(crate) struct ExportState {
-    /// The export as configured.
-    pub(crate) export: Export,
-    /// Export size: the device capacity rounded down to the minimum block size.
-    pub(crate) size: u64,
-    /// Minimum block size (the device's logical block size, at least 512).
-    pub(crate) min_block: u32,
-    /// Sticky write error (see [`StickyError`]), shared by every connection to the export.
-    pub(crate) failed: Arc<StickyError>,
-    /// Disk counters kept by the server, for a device that keeps none of its own
-    /// ([`blk::Device::stats`] is `None`); `None` when the device counts.
-    pub(crate) disk: Option<Arc<blk::stats::DiskCounters>>,
-    /// The access rules in force (the export's at start; [`Reloader::set_access`] replaces
-    /// them). Read at accept and in the handshake only, never per request. Shared with the
-    /// [`Reloader`] alone, not the export: a reloader kept by a thread that outlives the
-    /// server (the signal thread) must not keep the devices open.
-    pub(crate) access: Arc<RwLock<Access>>,
-    /// Set (under the registry's lock) when the export is removed from the table: no
-    /// handshake attaches to it any more, and its connections drain as at shutdown.
-    pub(crate) removed: AtomicBool,
-}
-
-impl std::fmt::Debug for ExportState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ExportState")
-            .field("name", &self.export.name)
-            .field("size", &self.size)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ExportState {
-    /// The state of export `e`, its name checked.
-    fn new(e: Export) -> Result<Self, ServerError> {
-        if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
-            return Err(ServerError::BadExportName(e.name));
-        }
-        let lim = e.device.limits();
-        let min_block = lim.logical_block_size.clamp(512, 65536);
-        let size = lim.capacity / u64::from(min_block) * u64::from(min_block);
-        let disk = e
-            .device
-            .stats()
-            .is_none()
-            .then(|| Arc::new(blk::stats::DiskCounters::new()));
-        Ok(ExportState {
-            access: Arc::new(RwLock::new(e.access.clone())),
-            export: e,
-            size,
-            min_block,
-            failed: Arc::new(StickyError::default()),
-            disk,
-            removed: AtomicBool::new(false),
-        })
-    }
-
-    /// Whether the export was removed from the table (its connections are draining).
-    #[inline]
-    pub(crate) fn is_removed(&self) -> bool {
-        self.removed.load(Ordering::Acquire)
-    }
-}
-
-/// An export-wide sticky write error: once a write or a flush fails on the export, every
-/// later FLUSH and FUA write on it, on every connection, fails with EIO (the data one
-/// client believed written may be lost; a later flush must not say it is durable). A
-/// `FAST_ZERO` write-zeroes that the device refuses with `ENOTSUP` is not such a failure:
-/// the device wrote nothing, as the flag asks (`conn/inflight.rs`, `fails_write_back`).
-///
-/// Ordering: the flag only ever goes from false to true. It is set with `Release` in the
-/// completion path of the failing bio, before that bio's reply is queued; readers load it
-/// with `Acquire` in the completion path of a FLUSH / FUA write (and at shutdown). A flush
-/// that completes after the failing bio's completion stored the flag sees it; a flush whose
-/// completion races with the failing one may still succeed, which is no stronger a promise
-/// than the device made (the failing write had not completed when the flush was answered).
-#[derive(Default)]
-pub(crate) struct StickyError(AtomicBool);
-
-impl StickyError {
-    /// Records a failed write or flush.
-    pub(crate) fn set(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-
-    /// Whether a write or flush has failed on the export.
-    pub(crate) fn is_set(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
-/// After the drain timeout and the forced close of every connection's socket, how long a
-/// connection thread gets to notice and end before its export is reported stuck.
-pub const STUCK_GRACE: Duration = Duration::from_secs(1);
 
 /// What a shutdown found (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -298,104 +119,6 @@ impl ShutdownReport {
     /// Whether every export drained and flushed.
     pub fn is_clean(&self) -> bool {
         self.failed.is_empty() && self.stuck.is_empty()
-    }
-}
-
-/// The access rules of every export in the table, by name: shared with the [`Reloader`]
-/// (which must not hold the exports themselves).
-type AccessTable = Arc<RwLock<Vec<(String, Arc<RwLock<Access>>)>>>;
-
-/// State shared by the acceptors and every connection.
-pub(crate) struct Shared {
-    /// The export table (module docs): read at accept, in the handshake and by the metrics;
-    /// written by [`Exports::add`] and [`Exports::remove`]. Never read on the data path.
-    exports: RwLock<Vec<Arc<ExportState>>>,
-    /// Each export's access rules, for the [`Reloader`] (kept in step with `exports`).
-    access: AccessTable,
-    /// Held by an add, a remove and the shutdown: they run one at a time.
-    changing: Mutex<()>,
-    pub(crate) tuning: Tuning,
-    pub(crate) stopping: AtomicBool,
-    /// The global memory budget of payload buffers.
-    pub(crate) budget: Arc<MemoryBudget>,
-    /// TLS settings (`None`: off).
-    pub(crate) tls: Option<crate::tls::TlsSettings>,
-    /// The rustls configuration new TLS handshakes use: `tls`'s at start,
-    /// [`Reloader::set_tls_config`] replaces it (connected clients keep theirs).
-    pub(crate) tls_config: Arc<RwLock<Option<Arc<rustls::ServerConfig>>>>,
-    /// Counters for metrics (`stats.rs`).
-    pub(crate) counters: ServerCounters,
-    conns: Mutex<Registry>,
-}
-
-impl Shared {
-    /// The export named `name` in the table now.
-    pub(crate) fn find(&self, name: &str) -> Option<Arc<ExportState>> {
-        self.exports
-            .read()
-            .iter()
-            .find(|e| e.export.name == name)
-            .cloned()
-    }
-
-    /// The table now (a snapshot: one may be added or removed meanwhile).
-    pub(crate) fn exports(&self) -> Vec<Arc<ExportState>> {
-        self.exports.read().clone()
-    }
-
-    pub(crate) fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::Acquire)
-    }
-}
-
-#[derive(Default)]
-struct Registry {
-    next_id: u64,
-    /// Live connections: id and a handle on the socket, to shut it down at stop.
-    live: Vec<(u64, Stream)>,
-    /// Connection threads, by connection id (finished ones are pruned on accept). Plain OS
-    /// threads: they hold no modelled state of their own (the facade's threads cannot say
-    /// `is_finished`).
-    threads: Vec<(u64, std::thread::JoinHandle<()>)>,
-    /// The export of each live connection past its handshake: a removal drains the
-    /// connections of its export, a shutdown names the export of a connection that is stuck.
-    on_export: Vec<(u64, Arc<ExportState>)>,
-    /// Connections still in their handshake whose sockets the acceptor shut down to make
-    /// room for a newer one (`accept.rs`); they leave `live` when their threads end.
-    evicted: Vec<u64>,
-}
-
-impl Shared {
-    /// Removes connection `id` from the registry (called by its thread when it ends).
-    pub(crate) fn unregister(&self, id: u64) {
-        let mut registry = self.conns.lock();
-        if let Some(i) = registry.live.iter().position(|(conn, _)| *conn == id) {
-            registry.live.swap_remove(i);
-        }
-        if let Some(i) = registry.on_export.iter().position(|(conn, _)| *conn == id) {
-            registry.on_export.swap_remove(i);
-        }
-        if let Some(i) = registry.evicted.iter().position(|conn| *conn == id) {
-            registry.evicted.swap_remove(i);
-        }
-    }
-
-    /// Whether the acceptor closed connection `id` to make room (`accept.rs`).
-    pub(crate) fn was_evicted(&self, id: u64) -> bool {
-        self.conns.lock().evicted.contains(&id)
-    }
-
-    /// Records that connection `id` negotiated `export`. `false` (nothing recorded) when the
-    /// export was removed since the handshake found it: the client is answered as for an
-    /// unknown export. Checked under the registry's lock, which the removal takes to mark it:
-    /// a removal drains every connection that attached before.
-    pub(crate) fn attach(&self, id: u64, export: &Arc<ExportState>) -> bool {
-        let mut r = self.conns.lock();
-        if export.is_removed() {
-            return false;
-        }
-        r.on_export.push((id, export.clone()));
-        true
     }
 }
 
@@ -729,135 +452,75 @@ impl Server {
     }
 }
 
-/// Step 2 of the shutdown (module docs), for every connection (`only` is `None`) or for the
-/// connections attached to export `only` (its removal): lets them finish, forcing their
-/// sockets closed after `timeout`. Returns the exports with a connection still open
-/// [`STUCK_GRACE`] after that (their threads are left behind); at shutdown, not the exports
-/// removed before (their removal reported them).
-fn drain(
-    shared: &Shared,
-    only: Option<&Arc<ExportState>>,
-    timeout: Duration,
-) -> Vec<Arc<ExportState>> {
-    // The connections drained: by id, `None` for all.
-    let ids: Option<Vec<u64>> = only.map(|x| {
-        shared
-            .conns
-            .lock()
-            .on_export
-            .iter()
-            .filter(|(_, e)| Arc::ptr_eq(e, x))
-            .map(|(id, _)| *id)
-            .collect()
-    });
-    let chosen = |id: &u64| ids.as_ref().is_none_or(|v| v.contains(id));
-    // Shut the read side: each reader sees end-of-file after what it already received,
-    // answers it, waits for its in-flight requests and closes.
-    let threads: Vec<std::thread::JoinHandle<()>> = {
-        let mut r = shared.conns.lock();
-        for (_, s) in r.live.iter().filter(|(id, _)| chosen(id)) {
-            let _ = s.shutdown(Shutdown::Read);
-        }
-        let (taken, kept) = std::mem::take(&mut r.threads)
-            .into_iter()
-            .partition(|(id, _)| chosen(id));
-        r.threads = kept;
-        taken.into_iter().map(|(_, t)| t).collect()
-    };
-    let deadline = Instant::now() + timeout;
-    let mut forced = false;
-    while threads.iter().any(|t| !t.is_finished()) {
-        let now = Instant::now();
-        if !forced && now >= deadline {
-            warn!("connections still busy after the drain timeout; closing their sockets");
-            for (_, s) in shared.conns.lock().live.iter().filter(|(id, _)| chosen(id)) {
-                let _ = s.shutdown(Shutdown::Both);
-            }
-            forced = true;
-        }
-        if forced && now >= deadline + STUCK_GRACE {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let mut stuck: Vec<Arc<ExportState>> = Vec::new();
-    for t in threads {
-        if t.is_finished() {
-            let _ = t.join();
-        }
-        // Else: dropping the handle detaches the thread, which ends if its device ever
-        // completes the request.
-    }
-    let r = shared.conns.lock();
-    for (id, _) in r.live.iter().filter(|(id, _)| chosen(id)) {
-        match r.on_export.iter().find(|(c, _)| c == id) {
-            Some((_, e)) if only.is_none() && e.is_removed() => {}
-            Some((_, e)) if !stuck.iter().any(|s| Arc::ptr_eq(s, e)) => stuck.push(e.clone()),
-            Some(_) => {}
-            None => warn!(conn = id, "a connection still in its handshake did not end"),
-        }
-    }
-    stuck
-}
-
-/// Step 3 of the shutdown (and of a removal): flushes the device of each of `exports` once
-/// (all at once), waiting up to `timeout` for them. A failed flush marks every export of its
-/// device failed (in `exports` and in the table). Returns the exports whose flush did not
-/// complete in time.
-fn flush(
-    shared: &Shared,
-    exports: &[Arc<ExportState>],
-    timeout: Duration,
-) -> Vec<Arc<ExportState>> {
-    let mut pending: Vec<(usize, PendingBio)> = Vec::new();
-    for (i, e) in exports.iter().enumerate() {
-        let dev = &e.export.device;
-        let seen = exports[..i]
-            .iter()
-            .any(|o| Arc::ptr_eq(&o.export.device, dev) && !o.export.read_only);
-        if e.export.read_only || seen {
-            continue;
-        }
-        pending.push((
-            i,
-            PendingBio::submit(dev.as_ref(), Bio::new(Op::Flush, 0, 0)),
-        ));
-    }
-    let deadline = Instant::now() + timeout;
-    let mut late = Vec::new();
-    for (i, flush) in pending {
-        let dev = &exports[i].export.device;
-        let name = &exports[i].export.name;
-        let res = if let Some((_, res)) = flush.wait_until(deadline) {
-            res
-        } else {
-            warn!(
-                export = %name,
-                "export {name:?} is stuck: its final flush did not complete within {timeout:?}"
-            );
-            late.extend(
-                exports
-                    .iter()
-                    .filter(|o| Arc::ptr_eq(&o.export.device, dev))
-                    .cloned(),
-            );
-            continue;
-        };
-        if let Err(err) = res {
-            warn!(export = %name, "final flush failed: {err}");
-            // Every export on this device shares the failure.
-            for o in exports.iter().chain(shared.exports().iter()) {
-                if Arc::ptr_eq(&o.export.device, dev) {
-                    o.failed.set();
-                }
-            }
-        }
-    }
-    late
-}
-
 impl Drop for Server {
     fn drop(&mut self) {
         self.do_shutdown();
+    }
+}
+
+/// A handle on a running server's counters, for a metrics endpoint. Cheap to clone; keeps the
+/// server's shared state alive (not its threads).
+#[derive(Clone)]
+pub struct Metrics(pub(crate) Arc<Shared>);
+
+impl Metrics {
+    /// The server's counters now.
+    pub fn server(&self) -> ServerSnapshot {
+        ServerSnapshot {
+            open: self.0.conns.lock().live.len() as u64,
+            memory_used: self.0.budget.used(),
+            memory_budget: self.0.tuning.memory_budget,
+            ..self.0.counters.snapshot()
+        }
+    }
+
+    /// Every export's disk counters now.
+    pub fn exports(&self) -> Vec<ExportMetrics> {
+        self.0
+            .exports()
+            .iter()
+            .map(|e| {
+                let (stats, source) = match &e.disk {
+                    Some(d) => (d.snapshot(), StatsSource::Server),
+                    None => (
+                        e.export.device.stats().unwrap_or_default(),
+                        StatsSource::Device,
+                    ),
+                };
+                ExportMetrics {
+                    name: e.export.name.clone(),
+                    stats,
+                    source,
+                    device: e.export.device.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// Counts a connection refused for `why` (the hook for policies decided outside the
+    /// handshake code, such as an access list).
+    pub fn count_refusal(&self, why: HandshakeFailure) {
+        self.0.counters.handshake_failed(why);
+    }
+}
+
+impl Server {
+    /// A handle to add and remove exports while serving.
+    pub fn exports(&self) -> Exports {
+        Exports(Arc::downgrade(&self.shared))
+    }
+
+    /// Adds an export while serving (see [`Exports::add`]).
+    pub fn add_export(&self, export: Export) -> Result<(), ServerError> {
+        self.exports().add(export)
+    }
+
+    /// Removes an export while serving (see [`Exports::remove`]).
+    pub fn remove_export(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<RemoveReport, ServerError> {
+        self.exports().remove(name, timeout)
     }
 }

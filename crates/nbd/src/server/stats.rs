@@ -19,8 +19,6 @@ use blkq_sync::DynArc as Arc;
 use blk::stats::DiskStats;
 use blk::Device;
 
-use super::Shared;
-
 /// Why a connection ended before its transmission phase (or was refused an export).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -39,6 +37,8 @@ pub enum HandshakeFailure {
     /// An access rule refused the client an export: each `NBD_REP_ERR_POLICY` answer to
     /// INFO/GO, and each EXPORT_NAME that closes the connection (from outside the server:
     /// [`Metrics::count_refusal`]).
+    ///
+    /// [`Metrics::count_refusal`]: super::Metrics::count_refusal
     Policy,
     /// The server was at `--max-connections` and closed this connection, the oldest still
     /// in its handshake, to make room for a new one.
@@ -113,6 +113,23 @@ impl ServerCounters {
         self.bytes_read.fetch_add(read, Ordering::Relaxed);
         self.bytes_written.fetch_add(written, Ordering::Relaxed);
     }
+
+    /// The counters now, in a snapshot whose `open`, `memory_used` and `memory_budget` the
+    /// caller fills in (they are not counters).
+    pub(crate) fn snapshot(&self) -> ServerSnapshot {
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerSnapshot {
+            accepted: ld(&self.accepted),
+            refused_limit: ld(&self.refused_limit),
+            transmissions: ld(&self.transmissions),
+            handshake_failures: std::array::from_fn(|i| ld(&self.handshake_failures[i])),
+            requests: ld(&self.requests),
+            requests_refused: ld(&self.requests_refused),
+            bytes_read: ld(&self.bytes_read),
+            bytes_written: ld(&self.bytes_written),
+            ..ServerSnapshot::default()
+        }
+    }
 }
 
 /// A snapshot of the server's counters.
@@ -162,59 +179,4 @@ pub struct ExportMetrics {
     pub source: StatsSource,
     /// The device (for what only it knows: its queue's tag waits, its scheduler).
     pub device: Arc<dyn Device>,
-}
-
-/// A handle on a running server's counters, for a metrics endpoint. Cheap to clone; keeps the
-/// server's shared state alive (not its threads).
-#[derive(Clone)]
-pub struct Metrics(pub(crate) Arc<Shared>);
-
-impl Metrics {
-    /// The server's counters now.
-    pub fn server(&self) -> ServerSnapshot {
-        let c = &self.0.counters;
-        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        ServerSnapshot {
-            accepted: ld(&c.accepted),
-            refused_limit: ld(&c.refused_limit),
-            open: self.0.conns.lock().live.len() as u64,
-            transmissions: ld(&c.transmissions),
-            handshake_failures: std::array::from_fn(|i| ld(&c.handshake_failures[i])),
-            requests: ld(&c.requests),
-            requests_refused: ld(&c.requests_refused),
-            bytes_read: ld(&c.bytes_read),
-            bytes_written: ld(&c.bytes_written),
-            memory_used: self.0.budget.used(),
-            memory_budget: self.0.tuning.memory_budget,
-        }
-    }
-
-    /// Every export's disk counters now.
-    pub fn exports(&self) -> Vec<ExportMetrics> {
-        self.0
-            .exports()
-            .iter()
-            .map(|e| {
-                let (stats, source) = match &e.disk {
-                    Some(d) => (d.snapshot(), StatsSource::Server),
-                    None => (
-                        e.export.device.stats().unwrap_or_default(),
-                        StatsSource::Device,
-                    ),
-                };
-                ExportMetrics {
-                    name: e.export.name.clone(),
-                    stats,
-                    source,
-                    device: e.export.device.clone(),
-                }
-            })
-            .collect()
-    }
-
-    /// Counts a connection refused for `why` (the hook for policies decided outside the
-    /// handshake code, such as an access list).
-    pub fn count_refusal(&self, why: HandshakeFailure) {
-        self.0.counters.handshake_failed(why);
-    }
 }

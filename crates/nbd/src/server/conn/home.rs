@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use blk::RecvSource;
 
-use super::reader::{is_timeout, BIG_WRITE};
+use super::recv::{is_timeout, BIG_WRITE};
 use super::Connection;
 use crate::proto::CmdFlags;
 use crate::transmission::Request;

@@ -20,9 +20,10 @@ use blkq_sync::thread::{self, Thread};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-use super::reply::Output;
+use super::output::Output;
 use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
-use crate::server::{MemoryBudget, StickyError};
+use crate::server::limits::MemoryBudget;
+use crate::server::shared::StickyError;
 use crate::stream::Stream;
 use crate::transmission::{ExtentExt, Request};
 use blkq_sync::DynArc as Arc;

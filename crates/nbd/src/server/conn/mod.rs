@@ -5,10 +5,13 @@
 //! |---------------|---------------------------------------------------------|--------------------|
 //! | `mod.rs`      | `serve`, [`Connection`]: setup, the reader loop, waiting for slots, teardown | reader |
 //! | `reader.rs`   | recv, decode, validate, stage, commit + submit           | reader             |
+//! | `recv.rs`, `parse_state.rs`, `pools.rs` | the reader's receive rules (large writes, the mid-request timeout), what a parse pass leaves, the payload buffer pools | reader |
 //! | `block_status.rs` | a block-status request's budget and its staging (the extent maps) | reader |
 //! | `inflight.rs` | the in-flight table (one `InFlight` per slot), `end_io` | reader, completion threads, writers |
+//! | `output.rs`   | the writer's `Output` (segments, buffers, TLS ciphertext, the splice pipe of `pipe.rs`) | the writer |
 //! | `reply.rs`    | reply shaping: an entry's reply as headers + data segments | the writer       |
 //! | `writer.rs`   | the combining writer (token, `sendmsg`) and its flusher  | reader, completion threads, flusher |
+//! | `transport.rs`, `splice.rs`, `send.rs` | the TLS and the spliced branches of the send, what a send achieved | the writer |
 //!
 //! A READ, top to bottom: [`Connection::run`] → `reader.rs` (`recv`, `parse`, `stage_read`,
 //! `commit`: slot + `submit_batch`) → `inflight.rs` (`end_io`: the buffer into its part, the
@@ -44,8 +47,14 @@
 mod block_status;
 mod home;
 mod inflight;
+mod output;
+mod parse_state;
+mod pipe;
+mod pools;
 mod reader;
+mod recv;
 mod reply;
+mod send;
 mod splice;
 pub(super) mod splice_rule;
 mod transport;
@@ -67,9 +76,12 @@ use tracing::{debug, error, info, warn};
 use waitq::WaitQueue;
 
 use self::inflight::{ConnCore, InFlight, Locked};
-use self::reader::{BufferPools, ParseStop, PartialWrite};
+use self::parse_state::{ParseStop, PartialWrite};
+use self::pools::BufferPools;
+use self::recv::MidRequest;
 use super::handshake::{self, Deadlined, Ended, Negotiated};
-use super::{ExportState, HandshakeFailure, Shared};
+use super::shared::{ExportState, Shared};
+use super::stats::HandshakeFailure;
 use crate::proto::TransmissionMode;
 use crate::stream::Stream;
 
@@ -278,7 +290,7 @@ struct Connection<'a> {
     /// The same for a dirty bitmap's runs.
     dirty_buf: Vec<blk::DirtyExtent>,
     partial_write: Option<PartialWrite>,
-    /// The last write staged was a large one (`reader.rs`, [`reader::BIG_WRITE`]): the next
+    /// The last write staged was a large one (`reader.rs`, [`recv::BIG_WRITE`]): the next
     /// reads ask the socket for less, so that the payloads that follow land in their own
     /// buffers rather than in `recv_buf` (from which they would be copied once more).
     big_writes: bool,
@@ -288,9 +300,9 @@ struct Connection<'a> {
     /// When the reader last received bytes (or last started listening after a wait of its
     /// own): the idle timeout counts from here.
     last_recv: Instant,
-    /// The request in progress (`reader.rs`, [`reader::MidRequest`]): the mid-request
+    /// The request in progress (`reader.rs`, [`MidRequest`]): the mid-request
     /// timeout counts from its start, not from its last byte.
-    mid: reader::MidRequest,
+    mid: MidRequest,
     stats: Stats,
     /// Which large reads are spliced (`splice_rule.rs`).
     splice_chooser: splice_rule::SpliceChooser,
@@ -329,7 +341,7 @@ fn nonzero(d: Duration) -> Duration {
 
 /// How long a blocked read may sleep before the reader looks at its timeouts: the shorter of
 /// the idle timeout and the send timeout (which also bounds a stall in mid-request).
-fn recv_tick(t: &super::Tuning) -> Duration {
+fn recv_tick(t: &super::config::Tuning) -> Duration {
     nonzero(
         t.idle_timeout
             .map_or(t.send_timeout, |i| i.min(t.send_timeout)),
@@ -414,7 +426,7 @@ impl<'a> Connection<'a> {
             big_writes: false,
             home_writes: false,
             last_recv: Instant::now(),
-            mid: reader::MidRequest::default(),
+            mid: MidRequest::default(),
             stats: Stats::default(),
             splice_chooser: splice_rule::SpliceChooser::new(tuning.splice_rule, Instant::now()),
             in_flight: 0,
@@ -497,7 +509,7 @@ impl<'a> Connection<'a> {
     /// A read gave up (nothing received for a `recv_tick`, or a TLS record still partial after
     /// one): `Some(reason)` to close the connection. Closed when a request in progress (a
     /// partial request, payload or TLS record) has not been finished, nor
-    /// [`reader::PROGRESS_QUANTUM`] bytes of it received, within the send timeout of its start;
+    /// [`recv::PROGRESS_QUANTUM`] bytes of it received, within the send timeout of its start;
     /// or when nothing is in flight and nothing came for the idle timeout.
     pub(super) fn recv_timed_out(&mut self, mid_request: bool) -> Option<String> {
         let partial_record = self.stream.partial_record_since();
@@ -532,7 +544,7 @@ impl<'a> Connection<'a> {
             format!(
                 "a request begun {took:?} ago is still not received (less than {} KiB of it \
                  came within the send timeout, {send_timeout:?})",
-                reader::PROGRESS_QUANTUM >> 10,
+                recv::PROGRESS_QUANTUM >> 10,
             )
         })
     }

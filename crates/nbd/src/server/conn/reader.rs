@@ -8,13 +8,15 @@
 //! `ConnCore::reader_wake` when every slot (or the in-flight byte budget) is taken.
 
 use std::io::{self, IoSliceMut, Read};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use blk::{Bio, BioFlags, Buffer, BufferPool, Device, Op, SECTOR_SHIFT};
+use blk::{Bio, BioFlags, Device, Op, SECTOR_SHIFT};
 
 use super::block_status::nbd_extent;
 use super::home::HomeFailure;
 use super::inflight::{bio_cookie, InFlight, Part};
+use super::parse_state::{ParseStop, PartialWrite};
+use super::recv::{is_timeout, BIG_WRITE, RECV_AFTER_BIG_WRITE};
 use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
 use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE};
@@ -27,114 +29,6 @@ const MAX_READ_EXTENTS: usize = 64;
 /// Trim and write-zeroes are split into bios of at most this many bytes (`Bio::len` is 32
 /// bits).
 const MAX_RANGE_BIO: u64 = 1 << 30;
-
-/// A write at least this large makes the reader ask the socket for at most
-/// [`RECV_AFTER_BIG_WRITE`] bytes at a time (`Connection::big_writes`), until a smaller write
-/// comes. With the whole receive buffer (1 MiB) offered, one `recv` takes a 1 MiB write's
-/// header *and* most of its payload into `recv_buf`, which `stage_write` then copies into the
-/// payload's buffers: two user-space copies per byte (socket to `recv_buf`, `recv_buf` to the
-/// buffer) before the device's own. Asking for 16 KiB leaves the payload in the socket, and
-/// `fill_partial_write` reads it straight into its buffers; at most 16 KiB of each write (the
-/// bytes that arrived with its header) is copied, 1.6% of a 1 MiB write.
-pub(super) const BIG_WRITE: u64 = 128 << 10;
-/// See [`BIG_WRITE`].
-const RECV_AFTER_BIG_WRITE: usize = 16 << 10;
-
-/// Size classes from this one up are [`BufferPool::new_mapped`]: their pages are committed
-/// only as data lands in them, so a WRITE whose payload stalls costs only what was received
-/// (and a 32 MiB WRITE header alone costs nothing).
-const MAPPED_FROM: usize = 256 << 10;
-
-/// Buffer pools by size class, per connection.
-pub(super) struct BufferPools {
-    sizes: Vec<usize>,
-    pools: Vec<BufferPool>,
-}
-
-impl BufferPools {
-    /// Size classes of 4, 16, 64 and 256 KiB below `max_bio_bytes`, and `max_bio_bytes`.
-    pub(super) fn new(max_bio_bytes: usize) -> Self {
-        let mut sizes = Vec::new();
-        let mut pools = Vec::new();
-        for (size, keep) in [
-            (4 << 10, 256),
-            (16 << 10, 128),
-            (64 << 10, 64),
-            (256 << 10, 32),
-        ] {
-            if size < max_bio_bytes {
-                sizes.push(size);
-                pools.push(pool(size, keep));
-            }
-        }
-        sizes.push(max_bio_bytes);
-        pools.push(pool(max_bio_bytes, 32));
-        Self { sizes, pools }
-    }
-
-    fn get(&self, len: usize) -> Buffer {
-        for (size, pool) in self.sizes.iter().zip(&self.pools) {
-            if len <= *size {
-                if let Some(b) = pool.get(len) {
-                    return b;
-                }
-            }
-        }
-        if len >= MAPPED_FROM {
-            Buffer::new_mapped(len)
-        } else {
-            Buffer::new(len)
-        }
-    }
-}
-
-/// A pool of `size`-byte buffers keeping `keep` free ones (mapped from [`MAPPED_FROM`] up).
-fn pool(size: usize, keep: usize) -> BufferPool {
-    if size >= MAPPED_FROM {
-        BufferPool::new_mapped(size, 0, keep)
-    } else {
-        BufferPool::new(size, 0, keep)
-    }
-}
-
-/// A write whose payload is still arriving: its bios are in `Connection::write_bios`, its
-/// entry here.
-#[derive(Debug)]
-pub(super) struct PartialWrite {
-    entry: InFlight,
-    /// The bio being filled, and bytes of its buffer already filled.
-    bio: usize,
-    filled: usize,
-    /// Payload bytes still to read.
-    remaining: u64,
-    /// Received into the device at this offset (`home.rs`), with no bios; `None`: into the
-    /// bios' buffers.
-    home: Option<u64>,
-}
-
-impl PartialWrite {
-    /// Bytes of the memory budget the write holds.
-    pub(super) fn budget_bytes(&self) -> u64 {
-        self.entry.budget_bytes
-    }
-}
-
-/// Why a parse pass stopped.
-pub(super) enum ParseStop {
-    /// The buffer holds no whole request: read more.
-    NeedMore,
-    /// The slots or the byte budget are taken: submit, wait, go on.
-    Full,
-    /// A write payload continues past the buffer: read it straight into its buffers.
-    PartialWrite,
-    /// The next request's payload (this many bytes) does not fit in the global memory
-    /// budget: wait for room, then parse again.
-    NoBudget(u64),
-    /// `NBD_CMD_DISC`.
-    Disconnect,
-    /// The stream is out of step or the client broke a hard rule: close.
-    Fatal(String),
-}
 
 impl<'a> Connection<'a> {
     /// Reads more bytes into the receive buffer (blocking).
@@ -758,73 +652,4 @@ impl<'a> Connection<'a> {
     pub(super) fn device(&self) -> &'a dyn Device {
         self.export.export.device.as_ref()
     }
-}
-
-/// Bytes of one request that restart its mid-request clock: a request must be finished, or
-/// this much more of it received, within the send timeout (a floor of 64 KiB per send timeout
-/// on a client's rate in the middle of a request; 2 KiB/s with the default 30 s).
-pub(super) const PROGRESS_QUANTUM: u64 = 64 << 10;
-
-/// The request the reader is in the middle of, for the mid-request timeout.
-///
-/// A plain socket's read returns each byte as it comes, so "nothing received for the send
-/// timeout" alone lets a client that sends one byte a second hold a half-sent request (and
-/// under TLS a half-sent record shows no bytes at all). The clock here starts with a
-/// request's first byte (or its TLS record's) and restarts only every [`PROGRESS_QUANTUM`]
-/// bytes, or after the reader's own waits (slots, memory budget): time the client was not
-/// asked for bytes is not its fault.
-#[derive(Debug, Default)]
-pub(super) struct MidRequest {
-    /// When the request in progress began, or last made a quantum of progress; `None`
-    /// between requests.
-    since: Option<Instant>,
-    /// Bytes received since then.
-    bytes: u64,
-}
-
-impl MidRequest {
-    /// The reader is at a request boundary: no request is in progress.
-    pub(super) fn end(&mut self) {
-        self.since = None;
-        self.bytes = 0;
-    }
-
-    /// `n` bytes received at `now`: when the request in progress began, or last made a
-    /// quantum of progress (`None`: it began with these bytes, or just made a quantum).
-    pub(super) fn received(&mut self, n: usize, now: Instant) -> Option<Instant> {
-        let Some(since) = self.since else {
-            self.since = Some(now);
-            self.bytes = n as u64;
-            return None;
-        };
-        self.bytes += n as u64;
-        if self.bytes >= PROGRESS_QUANTUM {
-            self.since = Some(now);
-            self.bytes = 0;
-            return None;
-        }
-        Some(since)
-    }
-
-    /// The reader waited `waited` (slots, memory budget) without asking the client for
-    /// bytes: that time does not count against a request in progress.
-    pub(super) fn excuse(&mut self, waited: Duration) {
-        if let Some(since) = &mut self.since {
-            *since += waited;
-        }
-    }
-
-    /// When the request in progress began; `first_byte` if none was (e.g. its first bytes are
-    /// in a TLS record not yet whole).
-    pub(super) fn started(&mut self, first_byte: Instant) -> Instant {
-        *self.since.get_or_insert(first_byte)
-    }
-}
-
-/// A socket read timeout (`SO_RCVTIMEO` expired): `EAGAIN`, which std calls `WouldBlock`.
-pub(super) fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
 }

@@ -10,63 +10,11 @@ use blk::Buffer;
 use tracing::warn;
 
 use super::inflight::{InFlight, Part};
+use super::output::{HeaderForm, Output, Segment};
 use crate::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode, NBD_STATE_DIRTY};
 use crate::server::handshake::BASE_ALLOCATION_ID;
 use crate::transmission::{Extent, ExtentExt, ReplyChunk, ReplyTo, SimpleReply};
 use crate::Error;
-
-/// A piece of the output: encoded headers, or the data of a buffer.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Segment {
-    /// `Output::headers[start..end]`.
-    Headers { start: usize, end: usize },
-    /// The first `len` bytes of `Output::buffers[index]`.
-    Data { index: usize, len: usize },
-    /// `len` bytes of the device at `offset`, spliced into the socket at send time
-    /// (`splice.rs`). The reply or chunk header that announces them ends at
-    /// `Output::headers[hdr_end]`, in the form `form` (so a failure found before any of it
-    /// was sent can turn it into an error reply of the same length).
-    Spliced {
-        offset: u64,
-        len: usize,
-        hdr_end: usize,
-        form: HeaderForm,
-    },
-}
-
-/// The header in front of a spliced segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum HeaderForm {
-    /// A simple reply (16 bytes).
-    Simple,
-    /// An `OFFSET_DATA` chunk with a compact (20 bytes) or extended (32 bytes) header, then
-    /// the 8-byte offset.
-    Chunk { extended: bool },
-}
-
-/// The writer's output (it travels with the writer token): replies shaped and not yet sent,
-/// and how far sending got.
-#[derive(Default)]
-pub(super) struct Output {
-    /// Encoded reply headers and chunk headers, back to back.
-    pub(super) headers: Vec<u8>,
-    /// What to send, in order.
-    pub(super) segments: Vec<Segment>,
-    /// Read buffers being sent (returned to their pools when the output is reset).
-    pub(super) buffers: Vec<Buffer>,
-    /// Slots whose replies are in `segments`, freed once sent.
-    pub(super) shaped_slots: Vec<u32>,
-    /// Send progress: the next segment, and bytes of it already sent.
-    pub(super) next_segment: usize,
-    pub(super) sent_of_segment: usize,
-    /// Reused descriptor lists for block-status chunks.
-    extents32: Vec<Extent>,
-    extents64: Vec<ExtentExt>,
-    /// TLS: ciphertext not yet sent (`transport.rs`).
-    pub(super) tls_out: super::transport::TlsOut,
-    /// Zero-copy reads: the pipe spliced segments go through (`splice.rs`).
-    pub(super) pipe: super::splice::SplicePipe,
-}
 
 impl Output {
     /// Shapes the reply to `entry` (whose slot is already in `shaped_slots`). A reply that

@@ -30,11 +30,10 @@
 //!
 //! The rule is the reader's alone (no sharing, no atomics) and allocates nothing.
 //! [`SpliceRule::Always`] (`--splice-rule always`) splices every large read, as before.
+//!
+//! [`SPLICE_MIN_BYTES`]: super::splice::SPLICE_MIN_BYTES
 
 use std::time::{Duration, Instant};
-
-#[cfg(doc)]
-use super::splice::SPLICE_MIN_BYTES;
 
 /// Bytes of large reads a window needs before its rate counts.
 pub(super) const WINDOW_BYTES: u64 = 8 << 20;

@@ -2,7 +2,7 @@
 //! TLS; the plaintext path is untouched). The rules are in [`crate::tls`]'s module docs; here:
 //!
 //! - the writer (token holder) first sends the ciphertext it still holds
-//!   ([`TlsOut`], part of the output, so it travels with the token to the flusher);
+//!   (`TlsOut`, part of the output, so it travels with the token to the flusher);
 //! - then, under the session lock and for at most [`ENCRYPT_BATCH`] plaintext bytes, it
 //!   encrypts reply segments (vectored, so records are packed full across replies) and drains every queued record (the reader's too) into that
 //!   buffer, drops the lock, and sends it with `sendmsg`, blocking or not as the caller asks;
@@ -12,40 +12,11 @@
 use std::io::{self, IoSlice, Write};
 use std::os::fd::RawFd;
 
-use super::reply::Output;
+use super::output::Output;
 use crate::tls::{drain, TlsSession, ENCRYPT_BATCH};
 
 /// Segments per vectored write into rustls.
 const IOV_WINDOW: usize = 64;
-
-/// Ciphertext taken out of rustls and not yet sent (its buffer is reused).
-#[derive(Default)]
-pub(super) struct TlsOut {
-    buf: Vec<u8>,
-    sent: usize,
-}
-
-impl TlsOut {
-    /// Ciphertext is waiting to be sent.
-    pub(super) fn unsent(&self) -> bool {
-        self.sent < self.buf.len()
-    }
-
-    /// Sends what is left; `Ok(false)` if the socket would block (non-blocking mode).
-    fn send(&mut self, fd: RawFd, dontwait: bool) -> io::Result<bool> {
-        while self.sent < self.buf.len() {
-            let iov = [IoSlice::new(&self.buf[self.sent..])];
-            let sent = crate::sys::sendmsg(fd, &iov, dontwait);
-            let Some(n) = super::writer::progress(sent, dontwait)? else {
-                return Ok(false);
-            };
-            self.sent += n;
-        }
-        self.buf.clear();
-        self.sent = 0;
-        Ok(true)
-    }
-}
 
 impl Output {
     /// The TLS send: see the module docs. `Ok(false)` if the socket would block.
