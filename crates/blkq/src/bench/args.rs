@@ -124,8 +124,8 @@ pub struct BenchArgs {
     /// durable before the run: the steady state).
     #[arg(long, value_name = "bare|N")]
     pub dirty_bitmaps: Option<String>,
-    /// With --dirty-bitmaps N: how writes find their bitmaps, lockfree or locked (the simple
-    /// version it replaces, kept for comparison).
+    /// With --dirty-bitmaps N: how writes find their bitmaps, lockfree or locked (its simple
+    /// twin, to compare with).
     #[arg(long, value_name = "IMPL", default_value = "lockfree")]
     pub dirty_bitmaps_gate: String,
     /// Write a pattern over the region, read it back and check it.

@@ -192,8 +192,8 @@ pub struct ServerArgs {
     /// dirty, a missing one by none (the next backups are full ones; the log says which).
     #[arg(long)]
     pub bitmaps_reset: bool,
-    /// How writes find the bitmaps they count in: lockfree, or locked (the simple version it
-    /// replaces, kept for comparison). A benchmark's switch: no key in a file.
+    /// How writes find the bitmaps they count in: lockfree, or locked (its simple twin, to
+    /// compare with). A benchmark's switch: no key in a file.
     #[arg(long, value_name = "IMPL", default_value = "lockfree", hide = true)]
     #[serde(skip)]
     pub bitmaps_gate: BitmapsGate,
@@ -238,8 +238,8 @@ pub struct LimitArgs {
     /// ...); a connection that would go over waits. Default: 1/8 of RAM, 64 MiB to 4 GiB.
     #[arg(long, value_name = "BYTES")]
     pub memory_budget: Option<Bytes>,
-    /// How the memory budget keeps its count: atomic (lock-free) or locked (the simple version
-    /// it replaces, kept for comparison). A benchmark's switch: no key in a file.
+    /// How the memory budget keeps its count: atomic (lock-free) or locked (its simple twin, to
+    /// compare with). A benchmark's switch: no key in a file.
     #[arg(long, value_name = "IMPL", default_value = "atomic", hide = true)]
     #[serde(skip)]
     pub budget_impl: BudgetImpl,
