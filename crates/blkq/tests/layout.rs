@@ -4,7 +4,7 @@
 //!
 //! A file's imports are the modules its code names: `crate::a::b` paths, `super::x` paths (in
 //! the file's own code, not its tests), and its child modules named by their own name
-//! (`offline::plan`). Comments and `mod x;` declarations are not imports.
+//! (`legs::plan`). Comments and `mod x;` declarations are not imports.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

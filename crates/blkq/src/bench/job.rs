@@ -311,8 +311,8 @@ pub(super) fn build_queue(cfg: &RunCfg) -> Result<Queue> {
 /// Builds the RAID1 mirror of `--raid1`: opens the legs with the same builder as
 /// `blkq serve --raid1` and creates a new array on them (the bench owns its legs).
 pub(super) fn build_raid1(cfg: &RunCfg, legs: &str) -> Result<Arc<dyn Device>> {
-    let legs = crate::raid::offline::split_legs(legs)?;
-    let rc = crate::raid::offline::raid1_config(&cfg.raid1_options)?;
+    let legs = crate::raid::legs::split_legs(legs)?;
+    let rc = crate::raid::legs::raid1_config(&cfg.raid1_options)?;
     let queue_settings = overrides(cfg);
     let devs = legs
         .iter()

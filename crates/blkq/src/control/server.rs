@@ -16,7 +16,7 @@ use serde_json::json;
 use super::protocol::{Command, Leg};
 use crate::raid::away::Away;
 use crate::raid::content;
-use crate::raid::offline::{self as legs, Probe};
+use crate::raid::legs::{self, Probe};
 use crate::raid::report::{ArrayReport, BitmapReport, IntegrityReport, LegReport, SyncReport};
 
 /// The array behind the socket, with what the server knows about its legs.

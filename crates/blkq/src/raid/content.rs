@@ -10,7 +10,7 @@
 use anyhow::{Context, Result};
 use blk::Device;
 
-use super::offline::read_at;
+use super::legs::read_at;
 
 /// The least a probe reads from the start of a leg: where partition tables and filesystems
 /// keep their signatures (btrfs's superblock is at 64 KiB, ISO 9660's descriptors at 32 KiB,

@@ -14,7 +14,7 @@ use raid1::superblock::layout;
 use raid1::{Creation, Raid1, Raid1Config};
 
 use super::content;
-use super::offline::{probe, Probe};
+use super::legs::{probe, Probe};
 use crate::open::open_leg;
 
 /// How to create: the flags both commands take.

@@ -7,15 +7,15 @@
 //! `blkq serve --raid1 ... --control PATH` (see [`crate::control`]) and render its JSON reply.
 //!
 //! Legs are matched to slots by their superblocks (array UUID, leg UUID, role), never by the
-//! order they are given in. [`offline`] owns the legs read from disk, [`report`] the
+//! order they are given in. [`legs`] owns the legs read from disk, [`report`] the
 //! status/detail report (and md's progress line), [`away`] the legs a served mirror started
 //! without because they could not be opened.
 
 pub mod away;
 pub mod content;
 pub mod create;
+pub mod legs;
 pub mod monitor;
-pub mod offline;
 pub mod report;
 
 use std::path::{Path, PathBuf};
@@ -29,7 +29,7 @@ use raid1::{Raid1, Raid1Config};
 use crate::control::client;
 use crate::control::protocol::{Command, Leg};
 use create::CreateRules;
-use offline::{offline_plan, plan_devices};
+use legs::{offline_plan, plan_devices};
 use report::SyncReport;
 
 /// `blkq raid` options.

@@ -330,7 +330,7 @@ impl Config {
             });
         }
         if let (Some(legs), Some(name)) = (&e.raid1, names.next()) {
-            let legs = crate::raid::offline::split_legs(legs)?;
+            let legs = crate::raid::legs::split_legs(legs)?;
             cfg.arrays.push(Raid1Decl {
                 name: Some(cli(name)),
                 description: None,

@@ -22,7 +22,7 @@ use crate::control::server::Control;
 use crate::open::{open_leg, Spec};
 use crate::raid::away::{Away, OnBack};
 use crate::raid::create::{self, CreateRules};
-use crate::raid::offline;
+use crate::raid::legs;
 
 /// What [`open`] made: the server's configuration and what to print and start beside it.
 pub struct Opened {
@@ -297,7 +297,7 @@ fn open_mirror(
     } else {
         ("--raid1-create", "--raid1-degraded")
     };
-    let cfg = offline::raid1_config(options)?;
+    let cfg = legs::raid1_config(options)?;
     if let Some(rules) = create {
         let r = create::create_array(legs, overrides, cfg, rules, create::SERVE)
             .context("--raid1-create: creating the array")?;
@@ -344,7 +344,7 @@ fn open_mirror(
     if opened.is_empty() {
         bail!("--raid1: no leg can be opened: the mirror cannot start");
     }
-    match offline::plan_opened(opened)? {
+    match legs::plan_opened(opened)? {
         None if !unreachable.is_empty() => bail!(
             "--raid1: the legs that open carry no raid1 superblock and the others cannot be \
              reached: the array cannot be assembled"
@@ -367,7 +367,7 @@ fn open_mirror(
             let mut specs: Vec<Option<String>> =
                 rep.legs.iter().map(|l| l.device.clone()).collect();
             let every = cfg.readd_interval;
-            let r = Raid1::assemble(offline::plan_devices(&p), cfg)
+            let r = Raid1::assemble(legs::plan_devices(&p), cfg)
                 .context("--raid1: assembling the array")?;
             let r = Arc::new(r);
             // The unreachable legs are shown in the slots the array misses (those whose leg

@@ -135,7 +135,7 @@ fn check_array(r: &Raid1Decl, name: String, src: &Source, tls: &TlsArgs) -> Resu
         check_device(spec).with_context(|| format!("{} {spec:?}", src.at(leg, "legs", "raid1")))?;
     }
     for o in &r.options {
-        crate::raid::offline::raid1_config(std::slice::from_ref(o.get_ref()))
+        crate::raid::legs::raid1_config(std::slice::from_ref(o.get_ref()))
             .with_context(|| src.at(o, "options", "raid1-option"))?;
         if !r.create && o.get_ref().starts_with("integrity=") {
             bail!(
