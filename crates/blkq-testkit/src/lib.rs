@@ -41,6 +41,22 @@ pub use collect::{Collect, Done};
 pub use forward::{Forward, Hook, OnSubmit};
 pub use wait::{wait_until, wait_until_within, PROMPT};
 
+/// The `main` of a criterion bench whose body is `cfg(not(blkq_loom))` (under loom the
+/// facade's types only work inside a model): runs the given bench functions through
+/// [`baseline::run_benches`], and does nothing under loom.
+#[macro_export]
+macro_rules! bench_main {
+    ($($target:path),+ $(,)?) => {
+        #[cfg(not(blkq_loom))]
+        fn main() {
+            $crate::baseline::run_benches(&[$($target),+]);
+        }
+
+        #[cfg(blkq_loom)]
+        fn main() {}
+    };
+}
+
 /// `len` bytes of a pattern derived from `seed` (xorshift64), none of them zero, so that
 /// written data, holes and zeroed ranges stay distinguishable.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
