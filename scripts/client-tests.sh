@@ -60,6 +60,21 @@ free_port() {
   "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# copy_in_out NAME TO FROM WHAT: a 64 MiB file (48 MiB of random data, then a hole) copied
+# by nbdcopy into the URI TO and out of the URI FROM (4 connections, 64 requests each); the
+# two files' sha256 must agree ("WHAT <sha256>" is the ok line). Files: $TMP/NAME.{bin,out}.
+copy_in_out() {
+  local name=$1 to=$2 from=$3 what=$4 a b
+  head -c 48M /dev/urandom >"$TMP/$name.bin"
+  truncate -s 64M "$TMP/$name.bin"
+  nbdcopy --connections 4 --requests 64 "$TMP/$name.bin" "$to"
+  nbdcopy --connections 4 --requests 64 "$from" "$TMP/$name.out"
+  a=$(sha256sum <"$TMP/$name.bin" | cut -d' ' -f1)
+  b=$(sha256sum <"$TMP/$name.out" | cut -d' ' -f1)
+  [[ $a == "$b" ]] || fail "$what: $a != $b"
+  ok "$what $a"
+}
+
 # start_server NAME SOCKET PORT ARGS...: starts `blkq serve` (its pid in SERVER_PID; not run
 # in a subshell, so that the server is this shell's child), waits until both listeners answer.
 # PROBE (default nbd://127.0.0.1:PORT) is the URI that must answer; a --config file as the
@@ -162,14 +177,7 @@ grep -q "hole" "$TMP/map.txt" || fail "no hole extent: $(cat "$TMP/map.txt")"
 ok "map: $(wc -l <"$TMP/map.txt") extents, data and holes"
 
 step "nbdcopy --connections 4 --requests 64: a file in and out, compared by sha256sum"
-head -c 48M /dev/urandom >"$TMP/copy.bin"
-truncate -s 64M "$TMP/copy.bin"
-nbdcopy --connections 4 --requests 64 "$TMP/copy.bin" "nbd+unix:///copy?socket=$SOCK"
-nbdcopy --connections 4 --requests 64 "nbd://127.0.0.1:$PORT/copy" "$TMP/copy.out"
-A=$(sha256sum <"$TMP/copy.bin" | cut -d' ' -f1)
-B=$(sha256sum <"$TMP/copy.out" | cut -d' ' -f1)
-[[ $A == "$B" ]] || fail "sha256 $A != $B"
-ok "sha256 $A"
+copy_in_out copy "nbd+unix:///copy?socket=$SOCK" "nbd://127.0.0.1:$PORT/copy" "sha256"
 
 step "nbdsh / libnbd: error replies, each followed by a successful request; multi-conn"
 "$PY" - "$UNIX" "$TCP" <<'EOF'
@@ -429,14 +437,8 @@ qemu-io "${QOBJ[@]}" --image-opts "$QTCP" -c 'write -P 0xab 1M 64k' -c 'write -P
 [[ $(grep -c "^read " "$TMP/tls-io.txt") == 2 ]] || fail "qemu-io over TLS: $(cat "$TMP/tls-io.txt")"
 ! grep -q "Pattern verification failed" "$TMP/tls-io.txt" || fail "qemu-io over TLS: pattern"
 ok "qemu-io write -P / read -P over TLS"
-head -c 48M /dev/urandom >"$TMP/tls-copy.bin"
-truncate -s 64M "$TMP/tls-copy.bin"
-nbdcopy --connections 4 --requests 64 "$TMP/tls-copy.bin" "nbds+unix:///copy?socket=$TSOCK&tls-certificates=$PKI"
-nbdcopy --connections 4 --requests 64 "nbds://localhost:$TPORT/copy?tls-certificates=$PKI" "$TMP/tls-copy.out"
-A=$(sha256sum <"$TMP/tls-copy.bin" | cut -d' ' -f1)
-B=$(sha256sum <"$TMP/tls-copy.out" | cut -d' ' -f1)
-[[ $A == "$B" ]] || fail "nbdcopy over TLS: sha256 $A != $B"
-ok "nbdcopy in and out over TLS, sha256 $A"
+copy_in_out tls-copy "nbds+unix:///copy?socket=$TSOCK&tls-certificates=$PKI" \
+  "nbds://localhost:$TPORT/copy?tls-certificates=$PKI" "nbdcopy in and out over TLS, sha256"
 # fio's engine calls nbd_connect_uri without allowing local files, so a tls-certificates=
 # parameter is refused; libnbd's default directory ($HOME/.pki/libnbd) is used instead.
 FIOHOME=$TMP/fio-home
