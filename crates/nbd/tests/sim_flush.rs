@@ -1061,13 +1061,7 @@ impl Mirror {
                         .iter()
                         .find(|&&(slot, _)| slot == i)
                         .map_or("?".to_string(), |&(_, k)| k.to_string());
-                    let st = if s.faulty {
-                        "F".to_string()
-                    } else if s.in_sync {
-                        "S".to_string()
-                    } else {
-                        format!("R@{}K", s.recovery_offset >> 10)
-                    };
+                    let st = common::mirror::leg_state(&s);
                     format!("leg{k}:{st}")
                 }
                 _ => "-".into(),

@@ -416,13 +416,7 @@ impl World {
                     } else {
                         "local"
                     };
-                    let st = if s.faulty {
-                        "F".to_string()
-                    } else if s.in_sync {
-                        "S".to_string()
-                    } else {
-                        format!("R@{}K", s.recovery_offset >> 10)
-                    };
+                    let st = common::mirror::leg_state(&s);
                     format!("{who}:{st}")
                 }
                 _ => "-".into(),

@@ -3,9 +3,12 @@
 
 use nbd::client::ClientOptions;
 
+pub mod hooks;
 pub mod hostile_server;
 pub mod link;
 pub mod load;
+pub mod mirror;
+pub mod nbdkit;
 pub mod pki;
 pub mod rng;
 pub mod served;
