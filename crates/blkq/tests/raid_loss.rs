@@ -104,16 +104,7 @@ fn leg_failed_mid_load_loses_nothing_and_recovers() {
     ok(&["raid", "remove", "1", "--control", s.ctl()]);
     ok(&["raid", "add", &b, "--control", s.ctl()]);
     let v = s.wait_for(
-        &|v| {
-            v["legs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|l| l["state"] == "in_sync")
-                .count()
-                == 2
-                && v["sync"]["action"] == "idle"
-        },
+        &|v| legs_in_sync(v) == 2 && v["sync"]["action"] == "idle",
         "no [UU] after the re-add",
     );
     // The re-add is a bitmap recovery: it copied the chunks written while the leg was out,
@@ -178,13 +169,7 @@ fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
     let mut s = Server::start(d.path(), &legs, &["--raid1-option", QUIET]);
     let v = s.wait_for(
         &|v| {
-            v["legs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|l| l["state"] == "in_sync")
-                .count()
-                == 2
+            legs_in_sync(v) == 2
                 && v["sync"]["action"] == "idle"
                 // Bits clear only once the resync copied their chunks (quiet time: QUIET).
                 && v["bitmap"]["dirty"] == 0
