@@ -7,6 +7,7 @@
 //!   binary (loom aborts the process when a failing model unwinds);
 //! - [`baseline`]: the `Mutex` + `Condvar` baselines the criterion benches measure against,
 //!   and their shared criterion configuration;
+//! - [`rng`]: SplitMix64, the simulators' seeded randomness;
 //! - [`ceph`]: a single-node Ceph cluster per test binary (`scripts/ceph-cluster.sh`);
 //! - `Collect` (feature `blk`): an end-io that collects completed bios;
 //! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device;
@@ -33,6 +34,7 @@ mod forward;
 #[cfg(feature = "blk")]
 pub mod io;
 pub mod loom_child;
+pub mod rng;
 mod wait;
 
 #[cfg(feature = "blk")]

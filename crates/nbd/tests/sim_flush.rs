@@ -129,8 +129,8 @@ use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
 
-use common::rng::Rng;
 use common::stamp::{decode_sector, stamp_sector};
+use testkit::rng::Rng;
 
 /// Seeds run by default (`SIM_SEEDS`), from `DEFAULT_SEED_BASE` (`SIM_SEED_BASE`).
 const DEFAULT_SEEDS: u64 = 40;

@@ -59,9 +59,9 @@ use testkit::io::{flush, read_at, submit_wait};
 use testkit::{Forward, Hook};
 
 use common::link::Link;
-use common::rng::Rng;
 use common::served::{device, log, serve};
 use common::stamp::{decode_sector, stamp_sector, SECTOR};
+use testkit::rng::Rng;
 
 /// Seeds CI runs (`SIM_SEEDS`), from `SIM_SEED_BASE`, `SIM_OPS` operations each.
 const CI_SEEDS: u64 = 4;

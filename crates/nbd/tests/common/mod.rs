@@ -10,7 +10,6 @@ pub mod load;
 pub mod mirror;
 pub mod nbdkit;
 pub mod pki;
-pub mod rng;
 pub mod served;
 pub mod stamp;
 pub mod tracking;
