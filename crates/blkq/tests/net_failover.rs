@@ -26,14 +26,6 @@ const CHUNK: u64 = 1 << 20;
 const LEG_PORT: u16 = 10809;
 const OLD_FRONT_PORT: u16 = 10810;
 
-fn leg_state(v: &serde_json::Value, slot: usize) -> String {
-    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
-}
-
-fn in_sync_and_idle(v: &serde_json::Value) -> bool {
-    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
-}
-
 /// A subdirectory of `d` (each server keeps its sockets apart).
 fn sub(d: &Path, name: &str) -> std::path::PathBuf {
     let p = d.join(name);

@@ -92,14 +92,6 @@ fn leg_spec() -> String {
     format!("nbd://{BACK_IP}:{PORT}/leg,timeout=2,reconnect_deadline=1")
 }
 
-fn leg_state(v: &serde_json::Value, slot: usize) -> String {
-    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
-}
-
-fn in_sync_and_idle(v: &serde_json::Value) -> bool {
-    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
-}
-
 /// The front: a new array over a local file and the back's export, a short request timeout
 /// so a lost leg is noticed within seconds, a 1 MiB bitmap chunk, bits cleared after 200 ms
 /// of quiet (never while degraded).

@@ -287,6 +287,16 @@ pub fn legs_in_sync(v: &serde_json::Value) -> usize {
         .count()
 }
 
+/// The state of leg `slot` in an array's `raid status --json` (`?` when there is none).
+pub fn leg_state(v: &serde_json::Value, slot: usize) -> String {
+    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
+}
+
+/// Both legs of a two-leg array in sync, and no sync running.
+pub fn in_sync_and_idle(v: &serde_json::Value) -> bool {
+    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
+}
+
 /// The names in the folder `dir`, sorted.
 pub fn names_in(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
