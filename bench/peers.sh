@@ -640,45 +640,35 @@ print(max(((statistics.median(x), s) for s, x in v.items()), default=(0, ""))[1]
 EOF
 )
 
-# strace_summary FILE IOS: syscalls per I/O from an `strace -c` summary.
-strace_summary() {
-  "$PY" - "$1" "$2" <<'EOF'
+# syscall_summary strace|perf FILE IOS: syscalls per I/O from an `strace -c` summary or from
+# `perf stat -x,` tracepoint counts.
+syscall_summary() {
+  "$PY" - "$1" "$2" "$3" <<'EOF'
 import sys
-ios = float(sys.argv[2])
+src, ios = sys.argv[1], float(sys.argv[3])
 calls, total = {}, 0
-for line in open(sys.argv[1]):
-    t = line.split()
-    if len(t) < 5 or t[0].startswith(("%", "-")):
-        continue
-    try:
-        n = int(t[3])
-    except ValueError:
-        continue
-    if t[-1] == "total":
-        total = n
+for line in open(sys.argv[2]):
+    if src == "strace":
+        t = line.split()
+        if len(t) < 5 or t[0].startswith(("%", "-")):
+            continue
+        try:
+            n = int(t[3])
+        except ValueError:
+            continue
+        if t[-1] == "total":
+            total = n
+        else:
+            calls[t[-1]] = n
     else:
-        calls[t[-1]] = n
-top = sorted(calls.items(), key=lambda kv: -kv[1])
-parts = [f"{k} {v / ios:.3f}" for k, v in top if v / ios >= 0.01]
-print(f"{total / ios:.2f} syscalls per I/O ({' + '.join(parts)}); {total} calls over {ios:.0f} I/Os")
-EOF
-}
-
-# perf_summary FILE IOS: syscalls per I/O from `perf stat -x,` tracepoint counts.
-perf_summary() {
-  "$PY" - "$1" "$2" <<'EOF'
-import sys
-ios = float(sys.argv[2])
-calls, total = {}, 0
-for line in open(sys.argv[1]):
-    t = line.strip().split(",")
-    if len(t) < 3 or not t[0].isdigit():
-        continue
-    n, ev = int(t[0]), t[2]
-    if ev == "raw_syscalls:sys_enter":
-        total = n
-    elif ev.startswith("syscalls:sys_enter_"):
-        calls[ev[len("syscalls:sys_enter_"):]] = n
+        t = line.strip().split(",")
+        if len(t) < 3 or not t[0].isdigit():
+            continue
+        n, ev = int(t[0]), t[2]
+        if ev == "raw_syscalls:sys_enter":
+            total = n
+        elif ev.startswith("syscalls:sys_enter_"):
+            calls[ev[len("syscalls:sys_enter_"):]] = n
 top = sorted(calls.items(), key=lambda kv: -kv[1])
 parts = [f"{k} {v / ios:.3f}" for k, v in top if v / ios >= 0.01]
 print(f"{total / ios:.2f} syscalls per I/O ({' + '.join(parts)}); {total} calls over {ios:.0f} I/Os")
@@ -717,8 +707,8 @@ for s in blkq $best; do
     kill -INT "$STPID"
     wait "$STPID" || true
     read -r iops _ ios _ < <(fio_stats "$OUT/perf-$s.json")
-    echo "- $s server, perf: $(perf_summary "$OUT/perf-server-$s.txt" "$ios") (run at $iops IOPS)"
-    echo "- fio against $s, perf, same run: $(perf_summary "$OUT/perf-client-$s.txt" "$ios")"
+    echo "- $s server, perf: $(syscall_summary perf "$OUT/perf-server-$s.txt" "$ios") (run at $iops IOPS)"
+    echo "- fio against $s, perf, same run: $(syscall_summary perf "$OUT/perf-client-$s.txt" "$ios")"
   fi
   strace -c -f -p "$SPID" -o "$OUT/strace-server-$s.txt" 2>"$OUT/strace-server-$s.err" &
   STPID=$!
@@ -732,14 +722,14 @@ for s in blkq $best; do
   kill -INT "$STPID"
   wait "$STPID" || true
   read -r iops _ ios _ < <(fio_stats "$OUT/strace-server-$s.json")
-  echo "- $s server, strace: $(strace_summary "$OUT/strace-server-$s.txt" "$ios") (run at $iops IOPS under strace)"
+  echo "- $s server, strace: $(syscall_summary strace "$OUT/strace-server-$s.txt" "$ios") (run at $iops IOPS under strace)"
   strace -c -f -o "$OUT/strace-client-$s.txt" \
     fio --name=peer --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=64 \
     --numjobs=1 --group_reporting --time_based --runtime="$R" --norandommap --randrepeat=0 \
     --output-format=json --output="$OUT/strace-client-$s.json" >/dev/null 2>&1 ||
     die "fio under strace failed"
   read -r iops _ ios _ < <(fio_stats "$OUT/strace-client-$s.json")
-  echo "- fio against $s, strace: $(strace_summary "$OUT/strace-client-$s.txt" "$ios") (run at $iops IOPS under strace)"
+  echo "- fio against $s, strace: $(syscall_summary strace "$OUT/strace-client-$s.txt" "$ios") (run at $iops IOPS under strace)"
   stop_server "$s"
   rm -f "$WORK"/*.img
 done

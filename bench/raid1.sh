@@ -30,6 +30,17 @@ row() {
   awk -v n="$1" -v m="$MEAN" -v s="$SD" -v b="$2" 'BEGIN {
     printf "| %s | %.1fK | %.1f%% | %.2fx |\n", n, m / 1000, (m > 0 ? 100 * s / m : 0), (b > 0 ? m / b : 0) }'
 }
+# leg_vs_mirror LEG LEGS ARGS...: two rows, one leg alone (`--device LEG`, the baseline) and
+# the mirror of LEGS, each measured with ARGS.
+leg_vs_mirror() {
+  local leg=$1 legs=$2 base
+  shift 2
+  measure --device "$leg" "$@"
+  base=$MEAN
+  row "one leg (--device)" "$base"
+  measure --raid1 "$legs" "$@"
+  row "raid1, two legs" "$base"
+}
 header() {
   echo
   echo "## $1"
@@ -60,22 +71,14 @@ done
 # (b) read balancing: two slow legs vs one such leg alone (baseline: one leg).
 header "(b) 4K randread over two timer legs (50 us, hw_queue_depth 8) vs one leg alone (target >= 1.9x)" \
   "$BIN bench --device null:1G,$TIMER | --raid1 null:1G,$TIMER,null:1G,$TIMER --rw randread --jobs 4 --iodepth 32"
-measure --device "null:1G,$TIMER" --rw randread --jobs 4 --iodepth 32
-base=$MEAN
-row "one leg (--device)" "$base"
-measure --raid1 "null:1G,$TIMER,null:1G,$TIMER" --rw randread --jobs 4 --iodepth 32
-row "raid1, two legs" "$base"
+leg_vs_mirror "null:1G,$TIMER" "null:1G,$TIMER,null:1G,$TIMER" --rw randread --jobs 4 --iodepth 32
 
 # (c) write cost: every write goes to both legs (baseline: one leg alone). The one-leg run
 # drives a queue (plugged, no data buffers on null); the mirror runs are bio-based with
 # buffers (raid1 needs them), so the ratio includes that path difference, not only the copy.
 header "(c) write cost: 4K randwrite over two null legs vs one leg alone" \
   "$BIN bench --device null:1G | --raid1 $NULL2 --rw randwrite --jobs 2 --iodepth 32"
-measure --device null:1G --rw randwrite --jobs 2 --iodepth 32
-base=$MEAN
-row "one leg (--device)" "$base"
-measure --raid1 "$NULL2" --rw randwrite --jobs 2 --iodepth 32
-row "raid1, two legs" "$base"
+leg_vs_mirror null:1G "$NULL2" --rw randwrite --jobs 2 --iodepth 32
 
 # (e) the write-intent bitmap on a 4K random-write load (baseline: no bitmap).
 header "(e) write-intent bitmap cost: 4K randwrite over two mem legs, bitmap on vs bitmap_chunk=none" \

@@ -61,14 +61,15 @@ med() {
     END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
           printf f " (" f ".." f ")", m, v[1], v[NR] }'
 }
+# col KEY: the values of KEY in the rounds of $j jobs; ratio A B: A/B in each of those rounds.
+col() { grep " jobs=$j " "$out" | sed -E "s/.* $1=([0-9.]+).*/\1/" | tr '\n' ' '; }
+ratio() { grep " jobs=$j " "$out" | awk -v a="$1" -v b="$2" '
+    { for (i = 1; i <= NF; i++) { split($i, kv, "="); x[kv[1]] = kv[2] }
+      if (x[b] > 0) printf "%s ", x[a] / x[b] }'; }
 echo
 echo "| jobs | one leg (--as-leg) | two legs, shared | two legs, copy | shared/one | copy/one | shared/copy |"
 echo "|---|---|---|---|---|---|---|"
 for j in $JOBS; do
-  col() { grep " jobs=$j " "$out" | sed -E "s/.* $1=([0-9.]+).*/\1/" | tr '\n' ' '; }
-  ratio() { grep " jobs=$j " "$out" | awk -v a="$1" -v b="$2" '
-      { for (i = 1; i <= NF; i++) { split($i, kv, "="); x[kv[1]] = kv[2] }
-        if (x[b] > 0) printf "%s ", x[a] / x[b] }'; }
   one=$(col one); shared=$(col shared); copy=$(col copy)
   fmt_k() { tr ' ' '\n' <<<"$1" | grep . | awk '{ printf "%s ", $1 / 1000 }'; }
   printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$j" \
@@ -83,10 +84,6 @@ echo
 echo "| jobs | one leg | two legs, shared | two legs, copy | one/shared | one/copy | copy/shared |"
 echo "|---|---|---|---|---|---|---|"
 for j in $JOBS; do
-  col() { grep " jobs=$j " "$out" | sed -E "s/.* $1=([0-9.]+).*/\1/" | tr '\n' ' '; }
-  ratio() { grep " jobs=$j " "$out" | awk -v a="$1" -v b="$2" '
-      { for (i = 1; i <= NF; i++) { split($i, kv, "="); x[kv[1]] = kv[2] }
-        if (x[b] > 0) printf "%s ", x[a] / x[b] }'; }
   printf '| %s | %s | %s | %s | %s | %s | %s |\n' "$j" \
     "$(med "$(col one_ns)" '%.0f')" "$(med "$(col shared_ns)" '%.0f')" "$(med "$(col copy_ns)" '%.0f')" \
     "$(med "$(ratio one_ns shared_ns)" '%.2f')" "$(med "$(ratio one_ns copy_ns)" '%.2f')" \

@@ -60,6 +60,29 @@ free_port() {
   "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# stop PID NAME: SIGINT to the server PID, which must exit 0 ("NAME exited with N" if not).
+stop() {
+  kill -INT "$1"
+  local rc=0
+  wait "$1" || rc=$?
+  ((rc == 0)) || fail "$2 exited with $rc"
+}
+
+# copy_in_out NAME TO FROM WHAT: a 64 MiB file (48 MiB of random data, then a hole) copied
+# by nbdcopy into the URI TO and out of the URI FROM (4 connections, 64 requests each); the
+# two files' sha256 must agree ("WHAT <sha256>" is the ok line). Files: $TMP/NAME.{bin,out}.
+copy_in_out() {
+  local name=$1 to=$2 from=$3 what=$4 a b
+  head -c 48M /dev/urandom >"$TMP/$name.bin"
+  truncate -s 64M "$TMP/$name.bin"
+  nbdcopy --connections 4 --requests 64 "$TMP/$name.bin" "$to"
+  nbdcopy --connections 4 --requests 64 "$from" "$TMP/$name.out"
+  a=$(sha256sum <"$TMP/$name.bin" | cut -d' ' -f1)
+  b=$(sha256sum <"$TMP/$name.out" | cut -d' ' -f1)
+  [[ $a == "$b" ]] || fail "$what: $a != $b"
+  ok "$what $a"
+}
+
 # start_server NAME SOCKET PORT ARGS...: starts `blkq serve` (its pid in SERVER_PID; not run
 # in a subshell, so that the server is this shell's child), waits until both listeners answer.
 # PROBE (default nbd://127.0.0.1:PORT) is the URI that must answer; a --config file as the
@@ -162,14 +185,7 @@ grep -q "hole" "$TMP/map.txt" || fail "no hole extent: $(cat "$TMP/map.txt")"
 ok "map: $(wc -l <"$TMP/map.txt") extents, data and holes"
 
 step "nbdcopy --connections 4 --requests 64: a file in and out, compared by sha256sum"
-head -c 48M /dev/urandom >"$TMP/copy.bin"
-truncate -s 64M "$TMP/copy.bin"
-nbdcopy --connections 4 --requests 64 "$TMP/copy.bin" "nbd+unix:///copy?socket=$SOCK"
-nbdcopy --connections 4 --requests 64 "nbd://127.0.0.1:$PORT/copy" "$TMP/copy.out"
-A=$(sha256sum <"$TMP/copy.bin" | cut -d' ' -f1)
-B=$(sha256sum <"$TMP/copy.out" | cut -d' ' -f1)
-[[ $A == "$B" ]] || fail "sha256 $A != $B"
-ok "sha256 $A"
+copy_in_out copy "nbd+unix:///copy?socket=$SOCK" "nbd://127.0.0.1:$PORT/copy" "sha256"
 
 step "nbdsh / libnbd: error replies, each followed by a successful request; multi-conn"
 "$PY" - "$UNIX" "$TCP" <<'EOF'
@@ -274,8 +290,7 @@ for what, fn in [("write", lambda: h.pwrite(b"x" * 512, 0)),
     assert h.pread(512, 0) == bytes(512)
 h.shutdown()
 EOF
-kill -INT "$ROPID"
-wait "$ROPID" || fail "read-only server exited with $?"
+stop "$ROPID" "read-only server"
 ok "read-only server stopped cleanly"
 
 step "fio --ioengine=nbd: random writes with crc32c verification"
@@ -309,8 +324,7 @@ A=$(sha256sum <"$RSRC" | cut -d' ' -f1)
 B=$(head -c 32M "$TMP/raid-out.img" | sha256sum | cut -d' ' -f1)
 [[ $A == "$B" ]] || fail "raid1 nbdcopy: sha256 $A != $B"
 ok "raid1: nbdcopy out, sha256 $A"
-kill -INT "$RPID"
-wait "$RPID" || fail "raid1 server exited with $?"
+stop "$RPID" "raid1 server"
 "$BIN" raid check "file:$RA" "file:$RB" >"$TMP/raid-check.txt" || fail "raid check: $(cat "$TMP/raid-check.txt")"
 grep -q "mismatch_cnt = 0" "$TMP/raid-check.txt" || fail "raid check: $(cat "$TMP/raid-check.txt")"
 ok "raid1: stopped cleanly, raid check: mismatch_cnt 0"
@@ -323,8 +337,7 @@ RO1PID=$SERVER_PID
 nbdinfo --json "nbd+unix:///?socket=$RO1SOCK" >"$TMP/ro1.json"
 "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); e=d["exports"][0]; assert e["is_read_only"] is True, e' \
   "$TMP/ro1.json" || fail "ro=1 not advertised: $(cat "$TMP/ro1.json")"
-kill -INT "$RO1PID"
-wait "$RO1PID" || fail "ro=1 server exited with $?"
+stop "$RO1PID" "ro=1 server"
 ok "nbdinfo shows is_read_only for a ro=1 file device"
 
 step "soak: 16 verified fio connections while other clients are killed mid-I/O; fds and RSS flat"
@@ -375,8 +388,7 @@ RSS1=$(soak_rss)
 ((FD1 <= FD0)) || fail "soak: descriptors grew from $FD0 to $FD1"
 # Allowance for per-connection buffer pools and allocator caches, not for leaks per request.
 ((RSS1 - RSS0 < 131072)) || fail "soak: RSS grew from ${RSS0} KiB to ${RSS1} KiB"
-kill -INT "$SPID"
-wait "$SPID" || fail "soak server exited with $?"
+stop "$SPID" "soak server"
 ok "soak: ${SOAK_SECS}s, 16 verified connections, $KILLS clients killed; fds $FD0 -> $FD1, RSS ${RSS0} -> ${RSS1} KiB"
 
 step "TLS: blkq certs, then --tls=require over Unix and TCP (nbdinfo, qemu-img, qemu-io, nbdcopy, fio)"
@@ -429,14 +441,8 @@ qemu-io "${QOBJ[@]}" --image-opts "$QTCP" -c 'write -P 0xab 1M 64k' -c 'write -P
 [[ $(grep -c "^read " "$TMP/tls-io.txt") == 2 ]] || fail "qemu-io over TLS: $(cat "$TMP/tls-io.txt")"
 ! grep -q "Pattern verification failed" "$TMP/tls-io.txt" || fail "qemu-io over TLS: pattern"
 ok "qemu-io write -P / read -P over TLS"
-head -c 48M /dev/urandom >"$TMP/tls-copy.bin"
-truncate -s 64M "$TMP/tls-copy.bin"
-nbdcopy --connections 4 --requests 64 "$TMP/tls-copy.bin" "nbds+unix:///copy?socket=$TSOCK&tls-certificates=$PKI"
-nbdcopy --connections 4 --requests 64 "nbds://localhost:$TPORT/copy?tls-certificates=$PKI" "$TMP/tls-copy.out"
-A=$(sha256sum <"$TMP/tls-copy.bin" | cut -d' ' -f1)
-B=$(sha256sum <"$TMP/tls-copy.out" | cut -d' ' -f1)
-[[ $A == "$B" ]] || fail "nbdcopy over TLS: sha256 $A != $B"
-ok "nbdcopy in and out over TLS, sha256 $A"
+copy_in_out tls-copy "nbds+unix:///copy?socket=$TSOCK&tls-certificates=$PKI" \
+  "nbds://localhost:$TPORT/copy?tls-certificates=$PKI" "nbdcopy in and out over TLS, sha256"
 # fio's engine calls nbd_connect_uri without allowing local files, so a tls-certificates=
 # parameter is refused; libnbd's default directory ($HOME/.pki/libnbd) is used instead.
 FIOHOME=$TMP/fio-home
@@ -446,8 +452,7 @@ mkdir -p "$FIOHOME/.pki" && cp -r "$PKI" "$FIOHOME/.pki/libnbd"
   --output="$TMP/fio-tls.txt") || fail "fio over TLS: $(cat "$TMP/fio-tls.txt")"
 grep -q "err= 0" "$TMP/fio-tls.txt" || fail "fio over TLS reported errors: $(cat "$TMP/fio-tls.txt")"
 ok "fio --ioengine=nbd over nbds+unix (certificates from \$HOME/.pki/libnbd) verified 32 MiB of random writes"
-kill -INT "$TPID"
-wait "$TPID" || fail "TLS server exited with $?"
+stop "$TPID" "TLS server"
 ok "TLS server stopped cleanly"
 
 step "TLS --tls-verify-peer: a client certificate from the CA gets in; none, or another CA's, does not"
@@ -472,8 +477,7 @@ for dir in "$NOCERT" "$OTHER"; do
   fi
 done
 ok "no client certificate, and another CA's: refused (nbdinfo and qemu-img)"
-kill -INT "$VPID"
-wait "$VPID" || fail "verify-peer server exited with $?"
+stop "$VPID" "verify-peer server"
 ok "verify-peer server stopped cleanly"
 
 step "TLS subject rules from a --config file: client1 sees only the export allowed to CN=client1"
@@ -509,8 +513,7 @@ if nbdinfo --size "nbds+unix:///theirs?socket=$SSOCK&tls-certificates=$PKI" >/de
   fail "client1 opened the export allowed only to CN=someone-else"
 fi
 ok "nbdinfo --list shows only the CN=client1 export; the other is refused"
-kill -INT "$SSPID"
-wait "$SSPID" || fail "subject-rules server exited with $?"
+stop "$SSPID" "subject-rules server"
 
 step "metrics: blkq serve --metrics, qemu-io I/O, curl /metrics: the disk counters moved by that much"
 MSOCK=$TMP/metrics.sock
@@ -553,13 +556,11 @@ lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 close = [l for l in lines if l.get("message", "").startswith("connection closed:") and l.get("bytes_written") == 196608]
 assert close and close[0]["bytes_read"] == 40960 and close[0]["requests"] >= 14, close
 PYEOF
-kill -INT "$MPID"
-wait "$MPID" || fail "metrics server exited with $?"
+stop "$MPID" "metrics server"
 ok "10 reads, 3 writes of 64 KiB, a flush: counted exactly; 404 elsewhere; JSON close line with bytes"
 
 step "SIGINT: the server finishes, exits 0 and removes its socket"
-kill -INT "$PID"
-wait "$PID" || fail "server exited with $?"
+stop "$PID" "server"
 [[ ! -e $SOCK ]] || fail "socket file left behind"
 grep -q "server stopped" "$TMP/main.log" || fail "no shutdown log line"
 ok "clean exit"

@@ -34,12 +34,23 @@ impl Aligned {
 }
 
 fn create(dir: &Path, name: &str, size: u64, direct: bool) -> FileBackend {
+    open(dir, name, false, direct, Some(size))
+}
+
+/// The file `name` in `dir`, opened with these options.
+fn open(
+    dir: &Path,
+    name: &str,
+    read_only: bool,
+    direct: bool,
+    create_size: Option<u64>,
+) -> FileBackend {
     FileBackend::open(
         dir.join(name),
         FileOptions {
-            read_only: false,
+            read_only,
             direct,
-            create_size: Some(size),
+            create_size,
             ..FileOptions::default()
         },
     )
@@ -149,16 +160,7 @@ fn read_only_refuses_writes_with_erofs() {
     let f = create(dir.path(), "ro.img", 64 * K, false);
     f.write_at(0, b"hello", false).unwrap();
     drop(f);
-    let f = FileBackend::open(
-        dir.path().join("ro.img"),
-        FileOptions {
-            read_only: true,
-            direct: true,
-            create_size: None,
-            ..FileOptions::default()
-        },
-    )
-    .unwrap();
+    let f = open(dir.path(), "ro.img", true, true, None);
     assert!(f.is_read_only());
     assert_eq!(read(&f, 0, 5), b"hello");
     for e in [
@@ -554,16 +556,7 @@ fn engines_report_errors_and_drain_on_drop() {
     let dir = tempfile::tempdir().unwrap();
     let f = engine_file(dir.path(), "rw.img");
     drop(f);
-    let ro = FileBackend::open(
-        dir.path().join("rw.img"),
-        FileOptions {
-            read_only: true,
-            direct: true,
-            create_size: None,
-            ..FileOptions::default()
-        },
-    )
-    .unwrap();
+    let ro = open(dir.path(), "rw.img", true, true, None);
     let mut kinds = vec![EngineKind::Pool];
     match UringEngine::available() {
         Ok(()) => kinds.push(EngineKind::Uring),

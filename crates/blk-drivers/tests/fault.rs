@@ -767,21 +767,21 @@ impl EndIo for Back {
     }
 }
 
-/// A plain forwarder hides the queue's own `submit_batch` (which makes a plug per call)
-/// behind single submits, so that the count below is the fault device's alone.
-fn one_by_one(q: blk::Queue) -> Arc<dyn Device> {
+/// A `null:64M` queue behind a plain forwarder, which hides the queue's own `submit_batch`
+/// (which makes a plug per call) behind single submits, so that the count below is the
+/// fault device's alone.
+fn null_one_by_one() -> Arc<dyn Device> {
+    let q = "null:64M"
+        .parse::<DeviceSpec>()
+        .unwrap()
+        .build(&QueueOverrides::default())
+        .unwrap();
     Arc::new(Forward::new(Arc::new(q)))
 }
 
 #[test]
 fn steady_state_allocates_nothing() {
-    let inner = one_by_one(
-        "null:64M"
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    );
+    let inner = null_one_by_one();
     let f = FaultDevice::new(
         inner,
         FaultConfig::parse("seed=5,fail_read_prob=0.1,fail_write_after=100,fail_discard=0+1M")
@@ -826,13 +826,7 @@ fn steady_state_allocates_nothing() {
 /// forwards the submitter's buffer.
 #[test]
 fn flip_rules_allocate_only_for_a_flipped_write() {
-    let inner = one_by_one(
-        "null:64M"
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    );
+    let inner = null_one_by_one();
     let f = FaultDevice::new(inner, FaultConfig::parse("seed=3,flip_read=all").unwrap());
     let h = f.handle();
     h.add(Rule::flip(OpSet::WRITE).in_range(60 << 20, K4));
@@ -896,13 +890,7 @@ fn delayed_steady_state_allocates_nothing() {
     // queue; the timer thread sleeps on its own wait queue until a deadline or a push. After a
     // warm-up, neither thread allocates (the timer thread counts from its first measured
     // delivery on).
-    let inner = one_by_one(
-        "null:64M"
-            .parse::<DeviceSpec>()
-            .unwrap()
-            .build(&QueueOverrides::default())
-            .unwrap(),
-    );
+    let inner = null_one_by_one();
     let f = FaultDevice::new(
         inner,
         FaultConfig::parse("seed=9,latency_us=1,jitter_us=50").unwrap(),

@@ -68,31 +68,9 @@ mod imp {
     pub(crate) type RawMutex<T> = std::sync::Mutex<T>;
     pub(crate) type RawGuard<'a, T> = std::sync::MutexGuard<'a, T>;
 
-    pub(crate) fn raw_lock<T>(m: &RawMutex<T>) -> RawGuard<'_, T> {
-        // A panic while holding one of our locks leaves state that every path re-validates
-        // (queues of waiters, counters); poisoning would only turn one panic into many.
-        m.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn raw_try_lock<T>(m: &RawMutex<T>) -> Option<RawGuard<'_, T>> {
-        match m.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
     pub(crate) type RawRwLock<T> = std::sync::RwLock<T>;
     pub(crate) type RawReadGuard<'a, T> = std::sync::RwLockReadGuard<'a, T>;
     pub(crate) type RawWriteGuard<'a, T> = std::sync::RwLockWriteGuard<'a, T>;
-
-    pub(crate) fn raw_read<T>(l: &RawRwLock<T>) -> RawReadGuard<'_, T> {
-        l.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn raw_write<T>(l: &RawRwLock<T>) -> RawWriteGuard<'_, T> {
-        l.write().unwrap_or_else(|e| e.into_inner())
-    }
 
     /// `std::cell::UnsafeCell` with loom's closure-based access API.
     #[derive(Debug, Default)]
@@ -162,29 +140,9 @@ mod imp {
     pub(crate) type RawMutex<T> = loom::sync::Mutex<T>;
     pub(crate) type RawGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
 
-    pub(crate) fn raw_lock<T>(m: &RawMutex<T>) -> RawGuard<'_, T> {
-        m.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn raw_try_lock<T>(m: &RawMutex<T>) -> Option<RawGuard<'_, T>> {
-        match m.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
     pub(crate) type RawRwLock<T> = loom::sync::RwLock<T>;
     pub(crate) type RawReadGuard<'a, T> = loom::sync::RwLockReadGuard<'a, T>;
     pub(crate) type RawWriteGuard<'a, T> = loom::sync::RwLockWriteGuard<'a, T>;
-
-    pub(crate) fn raw_read<T>(l: &RawRwLock<T>) -> RawReadGuard<'_, T> {
-        l.read().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(crate) fn raw_write<T>(l: &RawRwLock<T>) -> RawWriteGuard<'_, T> {
-        l.write().unwrap_or_else(|e| e.into_inner())
-    }
 
     pub use loom::cell::UnsafeCell;
 
@@ -199,6 +157,30 @@ mod imp {
 }
 
 pub use imp::{atomic, thread, Arc, UnsafeCell};
+
+// The raw locks of either implementation, poisoning ignored: a panic while holding one of our
+// locks leaves state that every path re-validates (queues of waiters, counters); poisoning
+// would only turn one panic into many.
+
+fn raw_lock<T>(m: &imp::RawMutex<T>) -> imp::RawGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn raw_try_lock<T>(m: &imp::RawMutex<T>) -> Option<imp::RawGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+fn raw_read<T>(l: &imp::RawRwLock<T>) -> imp::RawReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn raw_write<T>(l: &imp::RawRwLock<T>) -> imp::RawWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
 
 /// `std::sync::Arc`, under loom too: the handle for shared **trait objects** (`Arc<dyn
 /// Device>`, `Arc<dyn EndIo>`). Loom's `Arc` cannot hold an unsized value, and a reference count
@@ -315,13 +297,13 @@ impl<T> Mutex<T> {
     /// Locks, blocking until the lock is free.
     #[inline]
     pub fn lock(&self) -> MutexGuard<'_, T> {
-        MutexGuard(imp::raw_lock(&self.0))
+        MutexGuard(raw_lock(&self.0))
     }
 
     /// Locks if the lock is free right now.
     #[inline]
     pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
-        imp::raw_try_lock(&self.0).map(MutexGuard)
+        raw_try_lock(&self.0).map(MutexGuard)
     }
 }
 
@@ -361,13 +343,13 @@ impl<T> RwLock<T> {
     /// Locks shared, blocking while a writer holds it.
     #[inline]
     pub fn read(&self) -> RwLockReadGuard<'_, T> {
-        RwLockReadGuard(imp::raw_read(&self.0))
+        RwLockReadGuard(raw_read(&self.0))
     }
 
     /// Locks exclusive, blocking while anyone holds it.
     #[inline]
     pub fn write(&self) -> RwLockWriteGuard<'_, T> {
-        RwLockWriteGuard(imp::raw_write(&self.0))
+        RwLockWriteGuard(raw_write(&self.0))
     }
 }
 

@@ -14,6 +14,17 @@ pub fn criterion_config() -> Criterion {
         .sample_size(20)
 }
 
+/// A bench binary's `main` (through [`bench_main!`](crate::bench_main)): runs each of
+/// `targets` with [`criterion_config`] and the command line's options, then prints criterion's
+/// final summary.
+pub fn run_benches(targets: &[fn(&mut Criterion)]) {
+    let mut c = criterion_config().configure_from_args();
+    for target in targets {
+        target(&mut c);
+    }
+    Criterion::default().configure_from_args().final_summary();
+}
+
 /// Runs `body(t)` on `threads` threads at once (`t` in `0..threads`) and returns the wall time
 /// until the last one is done: the body of a criterion `iter_custom` for "N threads doing
 /// `iters` each", whose time per iteration is then the wall time of all of them.

@@ -7,6 +7,7 @@
 //!   binary (loom aborts the process when a failing model unwinds);
 //! - [`baseline`]: the `Mutex` + `Condvar` baselines the criterion benches measure against,
 //!   and their shared criterion configuration;
+//! - [`rng`]: SplitMix64, the simulators' seeded randomness;
 //! - [`ceph`]: a single-node Ceph cluster per test binary (`scripts/ceph-cluster.sh`);
 //! - `Collect` (feature `blk`): an end-io that collects completed bios;
 //! - `io` (feature `blk`): synchronous submit-and-wait, `read_at`, `write_at`, `flush` on any device;
@@ -33,6 +34,7 @@ mod forward;
 #[cfg(feature = "blk")]
 pub mod io;
 pub mod loom_child;
+pub mod rng;
 mod wait;
 
 #[cfg(feature = "blk")]
@@ -40,6 +42,22 @@ pub use collect::{Collect, Done};
 #[cfg(feature = "blk")]
 pub use forward::{Forward, Hook, OnSubmit};
 pub use wait::{wait_until, wait_until_within, PROMPT};
+
+/// The `main` of a criterion bench whose body is `cfg(not(blkq_loom))` (under loom the
+/// facade's types only work inside a model): runs the given bench functions through
+/// [`baseline::run_benches`], and does nothing under loom.
+#[macro_export]
+macro_rules! bench_main {
+    ($($target:path),+ $(,)?) => {
+        #[cfg(not(blkq_loom))]
+        fn main() {
+            $crate::baseline::run_benches(&[$($target),+]);
+        }
+
+        #[cfg(blkq_loom)]
+        fn main() {}
+    };
+}
 
 /// `len` bytes of a pattern derived from `seed` (xorshift64), none of them zero, so that
 /// written data, holes and zeroed ranges stay distinguishable.

@@ -175,13 +175,8 @@ fn the_addr_file_is_not_written_through_a_planted_symlink() {
     let written = std::fs::read_to_string(d.path().join("metrics.addr")).unwrap();
     assert_eq!(written.trim(), addr);
     // Nothing else left behind: the victim, the link, the address, and serve's own files.
-    let mut names: Vec<String> = std::fs::read_dir(d.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
     assert_eq!(
-        names,
+        common::names_in(d.path()),
         [
             "m.sock",
             "m.stderr",

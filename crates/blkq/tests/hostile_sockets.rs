@@ -41,6 +41,20 @@ fn open_dir() -> tempfile::TempDir {
     d
 }
 
+/// As root: an [`open_dir`], the paths of the NBD socket `s.sock` and the control socket
+/// `c.sock` in it, and a [`Connector`] trying both; `None` (the test skipped) when not root.
+fn connector_scene() -> Option<(tempfile::TempDir, PathBuf, PathBuf, Connector)> {
+    if !is_root() {
+        eprintln!("note: not root, cannot run a connector as another user: skipped");
+        return None;
+    }
+    let dir = open_dir();
+    let sock = dir.path().join("s.sock");
+    let ctl = dir.path().join("c.sock");
+    let conn = Connector::spawn(&[&sock, &ctl]);
+    Some((dir, sock, ctl, conn))
+}
+
 /// A child process running as uid/gid 65534 that connects to each of `paths` in a loop and
 /// writes the path's index (one byte) to a pipe for every connection that succeeds.
 struct Connector {
@@ -235,14 +249,9 @@ fn start(dir: &Path, sock: &Path, ctl: &Path, mode: &str) -> Running {
 /// neither path is ever seen with a mode wider than 0600.
 #[test]
 fn sockets_are_private_from_the_first_moment() {
-    if !is_root() {
-        eprintln!("note: not root, cannot run a connector as another user: skipped");
+    let Some((dir, sock, ctl, conn)) = connector_scene() else {
         return;
-    }
-    let dir = open_dir();
-    let sock = dir.path().join("s.sock");
-    let ctl = dir.path().join("c.sock");
-    let conn = Connector::spawn(&[&sock, &ctl]);
+    };
     let poll = Poller::spawn(vec![sock.clone(), ctl.clone()]);
     let mut bad_starts = Vec::new();
     for i in 0..STARTS {
@@ -274,14 +283,9 @@ fn sockets_are_private_from_the_first_moment() {
 /// is traversable and the connector really runs as another user.
 #[test]
 fn the_connector_reaches_a_socket_made_0777() {
-    if !is_root() {
-        eprintln!("note: not root, cannot run a connector as another user: skipped");
+    let Some((dir, sock, ctl, conn)) = connector_scene() else {
         return;
-    }
-    let dir = open_dir();
-    let sock = dir.path().join("s.sock");
-    let ctl = dir.path().join("c.sock");
-    let conn = Connector::spawn(&[&sock, &ctl]);
+    };
     let mut srv = start(dir.path(), &sock, &ctl, "0777");
     let t0 = Instant::now();
     let mut got = [0, 0];

@@ -23,25 +23,8 @@ use std::time::Duration;
 
 const LEG_SIZE: u64 = 64 << 20;
 const CHUNK: u64 = 1 << 20;
-const BLOCKS_PER_CHUNK: u64 = CHUNK / BLOCK;
 const LEG_PORT: u16 = 10809;
 const OLD_FRONT_PORT: u16 = 10810;
-
-/// A few blocks spread over each of `chunks` (array chunks of the bitmap).
-fn blocks_in(chunks: &[u64]) -> Vec<u64> {
-    chunks
-        .iter()
-        .flat_map(|c| (0..8).map(move |k| c * BLOCKS_PER_CHUNK + k * 29))
-        .collect()
-}
-
-fn leg_state(v: &serde_json::Value, slot: usize) -> String {
-    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
-}
-
-fn in_sync_and_idle(v: &serde_json::Value) -> bool {
-    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
-}
 
 /// A subdirectory of `d` (each server keeps its sockets apart).
 fn sub(d: &Path, name: &str) -> std::path::PathBuf {
@@ -123,7 +106,7 @@ fn a_front_cut_off_that_went_on_writing_is_refused_then_discarded_by_the_union()
     let (front_only, back_only) = ([20u64, 21], [30u64, 31, 32]);
     let load = Load::start(
         p.front.client(),
-        blocks_in(&back_only[..1]),
+        blocks_in(CHUNK, &back_only[..1]),
         Ledger::default(),
     );
     load.wait_more(100);
@@ -133,7 +116,11 @@ fn a_front_cut_off_that_went_on_writing_is_refused_then_discarded_by_the_union()
     // The link goes; the front fails its remote leg and goes on writing alone: a new
     // generation.
     hosts.cut();
-    let front_load = Load::start(p.front.client(), blocks_in(&front_only), Ledger::default());
+    let front_load = Load::start(
+        p.front.client(),
+        blocks_in(CHUNK, &front_only),
+        Ledger::default(),
+    );
     let v = p
         .front
         .wait_for(&|v| leg_state(v, 1) == "faulty", "the front lost its leg");
@@ -147,7 +134,7 @@ fn a_front_cut_off_that_went_on_writing_is_refused_then_discarded_by_the_union()
     let back_gen = back.status_json()["generation"].clone();
     assert!(back_gen != shared && back_gen != front_gen, "{back_gen}");
     assert_eq!(acked.verify(&mut back.client()), 8);
-    let load = Load::start(back.client(), blocks_in(&back_only), acked);
+    let load = Load::start(back.client(), blocks_in(CHUNK, &back_only), acked);
     load.wait_more(200);
     let ledger = load.stop();
 
@@ -203,7 +190,7 @@ fn a_front_that_died_is_taken_back_at_once_and_copies_only_what_the_back_wrote()
     // (Dying with writes in flight is raid_loss's test.)
     let load = Load::start(
         p.front.client(),
-        blocks_in(&back_only[..2]),
+        blocks_in(CHUNK, &back_only[..2]),
         Ledger::default(),
     );
     load.wait_more(200);
@@ -212,7 +199,7 @@ fn a_front_that_died_is_taken_back_at_once_and_copies_only_what_the_back_wrote()
 
     let back = promote(&hosts, d.path(), &mut p);
     acked.verify(&mut back.client());
-    let load = Load::start(back.client(), blocks_in(&back_only), acked);
+    let load = Load::start(back.client(), blocks_in(CHUNK, &back_only), acked);
     load.wait_more(200);
     let ledger = load.stop();
 
@@ -248,14 +235,14 @@ fn a_front_still_running_refuses_its_leg_back_from_a_failover() {
     let d = tempfile::tempdir().unwrap();
     // Requests to the leg wait for it longer than the failover takes: only the check fails it.
     let mut p = pair(&hosts, d.path(), ",reconnect_deadline=120");
-    let load = Load::start(p.front.client(), blocks_in(&[20]), Ledger::default());
+    let load = Load::start(p.front.client(), blocks_in(CHUNK, &[20]), Ledger::default());
     load.wait_more(100);
     let acked = load.stop();
 
     // The README's failover, with the front still running: the back serves its leg alone
     // and takes writes, then its leg's server comes back on the same address.
     let mut back = promote(&hosts, d.path(), &mut p);
-    let load = Load::start(back.client(), blocks_in(&[30]), Ledger::default());
+    let load = Load::start(back.client(), blocks_in(CHUNK, &[30]), Ledger::default());
     load.wait_more(100);
     let theirs = load.stop();
     assert!(back.stop(), "the back's clean stop");
@@ -287,7 +274,7 @@ fn a_front_still_running_refuses_its_leg_back_from_a_failover() {
             "block {block}: the branch is served"
         );
     }
-    let load = Load::start(c, blocks_in(&[21]), acked);
+    let load = Load::start(c, blocks_in(CHUNK, &[21]), acked);
     load.wait_more(50);
     load.stop();
     p.front.stop();

@@ -15,17 +15,8 @@ use std::time::Duration;
 
 const LEG_SIZE: u64 = 64 << 20;
 const CHUNK: u64 = 1 << 20;
-const BLOCKS_PER_CHUNK: u64 = CHUNK / BLOCK;
 /// The leg's server, as the front reaches it.
 const PORT: u16 = 10809;
-
-/// A few blocks spread over each of `chunks` (array chunks of the bitmap).
-fn blocks_in(chunks: &[u64]) -> Vec<u64> {
-    chunks
-        .iter()
-        .flat_map(|c| (0..8).map(move |k| c * BLOCKS_PER_CHUNK + k * 29))
-        .collect()
-}
 
 /// Who serves the remote leg.
 #[derive(Clone, Copy, Debug)]
@@ -101,14 +92,6 @@ fn leg_spec() -> String {
     format!("nbd://{BACK_IP}:{PORT}/leg,timeout=2,reconnect_deadline=1")
 }
 
-fn leg_state(v: &serde_json::Value, slot: usize) -> String {
-    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
-}
-
-fn in_sync_and_idle(v: &serde_json::Value) -> bool {
-    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
-}
-
 /// The front: a new array over a local file and the back's export, a short request timeout
 /// so a lost leg is noticed within seconds, a 1 MiB bitmap chunk, bits cleared after 200 ms
 /// of quiet (never while degraded).
@@ -182,7 +165,7 @@ fn lose_and_return(peer: Peer, loss: Loss) {
     // written while away too: a bit still set on the leg's own bitmap when the link goes down
     // is copied as well, and the count below stays exact.)
     let away = [10u64, 13, 17, 22, 30];
-    let load = Load::start(s.client(), blocks_in(&away[..2]), Ledger::default());
+    let load = Load::start(s.client(), blocks_in(CHUNK, &away[..2]), Ledger::default());
     load.wait_more(200);
     let ledger = load.stop();
     s.wait_for(
@@ -195,7 +178,7 @@ fn lose_and_return(peer: Peer, loss: Loss) {
         Loss::Link => hosts.cut(),
         Loss::Server => leg.kill(),
     }
-    let load = Load::start(s.client(), blocks_in(&away), ledger);
+    let load = Load::start(s.client(), blocks_in(CHUNK, &away), ledger);
     let v = s.wait_for(&|v| leg_state(v, 1) == "faulty", "the remote leg failed");
     assert_eq!(leg_state(&v, 0), "in_sync", "{v}");
     load.wait_more(300);
@@ -277,7 +260,7 @@ fn over_a_slow_link_write_behind_runs_ahead_of_the_remote_leg_and_a_flush_catche
     // on their way to the remote leg, never more.
     let load = Load::start_flushing_every(
         s.client(),
-        blocks_in(&[10, 11, 12, 13]),
+        blocks_in(CHUNK, &[10, 11, 12, 13]),
         Ledger::default(),
         u64::MAX,
     );

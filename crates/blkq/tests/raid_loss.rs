@@ -35,6 +35,16 @@ fn nth_write(i: u64) -> (u64, Vec<u8>) {
     (i * (64 << 10), pattern(i, 4096 * (1 + (i % 16) as usize)))
 }
 
+/// The sync of `v` (`raid status --json`) copied some chunks, and no more than the `dirty`
+/// ones (`what`: the sync's verb in the message).
+fn assert_copied_some_of(v: &serde_json::Value, dirty: u64, what: &str) {
+    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
+    assert!(
+        copied > 0 && copied <= dirty,
+        "{what} {copied} of {dirty} dirty: {v}"
+    );
+}
+
 #[test]
 fn leg_failed_mid_load_loses_nothing_and_recovers() {
     let d = tempfile::tempdir().unwrap();
@@ -104,25 +114,12 @@ fn leg_failed_mid_load_loses_nothing_and_recovers() {
     ok(&["raid", "remove", "1", "--control", s.ctl()]);
     ok(&["raid", "add", &b, "--control", s.ctl()]);
     let v = s.wait_for(
-        &|v| {
-            v["legs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|l| l["state"] == "in_sync")
-                .count()
-                == 2
-                && v["sync"]["action"] == "idle"
-        },
+        &|v| legs_in_sync(v) == 2 && v["sync"]["action"] == "idle",
         "no [UU] after the re-add",
     );
     // The re-add is a bitmap recovery: it copied the chunks written while the leg was out,
     // never more than were dirty, never the whole array.
-    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
-    assert!(
-        copied > 0 && copied <= dirty,
-        "copied {copied} of {dirty} dirty: {v}"
-    );
+    assert_copied_some_of(&v, dirty, "copied");
     let (doff, cap) = geometry(&v);
     check_all(&s);
     assert!(s.stop(), "serve did not exit cleanly");
@@ -178,13 +175,7 @@ fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
     let mut s = Server::start(d.path(), &legs, &["--raid1-option", QUIET]);
     let v = s.wait_for(
         &|v| {
-            v["legs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|l| l["state"] == "in_sync")
-                .count()
-                == 2
+            legs_in_sync(v) == 2
                 && v["sync"]["action"] == "idle"
                 // Bits clear only once the resync copied their chunks (quiet time: QUIET).
                 && v["bitmap"]["dirty"] == 0
@@ -192,11 +183,7 @@ fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
         "resync did not finish",
     );
     // After the unclean stop only the dirty chunks were resynced.
-    let copied = v["sync"]["chunks_copied"].as_u64().unwrap();
-    assert!(
-        copied > 0 && copied <= dirty,
-        "resynced {copied} of {dirty} dirty: {v}"
-    );
+    assert_copied_some_of(&v, dirty, "resynced");
     let (doff, cap) = geometry(&v);
     {
         let mut cl = s.client();

@@ -27,6 +27,25 @@ fn scrape(addr: &str) -> HashMap<String, f64> {
         .collect()
 }
 
+/// Asserts how far each of the disk counters `moved` (name, by how much) of `export` moved
+/// from `before` to `after`, and that `after` has no I/O in flight.
+fn assert_disk_moved(
+    before: &HashMap<String, f64>,
+    after: &HashMap<String, f64>,
+    export: &str,
+    moved: &[(&str, f64)],
+) {
+    let e = |name: &str| format!("blkq_disk_{name}{{export=\"{export}\"}}");
+    for (name, by) in moved {
+        assert_eq!(
+            value(after, &e(name)) - value(before, &e(name)),
+            *by,
+            "{name}"
+        );
+    }
+    assert_eq!(value(after, &e("io_now")), 0.0);
+}
+
 fn value(m: &HashMap<String, f64>, key: &str) -> f64 {
     *m.get(key)
         .unwrap_or_else(|| panic!("no {key} in {:#?}", m.keys().collect::<Vec<_>>()))
@@ -94,17 +113,23 @@ fn counters_move_by_exactly_the_io_done() {
     let after = scrape_until(addr.as_str(), "the client's connection never closed", |m| {
         value(m, open) == 0.0 && value(m, "blkq_nbd_transmissions_total") >= 1.0
     });
+    assert_disk_moved(
+        &before,
+        &after,
+        "",
+        &[
+            ("reads_completed_total", 10.0),
+            ("read_bytes_total", 40960.0),
+            ("writes_completed_total", 3.0),
+            ("written_bytes_total", 196608.0),
+            ("flush_requests_total", 1.0),
+            ("discards_completed_total", 1.0),
+            ("discarded_sectors_total", 2048.0),
+            ("errors_total", 0.0),
+        ],
+    );
     let delta = |k: &str| value(&after, k) - value(&before, k);
     let e = |name: &str| format!("blkq_disk_{name}{{export=\"\"}}");
-    assert_eq!(delta(&e("reads_completed_total")), 10.0);
-    assert_eq!(delta(&e("read_bytes_total")), 40960.0);
-    assert_eq!(delta(&e("writes_completed_total")), 3.0);
-    assert_eq!(delta(&e("written_bytes_total")), 196608.0);
-    assert_eq!(delta(&e("flush_requests_total")), 1.0);
-    assert_eq!(delta(&e("discards_completed_total")), 1.0);
-    assert_eq!(delta(&e("discarded_sectors_total")), 2048.0);
-    assert_eq!(delta(&e("errors_total")), 0.0);
-    assert_eq!(value(&after, &e("io_now")), 0.0);
     for t in [
         "read_time_seconds_total",
         "write_time_seconds_total",
@@ -229,14 +254,18 @@ fn raid1_arrays_have_the_md_shape() {
         );
     }
     // The mirror keeps no disk counters of its own: the server counts its requests.
-    let delta = |k: &str| value(&after, k) - value(&before, k);
-    let e = |name: &str| format!("blkq_disk_{name}{{export=\"mirror\"}}");
-    assert_eq!(delta(&e("reads_completed_total")), 4.0);
-    assert_eq!(delta(&e("read_bytes_total")), 16384.0);
-    assert_eq!(delta(&e("writes_completed_total")), 1.0);
-    assert_eq!(delta(&e("written_bytes_total")), 16384.0);
-    assert_eq!(delta(&e("flush_requests_total")), 1.0);
-    assert_eq!(value(&after, &e("io_now")), 0.0);
+    assert_disk_moved(
+        &before,
+        &after,
+        "mirror",
+        &[
+            ("reads_completed_total", 4.0),
+            ("read_bytes_total", 16384.0),
+            ("writes_completed_total", 1.0),
+            ("written_bytes_total", 16384.0),
+            ("flush_requests_total", 1.0),
+        ],
+    );
     cl.disconnect().unwrap();
 }
 

@@ -181,18 +181,10 @@ fn a_mirror_rides_out_a_remote_leg_restart() {
     assert_eq!(c.read(4 << 20, 1 << 20).unwrap(), b);
     // Back in sync: at once, or (when the killed server took writes no flush covered with
     // it, so the leg failed) once it is re-added and recovered.
-    let in_sync = |v: &serde_json::Value| {
-        v["legs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|l| l["state"] == "in_sync")
-            .count()
-    };
     let t0 = std::time::Instant::now();
     loop {
         let status = front.status_json();
-        if in_sync(&status) == 2 {
+        if common::legs_in_sync(&status) == 2 {
             break;
         }
         assert!(

@@ -4,10 +4,21 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
 use common::Serving;
 use nbd::CmdFlags;
+
+/// `blkq serve --config FILE` with `RUST_LOG=log`, its stderr in `dir`, once `sock` accepts.
+fn serve_config(file: &Path, dir: &Path, sock: &Path, log: &str) -> common::Running {
+    common::Launch::serve(["--config"])
+        .arg(file)
+        .env("RUST_LOG", log)
+        .stderr_to(&dir.join("stderr"))
+        .ready_when_connects(sock)
+        .start()
+}
 
 #[test]
 fn sighup_does_not_stop_the_server_and_a_connected_client_keeps_working() {
@@ -82,12 +93,7 @@ fn sighup_reloads_certificates_and_access_rules_and_keeps_them_when_the_file_is_
     let sock = dir.path().join("s.sock");
     let file = dir.path().join("blkq.toml");
     std::fs::write(&file, config(&sock, &pki, "\"CN=client1\"")).unwrap();
-    let mut s = common::Launch::serve(["--config"])
-        .arg(&file)
-        .env("RUST_LOG", "info")
-        .stderr_to(&dir.path().join("stderr"))
-        .ready_when_connects(&sock)
-        .start();
+    let mut s = serve_config(&file, dir.path(), &sock, "info");
     let cfg = nbd::tls::client_config(&pki).unwrap();
     let ep = Endpoint::Unix(sock.clone());
     let connect = || {
@@ -163,12 +169,7 @@ fn sighup_serves_the_exports_the_file_gained_and_removes_the_ones_it_lost() {
         exports_config(&sock, &[("stay", "mem:1M"), ("old", "mem:1M")]),
     )
     .unwrap();
-    let mut s = common::Launch::serve(["--config"])
-        .arg(&file)
-        .env("RUST_LOG", "info")
-        .stderr_to(&dir.path().join("stderr"))
-        .ready_when_connects(&sock)
-        .start();
+    let mut s = serve_config(&file, dir.path(), &sock, "info");
     let ep = Endpoint::Unix(sock.clone());
     let connect = |name: &str| {
         let mut h = Handshake::start(ep.connect().unwrap()).unwrap();
@@ -226,12 +227,7 @@ fn sighup_applies_a_changed_log_level() {
         std::fs::write(&file, c).unwrap();
     };
     write("warn");
-    let mut s = common::Launch::serve(["--config"])
-        .arg(&file)
-        .env("RUST_LOG", "")
-        .stderr_to(&dir.path().join("stderr"))
-        .ready_when_connects(&sock)
-        .start();
+    let mut s = serve_config(&file, dir.path(), &sock, "");
     let ep = nbd::client::Endpoint::Unix(sock.clone());
     let connect = || {
         let mut h = nbd::client::Handshake::start(ep.connect().unwrap()).unwrap();

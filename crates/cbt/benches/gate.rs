@@ -12,8 +12,8 @@ mod benches {
 
     use blkq_sync::Arc;
     use cbt::{Bitmaps, Mode, Options};
-    use criterion::{criterion_group, Criterion};
-    use testkit::baseline::{criterion_config, threads_wall};
+    use criterion::Criterion;
+    use testkit::baseline::threads_wall;
 
     const CAP: u64 = 1 << 30;
 
@@ -38,7 +38,7 @@ mod benches {
         Arc::new(b)
     }
 
-    fn enter_mark_exit(c: &mut Criterion) {
+    pub fn enter_mark_exit(c: &mut Criterion) {
         let mut g = c.benchmark_group("cbt_write_gate");
         for nbitmaps in [0usize, 1] {
             for threads in [1usize, 2, 4] {
@@ -65,23 +65,6 @@ mod benches {
         }
         g.finish();
     }
-
-    criterion_group! {
-        name = group;
-        config = criterion_config();
-        targets = enter_mark_exit
-    }
-
-    pub fn main() {
-        group();
-        Criterion::default().configure_from_args().final_summary();
-    }
 }
 
-#[cfg(not(blkq_loom))]
-fn main() {
-    benches::main();
-}
-
-#[cfg(blkq_loom)]
-fn main() {}
+testkit::bench_main!(benches::enter_mark_exit);

@@ -94,22 +94,32 @@ fn skip(buf: &[u8], pos: usize, n: u64) -> Option<usize> {
     (end <= buf.len()).then_some(end)
 }
 
-fn server_side(buf: &[u8]) -> Outcome {
+/// The outcome of the opening message (client flags, a server greeting), every error of which
+/// is fatal (`what` names it), and whether decoding goes on after it.
+fn opening<T>(first: Result<Decoded<T>, Error>, what: &str) -> (Outcome, bool) {
     let mut out = Outcome::default();
-    match decode_client_flags(buf, HandshakeFlags::KNOWN) {
+    match first {
         Ok(Decoded::Complete { consumed, .. }) => {
             out.messages += 1;
             out.consumed = consumed;
+            return (out, true);
         }
-        Ok(Decoded::Incomplete(_)) => {
-            out.incomplete = true;
-            return out;
-        }
+        Ok(Decoded::Incomplete(_)) => out.incomplete = true,
         Err(e) => {
-            assert!(e.is_fatal(), "client flag errors are fatal: {e:?}");
+            assert!(e.is_fatal(), "{what} errors are fatal: {e:?}");
             out.fatal = Some(e);
-            return out;
         }
+    }
+    (out, false)
+}
+
+fn server_side(buf: &[u8]) -> Outcome {
+    let (mut out, go_on) = opening(
+        decode_client_flags(buf, HandshakeFlags::KNOWN),
+        "client flag",
+    );
+    if !go_on {
+        return out;
     }
     while out.consumed < buf.len() {
         let pos = out.consumed;
@@ -174,21 +184,9 @@ fn server_side(buf: &[u8]) -> Outcome {
 }
 
 fn client_side(buf: &[u8]) -> Outcome {
-    let mut out = Outcome::default();
-    match decode_server_greeting(buf) {
-        Ok(Decoded::Complete { consumed, .. }) => {
-            out.messages += 1;
-            out.consumed = consumed;
-        }
-        Ok(Decoded::Incomplete(_)) => {
-            out.incomplete = true;
-            return out;
-        }
-        Err(e) => {
-            assert!(e.is_fatal(), "greeting errors are fatal: {e:?}");
-            out.fatal = Some(e);
-            return out;
-        }
+    let (mut out, go_on) = opening(decode_server_greeting(buf), "greeting");
+    if !go_on {
+        return out;
     }
     while out.consumed < buf.len() {
         let pos = out.consumed;

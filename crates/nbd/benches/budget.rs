@@ -11,11 +11,11 @@ mod benches {
     use std::hint::black_box;
 
     use blkq_sync::Arc;
-    use criterion::{criterion_group, Criterion};
+    use criterion::Criterion;
     use nbd::server::{BudgetImpl, MemoryBudget};
-    use testkit::baseline::{criterion_config, threads_wall};
+    use testkit::baseline::threads_wall;
 
-    fn take_give(c: &mut Criterion) {
+    pub fn take_give(c: &mut Criterion) {
         let mut g = c.benchmark_group("budget_take_give");
         for threads in [1usize, 2, 4] {
             for (name, imp) in [
@@ -37,23 +37,6 @@ mod benches {
         }
         g.finish();
     }
-
-    criterion_group! {
-        name = group;
-        config = criterion_config();
-        targets = take_give
-    }
-
-    pub fn main() {
-        group();
-        Criterion::default().configure_from_args().final_summary();
-    }
 }
 
-#[cfg(not(blkq_loom))]
-fn main() {
-    benches::main();
-}
-
-#[cfg(blkq_loom)]
-fn main() {}
+testkit::bench_main!(benches::take_give);

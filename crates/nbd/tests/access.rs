@@ -4,21 +4,14 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::sync::Arc;
-use std::time::Duration;
+mod common;
 
-use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::served::{device, Running};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::proto::NBD_REP_ERR_POLICY;
-use nbd::server::{parse_cidr, Access, Export, Identity, Peer, Server, ServerConfig, Tuning};
+use nbd::server::{parse_cidr, Access, Export, Identity, Peer, Tuning};
 use nbd::stream::Stream;
 use nbd::CmdFlags;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 fn allow(cidrs: &[&str]) -> Access {
     Access {
@@ -43,43 +36,12 @@ fn exports() -> Vec<Export> {
     ]
 }
 
-struct Serving {
-    server: Option<Server>,
-    tcp: Endpoint,
-    unix: Endpoint,
-    _dir: tempfile::TempDir,
-}
-
-impl Serving {
-    fn start(exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(exports);
+/// The server with `exports` on its Unix socket and on TCP (127.0.0.1), then `tune`.
+fn serving(exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Running {
+    Running::start(exports, |cfg| {
         cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
-        cfg.unix = Some(path.clone());
-        cfg.tuning.drain_timeout = Duration::from_secs(5);
         tune(&mut cfg.tuning);
-        let server = Server::start(cfg).unwrap();
-        let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
-        Self {
-            server: Some(server),
-            tcp,
-            unix: Endpoint::Unix(path),
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
-    }
+    })
 }
 
 fn handshake(ep: &Endpoint) -> Handshake {
@@ -99,8 +61,8 @@ fn is_policy(r: Result<impl std::fmt::Debug, ClientError>) -> bool {
 
 #[test]
 fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
-    let s = Serving::start(exports(), |_| {});
-    let mut h = handshake(&s.tcp);
+    let s = serving(exports(), |_| {});
+    let mut h = handshake(&s.tcp());
     assert_eq!(names(&mut h), ["open", "local"]);
     assert!(is_policy(h.info("remote")));
     assert!(is_policy(h.meta_context(
@@ -116,9 +78,9 @@ fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
     assert_eq!(c.read(0, 4096).unwrap(), vec![7u8; 4096]);
 
     // NBD_OPT_EXPORT_NAME cannot answer an error: the server closes the connection.
-    let h = handshake(&s.tcp);
+    let h = handshake(&s.tcp());
     assert!(h.export_name("remote").is_err());
-    let h = handshake(&s.tcp);
+    let h = handshake(&s.tcp());
     assert!(h.export_name("open").is_ok());
 
     // Counted: INFO, the meta context, GO, then EXPORT_NAME (which closed its connection).
@@ -127,7 +89,7 @@ fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
         .iter()
         .position(|&r| r == policy)
         .unwrap();
-    let metrics = s.server.as_ref().unwrap().metrics();
+    let metrics = s.server().metrics();
     let mut counted = 0;
     for _ in 0..100 {
         counted = metrics.server().handshake_failures[i];
@@ -141,8 +103,8 @@ fn tcp_client_outside_the_allow_list_sees_nothing_and_is_refused() {
 
 #[test]
 fn unix_clients_are_not_subject_to_address_rules() {
-    let s = Serving::start(exports(), |_| {});
-    let mut h = handshake(&s.unix);
+    let s = serving(exports(), |_| {});
+    let mut h = handshake(&s.ep);
     assert_eq!(names(&mut h), ["open", "local", "remote"]);
     let d = h.go("remote").unwrap();
     let mut c = h.into_client(d).unwrap();
@@ -151,14 +113,14 @@ fn unix_clients_are_not_subject_to_address_rules() {
 
 #[test]
 fn subject_rules_without_tls_refuse_everyone() {
-    let s = Serving::start(
+    let s = serving(
         vec![
             Export::new("open", device("mem:1M")),
             Export::new("certs", device("mem:1M")).access(subjects(&["CN=backup"])),
         ],
         |_| {},
     );
-    for ep in [&s.tcp, &s.unix] {
+    for ep in [&s.tcp(), &s.ep] {
         let mut h = handshake(ep);
         assert_eq!(names(&mut h), ["open"]);
         assert!(is_policy(h.go("certs")));
@@ -175,7 +137,7 @@ fn backup_client(stream: &Stream) -> Identity {
 
 #[test]
 fn subject_rules_with_a_fake_identity() {
-    let s = Serving::start(
+    let s = serving(
         vec![
             Export::new("backup", device("mem:1M")).access(subjects(&["attr:CN=backup"])),
             Export::new("exact", device("mem:1M")).access(subjects(&["CN=backup,O=Example"])),
@@ -190,7 +152,7 @@ fn subject_rules_with_a_fake_identity() {
         ],
         |t| t.identify = backup_client,
     );
-    let mut h = handshake(&s.tcp);
+    let mut h = handshake(&s.tcp());
     assert_eq!(names(&mut h), ["backup", "exact"]);
     assert!(is_policy(h.info("vm")));
     assert!(is_policy(h.info("cn")));
@@ -199,7 +161,7 @@ fn subject_rules_with_a_fake_identity() {
     let d = h.go("backup").unwrap();
     h.into_client(d).unwrap().flush().unwrap();
     // Over the Unix socket the address rule does not apply: "far" is open to this subject.
-    let mut h = handshake(&s.unix);
+    let mut h = handshake(&s.ep);
     assert_eq!(names(&mut h), ["backup", "exact", "far"]);
 }
 
@@ -217,7 +179,7 @@ fn unknown_tcp_client(_: &Stream) -> Identity {
 /// gets `NBD_REP_ERR_POLICY` at INFO and GO; exports with no address rule still serve it.
 #[test]
 fn tcp_client_with_an_unknown_address_is_refused_by_address_rules() {
-    let s = Serving::start(
+    let s = serving(
         vec![
             Export::new("open", device("mem:1M")),
             Export::new("everywhere", device("mem:1M")).access(allow(&["0.0.0.0/0", "::/0"])),
@@ -225,7 +187,7 @@ fn tcp_client_with_an_unknown_address_is_refused_by_address_rules() {
         ],
         |t| t.identify = unknown_tcp_client,
     );
-    let mut h = handshake(&s.tcp);
+    let mut h = handshake(&s.tcp());
     assert_eq!(names(&mut h), ["open", "subject"]);
     assert!(is_policy(h.info("everywhere")));
     assert!(is_policy(h.go("everywhere")));

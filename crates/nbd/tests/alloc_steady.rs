@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::served::device;
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::transmission::Request;
@@ -100,11 +100,6 @@ unsafe impl GlobalAlloc for Traced {
 
 #[global_allocator]
 static GLOBAL: Traced = Traced;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// A small deterministic generator (xorshift), so the offsets are the same on every run.
 struct Rng(u64);

@@ -13,71 +13,30 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::served::{device, Running};
 use common::tracking::{tracked, GRAIN};
-use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
+use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
 use nbd::proto::*;
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::Export;
 use nbd::CmdFlags;
 use testkit::pattern;
 
 const MIB: u64 = 1 << 20;
 const BASE: &str = "base:allocation";
-struct TestServer {
-    server: Option<Server>,
-    _dir: tempfile::TempDir,
-    ep: Endpoint,
+
+fn start(exports: Vec<Export>) -> Running {
+    Running::start(exports, |_| {})
 }
 
-impl TestServer {
-    fn start(exports: Vec<Export>) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(exports);
-        cfg.unix = Some(path.clone());
-        cfg.tuning.drain_timeout = Duration::from_secs(5);
-        Self {
-            server: Some(Server::start(cfg).unwrap()),
-            _dir: dir,
-            ep: Endpoint::Unix(path),
-        }
-    }
-
-    fn handshake(&self) -> Handshake {
-        Handshake::start(self.ep.connect().unwrap()).unwrap()
-    }
-
-    fn connect(&self, export: &str, extended: bool, contexts: &[&str]) -> Client {
-        let opts = ClientOptions {
-            export: export.into(),
-            extended,
-            base_allocation: false,
-            contexts: contexts.iter().map(|c| c.to_string()).collect(),
-            ..ClientOptions::default()
-        };
-        Client::connect(&self.ep, &opts).unwrap()
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
-    }
-}
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
+/// A client of `export` with extended headers or not, asking for the metadata `contexts`.
+fn client(t: &Running, export: &str, extended: bool, contexts: &[&str]) -> Client {
+    t.connect(&ClientOptions {
+        export: export.into(),
+        extended,
+        base_allocation: false,
+        contexts: contexts.iter().map(|c| c.to_string()).collect(),
+        ..ClientOptions::default()
+    })
 }
 
 fn names(v: Vec<(u32, String)>) -> Vec<String> {
@@ -107,7 +66,7 @@ fn dirty_at(len: u64, granules: &[u64]) -> Vec<bool> {
 #[test]
 fn list_and_set_meta_context_name_every_bitmap() {
     let dev = tracked("mem:64M", &["daily", "weekly"]);
-    let t = TestServer::start(vec![
+    let t = start(vec![
         Export::new("", dev.clone()),
         Export::new("plain", device("mem:16M")),
     ]);
@@ -193,14 +152,14 @@ fn list_and_set_meta_context_name_every_bitmap() {
 #[test]
 fn block_status_reports_the_writes_in_both_descriptor_forms() {
     let dev = tracked("mem:64M", &["a", "b"]);
-    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let t = start(vec![Export::new("", dev.clone())]);
     let size = 64 * MIB;
     for extended in [false, true] {
         for name in ["a", "b"] {
             dev.bitmaps().clear(name).unwrap();
         }
         let ctx = [BASE, "qemu:dirty-bitmap:a", "qemu:dirty-bitmap:b"];
-        let mut c = t.connect("", extended, &ctx);
+        let mut c = client(&t, "", extended, &ctx);
         // Nothing written yet: clean everywhere.
         for (name, extents) in c.block_status_all(0, size, CmdFlags::empty()).unwrap() {
             if name != BASE {
@@ -271,10 +230,10 @@ fn block_status_reports_the_writes_in_both_descriptor_forms() {
 fn a_bitmap_alone_is_enough_for_block_status() {
     // As qemu's reader negotiates it (x-dirty-bitmap): the bitmap, without base:allocation.
     let dev = tracked("mem:16M", &["only"]);
-    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let t = start(vec![Export::new("", dev.clone())]);
     for extended in [false, true] {
         dev.bitmaps().clear("only").unwrap();
-        let mut c = t.connect("", extended, &["qemu:dirty-bitmap:only"]);
+        let mut c = client(&t, "", extended, &["qemu:dirty-bitmap:only"]);
         assert_eq!(c.contexts().len(), 1);
         c.write(5 * GRAIN, &pattern(3, 512), CmdFlags::empty())
             .unwrap();
@@ -294,14 +253,14 @@ fn a_run_longer_than_32_bits_needs_extended_headers() {
     // 8 GiB, all clean: one run. Compact requests are at most 4 GiB - 1, and their one
     // descriptor covers the request; an extended request covers the whole run in one.
     let dev = tracked("null:8G", &["big"]);
-    let t = TestServer::start(vec![Export::new("", dev)]);
+    let t = start(vec![Export::new("", dev)]);
     let size = 8u64 << 30;
-    let mut c = t.connect("", false, &["qemu:dirty-bitmap:big"]);
+    let mut c = client(&t, "", false, &["qemu:dirty-bitmap:big"]);
     let most = u64::from(u32::MAX) / 4096 * 4096;
     let status = c.block_status_all(4096, most, CmdFlags::empty()).unwrap();
     assert_eq!(status[0].1, vec![(most, 0)]);
     c.disconnect().unwrap();
-    let mut c = t.connect("", true, &["qemu:dirty-bitmap:big"]);
+    let mut c = client(&t, "", true, &["qemu:dirty-bitmap:big"]);
     let status = c.block_status_all(0, size, CmdFlags::empty()).unwrap();
     assert_eq!(status[0].1, vec![(size, 0)]);
     c.disconnect().unwrap();
@@ -310,13 +269,14 @@ fn a_run_longer_than_32_bits_needs_extended_headers() {
 #[test]
 fn a_removed_bitmap_fails_its_requests_and_the_connection_goes_on() {
     let dev = tracked("mem:16M", &["gone", "kept"]);
-    let t = TestServer::start(vec![Export::new("", dev.clone())]);
-    let mut both = t.connect(
+    let t = start(vec![Export::new("", dev.clone())]);
+    let mut both = client(
+        &t,
         "",
         true,
         &["qemu:dirty-bitmap:gone", "qemu:dirty-bitmap:kept"],
     );
-    let mut kept = t.connect("", false, &[BASE, "qemu:dirty-bitmap:kept"]);
+    let mut kept = client(&t, "", false, &[BASE, "qemu:dirty-bitmap:kept"]);
     both.write(0, &pattern(4, 4096), CmdFlags::empty()).unwrap();
     assert_eq!(
         both.block_status_all(0, MIB, CmdFlags::empty())
@@ -377,14 +337,14 @@ fn granules_of(runs: &[(u64, u64, bool)], size: u64) -> Vec<bool> {
 #[test]
 fn real_clients_read_the_writes_from_the_bitmap() {
     let dev = tracked("mem:64M", &["backup"]);
-    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let t = start(vec![Export::new("", dev.clone())]);
     let Endpoint::Unix(sock) = &t.ep else {
         unreachable!()
     };
     let sock = sock.to_str().unwrap();
     let size = 64 * MIB;
     // Writes of every shape: inside a granule, across two, a whole run of them, the last.
-    let mut c = t.connect("", false, &[]);
+    let mut c = client(&t, "", false, &[]);
     let mut touched = Vec::new();
     for (i, (offset, len)) in [
         (4096, 512),

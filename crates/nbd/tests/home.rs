@@ -11,15 +11,15 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use blk::{Device, Queue, QueueConfig, RecvSource};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blk_drivers::{Backend, BackendDriver, MapBackend};
+use common::hooks::CountHome;
 use common::modes;
+use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::{Export, Server};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command};
 use testkit::{pattern, wait_until, Forward, Hook};
@@ -29,33 +29,13 @@ const NBD_EPERM: u32 = 1;
 const NBD_ENOSPC: u32 = 28;
 const NBD_CMD_WRITE: u16 = 1;
 
-/// Forwards everything to a queue, counting the writes received into their home.
-#[derive(Default)]
-struct CountHome(AtomicUsize);
-
-impl Hook for CountHome {
-    fn transparent(&self) -> bool {
-        true
-    }
-    fn recv_home(
-        &self,
-        inner: &dyn Device,
-        offset: u64,
-        len: usize,
-        src: &mut dyn RecvSource,
-    ) -> Result<(), blk::Error> {
-        // Relaxed: a test counter, read after the replies came.
-        self.0.fetch_add(1, Ordering::Relaxed);
-        inner.recv_home(offset, len, src)
-    }
-}
-
+/// The server on a Unix socket and on TCP, its export's device counting the writes received
+/// home.
 struct Setup {
-    server: Option<Server>,
+    run: Running,
     unix: Endpoint,
     tcp: Endpoint,
     dev: Arc<Forward<CountHome>>,
-    _dir: tempfile::TempDir,
 }
 
 impl Setup {
@@ -68,47 +48,29 @@ impl Setup {
         read_only: bool,
         send_timeout: Option<std::time::Duration>,
     ) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("nbd.sock");
         let dev = Arc::new(Forward::with_hook(inner, CountHome::default()));
         let export = Export::new("", dev.clone() as Arc<dyn Device>).read_only(read_only);
-        let mut cfg = ServerConfig::new(vec![export]);
-        cfg.unix = Some(sock.clone());
-        cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
-        if let Some(t) = send_timeout {
-            cfg.tuning.send_timeout = t;
-        }
-        let server = Server::start(cfg).unwrap();
-        let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
+        let run = Running::start(vec![export], |cfg| {
+            cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+            if let Some(t) = send_timeout {
+                cfg.tuning.send_timeout = t;
+            }
+        });
         Self {
-            server: Some(server),
-            unix: Endpoint::Unix(sock),
-            tcp,
+            unix: run.ep.clone(),
+            tcp: run.tcp(),
+            run,
             dev,
-            _dir: dir,
         }
     }
 
     fn homed(&self) -> usize {
-        self.dev.hook().0.load(Ordering::Relaxed)
+        self.dev.hook().count()
     }
 
     fn server(&self) -> &Server {
-        self.server.as_ref().unwrap()
+        self.run.server()
     }
-}
-
-impl Drop for Setup {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
-    }
-}
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
 }
 
 /// A `mem:` queue over a store the test keeps a handle on.
@@ -345,14 +307,10 @@ impl Hook for FailsHalfway {
 
 #[test]
 fn a_device_failing_mid_payload_answers_the_write_and_the_connection_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("nbd.sock");
     let dev: Arc<dyn Device> = Arc::new(Forward::with_hook(device("mem:16M"), FailsHalfway));
-    let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
-    cfg.unix = Some(sock.clone());
-    let server = Server::start(cfg).unwrap();
+    let mut t = Running::start(vec![Export::new("", dev)], |_| {});
     for (name, opts) in modes() {
-        let mut c = connect(&Endpoint::Unix(sock.clone()), &opts);
+        let mut c = connect(&t.ep, &opts);
         // Pipelined: the first may be copied (it succeeds); the next ones are received home
         // and fail with EIO, their second halves discarded; the small writes after them (whose
         // headers follow the discarded bytes) succeed.
@@ -393,7 +351,7 @@ fn a_device_failing_mid_payload_answers_the_write_and_the_connection_goes_on() {
         assert!(c.read(8 * MIB, 4 * 4096).unwrap().iter().all(|&b| b == 7));
         c.disconnect().unwrap();
     }
-    server.shutdown();
+    t.take().shutdown();
 }
 
 #[test]

@@ -12,8 +12,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::served::{device, log};
 use common::trickle::Trickle;
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
@@ -22,11 +21,6 @@ use nbd::server::{parse_cidr, Access, Export, Server, ServerConfig, Tuning};
 use nbd::tls::{client_config, TlsMode, TlsSettings};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command};
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// A server on 127.0.0.1 (and a Unix socket), TLS required with client certificates when
 /// `tls`, its tuning adjusted by `tune`.
@@ -38,10 +32,7 @@ struct Hostile {
 
 impl Hostile {
     fn start(tls: bool, exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        log();
         let dir = tempfile::tempdir().unwrap();
         common::pki::pki(dir.path());
         let mut cfg = ServerConfig::new(exports);

@@ -10,21 +10,14 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::served::{device, log};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::proto::NBD_REP_ERR_POLICY;
 use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, subject_of, TlsMode, TlsSettings};
 use rcgen::{DistinguishedName, DnType};
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// The common name's OID as a custom type: rcgen keeps one value per `DnType`, so a second
 /// `CN` attribute has to be pushed under this other key (it writes the same OID).
@@ -80,10 +73,7 @@ struct Serving {
 impl Serving {
     /// `--tls require --tls-verify-peer`, one export "x" under `rules`.
     fn start(rules: &[&str]) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        log();
         let pki = Pki::new();
         let access = Access {
             allow_subjects: rules.iter().map(|s| s.to_string()).collect(),

@@ -10,17 +10,18 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::Duration;
 
-use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
-use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
+use common::served::{device, Running};
+use nbd::client::{Client, ClientError, ClientOptions, Handshake};
 use nbd::handshake::ClientOption;
-use nbd::server::{Export, Server, ServerConfig, Tuning};
+use nbd::server::{Export, Tuning};
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
 use testkit::{wait_until, wait_until_within};
@@ -32,11 +33,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
 }
 
 /// Raises the soft open-files limit to the hard one (hundreds of sockets, both ends here).
@@ -105,53 +101,28 @@ impl Drop for RssWatch {
     }
 }
 
-struct TestServer {
-    server: Option<Server>,
-    _dir: tempfile::TempDir,
-    path: std::path::PathBuf,
-    ep: Endpoint,
+/// The server exporting a `dev` (`mem:16M`, ...) with 64 KiB receive buffers, then `tune`.
+fn start(dev: &str, tune: impl FnOnce(&mut Tuning)) -> Running {
+    // RUST_LOG=info shows the server's log lines.
+    raise_nofile();
+    Running::start(vec![Export::new("", device(dev))], |cfg| {
+        cfg.tuning.recv_buf = 64 << 10;
+        tune(&mut cfg.tuning);
+    })
 }
 
-impl TestServer {
-    fn start(dev: &str, tune: impl FnOnce(&mut Tuning)) -> Self {
-        // RUST_LOG=info shows the server's log lines.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        raise_nofile();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(vec![Export::new("", device(dev))]);
-        cfg.unix = Some(path.clone());
-        cfg.tuning.recv_buf = 64 << 10;
-        cfg.tuning.drain_timeout = Duration::from_secs(5);
-        tune(&mut cfg.tuning);
-        let server = Server::start(cfg).unwrap();
-        Self {
-            server: Some(server),
-            _dir: dir,
-            path: path.clone(),
-            ep: Endpoint::Unix(path),
-        }
-    }
-
-    fn server(&self) -> &Server {
-        self.server.as_ref().unwrap()
-    }
-
+impl Running {
     fn simple(&self) -> Client {
-        let opts = ClientOptions {
+        self.connect(&ClientOptions {
             structured: false,
             base_allocation: false,
             ..ClientOptions::default()
-        };
-        Client::connect(&self.ep, &opts).unwrap()
+        })
     }
 
     /// A normal client writes and reads back.
     fn check_served(&self, seed: u8) {
-        let mut c = Client::connect(&self.ep, &ClientOptions::default()).unwrap();
+        let mut c = self.connect(&ClientOptions::default());
         let data = vec![seed; 8192];
         c.write(MIB, &data, CmdFlags::empty()).unwrap();
         assert_eq!(c.read(MIB, 8192).unwrap(), data);
@@ -160,14 +131,6 @@ impl TestServer {
 
     fn raw(&self) -> UnixStream {
         UnixStream::connect(&self.path).unwrap()
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
     }
 }
 
@@ -191,7 +154,7 @@ fn wait_closed(s: &mut UnixStream) {
 #[test]
 fn silent_and_dripping_sockets_are_closed_at_the_handshake_deadline() {
     let _g = serial();
-    let t = TestServer::start("mem:16M", |tu| {
+    let t = start("mem:16M", |tu| {
         tu.handshake_timeout = Duration::from_secs(1);
         tu.max_connections = 1000;
     });
@@ -240,7 +203,7 @@ fn silent_and_dripping_sockets_are_closed_at_the_handshake_deadline() {
 #[test]
 fn connections_over_the_limit_are_closed_at_once() {
     let _g = serial();
-    let t = TestServer::start("mem:16M", |tu| tu.max_connections = 4);
+    let t = start("mem:16M", |tu| tu.max_connections = 4);
     let mut clients: Vec<Client> = (0..4).map(|_| t.simple()).collect();
     // The fifth is accepted and closed before the greeting.
     let mut extra = t.raw();
@@ -267,7 +230,7 @@ fn connections_over_the_limit_are_closed_at_once() {
 #[test]
 fn idle_connections_are_closed_after_the_idle_timeout() {
     let _g = serial();
-    let t = TestServer::start("mem:16M", |tu| {
+    let t = start("mem:16M", |tu| {
         tu.idle_timeout = Some(Duration::from_millis(500));
     });
     let mut c = t.simple();
@@ -292,7 +255,7 @@ fn raw_option(option: u32, len: usize) -> Vec<u8> {
 #[test]
 fn too_many_options_or_option_bytes_close_the_connection() {
     let _g = serial();
-    let t = TestServer::start("mem:16M", |tu| {
+    let t = start("mem:16M", |tu| {
         tu.max_options = 8;
         tu.max_option_bytes = 100 << 10;
     });
@@ -332,7 +295,7 @@ fn too_many_options_or_option_bytes_close_the_connection() {
 fn clients_that_never_read_their_replies_are_bounded_and_closed() {
     let _g = serial();
     const BUDGET: u64 = 256 * MIB;
-    let t = TestServer::start("mem:64M", |tu| {
+    let t = start("mem:64M", |tu| {
         tu.memory_budget = BUDGET;
         tu.send_timeout = Duration::from_millis(500);
         tu.max_connections = 1000;
@@ -381,7 +344,7 @@ fn clients_that_never_read_their_replies_are_bounded_and_closed() {
 #[test]
 fn stalled_write_payloads_commit_only_what_arrived() {
     let _g = serial();
-    let t = TestServer::start("mem:64M", |tu| {
+    let t = start("mem:64M", |tu| {
         tu.max_connections = 1000;
         // Nothing closes them during the test.
         tu.send_timeout = Duration::from_secs(600);
@@ -427,7 +390,7 @@ fn stalled_write_payloads_commit_only_what_arrived() {
 #[test]
 fn a_payload_stalled_past_the_send_timeout_closes_the_connection() {
     let _g = serial();
-    let t = TestServer::start("mem:64M", |tu| {
+    let t = start("mem:64M", |tu| {
         tu.send_timeout = Duration::from_millis(300);
     });
     let mut c = t.simple();
@@ -460,7 +423,7 @@ fn set_nofile(soft: u64) -> u64 {
 #[test]
 fn out_of_descriptors_refuses_new_connections_and_keeps_serving() {
     let _g = serial();
-    let t = TestServer::start("mem:16M", |_| {});
+    let t = start("mem:16M", |_| {});
     let mut live = t.simple();
     live.write(0, &[3u8; 4096], CmdFlags::empty()).unwrap();
     let base = open_fds();
@@ -494,7 +457,7 @@ fn out_of_descriptors_refuses_new_connections_and_keeps_serving() {
 fn block_status_requests_count_in_the_memory_budget() {
     let _g = serial();
     const BUDGET: u64 = 36 * MIB;
-    let t = TestServer::start("mem:64M", |tu| {
+    let t = start("mem:64M", |tu| {
         tu.memory_budget = BUDGET;
         tu.send_timeout = Duration::from_secs(600);
     });

@@ -16,17 +16,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use blk::{Bio, BioFlags, Buffer, Device, Op, PendingBio, SECTOR_SHIFT};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::nbdkit::Kit;
+use common::served::{device, log};
 use nbd::remote::{RemoteDevice, RemoteError};
 use nbd::server::{Export, Server, ServerConfig};
 use testkit::pattern;
 
 const MIB: u64 = 1 << 20;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// A blkq NBD server on a Unix socket in its own temporary folder.
 struct TestServer {
@@ -37,10 +33,7 @@ struct TestServer {
 
 impl TestServer {
     fn start() -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        log();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nbd.sock");
         let mut cfg = ServerConfig::new(vec![
@@ -366,50 +359,6 @@ fn dropping_the_device_fails_what_is_in_flight() {
     }
 }
 
-/// nbdkit on a Unix socket in `dir` with `args` (plugin, filters, parameters), killed on
-/// drop; `None` when nbdkit is not installed.
-struct Kit {
-    child: std::process::Child,
-    sock: PathBuf,
-}
-
-impl Kit {
-    fn start(dir: &Path, args: &[&str]) -> Option<Self> {
-        if std::process::Command::new("nbdkit")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            eprintln!("skipped: nbdkit is not on PATH");
-            return None;
-        }
-        let sock = dir.join("kit.sock");
-        let child = std::process::Command::new("nbdkit")
-            .args(["-f", "-U"])
-            .arg(&sock)
-            .args(args)
-            .spawn()
-            .unwrap();
-        let t = Instant::now();
-        // The socket exists before nbdkit listens on it: wait until a connection is accepted.
-        while UnixStream::connect(&sock).is_err() && t.elapsed() < Duration::from_secs(10) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(Self { child, sock })
-    }
-
-    fn open(&self) -> RemoteDevice {
-        RemoteDevice::open(&format!("nbd+unix:///?socket={}", self.sock.display())).unwrap()
-    }
-}
-
-impl Drop for Kit {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// nbdkit's memory plugin as the remote server (skipped when nbdkit is not installed).
 #[test]
 fn another_server_nbdkit() {
@@ -417,7 +366,7 @@ fn another_server_nbdkit() {
     let Some(kit) = Kit::start(dir.path(), &["memory", "64M"]) else {
         return;
     };
-    let dev = kit.open();
+    let dev = RemoteDevice::open(&kit.uri("")).unwrap();
     assert_eq!(dev.limits().capacity, 64 * MIB);
     let a = pattern(9, 256 << 10);
     write(&dev, MIB, &a, BioFlags::FUA).unwrap();
@@ -452,7 +401,7 @@ fn block_sizes_missing_commands_and_server_errors() {
     ) else {
         return;
     };
-    let dev = kit.open();
+    let dev = RemoteDevice::open(&kit.uri("")).unwrap();
     let l = dev.limits();
     assert_eq!(
         (l.capacity, l.logical_block_size, l.max_io_bytes),
@@ -488,7 +437,7 @@ fn fua_is_emulated_with_a_flush_when_the_server_has_no_fua() {
     ) else {
         return;
     };
-    let dev = kit.open();
+    let dev = RemoteDevice::open(&kit.uri("")).unwrap();
     let a = pattern(11, 64 << 10);
     write(&dev, 0, &a, BioFlags::FUA).unwrap();
     // Two sends, the write by its submitter; the flush by the receiver that got the write's
@@ -566,11 +515,7 @@ fn eshutdown_is_retried_on_a_new_connection() {
     ) else {
         return;
     };
-    let dev = RemoteDevice::open(&format!(
-        "nbd+unix:///?socket={},timeout=5,reconnect_deadline=20",
-        kit.sock.display()
-    ))
-    .unwrap();
+    let dev = RemoteDevice::open(&kit.uri(",timeout=5,reconnect_deadline=20")).unwrap();
     let a = pattern(30, 4096);
     let pending = PendingBio::submit(&dev, Bio::with_buf(Op::Write, 0, buf_of(&a)));
     testkit::wait_until("a reconnection", || dev.reconnects() >= 1);

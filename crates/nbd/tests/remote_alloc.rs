@@ -7,9 +7,10 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::time::{Duration, Instant};
+mod common;
 
 use blk::{Bio, BioFlags, Buffer, Op};
+use common::nbdkit::Kit;
 use nbd::remote::RemoteDevice;
 use testkit::alloc::CountingAlloc;
 use testkit::io::Reused;
@@ -20,29 +21,9 @@ static COUNT: CountingAlloc = CountingAlloc::new();
 /// Allocations in 2000 rounds of write (every fourth FUA), read, and every sixteenth a
 /// flush, against nbdkit with `args`, the device opened with `opts`; `None` without nbdkit.
 fn steady_state(args: &[&str], opts: &str) -> Option<u64> {
-    if std::process::Command::new("nbdkit")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: nbdkit is not on PATH");
-        return None;
-    }
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("kit.sock");
-    let mut child = std::process::Command::new("nbdkit")
-        .args(["-f", "-U"])
-        .arg(&sock)
-        .args(args)
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err()
-        && t.elapsed() < Duration::from_secs(10)
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let dev = RemoteDevice::open(&format!("nbd+unix:///?socket={}{opts}", sock.display())).unwrap();
+    let kit = Kit::start(dir.path(), args)?;
+    let dev = RemoteDevice::open(&kit.uri(opts)).unwrap();
     let done = Reused::default();
     let mut wbio = Bio::with_buf(Op::Write, 0, Buffer::new(64 << 10));
     let mut rbio = Bio::with_buf(Op::Read, 0, Buffer::new(64 << 10));
@@ -80,8 +61,7 @@ fn steady_state(args: &[&str], opts: &str) -> Option<u64> {
     }
     let n = COUNT.stop();
     drop(dev);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(kit);
     Some(n)
 }
 

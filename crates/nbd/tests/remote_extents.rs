@@ -6,23 +6,17 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
 
 use blk::{Device, Extent};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::nbdkit::Kit;
+use common::served::device;
 use nbd::remote::RemoteDevice;
 use nbd::server::{Export, Server, ServerConfig};
 use testkit::io::write_at;
 use testkit::pattern;
 
 const MIB: u64 = 1 << 20;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// `nbdinfo --map` of `uri` as extents (hole and zero together: unallocated), merged;
 /// `None` when nbdinfo is not installed.
@@ -114,47 +108,6 @@ fn block_status_from_a_blkq_export_matches_nbdinfo() {
     server.shutdown();
 }
 
-/// nbdkit on a Unix socket, killed on drop; `None` when nbdkit is not installed.
-struct Kit(std::process::Child, PathBuf);
-
-impl Kit {
-    fn start(dir: &Path, args: &[&str]) -> Option<Self> {
-        let sock = dir.join("kit.sock");
-        let child = match std::process::Command::new("nbdkit")
-            .args(["-f", "-U"])
-            .arg(&sock)
-            .args(args)
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(_) => {
-                eprintln!("skipped: nbdkit is not on PATH");
-                return None;
-            }
-        };
-        let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "nbdkit did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Some(Self(child, sock))
-    }
-
-    fn uri(&self) -> String {
-        format!("nbd+unix:///?socket={}", self.1.display())
-    }
-}
-
-impl Drop for Kit {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// nbdkit's data plugin with data at known places and holes between: the same map as
 /// nbdinfo's, and more extents than one query's worth of descriptors.
 #[test]
@@ -165,7 +118,7 @@ fn block_status_from_nbdkit_matches_nbdinfo() {
     let Some(kit) = Kit::start(dir.path(), &["data", data, "size=131072000"]) else {
         return;
     };
-    let dev = RemoteDevice::open(&kit.uri()).unwrap();
+    let dev = RemoteDevice::open(&kit.uri("")).unwrap();
     let cap = dev.limits().capacity;
     let ext = dev.extents(0, cap, 10_000).unwrap();
     assert_tiles(&ext, 0, cap);
@@ -176,7 +129,7 @@ fn block_status_from_nbdkit_matches_nbdinfo() {
         assert_eq!(a.0, k as u64 * 65536, "{a:?}");
         assert!(a.1 >= 4096 && a.1 < 65536, "{a:?}");
     }
-    if let Some(map) = nbdinfo_map(&kit.uri()) {
+    if let Some(map) = nbdinfo_map(&kit.uri("")) {
         assert_eq!(ext, map);
     }
 }
@@ -188,7 +141,7 @@ fn without_block_status_everything_is_allocated() {
     let Some(kit) = Kit::start(dir.path(), &["--no-sr", "memory", "16M"]) else {
         return;
     };
-    let dev = RemoteDevice::open(&kit.uri()).unwrap();
+    let dev = RemoteDevice::open(&kit.uri("")).unwrap();
     let ext = dev.extents(0, 16 * MIB, 100).unwrap();
     assert_eq!(
         ext,

@@ -329,6 +329,21 @@ fn a_trickling_remote_leg_fails_by_its_deadlines_and_the_mirror_goes_on() {
             p.answer(&r, &mut d2.lock().unwrap())?;
         }
     });
+    let r = mirror_over(&srv);
+    assert!(!r.is_degraded());
+    slow.store(true, Ordering::SeqCst);
+    let took = write_0x22_within(&r, Duration::from_secs(6), "a trickling remote leg");
+    assert!(
+        took < TIMEOUT + DEADLINE + Duration::from_millis(1500),
+        "{took:?}"
+    );
+    assert!(r.leg_status(1).unwrap().faulty);
+    assert_eq!(testkit::io::read_at(&r, 4096, 4096).unwrap(), [0x22; 4096]);
+}
+
+/// A mirror of a local memory leg and a remote leg on `srv` (bitmap chunk 1 MiB, 50 ms tick),
+/// with 0x11 written at offset 0.
+fn mirror_over(srv: &HostileServer) -> raid1::Raid1 {
     let local = common::served::device("mem:32M");
     let remote: Arc<dyn blk::Device> =
         Arc::new(RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap());
@@ -340,26 +355,25 @@ fn a_trickling_remote_leg_fails_by_its_deadlines_and_the_mirror_goes_on() {
     };
     let r = raid1::Raid1::create(vec![local, remote], cfg).unwrap();
     testkit::io::write_at(&r, 0, &[0x11; 4096]).unwrap();
-    assert!(!r.is_degraded());
-    slow.store(true, Ordering::SeqCst);
+    r
+}
+
+/// Writes 0x22 to sector 8 of the mirror `r`, failing the test unless the write succeeds
+/// within `limit` (`why`: what would hold it); the time it took.
+fn write_0x22_within(r: &raid1::Raid1, limit: Duration, why: &str) -> Duration {
     let t = Instant::now();
     let mut b = blk::Buffer::new(4096);
     b.as_mut_slice().fill(0x22);
-    let p = blk::PendingBio::submit(&r, blk::Bio::with_buf(blk::Op::Write, 8, b));
-    let Some((_, res)) = p.wait_until(t + Duration::from_secs(6)) else {
+    let p = blk::PendingBio::submit(r, blk::Bio::with_buf(blk::Op::Write, 8, b));
+    let Some((_, res)) = p.wait_until(t + limit) else {
         panic!(
-            "the mirror's write was still pending after {:?} (a trickling remote leg)",
+            "the mirror's write was still pending after {:?} ({why})",
             t.elapsed()
         );
     };
     let took = t.elapsed();
     res.unwrap();
-    assert!(
-        took < TIMEOUT + DEADLINE + Duration::from_millis(1500),
-        "{took:?}"
-    );
-    assert!(r.leg_status(1).unwrap().faulty);
-    assert_eq!(testkit::io::read_at(&r, 4096, 4096).unwrap(), [0x22; 4096]);
+    took
 }
 
 /// H2, the owner's check of a new connection is part of its attempt: a remote mirror leg's
@@ -389,33 +403,12 @@ fn a_trickled_answer_to_the_mirrors_check_does_not_hold_the_reconnection() {
             p.answer(&r, &mut d2.lock().unwrap())?;
         }
     });
-    let local = common::served::device("mem:32M");
-    let remote: Arc<dyn blk::Device> =
-        Arc::new(RemoteDevice::connect(srv.spec(TIMEOUT, DEADLINE)).unwrap());
-    let cfg = raid1::Raid1Config {
-        bitmap_chunk: 1 << 20,
-        tick: Duration::from_millis(50),
-        depth: 16,
-        ..raid1::Raid1Config::default()
-    };
-    let r = raid1::Raid1::create(vec![local, remote], cfg).unwrap();
-    testkit::io::write_at(&r, 0, &[0x11; 4096]).unwrap();
+    let r = mirror_over(&srv);
     // Flushed: the connection is lost with nothing unflushed on it, so the leg is not failed
     // for lost writes at once, and the write below waits for the reconnection's check.
     testkit::io::flush(&r).unwrap();
     die.store(true, Ordering::SeqCst);
-    let t = Instant::now();
-    let mut b = blk::Buffer::new(4096);
-    b.as_mut_slice().fill(0x22);
-    let p = blk::PendingBio::submit(&r, blk::Bio::with_buf(blk::Op::Write, 8, b));
-    let Some((_, res)) = p.wait_until(t + Duration::from_secs(5)) else {
-        panic!(
-            "the mirror's write was still pending after {:?} (a trickled check)",
-            t.elapsed()
-        );
-    };
-    let took = t.elapsed();
-    res.unwrap();
+    let took = write_0x22_within(&r, Duration::from_secs(5), "a trickled check");
     assert!(took < DEADLINE + Duration::from_millis(1500), "{took:?}");
     assert!(srv.accepted() >= 2, "no reconnection was tried");
     assert!(r.leg_status(1).unwrap().faulty);

@@ -9,19 +9,15 @@ mod common;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::nbdkit::Kit;
+use common::served::device;
 use nbd::remote::RemoteDevice;
 use nbd::server::{Export, Server, ServerConfig};
 use testkit::io::read_at;
 use testkit::{pattern, wait_until};
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 fn serve(path: &Path, disk: &Arc<dyn Device>) -> Server {
     let mut cfg = ServerConfig::new(vec![Export::new("", disk.clone())]);
@@ -62,31 +58,18 @@ fn four_connections_to_a_multi_conn_server() {
 #[test]
 fn a_server_without_multi_conn_gets_one_connection() {
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("kit.sock");
-    let Ok(mut kit) = std::process::Command::new("nbdkit")
-        .args(["-f", "-U"])
-        .arg(&sock)
-        .args([
+    let Some(kit) = Kit::start(
+        dir.path(),
+        &[
             "--filter=multi-conn",
             "memory",
             "64M",
             "multi-conn-mode=disable",
-        ])
-        .spawn()
-    else {
-        eprintln!("skipped: nbdkit is not on PATH");
+        ],
+    ) else {
         return;
     };
-    let t = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "nbdkit did not start"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let uri = format!("nbd+unix:///?socket={},conns=4", sock.display());
-    let dev = Arc::new(RemoteDevice::open(&uri).unwrap());
+    let dev = Arc::new(RemoteDevice::open(&kit.uri(",conns=4")).unwrap());
     assert_eq!(dev.connections(), 1);
     load(&dev);
     assert_eq!(
@@ -94,6 +77,5 @@ fn a_server_without_multi_conn_gets_one_connection() {
         pattern(0, 64 << 10)[..4096]
     );
     drop(dev);
-    let _ = kit.kill();
-    let _ = kit.wait();
+    drop(kit);
 }

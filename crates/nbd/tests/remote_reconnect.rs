@@ -19,6 +19,7 @@ use nbd::server::Server;
 use testkit::io::{flush, read_at, write_at};
 use testkit::{pattern, wait_until, wait_until_within};
 
+use common::nbdkit;
 use common::served::{device, log, serve, unix_uri};
 
 const MIB: u64 = 1 << 20;
@@ -150,9 +151,10 @@ fn a_killed_nbdkit_loses_no_write() {
         .set_len(64 * MIB)
         .unwrap();
     let sock = dir.path().join("kit.sock");
-    let Some(mut kit) = kit(&sock, &img) else {
+    if !nbdkit::installed() {
         return;
-    };
+    }
+    let mut kit = start_kit(&sock, &img);
     let dev = RemoteDevice::open(&unix_uri(
         &sock,
         ",timeout=5,depth=16,reconnect_deadline=20",
@@ -164,7 +166,7 @@ fn a_killed_nbdkit_loses_no_write() {
         kit.wait().unwrap();
         std::thread::sleep(Duration::from_millis(200));
         let _ = std::fs::remove_file(&sock);
-        restarted = kit_start(&sock, &img);
+        restarted = Some(start_kit(&sock, &img));
     });
     if let Some(mut k) = restarted {
         let _ = k.kill();
@@ -172,31 +174,9 @@ fn a_killed_nbdkit_loses_no_write() {
     }
 }
 
-fn kit(sock: &Path, img: &Path) -> Option<std::process::Child> {
-    if std::process::Command::new("nbdkit")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("skipped: nbdkit is not on PATH");
-        return None;
-    }
-    kit_start(sock, img)
-}
-
-fn kit_start(sock: &Path, img: &Path) -> Option<std::process::Child> {
-    let child = std::process::Command::new("nbdkit")
-        .args(["-f", "-U"])
-        .arg(sock)
-        .args(["--filter=fua", "file"])
-        .arg(img)
-        .spawn()
-        .unwrap();
-    // The socket exists before nbdkit listens on it: wait until a connection is accepted.
-    wait_until("nbdkit's socket", || {
-        std::os::unix::net::UnixStream::connect(sock).is_ok()
-    });
-    Some(child)
+/// nbdkit's file plugin on `img` behind its fua filter, on `sock`.
+fn start_kit(sock: &Path, img: &Path) -> std::process::Child {
+    nbdkit::spawn(sock, &["--filter=fua", "file", img.to_str().unwrap()])
 }
 
 /// A server gone longer than the deadline: waiting requests fail with EIO, new ones fail at

@@ -63,6 +63,31 @@ fn slow_disk(disk: &Arc<dyn Device>) -> (Arc<dyn Device>, Arc<Slow>) {
     (Arc::new(dev), slow)
 }
 
+/// A test's folder, the server's socket in it, a memory disk and that disk behind
+/// [`slow_disk`].
+struct Scene {
+    dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    disk: Arc<dyn Device>,
+    slow_dev: Arc<dyn Device>,
+    slow: Arc<Slow>,
+}
+
+/// A [`Scene`] with a disk of `size` (`16M`).
+fn scene(size: &str) -> Scene {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nbd.sock");
+    let disk = mem(size);
+    let (slow_dev, slow) = slow_disk(&disk);
+    Scene {
+        dir,
+        path,
+        disk,
+        slow_dev,
+        slow,
+    }
+}
+
 /// The review's sequence: a write the server is slow to carry out times out on the client,
 /// then a newer write to the same block and a flush. The newer data must stay: the old
 /// write is not re-sent while its first copy may still land, and when that copy lands it is
@@ -70,10 +95,13 @@ fn slow_disk(disk: &Arc<dyn Device>) -> (Arc<dyn Device>, Arc<Slow>) {
 #[test]
 fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
-    let (slow_dev, slow) = slow_disk(&disk);
+    let Scene {
+        dir: _dir,
+        path,
+        disk,
+        slow_dev,
+        slow,
+    } = scene("16M");
     let server = serve(&path, &slow_dev);
     let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
     let t = Instant::now();
@@ -111,10 +139,13 @@ fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
 #[test]
 fn a_drained_connection_is_sealed_by_a_flush_and_the_next_flush_vouches_for_its_writes() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
-    let (slow_dev, slow) = slow_disk(&disk);
+    let Scene {
+        dir: _dir,
+        path,
+        slow_dev,
+        slow,
+        ..
+    } = scene("16M");
     let server = serve(&path, &slow_dev);
     let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
@@ -136,10 +167,13 @@ fn a_drained_connection_is_sealed_by_a_flush_and_the_next_flush_vouches_for_its_
 fn a_seal_refused_or_unanswered_leaves_the_writes_unvouched() {
     log();
     for swallow in [false, true] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let disk = mem("16M");
-        let (slow_dev, slow) = slow_disk(&disk);
+        let Scene {
+            dir: _dir,
+            path,
+            slow_dev,
+            slow,
+            ..
+        } = scene("16M");
         // The first flush after the slow write is taken (the seal) fails, or is never
         // answered.
         let (s, held) = (slow.clone(), Arc::new(std::sync::Mutex::new(Vec::new())));
@@ -222,10 +256,13 @@ fn through_a_mirror_a_leg_failed_by_the_deadline_is_recovered_after_the_old_conn
 fn mirror_case(deadline: u64) {
     log();
     {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let disk = mem("32M");
-        let (slow_dev, slow) = slow_disk(&disk);
+        let Scene {
+            dir: _dir,
+            path,
+            disk,
+            slow_dev,
+            slow,
+        } = scene("32M");
         let server = serve(&path, &slow_dev);
         let local = mem("32M");
         let remote: Arc<dyn Device> = Arc::new(
@@ -396,10 +433,13 @@ fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
 #[test]
 fn sends_stalled_behind_a_slow_write_wait_and_nothing_is_overtaken() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
-    let (slow_dev, slow) = slow_disk(&disk);
+    let Scene {
+        dir: _dir,
+        path,
+        disk,
+        slow_dev,
+        slow,
+    } = scene("16M");
     let mut cfg = ServerConfig::new(vec![Export::new("", slow_dev)]);
     cfg.unix = Some(path.clone());
     cfg.tuning.slots = 1;
@@ -446,10 +486,13 @@ fn write_bio(offset: u64, data: Vec<u8>) -> blk::Bio {
 #[test]
 fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
-    let (slow_dev, slow) = slow_disk(&disk);
+    let Scene {
+        dir: _dir,
+        path,
+        disk,
+        slow_dev,
+        slow,
+    } = scene("16M");
     let server = serve(&path, &slow_dev);
     let dev =
         RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=1,conns=2")).unwrap();

@@ -14,18 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use common::pki::{ca, pki};
+use common::served::device;
 use nbd::remote::{RemoteDevice, RemoteError};
 use nbd::server::{Export, Server, ServerConfig};
 use nbd::tls::{TlsMode, TlsSettings};
 use testkit::io::{read_at, write_at};
 use testkit::{pattern, wait_until_within};
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// A server requiring TLS (and, with `verify_peer`, a client certificate) on `sock` and a
 /// TCP port.

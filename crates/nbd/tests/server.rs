@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::{Bio, BioFlags, Device, Op};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use common::modes;
-use nbd::client::{Client, ClientError, ClientOptions, Endpoint, Handshake};
+use common::served::{device, Running};
+use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
 use nbd::server::{Export, Server, ServerConfig, Tuning};
@@ -22,11 +22,6 @@ use nbd::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 /// A device wrapper that fails fast zeroes with ENOTSUP (as a backend that cannot zero
 /// quickly would) and reads of the first sector of `eio_at` with EIO.
@@ -51,58 +46,24 @@ fn libc_eio() -> i32 {
     5
 }
 
-struct TestServer {
-    server: Option<Server>,
-    _dir: tempfile::TempDir,
-    ep: Endpoint,
+/// The server with this file's tuning: 64 KiB receive buffers, a 64 MiB discard limit.
+/// The server with this file's tuning (64 KiB receive buffers, a 64 MiB discard limit).
+fn serve(exports: Vec<Export>) -> Running {
+    serve_tuned(exports, |_| {})
 }
 
-impl TestServer {
-    fn start(exports: Vec<Export>) -> Self {
-        Self::start_tuned(exports, |_| {})
-    }
-
-    fn start_tuned(exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Self {
-        // RUST_LOG=debug shows the server's log lines.
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(exports);
-        cfg.unix = Some(path.clone());
+/// [`serve`], then `tune`.
+fn serve_tuned(exports: Vec<Export>, tune: impl FnOnce(&mut Tuning)) -> Running {
+    // RUST_LOG=debug shows the server's log lines.
+    Running::start(exports, |cfg| {
         cfg.tuning.recv_buf = 64 << 10;
         cfg.tuning.discard_limit = 64 << 20;
-        cfg.tuning.drain_timeout = Duration::from_secs(5);
         tune(&mut cfg.tuning);
-        let server = Server::start(cfg).unwrap();
-        Self {
-            server: Some(server),
-            _dir: dir,
-            ep: Endpoint::Unix(path),
-        }
-    }
-
-    fn connect(&self, opts: &ClientOptions) -> Client {
-        Client::connect(&self.ep, opts).unwrap()
-    }
-
-    fn handshake(&self) -> Handshake {
-        Handshake::start(self.ep.connect().unwrap()).unwrap()
-    }
+    })
 }
 
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
-    }
-}
-
-fn default_server() -> TestServer {
-    TestServer::start(vec![
+fn default_server() -> Running {
+    serve(vec![
         Export::new("", device("mem:64M")).description("scratch"),
         Export::new("ro", device("mem:16M"))
             .description("read-only")
@@ -377,7 +338,7 @@ fn a_device_with_a_slow_map_gets_no_sparse_reads() {
     }
 
     let dev = Arc::new(SlowMap(device("mem:16M"), AtomicUsize::new(0)));
-    let t = TestServer::start(vec![Export::new("", dev.clone())]);
+    let t = serve(vec![Export::new("", dev.clone())]);
     let mut c = t.connect(&ClientOptions::default());
     c.write(4096, &[1u8; 8192], CmdFlags::FUA).unwrap();
     let r = c
@@ -657,7 +618,7 @@ fn completions_on_other_threads_and_small_tables() {
         "null:256M,memory_backed=1,completion=timer,completion_nsec=200000",
     ] {
         // 16 slots and an 8 MiB budget: the reader waits for replies to free them.
-        let t = TestServer::start_tuned(vec![Export::new("", device(spec))], |tu| {
+        let t = serve_tuned(vec![Export::new("", device(spec))], |tu| {
             tu.slots = 16;
             tu.max_bytes_in_flight = 8 << 20;
         });
@@ -702,7 +663,7 @@ fn completions_on_other_threads_and_small_tables() {
 #[test]
 fn disc_with_requests_in_flight_answers_them_first() {
     // Timer completions 2 ms out: every request is still in flight when DISC arrives.
-    let t = TestServer::start(vec![Export::new(
+    let t = serve(vec![Export::new(
         "",
         device("null:64M,memory_backed=1,completion=timer,completion_nsec=2000000"),
     )]);
@@ -731,7 +692,7 @@ fn disc_with_requests_in_flight_answers_them_first() {
 
 #[test]
 fn shutdown_finishes_in_flight_requests_and_removes_the_socket() {
-    let mut t = TestServer::start(vec![Export::new(
+    let mut t = serve(vec![Export::new(
         "",
         device("null:64M,memory_backed=1,completion=timer,completion_nsec=2000000"),
     )]);
@@ -754,7 +715,7 @@ fn shutdown_finishes_in_flight_requests_and_removes_the_socket() {
         Endpoint::Unix(p) => p.clone(),
         Endpoint::Tcp(_) => unreachable!(),
     };
-    let server = t.server.take().unwrap();
+    let server = t.take();
     let stopper = server.stopper();
     let h = std::thread::spawn(move || server.wait());
     stopper.stop();
@@ -827,7 +788,7 @@ fn submit_wait_returns_each_bio_status() {
 #[test]
 fn stop_before_wait_returns_at_once() {
     let mut t = default_server();
-    let server = t.server.take().unwrap();
+    let server = t.take();
     let stopper = server.stopper();
     stopper.stop();
     // A second stop is harmless; `wait` must not sleep for a stop that already happened.

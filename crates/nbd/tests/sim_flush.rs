@@ -129,8 +129,8 @@ use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
 
-use common::rng::Rng;
 use common::stamp::{decode_sector, stamp_sector};
+use testkit::rng::Rng;
 
 /// Seeds run by default (`SIM_SEEDS`), from `DEFAULT_SEED_BASE` (`SIM_SEED_BASE`).
 const DEFAULT_SEEDS: u64 = 40;
@@ -1061,13 +1061,7 @@ impl Mirror {
                         .iter()
                         .find(|&&(slot, _)| slot == i)
                         .map_or("?".to_string(), |&(_, k)| k.to_string());
-                    let st = if s.faulty {
-                        "F".to_string()
-                    } else if s.in_sync {
-                        "S".to_string()
-                    } else {
-                        format!("R@{}K", s.recovery_offset >> 10)
-                    };
+                    let st = common::mirror::leg_state(&s);
                     format!("leg{k}:{st}")
                 }
                 _ => "-".into(),

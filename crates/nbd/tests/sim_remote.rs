@@ -59,9 +59,9 @@ use testkit::io::{flush, read_at, submit_wait};
 use testkit::{Forward, Hook};
 
 use common::link::Link;
-use common::rng::Rng;
 use common::served::{device, log, serve};
 use common::stamp::{decode_sector, stamp_sector, SECTOR};
+use testkit::rng::Rng;
 
 /// Seeds CI runs (`SIM_SEEDS`), from `SIM_SEED_BASE`, `SIM_OPS` operations each.
 const CI_SEEDS: u64 = 4;
@@ -416,13 +416,7 @@ impl World {
                     } else {
                         "local"
                     };
-                    let st = if s.faulty {
-                        "F".to_string()
-                    } else if s.in_sync {
-                        "S".to_string()
-                    } else {
-                        format!("R@{}K", s.recovery_offset >> 10)
-                    };
+                    let st = common::mirror::leg_state(&s);
                     format!("{who}:{st}")
                 }
                 _ => "-".into(),

@@ -14,10 +14,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use common::modes;
+use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
-use nbd::server::{Export, Server, ServerConfig};
+use nbd::server::Export;
 use nbd::transmission::Request;
 use nbd::{CmdFlags, Command, TransmissionMode};
 use testkit::{pattern, Forward, Hook};
@@ -25,14 +25,9 @@ use testkit::{pattern, Forward, Hook};
 const MIB: u64 = 1 << 20;
 const NBD_EIO: u32 = 5;
 
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
-
 /// A server with a `mem:` export "" and a `file:` export "file", on a Unix socket and TCP.
 struct Both {
-    server: Option<Server>,
+    _run: Running,
     unix: Endpoint,
     tcp: Endpoint,
     _dir: tempfile::TempDir,
@@ -46,32 +41,22 @@ impl Both {
             .unwrap()
             .set_len(file_size)
             .unwrap();
-        let sock = dir.path().join("nbd.sock");
-        let mut cfg = ServerConfig::new(vec![
+        let exports = vec![
             Export::new("", device("mem:64M")),
             Export::new("file", device(&format!("file:{}", img.display()))),
-        ]);
-        cfg.unix = Some(sock.clone());
-        cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
-        let server = Server::start(cfg).unwrap();
-        let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
+        ];
+        let run = Running::start(exports, |cfg| {
+            cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+        });
         (
             Self {
-                server: Some(server),
-                unix: Endpoint::Unix(sock),
-                tcp,
+                unix: run.ep.clone(),
+                tcp: run.tcp(),
+                _run: run,
                 _dir: dir,
             },
             img,
         )
-    }
-}
-
-impl Drop for Both {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.take() {
-            s.shutdown();
-        }
     }
 }
 
@@ -261,15 +246,11 @@ impl Hook for FailsMidSplice {
 
 #[test]
 fn a_read_that_fails_after_filling_part_of_the_pipe_leaks_nothing_into_the_next() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("nbd.sock");
     let dev: Arc<dyn Device> = Arc::new(Forward::with_hook(device("mem:64M"), FailsMidSplice));
-    let mut cfg = ServerConfig::new(vec![Export::new("", dev)]);
-    cfg.unix = Some(sock.clone());
-    cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
-    let server = Server::start(cfg).unwrap();
-    let tcp = Endpoint::Tcp(server.tcp_addr().unwrap());
-    let unix = Endpoint::Unix(sock);
+    let mut t = Running::start(vec![Export::new("", dev)], |cfg| {
+        cfg.tcp = Some("127.0.0.1:0".parse().unwrap());
+    });
+    let (unix, tcp) = (t.ep.clone(), t.tcp());
     // Different data where the reads fail and where the reads after them go.
     let bad = pattern(1, MIB as usize);
     let good = pattern(2, (2 * MIB) as usize);
@@ -318,5 +299,5 @@ fn a_read_that_fails_after_filling_part_of_the_pipe_leaks_nothing_into_the_next(
             c.disconnect().unwrap();
         }
     }
-    server.shutdown();
+    t.take().shutdown();
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
+use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
 use nbd::server::{Export, Server, ServerConfig};
@@ -29,6 +29,14 @@ fn expect_eio(r: Result<(), ClientError>, what: &str) {
     }
 }
 
+/// A 4 MiB memory device behind a fault device with no rules yet, and the handle that adds
+/// them.
+fn faulty() -> (Arc<dyn Device>, FaultHandle) {
+    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
+    let rules = fault.handle();
+    (Arc::new(fault), rules)
+}
+
 fn start(exports: Vec<Export>) -> (Server, tempfile::TempDir, Endpoint) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nbd.sock");
@@ -38,18 +46,23 @@ fn start(exports: Vec<Export>) -> (Server, tempfile::TempDir, Endpoint) {
     (Server::start(cfg).unwrap(), dir, Endpoint::Unix(path))
 }
 
+/// Two connections to the default export.
+fn two_clients(ep: &Endpoint) -> (Client, Client) {
+    let opts = ClientOptions::default();
+    (
+        Client::connect(ep, &opts).unwrap(),
+        Client::connect(ep, &opts).unwrap(),
+    )
+}
+
 #[test]
 fn a_failed_flush_fails_every_later_flush_on_every_connection() {
-    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
-    let rules = fault.handle();
-    let dev: Arc<dyn Device> = Arc::new(fault);
+    let (dev, rules) = faulty();
     let (server, _dir, ep) = start(vec![
         Export::new("", dev),
         Export::new("other", mem("mem:1M")),
     ]);
-    let opts = ClientOptions::default();
-    let mut a = Client::connect(&ep, &opts).unwrap();
-    let mut b = Client::connect(&ep, &opts).unwrap();
+    let (mut a, mut b) = two_clients(&ep);
     a.write(0, &[7u8; 4096], CmdFlags::empty()).unwrap();
     a.flush().unwrap();
     assert_eq!(server.export_failed(""), Some(false));
@@ -72,7 +85,7 @@ fn a_failed_flush_fails_every_later_flush_on_every_connection() {
     assert!(rules.remove(id));
     expect_eio(a.flush(), "flush after the rule is removed");
     expect_eio(b.flush(), "flush on b after the rule is removed");
-    let mut c = Client::connect(&ep, &opts).unwrap();
+    let mut c = Client::connect(&ep, &ClientOptions::default()).unwrap();
     expect_eio(c.flush(), "flush on a new connection");
     expect_eio(
         c.write(0, &[3u8; 4096], CmdFlags::FUA),
@@ -94,13 +107,9 @@ fn a_failed_flush_fails_every_later_flush_on_every_connection() {
 
 #[test]
 fn a_failed_write_is_sticky_too() {
-    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
-    let rules = fault.handle();
-    let dev: Arc<dyn Device> = Arc::new(fault);
+    let (dev, rules) = faulty();
     let (server, _dir, ep) = start(vec![Export::new("", dev)]);
-    let opts = ClientOptions::default();
-    let mut a = Client::connect(&ep, &opts).unwrap();
-    let mut b = Client::connect(&ep, &opts).unwrap();
+    let (mut a, mut b) = two_clients(&ep);
     let id = rules.add(Rule::fail(OpSet::WRITE).next(1));
     expect_eio(a.write(0, &[1u8; 4096], CmdFlags::empty()), "failing write");
     rules.remove(id);
@@ -115,13 +124,9 @@ fn a_refused_fast_zero_is_not_a_failed_write_back() {
     // A device that cannot zero fast refuses a FAST_ZERO write-zeroes with ENOTSUP and
     // writes nothing (what the flag asks for; qemu-img convert probes with it): no data was
     // lost, so the export must not fail.
-    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
-    let rules = fault.handle();
-    let dev: Arc<dyn Device> = Arc::new(fault);
+    let (dev, rules) = faulty();
     let (server, _dir, ep) = start(vec![Export::new("", dev)]);
-    let opts = ClientOptions::default();
-    let mut a = Client::connect(&ep, &opts).unwrap();
-    let mut b = Client::connect(&ep, &opts).unwrap();
+    let (mut a, mut b) = two_clients(&ep);
     a.write(0, &[7u8; 4096], CmdFlags::empty()).unwrap();
     let id = rules.add(Rule::fail(OpSet::DISCARD).errno(libc::ENOTSUP));
     match a.write_zeroes(0, 4096, CmdFlags::FAST_ZERO) {
@@ -150,9 +155,7 @@ fn a_refused_fast_zero_is_not_a_failed_write_back() {
 
 #[test]
 fn a_failed_final_flush_is_reported() {
-    let fault = FaultDevice::new(mem("mem:4M"), FaultConfig::default());
-    let rules = fault.handle();
-    let dev: Arc<dyn Device> = Arc::new(fault);
+    let (dev, rules) = faulty();
     let (server, _dir, ep) = start(vec![Export::new("x", dev)]);
     let mut a = Client::connect(
         &ep,

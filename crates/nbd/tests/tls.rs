@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
+use common::hooks::CountHome;
 use common::pki::{ca, leaf, pki};
+use common::served::{device, log};
 use nbd::client::{ClientError, Endpoint, Handshake};
 use nbd::handshake::{ClientOption, ExportRequest};
 use nbd::proto::*;
@@ -23,11 +24,6 @@ use nbd::transmission::Request;
 use nbd::{CmdFlags, Command};
 
 const MIB: u64 = 1 << 20;
-
-fn device(spec: &str) -> Arc<dyn Device> {
-    let s: DeviceSpec = spec.parse().unwrap();
-    Arc::new(s.build(&QueueOverrides::default()).unwrap())
-}
 
 struct TlsServer {
     server: Option<Server>,
@@ -49,10 +45,7 @@ impl TlsServer {
     }
 
     fn start_with(mode: TlsMode, verify_peer: bool, exports: Vec<Export>) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
+        log();
         let dir = tempfile::tempdir().unwrap();
         pki(dir.path());
         let path = dir.path().join("nbd.sock");
@@ -390,27 +383,6 @@ fn subject_rules_with_a_verified_client_certificate() {
     refused_with(hs.list(), NBD_REP_ERR_TLS_REQD);
 }
 
-/// Counts the writes a device is asked to receive into their home.
-#[derive(Default)]
-struct CountHome(std::sync::atomic::AtomicUsize);
-
-impl testkit::Hook for CountHome {
-    fn transparent(&self) -> bool {
-        true
-    }
-    fn recv_home(
-        &self,
-        inner: &dyn Device,
-        offset: u64,
-        len: usize,
-        src: &mut dyn blk::RecvSource,
-    ) -> Result<(), blk::Error> {
-        // Relaxed: a test counter.
-        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        inner.recv_home(offset, len, src)
-    }
-}
-
 #[test]
 fn large_writes_over_tls_are_copied_never_received_home() {
     let dev = Arc::new(testkit::Forward::with_hook(
@@ -424,13 +396,13 @@ fn large_writes_over_tls_are_copied_never_received_home() {
     );
     round_trip(&srv, &srv.unix, false);
     round_trip(&srv, &srv.tcp, false);
-    assert_eq!(dev.hook().0.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(dev.hook().count(), 0);
     // The same device over plaintext (`--tls=on` serves both) does receive home.
     let mut c = nbd::client::Client::connect(&srv.unix, &Default::default()).unwrap();
     for i in 0..3u64 {
         c.write(i * MIB, &pattern(MIB as usize, i as u8), CmdFlags::empty())
             .unwrap();
     }
-    assert!(dev.hook().0.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    assert!(dev.hook().count() >= 2);
     c.disconnect().unwrap();
 }

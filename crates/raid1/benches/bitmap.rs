@@ -11,9 +11,9 @@ mod benches {
     use std::hint::black_box;
 
     use blkq_sync::Arc;
-    use criterion::{criterion_group, Criterion};
+    use criterion::Criterion;
     use raid1::{BitmapCounts, WriteIntentBitmap};
-    use testkit::baseline::{criterion_config, threads_wall};
+    use testkit::baseline::threads_wall;
 
     const CAP: u64 = 1 << 30;
     const CHUNK: u64 = 64 << 20;
@@ -32,7 +32,7 @@ mod benches {
         Arc::new(b)
     }
 
-    fn start_end(c: &mut Criterion) {
+    pub fn start_end(c: &mut Criterion) {
         let mut g = c.benchmark_group("raid1_bitmap_write");
         for spread in ["distinct", "same"] {
             for threads in [1usize, 2, 4] {
@@ -60,23 +60,6 @@ mod benches {
         }
         g.finish();
     }
-
-    criterion_group! {
-        name = group;
-        config = criterion_config();
-        targets = start_end
-    }
-
-    pub fn main() {
-        group();
-        Criterion::default().configure_from_args().final_summary();
-    }
 }
 
-#[cfg(not(blkq_loom))]
-fn main() {
-    benches::main();
-}
-
-#[cfg(blkq_loom)]
-fn main() {}
+testkit::bench_main!(benches::start_end);

@@ -57,15 +57,6 @@ fn readd_cfg() -> Raid1Config {
     }
 }
 
-fn nr_dirty(r: &Raid1) -> u64 {
-    r.bitmap()
-        .unwrap()
-        .dirty_chunks()
-        .iter()
-        .map(|c| c.end - c.first)
-        .sum()
-}
-
 /// An array over `a` and a flaky leg over `b`, written everywhere and then quiet: every bit
 /// is clear, so what is dirty later was written while the flaky leg was away.
 fn array(a: Arc<dyn Device>, b: Arc<dyn Device>) -> (Raid1, Flaky) {

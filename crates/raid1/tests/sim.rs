@@ -154,6 +154,7 @@ fn pct(part: u64, whole: u64) -> f64 {
 /// What a long run must reach, or the oracle judges too little of what it ran: (what, got,
 /// floor), a failure when got < floor.
 fn floors(t: &Stats, seeds: u64) -> Vec<(&'static str, f64, f64)> {
+    let per_seed = |n: u64| n as f64 / seeds as f64;
     vec![
         (
             "whole operations %",
@@ -162,12 +163,12 @@ fn floors(t: &Stats, seeds: u64) -> Vec<(&'static str, f64, f64)> {
         ),
         (
             "checks of a whole array per seed",
-            t.whole_checks as f64 / seeds as f64,
+            per_seed(t.whole_checks),
             4.0,
         ),
         (
             "crashes mid-sync per seed",
-            t.crashes_mid_sync as f64 / seeds as f64,
+            per_seed(t.crashes_mid_sync),
             1.0,
         ),
         (
@@ -175,14 +176,10 @@ fn floors(t: &Stats, seeds: u64) -> Vec<(&'static str, f64, f64)> {
             pct(t.sb_cuts_held, t.sb_cuts),
             40.0,
         ),
-        (
-            "reads pinned per seed",
-            t.pins as f64 / seeds as f64,
-            1000.0,
-        ),
+        ("reads pinned per seed", per_seed(t.pins), 1000.0),
         (
             "leg writes kept at a cut per seed",
-            t.writes_kept as f64 / seeds as f64,
+            per_seed(t.writes_kept),
             10.0,
         ),
     ]

@@ -20,15 +20,6 @@ use testkit::Forward;
 
 const IDLE: Duration = Duration::from_secs(60);
 
-fn nr_dirty(r: &Raid1) -> u64 {
-    r.bitmap()
-        .unwrap()
-        .dirty_chunks()
-        .iter()
-        .map(|c| c.end - c.first)
-        .sum()
-}
-
 #[test]
 fn sync_action_names_are_mds() {
     for (a, n) in [

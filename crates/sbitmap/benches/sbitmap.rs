@@ -42,10 +42,10 @@ mod benches {
     use std::time::{Duration, Instant};
 
     use criterion::measurement::WallTime;
-    use criterion::{criterion_group, BenchmarkGroup, Criterion, Throughput};
+    use criterion::{BenchmarkGroup, Criterion, Throughput};
     use crossbeam_queue::ArrayQueue;
     use sbitmap::{Sbitmap, SbitmapQueue, WakeAlgo};
-    use testkit::baseline::{criterion_config, CondvarPool, MutexPool};
+    use testkit::baseline::{CondvarPool, MutexPool};
 
     const DEPTH: u32 = 128;
 
@@ -168,7 +168,7 @@ mod benches {
         kicks: AtomicU64,
     }
 
-    fn bench_uncontended(c: &mut Criterion) {
+    pub fn bench_uncontended(c: &mut Criterion) {
         let mut g = c.benchmark_group("get_put_1t");
         g.throughput(Throughput::Elements(1));
         let sb = Sbitmap::new(DEPTH, None, false).unwrap();
@@ -226,7 +226,7 @@ mod benches {
         });
     }
 
-    fn bench_contended(c: &mut Criterion) {
+    pub fn bench_contended(c: &mut Criterion) {
         let mut g = c.benchmark_group("get_put_2t");
         g.throughput(Throughput::Elements(1));
         let sb = Sbitmap::new(DEPTH, None, false).unwrap();
@@ -302,7 +302,7 @@ mod benches {
         })
     }
 
-    fn bench_sleeping(c: &mut Criterion) {
+    pub fn bench_sleeping(c: &mut Criterion) {
         const THREADS: usize = 4;
         let mut report = vec![];
         for (group, yield_holding) in [("sbq_sleep_d2_4t", false), ("sbq_sleep_d2_4t_yield", true)]
@@ -343,23 +343,10 @@ mod benches {
             );
         }
     }
-
-    criterion_group! {
-        name = all;
-        config = criterion_config();
-        targets = bench_uncontended, bench_contended, bench_sleeping
-    }
-
-    pub fn main() {
-        all();
-        Criterion::default().configure_from_args().final_summary();
-    }
 }
 
-#[cfg(not(blkq_loom))]
-fn main() {
-    benches::main();
-}
-
-#[cfg(blkq_loom)]
-fn main() {}
+testkit::bench_main!(
+    benches::bench_uncontended,
+    benches::bench_contended,
+    benches::bench_sleeping
+);

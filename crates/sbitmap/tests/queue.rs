@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
-use sbitmap::{SbitmapQueue, WakeAlgo};
+use sbitmap::{GetTag, SbitmapQueue, WakeAlgo};
 
 struct CountingWaker(AtomicUsize);
 
@@ -31,6 +31,14 @@ fn poll<F: Future + Unpin>(f: &mut F, w: &Waker) -> Poll<F::Output> {
     Pin::new(f).poll(&mut Context::from_waker(w))
 }
 
+/// A tag waiter on the full `q`, polled once (it sleeps), with its waker and wake-up count.
+fn asleep(q: &SbitmapQueue) -> (GetTag<'_>, Waker, Arc<CountingWaker>) {
+    let (w, c) = counting_waker();
+    let mut f = q.get_async();
+    assert!(poll(&mut f, &w).is_pending());
+    (f, w, c)
+}
+
 /// Two sleepers, both tags in flight, then the first free is interrupted by the second free
 /// (nested on the same thread). Returns how many sleepers were woken, and lets the woken ones
 /// take their tags.
@@ -39,12 +47,8 @@ fn nested_free(algo: WakeAlgo) -> (usize, u32) {
     assert_eq!(q.wake_batch(), 1);
     let t0 = q.get().unwrap();
     let t1 = q.get().unwrap();
-    let (w1, c1) = counting_waker();
-    let (w2, c2) = counting_waker();
-    let mut f1 = q.get_async();
-    let mut f2 = q.get_async();
-    assert!(poll(&mut f1, &w1).is_pending());
-    assert!(poll(&mut f2, &w2).is_pending());
+    let (mut f1, w1, c1) = asleep(&q);
+    let (mut f2, w2, c2) = asleep(&q);
     assert_eq!(q.ws_active(), 2);
 
     q.put_nested(t0, &mut || {
@@ -109,9 +113,7 @@ fn batched_wakeups_follow_the_counters() {
     let q = SbitmapQueue::new(16, None, false, WakeAlgo::Counter).unwrap();
     assert_eq!(q.wake_batch(), 2);
     let tags: Vec<u32> = (0..16).map(|_| q.get().unwrap()).collect();
-    let (w, c) = counting_waker();
-    let mut f = q.get_async();
-    assert!(poll(&mut f, &w).is_pending());
+    let (mut f, w, c) = asleep(&q);
     q.put(tags[0]);
     assert_eq!(c.0.load(Ordering::SeqCst), 0);
     assert_eq!(q.counters(), (1, 0));
@@ -142,12 +144,8 @@ fn put_batch_owing_two_batches_wakes_both() {
 fn dropped_async_waiter_passes_its_wakeup_on() {
     let q = SbitmapQueue::new(1, None, false, WakeAlgo::Counter).unwrap();
     let t = q.get().unwrap();
-    let (w1, c1) = counting_waker();
-    let (w2, c2) = counting_waker();
-    let mut f1 = q.get_async();
-    let mut f2 = q.get_async();
-    assert!(poll(&mut f1, &w1).is_pending());
-    assert!(poll(&mut f2, &w2).is_pending());
+    let (f1, w1, c1) = asleep(&q);
+    let (f2, w2, c2) = asleep(&q);
     q.put(t);
     let (first, second) = if c1.0.load(Ordering::SeqCst) == 1 {
         (f1, (f2, w2, c2))

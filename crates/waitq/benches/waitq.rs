@@ -20,8 +20,8 @@ mod benches {
     use std::sync::{Arc, Condvar};
     use std::thread;
 
-    use criterion::{criterion_group, Criterion};
-    use testkit::baseline::{criterion_config, CondvarCompletion};
+    use criterion::Criterion;
+    use testkit::baseline::CondvarCompletion;
     use waitq::{Completion, WaitQueue};
 
     /// The bench-facing interface both completions share.
@@ -74,12 +74,12 @@ mod benches {
         helper.join().unwrap();
     }
 
-    fn bench_ping_pong(c: &mut Criterion) {
+    pub fn bench_ping_pong(c: &mut Criterion) {
         ping_pong::<Completion>(c, "ping_pong/waitq_completion");
         ping_pong::<CondvarCompletion>(c, "ping_pong/mutex_condvar");
     }
 
-    fn bench_uncontended(c: &mut Criterion) {
+    pub fn bench_uncontended(c: &mut Criterion) {
         let comp = Completion::new();
         c.bench_function("uncontended/waitq_completion", |b| {
             b.iter(|| {
@@ -96,7 +96,7 @@ mod benches {
         });
     }
 
-    fn bench_wake_no_waiters(c: &mut Criterion) {
+    pub fn bench_wake_no_waiters(c: &mut Criterion) {
         let wq = WaitQueue::new();
         c.bench_function("wake_no_waiters/waitq_wake_one", |b| {
             b.iter(|| black_box(black_box(&wq).wake_one()))
@@ -106,23 +106,10 @@ mod benches {
             b.iter(|| black_box(&cv).notify_one())
         });
     }
-
-    criterion_group! {
-        name = all;
-        config = criterion_config();
-        targets = bench_ping_pong, bench_uncontended, bench_wake_no_waiters
-    }
-
-    pub fn main() {
-        all();
-        Criterion::default().configure_from_args().final_summary();
-    }
 }
 
-#[cfg(not(blkq_loom))]
-fn main() {
-    benches::main();
-}
-
-#[cfg(blkq_loom)]
-fn main() {}
+testkit::bench_main!(
+    benches::bench_ping_pong,
+    benches::bench_uncontended,
+    benches::bench_wake_no_waiters
+);

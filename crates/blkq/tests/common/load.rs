@@ -17,6 +17,14 @@ pub const BLOCK: u64 = 4096;
 /// Writes between two flushes, by default.
 const FLUSH_EVERY: u64 = 16;
 
+/// A few blocks spread over each of `chunks`, array chunks of `chunk` bytes (the bitmap's).
+pub fn blocks_in(chunk: u64, chunks: &[u64]) -> Vec<u64> {
+    chunks
+        .iter()
+        .flat_map(|c| (0..8).map(move |k| c * (chunk / BLOCK) + k * 29))
+        .collect()
+}
+
 /// The last acknowledged write of each block a load wrote.
 #[derive(Default)]
 pub struct Ledger {

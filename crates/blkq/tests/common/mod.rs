@@ -18,7 +18,7 @@ mod launch;
 mod load;
 pub use hosts::{hosts_or_skip, Hosts, BACK_IP, FRONT_IP};
 pub use launch::{enter_netns, Launch, Running};
-pub use load::{Ledger, Load, BLOCK};
+pub use load::{blocks_in, Ledger, Load, BLOCK};
 
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
 pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
@@ -275,6 +275,36 @@ pub fn geometry(v: &serde_json::Value) -> (u64, u64) {
         v["data_offset"].as_u64().unwrap(),
         v["capacity"].as_u64().unwrap(),
     )
+}
+
+/// How many legs of an array's `raid status --json` are in sync.
+pub fn legs_in_sync(v: &serde_json::Value) -> usize {
+    v["legs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["state"] == "in_sync")
+        .count()
+}
+
+/// The state of leg `slot` in an array's `raid status --json` (`?` when there is none).
+pub fn leg_state(v: &serde_json::Value, slot: usize) -> String {
+    v["legs"][slot]["state"].as_str().unwrap_or("?").to_string()
+}
+
+/// Both legs of a two-leg array in sync, and no sync running.
+pub fn in_sync_and_idle(v: &serde_json::Value) -> bool {
+    leg_state(v, 0) == "in_sync" && leg_state(v, 1) == "in_sync" && v["sync"]["action"] == "idle"
+}
+
+/// The names in the folder `dir`, sorted.
+pub fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
 }
 
 /// Runs `blkq serve --device SPEC --no-tcp --socket SOCKET`, which must fail within

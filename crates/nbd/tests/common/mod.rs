@@ -3,11 +3,13 @@
 
 use nbd::client::ClientOptions;
 
+pub mod hooks;
 pub mod hostile_server;
 pub mod link;
 pub mod load;
+pub mod mirror;
+pub mod nbdkit;
 pub mod pki;
-pub mod rng;
 pub mod served;
 pub mod stamp;
 pub mod tracking;

@@ -77,3 +77,13 @@ pub fn cfg() -> Raid1Config {
         ..Raid1Config::default()
     }
 }
+
+/// How many chunks of `r`'s write-intent bitmap are dirty.
+pub fn nr_dirty(r: &Raid1) -> u64 {
+    r.bitmap()
+        .unwrap()
+        .dirty_chunks()
+        .iter()
+        .map(|c| c.end - c.first)
+        .sum()
+}

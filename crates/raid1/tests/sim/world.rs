@@ -37,29 +37,25 @@ const HANG: Duration = Duration::from_secs(120);
 /// Bytes per checksummed block (an integrity seed's I/O unit).
 const BLOCK: u64 = raid1::integrity::BLOCK;
 
-/// SplitMix64: small, seedable, and the same everywhere.
-pub struct Rng(u64);
+/// The seed's generator ([`testkit::rng::Rng`], its state salted), with chances in per mille.
+pub struct Rng(testkit::rng::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Self(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+        Self(testkit::rng::Rng(seed ^ 0x5DEE_CE66_D1CE_4E5B))
     }
 
     pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next()
     }
 
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.0.below(n)
     }
 
     pub fn chance(&mut self, per_mille: u64) -> bool {
-        self.below(1000) < per_mille
+        self.0.chance(per_mille, 1000)
     }
 }
 
