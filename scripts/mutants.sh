@@ -90,8 +90,14 @@ for name in "${names[@]}"; do
         first=$(grep -o 'seed [0-9]* FAILED' <<<"$out" | head -1 | grep -o '[0-9]*' || true)
         if [ -n "$first" ]; then
             caught="first at seed $first ($((first - base + 1)) of $seeds)"
-            # What it failed on: the line after the seed's FAILED line.
+            # What it failed on: the line after the seed's FAILED line (sim_remote), or the
+            # panic's message printed before it (the mirror's sim: the line after the
+            # schedule header would say nothing).
             why=$(grep -A1 "seed $first FAILED" <<<"$out" | sed -n 2p | cut -c1-160 || true)
+            if [ -z "$why" ] || [[ $why == schedule* ]]; then
+                why=$(grep -B40 "seed $first FAILED" <<<"$out" | grep -A1 'panicked at' \
+                    | grep -v 'panicked at' | tail -1 | cut -c1-160 || true)
+            fi
         elif [ $rc -eq 0 ]; then
             caught="caught 0/$seeds"
         fi
