@@ -13,15 +13,14 @@ use std::sync::Weak;
 
 use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use blkq_sync::{thread, CachePadded, Mutex};
-use sbitmap::Sbitmap;
+use blkq_sync::{thread, Mutex};
 use std::collections::VecDeque;
 use waitq::WaitQueue;
 
 use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::config::Raid1Config;
-use crate::device::{ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error};
+use crate::device::{ArrayMeta, Inner, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error};
 use crate::legstate::LegState;
 use crate::placement::{left_in_sync, readd_covers, Assembly};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
@@ -314,7 +313,7 @@ impl Raid1 {
 fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
     let cfg = a.cfg;
     let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
-    let free = Sbitmap::new(cfg.depth as u32, None, false)
+    let slots = crate::slots::Slots::new(cfg.depth)
         .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
     let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
         legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
@@ -338,12 +337,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
         bitmap: a.bitmap,
         sums: a.sums,
         persist: Mutex::new(()),
-        ios: (0..cfg.depth)
-            .map(|_| CachePadded(Mutex::new(Io::default())))
-            .collect(),
-        free,
-        free_wq: WaitQueue::new(),
-        retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+        slots,
         daemon_wq: WaitQueue::new(),
         stop: AtomicBool::new(false),
         sb_dirty: AtomicBool::new(false),

@@ -13,7 +13,7 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::barrier::paired;
-use crate::device::{eio, Inner, Io, Raid1Error};
+use crate::device::{eio, Inner, Raid1Error};
 use crate::events::Event;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
@@ -23,12 +23,10 @@ impl Inner {
     /// error count passes the limit), and complete the read.
     pub(crate) fn fix_read(&self, id: u32) {
         let (mut orig, end, mut tried, err) = {
-            let mut io = self.ios[id as usize].lock();
-            let t = (io.orig.take(), io.end.take(), io.tried, io.err.take());
-            *io = Io::default();
-            t
+            let mut io = self.slots.take(id);
+            (io.orig.take(), io.end.take(), io.tried, io.err.take())
         };
-        self.put_slot(id);
+        self.slots.put(id);
         let Some(mut o) = orig.take() else { return };
         if let Some(t) = &self.sums {
             return self.heal_read(t, o, end, id);
@@ -338,7 +336,7 @@ impl Inner {
         let mut next_tick = Instant::now() + self.cfg.tick;
         loop {
             let stop = self.stop.load(Ordering::Acquire);
-            let next = self.retry.lock().pop_front();
+            let next = self.slots.next_retry();
             if let Some(id) = next {
                 self.fix_read(id);
                 continue;
@@ -379,7 +377,7 @@ impl Inner {
                     (self.stop.load(Ordering::Acquire)
                         || self.sb_dirty.load(Ordering::Acquire)
                         || self.readd.done.load(Ordering::Acquire)
-                        || !self.retry.lock().is_empty()
+                        || self.slots.retry_waiting()
                         || !self.held.lock().is_empty())
                     .then_some(())
                 },

@@ -25,7 +25,6 @@ use blk::{Bio, BufferPool, Caps, Device, EndIo, Error, Limits, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::stat::ShardedCounters;
 use blkq_sync::{thread, CachePadded, Mutex};
-use sbitmap::Sbitmap;
 
 use crate::slot::AdmittedCell;
 
@@ -258,52 +257,6 @@ impl Leg {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Kind {
-    #[default]
-    Free,
-    Read,
-    Write,
-    Flush,
-}
-
-/// Per-I/O state, preallocated (md's r1bio).
-#[derive(Default)]
-pub(crate) struct Io {
-    pub(crate) kind: Kind,
-    /// The caller's bio; with `share_writes`, its buffer is lent to the write's legs (see
-    /// `lend`) and comes back only when none still reads it.
-    pub(crate) orig: crate::lend::Lent<Bio>,
-    pub(crate) end: Option<StdArc<dyn EndIo>>,
-    pub(crate) remaining: u32,
-    pub(crate) ok: u32,
-    pub(crate) err: Option<Error>,
-    /// Legs a read was tried on.
-    pub(crate) tried: LegSet,
-    /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
-    /// submitted (md's rule: a recovering leg's copy does not count).
-    pub(crate) counted: LegSet,
-    /// The leg whose bio carries the original buffer (`usize::MAX`: none, e.g. a shared
-    /// write, whose buffer stays in `orig`).
-    pub(crate) primary: usize,
-    /// Write-behind legs of this write or flush (see `behind`).
-    pub(crate) wb_legs: LegSet,
-    /// A write holding a place among the N (see `behind`).
-    pub(crate) behind: bool,
-    /// Legs not write-behind still to complete.
-    pub(crate) sync_left: u32,
-    /// Legs whose completion of this write the write-behind order table counts (invariant
-    /// 7 of `behind`): `leg_done` calls `ordered_done` for them.
-    pub(crate) ordered: LegSet,
-    /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
-    /// what the write covered).
-    pub(crate) acked: bool,
-    /// A write's first sector and length, for its late bookkeeping.
-    pub(crate) span: (u64, u32),
-    /// When its leg bios were submitted (`blk::stats::batch_ns`), for the legs' round trips.
-    pub(crate) sent_ns: u64,
-}
-
 /// One completion handle per leg slot (one such set per thread shard, `Inner::ends`).
 pub(crate) type LegEnds = Box<[StdArc<dyn EndIo>]>;
 
@@ -389,13 +342,8 @@ pub(crate) struct Inner {
     pub(crate) sums: Option<crate::integrity::Checksums>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
     pub(crate) persist: Mutex<()>,
-    /// One line pair each: neighbouring slots are used by different submitters at once.
-    pub(crate) ios: Box<[CachePadded<Mutex<Io>>]>,
-    /// The free slots (indices into `ios`): a scalable tag bitmap with per-thread hints, so
-    /// that taking and giving back a slot shares no lock or line between submitters.
-    pub(crate) free: Sbitmap,
-    pub(crate) free_wq: WaitQueue,
-    pub(crate) retry: Mutex<VecDeque<u32>>,
+    /// The per-I/O slots and the failed reads' retry queue (see `slots`).
+    pub(crate) slots: crate::slots::Slots,
     pub(crate) daemon_wq: WaitQueue,
     pub(crate) stop: AtomicBool,
     pub(crate) sb_dirty: AtomicBool,

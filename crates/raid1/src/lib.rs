@@ -99,7 +99,7 @@
 //! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
 //! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
 //! `generation.rs` (histories), `assemble.rs` (start-up), `placement.rs` (which leg takes
-//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path), `legset.rs`
+//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path), `slots.rs` (the per-I/O slots and the retry queue), `legset.rs`
 //! (a set of legs), `legstate.rs` (a leg's state: a snapshot and its named transitions),
 //! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
@@ -127,6 +127,7 @@ pub mod lend;
 mod placement;
 mod readd;
 pub mod slot;
+mod slots;
 pub mod superblock;
 pub mod sync;
 
