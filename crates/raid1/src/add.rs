@@ -4,7 +4,6 @@
 //! sides' bitmaps are joined), and taking it back out when its addition cannot be recorded.
 
 use blk::{Bio, Device, SECTOR_SHIFT};
-use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as StdArc;
 use uuid::Uuid;
 
@@ -216,7 +215,7 @@ impl Raid1 {
         };
         let write_mostly = sb.legs.get(slot).is_some_and(|i| i.write_mostly);
         inner.barriers.freeze_array(0);
-        let free = !l.state.load().is_present() && !inner.failed.load(Ordering::Acquire);
+        let free = !l.state.load().is_present() && !inner.durable.is_failed();
         let old_uuid = *l.uuid.lock();
         if free {
             *l.uuid.lock() = sb.leg_uuid;

@@ -14,7 +14,6 @@ use std::sync::Weak;
 use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::{thread, Mutex};
-use std::collections::VecDeque;
 use waitq::WaitQueue;
 
 use crate::barrier::{paired, Barriers};
@@ -340,7 +339,6 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
         slots,
         daemon_wq: WaitQueue::new(),
         stop: AtomicBool::new(false),
-        sb_dirty: AtomicBool::new(false),
         meta: Mutex::new(ArrayMeta {
             array_uuid: a.array_uuid,
             events: a.events,
@@ -348,12 +346,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
             lineage: a.lineage,
             members: a.members,
         }),
-        fail_lock: Mutex::new(()),
-        fail_gen: AtomicU64::new(0),
-        durable_gen: AtomicU64::new(0),
-        held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
-        failed: AtomicBool::new(false),
-        failed_why: Mutex::new(None),
+        durable: crate::failure::durable::DurableState::new(cfg.depth),
         // Unclean: reads go to the resync's source from now on, not only once the sync
         // thread has started the pass (md's `recovery_cp` = 0 at assembly).
         resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),

@@ -199,16 +199,13 @@ impl Inner {
     /// simulator: the last in-sync leg lost power first, a recovering one took two more rounds).
     pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
-        self.sb_dirty.store(false, Ordering::Release);
+        self.durable.clear_dirty();
         self.refuse_if_failed()?;
         // Each round fails at least one leg or ends; a leg is failed once.
         for _ in 0..=self.legs.len() {
             // Under `fail_lock`: every failure counted here has set its FAULTY bit, so the
             // superblocks built below record it.
-            let gen = {
-                let _f = self.fail_lock.lock();
-                self.fail_gen.load(Ordering::Acquire)
-            };
+            let gen = self.durable.counted_gen();
             self.next_events();
             let mut first_err = None;
             // One look at the states: the in-sync legs, then the others.
@@ -221,7 +218,7 @@ impl Inner {
             order.sort_unstable();
             for (recovering, i) in order {
                 let l = &self.legs[i];
-                if recovering && self.failed.load(Ordering::Acquire) {
+                if recovering && self.durable.is_failed() {
                     break;
                 }
                 if !l.state.load().writable() {
@@ -249,7 +246,7 @@ impl Inner {
                 return Err(first_err.unwrap_or(failed));
             }
             if first_err.is_none() {
-                self.durable_gen.fetch_max(gen, Ordering::AcqRel);
+                self.durable.mark_durable(gen);
                 return Ok(());
             }
             // A leg failed: write again, recording it.
@@ -297,7 +294,7 @@ impl Inner {
             }
         }
         match first_err {
-            Some(e) if ok == 0 || self.failed.load(Ordering::Acquire) => Err(e),
+            Some(e) if ok == 0 || self.durable.is_failed() => Err(e),
             _ => Ok(()),
         }
     }
@@ -347,7 +344,7 @@ impl Inner {
             if stop {
                 return;
             }
-            if self.sb_dirty.load(Ordering::Acquire) {
+            if self.durable.is_dirty() {
                 let _ = self.write_superblocks();
             }
             let tick = Instant::now() >= next_tick;
@@ -375,10 +372,10 @@ impl Inner {
             let _ = self.daemon_wq.wait_for_until(
                 || {
                     (self.stop.load(Ordering::Acquire)
-                        || self.sb_dirty.load(Ordering::Acquire)
+                        || self.durable.is_dirty()
                         || self.readd.done.load(Ordering::Acquire)
                         || self.slots.retry_waiting()
-                        || !self.held.lock().is_empty())
+                        || self.durable.held_waiting())
                     .then_some(())
                 },
                 next_tick,

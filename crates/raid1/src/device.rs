@@ -17,7 +17,6 @@
 //! std's `Arc`; loom's `Arc` cannot hold unsized values). Everything else comes from the facade.
 
 use blkq_sync::DynArc as StdArc;
-use std::collections::VecDeque;
 use std::sync::Weak;
 
 use blk::Extent;
@@ -346,21 +345,10 @@ pub(crate) struct Inner {
     pub(crate) slots: crate::slots::Slots,
     pub(crate) daemon_wq: WaitQueue,
     pub(crate) stop: AtomicBool,
-    pub(crate) sb_dirty: AtomicBool,
     pub(crate) meta: Mutex<ArrayMeta>,
-    pub(crate) fail_lock: Mutex<()>,
-    /// Leg failures so far: bumped under `fail_lock` together with the FAULTY bit (see
-    /// "Durable failures" below).
-    pub(crate) fail_gen: AtomicU64,
-    /// The `fail_gen` that the last fully successful superblock write recorded.
-    pub(crate) durable_gen: AtomicU64,
-    /// Writes and flushes that succeeded while a leg failure was not yet durable: raid1d
-    /// completes them after the next superblock write (md's `bio_end_io_list`).
-    pub(crate) held: Mutex<VecDeque<u32>>,
-    /// Set once the array can no longer keep its promises (see "The failed array").
-    pub(crate) failed: AtomicBool,
-    /// Why, for the error and the log (written once, before `failed` is set).
-    pub(crate) failed_why: Mutex<Option<&'static str>>,
+    /// Leg failures, their durability, the held writes, the failed array, the superblocks'
+    /// dirty flag (see `failure::durable`).
+    pub(crate) durable: crate::failure::durable::DurableState,
     /// Array byte offset up to which a running resync has made the legs agree (u64::MAX: no
     /// resync running).
     pub(crate) resync_point: AtomicU64,
@@ -473,11 +461,7 @@ impl Raid1 {
     /// Why the array failed (every write and flush fails; see [`Raid1::fail_leg`]'s rules in
     /// docs/design.md), or None while it works.
     pub fn failure(&self) -> Option<&'static str> {
-        if self.inner.failed.load(Ordering::Acquire) {
-            *self.inner.failed_why.lock()
-        } else {
-            None
-        }
+        self.inner.durable.why()
     }
 
     /// Writes acknowledged and still in flight to the write-behind legs (`write_behind=N`:
@@ -557,7 +541,7 @@ impl Raid1 {
             .get(i)
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
         l.recovery_offset.store(offset, Ordering::Release);
-        self.inner.sb_dirty.store(true, Ordering::Release);
+        self.inner.durable.set_dirty();
         Ok(())
     }
 
@@ -772,7 +756,7 @@ impl Inner {
             // Asked under the bitmap's lock, so racing state changes never leave it stale.
             bm.update_degraded(|| self.is_degraded());
         }
-        self.sb_dirty.store(true, Ordering::Release);
+        self.durable.set_dirty();
         self.daemon_wq.wake_all();
         // A leg to recover, or a target gone.
         self.sync.wq.wake_all();

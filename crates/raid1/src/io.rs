@@ -582,17 +582,14 @@ impl Inner {
     /// so raid1d cannot take it before they are, and a freezer that saw them queued (the
     /// array's stop) finds it on the list.
     fn hold_for_superblock(&self, id: u32, kind: Kind, orig: &Bio) {
-        let mut q = self.held.lock();
-        self.set_queued(kind, orig, true);
-        q.push_back(id);
-        drop(q);
+        self.durable.hold(id, || self.set_queued(kind, orig, true));
         self.daemon_wq.wake_all();
     }
 
     /// raid1d: writes the superblocks, then completes the held writes and flushes (with the
     /// error if the superblocks could not be written: the array has failed then).
     pub(crate) fn complete_held(&self) {
-        let ids: Vec<u32> = self.held.lock().drain(..).collect();
+        let ids = self.durable.take_held();
         if ids.is_empty() {
             return;
         }

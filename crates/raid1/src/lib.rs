@@ -101,7 +101,7 @@
 //! `generation.rs` (histories), `assemble.rs` (start-up), `placement.rs` (which leg takes
 //! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path), `slots.rs` (the per-I/O slots and the retry queue), `legset.rs`
 //! (a set of legs), `legstate.rs` (a leg's state: a snapshot and its named transitions),
-//! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
+//! `failure.rs` (durable leg failures, the failed array) and `failure/durable.rs` (the failure generations, held writes and failed flag it acts on), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
 //! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
 #![warn(clippy::too_many_lines)]

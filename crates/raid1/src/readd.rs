@@ -241,7 +241,7 @@ impl Inner {
         };
         // Acquire: pairs with `ProbeEnd::end_io`'s Release.
         self.readd.done.swap(false, Ordering::Acquire);
-        if self.failed.load(Ordering::Acquire) {
+        if self.durable.is_failed() {
             return;
         }
         let now = Instant::now();
@@ -578,7 +578,7 @@ impl Inner {
         let l = &self.legs[i];
         self.barriers.freeze_array(0);
         let st = l.state.load();
-        let ours = !self.failed.load(Ordering::Acquire)
+        let ours = !self.durable.is_failed()
             && st.is_failed()
             && l.gen.load(Ordering::Acquire) == gen
             && l.dev().is_some_and(|d| StdArc::ptr_eq(&d, dev));

@@ -388,7 +388,7 @@ impl Raid1 {
                 || !st.writable()
                 || c.stop
                 || c.recovery_blocked
-                || inner.failed.load(Ordering::Acquire);
+                || inner.durable.is_failed();
             done.then_some(())
         });
         let st = inner.legs[slot].state.load();
