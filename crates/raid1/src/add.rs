@@ -9,7 +9,8 @@ use uuid::Uuid;
 
 use crate::barrier::paired;
 use crate::bitmap::WriteIntentBitmap;
-use crate::device::{Raid1, Raid1Error};
+use crate::device::Raid1;
+use crate::error::Raid1Error;
 use crate::generation::{Kinship, Lineage};
 use crate::readd::AbsentError;
 use crate::superblock::{Role, Superblock};

@@ -13,7 +13,8 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::barrier::paired;
-use crate::device::{eio, Inner, Raid1Error};
+use crate::device::{eio, Inner};
+use crate::error::Raid1Error;
 use crate::events::Event;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 

@@ -6,7 +6,8 @@
 
 use blk::Error;
 
-use crate::device::{Inner, Raid1Error};
+use crate::device::Inner;
+use crate::error::Raid1Error;
 use crate::events::Event;
 
 pub(crate) mod durable;

@@ -51,7 +51,7 @@
 //! the superblock and the placement is not judged: that read was.)
 
 use std::sync::Weak;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use blk::{Bio, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, Ordering};
@@ -59,14 +59,12 @@ use blkq_sync::DynArc as StdArc;
 use blkq_sync::Mutex;
 
 use crate::barrier::paired;
-use crate::device::{Inner, Raid1, Raid1Error};
+use crate::device::{Inner, Raid1};
+use crate::error::Raid1Error;
 use crate::events::Event;
 use crate::generation::Kinship;
 use crate::placement::{left_in_sync, readd_covers, Assembly, AssemblyError};
 use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
-
-/// `readd=auto`'s probe period unless `readd_interval_ms` says otherwise.
-pub const DEFAULT_READD_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What the automatic re-add knows of a slot ([`Raid1::readd_status`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
