@@ -113,7 +113,7 @@ impl Raid1 {
             .map(|area| crate::integrity::Checksums::new(area, capacity));
         if let Some(t) = &sums {
             for (i, dev) in legs.iter().enumerate() {
-                crate::integrity::zero_area(dev.as_ref(), t)
+                crate::integrity::legs::zero_area(dev.as_ref(), t)
                     .map_err(|source| Raid1Error::Leg { leg: i, source })?;
             }
         }
@@ -188,7 +188,7 @@ impl Raid1 {
         } = place_legs(found, &assembly.slots, &newest)?;
         check_enough_in_sync(&newest, &placed, nr_given, &cfg)?;
         let bitmap = load_bitmap(&newest, &mut placed, &cfg)?;
-        let sums = crate::integrity::load_sums(&newest, &placed, &mut warnings);
+        let sums = crate::integrity::legs::load_sums(&newest, &placed, &mut warnings);
         let lbs = if sums.is_some() {
             lbs.max(crate::integrity::BLOCK as u32)
         } else {

@@ -51,7 +51,7 @@ pub struct Raid1Config {
     pub share_writes: bool,
     /// Per-block checksums for a new array (`integrity=crc32c|none`; see `integrity`). Read
     /// by [`crate::Raid1::create`] only: an assembled array keeps what its superblock says.
-    pub integrity: Option<crate::superblock::Algorithm>,
+    pub integrity: Option<crate::integrity::Algorithm>,
 }
 
 impl Default for Raid1Config {

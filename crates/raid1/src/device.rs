@@ -362,7 +362,7 @@ impl Raid1 {
     pub fn integrity(
         &self,
     ) -> Option<(
-        crate::superblock::Algorithm,
+        crate::integrity::Algorithm,
         crate::integrity::IntegrityCounts,
     )> {
         let t = self.inner.sums.as_ref()?;
