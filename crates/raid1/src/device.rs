@@ -650,6 +650,10 @@ impl Inner {
         bitmap: bool,
         write_mostly: bool,
     ) {
+        assert!(
+            self.barriers.is_frozen(),
+            "slot {i} placed without a freeze"
+        );
         let l = &self.legs[i];
         // SAFETY: frozen, by the caller.
         let _ = unsafe { l.set_dev_frozen(Some(dev)) };

@@ -246,6 +246,14 @@ impl Inner {
             end.end_io(bio, Err(e));
             return;
         }
+        // Bitmap before data (docs/design.md's promises): the write is counted in its chunks,
+        // so no clear can take their bits until it ends.
+        debug_assert!(
+            self.bitmap
+                .as_ref()
+                .is_none_or(|bm| bm.is_durable(off, len)),
+            "a write at {off} issued before its bitmap bits are durable"
+        );
         // The new sums before any leg has the data (see `integrity`).
         if let Some(t) = &self.sums {
             match (bio.op, bio.buf.as_ref()) {
@@ -599,6 +607,11 @@ impl Inner {
                 let mut io = self.slots.take(id);
                 (io.kind, io.orig.take(), io.end.take())
             };
+            // Only writes and flushes are held (`write_complete`).
+            assert!(
+                matches!(kind, Kind::Write | Kind::Flush),
+                "slot {id} held but a {kind:?}"
+            );
             let Some(o) = orig else { continue };
             self.set_queued(kind, &o, false);
             let res = match (&r, self.failed_error()) {
@@ -630,6 +643,12 @@ impl Inner {
         if matches!(io.kind, Kind::Read | Kind::Write) {
             self.legs[leg].note_rtt(id, blk::stats::batch_ns().saturating_sub(io.sent_ns));
         }
+        // Every leg bio of an I/O completes before its slot is given back (`remaining`).
+        debug_assert_ne!(
+            io.kind,
+            Kind::Free,
+            "leg {leg} completed a bio of free slot {id}"
+        );
         match io.kind {
             Kind::Free => {}
             Kind::Read => self.read_done(id, io, bio, res),
@@ -721,8 +740,18 @@ impl Inner {
                 );
             }
         }
+        debug_assert!(
+            io.remaining > 0,
+            "slot {id}: leg {leg} completed past its I/O's legs"
+        );
         io.remaining -= 1;
         if !io.wb_legs.contains(leg) {
+            // Each leg of a write not write-behind completes once: its count never goes below
+            // zero (a flush does not count them: 0 throughout).
+            debug_assert!(
+                io.kind != Kind::Write || io.sync_left > 0,
+                "slot {id}: sync_left below zero (leg {leg})"
+            );
             io.sync_left = io.sync_left.saturating_sub(1);
         }
         if io.remaining > 0 {

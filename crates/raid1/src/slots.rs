@@ -171,3 +171,35 @@ impl Slots {
         !self.retry.lock().is_empty()
     }
 }
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "given back twice"))]
+    fn a_slot_given_back_twice_asserts_in_debug_builds() {
+        let s = Slots::new(4).unwrap();
+        let id = s.get();
+        s.put(id);
+        s.put(id);
+    }
+
+    #[test]
+    #[cfg_attr(
+        debug_assertions,
+        should_panic(expected = "given back while its I/O is in use")
+    )]
+    fn a_slot_given_back_in_use_asserts_in_debug_builds() {
+        let s = Slots::new(4).unwrap();
+        let id = s.get();
+        drop(s.start(
+            id,
+            Io {
+                kind: Kind::Read,
+                ..Io::default()
+            },
+        ));
+        s.put(id);
+    }
+}

@@ -60,8 +60,7 @@ impl Failing<'_> {
     /// Counts the failure (bumps `fail_gen`, Release): called before the leg's FAULTY bit is
     /// set, under the same lock.
     pub(crate) fn count(&self) {
-        let before = self.st.fail_gen.fetch_add(1, Ordering::Release);
-        assert!(before < u64::MAX, "fail_gen overflowed");
+        self.st.fail_gen.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -193,5 +192,39 @@ impl DurableState {
     /// Whether the superblocks need writing.
     pub(crate) fn is_dirty(&self) -> bool {
         self.sb_dirty.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(all(test, not(blkq_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_is_pending_until_a_superblock_records_it() {
+        let d = DurableState::new(4);
+        assert!(!d.pending());
+        d.begin_failure().count();
+        assert!(d.pending());
+        let gen = d.counted_gen();
+        d.mark_durable(gen);
+        assert!(!d.pending());
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond the failures counted")]
+    fn a_durable_generation_beyond_the_failures_asserts() {
+        let d = DurableState::new(4);
+        d.begin_failure().count();
+        d.mark_durable(2);
+    }
+
+    #[test]
+    #[should_panic(expected = "moving backwards")]
+    fn the_durable_generation_moving_backwards_asserts() {
+        let d = DurableState::new(4);
+        d.begin_failure().count();
+        d.begin_failure().count();
+        d.mark_durable(2);
+        d.mark_durable(1);
     }
 }
