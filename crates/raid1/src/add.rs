@@ -4,13 +4,13 @@
 //! sides' bitmaps are joined), and taking it back out when its addition cannot be recorded.
 
 use blk::{Bio, Device, SECTOR_SHIFT};
-use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc as StdArc;
 use uuid::Uuid;
 
 use crate::barrier::paired;
 use crate::bitmap::WriteIntentBitmap;
-use crate::device::{Raid1, Raid1Error};
+use crate::device::Raid1;
+use crate::error::Raid1Error;
 use crate::generation::{Kinship, Lineage};
 use crate::readd::AbsentError;
 use crate::superblock::{Role, Superblock};
@@ -216,7 +216,7 @@ impl Raid1 {
         };
         let write_mostly = sb.legs.get(slot).is_some_and(|i| i.write_mostly);
         inner.barriers.freeze_array(0);
-        let free = !l.state.load().is_present() && !inner.failed.load(Ordering::Acquire);
+        let free = !l.state.load().is_present() && !inner.durable.is_failed();
         let old_uuid = *l.uuid.lock();
         if free {
             *l.uuid.lock() = sb.leg_uuid;

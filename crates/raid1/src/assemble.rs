@@ -13,15 +13,14 @@ use std::sync::Weak;
 
 use blk::{submit_wait, Bio, Buffer, BufferPool, Device, EndIo, Limits, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use blkq_sync::{thread, CachePadded, Mutex};
-use sbitmap::Sbitmap;
-use std::collections::VecDeque;
+use blkq_sync::{thread, Mutex};
 use waitq::WaitQueue;
 
 use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::config::Raid1Config;
-use crate::device::{ArrayMeta, Inner, Io, Launch, Leg, LegEnd, Placed, Raid1, Raid1Error};
+use crate::device::{ArrayMeta, Inner, Launch, Leg, LegEnd, Placed, Raid1};
+use crate::error::Raid1Error;
 use crate::legstate::LegState;
 use crate::placement::{left_in_sync, readd_covers, Assembly};
 use crate::superblock::{ArrayState, Role, Superblock, SuperblockError, MAX_LEGS, SB_OFFSET};
@@ -114,7 +113,7 @@ impl Raid1 {
             .map(|area| crate::integrity::Checksums::new(area, capacity));
         if let Some(t) = &sums {
             for (i, dev) in legs.iter().enumerate() {
-                crate::integrity::zero_area(dev.as_ref(), t)
+                crate::integrity::legs::zero_area(dev.as_ref(), t)
                     .map_err(|source| Raid1Error::Leg { leg: i, source })?;
             }
         }
@@ -189,7 +188,7 @@ impl Raid1 {
         } = place_legs(found, &assembly.slots, &newest)?;
         check_enough_in_sync(&newest, &placed, nr_given, &cfg)?;
         let bitmap = load_bitmap(&newest, &mut placed, &cfg)?;
-        let sums = crate::integrity::load_sums(&newest, &placed, &mut warnings);
+        let sums = crate::integrity::legs::load_sums(&newest, &placed, &mut warnings);
         let lbs = if sums.is_some() {
             lbs.max(crate::integrity::BLOCK as u32)
         } else {
@@ -314,7 +313,7 @@ impl Raid1 {
 fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
     let cfg = a.cfg;
     let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
-    let free = Sbitmap::new(cfg.depth as u32, None, false)
+    let slots = crate::slots::Slots::new(cfg.depth)
         .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
     let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
         legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
@@ -338,15 +337,9 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
         bitmap: a.bitmap,
         sums: a.sums,
         persist: Mutex::new(()),
-        ios: (0..cfg.depth)
-            .map(|_| CachePadded(Mutex::new(Io::default())))
-            .collect(),
-        free,
-        free_wq: WaitQueue::new(),
-        retry: Mutex::new(VecDeque::with_capacity(cfg.depth)),
+        slots,
         daemon_wq: WaitQueue::new(),
         stop: AtomicBool::new(false),
-        sb_dirty: AtomicBool::new(false),
         meta: Mutex::new(ArrayMeta {
             array_uuid: a.array_uuid,
             events: a.events,
@@ -354,12 +347,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
             lineage: a.lineage,
             members: a.members,
         }),
-        fail_lock: Mutex::new(()),
-        fail_gen: AtomicU64::new(0),
-        durable_gen: AtomicU64::new(0),
-        held: Mutex::new(VecDeque::with_capacity(cfg.depth)),
-        failed: AtomicBool::new(false),
-        failed_why: Mutex::new(None),
+        durable: crate::failure::durable::DurableState::new(cfg.depth),
         // Unclean: reads go to the resync's source from now on, not only once the sync
         // thread has started the pass (md's `recovery_cp` = 0 at assembly).
         resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),

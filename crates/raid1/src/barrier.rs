@@ -401,7 +401,12 @@ impl Barriers {
             BarrierMode::Locked => Some(self.resync_lock.lock()),
             BarrierMode::Lockless => None,
         };
-        b.nr_pending.fetch_add(1, Ordering::AcqRel);
+        let prev = b.nr_pending.fetch_add(1, Ordering::AcqRel);
+        // The caller's first admission is counted (and not ended before this one is).
+        debug_assert!(
+            prev > 0,
+            "hold without an admission on the bucket of {sector}"
+        );
     }
 
     /// Raises a resync window on `sector`'s bucket: waits for sleeping regular I/O to go
@@ -424,7 +429,12 @@ impl Barriers {
                 && self.nr_sync_pending.load(Ordering::Acquire) < RESYNC_DEPTH
         });
         b.nr_pending.fetch_add(1, Ordering::AcqRel);
-        self.nr_sync_pending.fetch_add(1, Ordering::AcqRel);
+        let windows = self.nr_sync_pending.fetch_add(1, Ordering::AcqRel);
+        // Raised under the resync lock after the wait saw fewer; lowering only decrements.
+        assert!(
+            windows < RESYNC_DEPTH,
+            "more than RESYNC_DEPTH resync windows raised"
+        );
         drop(g);
     }
 
@@ -440,9 +450,16 @@ impl Barriers {
             .barrier
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |v| v.checked_sub(1));
         if r.is_ok() {
-            self.total_barriers.fetch_sub(1, Ordering::AcqRel);
-            self.nr_sync_pending.fetch_sub(1, Ordering::AcqRel);
-            b.nr_pending.fetch_sub(1, Ordering::AcqRel);
+            let total = self.total_barriers.fetch_sub(1, Ordering::AcqRel);
+            let windows = self.nr_sync_pending.fetch_sub(1, Ordering::AcqRel);
+            let pending = b.nr_pending.fetch_sub(1, Ordering::AcqRel);
+            // A raised window counts in all three until it is lowered (`raise_barrier`): a
+            // barrier lowered while none of them counts it was not raised (or not yet: its
+            // raise is still waiting, and the lower is not its own).
+            assert!(
+                total > 0 && windows > 0 && pending > 0,
+                "a resync window lowered on the bucket of {sector} that was not raised"
+            );
         }
         drop(g);
         // Rule 3: all three decrements come before the wake-up.
@@ -561,6 +578,15 @@ mod tests {
     use blkq_sync::atomic::AtomicBool;
     use blkq_sync::Arc;
     use std::time::Duration;
+
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "hold without an admission"))]
+    fn a_hold_without_an_admission_asserts_in_debug_builds() {
+        let b = Barriers::new(BarrierMode::Lockless);
+        b.hold(0);
+        // Release builds: the count went up all the same.
+        assert_eq!(b.snapshot(0).nr_pending, 1);
+    }
 
     fn both() -> [BarrierMode; 2] {
         [BarrierMode::Lockless, BarrierMode::Locked]

@@ -306,10 +306,23 @@ impl WriteIntentBitmap {
         let end = set.end.min(self.nr_chunks);
         for i in set.first.min(end)..end {
             let f = self.chunks.flags(i as usize);
-            if f & DIRTY != 0 {
-                self.chunks.set_flags(i as usize, f | DURABLE);
-            }
+            // The write that set the bit is still counted in the chunk, so no clear took it
+            // (invariant 2 of `chunks`: a clear needs a mark made with no write in flight).
+            assert!(
+                f & DIRTY != 0,
+                "chunk {i} made durable with its bit clear while its write is in flight"
+            );
+            self.chunks.set_flags(i as usize, f | DURABLE);
         }
+    }
+
+    /// Whether every chunk `len` bytes from `offset` touch has its bit set and durable (what
+    /// a write there needs before it is issued).
+    pub(crate) fn is_durable(&self, offset: u64, len: u64) -> bool {
+        self.chunks_of(offset, len).is_ok_and(|cs| {
+            (cs.first..cs.end)
+                .all(|i| self.chunks.flags(i as usize) & (DIRTY | DURABLE) == DIRTY | DURABLE)
+        })
     }
 
     /// Ends a write started with [`WriteIntentBitmap::start_write`] (all legs completed it).
@@ -345,6 +358,7 @@ impl WriteIntentBitmap {
     /// The flush `epoch` completed on every leg.
     pub fn flush_done(&self, epoch: u64) {
         let mut g = self.inner.lock();
+        assert!(epoch <= g.epoch, "flush epoch {epoch} was never begun");
         g.flushed = g.flushed.max(epoch);
     }
 
@@ -421,6 +435,13 @@ impl WriteIntentBitmap {
         for (i, m) in g.meta.iter_mut().enumerate() {
             let f = self.chunks.flags(i);
             if f & (DIRTY | IDLE) == DIRTY | IDLE && m.mark_epoch < flushed && ok(m) {
+                // Locked mode counts writes under this lock and takes IDLE back with it, so a
+                // chunk still IDLE has none in flight. (Sharded, a writer may be counted and
+                // waiting for this lock: it sets the bit again before it is issued.)
+                assert!(
+                    self.mode != BitmapCounts::Locked || self.chunks.in_flight(i) == 0,
+                    "chunk {i}'s bit cleared with writes in flight"
+                );
                 self.chunks.set_flags(i, 0);
                 m.needed = false;
                 n += 1;

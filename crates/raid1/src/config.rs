@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use crate::barrier::BarrierMode;
 use crate::bitmap::{BitmapCounts, DEFAULT_CHUNK_SIZE};
-use crate::device::Raid1Error;
+use crate::error::Raid1Error;
+
+/// `readd=auto`'s probe period unless `readd_interval_ms` says otherwise.
+pub const DEFAULT_READD_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Configuration of a [`Raid1`](crate::Raid1).
 #[derive(Debug, Clone)]
@@ -48,7 +51,7 @@ pub struct Raid1Config {
     pub share_writes: bool,
     /// Per-block checksums for a new array (`integrity=crc32c|none`; see `integrity`). Read
     /// by [`crate::Raid1::create`] only: an assembled array keeps what its superblock says.
-    pub integrity: Option<crate::superblock::Algorithm>,
+    pub integrity: Option<crate::integrity::Algorithm>,
 }
 
 impl Default for Raid1Config {
@@ -123,9 +126,7 @@ impl Raid1Config {
             "allow_degraded" => self.allow_degraded = value.parse().map_err(|_| bad())?,
             "readd" => {
                 self.readd_interval = match value {
-                    "auto" => self
-                        .readd_interval
-                        .or(Some(crate::readd::DEFAULT_READD_INTERVAL)),
+                    "auto" => self.readd_interval.or(Some(DEFAULT_READD_INTERVAL)),
                     "off" => None,
                     _ => return Err(bad()),
                 }

@@ -13,8 +13,10 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::barrier::paired;
-use crate::device::{eio, Inner, Io, Raid1Error};
+use crate::device::{eio, Inner};
+use crate::error::Raid1Error;
 use crate::events::Event;
+use crate::slots::Kind;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
 impl Inner {
@@ -23,12 +25,12 @@ impl Inner {
     /// error count passes the limit), and complete the read.
     pub(crate) fn fix_read(&self, id: u32) {
         let (mut orig, end, mut tried, err) = {
-            let mut io = self.ios[id as usize].lock();
-            let t = (io.orig.take(), io.end.take(), io.tried, io.err.take());
-            *io = Io::default();
-            t
+            let mut io = self.slots.take(id);
+            // Only failed reads are queued for a retry (`read_done`).
+            assert_eq!(io.kind, Kind::Read, "slot {id} retried but not a read");
+            (io.orig.take(), io.end.take(), io.tried, io.err.take())
         };
-        self.put_slot(id);
+        self.slots.put(id);
         let Some(mut o) = orig.take() else { return };
         if let Some(t) = &self.sums {
             return self.heal_read(t, o, end, id);
@@ -201,16 +203,13 @@ impl Inner {
     /// simulator: the last in-sync leg lost power first, a recovering one took two more rounds).
     pub(crate) fn write_superblocks(&self) -> Result<(), Raid1Error> {
         let _g = self.persist.lock();
-        self.sb_dirty.store(false, Ordering::Release);
+        self.durable.clear_dirty();
         self.refuse_if_failed()?;
         // Each round fails at least one leg or ends; a leg is failed once.
         for _ in 0..=self.legs.len() {
             // Under `fail_lock`: every failure counted here has set its FAULTY bit, so the
             // superblocks built below record it.
-            let gen = {
-                let _f = self.fail_lock.lock();
-                self.fail_gen.load(Ordering::Acquire)
-            };
+            let gen = self.durable.counted_gen();
             self.next_events();
             let mut first_err = None;
             // One look at the states: the in-sync legs, then the others.
@@ -223,7 +222,7 @@ impl Inner {
             order.sort_unstable();
             for (recovering, i) in order {
                 let l = &self.legs[i];
-                if recovering && self.failed.load(Ordering::Acquire) {
+                if recovering && self.durable.is_failed() {
                     break;
                 }
                 if !l.state.load().writable() {
@@ -251,7 +250,7 @@ impl Inner {
                 return Err(first_err.unwrap_or(failed));
             }
             if first_err.is_none() {
-                self.durable_gen.fetch_max(gen, Ordering::AcqRel);
+                self.durable.mark_durable(gen);
                 return Ok(());
             }
             // A leg failed: write again, recording it.
@@ -299,7 +298,7 @@ impl Inner {
             }
         }
         match first_err {
-            Some(e) if ok == 0 || self.failed.load(Ordering::Acquire) => Err(e),
+            Some(e) if ok == 0 || self.durable.is_failed() => Err(e),
             _ => Ok(()),
         }
     }
@@ -338,7 +337,7 @@ impl Inner {
         let mut next_tick = Instant::now() + self.cfg.tick;
         loop {
             let stop = self.stop.load(Ordering::Acquire);
-            let next = self.retry.lock().pop_front();
+            let next = self.slots.next_retry();
             if let Some(id) = next {
                 self.fix_read(id);
                 continue;
@@ -349,7 +348,7 @@ impl Inner {
             if stop {
                 return;
             }
-            if self.sb_dirty.load(Ordering::Acquire) {
+            if self.durable.is_dirty() {
                 let _ = self.write_superblocks();
             }
             let tick = Instant::now() >= next_tick;
@@ -377,10 +376,10 @@ impl Inner {
             let _ = self.daemon_wq.wait_for_until(
                 || {
                     (self.stop.load(Ordering::Acquire)
-                        || self.sb_dirty.load(Ordering::Acquire)
+                        || self.durable.is_dirty()
                         || self.readd.done.load(Ordering::Acquire)
-                        || !self.retry.lock().is_empty()
-                        || !self.held.lock().is_empty())
+                        || self.slots.retry_waiting()
+                        || self.durable.held_waiting())
                     .then_some(())
                 },
                 next_tick,

@@ -17,7 +17,6 @@
 //! std's `Arc`; loom's `Arc` cannot hold unsized values). Everything else comes from the facade.
 
 use blkq_sync::DynArc as StdArc;
-use std::collections::VecDeque;
 use std::sync::Weak;
 
 use blk::Extent;
@@ -25,7 +24,6 @@ use blk::{Bio, BufferPool, Caps, Device, EndIo, Error, Limits, SECTOR_SHIFT};
 use blkq_sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use blkq_sync::stat::ShardedCounters;
 use blkq_sync::{thread, CachePadded, Mutex};
-use sbitmap::Sbitmap;
 
 use crate::slot::AdmittedCell;
 
@@ -33,12 +31,13 @@ use uuid::Uuid;
 use waitq::WaitQueue;
 
 use crate::barrier::{paired, Barriers};
-use crate::bitmap::{BitmapError, WriteIntentBitmap};
+use crate::bitmap::WriteIntentBitmap;
 use crate::config::Raid1Config;
+use crate::error::Raid1Error;
 use crate::generation::Lineage;
 use crate::legset::LegSet;
 use crate::legstate::{LegState, LegStateCell};
-use crate::superblock::{ArrayState, Superblock, SuperblockError};
+use crate::superblock::{ArrayState, Superblock};
 
 // Leg state: see `legstate` (its table, and the orderings of its loads and transitions).
 // `pending` and `head` are Relaxed: read-balance hints that decide nothing else (any leg
@@ -48,62 +47,6 @@ use crate::superblock::{ArrayState, Superblock, SuperblockError};
 
 /// One slot in this many is sampled for a leg's round-trip time (see `Leg::note_rtt`).
 pub(crate) const RTT_SAMPLE: u32 = 8;
-
-/// Errors building or managing a [`Raid1`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Raid1Error {
-    /// A leg's I/O failed.
-    #[error("leg {leg}: {source}")]
-    Leg {
-        /// Slot.
-        leg: usize,
-        /// Why.
-        source: Error,
-    },
-    /// Superblock problem.
-    #[error(transparent)]
-    Superblock(#[from] SuperblockError),
-    /// Bitmap problem.
-    #[error(transparent)]
-    Bitmap(#[from] BitmapError),
-    /// A bad configuration.
-    #[error("{0}")]
-    Config(String),
-    /// No such slot, or the slot is in the wrong state for the operation.
-    #[error("slot {0}: {1}")]
-    Slot(usize, &'static str),
-    /// The sync thread cannot take the request now.
-    #[error("sync busy: {0}")]
-    Busy(&'static str),
-    /// The array has failed (see [`Raid1::failure`]): its state no longer changes, since no
-    /// superblock can record the change; stop it and assemble it again.
-    #[error(
-        "the array has failed ({0}): its legs no longer change; stop it and assemble it again"
-    )]
-    Failed(&'static str),
-    /// The legs given to [`Raid1::assemble`] do not form one array.
-    #[error(transparent)]
-    Assembly(#[from] crate::placement::AssemblyError),
-    /// A leg offered to [`Raid1::add_leg`] went on without this array (see
-    /// [`crate::generation`]): it holds writes the array lacks.
-    #[error(
-        "the leg's history {} the array's (leg at generation {leg:016x}, array at {array:016x}): \
-         it ran without this array and holds writes the array lacks; refusing to overwrite \
-         them: add it with --discard (add_leg_discarding) to discard them, which copies only \
-         the chunks either side changed",
-        if *.newer { "is newer than" } else { "diverged from" }
-    )]
-    Diverged {
-        /// The leg's current generation.
-        leg: u64,
-        /// The array's current generation.
-        array: u64,
-        /// The array's generation is an earlier point of the leg's history (the leg is
-        /// newer), rather than another branch.
-        newer: bool,
-    },
-}
 
 /// The run-time state of one slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -258,52 +201,6 @@ impl Leg {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Kind {
-    #[default]
-    Free,
-    Read,
-    Write,
-    Flush,
-}
-
-/// Per-I/O state, preallocated (md's r1bio).
-#[derive(Default)]
-pub(crate) struct Io {
-    pub(crate) kind: Kind,
-    /// The caller's bio; with `share_writes`, its buffer is lent to the write's legs (see
-    /// `lend`) and comes back only when none still reads it.
-    pub(crate) orig: crate::lend::Lent<Bio>,
-    pub(crate) end: Option<StdArc<dyn EndIo>>,
-    pub(crate) remaining: u32,
-    pub(crate) ok: u32,
-    pub(crate) err: Option<Error>,
-    /// Legs a read was tried on.
-    pub(crate) tried: LegSet,
-    /// Legs whose success makes a write or flush succeed: the in-sync legs when it was
-    /// submitted (md's rule: a recovering leg's copy does not count).
-    pub(crate) counted: LegSet,
-    /// The leg whose bio carries the original buffer (`usize::MAX`: none, e.g. a shared
-    /// write, whose buffer stays in `orig`).
-    pub(crate) primary: usize,
-    /// Write-behind legs of this write or flush (see `behind`).
-    pub(crate) wb_legs: LegSet,
-    /// A write holding a place among the N (see `behind`).
-    pub(crate) behind: bool,
-    /// Legs not write-behind still to complete.
-    pub(crate) sync_left: u32,
-    /// Legs whose completion of this write the write-behind order table counts (invariant
-    /// 7 of `behind`): `leg_done` calls `ordered_done` for them.
-    pub(crate) ordered: LegSet,
-    /// The caller was completed before the write-behind legs (`orig` is gone: `span` says
-    /// what the write covered).
-    pub(crate) acked: bool,
-    /// A write's first sector and length, for its late bookkeeping.
-    pub(crate) span: (u64, u32),
-    /// When its leg bios were submitted (`blk::stats::batch_ns`), for the legs' round trips.
-    pub(crate) sent_ns: u64,
-}
-
 /// One completion handle per leg slot (one such set per thread shard, `Inner::ends`).
 pub(crate) type LegEnds = Box<[StdArc<dyn EndIo>]>;
 
@@ -389,30 +286,14 @@ pub(crate) struct Inner {
     pub(crate) sums: Option<crate::integrity::Checksums>,
     /// Serialises bitmap writes so later snapshots land later (see `bitmap`).
     pub(crate) persist: Mutex<()>,
-    /// One line pair each: neighbouring slots are used by different submitters at once.
-    pub(crate) ios: Box<[CachePadded<Mutex<Io>>]>,
-    /// The free slots (indices into `ios`): a scalable tag bitmap with per-thread hints, so
-    /// that taking and giving back a slot shares no lock or line between submitters.
-    pub(crate) free: Sbitmap,
-    pub(crate) free_wq: WaitQueue,
-    pub(crate) retry: Mutex<VecDeque<u32>>,
+    /// The per-I/O slots and the failed reads' retry queue (see `slots`).
+    pub(crate) slots: crate::slots::Slots,
     pub(crate) daemon_wq: WaitQueue,
     pub(crate) stop: AtomicBool,
-    pub(crate) sb_dirty: AtomicBool,
     pub(crate) meta: Mutex<ArrayMeta>,
-    pub(crate) fail_lock: Mutex<()>,
-    /// Leg failures so far: bumped under `fail_lock` together with the FAULTY bit (see
-    /// "Durable failures" below).
-    pub(crate) fail_gen: AtomicU64,
-    /// The `fail_gen` that the last fully successful superblock write recorded.
-    pub(crate) durable_gen: AtomicU64,
-    /// Writes and flushes that succeeded while a leg failure was not yet durable: raid1d
-    /// completes them after the next superblock write (md's `bio_end_io_list`).
-    pub(crate) held: Mutex<VecDeque<u32>>,
-    /// Set once the array can no longer keep its promises (see "The failed array").
-    pub(crate) failed: AtomicBool,
-    /// Why, for the error and the log (written once, before `failed` is set).
-    pub(crate) failed_why: Mutex<Option<&'static str>>,
+    /// Leg failures, their durability, the held writes, the failed array, the superblocks'
+    /// dirty flag (see `failure::durable`).
+    pub(crate) durable: crate::failure::durable::DurableState,
     /// Array byte offset up to which a running resync has made the legs agree (u64::MAX: no
     /// resync running).
     pub(crate) resync_point: AtomicU64,
@@ -481,7 +362,7 @@ impl Raid1 {
     pub fn integrity(
         &self,
     ) -> Option<(
-        crate::superblock::Algorithm,
+        crate::integrity::Algorithm,
         crate::integrity::IntegrityCounts,
     )> {
         let t = self.inner.sums.as_ref()?;
@@ -525,11 +406,7 @@ impl Raid1 {
     /// Why the array failed (every write and flush fails; see [`Raid1::fail_leg`]'s rules in
     /// docs/design.md), or None while it works.
     pub fn failure(&self) -> Option<&'static str> {
-        if self.inner.failed.load(Ordering::Acquire) {
-            *self.inner.failed_why.lock()
-        } else {
-            None
-        }
+        self.inner.durable.why()
     }
 
     /// Writes acknowledged and still in flight to the write-behind legs (`write_behind=N`:
@@ -609,7 +486,7 @@ impl Raid1 {
             .get(i)
             .ok_or(Raid1Error::Slot(i, "no such slot"))?;
         l.recovery_offset.store(offset, Ordering::Release);
-        self.inner.sb_dirty.store(true, Ordering::Release);
+        self.inner.durable.set_dirty();
         Ok(())
     }
 
@@ -773,6 +650,10 @@ impl Inner {
         bitmap: bool,
         write_mostly: bool,
     ) {
+        assert!(
+            self.barriers.is_frozen(),
+            "slot {i} placed without a freeze"
+        );
         let l = &self.legs[i];
         // SAFETY: frozen, by the caller.
         let _ = unsafe { l.set_dev_frozen(Some(dev)) };
@@ -824,7 +705,7 @@ impl Inner {
             // Asked under the bitmap's lock, so racing state changes never leave it stale.
             bm.update_degraded(|| self.is_degraded());
         }
-        self.sb_dirty.store(true, Ordering::Release);
+        self.durable.set_dirty();
         self.daemon_wq.wake_all();
         // A leg to recover, or a target gone.
         self.sync.wq.wake_all();

@@ -1,7 +1,7 @@
 //! The array's state changes, told as they happen (md's `mdadm --monitor` events, DRBD's
 //! `events2`): each is logged once, naming the leg (its slot, and its name when the owner gave
-//! one with [`Raid1::set_leg_name`]), at WARN or ERROR when an operator must act and INFO
-//! otherwise, and handed to every [`Subscription`] ([`Raid1::subscribe`]).
+//! one with [`Raid1::set_leg_name`](crate::Raid1::set_leg_name)), at WARN or ERROR when an operator must act and INFO
+//! otherwise, and handed to every [`Subscription`] ([`Raid1::subscribe`](crate::Raid1::subscribe)).
 //!
 //! A subscription sees the events from the moment it was taken, in the order they were
 //! emitted. Its queue is bounded ([`QUEUE_CAP`] entries): a subscriber that falls behind
@@ -18,7 +18,8 @@ use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::{Arc, Mutex};
 use waitq::WaitQueue;
 
-use crate::device::{Inner, Raid1};
+mod array;
+
 use crate::sync::SyncAction;
 
 /// Entries a subscription holds before it drops events (the marker included).
@@ -265,7 +266,7 @@ pub struct Record {
     pub seq: u64,
     /// What happened.
     pub event: Event,
-    /// The name of the leg it is about, when known ([`Raid1::set_leg_name`]).
+    /// The name of the leg it is about, when known ([`Raid1::set_leg_name`](crate::Raid1::set_leg_name)).
     pub leg: Option<String>,
 }
 
@@ -387,7 +388,7 @@ impl Hub {
     }
 }
 
-/// The events of one array from the moment of [`Raid1::subscribe`]. Bounded: see the module
+/// The events of one array from the moment of [`Raid1::subscribe`](crate::Raid1::subscribe). Bounded: see the module
 /// docs. Dropping it ends the subscription.
 pub struct Subscription {
     q: Arc<Queue>,
@@ -410,28 +411,6 @@ impl Subscription {
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.q.state.lock().closed = true;
-    }
-}
-
-impl Inner {
-    /// Logs `e` and tells the subscribers (see the module docs).
-    pub(crate) fn emit(&self, e: Event) {
-        self.events.emit(e);
-    }
-}
-
-impl Raid1 {
-    /// The array's events from now on, at most [`QUEUE_CAP`] queued (see the module docs).
-    pub fn subscribe(&self) -> Subscription {
-        self.inner.events.subscribe(QUEUE_CAP)
-    }
-
-    /// Names the leg in slot `i` (its device spec) in the events and log lines about it;
-    /// `None` forgets it (the slot emptied).
-    pub fn set_leg_name(&self, i: usize, name: Option<String>) {
-        if let Some(n) = self.inner.events.names.lock().get_mut(i) {
-            *n = name;
-        }
     }
 }
 

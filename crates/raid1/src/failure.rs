@@ -5,10 +5,12 @@
 //! in docs/design.md, and the comments below.
 
 use blk::Error;
-use blkq_sync::atomic::Ordering;
 
-use crate::device::{Inner, Raid1Error};
+use crate::device::Inner;
+use crate::error::Raid1Error;
 use crate::events::Event;
+
+pub(crate) mod durable;
 
 impl Inner {
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did. The
@@ -28,10 +30,10 @@ impl Inner {
     /// `fail_lock`. A submitter that sees FAULTY (Acquire) and so leaves the leg out of a write
     /// therefore sees the bump when it completes, and holds the write. `write_superblocks`
     /// reads `fail_gen` under `fail_lock`, so every failure it counts has set its bit before the
-    /// superblocks are built from the leg states.
+    /// superblocks are built from the leg states. The fields and their rules: `durable`.
     pub(crate) fn fail_leg(&self, i: usize, cause: &'static str) -> bool {
         // Serialised, so two legs failing at once cannot both see the other as the survivor.
-        let _g = self.fail_lock.lock();
+        let g = self.durable.begin_failure();
         let l = &self.legs[i];
         let others = self
             .legs
@@ -43,9 +45,15 @@ impl Inner {
         if !st.is_present() || (st.in_sync() && others == 0) {
             return false;
         }
-        self.fail_gen.fetch_add(1, Ordering::Release);
+        g.count();
         let was = l.state.fail();
-        drop(_g);
+        // The decision above, under the lock that orders every failure: an in-sync leg is
+        // failed only with another member left.
+        assert!(
+            !st.in_sync() || self.legs.iter().any(|o| o.state.load().is_member()),
+            "leg {i}'s failure left no in-sync leg"
+        );
+        drop(g);
         self.state_changed();
         if !was.is_faulty() {
             self.emit(Event::LegFailed { slot: i, cause });
@@ -55,18 +63,16 @@ impl Inner {
 
     /// `Raid1Error::Failed` once the array has failed (leg management is refused then).
     pub(crate) fn refuse_if_failed(&self) -> Result<(), Raid1Error> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(Raid1Error::Failed(
-                self.failed_why.lock().unwrap_or("failed"),
-            ));
+        match self.durable.why() {
+            Some(why) => Err(Raid1Error::Failed(why)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Whether a failure is not yet recorded by a durable superblock (see `fail_leg`).
     #[inline]
     pub(crate) fn failure_pending(&self) -> bool {
-        self.fail_gen.load(Ordering::Acquire) > self.durable_gen.load(Ordering::Acquire)
+        self.durable.pending()
     }
 
     /// # The failed array (md's `MD_BROKEN`)
@@ -76,14 +82,7 @@ impl Inner {
     /// it), the array fails: every later write and flush fails with EIO, for every caller, until
     /// it is stopped; reads still work. The first reason is kept.
     pub(crate) fn fail_array(&self, why: &'static str) {
-        {
-            let mut w = self.failed_why.lock();
-            if w.is_none() {
-                *w = Some(why);
-            }
-        }
-        // Release: a caller that sees the flag sees the reason.
-        if !self.failed.swap(true, Ordering::AcqRel) {
+        if self.durable.fail(why) {
             self.emit(Event::ArrayFailed { why });
         }
         // A running pass stops, and whoever waits for one (replace_leg) looks again.
@@ -94,13 +93,7 @@ impl Inner {
     /// The error of a failed array, or None.
     #[inline]
     pub(crate) fn failed_error(&self) -> Option<Error> {
-        if !self.failed.load(Ordering::Acquire) {
-            return None;
-        }
-        let why = self.failed_why.lock().unwrap_or("failed");
-        Some(Error::Io(std::io::Error::other(format!(
-            "raid1: array failed: {why}"
-        ))))
+        self.durable.error()
     }
 
     /// raid1d, every tick: a leg whose device says it cannot serve (a remote leg past its

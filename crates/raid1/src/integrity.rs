@@ -43,15 +43,56 @@
 //! rule applies instead (the source's data, summed).
 
 mod heal;
-mod legs;
+pub(crate) mod legs;
 mod pass;
-
-pub(crate) use legs::{load_sums, zero_area};
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::Mutex;
 
-use crate::superblock::ChecksumArea;
+/// The per-block checksums' algorithm (chosen at creation, recorded in the superblock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// crc32c of each 4 KiB block (hardware-assisted on x86-64 and aarch64).
+    Crc32c,
+}
+
+impl Algorithm {
+    /// Its code in the superblock.
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Algorithm::Crc32c => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Algorithm::Crc32c => "crc32c",
+        })
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "crc32c" => Ok(Algorithm::Crc32c),
+            _ => Err(format!("unknown integrity algorithm {s:?} (crc32c)")),
+        }
+    }
+}
+
+/// Where a leg keeps the array's per-block checksums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChecksumArea {
+    /// How each block is summed.
+    pub algorithm: Algorithm,
+    /// Byte offset from the start of the leg (4 KiB aligned).
+    pub offset: u64,
+    /// Length in bytes (whole 4 KiB pages).
+    pub len: u64,
+}
 
 /// Bytes per summed block.
 pub const BLOCK: u64 = 4096;
@@ -294,7 +335,6 @@ impl Checksums {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::superblock::Algorithm;
 
     fn table(blocks: u64) -> Checksums {
         let area = ChecksumArea {

@@ -4,7 +4,7 @@
 //! `submit*` run on the submitter's thread; `leg_done` runs wherever a leg completes its bio
 //! (a leg's completion thread, or inline in `submit`). A failed read is handed to raid1d
 //! (`daemon.rs`). No heap allocation in the steady state: per-I/O state comes from the
-//! preallocated `ios` slots; a write's legs read the caller's buffer through aliases (`lend`),
+//! preallocated slots (`slots`); a write's legs read the caller's buffer through aliases (`lend`),
 //! and copies (`share_writes=0`, write-behind legs) come from the pool.
 
 use blkq_sync::DynArc as StdArc;
@@ -14,9 +14,10 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::MutexGuard;
 
 use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
-use crate::device::{eio, Inner, Io, Kind};
+use crate::device::{eio, Inner};
 use crate::legset::LegSet;
 use crate::lend::Lent;
+use crate::slots::{Io, Kind};
 use crate::superblock::MAX_LEGS;
 
 /// The barrier units (as the first sector of each) that `len` bytes from `sector` touch: a
@@ -99,22 +100,6 @@ impl Inner {
         b
     }
 
-    /// A per-I/O slot, waiting for one if all are in use. Never called holding a barrier
-    /// admission: failed reads keep their slots until raid1d, which freezes the array to fix
-    /// them, gives them back, and a freeze waits for every admission, so an admitted waiter
-    /// for a slot would wait for raid1d while raid1d waits for it.
-    pub(crate) fn get_slot(&self) -> u32 {
-        self.free_wq.wait_for(|| self.free.get())
-    }
-
-    pub(crate) fn put_slot(&self, id: u32) {
-        // `put` orders the slot's last use before its next owner's `get` (Release, see
-        // `sbitmap`); `wake_one`'s fence orders the free bit before its look for waiters.
-        let r = self.free.put(id);
-        debug_assert!(r, "slot {id} given back twice");
-        self.free_wq.wake_one();
-    }
-
     pub(crate) fn submit(&self, bio: Bio, end: &StdArc<dyn EndIo>) {
         let lim = Limits {
             capacity: self.capacity,
@@ -148,15 +133,15 @@ impl Inner {
     pub(crate) fn submit_read(&self, mut bio: Bio, end: &StdArc<dyn EndIo>) {
         let sector = bio.sector;
         // The slot before the admission: never sleep for a slot while admitted (see
-        // `get_slot`).
-        let id = self.get_slot();
+        // `Slots::get`).
+        let id = self.slots.get();
         let leg = loop {
             self.barriers.wait_read_barrier(sector);
             let Some(leg) =
                 self.choose_read_leg(sector, bio.offset() + u64::from(bio.len), LegSet::EMPTY)
             else {
                 paired(self.barriers.allow_barrier(sector));
-                self.put_slot(id);
+                self.slots.put(id);
                 end.end_io(bio, Err(eio("raid1: no readable leg")));
                 return;
             };
@@ -185,11 +170,9 @@ impl Inner {
                 };
                 let buf = bio.buf.take();
                 let lb = self.leg_bio(&bio, buf, id);
-                {
-                    let mut io = self.ios[id as usize].lock();
-                    // A slot taken from the free set is free (the set never hands one out twice).
-                    debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
-                    *io = Io {
+                drop(self.slots.start(
+                    id,
+                    Io {
                         kind: Kind::Read,
                         sent_ns: blk::stats::batch_ns(),
                         orig: Lent::owned(bio),
@@ -198,8 +181,8 @@ impl Inner {
                         tried: LegSet::one(leg),
                         primary: leg,
                         ..Io::default()
-                    };
-                }
+                    },
+                ));
                 l.head.store(
                     lb.end_sector() - (self.data_offset >> SECTOR_SHIFT),
                     Ordering::Relaxed,
@@ -214,7 +197,7 @@ impl Inner {
             // Cannot happen while admitted (state and slot change together, frozen); handled
             // as a failed read all the same.
             paired(self.barriers.allow_barrier(sector));
-            self.put_slot(id);
+            self.slots.put(id);
             end.end_io(bio, Err(eio("raid1: leg vanished")));
         }
     }
@@ -256,13 +239,21 @@ impl Inner {
         }
         let sector = bio.sector;
         let (off, len) = (bio.offset(), u64::from(bio.len));
-        // The slot before the admission (see `get_slot`).
-        let id = self.get_slot();
+        // The slot before the admission (see `Slots::get`).
+        let id = self.slots.get();
         self.admit_write(sector, len);
         if let Err(e) = self.mark_write_intent(off, len, sector, id) {
             end.end_io(bio, Err(e));
             return;
         }
+        // Bitmap before data (docs/design.md's promises): the write is counted in its chunks,
+        // so no clear can take their bits until it ends.
+        debug_assert!(
+            self.bitmap
+                .as_ref()
+                .is_none_or(|bm| bm.is_durable(off, len)),
+            "a write at {off} issued before its bitmap bits are durable"
+        );
         // The new sums before any leg has the data (see `integrity`).
         if let Some(t) = &self.sums {
             match (bio.op, bio.buf.as_ref()) {
@@ -279,7 +270,7 @@ impl Inner {
         } = self.write_legs();
         if mask.is_empty() {
             self.write_finished(off, len, sector);
-            self.put_slot(id);
+            self.slots.put(id);
             end.end_io(bio, Err(eio("raid1: no writable leg")));
             return;
         }
@@ -309,23 +300,23 @@ impl Inner {
         {
             let mut orig = Lent::owned(bio);
             orig.lend(lent.bits());
-            let mut io = self.ios[id as usize].lock();
-            // A slot taken from the free set is free (the set never hands one out twice).
-            debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
-            *io = Io {
-                kind: Kind::Write,
-                sent_ns: blk::stats::batch_ns(),
-                span: (sector, len as u32),
-                orig,
-                end: Some(end.clone()),
-                remaining: mask.len(),
-                sync_left: (mask - wb_legs).len(),
-                wb_legs,
-                behind,
-                primary: if share { usize::MAX } else { primary },
-                counted,
-                ..Io::default()
-            };
+            let mut io = self.slots.start(
+                id,
+                Io {
+                    kind: Kind::Write,
+                    sent_ns: blk::stats::batch_ns(),
+                    span: (sector, len as u32),
+                    orig,
+                    end: Some(end.clone()),
+                    remaining: mask.len(),
+                    sync_left: (mask - wb_legs).len(),
+                    wb_legs,
+                    behind,
+                    primary: if share { usize::MAX } else { primary },
+                    counted,
+                    ..Io::default()
+                },
+            );
             // Overlapping writes reach each leg in order: a bio that must wait for an earlier
             // write on its leg is parked (invariant 7 of `behind`), under the slot's lock so
             // that `ordered` is set before any of its bios can complete.
@@ -357,14 +348,14 @@ impl Inner {
                     }
                     Err(e) => {
                         self.write_finished(off, len, sector);
-                        self.put_slot(id);
+                        self.slots.put(id);
                         Err(Error::Io(std::io::Error::other(e.to_string())))
                     }
                 }
             }
             Err(e) => {
                 self.release_write(sector, len);
-                self.put_slot(id);
+                self.slots.put(id);
                 Err(Error::Config(e.to_string()))
             }
         }
@@ -480,8 +471,8 @@ impl Inner {
         }
         // Admitted (it waits only for a freeze), so a freeze, and the array's stop, waits for
         // flushes in flight too, and one held for a superblock write is counted as queued.
-        // The slot first (see `get_slot`).
-        let id = self.get_slot();
+        // The slot first (see `Slots::get`).
+        let id = self.slots.get();
         self.barriers.wait_read_barrier(FLUSH_SECTOR);
         let mut mask = LegSet::EMPTY;
         let mut counted = LegSet::EMPTY;
@@ -504,15 +495,13 @@ impl Inner {
         }
         if mask.is_empty() {
             paired(self.barriers.allow_barrier(FLUSH_SECTOR));
-            self.put_slot(id);
+            self.slots.put(id);
             end.end_io(bio, Err(eio("raid1: no leg to flush")));
             return;
         }
-        {
-            let mut io = self.ios[id as usize].lock();
-            // A slot taken from the free set is free (the set never hands one out twice).
-            debug_assert_eq!(io.kind, Kind::Free, "slot {id} taken while in use");
-            *io = Io {
+        drop(self.slots.start(
+            id,
+            Io {
                 kind: Kind::Flush,
                 orig: Lent::owned(bio),
                 end: Some(end.clone()),
@@ -520,8 +509,8 @@ impl Inner {
                 primary: usize::MAX,
                 counted,
                 ..Io::default()
-            };
-        }
+            },
+        ));
         // The write-mostly legs' flushes wait for the writes behind (invariant 4 of
         // `behind`); after the `Io` is set up, since `release` may submit them at once.
         let wb_legs = if self.wb.limit > 0 {
@@ -601,28 +590,28 @@ impl Inner {
     /// so raid1d cannot take it before they are, and a freezer that saw them queued (the
     /// array's stop) finds it on the list.
     fn hold_for_superblock(&self, id: u32, kind: Kind, orig: &Bio) {
-        let mut q = self.held.lock();
-        self.set_queued(kind, orig, true);
-        q.push_back(id);
-        drop(q);
+        self.durable.hold(id, || self.set_queued(kind, orig, true));
         self.daemon_wq.wake_all();
     }
 
     /// raid1d: writes the superblocks, then completes the held writes and flushes (with the
     /// error if the superblocks could not be written: the array has failed then).
     pub(crate) fn complete_held(&self) {
-        let ids: Vec<u32> = self.held.lock().drain(..).collect();
+        let ids = self.durable.take_held();
         if ids.is_empty() {
             return;
         }
         let r = self.write_superblocks();
         for id in ids {
             let (kind, orig, end) = {
-                let mut io = self.ios[id as usize].lock();
-                let t = (io.kind, io.orig.take(), io.end.take());
-                *io = Io::default();
-                t
+                let mut io = self.slots.take(id);
+                (io.kind, io.orig.take(), io.end.take())
             };
+            // Only writes and flushes are held (`write_complete`).
+            assert!(
+                matches!(kind, Kind::Write | Kind::Flush),
+                "slot {id} held but a {kind:?}"
+            );
             let Some(o) = orig else { continue };
             self.set_queued(kind, &o, false);
             let res = match (&r, self.failed_error()) {
@@ -637,10 +626,9 @@ impl Inner {
     /// A leg bio completed.
     pub(crate) fn leg_done(&self, leg: usize, bio: Bio, res: Result<(), Error>) {
         self.legs[leg].dec_pending();
-        let Some(slot) = self.ios.get(bio.cookie as usize) else {
+        let Some((id, slot)) = self.slots.by_cookie(bio.cookie) else {
             return; // not ours: cannot happen, and nothing to complete
         };
-        let id = bio.cookie as u32;
         let mut io = slot.lock();
         if io.ordered.contains(leg) {
             // Before this completion's bookkeeping, its slot lock not held: the writes that
@@ -655,6 +643,12 @@ impl Inner {
         if matches!(io.kind, Kind::Read | Kind::Write) {
             self.legs[leg].note_rtt(id, blk::stats::batch_ns().saturating_sub(io.sent_ns));
         }
+        // Every leg bio of an I/O completes before its slot is given back (`remaining`).
+        debug_assert_ne!(
+            io.kind,
+            Kind::Free,
+            "leg {leg} completed a bio of free slot {id}"
+        );
         match io.kind {
             Kind::Free => {}
             Kind::Read => self.read_done(id, io, bio, res),
@@ -698,10 +692,8 @@ impl Inner {
                 let sector = io.orig.as_ref().map_or(0, |o| o.sector);
                 drop(io);
                 // Queued under the list's lock (see `hold_for_superblock`).
-                let mut q = self.retry.lock();
-                self.barriers.queue_io(sector);
-                q.push_back(id);
-                drop(q);
+                self.slots
+                    .queue_retry(id, || self.barriers.queue_io(sector));
                 self.daemon_wq.wake_all();
             }
         }
@@ -748,8 +740,18 @@ impl Inner {
                 );
             }
         }
+        debug_assert!(
+            io.remaining > 0,
+            "slot {id}: leg {leg} completed past its I/O's legs"
+        );
         io.remaining -= 1;
         if !io.wb_legs.contains(leg) {
+            // Each leg of a write not write-behind completes once: its count never goes below
+            // zero (a flush does not count them: 0 throughout).
+            debug_assert!(
+                io.kind != Kind::Write || io.sync_left > 0,
+                "slot {id}: sync_left below zero (leg {leg})"
+            );
             io.sync_left = io.sync_left.saturating_sub(1);
         }
         if io.remaining > 0 {
@@ -786,7 +788,7 @@ impl Inner {
             let (sector, len) = io.span;
             *io = Io::default();
             drop(io);
-            self.put_slot(id);
+            self.slots.put(id);
             self.write_finished(sector << SECTOR_SHIFT, u64::from(len), sector);
             self.wb_release();
             return;
@@ -828,7 +830,7 @@ impl Inner {
         end: Option<StdArc<dyn EndIo>>,
         res: Result<(), Error>,
     ) {
-        self.put_slot(id);
+        self.slots.put(id);
         let Some(o) = orig else { return };
         match kind {
             Kind::Flush => {

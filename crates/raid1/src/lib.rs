@@ -96,14 +96,22 @@
 //! a resync starts if it was not stopped cleanly). [`Raid1::crash_for_test`] stops an array
 //! without marking it clean.
 //!
-//! Source files: `config.rs` ([`Raid1Config`] and its options), `device.rs` (types, leg
-//! management, `Drop`), `add.rs` (adding a leg: re-add or fresh, diverged or discarded),
-//! `generation.rs` (histories), `assemble.rs` (start-up), `placement.rs` (which leg takes
-//! which slot: assembly's decision and the re-add rule), `io.rs` (the I/O path), `legset.rs`
-//! (a set of legs), `legstate.rs` (a leg's state: a snapshot and its named transitions),
-//! `failure.rs` (durable leg failures, the failed array), `daemon.rs` (raid1d), `readd.rs`
-//! (the automatic re-add), `behind.rs` (write-behind), `lend.rs` (a write's shared payload),
-//! `sync.rs` (the sync thread's control surface) and `sync/engine.rs` (its passes).
+//! Source files: `config.rs` ([`Raid1Config`] and its options), `error.rs` ([`Raid1Error`]),
+//! `device.rs` (types, leg management, `Drop`), `add.rs` (adding a leg: re-add or fresh,
+//! diverged or discarded), `generation.rs` (histories), `assemble.rs` (start-up),
+//! `placement.rs` (which leg takes which slot: assembly's decision and the re-add rule),
+//! `io.rs` (the I/O path), `slots.rs` (the per-I/O slots and the retry queue), `legset.rs` (a
+//! set of legs), `legstate.rs` (a leg's state: a snapshot and its named transitions),
+//! `failure.rs` (durable leg failures, the failed array) and `failure/durable.rs` (the failure
+//! generations, held writes and failed flag they act on), `daemon.rs` (raid1d), `readd.rs`
+//! (the automatic re-add's state) and `readd/probe.rs` (its probes and judgement), `behind.rs`
+//! (write-behind), `lend.rs` (a write's shared payload), `events.rs` (the events and their
+//! hub) and `events/array.rs` (the array's side), `sync.rs` (the sync thread's state),
+//! `sync/control.rs` (its control surface) and `sync/engine.rs` (its passes), `integrity.rs`
+//! (the checksums' table, algorithm and area) and `integrity/` (its I/O).
+//!
+//! Each part's state lives in a file that names no `device.rs` item (a leaf), and the
+//! `Inner` methods that act on it in a child file: no two files name each other's items.
 #![warn(clippy::too_many_lines)]
 #![warn(missing_docs)]
 
@@ -116,6 +124,7 @@ mod chunks;
 mod config;
 mod daemon;
 mod device;
+mod error;
 pub mod events;
 mod failure;
 pub mod generation;
@@ -127,18 +136,20 @@ pub mod lend;
 mod placement;
 mod readd;
 pub mod slot;
+mod slots;
 pub mod superblock;
 pub mod sync;
 
 pub use assemble::Creation;
 pub use barrier::{BarrierError, BarrierMode, Barriers};
 pub use bitmap::{BitmapCounts, ChunkSet, WriteIntentBitmap};
-pub use config::Raid1Config;
-pub use device::{LegStatus, Raid1, Raid1Error};
+pub use config::{Raid1Config, DEFAULT_READD_INTERVAL};
+pub use device::{LegStatus, Raid1};
+pub use error::Raid1Error;
 pub use events::{Event, Record, Subscription};
 pub use generation::{Kinship, Lineage};
+pub use integrity::Algorithm;
 pub use integrity::IntegrityCounts;
 pub use placement::{Assembly, AssemblyError};
-pub use readd::{AbsentError, ReaddStatus, DEFAULT_READD_INTERVAL};
-pub use superblock::Algorithm;
+pub use readd::{AbsentError, ReaddStatus};
 pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};

@@ -41,6 +41,7 @@
 use uuid::Uuid;
 
 use crate::generation::{Generation, Lineage, HISTORY};
+use crate::integrity::{area_len, Algorithm, ChecksumArea};
 
 /// Byte offset of the superblock on a leg.
 pub const SB_OFFSET: u64 = 4096;
@@ -143,50 +144,6 @@ pub struct BitmapLocation {
     pub chunk_size: u64,
 }
 
-/// The per-block checksums' algorithm (chosen at creation; see [`crate::integrity`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algorithm {
-    /// crc32c of each 4 KiB block (hardware-assisted on x86-64 and aarch64).
-    Crc32c,
-}
-
-impl Algorithm {
-    fn code(self) -> u32 {
-        match self {
-            Algorithm::Crc32c => 1,
-        }
-    }
-}
-
-impl std::fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Algorithm::Crc32c => "crc32c",
-        })
-    }
-}
-
-impl std::str::FromStr for Algorithm {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "crc32c" => Ok(Algorithm::Crc32c),
-            _ => Err(format!("unknown integrity algorithm {s:?} (crc32c)")),
-        }
-    }
-}
-
-/// Where a leg keeps the array's per-block checksums.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChecksumArea {
-    /// How each block is summed.
-    pub algorithm: Algorithm,
-    /// Byte offset from the start of the leg (4 KiB aligned).
-    pub offset: u64,
-    /// Length in bytes (whole 4 KiB pages).
-    pub len: u64,
-}
-
 /// One leg's superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -252,7 +209,7 @@ pub fn layout_with(
     let sums = integrity.map(|algorithm| ChecksumArea {
         algorithm,
         offset: BITMAP_OFFSET + len,
-        len: crate::integrity::area_len(leg_size),
+        len: area_len(leg_size),
     });
     let meta_end = sums.map_or(BITMAP_OFFSET + len, |a| a.offset + a.len);
     let data_offset = meta_end.next_multiple_of(DATA_ALIGN);

@@ -86,7 +86,7 @@ impl Inner {
     /// requested check/repair. Pure (no side effects): called from wait conditions.
     pub(crate) fn next_job(&self, c: &Ctl) -> Option<Job> {
         // A failed array's state no longer changes: nothing to sync.
-        if self.failed.load(Ordering::Acquire) {
+        if self.durable.is_failed() {
             return None;
         }
         if c.resync_needed && !c.resync_blocked && self.resync_has_targets() {
@@ -203,8 +203,7 @@ impl Inner {
                         // Marked in sync only if the slot still holds the leg the pass
                         // copied to (frozen: nothing changes it meanwhile).
                         self.barriers.freeze_array(0);
-                        let ours =
-                            !self.failed.load(Ordering::Acquire) && self.still_target(&target, gen);
+                        let ours = !self.durable.is_failed() && self.still_target(&target, gen);
                         if ours {
                             let l = &self.legs[t];
                             l.bitmap_recovery.store(false, Ordering::Release);
@@ -340,7 +339,7 @@ impl Inner {
 
     fn interrupted(&self) -> bool {
         let c = self.sync.ctl.lock();
-        c.interrupt || c.stop || self.failed.load(Ordering::Acquire)
+        c.interrupt || c.stop || self.durable.is_failed()
     }
 
     /// Whether slot `t` still holds `target`'s leg as placed then (`gen`: the same device
