@@ -113,7 +113,7 @@
 //! # Waiting
 //!
 //! Nothing here parks a thread by hand: every wait goes through the `waitq` crate. The timer
-//! thread sleeps on [`waitq::WaitQueue`] `timer_wq` until its earliest deadline or a new
+//! thread sleeps on its [`waitq::WaitQueue`] (`Timer::wq`) until its earliest deadline or a new
 //! delayed completion; a crash waits on `idle_wq` for the I/Os in flight to drain; a
 //! synchronous I/O of the crash model (undo read, roll back write) waits on a wait queue of its
 //! own. Wakers always wake after dropping the lock that guards the condition.
@@ -146,15 +146,15 @@ pub use rules::{parse_errno, Action, FaultConfig, OpSet, Rule, When};
 
 use blkq_sync::DynArc as Arc;
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use blkq_sync::stat::{Ordering, StatU64};
-use blkq_sync::Mutex;
+use blkq_sync::{thread, Mutex};
 use waitq::WaitQueue;
 
 use cache::{State, UndoEntry};
 use rules::{Flip, RuleState, Rules, Verdict};
-use timer::TimerQ;
+use timer::Timer;
 
 use blk::{Bio, BioFlags, Buffer, Caps, Device, EndIo, Error, Filter, Op, SECTOR_SHIFT};
 
@@ -240,6 +240,14 @@ struct Slots {
     free: Vec<u32>,
 }
 
+/// A completion the timer thread delivers once its delay has passed.
+struct Late {
+    bio: Bio,
+    res: Result<(), Error>,
+    end: Arc<dyn EndIo>,
+    ack: Ack,
+}
+
 struct Held {
     bio: Bio,
     end: Arc<dyn EndIo>,
@@ -258,13 +266,11 @@ struct Shared {
     stalled: Mutex<Vec<Held>>,
     /// An empty list with the stall list's capacity (see `release`).
     stalled_spare: Mutex<Vec<Held>>,
-    timer: Mutex<TimerQ>,
+    /// Delayed completions and the timer thread that delivers them (`timer`'s docs).
+    timer: Timer<Late>,
     /// Held by `crash` from start to end, and by `restart`: a restart never ends a crash
     /// whose roll back is still running.
     crash_lock: Mutex<()>,
-    /// The timer thread sleeps here (condition: `TimerQ::n` or `TimerQ::stop` changed, or its
-    /// earliest deadline passed); woken by `complete` after queueing and by the device's drop.
-    timer_wq: WaitQueue,
     /// A crash waits here for `State::in_flight` to reach 0; woken by `on_inner_done` when the
     /// last forwarded I/O comes back.
     idle_wq: WaitQueue,
@@ -449,6 +455,30 @@ impl Shared {
         }
         self.complete(bio, res, end, ack);
     }
+
+    /// Delivers now, or after `ack.delay` on the timer thread.
+    fn complete(self: &Arc<Self>, bio: Bio, res: Result<(), Error>, end: Arc<dyn EndIo>, ack: Ack) {
+        if ack.delay.is_zero() {
+            self.deliver(bio, res, &end, ack);
+            return;
+        }
+        bump(&self.counters.delayed);
+        // Absurd delays (a `Duration::MAX` rule) are clamped, never a panic.
+        let now = Instant::now();
+        let due = now
+            .checked_add(ack.delay)
+            .or_else(|| now.checked_add(Duration::from_secs(1 << 32)))
+            .unwrap_or(now);
+        let late = Late { bio, res, end, ack };
+        let spawn = || {
+            let sh = self.clone();
+            thread::spawn(move || sh.timer.run(|l| sh.deliver(l.bio, l.res, &l.end, l.ack)))
+        };
+        if let Err(l) = self.timer.push(due, late, spawn) {
+            // The device is being dropped: delivered at once.
+            self.deliver(l.bio, l.res, &l.end, l.ack);
+        }
+    }
 }
 
 /// The device's own completion handler, registered once.
@@ -594,9 +624,8 @@ impl FaultDevice {
             state: Mutex::new(State::default()),
             stalled: Mutex::new(Vec::with_capacity(64)),
             stalled_spare: Mutex::new(Vec::with_capacity(64)),
-            timer: Mutex::new(TimerQ::with_capacity(256)),
+            timer: Timer::with_capacity(256),
             crash_lock: Mutex::new(()),
-            timer_wq: WaitQueue::new(),
             idle_wq: WaitQueue::new(),
             counters: Counters::default(),
         });
@@ -627,7 +656,8 @@ impl FaultDevice {
             end.end_io(bio, Err(errno_err(libc::EIO)));
             return None;
         }
-        let v = sh.evaluate(&bio);
+        let (off, len) = bio_range(&bio);
+        let v = sh.rules.lock().evaluate(bio.op, off, len);
         if v.stall {
             bump(&sh.counters.stalled);
             sh.stalled.lock().push(Held {
@@ -653,11 +683,11 @@ impl Drop for FaultDevice {
         }
         // From here on completions are delivered at once; the timer thread delivers what it
         // holds, then exits.
-        let timer = sh.stop_timer();
+        let timer = sh.timer.stop();
         // The handles' reference to the inner device; ours goes with the field, after this.
         drop(sh.inner.lock().take());
         if let Some(t) = timer {
-            sh.join_timer(t);
+            timer::join(t);
         }
     }
 }
