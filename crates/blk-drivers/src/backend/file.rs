@@ -14,7 +14,7 @@
 //!   `ENOSYS`: before Linux 4.7) it is remembered and the write is followed by `fdatasync`.
 //! - **flush**: `fdatasync`.
 //! - **FUA discard and write-zeroes**: the operation below, then `fdatasync` (a flush) before
-//!   it completes ([`super::exec_on_backend`]): `fallocate` has no `RWF_DSYNC`.
+//!   it completes ([`super::exec::exec_on_backend`]): `fallocate` has no `RWF_DSYNC`.
 //! - **discard**: `fallocate(PUNCH_HOLE | KEEP_SIZE)`, falling back to writing zeros.
 //! - **write_zeroes**: `fallocate(ZERO_RANGE | KEEP_SIZE)`; where unsupported (tmpfs), with
 //!   `may_unmap` `PUNCH_HOLE`, without it `PUNCH_HOLE` then a plain `fallocate` to allocate
@@ -58,12 +58,14 @@ use blkq_sync::Mutex;
 pub use crate::fd_io::DIRECT_ALIGN;
 use crate::fd_io::{cvt, fallocate, to_off, unsupported, FileIo};
 
+use super::extents::ExtentBuilder;
 use super::host::{
     blk_logical_block_size, blk_size, blk_write_zeroes_supported, lock, on_memory_fs, HeldLock,
 };
 use super::splice_in::PipePool;
-use super::{check_range, with_context, Backend, Extent, ExtentBuilder};
-use blk::{Caps, RecvSource};
+use super::store::{check_range, Backend};
+use blk::error::with_context;
+use blk::{Caps, Extent, RecvSource};
 
 /// How to open a [`FileBackend`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -8,8 +8,8 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
-use super::with_context;
 use crate::fd_io::cvt_int;
+use blk::error::with_context;
 
 // BLKGETSIZE64 is _IOR(0x12, 114, size_t); BLKSSZGET _IO(0x12, 104).
 const BLKGETSIZE64: libc::Ioctl = libc::_IOR::<usize>(0x12, 114);

@@ -93,11 +93,12 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 
-use blk::{Caps, RecvSource};
+use blk::{Caps, Extent, RecvSource};
 use blkq_sync::atomic::{AtomicU64, Ordering};
 
+use super::extents::ExtentBuilder;
 use super::home::RegionGate;
-use super::{check_range, Backend, Extent, ExtentBuilder};
+use super::store::{check_range, Backend};
 
 /// Page size of the store and of the allocation map, bytes.
 pub const PAGE_SIZE: usize = 4096;

@@ -25,7 +25,9 @@ use std::io;
 use blkq_sync::atomic::{AtomicU64, Ordering};
 use blkq_sync::{CachePadded, Mutex};
 
-use super::{check_range, Backend, Extent, ExtentBuilder};
+use super::extents::ExtentBuilder;
+use super::store::{check_range, Backend};
+use blk::Extent;
 
 /// Page size of the store, bytes.
 pub const PAGE_SIZE: usize = 4096;

@@ -28,178 +28,24 @@
 //! They may submit more ops; from the io_uring reaper, a submission that would have to wait
 //! for room fails with `WouldBlock` instead (the reaper is what makes room).
 
-use std::fs::File;
 use std::io;
 
 use blk::Error;
-use blkq_sync::atomic::AtomicBool;
 
-use crate::fd_io::FileIo;
-
+// Files: `op` (an op and its completion callback), `files` (the descriptors), `error` (a
+// batch taken in part), the two engines `uring` and `pool`; this file picks one.
+mod error;
+mod files;
+mod op;
 pub mod pool;
 pub mod uring;
 
+pub use error::SubmitError;
+pub use files::EngineFiles;
+pub use op::{Callback, UringOp, UringOpKind};
 pub use pool::PoolEngine;
 use uring::TryNew;
 pub use uring::UringEngine;
-
-/// The completion callback: `(user_data, result)`, once per op.
-pub type Callback = Box<dyn Fn(u64, io::Result<u32>) + Send + Sync>;
-
-/// What an op does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UringOpKind {
-    /// Read `len` bytes at `offset` into the buffer.
-    Read,
-    /// Write `len` bytes of the buffer at `offset` (durably with `fua`).
-    Write,
-    /// `fdatasync` the file.
-    Fsync,
-    /// Nothing: completes with `Ok(0)`.
-    Nop,
-}
-
-/// One asynchronous operation. Reads and writes are built with the `unsafe` constructors,
-/// whose contract keeps the buffer alive until the op's callback has run.
-#[derive(Debug, Clone, Copy)]
-pub struct UringOp {
-    kind: UringOpKind,
-    offset: u64,
-    ptr: *mut u8,
-    len: u32,
-    fua: bool,
-}
-
-// SAFETY: an op is an address and a length; the `unsafe` constructors' contract makes the
-// buffer usable from any thread (the engines' reaper or workers) until the callback runs.
-unsafe impl Send for UringOp {}
-// SAFETY: as for `Send`: shared references to an op only read its plain fields.
-unsafe impl Sync for UringOp {}
-
-impl UringOp {
-    /// A read of `len` bytes at `offset` into `ptr`.
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for writes of `len` bytes, and not be read or written by anyone
-    /// else, from the submission until the op's completion callback has returned.
-    pub unsafe fn read(offset: u64, ptr: *mut u8, len: u32) -> UringOp {
-        UringOp {
-            kind: UringOpKind::Read,
-            offset,
-            ptr,
-            len,
-            fua: false,
-        }
-    }
-
-    /// A write of `len` bytes from `ptr` at `offset`; with `fua`, durable before completion.
-    ///
-    /// # Safety
-    ///
-    /// `ptr` must be valid for reads of `len` bytes, and not be written by anyone, from the
-    /// submission until the op's completion callback has returned.
-    pub unsafe fn write(offset: u64, ptr: *const u8, len: u32, fua: bool) -> UringOp {
-        UringOp {
-            kind: UringOpKind::Write,
-            offset,
-            ptr: ptr.cast_mut(),
-            len,
-            fua,
-        }
-    }
-
-    /// `fdatasync` of the file: completes once every write completed before it is durable.
-    pub fn fsync() -> UringOp {
-        UringOp {
-            kind: UringOpKind::Fsync,
-            offset: 0,
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            fua: false,
-        }
-    }
-
-    /// An op that does nothing (completes with `Ok(0)`).
-    pub fn nop() -> UringOp {
-        UringOp {
-            kind: UringOpKind::Nop,
-            offset: 0,
-            ptr: std::ptr::null_mut(),
-            len: 0,
-            fua: false,
-        }
-    }
-
-    /// What it does.
-    pub fn kind(&self) -> UringOpKind {
-        self.kind
-    }
-
-    /// File offset, bytes.
-    pub fn offset(&self) -> u64 {
-        self.offset
-    }
-
-    /// Length, bytes.
-    pub fn len(&self) -> u32 {
-        self.len
-    }
-
-    /// Whether it transfers nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Whether a write is FUA.
-    pub fn fua(&self) -> bool {
-        self.fua
-    }
-}
-
-/// The descriptors an engine works on: a buffered one and, optionally, an `O_DIRECT` one
-/// used for 4096-aligned transfers (see [`crate::backend::file`]). Made by
-/// [`crate::backend::FileBackend::engine_files`] or [`EngineFiles::new`].
-#[derive(Debug)]
-pub struct EngineFiles {
-    io: FileIo,
-}
-
-impl EngineFiles {
-    /// From open files; `direct`, if any, must be the same file opened with `O_DIRECT`.
-    pub fn new(buffered: File, direct: Option<File>) -> EngineFiles {
-        EngineFiles {
-            io: FileIo {
-                buffered,
-                direct,
-                direct_ok: AtomicBool::new(true),
-                dsync_ok: AtomicBool::new(true),
-            },
-        }
-    }
-
-    pub(crate) fn from_io(io: FileIo) -> EngineFiles {
-        EngineFiles { io }
-    }
-}
-
-/// A failed [`UringEngine::submit_batch`] / [`FileEngine::submit_batch`]: the first
-/// `accepted` ops were taken (each will be called back), the rest were not.
-#[derive(Debug, thiserror::Error)]
-#[error("submitted {accepted} ops, then: {error}")]
-pub struct SubmitError {
-    /// How many ops, from the start of the batch, were accepted.
-    pub accepted: usize,
-    /// Why the next one was not.
-    #[source]
-    pub error: io::Error,
-}
-
-impl From<SubmitError> for io::Error {
-    fn from(e: SubmitError) -> io::Error {
-        e.error
-    }
-}
 
 /// Which engine a `file` device runs on (spec option `engine=`), and which one
 /// [`FileEngine::new`] builds. The one engine enum of the crate: the driver's choice and the

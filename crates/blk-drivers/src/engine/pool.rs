@@ -8,7 +8,9 @@ use blkq_sync::atomic::{AtomicBool, Ordering};
 use blkq_sync::{Arc, Mutex};
 use waitq::WaitQueue;
 
-use super::{Callback, EngineFiles, SubmitError, UringOp, UringOpKind};
+use super::error::SubmitError;
+use super::files::EngineFiles;
+use super::op::{Callback, UringOp, UringOpKind};
 use crate::fd_io::FileIo;
 use blk::error::with_context;
 

@@ -1,5 +1,5 @@
-//! The fault device's volatile write cache: the undo log, its bookkeeping at each
-//! acknowledgement, and the crash that rolls it back. Run by the submitters' threads (undo
+//! The fault device's volatile write cache: the undo log's bookkeeping at each
+//! acknowledgement (the log itself is `undo`'s), and the crash that rolls it back. Run by the submitters' threads (undo
 //! reads), whichever thread delivers a completion (bookkeeping), and the thread that calls
 //! `FaultHandle::crash` (roll back).
 //!
@@ -19,31 +19,10 @@ use blk::error::with_context;
 use blk::{submit_wait, Bio, BioFlags, Buffer, Device, EndIo, Error, Op, SECTOR_SHIFT};
 use blkq_sync::DynArc as Arc;
 
+use super::handle::FaultHandle;
 use super::rules::{mix, Flip};
-use super::{bio_range, bump, errno_err, modifies, Ack, FaultHandle, Shared};
-
-/// The old contents of one not yet durable write's range.
-pub(super) struct UndoEntry {
-    pub(super) id: u64,
-    pub(super) offset: u64,
-    /// The old contents, in chunks of at most the inner device's max I/O.
-    pub(super) chunks: Vec<Buffer>,
-    /// Acknowledgement number, once acknowledged.
-    pub(super) acked: Option<u64>,
-}
-
-/// The crash model's state, under `Shared::state`.
-#[derive(Default)]
-pub(super) struct State {
-    pub(super) crashed: bool,
-    pub(super) epoch: u64,
-    /// I/Os forwarded to the inner device and not completed.
-    pub(super) in_flight: u64,
-    /// Acknowledgements of entries so far.
-    pub(super) acks: u64,
-    pub(super) next_undo: u64,
-    pub(super) undo: Vec<UndoEntry>,
-}
+use super::shared::{bio_range, bump, errno_err, modifies, Ack, Shared};
+use super::undo::UndoEntry;
 
 impl Shared {
     /// Hands a completion to its submitter, after the crash-model bookkeeping.

@@ -1,6 +1,6 @@
-//! `fault`: a fault-injection device; this file owns the device itself (admission, stall list,
-//! slot table, forwarding) and its handle, run by the submitters' threads and the inner
-//! device's completion threads.
+//! `fault`: a fault-injection device; this file owns the device itself (admission, the stall
+//! list, the completion handler it gives the inner device), run by the submitters' threads
+//! and the inner device's completion threads.
 //!
 //! A [`FaultDevice`] wraps any other [`Device`] and is
 //! itself a bio-based `Device`, a [`blk::Filter`] over it: it sees every bio on `submit`/`submit_batch`, decides what to
@@ -113,7 +113,7 @@
 //! # Waiting
 //!
 //! Nothing here parks a thread by hand: every wait goes through the `waitq` crate. The timer
-//! thread sleeps on [`waitq::WaitQueue`] `timer_wq` until its earliest deadline or a new
+//! thread sleeps on its [`waitq::WaitQueue`] (`Timer::wq`) until its earliest deadline or a new
 //! delayed completion; a crash waits on `idle_wq` for the I/Os in flight to drain; a
 //! synchronous I/O of the crash model (undo read, roll back write) waits on a wait queue of its
 //! own. Wakers always wake after dropping the lock that guards the condition.
@@ -132,324 +132,40 @@
 //!
 //! # Files
 //!
-//! - this file: the device (admission, stall list, slot table, forwarding) and its handle;
+//! - this file: the device (admission, stall list, its completion handler, drop);
+//! - `shared.rs`: the state the device's threads and handles share, and a forwarded I/O's slot;
+//! - `forward.rs`: forwarding to the inner device (slot table, undo read, flipped copy) and the
+//!   completion on the way back;
+//! - `handle.rs`: the handle (rules, release, counters);
 //! - `rules.rs`: rules, their parsing and matching, the PRNG;
-//! - `cache.rs`: the volatile-cache undo log and the crash;
+//! - `undo.rs`: the crash model's state, the undo log;
+//! - `cache.rs`: the volatile cache's bookkeeping at each acknowledgement, and the crash;
 //! - `timer.rs`: the timer thread that delivers delayed completions.
 
 mod cache;
+mod forward;
+mod handle;
 mod rules;
+mod shared;
 mod timer;
+mod undo;
 
 pub use cache::{CrashReport, Partial};
+pub use handle::{FaultCounters, FaultHandle};
 pub use rules::{parse_errno, Action, FaultConfig, OpSet, Rule, When};
 
 use blkq_sync::DynArc as Arc;
 use std::fmt;
-use std::time::Duration;
 
-use blkq_sync::stat::{Ordering, StatU64};
 use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
-use cache::{State, UndoEntry};
-use rules::{Flip, RuleState, Rules, Verdict};
-use timer::TimerQ;
+use rules::{Rules, Verdict};
+use shared::{bio_range, bump, class_index, errno_err, Counters, Held, Shared, Slots};
+use timer::Timer;
+use undo::State;
 
-use blk::{Bio, BioFlags, Buffer, Caps, Device, EndIo, Error, Filter, Op, SECTOR_SHIFT};
-
-/// A snapshot of a fault device's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct FaultCounters {
-    /// I/Os submitted, by class: read, write, flush, discard/write-zeroes.
-    pub seen: [u64; 4],
-    /// I/Os failed by a rule, by class.
-    pub failed: [u64; 4],
-    /// I/Os whose completion was delayed.
-    pub delayed: u64,
-    /// I/Os stalled.
-    pub stalled: u64,
-    /// I/Os with a bit flipped by a rule that the inner device completed successfully (reads:
-    /// flipped in the data returned; writes: in the data stored), by class (only reads and
-    /// writes flip).
-    pub flipped: [u64; 4],
-    /// I/Os failed because the device was crashed.
-    pub crashed_io: u64,
-    /// Undo reads made (volatile cache).
-    pub undo_reads: u64,
-    /// Crashes.
-    pub crashes: u64,
-    /// Writes rolled back by crashes.
-    pub writes_lost: u64,
-}
-
-#[derive(Debug, Default)]
-struct Counters {
-    seen: [StatU64; 4],
-    failed: [StatU64; 4],
-    delayed: StatU64,
-    stalled: StatU64,
-    flipped: [StatU64; 4],
-    crashed_io: StatU64,
-    undo_reads: StatU64,
-    crashes: StatU64,
-    writes_lost: StatU64,
-}
-
-fn class_index(op: Op) -> usize {
-    match op {
-        Op::Read => 0,
-        Op::Write => 1,
-        Op::Flush => 2,
-        Op::Discard | Op::WriteZeroes => 3,
-    }
-}
-
-// Counters are statistics only: nothing decides anything on them, so Relaxed everywhere.
-#[inline]
-fn bump(c: &StatU64) {
-    c.fetch_add(1, Ordering::Relaxed);
-}
-
-/// What a completion still needs, kept in a slot while the I/O is in the inner device.
-#[derive(Debug, Clone, Copy, Default)]
-struct Ack {
-    delay: Duration,
-    /// Acknowledgements before a FLUSH was forwarded.
-    flush_mark: u64,
-    /// The I/O's undo entry.
-    undo: Option<u64>,
-    /// The crash epoch when forwarded: a completion of an older epoch fails.
-    epoch: u64,
-    /// The bit a flip rule flips: in a read's data at completion, or, for a write, the one
-    /// flipped in the copy forwarded (`None` when there was no data to flip).
-    flip: Option<Flip>,
-}
-
-struct Slot {
-    end: Option<Arc<dyn EndIo>>,
-    cookie: u64,
-    ack: Ack,
-    /// A flipped write's own buffer, while the inner device has the flipped copy.
-    orig: Option<Buffer>,
-}
-
-#[derive(Default)]
-struct Slots {
-    v: Vec<Slot>,
-    free: Vec<u32>,
-}
-
-struct Held {
-    bio: Bio,
-    end: Arc<dyn EndIo>,
-    v: Verdict,
-}
-
-struct Shared {
-    /// The inner device, for the handles' `release` and `crash` (the device submits through
-    /// its own reference, without this lock). Taken by the device's drop: a handle that
-    /// outlives the device keeps its rules and counters, not the inner device.
-    inner: Mutex<Option<Arc<dyn Device>>>,
-    volatile: bool,
-    rules: Mutex<Rules>,
-    slots: Mutex<Slots>,
-    state: Mutex<State>,
-    stalled: Mutex<Vec<Held>>,
-    /// An empty list with the stall list's capacity (see `release`).
-    stalled_spare: Mutex<Vec<Held>>,
-    timer: Mutex<TimerQ>,
-    /// Held by `crash` from start to end, and by `restart`: a restart never ends a crash
-    /// whose roll back is still running.
-    crash_lock: Mutex<()>,
-    /// The timer thread sleeps here (condition: `TimerQ::n` or `TimerQ::stop` changed, or its
-    /// earliest deadline passed); woken by `complete` after queueing and by the device's drop.
-    timer_wq: WaitQueue,
-    /// A crash waits here for `State::in_flight` to reach 0; woken by `on_inner_done` when the
-    /// last forwarded I/O comes back.
-    idle_wq: WaitQueue,
-    counters: Counters,
-}
-
-fn errno_err(errno: i32) -> Error {
-    Error::Io(std::io::Error::from_raw_os_error(errno))
-}
-
-fn bio_range(bio: &Bio) -> (u64, u64) {
-    (
-        bio.sector.saturating_mul(1 << SECTOR_SHIFT),
-        u64::from(bio.len),
-    )
-}
-
-fn modifies(op: Op) -> bool {
-    matches!(op, Op::Write | Op::Discard | Op::WriteZeroes)
-}
-
-/// A copy of a write's payload with `f`'s bit flipped; `None` when it has no byte there.
-fn flipped_copy(bio: &Bio, f: Flip) -> Option<Buffer> {
-    let src = bio.buf.as_ref()?;
-    if f.at as usize >= src.len() {
-        return None;
-    }
-    let mut copy = Buffer::new(src.len());
-    copy.as_mut_slice().copy_from_slice(src.as_slice());
-    f.apply(copy.as_mut_slice()).then_some(copy)
-}
-
-impl Shared {
-    /// Fails (after its delay) or forwards to `inner` an I/O the rules let through the stall
-    /// stage.
-    fn dispatch(
-        self: &Arc<Self>,
-        inner: &dyn Device,
-        bio: Bio,
-        end: &Arc<dyn EndIo>,
-        v: Verdict,
-        completer: &Arc<dyn EndIo>,
-    ) {
-        if let Some(bio) = self.prepare(inner, bio, end, v) {
-            inner.submit(bio, completer);
-        }
-    }
-
-    /// Everything before forwarding to `inner`: fails, undo read, slot. `None`: completed
-    /// already.
-    fn prepare(
-        self: &Arc<Self>,
-        inner: &dyn Device,
-        mut bio: Bio,
-        end: &Arc<dyn EndIo>,
-        v: Verdict,
-    ) -> Option<Bio> {
-        let mut ack = Ack {
-            delay: v.delay,
-            flip: v.flip,
-            ..Ack::default()
-        };
-        if let Some(errno) = v.fail {
-            bump(&self.counters.failed[class_index(bio.op)]);
-            self.complete(bio, Err(errno_err(errno)), end.clone(), ack);
-            return None;
-        }
-        let undo = if self.volatile && modifies(bio.op) && !bio.flags.contains(BioFlags::FUA) {
-            // A bio the inner device will refuse needs no undo read (and a huge bad one must
-            // not make us read gigabytes): it fails with the inner device's own error.
-            if let Err(e) = inner.limits().validate(&bio) {
-                self.complete(bio, Err(e), end.clone(), ack);
-                return None;
-            }
-            match self.read_old(inner, &bio) {
-                Ok(chunks) => Some(chunks),
-                Err(e) => {
-                    self.complete(bio, Err(e), end.clone(), ack);
-                    return None;
-                }
-            }
-        } else {
-            None
-        };
-        {
-            let mut st = self.state.lock();
-            if st.crashed {
-                drop(st);
-                bump(&self.counters.crashed_io);
-                self.complete(bio, Err(errno_err(libc::EIO)), end.clone(), Ack::default());
-                return None;
-            }
-            ack.epoch = st.epoch;
-            ack.flush_mark = st.acks;
-            if let Some(chunks) = undo {
-                let id = st.next_undo;
-                st.next_undo += 1;
-                st.undo.push(UndoEntry {
-                    id,
-                    offset: bio_range(&bio).0,
-                    chunks,
-                    acked: None,
-                });
-                ack.undo = Some(id);
-            }
-            st.in_flight += 1;
-        }
-        // A flipped write forwards a copy and keeps the submitter's buffer in its slot.
-        let mut orig = None;
-        if let Some(f) = ack.flip.filter(|_| bio.op == Op::Write) {
-            match flipped_copy(&bio, f) {
-                Some(copy) => orig = bio.buf.replace(copy),
-                None => ack.flip = None,
-            }
-        }
-        let mut slots = self.slots.lock();
-        let slot = Slot {
-            end: Some(end.clone()),
-            cookie: bio.cookie,
-            ack,
-            orig,
-        };
-        let idx = match slots.free.pop() {
-            Some(i) => {
-                slots.v[i as usize] = slot;
-                i
-            }
-            None => {
-                slots.v.push(slot);
-                (slots.v.len() - 1) as u32
-            }
-        };
-        bio.cookie = u64::from(idx);
-        Some(bio)
-    }
-
-    /// A forwarded I/O came back from the inner device.
-    fn on_inner_done(self: &Arc<Self>, mut bio: Bio, res: Result<(), Error>) {
-        let taken = {
-            let mut slots = self.slots.lock();
-            let idx = bio.cookie;
-            match slots.v.get_mut(idx as usize) {
-                Some(s) if s.end.is_some() => {
-                    let end = s.end.take();
-                    bio.cookie = s.cookie;
-                    let ack = s.ack;
-                    let orig = s.orig.take();
-                    slots.free.push(idx as u32);
-                    end.map(|e| (e, ack, orig))
-                }
-                _ => None,
-            }
-        };
-        // A cookie that is not ours would be an inner device's bug; the bio cannot be routed.
-        let Some((end, mut ack, orig)) = taken else {
-            return;
-        };
-        if let Some(f) = ack.flip {
-            // A write forwarded the flipped copy; a read that succeeded flips its data now.
-            let flipped = orig.is_some()
-                || (bio.op == Op::Read
-                    && res.is_ok()
-                    && bio.buf.as_mut().is_some_and(|b| f.apply(b.as_mut_slice())));
-            if flipped && res.is_ok() {
-                bump(&self.counters.flipped[class_index(bio.op)]);
-            } else if !flipped {
-                ack.flip = None;
-            }
-        }
-        if let Some(o) = orig {
-            // The submitter's own buffer back; the flipped copy goes.
-            bio.buf = Some(o);
-        }
-        let idle = {
-            let mut st = self.state.lock();
-            st.in_flight = st.in_flight.saturating_sub(1);
-            st.in_flight == 0
-        };
-        if idle {
-            // Outside the state lock; with nobody waiting this is a fence and a load.
-            self.idle_wq.wake_all();
-        }
-        self.complete(bio, res, end, ack);
-    }
-}
+use blk::{Bio, Caps, Device, EndIo, Error, Filter};
 
 /// The device's own completion handler, registered once.
 struct Completer(Arc<Shared>);
@@ -457,106 +173,6 @@ struct Completer(Arc<Shared>);
 impl EndIo for Completer {
     fn end_io(&self, bio: Bio, res: Result<(), Error>) {
         self.0.on_inner_done(bio, res);
-    }
-}
-
-/// A handle to a fault device's rules, stall list, crash model and counters (cheap to clone;
-/// keeps the device's state alive, not the device, nor the device under it: once the device
-/// is dropped, [`release`](Self::release) has nothing to forward and
-/// [`crash`](FaultHandle::crash) fails with `ENODEV`).
-#[derive(Clone)]
-pub struct FaultHandle {
-    sh: Arc<Shared>,
-    completer: Arc<dyn EndIo>,
-}
-
-impl fmt::Debug for FaultHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FaultHandle")
-            .field("counters", &self.counters())
-            .finish()
-    }
-}
-
-impl FaultHandle {
-    /// Adds a rule (after the others); returns its id.
-    pub fn add(&self, rule: Rule) -> u64 {
-        let mut r = self.sh.rules.lock();
-        let id = r.next_id;
-        r.next_id += 1;
-        r.list.push(RuleState {
-            id,
-            rule,
-            matched: 0,
-        });
-        id
-    }
-
-    /// Removes the rule `id`; returns whether it was there.
-    pub fn remove(&self, id: u64) -> bool {
-        let mut r = self.sh.rules.lock();
-        let n = r.list.len();
-        r.list.retain(|s| s.id != id);
-        r.list.len() != n
-    }
-
-    /// Removes every rule (stalled I/Os stay stalled until [`release`](Self::release)).
-    pub fn clear(&self) {
-        self.sh.rules.lock().list.clear();
-    }
-
-    /// The rules now, in order.
-    pub fn list(&self) -> Vec<Rule> {
-        self.sh.rules.lock().list.iter().map(|s| s.rule).collect()
-    }
-
-    /// Sets the seed of probabilities and jitter.
-    pub fn set_seed(&self, seed: u64) {
-        self.sh.rules.lock().seed = seed;
-    }
-
-    /// I/Os stalled now.
-    pub fn stalled(&self) -> usize {
-        self.sh.stalled.lock().len()
-    }
-
-    /// Forwards every stalled I/O (in submission order), on this thread; returns how many.
-    pub fn release(&self) -> usize {
-        let inner = self.sh.inner.lock().clone();
-        // The stall list and a spare of the same capacity swap places, so stalling and
-        // releasing stay allocation-free after warm-up.
-        let mut held = std::mem::take(&mut *self.sh.stalled_spare.lock());
-        std::mem::swap(&mut *self.sh.stalled.lock(), &mut held);
-        let n = held.len();
-        for h in held.drain(..) {
-            match &inner {
-                Some(inner) => self
-                    .sh
-                    .dispatch(&**inner, h.bio, &h.end, h.v, &self.completer),
-                // The device was dropped (which failed what was stalled then): nothing to
-                // forward to.
-                None => h.end.end_io(h.bio, Err(errno_err(libc::ECANCELED))),
-            }
-        }
-        *self.sh.stalled_spare.lock() = held;
-        n
-    }
-
-    /// A snapshot of the counters.
-    pub fn counters(&self) -> FaultCounters {
-        let c = &self.sh.counters;
-        let l = |x: &StatU64| x.load(Ordering::Relaxed);
-        FaultCounters {
-            seen: std::array::from_fn(|i| l(&c.seen[i])),
-            failed: std::array::from_fn(|i| l(&c.failed[i])),
-            delayed: l(&c.delayed),
-            stalled: l(&c.stalled),
-            flipped: std::array::from_fn(|i| l(&c.flipped[i])),
-            crashed_io: l(&c.crashed_io),
-            undo_reads: l(&c.undo_reads),
-            crashes: l(&c.crashes),
-            writes_lost: l(&c.writes_lost),
-        }
     }
 }
 
@@ -594,9 +210,8 @@ impl FaultDevice {
             state: Mutex::new(State::default()),
             stalled: Mutex::new(Vec::with_capacity(64)),
             stalled_spare: Mutex::new(Vec::with_capacity(64)),
-            timer: Mutex::new(TimerQ::with_capacity(256)),
+            timer: Timer::with_capacity(256),
             crash_lock: Mutex::new(()),
-            timer_wq: WaitQueue::new(),
             idle_wq: WaitQueue::new(),
             counters: Counters::default(),
         });
@@ -627,7 +242,8 @@ impl FaultDevice {
             end.end_io(bio, Err(errno_err(libc::EIO)));
             return None;
         }
-        let v = sh.evaluate(&bio);
+        let (off, len) = bio_range(&bio);
+        let v = sh.rules.lock().evaluate(bio.op, off, len);
         if v.stall {
             bump(&sh.counters.stalled);
             sh.stalled.lock().push(Held {
@@ -653,11 +269,11 @@ impl Drop for FaultDevice {
         }
         // From here on completions are delivered at once; the timer thread delivers what it
         // holds, then exits.
-        let timer = sh.stop_timer();
+        let timer = sh.timer.stop();
         // The handles' reference to the inner device; ours goes with the field, after this.
         drop(sh.inner.lock().take());
         if let Some(t) = timer {
-            sh.join_timer(t);
+            timer::join(t);
         }
     }
 }

@@ -5,9 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use blk::{Bio, Error, Op};
-
-use super::{bio_range, Shared};
+use blk::{Error, Op};
 
 /// A set of operations a rule applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -511,16 +509,16 @@ pub(super) struct Verdict {
     pub(super) flip: Option<Flip>,
 }
 
-impl Shared {
-    pub(super) fn evaluate(&self, bio: &Bio) -> Verdict {
-        let (off, len) = bio_range(bio);
+impl Rules {
+    /// The verdict for the next I/O: an `op` over `len` bytes at byte `off`.
+    pub(super) fn evaluate(&mut self, op: Op, off: u64, len: u64) -> Verdict {
         let mut v = Verdict::default();
-        let mut r = self.rules.lock();
+        let r = self;
         let seq = r.seq;
         r.seq += 1;
         let seed = r.seed;
         for st in &mut r.list {
-            if !st.rule.matches(bio.op, off, len) {
+            if !st.rule.matches(op, off, len) {
                 continue;
             }
             st.matched += 1;

@@ -14,9 +14,9 @@ use waitq::WaitQueue;
 use blk::error::with_context;
 use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
 
+use super::config::{CompletionMode, RbdConfig};
 use super::ffi;
 use super::poll::{BatchCounters, Poller};
-use super::{CompletionMode, RbdConfig};
 
 /// One request's slot: what a completion's callback argument points to.
 struct Slot {

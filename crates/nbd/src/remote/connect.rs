@@ -242,9 +242,8 @@ pub(super) fn limits_of(details: &ExportDetails) -> Result<Limits, String> {
 
 #[cfg(all(test, not(blkq_loom)))]
 mod tests {
-    use std::net::{TcpListener, TcpStream};
-    use std::os::fd::AsRawFd;
-    use std::time::Duration;
+    use super::*;
+    use std::net::TcpListener;
 
     /// The kernel gives a connection with unacknowledged data up after ten request timeouts
     /// exactly, before the drain's own bound of ten timeouts from the give-up: with a
@@ -254,7 +253,7 @@ mod tests {
     fn the_kernel_gives_unacknowledged_data_up_after_ten_timeouts_to_the_millisecond() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        super::keepalive(&s, Duration::from_millis(100)).unwrap();
+        keepalive(&s, Duration::from_millis(100)).unwrap();
         let v = crate::sys::int_option(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT)
             .unwrap();
         assert_eq!(v, 1000, "TCP_USER_TIMEOUT in ms");
