@@ -77,7 +77,7 @@ impl Spec {
                     || dev
                         .details()
                         .flags
-                        .contains(nbd::TransmissionFlags::READ_ONLY);
+                        .contains(nbd::codec::TransmissionFlags::READ_ONLY);
                 Ok(Opened {
                     describe: format!("remote NBD export, {} bytes", dev.limits().capacity),
                     kind: "nbd",

@@ -14,8 +14,8 @@ use std::process::Command;
 
 use common::{ok, Launch, Running};
 use nbd::client::{Client, ClientOptions, Endpoint};
-use nbd::proto::CmdFlags;
-use nbd::transmission::Request;
+use nbd::codec::proto::CmdFlags;
+use nbd::codec::transmission::Request;
 
 /// The export: 64 MiB, bitmaps of the default 64 KiB granularity.
 const SIZE: u64 = 64 << 20;
@@ -250,7 +250,7 @@ fn a_sigkill_in_the_middle_of_writes_leaves_no_change_uncovered() {
                 x ^= x >> 7;
                 x ^= x << 17;
                 let offset = (x % (SIZE / BLOCK)) * BLOCK;
-                let req = Request::new(nbd::Command::Write, 0, offset, BLOCK);
+                let req = Request::new(nbd::codec::Command::Write, 0, offset, BLOCK);
                 let Ok(cookie) = c.send(req, &testkit::pattern(i, BLOCK as usize)) else {
                     return acked;
                 };

@@ -36,8 +36,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nbd::client::{Client, ClientOptions, Endpoint};
-use nbd::proto::*;
-use nbd::CmdFlags;
+use nbd::codec::proto::*;
+use nbd::codec::CmdFlags;
 
 use common::{leg_file, Launch};
 use hostile_server::{HostileServer, Peer, FLAGS, SIZE};

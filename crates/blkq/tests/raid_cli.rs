@@ -7,7 +7,7 @@ use common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 const LEG_SIZE: u64 = 8 << 20;
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 const LEG_SIZE: u64 = 64 << 20;
 /// Bitmap bits stay set for the whole test (no clearing behind its back).

@@ -52,7 +52,8 @@ fn a_remote_leg_whose_server_dies_is_failed_shown_unreachable_and_the_mirror_kee
         &["--raid1-create", "--raid1-option", "readd_interval_ms=50"],
     );
     let mut c = front.client();
-    c.write(0, &[1u8; 65536], nbd::CmdFlags::FUA).unwrap();
+    c.write(0, &[1u8; 65536], nbd::codec::CmdFlags::FUA)
+        .unwrap();
     // Both legs have a round trip now.
     let v = front.status_json();
     assert!(v["legs"][0]["rtt_ns"].as_u64().unwrap() > 0, "{v}");
@@ -60,7 +61,8 @@ fn a_remote_leg_whose_server_dies_is_failed_shown_unreachable_and_the_mirror_kee
     assert!(front.status().contains("rtt: [0] "));
     back.kill();
     // Keeps serving: the write fails on the remote leg, which is failed, and succeeds.
-    c.write(MB, &[2u8; 65536], nbd::CmdFlags::FUA).unwrap();
+    c.write(MB, &[2u8; 65536], nbd::codec::CmdFlags::FUA)
+        .unwrap();
     assert_eq!(c.read(MB, 65536).unwrap(), vec![2u8; 65536]);
     let v = front.wait_for(
         &|v| v["legs"][1]["probe_error"].is_string(),
@@ -98,8 +100,12 @@ fn a_write_behind_remote_leg_is_served_and_reported() {
     let front = common::Server::start(dir.path(), &legs, &["--raid1-option", "write_behind=8"]);
     let mut c = front.client();
     for i in 0..32u64 {
-        c.write(i * 65536, &[i as u8 + 1; 65536], nbd::CmdFlags::empty())
-            .unwrap();
+        c.write(
+            i * 65536,
+            &[i as u8 + 1; 65536],
+            nbd::codec::CmdFlags::empty(),
+        )
+        .unwrap();
     }
     c.flush().unwrap();
     for i in 0..32u64 {
@@ -305,7 +311,7 @@ fn stopped_mirror(
     );
     let mut c = front.client();
     for i in 0..8u64 {
-        c.write(i * MB, &[i as u8 + 1; 65536], nbd::CmdFlags::FUA)
+        c.write(i * MB, &[i as u8 + 1; 65536], nbd::codec::CmdFlags::FUA)
             .unwrap();
     }
     drop(c);
@@ -353,8 +359,12 @@ fn a_front_started_degraded_without_its_remote_leg_readds_it_when_it_answers() {
     let mut c = front.client();
     assert_eq!(c.read(3 * MB, 65536).unwrap(), vec![4u8; 65536]);
     for i in [2u64, 5] {
-        c.write(i * MB + 4096, &[0xA0 + i as u8; 4096], nbd::CmdFlags::FUA)
-            .unwrap();
+        c.write(
+            i * MB + 4096,
+            &[0xA0 + i as u8; 4096],
+            nbd::codec::CmdFlags::FUA,
+        )
+        .unwrap();
     }
     assert_eq!(c.read(5 * MB + 4096, 4096).unwrap(), vec![0xA5; 4096]);
     drop(c);
@@ -450,7 +460,7 @@ fn a_leg_started_missing_that_answers_with_another_device_is_refused_untouched()
     assert!(st.contains("leg 1 refused:"), "{st}");
     // The array keeps serving, and the blank device was not written.
     let mut c = front.client();
-    c.write(0, &[7u8; 4096], nbd::CmdFlags::FUA).unwrap();
+    c.write(0, &[7u8; 4096], nbd::codec::CmdFlags::FUA).unwrap();
     assert_eq!(c.read(0, 4096).unwrap(), vec![7u8; 4096]);
     assert!(
         std::fs::read(&c_path).unwrap().iter().all(|&b| b == 0),

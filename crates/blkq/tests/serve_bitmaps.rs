@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{fails, fails_within, ok, Serving};
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 const MIB: u64 = 1 << 20;
 

@@ -103,11 +103,11 @@ allow = ["10.0.0.0/8"]
     let e = h.go("there").unwrap_err();
     assert_eq!(
         e.option_error(),
-        Some(nbd::proto::NBD_REP_ERR_POLICY),
+        Some(nbd::codec::proto::NBD_REP_ERR_POLICY),
         "{e}"
     );
     let d = h.go("here").unwrap();
-    assert!(d.flags.contains(nbd::TransmissionFlags::READ_ONLY));
+    assert!(d.flags.contains(nbd::codec::TransmissionFlags::READ_ONLY));
     drop(h);
 
     if let Some(out) = nbdinfo_list(&format!("nbd://{}", s.tcp)) {

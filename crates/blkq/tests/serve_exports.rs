@@ -132,7 +132,7 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
     };
     let ep = Endpoint::Unix(s.sock.clone());
     let mut c = Client::connect(&ep, &opts).unwrap();
-    c.write(0, &[7u8; 4096], nbd::proto::CmdFlags::empty())
+    c.write(0, &[7u8; 4096], nbd::codec::proto::CmdFlags::empty())
         .unwrap();
     assert_eq!(list(&ctl)[1].3, 1, "the attached client is counted");
     let m = export(&ctl, &["remove", "b", "--timeout", "5"]);

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::Serving;
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 #[test]
 fn fault_options_on_a_served_device_inject_and_the_connection_survives() {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{http_get as get, written_addr, Serving};
 use nbd::client::{Client, ClientOptions, Endpoint};
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 /// `name{labels}` -> value, for every sample of a scrape.
 fn scrape(addr: &str) -> HashMap<String, f64> {

@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{serve_fails, Serving};
-use nbd::CmdFlags;
+use nbd::codec::CmdFlags;
 use testkit::ceph::Cluster;
 use testkit::pattern;
 

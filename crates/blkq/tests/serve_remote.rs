@@ -7,7 +7,7 @@ use std::process::Command;
 
 use common::Serving;
 use nbd::client::{Client, ClientOptions, Endpoint, Handshake};
-use nbd::CmdFlags;
+use nbd::codec::CmdFlags;
 
 fn have(tool: &str) -> bool {
     Command::new(tool).arg("--version").output().is_ok()
@@ -246,7 +246,7 @@ fn a_proxy_reads_without_block_status_and_maps_from_the_remote() {
     // The client's own map comes from the remote: a hole, the data, a hole.
     let map = c.block_status(0, 4 << 20, CmdFlags::empty()).unwrap();
     assert!(statuses() >= 1);
-    let hole = u64::from(nbd::proto::NBD_STATE_HOLE);
+    let hole = u64::from(nbd::codec::proto::NBD_STATE_HOLE);
     assert!(map[0].1 & hole != 0, "{map:?}");
     let mut at = 0;
     let data = map.iter().find(|(len, flags)| {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::Serving;
 use nbd::client::{Client, ClientOptions, Endpoint};
-use nbd::proto::{CmdFlags, Command};
-use nbd::transmission::Request;
+use nbd::codec::proto::{CmdFlags, Command};
+use nbd::codec::transmission::Request;
 
 /// How long a test waits for an exit before failing (far above any deadline used here).
 const EXIT_LIMIT: Duration = Duration::from_secs(120);

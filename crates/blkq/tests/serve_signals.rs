@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::Serving;
-use nbd::CmdFlags;
+use nbd::codec::CmdFlags;
 
 /// `blkq serve --config FILE` with `RUST_LOG=log`, its stderr in `dir`, once `sock` accepts.
 fn serve_config(file: &Path, dir: &Path, sock: &Path, log: &str) -> common::Running {

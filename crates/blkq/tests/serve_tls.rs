@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use common::Serving;
 use nbd::client::{ClientError, Endpoint, Handshake};
-use nbd::proto::NBD_REP_ERR_TLS_REQD;
-use nbd::CmdFlags;
+use nbd::codec::proto::NBD_REP_ERR_TLS_REQD;
+use nbd::codec::CmdFlags;
 
 #[test]
 fn certs_then_serve_tls_require() {

@@ -9,9 +9,8 @@
 //!   plain one; [`tls`]: TLS over it).
 //! - [`unix_listener`]: Unix sockets bound private from their first moment.
 //!
-//! The codec (`nbd-proto`) is re-exported whole (`nbd::proto`, `nbd::handshake`,
-//! `nbd::transmission`, `nbd::Decoded`, ...), so a user of the server or the client needs one
-//! dependency; [`codec`] names the crate itself.
+//! The codec (`nbd-proto`) is re-exported under one name, [`codec`] (`nbd::codec::Command`,
+//! `nbd::codec::proto`, ...), so a user of the server or the client needs one dependency.
 #![warn(missing_docs)]
 // Only `sys` (one `sendmsg` call) opts back in.
 #![deny(unsafe_code)]
@@ -32,5 +31,3 @@ pub mod unix_listener;
 
 /// The sans-I/O codec crate, `nbd-proto`.
 pub use nbd_proto as codec;
-#[doc(no_inline)]
-pub use nbd_proto::*;

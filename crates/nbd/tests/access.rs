@@ -8,10 +8,10 @@ mod common;
 
 use common::served::{device, Running};
 use nbd::client::{ClientError, Endpoint, Handshake};
-use nbd::proto::NBD_REP_ERR_POLICY;
+use nbd::codec::proto::NBD_REP_ERR_POLICY;
+use nbd::codec::CmdFlags;
 use nbd::server::{parse_cidr, Access, Export, Identity, Peer, Tuning};
 use nbd::stream::Stream;
-use nbd::CmdFlags;
 
 fn allow(cidrs: &[&str]) -> Access {
     Access {

@@ -29,9 +29,9 @@ use std::time::Duration;
 use blk::Device;
 use common::served::device;
 use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::codec::transmission::Request;
+use nbd::codec::Command;
 use nbd::server::{Export, Server, ServerConfig};
-use nbd::transmission::Request;
-use nbd::Command;
 use testkit::alloc::CountingAlloc;
 
 /// Requests in the measured window: 100k, a third each of reads, writes and block status.

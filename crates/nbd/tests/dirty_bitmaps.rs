@@ -16,9 +16,9 @@ mod common;
 use common::served::{device, Running};
 use common::tracking::{tracked, GRAIN};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
-use nbd::proto::*;
+use nbd::codec::proto::*;
+use nbd::codec::CmdFlags;
 use nbd::server::Export;
-use nbd::CmdFlags;
 use testkit::pattern;
 
 const MIB: u64 = 1 << 20;

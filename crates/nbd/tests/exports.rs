@@ -14,10 +14,10 @@ use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint, Handshake};
-use nbd::proto::NBD_REP_ERR_UNKNOWN;
+use nbd::codec::proto::NBD_REP_ERR_UNKNOWN;
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{Export, Server, ServerConfig, ServerError};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 
 fn mem(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();

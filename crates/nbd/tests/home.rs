@@ -19,9 +19,9 @@ use common::hooks::CountHome;
 use common::modes;
 use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{Export, Server};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 use testkit::{pattern, wait_until, Forward, Hook};
 
 const MIB: u64 = 1 << 20;

@@ -15,12 +15,12 @@ use std::time::{Duration, Instant};
 use common::served::{device, log};
 use common::trickle::Trickle;
 use nbd::client::{ClientError, Endpoint, Handshake};
-use nbd::handshake::{ClientOption, ExportRequest};
-use nbd::proto::*;
+use nbd::codec::handshake::{ClientOption, ExportRequest};
+use nbd::codec::proto::*;
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{parse_cidr, Access, Export, Server, ServerConfig, Tuning};
 use nbd::tls::{client_config, TlsMode, TlsSettings};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 
 /// A server on 127.0.0.1 (and a Unix socket), TLS required with client certificates when
 /// `tls`, its tuning adjusted by `tune`.
@@ -379,7 +379,7 @@ fn refused_clients_cannot_confirm_export_names() {
         let info = |n| ClientOption::Info(ExportRequest::new(n, &[]));
         let go = |n| ClientOption::Go(ExportRequest::new(n, &[]));
         let set = |n| {
-            ClientOption::SetMetaContext(nbd::handshake::MetaContextRequest {
+            ClientOption::SetMetaContext(nbd::codec::handshake::MetaContextRequest {
                 name: n,
                 queries: vec!["base:allocation"],
             })

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::served::{device, log};
 use nbd::client::{ClientError, Endpoint, Handshake};
-use nbd::proto::NBD_REP_ERR_POLICY;
+use nbd::codec::proto::NBD_REP_ERR_POLICY;
 use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, subject_of, TlsMode, TlsSettings};
 use rcgen::{DistinguishedName, DnType};

@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Handshake};
-use nbd::handshake::ClientOption;
+use nbd::codec::handshake::ClientOption;
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command, TransmissionMode};
 use nbd::server::{Export, Tuning};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command, TransmissionMode};
 use testkit::{wait_until, wait_until_within};
 
 const MIB: u64 = 1 << 20;
@@ -245,7 +245,7 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
 /// A raw option: NBD_OPT magic, `option`, `len` bytes of data.
 fn raw_option(option: u32, len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(16 + len);
-    v.extend_from_slice(&nbd::proto::IHAVEOPT.to_be_bytes());
+    v.extend_from_slice(&nbd::codec::proto::IHAVEOPT.to_be_bytes());
     v.extend_from_slice(&option.to_be_bytes());
     v.extend_from_slice(&(len as u32).to_be_bytes());
     v.resize(16 + len, b'x');

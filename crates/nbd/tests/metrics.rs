@@ -15,8 +15,8 @@ use std::time::Duration;
 use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::codec::CmdFlags;
 use nbd::server::{Export, HandshakeFailure, Server, ServerConfig, StatsSource};
-use nbd::CmdFlags;
 use testkit::{wait_until, Forward};
 
 fn queue(spec: &str) -> Arc<dyn Device> {

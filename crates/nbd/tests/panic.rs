@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use blk::Device;
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::codec::CmdFlags;
 use nbd::server::{Export, Server, ServerConfig};
-use nbd::CmdFlags;
 use testkit::{Forward, Hook};
 
 /// The byte offset whose bios make `submit` panic.

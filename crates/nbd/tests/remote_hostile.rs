@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nbd::proto::*;
+use nbd::codec::proto::*;
 use nbd::remote::RemoteDevice;
 
 use common::hostile_server::{HostileServer, Peer};

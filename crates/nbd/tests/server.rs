@@ -14,11 +14,11 @@ use blk::{Bio, BioFlags, Device, Op};
 use common::modes;
 use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
-use nbd::handshake::{ClientOption, ExportRequest};
-use nbd::proto::*;
+use nbd::codec::handshake::{ClientOption, ExportRequest};
+use nbd::codec::proto::*;
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use nbd::server::{Export, Server, ServerConfig, Tuning};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;
@@ -87,8 +87,10 @@ fn handshake_variants() {
     let mut h = t.handshake();
     assert!(h
         .server_flags()
-        .contains(nbd::HandshakeFlags::FIXED_NEWSTYLE));
-    assert!(h.server_flags().contains(nbd::HandshakeFlags::NO_ZEROES));
+        .contains(nbd::codec::HandshakeFlags::FIXED_NEWSTYLE));
+    assert!(h
+        .server_flags()
+        .contains(nbd::codec::HandshakeFlags::NO_ZEROES));
     let mut list = h.list().unwrap();
     list.sort();
     assert_eq!(

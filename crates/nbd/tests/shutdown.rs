@@ -12,9 +12,9 @@ use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{Export, Server, ServerConfig, ShutdownReport};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 
 fn mem(spec: &str) -> Arc<dyn Device> {
     let s: DeviceSpec = spec.parse().unwrap();

@@ -124,9 +124,9 @@ use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultCounters, FaultDevice, FaultHandle, OpSet, Rule};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientOptions, Endpoint, Reply};
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command, TransmissionMode};
 use nbd::server::{Export, Server, ServerConfig};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command, TransmissionMode};
 use raid1::{BarrierMode, Raid1, Raid1Config, SyncAction};
 
 use common::stamp::{decode_sector, stamp_sector};

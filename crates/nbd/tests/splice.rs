@@ -17,9 +17,9 @@ use blk::Device;
 use common::modes;
 use common::served::{device, Running};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command, TransmissionMode};
 use nbd::server::Export;
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command, TransmissionMode};
 use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;

@@ -16,9 +16,9 @@ use blk::{Device, Op};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use common::modes;
 use nbd::client::{Client, ClientOptions, Endpoint};
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{Export, Server, ServerConfig, SpliceRule};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 use testkit::{pattern, Forward, Hook};
 
 const MIB: u64 = 1 << 20;

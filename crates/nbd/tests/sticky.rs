@@ -11,8 +11,8 @@ use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use nbd::client::{Client, ClientError, ClientOptions, Endpoint};
+use nbd::codec::CmdFlags;
 use nbd::server::{Export, Server, ServerConfig};
-use nbd::CmdFlags;
 
 const EIO: u32 = 5;
 const ENOTSUP: u32 = 95;

@@ -16,12 +16,12 @@ use common::hooks::CountHome;
 use common::pki::{ca, leaf, pki};
 use common::served::{device, log};
 use nbd::client::{ClientError, Endpoint, Handshake};
-use nbd::handshake::{ClientOption, ExportRequest};
-use nbd::proto::*;
+use nbd::codec::handshake::{ClientOption, ExportRequest};
+use nbd::codec::proto::*;
+use nbd::codec::transmission::Request;
+use nbd::codec::{CmdFlags, Command};
 use nbd::server::{Access, Export, Server, ServerConfig};
 use nbd::tls::{client_config, TlsMode, TlsSettings};
-use nbd::transmission::Request;
-use nbd::{CmdFlags, Command};
 
 const MIB: u64 = 1 << 20;
 

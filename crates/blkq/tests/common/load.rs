@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use blkq_sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use blkq_sync::Arc;
 use nbd::client::Client;
-use nbd::proto::CmdFlags;
+use nbd::codec::proto::CmdFlags;
 
 /// The size of every write of the load.
 pub const BLOCK: u64 = 4096;

@@ -12,7 +12,7 @@ pub enum ClientError {
     Io(#[from] io::Error),
     /// The server sent something the codec rejects.
     #[error("protocol error: {0}")]
-    Protocol(#[from] crate::Error),
+    Protocol(#[from] nbd_proto::Error),
     /// An option was answered with an error reply.
     #[error(
         "option {} refused with {}: {message}",
@@ -37,7 +37,7 @@ pub enum ClientError {
 
 /// An option code by its name (`NBD_OPT_GO (7)`), or its number when unknown.
 fn option_name(option: u32) -> String {
-    match crate::proto::option_name(option) {
+    match nbd_proto::proto::option_name(option) {
         "unknown" => option.to_string(),
         name => format!("{name} ({option})"),
     }
@@ -46,7 +46,7 @@ fn option_name(option: u32) -> String {
 /// An option error reply by its name and meaning (`NBD_REP_ERR_UNKNOWN (no such export)`), or
 /// its number when unknown.
 fn option_error_name(reply_type: u32) -> String {
-    match crate::proto::option_error_name(reply_type) {
+    match nbd_proto::proto::option_error_name(reply_type) {
         Some((name, meaning)) => format!("{name} ({meaning})"),
         None => format!("reply type {reply_type:#x}"),
     }
@@ -54,7 +54,7 @@ fn option_error_name(reply_type: u32) -> String {
 
 /// A request's error by its name (`NBD_EIO (5)`), or its number when unknown.
 fn request_error_name(e: u32) -> String {
-    match crate::proto::error_name(e) {
+    match nbd_proto::proto::error_name(e) {
         "unknown" => e.to_string(),
         name => format!("{name} ({e})"),
     }
@@ -80,7 +80,7 @@ impl ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{NBD_EIO, NBD_OPT_GO, NBD_REP_ERR_TLS_REQD, NBD_REP_ERR_UNKNOWN};
+    use nbd_proto::proto::{NBD_EIO, NBD_OPT_GO, NBD_REP_ERR_TLS_REQD, NBD_REP_ERR_UNKNOWN};
 
     #[test]
     fn refusals_name_the_option_and_the_reply_type() {

@@ -5,17 +5,17 @@
 use std::io::{Read, Write};
 use std::time::Instant;
 
-use crate::handshake::{
+use crate::stream::{Stream, Until};
+use nbd_proto::handshake::{
     decode_export_name_reply, decode_option_reply_header, decode_server_greeting,
     encode_client_flags, parse_option_reply, BlockSize, ClientOption, ExportRequest, Info,
     MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_REPLY_LEN,
 };
-use crate::proto::{
+use nbd_proto::proto::{
     ClientFlags, HandshakeFlags, InfoType, TransmissionFlags, TransmissionMode, NBD_OPT_ABORT,
     OPTION_REPLY_HEADER_LEN,
 };
-use crate::stream::{Stream, Until};
-use crate::Decoded;
+use nbd_proto::Decoded;
 
 use super::error::ClientError;
 
@@ -85,7 +85,7 @@ impl Handshake {
     /// time like a silent one (an I/O error of kind `TimedOut`). The socket's timeouts are left
     /// at whatever was left; the caller sets its own once the handshake is over.
     pub fn start_by(mut stream: Stream, deadline: Option<Instant>) -> Result<Self, ClientError> {
-        let mut g = [0u8; crate::proto::SERVER_GREETING_LEN];
+        let mut g = [0u8; nbd_proto::proto::SERVER_GREETING_LEN];
         Until {
             sock: &mut stream,
             deadline,
@@ -200,14 +200,14 @@ impl Handshake {
                     opt.option()
                 )));
             }
-            if crate::proto::is_option_error(reply_type) {
+            if nbd_proto::proto::is_option_error(reply_type) {
                 return Err(ClientError::OptionRefused {
                     option,
                     reply_type,
                     message: String::from_utf8_lossy(&self.rbuf).into_owned(),
                 });
             }
-            if reply_type == crate::proto::NBD_REP_ACK {
+            if reply_type == nbd_proto::proto::NBD_REP_ACK {
                 return Ok(());
             }
             replies += 1;
@@ -386,9 +386,9 @@ impl Handshake {
     ) -> Result<(Self, ExportDetails), ClientError> {
         self.send_option(&ClientOption::ExportName(name))?;
         let want = if self.no_zeroes {
-            crate::proto::EXPORT_NAME_REPLY_SHORT_LEN
+            nbd_proto::proto::EXPORT_NAME_REPLY_SHORT_LEN
         } else {
-            crate::proto::EXPORT_NAME_REPLY_LEN
+            nbd_proto::proto::EXPORT_NAME_REPLY_LEN
         };
         let mut b = vec![0u8; want];
         self.io().read_exact(&mut b)?;

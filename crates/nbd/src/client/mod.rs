@@ -26,10 +26,10 @@ use std::time::Instant;
 
 use crate::coverage::Coverage;
 
-use crate::proto::{CmdFlags, Command, TransmissionMode};
 use crate::stream::{Stream, Until};
-use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
-use crate::Decoded;
+use nbd_proto::proto::{CmdFlags, Command, TransmissionMode};
+use nbd_proto::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader, Request};
+use nbd_proto::Decoded;
 
 /// Largest reply chunk payload the client accepts.
 const MAX_CHUNK_PAYLOAD: u64 = 64 << 20;
@@ -290,10 +290,10 @@ impl Client {
         self.out.clear();
         if self.mode.extended_headers() {
             self.out
-                .extend_from_slice(&crate::proto::NBD_EXTENDED_REQUEST_MAGIC.to_be_bytes());
+                .extend_from_slice(&nbd_proto::proto::NBD_EXTENDED_REQUEST_MAGIC.to_be_bytes());
         } else {
             self.out
-                .extend_from_slice(&crate::proto::NBD_REQUEST_MAGIC.to_be_bytes());
+                .extend_from_slice(&nbd_proto::proto::NBD_REQUEST_MAGIC.to_be_bytes());
         }
         self.out.extend_from_slice(&flags.bits().to_be_bytes());
         self.out.extend_from_slice(&command.to_be_bytes());

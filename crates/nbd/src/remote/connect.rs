@@ -12,8 +12,8 @@ use blk::Limits;
 
 use super::spec::{RemoteAddr, RemoteSpec, SpecError};
 use crate::client::{ClientError, ExportDetails, Handshake};
-use crate::proto::TransmissionMode;
 use crate::stream::Stream;
+use nbd_proto::proto::TransmissionMode;
 
 /// Largest read or write sent when the server gives no maximum (the NBD spec's advice: 32 MiB
 /// is what any server accepts).

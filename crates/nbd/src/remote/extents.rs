@@ -14,7 +14,7 @@ use blkq_sync::DynArc;
 
 use super::submit::Req;
 use super::table::Shared;
-use crate::proto::{CmdFlags, Command, NBD_STATE_HOLE, NBD_STATE_ZERO};
+use nbd_proto::proto::{CmdFlags, Command, NBD_STATE_HOLE, NBD_STATE_ZERO};
 
 /// Descriptors asked for per query at most (8 bytes each).
 const MAX_DESCRIPTORS: usize = 1024;

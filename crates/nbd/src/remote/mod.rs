@@ -145,8 +145,8 @@ use blkq_sync::atomic::{AtomicUsize, Ordering};
 use blkq_sync::DynArc;
 
 use crate::client::ExportDetails;
-use crate::proto::{CmdFlags, Command, TransmissionFlags};
 use link::Link;
+use nbd_proto::proto::{CmdFlags, Command, TransmissionFlags};
 use submit::Req;
 use table::{Conn, Durability, Shared};
 

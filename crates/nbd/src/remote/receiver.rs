@@ -13,13 +13,13 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
 use super::table::{Shared, Status, Success};
-use crate::proto::{
+use crate::stream::Stream;
+use nbd_proto::proto::{
     Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
     NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
 };
-use crate::stream::Stream;
-use crate::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
-use crate::Decoded;
+use nbd_proto::transmission::{decode_reply_header, parse_chunk, Chunk, ReplyHeader};
+use nbd_proto::Decoded;
 
 /// Bytes of a non-data reply chunk the receiver accepts (an error chunk's message is at most
 /// 4 KiB); a longer one is a malformed reply.

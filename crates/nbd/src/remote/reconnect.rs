@@ -33,7 +33,7 @@ use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
 use super::table::{Conn, Shared};
-use crate::proto::TransmissionFlags;
+use nbd_proto::proto::TransmissionFlags;
 
 /// First wait between reconnection attempts; it doubles after each failed attempt.
 const BACKOFF_START: Duration = Duration::from_millis(50);

@@ -28,8 +28,8 @@ use std::time::Instant;
 use super::receiver::{Receiver, Stop};
 use super::send::write_all2;
 use super::table::Writer;
-use crate::proto::{Command, TransmissionFlags};
-use crate::transmission::{parse_chunk, Chunk, ReplyHeader, Request};
+use nbd_proto::proto::{Command, TransmissionFlags};
+use nbd_proto::transmission::{parse_chunk, Chunk, ReplyHeader, Request};
 
 /// The seal's cookie: no slot's (a slot's cookie has its index in the low half, and no table
 /// has 2^32 slots).

@@ -9,9 +9,9 @@ use std::time::Instant;
 use blk::Bio;
 use blkq_sync::atomic::Ordering;
 
-use crate::proto::Command;
 use crate::stream::Stream;
-use crate::transmission::Request;
+use nbd_proto::proto::Command;
+use nbd_proto::transmission::Request;
 
 use super::table::{Conn, Partial, Shared, Table, Writer};
 

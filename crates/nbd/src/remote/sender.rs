@@ -16,7 +16,7 @@ use blk::Bio;
 use blkq_sync::DynArc;
 
 use super::table::Shared;
-use crate::proto::Command;
+use nbd_proto::proto::Command;
 
 pub(super) fn run(sh: DynArc<Shared>) {
     loop {

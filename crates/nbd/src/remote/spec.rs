@@ -454,7 +454,7 @@ fn parse_tcp(uri: &str, rest: &str, tls: bool) -> Result<(RemoteAddr, String, Qu
         return Err(bad_host("no host"));
     }
     let port = match port {
-        None => crate::proto::NBD_DEFAULT_PORT,
+        None => nbd_proto::proto::NBD_DEFAULT_PORT,
         Some(p) => match p.parse::<u16>() {
             Ok(n) if n != 0 => n,
             _ => {

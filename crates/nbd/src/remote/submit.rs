@@ -9,7 +9,7 @@ use blk::{Bio, EndIo, Error};
 use blkq_sync::DynArc;
 
 use super::table::{Conn, Shared, Status};
-use crate::proto::{CmdFlags, Command};
+use nbd_proto::proto::{CmdFlags, Command};
 
 /// What to send for a bio.
 #[derive(Debug, Clone, Copy)]

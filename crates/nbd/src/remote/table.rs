@@ -12,9 +12,9 @@ use blkq_sync::{DynArc, Mutex};
 use waitq::WaitQueue;
 
 use crate::coverage::Coverage;
-use crate::proto::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
 use crate::stream::Stream;
-use crate::transmission::Request;
+use nbd_proto::proto::{CmdFlags, Command, TransmissionFlags, TransmissionMode};
+use nbd_proto::transmission::Request;
 
 // # The slot table
 //
@@ -767,7 +767,7 @@ impl Shared {
 
 /// NBD error values are Linux errnos; ENOTSUP becomes [`Error::NotSupported`].
 pub(super) fn nbd_error(e: u32) -> Error {
-    use crate::proto::*;
+    use nbd_proto::proto::*;
     let errno = match e {
         NBD_ENOTSUP => return Error::NotSupported("refused by the remote NBD server"),
         NBD_EPERM => libc::EPERM,

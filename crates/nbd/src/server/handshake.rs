@@ -20,18 +20,18 @@ use blkq_sync::DynArc as Arc;
 
 use super::access::{Identity, Refusal};
 use super::shared::{ExportState, Shared};
-use crate::handshake::{
+use crate::stream::Stream;
+use crate::tls::TlsMode;
+use nbd_proto::handshake::{
     decode_client_flags, decode_option_header, encode_export_name_reply, encode_option_reply,
     encode_server_greeting, parse_option, BlockSize, ClientOption, ExportInfo, ExportRequest, Info,
     MetaContextRequest, OptionReply, DEFAULT_MAX_OPTION_LEN,
 };
-use crate::proto::{
+use nbd_proto::proto::{
     ClientFlags, HandshakeFlags, InfoType, OptionCode, OptionError, TransmissionFlags,
     TransmissionMode, OPTION_HEADER_LEN,
 };
-use crate::stream::Stream;
-use crate::tls::TlsMode;
-use crate::{Decoded, Error};
+use nbd_proto::{Decoded, Error};
 
 /// The id of `base:allocation`.
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;

@@ -54,7 +54,7 @@ impl std::fmt::Debug for ExportState {
 impl ExportState {
     /// The state of export `e`, its name checked.
     pub(super) fn new(e: Export) -> Result<Self, ServerError> {
-        if e.name.len() > crate::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
+        if e.name.len() > nbd_proto::proto::NBD_MAX_STRING_LEN || e.name.contains('\0') {
             return Err(ServerError::BadExportName(e.name));
         }
         let lim = e.device.limits();

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use nbd::proto::*;
+use nbd::codec::proto::*;
 use nbd::remote::RemoteSpec;
 
 /// The export's size the honest parts announce.

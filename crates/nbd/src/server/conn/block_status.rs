@@ -7,9 +7,9 @@ use blk::Extent as DevExtent;
 
 use super::inflight::InFlight;
 use super::Connection;
-use crate::proto::{CmdFlags, Errno, NBD_STATE_DIRTY, NBD_STATE_HOLE, NBD_STATE_ZERO};
 use crate::server::handshake::{BASE_ALLOCATION_ID, FIRST_BITMAP_ID};
-use crate::transmission::{ExtentExt, Request};
+use nbd_proto::proto::{CmdFlags, Errno, NBD_STATE_DIRTY, NBD_STATE_HOLE, NBD_STATE_ZERO};
+use nbd_proto::transmission::{ExtentExt, Request};
 
 /// Extents per `NBD_CMD_BLOCK_STATUS` reply.
 const MAX_STATUS_EXTENTS: usize = 1024;

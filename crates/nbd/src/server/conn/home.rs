@@ -27,8 +27,8 @@ use blk::RecvSource;
 
 use super::recv::{is_timeout, BIG_WRITE};
 use super::Connection;
-use crate::proto::CmdFlags;
-use crate::transmission::Request;
+use nbd_proto::proto::CmdFlags;
+use nbd_proto::transmission::Request;
 
 impl Connection<'_> {
     /// Whether write `r` can be received into its home, buffered bytes aside (module docs).

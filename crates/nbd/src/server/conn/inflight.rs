@@ -21,12 +21,12 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use super::output::Output;
-use crate::proto::{CmdFlags, Command, Errno, TransmissionMode};
 use crate::server::limits::MemoryBudget;
 use crate::server::shared::StickyError;
 use crate::stream::Stream;
-use crate::transmission::{ExtentExt, Request};
 use blkq_sync::DynArc as Arc;
+use nbd_proto::proto::{CmdFlags, Command, Errno, TransmissionMode};
+use nbd_proto::transmission::{ExtentExt, Request};
 
 /// One piece of a read: data read by one bio, or a hole sent as `OFFSET_HOLE`.
 #[derive(Debug, Default)]

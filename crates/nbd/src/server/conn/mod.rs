@@ -82,8 +82,8 @@ use self::recv::MidRequest;
 use super::handshake::{self, Deadlined, Ended, Negotiated};
 use super::shared::{ExportState, Shared};
 use super::stats::HandshakeFailure;
-use crate::proto::TransmissionMode;
 use crate::stream::Stream;
+use nbd_proto::proto::TransmissionMode;
 
 /// Largest piece of a read or write: one bio, one pooled buffer.
 const MAX_BIO_BYTES: usize = 1 << 20;

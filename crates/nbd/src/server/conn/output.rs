@@ -10,7 +10,7 @@ use blk::Buffer;
 
 use super::pipe::SplicePipe;
 use super::send::progress;
-use crate::transmission::{Extent, ExtentExt};
+use nbd_proto::transmission::{Extent, ExtentExt};
 
 /// A piece of the output: encoded headers, or the data of a buffer.
 #[derive(Debug, Clone, Copy)]

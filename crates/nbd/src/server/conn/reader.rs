@@ -19,9 +19,9 @@ use super::parse_state::{ParseStop, PartialWrite};
 use super::recv::{is_timeout, BIG_WRITE, RECV_AFTER_BIG_WRITE};
 use super::splice::SPLICE_MIN_BYTES;
 use super::Connection;
-use crate::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE};
-use crate::transmission::{decode_request, Request};
-use crate::{Decoded, Error};
+use nbd_proto::proto::{CmdFlags, Command, Errno, NBD_STATE_HOLE};
+use nbd_proto::transmission::{decode_request, Request};
+use nbd_proto::{Decoded, Error};
 
 /// Extents asked of the device per structured read (more fragmented reads send the rest as
 /// data).

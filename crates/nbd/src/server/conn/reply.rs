@@ -11,10 +11,10 @@ use tracing::warn;
 
 use super::inflight::{InFlight, Part};
 use super::output::{HeaderForm, Output, Segment};
-use crate::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode, NBD_STATE_DIRTY};
 use crate::server::handshake::BASE_ALLOCATION_ID;
-use crate::transmission::{Extent, ExtentExt, ReplyChunk, ReplyTo, SimpleReply};
-use crate::Error;
+use nbd_proto::proto::{CmdFlags, Command, Errno, ReplyFlags, TransmissionMode, NBD_STATE_DIRTY};
+use nbd_proto::transmission::{Extent, ExtentExt, ReplyChunk, ReplyTo, SimpleReply};
+use nbd_proto::Error;
 
 impl Output {
     /// Shapes the reply to `entry` (whose slot is already in `shaped_slots`). A reply that
@@ -342,7 +342,7 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{NBD_SIMPLE_REPLY_MAGIC, NBD_STATE_HOLE};
+    use nbd_proto::proto::{NBD_SIMPLE_REPLY_MAGIC, NBD_STATE_HOLE};
 
     fn entry(command: Option<Command>, length: u64) -> InFlight {
         let mut e = InFlight::default();

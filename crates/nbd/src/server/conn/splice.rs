@@ -52,7 +52,7 @@ use tracing::warn;
 
 use super::output::{HeaderForm, Output, Segment};
 use super::send::progress;
-use crate::proto::{Errno, NBD_REPLY_TYPE_ERROR};
+use nbd_proto::proto::{Errno, NBD_REPLY_TYPE_ERROR};
 
 /// Reads at least this long are spliced. Below, the extra system calls (a `sendmsg` for the
 /// header, the fill and the drain) cost more than the copy they save.
