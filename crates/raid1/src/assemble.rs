@@ -353,7 +353,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
         resync_point: AtomicU64::new(if a.resync { 0 } else { u64::MAX }),
         pool,
         origin_ns: blk::stats::coarse_ns(),
-        sync: crate::sync::SyncState::new(),
+        sync: crate::resync::SyncState::new(),
         readd: crate::readd::ReaddState::new(a.nr_slots),
         wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
         events: crate::events::Hub::new(a.nr_slots),

@@ -16,7 +16,7 @@ use crate::barrier::paired;
 use crate::device::{eio, Inner};
 use crate::error::Raid1Error;
 use crate::events::Event;
-use crate::slots::Kind;
+use crate::slots::IoKind;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
 impl Inner {
@@ -27,7 +27,7 @@ impl Inner {
         let (mut orig, end, mut tried, err) = {
             let mut io = self.slots.take(id);
             // Only failed reads are queued for a retry (`read_done`).
-            assert_eq!(io.kind, Kind::Read, "slot {id} retried but not a read");
+            assert_eq!(io.kind, IoKind::Read, "slot {id} retried but not a read");
             (io.orig.take(), io.end.take(), io.tried, io.err.take())
         };
         self.slots.put(id);

@@ -10,7 +10,7 @@
 //!
 //! Runs on the caller's thread; `Inner::fail_leg`/`state_changed` are also called from
 //! completion contexts, raid1d and the sync thread. The rest lives in `assemble.rs`
-//! (start-up), `io.rs` (the I/O path), `daemon.rs` (raid1d) and `sync.rs` (the sync thread).
+//! (start-up), `io.rs` (the I/O path), `daemon.rs` (raid1d) and `resync.rs` (the sync thread).
 //!
 //! See the crate docs for the design. `std::sync::Arc` appears here only at the `blk::Device`
 //! boundary (legs are `Arc<dyn Device>` and completions `Arc<dyn EndIo>`, which blk types with
@@ -102,7 +102,7 @@ pub(crate) struct Leg {
     /// A recovering leg that returned (re-add): it needs only the bitmap's dirty chunks.
     pub(crate) bitmap_recovery: AtomicBool,
     /// Bumped each time the slot's device is set or taken (with the array frozen): a
-    /// recovery pass works for one placement of one leg (`sync::still_target`).
+    /// recovery pass works for one placement of one leg (`resync::still_target`).
     pub(crate) gen: AtomicU64,
     /// The slot's device declares a costly allocation map ([`blk::Caps::slow_extents`]: a
     /// remote leg). Set with the device (`set_dev_frozen`); read by [`Raid1`]'s `caps`, per
@@ -302,7 +302,7 @@ pub(crate) struct Inner {
     /// [`Inner::bitmap_now`].
     pub(crate) origin_ns: u64,
     /// The sync thread's state (see `sync`).
-    pub(crate) sync: crate::sync::SyncState,
+    pub(crate) sync: crate::resync::SyncState,
     /// The automatic re-add's probes (see `readd`).
     pub(crate) readd: crate::readd::ReaddState,
     /// This array, for completions raid1d hands out (a probe's).

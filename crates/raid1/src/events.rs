@@ -20,7 +20,7 @@ use waitq::WaitQueue;
 
 mod array;
 
-use crate::sync::SyncAction;
+use crate::resync::SyncAction;
 
 /// Entries a subscription holds before it drops events (the marker included).
 pub const QUEUE_CAP: usize = 256;

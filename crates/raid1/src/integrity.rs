@@ -24,7 +24,7 @@
 //!   write into its chunk are on every leg**, and at a clean stop.
 //! - So after a crash, a block whose data and sum may be out of step (its write was in flight,
 //!   or its page not yet written) lies in a chunk the bitmap marks dirty, which the resync
-//!   settles (`sync/engine.rs`): a block that matches its sum on some leg is copied from that
+//!   settles (`resync/engine.rs`): a block that matches its sum on some leg is copied from that
 //!   leg; where none matches, the resync source's data is taken and summed, as md would copy
 //!   it. Outside dirty chunks every block matched its sum when the bit was cleared, so a
 //!   mismatch there is corruption. Without a bitmap an unclean stop resyncs everything.

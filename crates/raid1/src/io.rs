@@ -17,7 +17,7 @@ use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
 use crate::device::{eio, Inner};
 use crate::legset::LegSet;
 use crate::lend::Lent;
-use crate::slots::{Io, Kind};
+use crate::slots::{Io, IoKind};
 use crate::superblock::MAX_LEGS;
 
 /// The barrier units (as the first sector of each) that `len` bytes from `sector` touch: a
@@ -173,7 +173,7 @@ impl Inner {
                 drop(self.slots.start(
                     id,
                     Io {
-                        kind: Kind::Read,
+                        kind: IoKind::Read,
                         sent_ns: blk::stats::batch_ns(),
                         orig: Lent::owned(bio),
                         end: Some(end.clone()),
@@ -303,7 +303,7 @@ impl Inner {
             let mut io = self.slots.start(
                 id,
                 Io {
-                    kind: Kind::Write,
+                    kind: IoKind::Write,
                     sent_ns: blk::stats::batch_ns(),
                     span: (sector, len as u32),
                     orig,
@@ -502,7 +502,7 @@ impl Inner {
         drop(self.slots.start(
             id,
             Io {
-                kind: Kind::Flush,
+                kind: IoKind::Flush,
                 orig: Lent::owned(bio),
                 end: Some(end.clone()),
                 remaining: mask.len(),
@@ -570,9 +570,9 @@ impl Inner {
     }
 
     /// Marks a write's (or flush's) admissions as queued or not (held for raid1d).
-    fn set_queued(&self, kind: Kind, orig: &Bio, queued: bool) {
+    fn set_queued(&self, kind: IoKind, orig: &Bio, queued: bool) {
         let (sector, len) = match kind {
-            Kind::Flush => (FLUSH_SECTOR, 0),
+            IoKind::Flush => (FLUSH_SECTOR, 0),
             _ => (orig.sector, u64::from(orig.len)),
         };
         for u in units(sector, len) {
@@ -589,7 +589,7 @@ impl Inner {
     /// are queued, so a freeze does not wait for it; they are queued under the list's lock,
     /// so raid1d cannot take it before they are, and a freezer that saw them queued (the
     /// array's stop) finds it on the list.
-    fn hold_for_superblock(&self, id: u32, kind: Kind, orig: &Bio) {
+    fn hold_for_superblock(&self, id: u32, kind: IoKind, orig: &Bio) {
         self.durable.hold(id, || self.set_queued(kind, orig, true));
         self.daemon_wq.wake_all();
     }
@@ -609,7 +609,7 @@ impl Inner {
             };
             // Only writes and flushes are held (`write_complete`).
             assert!(
-                matches!(kind, Kind::Write | Kind::Flush),
+                matches!(kind, IoKind::Write | IoKind::Flush),
                 "slot {id} held but a {kind:?}"
             );
             let Some(o) = orig else { continue };
@@ -640,19 +640,19 @@ impl Inner {
                 .ordered_done(id, leg, |b| self.submit_to_leg(leg, b));
             io = slot.lock();
         }
-        if matches!(io.kind, Kind::Read | Kind::Write) {
+        if matches!(io.kind, IoKind::Read | IoKind::Write) {
             self.legs[leg].note_rtt(id, blk::stats::batch_ns().saturating_sub(io.sent_ns));
         }
         // Every leg bio of an I/O completes before its slot is given back (`remaining`).
         debug_assert_ne!(
             io.kind,
-            Kind::Free,
+            IoKind::Free,
             "leg {leg} completed a bio of free slot {id}"
         );
         match io.kind {
-            Kind::Free => {}
-            Kind::Read => self.read_done(id, io, bio, res),
-            Kind::Write | Kind::Flush => self.write_done(leg, id, io, bio, res),
+            IoKind::Free => {}
+            IoKind::Read => self.read_done(id, io, bio, res),
+            IoKind::Write | IoKind::Flush => self.write_done(leg, id, io, bio, res),
         }
     }
 
@@ -682,7 +682,7 @@ impl Inner {
                 let end = io.end.take();
                 *io = Io::default();
                 drop(io);
-                self.finish(id, Kind::Read, orig, end, Ok(()));
+                self.finish(id, IoKind::Read, orig, end, Ok(()));
             }
             Err(e) => {
                 // Retry on another leg and repair, in raid1d, with the array frozen.
@@ -749,7 +749,7 @@ impl Inner {
             // Each leg of a write not write-behind completes once: its count never goes below
             // zero (a flush does not count them: 0 throughout).
             debug_assert!(
-                io.kind != Kind::Write || io.sync_left > 0,
+                io.kind != IoKind::Write || io.sync_left > 0,
                 "slot {id}: sync_left below zero (leg {leg})"
             );
             io.sync_left = io.sync_left.saturating_sub(1);
@@ -825,7 +825,7 @@ impl Inner {
     pub(crate) fn finish(
         &self,
         id: u32,
-        kind: Kind,
+        kind: IoKind,
         orig: Option<Bio>,
         end: Option<StdArc<dyn EndIo>>,
         res: Result<(), Error>,
@@ -833,7 +833,7 @@ impl Inner {
         self.slots.put(id);
         let Some(o) = orig else { return };
         match kind {
-            Kind::Flush => {
+            IoKind::Flush => {
                 paired(self.barriers.allow_barrier(FLUSH_SECTOR));
             }
             _ if o.op == Op::Read => {

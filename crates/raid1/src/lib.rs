@@ -106,8 +106,8 @@
 //! generations, held writes and failed flag they act on), `daemon.rs` (raid1d), `readd.rs`
 //! (the automatic re-add's state) and `readd/probe.rs` (its probes and judgement), `behind.rs`
 //! (write-behind), `lend.rs` (a write's shared payload), `events.rs` (the events and their
-//! hub) and `events/array.rs` (the array's side), `sync.rs` (the sync thread's state),
-//! `sync/control.rs` (its control surface) and `sync/engine.rs` (its passes), `integrity.rs`
+//! hub) and `events/array.rs` (the array's side), `resync.rs` (the sync thread's state),
+//! `resync/control.rs` (its control surface) and `resync/engine.rs` (its passes), `integrity.rs`
 //! (the checksums' table, algorithm and area) and `integrity/` (its I/O).
 //!
 //! Each part's state lives in a file that names no `device.rs` item (a leaf), and the
@@ -135,10 +135,10 @@ mod legstate;
 pub mod lend;
 mod placement;
 mod readd;
+pub mod resync;
 pub mod slot;
 mod slots;
 pub mod superblock;
-pub mod sync;
 
 pub use assemble::Creation;
 pub use barrier::{BarrierError, BarrierMode, Barriers};
@@ -152,4 +152,4 @@ pub use integrity::Algorithm;
 pub use integrity::IntegrityCounts;
 pub use placement::{Assembly, AssemblyError};
 pub use readd::{AbsentError, ReaddStatus};
-pub use sync::{ParseSyncActionError, SyncAction, SyncProgress};
+pub use resync::{ParseSyncActionError, SyncAction, SyncProgress};

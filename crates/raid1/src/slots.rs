@@ -6,7 +6,7 @@
 //! A slot's life: [`Slots::get`] (waiting, never while admitted by the barrier: see there),
 //! [`Slots::start`] (the I/O's record, its bios carry the slot's index as their cookie), the
 //! leg completions lock it ([`Slots::by_cookie`]), and then either the I/O ends (the record is
-//! reset to [`Kind::Free`] and [`Slots::put`] gives the slot back) or a failed read waits on the
+//! reset to [`IoKind::Free`] and [`Slots::put`] gives the slot back) or a failed read waits on the
 //! retry queue ([`Slots::queue_retry`]) for raid1d ([`Slots::next_retry`]), which resets and
 //! gives it back. No allocation: the records, the free set and the queue are sized for `depth`
 //! at start-up (a slot is on the queue at most once).
@@ -25,7 +25,7 @@ use crate::legset::LegSet;
 use crate::lend::Lent;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Kind {
+pub(crate) enum IoKind {
     #[default]
     Free,
     Read,
@@ -36,7 +36,7 @@ pub(crate) enum Kind {
 /// Per-I/O state, preallocated (md's r1bio).
 #[derive(Default)]
 pub(crate) struct Io {
-    pub(crate) kind: Kind,
+    pub(crate) kind: IoKind,
     /// The caller's bio; with `share_writes`, its buffer is lent to the write's legs (see
     /// `lend`) and comes back only when none still reads it.
     pub(crate) orig: Lent<Bio>,
@@ -77,7 +77,7 @@ pub(crate) struct Slots {
     /// The free slots (indices into `ios`): a scalable tag bitmap with per-thread hints, so
     /// that taking and giving back a slot shares no lock or line between submitters.
     /// Invariant: a slot is in the set exactly when no I/O owns it, and then its record is
-    /// [`Kind::Free`].
+    /// [`IoKind::Free`].
     free: Sbitmap,
     /// Submitters waiting for a free slot.
     free_wq: WaitQueue,
@@ -109,13 +109,13 @@ impl Slots {
         id
     }
 
-    /// Gives slot `id` back (its record reset to [`Kind::Free`] by its last user).
+    /// Gives slot `id` back (its record reset to [`IoKind::Free`] by its last user).
     pub(crate) fn put(&self, id: u32) {
         // The record is free before the slot is: the next owner finds it so (`start`). The
         // caller holds no slot lock here (every caller drops it before).
         debug_assert_eq!(
             self.ios[id as usize].lock().kind,
-            Kind::Free,
+            IoKind::Free,
             "slot {id} given back while its I/O is in use"
         );
         // `put` orders the slot's last use before its next owner's `get` (Release, see
@@ -128,19 +128,19 @@ impl Slots {
     /// Fills the record of slot `id` (just taken with [`Slots::get`]) with `io`, returning
     /// it locked.
     pub(crate) fn start(&self, id: u32, io: Io) -> MutexGuard<'_, Io> {
-        debug_assert_ne!(io.kind, Kind::Free, "slot {id} started with no I/O");
+        debug_assert_ne!(io.kind, IoKind::Free, "slot {id} started with no I/O");
         let mut g = self.ios[id as usize].lock();
         // A slot taken from the free set is free (the set never hands one out twice).
-        debug_assert_eq!(g.kind, Kind::Free, "slot {id} taken while in use");
+        debug_assert_eq!(g.kind, IoKind::Free, "slot {id} taken while in use");
         *g = io;
         g
     }
 
-    /// Takes the record out of slot `id` (leaving it [`Kind::Free`]): its I/O is done with
+    /// Takes the record out of slot `id` (leaving it [`IoKind::Free`]): its I/O is done with
     /// the slot, which [`Slots::put`] may now give back.
     pub(crate) fn take(&self, id: u32) -> Io {
         let io = std::mem::take(&mut *self.ios[id as usize].lock());
-        debug_assert_ne!(io.kind, Kind::Free, "slot {id} emptied while free");
+        debug_assert_ne!(io.kind, IoKind::Free, "slot {id} emptied while free");
         io
     }
 
@@ -196,7 +196,7 @@ mod tests {
         drop(s.start(
             id,
             Io {
-                kind: Kind::Read,
+                kind: IoKind::Read,
                 ..Io::default()
             },
         ));

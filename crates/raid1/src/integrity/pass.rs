@@ -1,4 +1,4 @@
-//! The sync passes' checksum rules (`sync/engine.rs` calls them per window): the source's
+//! The sync passes' checksum rules (`resync/engine.rs` calls them per window): the source's
 //! blocks are checked before they are copied or compared, a bad one is taken from another
 //! in-sync leg that matches, and a resync settles what a crash left out of step.
 

@@ -2,7 +2,7 @@
 //! `raid1_sync_request`), and its control surface (`sync_action`, speed limits, progress).
 //!
 //! Owns [`SyncAction`], [`SyncProgress`] and the per-array `SyncState`; the `Raid1` methods
-//! of `sync/control.rs` are called from any thread (the control socket, tests). The engine (`sync/engine.rs`:
+//! of `resync/control.rs` are called from any thread (the control socket, tests). The engine (`resync/engine.rs`:
 //! what to do next, the passes and their windows) runs on the array's sync thread
 //! (`raid1-sync`), one per array, started by `Raid1::launch`; it sleeps on `SyncState::wq` when
 //! there is nothing to do (no polling).
