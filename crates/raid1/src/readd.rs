@@ -134,6 +134,21 @@ struct Probe {
     backoff: u32,
 }
 
+impl Probe {
+    /// Makes this the state of placement `gen`: another placement starts afresh but keeps
+    /// the re-add count and the backoff, which outlive a placement.
+    fn renew(&mut self, gen: u64) {
+        if self.gen != gen {
+            *self = Probe {
+                gen,
+                readds: self.readds,
+                backoff: self.backoff,
+                ..Probe::default()
+            };
+        }
+    }
+}
+
 /// The array's re-add state: one [`Probe`] per slot.
 pub(crate) struct ReaddState {
     probes: Box<[Mutex<Probe>]>,

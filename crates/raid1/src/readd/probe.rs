@@ -111,15 +111,7 @@ impl Inner {
             let Some(dev) = l.dev() else { continue };
             let verdict = {
                 let mut p = self.readd.probes[i].lock();
-                if p.gen != gen {
-                    let (readds, backoff) = (p.readds, p.backoff);
-                    *p = Probe {
-                        gen,
-                        readds,
-                        backoff,
-                        ..Probe::default()
-                    };
-                }
+                p.renew(gen);
                 if st.is_member() {
                     p.backoff = 0; // back in sync: the next failure is probed at once again
                 }
@@ -367,15 +359,7 @@ impl Inner {
         });
         {
             let mut p = self.readd.probes[i].lock();
-            if p.gen != gen {
-                let (readds, backoff) = (p.readds, p.backoff);
-                *p = Probe {
-                    gen,
-                    readds,
-                    backoff,
-                    ..Probe::default()
-                };
-            }
+            p.renew(gen);
             p.last_error = None;
             p.refused = Some((bytes.to_vec(), format!("on reconnection: {why}")));
         }
