@@ -516,22 +516,6 @@ impl FileBackend {
         self.write_zero_bytes(off, n)
     }
 
-    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
-        self.writable(what)?;
-        check_range(what, offset, len, self.size)?;
-        if len == 0 {
-            return Ok(());
-        }
-        // The range may become a hole: forget the known data run before and after.
-        self.forget_known_data();
-        let res = match self.kind {
-            Kind::Regular => self.zero_file(offset, len, unmap),
-            Kind::BlockDevice { lbs } => self.zero_device(lbs, offset, len, unmap),
-        };
-        self.forget_known_data();
-        res
-    }
-
     fn seek(&self, offset: u64, whence: libc::c_int) -> io::Result<u64> {
         let off = to_off(offset)?;
         // SAFETY: lseek takes a descriptor and integers, no memory. It moves the shared file
@@ -575,12 +559,20 @@ impl Backend for FileBackend {
             .map_err(|e| with_context(e, format!("fdatasync {}", self.path.display())))
     }
 
-    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.zero("discard", offset, len, true)
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
-        self.zero("write_zeroes", offset, len, may_unmap)
+    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        self.writable(what)?;
+        check_range(what, offset, len, self.size)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // The range may become a hole: forget the known data run before and after.
+        self.forget_known_data();
+        let res = match self.kind {
+            Kind::Regular => self.zero_file(offset, len, unmap),
+            Kind::BlockDevice { lbs } => self.zero_device(lbs, offset, len, unmap),
+        };
+        self.forget_known_data();
+        res
     }
 
     fn extents_into(

@@ -645,15 +645,6 @@ impl MapBackend {
             unsafe { self.free_pages(whole_from, whole_to) };
         }
     }
-
-    fn zero_range(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
-        check_range(what, offset, len, self.size)?;
-        self.for_regions(offset, len, |from, to| {
-            self.zero_region(from, to, unmap);
-            true
-        });
-        Ok(())
-    }
 }
 
 impl Backend for MapBackend {
@@ -722,12 +713,13 @@ impl Backend for MapBackend {
         Ok(())
     }
 
-    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.zero_range("mem discard", offset, len, true)
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
-        self.zero_range("mem write_zeroes", offset, len, may_unmap)
+    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        check_range(what, offset, len, self.size)?;
+        self.for_regions(offset, len, |from, to| {
+            self.zero_region(from, to, unmap);
+            true
+        });
+        Ok(())
     }
 
     fn extents_into(

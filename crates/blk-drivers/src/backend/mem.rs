@@ -153,47 +153,6 @@ impl MemBackend {
         c.in_page == 0 && (c.len == PAGE_SIZE || (c.page << PAGE_SHIFT) + c.len as u64 >= self.size)
     }
 
-    /// Zeroes `[offset, offset + len)`; with `unmap`, frees the pages it covers (and partial
-    /// pages left all zeros), else allocates zero pages where none are.
-    fn zero_range(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
-        check_range(what, offset, len, self.size)?;
-        // Work in steps whose length fits in usize on every target.
-        const STEP: u64 = 1 << 30;
-        let mut pos = offset;
-        let end = offset + len;
-        while pos < end {
-            let step = (end - pos).min(STEP) as usize;
-            for c in chunks(pos, step) {
-                let (shard, key) = self.shard(c.page);
-                let whole = self.covers_page(&c);
-                let mut map = shard.lock();
-                if unmap {
-                    if whole {
-                        if map.remove(&key).is_some() {
-                            self.allocated_pages.fetch_sub(1, Ordering::Relaxed);
-                        }
-                    } else if let Some(page) = map.get_mut(&key) {
-                        page[c.in_page..c.in_page + c.len].fill(0);
-                        if page.iter().all(|&b| b == 0) {
-                            map.remove(&key);
-                            self.allocated_pages.fetch_sub(1, Ordering::Relaxed);
-                        }
-                    }
-                } else {
-                    match map.get_mut(&key) {
-                        Some(page) => page[c.in_page..c.in_page + c.len].fill(0),
-                        None => {
-                            map.insert(key, zero_page());
-                            self.allocated_pages.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }
-            pos += step as u64;
-        }
-        Ok(())
-    }
-
     /// Whether `page` is allocated.
     fn is_allocated(&self, page: u64) -> bool {
         let (shard, key) = self.shard(page);
@@ -255,12 +214,45 @@ impl Backend for MemBackend {
         Ok(())
     }
 
-    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.zero_range("mem discard", offset, len, true)
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
-        self.zero_range("mem write_zeroes", offset, len, may_unmap)
+    /// Zeroes `[offset, offset + len)`; with `unmap`, frees the pages it covers (and partial
+    /// pages left all zeros), else allocates zero pages where none are.
+    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        check_range(what, offset, len, self.size)?;
+        // Work in steps whose length fits in usize on every target.
+        const STEP: u64 = 1 << 30;
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let step = (end - pos).min(STEP) as usize;
+            for c in chunks(pos, step) {
+                let (shard, key) = self.shard(c.page);
+                let whole = self.covers_page(&c);
+                let mut map = shard.lock();
+                if unmap {
+                    if whole {
+                        if map.remove(&key).is_some() {
+                            self.allocated_pages.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    } else if let Some(page) = map.get_mut(&key) {
+                        page[c.in_page..c.in_page + c.len].fill(0);
+                        if page.iter().all(|&b| b == 0) {
+                            map.remove(&key);
+                            self.allocated_pages.fetch_sub(1, Ordering::Relaxed);
+                        }
+                    }
+                } else {
+                    match map.get_mut(&key) {
+                        Some(page) => page[c.in_page..c.in_page + c.len].fill(0),
+                        None => {
+                            map.insert(key, zero_page());
+                            self.allocated_pages.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            pos += step as u64;
+        }
+        Ok(())
     }
 
     fn extents_into(

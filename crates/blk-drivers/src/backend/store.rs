@@ -16,12 +16,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn write_at(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()>;
     /// Makes every completed write durable.
     fn flush(&self) -> io::Result<()>;
-    /// Discards a range: it reads as zeros afterwards and may free space. Not durable by
-    /// itself: a FUA discard is followed by [`Backend::flush`] ([`exec_on_backend`](super::exec::exec_on_backend)).
-    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Zeroes `[offset, offset + len)`: with `unmap` it may become a hole (and free space),
+    /// else it stays allocated. `what` names the operation in an error. Not durable by itself:
+    /// a FUA one is followed by [`Backend::flush`] ([`exec_on_backend`](super::exec::exec_on_backend)).
+    fn zero(&self, what: &str, offset: u64, len: u64, unmap: bool) -> io::Result<()>;
+    /// Discards a range: it reads as zeros afterwards and may free space ([`Backend::zero`]
+    /// with `unmap`).
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.zero("discard", offset, len, true)
+    }
     /// Zeroes a range; with `may_unmap` it may become a hole (NBD's WRITE_ZEROES without
-    /// NO_HOLE), else it stays allocated. Not durable by itself, as [`Backend::discard`].
-    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()>;
+    /// NO_HOLE), else it stays allocated ([`Backend::zero`]).
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+        self.zero("write_zeroes", offset, len, may_unmap)
+    }
     /// The allocation map of `[offset, offset + len)`, in order, covering the range, merged
     /// where neighbours agree; at most `max_extents` entries (the last may stop short). `out`
     /// is cleared first; the request path reuses it, so a call allocates nothing once it has
