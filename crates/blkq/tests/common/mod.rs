@@ -209,6 +209,25 @@ impl Serving {
         Self::launch(dir, name, args, |l| l)
     }
 
+    /// Makes certificates with `blkq certs DIR/pki --client client1`, then starts `blkq serve
+    /// --device mem:16M --tls require` over them, with `more_args`: the server and the
+    /// certificates' directory.
+    pub fn start_tls(dir: &Path, name: &str, more_args: &[&str]) -> (Self, PathBuf) {
+        let pki = dir.join("pki");
+        let pki_s = pki.to_str().unwrap();
+        ok(&["certs", pki_s, "--client", "client1"]);
+        let mut args = vec![
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            pki_s,
+        ];
+        args.extend(more_args);
+        (Self::start(dir, name, &args), pki)
+    }
+
     /// As [`Serving::start`], with more conditions of readiness (or settings) from `more`.
     pub fn launch(
         dir: &Path,
