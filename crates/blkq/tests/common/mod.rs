@@ -248,6 +248,27 @@ impl Serving {
         }
     }
 
+    /// As [`Serving::launch`], with the metrics endpoint on: `--metrics 127.0.0.1:0
+    /// --metrics-addr-file DIR/metrics.addr` after `args` (one such server a directory),
+    /// ready once the address is written. The server and the endpoint's address.
+    pub fn with_metrics(
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        more: impl FnOnce(Launch) -> Launch,
+    ) -> (Self, String) {
+        let file = dir.join("metrics.addr");
+        let mut args = args.to_vec();
+        args.extend([
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            file.to_str().unwrap(),
+        ]);
+        let s = Self::launch(dir, name, &args, |l| more(l.ready_when_written(&file)));
+        (s, written_addr(&file))
+    }
+
     /// A new NBD connection to the default export.
     pub fn client(&self) -> Client {
         Client::connect(
