@@ -20,6 +20,17 @@ pub use hosts::{hosts_or_skip, Hosts, BACK_IP, FRONT_IP};
 pub use launch::{enter_netns, Launch, Running};
 pub use load::{blocks_in, Ledger, Load, BLOCK};
 
+/// `--raid1-create --raid1-assume-clean`, then `--raid1-option O` for each of `options`: a
+/// new mirror over legs taken as equal (new sparse files) with no initial resync, so what a
+/// recovery copies or a bitmap holds is only what the test writes.
+pub fn create_clean<'a>(options: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--raid1-create", "--raid1-assume-clean"];
+    for o in options {
+        args.extend(["--raid1-option", o]);
+    }
+    args
+}
+
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
 pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
     let p = dir.join(name);
