@@ -6,6 +6,8 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +16,6 @@ use blk::sched::{Deadline, DeadlineTunables, LockMode, ManualClock};
 use blk::{Bio, BioFlags, Buffer, EndIo, Error, IoPrio, Op, Plug, Queue, QueueConfig, QueueCore};
 use blk_drivers::backend::mem::MemBackend;
 use blk_drivers::exec_on_backend;
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use testkit::Collect;
 
 /// One dispatched request: the sectors of its chain's bios, in chain order.
@@ -131,13 +132,7 @@ impl Rig {
     }
 
     fn deadline(&self) -> &Deadline {
-        self.q
-            .scheduler()
-            .unwrap()
-            .as_any()
-            .unwrap()
-            .downcast_ref::<Deadline>()
-            .unwrap()
+        common::deadline(&self.q)
     }
 
     /// Submits `bios` under one plug (inserted together, then a dispatch round).
@@ -514,15 +509,9 @@ fn unplugged_submit_goes_through_the_scheduler() {
 #[test]
 fn threads_in_both_lock_designs_complete_everything() {
     for mode in MODES {
-        let q = Arc::new(
-            "null:64M,sched=mq-deadline,completion=thread,hw_queue_depth=32"
-                .parse::<DeviceSpec>()
-                .unwrap()
-                .build(&QueueOverrides {
-                    sched_lock: Some(mode),
-                    ..Default::default()
-                })
-                .unwrap(),
+        let q = common::deadline_queue(
+            "null:64M,sched=mq-deadline,completion=thread,hw_queue_depth=32",
+            mode,
         );
         let total = Arc::new(AtomicUsize::new(0));
         let hs: Vec<_> = (0..4u64)
@@ -549,13 +538,7 @@ fn threads_in_both_lock_designs_complete_everything() {
                 })
             })
             .collect();
-        let d = q
-            .scheduler()
-            .unwrap()
-            .as_any()
-            .unwrap()
-            .downcast_ref::<Deadline>()
-            .unwrap();
+        let d = common::deadline(&q);
         for i in 0..20 {
             std::thread::sleep(Duration::from_millis(1));
             d.set_lock_mode(if i % 2 == 0 { LockMode::Locked } else { mode });

@@ -6,12 +6,13 @@
 #![allow(clippy::disallowed_types, clippy::disallowed_methods)]
 #![cfg(not(blkq_loom))]
 
+mod common;
+
 use std::sync::{Arc, Barrier, Mutex};
 use testkit::alloc::CountingAlloc;
 
-use blk::sched::{Deadline, LockMode};
+use blk::sched::LockMode;
 use blk::{Bio, EndIo, Error, Op, Plug, Queue};
-use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc::new();
@@ -69,16 +70,7 @@ fn job(q: &Queue, t: u64, rounds: u64, go: &Barrier, window: &Barrier) {
 #[test]
 fn steady_state_allocates_nothing() {
     for mode in [LockMode::Locked, LockMode::Serialized] {
-        let q = Arc::new(
-            "null:64M,sched=mq-deadline,hw_queue_depth=128"
-                .parse::<DeviceSpec>()
-                .unwrap()
-                .build(&QueueOverrides {
-                    sched_lock: Some(mode),
-                    ..Default::default()
-                })
-                .unwrap(),
-        );
+        let q = common::deadline_queue("null:64M,sched=mq-deadline,hw_queue_depth=128", mode);
         let threads = 3;
         let go = Arc::new(Barrier::new(threads));
         let window = Arc::new(Barrier::new(threads + 1));
@@ -95,13 +87,7 @@ fn steady_state_allocates_nothing() {
             h.join().unwrap();
         }
         let allocs = GLOBAL.stop();
-        let d = q
-            .scheduler()
-            .unwrap()
-            .as_any()
-            .unwrap()
-            .downcast_ref::<Deadline>()
-            .unwrap();
+        let d = common::deadline(&q);
         let st = d.stats();
         let merged: u64 = st.prio.iter().map(|p| p.merged).sum();
         assert!(merged > 0, "{st:?}");

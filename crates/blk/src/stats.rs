@@ -272,17 +272,25 @@ impl DiskCounters {
     /// next completion.
     #[inline]
     pub fn started(&self, dir: usize, now_ns: u64) {
+        if let Some(gap) = self.advance_ts(now_ns) {
+            if self.in_flight() > 0 {
+                self.io_ticks.fetch_add(gap, Ordering::Relaxed);
+            }
+        }
+        self.submitted(dir);
+    }
+
+    /// Moves the shared timestamp to `now_ns` if it is later and no other thread moved it
+    /// first: the time since the old timestamp, or `None` where this call did not move it.
+    #[inline]
+    fn advance_ts(&self, now_ns: u64) -> Option<u64> {
         let last = self.last_ts.load(Ordering::Relaxed);
-        if now_ns > last
+        (now_ns > last
             && self
                 .last_ts
                 .compare_exchange(last, now_ns, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-            && self.in_flight() > 0
-        {
-            self.io_ticks.fetch_add(now_ns - last, Ordering::Relaxed);
-        }
-        self.submitted(dir);
+                .is_ok())
+        .then(|| now_ns - last)
     }
 
     /// I/Os submitted and not completed (summed over shards; may be torn).
@@ -329,14 +337,8 @@ impl DiskCounters {
         // changes every few ms), so this shared line is written rarely. A completion always
         // had itself in flight since the timestamp (`started` moved it at or before this
         // I/O's start), so the time is busy time.
-        let last = self.last_ts.load(Ordering::Relaxed);
-        if now_ns > last
-            && self
-                .last_ts
-                .compare_exchange(last, now_ns, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.io_ticks.fetch_add(now_ns - last, Ordering::Relaxed);
+        if let Some(gap) = self.advance_ts(now_ns) {
+            self.io_ticks.fetch_add(gap, Ordering::Relaxed);
         }
     }
 

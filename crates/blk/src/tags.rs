@@ -259,21 +259,8 @@ impl TagPool {
             return self.sbq.get();
         }
         // Reserve room under the limit first, then a bit; give the room back on failure.
-        // Relaxed: the count is a limit, not a publication; the bitmap orders the data.
-        let mut cur = self.in_use.load(Ordering::Relaxed);
-        loop {
-            if cur >= limit {
-                return None;
-            }
-            match self.in_use.compare_exchange_weak(
-                cur,
-                cur + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
+        if !reserve_below(&self.in_use, limit) {
+            return None;
         }
         let t = self.sbq.get();
         if t.is_none() {
@@ -320,22 +307,9 @@ impl TagPool {
     /// Takes a tag within the shallow cap `limit` (and the soft limit).
     #[inline]
     fn take_shallow(&self, limit: u32) -> Option<u32> {
-        // Reserve room under the cap, then a bit; give the room back on failure. Relaxed: a
-        // count, not a publication (module docs).
-        let mut cur = self.shallow_in_use.load(Ordering::Relaxed);
-        loop {
-            if cur >= limit {
-                return None;
-            }
-            match self.shallow_in_use.compare_exchange_weak(
-                cur,
-                cur + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
+        // Reserve room under the cap, then a bit; give the room back on failure.
+        if !reserve_below(&self.shallow_in_use, limit) {
+            return None;
         }
         let t = self.take();
         if t.is_none() {
@@ -586,5 +560,22 @@ impl TagPool {
             }
         }
         true
+    }
+}
+
+/// Adds one to `count` if it is below `limit`; false (and `count` unchanged) otherwise.
+/// Relaxed: the count is a limit, not a publication; the bitmap orders the data (module
+/// docs).
+#[inline]
+fn reserve_below(count: &AtomicU32, limit: u32) -> bool {
+    let mut cur = count.load(Ordering::Relaxed);
+    loop {
+        if cur >= limit {
+            return false;
+        }
+        match count.compare_exchange_weak(cur, cur + 1, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return true,
+            Err(v) => cur = v,
+        }
     }
 }

@@ -201,53 +201,14 @@ mod tests {
     use std::sync::Arc;
 
     // Not `Filter`: with it in scope too, a call on a `Forward` would be ambiguous.
-    use blk::{Bio, Caps, Device, EndIo, Error, Extent, Limits, Op, SECTOR_SHIFT};
+    use blk::{Bio, Caps, Device, EndIo, Error, Op, SECTOR_SHIFT};
 
     use super::{Forward, Hook};
     use crate::io::submit_wait;
+    use crate::Lower;
 
-    /// An inner device that records the sector of every bio and completes it at once.
-    #[derive(Default)]
-    struct Inner(Mutex<Vec<u64>>);
-
-    impl Device for Inner {
-        fn submit(&self, bio: Bio, end: &Arc<dyn EndIo>) {
-            self.0.lock().push(bio.sector);
-            end.end_io(bio, Ok(()));
-        }
-        fn limits(&self) -> Limits {
-            Limits {
-                capacity: 1 << 20,
-                logical_block_size: 512,
-                max_io_bytes: 1 << 16,
-            }
-        }
-        fn extents_into(
-            &self,
-            offset: u64,
-            _len: u64,
-            _max: usize,
-            out: &mut Vec<Extent>,
-        ) -> Result<(), Error> {
-            out.clear();
-            out.push(Extent {
-                offset,
-                len: 7,
-                allocated: false,
-            });
-            Ok(())
-        }
-        fn caps(&self) -> Caps {
-            Caps {
-                splice: true,
-                recv_home: true,
-                slow_extents: true,
-            }
-        }
-    }
-
-    fn inner() -> (Arc<Inner>, Arc<dyn Device>) {
-        let i = Arc::new(Inner::default());
+    fn inner() -> (Arc<Lower>, Arc<dyn Device>) {
+        let i = Arc::new(Lower::default());
         (i.clone(), i)
     }
 
@@ -278,7 +239,7 @@ mod tests {
             [(Op::Read, 1), (Op::Write, 8), (Op::Read, 2), (Op::Read, 3)],
             "the hook sees every bio, a batch's one by one"
         );
-        assert_eq!(*seen_inside.0.lock(), [1, 2, 3], "all but the failed one");
+        assert_eq!(seen_inside.sectors(), [1, 2, 3], "all but the failed one");
         assert_eq!(f.limits(), seen_inside.limits());
         assert_eq!(f.extents(1 << SECTOR_SHIFT, 4096, 4).unwrap()[0].len, 7);
     }
@@ -288,7 +249,7 @@ mod tests {
         let (seen_inside, dev) = inner();
         let f = Forward::new(dev);
         assert!(submit_wait(&f, Bio::new(Op::Read, 5, 512)).1.is_ok());
-        assert_eq!(*seen_inside.0.lock(), [5]);
+        assert_eq!(seen_inside.sectors(), [5]);
         assert!(f.queue_stats().is_none() && f.stats().is_none());
         let caps = f.caps();
         assert!(!caps.splice && !caps.recv_home, "{caps:?}");

@@ -34,6 +34,8 @@ mod forward;
 #[cfg(feature = "blk")]
 pub mod io;
 pub mod loom_child;
+#[cfg(feature = "blk")]
+mod lower;
 pub mod rng;
 mod wait;
 
@@ -41,6 +43,8 @@ mod wait;
 pub use collect::{Collect, Done};
 #[cfg(feature = "blk")]
 pub use forward::{Forward, Hook, OnSubmit};
+#[cfg(feature = "blk")]
+pub use lower::Lower;
 pub use wait::{wait_until, wait_until_within, PROMPT};
 
 /// The `main` of a criterion bench whose body is `cfg(not(blkq_loom))` (under loom the

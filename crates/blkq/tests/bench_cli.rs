@@ -4,6 +4,8 @@
 mod common;
 use common::*;
 
+use std::path::Path;
+
 /// Every key of the documented `--json` interface, nested ones dotted.
 const KEYS: &[&str] = &[
     "device",
@@ -49,13 +51,9 @@ fn get<'v>(v: &'v serde_json::Value, key: &str) -> Option<&'v serde_json::Value>
     key.split('.').try_fold(v, |v, k| v.get(k))
 }
 
-/// A swept, repeated `--json` run prints one compact object per run with every documented
-/// key, and nothing else on stdout (no progress bar: stderr is not a terminal here either).
-/// `blkq bench plot` draws those lines; `--plot` draws the invocation's own runs.
-#[test]
-fn json_lines_and_plots() {
-    let d = tempfile::tempdir().unwrap();
-    let out = ok(&[
+/// `blkq bench` of a null device for 50 ms at queue depth 4, with `more`: its stdout.
+fn short_bench(more: &[&str]) -> String {
+    let mut args = vec![
         "bench",
         "--device",
         "null:16M",
@@ -63,6 +61,26 @@ fn json_lines_and_plots() {
         "0.05",
         "--iodepth",
         "4",
+    ];
+    args.extend(more);
+    ok(&args)
+}
+
+/// `blkq bench plot --x X SERIES --out OUT JSONL`.
+fn plot<'a>(x: &'a str, series: &[&'a str], out: &'a Path, jsonl: &'a Path) -> Vec<&'a str> {
+    let mut args = vec!["bench", "plot", "--x", x];
+    args.extend(series);
+    args.extend(["--out", out.to_str().unwrap(), jsonl.to_str().unwrap()]);
+    args
+}
+
+/// A swept, repeated `--json` run prints one compact object per run with every documented
+/// key, and nothing else on stdout (no progress bar: stderr is not a terminal here either).
+/// `blkq bench plot` draws those lines; `--plot` draws the invocation's own runs.
+#[test]
+fn json_lines_and_plots() {
+    let d = tempfile::tempdir().unwrap();
+    let out = short_bench(&[
         "--json",
         "--repeat",
         "2",
@@ -88,45 +106,15 @@ fn json_lines_and_plots() {
     let jsonl = d.path().join("runs.jsonl");
     std::fs::write(&jsonl, format!("## a header line\n{out}")).unwrap();
     let svg = d.path().join("wake.svg");
-    ok(&[
-        "bench",
-        "plot",
-        "--x",
-        "queue_depth",
-        "--series",
-        "wake",
-        "--out",
-        svg.to_str().unwrap(),
-        jsonl.to_str().unwrap(),
-    ]);
+    ok(&plot("queue_depth", &["--series", "wake"], &svg, &jsonl));
     let s = std::fs::read_to_string(&svg).unwrap();
     assert!(s.starts_with("<svg") && s.contains("counter") && s.contains("legacy"));
     // A bad key is an error, not a panic.
-    let e = fails(&[
-        "bench",
-        "plot",
-        "--x",
-        "nope",
-        "--out",
-        svg.to_str().unwrap(),
-        jsonl.to_str().unwrap(),
-    ]);
+    let e = fails(&plot("nope", &[], &svg, &jsonl));
     assert!(e.contains("nope"), "{e}");
     // --plot: the invocation's own sweep; stdout is the usual table.
     let own = d.path().join("own.svg");
-    let table = ok(&[
-        "bench",
-        "--device",
-        "null:16M",
-        "--runtime",
-        "0.05",
-        "--iodepth",
-        "4",
-        "--sweep",
-        "jobs=1,2",
-        "--plot",
-        own.to_str().unwrap(),
-    ]);
+    let table = short_bench(&["--sweep", "jobs=1,2", "--plot", own.to_str().unwrap()]);
     assert!(table.contains("| jobs"), "{table}");
     let s = std::fs::read_to_string(&own).unwrap();
     assert!(s.starts_with("<svg") && s.contains("chain/steal"));

@@ -14,7 +14,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{written_addr, Serving};
+use common::Serving;
 
 /// Connections served at once (`metrics::SLOTS`).
 const SLOTS: usize = 8;
@@ -23,21 +23,7 @@ const DEADLINE: Duration = Duration::from_secs(5);
 
 /// `blkq serve --metrics 127.0.0.1:0`: the server and the endpoint's address.
 fn serve(dir: &Path) -> (Serving, String) {
-    let file = dir.join("metrics.addr");
-    let s = Serving::launch(
-        dir,
-        "m",
-        &[
-            "--device",
-            "mem:1M",
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            file.to_str().unwrap(),
-        ],
-        |l| l.ready_when_written(&file),
-    );
-    (s, written_addr(&file))
+    Serving::with_metrics(dir, "m", &["--device", "mem:1M"], |l| l)
 }
 
 /// Sends `req`, returns the reply (everything until the server closes), failing the test if

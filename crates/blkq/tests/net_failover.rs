@@ -56,15 +56,8 @@ fn pair(hosts: &Hosts, d: &Path, leg_opts: &str) -> Pair {
     let front = Server::launch(
         &sub(d, "front"),
         &format!("{a_spec},nbd://{BACK_IP}:{LEG_PORT}/,timeout=2{leg_opts}"),
-        &[
-            "--raid1-create",
-            // New sparse legs: the chunks either side writes are all a recovery may copy.
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=1M",
-            "--raid1-option",
-            "bitmap_quiet_ms=200",
-        ],
+        // New sparse legs: the chunks either side writes are all a recovery may copy.
+        &common::create_clean(&["bitmap_chunk=1M", "bitmap_quiet_ms=200"]),
         |l| l.in_netns(&hosts.front()),
     );
     Pair { a, b, front, leg }

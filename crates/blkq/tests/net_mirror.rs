@@ -99,17 +99,12 @@ fn serve_front(hosts: &Hosts, dir: &Path, local: &str) -> Server {
     Server::launch(
         dir,
         &format!("{local},{}", leg_spec()),
-        &[
-            "--raid1-create",
-            // Both legs are new sparse files: what a recovery copies is all these tests count.
-            "--raid1-assume-clean",
-            "--raid1-option",
+        // Both legs are new sparse files: what a recovery copies is all these tests count.
+        &common::create_clean(&[
             "bitmap_chunk=1M",
-            "--raid1-option",
             "bitmap_quiet_ms=200",
-            "--raid1-option",
             "readd_interval_ms=300",
-        ],
+        ]),
         |l| l.in_netns(&hosts.front()),
     )
 }

@@ -515,12 +515,7 @@ fn status_exit_says_ok_degraded_failed_or_no_answer() {
     let s = Server::start(
         d.path(),
         &format!("{a},fault.fail_write=7M+1M,{b}"),
-        &[
-            "--raid1-create",
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=64K",
-        ],
+        &common::create_clean(&["bitmap_chunk=64K"]),
     );
     let ctl = ["--control", s.ctl()];
     assert_eq!(status_code(&ctl), Some(0), "in sync");

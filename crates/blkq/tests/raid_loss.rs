@@ -52,15 +52,8 @@ fn leg_failed_mid_load_loses_nothing_and_recovers() {
     let mut s = Server::start(
         d.path(),
         &format!("{a},{b}"),
-        &[
-            "--raid1-create",
-            // New sparse legs; the bits the load sets are what the re-add must copy.
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=1M",
-            "--raid1-option",
-            QUIET,
-        ],
+        // New sparse legs; the bits the load sets are what the re-add must copy.
+        &common::create_clean(&["bitmap_chunk=1M", QUIET]),
     );
     // The load runs before, during and after the `fail 1`: at least N writes, and at least
     // AFTER more once the fail was acknowledged (MAX writes at most: 32 MiB of offsets).
@@ -134,16 +127,9 @@ fn sigkill_mid_load_keeps_flushed_and_fua_writes() {
     let mut s = Server::start(
         d.path(),
         &legs,
-        &[
-            "--raid1-create",
-            // Blank legs, and the test is about what the bitmap holds after a kill: no
-            // initial resync setting every bit.
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=1M",
-            "--raid1-option",
-            QUIET,
-        ],
+        // Blank legs, and the test is about what the bitmap holds after a kill: no
+        // initial resync setting every bit.
+        &common::create_clean(&["bitmap_chunk=1M", QUIET]),
     );
     // Durable before the kill: writes followed by a FLUSH, and FUA writes.
     let mut durable = Vec::new();

@@ -23,12 +23,7 @@ fn mirror(dir: &Path) -> (Server, String, String) {
     let s = Server::start(
         dir,
         &format!("{a},{b}"),
-        &[
-            "--raid1-create",
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=64K",
-        ],
+        &common::create_clean(&["bitmap_chunk=64K"]),
     );
     (s, a, b)
 }
@@ -166,14 +161,7 @@ fn a_replacement_legs_events_name_its_spec() {
     let s = Server::start(
         d.path(),
         &format!("{a},{b}"),
-        &[
-            "--raid1-create",
-            "--raid1-assume-clean",
-            "--raid1-option",
-            "bitmap_chunk=64K",
-            "--raid1-option",
-            "spare_slots=1",
-        ],
+        &common::create_clean(&["bitmap_chunk=64K", "spare_slots=1"]),
     );
     let (mon, first) = open_monitor(s.ctl());
     assert_eq!(first["event"], "monitoring", "{first}");

@@ -51,8 +51,7 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ctl = d.join("ctl.sock");
-    let addr_file = d.join("metrics.addr");
-    let s = Serving::launch(
+    let (s, addr) = Serving::with_metrics(
         d,
         "exports",
         &[
@@ -62,14 +61,10 @@ fn exports_are_added_served_listed_and_removed_while_serving() {
             "a",
             "--control",
             ctl.to_str().unwrap(),
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            addr_file.to_str().unwrap(),
         ],
-        |l| l.ready_when_exists(&ctl).ready_when_written(&addr_file),
+        |l| l.ready_when_exists(&ctl),
     );
-    let metrics = || common::http_get(&common::written_addr(&addr_file), "/metrics").1;
+    let metrics = || common::http_get(&addr, "/metrics").1;
     let (img, spec) = common::leg_file(d, "b.img", 4 * MIB);
     let m = export(&ctl, &["add", "b", &spec, "--description", "the b disk"]);
     assert!(m.contains("export \"b\" added: 4194304 bytes"), "{m}");

@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{http_get as get, written_addr, Serving};
+use common::{http_get as get, Serving};
 use nbd::client::{Client, ClientOptions, Endpoint};
 use nbd::codec::proto::CmdFlags;
 
@@ -72,23 +72,12 @@ fn scrape_until(
 #[test]
 fn counters_move_by_exactly_the_io_done() {
     let dir = tempfile::tempdir().unwrap();
-    let addr_file = dir.path().join("metrics.addr");
-    let mut s = Serving::launch(
+    let (mut s, addr) = Serving::with_metrics(
         dir.path(),
         "m",
-        &[
-            "--device",
-            "mem:16M",
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            addr_file.to_str().unwrap(),
-            "--log-format",
-            "json",
-        ],
-        |l| l.ready_when_written(&addr_file),
+        &["--device", "mem:16M", "--log-format", "json"],
+        |l| l,
     );
-    let addr = written_addr(&addr_file);
     // The launcher's readiness probe is a connection too: wait until it is gone.
     let open = "blkq_nbd_connections_open";
     let accepted = "blkq_nbd_connections_accepted_total";
@@ -193,8 +182,7 @@ fn raid1_arrays_have_the_md_shape() {
     let dir = tempfile::tempdir().unwrap();
     let leg = |n: &str| common::leg_file(dir.path(), n, 8 << 20).1;
     let (a, b) = (leg("a.img"), leg("b.img"));
-    let addr_file = dir.path().join("metrics.addr");
-    let s = Serving::launch(
+    let (s, addr) = Serving::with_metrics(
         dir.path(),
         "r",
         &[
@@ -203,14 +191,9 @@ fn raid1_arrays_have_the_md_shape() {
             "--raid1-create",
             "--export",
             "mirror",
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            addr_file.to_str().unwrap(),
         ],
-        |l| l.ready_when_written(&addr_file),
+        |l| l,
     );
-    let addr = written_addr(&addr_file);
     let ep = Endpoint::Unix(s.sock.clone());
     let opts = ClientOptions {
         export: "mirror".into(),
@@ -281,21 +264,7 @@ fn a_remote_export_reports_its_connection() {
         "nbd+unix:///?socket={},timeout=10,reconnect_deadline=30",
         back.sock.display()
     );
-    let addr_file = dir.path().join("metrics.addr");
-    let _front = Serving::launch(
-        dir.path(),
-        "front",
-        &[
-            "--device",
-            &spec,
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            addr_file.to_str().unwrap(),
-        ],
-        |l| l.ready_when_written(&addr_file),
-    );
-    let addr = written_addr(&addr_file);
+    let (_front, addr) = Serving::with_metrics(dir.path(), "front", &["--device", &spec], |l| l);
     let up = "blkq_remote_connections_up{export=\"\"}";
     let n = "blkq_remote_connections{export=\"\"}";
     let re = "blkq_remote_reconnects_total{export=\"\"}";
@@ -317,24 +286,13 @@ fn a_remote_export_reports_its_connection() {
 #[test]
 fn dirty_bitmap_bytes_per_export_and_bitmap() {
     let dir = tempfile::tempdir().unwrap();
-    let addr_file = dir.path().join("metrics.addr");
     let ctl = dir.path().join("ctl.sock");
-    let s = Serving::launch(
+    let (s, addr) = Serving::with_metrics(
         dir.path(),
         "cbt",
-        &[
-            "--device",
-            "mem:16M",
-            "--control",
-            ctl.to_str().unwrap(),
-            "--metrics",
-            "127.0.0.1:0",
-            "--metrics-addr-file",
-            addr_file.to_str().unwrap(),
-        ],
-        |l| l.ready_when_written(&addr_file).ready_when_exists(&ctl),
+        &["--device", "mem:16M", "--control", ctl.to_str().unwrap()],
+        |l| l.ready_when_exists(&ctl),
     );
-    let addr = written_addr(&addr_file);
     let c = ctl.to_str().unwrap();
     common::ok(&["bitmap", "add", "a", "--control", c]);
     common::ok(&["bitmap", "add", "b", "--granularity", "1M", "--control", c]);

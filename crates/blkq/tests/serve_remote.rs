@@ -108,24 +108,11 @@ fn remote_specs_are_checked_before_anything_starts() {
 #[test]
 fn a_proxy_in_front_of_a_tls_server() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let pki_s = pki.to_str().unwrap();
-    common::ok(&["certs", pki_s, "--client", "client1"]);
-    let back = Serving::start(
-        dir.path(),
-        "back",
-        &[
-            "--device",
-            "mem:16M",
-            "--tls",
-            "require",
-            "--tls-certificates",
-            pki_s,
-        ],
-    );
+    let (back, pki) = Serving::start_tls(dir.path(), "back", &[]);
     let spec = format!(
-        "nbds+unix:///?socket={}&tls-certificates={pki_s},timeout=10",
-        back.sock.display()
+        "nbds+unix:///?socket={}&tls-certificates={},timeout=10",
+        back.sock.display(),
+        pki.display()
     );
     let front = Serving::start(dir.path(), "front", &["--device", &spec]);
     let mut c = front.client();

@@ -13,22 +13,7 @@ use nbd::codec::CmdFlags;
 #[test]
 fn certs_then_serve_tls_require() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let pki_s = pki.to_str().unwrap();
-    common::ok(&["certs", pki_s, "--client", "client1"]);
-    let mut s = Serving::start(
-        dir.path(),
-        "tls",
-        &[
-            "--device",
-            "mem:16M",
-            "--tls",
-            "require",
-            "--tls-certificates",
-            pki_s,
-            "--tls-verify-peer",
-        ],
-    );
+    let (mut s, pki) = Serving::start_tls(dir.path(), "tls", &["--tls-verify-peer"]);
     let ep = Endpoint::Unix(s.sock.clone());
 
     // Plaintext: refused before any export is named.

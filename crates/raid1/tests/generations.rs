@@ -201,6 +201,18 @@ fn ancestor_with_a_torn_bitmap() -> (Arc<dyn Device>, Arc<dyn Device>) {
     (a, b)
 }
 
+/// After the full recovery of [`ancestor_with_a_torn_bitmap`]'s leg `a`: the write only `a`
+/// took is gone, and the legs are equal.
+fn assert_the_ancestor_lost_its_own_write(r: &Raid1, a: &Arc<dyn Device>, b: &Arc<dyn Device>) {
+    assert!(
+        read(a.as_ref(), r.data_offset() + 5 * MB, 4096)
+            .iter()
+            .all(|&x| x == 0),
+        "the leg kept a write the array never had"
+    );
+    assert_legs_equal(r, a.as_ref(), b.as_ref());
+}
+
 /// A leg that only stopped comes back with a bitmap recovery of the array's dirty chunks and
 /// its own (writes it took that the array may lack). When its own bitmap cannot be read, the
 /// array's alone may miss a chunk it changed, so it is recovered in full, as a diverged side
@@ -218,13 +230,7 @@ fn an_ancestor_leg_whose_own_bitmap_is_torn_is_added_back_with_a_full_recovery()
         "a full recovery"
     );
     assert!(r.leg_status(0).unwrap().in_sync);
-    assert!(
-        read(a.as_ref(), r.data_offset() + 5 * MB, 4096)
-            .iter()
-            .all(|&x| x == 0),
-        "the leg kept a write the array never had"
-    );
-    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert_the_ancestor_lost_its_own_write(&r, &a, &b);
 }
 
 /// The same leg given back at assembly.
@@ -234,12 +240,6 @@ fn an_ancestor_leg_whose_own_bitmap_is_torn_is_assembled_with_a_full_recovery() 
     let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
     assert!(r.wait_sync_idle(std::time::Duration::from_secs(60)));
     assert!(r.leg_status(0).unwrap().in_sync && r.leg_status(1).unwrap().in_sync);
-    assert!(
-        read(a.as_ref(), r.data_offset() + 5 * MB, 4096)
-            .iter()
-            .all(|&x| x == 0),
-        "the leg kept a write the array never had"
-    );
-    assert_legs_equal(&r, a.as_ref(), b.as_ref());
+    assert_the_ancestor_lost_its_own_write(&r, &a, &b);
     assert_eq!(read(&r, 9 * MB, 4096), pattern(3, 4096));
 }

@@ -343,6 +343,14 @@ where
     b
 }
 
+/// A completion with two threads queued on it in `wait`, `a` the older.
+fn two_waiters() -> (Arc<Completion>, Bounded<()>, Bounded<()>) {
+    let c = Arc::new(Completion::new());
+    let a = spawn_waiter(&c, 0, |c| c.wait());
+    let b = spawn_waiter(&c, 1, |c| c.wait());
+    (c, a, b)
+}
+
 #[test]
 fn complete_before_wait() {
     let c = Completion::new();
@@ -375,9 +383,7 @@ fn complete_twice_lets_exactly_two_waits_through() {
     assert!(!c.try_wait());
 
     // The same with two sleeping waiters.
-    let c = Arc::new(Completion::new());
-    let a = spawn_waiter(&c, 0, |c| c.wait());
-    let b = spawn_waiter(&c, 1, |c| c.wait());
+    let (c, a, b) = two_waiters();
     c.complete();
     c.complete();
     a.join();
@@ -387,9 +393,7 @@ fn complete_twice_lets_exactly_two_waits_through() {
 
 #[test]
 fn one_complete_releases_exactly_one_of_two_waiters() {
-    let c = Arc::new(Completion::new());
-    let a = spawn_waiter(&c, 0, |c| c.wait());
-    let b = spawn_waiter(&c, 1, |c| c.wait());
+    let (c, a, b) = two_waiters();
     c.complete();
     a.join(); // FIFO: the older waiter
     thread::sleep(Duration::from_millis(20));
@@ -460,12 +464,22 @@ fn wait_timeout_returns_true_when_completed_in_time() {
     assert!(!c.try_wait());
 }
 
-#[test]
-fn wait_cancellable_is_cancelled_by_another_thread() {
+/// A completion, a token, and a thread queued on the completion in `wait_cancellable`.
+fn spawn_cancellable_waiter() -> (
+    Arc<Completion>,
+    Arc<CancelToken>,
+    Bounded<Result<(), Error>>,
+) {
     let c = Arc::new(Completion::new());
     let token = Arc::new(CancelToken::new());
     let tok2 = Arc::clone(&token);
     let t = spawn_waiter(&c, 0, move |c| c.wait_cancellable(&tok2));
+    (c, token, t)
+}
+
+#[test]
+fn wait_cancellable_is_cancelled_by_another_thread() {
+    let (c, token, t) = spawn_cancellable_waiter();
     token.cancel();
     assert_eq!(t.join(), Err(Error::Cancelled));
     assert_eq!(c.queue().waiters(), 0);
@@ -481,10 +495,7 @@ fn wait_cancellable_is_cancelled_by_another_thread() {
 
 #[test]
 fn wait_cancellable_returns_ok_when_completed() {
-    let c = Arc::new(Completion::new());
-    let token = Arc::new(CancelToken::new());
-    let tok2 = Arc::clone(&token);
-    let t = spawn_waiter(&c, 0, move |c| c.wait_cancellable(&tok2));
+    let (c, token, t) = spawn_cancellable_waiter();
     c.complete();
     assert_eq!(t.join(), Ok(()));
     assert!(!c.try_wait());

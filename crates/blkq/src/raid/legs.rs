@@ -254,14 +254,8 @@ impl Plan {
                 recovery_offset: info.recovery_offset,
                 events: here.map(|f| f.sb.events),
                 generation: here.map(|f| format!("{:016x}", f.sb.lineage.current.id)),
-                read_errors: 0,
-                probing: false,
-                probe_error: None,
-                refused: None,
-                readds: 0,
-                rtt_ns: None,
-                write_behind: 0,
-                checksum_errors: 0,
+                // What only a running array knows (offline: none).
+                ..LegReport::default()
             });
         }
         for f in &self.legs {

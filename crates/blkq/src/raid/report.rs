@@ -5,8 +5,9 @@
 use raid1::{SyncProgress, WriteIntentBitmap};
 use serde::{Deserialize, Serialize};
 
-/// The state of one slot, as reported.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// The state of one slot, as reported. `Default`: an empty slot with nothing known of it, no
+/// state named.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct LegReport {
     /// Slot number.
     pub slot: usize,
@@ -415,21 +416,8 @@ mod tests {
     fn leg(slot: usize, state: &str) -> LegReport {
         LegReport {
             slot,
-            device: None,
             state: state.into(),
-            uuid: String::new(),
-            write_mostly: false,
-            recovery_offset: None,
-            events: None,
-            generation: None,
-            read_errors: 0,
-            probing: false,
-            probe_error: None,
-            refused: None,
-            readds: 0,
-            rtt_ns: None,
-            write_behind: 0,
-            checksum_errors: 0,
+            ..LegReport::default()
         }
     }
 

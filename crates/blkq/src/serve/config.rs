@@ -485,44 +485,48 @@ mod tests {
 
     #[test]
     fn a_relative_bitmaps_sidecar_is_from_the_files_directory() {
-        let d = Path::new("/etc/blkq");
-        assert_eq!(
-            spec_from("file:vm.img,bitmaps=vm.bm,direct=1", d).unwrap(),
-            "file:/etc/blkq/vm.img,bitmaps=/etc/blkq/vm.bm,direct=1"
-        );
-        assert_eq!(
-            spec_from("mem:1G,bitmaps=off", d).unwrap(),
-            "mem:1G,bitmaps=off"
-        );
-        assert_eq!(
-            spec_from("mem:1G,bitmaps=/abs.bm", d).unwrap(),
-            "mem:1G,bitmaps=/abs.bm"
-        );
+        assert_specs_from_etc_blkq(&[
+            (
+                "file:vm.img,bitmaps=vm.bm,direct=1",
+                "file:/etc/blkq/vm.img,bitmaps=/etc/blkq/vm.bm,direct=1",
+            ),
+            ("mem:1G,bitmaps=off", "mem:1G,bitmaps=off"),
+            ("mem:1G,bitmaps=/abs.bm", "mem:1G,bitmaps=/abs.bm"),
+        ]);
+    }
+
+    /// Each `(spec, want)`: `spec` in a file in /etc/blkq is `want`.
+    fn assert_specs_from_etc_blkq(cases: &[(&str, &str)]) {
+        for (spec, want) in cases {
+            assert_eq!(
+                spec_from(spec, Path::new("/etc/blkq")).unwrap(),
+                *want,
+                "{spec}"
+            );
+        }
     }
 
     #[test]
     fn relative_paths_inside_remote_and_rbd_specs_are_from_the_files_directory() {
-        let d = Path::new("/etc/blkq");
-        assert_eq!(
-            spec_from("nbd+unix:///exp?socket=s.sock,timeout=3", d).unwrap(),
-            "nbd+unix:///exp?socket=/etc/blkq/s.sock,timeout=3"
-        );
-        assert_eq!(
-            spec_from("nbds://h/e?tls-certificates=pki&tls-hostname=x", d).unwrap(),
-            "nbds://h/e?tls-certificates=/etc/blkq/pki&tls-hostname=x"
-        );
-        assert_eq!(
-            spec_from("nbds+unix:///?socket=/abs.sock&tls-certificates=pki", d).unwrap(),
-            "nbds+unix:///?socket=/abs.sock&tls-certificates=/etc/blkq/pki"
-        );
-        assert_eq!(
-            spec_from("nbd://h:10809/e,timeout=3", d).unwrap(),
-            "nbd://h:10809/e,timeout=3"
-        );
-        assert_eq!(
-            spec_from("rbd:rbd/img,conf=ceph.conf,keyring=k,lock=on", d).unwrap(),
-            "rbd:rbd/img,conf=/etc/blkq/ceph.conf,keyring=/etc/blkq/k,lock=on"
-        );
+        assert_specs_from_etc_blkq(&[
+            (
+                "nbd+unix:///exp?socket=s.sock,timeout=3",
+                "nbd+unix:///exp?socket=/etc/blkq/s.sock,timeout=3",
+            ),
+            (
+                "nbds://h/e?tls-certificates=pki&tls-hostname=x",
+                "nbds://h/e?tls-certificates=/etc/blkq/pki&tls-hostname=x",
+            ),
+            (
+                "nbds+unix:///?socket=/abs.sock&tls-certificates=pki",
+                "nbds+unix:///?socket=/abs.sock&tls-certificates=/etc/blkq/pki",
+            ),
+            ("nbd://h:10809/e,timeout=3", "nbd://h:10809/e,timeout=3"),
+            (
+                "rbd:rbd/img,conf=ceph.conf,keyring=k,lock=on",
+                "rbd:rbd/img,conf=/etc/blkq/ceph.conf,keyring=/etc/blkq/k,lock=on",
+            ),
+        ]);
         // A directory whose name a URI must escape: the spec parses back to the path.
         let odd = Path::new("/srv/a b&c%d,e");
         let spec = spec_from("nbd+unix:///x?socket=s%2Esock,depth=4", odd).unwrap();

@@ -20,6 +20,17 @@ pub use hosts::{hosts_or_skip, Hosts, BACK_IP, FRONT_IP};
 pub use launch::{enter_netns, Launch, Running};
 pub use load::{blocks_in, Ledger, Load, BLOCK};
 
+/// `--raid1-create --raid1-assume-clean`, then `--raid1-option O` for each of `options`: a
+/// new mirror over legs taken as equal (new sparse files) with no initial resync, so what a
+/// recovery copies or a bitmap holds is only what the test writes.
+pub fn create_clean<'a>(options: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--raid1-create", "--raid1-assume-clean"];
+    for o in options {
+        args.extend(["--raid1-option", o]);
+    }
+    args
+}
+
 /// A sparse file of `size` bytes in `dir`: its path and its device spec (`file:PATH`).
 pub fn leg_file(dir: &Path, name: &str, size: u64) -> (PathBuf, String) {
     let p = dir.join(name);
@@ -209,6 +220,25 @@ impl Serving {
         Self::launch(dir, name, args, |l| l)
     }
 
+    /// Makes certificates with `blkq certs DIR/pki --client client1`, then starts `blkq serve
+    /// --device mem:16M --tls require` over them, with `more_args`: the server and the
+    /// certificates' directory.
+    pub fn start_tls(dir: &Path, name: &str, more_args: &[&str]) -> (Self, PathBuf) {
+        let pki = dir.join("pki");
+        let pki_s = pki.to_str().unwrap();
+        ok(&["certs", pki_s, "--client", "client1"]);
+        let mut args = vec![
+            "--device",
+            "mem:16M",
+            "--tls",
+            "require",
+            "--tls-certificates",
+            pki_s,
+        ];
+        args.extend(more_args);
+        (Self::start(dir, name, &args), pki)
+    }
+
     /// As [`Serving::start`], with more conditions of readiness (or settings) from `more`.
     pub fn launch(
         dir: &Path,
@@ -227,6 +257,27 @@ impl Serving {
             proc: more(l).start(),
             sock,
         }
+    }
+
+    /// As [`Serving::launch`], with the metrics endpoint on: `--metrics 127.0.0.1:0
+    /// --metrics-addr-file DIR/metrics.addr` after `args` (one such server a directory),
+    /// ready once the address is written. The server and the endpoint's address.
+    pub fn with_metrics(
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        more: impl FnOnce(Launch) -> Launch,
+    ) -> (Self, String) {
+        let file = dir.join("metrics.addr");
+        let mut args = args.to_vec();
+        args.extend([
+            "--metrics",
+            "127.0.0.1:0",
+            "--metrics-addr-file",
+            file.to_str().unwrap(),
+        ]);
+        let s = Self::launch(dir, name, &args, |l| more(l.ready_when_written(&file)));
+        (s, written_addr(&file))
     }
 
     /// A new NBD connection to the default export.
