@@ -308,3 +308,12 @@ impl fmt::Display for Stream {
         f.write_str(&self.peer())
     }
 }
+
+/// A socket timeout (`SO_RCVTIMEO` or `SO_SNDTIMEO` expired): `EAGAIN`, which std calls
+/// `WouldBlock`, or `TimedOut`.
+pub(crate) fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}

@@ -147,12 +147,11 @@ pub(super) fn handshake(
         source,
     };
     let io_err = |e: io::Error| hs_err(ClientError::Io(e));
-    stream
-        .set_read_timeout(Some(spec.timeout))
-        .map_err(io_err)?;
-    stream
-        .set_write_timeout(Some(spec.timeout))
-        .map_err(io_err)?;
+    let timeouts = |s: &Stream| {
+        s.set_read_timeout(Some(spec.timeout))?;
+        s.set_write_timeout(Some(spec.timeout))
+    };
+    timeouts(&stream).map_err(io_err)?;
     let mut hs = Handshake::start_by(stream, Some(deadline)).map_err(hs_err)?;
     if let Some(tls) = &spec.tls {
         let config =
@@ -184,12 +183,7 @@ pub(super) fn handshake(
     }
     let details = hs.go(&spec.export).map_err(hs_err)?;
     let (stream, mode) = hs.into_parts();
-    stream
-        .set_read_timeout(Some(spec.timeout))
-        .map_err(io_err)?;
-    stream
-        .set_write_timeout(Some(spec.timeout))
-        .map_err(io_err)?;
+    timeouts(&stream).map_err(io_err)?;
     let limits = limits_of(&details).map_err(|reason| RemoteError::Unusable {
         uri: uri.clone(),
         reason,

@@ -13,7 +13,7 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
 use super::table::{Shared, Status, Success};
-use crate::stream::Stream;
+use crate::stream::{is_timeout, Stream};
 use nbd_proto::proto::{
     Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
     NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
@@ -195,12 +195,7 @@ impl Receiver {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                Err(e) if is_timeout(&e) => {
                     if let Err(s) = self.check() {
                         return s;
                     }
@@ -314,14 +309,7 @@ impl Receiver {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    self.check()?
-                }
+                Err(e) if is_timeout(&e) => self.check()?,
                 Err(e) => return Err(Stop::Io(e)),
             }
         }

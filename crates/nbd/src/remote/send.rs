@@ -9,7 +9,7 @@ use std::time::Instant;
 use blk::Bio;
 use blkq_sync::atomic::Ordering;
 
-use crate::stream::Stream;
+use crate::stream::{is_timeout, Stream};
 use nbd_proto::proto::Command;
 use nbd_proto::transmission::Request;
 
@@ -337,12 +337,7 @@ pub(super) fn write_all2(
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) && !matches!(s, Stream::Tls(_))
-                    && !give_up() => {}
+            Err(e) if is_timeout(&e) && !matches!(s, Stream::Tls(_)) && !give_up() => {}
             Err(e) => return Err(e),
         }
     }

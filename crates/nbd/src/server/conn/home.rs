@@ -25,8 +25,9 @@ use std::time::Instant;
 
 use blk::RecvSource;
 
-use super::recv::{is_timeout, BIG_WRITE};
+use super::recv::BIG_WRITE;
 use super::Connection;
+use crate::stream::is_timeout;
 use nbd_proto::proto::CmdFlags;
 use nbd_proto::transmission::Request;
 

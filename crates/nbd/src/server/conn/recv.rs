@@ -1,7 +1,6 @@
 //! The reader's receive rules: how much it asks the socket for after a large write, and when
 //! a client that stalls in the middle of a request has timed out.
 
-use std::io;
 use std::time::{Duration, Instant};
 
 /// A write at least this large makes the reader ask the socket for at most
@@ -75,12 +74,4 @@ impl MidRequest {
     pub(super) fn started(&mut self, first_byte: Instant) -> Instant {
         *self.since.get_or_insert(first_byte)
     }
-}
-
-/// A socket read timeout (`SO_RCVTIMEO` expired): `EAGAIN`, which std calls `WouldBlock`.
-pub(super) fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
 }
