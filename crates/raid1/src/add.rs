@@ -286,7 +286,9 @@ impl Raid1 {
         {
             return Ok(None);
         }
-        let cleared = bm.events_cleared();
+        // No bit is cleared from here until the leg is placed (its recovery's state then keeps
+        // the array degraded) or turned away (`state_changed` below).
+        let cleared = bm.hold_clears();
         // No bit cleared since `history` left generation `id` (strictly before: a clear at
         // the events of the new generation's start came after it).
         let untouched_since = |history: &Lineage, id: u64, cleared: u64| {
@@ -348,6 +350,11 @@ impl Raid1 {
                 }
             }
         };
+        if !ok {
+            // No bitmap recovery: the leg goes in for a full one (placed, it keeps the array
+            // degraded), or not at all; clears go on as the array's state says.
+            bm.update_degraded(|| inner.is_degraded());
+        }
         Ok(ok.then_some(n))
     }
 

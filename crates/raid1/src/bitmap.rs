@@ -386,8 +386,10 @@ impl WriteIntentBitmap {
     /// has completed, then marks the idle ones it did not clear; returns how many it cleared.
     /// Persist the bitmap afterwards when this is not zero. Called periodically, it clears a
     /// chunk one call after it went quiet at the earliest (md's daemon clears in two passes
-    /// too).
-    pub fn clear_quiet(&self, now: Duration) -> u64 {
+    /// too). A clear records `events` (the array's) as `events_cleared` under the same lock,
+    /// so whoever reads `events_cleared` after it sees it (see
+    /// [`WriteIntentBitmap::hold_clears`]).
+    pub fn clear_quiet(&self, now: Duration, events: u64) -> u64 {
         let mut g = self.inner.lock();
         if g.degraded {
             return 0;
@@ -396,7 +398,21 @@ impl WriteIntentBitmap {
             !m.needed && now.saturating_sub(m.mark_time) >= self.quiet
         });
         self.mark(&mut g, now);
+        if n > 0 {
+            g.events_cleared = g.events_cleared.max(events);
+        }
         n
+    }
+
+    /// Stops every clear until the next [`WriteIntentBitmap::update_degraded`] (as degraded
+    /// does) and returns `events_cleared` as of then, under one lock: a leg's re-add decides
+    /// on that value and is placed before any bit can go. Without it raid1d could clear, in
+    /// the moment between the decision and the placement, the bits of chunks written while
+    /// the leg was out, and the bitmap recovery would miss them.
+    pub fn hold_clears(&self) -> u64 {
+        let mut g = self.inner.lock();
+        g.degraded = true;
+        g.events_cleared
     }
 
     /// Marks the dirty chunks with no write in flight idle, at `now` and the flush epoch begun
@@ -457,12 +473,16 @@ impl WriteIntentBitmap {
     /// [`WriteIntentBitmap::mark_idle`]) before a flush that has completed, however recently
     /// (after a successful resync or recovery: the legs agree there); returns how many. Never
     /// while degraded. Persist the bitmap afterwards when this is not zero.
-    pub fn clear_synced(&self) -> u64 {
+    pub fn clear_synced(&self, events: u64) -> u64 {
         let mut g = self.inner.lock();
         if g.degraded {
             return 0;
         }
-        self.clear_marked(&mut g, |_| true)
+        let n = self.clear_marked(&mut g, |_| true);
+        if n > 0 {
+            g.events_cleared = g.events_cleared.max(events);
+        }
+        n
     }
 
     /// Records the array events at which bits were cleared (md's `events_cleared`, persisted
@@ -625,6 +645,43 @@ mod tests {
         assert!(bm.start_write(0, 0).is_err());
     }
 
+    /// A re-add decides on `events_cleared` and must see every clear made before it, and
+    /// none after until its leg is placed. Found by the simulator (seed 41000657): raid1d
+    /// cleared, between a re-add's decision and its placement, the bits of a write made
+    /// while the leg was out, and recorded `events_cleared` only afterwards; the bitmap
+    /// recovery missed the write.
+    #[test]
+    fn a_clear_records_its_events_at_once_and_a_hold_stops_the_next() {
+        let bm = WriteIntentBitmap::new(256 * MB, 64 * MB)
+            .unwrap()
+            .with_quiet_time(s(5));
+        let quiet_chunk = |at: u64| {
+            let need = bm.start_write(at, 4096).unwrap();
+            if let Some(n) = need {
+                bm.mark_durable(n);
+            }
+            bm.end_write(at, 4096).unwrap();
+            bm.mark_idle(s(10));
+            let e = bm.begin_flush();
+            bm.flush_done(e);
+        };
+        quiet_chunk(0);
+        assert_eq!(bm.clear_quiet(s(100), 7), 1);
+        assert_eq!(
+            bm.events_cleared(),
+            7,
+            "the clear's events, recorded with it"
+        );
+        quiet_chunk(64 * MB);
+        assert_eq!(bm.hold_clears(), 7);
+        assert_eq!(bm.clear_quiet(s(100), 9), 0, "held");
+        assert_eq!(bm.clear_synced(9), 0, "held");
+        assert_eq!(bm.dirty_chunks().len(), 1);
+        bm.update_degraded(|| false);
+        assert_eq!(bm.clear_synced(9), 1);
+        assert_eq!(bm.events_cleared(), 9);
+    }
+
     fn bits_clear_only_when_quiet_completed_flushed_and_not_degraded(mode: BitmapCounts) {
         let bm = WriteIntentBitmap::new(256 * MB, 64 * MB)
             .unwrap()
@@ -633,22 +690,22 @@ mod tests {
         let need = bm.start_write(0, 4096).unwrap().unwrap();
         bm.mark_durable(need);
         // In flight: never marked, never cleared.
-        assert_eq!(bm.clear_quiet(s(100)), 0);
+        assert_eq!(bm.clear_quiet(s(100), 0), 0);
         assert_eq!(bm.mark_idle(s(100)), 0);
         bm.end_write(0, 4096).unwrap();
         // Ended, but not yet seen idle: this call marks it (at 10 s, flush epoch 0).
-        assert_eq!(bm.clear_quiet(s(10)), 0);
+        assert_eq!(bm.clear_quiet(s(10), 0), 0);
         // No flush begun since the mark has completed.
-        assert_eq!(bm.clear_quiet(s(100)), 0);
+        assert_eq!(bm.clear_quiet(s(100), 0), 0);
         let e = bm.begin_flush();
-        assert_eq!(bm.clear_quiet(s(100)), 0);
+        assert_eq!(bm.clear_quiet(s(100), 0), 0);
         bm.flush_done(e);
         // Not quiet long enough since the mark.
-        assert_eq!(bm.clear_quiet(s(12)), 0);
+        assert_eq!(bm.clear_quiet(s(12), 0), 0);
         bm.set_degraded(true);
-        assert_eq!(bm.clear_quiet(s(100)), 0);
+        assert_eq!(bm.clear_quiet(s(100), 0), 0);
         bm.set_degraded(false);
-        assert_eq!(bm.clear_quiet(s(15)), 1);
+        assert_eq!(bm.clear_quiet(s(15), 0), 1);
         assert!(bm.dirty_chunks().is_empty());
         if mode == BitmapCounts::Locked {
             assert!(matches!(
@@ -686,26 +743,26 @@ mod tests {
             assert_eq!(bm.start_write(MB, 4096).unwrap(), None);
             let e = bm.begin_flush();
             bm.flush_done(e);
-            assert_eq!(bm.clear_quiet(s(100)), 0, "{mode:?}: in flight");
+            assert_eq!(bm.clear_quiet(s(100), 0), 0, "{mode:?}: in flight");
             bm.end_write(MB, 4096).unwrap();
             // Marked again now (epoch 1); the flush above came before it.
             assert_eq!(
-                bm.clear_quiet(s(100)),
+                bm.clear_quiet(s(100), 0),
                 0,
                 "{mode:?}: flushed before the mark"
             );
             let e = bm.begin_flush();
             bm.flush_done(e);
-            assert_eq!(bm.clear_quiet(s(104)), 0, "{mode:?}: quiet 4 s of 5");
-            assert_eq!(bm.clear_quiet(s(105)), 1, "{mode:?}");
+            assert_eq!(bm.clear_quiet(s(104), 0), 0, "{mode:?}: quiet 4 s of 5");
+            assert_eq!(bm.clear_quiet(s(105), 0), 1, "{mode:?}");
             // A resync's clear needs a mark and a flush too, not quiet time.
             bm.mark_durable(bm.start_write(0, 4096).unwrap().unwrap());
             bm.end_write(0, 4096).unwrap();
-            assert_eq!(bm.clear_synced(), 0, "{mode:?}: never marked");
+            assert_eq!(bm.clear_synced(0), 0, "{mode:?}: never marked");
             bm.mark_idle(s(106));
             let e = bm.begin_flush();
             bm.flush_done(e);
-            assert_eq!(bm.clear_synced(), 1, "{mode:?}");
+            assert_eq!(bm.clear_synced(0), 1, "{mode:?}");
         }
     }
 
@@ -736,9 +793,9 @@ mod tests {
         other.mark_idle(s(1));
         let e = other.begin_flush();
         other.flush_done(e);
-        assert_eq!(other.clear_quiet(s(1000)), 0);
+        assert_eq!(other.clear_quiet(s(1000), 0), 0);
         let n: u64 = other.dirty_chunks().iter().map(|c| c.end - c.first).sum();
-        assert_eq!(other.clear_synced(), n);
+        assert_eq!(other.clear_synced(0), n);
         assert!(other.dirty_chunks().is_empty());
         other.load(&disk).unwrap();
         let mut bad = disk.clone();

@@ -366,8 +366,8 @@ impl Inner {
                         if self.flush_legs() {
                             bm.flush_done(e);
                         }
-                        if bm.clear_quiet(self.bitmap_now()) > 0 {
-                            bm.set_events_cleared(self.meta.lock().events);
+                        let events = self.meta.lock().events;
+                        if bm.clear_quiet(self.bitmap_now(), events) > 0 {
                             let _ = self.persist_bitmap();
                         }
                     }

@@ -46,10 +46,10 @@ fn write(b: &WriteIntentBitmap) {
 
 /// The periodic clearer's two passes with a flush of every leg between them.
 fn mark_flush_clear(b: &WriteIntentBitmap) {
-    b.clear_quiet(Duration::ZERO);
+    b.clear_quiet(Duration::ZERO, 0);
     let e = b.begin_flush();
     b.flush_done(e);
-    b.clear_quiet(Duration::ZERO);
+    b.clear_quiet(Duration::ZERO, 0);
 }
 
 fn write_vs_clearer(mode: BitmapCounts, premarked: bool) {
@@ -64,7 +64,7 @@ fn write_vs_clearer(mode: BitmapCounts, premarked: bool) {
         thread::spawn(move || write(&b))
     };
     if premarked {
-        b.clear_quiet(Duration::ZERO);
+        b.clear_quiet(Duration::ZERO, 0);
     } else {
         mark_flush_clear(&b);
     }

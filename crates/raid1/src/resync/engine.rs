@@ -256,8 +256,8 @@ impl Inner {
             return;
         }
         bm.flush_done(e);
-        if bm.clear_synced() > 0 {
-            bm.set_events_cleared(self.meta.lock().events);
+        let events = self.meta.lock().events;
+        if bm.clear_synced(events) > 0 {
             let _ = self.persist_bitmap();
         }
     }
