@@ -1,8 +1,8 @@
 //! `Lower`: a device to stack a filter or a [`crate::Forward`] on, whose every answer is
 //! distinct from a [`Device`]'s defaults, so a test sees which answers were forwarded.
 
+use blkq_sync::atomic::{AtomicUsize, Ordering};
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use blk::stats::DiskStats;
