@@ -18,7 +18,7 @@ use std::time::Duration;
 use blk::Device;
 use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
 use raid1::superblock::{Superblock, BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
-use raid1::{Raid1, Raid1Config, SyncAction, WriteIntentBitmap};
+use raid1::{Event, Raid1, Raid1Config, SyncAction, WriteIntentBitmap};
 use testkit::io::{flush as try_flush, read_at, write_at};
 use testkit::{wait_until_within, Collect, Forward, Hook};
 
@@ -1014,6 +1014,119 @@ fn a_readded_legs_pass_does_not_resume_after_it_fails_and_returns() {
         read(a.as_ref(), r.data_offset() + s, 4096) == pattern(4, 4096),
         "leg 0, in sync after its recovery, misses the write it missed while out"
     );
+}
+
+/// Submits a write of `data` at array byte `off`, completing into `done`.
+fn submit_write(r: &Raid1, off: u64, data: &[u8], done: &Arc<Collect>) {
+    let mut bio = blk::Bio::with_buf(
+        blk::Op::Write,
+        off >> blk::SECTOR_SHIFT,
+        blk::Buffer::new(data.len()),
+    );
+    bio.buf
+        .as_mut()
+        .unwrap()
+        .as_mut_slice()
+        .copy_from_slice(data);
+    let end: Arc<dyn blk::EndIo> = done.clone();
+    r.submit(bio, &end);
+}
+
+/// Found by the simulator (seed 41000657): a leg out of its slot (the array, with its other
+/// two legs, counts as whole, so raid1d clears quiet bits), a write X while it is out, and the
+/// leg added back. The re-add decided on a bitmap recovery (no bit cleared since the leg
+/// left); then, while its placement waited for the I/O in flight, raid1d cleared X's bit, and
+/// the recovery's snapshot of the dirty chunks missed X: the leg came back in sync without it.
+///
+/// Here the re-add's placement waits for a write W held on leg 2; X, held on leg 0 until the
+/// re-add has decided (the array is frozen then), can be cleared only after the decision.
+/// Then raid1d runs until it has cleared X's bit or made three more passes (each flushes leg
+/// 2) after the one that may have begun before X ended: enough to clear a chunk quiet for
+/// 10 ms at a 20 ms tick. W goes on, the leg is placed and recovered; it must hold X.
+#[test]
+fn a_write_made_while_a_leg_was_out_reaches_it_however_raid1d_clears_during_its_readd() {
+    const FLUSHES: usize = 2; // FaultCounters' classes: read, write, flush, discard
+    let (a, fa) = fault_leg("16M", false);
+    let b = mem("16M");
+    let (c, fc) = fault_leg("16M", false);
+    let cfg = Raid1Config {
+        bitmap_quiet: Duration::from_millis(10),
+        tick: Duration::from_millis(20),
+        ..cfg()
+    };
+    let r = Raid1::create(vec![a.clone(), b.clone(), c], cfg).unwrap();
+    assert!(r.wait_sync_idle(IDLE));
+    let d = r.data_offset();
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    assert!(
+        !r.is_degraded(),
+        "slot 1 empty, legs 0 and 2 in sync: whole, raid1d clears quiet bits"
+    );
+    let (x_off, w_off) = (2 * MB + 8192, 5 * MB);
+    let x_dirty = || {
+        r.bitmap()
+            .unwrap()
+            .dirty_chunks()
+            .iter()
+            .any(|s| (s.first..s.end).contains(&(x_off / MB)))
+    };
+    fa.add(Rule::stall(OpSet::WRITE).in_range(d + x_off, 4096));
+    fc.add(Rule::stall(OpSet::WRITE).in_range(d + w_off, 4096));
+    let acked = Arc::new(Collect::default());
+    submit_write(&r, x_off, &pattern(1, 4096), &acked);
+    submit_write(&r, w_off, &pattern(2, 4096), &acked);
+    let sub = r.subscribe();
+    let cleared_in_window = std::thread::scope(|s| {
+        // Dropped before the scope joins the re-add, which waits for the writes held here: a
+        // failed assertion fails the test instead of hanging it.
+        let _go_on = ReleaseOnDrop([fa.clone(), fc.clone()]);
+        wait_until_within("X held on leg 0, W on leg 2", SOON, || {
+            fa.stalled() == 1 && fc.stalled() == 1
+        });
+        let readd = s.spawn(|| r.add_leg(b.clone()));
+        // Frozen: the re-add has decided, and waits for X and W to place the leg.
+        wait_until_within("the re-add waiting for the writes in flight", SOON, || {
+            r.barriers().is_frozen()
+        });
+        assert!(x_dirty(), "X's bit is set while X is in flight");
+        fa.clear();
+        assert_eq!(fa.release(), 1);
+        wait_until_within("X acknowledged", SOON, || acked.len() == 1);
+        let passes = fc.counters().seen[FLUSHES];
+        wait_until_within(
+            "raid1d cleared X's bit or made three more passes",
+            SOON,
+            || !x_dirty() || fc.counters().seen[FLUSHES] >= passes + 4,
+        );
+        let cleared = !x_dirty();
+        assert!(!readd.is_finished(), "the re-add waits for W");
+        fc.clear();
+        assert_eq!(fc.release(), 1);
+        assert_eq!(readd.join().unwrap().unwrap(), 1);
+        cleared
+    });
+    assert!(acked.wait_for(2).iter().all(|(_, res)| res.is_ok()));
+    let mut readd = None;
+    while let Some(rec) = sub.try_next() {
+        if let Event::LegAdded { slot: 1, readd: k } = rec.event {
+            readd = Some(k);
+        }
+    }
+    assert_eq!(
+        readd,
+        Some(true),
+        "a re-add of the slot's leg, with a bitmap recovery"
+    );
+    assert!(r.wait_sync_idle(IDLE));
+    let st = r.leg_status(1).unwrap();
+    assert!(st.in_sync && !st.faulty, "{st:?}");
+    assert!(
+        read(b.as_ref(), d + x_off, 4096) == pattern(1, 4096),
+        "leg 1, in sync after its re-add, misses the write X made while it was out \
+         (raid1d cleared X's bit while the re-add waited to place the leg: {cleared_in_window})"
+    );
+    assert_legs_equal(&r, a.as_ref(), b.as_ref());
 }
 
 /// Found by the NBD simulator's mirror exports (seed 1167: depth 16, a large read cut into
