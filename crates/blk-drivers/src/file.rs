@@ -92,7 +92,7 @@ use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
 use crate::engine::{Callback, EngineKind, FileEngine, UringOp};
-use crate::kind_options::{parse_bool, parse_num, KindOptions};
+use crate::kind_options::{parse_bool, parse_num, Kind, KindOptions};
 
 /// Worker threads of the pool engine when `workers=` is not given.
 pub const DEFAULT_WORKERS: usize = 4;
@@ -289,6 +289,20 @@ impl Shared {
         self.state.lock().spare.push(batch);
     }
 }
+
+/// The `file:PATH` kind ([`crate::spec::KINDS`]): its argument is a path.
+pub(crate) const KIND: Kind = Kind {
+    name: "file",
+    form: "file:PATH",
+    parse: |spec, arg, read_only| match arg {
+        "" => Err(crate::spec::bad_spec(spec)),
+        path => Ok(Box::new(SpecOptions::new(path.into(), read_only))),
+    },
+    arg_is_path: true,
+    path_options: &[],
+    read_only_options: &[],
+    warning: None,
+};
 
 /// A `file:` spec's options: `direct`, `lock`, `ro` (`read_only`), `engine`, `workers`,
 /// `entries`, `inline`, `splice`.

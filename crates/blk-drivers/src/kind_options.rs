@@ -1,9 +1,56 @@
-//! The options a device spec gives a kind of device: the trait each kind implements to take
-//! its own, and the parsers of option values, whose errors name the option.
+//! A kind of device as its own file declares it: its descriptor ([`Kind`]: name, form,
+//! argument, path options), the trait its spec options implement ([`KindOptions`]), and the
+//! parsers of option values, whose errors name the option.
 
+use std::fmt;
 use std::str::FromStr;
 
 use blk::{Driver, Error, QueueConfig};
+
+/// A kind of device (`null`, `mem`, `file`, `rbd`), declared once in its own file as a
+/// `const KIND: Kind`, and listed on one line of [`crate::spec::KINDS`]: the spec parser,
+/// `--raid1`'s leg list and the opener ask it, and none of them names a kind.
+pub struct Kind {
+    /// The name a spec starts with (`NAME:ARG`).
+    pub name: &'static str,
+    /// The spec's form, for messages (`mem:SIZE`).
+    pub form: &'static str,
+    /// Parses the argument of spec `spec` (`arg`, after `NAME:`) into the kind's options at
+    /// their defaults (`read_only`: the command line's `--read-only`), with the kind's own
+    /// errors.
+    pub(crate) parse: ParseArg,
+    /// Whether the argument is a path (`file:PATH`): [`crate::spec::DeviceSpec::path`] gives
+    /// it (a dirty-bitmap sidecar goes beside it).
+    pub arg_is_path: bool,
+    /// The `key=value` options whose values are paths (rbd's `conf`, `keyring`).
+    pub path_options: &'static [&'static str],
+    /// Options that make the device read-only by being given, whatever their value (rbd's
+    /// `snap`), beside every kind's `ro=1` / `read_only=1`.
+    pub read_only_options: &'static [&'static str],
+    /// What an operator is told when a device of this kind opens (`mem`'s data is lost when
+    /// the server stops).
+    pub warning: Option<&'static str>,
+}
+
+/// How a [`Kind`] parses its argument: `(spec, arg, read_only)` (the whole spec, for
+/// messages; the argument; the command line's `--read-only`) to its options at their
+/// defaults.
+pub(crate) type ParseArg = fn(&str, &str, bool) -> Result<Box<dyn KindOptions>, Error>;
+
+impl fmt::Debug for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+/// Kinds are one by name (the name is what a spec gives).
+impl PartialEq for Kind {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for Kind {}
 
 /// A kind of device's own options, set one at a time from its spec, and the driver they
 /// open: each kind declares them in its own file (`null.rs`, `mem.rs`, `file.rs`,

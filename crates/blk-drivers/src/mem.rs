@@ -9,7 +9,8 @@ use blkq_sync::DynArc as Arc;
 use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
-use crate::kind_options::{parse_bool, KindOptions};
+use crate::kind_options::{parse_bool, Kind, KindOptions};
+use crate::spec::device_size;
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +83,17 @@ pub struct BackendDriver {
     /// and the spec's `splice=0` did not turn them off.
     home: bool,
 }
+
+/// The `mem:SIZE` kind ([`crate::spec::KINDS`]).
+pub(crate) const KIND: Kind = Kind {
+    name: "mem",
+    form: "mem:SIZE",
+    parse: |spec, arg, _| Ok(Box::new(SpecOptions::new(device_size(spec, arg)?))),
+    arg_is_path: false,
+    path_options: &[],
+    read_only_options: &[],
+    warning: Some("the data lives in memory and is lost when the server stops"),
+};
 
 /// A `mem:` spec's options: `store`, `thp`, `splice`.
 pub(crate) struct SpecOptions {

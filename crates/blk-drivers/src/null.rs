@@ -15,7 +15,8 @@ use waitq::WaitQueue;
 
 use crate::backend::mem::MemBackend;
 use crate::backend::{exec_on_backend, Backend};
-use crate::kind_options::{parse_bool, parse_num, KindOptions};
+use crate::kind_options::{parse_bool, parse_num, Kind, KindOptions};
+use crate::spec::device_size;
 
 /// When the `null` driver completes a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -42,6 +43,17 @@ impl std::str::FromStr for CompletionMode {
         }
     }
 }
+
+/// The `null:SIZE` kind ([`crate::spec::KINDS`]).
+pub(crate) const KIND: Kind = Kind {
+    name: "null",
+    form: "null:SIZE",
+    parse: |spec, arg, _| Ok(Box::new(SpecOptions::new(device_size(spec, arg)?))),
+    arg_is_path: false,
+    path_options: &[],
+    read_only_options: &[],
+    warning: None,
+};
 
 /// A `null:` spec's options: `completion` (`irqmode`), `completion_nsec`, `memory_backed`.
 pub(crate) struct SpecOptions {

@@ -40,7 +40,7 @@
 //! `mem:1G,fault.seed=7,fault.fail_write_prob=0.01,fault.latency_us=100`. A spec with fault
 //! options cannot be built as a bare [`Queue`] ([`DeviceSpec::build`] refuses it).
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::str::FromStr;
 
 use blkq_sync::DynArc as Arc;
@@ -50,8 +50,8 @@ use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
 use blk::{Device, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
 
 use crate::fault::{FaultConfig, FaultDevice};
+pub use crate::kind_options::Kind;
 use crate::kind_options::{parse_bool, parse_num, KindOptions};
-use crate::rbd::RbdConfig;
 
 /// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
 /// 2^30 bytes), optionally written `KiB`, `MiB`, `GiB`, `TiB`; a bare number may end in `B`.
@@ -101,8 +101,47 @@ pub fn parse_size(s: &str) -> Result<u64, Error> {
         .ok_or_else(bad)
 }
 
+/// Every kind of device, one line each: each kind's file declares its [`Kind`] (name, form,
+/// argument, options, paths), and everything about kinds (parsing, opening, `--raid1`'s leg
+/// list, a config file's paths) is derived from this list. A new kind is one file and one
+/// line here.
+pub const KINDS: &[Kind] = &[
+    crate::null::KIND,
+    crate::mem::KIND,
+    crate::file::KIND,
+    crate::rbd::KIND,
+];
+
+impl Kind {
+    /// The kind a spec names `name` ([`KINDS`]).
+    pub fn named(name: &str) -> Option<&'static Kind> {
+        KINDS.iter().find(|k| k.name == name)
+    }
+
+    /// The forms a spec takes, for messages: `null:SIZE, mem:SIZE, file:PATH or
+    /// rbd:POOL/IMAGE`.
+    pub fn forms() -> String {
+        let mut out = String::new();
+        for (i, k) in KINDS.iter().enumerate() {
+            if i > 0 {
+                out.push_str(if i + 1 == KINDS.len() { " or " } else { ", " });
+            }
+            out.push_str(k.form);
+        }
+        out
+    }
+}
+
+/// The error of a spec that is none of the kinds' forms.
+pub(crate) fn bad_spec(spec: &str) -> Error {
+    Error::Config(format!(
+        "bad device spec {spec:?}: expected {}",
+        Kind::forms()
+    ))
+}
+
 /// The size of a `null:` or `mem:` device: [`parse_size`], and not zero.
-fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
+pub(crate) fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
     match parse_size(arg)? {
         0 => Err(Error::Config(format!(
             "bad device spec {spec:?}: a zero-size device (give a size, e.g. mem:64M)"
@@ -111,52 +150,13 @@ fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
     }
 }
 
-/// What kind of device a spec names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Kind {
-    /// `null:SIZE`.
-    Null(u64),
-    /// `mem:SIZE`.
-    Mem(u64),
-    /// `file:PATH`.
-    File(PathBuf),
-    /// `rbd:POOL/IMAGE` (its options are filled in by [`DeviceSpec::build`]).
-    Rbd(RbdConfig),
-}
-
-impl Kind {
-    /// Every kind's name, as a spec starts (`NAME:ARG`): the one list of them.
-    pub const NAMES: [&'static str; 4] = ["null", "mem", "file", "rbd"];
-    /// The forms a spec takes, for messages.
-    pub const FORMS: &'static str = "null:SIZE, mem:SIZE, file:PATH or rbd:POOL/IMAGE";
-
-    /// The kind's name ([`Kind::NAMES`]).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Kind::Null(_) => "null",
-            Kind::Mem(_) => "mem",
-            Kind::File(_) => "file",
-            Kind::Rbd(_) => "rbd",
-        }
-    }
-
-    /// The kind's own options at their defaults (`read_only`: the command line's
-    /// `--read-only`), from the file that declares them.
-    fn options(&self, read_only: bool) -> Box<dyn KindOptions> {
-        match self {
-            Kind::Null(size) => Box::new(crate::null::SpecOptions::new(*size)),
-            Kind::Mem(size) => Box::new(crate::mem::SpecOptions::new(*size)),
-            Kind::File(path) => Box::new(crate::file::SpecOptions::new(path.clone(), read_only)),
-            Kind::Rbd(c) => Box::new(crate::rbd::SpecOptions::new(c.clone(), read_only)),
-        }
-    }
-}
-
 /// A parsed device spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceSpec {
-    /// The kind and its argument.
-    pub kind: Kind,
+    /// The kind ([`KINDS`]).
+    pub kind: &'static Kind,
+    /// Its argument (after `NAME:`), which the kind parsed.
+    pub arg: String,
     /// `key=value` options, in order.
     pub options: Vec<(String, String)>,
 }
@@ -168,21 +168,10 @@ impl FromStr for DeviceSpec {
             Some((h, r)) => (h, Some(r)),
             None => (s, None),
         };
-        let (kind, arg) = head.split_once(':').ok_or_else(|| {
-            Error::Config(format!("bad device spec {s:?}: expected {}", Kind::FORMS))
-        })?;
-        let kind = match kind {
-            "null" => Kind::Null(device_size(s, arg)?),
-            "mem" => Kind::Mem(device_size(s, arg)?),
-            "file" if !arg.is_empty() => Kind::File(PathBuf::from(arg)),
-            "rbd" => Kind::Rbd(RbdConfig::parse_target(arg)?),
-            _ => {
-                return Err(Error::Config(format!(
-                    "bad device spec {s:?}: expected {}",
-                    Kind::FORMS
-                )))
-            }
-        };
+        let (name, arg) = head.split_once(':').ok_or_else(|| bad_spec(s))?;
+        let kind = Kind::named(name).ok_or_else(|| bad_spec(s))?;
+        // The kind's own errors, now rather than when the device is built.
+        (kind.parse)(s, arg, false)?;
         let mut options = vec![];
         for kv in rest
             .into_iter()
@@ -194,7 +183,11 @@ impl FromStr for DeviceSpec {
             })?;
             options.push((k.trim().to_string(), v.trim().to_string()));
         }
-        Ok(Self { kind, options })
+        Ok(Self {
+            kind,
+            arg: arg.to_string(),
+            options,
+        })
     }
 }
 
@@ -280,12 +273,18 @@ pub struct QueueOverrides {
 pub const FAULT_PREFIX: &str = "fault.";
 
 impl DeviceSpec {
-    /// Whether `s` starts with a kind's name and its colon ([`Kind::NAMES`]): where a
+    /// Whether `s` starts with a kind's name and its colon ([`KINDS`]): where a
     /// comma-separated list of specs with their options (`--raid1`'s legs) begins the next
     /// spec.
     pub fn starts_a_spec(s: &str) -> bool {
         s.split_once(':')
-            .is_some_and(|(k, _)| Kind::NAMES.contains(&k))
+            .is_some_and(|(k, _)| Kind::named(k).is_some())
+    }
+
+    /// The spec's argument as a path, when its kind's argument is one (`file:PATH`): where
+    /// the device's data lives.
+    pub fn path(&self) -> Option<&Path> {
+        self.kind.arg_is_path.then(|| Path::new(&self.arg))
     }
 
     /// Whether the device is read-only: `--read-only` (`overrides.read_only`) or the spec's own
@@ -294,7 +293,7 @@ impl DeviceSpec {
         overrides.read_only
             || self.options.iter().any(|(k, v)| {
                 (matches!(k.as_str(), "ro" | "read_only") && parse_bool(k, v).unwrap_or(false))
-                    || (k == "snap" && matches!(self.kind, Kind::Rbd(_)))
+                    || self.kind.read_only_options.contains(&k.as_str())
             })
     }
 
@@ -369,7 +368,11 @@ impl DeviceSpec {
     fn parse_options(&self, overrides: &QueueOverrides) -> Result<Options, Error> {
         let mut o = Options {
             queue: QueueOptions::default(),
-            driver: self.kind.options(overrides.read_only),
+            driver: (self.kind.parse)(
+                &format!("{}:{}", self.kind.name, self.arg),
+                &self.arg,
+                overrides.read_only,
+            )?,
         };
         for (k, v) in &self.options {
             let k = k.as_str();
@@ -379,7 +382,7 @@ impl DeviceSpec {
             if !o.queue.set(k, v)? && !o.driver.set(k, v)? {
                 return Err(Error::Config(format!(
                     "unknown option {k:?} for a {} device",
-                    self.kind.name()
+                    self.kind.name
                 )));
             }
         }
@@ -561,33 +564,38 @@ mod tests {
         let s: DeviceSpec = "null:1G,completion=thread,completion_nsec=10000,hw_queue_depth=64"
             .parse()
             .unwrap();
-        assert_eq!(s.kind, Kind::Null(1 << 30));
+        assert_eq!((s.kind, s.arg.as_str()), (&crate::null::KIND, "1G"));
+        assert_eq!(s.path(), None);
         assert_eq!(s.options.len(), 3);
         let f: DeviceSpec = "file:/tmp/x.img".parse().unwrap();
-        assert_eq!(f.kind, Kind::File("/tmp/x.img".into()));
+        assert_eq!(f.kind, &crate::file::KIND);
+        assert_eq!(f.path(), Some(Path::new("/tmp/x.img")));
         assert!("disk:1G".parse::<DeviceSpec>().is_err());
         assert!("null:1G,bogus".parse::<DeviceSpec>().is_err());
         let bad: DeviceSpec = "mem:1M,completion=thread".parse().unwrap();
         assert!(bad.build(&QueueOverrides::default()).is_err());
     }
 
-    /// `Kind::NAMES` is the list the parser knows: each name starts a spec, and one it does
-    /// not hold is refused as no kind at all.
+    /// [`KINDS`] is the one list the parser knows: each kind's name starts a spec and parses
+    /// as that kind (or fails with the kind's own error, not as no kind at all), its form
+    /// begins with its name and is in the message for a spec of no kind, and a name it does
+    /// not hold is refused as no kind.
     #[test]
-    fn the_kind_names_are_the_parsers() {
-        for n in Kind::NAMES {
+    fn the_kind_list_is_the_parsers() {
+        let none = "disk:1G".parse::<DeviceSpec>().unwrap_err().to_string();
+        for k in KINDS {
+            let n = k.name;
+            assert_eq!(Kind::named(n), Some(k), "{n}");
+            assert!(k.form.starts_with(&format!("{n}:")), "{n}: {}", k.form);
+            assert!(none.contains(k.form), "{n}: {none}");
             assert!(DeviceSpec::starts_a_spec(&format!("{n}:x")), "{n}");
-            let e = format!("{n}:x")
-                .parse::<DeviceSpec>()
-                .err()
-                .map(|e| e.to_string());
-            assert!(
-                !e.as_deref().unwrap_or("").contains(Kind::FORMS),
-                "{n}: not a kind: {e:?}"
-            );
+            match format!("{n}:x").parse::<DeviceSpec>() {
+                Ok(spec) => assert_eq!(spec.kind, k, "{n}"),
+                Err(e) => assert!(!e.to_string().contains(&Kind::forms()), "{n}: {e}"),
+            }
         }
-        let e = "disk:1G".parse::<DeviceSpec>().unwrap_err().to_string();
-        assert!(e.contains(Kind::FORMS), "{e}");
+        assert!(none.contains(&Kind::forms()), "{none}");
+        assert!(none.ends_with("or rbd:POOL/IMAGE"), "{none}");
         for not in ["disk:1G", "direct=1", "fault.x=mem:1M", "nbd://h/e", "mem"] {
             assert!(!DeviceSpec::starts_a_spec(not), "{not}");
         }

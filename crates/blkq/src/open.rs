@@ -101,12 +101,10 @@ impl Spec {
                 if faults {
                     warnings.push("fault injection is on: I/O fails or is delayed on purpose");
                 }
-                if matches!(parsed.kind, blk_drivers::spec::Kind::Mem(_)) {
-                    warnings.push("the data lives in memory and is lost when the server stops");
-                }
+                warnings.extend(parsed.kind.warning);
                 Ok(Opened {
                     dev,
-                    kind: parsed.kind.name(),
+                    kind: parsed.kind.name,
                     describe,
                     read_only: parsed.is_read_only(overrides),
                     remote: None,

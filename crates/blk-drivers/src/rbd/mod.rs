@@ -85,6 +85,21 @@ pub const NOT_BUILT: &str = "this blkq was built without librbd, so rbd: devices
      available: install librbd-dev (apt-get install librbd-dev) and rebuild with the `rbd` \
      feature (on by default)";
 
+/// The `rbd:POOL/IMAGE` kind ([`crate::spec::KINDS`]): `conf=` and `keyring=` are paths, and
+/// `snap=` opens the image read-only.
+pub(crate) const KIND: crate::kind_options::Kind = crate::kind_options::Kind {
+    name: "rbd",
+    form: "rbd:POOL/IMAGE",
+    parse: |_, arg, read_only| {
+        let target = RbdConfig::parse_target(arg)?;
+        Ok(Box::new(SpecOptions::new(target, read_only)))
+    },
+    arg_is_path: false,
+    path_options: &["conf", "keyring"],
+    read_only_options: &["snap"],
+    warning: None,
+};
+
 /// An `rbd:` spec's options: `ro` (`read_only`), `lock`, and the target's own
 /// ([`RbdConfig::set`]).
 pub(crate) struct SpecOptions(RbdConfig);

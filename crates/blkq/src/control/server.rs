@@ -39,12 +39,14 @@ pub struct Control {
 /// A new leg, opened and read: the device, and the leg UUID its superblock gives it.
 type NewLeg = (Arc<dyn blk::Device>, Option<[u8; 16]>);
 
-/// Whether two device specs name the same file (`file:` specs whose paths are one inode).
+/// Whether two device specs name the same file (specs of a kind whose argument is a path,
+/// `file:`, whose paths are one inode).
 fn same_file(a: &str, b: &str) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let id = |s: &str| match s.parse::<blk_drivers::spec::DeviceSpec>().ok()?.kind {
-        blk_drivers::spec::Kind::File(p) => std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino())),
-        _ => None,
+    let id = |s: &str| {
+        let spec = s.parse::<blk_drivers::spec::DeviceSpec>().ok()?;
+        let m = std::fs::metadata(spec.path()?).ok()?;
+        Some((m.dev(), m.ino()))
     };
     matches!((id(a), id(b)), (Some(x), Some(y)) if x == y)
 }

@@ -29,7 +29,7 @@ pub fn split_legs(s: &str) -> Result<Vec<String>> {
         } else {
             bail!(
                 "--raid1 {s:?}: {part:?} is not a device spec (expected {}, or nbd://HOST/EXPORT)",
-                blk_drivers::spec::Kind::FORMS
+                blk_drivers::spec::Kind::forms()
             );
         }
     }

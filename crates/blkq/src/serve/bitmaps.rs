@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use blk::Device;
-use blk_drivers::spec::{DeviceSpec, Kind};
+use blk_drivers::spec::DeviceSpec;
 use blkq_sync::DynArc as Arc;
 use cbt::{Bitmaps, Identity, Image, Mode, Options, Store, Tracked};
 use raid1::Raid1;
@@ -66,14 +66,14 @@ pub fn store_for(parsed: Option<&DeviceSpec>, opt: &BitmapsOpt, capacity: u64) -
         size: capacity,
         uuid: [0; 16],
     });
-    match (parsed.map(|p| &p.kind), opt) {
-        (Some(Kind::File(p)), BitmapsOpt::Default) => Store::File {
+    match (parsed.and_then(DeviceSpec::path), opt) {
+        (Some(p), BitmapsOpt::Default) => Store::File {
             path: default_sidecar(p),
-            image: Image::File(p.clone()),
+            image: Image::File(p.to_path_buf()),
         },
-        (Some(Kind::File(p)), BitmapsOpt::Sidecar(s)) => Store::File {
+        (Some(p), BitmapsOpt::Sidecar(s)) => Store::File {
             path: s.clone(),
-            image: Image::File(p.clone()),
+            image: Image::File(p.to_path_buf()),
         },
         (_, BitmapsOpt::Sidecar(s)) => Store::File {
             path: s.clone(),
@@ -93,10 +93,7 @@ pub fn store_for_mirror(r: &Raid1, specs: &[Option<String>], legs: &[String]) ->
     let Some(sb) = r.superblock(0) else {
         return Store::Memory;
     };
-    let sidecar = |spec: &str| match spec.parse::<DeviceSpec>().ok()?.kind {
-        Kind::File(p) => Some(default_sidecar(&p)),
-        _ => None,
-    };
+    let sidecar = |spec: &str| Some(default_sidecar(spec.parse::<DeviceSpec>().ok()?.path()?));
     let mut sidecars: Vec<PathBuf> = specs
         .iter()
         .enumerate()
