@@ -9,7 +9,8 @@ use blk::{Driver, Error, QueueConfig};
 
 /// A kind of device (`null`, `mem`, `file`, `rbd`), declared once in its own file as a
 /// `const KIND: Kind`, and listed on one line of [`crate::spec::KINDS`]: the spec parser,
-/// `--raid1`'s leg list and the opener ask it, and none of them names a kind.
+/// `--raid1`'s leg list, the opener and a config file's path rebasing ask it, and none of
+/// them names a kind.
 pub struct Kind {
     /// The name a spec starts with (`NAME:ARG`).
     pub name: &'static str,
@@ -19,10 +20,12 @@ pub struct Kind {
     /// their defaults (`read_only`: the command line's `--read-only`), with the kind's own
     /// errors.
     pub(crate) parse: ParseArg,
-    /// Whether the argument is a path (`file:PATH`): [`crate::spec::DeviceSpec::path`] gives
-    /// it (a dirty-bitmap sidecar goes beside it).
+    /// Whether the argument is a path (`file:PATH`): a config file makes it relative to its
+    /// directory ([`crate::spec::DeviceSpec::rebase`]), and [`crate::spec::DeviceSpec::path`]
+    /// gives it (a dirty-bitmap sidecar goes beside it).
     pub arg_is_path: bool,
-    /// The `key=value` options whose values are paths (rbd's `conf`, `keyring`).
+    /// The `key=value` options whose values are paths (rbd's `conf`, `keyring`), which a
+    /// config file makes relative to its directory as well.
     pub path_options: &'static [&'static str],
     /// Options that make the device read-only by being given, whatever their value (rbd's
     /// `snap`), beside every kind's `ro=1` / `read_only=1`.

@@ -150,6 +150,25 @@ pub(crate) fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
     }
 }
 
+/// `path`, a path inside a device spec, joined to `dir` when it is relative; `None` when it
+/// stays as it is (empty or absolute). `part` (the spec's part that holds it) names it in
+/// the error: a joined path a spec cannot hold (a comma, which separates its options, or not
+/// UTF-8) is refused.
+pub fn join_path(part: &str, path: &str, dir: &Path) -> Result<Option<String>, Error> {
+    if path.is_empty() || Path::new(path).is_absolute() {
+        return Ok(None);
+    }
+    let full = dir.join(path);
+    match full.to_str().filter(|f| !f.contains(',')) {
+        Some(f) => Ok(Some(f.to_string())),
+        None => Err(Error::Config(format!(
+            "{part}: the path is relative to the directory {}, whose name a device spec cannot \
+             hold (a comma, or not UTF-8): write the path absolute",
+            dir.display()
+        ))),
+    }
+}
+
 /// A parsed device spec.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceSpec {
@@ -279,6 +298,38 @@ impl DeviceSpec {
     pub fn starts_a_spec(s: &str) -> bool {
         s.split_once(':')
             .is_some_and(|(k, _)| Kind::named(k).is_some())
+    }
+
+    /// `spec` with every relative path in it joined to `dir` (a config file's directory), as
+    /// its kind declares them ([`Kind::arg_is_path`], [`Kind::path_options`]); the rest of the
+    /// text as it is. A spec that names no kind is returned as is (its parser says what is
+    /// wrong with it). Fails as [`join_path`] does.
+    pub fn rebase(spec: &str, dir: &Path) -> Result<String, Error> {
+        let (head, rest) = match spec.split_once(',') {
+            Some((h, r)) => (h, Some(r)),
+            None => (spec, None),
+        };
+        let Some(kind) = head.split_once(':').and_then(|(n, _)| Kind::named(n)) else {
+            return Ok(spec.to_string());
+        };
+        let arg = &head[kind.name.len() + 1..];
+        let mut out = format!("{}:", kind.name);
+        match kind.arg_is_path.then(|| join_path(head, arg, dir)) {
+            Some(Err(e)) => return Err(e),
+            Some(Ok(Some(full))) => out.push_str(&full),
+            _ => out.push_str(arg),
+        }
+        for part in rest.into_iter().flat_map(|r| r.split(',')) {
+            out.push(',');
+            let full = match part.split_once('=') {
+                Some((k, v)) if kind.path_options.contains(&k) => {
+                    join_path(part, v, dir)?.map(|full| format!("{k}={full}"))
+                }
+                _ => None,
+            };
+            out.push_str(full.as_deref().unwrap_or(part));
+        }
+        Ok(out)
     }
 
     /// The spec's argument as a path, when its kind's argument is one (`file:PATH`): where
@@ -599,6 +650,37 @@ mod tests {
         for not in ["disk:1G", "direct=1", "fault.x=mem:1M", "nbd://h/e", "mem"] {
             assert!(!DeviceSpec::starts_a_spec(not), "{not}");
         }
+    }
+
+    /// A config file's paths are the ones each kind declares: for every listed kind, a
+    /// relative argument is joined to the directory exactly when the kind says its argument
+    /// is a path, and so is each of its path options, and no other option.
+    #[test]
+    fn rebase_joins_the_paths_each_kind_declares() {
+        let dir = Path::new("/etc/blkq");
+        for k in KINDS {
+            let mut spec = format!("{}:a/b,x=rel", k.name);
+            let mut want = match k.arg_is_path {
+                true => format!("{}:/etc/blkq/a/b,x=rel", k.name),
+                false => spec.clone(),
+            };
+            for o in k.path_options {
+                spec.push_str(&format!(",{o}=rel,{o}=/abs,{o}="));
+                want.push_str(&format!(",{o}=/etc/blkq/rel,{o}=/abs,{o}="));
+            }
+            assert_eq!(DeviceSpec::rebase(&spec, dir).unwrap(), want, "{}", k.name);
+            let abs = format!("{}:/a", k.name);
+            assert_eq!(DeviceSpec::rebase(&abs, dir).unwrap(), abs);
+        }
+        assert!(KINDS.iter().any(|k| k.arg_is_path));
+        assert!(KINDS.iter().any(|k| !k.path_options.is_empty()));
+        for other in ["disk:x,conf=c", "nbd://h/e?socket=s", "file"] {
+            assert_eq!(DeviceSpec::rebase(other, dir).unwrap(), other);
+        }
+        let e = DeviceSpec::rebase("file:x", Path::new("/a,b"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("file:x: ") && e.contains("comma"), "{e}");
     }
 
     #[test]

@@ -59,6 +59,16 @@ impl Spec {
         RemoteSpec::is_remote(spec)
     }
 
+    /// `spec` with every relative path in it joined to `dir` (a config file's directory): the
+    /// paths a local spec's kind declares ([`DeviceSpec::rebase`]), or a remote URI's path
+    /// parameters ([`RemoteSpec::rebase`]).
+    pub fn rebase(spec: &str, dir: &std::path::Path) -> Result<String> {
+        if Self::on_another_host(spec) {
+            return Ok(RemoteSpec::rebase(spec, dir));
+        }
+        Ok(DeviceSpec::rebase(spec, dir)?)
+    }
+
     /// The local spec, if it is one (where its dirty bitmaps' sidecar goes by default).
     pub fn local(&self) -> Option<&DeviceSpec> {
         match self {

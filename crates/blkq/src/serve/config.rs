@@ -9,8 +9,9 @@
 //! come with their line from the parser; the exports' values through their `Spanned` fields),
 //! `--allow: ...` for the command line.
 //!
-//! Relative paths in the file (`[server] socket`, `[tls] certificates`, `file:` device specs of
-//! `[[export]] device` and `[[raid1]] legs`, `[[raid1]] control`) are from the file's directory
+//! Relative paths in the file (`[server] socket`, `[tls] certificates`, `[[raid1]] control`,
+//! and inside the device specs of `[[export]] device` and `[[raid1]] legs`: `bitmaps=` and the
+//! paths each kind of device declares, such as `file:PATH`) are from the file's directory
 //! ([`Config::load`]), as whoever reads the file expects; on the command line they are from the
 //! working directory, as usual. A key left out takes the flag's default as is (`./blkq.sock`).
 //!
@@ -374,109 +375,27 @@ fn export_names(e: &ExportArgs) -> Result<Vec<String>> {
 }
 
 /// `spec` with every relative path in it joined to `dir` (the config file's directory), as
-/// every other path of the file is: a `file:` spec's path, `bitmaps=` of any spec, `conf=` and
-/// `keyring=` of an `rbd:` spec, and `socket=` and `tls-certificates=` in the query of a
-/// remote export's URI.
+/// every other path of the file is: `bitmaps=` of any spec (the server's own option), and the
+/// paths the spec's kind declares ([`crate::open::Spec::rebase`]).
 fn spec_from(spec: &str, dir: &Path) -> Result<String> {
-    let spec = &options_from(spec, dir, &["bitmaps"])?;
-    if crate::open::Spec::on_another_host(spec) {
-        return Ok(query_from(spec, dir));
-    }
-    if spec.starts_with("rbd:") {
-        return options_from(spec, dir, &["conf", "keyring"]);
-    }
-    let Some(rest) = spec.strip_prefix("file:") else {
-        return Ok(spec.to_string());
-    };
-    let (path, opts) = match rest.split_once(',') {
-        Some((p, o)) => (p, Some(o)),
-        None => (rest, None),
-    };
-    if path.is_empty() || Path::new(path).is_absolute() {
-        return Ok(spec.to_string());
-    }
-    let full = dir.join(path);
-    let Some(full) = full.to_str().filter(|f| !f.contains(',')) else {
-        bail!(
-            "the path is relative to the config file's directory, {}, whose name a device spec \
-             cannot hold (a comma, or not UTF-8): write the path absolute",
-            dir.display()
-        );
-    };
-    Ok(match opts {
-        Some(o) => format!("file:{full},{o}"),
-        None => format!("file:{full}"),
-    })
+    let spec = bitmaps_from(spec, dir)?;
+    crate::open::Spec::rebase(&spec, dir)
 }
 
-/// A device spec whose relative `KEY=PATH` options (`keys`) are made relative to `dir`, as its
-/// `file:` path is (`bitmaps=off` is no path).
-fn options_from(spec: &str, dir: &Path, keys: &[&str]) -> Result<String> {
+/// A device spec whose relative `bitmaps=PATH` is made relative to `dir` (`bitmaps=off` is no
+/// path).
+fn bitmaps_from(spec: &str, dir: &Path) -> Result<String> {
     let mut parts = Vec::new();
     for (i, part) in spec.split(',').enumerate() {
-        let path = part
-            .split_once('=')
-            .filter(|(k, v)| {
-                i > 0
-                    && keys.contains(k)
-                    && !v.is_empty()
-                    && !(*k == "bitmaps" && *v == "off")
-                    && Path::new(v).is_relative()
-            })
-            .map(|(k, v)| (k, dir.join(v)));
-        match path {
-            Some((k, full)) => {
-                let Some(full) = full.to_str().filter(|f| !f.contains(',')) else {
-                    bail!(
-                        "{part}: the path is relative to the config file's directory, {}, whose \
-                         name a device spec cannot hold (a comma, or not UTF-8): write the path \
-                         absolute",
-                        dir.display()
-                    );
-                };
-                parts.push(format!("{k}={full}"));
+        let full = match part.split_once('=') {
+            Some(("bitmaps", v)) if i > 0 && v != "off" => {
+                blk_drivers::spec::join_path(part, v, dir)?.map(|f| format!("bitmaps={f}"))
             }
-            None => parts.push(part.to_string()),
-        }
+            _ => None,
+        };
+        parts.push(full.unwrap_or_else(|| part.to_string()));
     }
     Ok(parts.join(","))
-}
-
-/// A remote export's URI whose relative `socket=` and `tls-certificates=` query values are
-/// made relative to `dir` (written `%XX`-escaped, as the URI's values are read).
-fn query_from(spec: &str, dir: &Path) -> String {
-    let Some(at) = spec.find('?') else {
-        return spec.to_string();
-    };
-    let (head, query) = spec.split_at(at + 1);
-    let params: Vec<String> = query
-        .split('&')
-        .map(|p| match p.split_once('=') {
-            Some((k @ ("socket" | "tls-certificates"), v))
-                if !v.is_empty()
-                    && !v.starts_with('/')
-                    && !v.to_ascii_lowercase().starts_with("%2f") =>
-            {
-                format!("{k}={}/{v}", uri_escape(dir))
-            }
-            _ => p.to_string(),
-        })
-        .collect();
-    format!("{head}{}", params.join("&"))
-}
-
-/// `%XX`-escapes every byte of a path but unreserved URI characters and `/`.
-fn uri_escape(p: &Path) -> String {
-    use std::os::unix::ffi::OsStrExt;
-    let mut out = String::new();
-    for &b in p.as_os_str().as_bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 #[cfg(test)]

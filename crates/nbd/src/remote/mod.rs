@@ -138,6 +138,7 @@ pub use connect::{RemoteError, DEFAULT_MAX_IO};
 pub use spec::{
     RemoteAddr, RemoteSpec, SendMode, SpecError, TlsSpec, DEFAULT_DEPTH,
     DEFAULT_RECONNECT_DEADLINE, DEFAULT_TIMEOUT, MAX_CONNS, MAX_DEPTH, MAX_TIMEOUT_SECS,
+    PATH_PARAMS,
 };
 
 use blk::{Bio, BioFlags, Device, EndIo, Error, Extent, Limits, Op};

@@ -57,7 +57,7 @@
 //! comma inside a socket path or an export name stays part of it).
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Default request timeout.
@@ -74,6 +74,9 @@ pub const MAX_CONNS: usize = 16;
 pub const DEFAULT_RECONNECT_DEADLINE: Duration = Duration::from_secs(15);
 
 const OPTIONS: [&str; 5] = ["timeout", "depth", "reconnect_deadline", "conns", "send"];
+/// The query parameters whose values are paths (`socket=PATH`, `tls-certificates=DIR`): a
+/// config file makes them relative to its directory ([`RemoteSpec::rebase`]).
+pub const PATH_PARAMS: [&str; 2] = ["socket", "tls-certificates"];
 
 /// Who writes a request to the socket (`send=`; see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -279,6 +282,33 @@ impl RemoteSpec {
     }
 }
 
+impl RemoteSpec {
+    /// `spec` with its relative path parameters ([`PATH_PARAMS`]) joined to `dir` (a config
+    /// file's directory), written `%XX`-escaped, as the URI's values are read; the rest of
+    /// the text as it is.
+    pub fn rebase(spec: &str, dir: &Path) -> String {
+        let Some(at) = spec.find('?') else {
+            return spec.to_string();
+        };
+        let (head, query) = spec.split_at(at + 1);
+        let params: Vec<String> = query
+            .split('&')
+            .map(|p| match p.split_once('=') {
+                Some((k, v))
+                    if PATH_PARAMS.contains(&k)
+                        && !v.is_empty()
+                        && !v.starts_with('/')
+                        && !v.to_ascii_lowercase().starts_with("%2f") =>
+                {
+                    format!("{k}={}/{v}", escape(dir))
+                }
+                _ => p.to_string(),
+            })
+            .collect();
+        format!("{head}{}", params.join("&"))
+    }
+}
+
 impl std::str::FromStr for RemoteSpec {
     type Err = SpecError;
     fn from_str(s: &str) -> Result<Self, SpecError> {
@@ -413,6 +443,21 @@ fn unescape(uri: &str, s: &str) -> Result<String, SpecError> {
     Ok(s)
 }
 
+/// `%XX`-escapes every byte of a path but unreserved URI characters and `/` ([`unescape`]'s
+/// inverse).
+fn escape(p: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in p.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// Splits `path?query` and decodes the export (the path without its leading `/`).
 fn export_and_query<'a>(uri: &str, rest: &'a str) -> Result<(String, Option<&'a str>), SpecError> {
     let (path, query) = match rest.split_once('?') {
@@ -490,6 +535,29 @@ fn parse_unix(uri: &str, rest: &str, tls: bool) -> Result<(RemoteAddr, String, Q
 #[cfg(all(test, not(blkq_loom)))]
 mod tests {
     use super::*;
+
+    /// Each path parameter is one the parser reads as a path, and `rebase` joins it to the
+    /// directory, escaped so that it parses back to the joined path.
+    #[test]
+    fn rebase_joins_each_path_param_to_the_directory() {
+        let dir = Path::new("/srv/a b&c%d,e");
+        for p in PATH_PARAMS {
+            let spec =
+                format!("nbds+unix:///x?socket=/abs.sock&tls-certificates=/pki&{p}=r%2Ex,depth=4");
+            let r = RemoteSpec::parse(&RemoteSpec::rebase(&spec, dir)).unwrap();
+            let got = match p {
+                "socket" => match r.addr {
+                    RemoteAddr::Unix(path) => path,
+                    a => panic!("{a:?}"),
+                },
+                _ => r.tls.unwrap().certificates,
+            };
+            assert_eq!(got, dir.join("r.x"), "{p}");
+            assert_eq!(r.depth, 4, "{p}");
+        }
+        let abs = "nbds+unix:///?socket=/abs.sock&tls-certificates=%2Fpki&tls-hostname=h";
+        assert_eq!(RemoteSpec::rebase(abs, dir), abs);
+    }
 
     fn tcp(host: &str, port: u16) -> RemoteAddr {
         RemoteAddr::Tcp {
