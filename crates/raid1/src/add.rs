@@ -11,7 +11,7 @@ use crate::barrier::paired;
 use crate::bitmap::WriteIntentBitmap;
 use crate::device::Raid1;
 use crate::error::Raid1Error;
-use crate::generation::{Kinship, Lineage};
+use crate::generation::Kinship;
 use crate::readd::AbsentError;
 use crate::superblock::{Role, Superblock};
 
@@ -289,11 +289,6 @@ impl Raid1 {
         // No bit is cleared from here until the leg is placed (its recovery's state then keeps
         // the array degraded) or turned away (`state_changed` below).
         let cleared = bm.hold_clears();
-        // No bit cleared since `history` left generation `id` (strictly before: a clear at
-        // the events of the new generation's start came after it).
-        let untouched_since = |history: &Lineage, id: u64, cleared: u64| {
-            history.left_at(id).is_some_and(|left| cleared < left)
-        };
         let ok = match kin {
             Kinship::Same => crate::placement::readd_rule(true, sb.events, cleared),
             Kinship::Ancestor => {
@@ -322,16 +317,16 @@ impl Raid1 {
             }
             Kinship::Diverged | Kinship::Descendant => {
                 let common = lineage.common(&sb.lineage);
-                // A descendant left the array's current generation while the array was
-                // stopped (it would have started a new one otherwise): the array cleared
-                // nothing since.
-                let ours_whole =
-                    kin == Kinship::Descendant || untouched_since(&lineage, common, cleared);
-                let theirs = self
-                    .leg_bitmap(dev, sb)?
-                    .filter(|(_, t)| untouched_since(&sb.lineage, common, t.events_cleared()));
+                let theirs = self.leg_bitmap(dev, sb)?.filter(|(_, t)| {
+                    crate::placement::parted_covers(
+                        &lineage,
+                        cleared,
+                        &sb.lineage,
+                        t.events_cleared(),
+                    )
+                });
                 match theirs {
-                    Some((bits, _)) if ours_whole => {
+                    Some((bits, _)) => {
                         bm.load(bits.as_slice())?;
                         tracing::info!(
                             "raid1: slot {n}: discarding the leg's writes since generation \

@@ -237,10 +237,12 @@ pub(crate) fn readd_rule(left_in_sync: bool, events: u64, events_cleared: u64) -
 
 /// The re-add rule across generations (see `generation`): a returning leg at `generation`
 /// (its own superblock's, with its `events` and whether it left in sync) of an array whose
-/// history is `lineage` needs only the bitmap's dirty chunks when it is of the array's
-/// generation and md's rule holds ([`readd_rule`]), or of an earlier one that it left in sync
-/// and no bit was cleared since the array left that generation. Assembly, `add_leg` and the
-/// automatic re-add all ask this.
+/// history is `lineage` needs only the bitmap's dirty chunks when md's rule holds
+/// ([`readd_rule`]: no bit was cleared after its last superblock) and, of an earlier
+/// generation, no bit was cleared since the array left it. Both, because a leg can leave the
+/// array without a new generation (a superblock write that never reached it, then a removal
+/// while it recovered: no leg in sync left) and the array may clear bits in that same
+/// generation afterwards. Assembly, `add_leg` and the automatic re-add all ask this.
 pub(crate) fn readd_covers(
     lineage: &Lineage,
     generation: u64,
@@ -248,15 +250,35 @@ pub(crate) fn readd_covers(
     events: u64,
     events_cleared: u64,
 ) -> bool {
-    if generation == lineage.current.id {
-        readd_rule(left_in_sync, events, events_cleared)
-    } else {
-        // Strictly before: a clear at the new generation's first events came after it.
-        left_in_sync
-            && lineage
+    readd_rule(left_in_sync, events, events_cleared)
+        && (generation == lineage.current.id
+            // Strictly before: a clear at the new generation's first events came after it.
+            || lineage
                 .left_at(generation)
-                .is_some_and(|left| events_cleared < left)
-    }
+                .is_some_and(|left| events_cleared < left))
+}
+
+/// Whether the bitmaps of two sides that parted (`ours`, the array's history with its
+/// `events_cleared`; `theirs`, a returning leg's, with its own bitmap's) show every chunk
+/// either changed since they parted ([`Kinship::Diverged`], or [`Kinship::Descendant`]: the
+/// leg went on while the array was stopped). Neither side may have cleared a bit since the
+/// first of them left their last common generation: a side that left first (at fewer events)
+/// lacks what the other wrote in the common generation afterwards, and a bit cleared then
+/// hides it. `ours` has not left the common generation when it is its current one.
+pub(crate) fn parted_covers(
+    ours: &Lineage,
+    our_cleared: u64,
+    theirs: &Lineage,
+    their_cleared: u64,
+) -> bool {
+    let common = ours.common(theirs);
+    // Each side's departure from the common generation, strictly before which every clear
+    // must lie (a clear at a new generation's first events came after it).
+    let departures = [ours.left_at(common), theirs.left_at(common)];
+    let Some(first) = departures.iter().flatten().min().copied() else {
+        return false;
+    };
+    our_cleared < first && their_cleared < first
 }
 
 /// Whether `sb` records slot `n` as failed or not in sync.
@@ -306,4 +328,78 @@ fn choose_newest(
         join(&legs)
     ));
     Ok(*i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generation::Generation;
+
+    fn lineage(current: (u64, u64), history: &[(u64, u64)]) -> Lineage {
+        let g = |(id, since): (u64, u64)| Generation { id, since };
+        Lineage {
+            current: g(current),
+            history: history.iter().map(|&h| g(h)).collect(),
+        }
+    }
+
+    /// A leg whose superblock stopped at events 8 of generation 0xa, in sync, while the array
+    /// went on in that generation without it (a superblock write that never reached it, then
+    /// a removal while it recovered: no generation starts when no leg in sync leaves), cleared
+    /// bits at events 25 and began generation 0xb at 26. The clear came after the leg's last
+    /// superblock: a bit it needs may be gone, whatever the generations say (seed 45000313).
+    #[test]
+    fn an_ancestor_whose_events_are_behind_a_clear_is_not_covered() {
+        let array = lineage((0xb, 26), &[(0xa, 1)]);
+        assert!(
+            !readd_covers(&array, 0xa, true, 8, 25),
+            "a clear at 25 after the leg's events 8"
+        );
+        assert!(
+            readd_covers(&array, 0xa, true, 8, 8),
+            "a clear at its own events"
+        );
+        assert!(readd_covers(&array, 0xa, true, 25, 25), "it saw the clear");
+        assert!(
+            !readd_covers(&array, 0xa, true, 25, 26),
+            "a clear at the new generation's start"
+        );
+        assert!(
+            !readd_covers(&array, 0xa, false, 25, 0),
+            "it left out of sync"
+        );
+        assert!(
+            readd_covers(&array, 0xb, true, 30, 27),
+            "the current generation"
+        );
+        assert!(!readd_covers(&array, 0xb, true, 26, 27), "md's rule");
+    }
+
+    /// Two sides parted from generation 0xa: the leg left it at events 9 (its generation 0xc
+    /// began then), the array stayed in it to 26. A clear the array made at 20 hides chunks
+    /// it wrote after the leg had left; a clear at 8 hides nothing either lacks.
+    #[test]
+    fn parted_sides_are_covered_only_by_clears_before_the_first_departure() {
+        let array = lineage((0xb, 26), &[(0xa, 1)]);
+        let leg = lineage((0xc, 9), &[(0xa, 1)]);
+        assert!(parted_covers(&array, 8, &leg, 8));
+        assert!(
+            !parted_covers(&array, 20, &leg, 8),
+            "ours after their departure"
+        );
+        assert!(
+            !parted_covers(&array, 8, &leg, 9),
+            "theirs at their new generation"
+        );
+        assert!(!parted_covers(&leg, 8, &array, 20), "either way round");
+        // A descendant: the array never left 0xa (it was stopped), the leg left at 9.
+        let stopped = lineage((0xa, 1), &[]);
+        assert!(parted_covers(&stopped, 8, &leg, 3));
+        assert!(
+            !parted_covers(&stopped, 12, &leg, 3),
+            "a clear after the leg went on"
+        );
+        // Nothing in common that either left: nothing shows what changed.
+        assert!(!parted_covers(&stopped, 0, &stopped, 0));
+    }
 }
