@@ -138,8 +138,9 @@ struct Entry {
     stamp: Option<Arc<AtomicU64>>,
 }
 
+/// The queued waiters, in arrival order, and the key the next one gets (under the queue's lock).
 #[derive(Debug, Default)]
-struct Inner {
+struct WaiterList {
     next_key: u64,
     waiters: VecDeque<Entry>,
 }
@@ -241,7 +242,7 @@ pub struct WaitQueue {
     /// Number of queued waiters. Written only under `inner`'s lock; read without it by wakers
     /// after their SeqCst fence (see the module docs).
     active: AtomicUsize,
-    inner: Mutex<Inner>,
+    inner: Mutex<WaiterList>,
     /// Wake-up latency histogram, when recording is on. `None` costs one predictable branch.
     latency: Option<Box<LatencyHistogram>>,
 }
