@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode};
-use blk::{Bio, Driver, EndIo, Error, Op, Queue, QueueConfig, QueueCore, RequestToken};
+use blk::{Bio, Driver, EndIo, Error, Op, Queue, QueueConfig, RequestQueue, RequestToken};
 
 const TAGS: u32 = 64;
 
@@ -33,7 +33,7 @@ struct Dev {
     hw: usize,
     svc: Duration,
     stop: AtomicBool,
-    core: Mutex<Option<Arc<QueueCore>>>,
+    core: Mutex<Option<Arc<RequestQueue>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -80,12 +80,12 @@ impl Dev {
 }
 
 impl Driver for DevDriver {
-    fn start(&self, q: &Arc<QueueCore>) {
+    fn start(&self, q: &Arc<RequestQueue>) {
         *self.0.core.lock().unwrap() = Some(q.clone());
         let d = self.0.clone();
         *self.0.worker.lock().unwrap() = Some(std::thread::spawn(move || d.run()));
     }
-    fn queue_rq(&self, _q: &QueueCore, rq: RequestToken) {
+    fn queue_rq(&self, _q: &RequestQueue, rq: RequestToken) {
         self.0.busy.fetch_add(1, Ordering::SeqCst);
         self.0.fifo.lock().unwrap().push_back(rq);
         self.0.cv.notify_one();

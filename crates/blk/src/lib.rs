@@ -32,7 +32,12 @@ pub use dirty::{DirtyBitmaps, DirtyExtent};
 pub use error::Error;
 pub use filter::Filter;
 pub use home::RecvSource;
-pub use queue::{Driver, Plug, Queue, QueueConfig, QueueCore, Request, RequestToken};
+pub use queue::{Driver, Plug, Queue, QueueConfig, Request, RequestQueue, RequestToken};
 pub use sched::Scheduler;
 pub use stats::{QueueStats, SchedStats};
 pub use tags::{PoolPolicy, TagPool};
+
+/// [`RequestQueue`]'s former name, still used by the `null`, `mem` and `file` drivers of
+/// `blk-drivers`: to go once they say `RequestQueue`.
+#[doc(hidden)]
+pub type QueueCore = RequestQueue;

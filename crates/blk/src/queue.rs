@@ -13,7 +13,7 @@
 //! Request cell `i` belongs to whoever holds its tag. The tag is taken with an Acquire RMW on the
 //! bitmap and freed with a Release RMW (see `sbitmap`), so each owner's accesses happen-after
 //! the previous owner's. Inside blk, ownership travels as a [`RequestToken`]: a non-`Clone` token
-//! created when the tag is allocated and consumed by [`QueueCore::complete`]. Only the holder
+//! created when the tag is allocated and consumed by [`RequestQueue::complete`]. Only the holder
 //! of the token can reach the cell, so the `UnsafeCell` access is exclusive.
 //!
 //! # Completion order
@@ -29,7 +29,7 @@
 //! and the requests are linked in sector order through [`Request::merged`], which holds the
 //! *token* of the next request of the chain. Whoever holds the first token therefore owns the
 //! whole chain; the driver gets the first request only and executes every bio of the chain
-//! ([`QueueCore::for_each_bio`]); `complete` of the first completes every request of the chain,
+//! ([`RequestQueue::for_each_bio`]); `complete` of the first completes every request of the chain,
 //! in chain order, with the same status. The link lives in the preallocated cell, so merging
 //! allocates nothing and has no length bound other than the scheduler's (the queue's
 //! `max_io_bytes` for the chain, and [`Driver::max_merge`] bios).
@@ -109,8 +109,9 @@ impl QueueConfig {
     }
 }
 
-/// The shared part of a queue, which drivers see.
-pub struct QueueCore {
+/// A request queue: its tags, requests, driver and scheduler, shared by its owner ([`Queue`])
+/// and the driver, which is handed it to complete requests and restart the queue.
+pub struct RequestQueue {
     limits: Limits,
     depth: u32,
     shared: bool,
@@ -127,9 +128,9 @@ pub struct QueueCore {
     max_merge: u32,
 }
 
-impl fmt::Debug for QueueCore {
+impl fmt::Debug for RequestQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("QueueCore")
+        f.debug_struct("RequestQueue")
             .field("limits", &self.limits)
             .field("depth", &self.depth)
             .field("hw_queues", &self.pools.len())
@@ -139,7 +140,7 @@ impl fmt::Debug for QueueCore {
     }
 }
 
-impl QueueCore {
+impl RequestQueue {
     #[inline]
     fn pool_index(&self, hctx: u16) -> usize {
         if self.shared {
@@ -178,7 +179,7 @@ impl QueueCore {
         self.requests.as_ptr() as usize
     }
 
-    /// Makes the token of request `idx` (the one place besides [`QueueCore::token_from_index`]
+    /// Makes the token of request `idx` (the one place besides [`RequestQueue::token_from_index`]
     /// where tokens are born).
     #[inline]
     fn make_token(&self, idx: u32) -> RequestToken {
@@ -211,7 +212,7 @@ impl QueueCore {
     ///
     /// `idx` must be the index of a request in flight on *this* queue whose token the caller
     /// owns: one given up by whoever held it and rebuilt at most once. A second live token
-    /// for the same request would alias the `&mut Request` of [`QueueCore::rq_mut`], and
+    /// for the same request would alias the `&mut Request` of [`RequestQueue::rq_mut`], and
     /// completing both would free one tag twice.
     #[inline]
     pub unsafe fn token_from_index(&self, idx: u32) -> RequestToken {
@@ -301,14 +302,14 @@ impl QueueCore {
     ///
     /// The completion time of the statistics is [`crate::stats::batch_ns`]: inside a
     /// [`ClockBatch`] (every dispatch of the queue opens one, so inline completions share it)
-    /// the batch's one clock read, else a fresh read. [`QueueCore::complete_at`] takes it
+    /// the batch's one clock read, else a fresh read. [`RequestQueue::complete_at`] takes it
     /// from the caller instead.
     #[inline]
     pub fn complete(&self, r: RequestToken, res: Result<(), Error>) {
         self.complete_at(r, res, batch_ns());
     }
 
-    /// [`QueueCore::complete`] with the completion time given: `now_ns` on the coarse clock
+    /// [`RequestQueue::complete`] with the completion time given: `now_ns` on the coarse clock
     /// ([`crate::stats::coarse_ns`]), e.g. read once for a whole batch of completions by a driver's
     /// completion thread, or once per request by a driver whose requests are slow.
     #[inline]
@@ -457,7 +458,7 @@ impl QueueCore {
         }
     }
 
-    /// [`QueueCore::dispatch_rounds`] in a clock batch of its own.
+    /// [`RequestQueue::dispatch_rounds`] in a clock batch of its own.
     fn run_dispatch(&self, s: &dyn Scheduler) {
         let _clock = ClockBatch::enter();
         self.dispatch_rounds(s);
@@ -564,13 +565,13 @@ impl QueueCore {
     }
 }
 
-/// A request queue.
+/// The owner of a [`RequestQueue`], through which bios are submitted.
 ///
 /// Dropping it stops the driver (joining its completion threads); drop it only once every
 /// submitted bio has completed.
 #[derive(Debug)]
 pub struct Queue {
-    core: Arc<QueueCore>,
+    core: Arc<RequestQueue>,
 }
 
 impl Queue {
@@ -612,7 +613,7 @@ impl Queue {
             .map(|_| CachePadded(RequestCell(UnsafeCell::new(Request::default()))))
             .collect();
         let max_merge = driver.max_merge().max(1);
-        let core = Arc::new(QueueCore {
+        let core = Arc::new(RequestQueue {
             limits: cfg.limits,
             depth: cfg.queue_depth,
             shared: cfg.shared_tags,
@@ -634,7 +635,7 @@ impl Queue {
     }
 
     /// The shared core (what drivers see).
-    pub fn core(&self) -> &Arc<QueueCore> {
+    pub fn core(&self) -> &Arc<RequestQueue> {
         &self.core
     }
 

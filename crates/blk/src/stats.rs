@@ -15,11 +15,11 @@
 //! - **Submission**: a request's start time is its plug's time, read when the first request of
 //!   a plug batch takes its tag ([`crate::Plug`]; cleared when the plug is flushed, and re-read
 //!   after a tag wait). An unplugged [`crate::Queue::submit`] is a batch of one.
-//! - **Completion**: inside a [`ClockBatch`] scope, every [`crate::QueueCore::complete`] on the
+//! - **Completion**: inside a [`ClockBatch`] scope, every [`crate::RequestQueue::complete`] on the
 //!   thread shares the time of the scope's first completion ([`batch_ns`]). The queue opens
 //!   one around each dispatch (a flushed plug, a scheduler's dispatch round), which covers
 //!   drivers that complete inline (`null`, `mem`); a driver's completion thread opens one per
-//!   batch it reaps, or passes its own time to [`crate::QueueCore::complete_at`]. mq-deadline's
+//!   batch it reaps, or passes its own time to [`crate::RequestQueue::complete_at`]. mq-deadline's
 //!   clock ([`crate::sched::MonotonicClock`]) reads through [`batch_ns`] as well, so a flushed
 //!   plug's insert, dispatch rounds and inline completions share one read.
 //!
@@ -30,7 +30,7 @@
 //! (tens of us for a plug of 32 x 4 KiB) that is far below the coarse clock's own 1-4 ms
 //! resolution, so the figures do not change. Drivers whose inline completion is slow (the
 //! `file` driver's synchronous engine: a `pread` per request) read the clock per request with
-//! [`crate::QueueCore::complete_at`], so their batches do not stretch the error.
+//! [`crate::RequestQueue::complete_at`], so their batches do not stretch the error.
 
 use std::time::Instant;
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode};
 use blk::{
-    Bio, BioFlags, Driver, EndIo, Op, PoolPolicy, Queue, QueueConfig, QueueCore, RequestToken,
+    Bio, BioFlags, Driver, EndIo, Op, PoolPolicy, Queue, QueueConfig, RequestQueue, RequestToken,
 };
 use testkit::{wait_until, Collect};
 
@@ -30,7 +30,7 @@ struct Flood {
 struct FloodDriver(Arc<Flood>);
 
 impl Driver for FloodDriver {
-    fn queue_rq(&self, q: &QueueCore, rq: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, rq: RequestToken) {
         let hold = q.rq(&rq).bio().is_some_and(|b| !b.op.is_sync(b.flags));
         if hold {
             let mut held = self.0.held.lock().unwrap();
@@ -52,7 +52,7 @@ impl Flood {
     }
 
     /// Completes every held write and every later one.
-    fn let_go(&self, q: &QueueCore) {
+    fn let_go(&self, q: &RequestQueue) {
         let held = {
             let mut h = self.held.lock().unwrap();
             self.release.store(true, Ordering::SeqCst);

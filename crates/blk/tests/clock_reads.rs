@@ -11,14 +11,14 @@ use std::sync::{Arc, Mutex};
 
 use blk::stats::{clock_reads, ClockBatch};
 use blk::{
-    Bio, Device, Driver, EndIo, Error, Op, Plug, Queue, QueueConfig, QueueCore, RequestToken,
+    Bio, Device, Driver, EndIo, Error, Op, Plug, Queue, QueueConfig, RequestQueue, RequestToken,
 };
 
 /// Completes every request inline, in `queue_rq` (as `null` and `mem` do).
 struct Inline;
 
 impl Driver for Inline {
-    fn queue_rq(&self, q: &QueueCore, rq: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, rq: RequestToken) {
         q.complete(rq, Ok(()));
     }
     fn describe(&self) -> String {
@@ -30,7 +30,7 @@ impl Driver for Inline {
 struct Hold(Arc<Mutex<Vec<RequestToken>>>);
 
 impl Driver for Hold {
-    fn queue_rq(&self, _q: &QueueCore, rq: RequestToken) {
+    fn queue_rq(&self, _q: &RequestQueue, rq: RequestToken) {
         self.0.lock().unwrap().push(rq);
     }
     fn describe(&self) -> String {

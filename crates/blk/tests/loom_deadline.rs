@@ -76,14 +76,14 @@ impl Model {
         }
     }
 
-    /// What `QueueCore::flush` does: one insert batch, then dispatch rounds until one hands
+    /// What `RequestQueue::flush` does: one insert batch, then dispatch rounds until one hands
     /// out nothing.
     fn submit(&self, item: u32) {
         self.lock.insert(std::iter::once(item), self.ins());
         self.run_queue();
     }
 
-    /// What `QueueCore::run_queue` does: dispatch rounds until one hands out nothing.
+    /// What `RequestQueue::run_queue` does: dispatch rounds until one hands out nothing.
     fn run_queue(&self) {
         loop {
             let mut got: Vec<u32> = Vec::with_capacity(4);
@@ -274,12 +274,12 @@ fn loom_without_the_recheck_a_request_is_lost() {
 #[test]
 fn loom_deadline_in_a_queue() {
     use blk::sched::Deadline;
-    use blk::{Bio, EndIo, Error, Op, Queue, QueueConfig, QueueCore, RequestToken};
+    use blk::{Bio, EndIo, Error, Op, Queue, QueueConfig, RequestQueue, RequestToken};
 
     #[derive(Clone)]
     struct Rec(Arc<Mutex<Vec<u64>>>);
     impl blk::Driver for Rec {
-        fn queue_rq(&self, q: &QueueCore, r: RequestToken) {
+        fn queue_rq(&self, q: &RequestQueue, r: RequestToken) {
             let s = q.rq(&r).bio().map_or(u64::MAX, |b| b.sector);
             self.0.lock().push(s);
             q.complete(r, Ok(()));

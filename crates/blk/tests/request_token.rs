@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use blk::{Bio, Driver, EndIo, Error, Op, Queue, QueueConfig, QueueCore, RequestToken};
+use blk::{Bio, Driver, EndIo, Error, Op, Queue, QueueConfig, RequestQueue, RequestToken};
 
 /// Keeps every request it is given, for the test to complete.
 #[derive(Default)]
@@ -15,7 +15,7 @@ struct Hold(Mutex<Vec<RequestToken>>);
 struct HoldDriver(Arc<Hold>);
 
 impl Driver for HoldDriver {
-    fn queue_rq(&self, _q: &QueueCore, rq: RequestToken) {
+    fn queue_rq(&self, _q: &RequestQueue, rq: RequestToken) {
         self.0 .0.lock().unwrap().push(rq);
     }
     fn describe(&self) -> String {

@@ -5,7 +5,7 @@ use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
-use super::{QueueCore, RequestToken};
+use super::{RequestQueue, RequestToken};
 use crate::device::{Caps, Extent};
 use crate::Error;
 
@@ -13,12 +13,12 @@ use crate::Error;
 pub trait Driver: Send + Sync {
     /// Called once the queue exists: spawn completion threads here (they may keep the `Arc`
     /// until [`Driver::stop`]).
-    fn start(&self, _q: &Arc<QueueCore>) {}
+    fn start(&self, _q: &Arc<RequestQueue>) {}
     /// Takes a request; the driver completes it later (or right away) with
-    /// [`QueueCore::complete`].
-    fn queue_rq(&self, q: &QueueCore, rq: RequestToken);
+    /// [`RequestQueue::complete`].
+    fn queue_rq(&self, q: &RequestQueue, rq: RequestToken);
     /// The end of a batch of `queue_rq` calls (ring the doorbell).
-    fn commit(&self, _q: &QueueCore) {}
+    fn commit(&self, _q: &RequestQueue) {}
     /// Stops completion threads; called when the queue is dropped.
     fn stop(&self) {}
     /// The allocation map, for devices that know it (default: everything allocated), into
@@ -78,7 +78,7 @@ pub trait Driver: Send + Sync {
     }
     /// How many more requests the driver takes right now; a scheduler's dispatch stops at 0
     /// and the requests wait in the scheduler (where mq-deadline orders them). A driver that
-    /// ever returns a finite number must call [`QueueCore::run_queue`] once it has room again
+    /// ever returns a finite number must call [`RequestQueue::run_queue`] once it has room again
     /// (as blk-mq restarts a hardware queue from the completion). Without a scheduler the
     /// queue does not ask. Default: no limit.
     fn can_queue(&self) -> usize {

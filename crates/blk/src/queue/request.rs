@@ -12,13 +12,13 @@ use crate::bio::{Bio, EndIo};
 /// A request: a bio in flight, in the preallocated request cell of its tag.
 ///
 /// Its fields are private: what identifies the request (tag, pool, hardware context) is set
-/// by the queue when the tag is allocated and read back by [`QueueCore::complete`] to free
+/// by the queue when the tag is allocated and read back by [`RequestQueue::complete`] to free
 /// that tag, so nobody else may write it (a driver that could rewrite `tag` could make
 /// `complete` free a tag another request holds, and two owners would share one cell).
 /// Drivers and schedulers read it through accessors; the bio can be borrowed, taken out and
 /// put back.
 ///
-/// [`QueueCore::complete`]: super::QueueCore::complete
+/// [`RequestQueue::complete`]: super::RequestQueue::complete
 #[derive(Default)]
 pub struct Request {
     pub(super) bio: Option<Bio>,
@@ -111,25 +111,25 @@ impl fmt::Debug for Request {
 }
 
 /// The right to use one request cell, from tag allocation to completion (module docs): an
-/// owning, non-`Clone` token. [`QueueCore::complete`] consumes it.
+/// owning, non-`Clone` token. [`RequestQueue::complete`] consumes it.
 ///
 /// In debug builds the token also names the queue it belongs to, and every use on another
 /// queue fails a debug assertion: a token is an index into one queue's table.
 ///
-/// [`QueueCore::complete`]: super::QueueCore::complete
+/// [`RequestQueue::complete`]: super::RequestQueue::complete
 #[derive(Debug)]
 pub struct RequestToken {
     pub(super) idx: u32,
-    /// The identity of the owning queue (`QueueCore::id`), checked on every use.
+    /// The identity of the owning queue (`RequestQueue::id`), checked on every use.
     #[cfg(debug_assertions)]
     pub(super) queue: usize,
 }
 
 impl RequestToken {
     /// The request's index in its queue's table (unique among requests in flight on this
-    /// queue, below [`QueueCore::nr_requests`]).
+    /// queue, below [`RequestQueue::nr_requests`]).
     ///
-    /// [`QueueCore::nr_requests`]: super::QueueCore::nr_requests
+    /// [`RequestQueue::nr_requests`]: super::RequestQueue::nr_requests
     #[inline]
     pub fn index(&self) -> u32 {
         self.idx

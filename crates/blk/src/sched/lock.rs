@@ -247,7 +247,8 @@ pub struct LockStats {
     pub handed_off: u64,
 }
 
-struct Inner<S, T> {
+/// What the lock guards: the scheduler's state and the drain's spare vector.
+struct Guarded<S, T> {
     state: S,
     /// Swapped with a bucket's vector when draining, so both keep their capacity.
     spare: Vec<T>,
@@ -262,7 +263,7 @@ pub struct SchedLock<S, T> {
     /// The stand-by slot (`serialized`): `IDLE`, `WAITING` or `HANDED` (module docs).
     standby: CachePadded<AtomicU32>,
     buckets: Box<[CachePadded<Mutex<Vec<T>>>]>,
-    inner: Mutex<Inner<S, T>>,
+    inner: Mutex<Guarded<S, T>>,
     stats: ShardedCounters<7>,
     /// The owner's re-check after giving up (always on; off only to show, in the loom test,
     /// that the model catches the lost request without it).
@@ -292,7 +293,7 @@ impl<S, T> SchedLock<S, T> {
             buckets: (0..n)
                 .map(|_| CachePadded(Mutex::new(Vec::new())))
                 .collect(),
-            inner: Mutex::new(Inner {
+            inner: Mutex::new(Guarded {
                 state,
                 spare: Vec::new(),
             }),
@@ -544,7 +545,7 @@ impl<S, T> SchedLock<S, T> {
 
     /// `locked` mode: the mutex, counting a failed `try_lock` as a contended acquisition.
     #[inline]
-    fn lock_counted(&self) -> MutexGuard<'_, Inner<S, T>> {
+    fn lock_counted(&self) -> MutexGuard<'_, Guarded<S, T>> {
         match self.inner.try_lock() {
             Some(g) => g,
             None => {
@@ -556,7 +557,7 @@ impl<S, T> SchedLock<S, T> {
 
     /// `serialized` mode, as owner: the state's mutex, which nobody else should hold.
     #[inline]
-    fn lock_owned(&self) -> MutexGuard<'_, Inner<S, T>> {
+    fn lock_owned(&self) -> MutexGuard<'_, Guarded<S, T>> {
         match self.inner.try_lock() {
             Some(g) => g,
             None => {
@@ -614,7 +615,7 @@ impl<S, T> SchedLock<S, T> {
     /// Moves every published bucket's items into the state (caller owns the state: the owner
     /// flag, or the mutex in `locked` mode). Clears `RERUN` too: the caller's round is the
     /// round that was asked for.
-    fn drain(&self, g: &mut Inner<S, T>, ins: &mut impl FnMut(&mut S, T)) {
+    fn drain(&self, g: &mut Guarded<S, T>, ins: &mut impl FnMut(&mut S, T)) {
         // A stale 0 here is fine: the re-check after the release reads `pending` after a fence.
         if self.pending.load(Ordering::Relaxed) == 0 {
             return;
@@ -629,7 +630,7 @@ impl<S, T> SchedLock<S, T> {
                 // wait for a pointer swap at most.
                 std::mem::swap(&mut *b.lock(), &mut g.spare);
             }
-            let Inner { state, spare } = g;
+            let Guarded { state, spare } = g;
             for t in spare.drain(..) {
                 ins(state, t);
             }

@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use blkq_sync::atomic::{AtomicU64, Ordering};
 
-use crate::queue::{QueueCore, Request, RequestToken};
+use crate::queue::{Request, RequestQueue, RequestToken};
 use crate::Error;
 
 pub mod deadline;
@@ -123,19 +123,19 @@ pub trait Scheduler: Send + Sync {
     /// The scheduler's name (`--sched`).
     fn name(&self) -> &'static str;
     /// Called once, when the queue that owns the scheduler is built: size per-request state
-    /// here ([`QueueCore::nr_requests`]), so that inserting allocates nothing.
-    fn attach(&self, _q: &QueueCore) {}
+    /// here ([`RequestQueue::nr_requests`]), so that inserting allocates nothing.
+    fn attach(&self, _q: &RequestQueue) {}
     /// Takes one request of a batch being flushed.
-    fn insert(&self, q: &QueueCore, rq: RequestToken);
+    fn insert(&self, q: &RequestQueue, rq: RequestToken);
     /// Takes a batch of requests (default: [`Scheduler::insert`] for each).
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
+    fn insert_batch(&self, q: &RequestQueue, rqs: &mut dyn Iterator<Item = RequestToken>) {
         for r in rqs {
             self.insert(q, r);
         }
     }
     /// Hands up to `max` requests to `sink`, in dispatch order; returns how many. Called after
     /// every batch of inserts, until it hands out nothing.
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
+    fn dispatch(&self, q: &RequestQueue, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize;
     /// The most tags of a pool of `depth` that *asynchronous* requests ([`crate::Op::is_sync`]
     /// false: writes without FUA/SYNC, discards, write-zeroes) may hold at once, so that
     /// synchronous ones always find a tag under a write flood (the kernel's `limit_depth`
@@ -145,9 +145,9 @@ pub trait Scheduler: Send + Sync {
     fn async_depth(&self, _depth: u32) -> Option<u32> {
         None
     }
-    /// Called by [`QueueCore::complete`] for every request it completes (each request of a
+    /// Called by [`RequestQueue::complete`] for every request it completes (each request of a
     /// merge chain), before its bio is handed back. Must not block.
-    fn completed(&self, _q: &QueueCore, _rq: &Request) {}
+    fn completed(&self, _q: &RequestQueue, _rq: &Request) {}
     /// Acquisitions of the scheduler's lock, and how many found it taken.
     fn lock_stats(&self) -> LockStats {
         LockStats::default()

@@ -32,7 +32,7 @@
 //! A read or write bio is merged into a queued request of the same list (so the same class
 //! and direction) with the same op and flags when it is contiguous: at the request's end
 //! (back merge) or, if `front_merges`, at its start (front merge); the chain's bytes must stay
-//! within the queue's `max_io_bytes` and its bios within [`QueueCore::max_merge`] (1 for a
+//! within the queue's `max_io_bytes` and its bios within [`RequestQueue::max_merge`] (1 for a
 //! driver that cannot run a chain: no merges at all). The bio's request joins the queued
 //! one's *merge chain* (linked in sector order, see [`crate::queue`]), keeps its own tag, bio
 //! and buffer, is never dispatched on its own, and is completed with the chain. A merged
@@ -105,7 +105,7 @@ use blkq_sync::DynArc as Arc;
 use super::lock::{LockMode, LockStats, SchedLock};
 use super::{Clock, MonotonicClock};
 use crate::bio::{BioFlags, IoPrio, Op, SECTOR_SHIFT};
-use crate::queue::{QueueCore, Request, RequestToken};
+use crate::queue::{Request, RequestQueue, RequestToken};
 use crate::sched::Scheduler;
 
 mod state;
@@ -265,7 +265,7 @@ impl Deadline {
         out
     }
 
-    fn batch_context(&self, q: &QueueCore) -> BatchContext {
+    fn batch_context(&self, q: &RequestQueue) -> BatchContext {
         BatchContext {
             now: self.clock.now_ns(),
             tun: self.tun.snapshot(),
@@ -276,7 +276,7 @@ impl Deadline {
     }
 
     /// Puts one request into the state: merged into a queued one, or queued itself.
-    fn insert_one(st: &mut State, q: &QueueCore, r: RequestToken, ctx: &BatchContext) {
+    fn insert_one(st: &mut State, q: &RequestQueue, r: RequestToken, ctx: &BatchContext) {
         let rq_idx = r.index();
         if rq_idx as usize >= st.meta.len() {
             // Only if the queue did not call `attach` (cold).
@@ -345,23 +345,23 @@ impl Scheduler for Deadline {
         "mq-deadline"
     }
 
-    fn attach(&self, q: &QueueCore) {
+    fn attach(&self, q: &RequestQueue) {
         let n = q.nr_requests();
         self.lock.with_state(|st| st.ensure(n));
         self.lock.reserve(n);
     }
 
-    fn insert(&self, q: &QueueCore, rq: RequestToken) {
+    fn insert(&self, q: &RequestQueue, rq: RequestToken) {
         self.insert_batch(q, &mut std::iter::once(rq));
     }
 
-    fn insert_batch(&self, q: &QueueCore, rqs: &mut dyn Iterator<Item = RequestToken>) {
+    fn insert_batch(&self, q: &RequestQueue, rqs: &mut dyn Iterator<Item = RequestToken>) {
         let ctx = self.batch_context(q);
         self.lock
             .insert(rqs, |st, r| Self::insert_one(st, q, r, &ctx));
     }
 
-    fn dispatch(&self, q: &QueueCore, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize {
+    fn dispatch(&self, q: &RequestQueue, max: usize, sink: &mut dyn FnMut(RequestToken)) -> usize {
         let max = max.min(DISPATCH_BATCH);
         if max == 0 {
             return 0;
@@ -398,7 +398,7 @@ impl Scheduler for Deadline {
         Some(self.tun.async_depth_for(depth))
     }
 
-    fn completed(&self, _q: &QueueCore, rq: &Request) {
+    fn completed(&self, _q: &RequestQueue, rq: &Request) {
         let p = rq.bio().map_or(IoPrio::Be, |b| b.prio) as usize;
         self.completed.add(p, 1);
     }

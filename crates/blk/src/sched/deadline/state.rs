@@ -404,7 +404,7 @@ impl State {
 
     /// Takes queued request `h` out of its lists and returns the token of its chain's first
     /// request, with the chain linked through [`Request::merged`].
-    pub(super) fn take(&mut self, q: &QueueCore, h: u32) -> Option<RequestToken> {
+    pub(super) fn take(&mut self, q: &RequestQueue, h: u32) -> Option<RequestToken> {
         let m = *self.meta(h);
         let l = usize::from(m.list);
         if l < NLISTS {
