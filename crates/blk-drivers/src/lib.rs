@@ -11,7 +11,7 @@
 //! - [`spec`]: the device-spec parser (`null:1G,completion=thread`, `file:/path,engine=pool`)
 //!   that builds a queue with one of these drivers.
 //!
-//! Drivers use only `blk`'s public API ([`blk::Driver`], [`blk::QueueCore`],
+//! Drivers use only `blk`'s public API ([`blk::Driver`], [`blk::RequestQueue`],
 //! [`blk::RequestToken`]); nothing here reaches into the core's internals.
 #![warn(missing_docs)]
 #![warn(clippy::too_many_lines)]

@@ -280,7 +280,7 @@ impl std::ops::Deref for HoldDriver {
 }
 
 impl blk::Driver for HoldDriver {
-    fn queue_rq(&self, q: &blk::QueueCore, rq: blk::RequestToken) {
+    fn queue_rq(&self, q: &blk::RequestQueue, rq: blk::RequestToken) {
         let sector = q.rq(&rq).bio().map_or(0, |b| b.sector);
         self.order.lock().unwrap().push(sector);
         self.held.lock().unwrap().push(rq);
@@ -333,12 +333,12 @@ impl blk::Scheduler for Lifo {
     fn name(&self) -> &'static str {
         "lifo"
     }
-    fn insert(&self, _q: &blk::QueueCore, rq: blk::RequestToken) {
+    fn insert(&self, _q: &blk::RequestQueue, rq: blk::RequestToken) {
         self.0.lock().unwrap().push(rq);
     }
     fn dispatch(
         &self,
-        _q: &blk::QueueCore,
+        _q: &blk::RequestQueue,
         max: usize,
         sink: &mut dyn FnMut(blk::RequestToken),
     ) -> usize {

@@ -13,7 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::sched::{Deadline, DeadlineTunables, LockMode, ManualClock};
-use blk::{Bio, BioFlags, Buffer, EndIo, Error, IoPrio, Op, Plug, Queue, QueueConfig, QueueCore};
+use blk::{
+    Bio, BioFlags, Buffer, EndIo, Error, IoPrio, Op, Plug, Queue, QueueConfig, RequestQueue,
+};
 use blk_drivers::backend::mem::MemBackend;
 use blk_drivers::exec_on_backend;
 use testkit::Collect;
@@ -43,7 +45,7 @@ struct GateInner {
 struct Gate(Arc<GateInner>);
 
 impl blk::Driver for Gate {
-    fn queue_rq(&self, q: &QueueCore, mut r: blk::RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, mut r: blk::RequestToken) {
         let _ = self
             .0
             .room

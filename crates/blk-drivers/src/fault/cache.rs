@@ -9,7 +9,7 @@
 //! - a synchronous I/O on the inner device (`blk::submit_wait`: undo reads, roll back writes,
 //!   the final flush) waits on its `blk::PendingBio`'s queue for the completion to be stored;
 //!   the completion stores it under the mutex, drops the mutex, then wakes;
-//! - a crash waits on `Shared::idle_wq` until `State::in_flight` is 0 and takes the undo log
+//! - a crash waits on `FaultState::idle_wq` until `State::in_flight` is 0 and takes the undo log
 //!   in the same look (under the state lock), so no forwarded I/O can still acknowledge into
 //!   it; `on_inner_done` wakes it after dropping the state lock. New I/Os cannot raise
 //!   `in_flight` meanwhile: `crashed` is set first, and `prepare` checks it under the same
@@ -21,10 +21,10 @@ use blkq_sync::DynArc as Arc;
 
 use super::handle::FaultHandle;
 use super::rules::{mix, Flip};
-use super::shared::{bio_range, bump, errno_err, modifies, Ack, Shared};
+use super::shared::{bio_range, bump, errno_err, modifies, Ack, FaultState};
 use super::undo::UndoEntry;
 
-impl Shared {
+impl FaultState {
     /// Hands a completion to its submitter, after the crash-model bookkeeping.
     pub(super) fn deliver(
         &self,

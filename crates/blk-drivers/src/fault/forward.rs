@@ -10,7 +10,9 @@ use blkq_sync::thread;
 use blkq_sync::DynArc as Arc;
 
 use super::rules::{Flip, Verdict};
-use super::shared::{bio_range, bump, class_index, errno_err, modifies, Ack, Late, Shared, Slot};
+use super::shared::{
+    bio_range, bump, class_index, errno_err, modifies, Ack, FaultState, Late, Slot,
+};
 use super::undo::UndoEntry;
 
 /// A copy of a write's payload with `f`'s bit flipped; `None` when it has no byte there.
@@ -24,7 +26,7 @@ fn flipped_copy(bio: &Bio, f: Flip) -> Option<Buffer> {
     f.apply(copy.as_mut_slice()).then_some(copy)
 }
 
-impl Shared {
+impl FaultState {
     /// Fails (after its delay) or forwards to `inner` an I/O the rules let through the stall
     /// stage.
     pub(super) fn dispatch(

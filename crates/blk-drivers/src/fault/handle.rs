@@ -8,7 +8,7 @@ use blkq_sync::stat::{Ordering, StatU64};
 use blkq_sync::DynArc as Arc;
 
 use super::rules::{Rule, RuleState};
-use super::shared::{errno_err, Shared};
+use super::shared::{errno_err, FaultState};
 
 /// A snapshot of a fault device's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -41,7 +41,7 @@ pub struct FaultCounters {
 /// [`crash`](FaultHandle::crash) fails with `ENODEV`).
 #[derive(Clone)]
 pub struct FaultHandle {
-    pub(super) sh: Arc<Shared>,
+    pub(super) sh: Arc<FaultState>,
     pub(super) completer: Arc<dyn EndIo>,
 }
 

@@ -161,14 +161,14 @@ use blkq_sync::Mutex;
 use waitq::WaitQueue;
 
 use rules::{Rules, Verdict};
-use shared::{bio_range, bump, class_index, errno_err, Counters, Held, Shared, Slots};
+use shared::{bio_range, bump, class_index, errno_err, Counters, FaultState, Held, Slots};
 use timer::Timer;
 use undo::State;
 
 use blk::{Bio, Caps, Device, EndIo, Error, Filter};
 
 /// The device's own completion handler, registered once.
-struct Completer(Arc<Shared>);
+struct Completer(Arc<FaultState>);
 
 impl EndIo for Completer {
     fn end_io(&self, bio: Bio, res: Result<(), Error>) {
@@ -179,7 +179,7 @@ impl EndIo for Completer {
 /// A device that injects faults into the I/O of another (module docs).
 pub struct FaultDevice {
     handle: FaultHandle,
-    /// The inner device, as the submitters reach it (`Shared::inner` is the handles').
+    /// The inner device, as the submitters reach it (`FaultState::inner` is the handles').
     inner: Arc<dyn Device>,
 }
 
@@ -194,7 +194,7 @@ impl fmt::Debug for FaultDevice {
 impl FaultDevice {
     /// Wraps `inner` with the faults of `cfg`.
     pub fn new(inner: Arc<dyn Device>, cfg: FaultConfig) -> Self {
-        let sh = Arc::new(Shared {
+        let sh = Arc::new(FaultState {
             inner: Mutex::new(Some(inner.clone())),
             volatile: cfg.volatile_cache,
             rules: Mutex::new(Rules {

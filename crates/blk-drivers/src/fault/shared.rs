@@ -1,5 +1,5 @@
 //! The state a fault device shares between its submitters, the inner device's completion
-//! threads, its timer thread and its handles ([`Shared`]), what a forwarded I/O keeps in its
+//! threads, its timer thread and its handles ([`FaultState`]), what a forwarded I/O keeps in its
 //! slot, and the few facts about a bio they all read.
 
 use std::time::Duration;
@@ -85,7 +85,9 @@ pub(super) struct Held {
     pub(super) v: Verdict,
 }
 
-pub(super) struct Shared {
+/// What a fault device shares between its submitters, the inner device's completions, its
+/// timer thread and its handles.
+pub(super) struct FaultState {
     /// The inner device, for the handles' `release` and `crash` (the device submits through
     /// its own reference, without this lock). Taken by the device's drop: a handle that
     /// outlives the device keeps its rules and counters, not the inner device.

@@ -1,5 +1,5 @@
 //! The crash model's state: the undo log of the writes not yet durable ([`State`], under
-//! `Shared::state`; `cache` keeps it and rolls it back).
+//! `FaultState::state`; `cache` keeps it and rolls it back).
 
 use blk::Buffer;
 
@@ -13,7 +13,7 @@ pub(super) struct UndoEntry {
     pub(super) acked: Option<u64>,
 }
 
-/// The crash model's state, under `Shared::state`.
+/// The crash model's state, under `FaultState::state`.
 #[derive(Default)]
 pub(super) struct State {
     pub(super) crashed: bool,

@@ -12,7 +12,7 @@ use blkq_sync::DynArc;
 use waitq::WaitQueue;
 
 use blk::error::with_context;
-use blk::{BioFlags, Driver, Error, Extent, Op, QueueCore, RequestToken};
+use blk::{BioFlags, Driver, Error, Extent, Op, RequestQueue, RequestToken};
 
 use super::config::{CompletionMode, RbdConfig};
 use super::ffi;
@@ -20,8 +20,8 @@ use super::poll::{BatchCounters, Poller};
 
 /// One request's slot: what a completion's callback argument points to.
 struct Slot {
-    /// The driver's shared state (it outlives every completion: see `Shared::drain`).
-    shared: *const Shared,
+    /// The driver's shared state (it outlives every completion: see `RbdState::drain`).
+    shared: *const RbdState,
     /// The request's index ([`RequestToken::index`]).
     idx: u32,
     /// A FUA write, discard or write-zeroes whose flush is still to be sent. Ordering: written by `queue_rq` before it
@@ -33,7 +33,7 @@ struct Slot {
 }
 
 // SAFETY: `shared` points into the `DynArc` that owns the slot (the slots are a field of that
-// same `Shared`), and what it points to is `Sync`; the other fields are `Send + Sync`.
+// same `RbdState`), and what it points to is `Sync`; the other fields are `Send + Sync`.
 unsafe impl Send for Slot {}
 // SAFETY: as for `Send`: the slot is only read through `&`, its one mutable field an atomic.
 unsafe impl Sync for Slot {}
@@ -49,7 +49,7 @@ impl Handles {
     /// Closes whatever is open, innermost first.
     fn close(&mut self) {
         // SAFETY: each handle is either null or one this driver opened and has not closed
-        // (nulled right after closing); no request is in flight (`Shared::drain` ran or no
+        // (nulled right after closing); no request is in flight (`RbdState::drain` ran or no
         // request was ever submitted), so librbd uses none of them any more.
         unsafe {
             if !self.image.is_null() {
@@ -68,7 +68,9 @@ impl Handles {
     }
 }
 
-struct Shared {
+/// What an [`RbdDriver`] shares with its requests' completions (librbd's callbacks or the
+/// poller): the open image, the queue, the slots and the count in flight.
+struct RbdState {
     name: String,
     image: ffi::rbd_image_t,
     read_only: bool,
@@ -92,26 +94,26 @@ struct Shared {
     handles: blkq_sync::Mutex<Handles>,
 }
 
-/// The queue's address (see `Shared::core`).
-struct CorePtr(*const QueueCore);
+/// The queue's address (see `RbdState::core`).
+struct CorePtr(*const RequestQueue);
 
 // SAFETY: a shared reference to the queue, which is `Sync`, valid while requests are in
-// flight (see `Shared::core`).
+// flight (see `RbdState::core`).
 unsafe impl Send for CorePtr {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for CorePtr {}
 
 // SAFETY: `image` is a librbd handle, which librbd allows to be used from any thread
 // (its calls take the image's own locks); the rest are thread-safe types.
-unsafe impl Send for Shared {}
+unsafe impl Send for RbdState {}
 // SAFETY: as for `Send`.
-unsafe impl Sync for Shared {}
+unsafe impl Sync for RbdState {}
 
 /// The `rbd` driver (see the [module docs](super)).
 pub struct RbdDriver {
     /// A `DynArc` (always std's `Arc`): the completion callback takes counts of it from its
     /// raw pointer.
-    shared: DynArc<Shared>,
+    shared: DynArc<RbdState>,
     size: u64,
     obj_size: u64,
     /// Set once by `stop`; `queue_rq` fails requests from then on (orderings: there).
@@ -155,7 +157,7 @@ impl RbdDriver {
         };
         match Self::open_handles(cfg, &name, &mut h) {
             Ok((size, obj_size)) => Self {
-                shared: DynArc::new(Shared {
+                shared: DynArc::new(RbdState {
                     name,
                     image: h.image,
                     read_only: cfg.is_read_only(),
@@ -336,7 +338,7 @@ impl RbdDriver {
     }
 
     /// Completes a request that never reached librbd.
-    fn fail_now(&self, q: &QueueCore, r: RequestToken, e: Error) {
+    fn fail_now(&self, q: &RequestQueue, r: RequestToken, e: Error) {
         q.complete(r, Err(e));
     }
 }
@@ -406,14 +408,14 @@ fn lock_owners(image: ffi::rbd_image_t) -> String {
 
 /// librbd's completion callback: `arg` is the request's [`Slot`].
 unsafe extern "C" fn on_complete(c: ffi::rbd_completion_t, arg: *mut c_void) {
-    // SAFETY: `arg` is the address of a slot of `Shared::slots` that `submit` gave this
-    // completion; the slots live until `Shared::drain` has seen this request finish, which is
+    // SAFETY: `arg` is the address of a slot of `RbdState::slots` that `submit` gave this
+    // completion; the slots live until `RbdState::drain` has seen this request finish, which is
     // after this callback returns.
     let slot = unsafe { &*(arg as *const Slot) };
-    // A strong count of this callback's own, so that `Shared` (and `slot` in it) outlives
+    // A strong count of this callback's own, so that `RbdState` (and `slot` in it) outlives
     // this call even once the drain has seen the request finish and the driver has gone:
     // completing the request is not this callback's last access to them.
-    // SAFETY: `slot.shared` is the pointer of the driver's `DynArc<Shared>`, which is alive:
+    // SAFETY: `slot.shared` is the pointer of the driver's `DynArc<RbdState>`, which is alive:
     // this request is still counted in `in_flight`, and the driver keeps its `DynArc` until
     // the drain has seen the count reach 0. The count taken here is given back by the
     // `from_raw` value's drop.
@@ -488,7 +490,7 @@ unsafe extern "C" fn on_diff(off: u64, len: usize, exists: c_int, arg: *mut c_vo
     0
 }
 
-impl Shared {
+impl RbdState {
     fn slot(&self, idx: u32) -> Option<&Slot> {
         self.slots.get()?.get(idx as usize)
     }
@@ -593,7 +595,7 @@ impl Shared {
 }
 
 impl Driver for RbdDriver {
-    fn start(&self, q: &DynArc<QueueCore>) {
+    fn start(&self, q: &DynArc<RequestQueue>) {
         let base = DynArc::as_ptr(&self.shared);
         let n = q.nr_requests() as u32;
         let _ = self.shared.slots.set(
@@ -608,7 +610,7 @@ impl Driver for RbdDriver {
         let _ = self.shared.core.set(CorePtr(DynArc::as_ptr(q)));
     }
 
-    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, mut r: RequestToken) {
         let sh = &*self.shared;
         let Some(slot) = sh.slot(r.index()) else {
             return self.fail_now(q, r, Error::Io(io::Error::other("rbd driver not started")));
