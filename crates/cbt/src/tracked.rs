@@ -35,13 +35,14 @@ struct SlotTable {
 /// Slot tables per device (see the module docs).
 pub const TABLES: usize = 16;
 
-struct Shared {
+/// What a [`Tracked`] shares with its writes' completions: the bitmaps and the slot tables.
+struct TrackedState {
     bitmaps: Bitmaps,
     tables: [CachePadded<Mutex<SlotTable>>; TABLES],
 }
 
 /// The completion [`Tracked`] hands the inner device for every write.
-struct Completer(DynArc<Shared>);
+struct Completer(DynArc<TrackedState>);
 
 impl EndIo for Completer {
     fn end_io(&self, mut bio: Bio, res: Result<(), Error>) {
@@ -70,7 +71,7 @@ impl EndIo for Completer {
 /// See the module docs.
 pub struct Tracked {
     inner: DynArc<dyn Device>,
-    shared: DynArc<Shared>,
+    shared: DynArc<TrackedState>,
     completer: DynArc<dyn EndIo>,
 }
 
@@ -81,7 +82,7 @@ fn changes(op: Op) -> bool {
 impl Tracked {
     /// Wraps `inner`, counting its writes in `bitmaps`.
     pub fn new(inner: DynArc<dyn Device>, bitmaps: Bitmaps) -> Self {
-        let shared = DynArc::new(Shared {
+        let shared = DynArc::new(TrackedState {
             bitmaps,
             tables: std::array::from_fn(|_| CachePadded(Mutex::new(SlotTable::default()))),
         });
