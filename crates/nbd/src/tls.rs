@@ -30,7 +30,7 @@
 //! 4. `output_pending` is set by the reader (under the session lock) after it queued output,
 //!    and cleared by the writer under the session lock once it has drained everything; the
 //!    writer looks at it under the connection lock before putting the token back, and the
-//!    reader's next `commit` (after every receive) calls `ConnCore::flush`, which counts the
+//!    reader's next `commit` (after every receive) calls `ConnState::flush`, which counts the
 //!    flag as work and takes the token if it is free: so either the reader writes, or the
 //!    writer holding the token sees the flag before giving it back. Queued output never waits
 //!    for a reply that may never come.

@@ -13,7 +13,7 @@ use blk::{Bio, Buffer, Device, EndIo, Error, Extent, Limits, Op, PendingBio};
 use blkq_sync::DynArc;
 
 use super::submit::Req;
-use super::table::Shared;
+use super::table::LinkState;
 use nbd_proto::proto::{CmdFlags, Command, NBD_STATE_HOLE, NBD_STATE_ZERO};
 
 /// Descriptors asked for per query at most (8 bytes each).
@@ -21,7 +21,7 @@ const MAX_DESCRIPTORS: usize = 1024;
 
 /// One block-status query as a [`Device`], so that the common [`PendingBio`] can wait for it.
 struct Query<'a> {
-    sh: &'a Shared,
+    sh: &'a LinkState,
     offset: u64,
     len: u64,
 }
@@ -48,7 +48,7 @@ impl Device for Query<'_> {
     }
 }
 
-impl Shared {
+impl LinkState {
     /// Whether the current connection has block status.
     fn has_block_status(&self) -> bool {
         self.table.lock().meta_id.is_some()

@@ -15,10 +15,10 @@ use super::receiver::{Receiver, SCRATCH};
 use super::reconnect::Supervisor;
 use super::sender;
 use super::spec::{RemoteSpec, SendMode};
-use super::table::{Durability, Shared, Table, Writer};
+use super::table::{Durability, LinkState, Table, Writer};
 
 pub(super) struct Link {
-    pub(super) sh: DynArc<Shared>,
+    pub(super) sh: DynArc<LinkState>,
     receiver: Option<std::thread::JoinHandle<()>>,
     sender: Option<std::thread::JoinHandle<()>>,
 }
@@ -53,7 +53,7 @@ impl Link {
         stream.set_read_timeout(Some(tick)).map_err(io_err)?;
         let reader = stream.try_clone().map_err(io_err)?;
         let sock = stream.try_clone().map_err(io_err)?;
-        let sh = DynArc::new(Shared {
+        let sh = DynArc::new(LinkState {
             uri: uri.clone(),
             table: Mutex::new(table),
             writer: Mutex::new(Writer {
@@ -126,7 +126,7 @@ impl Drop for Link {
     /// Shuts the socket down and joins the receiver, which fails what is still in flight
     /// with `EIO`, then the sender.
     fn drop(&mut self) {
-        // SeqCst: see `Shared::closing`.
+        // SeqCst: see `LinkState::closing`.
         self.sh.closing.store(true, Ordering::SeqCst);
         self.sh.shut_socket();
         self.sh.backoff_wq.wake_all();

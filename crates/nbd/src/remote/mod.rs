@@ -149,7 +149,7 @@ use crate::client::ExportDetails;
 use link::Link;
 use nbd_proto::proto::{CmdFlags, Command, TransmissionFlags};
 use submit::Req;
-use table::{Conn, Durability, Shared};
+use table::{Conn, Durability, LinkState};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
 pub struct RemoteDevice {
@@ -297,7 +297,7 @@ impl RemoteDevice {
     }
 
     /// Whether a connection holds requests failed by the reconnect deadline whose copies may
-    /// still be carried out (`Shared::orphaned`).
+    /// still be carried out (`LinkState::orphaned`).
     fn orphaned(&self) -> bool {
         // Acquire: see the field.
         self.links
@@ -307,7 +307,7 @@ impl RemoteDevice {
 
     /// The connection for the next request: round-robin, passing over a connection that is
     /// not up when another is (its requests would wait for its reconnection).
-    fn pick(&self) -> &Shared {
+    fn pick(&self) -> &LinkState {
         let n = self.links.len();
         // Relaxed: see the field.
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
@@ -324,7 +324,11 @@ impl RemoteDevice {
 
     /// The command and flags for `bio`, `Ok(None)` when it completes at once without asking
     /// the server (a flush to a server without a write cache), or why it fails.
-    fn command(&self, sh: &Shared, bio: &Bio) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
+    fn command(
+        &self,
+        sh: &LinkState,
+        bio: &Bio,
+    ) -> Result<Option<(Command, CmdFlags, bool)>, Error> {
         let f = sh.flags();
         let has = |x| f.contains(x);
         sh.limits.validate(bio)?;

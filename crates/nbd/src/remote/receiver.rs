@@ -12,7 +12,7 @@ use blk::Bio;
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
-use super::table::{Shared, Status, Success};
+use super::table::{LinkState, Status, Success};
 use crate::stream::{is_timeout, Stream};
 use nbd_proto::proto::{
     Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
@@ -104,7 +104,7 @@ impl Stop {
 }
 
 pub(super) struct Receiver {
-    pub(super) sh: DynArc<Shared>,
+    pub(super) sh: DynArc<LinkState>,
     pub(super) stream: Stream,
     pub(super) mode: TransmissionMode,
     pub(super) scratch: Vec<u8>,

@@ -32,7 +32,7 @@ use super::check;
 use super::connect::{self, Opened};
 use super::receiver::{Receiver, Stop};
 use super::spec::RemoteSpec;
-use super::table::{Conn, Shared};
+use super::table::{Conn, LinkState};
 use nbd_proto::proto::TransmissionFlags;
 
 /// First wait between reconnection attempts; it doubles after each failed attempt.
@@ -132,7 +132,7 @@ impl Supervisor {
             // until the server reads or the deadline passes (`write_request`).
             sh.table.lock().go_down(Instant::now());
         }
-        // Relaxed: see `Shared::up`.
+        // Relaxed: see `LinkState::up`.
         sh.up.store(false, Ordering::Relaxed);
         if sh.reconnect_deadline.is_zero() {
             sh.expire();
@@ -193,7 +193,7 @@ impl Supervisor {
                 );
             }
         }
-        // Relaxed: see `Shared::up`.
+        // Relaxed: see `LinkState::up`.
         sh.up.store(false, Ordering::Relaxed);
         sh.complete_all();
         if sh.reconnect_deadline.is_zero() {
@@ -333,7 +333,7 @@ impl Supervisor {
             source,
         })?;
         *sh.sock.lock() = Some(sock);
-        // Relaxed: see `Shared::flags`.
+        // Relaxed: see `LinkState::flags`.
         sh.flags
             .store(u32::from(details.flags.bits()), Ordering::Relaxed);
         {
@@ -349,7 +349,7 @@ impl Supervisor {
             // SeqCst: see the field. Under the writer lock (see the field).
             sh.send_failed.store(false, Ordering::SeqCst);
         }
-        // Relaxed: see `Shared::up`.
+        // Relaxed: see `LinkState::up`.
         sh.up.store(true, Ordering::Relaxed);
         // Relaxed: a statistic (see the field).
         let n = sh.reconnects.fetch_add(1, Ordering::Relaxed) + 1;
@@ -363,7 +363,7 @@ impl Supervisor {
     }
 }
 
-impl Shared {
+impl LinkState {
     /// The reconnect deadline has passed (whether or not a request waits): everything
     /// waiting fails with `EIO`, and so does every new request until a connection is back;
     /// meanwhile the device reports itself unavailable (`RemoteDevice::unavailable`).

@@ -13,7 +13,7 @@ use crate::stream::{is_timeout, Stream};
 use nbd_proto::proto::Command;
 use nbd_proto::transmission::Request;
 
-use super::table::{Conn, Partial, Shared, Table, Writer};
+use super::table::{Conn, LinkState, Partial, Table, Writer};
 
 // # Sending inline (`send=inline`, plain sockets)
 //
@@ -43,7 +43,7 @@ use super::table::{Conn, Partial, Shared, Table, Writer};
 // any order), and a flush covers only writes completed before it is sent (`Durability`),
 // so nothing depends on it. With `send=thread` (or TLS) every first send is the sender's.
 
-impl Shared {
+impl LinkState {
     /// Marks slot `i` sent on the current connection and returns its request (a flush also
     /// records what it covers). Under the table lock, by whoever is about to send it.
     pub(super) fn claim(&self, t: &mut Table, i: usize) -> (u64, Request) {

@@ -15,10 +15,10 @@
 use blk::Bio;
 use blkq_sync::DynArc;
 
-use super::table::Shared;
+use super::table::LinkState;
 use nbd_proto::proto::Command;
 
-pub(super) fn run(sh: DynArc<Shared>) {
+pub(super) fn run(sh: DynArc<LinkState>) {
     loop {
         let go = sh.sender_wq.wait_for(|| {
             if sh.is_closing() {
@@ -38,7 +38,7 @@ pub(super) fn run(sh: DynArc<Shared>) {
 /// (the sender is then its holder); a write whose bio is away is its holder's, who raises
 /// `send_needed` again when it puts the bio back. One look at the table finds the next due
 /// slot, so a wake-up for one flush costs one pass, not a lock per slot.
-fn send_due(sh: &Shared) {
+fn send_due(sh: &LinkState) {
     // First the rest of a request a submitter wrote in part: nothing else may go before it.
     let (r, back) = sh.finish_partial(&mut sh.writer.lock());
     if let Some((i, b)) = back {

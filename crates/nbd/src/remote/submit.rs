@@ -8,7 +8,7 @@ use std::time::Instant;
 use blk::{Bio, EndIo, Error};
 use blkq_sync::DynArc;
 
-use super::table::{Conn, Shared, Status};
+use super::table::{Conn, LinkState, Status};
 use nbd_proto::proto::{CmdFlags, Command};
 
 /// What to send for a bio.
@@ -24,7 +24,7 @@ pub(super) struct Req {
     pub(super) len: u64,
 }
 
-impl Shared {
+impl LinkState {
     /// Takes a slot for `bio` and sends `req` if the connection is up; else the request
     /// waits in its slot (a write with its bio) and the sender sends it once a connection is
     /// back. `end` is called exactly once.

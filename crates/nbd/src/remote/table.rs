@@ -1,6 +1,6 @@
-//! The state a [`super::RemoteDevice`] shares between its submitters, its receiver and its
-//! sender: the table of requests in flight, the socket's write half, how a request completes,
-//! and how the device fails (how one is sent: `send`).
+//! The state one connection of a [`super::RemoteDevice`] shares between its submitters, its
+//! receiver and its sender: the table of requests in flight, the socket's write half, how a
+//! request completes, and how the device fails (how one is sent: `send`).
 
 use std::io;
 use std::net::Shutdown;
@@ -37,7 +37,7 @@ use nbd_proto::transmission::Request;
 // A bio is either in its slot or *away* with exactly one holder: the submitter (a write it is
 // sending), the sender thread (a write it is re-sending) or the receiver (a read whose data it
 // is receiving). A slot whose bio is away is never freed, so it is still the holder's slot when
-// the holder puts the bio back ([`Shared::put_back`]).
+// the holder puts the bio back ([`LinkState::put_back`]).
 //
 // A send is claimed first: the slot is marked sent on the current connection (`sent_epoch =
 // epoch`, under the table lock, by the submitter or the sender while it holds the writer
@@ -105,7 +105,7 @@ use nbd_proto::transmission::Request;
 //   drain waits for it like any other. Orphans are freed when the old connection is over
 //   (`end_old`). Meanwhile the device is down on this connection (new requests fail at
 //   once), and with several connections the others take no write either
-//   (`Shared::orphaned`): a newer write there could land before the orphan's copy.
+//   (`LinkState::orphaned`): a newer write there could land before the orphan's copy.
 // - A send that cannot progress waits for the server to read (it reads requests as it
 //   finishes others), until the deadline passes (over TLS it fails at the socket's send
 //   timeout: the record is half sent); a request not written whole is marked not sent (no
@@ -537,7 +537,9 @@ pub(super) struct Partial {
     pub(super) len: usize,
 }
 
-pub(super) struct Shared {
+/// What one connection of the device (a [`super::link::Link`]) shares between its
+/// submitters, its receiver and its sender.
+pub(super) struct LinkState {
     pub(super) uri: String,
     pub(super) table: Mutex<Table>,
     pub(super) writer: Mutex<Writer>,
@@ -598,7 +600,7 @@ pub(super) struct Shared {
     pub(super) hook: DynArc<super::check::Hook>,
 }
 
-impl Shared {
+impl LinkState {
     pub(super) fn flags(&self) -> TransmissionFlags {
         // Relaxed: see the field.
         TransmissionFlags::from_bits(self.flags.load(Ordering::Relaxed) as u16)

@@ -16,7 +16,7 @@ use blkq_sync::MutexGuard;
 use tracing::{debug, warn};
 
 use super::limits::RateLimited;
-use super::shared::{Registry, Shared};
+use super::shared::{Registry, ServerState};
 use crate::stream::Stream;
 
 pub(super) enum Listener {
@@ -75,7 +75,7 @@ pub(super) fn remove_stale_socket(path: &Path) -> io::Result<()> {
     std::fs::remove_file(path)
 }
 
-pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
+pub(super) fn accept_loop(l: Listener, shared: Arc<ServerState>) {
     let mut accept_failed = RateLimited::default();
     let mut over_limit = RateLimited::default();
     let mut refused_address = RateLimited::default();
@@ -174,7 +174,7 @@ pub(super) fn accept_loop(l: Listener, shared: Arc<Shared>) {
 /// socket, to shut it down) and starts its thread; a thread that cannot be spawned drops the
 /// connection, logged through `accept_failed`.
 fn spawn_conn(
-    shared: &Arc<Shared>,
+    shared: &Arc<ServerState>,
     mut r: MutexGuard<'_, Registry>,
     stream: Stream,
     handle: Stream,

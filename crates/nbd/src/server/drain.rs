@@ -10,7 +10,7 @@ use blkq_sync::DynArc as Arc;
 use blk::{Bio, Op, PendingBio};
 use tracing::warn;
 
-use super::shared::{ExportState, Shared};
+use super::shared::{ExportState, ServerState};
 
 /// After the drain timeout and the forced close of every connection's socket, how long a
 /// connection thread gets to notice and end before its export is reported stuck.
@@ -22,7 +22,7 @@ pub const STUCK_GRACE: Duration = Duration::from_secs(1);
 /// [`STUCK_GRACE`] after that (their threads are left behind); at shutdown, not the exports
 /// removed before (their removal reported them).
 pub(super) fn drain(
-    shared: &Shared,
+    shared: &ServerState,
     only: Option<&Arc<ExportState>>,
     timeout: Duration,
 ) -> Vec<Arc<ExportState>> {
@@ -92,7 +92,7 @@ pub(super) fn drain(
 /// device failed (in `exports` and in the table). Returns the exports whose flush did not
 /// complete in time.
 pub(super) fn flush(
-    shared: &Shared,
+    shared: &ServerState,
     exports: &[Arc<ExportState>],
     timeout: Duration,
 ) -> Vec<Arc<ExportState>> {

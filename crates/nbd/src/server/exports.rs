@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use super::config::Export;
 use super::drain::{drain, flush};
 use super::error::{RemoveReport, ServerError};
-use super::shared::{ExportState, Shared};
+use super::shared::{ExportState, ServerState};
 
 /// One export of the table, as [`Exports::list`] shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,10 +36,10 @@ pub struct ExportInfo {
 /// metrics are gone, every call answers [`ServerError::Stopping`], and a handle kept longer
 /// keeps no device open.
 #[derive(Clone)]
-pub struct Exports(pub(super) std::sync::Weak<Shared>);
+pub struct Exports(pub(super) std::sync::Weak<ServerState>);
 
 impl Exports {
-    fn shared(&self) -> Result<Arc<Shared>, ServerError> {
+    fn shared(&self) -> Result<Arc<ServerState>, ServerError> {
         self.0.upgrade().ok_or(ServerError::Stopping)
     }
 
@@ -91,7 +91,7 @@ impl Exports {
         };
         shared.access.write().retain(|(n, _)| n != name);
         let connections = {
-            // Under the registry's lock, which `Shared::attach` takes: every connection that
+            // Under the registry's lock, which `ServerState::attach` takes: every connection that
             // attached to it is counted (and drained), none attaches after.
             let r = shared.conns.lock();
             state.removed.store(true, Ordering::Release);

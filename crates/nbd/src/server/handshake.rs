@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use blkq_sync::DynArc as Arc;
 
 use super::access::{Identity, Refusal};
-use super::shared::{ExportState, Shared};
+use super::shared::{ExportState, ServerState};
 use crate::stream::Stream;
 use crate::tls::TlsMode;
 use nbd_proto::handshake::{
@@ -206,7 +206,7 @@ impl Write for Deadlined<'_> {
 
 struct Haggler<'a, 'b> {
     stream: &'a mut Deadlined<'b>,
-    shared: &'a Shared,
+    shared: &'a ServerState,
     /// The connection's id in the server's registry.
     conn: u64,
     mode: TransmissionMode,
@@ -224,11 +224,11 @@ struct Haggler<'a, 'b> {
 }
 
 /// Runs the handshake on fresh connection `conn`. An export chosen is recorded in the
-/// registry ([`Shared::attach`]) before the final reply leaves: from the moment the client may
+/// registry ([`ServerState::attach`]) before the final reply leaves: from the moment the client may
 /// believe it is attached, the acceptor never evicts it as a handshake.
 pub(crate) fn negotiate(
     stream: &mut Deadlined<'_>,
-    shared: &Shared,
+    shared: &ServerState,
     conn: u64,
 ) -> Result<Negotiated, Ended> {
     let offered = HandshakeFlags::FIXED_NEWSTYLE | HandshakeFlags::NO_ZEROES;

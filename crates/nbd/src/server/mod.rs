@@ -57,7 +57,7 @@
 //! before cannot attach to it any more: it is answered as for an unknown export), then drains
 //! the connections attached to it and flushes its device with the code shutdown uses (steps 2
 //! and 3 above, for that export's connections only). Adds, removes and the shutdown run one at
-//! a time (`Shared::changing`): the shutdown drains, flushes and reports what the table holds
+//! a time (`ServerState::changing`): the shutdown drains, flushes and reports what the table holds
 //! when it starts, the exports added at runtime included, none removed.
 
 mod accept;
@@ -86,7 +86,7 @@ use self::drain::{drain, flush};
 pub use self::error::{RemoveReport, ServerError};
 pub use self::exports::{ExportInfo, Exports};
 pub use self::limits::{default_max_connections, default_memory_budget, BudgetImpl, MemoryBudget};
-use self::shared::{AccessTable, ExportState, Registry, Shared};
+use self::shared::{AccessTable, ExportState, Registry, ServerState};
 use self::stats::ServerCounters;
 pub use self::stats::{ExportMetrics, HandshakeFailure, ServerSnapshot, StatsSource};
 
@@ -124,7 +124,7 @@ impl ShutdownReport {
 
 /// A running server.
 pub struct Server {
-    shared: Arc<Shared>,
+    shared: Arc<ServerState>,
     acceptors: Vec<std::thread::JoinHandle<()>>,
     /// A descriptor of each listening socket (duplicated: the acceptors own theirs), shut
     /// down to wake the acceptors at stop.
@@ -266,7 +266,7 @@ impl Server {
             listeners.push(Listener::Unix(l));
         }
 
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ServerState {
             exports: RwLock::new(exports),
             access: Arc::new(RwLock::new(access)),
             changing: Mutex::new(()),
@@ -461,7 +461,7 @@ impl Drop for Server {
 /// A handle on a running server's counters, for a metrics endpoint. Cheap to clone; keeps the
 /// server's shared state alive (not its threads).
 #[derive(Clone)]
-pub struct Metrics(pub(crate) Arc<Shared>);
+pub struct Metrics(pub(crate) Arc<ServerState>);
 
 impl Metrics {
     /// The server's counters now.

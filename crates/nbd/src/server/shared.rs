@@ -1,6 +1,6 @@
 //! The state the server's threads share: the export table and each export's state as the
 //! connections see it ([`ExportState`], its sticky write error), the registry of live
-//! connections, and the server-wide settings and counters ([`Shared`]).
+//! connections, and the server-wide settings and counters ([`ServerState`]).
 
 // `std`'s `Arc`, not the facade's: `blk::Device` and `blk::EndIo` take `std::sync::Arc`.
 use blkq_sync::DynArc as Arc;
@@ -117,7 +117,7 @@ impl StickyError {
 pub(super) type AccessTable = Arc<RwLock<Vec<(String, Arc<RwLock<Access>>)>>>;
 
 /// State shared by the acceptors and every connection.
-pub(crate) struct Shared {
+pub(crate) struct ServerState {
     /// The export table (module docs): read at accept, in the handshake and by the metrics;
     /// written by [`Exports::add`] and [`Exports::remove`]. Never read on the data path.
     ///
@@ -147,7 +147,7 @@ pub(crate) struct Shared {
     pub(super) conns: Mutex<Registry>,
 }
 
-impl Shared {
+impl ServerState {
     /// The export named `name` in the table now.
     pub(crate) fn find(&self, name: &str) -> Option<Arc<ExportState>> {
         self.exports
@@ -167,7 +167,7 @@ impl Shared {
     }
 }
 
-/// The live connections, their threads and their exports (under `Shared::conns`).
+/// The live connections, their threads and their exports (under `ServerState::conns`).
 #[derive(Default)]
 pub(super) struct Registry {
     pub(super) next_id: u64,
@@ -185,7 +185,7 @@ pub(super) struct Registry {
     pub(super) evicted: Vec<u64>,
 }
 
-impl Shared {
+impl ServerState {
     /// Removes connection `id` from the registry (called by its thread when it ends).
     pub(crate) fn unregister(&self, id: u64) {
         let mut registry = self.conns.lock();

@@ -4,7 +4,7 @@
 //!
 //! Threads: the **reader** fills entries while staging and moves them into the table
 //! (`reader.rs`, `commit`); **completion threads** of the device (or the reader itself, for
-//! inline completions inside `submit_batch`) run [`ConnCore::end_io`]; the **writer** of the
+//! inline completions inside `submit_batch`) run [`ConnState::end_io`]; the **writer** of the
 //! moment (`writer.rs`) takes ready slots, shapes and sends their replies and frees them. All of
 //! it under the one connection lock ([`Locked`]).
 //!
@@ -76,7 +76,7 @@ pub(super) struct InFlight {
     /// extents in `extents`.
     pub(super) contexts: Vec<(u32, u32)>,
     /// When the request reached the device (coarse clock, ns): set only for exports whose
-    /// disk counters the server keeps ([`ConnCore::disk`]).
+    /// disk counters the server keeps ([`ConnState::disk`]).
     pub(super) start_ns: u64,
 }
 
@@ -199,7 +199,7 @@ impl Locked {
 
 /// The part of a connection that the reader, completion threads, writers and the flusher
 /// share (it is the [`EndIo`] of every bio the connection submits).
-pub(super) struct ConnCore {
+pub(super) struct ConnState {
     /// The socket handle writers send on (kept open as long as this lives).
     pub(super) send_sock: Stream,
     /// `send_sock`'s descriptor, for `sendmsg`.
@@ -252,7 +252,7 @@ fn runs_on(t: &Thread) -> bool {
     thread::current().id() == t.id()
 }
 
-impl EndIo for ConnCore {
+impl EndIo for ConnState {
     fn end_io(&self, mut bio: Bio, res: Result<(), blk::Error>) {
         let (slot, part) = split_cookie(bio.cookie);
         let mut buf = bio.buf.take();

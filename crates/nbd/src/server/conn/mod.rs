@@ -31,7 +31,7 @@
 //!   blocked, so that neither the reader nor a driver's completion thread ever waits on a slow
 //!   client.
 //!
-//! Every wait goes through a [`waitq::WaitQueue`] of the connection's `ConnCore`: the reader
+//! Every wait goes through a [`waitq::WaitQueue`] of the connection's `ConnState`: the reader
 //! on `reader_wake` (for a slot, or at teardown for the table to drain), the flusher on
 //! `flusher_wake`.
 //!
@@ -75,12 +75,12 @@ use blkq_sync::Mutex;
 use tracing::{debug, error, info, warn};
 use waitq::WaitQueue;
 
-use self::inflight::{ConnCore, InFlight, Locked};
+use self::inflight::{ConnState, InFlight, Locked};
 use self::parse_state::{ParseStop, PartialWrite};
 use self::pools::BufferPools;
 use self::recv::MidRequest;
 use super::handshake::{self, Deadlined, Ended, Negotiated};
-use super::shared::{ExportState, Shared};
+use super::shared::{ExportState, ServerState};
 use super::stats::HandshakeFailure;
 use crate::stream::Stream;
 use nbd_proto::proto::TransmissionMode;
@@ -91,7 +91,7 @@ const MAX_BIO_BYTES: usize = 1 << 20;
 const SEND_BUFFER: usize = 4 << 20;
 
 /// Runs a connection to its end: handshake, transmission, teardown.
-pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
+pub(crate) fn serve(mut stream: Stream, server: Arc<ServerState>, id: u64) {
     let peer = stream.peer();
     let started = Instant::now();
     let _ = stream.set_nodelay();
@@ -181,7 +181,7 @@ pub(crate) fn serve(mut stream: Stream, server: Arc<Shared>, id: u64) {
 
 /// A handshake that ended without a transmission phase: counted by reason, and logged with
 /// it (`reason`, the same word as the `blkq_nbd_handshake_failures_total` label).
-fn handshake_ended(server: &Shared, id: u64, peer: &str, ended: Ended) {
+fn handshake_ended(server: &ServerState, id: u64, peer: &str, ended: Ended) {
     let why = match &ended {
         _ if server.was_evicted(id) => HandshakeFailure::Evicted,
         Ended::Client(_) => HandshakeFailure::ClientAbort,
@@ -249,13 +249,13 @@ struct Stats {
 /// What the reader thread holds: the receive side, staging, and a handle on the shared core.
 struct Connection<'a> {
     /// What the reader shares with completions, writers and the flusher.
-    core: Arc<ConnCore>,
+    core: Arc<ConnState>,
     /// `core` as the `EndIo` of every bio.
     end_io: Arc<dyn EndIo>,
     flusher: Option<JoinHandle<()>>,
     /// The socket, read by the reader (writers send on their own handle, `core.send_sock`).
     stream: Stream,
-    server: &'a Shared,
+    server: &'a ServerState,
     export: &'a ExportState,
     mode: TransmissionMode,
     /// The metadata contexts selected: what `NBD_CMD_BLOCK_STATUS` answers.
@@ -351,7 +351,7 @@ fn recv_tick(t: &super::config::Tuning) -> Duration {
 impl<'a> Connection<'a> {
     fn new(
         stream: Stream,
-        server: &'a Shared,
+        server: &'a ServerState,
         export: &'a ExportState,
         negotiated: Negotiated,
     ) -> io::Result<Self> {
@@ -371,7 +371,7 @@ impl<'a> Connection<'a> {
         // Best effort: a bigger send buffer means fewer replies handed to the flusher.
         let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
         let tls = send_sock.tls_session().cloned();
-        let core = Arc::new(ConnCore {
+        let core = Arc::new(ConnState {
             tls: tls.clone(),
             send_sock,
             send_fd,

@@ -5,7 +5,7 @@
 //!
 //! Threads: only the connection's own thread (the reader) runs this file. It blocks only in
 //! `recv`, in the device's tag wait (backpressure from a full queue), or asleep on
-//! `ConnCore::reader_wake` when every slot (or the in-flight byte budget) is taken.
+//! `ConnState::reader_wake` when every slot (or the in-flight byte budget) is taken.
 
 use std::io::{self, IoSliceMut, Read};
 use std::time::Instant;

@@ -12,7 +12,7 @@
 //! flusher may be the writer. The first two never block on the socket (`MSG_DONTWAIT`): a send
 //! that would block, or a writer that has gone [`MAX_NONBLOCKING_ROUNDS`] rounds, moves the
 //! token (with the half-sent output) to `Locked::handed_off` and wakes the **flusher** (one
-//! thread per connection, asleep on `ConnCore::flusher_wake`), which finishes with blocking
+//! thread per connection, asleep on `ConnState::flusher_wake`), which finishes with blocking
 //! sends and goes on as the writer. So neither the reader nor a driver's completion thread
 //! ever waits on a slow client.
 
@@ -23,7 +23,7 @@ use std::os::fd::RawFd;
 use blkq_sync::atomic::Ordering;
 use tracing::{debug, warn};
 
-use super::inflight::{ConnCore, Locked};
+use super::inflight::{ConnState, Locked};
 use super::output::{Output, Segment};
 use super::send::progress;
 use crate::tls::TlsSession;
@@ -35,7 +35,7 @@ const IOV_WINDOW: usize = 128;
 /// thread away from its other work.
 const MAX_NONBLOCKING_ROUNDS: u32 = 8;
 
-impl ConnCore {
+impl ConnState {
     /// Writes ready replies if nobody else is writing. Never blocks on the socket.
     pub(super) fn flush(&self) {
         let output = {
@@ -297,7 +297,7 @@ impl Output {
 
     /// Shapes every ready reply into the output (or, once the client is gone, just marks the
     /// slots for freeing).
-    fn shape_ready(&mut self, locked: &mut Locked, core: &ConnCore, client_gone: bool) {
+    fn shape_ready(&mut self, locked: &mut Locked, core: &ConnState, client_gone: bool) {
         let Locked {
             table, ready_slots, ..
         } = locked;
