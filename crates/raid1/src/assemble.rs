@@ -19,7 +19,7 @@ use waitq::WaitQueue;
 use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
 use crate::config::Raid1Config;
-use crate::device::{ArrayMeta, Inner, Launch, Leg, LegEnd, Placed, Raid1};
+use crate::device::{Array, ArrayMeta, Launch, Leg, LegEnd, Placed, Raid1};
 use crate::error::Raid1Error;
 use crate::legstate::LegState;
 use crate::placement::{left_in_sync, readd_covers, Assembly};
@@ -289,7 +289,7 @@ impl Raid1 {
     }
 
     /// Starts raid1d and the sync thread on `inner`: the array runs.
-    fn start_threads(inner: StdArc<Inner>) -> Self {
+    fn start_threads(inner: StdArc<Array>) -> Self {
         let daemon = {
             let inner = inner.clone();
             thread::spawn(move || inner.daemon())
@@ -310,12 +310,12 @@ impl Raid1 {
 
 /// The array's shared state, every leg slot empty (`a.placed` and `a.slot_uuids` are left to
 /// [`seat_legs`]).
-fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
+fn shared_state(a: Launch) -> Result<StdArc<Array>, Raid1Error> {
     let cfg = a.cfg;
     let pool = BufferPool::new(a.max_io as usize, 4, cfg.depth.min(64));
     let slots = crate::slots::Slots::new(cfg.depth)
         .map_err(|e| Raid1Error::Config(format!("raid1: depth: {e}")))?;
-    let inner = StdArc::new_cyclic(|weak: &Weak<Inner>| Inner {
+    let inner = StdArc::new_cyclic(|weak: &Weak<Array>| Array {
         legs: (0..a.nr_slots).map(|_| Leg::empty()).collect(),
         ends: (0..blkq_sync::stat::shard_count())
             .map(|_| {
@@ -366,7 +366,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Inner>, Raid1Error> {
 /// Puts each placed leg into its slot (under a freeze, the rule of `slot`), keeps the UUID
 /// of each slot whose leg is missing, watches every leg's connections, and marks a leg
 /// found faulty as failed by hand.
-fn seat_legs(inner: &Inner, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
+fn seat_legs(inner: &Array, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
     // Slots whose leg is missing keep its UUID in memory (not on disk), so that leg can
     // come back with `add_leg` as a re-add.
     for (l, u) in inner.legs.iter().zip(slot_uuids.iter()) {
@@ -401,7 +401,7 @@ fn seat_legs(inner: &Inner, placed: Vec<Placed>, slot_uuids: &[Uuid]) {
 
 /// Records that a resync is due (`resync`: the array was not stopped cleanly, or was created
 /// to be resynced) and, with checksums, marks the table's pages of what it settles dirty.
-fn record_resync(inner: &Inner, resync: bool) {
+fn record_resync(inner: &Array, resync: bool) {
     inner.sync.ctl.lock().resync_needed = resync;
     if let (true, Some(t)) = (resync, &inner.sums) {
         // The legs' pages of what the resync settles may differ (a crash kept a page

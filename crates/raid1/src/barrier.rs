@@ -339,7 +339,7 @@ impl Barriers {
     /// there, not frozen); otherwise leaves the counters as they were and returns false. For a
     /// write that spans several barrier units and already holds the earlier ones: it must not
     /// sleep holding them (a freezer waits for every admission to end), so on false it lets
-    /// them go and waits for this one alone (`Inner::admit_write`). Pair a true with
+    /// them go and waits for this one alone (`Array::admit_write`). Pair a true with
     /// [`Barriers::allow_barrier`].
     pub fn try_wait_barrier(&self, sector: u64) -> bool {
         let b = self.bucket(sector);

@@ -116,8 +116,10 @@ struct Meta {
     mark_time: Duration,
 }
 
+/// What the bitmap keeps under its mutex: the clearer's per-chunk marks, the flush epochs and
+/// the bit-change counters.
 #[derive(Debug)]
-struct Inner {
+struct BitmapState {
     meta: Vec<Meta>,
     degraded: bool,
     /// Flush epochs begun.
@@ -142,7 +144,7 @@ pub struct WriteIntentBitmap {
     mode: BitmapCounts,
     /// Flags and writes in flight per chunk (lock-free; see `chunks`).
     chunks: Chunks,
-    inner: Mutex<Inner>,
+    inner: Mutex<BitmapState>,
 }
 
 impl WriteIntentBitmap {
@@ -159,7 +161,7 @@ impl WriteIntentBitmap {
             quiet: DEFAULT_QUIET,
             mode: BitmapCounts::Sharded,
             chunks: Chunks::new(nr_chunks as usize, blkq_sync::stat::shard_count()),
-            inner: Mutex::new(Inner {
+            inner: Mutex::new(BitmapState {
                 meta: vec![Meta::default(); nr_chunks as usize],
                 degraded: false,
                 epoch: 0,
@@ -272,7 +274,7 @@ impl WriteIntentBitmap {
 
     /// The slow path of a write counted in `cs`: sets the bits, takes back `IDLE` marks, and
     /// returns the chunks whose bits are not durable.
-    fn set_bits(&self, g: &mut Inner, cs: ChunkSet) -> Option<ChunkSet> {
+    fn set_bits(&self, g: &mut BitmapState, cs: ChunkSet) -> Option<ChunkSet> {
         let mut need: Option<ChunkSet> = None;
         let mut changed = false;
         for i in cs.first..cs.end {
@@ -424,7 +426,7 @@ impl WriteIntentBitmap {
         self.mark(&mut g, now)
     }
 
-    fn mark(&self, g: &mut Inner, now: Duration) -> u64 {
+    fn mark(&self, g: &mut BitmapState, now: Duration) -> u64 {
         let epoch = g.epoch;
         let mut n = 0;
         for (i, m) in g.meta.iter_mut().enumerate() {
@@ -445,7 +447,7 @@ impl WriteIntentBitmap {
 
     /// Clears the bits of the chunks marked idle before a completed flush for which `ok`
     /// holds; how many.
-    fn clear_marked(&self, g: &mut Inner, ok: impl Fn(&Meta) -> bool) -> u64 {
+    fn clear_marked(&self, g: &mut BitmapState, ok: impl Fn(&Meta) -> bool) -> u64 {
         let flushed = g.flushed;
         let mut n = 0;
         for (i, m) in g.meta.iter_mut().enumerate() {

@@ -13,13 +13,13 @@ use blkq_sync::atomic::Ordering;
 use uuid::Uuid;
 
 use crate::barrier::paired;
-use crate::device::{eio, Inner};
+use crate::device::{eio, Array};
 use crate::error::Raid1Error;
 use crate::events::Event;
 use crate::slots::IoKind;
 use crate::superblock::{ArrayState, LegInfo, Role, Superblock, SB_OFFSET};
 
-impl Inner {
+impl Array {
     /// raid1d's handling of a failed read: with the array frozen, read the range from another
     /// leg, rewrite it on the legs that failed (failing a leg whose rewrite fails or whose
     /// error count passes the limit), and complete the read.
@@ -193,8 +193,8 @@ impl Inner {
     /// recovery's copy or a clean stop's data, is durable before it is). A leg whose write
     /// fails is failed and the superblocks are written again, so the failure is recorded too;
     /// Ok means every leg left writable holds the new superblock durably, and records every
-    /// leg failure up to its start (`durable_gen`, see `Inner::fail_leg`). When the last
-    /// in-sync leg fails it, the array fails (`Inner::fail_array`) and this is an error.
+    /// leg failure up to its start (`durable_gen`, see `Array::fail_leg`). When the last
+    /// in-sync leg fails it, the array fails (`Array::fail_array`) and this is an error.
     ///
     /// In-sync legs are written first, and a round whose in-sync part failed the array writes
     /// no other leg; a failed array writes no superblock at all. A recovering leg must never

@@ -1,4 +1,4 @@
-//! The [`Raid1`] device: its types (config, errors, legs, per-I/O slots, the shared `Inner`),
+//! The [`Raid1`] device: its types (config, errors, legs, per-I/O slots, the shared `Array`),
 //! the public leg-management API (`fail_leg`, `remove_leg`, `add_leg` with re-add, ...),
 //! `Drop` (stop the sync thread, drain, stop raid1d, mark clean) and the `blk::Device` impl.
 //!
@@ -8,7 +8,7 @@
 //! path, a costly allocation map where a leg's is), no queue or disk counters of its own (the
 //! NBD server counts at its layer), and its legs' reconnection checks stay its own.
 //!
-//! Runs on the caller's thread; `Inner::fail_leg`/`state_changed` are also called from
+//! Runs on the caller's thread; `Array::fail_leg`/`state_changed` are also called from
 //! completion contexts, raid1d and the sync thread. The rest lives in `assemble.rs`
 //! (start-up), `io.rs` (the I/O path), `daemon.rs` (raid1d) and `resync.rs` (the sync thread).
 //!
@@ -201,12 +201,12 @@ impl Leg {
     }
 }
 
-/// One completion handle per leg slot (one such set per thread shard, `Inner::ends`).
+/// One completion handle per leg slot (one such set per thread shard, `Array::ends`).
 pub(crate) type LegEnds = Box<[StdArc<dyn EndIo>]>;
 
 /// Completion of a leg bio: the bio's cookie names the `Io` slot.
 pub(crate) struct LegEnd {
-    pub(crate) inner: Weak<Inner>,
+    pub(crate) inner: Weak<Array>,
     pub(crate) leg: usize,
 }
 
@@ -270,11 +270,13 @@ pub(crate) struct ArrayMeta {
     pub(crate) members: u64,
 }
 
-pub(crate) struct Inner {
+/// The array's state, shared by the [`Raid1`] handle, the I/O path, raid1d, the sync thread
+/// and the legs' completions.
+pub(crate) struct Array {
     pub(crate) cfg: Raid1Config,
     pub(crate) legs: Box<[Leg]>,
     /// Each leg's completion handle, one set per thread shard (`ends[shard][leg]`, see
-    /// `Inner::leg_end`).
+    /// `Array::leg_end`).
     pub(crate) ends: Box<[LegEnds]>,
     pub(crate) data_offset: u64,
     pub(crate) capacity: u64,
@@ -299,14 +301,14 @@ pub(crate) struct Inner {
     pub(crate) resync_point: AtomicU64,
     pub(crate) pool: BufferPool,
     /// The bitmap's clock origin, on the coarse clock (`blk::stats::coarse_ns`): see
-    /// [`Inner::bitmap_now`].
+    /// [`Array::bitmap_now`].
     pub(crate) origin_ns: u64,
     /// The sync thread's state (see `sync`).
     pub(crate) sync: crate::resync::SyncState,
     /// The automatic re-add's probes (see `readd`).
     pub(crate) readd: crate::readd::ReaddState,
     /// This array, for completions raid1d hands out (a probe's).
-    pub(crate) me: Weak<Inner>,
+    pub(crate) me: Weak<Array>,
     /// Write-behind (see `behind`).
     pub(crate) wb: crate::behind::WriteBehind,
     /// The state changes' log lines and subscribers (see `events`).
@@ -315,7 +317,7 @@ pub(crate) struct Inner {
 
 /// A RAID1 array over two or more legs. See the crate docs.
 pub struct Raid1 {
-    pub(crate) inner: StdArc<Inner>,
+    pub(crate) inner: StdArc<Array>,
     pub(crate) daemon: Option<thread::JoinHandle<()>>,
     pub(crate) syncer: Option<thread::JoinHandle<()>>,
     /// `crash_for_test`: stop without writing clean superblocks.
@@ -636,7 +638,7 @@ impl Device for Raid1 {
     }
 }
 
-impl Inner {
+impl Array {
     /// Puts `dev` in slot `i` as a recovering leg (recovery offset 0, written and not read;
     /// only the bitmap's dirty chunks recovered if `bitmap`), write-mostly if `write_mostly`. The one placement of `add_leg` and the automatic re-add.
     ///

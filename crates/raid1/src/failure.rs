@@ -6,13 +6,13 @@
 
 use blk::Error;
 
-use crate::device::Inner;
+use crate::device::Array;
 use crate::error::Raid1Error;
 use crate::events::Event;
 
 pub(crate) mod durable;
 
-impl Inner {
+impl Array {
     /// Marks leg `i` faulty unless it is the last in-sync leg. Returns whether it did. The
     /// first time it does, the failure is told (`events`) with its `cause`.
     ///
@@ -118,7 +118,7 @@ impl Inner {
 
     /// A write or flush failed on leg `leg` (`cause`, for the leg's failure): fail the leg; if
     /// it is the last in-sync leg, which cannot be failed, the array fails (`why`, see
-    /// `Inner::fail_array`).
+    /// `Array::fail_array`).
     pub(crate) fn leg_write_failed(&self, leg: usize, cause: &'static str, why: &'static str) {
         if self.fail_leg(leg, cause) {
             return;

@@ -20,7 +20,7 @@
 //!   data; write-zeroes records the sum of a zero block; a discard forgets the sums. The page
 //!   is marked dirty.
 //! - Dirty pages reach the legs lazily, never on the data path: before every flush epoch of
-//!   the bitmap (`Inner::flush_legs`), so **before any bitmap bit is cleared the sums of every
+//!   the bitmap (`Array::flush_legs`), so **before any bitmap bit is cleared the sums of every
 //!   write into its chunk are on every leg**, and at a clean stop.
 //! - So after a crash, a block whose data and sum may be out of step (its write was in flight,
 //!   or its page not yet written) lies in a chunk the bitmap marks dirty, which the resync

@@ -14,7 +14,7 @@ use blkq_sync::atomic::Ordering;
 use blkq_sync::MutexGuard;
 
 use crate::barrier::{paired, BARRIER_UNIT_SECTOR_BITS};
-use crate::device::{eio, Inner};
+use crate::device::{eio, Array};
 use crate::legset::LegSet;
 use crate::lend::Lent;
 use crate::slots::{Io, IoKind};
@@ -29,7 +29,7 @@ fn units(sector: u64, len: u64) -> impl Iterator<Item = u64> {
     (first..=last).map(|u| u << BARRIER_UNIT_SECTOR_BITS)
 }
 
-/// The legs a write goes to ([`Inner::write_legs`]).
+/// The legs a write goes to ([`Array::write_legs`]).
 struct WriteLegs {
     /// Present and not faulty: every leg written.
     mask: LegSet,
@@ -42,7 +42,7 @@ struct WriteLegs {
 /// The sector a flush is admitted on (flushes wait only for a freeze, as reads).
 const FLUSH_SECTOR: u64 = 0;
 
-impl Inner {
+impl Array {
     /// md's read balance: a sequential stream stays on its leg; otherwise the leg with the
     /// fewest requests in flight; write-mostly legs only when nothing else can serve.
     pub(crate) fn choose_read_leg(
@@ -585,7 +585,7 @@ impl Inner {
     }
 
     /// A write or flush that succeeded while a leg failure is not yet durable: raid1d
-    /// completes it after the next superblock write (see `Inner::fail_leg`). Its admissions
+    /// completes it after the next superblock write (see `Array::fail_leg`). Its admissions
     /// are queued, so a freeze does not wait for it; they are queued under the list's lock,
     /// so raid1d cannot take it before they are, and a freezer that saw them queued (the
     /// array's stop) finds it on the list.

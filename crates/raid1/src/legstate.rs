@@ -20,7 +20,7 @@
 // lock. Transitions never lose one another: `add_leg` and `remove_leg` store a whole word
 // with the array frozen (no I/O admitted); `fail_leg` sets FAULTY with an RMW under
 // `fail_lock` (two legs failing at once cannot both see the other as the survivor);
-// `Inner::mark_in_sync` (the sync thread, `set_in_sync`) sets IN_SYNC with a CAS that
+// `Array::mark_in_sync` (the sync thread, `set_in_sync`) sets IN_SYNC with a CAS that
 // requires PRESENT and not FAULTY, so a leg removed or failed meanwhile is never made a
 // member. An I/O that read the state just before a leg was marked faulty may still send one
 // bio to it: that bio fails or succeeds on its own, as in md, and the freeze in `remove_leg`

@@ -111,7 +111,7 @@
 //! (the checksums' table, algorithm and area) and `integrity/` (its I/O).
 //!
 //! Each part's state lives in a file that names no `device.rs` item (a leaf), and the
-//! `Inner` methods that act on it in a child file: no two files name each other's items.
+//! `Array` methods that act on it in a child file: no two files name each other's items.
 #![warn(clippy::too_many_lines)]
 #![warn(missing_docs)]
 

@@ -42,7 +42,7 @@
 //! A remote leg's device re-establishes a lost connection on its own, and a leg that never
 //! failed (nothing was sent to it while its server was away) would be served again as it
 //! answers then: the failover's branch, another array's leg. So the same verdict
-//! ([`Inner::identify`]) judges every new connection of every placed leg before anything is
+//! ([`Array::identify`]) judges every new connection of every placed leg before anything is
 //! sent on it ([`blk::Device::check_connections`], `LegConnections`), against an in-sync
 //! leg's view or, with none, another slot's: a leg refused is failed, the refusal named in
 //! the log and in `status`/`detail` (`on reconnection: ...`), and its device fails every

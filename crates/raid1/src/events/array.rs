@@ -1,10 +1,10 @@
-//! The array's side of its events: `Inner::emit` and the [`Raid1`] methods that subscribe
+//! The array's side of its events: `Array::emit` and the [`Raid1`] methods that subscribe
 //! and name legs (see `events.rs` for the hub they act on).
 
 use super::{Event, Subscription, QUEUE_CAP};
-use crate::device::{Inner, Raid1};
+use crate::device::{Array, Raid1};
 
-impl Inner {
+impl Array {
     /// Logs `e` and tells the subscribers (see the module docs of `events`).
     pub(crate) fn emit(&self, e: Event) {
         self.events.emit(e);

@@ -38,7 +38,7 @@ pub(crate) struct DurableState {
     /// durable: raid1d completes them after the next superblock write (md's
     /// `bio_end_io_list`). Preallocated for `depth`; a slot is on it at most once.
     held: Mutex<VecDeque<u32>>,
-    /// Set once the array can no longer keep its promises (see `Inner::fail_array`). Never
+    /// Set once the array can no longer keep its promises (see `Array::fail_array`). Never
     /// cleared. Release (swap AcqRel) after `failed_why` is written: a reader that sees it
     /// (Acquire) sees the reason.
     failed: AtomicBool,

@@ -8,7 +8,7 @@ use blkq_sync::DynArc as StdArc;
 
 use super::{Checksums, BLOCK};
 use crate::barrier::paired;
-use crate::device::{eio, Inner};
+use crate::device::{eio, Array};
 use crate::events::Event;
 use crate::legset::LegSet;
 use crate::superblock::MAX_LEGS;
@@ -23,7 +23,7 @@ struct Verdict {
     lost: u64,
 }
 
-impl Inner {
+impl Array {
     /// raid1d's handling of a read that failed its checksums or its I/O, with integrity on.
     pub(crate) fn heal_read(
         &self,

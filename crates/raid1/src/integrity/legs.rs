@@ -4,7 +4,7 @@
 use blk::{submit_wait, Bio, Buffer, Device, Op, SECTOR_SHIFT};
 
 use super::{Checksums, PAGE};
-use crate::device::{Inner, Placed};
+use crate::device::{Array, Placed};
 use crate::superblock::Superblock;
 
 /// Pages per I/O when the table is read or written in runs.
@@ -52,7 +52,7 @@ fn load(t: &Checksums, legs: &[&dyn Device]) -> Vec<String> {
         .collect()
 }
 
-impl Inner {
+impl Array {
     /// Writes the table's dirty pages to every writable leg, in runs. Called before the
     /// legs are flushed for a bitmap flush epoch and at a clean stop (see the crash rule in
     /// the module docs). A leg whose write fails is failed, as for a bitmap write.

@@ -6,7 +6,7 @@ use blk::{submit_wait, Bio, Buffer, Op, SECTOR_SHIFT};
 use blkq_sync::atomic::Ordering;
 
 use super::{Checksums, BLOCK};
-use crate::device::Inner;
+use crate::device::Array;
 use crate::events::Event;
 
 /// What checking a window's source found.
@@ -19,7 +19,7 @@ pub(crate) struct SourceCheck {
     pub(crate) lost: u64,
 }
 
-impl Inner {
+impl Array {
     /// Checks the window `buf` read from leg `src` at array byte `pos` against the sums.
     /// `settle` (a resync): a block with an unknown sum, or that no leg matches, is taken as
     /// the source has it and summed (the crash rule in the module docs). `heals`: the pass

@@ -11,7 +11,7 @@ use blkq_sync::DynArc as StdArc;
 use blkq_sync::Mutex;
 
 use crate::barrier::paired;
-use crate::device::{Inner, Raid1};
+use crate::device::{Array, Raid1};
 use crate::error::Raid1Error;
 use crate::events::Event;
 use crate::generation::Kinship;
@@ -22,12 +22,12 @@ use crate::superblock::{Role, Superblock, SB_OFFSET, SB_SIZE};
 
 /// The check a mirror installs on a leg's device that reconnects by itself (a remote leg,
 /// [`blk::Device::check_connections`]): every new connection reads the leg's superblock
-/// before anything is sent on it, and [`Inner::identify`] judges it as the re-add does. A leg
+/// before anything is sent on it, and [`Array::identify`] judges it as the re-add does. A leg
 /// refused is failed, the refusal named in the log and in [`Raid1::readd_status`], and the
 /// device fails every request from then on: nothing the array writes (its superblocks above
 /// all) reaches the leg. It stays so until the operator removes it and adds it again.
 struct LegConnections {
-    inner: Weak<Inner>,
+    inner: Weak<Array>,
     slot: usize,
     /// The placement (`Leg::gen`) it was installed for: another one is not judged.
     gen: u64,
@@ -60,9 +60,9 @@ enum Verdict {
     Readd { bitmap: bool },
 }
 
-impl Inner {
+impl Array {
     /// Leg `i` (placement `gen`) is failed by hand (or found faulty at assembly): never
-    /// probed. Returns what it was, for [`Inner::unmark_manual`].
+    /// probed. Returns what it was, for [`Array::unmark_manual`].
     pub(crate) fn mark_manual(&self, i: usize) -> bool {
         let gen = self.legs[i].gen.load(Ordering::Acquire);
         let mut p = self.readd.probes[i].lock();
@@ -274,7 +274,7 @@ impl Inner {
         }
     }
 
-    /// Has every later connection of slot `i`'s device judged by [`Inner::identify`]
+    /// Has every later connection of slot `i`'s device judged by [`Array::identify`]
     /// (`LegConnections`), for a device that reconnects by itself (a remote leg). Called
     /// when a device is placed in the slot (assembly, creation, `add_leg`, the re-add).
     pub(crate) fn watch_connections(&self, i: usize) {
@@ -296,7 +296,7 @@ impl Inner {
     /// write had not reached the leg). Assembly's tie-break between two views at equal events
     /// (the one recording a failure is newer) is for legs read side by side after a stop, not
     /// for a live array judging its own leg. A leg that ran without the array carries
-    /// another generation ([`Inner::identify`] refuses it).
+    /// another generation ([`Array::identify`] refuses it).
     fn left_as_written(&self, i: usize, other: usize, bytes: &[u8]) -> bool {
         let Ok(sb) = Superblock::decode(bytes) else {
             return false;

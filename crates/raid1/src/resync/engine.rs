@@ -10,7 +10,7 @@ use blkq_sync::atomic::Ordering;
 
 use super::{should_yield, Ctl, SyncAction, MAX_YIELD};
 use crate::barrier::paired;
-use crate::device::Inner;
+use crate::device::Array;
 use crate::events::Event;
 use crate::legset::LegSet;
 use crate::superblock::MAX_LEGS;
@@ -55,7 +55,7 @@ fn job_event(job: Job) -> (SyncAction, Option<usize>) {
     }
 }
 
-impl Inner {
+impl Array {
     /// The lowest slot holding a present, non-faulty leg that is not in sync.
     pub(crate) fn recovering_leg(&self) -> Option<usize> {
         self.legs
@@ -188,7 +188,7 @@ impl Inner {
             Job::Recover(t) => {
                 // The leg and its offset, read together: add and remove change a slot with
                 // the array frozen, so under a freeze the two belong to one leg. The pass
-                // then works for that leg only (`Inner::still_target`).
+                // then works for that leg only (`Array::still_target`).
                 self.barriers.freeze_array(0);
                 let target = self.legs[t].dev().map(|d| (t, d));
                 let gen = self.legs[t].gen.load(Ordering::Acquire);
@@ -283,7 +283,7 @@ impl Inner {
         mostly
     }
 
-    /// The source's slot and device ([`Inner::source_slot`]), skipping `tried`.
+    /// The source's slot and device ([`Array::source_slot`]), skipping `tried`.
     fn source_leg(&self, mut tried: LegSet) -> Option<(usize, StdArc<dyn Device>)> {
         loop {
             let i = self.source_slot(tried)?;
