@@ -42,6 +42,15 @@ struct Slow {
     landed: AtomicBool,
 }
 
+impl Slow {
+    /// Waits (10 s at most) for the slow write to reach the disk.
+    fn wait_landed(&self) {
+        wait_until_within("the slow write landed", Duration::from_secs(10), || {
+            self.landed.load(Ordering::SeqCst)
+        });
+    }
+}
+
 /// `disk` behind a hook that holds the first write whose first byte is `OLD` for `SLOW`
 /// before passing it on (on a thread of its own: the server goes on serving meanwhile).
 fn slow_disk(disk: &Arc<dyn Device>) -> (Arc<dyn Device>, Arc<Slow>) {
@@ -88,6 +97,41 @@ fn scene(size: &str) -> Scene {
     }
 }
 
+impl Scene {
+    /// The server over the slow disk, and a device connected to it with `opts`.
+    fn connect(&self, opts: &str) -> (Server, RemoteDevice) {
+        let server = serve(&self.path, &self.slow_dev);
+        let dev = RemoteDevice::open(&unix_uri(&self.path, opts)).unwrap();
+        (server, dev)
+    }
+}
+
+/// The client's options: a 1 s timeout, and a reconnect deadline (10 s) past the slow write.
+const PATIENT: &str = ",timeout=1,reconnect_deadline=10";
+
+/// Flushes `dev` twice: the first flush may say (once) that writes acknowledged on a
+/// connection since lost were not flushed; the second vouches for what the server holds.
+fn flush_twice(dev: &dyn Device) {
+    if let Err(e) = flush(dev) {
+        assert!(e.to_string().contains("not been flushed"), "{e}");
+    }
+    flush(dev).unwrap();
+}
+
+/// Block 0 of `disk` once whatever the server still had to do with the old write is done.
+fn settled_block(disk: &dyn Device) -> Vec<u8> {
+    std::thread::sleep(Duration::from_millis(200));
+    read_at(disk, 0, BLOCK).unwrap()
+}
+
+/// Waits (15 s at most) for leg 1 of `r` to be back in sync, with nothing left to copy.
+fn wait_leg_in_sync(r: &Raid1) {
+    wait_until_within("the remote leg in sync", Duration::from_secs(15), || {
+        let s = r.leg_status(1).unwrap();
+        s.in_sync && !s.faulty && r.wait_sync_idle(Duration::from_millis(10))
+    });
+}
+
 /// The review's sequence: a write the server is slow to carry out times out on the client,
 /// then a newer write to the same block and a flush. The newer data must stay: the old
 /// write is not re-sent while its first copy may still land, and when that copy lands it is
@@ -95,33 +139,18 @@ fn scene(size: &str) -> Scene {
 #[test]
 fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
     log();
-    let Scene {
-        dir: _dir,
-        path,
-        disk,
-        slow_dev,
-        slow,
-    } = scene("16M");
-    let server = serve(&path, &slow_dev);
-    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let sc = scene("16M");
+    let (server, dev) = sc.connect(PATIENT);
     let t = Instant::now();
     // A late answer on the old connection is a success.
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
     write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
-    // The old write was acknowledged on a connection since lost and not flushed: the first
-    // flush may say so (once), the next vouches for what the server holds.
-    if let Err(e) = flush(&dev) {
-        assert!(e.to_string().contains("not been flushed"), "{e}");
-    }
-    flush(&dev).unwrap();
+    // The old write was acknowledged on a connection since lost and not flushed.
+    flush_twice(&dev);
     assert_eq!(read_at(&dev, 0, BLOCK).unwrap(), [NEW; BLOCK]);
-    wait_until_within("the slow write landed", Duration::from_secs(10), || {
-        slow.landed.load(Ordering::SeqCst)
-    });
-    // Whatever the server still had to do with the old write is done now.
-    std::thread::sleep(Duration::from_millis(200));
+    sc.slow.wait_landed();
     assert!(
-        read_at(&*disk, 0, BLOCK).unwrap() == [NEW; BLOCK],
+        settled_block(&*sc.disk) == [NEW; BLOCK],
         "the first copy of the timed-out write landed after the newer write ({:?} after it \
          was sent)",
         t.elapsed()
@@ -139,17 +168,10 @@ fn a_timed_out_write_is_not_overtaken_by_its_own_first_copy() {
 #[test]
 fn a_drained_connection_is_sealed_by_a_flush_and_the_next_flush_vouches_for_its_writes() {
     log();
-    let Scene {
-        dir: _dir,
-        path,
-        slow_dev,
-        slow,
-        ..
-    } = scene("16M");
-    let server = serve(&path, &slow_dev);
-    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let sc = scene("16M");
+    let (server, dev) = sc.connect(PATIENT);
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
-    assert!(slow.landed.load(Ordering::SeqCst));
+    assert!(sc.slow.landed.load(Ordering::SeqCst));
     flush(&dev).unwrap_or_else(|e| {
         panic!("the write's connection drained and was sealed: the flush vouches for it: {e}")
     });
@@ -167,19 +189,14 @@ fn a_drained_connection_is_sealed_by_a_flush_and_the_next_flush_vouches_for_its_
 fn a_seal_refused_or_unanswered_leaves_the_writes_unvouched() {
     log();
     for swallow in [false, true] {
-        let Scene {
-            dir: _dir,
-            path,
-            slow_dev,
-            slow,
-            ..
-        } = scene("16M");
+        let mut sc = scene("16M");
         // The first flush after the slow write is taken (the seal) fails, or is never
         // answered.
-        let (s, held) = (slow.clone(), Arc::new(std::sync::Mutex::new(Vec::new())));
+        let (s, held) = (sc.slow.clone(), Arc::new(std::sync::Mutex::new(Vec::new())));
         let (h, once) = (held.clone(), AtomicBool::new(false));
-        let bad_flush: Arc<dyn Device> =
-            Arc::new(Forward::on_submit(slow_dev, move |inner, bio, end| {
+        sc.slow_dev = Arc::new(Forward::on_submit(
+            sc.slow_dev.clone(),
+            move |inner, bio, end| {
                 if bio.op != Op::Flush
                     || !s.taken.load(Ordering::SeqCst)
                     || once.swap(true, Ordering::SeqCst)
@@ -192,9 +209,9 @@ fn a_seal_refused_or_unanswered_leaves_the_writes_unvouched() {
                     let eio = std::io::Error::from_raw_os_error(libc::EIO);
                     end.end_io(bio, Err(blk::Error::Io(eio)));
                 }
-            }));
-        let server = serve(&path, &bad_flush);
-        let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+            },
+        ));
+        let (server, dev) = sc.connect(PATIENT);
         write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
         let t = Instant::now();
         wait_until_within("reconnected", Duration::from_secs(5), || {
@@ -256,22 +273,10 @@ fn through_a_mirror_a_leg_failed_by_the_deadline_is_recovered_after_the_old_conn
 fn mirror_case(deadline: u64) {
     log();
     {
-        let Scene {
-            dir: _dir,
-            path,
-            disk,
-            slow_dev,
-            slow,
-        } = scene("32M");
-        let server = serve(&path, &slow_dev);
-        let local = mem("32M");
-        let remote: Arc<dyn Device> = Arc::new(
-            RemoteDevice::open(&unix_uri(
-                &path,
-                &format!(",timeout=1,reconnect_deadline={deadline}"),
-            ))
-            .unwrap(),
-        );
+        let sc = scene("32M");
+        let (server, remote) = sc.connect(&format!(",timeout=1,reconnect_deadline={deadline}"));
+        let (local, remote): (_, Arc<dyn Device>) = (mem("32M"), Arc::new(remote));
+        let disk = sc.disk.clone();
         let r = Raid1::create(vec![local.clone(), remote.clone()], mirror_cfg()).unwrap();
         write_at(&r, 0, &[OLD; BLOCK]).unwrap();
         write_at(&r, 0, &[NEW; BLOCK]).unwrap();
@@ -282,14 +287,9 @@ fn mirror_case(deadline: u64) {
         // write was answered late on the old connection, which drained and was sealed by a
         // flush: nothing on it was lost, and the leg never failed.
         assert_eq!(r.leg_status(1).unwrap().faulty, deadline < 10);
-        wait_until_within("the slow write landed", Duration::from_secs(10), || {
-            slow.landed.load(Ordering::SeqCst)
-        });
+        sc.slow.wait_landed();
         // Back in sync (a failed leg re-added and recovered), nothing left to copy.
-        wait_until_within("the remote leg in sync", Duration::from_secs(15), || {
-            let s = r.leg_status(1).unwrap();
-            s.in_sync && !s.faulty && r.wait_sync_idle(Duration::from_millis(10))
-        });
+        wait_leg_in_sync(&r);
         std::thread::sleep(Duration::from_millis(200));
         let (a, b) = (
             leg_read(&r, &*local, 0, BLOCK),
@@ -325,9 +325,12 @@ fn mirror_case(deadline: u64) {
 #[test]
 fn an_expired_reconnect_deadline_fails_an_idle_leg() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("32M");
+    let Scene {
+        dir: _dir,
+        path,
+        disk,
+        ..
+    } = scene("32M");
     let server = serve(&path, &disk);
     let local = mem("32M");
     let remote =
@@ -358,14 +361,7 @@ fn an_expired_reconnect_deadline_fails_an_idle_leg() {
     // Written while the leg is away: its chunk stays dirty.
     write_at(&r, 3 * MB, &[OLD; BLOCK]).unwrap();
     let server = serve(&path, &disk);
-    wait_until_within(
-        "the remote leg back in sync",
-        Duration::from_secs(15),
-        || {
-            let s = r.leg_status(1).unwrap();
-            s.in_sync && !s.faulty && r.wait_sync_idle(Duration::from_millis(10))
-        },
-    );
+    wait_leg_in_sync(&r);
     assert_eq!(leg_read(&r, &*disk, 3 * MB, BLOCK), [OLD; BLOCK]);
     assert_eq!(leg_read(&r, &*disk, 0, BLOCK), [NEW; BLOCK]);
     drop(r);
@@ -407,18 +403,12 @@ fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
     wait_until_within("qemu-nbd's socket", Duration::from_secs(10), || {
         std::os::unix::net::UnixStream::connect(&front).is_ok()
     });
-    let dev = RemoteDevice::open(&unix_uri(&front, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&front, PATIENT)).unwrap();
     write_at(&dev, 0, &[OLD; BLOCK]).unwrap();
     write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
-    if let Err(e) = flush(&dev) {
-        assert!(e.to_string().contains("not been flushed"), "{e}");
-    }
-    flush(&dev).unwrap();
-    wait_until_within("the slow write landed", Duration::from_secs(10), || {
-        slow.landed.load(Ordering::SeqCst)
-    });
-    std::thread::sleep(Duration::from_millis(200));
-    let got = read_at(&*disk, 0, BLOCK).unwrap();
+    flush_twice(&dev);
+    slow.wait_landed();
+    let got = settled_block(&*disk);
     drop(dev);
     let _ = qemu.kill();
     let _ = qemu.wait();
@@ -433,18 +423,12 @@ fn through_qemu_nbd_a_timed_out_write_is_not_overtaken_either() {
 #[test]
 fn sends_stalled_behind_a_slow_write_wait_and_nothing_is_overtaken() {
     log();
-    let Scene {
-        dir: _dir,
-        path,
-        disk,
-        slow_dev,
-        slow,
-    } = scene("16M");
-    let mut cfg = ServerConfig::new(vec![Export::new("", slow_dev)]);
-    cfg.unix = Some(path.clone());
+    let sc = scene("16M");
+    let mut cfg = ServerConfig::new(vec![Export::new("", sc.slow_dev.clone())]);
+    cfg.unix = Some(sc.path.clone());
     cfg.tuning.slots = 1;
     let server = Server::start(cfg).unwrap();
-    let dev = RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=10")).unwrap();
+    let dev = RemoteDevice::open(&unix_uri(&sc.path, PATIENT)).unwrap();
     const LEN: usize = 64 << 10;
     let mut pending = vec![PendingBio::submit(&dev, write_bio(0, vec![OLD; BLOCK]))];
     for k in 1..48u64 {
@@ -460,13 +444,9 @@ fn sends_stalled_behind_a_slow_write_wait_and_nothing_is_overtaken() {
         r.unwrap();
     }
     write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
-    if let Err(e) = flush(&dev) {
-        assert!(e.to_string().contains("not been flushed"), "{e}");
-    }
-    flush(&dev).unwrap();
-    assert!(slow.landed.load(Ordering::SeqCst));
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(read_at(&*disk, 0, BLOCK).unwrap() == [NEW; BLOCK]);
+    flush_twice(&dev);
+    assert!(sc.slow.landed.load(Ordering::SeqCst));
+    assert!(settled_block(&*sc.disk) == [NEW; BLOCK]);
     for k in 1..48u64 {
         assert!(read_at(&dev, k * LEN as u64, LEN).unwrap() == testkit::pattern(k, LEN));
     }
@@ -486,33 +466,22 @@ fn write_bio(offset: u64, data: Vec<u8>) -> blk::Bio {
 #[test]
 fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land() {
     log();
-    let Scene {
-        dir: _dir,
-        path,
-        disk,
-        slow_dev,
-        slow,
-    } = scene("16M");
-    let server = serve(&path, &slow_dev);
-    let dev =
-        RemoteDevice::open(&unix_uri(&path, ",timeout=1,reconnect_deadline=1,conns=2")).unwrap();
+    let sc = scene("16M");
+    let (server, dev) = sc.connect(",timeout=1,reconnect_deadline=1,conns=2");
     assert_eq!(dev.connections(), 2);
     let e = write_at(&dev, 0, &[OLD; BLOCK]).unwrap_err();
     assert_eq!(e.errno(), libc::EIO, "{e}");
-    assert!(!slow.landed.load(Ordering::SeqCst));
+    assert!(!sc.slow.landed.load(Ordering::SeqCst));
     // The other connection is up, but the failed write may still land.
     let e = write_at(&dev, 0, &[NEW; BLOCK]).unwrap_err();
     assert_eq!(e.errno(), libc::EIO, "{e}");
     assert!(e.to_string().contains("another connection"), "{e}");
-    wait_until_within("the slow write landed", Duration::from_secs(10), || {
-        slow.landed.load(Ordering::SeqCst)
-    });
+    sc.slow.wait_landed();
     wait_until_within("both connections up", Duration::from_secs(10), || {
         dev.is_connected()
     });
     write_at(&dev, 0, &[NEW; BLOCK]).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(read_at(&*disk, 0, BLOCK).unwrap() == [NEW; BLOCK]);
+    assert!(settled_block(&*sc.disk) == [NEW; BLOCK]);
     drop(dev);
     server.shutdown();
 }
@@ -526,9 +495,12 @@ fn with_several_connections_no_write_goes_out_while_a_failed_one_may_still_land(
 #[test]
 fn a_server_that_never_answers_nor_closes_holds_the_device_down_a_bounded_time() {
     log();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("nbd.sock");
-    let disk = mem("16M");
+    let Scene {
+        dir: _dir,
+        path,
+        disk,
+        ..
+    } = scene("16M");
     // The first write is swallowed: never carried out, never answered.
     let swallowed = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (sw, taken) = (swallowed.clone(), Arc::new(AtomicBool::new(false)));
