@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use blk::Device;
-use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle, OpSet, Rule};
+use blk_drivers::fault::{FaultHandle, OpSet, Rule};
 use raid1::superblock::{Superblock, BITMAP_OFFSET, SB_OFFSET, SB_SIZE};
 use raid1::{Event, Raid1, Raid1Config, SyncAction, WriteIntentBitmap};
 use testkit::io::{flush as try_flush, read_at, write_at};
@@ -24,19 +24,6 @@ use testkit::{wait_until_within, Collect, Forward, Hook};
 
 const IDLE: Duration = Duration::from_secs(60);
 const SOON: Duration = Duration::from_secs(10);
-
-/// A fault leg over `mem:SIZE` (`volatile`: a write cache that a crash empties).
-fn fault_leg(size: &str, volatile: bool) -> (Arc<dyn Device>, FaultHandle) {
-    let f = FaultDevice::new(
-        mem(size),
-        FaultConfig {
-            volatile_cache: volatile,
-            ..FaultConfig::default()
-        },
-    );
-    let h = f.handle();
-    (Arc::new(f), h)
-}
 
 fn no_bitmap() -> Raid1Config {
     Raid1Config {

@@ -40,6 +40,25 @@ fn created_holding(a: &Arc<dyn Device>, b: &Arc<dyn Device>, data: &[u8]) {
     write(&r, 0, data);
 }
 
+/// A new array with integrity on two memory legs, holding `pattern(seed, blocks * BLK)` from
+/// offset 0: the legs, the array and the data.
+fn holding(seed: u8, blocks: usize) -> (Arc<dyn Device>, Arc<dyn Device>, Raid1, Vec<u8>) {
+    let (a, b) = legs();
+    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let data = pattern(seed, blocks * BLK);
+    write(&r, 0, &data);
+    (a, b, r, data)
+}
+
+/// The array assembled from `leg` alone (degraded).
+fn assemble_alone(leg: &Arc<dyn Device>) -> Raid1 {
+    let cfg = Raid1Config {
+        allow_degraded: true,
+        ..cfg()
+    };
+    Raid1::assemble(vec![leg.clone()], cfg).unwrap()
+}
+
 fn counts(r: &Raid1) -> raid1::IntegrityCounts {
     r.integrity().expect("integrity on").1
 }
@@ -64,11 +83,8 @@ fn an_array_with_integrity_has_4k_blocks_and_says_so() {
 
 #[test]
 fn a_bit_flipped_on_one_leg_is_never_returned_and_is_healed_from_the_other() {
-    let (a, b) = legs();
-    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
+    let (a, b, r, data) = holding(7, 64);
     let sub = r.subscribe();
-    let data = pattern(7, 64 * BLK);
-    write(&r, 0, &data);
     // Every read goes to one leg or the other: corrupt both legs, different blocks.
     flip(&r, a.as_ref(), 5 * BLK as u64 + 100);
     flip(&r, b.as_ref(), 9 * BLK as u64 + 7);
@@ -104,10 +120,7 @@ fn a_bit_flipped_on_one_leg_is_never_returned_and_is_healed_from_the_other() {
 
 #[test]
 fn a_block_bad_on_every_leg_fails_the_read_and_its_neighbours_still_read() {
-    let (a, b) = legs();
-    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
-    let data = pattern(3, 8 * BLK);
-    write(&r, 0, &data);
+    let (a, b, r, data) = holding(3, 8);
     flip(&r, a.as_ref(), 2 * BLK as u64);
     flip(&r, b.as_ref(), 2 * BLK as u64 + 1);
     assert!(testkit::io::read_at(&r, 0, data.len()).is_err());
@@ -121,10 +134,7 @@ fn a_block_bad_on_every_leg_fails_the_read_and_its_neighbours_still_read() {
 
 #[test]
 fn check_names_the_bad_leg_and_repair_rewrites_it_from_the_good_one() {
-    let (a, b) = legs();
-    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
-    let data = pattern(11, 256 * BLK);
-    write(&r, 0, &data);
+    let (a, b, r, data) = holding(11, 256);
     flush(&r);
     // The source of a check (slot 0) is the bad one: repair must not copy it over slot 1.
     flip(&r, a.as_ref(), 17 * BLK as u64 + 3);
@@ -228,10 +238,7 @@ fn a_torn_write_after_a_crash_is_settled_by_the_resync_and_never_reported() {
 
 #[test]
 fn a_recovered_leg_carries_the_sums_of_what_it_was_given() {
-    let (a, b) = legs();
-    let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
-    let data = pattern(4, 64 * BLK);
-    write(&r, 0, &data);
+    let (_, _, r, data) = holding(4, 64);
     r.fail_leg(1).unwrap();
     r.remove_leg(1).unwrap();
     let c = mem("16M");
@@ -240,14 +247,7 @@ fn a_recovered_leg_carries_the_sums_of_what_it_was_given() {
     assert!(r.leg_status(1).unwrap().in_sync);
     drop(r);
     // Assembled from the new leg alone: its sums are its own.
-    let r = Raid1::assemble(
-        vec![c.clone()],
-        Raid1Config {
-            allow_degraded: true,
-            ..cfg()
-        },
-    )
-    .unwrap();
+    let r = assemble_alone(&c);
     flip(&r, c.as_ref(), 33 * BLK as u64);
     assert!(testkit::io::read_at(&r, 33 * BLK as u64, BLK).is_err());
     assert!(read(&r, 0, 33 * BLK) == data[..33 * BLK]);
@@ -271,14 +271,7 @@ fn a_crash_of_a_degraded_array_leaves_what_it_wrote_readable() {
         std::thread::sleep(Duration::from_millis(100));
         r.crash_for_test();
     }
-    let r = Raid1::assemble(
-        vec![a.clone()],
-        Raid1Config {
-            allow_degraded: true,
-            ..cfg()
-        },
-    )
-    .unwrap();
+    let r = assemble_alone(&a);
     assert!(r.wait_sync_idle(Duration::from_secs(20)));
     let got = testkit::io::read_at(&r, 0, new.len());
     assert!(
@@ -291,13 +284,8 @@ fn a_crash_of_a_degraded_array_leaves_what_it_wrote_readable() {
 
 #[test]
 fn a_read_no_leg_can_serve_fails_and_leaves_the_legs_as_they_were() {
-    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
-    let (fa, fb) = (
-        FaultDevice::new(mem("16M"), FaultConfig::default()),
-        FaultDevice::new(mem("16M"), FaultConfig::default()),
-    );
-    let (ha, hb) = (fa.handle(), fb.handle());
-    let (a, b): (Arc<dyn Device>, Arc<dyn Device>) = (Arc::new(fa), Arc::new(fb));
+    use blk_drivers::fault::{OpSet, Rule};
+    let ((a, ha), (b, hb)) = (fault_leg("16M", false), fault_leg("16M", false));
     let r = Raid1::create(vec![a.clone(), b.clone()], icfg()).unwrap();
     let data = pattern(8, 16 * BLK);
     write(&r, 0, &data);
@@ -362,14 +350,7 @@ fn after_a_crash_every_leg_gets_the_sums_of_the_chunks_the_resync_settles() {
         assert!(read(&r, at, BLK) == zeros);
     }
     // `b` is gone: the array runs on `a`, whose table is loaded now.
-    let r = Raid1::assemble(
-        vec![a.clone()],
-        Raid1Config {
-            allow_degraded: true,
-            ..cfg()
-        },
-    )
-    .unwrap();
+    let r = assemble_alone(&a);
     let got = testkit::io::read_at(&r, at, BLK);
     assert!(
         got.as_ref().is_ok_and(|g| *g == zeros),
@@ -380,10 +361,8 @@ fn after_a_crash_every_leg_gets_the_sums_of_the_chunks_the_resync_settles() {
 
 #[test]
 fn a_read_flipped_on_its_way_while_the_resync_settles_a_block_is_not_taken_as_its_data() {
-    use blk_drivers::fault::{FaultConfig, FaultDevice, OpSet, Rule};
-    let f = FaultDevice::new(mem("16M"), FaultConfig::default());
-    let h = f.handle();
-    let a: Arc<dyn Device> = Arc::new(f);
+    use blk_drivers::fault::{OpSet, Rule};
+    let (a, h) = fault_leg("16M", false);
     let b = mem("16M");
     let x = 3 * BLK as u64;
     {

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use blk::Device;
+use blk_drivers::fault::{FaultConfig, FaultDevice, FaultHandle};
 use blk_drivers::spec::{DeviceSpec, QueueOverrides};
 use blkq_sync::DynArc as Arc;
 use raid1::{Raid1, Raid1Config};
@@ -37,6 +38,20 @@ pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
 /// Writes `data` at byte `offset`; panics on error.
 pub fn write(dev: &dyn Device, offset: u64, data: &[u8]) {
     testkit::io::write_at(dev, offset, data).unwrap();
+}
+
+/// A fault leg over `mem:SIZE` (`volatile`: a write cache that a crash empties), and its
+/// handle.
+pub fn fault_leg(size: &str, volatile: bool) -> (Arc<dyn Device>, FaultHandle) {
+    let f = FaultDevice::new(
+        mem(size),
+        FaultConfig {
+            volatile_cache: volatile,
+            ..FaultConfig::default()
+        },
+    );
+    let h = f.handle();
+    (Arc::new(f), h)
 }
 
 /// Reads `len` bytes at byte `offset`; panics on error.
