@@ -20,6 +20,7 @@ use std::task::Context;
 use std::time::Duration;
 
 use blkq_sync::atomic::{AtomicBool, Ordering};
+use blkq_sync::thread::JoinHandle;
 use blkq_sync::{thread, Arc};
 use waitq::{CancelToken, Completion, Error, WaitQueue};
 
@@ -34,6 +35,34 @@ fn block_on<F: Future>(f: F) -> F::Output {
     return loom::future::block_on(f);
     #[cfg(not(blkq_loom))]
     return futures::executor::block_on(f);
+}
+
+/// Runs `body` as a model on a fresh completion, then checks that no waiter is left queued on
+/// it.
+fn model_completion<F>(body: F)
+where
+    F: Fn(&Arc<Completion>) + Sync + Send + 'static,
+{
+    blkq_sync::model(move || {
+        let c = Arc::new(Completion::new());
+        body(&c);
+        assert_eq!(c.queue().waiters(), 0);
+    });
+}
+
+/// A thread running `f` on `c`.
+fn spawn_on<T, F>(c: &Arc<Completion>, f: F) -> JoinHandle<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&Completion) -> T + Send + 'static,
+{
+    let c = c.clone();
+    thread::spawn(move || f(&c))
+}
+
+/// Two threads waiting on `c` (`wait`).
+fn two_waiters(c: &Arc<Completion>) -> [JoinHandle<()>; 2] {
+    [spawn_on(c, |c| c.wait()), spawn_on(c, |c| c.wait())]
 }
 
 /// (a) No lost wake-up on the bare queue: one thread sets a flag and calls `wake_one`, the
@@ -60,15 +89,11 @@ fn wait_queue_no_lost_wake_up() {
 /// (b) `complete` vs `wait`: the wait returns and consumes the completion.
 #[test]
 fn completion_complete_vs_wait() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-        let c2 = c.clone();
-        let completer = thread::spawn(move || c2.complete());
-
+    model_completion(|c| {
+        let completer = spawn_on(c, |c| c.complete());
         c.wait();
         completer.join().unwrap();
         assert!(!c.try_wait(), "one complete() let two waits through");
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
@@ -77,17 +102,13 @@ fn completion_complete_vs_wait() {
 /// consumed twice).
 #[test]
 fn completion_complete_vs_wait_timeout() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-        let c2 = c.clone();
-        let completer = thread::spawn(move || c2.complete());
-
+    model_completion(|c| {
+        let completer = spawn_on(c, |c| c.complete());
         let got = c.wait_timeout(TIMEOUT);
         completer.join().unwrap();
         let left = c.try_wait();
         assert!(got ^ left, "got = {got}, left = {left}");
         assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
@@ -95,14 +116,11 @@ fn completion_complete_vs_wait_timeout() {
 /// always wakes it), and got `Ok` exactly when the completion is no longer there.
 #[test]
 fn completion_complete_vs_wait_cancellable_vs_cancel() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
+    model_completion(|c| {
         let token = Arc::new(CancelToken::new());
-
-        let (c2, token2) = (c.clone(), token.clone());
-        let waiter = thread::spawn(move || c2.wait_cancellable(&token2));
-        let token3 = token.clone();
-        let canceller = thread::spawn(move || token3.cancel());
+        let token2 = token.clone();
+        let waiter = spawn_on(c, move |c| c.wait_cancellable(&token2));
+        let canceller = thread::spawn(move || token.cancel());
 
         c.complete();
         let r = waiter.join().unwrap();
@@ -113,29 +131,20 @@ fn completion_complete_vs_wait_cancellable_vs_cancel() {
             Err(Error::Cancelled) => assert!(left, "Cancelled, and the completion is gone"),
             Err(e) => panic!("unexpected error {e:?}"),
         }
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
 /// (e) `complete_all` releases two waiters, and later waits too.
 #[test]
 fn completion_complete_all_two_waiters() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-        let waiters: Vec<_> = (0..2)
-            .map(|_| {
-                let c = c.clone();
-                thread::spawn(move || c.wait())
-            })
-            .collect();
-
+    model_completion(|c| {
+        let waiters = two_waiters(c);
         c.complete_all();
         for w in waiters {
             w.join().unwrap();
         }
         assert!(c.try_wait());
         assert!(c.is_done());
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
@@ -143,20 +152,14 @@ fn completion_complete_all_two_waiters() {
 /// finish, and both completions are consumed.
 #[test]
 fn completion_async_and_thread_waiters() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-
-        let c2 = c.clone();
-        let task = thread::spawn(move || block_on(c2.wait_async()));
-        let c3 = c.clone();
-        let waiter = thread::spawn(move || c3.wait());
-
+    model_completion(|c| {
+        let task = spawn_on(c, |c| block_on(c.wait_async()));
+        let waiter = spawn_on(c, |c| c.wait());
         c.complete();
         c.complete();
         task.join().unwrap();
         waiter.join().unwrap();
         assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
@@ -165,22 +168,14 @@ fn completion_async_and_thread_waiters() {
 /// wake-up on, or the other waiter sleeps with a completion available.
 #[test]
 fn completion_two_thread_waiters_two_completes() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-        let waiters: Vec<_> = (0..2)
-            .map(|_| {
-                let c = c.clone();
-                thread::spawn(move || c.wait())
-            })
-            .collect();
-
+    model_completion(|c| {
+        let waiters = two_waiters(c);
         c.complete();
         c.complete();
         for w in waiters {
             w.join().unwrap();
         }
         assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
     });
 }
 
@@ -188,13 +183,9 @@ fn completion_two_thread_waiters_two_completes() {
 /// the wake-up on to the thread waiter behind it.
 #[test]
 fn completion_dropped_async_waiter_passes_wake_up_on() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-
-        let c2 = c.clone();
-        let waiter = thread::spawn(move || c2.wait());
-        let c3 = c.clone();
-        let completer = thread::spawn(move || c3.complete());
+    model_completion(|c| {
+        let waiter = spawn_on(c, |c| c.wait());
+        let completer = spawn_on(c, |c| c.complete());
 
         let waker = futures::task::noop_waker();
         let mut cx = Context::from_waker(&waker);
@@ -202,14 +193,19 @@ fn completion_dropped_async_waiter_passes_wake_up_on() {
         let took = fut.as_mut().poll(&mut cx).is_ready();
         drop(fut); // never polled again
         completer.join().unwrap();
-        if took {
-            // The future consumed the one completion: release the thread waiter.
-            c.complete();
-        }
-        waiter.join().unwrap();
-        assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
+        // The future consumed the one completion: release the thread waiter.
+        release_if(c, took, waiter);
     });
+}
+
+/// Completes `c` once more if `took` (another waiter consumed the one completion), then
+/// joins `waiter`, which must return, and checks that no completion is left.
+fn release_if(c: &Completion, took: bool, waiter: JoinHandle<()>) {
+    if took {
+        c.complete();
+    }
+    waiter.join().unwrap();
+    assert!(!c.try_wait());
 }
 
 /// (g) Exclusive wake-up pass-on: a `wait_timeout` waiter that gives up must not leave the
@@ -218,22 +214,11 @@ fn completion_dropped_async_waiter_passes_wake_up_on() {
 /// return). Either way the untimed waiter must finish: a stranded wake-up is a deadlock.
 #[test]
 fn completion_timed_waiter_passes_wake_up_on() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
-
-        let c2 = c.clone();
-        let timed = thread::spawn(move || c2.wait_timeout(TIMEOUT));
-        let c3 = c.clone();
-        let untimed = thread::spawn(move || c3.wait());
-
+    model_completion(|c| {
+        let timed = spawn_on(c, |c| c.wait_timeout(TIMEOUT));
+        let untimed = spawn_on(c, |c| c.wait());
         c.complete();
-        if timed.join().unwrap() {
-            // The timed waiter consumed the one completion: release the other one.
-            c.complete();
-        }
-        untimed.join().unwrap();
-        assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
+        release_if(c, timed.join().unwrap(), untimed);
     });
 }
 
@@ -241,22 +226,13 @@ fn completion_timed_waiter_passes_wake_up_on() {
 /// cancellable; `complete` and `cancel` race.
 #[test]
 fn completion_cancelled_waiter_passes_wake_up_on() {
-    blkq_sync::model(|| {
-        let c = Arc::new(Completion::new());
+    model_completion(|c| {
         let token = Arc::new(CancelToken::new());
-
-        let (c2, token2) = (c.clone(), token.clone());
-        let cancellable = thread::spawn(move || c2.wait_cancellable(&token2));
-        let c3 = c.clone();
-        let untimed = thread::spawn(move || c3.wait());
-
+        let token2 = token.clone();
+        let cancellable = spawn_on(c, move |c| c.wait_cancellable(&token2));
+        let untimed = spawn_on(c, |c| c.wait());
         c.complete();
         token.cancel();
-        if cancellable.join().unwrap().is_ok() {
-            c.complete();
-        }
-        untimed.join().unwrap();
-        assert!(!c.try_wait());
-        assert_eq!(c.queue().waiters(), 0);
+        release_if(c, cancellable.join().unwrap().is_ok(), untimed);
     });
 }
