@@ -32,6 +32,58 @@ fn no_bitmap() -> Raid1Config {
     }
 }
 
+/// Which of `pattern(1, _)` and `pattern(2, _)` `v` is, for a failure message.
+fn which(v: &[u8]) -> String {
+    (1..=2)
+        .find(|&p| v == pattern(p, v.len()).as_slice())
+        .map_or("neither".to_string(), |p| format!("pattern {p}"))
+}
+
+/// Takes the leg in `slot` out (failed, removed) and adds `leg`, which must land in `slot`.
+fn swap_leg(r: &Raid1, slot: usize, leg: Arc<dyn Device>) {
+    r.fail_leg(slot).unwrap();
+    r.remove_leg(slot).unwrap();
+    assert_eq!(r.add_leg(leg).unwrap(), slot);
+}
+
+/// A power cut: the fault legs behind `legs` lose their volatile caches and `r` stops
+/// uncleanly; the legs are then back up.
+fn power_cut(r: Raid1, legs: &[&FaultHandle]) {
+    for h in legs {
+        h.crash().unwrap();
+    }
+    r.crash_for_test();
+    for h in legs {
+        h.restart();
+    }
+}
+
+/// A write bio of `data` at array byte `off`.
+fn write_bio(off: u64, data: &[u8]) -> blk::Bio {
+    let mut bio = blk::Bio::with_buf(
+        blk::Op::Write,
+        off >> blk::SECTOR_SHIFT,
+        blk::Buffer::new(data.len()),
+    );
+    bio.buf
+        .as_mut()
+        .unwrap()
+        .as_mut_slice()
+        .copy_from_slice(data);
+    bio
+}
+
+/// Writes onto recovering leg `b` what a recovery from `a` would have copied below 8 MiB,
+/// and sets its recovery offset there (slot 1), as a recovery that got that far.
+fn pretend_recovered_to_8m(r: &Raid1, a: &dyn Device, b: &dyn Device) {
+    let d = r.data_offset();
+    for k in 0..8 {
+        write(b, d + k * MB, &read(a, d + k * MB, MB as usize));
+    }
+    r.set_recovery_offset(1, 8 * MB).unwrap();
+    r.sync_superblocks().unwrap();
+}
+
 /// D1: a write that failed on leg 0 is acknowledged only once the superblock recording leg 0's
 /// failure is durable. Here that superblock cannot be written (leg 1, the survivor, fails it),
 /// so the write must fail: acknowledged, it would be lost after a crash, because both legs
@@ -100,10 +152,8 @@ fn d2_a_recovering_legs_success_does_not_hide_the_in_sync_legs_failure() {
     let off = 8 * MB;
     write(&r, off, &pattern(1, 4096));
     flush(&r);
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
     r.set_speed_limits(1, 1);
-    assert_eq!(r.add_leg(mem("16M")).unwrap(), 1);
+    swap_leg(&r, 1, mem("16M"));
     fa.add(Rule::fail(OpSet::WRITE).in_range(d + off, 4096));
     let res = write_at(&r, off, &pattern(2, 4096));
     assert!(
@@ -187,9 +237,7 @@ fn d2_a_recovering_legs_success_does_not_acknowledge_a_write_behind() {
     let d = r.data_offset();
     r.set_write_mostly(2, true).unwrap();
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
-    assert_eq!(r.add_leg(c.clone()).unwrap(), 1);
+    swap_leg(&r, 1, c.clone());
     // Dropped before the array, whose drop waits for the writes held here: a failed
     // assertion fails the test instead of hanging it.
     let _go_on = ReleaseOnDrop([fc.clone(), fw.clone()]);
@@ -201,18 +249,7 @@ fn d2_a_recovering_legs_success_does_not_acknowledge_a_write_behind() {
     fc.add(Rule::stall(OpSet::WRITE).in_range(d + off, 4096));
     fw.add(Rule::stall(OpSet::WRITE).in_range(d + off, 4096));
     let col = Arc::new(Collect::default());
-    let end: Arc<dyn blk::EndIo> = col.clone();
-    let mut bio = blk::Bio::with_buf(
-        blk::Op::Write,
-        off >> blk::SECTOR_SHIFT,
-        blk::Buffer::new(4096),
-    );
-    bio.buf
-        .as_mut()
-        .unwrap()
-        .as_mut_slice()
-        .copy_from_slice(&pattern(2, 4096));
-    r.submit(bio, &end);
+    submit_write(&r, off, &pattern(2, 4096), &col);
     wait_until_within("leg 0 failed the write, legs 1 and 2 hold it", SOON, || {
         r.leg_status(0).unwrap().faulty && fc.stalled() == 1 && fw.stalled() == 1
     });
@@ -322,16 +359,12 @@ fn d5_a_recovery_is_durable_before_the_mark_that_vouches_for_it() {
     let off = 2 * MB;
     write(&r, off, &pattern(1, 4096));
     flush(&r);
-    r.fail_leg(0).unwrap();
-    r.remove_leg(0).unwrap();
     let (c, fc) = fault_leg("16M", true);
-    assert_eq!(r.add_leg(c.clone()).unwrap(), 0);
+    swap_leg(&r, 0, c.clone());
     assert!(r.wait_sync_idle(IDLE));
     assert!(r.leg_status(0).unwrap().in_sync);
     // Power cut: the new leg's cache is lost, the array stops uncleanly.
-    fc.crash().unwrap();
-    r.crash_for_test();
-    fc.restart();
+    power_cut(r, &[&fc]);
     let r = Raid1::assemble(vec![c.clone(), a.clone()], no_bitmap()).unwrap();
     assert!(r.wait_sync_idle(IDLE));
     assert!(
@@ -353,23 +386,10 @@ fn a_fua_write_survives_a_power_cut_of_every_leg() {
     let off = 3 * MB;
     write(&r, off, &pattern(1, 4096));
     flush(&r);
-    let mut bio = blk::Bio::with_buf(
-        blk::Op::Write,
-        off >> blk::SECTOR_SHIFT,
-        blk::Buffer::new(4096),
-    );
-    bio.buf
-        .as_mut()
-        .unwrap()
-        .as_mut_slice()
-        .copy_from_slice(&pattern(2, 4096));
+    let mut bio = write_bio(off, &pattern(2, 4096));
     bio.flags = blk::BioFlags::FUA;
     testkit::io::submit_wait(&r, bio).1.unwrap();
-    fa.crash().unwrap();
-    fb.crash().unwrap();
-    r.crash_for_test();
-    fa.restart();
-    fb.restart();
+    power_cut(r, &[&fa, &fb]);
     for (i, leg) in [&a, &b].into_iter().enumerate() {
         assert!(
             read(leg.as_ref(), d + off, 4096) == pattern(2, 4096),
@@ -463,9 +483,7 @@ fn w2_the_resync_writes_recovering_legs_too() {
     let r = Raid1::create(vec![a.clone(), b.clone(), mem("32M")], cfg()).unwrap();
     let d = r.data_offset();
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(2).unwrap();
-    r.remove_leg(2).unwrap();
-    assert_eq!(r.add_leg(c.clone()).unwrap(), 2);
+    swap_leg(&r, 2, c.clone());
     // Every leg is zero below 8 MiB: the new leg may serve reads there.
     r.set_recovery_offset(2, 8 * MB).unwrap();
     r.sync_superblocks().unwrap();
@@ -498,10 +516,8 @@ fn a_recovering_leg_serves_no_read_above_its_recovery_offset() {
     }
     flush(&r);
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(0).unwrap();
-    r.remove_leg(0).unwrap();
     let c = mem("16M");
-    assert_eq!(r.add_leg(c.clone()).unwrap(), 0);
+    swap_leg(&r, 0, c.clone());
     // Recovered below `rec` (true: nothing was written there but the straddling block's
     // first half, copied here as the recovery would have).
     write(c.as_ref(), d + rec - 2048, &pattern(0, 2048));
@@ -754,11 +770,9 @@ fn recovery_asleep_after_its_window() -> (Raid1, Arc<dyn Device>, u64) {
     let cap = r.limits().capacity;
     assert!(cap <= MB, "one recovery window");
     write(&r, 0, &pattern(1, cap as usize));
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
     r.set_speed_limits(1, 1);
     let x = mem("2M");
-    assert_eq!(r.add_leg(x.clone()).unwrap(), 1);
+    swap_leg(&r, 1, x.clone());
     wait_until_within("the window copied", SOON, || {
         r.sync_progress().done_bytes == cap
     });
@@ -823,11 +837,9 @@ fn seed_2_a_recovering_leg_never_gets_newer_events_than_the_in_sync_ones() {
     let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
     write(&r, 2 * MB, &pattern(1, 4096));
     flush(&r);
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
     r.set_speed_limits(1, 1);
     let b = mem("16M");
-    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    swap_leg(&r, 1, b.clone());
     fa.add(Rule::fail(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
     assert!(r.sync_superblocks().is_err());
     assert!(r.failure().is_some());
@@ -880,19 +892,8 @@ fn an_unclean_stop_resyncs_a_recovering_leg_below_its_offset() {
     write(&r, MB, &pattern(1, 8192));
     flush(&r);
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
-    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
-    // Pretend the recovery got to 8 MiB: copy what it would have copied.
-    for k in 0..8 {
-        write(
-            b.as_ref(),
-            d + k * MB,
-            &read(a.as_ref(), d + k * MB, MB as usize),
-        );
-    }
-    r.set_recovery_offset(1, 8 * MB).unwrap();
-    r.sync_superblocks().unwrap();
+    swap_leg(&r, 1, b.clone());
+    pretend_recovered_to_8m(&r, a.as_ref(), b.as_ref());
     fa.add(Rule::fail(OpSet::WRITE).in_range(d + MB, 8192));
     assert!(write_at(&r, MB, &pattern(2, 8192)).is_err());
     assert!(r.failure().is_some());
@@ -934,11 +935,9 @@ fn a_failed_array_refuses_leg_changes() {
     let (a, fa) = fault_leg("16M", false);
     let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
     write(&r, 2 * MB, &pattern(1, 4096));
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
     r.set_sync_action(SyncAction::Frozen).unwrap();
     let b = mem("16M");
-    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
+    swap_leg(&r, 1, b.clone());
     fa.add(Rule::fail(OpSet::WRITE).in_range(SB_OFFSET, SB_SIZE as u64));
     assert!(r.sync_superblocks().is_err());
     assert!(r.failure().is_some());
@@ -1005,18 +1004,8 @@ fn a_readded_legs_pass_does_not_resume_after_it_fails_and_returns() {
 
 /// Submits a write of `data` at array byte `off`, completing into `done`.
 fn submit_write(r: &Raid1, off: u64, data: &[u8], done: &Arc<Collect>) {
-    let mut bio = blk::Bio::with_buf(
-        blk::Op::Write,
-        off >> blk::SECTOR_SHIFT,
-        blk::Buffer::new(data.len()),
-    );
-    bio.buf
-        .as_mut()
-        .unwrap()
-        .as_mut_slice()
-        .copy_from_slice(data);
     let end: Arc<dyn blk::EndIo> = done.clone();
-    r.submit(bio, &end);
+    r.submit(write_bio(off, data), &end);
 }
 
 /// Found by the simulator (seed 41000657): a leg out of its slot (the array, with its other
@@ -1208,20 +1197,14 @@ fn a_read_during_the_resync_reads_what_the_resync_copies() {
     write(&r, s, &pattern(1, 4096));
     flush(&r);
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(0).unwrap();
-    r.remove_leg(0).unwrap();
-    assert_eq!(r.add_leg(a.clone()).unwrap(), 0);
+    swap_leg(&r, 0, a.clone());
     // True: nothing was written while it was out.
     r.set_recovery_offset(0, s + 2 * MB).unwrap();
     r.sync_superblocks().unwrap();
     // Write 2 reaches both legs; leg 1 flushes its cache on its own, leg 0 does not.
     write(&r, s, &pattern(2, 4096));
     flush(b.as_ref());
-    fa.crash().unwrap();
-    fb.crash().unwrap();
-    r.crash_for_test();
-    fa.restart();
-    fb.restart();
+    power_cut(r, &[&fa, &fb]);
     // The resync's first window (in the first unit) waits on its read of leg 1.
     let d = sb_of(b.as_ref()).data_offset;
     fb.add(Rule::stall(OpSet::READ).in_range(d, 4096));
@@ -1232,16 +1215,11 @@ fn a_read_during_the_resync_reads_what_the_resync_copies() {
     fb.release();
     assert!(r.wait_sync_idle(IDLE));
     let after = read(&r, s, 4096);
-    let name = |v: &[u8]| {
-        (1..=2)
-            .find(|&p| v == pattern(p, 4096).as_slice())
-            .map_or("neither".to_string(), |p| format!("pattern {p}"))
-    };
     assert!(
         during == after,
         "read {} during the resync and {} after it, with no write between",
-        name(&during),
-        name(&after)
+        which(&during),
+        which(&after)
     );
 }
 
@@ -1296,16 +1274,11 @@ fn reads_go_to_the_resync_source_while_a_resync_is_due() {
     r.set_sync_action(SyncAction::Resync).unwrap();
     assert!(r.wait_sync_idle(IDLE));
     let after = read(&r, 3 * MB, 4096);
-    let name = |v: &[u8]| {
-        (1..=2)
-            .find(|&p| v == pattern(p, 4096).as_slice())
-            .map_or("neither".to_string(), |p| format!("pattern {p}"))
-    };
     assert!(
         before == after,
         "read {} while the resync was due and {} after it, with no write between",
-        name(&before),
-        name(&after)
+        which(&before),
+        which(&after)
     );
 }
 
@@ -1341,11 +1314,7 @@ fn a_resync_copies_from_a_leg_that_is_not_write_mostly() {
     // Write 2: acknowledged by leg 1, behind on leg 0; leg 1 flushes its cache on its own.
     write(&r, s, &pattern(2, 8192));
     flush(b.as_ref());
-    fa.crash().unwrap();
-    fb.crash().unwrap();
-    r.crash_for_test();
-    fa.restart();
-    fb.restart();
+    power_cut(r, &[&fa, &fb]);
     let d = sb_of(b.as_ref()).data_offset;
     assert_eq!(
         read(a.as_ref(), d + s, 8192),
@@ -1367,16 +1336,11 @@ fn a_resync_copies_from_a_leg_that_is_not_write_mostly() {
     fb.release();
     assert!(r.wait_sync_idle(IDLE));
     let after = read(&r, s, 8192);
-    let name = |v: &[u8]| {
-        (1..=2)
-            .find(|&p| v == pattern(p, 8192).as_slice())
-            .map_or("neither".to_string(), |p| format!("pattern {p}"))
-    };
     assert!(
         during == pattern(2, 8192) && after == pattern(2, 8192),
         "read {} during the resync and {} after it: the write-mostly leg's older data won",
-        name(&during),
-        name(&after)
+        which(&during),
+        which(&after)
     );
     assert_legs_equal(&r, a.as_ref(), b.as_ref());
 }
@@ -1395,19 +1359,8 @@ fn a_write_mostly_leg_alone_in_sync_is_still_the_resync_source() {
     write(&r, MB, &pattern(1, 8192));
     flush(&r);
     r.set_sync_action(SyncAction::Frozen).unwrap();
-    r.fail_leg(1).unwrap();
-    r.remove_leg(1).unwrap();
-    assert_eq!(r.add_leg(b.clone()).unwrap(), 1);
-    // Pretend the recovery got to 8 MiB: copy what it would have copied.
-    for k in 0..8 {
-        write(
-            b.as_ref(),
-            d + k * MB,
-            &read(a.as_ref(), d + k * MB, MB as usize),
-        );
-    }
-    r.set_recovery_offset(1, 8 * MB).unwrap();
-    r.sync_superblocks().unwrap();
+    swap_leg(&r, 1, b.clone());
+    pretend_recovered_to_8m(&r, a.as_ref(), b.as_ref());
     r.crash_for_test();
     write(b.as_ref(), d + MB, &pattern(2, 8192));
     let r = Raid1::assemble(vec![a.clone(), b.clone()], cfg()).unwrap();
