@@ -13,7 +13,7 @@
 //!   room in the ring never blocks the others' `queue_rq`, nor a completion callback that
 //!   submits again.
 //! - The engine's completion callback (registered once, at construction) rebuilds the
-//!   `RequestToken` from `user_data` and calls [`QueueCore::complete`]. It reaches the queue
+//!   `RequestToken` from `user_data` and calls [`RequestQueue::complete`]. It reaches the queue
 //!   through a `OnceLock` filled in [`Driver::start`]; [`Driver::stop`] shuts the engine down
 //!   (which waits for every op in flight) and so drops the callback and, with it, the queue.
 //! - Discards and write-zeroes run synchronously on the [`FileBackend`] in `queue_rq` (via
@@ -37,7 +37,7 @@
 //! - a read the page cache holds: one `preadv2(RWF_NOWAIT)` ([`FileBackend::read_nowait`]);
 //!   a miss (it would block) goes to the engine, and after a run of misses only one read in
 //!   32 is tried, so a cold cache costs few extra system calls;
-//! - a write (not FUA) while the engine has nothing in flight (`Shared::in_engine` is 0): at
+//! - a write (not FUA) while the engine has nothing in flight (`FileState::in_engine` is 0): at
 //!   queue depth 1 the submitter would only wait for the reply anyway. A request that
 //!   arrives meanwhile waits for the write to finish, as it would behind a busy device; a
 //!   batch of writes runs inline one after the other (buffered writes to one file take the
@@ -87,7 +87,7 @@ use blkq_sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use blkq_sync::{Arc, Mutex};
 
 use blk::error::{os_error_code, with_context};
-use blk::{BioFlags, Caps, Driver, Error, Extent, Op, QueueCore, RequestToken};
+use blk::{BioFlags, Caps, Driver, Error, Extent, Op, RequestQueue, RequestToken};
 
 use crate::backend::file::{FileBackend, FileOptions};
 use crate::backend::{exec_on_backend, Backend, SpliceGate};
@@ -150,7 +150,7 @@ struct State {
 }
 
 /// What the driver and the completion callback share.
-struct Shared {
+struct FileState {
     state: Mutex<State>,
     /// `deferred` is not empty (checked by every completion without taking the lock).
     has_deferred: AtomicBool,
@@ -165,12 +165,12 @@ struct Shared {
 /// What the completion callback holds: the queue (filled in [`Driver::start`]) and the
 /// submission side.
 struct Completer {
-    core: OnceLock<blkq_sync::DynArc<QueueCore>>,
-    shared: Arc<Shared>,
+    core: OnceLock<blkq_sync::DynArc<RequestQueue>>,
+    shared: Arc<FileState>,
 }
 
 struct AsyncEngine {
-    shared: Arc<Shared>,
+    shared: Arc<FileState>,
     /// Taken by `start`, which fills it in; held by the callback from then on.
     completer: Mutex<Option<Arc<Completer>>>,
     name: &'static str,
@@ -229,7 +229,7 @@ fn copy_error(e: &io::Error) -> io::Error {
 }
 
 /// Completes ops that will never reach the engine with `err`.
-fn fail(q: &QueueCore, shared: &Shared, ops: &[PendingOp], err: &io::Error) {
+fn fail(q: &RequestQueue, shared: &FileState, ops: &[PendingOp], err: &io::Error) {
     for &(_, user_data) in ops {
         shared.in_engine.fetch_sub(1, Ordering::Relaxed);
         // SAFETY: `user_data` is the index of a request whose token `queue_rq` gave up to
@@ -240,11 +240,11 @@ fn fail(q: &QueueCore, shared: &Shared, ops: &[PendingOp], err: &io::Error) {
     }
 }
 
-impl Shared {
+impl FileState {
     /// Hands `batch` to `engine`. Ops refused because the ring is full (only ever on the
     /// io_uring reaper, which cannot wait for itself) are deferred to the next completion;
     /// ops refused for any other reason fail.
-    fn submit(&self, q: &QueueCore, engine: Option<Arc<FileEngine>>, batch: &[PendingOp]) {
+    fn submit(&self, q: &RequestQueue, engine: Option<Arc<FileEngine>>, batch: &[PendingOp]) {
         let Some(engine) = engine else {
             return fail(q, self, batch, &io::Error::other("file driver is stopped"));
         };
@@ -280,7 +280,7 @@ impl Shared {
     }
 
     /// Takes a batch, submits it, and keeps the emptied vector for reuse.
-    fn flush(&self, q: &QueueCore, deferred: bool) {
+    fn flush(&self, q: &RequestQueue, deferred: bool) {
         let Some((mut batch, engine)) = self.take(deferred) else {
             return;
         };
@@ -397,7 +397,7 @@ impl FileDriver {
                 cfg.workers
             )));
         }
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(FileState {
             state: Mutex::new(State {
                 pending: Vec::with_capacity(64),
                 deferred: Vec::new(),
@@ -487,14 +487,14 @@ impl FileDriver {
     /// completes it. Timed with a clock read of its own, after the I/O: a batch of file I/O
     /// may take longer than a tick of the coarse clock, so the batch's shared time
     /// (`blk::stats` module docs) would under-count the later requests' service time.
-    fn run_sync(&self, q: &QueueCore, mut r: RequestToken) {
+    fn run_sync(&self, q: &RequestQueue, mut r: RequestToken) {
         let res = q.for_each_bio(&mut r, |bio| exec_on_backend(&self.backend, bio));
         q.complete_at(r, res, blk::stats::coarse_ns());
     }
 
     /// Where a request of an asynchronous engine runs (module docs, "Inline I/O").
     #[inline]
-    fn inline_rule(&self, q: &QueueCore, r: &mut RequestToken, a: &AsyncEngine) -> Inline {
+    fn inline_rule(&self, q: &RequestQueue, r: &mut RequestToken, a: &AsyncEngine) -> Inline {
         if !a.inline {
             return Inline::Engine;
         }
@@ -537,7 +537,7 @@ impl FileDriver {
 
     /// The engine op for the request, or `None` if it runs synchronously.
     #[inline]
-    fn op_for(&self, q: &QueueCore, r: &mut RequestToken) -> Option<UringOp> {
+    fn op_for(&self, q: &RequestQueue, r: &mut RequestToken) -> Option<UringOp> {
         let writable = !self.backend.is_read_only();
         let rq = q.rq_mut(r);
         if rq.merged().is_some() {
@@ -551,7 +551,7 @@ impl FileDriver {
                 let ptr = buf.as_mut_slice().as_mut_ptr();
                 // SAFETY: the buffer has at least `len` bytes (checked just above; also by
                 // `Limits::validate`). It lives in the bio, inside the request's cell, which
-                // belongs to the request until `QueueCore::complete` takes the bio out. The
+                // belongs to the request until `RequestQueue::complete` takes the bio out. The
                 // request's `RequestToken` is given up to this op (`queue_rq`), so nobody reaches
                 // the request until the engine's completion callback rebuilds the token, and the
                 // engine is done with the memory before it calls back: only then, inside the
@@ -574,7 +574,7 @@ impl FileDriver {
 }
 
 impl Driver for FileDriver {
-    fn start(&self, q: &blkq_sync::DynArc<QueueCore>) {
+    fn start(&self, q: &blkq_sync::DynArc<RequestQueue>) {
         if let Mode::Async(a) = &self.mode {
             if let Some(c) = a.completer.lock().take() {
                 let _ = c.core.set(q.clone());
@@ -583,7 +583,7 @@ impl Driver for FileDriver {
     }
 
     #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, mut r: RequestToken) {
         let Mode::Async(a) = &self.mode else {
             return self.run_sync(q, r);
         };
@@ -605,7 +605,7 @@ impl Driver for FileDriver {
         a.shared.state.lock().pending.push((op, user_data));
     }
 
-    fn commit(&self, q: &QueueCore) {
+    fn commit(&self, q: &RequestQueue) {
         if let Mode::Async(a) = &self.mode {
             a.shared.flush(q, false);
         }

@@ -6,7 +6,7 @@ use std::os::fd::BorrowedFd;
 
 use blkq_sync::DynArc as Arc;
 
-use blk::{Caps, Driver, Error, Extent, QueueCore, RecvSource, RequestToken};
+use blk::{Caps, Driver, Error, Extent, RecvSource, RequestQueue, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
 use crate::kind_options::{parse_bool, Kind, KindOptions};
@@ -171,7 +171,7 @@ impl BackendDriver {
 
 impl Driver for BackendDriver {
     #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, mut r: RequestToken) {
         // Every bio of a merge chain, in sector order; the chain completes with the first
         // error, if any.
         let res = q.for_each_bio(&mut r, |bio| exec_on_backend(self.backend.as_ref(), bio));

@@ -9,7 +9,7 @@ use blkq_sync::thread::{self, JoinHandle};
 use blkq_sync::DynArc as Arc;
 use blkq_sync::Mutex;
 
-use blk::{Driver, Error, Extent, Op, QueueCore, RequestToken};
+use blk::{Driver, Error, Extent, Op, RequestQueue, RequestToken};
 
 use waitq::WaitQueue;
 
@@ -156,7 +156,7 @@ impl NullDriver {
         }
     }
 
-    fn run_completions(ring: Arc<Ring>, q: Arc<QueueCore>) {
+    fn run_completions(ring: Arc<Ring>, q: Arc<RequestQueue>) {
         let mut local: Vec<(RequestToken, Option<Instant>)> = Vec::with_capacity(1024);
         loop {
             // Sleep until there is work or the driver stops (see `Ring`).
@@ -214,7 +214,7 @@ fn wait_until(due: Instant) -> bool {
 }
 
 impl Driver for NullDriver {
-    fn start(&self, q: &Arc<QueueCore>) {
+    fn start(&self, q: &Arc<RequestQueue>) {
         if self.cfg.completion == CompletionMode::Inline {
             return;
         }
@@ -224,7 +224,7 @@ impl Driver for NullDriver {
     }
 
     #[inline]
-    fn queue_rq(&self, q: &QueueCore, mut r: RequestToken) {
+    fn queue_rq(&self, q: &RequestQueue, mut r: RequestToken) {
         let res = if let Some(mem) = &self.cfg.memory {
             // Every bio of a merge chain, in sector order.
             q.for_each_bio(&mut r, |bio| exec_on_backend(mem.as_ref(), bio))
@@ -258,7 +258,7 @@ impl Driver for NullDriver {
         }
     }
 
-    fn commit(&self, _q: &QueueCore) {
+    fn commit(&self, _q: &RequestQueue) {
         if self.cfg.completion == CompletionMode::Inline {
             return;
         }

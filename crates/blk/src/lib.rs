@@ -36,8 +36,3 @@ pub use queue::{Driver, Plug, Queue, QueueConfig, Request, RequestQueue, Request
 pub use sched::Scheduler;
 pub use stats::{QueueStats, SchedStats};
 pub use tags::{PoolPolicy, TagPool};
-
-/// [`RequestQueue`]'s former name, still used by the `null`, `mem` and `file` drivers of
-/// `blk-drivers`: to go once they say `RequestQueue`.
-#[doc(hidden)]
-pub type QueueCore = RequestQueue;
