@@ -294,10 +294,8 @@ impl FileState {
 pub(crate) const KIND: Kind = Kind {
     name: "file",
     form: "file:PATH",
-    parse: |spec, arg, read_only| match arg {
-        "" => Err(crate::spec::bad_spec(spec)),
-        path => Ok(Box::new(SpecOptions::new(path.into(), read_only))),
-    },
+    // An empty path is no file spec at all: the spec's parser says so, naming every form.
+    parse: |_, path, read_only| Ok(Box::new(SpecOptions::new(path.into(), read_only))),
     arg_is_path: true,
     path_options: &[],
     read_only_options: &[],

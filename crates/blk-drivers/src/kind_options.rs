@@ -86,3 +86,61 @@ pub(crate) fn parse_num<T: FromStr>(k: &str, v: &str) -> Result<T, Error> {
     v.parse()
         .map_err(|_| Error::Config(format!("option {k}: bad number {v:?}")))
 }
+
+/// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
+/// 2^30 bytes), optionally written `KiB`, `MiB`, `GiB`, `TiB`; a bare number may end in `B`.
+/// `KB`, `MB`, `GB`, `TB` are refused, naming the accepted forms: their usual meaning is
+/// decimal (10^9), and a size that silently meant something else would be worse than none.
+pub fn parse_size(s: &str) -> Result<u64, Error> {
+    let t = s.trim();
+    let bad = || {
+        Error::Config(format!(
+            "bad size {s:?}: expected a number of bytes, or one with K, M, G or T \
+             (also written KiB, MiB, GiB, TiB: powers of 1024), e.g. 512M, 4G"
+        ))
+    };
+    let t = match t.strip_suffix("iB") {
+        Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => u,
+        Some(_) => return Err(bad()),
+        None => match t.strip_suffix(['B', 'b']) {
+            // `GB` and its kind: decimal to most readers, so neither meaning is guessed.
+            Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => {
+                return Err(Error::Config(format!(
+                    "bad size {s:?}: {:?} is ambiguous (10^9 or 2^30?); sizes are binary: \
+                     write {}G or {}GiB for powers of 1024 (K, M, G, T = KiB, MiB, GiB, TiB)",
+                    &t[t.len() - 2..],
+                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
+                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
+                )))
+            }
+            Some(u) => u,
+            None => t,
+        },
+    };
+    let (num, mult) = match t.chars().last() {
+        Some(c @ ('k' | 'K' | 'm' | 'M' | 'g' | 'G' | 't' | 'T')) => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                _ => 40,
+            };
+            (&t[..t.len() - 1], 1u64 << shift)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(bad)
+}
+
+/// The size of a `null:` or `mem:` device: [`parse_size`], and not zero.
+pub(crate) fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
+    match parse_size(arg)? {
+        0 => Err(Error::Config(format!(
+            "bad device spec {spec:?}: a zero-size device (give a size, e.g. mem:64M)"
+        ))),
+        n => Ok(n),
+    }
+}

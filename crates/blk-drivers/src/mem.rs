@@ -9,8 +9,7 @@ use blkq_sync::DynArc as Arc;
 use blk::{Caps, Driver, Error, Extent, RecvSource, RequestQueue, RequestToken};
 
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
-use crate::kind_options::{parse_bool, Kind, KindOptions};
-use crate::spec::device_size;
+use crate::kind_options::{device_size, parse_bool, Kind, KindOptions};
 
 /// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -15,8 +15,7 @@ use waitq::WaitQueue;
 
 use crate::backend::mem::MemBackend;
 use crate::backend::{exec_on_backend, Backend};
-use crate::kind_options::{parse_bool, parse_num, Kind, KindOptions};
-use crate::spec::device_size;
+use crate::kind_options::{device_size, parse_bool, parse_num, Kind, KindOptions};
 
 /// When the `null` driver completes a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -50,56 +50,9 @@ use blk::sched::{Deadline, DeadlineTunables, LockMode, SchedChoice};
 use blk::{Device, Error, PoolPolicy, Queue, QueueConfig, Scheduler};
 
 use crate::fault::{FaultConfig, FaultDevice};
+pub use crate::kind_options::parse_size;
 pub use crate::kind_options::Kind;
 use crate::kind_options::{parse_bool, parse_num, KindOptions};
-
-/// Parses a size: a number with an optional `K`, `M`, `G`, `T` suffix, powers of 1024 (`G` is
-/// 2^30 bytes), optionally written `KiB`, `MiB`, `GiB`, `TiB`; a bare number may end in `B`.
-/// `KB`, `MB`, `GB`, `TB` are refused, naming the accepted forms: their usual meaning is
-/// decimal (10^9), and a size that silently meant something else would be worse than none.
-pub fn parse_size(s: &str) -> Result<u64, Error> {
-    let t = s.trim();
-    let bad = || {
-        Error::Config(format!(
-            "bad size {s:?}: expected a number of bytes, or one with K, M, G or T \
-             (also written KiB, MiB, GiB, TiB: powers of 1024), e.g. 512M, 4G"
-        ))
-    };
-    let t = match t.strip_suffix("iB") {
-        Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => u,
-        Some(_) => return Err(bad()),
-        None => match t.strip_suffix(['B', 'b']) {
-            // `GB` and its kind: decimal to most readers, so neither meaning is guessed.
-            Some(u) if u.ends_with(|c: char| c.is_ascii_alphabetic()) => {
-                return Err(Error::Config(format!(
-                    "bad size {s:?}: {:?} is ambiguous (10^9 or 2^30?); sizes are binary: \
-                     write {}G or {}GiB for powers of 1024 (K, M, G, T = KiB, MiB, GiB, TiB)",
-                    &t[t.len() - 2..],
-                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
-                    u.trim_end_matches(|c: char| c.is_ascii_alphabetic()),
-                )))
-            }
-            Some(u) => u,
-            None => t,
-        },
-    };
-    let (num, mult) = match t.chars().last() {
-        Some(c @ ('k' | 'K' | 'm' | 'M' | 'g' | 'G' | 't' | 'T')) => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                _ => 40,
-            };
-            (&t[..t.len() - 1], 1u64 << shift)
-        }
-        _ => (t, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(bad)
-}
 
 /// Every kind of device, one line each: each kind's file declares its [`Kind`] (name, form,
 /// argument, options, paths), and everything about kinds (parsing, opening, `--raid1`'s leg
@@ -140,16 +93,6 @@ pub(crate) fn bad_spec(spec: &str) -> Error {
     ))
 }
 
-/// The size of a `null:` or `mem:` device: [`parse_size`], and not zero.
-pub(crate) fn device_size(spec: &str, arg: &str) -> Result<u64, Error> {
-    match parse_size(arg)? {
-        0 => Err(Error::Config(format!(
-            "bad device spec {spec:?}: a zero-size device (give a size, e.g. mem:64M)"
-        ))),
-        n => Ok(n),
-    }
-}
-
 /// `path`, a path inside a device spec, joined to `dir` when it is relative; `None` when it
 /// stays as it is (empty or absolute). `part` (the spec's part that holds it) names it in
 /// the error: a joined path a spec cannot hold (a comma, which separates its options, or not
@@ -188,7 +131,9 @@ impl FromStr for DeviceSpec {
             None => (s, None),
         };
         let (name, arg) = head.split_once(':').ok_or_else(|| bad_spec(s))?;
-        let kind = Kind::named(name).ok_or_else(|| bad_spec(s))?;
+        let kind = Kind::named(name)
+            .filter(|k| !(k.arg_is_path && arg.is_empty()))
+            .ok_or_else(|| bad_spec(s))?;
         // The kind's own errors, now rather than when the device is built.
         (kind.parse)(s, arg, false)?;
         let mut options = vec![];
@@ -647,6 +592,11 @@ mod tests {
         }
         assert!(none.contains(&Kind::forms()), "{none}");
         assert!(none.ends_with("or rbd:POOL/IMAGE"), "{none}");
+        // A kind whose argument is a path, with none: no spec of it, every form named.
+        for k in KINDS.iter().filter(|k| k.arg_is_path) {
+            let e = format!("{}:", k.name).parse::<DeviceSpec>().unwrap_err();
+            assert!(e.to_string().contains(&Kind::forms()), "{}: {e}", k.name);
+        }
         for not in ["disk:1G", "direct=1", "fault.x=mem:1M", "nbd://h/e", "mem"] {
             assert!(!DeviceSpec::starts_a_spec(not), "{not}");
         }
