@@ -541,6 +541,12 @@ impl WriteIntentBitmap {
         i < self.nr_chunks && self.chunks.flags(i as usize) & DIRTY != 0
     }
 
+    /// Whether chunk `i` is needed (md's NEEDED, see [`WriteIntentBitmap::load`]): dirty
+    /// since before this run, or set without a write; a chunk dirtied by writes since is not.
+    pub fn is_needed(&self, i: u64) -> bool {
+        i < self.nr_chunks && self.inner.lock().meta[i as usize].needed
+    }
+
     /// A counter bumped whenever a bit changes.
     pub fn events(&self) -> u64 {
         self.inner.lock().events

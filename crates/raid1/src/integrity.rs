@@ -28,6 +28,10 @@
 //!   leg; where none matches, the resync source's data is taken and summed, as md would copy
 //!   it. Outside dirty chunks every block matched its sum when the bit was cleared, so a
 //!   mismatch there is corruption. Without a bitmap an unclean stop resyncs everything.
+//! - Only the chunks dirty at assembly (md's NEEDED) are settled so: a chunk dirtied by writes
+//!   since holds their own sums, recorded from the data given, so a copy no leg holds with
+//!   its sum there is corruption (a bit flipped as a leg stored it), never summed and
+//!   returned (`Array::torn_by_a_crash`).
 //! - The legs' pages of those chunks may differ after the crash (a page write kept on some
 //!   legs only): the table is loaded from the first in-sync leg that holds each page whole,
 //!   and at assembly the pages of the chunks to resync are marked dirty, so every leg holds

@@ -186,11 +186,17 @@ impl Array {
     /// stop (its data and sums may be out of step on every leg).
     pub(crate) fn unsettled(&self, at: u64) -> bool {
         let point = self.resync_point.load(Ordering::Acquire);
-        point != u64::MAX
-            && at >= point
-            && self
-                .bitmap
-                .as_ref()
-                .is_none_or(|bm| bm.is_dirty(at / bm.chunk_size()))
+        point != u64::MAX && at >= point && self.torn_by_a_crash(at)
+    }
+
+    /// Whether the crash rule may take array byte `at`'s block as a leg holds it: its chunk
+    /// was dirty before this run (md's NEEDED: a bit loaded at assembly, or set without a
+    /// write), or there is no bitmap. A chunk dirtied only by writes since holds their own
+    /// sums, recorded from the data given: a copy that does not match one is corrupt (a bit
+    /// flipped as a leg stored it), not torn, and summing it would hand it to every reader.
+    pub(crate) fn torn_by_a_crash(&self, at: u64) -> bool {
+        self.bitmap
+            .as_ref()
+            .is_none_or(|bm| bm.is_needed(at / bm.chunk_size()))
     }
 }

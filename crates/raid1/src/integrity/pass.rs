@@ -21,8 +21,9 @@ pub(crate) struct SourceCheck {
 
 impl Array {
     /// Checks the window `buf` read from leg `src` at array byte `pos` against the sums.
-    /// `settle` (a resync): a block with an unknown sum, or that no leg matches, is taken as
-    /// the source has it and summed (the crash rule in the module docs). `heals`: the pass
+    /// `settle` (a resync): a block with an unknown sum, or that no leg matches in a chunk
+    /// dirty before this run (`Array::torn_by_a_crash`), is taken as the source has it and
+    /// summed (the crash rule in the module docs). `heals`: the pass
     /// rewrites the source's replaced blocks (not a check).
     pub(crate) fn check_source(
         &self,
@@ -48,10 +49,11 @@ impl Array {
             if t.block_matches(block, blk) {
                 continue;
             }
-            if settle {
-                // A resync's chunk: data and sum may be out of step from a crash, which is
-                // no corruption. A leg that matches gives the block, else the source's
-                // data is summed as it is.
+            if settle && self.torn_by_a_crash(at) {
+                // A resync's chunk dirty before this run: data and sum may be out of step
+                // from a crash, which is no corruption. A leg that matches gives the block,
+                // else the source's data is summed as it is. (A chunk dirtied by writes
+                // since holds their sums: a mismatch there is corruption, below.)
                 if self.block_from_other_leg(t, src, at, blk) {
                     out.replaced += 1;
                 } else {
