@@ -114,13 +114,17 @@ impl Raid1 {
         inner.emit(crate::events::Event::LegAdded { slot: i, readd });
         inner.sync.ctl.lock().recovery_blocked = false;
         inner.state_changed();
-        if let Err(e) = inner
+        let recorded = inner
             .write_superblocks()
-            .and_then(|()| inner.persist_bitmap())
-        {
+            .and_then(|()| inner.persist_bitmap());
+        if recorded.is_err() {
             // Not recorded: the leg is not part of the array (a crash now would find it with
-            // no superblock, and assembly refuses such a device).
+            // no superblock, and assembly refuses such a device). Still recovering (not
+            // recovered before its record: `Leg::unrecorded`), so it goes.
             self.unplace(i, old_uuid);
+        }
+        inner.placement_recorded(i);
+        if let Err(e) = recorded {
             inner.emit(crate::events::Event::LegRemoved { slot: i });
             self.set_leg_name(i, None);
             return Err(e);
@@ -233,11 +237,14 @@ impl Raid1 {
         }
         inner.sync.ctl.lock().recovery_blocked = false;
         inner.state_changed();
-        if let Err(e) = inner
+        let recorded = inner
             .write_superblocks()
-            .and_then(|()| inner.persist_bitmap())
-        {
+            .and_then(|()| inner.persist_bitmap());
+        if recorded.is_err() {
             self.unplace(slot, old_uuid);
+        }
+        inner.placement_recorded(slot);
+        if let Err(e) = recorded {
             return Err(AbsentError::Down(format!("recording its return: {e}")));
         }
         Ok((slot, bitmap))

@@ -108,6 +108,12 @@ pub(crate) struct Leg {
     /// remote leg). Set with the device (`set_dev_frozen`); read by [`Raid1`]'s `caps`, per
     /// read of the NBD server (relaxed: a hint of cost, ordering nothing).
     pub(crate) slow_extents: AtomicBool,
+    /// Placed (`place_frozen`) and not yet recorded by the superblocks: not recovered until
+    /// it is (`Array::placement_recorded`), as md writes the superblocks before a spare's
+    /// recovery starts. A leg is then never in sync, nor counted in sync by a superblock,
+    /// before it carries a superblock of its own; and one whose record fails is still
+    /// recovering, so taking it out again (`unplace`) leaves nothing of it.
+    pub(crate) unrecorded: AtomicBool,
 }
 
 impl Leg {
@@ -126,6 +132,7 @@ impl Leg {
             bitmap_recovery: AtomicBool::new(false),
             slow_extents: AtomicBool::new(false),
             gen: AtomicU64::new(0),
+            unrecorded: AtomicBool::new(false),
         }
     }
 
@@ -663,6 +670,8 @@ impl Array {
         l.bitmap_recovery.store(bitmap, Ordering::Release);
         l.read_errors.store(0, Ordering::Relaxed);
         l.head.store(u64::MAX, Ordering::Relaxed);
+        // Before the state: a sync thread that sees the leg recovering sees this too.
+        l.unrecorded.store(true, Ordering::Release);
         l.state.place(if write_mostly {
             LegState::RECOVERING.write_mostly()
         } else {
@@ -700,6 +709,13 @@ impl Array {
             .filter(|l| l.state.load().is_member())
             .count()
             < 2
+    }
+
+    /// The superblocks recorded (or failed to record) the leg placed in slot `i`: its recovery
+    /// may start (see `Leg::unrecorded`).
+    pub(crate) fn placement_recorded(&self, i: usize) {
+        self.legs[i].unrecorded.store(false, Ordering::Release);
+        self.sync.wq.wake_all();
     }
 
     pub(crate) fn state_changed(&self) {

@@ -878,6 +878,56 @@ fn seed_12_a_leg_whose_addition_failed_is_not_left_in_the_array() {
     assert!(read(&r, 2 * MB, 4096) == pattern(1, 4096));
 }
 
+/// The same with the recovery quicker than the superblock write that records the addition: a
+/// new leg is not recovered (so never in sync) before its addition is recorded, and is taken
+/// out again when the record fails, as md writes the superblocks before a spare's recovery
+/// starts. Before: the recovery finished while the record was held, the leg was in sync,
+/// and the failed addition left it in its slot with no superblock of its own, so assembly
+/// with the legs the array had in memory refused it ("bad magic"). Found by the simulator
+/// (seed 46000573: a power cut during an addition's superblock write).
+#[test]
+fn seed_46000573_a_leg_is_not_recovered_before_its_addition_is_recorded() {
+    let (a, fa) = fault_leg("16M", true);
+    let r = Raid1::create(vec![a.clone(), mem("16M")], cfg()).unwrap();
+    write(&r, 2 * MB, &pattern(1, 4096));
+    flush(&r);
+    r.fail_leg(1).unwrap();
+    r.remove_leg(1).unwrap();
+    r.set_speed_limits(1000, 1_000_000);
+    fa.add(
+        Rule::stall(OpSet::WRITE)
+            .in_range(SB_OFFSET, SB_SIZE as u64)
+            .nth(1),
+    );
+    let (idle, held, added) = std::thread::scope(|s| {
+        let add = s.spawn(|| r.add_leg(mem("16M")));
+        wait_until_within("the addition's superblock write held", SOON, || {
+            fa.stalled() > 0
+        });
+        // Held: the sync thread has nothing it may do yet.
+        let idle = r.wait_sync_idle(SOON);
+        let held = r.leg_status(1).unwrap();
+        // A power cut fails the held write: the array's only in-sync leg took no superblock.
+        fa.crash().unwrap();
+        (idle, held, add.join().unwrap())
+    });
+    assert!(
+        idle && !held.in_sync && held.recovery_offset == 0,
+        "a leg was recovered before its addition was recorded (idle {idle}): {held:?}"
+    );
+    assert!(added.is_err());
+    let st = r.leg_status(1).unwrap();
+    assert!(
+        !st.present,
+        "a leg whose addition failed was left in slot 1: {st:?}"
+    );
+    r.crash_for_test();
+    fa.restart();
+    fa.clear();
+    let r = Raid1::assemble(vec![a], cfg()).unwrap();
+    assert!(read(&r, 2 * MB, 4096) == pattern(1, 4096));
+}
+
 /// An unclean stop with one in-sync leg and one recovering leg that already serves reads below
 /// its recovery offset: the dirty chunks below that offset are resynced onto it too (the
 /// recovery only copies from its offset up). Here a write the in-sync leg failed (which failed

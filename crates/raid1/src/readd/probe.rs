@@ -451,8 +451,11 @@ impl Array {
         }
         self.sync.ctl.lock().recovery_blocked = false;
         self.state_changed();
-        self.write_superblocks()?;
-        self.persist_bitmap()?;
+        let recorded = self
+            .write_superblocks()
+            .and_then(|()| self.persist_bitmap());
+        self.placement_recorded(i);
+        recorded?;
         Ok(true)
     }
 }

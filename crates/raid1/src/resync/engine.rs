@@ -93,7 +93,9 @@ impl Array {
             return Some(Job::Resync);
         }
         if !c.recovery_blocked {
-            if let Some(i) = self.recovering_leg() {
+            // Not before its placement is recorded (`Leg::unrecorded`).
+            let recorded = |&i: &usize| !self.legs[i].unrecorded.load(Ordering::Acquire);
+            if let Some(i) = self.recovering_leg().filter(recorded) {
                 return Some(Job::Recover(i));
             }
         }
