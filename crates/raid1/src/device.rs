@@ -112,7 +112,11 @@ pub(crate) struct Leg {
     /// it is (`Array::placement_recorded`), as md writes the superblocks before a spare's
     /// recovery starts. A leg is then never in sync, nor counted in sync by a superblock,
     /// before it carries a superblock of its own; and one whose record fails is still
-    /// recovering, so taking it out again (`unplace`) leaves nothing of it.
+    /// recovering, so taking it out again (`unplace`) leaves nothing of it. Ordering: set
+    /// (Release) before the leg's state says it is present, cleared (Release) after the
+    /// record, and read (Acquire) by the sync thread before it picks a leg to recover; a
+    /// thread that sees the leg present sees the flag set, and the clear wakes the sync
+    /// thread, which asks again (no other state hangs on it).
     pub(crate) unrecorded: AtomicBool,
 }
 
