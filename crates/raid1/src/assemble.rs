@@ -18,7 +18,7 @@ use waitq::WaitQueue;
 
 use crate::barrier::{paired, Barriers};
 use crate::bitmap::{WriteIntentBitmap, DEFAULT_CHUNK_SIZE};
-use crate::config::Raid1Config;
+use crate::config::{CompletionRef, Raid1Config};
 use crate::device::{Array, ArrayMeta, Launch, Leg, LegEnd, Placed, Raid1};
 use crate::error::Raid1Error;
 use crate::legstate::LegState;
@@ -324,6 +324,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Array>, Raid1Error> {
                         StdArc::new(LegEnd {
                             inner: weak.clone(),
                             leg,
+                            counted: cfg.completion_ref == CompletionRef::Counted,
                         }) as StdArc<dyn EndIo>
                     })
                     .collect()
@@ -356,6 +357,7 @@ fn shared_state(a: Launch) -> Result<StdArc<Array>, Raid1Error> {
         sync: crate::resync::SyncState::new(),
         readd: crate::readd::ReaddState::new(a.nr_slots),
         wb: crate::behind::WriteBehind::new(cfg.write_behind, cfg.depth, a.nr_slots),
+        retirement: crate::retire::Retirement::new(blkq_sync::stat::shard_count()),
         events: crate::events::Hub::new(a.nr_slots),
         me: weak.clone(),
         cfg,

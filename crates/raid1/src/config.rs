@@ -52,6 +52,20 @@ pub struct Raid1Config {
     /// Per-block checksums for a new array (`integrity=crc32c|none`; see `integrity`). Read
     /// by [`crate::Raid1::create`] only: an assembled array keeps what its superblock says.
     pub integrity: Option<crate::integrity::Algorithm>,
+    /// How a leg's completion keeps the array alive (`completion_ref=sharded|counted`): see
+    /// `retire`.
+    pub completion_ref: CompletionRef,
+}
+
+/// How a leg's completion keeps the array alive while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionRef {
+    /// Counted in and out on its thread shard; the owner's drop hands its reference to the
+    /// last completion out (`retire`): no line shared by every completing core.
+    Sharded,
+    /// The simple rule: each completion upgrades a `Weak` to the array (two writes of the
+    /// array's one reference count per leg bio).
+    Counted,
 }
 
 impl Default for Raid1Config {
@@ -71,6 +85,7 @@ impl Default for Raid1Config {
             write_behind: 0,
             share_writes: true,
             integrity: None,
+            completion_ref: CompletionRef::Sharded,
         }
     }
 }
@@ -91,7 +106,7 @@ impl Raid1Config {
     /// (`0`/`none`: no bitmap), `bitmap_quiet_ms=N`, `bitmap_counts=sharded|locked`, `depth=N`, `max_io=SIZE`,
     /// `read_errors=N`, `spare_slots=N`, `allow_degraded=true|false`, `readd=auto|off`,
     /// `readd_interval_ms=N` (also turns it on), `write_behind=N`, `share_writes=0|1`,
-    /// `integrity=crc32c|none` (at creation).
+    /// `integrity=crc32c|none` (at creation), `completion_ref=sharded|counted`.
     pub fn set_option(&mut self, key: &str, value: &str) -> Result<(), Raid1Error> {
         let bad = || Raid1Error::Config(format!("raid1: bad value {value:?} for {key}"));
         match key {
@@ -143,6 +158,13 @@ impl Raid1Config {
                 self.integrity = match value {
                     "none" | "off" => None,
                     v => Some(v.parse().map_err(Raid1Error::Config)?),
+                }
+            }
+            "completion_ref" => {
+                self.completion_ref = match value {
+                    "sharded" => CompletionRef::Sharded,
+                    "counted" => CompletionRef::Counted,
+                    _ => return Err(bad()),
                 }
             }
             "readd_interval_ms" => {

@@ -219,13 +219,30 @@ pub(crate) type LegEnds = Box<[StdArc<dyn EndIo>]>;
 pub(crate) struct LegEnd {
     pub(crate) inner: Weak<Array>,
     pub(crate) leg: usize,
+    /// `completion_ref=counted`: upgrade `inner` per completion (the simple rule) instead of
+    /// counting in on the array's `retirement` (see `retire`).
+    pub(crate) counted: bool,
 }
 
 impl EndIo for LegEnd {
+    #[inline]
     fn end_io(&self, bio: Bio, res: Result<(), Error>) {
-        if let Some(inner) = self.inner.upgrade() {
-            inner.leg_done(self.leg, bio, res);
+        if self.counted {
+            if let Some(inner) = self.inner.upgrade() {
+                inner.leg_done(self.leg, bio, res);
+            }
+            return;
         }
+        // SAFETY: the rule of `retire`. This bio was submitted by the array and is not yet
+        // counted back, so its owner has not retired it (`Raid1`'s drop retires after its
+        // drain, which waits for this bio's I/O): the array's value is alive now, and its
+        // allocation lives while this handle's `Weak` does. From `enter` to `exit` the
+        // owner's reference is held for us; after `exit` nothing of the array is touched.
+        let array = unsafe { &*self.inner.as_ptr() };
+        let inside = array.retirement.enter(blkq_sync::thread_slot());
+        array.leg_done(self.leg, bio, res);
+        // The last one out drops the owner's reference here (the array may go with it).
+        drop(array.retirement.exit(inside));
     }
 }
 
@@ -322,6 +339,9 @@ pub(crate) struct Array {
     pub(crate) me: Weak<Array>,
     /// Write-behind (see `behind`).
     pub(crate) wb: crate::behind::WriteBehind,
+    /// The leg completions in progress, and the owner's reference once `Raid1` is dropped
+    /// (see `retire`).
+    pub(crate) retirement: crate::retire::Retirement<StdArc<Array>>,
     /// The state changes' log lines and subscribers (see `events`).
     pub(crate) events: crate::events::Hub,
 }
@@ -596,6 +616,10 @@ impl Drop for Raid1 {
                 dev.check_connections(None);
             }
         }
+        // Drained: no leg completion comes in from now on, and those still inside (this
+        // thread's own, when the array is dropped from a completion) keep the array alive
+        // until the last is out (see `retire`).
+        drop(self.inner.retirement.retire(self.inner.clone()));
     }
 }
 

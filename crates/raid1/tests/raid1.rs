@@ -509,3 +509,58 @@ fn config_options_parse() {
     write(&r, 0, &pattern(13, 4096)).unwrap();
     assert_eq!(read(&r, 0, 4096).unwrap(), pattern(13, 4096));
 }
+
+/// A caller may drop the array from inside its own I/O's completion, on the leg's completion
+/// thread, while the mirror's bookkeeping for that leg bio is still on the stack: the drop
+/// finishes (its drain does not wait for the completion it runs in) and the array lives until
+/// that completion is out (`retire`; `completion_ref=counted` keeps it by its `Weak` upgrade).
+/// Run in both modes, many times, with the caller's last reference let go first or last. The
+/// drop is a crash's (`crash_for_test`): a clean stop writes the superblocks, and a write to a
+/// leg whose completion thread is the one waiting would wait for itself. The test keeps the
+/// legs, so their completion threads outlive the array.
+#[test]
+fn the_array_may_be_dropped_from_inside_its_own_completion() {
+    struct DropInside {
+        array: Mutex<Option<Arc<Raid1>>>,
+        done: std::sync::mpsc::Sender<Result<(), Error>>,
+    }
+    impl EndIo for DropInside {
+        fn end_io(&self, _bio: Bio, res: Result<(), Error>) {
+            let last = self.array.lock().unwrap().take();
+            if let Some(Ok(r)) = last.map(Arc::try_unwrap) {
+                r.crash_for_test();
+            }
+            let _ = self.done.send(res);
+        }
+    }
+    let leg = "null:16M,completion=timer,completion_nsec=100000,memory_backed=1";
+    for mode in ["sharded", "counted"] {
+        for i in 0..40 {
+            let mut c = cfg(BarrierMode::Lockless);
+            c.set_option("completion_ref", mode).unwrap();
+            let legs = [spec(leg), spec(leg)];
+            let r = Arc::new(Raid1::create(legs.to_vec(), c).unwrap());
+            let (tx, rx) = std::sync::mpsc::channel();
+            let end: Arc<dyn EndIo> = Arc::new(DropInside {
+                array: Mutex::new(Some(r.clone())),
+                done: tx,
+            });
+            let mut b = Buffer::new(4096);
+            b.as_mut_slice().fill(0x5a);
+            r.submit(Bio::with_buf(Op::Write, 8, b), &end);
+            let mut caller = Some(r);
+            if i % 2 == 0 {
+                // The completion (a timer 100 us out) holds the last reference.
+                drop(caller.take());
+            }
+            let res = rx.recv_timeout(Duration::from_secs(20));
+            assert!(
+                matches!(res, Ok(Ok(()))),
+                "{mode}, round {i}: the write's completion: {res:?}"
+            );
+            // Otherwise the caller lets go last.
+            drop(caller);
+            drop(legs);
+        }
+    }
+}
