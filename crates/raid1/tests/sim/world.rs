@@ -619,8 +619,9 @@ impl World {
 
     /// Whether an error of `op` on `off+len` of the array is due: the array failed, or every
     /// leg in `serving` (the legs that could serve it, taken before it was issued) has a rule
-    /// armed that may fail it (a read: a read rule on its data; anything else: any rule but a
-    /// read one, as a failed superblock or bitmap write fails the leg too).
+    /// armed that may fail it (a read: a read rule on its data, or a leg no longer serving
+    /// with another rule armed, which failed it meanwhile; anything else: any rule but a read
+    /// one, as a failed superblock or bitmap write fails the leg too).
     fn due(&self, op: Op, off: u64, len: u64, serving: &[usize]) -> bool {
         if self.r().failure().is_some() {
             return true;
@@ -639,7 +640,21 @@ impl World {
                     }
             })
         };
-        !serving.is_empty() && serving.iter().all(|&k| fails(k))
+        // A read's leg may also have left the array while the read was in flight: failed by a
+        // rule on another op (a write, its bitmap or superblock area), by the time the read's
+        // retry looked for another leg.
+        let now = self.serving();
+        let left = |k: usize| {
+            !now.contains(&k)
+                && self
+                    .armed
+                    .iter()
+                    .any(|x| x.leg == k && !x.flip && x.ops.0 & !OpSet::READ.0 != 0)
+        };
+        !serving.is_empty()
+            && serving
+                .iter()
+                .all(|&k| fails(k) || op == Op::Read && left(k))
             || op == Op::Read && self.flip_due(off, len, serving, &fails)
     }
 
