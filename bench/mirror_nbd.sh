@@ -96,13 +96,7 @@ for round in $(seq "$ROUNDS"); do
   echo "round=$round one=$one mirror=$mirror one_ns=$one_ns mirror_ns=$mirror_ns" | tee -a "$out"
 done
 
-# med "v1 v2 ..." FORMAT: "median (min..max)".
-med() {
-  tr ' ' '\n' <<<"$1" | grep . | sort -g | awk -v f="$2" '
-    { v[NR] = $1 }
-    END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-          printf f " (" f ".." f ")", m, v[1], v[NR] }'
-}
+. "$(dirname "$0")/med.sh"
 col() { sed -E "s/.* $1=([0-9.]+).*/\1/" "$out" | tr '\n' ' '; }
 ratio() { awk -v a="$1" -v b="$2" '
     { for (i = 1; i <= NF; i++) { split($i, kv, "="); x[kv[1]] = kv[2] }

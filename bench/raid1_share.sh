@@ -54,13 +54,7 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 
-# med "v1 v2 ...": "median (min..max)" of the values.
-med() {
-  tr ' ' '\n' <<<"$1" | grep . | sort -g | awk -v f="$2" '
-    { v[NR] = $1 }
-    END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2
-          printf f " (" f ".." f ")", m, v[1], v[NR] }'
-}
+. "$(dirname "$0")/med.sh"
 # col KEY: the values of KEY in the rounds of $j jobs; ratio A B: A/B in each of those rounds.
 col() { grep " jobs=$j " "$out" | sed -E "s/.* $1=([0-9.]+).*/\1/" | tr '\n' ' '; }
 ratio() { grep " jobs=$j " "$out" | awk -v a="$1" -v b="$2" '
