@@ -164,9 +164,24 @@ impl Bio {
 ///
 /// `end_io` may run on any thread: the submitter's own (inline completion, possibly nested
 /// inside its `submit` call), a driver's completion thread, or io_uring's reaper.
+///
+/// A completer that finishes several bios in a row (a remote device's receiver parsing the
+/// replies one receive brought) may complete them with [`EndIo::end_io_batched`] and close the
+/// run with [`EndIo::end_batch`] before it blocks or turns to other work, so that what
+/// batching amortises (a server's replies, coalesced into one send) is done once for the run.
 pub trait EndIo: Send + Sync {
     /// The bio is done; `res` is its status.
     fn end_io(&self, bio: Bio, res: Result<(), Error>);
+
+    /// The bio is done, as one of a run the caller closes with [`EndIo::end_batch`] on this
+    /// same `EndIo` before it blocks or does other work: what the completion would do once
+    /// per run may wait for that call. Default: [`EndIo::end_io`].
+    fn end_io_batched(&self, bio: Bio, res: Result<(), Error>) {
+        self.end_io(bio, res);
+    }
+
+    /// Closes a run of [`EndIo::end_io_batched`] calls. Default: nothing.
+    fn end_batch(&self) {}
 }
 
 /// Alignment of every pooled buffer: enough for O_DIRECT on any device we meet.

@@ -11,7 +11,7 @@ use waitq::WaitQueue;
 
 use super::check::Hook;
 use super::connect::{Opened, RemoteError};
-use super::receiver::{Receiver, SCRATCH};
+use super::receiver::{self, Receiver, SCRATCH};
 use super::reconnect::Supervisor;
 use super::sender;
 use super::spec::{RemoteSpec, SendMode};
@@ -86,7 +86,7 @@ impl Link {
         let sup = Supervisor::new(
             Receiver {
                 sh: sh.clone(),
-                stream: reader,
+                stream: receiver::buffered(reader),
                 mode,
                 scratch: vec![0; SCRATCH],
                 tick,
@@ -98,6 +98,7 @@ impl Link {
                 replying: None,
                 seal_by: None,
                 mid_check: Instant::now(),
+                batch: None,
             },
             spec.clone(),
         );

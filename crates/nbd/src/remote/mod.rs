@@ -14,8 +14,13 @@
 //!   `sendmsg`; what the socket does not take at once is the sender thread's ("Sending
 //!   inline" in `send`; `send=thread` always hands over). A submitter never waits for the
 //!   server to read.
-//! - **One receiver thread** reads replies (simple and structured), finds each reply's slot by
-//!   its cookie, receives read data straight into the bio's buffer, and completes the bio.
+//!   A batch (`Device::submit_batch`) goes out together: up to 16 requests with one
+//!   `sendmsg` by the same rules (`Batch` in `submit`).
+//! - **One receiver thread** reads replies (simple and structured) through a buffer (one
+//!   `recv` for what the server has sent, `receiver::RECV_BUF`), finds each reply's slot by
+//!   its cookie, receives read data into the bio's buffer (a large read straight from the
+//!   socket), and completes the bio: as one of a run (`EndIo::end_io_batched`) closed
+//!   (`EndIo::end_batch`) before it next reads from the socket.
 //!   It also enforces the request timeout: the socket's receive timeout wakes it every tick,
 //!   and a request not wholly answered `timeout` after it was sent (a reply still arriving,
 //!   however slowly, counts as unanswered) declares the connection dead. When the connection
@@ -148,7 +153,7 @@ use blkq_sync::DynArc;
 use crate::client::ExportDetails;
 use link::Link;
 use nbd_proto::proto::{CmdFlags, Command, TransmissionFlags};
-use submit::Req;
+use submit::{Batch, Req};
 use table::{Conn, Durability, LinkState};
 
 /// An export on another NBD server, as a [`blk::Device`] (see the module documentation).
@@ -396,8 +401,10 @@ impl RemoteDevice {
     }
 }
 
-impl Device for RemoteDevice {
-    fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
+impl RemoteDevice {
+    /// What `bio` asks of link `sh`, or `None` when it is completed here already (refused,
+    /// or nothing to send: a flush to a server without a write cache).
+    fn prepare(&self, sh: &LinkState, bio: Bio, end: &DynArc<dyn EndIo>) -> Option<(Bio, Req)> {
         if self.links.len() > 1
             && matches!(bio.op, Op::Write | Op::Discard | Op::WriteZeroes)
             && self.orphaned()
@@ -410,13 +417,19 @@ impl Device for RemoteDevice {
                     self.links[0].sh.uri
                 ),
             );
-            return end.end_io(bio, Err(Error::Io(e)));
+            end.end_io(bio, Err(Error::Io(e)));
+            return None;
         }
-        let sh = self.pick();
         let (cmd, flags, fua_flush) = match self.command(sh, &bio) {
             Ok(Some(c)) => c,
-            Ok(None) => return end.end_io(bio, Ok(())),
-            Err(e) => return end.end_io(bio, Err(e)),
+            Ok(None) => {
+                end.end_io(bio, Ok(()));
+                return None;
+            }
+            Err(e) => {
+                end.end_io(bio, Err(e));
+                return None;
+            }
         };
         let req = Req {
             cmd,
@@ -425,7 +438,28 @@ impl Device for RemoteDevice {
             offset: bio.offset(),
             len: u64::from(bio.len),
         };
-        sh.submit(bio, end, req);
+        Some((bio, req))
+    }
+}
+
+impl Device for RemoteDevice {
+    fn submit(&self, bio: Bio, end: &DynArc<dyn EndIo>) {
+        let sh = self.pick();
+        if let Some((bio, req)) = self.prepare(sh, bio, end) {
+            sh.submit(bio, end, req);
+        }
+    }
+
+    /// The batch goes to one connection, its requests sent together (`Batch` in `submit`).
+    fn submit_batch(&self, bios: &mut dyn Iterator<Item = Bio>, end: &DynArc<dyn EndIo>) {
+        let sh = self.pick();
+        let mut batch = Batch::new(sh, end);
+        for bio in bios {
+            if let Some((bio, req)) = self.prepare(sh, bio, end) {
+                batch.add(bio, req);
+            }
+        }
+        batch.send();
     }
 
     /// Every connection re-established from now on is judged by `check` before it serves

@@ -5,15 +5,16 @@
 //! sent on it is answered or the server closes it (see "The old connection" in `table`).
 //! What happens after it stops is `reconnect`'s.
 
-use std::io::{self, Read};
+use std::io::{self, BufReader, Read};
 use std::time::{Duration, Instant};
 
 use blk::Bio;
 use blkq_sync::atomic::Ordering;
 use blkq_sync::DynArc;
 
-use super::table::{LinkState, Status, Success};
+use super::table::{Done, LinkState, Status, Success};
 use crate::stream::{is_timeout, Stream};
+use blk::EndIo;
 use nbd_proto::proto::{
     Command, TransmissionMode, NBD_ESHUTDOWN, NBD_REPLY_TYPE_BLOCK_STATUS,
     NBD_REPLY_TYPE_OFFSET_DATA, SIMPLE_REPLY_LEN,
@@ -24,6 +25,19 @@ use nbd_proto::Decoded;
 /// Bytes of a non-data reply chunk the receiver accepts (an error chunk's message is at most
 /// 4 KiB); a longer one is a malformed reply.
 pub(super) const SCRATCH: usize = 8 << 10;
+
+/// The receive buffer: one `recv` takes up to this much of what the server sent, so a reply's
+/// header, its chunk's offset and a small read's data (and, with requests pipelined, the
+/// next replies) cost one system call, not one each. A read into a bio of at least this much
+/// with nothing buffered goes straight into the bio's buffer (`BufReader`'s rule), so a large
+/// read is copied once more only for its first `RECV_BUF` bytes at most.
+pub(super) const RECV_BUF: usize = 64 << 10;
+
+/// The receiver's buffered half of connection `stream` (see [`RECV_BUF`]); a new connection
+/// gets a new one, so nothing buffered from the old one is ever parsed as the new one's.
+pub(super) fn buffered(stream: Stream) -> BufReader<Stream> {
+    BufReader::with_capacity(RECV_BUF, stream)
+}
 
 /// Why the receiver stopped.
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +119,7 @@ impl Stop {
 
 pub(super) struct Receiver {
     pub(super) sh: DynArc<LinkState>,
-    pub(super) stream: Stream,
+    pub(super) stream: BufReader<Stream>,
     pub(super) mode: TransmissionMode,
     pub(super) scratch: Vec<u8>,
     pub(super) tick: Duration,
@@ -127,13 +141,52 @@ pub(super) struct Receiver {
     /// The last `check_mid_reply` that looked (at most one a tick: a long reply arriving
     /// fast does not take the table lock on every read).
     pub(super) mid_check: Instant,
+    /// The completion run open (`deliver`): the submitter whose bios were completed with
+    /// `end_io_batched` since the receiver last read from the socket.
+    pub(super) batch: Option<DynArc<dyn EndIo>>,
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.close_batch();
+    }
 }
 
 impl Receiver {
+    /// Completes `d` here, as one of a run (`EndIo::end_io_batched`) that `close_batch` closes
+    /// before the receiver next reads from the socket (or stops): the replies one receive
+    /// brought are completed together, and a server relaying them sends them with one
+    /// writer's pass. A completion for another submitter closes the run first.
+    fn deliver(&mut self, (bio, end, status): Done) {
+        let other =
+            |b: &DynArc<dyn EndIo>| !std::ptr::addr_eq(DynArc::as_ptr(b), DynArc::as_ptr(&end));
+        if self.batch.as_ref().is_some_and(other) {
+            self.close_batch();
+        }
+        end.end_io_batched(bio, self.sh.result(status));
+        self.batch.get_or_insert(end);
+        self.sh.slot_freed.wake_one();
+    }
+
+    /// Closes the completion run, if one is open (see `deliver`).
+    pub(super) fn close_batch(&mut self) {
+        if let Some(end) = self.batch.take() {
+            end.end_batch();
+        }
+    }
+
+    /// `LinkState::finish`, delivered by the receiver (`deliver`).
+    fn finish(&mut self, i: usize, status: Status) {
+        if let Some(d) = self.sh.finished(i, status) {
+            self.deliver(d);
+        }
+    }
+
     /// Receives replies on the current connection until it stops, and says why.
     pub(super) fn receive(&mut self) -> Stop {
         loop {
             if let Err(s) = self.one_reply() {
+                self.close_batch();
                 let mid = std::mem::take(&mut self.mid_reply);
                 return match s {
                     Stop::TimedOut(_) | Stop::SendFailed if mid => Stop::MidReply(Box::new(s)),
@@ -175,11 +228,13 @@ impl Receiver {
             }
         };
         self.draining = false;
+        self.close_batch();
         stop
     }
 
     /// Reads and drops everything until the connection ends.
     fn discard(&mut self) -> Stop {
+        self.close_batch();
         loop {
             let mut s = std::mem::take(&mut self.scratch);
             let r = self.stream.read(&mut s);
@@ -256,14 +311,14 @@ impl Receiver {
     /// The request is answered on this connection (the server holds no copy of it), so it
     /// is marked not sent: the drain does not wait for it (a server that answers ESHUTDOWN
     /// may keep the connection open), and it is due on the next connection.
-    fn failed(&self, i: usize, error: u32) -> Result<(), Stop> {
+    fn failed(&mut self, i: usize, error: u32) -> Result<(), Stop> {
         if error == NBD_ESHUTDOWN {
             if let Some(s) = self.sh.table.lock().slots.get_mut(i) {
                 s.sent_epoch = 0;
             }
             return Err(Stop::ShuttingDown);
         }
-        self.sh.finish(i, Status::Nbd(error));
+        self.finish(i, Status::Nbd(error));
         Ok(())
     }
 
@@ -273,21 +328,21 @@ impl Receiver {
     /// at once, one non-blocking `sendmsg`), else it is the sender's: the receiver never
     /// waits to send (it must keep reading whatever the server's send buffer holds, or a
     /// server blocked on sending replies and a receiver blocked on it deadlock).
-    fn succeeded(&self, i: usize) {
+    fn succeeded(&mut self, i: usize) {
         let what = {
             let mut t = self.sh.table.lock();
             // An orphan: nobody waits for it any more, `finish` frees its slot.
             (!t.is_orphan(i)).then(|| t.succeeded(i, &self.sh.durability))
         };
         match what {
-            None => self.sh.finish(i, Status::Ok),
+            None => self.finish(i, Status::Ok),
             Some(Success::FlushNext) => {
                 // `succeeded` flagged the sender; a flush sent here leaves it nothing to do.
                 if !self.sh.try_send_inline(i, &mut None, 0) {
                     self.sh.sender_wq.wake_one();
                 }
             }
-            Some(Success::Complete(status)) => self.sh.finish(i, status),
+            Some(Success::Complete(status)) => self.finish(i, status),
         }
     }
 
@@ -297,6 +352,10 @@ impl Receiver {
     fn read_full(&mut self, buf: &mut [u8]) -> Result<(), Stop> {
         let mut at = 0;
         while at < buf.len() {
+            if self.stream.buffer().is_empty() {
+                // The next read goes to the socket, and may wait.
+                self.close_batch();
+            }
             match self.stream.read(&mut buf[at..]) {
                 Ok(0) => return Err(Stop::Closed),
                 Ok(n) => {

@@ -30,7 +30,7 @@ use blkq_sync::atomic::Ordering;
 
 use super::check;
 use super::connect::{self, Opened};
-use super::receiver::{Receiver, Stop};
+use super::receiver::{self, Receiver, Stop};
 use super::spec::RemoteSpec;
 use super::table::{Conn, LinkState};
 use nbd_proto::proto::TransmissionFlags;
@@ -355,7 +355,7 @@ impl Supervisor {
         let n = sh.reconnects.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!(uri = %sh.uri, reconnects = n, "reconnected to the NBD server");
         sh.sender_wq.wake_one();
-        self.rx.stream = reader;
+        self.rx.stream = receiver::buffered(reader);
         self.rx.mode = mode;
         self.rx.last_check = Instant::now();
         self.up_since = Instant::now();

@@ -13,6 +13,7 @@ use crate::stream::{is_timeout, Stream};
 use nbd_proto::proto::Command;
 use nbd_proto::transmission::Request;
 
+use super::submit::{Pending, BATCH};
 use super::table::{Conn, LinkState, Partial, Table, Writer};
 
 // # Sending inline (`send=inline`, plain sockets)
@@ -149,6 +150,119 @@ impl LinkState {
                 false
             }
         }
+    }
+
+    /// Sends a batch's requests from the submitting thread with one non-blocking `sendmsg`
+    /// (`Batch` in `submit`), by the rules of `try_send_inline`: only if the send side is
+    /// free at once and nothing is half written, each claimed before any byte is written.
+    /// Returns how many of `ps`, from the first, are sent: wholly, or the last of them in part
+    /// (then the sender thread's to finish, `Partial`, with a write's bio out of its
+    /// `Pending`). The rest are not claimed (a request not due ends the claimed run; one the
+    /// socket did not take is unclaimed), still due for the sender thread.
+    pub(super) fn try_send_batch(&self, ps: &mut [Pending]) -> usize {
+        if !self.inline {
+            return 0;
+        }
+        let Some(mut w) = self.writer.try_lock() else {
+            return 0;
+        };
+        let Writer {
+            stream,
+            mode,
+            header,
+            epoch: current,
+            partial,
+        } = &mut *w;
+        let fd = match stream {
+            Some(s) if partial.is_none() && !matches!(s, Stream::Tls(_)) => s.as_raw_fd(),
+            _ => return 0,
+        };
+        let hlen = mode.request_header_len();
+        let mut headers = [0u8; BATCH * 32];
+        let mut cookies = [0u64; BATCH];
+        let mut epoch = 0;
+        let mut n = 0;
+        {
+            let mut t = self.table.lock();
+            if t.epoch != *current {
+                return 0;
+            }
+            for p in ps.iter().take(BATCH) {
+                if !t.due(p.slot) {
+                    break;
+                }
+                let (e, req) = self.claim(&mut t, p.slot);
+                let at = n * 32;
+                if !matches!(req.encode_into(*mode, &mut headers[at..at + 32]), Ok(l) if l == hlen)
+                {
+                    // Never for a request the device built; unclaimed, it is the sender's.
+                    if let Some(s) = t.slots.get_mut(p.slot) {
+                        s.sent_epoch = 0;
+                    }
+                    break;
+                }
+                epoch = e;
+                cookies[n] = req.cookie;
+                n += 1;
+            }
+        }
+        if n == 0 {
+            return 0;
+        }
+        let mut iov = [IoSlice::new(&[]); 2 * BATCH];
+        for (k, p) in ps[..n].iter().enumerate() {
+            iov[2 * k] = IoSlice::new(&headers[k * 32..k * 32 + hlen]);
+            iov[2 * k + 1] = IoSlice::new(payload(p));
+        }
+        let r = crate::sys::sendmsg(fd, &iov[..2 * n], true);
+        let taken = match r {
+            Ok(k) => k,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(e) => {
+                tracing::debug!(uri = %self.uri, "sending requests failed: {e}");
+                *stream = None;
+                for c in &cookies[..n] {
+                    self.unclaim(epoch, *c);
+                }
+                // SeqCst: see the field.
+                self.send_failed.store(true, Ordering::SeqCst);
+                return 0;
+            }
+        };
+        // Whole requests first, then at most one in part; the rest were not written.
+        let mut left = taken;
+        let (mut sent, mut whole) = (0, 0);
+        for (k, p) in ps[..n].iter_mut().enumerate() {
+            let size = hlen + payload(p).len();
+            if left >= size {
+                left -= size;
+                sent += 1;
+                whole += 1;
+            } else if left > 0 {
+                header[..hlen].copy_from_slice(&headers[k * 32..k * 32 + hlen]);
+                *partial = Some(Partial {
+                    slot: p.slot,
+                    cookie: cookies[k],
+                    epoch,
+                    header_len: hlen,
+                    written: left,
+                    bio: p.bio.take(),
+                    len: p.len,
+                });
+                left = 0;
+                sent += 1;
+            } else {
+                self.unclaim(epoch, cookies[k]);
+            }
+        }
+        // Relaxed: see the field. One written in part counts as the sender's, which ends it.
+        self.sent_inline.fetch_add(whole, Ordering::Relaxed);
+        if partial.is_some() {
+            self.table.lock().send_needed = true;
+            drop(w);
+            self.sender_wq.wake_one();
+        }
+        sent
     }
 
     /// Flags slot `i` for the sender thread if it is due (a request no submitter sent).
@@ -319,6 +433,15 @@ impl LinkState {
             }
         }
     }
+}
+
+/// A batched write's payload (empty for any other request).
+fn payload(p: &Pending) -> &[u8] {
+    p.bio
+        .as_ref()
+        .and_then(|b| b.buf.as_ref())
+        .and_then(|b| b.as_slice().get(..p.len))
+        .unwrap_or(&[])
 }
 
 /// Writes `a` then `b`, gathered. A write that times out (the socket's send timeout) is

@@ -695,25 +695,21 @@ impl LinkState {
         }
     }
 
-    /// Sets slot `i`'s status (if it has none) and completes it if its bio is in place.
-    /// An orphan's reply only frees its slot.
-    pub(super) fn finish(&self, i: usize, status: Status) {
-        let done = {
-            let mut t = self.table.lock();
-            if t.is_orphan(i) {
-                t.free_orphan(i);
-                drop(t);
-                self.slot_freed.wake_one();
-                return;
-            }
-            if let Some(s) = t.slots.get_mut(i).filter(|s| s.busy && s.status.is_none()) {
-                s.status = Some(status);
-            }
-            t.take_done(i)
-        };
-        if let Some(d) = done {
-            self.deliver(d);
+    /// Sets slot `i`'s status (if it has none) and, if its bio is in place, takes what
+    /// completes it, for the caller to deliver (the receiver: `Receiver::deliver`). An
+    /// orphan's reply only frees its slot.
+    pub(super) fn finished(&self, i: usize, status: Status) -> Option<Done> {
+        let mut t = self.table.lock();
+        if t.is_orphan(i) {
+            t.free_orphan(i);
+            drop(t);
+            self.slot_freed.wake_one();
+            return None;
         }
+        if let Some(s) = t.slots.get_mut(i).filter(|s| s.busy && s.status.is_none()) {
+            s.status = Some(status);
+        }
+        t.take_done(i)
     }
 
     /// Shuts the current socket down both ways (the device is closing or dead): the receiver

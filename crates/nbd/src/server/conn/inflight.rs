@@ -253,7 +253,30 @@ fn runs_on(t: &Thread) -> bool {
 }
 
 impl EndIo for ConnState {
-    fn end_io(&self, mut bio: Bio, res: Result<(), blk::Error>) {
+    fn end_io(&self, bio: Bio, res: Result<(), blk::Error>) {
+        self.record(bio, res);
+        if !runs_on(&self.reader_thread) {
+            self.flush();
+        }
+    }
+
+    /// The reply waits for `end_batch`: the run's replies go out with one writer's pass.
+    fn end_io_batched(&self, bio: Bio, res: Result<(), blk::Error>) {
+        self.record(bio, res);
+    }
+
+    fn end_batch(&self) {
+        if !runs_on(&self.reader_thread) {
+            self.flush();
+        }
+    }
+}
+
+impl ConnState {
+    /// Records a bio's result in its slot; the slot is ready to reply to once its request's
+    /// last bio is recorded. Whoever writes next sends the reply (`end_io`: this thread,
+    /// unless it is the reader, which flushes after submitting).
+    fn record(&self, mut bio: Bio, res: Result<(), blk::Error>) {
         let (slot, part) = split_cookie(bio.cookie);
         let mut buf = bio.buf.take();
         // Error stickiness (see `StickyError`): a failed write or flush marks the export;
@@ -298,9 +321,6 @@ impl EndIo for ConnState {
         }
         // Write buffers go back to their pool outside the lock.
         drop(buf);
-        if !runs_on(&self.reader_thread) {
-            self.flush();
-        }
     }
 }
 
