@@ -54,6 +54,12 @@ pub(crate) fn sendmsg_more(
     }
 }
 
+/// The send buffer asked for a connection whose sender writes large payloads (the server's
+/// replies, the remote device's requests over a Unix socket): 4 MiB, capped by the kernel's
+/// `wmem_max`. A socket's default (`wmem_default`, 208 KiB here) takes a 1 MiB payload in
+/// five pieces, each a wait for the peer to read and a wake-up.
+pub(crate) const SEND_BUFFER: usize = 4 << 20;
+
 /// Asks for a send buffer of `bytes` (`SO_SNDBUF`; the kernel caps it at `wmem_max` and
 /// doubles it for bookkeeping). Replies that fit are written without blocking, so the combining
 /// writer hands fewer of them to the flusher thread.

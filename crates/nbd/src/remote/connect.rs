@@ -93,7 +93,14 @@ fn left(deadline: Instant) -> io::Result<Duration> {
 /// what is left, `resolve`). `timeout` is the spec's (keepalive).
 pub(super) fn dial(addr: &RemoteAddr, timeout: Duration, deadline: Instant) -> io::Result<Stream> {
     match addr {
-        RemoteAddr::Unix(p) => Ok(Stream::from(UnixStream::connect(p)?)),
+        RemoteAddr::Unix(p) => {
+            let s = UnixStream::connect(p)?;
+            // Best effort: a large write goes out with one send, not five waits for the
+            // server to read (`sys::SEND_BUFFER`). Not over TCP, whose own tuning of the
+            // buffer an explicit size would turn off.
+            let _ = crate::sys::set_send_buffer(s.as_raw_fd(), crate::sys::SEND_BUFFER);
+            Ok(Stream::from(s))
+        }
         RemoteAddr::Tcp { host, port } => {
             let mut last = io::Error::new(io::ErrorKind::NotFound, "the host has no address");
             for a in super::resolve::resolve(host, *port, deadline)? {

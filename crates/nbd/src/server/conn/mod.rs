@@ -87,8 +87,6 @@ use nbd_proto::proto::TransmissionMode;
 
 /// Largest piece of a read or write: one bio, one pooled buffer.
 const MAX_BIO_BYTES: usize = 1 << 20;
-/// `SO_SNDBUF` asked for each connection (capped by the kernel's `wmem_max`).
-const SEND_BUFFER: usize = 4 << 20;
 
 /// Runs a connection to its end: handshake, transmission, teardown.
 pub(crate) fn serve(mut stream: Stream, server: Arc<ServerState>, id: u64) {
@@ -369,7 +367,7 @@ impl<'a> Connection<'a> {
         stream.set_write_timeout(Some(nonzero(tuning.send_timeout)))?;
         stream.set_read_timeout(Some(recv_tick(tuning)))?;
         // Best effort: a bigger send buffer means fewer replies handed to the flusher.
-        let _ = crate::sys::set_send_buffer(send_fd, SEND_BUFFER);
+        let _ = crate::sys::set_send_buffer(send_fd, crate::sys::SEND_BUFFER);
         let tls = send_sock.tls_session().cloned();
         let core = Arc::new(ConnState {
             tls: tls.clone(),
