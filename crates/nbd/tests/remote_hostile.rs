@@ -432,10 +432,10 @@ fn a_server_that_stops_reading_does_not_hold_a_submitter() {
     let dev = RemoteDevice::connect(spec).unwrap();
     let end: Arc<testkit::Collect> = Arc::default();
     let end_dyn: blkq_sync::DynArc<dyn blk::EndIo> = end.clone();
-    // 32 writes of 256 KiB: 8 MiB, far more than a Unix socket's send buffer.
+    // 64 writes of 256 KiB: 16 MiB, more than the socket's send buffer (8 MiB at most).
     let len = 256 << 10;
     let mut slowest = Duration::ZERO;
-    for k in 0..32u64 {
+    for k in 0..64u64 {
         let mut buf = blk::Buffer::new(len);
         buf.as_mut_slice().fill(k as u8);
         let bio = blk::Bio::with_buf(blk::Op::Write, k * (len as u64 >> blk::SECTOR_SHIFT), buf);
@@ -452,6 +452,6 @@ fn a_server_that_stops_reading_does_not_hold_a_submitter() {
         "a write completed with the server not reading"
     );
     drop(dev);
-    let done = end.wait_for(32);
+    let done = end.wait_for(64);
     assert!(done.iter().all(|(_, r)| r.is_err()));
 }
