@@ -7,7 +7,7 @@
 #   thread  the same with send=thread (every request through the connection's sender thread)
 #   base    a proxy run by BASE=PATH (an earlier build)
 #   nbdkit  nbdkit's nbd plugin (`nbdkit nbd socket=...`), the peer proxy
-#   relay   socat copying bytes between the two sockets (no NBD at all): what any proxy that
+#   relay   socat (apt-get install socat) copying bytes between the two sockets (no NBD at all): what any proxy that
 #           sleeps between events costs at least (two more processes' wake-ups per request)
 # WHICH="direct proxy thread" picks them (base is added when BASE is set), all interleaved in
 # every round, ROUNDS=3 rounds. Cells: CELLS="rw:bs:qd ..." (default: randread and randwrite,

@@ -69,92 +69,20 @@ impl LinkState {
     /// it). A request the socket took in part is the sender thread's to finish (`Partial`; a
     /// write's bio goes with it, out of `held`), and counts as sent. See "Sending inline".
     pub(super) fn try_send_inline(&self, i: usize, held: &mut Option<Bio>, len: usize) -> bool {
-        if !self.inline {
-            return false;
-        }
-        let Some(mut w) = self.writer.try_lock() else {
-            return false;
-        };
-        let Writer {
-            stream,
-            mode,
-            header,
-            epoch: current,
-            partial,
-        } = &mut *w;
-        let fd = match stream {
-            Some(s) if partial.is_none() && !matches!(s, Stream::Tls(_)) => s.as_raw_fd(),
-            _ => return false,
-        };
-        let (epoch, req) = {
-            let mut t = self.table.lock();
-            if !t.due(i) || t.epoch != *current {
-                return false;
-            }
-            self.claim(&mut t, i)
-        };
-        let Ok(n) = req.encode_into(*mode, header) else {
-            self.unclaim(epoch, req.cookie);
-            return false;
-        };
-        let payload = match (req.kind, held.as_ref().and_then(|b| b.buf.as_ref())) {
-            (Command::Write, Some(b)) => b.as_slice().get(..len).unwrap_or(&[]),
-            _ => &[],
-        };
-        let total = n + payload.len();
-        let r = crate::sys::sendmsg(
-            fd,
-            &[IoSlice::new(&header[..n]), IoSlice::new(payload)],
-            true,
-        );
-        match r {
-            Ok(k) if k == total => {
-                // Relaxed: see the field.
-                self.sent_inline.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Ok(0) => {
-                self.unclaim(epoch, req.cookie);
-                false
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                self.unclaim(epoch, req.cookie);
-                false
-            }
-            Ok(k) => {
-                let bio = if req.kind == Command::Write {
-                    held.take()
-                } else {
-                    None
-                };
-                *partial = Some(Partial {
-                    slot: i,
-                    cookie: req.cookie,
-                    epoch,
-                    header_len: n,
-                    written: k,
-                    bio,
-                    len,
-                });
-                self.table.lock().send_needed = true;
-                drop(w);
-                self.sender_wq.wake_one();
-                true
-            }
-            Err(e) => {
-                tracing::debug!(uri = %self.uri, "sending a request failed: {e}");
-                *stream = None;
-                self.unclaim(epoch, req.cookie);
-                // SeqCst: see the field.
-                self.send_failed.store(true, Ordering::SeqCst);
-                false
-            }
-        }
+        let mut one = [Pending {
+            slot: i,
+            bio: held.take(),
+            len,
+        }];
+        let sent = self.try_send_batch(&mut one);
+        *held = one[0].bio.take();
+        sent == 1
     }
 
     /// Sends a batch's requests from the submitting thread with one non-blocking `sendmsg`
-    /// (`Batch` in `submit`), by the rules of `try_send_inline`: only if the send side is
-    /// free at once and nothing is half written, each claimed before any byte is written.
+    /// (`Batch` in `submit`; `try_send_inline` is a batch of one), by the rules of "Sending
+    /// inline": only if the send side is free at once and nothing is half written, each
+    /// claimed before any byte is written.
     /// Returns how many of `ps`, from the first, are sent: wholly, or the last of them in part
     /// (then the sender thread's to finish, `Partial`, with a write's bio out of its
     /// `Pending`). The rest are not claimed (a request not due ends the claimed run; one the

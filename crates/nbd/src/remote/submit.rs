@@ -190,14 +190,10 @@ impl<'a> Batch<'a> {
     pub(super) fn send(&mut self) {
         let n = std::mem::take(&mut self.n);
         let ps = &mut self.pending[..n];
-        let sent = match ps.len() {
-            0 => return,
-            1 => {
-                let p = &mut ps[0];
-                usize::from(self.sh.try_send_inline(p.slot, &mut p.bio, p.len))
-            }
-            _ => self.sh.try_send_batch(ps),
-        };
+        if ps.is_empty() {
+            return;
+        }
+        let sent = self.sh.try_send_batch(ps);
         for (k, p) in ps.iter_mut().enumerate() {
             self.sh.after_send(p.slot, p.bio.take(), k < sent);
         }
