@@ -21,7 +21,8 @@
 //!    old way, so that many arrivals are skipped before the next window opens: the client's
 //!    depth, the most reads the server has seen it have in flight at once (in front of a fast
 //!    server they are not in flight at the server but answered, their replies waiting in the
-//!    socket buffers, over TCP up to the whole depth), or more if more are in flight now.
+//!    socket buffers, over TCP up to the whole depth), or more if more are in flight now, and
+//!    at least [`MIN_SKIP`].
 //! 3. **Keep the faster** on the probe's totals (bytes over time, per way); copying must be
 //!    more than [`MARGIN_PCT`] percent faster to be kept (splicing spends less of the
 //!    server's CPU, so it wins a tie).
@@ -55,6 +56,11 @@ pub(super) const MARGIN_PCT: u64 = 5;
 pub(super) const HOLD_FIRST: u64 = 1 << 30;
 /// The longest hold.
 pub(super) const HOLD_MAX: u64 = 16 << 30;
+/// The fewest arrivals a switch skips (rule 2): a client's depth the server has not seen in
+/// flight at once (each read answered before the next arrived) still has that many replies
+/// queued the old way. Sixteen covers the depths clients use for large reads (fio's and
+/// nbdcopy's 8 to 16 requests, qemu-img's 16), and costs a probe 48 reads more.
+pub(super) const MIN_SKIP: usize = 16;
 /// Two large reads further apart than this: the client paused, the window restarts.
 pub(super) const GAP: Duration = Duration::from_millis(20);
 
@@ -194,7 +200,7 @@ impl SpliceChooser {
             // this way (its depth: a fast server's replies wait in the socket buffers, not
             // in flight here).
             self.splice = !self.splice;
-            self.open(window + 1, in_flight.max(self.depth));
+            self.open(window + 1, in_flight.max(self.depth).max(MIN_SKIP));
             return;
         }
         // Rule 3, on the probe's totals: bytes per nanosecond, compared by cross-multiplying.
@@ -256,6 +262,9 @@ mod tests {
         /// the way it was sent, `qd - 1` choices before.
         queued: Option<std::collections::VecDeque<bool>>,
         sent: usize,
+        /// In front of a fast server: whether the server sees the client's first burst in
+        /// flight (its reads arrive together), or each read answered before the next arrives.
+        burst_seen: bool,
     }
 
     impl Client {
@@ -269,6 +278,7 @@ mod tests {
                 qd,
                 queued: None,
                 sent: 0,
+                burst_seen: true,
             }
         }
 
@@ -297,7 +307,7 @@ mod tests {
             for _ in 0..n {
                 // In front of a fast server only the client's first burst is seen in flight.
                 let in_flight = match self.queued {
-                    Some(_) if self.sent < self.qd => self.sent,
+                    Some(_) if self.burst_seen && self.sent < self.qd => self.sent,
                     Some(_) => 0,
                     None => self.qd - 1,
                 };
@@ -353,6 +363,20 @@ mod tests {
         }
     }
 
+    /// The same when the server never sees the client's depth in flight (every read answered
+    /// before the next arrives): a switch skips at least [`MIN_SKIP`] arrivals.
+    #[test]
+    fn the_replies_queued_at_a_switch_are_not_measured_when_the_depth_is_unseen() {
+        for qd in [4, 8, 16] {
+            for (splice, copy, spliced) in [(1100, 2400, false), (2400, 1100, true)] {
+                let mut c = Client::fast(splice * MIB, copy * MIB, qd);
+                c.burst_seen = false;
+                c.probe();
+                assert_eq!(c.chooser.splicing(), spliced, "qd {qd}, splice {splice}");
+            }
+        }
+    }
+
     #[test]
     fn a_client_that_receives_faster_from_spliced_pages_gets_them() {
         let mut c = Client::new(SpliceRule::Measure, 3000 * MIB, 1900 * MIB, 16);
@@ -374,7 +398,8 @@ mod tests {
         // The switch to copying comes after the splice window; the next `qd - 1` arrivals
         // are skipped, so the copy window opens only after them.
         // 1 MiB per 4 ms: the window's bytes come before its time.
-        let mut c = Client::new(SpliceRule::Measure, 250 * MIB, 500 * MIB, 8);
+        // A depth above MIN_SKIP, so that what is skipped is the reads in flight.
+        let mut c = Client::new(SpliceRule::Measure, 250 * MIB, 500 * MIB, MIN_SKIP + 8);
         let mut n = 0;
         while c.chooser.splicing() {
             c.read(1, MIB);
@@ -382,8 +407,8 @@ mod tests {
         }
         // The first arrival opens the window, then WINDOW_BYTES more.
         assert_eq!(n as u64, 1 + WINDOW_BYTES / MIB);
-        assert_eq!(c.chooser.skip, 7);
-        c.read(7, MIB);
+        assert_eq!(c.chooser.skip, MIN_SKIP + 7);
+        c.read(MIN_SKIP + 7, MIB);
         assert_eq!(c.chooser.skip, 0);
         assert!(
             c.chooser.start.is_none(),
