@@ -175,7 +175,8 @@ impl Receiver {
         }
     }
 
-    /// `LinkState::finish`, delivered by the receiver (`deliver`).
+    /// Sets slot `i`'s status and, once its bio is in place, completes it here
+    /// (`LinkState::finished`, then `deliver`).
     fn finish(&mut self, i: usize, status: Status) {
         if let Some(d) = self.sh.finished(i, status) {
             self.deliver(d);
