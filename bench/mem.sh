@@ -22,9 +22,11 @@
 # the figures.
 #
 # Environment: REPEATS=3, RUNTIME=3 (seconds per run), SIZE=1G, IODEPTH=32 (in process),
-# JOBS=1, STORES="map pages" (what follows `store=` in the spec; e.g. STORES="map map,thp=1
-# pages" adds the mapping with transparent huge pages), NBD=1, LOCKCOST=1, OUT=DIR (raw
-# results; default a new /tmp/blkq-mem.XXXXXX).
+# JOBS=1, RWS="read write" and BSS="1M 4K" (the in-process cells: any `blkq bench --rw` and
+# `--bs`, e.g. RWS="randwrite randrw"), STORES="map pages" (what follows `store=` in the spec;
+# e.g. STORES="map map,thp=1 pages" adds the mapping with transparent huge pages,
+# STORES="map map,stream=0" compares streamed writes with ordinary copies), NBD=1, LOCKCOST=1,
+# OUT=DIR (raw results; default a new /tmp/blkq-mem.XXXXXX).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-target/release/blkq}
@@ -32,6 +34,8 @@ REPEATS=${REPEATS:-3}
 RUNTIME=${RUNTIME:-3}
 SIZE=${SIZE:-1G}
 IODEPTH=${IODEPTH:-32}
+RWS=${RWS:-"read write"}
+BSS=${BSS:-"1M 4K"}
 JOBS=${JOBS:-1}
 STORES=${STORES:-"map pages"}
 NBD=${NBD:-1}
@@ -48,8 +52,8 @@ results=$OUT/results.tsv
 reverse() { echo "$@" | tr ' ' '\n' | tac | tr '\n' ' '; }
 for ((r = 0; r < REPEATS; r++)); do
   if ((r % 2 == 0)); then order=$STORES; else order=$(reverse $STORES); fi
-  for rw in read write; do
-    for bs in 1M 4K; do
+  for rw in $RWS; do
+    for bs in $BSS; do
       for store in $order; do
         echo "round $r: bench $rw $bs store=$store" >&2
         bw=$("$BIN" bench --device "mem:$SIZE,store=$store" --rw "$rw" --bs "$bs" \

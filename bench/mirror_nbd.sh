@@ -8,6 +8,8 @@
 # (min..max) and the per-round ratio mirror/one. Both exports are written through once first.
 #   bench/mirror_nbd.sh [BLKQ_BINARY]     (default: target/release/blkq)
 # Env: R (seconds per run, 5), ROUNDS (5), CONNS (2), IODEPTH (16, per connection), SIZE (1G),
+#      OPTS (appended to every mem: spec, legs and the one-leg export alike: e.g. ",stream=0"
+#      for ordinary copies into the store, ",thp=1" for huge pages; default none),
 #      CLIENT (fio, or blkq: `blkq bench --as-leg` on the export's URI with conns=CONNS and
 #      CONNS jobs, blkq's own NBD client, for a machine without fio; then the client shares
 #      the process count below with nothing: its CPU is not in the server's).
@@ -19,6 +21,7 @@ ROUNDS=${ROUNDS:-5}
 CONNS=${CONNS:-2}
 IODEPTH=${IODEPTH:-16}
 SIZE=${SIZE:-1G}
+OPTS=${OPTS:-}
 CLIENT=${CLIENT:-fio}
 if [ "$CLIENT" = fio ]; then
   command -v fio >/dev/null || { echo "fio is needed (apt-get install fio), or CLIENT=blkq" >&2; exit 1; }
@@ -40,8 +43,8 @@ serve() {
   cat "$dir/$name.log" >&2
   exit 1
 }
-serve one --device "mem:$SIZE"
-serve mirror --raid1 "mem:$SIZE,mem:$SIZE" --raid1-create --raid1-assume-clean
+serve one --device "mem:$SIZE$OPTS"
+serve mirror --raid1 "mem:$SIZE$OPTS,mem:$SIZE$OPTS" --raid1-create --raid1-assume-clean
 
 # Every byte written once first (1 MiB sequential writes), so the runs measure the steady
 # state and not the first touch of the memory legs' pages (a mirror faults in two).
@@ -84,8 +87,8 @@ if [ "$CLIENT" = fio ]; then
 else
   echo "# $BIN bench --device nbd+unix:///?socket=S,conns=$CONNS --as-leg --rw randwrite --bs 4K --iodepth $IODEPTH --jobs $CONNS, ${R} s a run, $ROUNDS rounds"
 fi
-echo "# one:    $BIN serve --device mem:$SIZE"
-echo "# mirror: $BIN serve --raid1 mem:$SIZE,mem:$SIZE --raid1-create --raid1-assume-clean"
+echo "# one:    $BIN serve --device mem:$SIZE$OPTS"
+echo "# mirror: $BIN serve --raid1 mem:$SIZE$OPTS,mem:$SIZE$OPTS --raid1-create --raid1-assume-clean"
 out="$dir/rounds"
 for round in $(seq "$ROUNDS"); do
   if ((round % 2)); then order="one mirror"; else order="mirror one"; fi

@@ -11,24 +11,35 @@ use blk::{Caps, Driver, Error, Extent, RecvSource, RequestQueue, RequestToken};
 use crate::backend::{exec_on_backend, Backend, MapBackend, MemBackend, SpliceGate};
 use crate::kind_options::{device_size, parse_bool, Kind, KindOptions};
 
-/// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Where a `mem:` device keeps its bytes: the spec's `store=` option (and `thp=`, `stream=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemStore {
     /// `store=map` (the default): one reserved anonymous mapping, [`MapBackend`].
-    #[default]
-    Map,
-    /// `store=map,thp=1`: the same with transparent huge pages
-    /// ([`MapBackend::with_huge_pages`]).
-    MapHuge,
+    Map {
+        /// Transparent huge pages (`thp=1`, [`MapBackend::with_huge_pages`]).
+        huge: bool,
+        /// Writes of a page or more streamed past the caches (`stream=1`, the default;
+        /// [`MapBackend::streaming`]).
+        stream: bool,
+    },
     /// `store=pages`: 4 KiB pages in sharded hash maps, [`MemBackend`].
     Pages,
+}
+
+impl Default for MemStore {
+    fn default() -> Self {
+        MemStore::Map {
+            huge: false,
+            stream: true,
+        }
+    }
 }
 
 impl std::str::FromStr for MemStore {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
         match s {
-            "map" => Ok(MemStore::Map),
+            "map" => Ok(MemStore::default()),
             "pages" => Ok(MemStore::Pages),
             _ => Err(Error::Config(format!(
                 "option store: unknown value {s:?} (expected map or pages)"
@@ -38,23 +49,46 @@ impl std::str::FromStr for MemStore {
 }
 
 impl MemStore {
-    /// The store with the spec's `thp=` option applied: only `store=map` has huge pages.
-    pub fn with_thp(self, thp: bool) -> Result<Self, Error> {
-        match (self, thp) {
-            (MemStore::Map | MemStore::MapHuge, true) => Ok(MemStore::MapHuge),
-            (MemStore::Map | MemStore::MapHuge, false) => Ok(MemStore::Map),
-            (MemStore::Pages, false) => Ok(MemStore::Pages),
-            (MemStore::Pages, true) => Err(Error::Config(
-                "option thp: transparent huge pages are for store=map only".into(),
-            )),
+    /// The store with the spec's `thp=` and `stream=` options applied (`None`: not given):
+    /// only `store=map` has them.
+    pub fn with_map_options(self, thp: Option<bool>, stream: Option<bool>) -> Result<Self, Error> {
+        match self {
+            MemStore::Map { huge, stream: s } => Ok(MemStore::Map {
+                huge: thp.unwrap_or(huge),
+                stream: stream.unwrap_or(s),
+            }),
+            MemStore::Pages => match (thp, stream) {
+                (Some(true), _) => Err(Error::Config(
+                    "option thp: transparent huge pages are for store=map only".into(),
+                )),
+                (_, Some(true)) => Err(Error::Config(
+                    "option stream: streaming writes are for store=map only".into(),
+                )),
+                _ => Ok(MemStore::Pages),
+            },
         }
     }
 
-    /// The driver's name in descriptions: `mem store=map` or `mem store=pages`.
+    /// The driver's name in descriptions: `mem store=map` or `mem store=pages`, with the
+    /// options that are not their defaults.
     pub fn describe(self) -> &'static str {
         match self {
-            MemStore::Map => "mem store=map",
-            MemStore::MapHuge => "mem store=map thp=1",
+            MemStore::Map {
+                huge: false,
+                stream: true,
+            } => "mem store=map",
+            MemStore::Map {
+                huge: true,
+                stream: true,
+            } => "mem store=map thp=1",
+            MemStore::Map {
+                huge: false,
+                stream: false,
+            } => "mem store=map stream=0",
+            MemStore::Map {
+                huge: true,
+                stream: false,
+            } => "mem store=map thp=1 stream=0",
             MemStore::Pages => "mem store=pages",
         }
     }
@@ -62,9 +96,10 @@ impl MemStore {
     /// A store of `size` bytes of this kind; a size that cannot be mapped is an error.
     pub fn build(self, size: u64) -> Result<Arc<dyn Backend>, Error> {
         Ok(match self {
-            MemStore::Map | MemStore::MapHuge => Arc::new(
-                MapBackend::with_huge_pages(size, self == MemStore::MapHuge)
-                    .map_err(|e| Error::Config(format!("mem:{size},store=map: {e}")))?,
+            MemStore::Map { huge, stream } => Arc::new(
+                MapBackend::with_huge_pages(size, huge)
+                    .map_err(|e| Error::Config(format!("mem:{size},store=map: {e}")))?
+                    .streaming(stream),
             ),
             MemStore::Pages => Arc::new(MemBackend::new(size)),
         })
@@ -94,11 +129,12 @@ pub(crate) const KIND: Kind = Kind {
     warning: Some("the data lives in memory and is lost when the server stops"),
 };
 
-/// A `mem:` spec's options: `store`, `thp`, `splice`.
+/// A `mem:` spec's options: `store`, `thp`, `stream`, `splice`.
 pub(crate) struct SpecOptions {
     size: u64,
     store: MemStore,
-    thp: bool,
+    thp: Option<bool>,
+    stream: Option<bool>,
     splice: bool,
 }
 
@@ -108,7 +144,8 @@ impl SpecOptions {
         Self {
             size,
             store: MemStore::default(),
-            thp: false,
+            thp: None,
+            stream: None,
             splice: true,
         }
     }
@@ -118,7 +155,8 @@ impl KindOptions for SpecOptions {
     fn set(&mut self, k: &str, v: &str) -> Result<bool, Error> {
         match k {
             "store" => self.store = v.parse()?,
-            "thp" => self.thp = parse_bool(k, v)?,
+            "thp" => self.thp = Some(parse_bool(k, v)?),
+            "stream" => self.stream = Some(parse_bool(k, v)?),
             "splice" => self.splice = parse_bool(k, v)?,
             _ => return Ok(false),
         }
@@ -131,7 +169,7 @@ impl KindOptions for SpecOptions {
         _: bool,
     ) -> Result<Box<dyn Driver>, Error> {
         cfg.limits.capacity = self.size;
-        let store = self.store.with_thp(self.thp)?;
+        let store = self.store.with_map_options(self.thp, self.stream)?;
         let driver = BackendDriver::new(store.describe(), store.build(self.size)?);
         Ok(Box::new(if self.splice {
             driver

@@ -33,21 +33,30 @@ impl Rng {
 /// The same random operations on the map store and the page store: data, extents (over the
 /// whole device and random unaligned sub-ranges, with and without a cap) and allocated bytes
 /// agree exactly after every step. Ranges cross the 1 MiB region boundaries and the partial
-/// last page.
+/// last page; writes of a page or more stream past the caches (the default), from unaligned
+/// offsets and with partial lines at both ends.
 #[test]
 fn map_and_pages_agree_on_random_ops() {
-    agree_with_pages(false);
+    agree_with_pages(false, true);
 }
 
 /// The same with transparent huge pages (`thp=1`): the map stays page-granular.
 #[test]
 fn map_with_huge_pages_agrees_with_pages() {
-    agree_with_pages(true);
+    agree_with_pages(true, true);
 }
 
-fn agree_with_pages(huge: bool) {
+/// The same with every write an ordinary copy (`stream=0`).
+#[test]
+fn map_without_streaming_agrees_with_pages() {
+    agree_with_pages(false, false);
+}
+
+fn agree_with_pages(huge: bool, stream: bool) {
     const SIZE: u64 = 3 * (1 << 20) + 5 * PAGE + 123;
-    let map = MapBackend::with_huge_pages(SIZE, huge).unwrap();
+    let map = MapBackend::with_huge_pages(SIZE, huge)
+        .unwrap()
+        .streaming(stream);
     let pages = MemBackend::new(SIZE);
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     for step in 0..2500u64 {
@@ -220,6 +229,23 @@ fn mem_specs_pick_the_store() {
     let e = desc("mem:1M,store=pages,thp=1").unwrap_err().to_string();
     assert!(e.contains("thp"), "{e}");
     assert!(desc("mem:1M,thp=maybe").is_err());
+    // Streaming writes: on by default, store=map only, named in the description when off,
+    // whatever the order of the options.
+    assert!(desc("mem:1M,stream=0")
+        .unwrap()
+        .contains("mem store=map stream=0 size"));
+    assert!(desc("mem:1M,stream=off,thp=1,store=map")
+        .unwrap()
+        .contains("mem store=map thp=1 stream=0 size"));
+    assert!(desc("mem:1M,stream=1")
+        .unwrap()
+        .contains("mem store=map size"));
+    let e = desc("mem:1M,stream=1,store=pages").unwrap_err().to_string();
+    assert!(e.contains("stream") && e.contains("store=map"), "{e}");
+    assert!(desc("mem:1M,store=pages,stream=0")
+        .unwrap()
+        .contains("mem store=pages"));
+    assert!(desc("mem:1M,stream=2").is_err());
 }
 
 /// Overlapping concurrent writes, reads, discards and extent queries on shared ranges that

@@ -5,7 +5,9 @@
 //! kernel allocates a zeroed 4 KiB page on the first write to it, so the resident set grows
 //! with the data written and with nothing else (reads of never-written pages are answered
 //! with zeros from the allocation bitmap below, without touching the mapping). A read or
-//! write is one `memcpy` between the mapping and the caller's buffer; TRIM and zeroing with
+//! write is one copy between the mapping and the caller's buffer (a write of a page or more
+//! with non-temporal stores, [`super::stream`], unless [`MapBackend::streaming`] turned them
+//! off: the spec's `stream=0`); TRIM and zeroing with
 //! unmap give whole pages back with `madvise(MADV_DONTNEED)` (the next read of them sees
 //! zeros) and zero the partial pages at the edges in place.
 //!
@@ -99,6 +101,7 @@ use blkq_sync::atomic::{AtomicU64, Ordering};
 use super::extents::ExtentBuilder;
 use super::home::RegionGate;
 use super::store::{check_range, Backend};
+use super::stream;
 
 /// Page size of the store and of the allocation map, bytes.
 pub const PAGE_SIZE: usize = 4096;
@@ -201,6 +204,9 @@ pub struct MapBackend {
     /// the region locks (which order the bitmap itself), read without; nothing is published
     /// through it, so no ordering is needed.
     allocated_pages: AtomicU64,
+    /// Writes of a page or more stream past the caches ([`stream`](super::stream)); on unless
+    /// [`streaming(false)`](MapBackend::streaming).
+    stream: bool,
 }
 
 impl std::fmt::Debug for MapBackend {
@@ -265,7 +271,15 @@ impl MapBackend {
             bits,
             gate: RegionGate::new(STRIPES),
             allocated_pages: AtomicU64::new(0),
+            stream: true,
         })
+    }
+
+    /// The store with writes of a page or more streamed past the caches (`true`, the
+    /// default: "Streaming writes" in the module docs) or copied as ordinary stores (`false`,
+    /// the spec's `stream=0`).
+    pub fn streaming(self, on: bool) -> MapBackend {
+        MapBackend { stream: on, ..self }
     }
 
     /// Bytes of data pages allocated now (whole pages, so a multiple of 4096): what the
@@ -491,12 +505,15 @@ impl MapBackend {
         let _g = self.gate.write(Self::stripe(from));
         // SAFETY: `[from, to)` is inside the mapping; the region's lock is held exclusive, so
         // nobody else reads or writes these bytes; `src` cannot overlap the mapping.
+        // The streamed copy is fenced before it returns, so the lock's release below orders
+        // it for the next holder as it does an ordinary copy (`stream.rs`).
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                self.data.base().add(from as usize),
-                src.len(),
-            )
+            let dst = self.data.base().add(from as usize);
+            if self.stream {
+                stream::copy(dst, src);
+            } else {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+            }
         };
         let (first, end) = Self::pages(from, to);
         // SAFETY: the pages are this region's; its lock is held exclusive.

@@ -7,8 +7,9 @@
 
 // Files: `store` (the `Backend` trait and the range check of its implementations), `exec` (a
 // bio run on a backend), `extents` (building an allocation map), `splice_gate` (a driver's
-// zero-copy switch), then the stores: `map`, `mem` (with `home`, the region gate of the
-// receivers writing straight into them), `file` (with `host` and `splice_in`).
+// zero-copy switch), `stream` (copies that bypass the caches), then the stores: `map`, `mem`
+// (with `home`, the region gate of the receivers writing straight into them), `file` (with
+// `host` and `splice_in`).
 mod exec;
 mod extents;
 pub mod file;
@@ -19,6 +20,7 @@ pub mod mem;
 mod splice_gate;
 mod splice_in;
 mod store;
+mod stream;
 
 pub use exec::exec_on_backend;
 pub use file::{FileBackend, FileOptions};
