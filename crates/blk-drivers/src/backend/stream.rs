@@ -6,12 +6,11 @@
 //! ownership), evicting what the threads work on (the store's locks, its allocation bitmap,
 //! the server's buffers), and the lock release after it waits for the copy's stores to
 //! drain. Non-temporal stores (`movntdq`) write whole lines to memory through the
-//! write-combining buffers with no read first and no line left in the caches. Measured on a
-//! 2-vCPU EPYC guest, 4 KiB at random over 1 GiB: 876 ns a copy plain, 567 ns streamed; the
-//! cost is a read that follows at once (the line comes from memory, not the cache: 1.45 us
-//! for a write and its immediate read-back against 1.15 us), which is why only copies of at
-//! least [`STREAM_MIN`] stream: smaller writes are the metadata a filesystem reads and writes
-//! again.
+//! write-combining buffers with no read first and no line left in the caches: 1.37x-1.47x
+//! the write throughput of ordinary copies in process (docs/bench.md 9, "Streamed writes").
+//! The cost is a read that follows at once (the line comes from memory, not the cache),
+//! which is why only copies of at least [`STREAM_MIN`] stream: smaller writes are the metadata
+//! a filesystem reads and writes again.
 //!
 //! Ordering: non-temporal stores are weakly ordered (x86's store order does not cover them),
 //! so [`copy`] ends with `sfence`: every streamed byte is visible to other cores before any
